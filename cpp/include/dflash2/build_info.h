@@ -1,0 +1,27 @@
+// dflash2/build_info.h: what this build contains.
+#pragma once
+#include <string>
+#include <vector>
+
+namespace dflash2 {
+
+struct BuildInfo {
+  std::string version;
+  std::vector<std::string> backends;    // "cpu", "cuda"
+  std::vector<std::string> cuda_archs;  // e.g. "sm_90a", "sm_100a", "sm_103a"
+  std::string cuda_version;             // toolkit version compiled against ("" without CUDA)
+  bool nccl = false;
+  std::string nccl_version;
+  bool cutlass = false;
+  std::string cutlass_version;
+  std::string compiler;
+  std::string cpu_isa;     // what the CPU kernels dispatch to on this machine ("avx2+fma", "generic")
+  std::string blas;        // which GEMM implementation and why
+  std::string threading;   // "OpenMP (N threads)" / "none"
+  int num_threads = 1;
+};
+
+BuildInfo build_info();
+void set_num_threads(int n);  // CPU backend thread count (<= 0: the OpenMP default)
+
+}  // namespace dflash2

@@ -1,0 +1,50 @@
+// dflash2_rt._core: the thin binding. Errors raised by the C++ core are translated into
+// Python exception classes that subclass both DFlash2Error and the matching builtin
+// (ValueError, NotImplementedError, RuntimeError, MemoryError).
+#include <pybind11/pybind11.h>
+
+#include "bindings.h"
+#include "dflash2/error.h"
+
+namespace {
+PyObject* g_exc[7] = {};
+PyObject* make_exc(py::module_& m, const char* name, PyObject* base1, PyObject* base2, const char* doc) {
+  py::object type = py::reinterpret_borrow<py::object>((PyObject*)&PyType_Type);
+  py::tuple bases = base2 ? py::make_tuple(py::handle(base1), py::handle(base2)) : py::make_tuple(py::handle(base1));
+  py::dict ns;
+  ns["__module__"] = "dflash2_rt";
+  ns["__doc__"] = doc;
+  py::object cls = type(name, bases, ns);
+  m.attr(name) = cls;
+  return cls.release().ptr();
+}
+}  // namespace
+
+PYBIND11_MODULE(_core, m) {
+  m.doc() = "dflash2_rt native core";
+  PyObject* base = make_exc(m, "DFlash2Error", PyExc_Exception, nullptr, "Base class of dflash2_rt errors.");
+  using dflash2::ErrorKind;
+  g_exc[int(ErrorKind::InvalidArgument)] =
+      make_exc(m, "InvalidArgumentError", base, PyExc_ValueError, "A bad request or API argument.");
+  g_exc[int(ErrorKind::Checkpoint)] =
+      make_exc(m, "CheckpointError", base, PyExc_ValueError, "A malformed, truncated or inconsistent checkpoint.");
+  g_exc[int(ErrorKind::Config)] =
+      make_exc(m, "ConfigError", base, PyExc_ValueError, "An inconsistent or unsupported configuration value.");
+  g_exc[int(ErrorKind::Unsupported)] =
+      make_exc(m, "UnsupportedError", base, PyExc_NotImplementedError, "A path that is not implemented.");
+  g_exc[int(ErrorKind::Backend)] = make_exc(m, "BackendError", base, PyExc_RuntimeError, "A device/backend failure.");
+  g_exc[int(ErrorKind::OutOfMemory)] =
+      make_exc(m, "OutOfMemoryError", base, PyExc_MemoryError, "An allocation that does not fit.");
+  g_exc[int(ErrorKind::Internal)] =
+      make_exc(m, "InternalError", base, PyExc_RuntimeError, "A broken invariant inside the runtime.");
+  py::register_exception_translator([](std::exception_ptr p) {
+    try {
+      if (p) std::rethrow_exception(p);
+    } catch (const dflash2::Error& e) {
+      PyErr_SetString(g_exc[int(e.kind())], e.what());
+    }
+  });
+  dflash2::py_bind::bind_core(m);
+  dflash2::py_bind::bind_io(m);
+  dflash2::py_bind::bind_ops(m);
+}
