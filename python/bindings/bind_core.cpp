@@ -50,9 +50,13 @@ void export_deleter(DLManagedTensor* mt) {
   delete static_cast<ExportCtx*>(mt->manager_ctx);
   delete mt;
 }
+void export_deleter_v(DLManagedTensorVersioned* mt) {
+  delete static_cast<ExportCtx*>(mt->manager_ctx);
+  delete mt;
+}
 
+// Only an unconsumed capsule still owns its tensor.
 void capsule_destructor(PyObject* cap) {
-  // Only an unconsumed capsule still owns its tensor.
   if (PyCapsule_IsValid(cap, "dltensor")) {
     auto* mt = static_cast<DLManagedTensor*>(PyCapsule_GetPointer(cap, "dltensor"));
     if (mt && mt->deleter) mt->deleter(mt);
@@ -60,28 +64,50 @@ void capsule_destructor(PyObject* cap) {
     PyErr_Clear();
   }
 }
+void capsule_destructor_v(PyObject* cap) {
+  if (PyCapsule_IsValid(cap, "dltensor_versioned")) {
+    auto* mt = static_cast<DLManagedTensorVersioned*>(PyCapsule_GetPointer(cap, "dltensor_versioned"));
+    if (mt && mt->deleter) mt->deleter(mt);
+  } else {
+    PyErr_Clear();
+  }
+}
 
-py::capsule to_capsule(const Tensor& t) {
-  auto* ctx = new ExportCtx{t, {}, {}};
-  auto* mt = new DLManagedTensor{};
+void fill_dl(const Tensor& t, ExportCtx* ctx, DLTensor* dl) {
   for (int i = 0; i < t.ndim(); ++i) {
     ctx->shape[i] = t.shape(i);
     ctx->strides[i] = t.stride(i);
   }
-  mt->dl_tensor.data = t.data();
-  mt->dl_tensor.device = {t.device().is_cpu() ? kDLCPU : kDLCUDA, t.device().is_cpu() ? 0 : t.device().index};
-  mt->dl_tensor.ndim = t.ndim();
-  to_dl_dtype(t.dtype(), &mt->dl_tensor.dtype);
-  mt->dl_tensor.shape = ctx->shape;
-  mt->dl_tensor.strides = ctx->strides;
-  mt->dl_tensor.byte_offset = 0;
-  mt->manager_ctx = ctx;
-  mt->deleter = export_deleter;
-  PyObject* cap = PyCapsule_New(mt, "dltensor", capsule_destructor);
-  if (!cap) {
-    export_deleter(mt);
-    throw py::error_already_set();
+  dl->data = t.data();
+  dl->device = {t.device().is_cpu() ? kDLCPU : kDLCUDA, t.device().is_cpu() ? 0 : t.device().index};
+  dl->ndim = t.ndim();
+  to_dl_dtype(t.dtype(), &dl->dtype);
+  dl->shape = ctx->shape;
+  dl->strides = ctx->strides;
+  dl->byte_offset = 0;
+}
+
+py::capsule to_capsule(const Tensor& t, bool versioned) {
+  auto* ctx = new ExportCtx{t, {}, {}};
+  PyObject* cap;
+  if (versioned) {
+    auto* mt = new DLManagedTensorVersioned{};
+    mt->version = {1, 0};
+    mt->manager_ctx = ctx;
+    mt->deleter = export_deleter_v;
+    mt->flags = 0;  // writable, not a copy
+    fill_dl(t, ctx, &mt->dl_tensor);
+    cap = PyCapsule_New(mt, "dltensor_versioned", capsule_destructor_v);
+    if (!cap) export_deleter_v(mt);
+  } else {
+    auto* mt = new DLManagedTensor{};
+    mt->manager_ctx = ctx;
+    mt->deleter = export_deleter;
+    fill_dl(t, ctx, &mt->dl_tensor);
+    cap = PyCapsule_New(mt, "dltensor", capsule_destructor);
+    if (!cap) export_deleter(mt);
   }
+  if (!cap) throw py::error_already_set();
   return py::reinterpret_steal<py::capsule>(cap);
 }
 
@@ -190,7 +216,9 @@ void bind_core(py::module_& m) {
       .def(
           "__dlpack__",
           [](const Tensor& t, py::object stream, py::object max_version, py::object dl_device, py::object copy) {
-            return to_capsule(t);
+            bool versioned = false;
+            if (!max_version.is_none()) versioned = py::cast<py::tuple>(max_version)[0].cast<int>() >= 1;
+            return to_capsule(t, versioned);
           },
           py::arg("stream") = py::none(), py::arg("max_version") = py::none(), py::arg("dl_device") = py::none(),
           py::arg("copy") = py::none())

@@ -36,4 +36,17 @@ struct DLManagedTensor {
   void* manager_ctx;
   void (*deleter)(DLManagedTensor* self);
 };
+// DLPack >= 1.0: versioned, with flags (consumers such as numpy 2 need it to get a
+// writable array). Exchanged in a "dltensor_versioned" capsule.
+struct DLPackVersion {
+  uint32_t major;
+  uint32_t minor;
+};
+struct DLManagedTensorVersioned {
+  DLPackVersion version;
+  void* manager_ctx;
+  void (*deleter)(DLManagedTensorVersioned* self);
+  uint64_t flags;  // bit 0: read only, bit 1: is a copy
+  DLTensor dl_tensor;
+};
 }

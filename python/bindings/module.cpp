@@ -10,7 +10,8 @@ namespace {
 PyObject* g_exc[7] = {};
 PyObject* make_exc(py::module_& m, const char* name, PyObject* base1, PyObject* base2, const char* doc) {
   py::object type = py::reinterpret_borrow<py::object>((PyObject*)&PyType_Type);
-  py::tuple bases = base2 ? py::make_tuple(py::handle(base1), py::handle(base2)) : py::make_tuple(py::handle(base1));
+  py::tuple bases = base2 ? py::tuple(py::make_tuple(py::handle(base1), py::handle(base2)))
+                          : py::tuple(py::make_tuple(py::handle(base1)));
   py::dict ns;
   ns["__module__"] = "dflash2_rt";
   ns["__doc__"] = doc;

@@ -21,7 +21,7 @@
 
 namespace dflash2 {
 
-static std::vector<std::string> split_archs(const std::string& s) {
+[[maybe_unused]] static std::vector<std::string> split_archs(const std::string& s) {
   std::vector<std::string> out;
   std::string cur;
   for (char c : s + ";") {

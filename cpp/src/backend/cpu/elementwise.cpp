@@ -1,1 +1,215 @@
-// placeholder: being written
+// CPU backend: norms, RoPE, SiLU-gating, softmax, top-k, embedding gather. Row ops take
+// tensors whose rows are contiguous and evenly strided (checked in ops.cpp). Statistics
+// (sums of squares, means) accumulate in double, results are f32.
+#include <omp.h>
+
+#include <algorithm>
+#include <cmath>
+#include <cstring>
+
+#include "backend/cpu/cpu_ops.h"
+#include "dflash2/error.h"
+
+namespace dflash2::cpu {
+
+namespace {
+
+struct Rows {
+  char* base;
+  int64_t n, d, stride;  // rows, row length, row stride (elements)
+  size_t es;
+  template <class T>
+  T* row(int64_t i) const { return reinterpret_cast<T*>(base + i * stride * int64_t(es)); }
+};
+
+Rows rows_of(const Tensor& t) {
+  Rows r;
+  r.base = static_cast<char*>(t.data());
+  r.d = t.shape(-1);
+  r.n = r.d ? t.numel() / r.d : 0;
+  r.stride = t.ndim() >= 2 ? t.stride(-2) : r.d;
+  r.es = t.itemsize();
+  return r;
+}
+
+// f32 copy of a small 1-D weight vector into `dst` (stack/arena memory of the caller).
+inline float weight_at(const Tensor& w, int64_t i) {
+  return load_as_f32(static_cast<const char*>(w.data()) + i * int64_t(w.itemsize()), w.dtype());
+}
+
+inline bool parallel_worth(int64_t elems) { return elems >= (1 << 15); }
+
+}  // namespace
+
+void rms_norm(const Tensor& x, const Tensor& w, float eps, Tensor& out) {
+  Rows xr = rows_of(x), orows = rows_of(out);
+  const int64_t D = xr.d;
+#pragma omp parallel for schedule(static) if (parallel_worth(xr.n * D))
+  for (int64_t r = 0; r < xr.n; ++r) {
+    const float* xi = xr.row<const float>(r);
+    float* oi = orows.row<float>(r);
+    double ss = 0;
+    for (int64_t i = 0; i < D; ++i) ss += double(xi[i]) * xi[i];
+    const float inv = 1.0f / std::sqrt(float(ss / double(D)) + eps);
+    if (w.dtype() == DType::F32) {
+      const float* wf = w.data_as<const float>();
+      for (int64_t i = 0; i < D; ++i) oi[i] = wf[i] * (xi[i] * inv);
+    } else {
+      for (int64_t i = 0; i < D; ++i) oi[i] = weight_at(w, i) * (xi[i] * inv);
+    }
+  }
+}
+
+void layer_norm(const Tensor& x, const Tensor& w, const Tensor& b, float eps, Tensor& out) {
+  Rows xr = rows_of(x), orows = rows_of(out);
+  const int64_t D = xr.d;
+  const bool has_b = b.defined();
+#pragma omp parallel for schedule(static) if (parallel_worth(xr.n * D))
+  for (int64_t r = 0; r < xr.n; ++r) {
+    const float* xi = xr.row<const float>(r);
+    float* oi = orows.row<float>(r);
+    double s = 0;
+    for (int64_t i = 0; i < D; ++i) s += xi[i];
+    const double mean = s / double(D);
+    double v = 0;
+    for (int64_t i = 0; i < D; ++i) v += (xi[i] - mean) * (xi[i] - mean);
+    const float inv = 1.0f / std::sqrt(float(v / double(D)) + eps);
+    const float mf = float(mean);
+    for (int64_t i = 0; i < D; ++i) {
+      float y = (xi[i] - mf) * inv * weight_at(w, i);
+      oi[i] = has_b ? y + weight_at(b, i) : y;
+    }
+  }
+}
+
+void rope(Tensor& x, const Tensor& positions, double theta, ops::RopeStyle style) {
+  const int64_t T = x.shape(0), H = x.shape(1), D = x.shape(2), half = D / 2;
+  const int64_t st = x.stride(0), sh = x.stride(1), sd = x.stride(2);
+  float* base = x.data_as<float>();
+  const bool i64 = positions.dtype() == DType::I64;
+  const float ftheta = float(theta);
+#pragma omp parallel for schedule(static) if (parallel_worth(T * H * D))
+  for (int64_t t = 0; t < T; ++t) {
+    const int64_t pos = i64 ? positions.data_as<const int64_t>()[t * positions.stride(0)]
+                            : positions.data_as<const int32_t>()[t * positions.stride(0)];
+    for (int64_t i = 0; i < half; ++i) {
+      // as transformers computes it: inv_freq in f32, angle = f32(pos) * inv_freq
+      const float inv_freq = 1.0f / std::pow(ftheta, float(2 * i) / float(D));
+      const float ang = float(pos) * inv_freq;
+      const float c = std::cos(ang), s = std::sin(ang);
+      const int64_t a = style == ops::RopeStyle::Interleaved ? 2 * i : i;
+      const int64_t bb = style == ops::RopeStyle::Interleaved ? 2 * i + 1 : i + half;
+      for (int64_t h = 0; h < H; ++h) {
+        float* p = base + t * st + h * sh;
+        const float x0 = p[a * sd], x1 = p[bb * sd];
+        p[a * sd] = x0 * c - x1 * s;
+        p[bb * sd] = x1 * c + x0 * s;
+      }
+    }
+  }
+}
+
+void silu_mul(const Tensor& gate, const Tensor& up, Tensor& out) {
+  Rows g = rows_of(gate), u = rows_of(up), o = rows_of(out);
+  const int64_t D = g.d;
+#pragma omp parallel for schedule(static) if (parallel_worth(g.n * D))
+  for (int64_t r = 0; r < g.n; ++r) {
+    const float* gi = g.row<const float>(r);
+    const float* ui = u.row<const float>(r);
+    float* oi = o.row<float>(r);
+    for (int64_t i = 0; i < D; ++i) {
+      const float v = gi[i];
+      oi[i] = (v / (1.0f + std::exp(-v))) * ui[i];
+    }
+  }
+}
+
+void softmax(const Tensor& x, Tensor& out, float scale) {
+  Rows xr = rows_of(x), o = rows_of(out);
+  const int64_t D = xr.d;
+#pragma omp parallel for schedule(static) if (parallel_worth(xr.n * D))
+  for (int64_t r = 0; r < xr.n; ++r) {
+    const float* xi = xr.row<const float>(r);
+    float* oi = o.row<float>(r);
+    float mx = -INFINITY;
+    for (int64_t i = 0; i < D; ++i) mx = std::max(mx, xi[i] * scale);
+    if (mx == -INFINITY) {  // all -inf (fully masked): uniform would be a lie; emit zeros
+      for (int64_t i = 0; i < D; ++i) oi[i] = 0.0f;
+      continue;
+    }
+    double sum = 0;
+    for (int64_t i = 0; i < D; ++i) {
+      oi[i] = std::exp(xi[i] * scale - mx);
+      sum += oi[i];
+    }
+    const float inv = float(1.0 / sum);
+    for (int64_t i = 0; i < D; ++i) oi[i] *= inv;
+  }
+}
+
+void topk(const Tensor& x, int64_t k, Tensor& values, Tensor& indices) {
+  Rows xr = rows_of(x), vr = rows_of(values), ir = rows_of(indices);
+  const int64_t D = xr.d;
+#pragma omp parallel for schedule(static) if (parallel_worth(xr.n * D))
+  for (int64_t r = 0; r < xr.n; ++r) {
+    const float* xi = xr.row<const float>(r);
+    int32_t* heap = ir.row<int32_t>(r);  // the output doubles as the heap: no allocation
+    float* vo = vr.row<float>(r);
+    // better(a, b): a ranks before b (larger value; NaN last; ties to the lower index)
+    auto better = [xi](int32_t a, int32_t b) {
+      const float va = xi[a], vb = xi[b];
+      const bool na = std::isnan(va), nb = std::isnan(vb);
+      if (na != nb) return nb;
+      if (!na && va != vb) return va > vb;
+      return a < b;
+    };
+    int64_t n = 0;
+    for (int64_t i = 0; i < D; ++i) {
+      const int32_t id = int32_t(i);
+      if (n < k) {
+        heap[n++] = id;
+        std::push_heap(heap, heap + n, better);  // heap top = worst kept
+      } else if (better(id, heap[0])) {
+        std::pop_heap(heap, heap + n, better);
+        heap[n - 1] = id;
+        std::push_heap(heap, heap + n, better);
+      }
+    }
+    std::sort_heap(heap, heap + n, better);  // best first
+    for (int64_t j = 0; j < k; ++j) vo[j] = xi[heap[j]];
+  }
+}
+
+void embedding(const Tensor& table, const Tensor& ids, Tensor& out) {
+  const int64_t T = ids.shape(0), V = table.shape(0), D = table.shape(1);
+  const bool i64 = ids.dtype() == DType::I64;
+  auto id_at = [&](int64_t t) -> int64_t {
+    return i64 ? ids.data_as<const int64_t>()[t * ids.stride(0)] : ids.data_as<const int32_t>()[t * ids.stride(0)];
+  };
+  for (int64_t t = 0; t < T; ++t) {
+    const int64_t id = id_at(t);
+    DFLASH2_CHECK_ARG(id >= 0 && id < V, "embedding: token id ", id, " at position ", t,
+                      " is outside the vocabulary [0, ", V, ")");
+  }
+  const char* tb = static_cast<const char*>(table.data());
+  const int64_t trow = table.stride(0) * int64_t(table.itemsize());
+  Rows o = rows_of(out);
+#pragma omp parallel for schedule(static) if (parallel_worth(T * D))
+  for (int64_t t = 0; t < T; ++t) {
+    const char* src = tb + id_at(t) * trow;
+    float* dst = o.row<float>(t);
+    if (table.dtype() == DType::F32) {
+      std::memcpy(dst, src, size_t(D) * 4);
+    } else if (table.dtype() == DType::BF16) {
+      for (int64_t i = 0; i < D; ++i) {
+        uint16_t h;
+        std::memcpy(&h, src + 2 * i, 2);
+        dst[i] = bf16_to_f32(h);
+      }
+    } else {
+      for (int64_t i = 0; i < D; ++i) dst[i] = load_as_f32(src + 2 * i, table.dtype());
+    }
+  }
+}
+
+}  // namespace dflash2::cpu
