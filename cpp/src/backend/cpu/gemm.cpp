@@ -35,10 +35,8 @@ struct Tables {
     for (int i = 0; i < 256; ++i) fp8[i] = fp8_e4m3_to_f32(uint8_t(i));
   }
 };
-const Tables& tables() {
-  static const Tables t;
-  return t;
-}
+const Tables g_tables;  // built at load time: no guard check in the inner loops
+inline const Tables& tables() { return g_tables; }
 
 // Everything a kernel needs to know about the weight, flattened.
 struct WView {
@@ -117,8 +115,10 @@ inline float hsum8(__m256 v) {
 }
 
 // Eight consecutive weights W[r, k..k+7] (k % 8 == 0) as f32, fully dequantized.
+// `srow` points at row r's scales (FP8: its 128-row block's row of scales; NVFP4: its
+// K/16 block scales).
 template <ops::WeightFormat F, DType D>
-inline __m256 load_w8(const WView& w, const uint8_t* row, int64_t r, int64_t k) {
+inline __m256 load_w8(const WView& w, const uint8_t* row, const void* srow, int64_t k) {
   if constexpr (F == ops::WeightFormat::Dense) {
     if constexpr (D == DType::F32) {
       return _mm256_loadu_ps(reinterpret_cast<const float*>(row) + k);
@@ -131,26 +131,25 @@ inline __m256 load_w8(const WView& w, const uint8_t* row, int64_t r, int64_t k) 
     }
   } else if constexpr (F == ops::WeightFormat::FP8Block128) {
     // e4m3 bits s.eeee.mmm placed into f16 as s.0eeee.mmm0000000 is exactly value * 2^-8
-    // (normals and subnormals alike); the 2^8 is folded into the block scale.
-    __m128i b = _mm_cvtepu8_epi16(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(row + k)));
-    __m128i h = _mm_or_si128(_mm_slli_epi16(_mm_and_si128(b, _mm_set1_epi16(0x80)), 8),
-                             _mm_slli_epi16(_mm_and_si128(b, _mm_set1_epi16(0x7f)), 7));
-    float s = w.fp8_scale[(r / 128) * w.fp8_scale_cols + k / 128] * 256.0f;
+    // (normals and subnormals alike); the 2^8 is folded into the block scale. Sign-extend
+    // to 16 bits, shift by 7 (sign lands in bit 15, and a stray copy in bit 14), clear bit 14.
+    __m128i b = _mm_cvtepi8_epi16(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(row + k)));
+    __m128i h = _mm_and_si128(_mm_slli_epi16(b, 7), _mm_set1_epi16(int16_t(0xbfff)));
+    float s = static_cast<const float*>(srow)[k >> 7] * 256.0f;
     return _mm256_mul_ps(_mm256_cvtph_ps(h), _mm256_set1_ps(s));
   } else {
-    // e2m1 nibble s.ee.m placed into f16 as s.000ee.m000000000 is exactly value * 2^-14.
+    // NVFP4: the 8 E2M1 magnitudes scaled by this 16-block's scale form one 8-float table
+    // (each entry (|e2m1| * fp8 scale) * global: the same single rounding as
+    // Weight::dequantize); a lane permute looks the 3 magnitude bits up, bit 3 sets the sign.
     uint32_t four;
     std::memcpy(&four, row + k / 2, 4);
-    __m128i v = _mm_cvtsi32_si128(int(four));
-    __m128i lo = _mm_and_si128(v, _mm_set1_epi8(0x0f));
-    __m128i hi = _mm_and_si128(_mm_srli_epi16(v, 4), _mm_set1_epi8(0x0f));
-    __m128i nib = _mm_cvtepu8_epi16(_mm_unpacklo_epi8(lo, hi));  // even k from low nibbles
-    __m128i h = _mm_or_si128(_mm_slli_epi16(_mm_and_si128(nib, _mm_set1_epi16(8)), 12),
-                             _mm_slli_epi16(_mm_and_si128(nib, _mm_set1_epi16(7)), 9));
-    // (e2m1 * block scale) is exact; one rounding when the global scale is applied, as in
-    // Weight::dequantize.
-    float s = tables().fp8[w.nv_scale[r * (w.K / 16) + k / 16]] * 16384.0f;
-    return _mm256_mul_ps(_mm256_mul_ps(_mm256_cvtph_ps(h), _mm256_set1_ps(s)), _mm256_set1_ps(w.nv_global));
+    const __m256i nib = _mm256_srlv_epi32(_mm256_set1_epi32(int(four)), _mm256_setr_epi32(0, 4, 8, 12, 16, 20, 24, 28));
+    const __m256 mags = _mm256_setr_ps(0.f, 0.5f, 1.f, 1.5f, 2.f, 3.f, 4.f, 6.f);
+    const float bs = g_tables.fp8[static_cast<const uint8_t*>(srow)[k >> 4]];
+    const __m256 tbl = _mm256_mul_ps(_mm256_mul_ps(mags, _mm256_set1_ps(bs)), _mm256_set1_ps(w.nv_global));
+    const __m256 mag = _mm256_permutevar8x32_ps(tbl, nib);  // uses the low 3 bits of each lane
+    const __m256 sign = _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_and_si256(nib, _mm256_set1_epi32(8)), 28));
+    return _mm256_xor_ps(mag, sign);
   }
 }
 
@@ -159,7 +158,16 @@ template <ops::WeightFormat F, DType D, int NR, int MR>
 void micro(const WView& w, int64_t n, const float* x, int64_t ldx, float* y, int64_t ldy, bool accumulate) {
   const int64_t K = w.K, K8 = K / 8 * 8;
   const uint8_t* rows[NR];
-  for (int i = 0; i < NR; ++i) rows[i] = w.data + (n + i) * w.row_bytes;
+  const void* srows[NR];
+  for (int i = 0; i < NR; ++i) {
+    rows[i] = w.data + (n + i) * w.row_bytes;
+    if constexpr (F == ops::WeightFormat::FP8Block128)
+      srows[i] = w.fp8_scale + ((n + i) / 128) * w.fp8_scale_cols;
+    else if constexpr (F == ops::WeightFormat::NVFP4)
+      srows[i] = w.nv_scale + (n + i) * (w.K / 16);
+    else
+      srows[i] = nullptr;
+  }
   __m256 acc[NR][MR];
   for (int i = 0; i < NR; ++i)
     for (int j = 0; j < MR; ++j) acc[i][j] = _mm256_setzero_ps();
@@ -167,7 +175,7 @@ void micro(const WView& w, int64_t n, const float* x, int64_t ldx, float* y, int
     __m256 xv[MR];
     for (int j = 0; j < MR; ++j) xv[j] = _mm256_loadu_ps(x + j * ldx + k);
     for (int i = 0; i < NR; ++i) {
-      __m256 wv = load_w8<F, D>(w, rows[i], n + i, k);
+      __m256 wv = load_w8<F, D>(w, rows[i], srows[i], k);
       for (int j = 0; j < MR; ++j) acc[i][j] = _mm256_fmadd_ps(wv, xv[j], acc[i][j]);
     }
   }
