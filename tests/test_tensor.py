@@ -71,3 +71,8 @@ def test_build_info():
     if "cuda" in info["backends"]:
         assert info["cuda_archs"], "a CUDA build lists its archs"
         assert all(a.startswith("sm_") for a in info["cuda_archs"])
+
+
+def test_engine_not_implemented_is_a_clear_error():
+    with pytest.raises(NotImplementedError, match="not implemented yet"):
+        dflash2_rt.Engine()

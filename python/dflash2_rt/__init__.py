@@ -26,6 +26,7 @@ from ._core import (  # noqa: E402,F401
 )
 from ._core import ops  # noqa: E402,F401
 from .checkpoint import inspect_checkpoint  # noqa: E402,F401
+from .engine import Engine  # noqa: E402,F401
 
 __version__ = _core.__version__
 
