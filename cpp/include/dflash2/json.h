@@ -9,6 +9,8 @@
 #include <utility>
 #include <vector>
 
+#include "dflash2/error.h"
+
 namespace dflash2 {
 
 class Json {
@@ -19,10 +21,14 @@ class Json {
 
   Json() = default;
   // Parses `text`; on malformed input throws Error(kind) with "<where>: malformed JSON at
-  // byte N: <what>". `where` names the file (and the part of it) for the message.
+  // byte N: <what>". `where` names the file (and the part of it) for the message; `kind`
+  // is Checkpoint for safetensors headers / index files, Config for config.json. Arrays
+  // and objects nested deeper than `max_depth` (itself capped at 1024) are an error, so
+  // the recursion depth is bounded. The text must be UTF-8; object keys must be unique.
   static Json parse(const std::string& text, const std::string& where,
-                    int max_depth = 64);
-  static Json parse(const char* data, size_t size, const std::string& where, int max_depth = 64);
+                    ErrorKind kind = ErrorKind::InvalidArgument, int max_depth = 64);
+  static Json parse(const char* data, size_t size, const std::string& where,
+                    ErrorKind kind = ErrorKind::InvalidArgument, int max_depth = 64);
 
   Type type() const { return type_; }
   const char* type_name() const;
@@ -41,7 +47,7 @@ class Json {
   const Array& as_array() const { return *arr_; }
   const Object& as_object() const { return *obj_; }
 
-  // Object lookup: nullptr if absent (or not an object).
+  // Object lookup: nullptr if absent (or not an object). Linear in the member count.
   const Json* find(const std::string& key) const;
   size_t size() const;  // elements of an array / members of an object
 
@@ -53,7 +59,10 @@ class Json {
   static Json make_string(std::string v);
   static Json make_array(Array v);
   static Json make_object(Object v);
-  std::string dump() const;  // compact serialisation
+  // Compact serialisation. Non-finite numbers (only possible through make_number) are
+  // written as null; a number that is not is_int() is written with a '.' or an exponent
+  // so that it reads back as a non-integer.
+  std::string dump() const;
 
  private:
   Type type_ = Type::Null;

@@ -28,7 +28,10 @@ std::vector<TensorInfo> parse_safetensors(const uint8_t* data, size_t size, cons
                                           std::map<std::string, std::string>* metadata = nullptr);
 
 // One mmap'ed .safetensors file. Tensors returned by tensor() are views into the mapping
-// (no copies) and keep it alive.
+// (no copies) and keep it alive. The file is opened read-only and never modified; the
+// mapping is private copy-on-write, so a caller that writes into a returned view (e.g. a
+// numpy array obtained through DLPack, which has no read-only flag) changes only its own
+// copy of that page instead of crashing. Errors are ErrorKind::Checkpoint naming the path.
 class SafetensorsFile {
  public:
   static std::shared_ptr<SafetensorsFile> open(const std::string& path);
@@ -45,6 +48,7 @@ class SafetensorsFile {
   std::string path_;
   void* map_ = nullptr;
   size_t size_ = 0;
+  size_t data_start_ = 0;  // 8 + header length: where the data region begins
   std::vector<TensorInfo> tensors_;
   std::map<std::string, size_t> by_name_;
   std::map<std::string, std::string> metadata_;
@@ -52,19 +56,23 @@ class SafetensorsFile {
 };
 
 // A checkpoint: a directory (with model.safetensors.index.json, or *.safetensors files,
-// and optionally config.json) or a single .safetensors file. Files are opened lazily
-// except for headers, which are all validated at open().
+// and optionally config.json) or a single .safetensors file (config.json is then read from
+// the same directory if present). Every file's header is validated at open(); the data
+// is mmap'ed and only paged in when used. With an index, only the files it names are
+// opened; every weight_map entry must be in the file it names, and no tensor may appear in
+// two files. Malformed config.json is a Config error naming the file.
 class Checkpoint {
  public:
   static Checkpoint open(const std::string& path);
 
   const std::string& path() const { return path_; }
   bool has(const std::string& name) const;
-  const TensorInfo& info(const std::string& name) const;  // Checkpoint error naming the tensor
+  // Checkpoint error naming the tensor and the checkpoint (with up to 3 close names).
+  const TensorInfo& info(const std::string& name) const;
   Tensor tensor(const std::string& name) const;          // zero-copy view
   std::vector<std::string> names() const;                // sorted
   const std::map<std::string, TensorInfo>& all() const { return infos_; }
-  std::vector<std::string> files() const;
+  std::vector<std::string> files() const;                // full paths, sorted
   // config.json beside the weights, if any.
   bool has_config() const { return has_config_; }
   const Config& config() const { return config_; }

@@ -1,0 +1,152 @@
+"""The ``dflash2-rt`` command line (also ``python -m dflash2_rt``).
+
+Each subcommand is one entry of ``_COMMANDS``: a name, a help line, a function that adds
+its arguments to its sub-parser and a function that runs it and returns the exit code.
+Errors of the runtime (DFlash2Error) are printed as one ``error: ...`` line with exit code
+1, never as a traceback.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+from typing import Callable, NamedTuple, Optional, Sequence
+
+from . import DFlash2Error, build_info, cuda_available
+from .checkpoint import DTYPE_SIZES, inspect_checkpoint
+
+
+class _Command(NamedTuple):
+    name: str
+    help: str
+    add_arguments: Callable[[argparse.ArgumentParser], None]
+    run: Callable[[argparse.Namespace], int]
+
+
+def _human(n: float, units: Sequence[str], base: float) -> str:
+    for unit in units[:-1]:
+        if abs(n) < base:
+            return f"{n:.1f} {unit}" if unit != units[0] else f"{int(n)} {unit}".rstrip()
+        n /= base
+    return f"{n:.1f} {units[-1]}"
+
+
+def human_bytes(n: int) -> str:
+    return _human(n, ["B", "KiB", "MiB", "GiB", "TiB", "PiB"], 1024.0)
+
+
+def human_count(n: int) -> str:
+    return _human(n, ["", "K", "M", "B", "T"], 1000.0)
+
+
+def _numel(shape: Sequence[int]) -> int:
+    n = 1
+    for d in shape:
+        n *= int(d)
+    return n
+
+
+# ---------------------------------------------------------------------------- inspect
+
+
+def _inspect_args(p: argparse.ArgumentParser) -> None:
+    p.add_argument("path", help="a .safetensors file or a checkpoint directory")
+    p.add_argument("--summary", action="store_true", help="print the totals only, not the per-tensor table")
+    p.add_argument("--json", action="store_true", help="print {name: {dtype, shape, file}} and totals as JSON")
+
+
+def _run_inspect(args: argparse.Namespace) -> int:
+    tensors = inspect_checkpoint(args.path)
+    params = 0
+    total_bytes = 0
+    per_dtype: dict[str, int] = {}
+    files = set()
+    for info in tensors.values():
+        n = _numel(info["shape"])
+        b = n * DTYPE_SIZES[info["dtype"]]
+        params += n
+        total_bytes += b
+        per_dtype[info["dtype"]] = per_dtype.get(info["dtype"], 0) + b
+        files.add(info["file"])
+    if args.json:
+        out = {"tensors": tensors,
+               "totals": {"tensors": len(tensors), "parameters": params, "bytes": total_bytes,
+                          "bytes_per_dtype": dict(sorted(per_dtype.items())), "files": sorted(files)}}
+        print(json.dumps(out, indent=1))
+        return 0
+    if not args.summary and tensors:
+        rows = [("name", "dtype", "shape", "file")]
+        for name, info in tensors.items():
+            shape = "[" + ", ".join(str(d) for d in info["shape"]) + "]"
+            rows.append((name, info["dtype"], shape, info["file"]))
+        widths = [max(len(r[i]) for r in rows) for i in range(3)]
+        for r in rows:
+            print(f"{r[0]:<{widths[0]}}  {r[1]:<{widths[1]}}  {r[2]:<{widths[2]}}  {r[3]}")
+        print()
+    print(f"tensors:    {len(tensors)}")
+    print(f"files:      {len(files)}")
+    print(f"parameters: {params:,} ({human_count(params)})")
+    print(f"bytes:      {total_bytes:,} ({human_bytes(total_bytes)})")
+    for dt in sorted(per_dtype):
+        print(f"  {dt + ':':<9} {per_dtype[dt]:,} ({human_bytes(per_dtype[dt])})")
+    return 0
+
+
+# ---------------------------------------------------------------------------- info
+
+
+def _info_args(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--json", action="store_true", help="print build_info() as JSON")
+
+
+def _run_info(args: argparse.Namespace) -> int:
+    info = build_info()
+    ok, why = cuda_available(with_reason=True)
+    info["cuda_available"] = ok
+    if not ok:
+        info["cuda_unavailable_reason"] = why
+    if args.json:
+        print(json.dumps(info, indent=1))
+        return 0
+    width = max(len(k) for k in info)
+    for k, v in info.items():
+        if isinstance(v, (list, tuple)):
+            v = ", ".join(str(x) for x in v) if v else "-"
+        elif v == "":
+            v = "-"
+        print(f"{k + ':':<{width + 1}} {v}")
+    return 0
+
+
+_COMMANDS = [
+    _Command("inspect", "validate a checkpoint and list its tensors (name, dtype, shape, file) with totals",
+             _inspect_args, _run_inspect),
+    _Command("info", "print what this build contains (backends, CUDA archs, NCCL, CUTLASS, BLAS, threads)",
+             _info_args, _run_info),
+]
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="dflash2-rt", description="dflash2_rt: GLM-5.3 + DFlash 2 inference runtime")
+    sub = parser.add_subparsers(dest="command", metavar="COMMAND")
+    sub.required = True
+    for cmd in _COMMANDS:
+        p = sub.add_parser(cmd.name, help=cmd.help, description=cmd.help)
+        cmd.add_arguments(p)
+        p.set_defaults(_run=cmd.run)
+    return parser
+
+
+def main(argv: Optional[Sequence[str]] = None) -> int:
+    args = build_parser().parse_args(argv)
+    try:
+        return int(args._run(args) or 0)
+    except DFlash2Error as e:
+        msg = " ".join(str(e).split("\n"))
+        print(f"error: {msg}", file=sys.stderr)
+        return 1
+    except BrokenPipeError:  # e.g. `dflash2-rt inspect ... | head`: stop quietly
+        devnull = os.open(os.devnull, os.O_WRONLY)
+        os.dup2(devnull, sys.stdout.fileno())  # so the flush at exit does not fail again
+        return 0

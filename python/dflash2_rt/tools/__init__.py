@@ -1,0 +1,1 @@
+"""Small command-line tools (``python -m dflash2_rt.tools.<name>``)."""
