@@ -1,0 +1,258 @@
+#!/usr/bin/env bash
+# bench/device_check.sh: the one check to run on a machine with an NVIDIA GPU.
+#
+#   bash bench/device_check.sh            # from the repository root (or anywhere)
+#
+# Configures a CUDA build (DFLASH2_CUDA=ON, DFLASH2_CUDA_ARCHS=${DFLASH2_CUDA_ARCHS:-90a}),
+# builds it, runs ctest (C++ tests, including tests/cpp/test_cuda_backend: the CUDA device
+# layer and kernels against host references) and the op parity tests tests/test_ops.py
+# (cpu and cuda parametrizations), then writes ${OUT:-bench/results}/device_check.json:
+# GPU name/driver, cuda_available() and its reason, build ok, test counts, the failing
+# step if any. Step logs go beside it in device_check_logs/.
+#
+# Environment: OUT (report folder), DFLASH2_CUDA_ARCHS (default 90a = H100/H200),
+# BUILD_DIR (default build-device), JOBS (default nproc), PYTHON (default python3),
+# DFLASH2_REQUIRE_GPU=1 (exit 3 when no GPU is usable; default: report and exit 0).
+#
+# Exit status: 0 all steps passed (without a GPU: the CUDA tests skipped, said in the
+# report); 1 a step failed (named in the report and on stderr); 3 no GPU but one was required.
+# It only reads the GPU's state (nvidia-smi --query-gpu); it never resets or reconfigures it.
+set -euo pipefail
+
+ROOT=$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)
+cd "$ROOT"
+OUT_DIR=${OUT:-$ROOT/bench/results}
+ARCHS=${DFLASH2_CUDA_ARCHS:-90a}
+BUILD=${BUILD_DIR:-$ROOT/build-device}
+JOBS=${JOBS:-$(nproc 2>/dev/null || echo 2)}
+PY=${PYTHON:-python3}
+REQUIRE_GPU=${DFLASH2_REQUIRE_GPU:-0}
+mkdir -p "$OUT_DIR"
+OUT_DIR=$(cd "$OUT_DIR" && pwd)
+LOGS=$OUT_DIR/device_check_logs
+rm -rf "$LOGS"
+mkdir -p "$LOGS"
+REPORT=$OUT_DIR/device_check.json
+
+# ---- state collected for the report (exported for the python writer)
+export DC_ARCHS=$ARCHS DC_BUILD=$BUILD DC_LOGS=$LOGS DC_REPORT=$REPORT
+export DC_FAILED_STEP="" DC_FAILED_MSG="" DC_NOTES=""
+export DC_GPU_QUERY="" DC_NVIDIA_SMI="" DC_CUDA_AVAILABLE="" DC_BUILD_INFO=""
+export DC_STEPS=""       # "name:rc:seconds;..."
+export DC_PYTHON_BINDING=0 DC_PYTEST_RAN=0 DC_CTEST_RAN=0 DC_SASS=""
+START=$(date +%s)
+
+note() { DC_NOTES+="$*"$'\n'; echo "note: $*"; }
+
+write_report() {
+  local rc=$1
+  export DC_EXIT=$rc DC_SECONDS=$(( $(date +%s) - START ))
+  if ! command -v "$PY" >/dev/null 2>&1; then
+    printf '{"ok": false, "failed_step": "prerequisites", "error": "%s not found: cannot write the full report"}\n' "$PY" >"$REPORT"
+    return
+  fi
+  "$PY" - <<'PYEOF' || echo "device_check: could not write $DC_REPORT" >&2
+import json, os, re, xml.etree.ElementTree as ET
+
+def junit(path):
+    """(tests, failures+errors, skipped, [(name, outcome)]) from a junit xml file, or None."""
+    if not os.path.isfile(path):
+        return None
+    cases = []
+    for tc in ET.parse(path).getroot().iter("testcase"):
+        name = (tc.get("classname") or "") + "::" + (tc.get("name") or "")
+        if tc.find("failure") is not None or tc.find("error") is not None:
+            outcome = "failed"
+        elif tc.find("skipped") is not None or tc.get("status") in ("notrun", "disabled"):
+            outcome = "skipped"
+        else:
+            outcome = "passed"
+        cases.append((name, outcome))
+    count = lambda o, sel=cases: sum(1 for _, x in sel if x == o)
+    return cases, count
+
+env = os.environ
+steps = {}
+for item in filter(None, env["DC_STEPS"].split(";")):
+    name, rc, secs = item.split(":")
+    steps[name] = {"ok": rc == "0", "exit_code": int(rc), "seconds": int(secs),
+                   "log": os.path.join(env["DC_LOGS"], name + ".log")}
+
+gpus = []
+for line in filter(None, env["DC_GPU_QUERY"].splitlines()):
+    f = [x.strip() for x in line.split(",")]
+    if len(f) >= 4:
+        gpus.append({"name": f[0], "driver": f[1], "memory": f[2], "compute_cap": f[3]})
+try:
+    ok, why = json.loads(env["DC_CUDA_AVAILABLE"])
+    avail = {"ok": bool(ok), "reason": why}
+except ValueError:
+    avail = None
+report = {
+    "ok": env["DC_EXIT"] == "0",
+    "exit_code": int(env["DC_EXIT"]),
+    "failed_step": env["DC_FAILED_STEP"] or None,
+    "error": env["DC_FAILED_MSG"] or None,
+    "gpu_present": bool(gpus) and bool(avail and avail["ok"]),
+    "gpus": gpus,
+    "nvidia_smi": env["DC_NVIDIA_SMI"] or None,
+    "cuda_available": avail,
+    "cuda_archs": env["DC_ARCHS"],
+    "sass_in_library": env["DC_SASS"].split() if env["DC_SASS"] else None,
+    "build_info": json.loads(env["DC_BUILD_INFO"]) if env["DC_BUILD_INFO"] else None,
+    "build_ok": steps.get("build", {}).get("ok", False),
+    "steps": steps,
+    "seconds": int(env["DC_SECONDS"]),
+    "notes": [n for n in env["DC_NOTES"].splitlines() if n],
+}
+ct = junit(os.path.join(env["DC_LOGS"], "ctest.xml"))
+if ct:
+    cases, count = ct
+    report["ctest"] = {"tests": len(cases), "passed": count("passed"), "failed": count("failed"),
+                       "skipped": count("skipped"), "failed_tests": [n for n, o in cases if o == "failed"]}
+    log = os.path.join(env["DC_LOGS"], "ctest.log")
+    if os.path.isfile(log):
+        text = open(log, errors="replace").read()
+        report["ctest"]["cases_skipped_without_gpu"] = len(re.findall(r"skipped on this machine", text))
+py = junit(os.path.join(env["DC_LOGS"], "pytest.xml"))
+if py:
+    cases, count = py
+    cuda = [(n, o) for n, o in cases if "cuda" in n.lower()]
+    report["pytest"] = {"tests": len(cases), "passed": count("passed"), "failed": count("failed"),
+                        "skipped": count("skipped"), "failed_tests": [n for n, o in cases if o == "failed"][:50]}
+    report["pytest_cuda"] = {"tests": len(cuda), "passed": count("passed", cuda), "failed": count("failed", cuda),
+                             "skipped": count("skipped", cuda)}
+with open(env["DC_REPORT"], "w") as f:
+    json.dump(report, f, indent=2)
+    f.write("\n")
+PYEOF
+  echo "device_check: report written to $REPORT"
+}
+trap 'rc=$?; write_report $rc; exit $rc' EXIT
+
+fail() {  # fail STEP MESSAGE
+  DC_FAILED_STEP=$1
+  DC_FAILED_MSG=$2
+  echo "device_check: FAILED at step '$1': $2" >&2
+  exit 1
+}
+
+# run_step NAME CMD...: runs CMD with output to $LOGS/NAME.log; returns its exit code.
+run_step() {
+  local name=$1 t0 rc=0
+  shift
+  echo "== $name: $*"
+  t0=$(date +%s)
+  "$@" >"$LOGS/$name.log" 2>&1 || rc=$?
+  DC_STEPS+="$name:$rc:$(( $(date +%s) - t0 ));"
+  if [ "$rc" -ne 0 ]; then
+    echo "-- $name exited $rc; last lines of $LOGS/$name.log:" >&2
+    tail -n 40 "$LOGS/$name.log" >&2 || true
+  fi
+  return "$rc"
+}
+
+# ---------------------------------------------------------------- the GPU (read-only queries)
+if command -v nvidia-smi >/dev/null 2>&1; then
+  DC_NVIDIA_SMI=$(command -v nvidia-smi)
+  DC_GPU_QUERY=$(nvidia-smi --query-gpu=name,driver_version,memory.total,compute_cap --format=csv,noheader 2>&1) || {
+    note "nvidia-smi failed: $DC_GPU_QUERY"
+    DC_GPU_QUERY=""
+  }
+else
+  note "nvidia-smi not found: no NVIDIA driver on this machine"
+fi
+echo "GPU: ${DC_GPU_QUERY:-none}"
+
+# ---------------------------------------------------------------- prerequisites
+for tool in cmake "$PY"; do
+  command -v "$tool" >/dev/null 2>&1 || fail prerequisites "$tool not found on PATH"
+done
+NVCC=$(command -v nvcc || true)
+[ -z "$NVCC" ] && [ -x /usr/local/cuda/bin/nvcc ] && NVCC=/usr/local/cuda/bin/nvcc
+[ -n "$NVCC" ] || fail prerequisites "nvcc not found (PATH, /usr/local/cuda/bin): a CUDA toolkit is needed to build"
+GEN=()
+command -v ninja >/dev/null 2>&1 && GEN=(-G Ninja)
+
+CMAKE_ARGS=(-S "$ROOT" -B "$BUILD" ${GEN[@]+"${GEN[@]}"} -DCMAKE_BUILD_TYPE=Release -DDFLASH2_CUDA=ON
+            "-DDFLASH2_CUDA_ARCHS=$ARCHS" -DCMAKE_CUDA_COMPILER="$NVCC" -DDFLASH2_BUILD_TESTS=ON
+            -DDFLASH2_BUILD_BENCH=OFF)
+if PYBIND11_DIR=$("$PY" -m pybind11 --cmakedir 2>/dev/null); then
+  CMAKE_ARGS+=(-DDFLASH2_BUILD_PYTHON=ON "-Dpybind11_DIR=$PYBIND11_DIR" "-DPython_EXECUTABLE=$(command -v "$PY")")
+  DC_PYTHON_BINDING=1
+else
+  CMAKE_ARGS+=(-DDFLASH2_BUILD_PYTHON=OFF)
+  note "pybind11 is not importable by $PY: Python extension not built, pytest skipped (ctest only)"
+fi
+
+# ---------------------------------------------------------------- configure, build
+run_step configure cmake "${CMAKE_ARGS[@]}" || fail configure "cmake configure failed (see $LOGS/configure.log)"
+run_step build cmake --build "$BUILD" -j "$JOBS" || fail build "build failed (see $LOGS/build.log)"
+
+CUOBJDUMP=$(command -v cuobjdump || true)
+[ -z "$CUOBJDUMP" ] && [ -x "$(dirname "$NVCC")/cuobjdump" ] && CUOBJDUMP=$(dirname "$NVCC")/cuobjdump
+if [ -n "$CUOBJDUMP" ] && [ -f "$BUILD/libdflash2.a" ]; then
+  DC_SASS=$("$CUOBJDUMP" --list-elf "$BUILD/libdflash2.a" 2>/dev/null | grep -o 'sm_[0-9]*[af]\?' | sort -u | tr '\n' ' ' || true)
+  echo "SASS in libdflash2.a: ${DC_SASS:-none found}"
+fi
+
+# ---------------------------------------------------------------- what the build sees
+if [ "$DC_PYTHON_BINDING" = 1 ]; then
+  export DFLASH2_RT_CORE_DIR=$BUILD PYTHONPATH=$ROOT/python${PYTHONPATH:+:$PYTHONPATH}
+  DC_CUDA_AVAILABLE=$("$PY" -c 'import json, dflash2_rt; print(json.dumps(dflash2_rt.cuda_available(with_reason=True)))' 2>&1) ||
+    fail import "the built module does not import: $DC_CUDA_AVAILABLE"
+  DC_BUILD_INFO=$("$PY" -c 'import json, dflash2_rt; print(json.dumps(dflash2_rt.build_info()))' 2>/dev/null || true)
+else
+  DC_CUDA_AVAILABLE=""
+fi
+echo "cuda_available: ${DC_CUDA_AVAILABLE:-unknown (no Python binding)}"
+GPU_USABLE=0
+case "$DC_CUDA_AVAILABLE" in '[true'*) GPU_USABLE=1 ;; esac
+if [ -z "$DC_CUDA_AVAILABLE" ] && [ -n "$DC_GPU_QUERY" ]; then GPU_USABLE=1; fi
+
+# ---------------------------------------------------------------- tests
+DC_CTEST_RAN=1
+run_step ctest ctest --test-dir "$BUILD" -V --output-junit "$LOGS/ctest.xml" ||
+  fail ctest "ctest failed (see $LOGS/ctest.log)"
+if [ "$GPU_USABLE" = 1 ] && grep -q "skipped on this machine" "$LOGS/ctest.log"; then
+  fail ctest "a GPU is present but C++ CUDA tests skipped: $(grep -m1 'skipped on this machine' "$LOGS/ctest.log")"
+fi
+
+if [ "$DC_PYTHON_BINDING" = 1 ]; then
+  if ! "$PY" -c 'import pytest, numpy, torch' >/dev/null 2>&1; then
+    note "pytest/numpy/torch not importable by $PY: tests/test_ops.py not run"
+  elif [ ! -f "$ROOT/tests/test_ops.py" ]; then
+    note "tests/test_ops.py does not exist yet: not run"
+  else
+    DC_PYTEST_RAN=1
+    run_step pytest "$PY" -m pytest -q -rs "$ROOT/tests/test_ops.py" -p no:cacheprovider --junitxml="$LOGS/pytest.xml" ||
+      fail pytest "tests/test_ops.py failed (see $LOGS/pytest.log)"
+    if [ "$GPU_USABLE" = 1 ]; then
+      n_cuda_skipped=$("$PY" - "$LOGS/pytest.xml" <<'PYEOF'
+import sys, xml.etree.ElementTree as ET
+n = 0
+for tc in ET.parse(sys.argv[1]).getroot().iter("testcase"):
+    if "cuda" in (tc.get("name") or "").lower() and tc.find("skipped") is not None:
+        msg = tc.find("skipped").get("message") or ""
+        if "not implemented on the CUDA backend" not in msg:
+            n += 1
+print(n)
+PYEOF
+)
+      [ "$n_cuda_skipped" = 0 ] || fail pytest "a GPU is present but $n_cuda_skipped CUDA op tests skipped (see $LOGS/pytest.log)"
+    fi
+  fi
+fi
+
+# ---------------------------------------------------------------- verdict
+if [ "$GPU_USABLE" != 1 ]; then
+  note "no usable GPU: ${DC_CUDA_AVAILABLE:-nvidia-smi found none}; the build and the CPU tests ran, the CUDA tests skipped"
+  if [ "$REQUIRE_GPU" = 1 ]; then
+    DC_FAILED_STEP=gpu
+    DC_FAILED_MSG="no usable GPU and DFLASH2_REQUIRE_GPU=1"
+    echo "device_check: $DC_FAILED_MSG" >&2
+    exit 3
+  fi
+fi
+echo "device_check: all steps passed"
+exit 0

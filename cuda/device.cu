@@ -1,0 +1,188 @@
+// cuda/device.cu: device management for the CUDA backend (availability, memory, copies,
+// synchronisation, version strings). The library links the static CUDA runtime, so a
+// machine without a driver or a GPU still loads it; every entry point then reports why
+// instead of aborting.
+#include <cuda_runtime.h>
+
+#include <cstring>
+#include <sstream>
+#include <string>
+
+#include "backend/cuda_api.h"
+#include "cuda/cuda_check.cuh"
+#include "dflash2/error.h"
+
+namespace dflash2::cuda {
+
+using detail::DeviceGuard;
+
+namespace {
+
+std::string version_str(int v) {  // 13000 -> "13.0", 12080 -> "12.8"
+  return std::to_string(v / 1000) + "." + std::to_string((v % 1000) / 10);
+}
+
+std::string human_bytes(size_t b) {
+  std::ostringstream os;
+  os.setf(std::ios::fixed);
+  os.precision(2);
+  if (b >= (size_t(1) << 30))
+    os << double(b) / double(size_t(1) << 30) << " GiB";
+  else if (b >= (size_t(1) << 20))
+    os << double(b) / double(size_t(1) << 20) << " MiB";
+  else
+    os << b << " B";
+  return os.str();
+}
+
+// Number of devices, or an error code (no driver, no device, ...). Never throws.
+cudaError_t query_count(int* n) {
+  *n = 0;
+  cudaError_t e = cudaGetDeviceCount(n);
+  if (e != cudaSuccess) {
+    cudaGetLastError();
+    *n = 0;
+  }
+  return e;
+}
+
+void check_index(int device, const char* what) {
+  int n = 0;
+  cudaError_t e = query_count(&n);
+  if (e != cudaSuccess) fail(ErrorKind::Backend, what, " on cuda:", device, ": no CUDA device: ", detail::describe_error(e));
+  DFLASH2_CHECK(device >= 0 && device < n, ErrorKind::InvalidArgument, what, ": device cuda:", device,
+                " does not exist (", n, " CUDA device", n == 1 ? "" : "s", " visible)");
+}
+
+}  // namespace
+
+bool available(std::string* why) {
+  int n = 0;
+  cudaError_t e = query_count(&n);
+  if (e != cudaSuccess) {
+    if (why) *why = "no CUDA device: cudaGetDeviceCount failed: " + detail::describe_error(e);
+    return false;
+  }
+  if (n == 0) {
+    if (why) *why = "no CUDA device: cudaGetDeviceCount found 0 devices";
+    return false;
+  }
+  if (why) why->clear();
+  return true;
+}
+
+int device_count() {
+  int n = 0;
+  query_count(&n);
+  return n;
+}
+
+void* device_malloc(size_t bytes, int device) {
+  check_index(device, "device_malloc");
+  DeviceGuard guard(device);
+  void* p = nullptr;
+  cudaError_t e = cudaMalloc(&p, bytes);
+  if (e == cudaErrorMemoryAllocation) {
+    cudaGetLastError();
+    size_t free_b = 0, total_b = 0;
+    std::string mem;
+    if (cudaMemGetInfo(&free_b, &total_b) == cudaSuccess)
+      mem = human_bytes(free_b) + " free of " + human_bytes(total_b);
+    else
+      mem = "free memory unknown";
+    cudaGetLastError();
+    fail(ErrorKind::OutOfMemory, "cannot allocate ", bytes, " bytes (", human_bytes(bytes), ") on cuda:", device,
+         ": ", mem, " (cudaMalloc: ", cudaGetErrorString(e), ")");
+  }
+  if (e != cudaSuccess) detail::raise(e, "cudaMalloc", bytes, " bytes on cuda:", device);
+  return p;
+}
+
+void device_free(void* p, int device) noexcept {
+  if (!p) return;
+  // Errors are ignored: freeing happens in destructors, possibly at process exit after the
+  // runtime has shut down (cudaErrorCudartUnloading), where nothing useful can be done.
+  int prev = -1;
+  if (cudaGetDevice(&prev) == cudaSuccess && prev != device) cudaSetDevice(device);
+  cudaFree(p);
+  if (prev >= 0 && prev != device) cudaSetDevice(prev);
+  cudaGetLastError();
+}
+
+void copy(void* dst, Device dst_dev, const void* src, Device src_dev, size_t bytes) {
+  if (bytes == 0) return;
+  DFLASH2_CHECK_ARG(dst && src, "copy: null pointer (dst ", dst, " on ", dst_dev.str(), ", src ", src, " on ",
+                    src_dev.str(), ")");
+  if (dst_dev.is_cpu() && src_dev.is_cpu()) {
+    std::memcpy(dst, src, bytes);
+    return;
+  }
+  if (dst_dev.is_cuda() && src_dev.is_cuda() && dst_dev.index != src_dev.index) {
+    DFLASH2_CUDA_CHECK(cudaMemcpyPeer(dst, dst_dev.index, src, src_dev.index, bytes), bytes, " bytes from ",
+                       src_dev.str(), " to ", dst_dev.str());
+    return;
+  }
+  cudaMemcpyKind kind;
+  int device;
+  if (dst_dev.is_cuda() && src_dev.is_cuda()) {
+    kind = cudaMemcpyDeviceToDevice;
+    device = dst_dev.index;
+  } else if (dst_dev.is_cuda()) {
+    kind = cudaMemcpyHostToDevice;
+    device = dst_dev.index;
+  } else {
+    kind = cudaMemcpyDeviceToHost;
+    device = src_dev.index;
+  }
+  DeviceGuard guard(device);
+  DFLASH2_CUDA_CHECK(cudaMemcpy(dst, src, bytes, kind), bytes, " bytes from ", src_dev.str(), " to ",
+                     dst_dev.str());
+}
+
+void memset_zero(void* dst, int device, size_t bytes) {
+  if (bytes == 0) return;
+  DeviceGuard guard(device);
+  DFLASH2_CUDA_CHECK(cudaMemset(dst, 0, bytes), bytes, " bytes on cuda:", device);
+}
+
+void synchronize(int device) {
+  check_index(device, "synchronize");
+  DeviceGuard guard(device);
+  DFLASH2_CUDA_CHECK(cudaDeviceSynchronize(), "cuda:", device);
+}
+
+std::string toolkit_version() { return version_str(CUDART_VERSION); }
+
+std::string runtime_info() {
+  std::ostringstream os;
+  os << "CUDA runtime " << toolkit_version() << " (static)";
+  int drv = 0;
+  if (cudaDriverGetVersion(&drv) == cudaSuccess && drv > 0)
+    os << ", driver supports CUDA " << version_str(drv);
+  else
+    os << ", no CUDA driver";
+  cudaGetLastError();
+  int n = 0;
+  cudaError_t e = query_count(&n);
+  if (e != cudaSuccess) {
+    os << "; no CUDA device: cudaGetDeviceCount failed: " << detail::describe_error(e);
+    return os.str();
+  }
+  os << "; " << n << " device" << (n == 1 ? "" : "s");
+  for (int i = 0; i < n; ++i) {
+    cudaDeviceProp p;
+    if (cudaGetDeviceProperties(&p, i) != cudaSuccess) {
+      cudaGetLastError();
+      os << "; cuda:" << i << ": properties unavailable";
+      continue;
+    }
+    os << "; cuda:" << i << ": " << p.name << " (sm_" << p.major << p.minor << ", " << p.multiProcessorCount
+       << " SMs, " << human_bytes(p.totalGlobalMem) << ")";
+  }
+#ifdef DFLASH2_CUDA_ARCHS_STR
+  os << "; built for " << DFLASH2_CUDA_ARCHS_STR;
+#endif
+  return os.str();
+}
+
+}  // namespace dflash2::cuda
