@@ -20,12 +20,13 @@ from ._core import (  # noqa: E402,F401
     InternalError,
     InvalidArgumentError,
     OutOfMemoryError,
+    Checkpoint,
     Tensor,
     UnsupportedError,
     cuda_available,
 )
 from ._core import ops  # noqa: E402,F401
-from .checkpoint import inspect_checkpoint  # noqa: E402,F401
+from .checkpoint import inspect_checkpoint, load_config, save_safetensors, save_sharded  # noqa: E402,F401
 from .engine import Engine  # noqa: E402,F401
 
 __version__ = _core.__version__
