@@ -75,4 +75,4 @@ def test_build_info():
 
 def test_engine_not_implemented_is_a_clear_error():
     with pytest.raises(NotImplementedError, match="not implemented yet"):
-        dflash2_rt.Engine()
+        dflash2_rt.Engine(target=None)

@@ -1,15 +1,69 @@
-"""The generation engine. Not implemented yet: the GLM-5.3 target model (issue #3) and
-speculative decoding (issue #4) come next. Until then constructing an Engine raises
-UnsupportedError (a NotImplementedError) that says so, rather than failing obscurely."""
+"""The generation engine (Python face of dflash2::Engine).
+
+    eng = dflash2_rt.Engine(target="path/to/glm_moe_dsa_checkpoint", method="ar")
+    eng.logits([1, 2, 3])                       # float32 [3, vocab], teacher-forced prefill
+    eng.generate([[1, 2, 3], [4, 5]], max_new_tokens=16)   # a batch, decoded in lockstep
+
+Speculative methods ("dflash2", "dflash", "mtp") and drafters are not implemented yet:
+asking for them raises UnsupportedError (a NotImplementedError) that says so.
+"""
 from __future__ import annotations
 
-from ._core import UnsupportedError
+import json
+import os
+from typing import Iterable, Optional, Sequence as Seq
+
+import numpy as np
+
+from . import _core
+from ._core import GenerationResult, UnsupportedError  # noqa: F401
 
 
 class Engine:
-    def __init__(self, target=None, draft=None, method: str = "dflash2", device: str = "cpu", **kwargs):
-        raise UnsupportedError(
-            "dflash2_rt.Engine is not implemented yet: this build has checkpoint I/O, tensors and the op "
-            "interface (CPU backend + CUDA RMSNorm); the GLM-5.3 target and DFlash 2 decoding are the next "
-            "milestones (see README, 'Status')."
-        )
+    def __init__(self, target=None, draft=None, method: str = "ar", device: str = "cpu", *,
+                 max_batch_size: int = 8, max_seq_len: int = 4096, max_step_tokens: int = 256,
+                 kv_block_size: int = 16, num_threads: Optional[int] = None):
+        if target is None:
+            raise UnsupportedError(
+                "Engine() without a target needs the bundled default model pair, which is not built yet; "
+                "pass target=PATH to a glm_moe_dsa checkpoint directory")
+        self._e = _core.Engine(os.fspath(target), None if draft is None else os.fspath(draft), method, device,
+                               max_batch_size, max_seq_len, max_step_tokens, kv_block_size, num_threads or 0)
+        self.method = method
+        self.device = device
+        self.max_seq_len = max_seq_len
+        self.max_batch_size = max_batch_size
+
+    @property
+    def config(self) -> dict:
+        """The target's config.json as loaded."""
+        return json.loads(self._e.config_json)
+
+    @property
+    def vocab_size(self) -> int:
+        return self._e.vocab_size
+
+    @property
+    def has_mtp(self) -> bool:
+        return self._e.has_mtp
+
+    def logits(self, token_ids: Iterable[int]) -> np.ndarray:
+        """float32 [n, vocab]: the logits at every position of `token_ids` (real prefill path)."""
+        return self._e.logits(list(token_ids))
+
+    def generate(self, prompts: Seq[Seq[int]], max_new_tokens: int = 16, temperature: float = 0.0,
+                 top_p: float = 1.0, top_k: int = 0, seed: Optional[int] = None,
+                 stop_token_ids: Optional[Iterable[int]] = None) -> list:
+        """Generates for a batch of prompts (lists of token ids), decoded together. Each
+        result has .token_ids (generated only, ending with the stop token if one was hit),
+        .finish_reason ('stop' | 'length') and .stats. stop_token_ids=None uses the
+        config's eos_token_id; [] disables stopping."""
+        if isinstance(prompts, (str, bytes)):
+            raise _core.InvalidArgumentError("generate: 'prompts' must be a list of prompts (each a list of token ids)")
+        return self._e.generate([list(p) for p in prompts], max_new_tokens, temperature, top_p, top_k, seed,
+                                None if stop_token_ids is None else list(stop_token_ids))
+
+    def new_sequence(self):
+        """A sequence with its own KV caches, for step-level use: .extend(tokens, hidden_layers)
+        -> (logits, {layer: hidden}), .rollback(length), .mtp_extend(next_tokens, hidden_main)."""
+        return self._e.new_sequence()

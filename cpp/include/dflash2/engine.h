@@ -1,0 +1,96 @@
+// dflash2/engine.h: the public engine API for C++ programs.
+#pragma once
+#include <cstdint>
+#include <memory>
+#include <string>
+#include <vector>
+
+#include "dflash2/tensor.h"
+
+namespace dflash2 {
+
+struct EngineConfig {
+  std::string target;             // checkpoint directory or .safetensors file (with config.json)
+  std::string draft;              // drafter checkpoint ("" = none)
+  std::string method = "ar";      // "ar" (speculative methods come with the drafter)
+  std::string device = "cpu";
+  int64_t max_batch_size = 8;     // sequences decoded together
+  int64_t max_seq_len = 4096;     // prompt + generated tokens per sequence
+  int64_t max_step_tokens = 256;  // tokens per forward chunk (longer prefills are chunked)
+  int64_t kv_block_size = 16;     // tokens per KV-cache page
+  int num_threads = 0;            // CPU threads (0 = all cores)
+};
+
+struct SamplingParams {
+  int64_t max_new_tokens = 16;
+  float temperature = 0.0f;  // 0 = greedy
+  float top_p = 1.0f;        // in (0, 1]
+  int64_t top_k = 0;         // 0 = off
+  int64_t seed = -1;         // < 0: nondeterministic; request i uses a stream derived from (seed, i)
+  bool has_stop_tokens = false;        // false: the config's eos_token_id
+  std::vector<int32_t> stop_token_ids;  // a stop token ends the request (and is its last token)
+};
+
+struct GenerationStats {
+  int64_t prompt_tokens = 0, generated_tokens = 0, steps = 0;
+  double prefill_s = 0, decode_s = 0, tokens_per_second = 0;
+};
+
+struct GenerationResult {
+  std::vector<int32_t> token_ids;  // generated tokens only
+  std::string finish_reason;       // "stop" | "length"
+  GenerationStats stats;
+};
+
+class Engine;
+
+// A sequence and its caches, for step-level use (verification, rollback, debugging).
+class Sequence {
+ public:
+  ~Sequence();
+  Sequence(const Sequence&) = delete;
+  Sequence& operator=(const Sequence&) = delete;
+  int64_t length() const;
+  // Appends tokens; returns logits F32 [n, V] and, for each id in hidden_layers, the hidden
+  // state after that decoder layer F32 [n, H] (the drafter's context features).
+  Tensor extend(const std::vector<int32_t>& tokens, const std::vector<int64_t>& hidden_layers,
+                std::vector<Tensor>* hidden, Tensor* final_hidden = nullptr);
+  void rollback(int64_t length);
+  int64_t mtp_length() const;
+  // MTP layer: next_tokens (t+1) with the main model's final hidden states at t.
+  Tensor mtp_extend(const std::vector<int32_t>& next_tokens, const Tensor& hidden_main);
+  void mtp_rollback(int64_t length);
+
+ private:
+  friend class Engine;
+  struct Impl;
+  explicit Sequence(std::unique_ptr<Impl> impl);
+  std::unique_ptr<Impl> impl_;
+};
+
+class Engine {
+ public:
+  explicit Engine(const EngineConfig& cfg);
+  ~Engine();
+  Engine(const Engine&) = delete;
+  Engine& operator=(const Engine&) = delete;
+
+  std::vector<GenerationResult> generate(const std::vector<std::vector<int32_t>>& prompts, const SamplingParams& p);
+  // Teacher-forced logits F32 [n, V] of a prompt through the real prefill path.
+  Tensor logits(const std::vector<int32_t>& tokens);
+  std::unique_ptr<Sequence> new_sequence();
+
+  int64_t vocab_size() const;
+  int64_t hidden_size() const;
+  int64_t num_layers() const;
+  bool has_mtp() const;
+  const EngineConfig& config() const;
+  std::string model_config_json() const;  // the target's config.json as loaded
+
+  struct Impl;
+
+ private:
+  std::unique_ptr<Impl> impl_;
+};
+
+}  // namespace dflash2

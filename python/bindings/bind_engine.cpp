@@ -1,0 +1,161 @@
+// Engine / Sequence / GenerationResult. Token lists cross as Python lists (or anything
+// iterable of ints); logits and hidden states come back as numpy arrays (zero copy).
+#include <pybind11/stl.h>
+
+#include "bindings.h"
+#include "dflash2/engine.h"
+#include "dflash2/error.h"
+
+namespace dflash2::py_bind {
+
+namespace {
+
+std::vector<int32_t> to_tokens(py::handle h, const char* arg) {
+  if (py::isinstance<py::str>(h))
+    fail(ErrorKind::InvalidArgument, "argument '", arg,
+         "': text prompts need a tokenizer, which is not implemented yet; pass a list of token ids");
+  std::vector<int32_t> out;
+  for (auto v : h) {
+    if (!py::isinstance<py::int_>(v) && !py::hasattr(v, "__index__"))
+      fail(ErrorKind::InvalidArgument, "argument '", arg, "': token ids must be integers, found ",
+           std::string(py::str(py::type::of(v).attr("__name__"))));
+    int64_t t = py::reinterpret_borrow<py::object>(v).attr("__index__")().cast<int64_t>();
+    if (t < INT32_MIN || t > INT32_MAX) fail(ErrorKind::InvalidArgument, "argument '", arg, "': token id ", t, " is out of range");
+    out.push_back(int32_t(t));
+  }
+  return out;
+}
+
+py::object as_numpy(const Tensor& t) { return py::module_::import("numpy").attr("from_dlpack")(py::cast(t)); }
+
+py::dict stats_dict(const GenerationStats& s) {
+  py::dict d;
+  d["prompt_tokens"] = s.prompt_tokens;
+  d["generated_tokens"] = s.generated_tokens;
+  d["steps"] = s.steps;
+  d["prefill_s"] = s.prefill_s;
+  d["decode_s"] = s.decode_s;
+  d["tokens_per_second"] = s.tokens_per_second;
+  return d;
+}
+
+}  // namespace
+
+void bind_engine(py::module_& m) {
+  py::class_<GenerationResult>(m, "GenerationResult")
+      .def_readonly("token_ids", &GenerationResult::token_ids)
+      .def_readonly("finish_reason", &GenerationResult::finish_reason)
+      .def_property_readonly("stats", [](const GenerationResult& r) { return stats_dict(r.stats); })
+      .def("__repr__", [](const GenerationResult& r) {
+        return "GenerationResult(" + std::to_string(r.token_ids.size()) + " tokens, finish_reason='" + r.finish_reason + "')";
+      });
+
+  py::class_<Sequence>(m, "Sequence", "A sequence with its own KV caches (main and MTP) inside an Engine.")
+      .def_property_readonly("length", &Sequence::length)
+      .def_property_readonly("mtp_length", &Sequence::mtp_length)
+      .def(
+          "extend",
+          [](Sequence& s, py::handle tokens, std::vector<int64_t> hidden_layers, bool final_hidden) {
+            std::vector<int32_t> t = to_tokens(tokens, "token_ids");
+            std::vector<Tensor> hs;
+            Tensor fh;
+            Tensor lg;
+            {
+              py::gil_scoped_release nogil;
+              lg = s.extend(t, hidden_layers, &hs, final_hidden ? &fh : nullptr);
+            }
+            py::dict hd;
+            for (size_t j = 0; j < hidden_layers.size(); ++j) hd[py::int_(hidden_layers[j])] = as_numpy(hs[j]);
+            if (final_hidden) return py::tuple(py::make_tuple(as_numpy(lg), hd, as_numpy(fh)));
+            return py::tuple(py::make_tuple(as_numpy(lg), hd));
+          },
+          py::arg("token_ids"), py::arg("hidden_layers") = std::vector<int64_t>{}, py::arg("final_hidden") = false,
+          "Appends tokens; returns (logits [n, V], {layer: hidden after that layer [n, H]}[, final normed hidden]).")
+      .def("rollback", &Sequence::rollback, py::arg("length"))
+      .def(
+          "mtp_extend",
+          [](Sequence& s, py::handle tokens, py::handle hidden_main) {
+            std::vector<int32_t> t = to_tokens(tokens, "next_token_ids");
+            Tensor hm = tensor_from_python(hidden_main, "hidden_main");
+            Tensor lg;
+            {
+              py::gil_scoped_release nogil;
+              lg = s.mtp_extend(t, hm);
+            }
+            return as_numpy(lg);
+          },
+          py::arg("next_token_ids"), py::arg("hidden_main"))
+      .def("mtp_rollback", &Sequence::mtp_rollback, py::arg("length"));
+
+  py::class_<Engine>(m, "Engine")
+      .def(py::init([](const std::string& target, py::object draft, const std::string& method, const std::string& device,
+                       int64_t max_batch_size, int64_t max_seq_len, int64_t max_step_tokens, int64_t kv_block_size,
+                       int num_threads) {
+             EngineConfig c;
+             c.target = target;
+             c.draft = draft.is_none() ? "" : py::str(draft).cast<std::string>();
+             c.method = method;
+             c.device = device;
+             c.max_batch_size = max_batch_size;
+             c.max_seq_len = max_seq_len;
+             c.max_step_tokens = max_step_tokens;
+             c.kv_block_size = kv_block_size;
+             c.num_threads = num_threads;
+             py::gil_scoped_release nogil;
+             return std::make_unique<Engine>(c);
+           }),
+           py::arg("target"), py::arg("draft") = py::none(), py::arg("method") = "ar", py::arg("device") = "cpu",
+           py::arg("max_batch_size") = 8, py::arg("max_seq_len") = 4096, py::arg("max_step_tokens") = 256,
+           py::arg("kv_block_size") = 16, py::arg("num_threads") = 0)
+      .def(
+          "logits",
+          [](Engine& e, py::handle tokens) {
+            std::vector<int32_t> t = to_tokens(tokens, "token_ids");
+            Tensor lg;
+            {
+              py::gil_scoped_release nogil;
+              lg = e.logits(t);
+            }
+            return as_numpy(lg);
+          },
+          py::arg("token_ids"))
+      .def(
+          "generate",
+          [](Engine& e, py::handle prompts, int64_t max_new_tokens, float temperature, float top_p, int64_t top_k,
+             py::object seed, py::object stop_token_ids) {
+            if (py::isinstance<py::str>(prompts))
+              fail(ErrorKind::InvalidArgument, "generate: 'prompts' must be a list of prompts (each a list of token ids)");
+            std::vector<std::vector<int32_t>> ps;
+            size_t i = 0;
+            for (auto p : prompts) {
+              std::string name = "prompts[" + std::to_string(i++) + "]";
+              ps.push_back(to_tokens(p, name.c_str()));
+            }
+            SamplingParams sp;
+            sp.max_new_tokens = max_new_tokens;
+            sp.temperature = temperature;
+            sp.top_p = top_p;
+            sp.top_k = top_k;
+            if (!seed.is_none()) {
+              int64_t s = seed.cast<int64_t>();
+              DFLASH2_CHECK_ARG(s >= 0, "generate: seed must be >= 0, found ", s);
+              sp.seed = s;
+            }
+            if (!stop_token_ids.is_none()) {
+              sp.has_stop_tokens = true;
+              sp.stop_token_ids = to_tokens(stop_token_ids, "stop_token_ids");
+            }
+            py::gil_scoped_release nogil;
+            return e.generate(ps, sp);
+          },
+          py::arg("prompts"), py::arg("max_new_tokens") = 16, py::arg("temperature") = 0.0f, py::arg("top_p") = 1.0f,
+          py::arg("top_k") = 0, py::arg("seed") = py::none(), py::arg("stop_token_ids") = py::none())
+      .def("new_sequence", &Engine::new_sequence, py::keep_alive<0, 1>())
+      .def_property_readonly("vocab_size", &Engine::vocab_size)
+      .def_property_readonly("hidden_size", &Engine::hidden_size)
+      .def_property_readonly("num_layers", &Engine::num_layers)
+      .def_property_readonly("has_mtp", &Engine::has_mtp)
+      .def_property_readonly("config_json", &Engine::model_config_json);
+}
+
+}  // namespace dflash2::py_bind
