@@ -1,5 +1,6 @@
 // Engine / Sequence / GenerationResult. Token lists cross as Python lists (or anything
 // iterable of ints); logits and hidden states come back as numpy arrays (zero copy).
+#include <pybind11/functional.h>
 #include <pybind11/stl.h>
 
 #include "bindings.h"
@@ -36,6 +37,12 @@ py::dict stats_dict(const GenerationStats& s) {
   d["prefill_s"] = s.prefill_s;
   d["decode_s"] = s.decode_s;
   d["tokens_per_second"] = s.tokens_per_second;
+  d["acceptance_length"] = s.acceptance_length;
+  d["verify_steps"] = s.verify_steps;
+  d["accepted_per_position"] = s.accepted_per_position;
+  d["draft_s"] = s.draft_s;
+  d["verify_s"] = s.verify_s;
+  d["host_s"] = s.host_s;
   return d;
 }
 
@@ -48,6 +55,14 @@ void bind_engine(py::module_& m) {
       .def_property_readonly("stats", [](const GenerationResult& r) { return stats_dict(r.stats); })
       .def("__repr__", [](const GenerationResult& r) {
         return "GenerationResult(" + std::to_string(r.token_ids.size()) + " tokens, finish_reason='" + r.finish_reason + "')";
+      });
+
+  py::class_<Proposal>(m, "Proposal", "One greedy draft block after a prefill (for debugging acceptance).")
+      .def_readonly("anchor", &Proposal::anchor)
+      .def_readonly("tokens", &Proposal::tokens)
+      .def_readonly("candidates", &Proposal::candidates)
+      .def("__repr__", [](const Proposal& p) {
+        return "Proposal(anchor=" + std::to_string(p.anchor) + ", " + std::to_string(p.tokens.size()) + " tokens)";
       });
 
   py::class_<Sequence>(m, "Sequence", "A sequence with its own KV caches (main and MTP) inside an Engine.")
@@ -90,7 +105,7 @@ void bind_engine(py::module_& m) {
   py::class_<Engine>(m, "Engine")
       .def(py::init([](const std::string& target, py::object draft, const std::string& method, const std::string& device,
                        int64_t max_batch_size, int64_t max_seq_len, int64_t max_step_tokens, int64_t kv_block_size,
-                       int num_threads) {
+                       int num_threads, int64_t mtp_draft_tokens) {
              EngineConfig c;
              c.target = target;
              c.draft = draft.is_none() ? "" : py::str(draft).cast<std::string>();
@@ -101,12 +116,13 @@ void bind_engine(py::module_& m) {
              c.max_step_tokens = max_step_tokens;
              c.kv_block_size = kv_block_size;
              c.num_threads = num_threads;
+             c.mtp_draft_tokens = mtp_draft_tokens;
              py::gil_scoped_release nogil;
              return std::make_unique<Engine>(c);
            }),
            py::arg("target"), py::arg("draft") = py::none(), py::arg("method") = "ar", py::arg("device") = "cpu",
            py::arg("max_batch_size") = 8, py::arg("max_seq_len") = 4096, py::arg("max_step_tokens") = 256,
-           py::arg("kv_block_size") = 16, py::arg("num_threads") = 0)
+           py::arg("kv_block_size") = 16, py::arg("num_threads") = 0, py::arg("mtp_draft_tokens") = 7)
       .def(
           "logits",
           [](Engine& e, py::handle tokens) {
@@ -122,7 +138,7 @@ void bind_engine(py::module_& m) {
       .def(
           "generate",
           [](Engine& e, py::handle prompts, int64_t max_new_tokens, float temperature, float top_p, int64_t top_k,
-             py::object seed, py::object stop_token_ids) {
+             py::object seed, py::object stop_token_ids, py::object on_tokens) {
             if (py::isinstance<py::str>(prompts))
               fail(ErrorKind::InvalidArgument, "generate: 'prompts' must be a list of prompts (each a list of token ids)");
             std::vector<std::vector<int32_t>> ps;
@@ -145,11 +161,24 @@ void bind_engine(py::module_& m) {
               sp.has_stop_tokens = true;
               sp.stop_token_ids = to_tokens(stop_token_ids, "stop_token_ids");
             }
+            TokenCallback cb;
+            if (!on_tokens.is_none()) cb = on_tokens.cast<TokenCallback>();
             py::gil_scoped_release nogil;
-            return e.generate(ps, sp);
+            return e.generate(ps, sp, cb);
           },
           py::arg("prompts"), py::arg("max_new_tokens") = 16, py::arg("temperature") = 0.0f, py::arg("top_p") = 1.0f,
-          py::arg("top_k") = 0, py::arg("seed") = py::none(), py::arg("stop_token_ids") = py::none())
+          py::arg("top_k") = 0, py::arg("seed") = py::none(), py::arg("stop_token_ids") = py::none(),
+          py::arg("on_tokens") = py::none())
+      .def(
+          "propose",
+          [](Engine& e, py::handle tokens) {
+            std::vector<int32_t> t = to_tokens(tokens, "token_ids");
+            py::gil_scoped_release nogil;
+            return e.propose(t);
+          },
+          py::arg("token_ids"))
+      .def_property_readonly("block_size", &Engine::block_size)
+      .def_property_readonly("method", &Engine::method)
       .def("new_sequence", &Engine::new_sequence, py::keep_alive<0, 1>())
       .def_property_readonly("vocab_size", &Engine::vocab_size)
       .def_property_readonly("hidden_size", &Engine::hidden_size)

@@ -1,6 +1,7 @@
 // dflash2/engine.h: the public engine API for C++ programs.
 #pragma once
 #include <cstdint>
+#include <functional>
 #include <memory>
 #include <string>
 #include <vector>
@@ -12,7 +13,8 @@ namespace dflash2 {
 struct EngineConfig {
   std::string target;             // checkpoint directory or .safetensors file (with config.json)
   std::string draft;              // drafter checkpoint ("" = none)
-  std::string method = "ar";      // "ar" (speculative methods come with the drafter)
+  int64_t mtp_draft_tokens = 7;   // method "mtp": tokens drafted per step by the chained MTP layer
+  std::string method = "ar";      // "ar" | "mtp" | "dflash" | "dflash2" (dflash* need a drafter)
   std::string device = "cpu";
   int64_t max_batch_size = 8;     // sequences decoded together
   int64_t max_seq_len = 4096;     // prompt + generated tokens per sequence
@@ -34,7 +36,23 @@ struct SamplingParams {
 struct GenerationStats {
   int64_t prompt_tokens = 0, generated_tokens = 0, steps = 0;
   double prefill_s = 0, decode_s = 0, tokens_per_second = 0;
+  // speculative methods: committed tokens per verify step (bonus included; 1 for ar),
+  // verify steps, the acceptance rate of each draft position, and where the time went.
+  double acceptance_length = 1.0;
+  int64_t verify_steps = 0;
+  std::vector<double> accepted_per_position;
+  double draft_s = 0, verify_s = 0, host_s = 0;
 };
+
+// One greedy draft block after a prefill of some tokens (for debugging acceptance).
+struct Proposal {
+  int32_t anchor = 0;                          // the target's greedy next token
+  std::vector<int32_t> tokens;                 // block_size - 1 drafted tokens
+  std::vector<std::vector<int32_t>> candidates;  // per drafted position: the selector's top-k ids
+};
+
+// Called with (request index, newly committed tokens) as generation proceeds.
+using TokenCallback = std::function<void(int64_t, const std::vector<int32_t>&)>;
 
 struct GenerationResult {
   std::vector<int32_t> token_ids;  // generated tokens only
@@ -75,7 +93,11 @@ class Engine {
   Engine(const Engine&) = delete;
   Engine& operator=(const Engine&) = delete;
 
-  std::vector<GenerationResult> generate(const std::vector<std::vector<int32_t>>& prompts, const SamplingParams& p);
+  std::vector<GenerationResult> generate(const std::vector<std::vector<int32_t>>& prompts, const SamplingParams& p,
+                                        const TokenCallback& on_tokens = nullptr);
+  Proposal propose(const std::vector<int32_t>& tokens);
+  int64_t block_size() const;  // tokens verified per step (1 for ar)
+  const std::string& method() const;
   // Teacher-forced logits F32 [n, V] of a prompt through the real prefill path.
   Tensor logits(const std::vector<int32_t>& tokens);
   std::unique_ptr<Sequence> new_sequence();

@@ -657,7 +657,7 @@ void GlmModel::run_chunk(const std::vector<Piece>& pieces, bool all_logits, Tens
 }
 
 void GlmModel::mtp_forward(CacheStream& stream, const int32_t* next_tokens, const Tensor& h_main, int64_t n,
-                           Tensor& logits) {
+                           Tensor& logits, Tensor* mtp_hidden) {
   DFLASH2_CHECK(mtp_ != nullptr, ErrorKind::Unsupported, "this checkpoint has no MTP layer (num_nextn_predict_layers = 0)");
   const GlmConfig& c = cfg_;
   const int64_t H = c.hidden_size;
@@ -666,6 +666,10 @@ void GlmModel::mtp_forward(CacheStream& stream, const int32_t* next_tokens, cons
   DFLASH2_CHECK_ARG(logits.dtype() == DType::F32 && logits.ndim() == 2 && logits.shape(0) == n &&
                         logits.shape(1) == c.vocab_size && logits.stride(1) == 1,
                     "mtp: logits must be F32 [", n, ", ", c.vocab_size, "]");
+  if (mtp_hidden)
+    DFLASH2_CHECK_ARG(mtp_hidden->dtype() == DType::F32 && mtp_hidden->is_contiguous() &&
+                          mtp_hidden->shape() == Tensor::Shape({n, H}),
+                      "mtp: mtp_hidden must be F32 [", n, ", ", H, "]");
   for (int64_t j = 0; j < n; ++j)
     DFLASH2_CHECK_ARG(next_tokens[j] >= 0 && next_tokens[j] < c.vocab_size, "token id ", next_tokens[j],
                       " is outside the vocabulary [0, ", c.vocab_size, ")");
@@ -693,6 +697,7 @@ void GlmModel::mtp_forward(CacheStream& stream, const int32_t* next_tokens, cons
     ops::linear(cat, mtp_eh_proj_, h);
     layer_forward(*mtp_, 0, mtp_cache_, st, h);
     stream.length += T;
+    if (mtp_hidden) std::memcpy(mtp_hidden->data_as<float>() + off * H, h.data(), size_t(T * H) * 4);
     Tensor nrm = st.b.nrm;
     ops::rms_norm(h, mtp_head_norm_, c.rms_norm_eps, nrm);
     Tensor out = logits.slice(0, off, off + T);

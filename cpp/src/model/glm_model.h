@@ -72,6 +72,8 @@ class GlmModel {
   const GlmConfig& config() const { return cfg_; }
   const Options& options() const { return opt_; }
   bool has_mtp() const { return mtp_ != nullptr; }
+  const Tensor& embed_tokens() const { return embed_; }
+  const ops::Weight& lm_head() const { return lm_head_; }
 
   // Runs the new tokens of every sequence through the model, appending to their caches.
   // logits: F32 [sum n, V] (all rows) or [num seqs, V] (last row of each) as `all_logits`
@@ -82,7 +84,10 @@ class GlmModel {
                const std::vector<int64_t>& hidden_layers, std::vector<Tensor>& hidden, Tensor& final_hidden);
   // The MTP layer: next_tokens [n] are the tokens t+1 and h_main [n, H] the main model's
   // final (normed) hidden states at t; appends to the MTP stream; logits F32 [n, V].
-  void mtp_forward(CacheStream& stream, const int32_t* next_tokens, const Tensor& h_main, int64_t n, Tensor& logits);
+  // If mtp_hidden is defined it receives the layer's output hidden state [n, H] (before
+  // shared_head.norm), which chained drafting feeds back as the next step's h_main.
+  void mtp_forward(CacheStream& stream, const int32_t* next_tokens, const Tensor& h_main, int64_t n, Tensor& logits,
+                   Tensor* mtp_hidden = nullptr);
 
   void rollback(CacheStream& s, int64_t length, bool mtp = false);
   void release(CacheStream& s, bool mtp = false) { rollback(s, 0, mtp); }

@@ -1,0 +1,92 @@
+// The DFlash drafters: DFlash 2 (`DFlash2DraftModel`: two-tap dynamic convs per sublayer
+// and a candidate selector) and DFlash 1 (`DFlashDraftModel`: neither). A block
+// [anchor, MASK x (B-1)] is drafted in one pass over the draft's context cache, which
+// holds K/V of the target's context features (taps of target_layer_ids) only.
+#pragma once
+#include <cstdint>
+#include <memory>
+#include <random>
+#include <string>
+#include <vector>
+
+#include "dflash2/ops.h"
+#include "dflash2/safetensors.h"
+#include "model/glm_config.h"
+
+namespace dflash2::model {
+
+struct DraftConfig {
+  bool v2 = true;  // DFlash2DraftModel (convs + selector) vs DFlashDraftModel
+  int64_t hidden_size = 0, intermediate_size = 0, num_layers = 0, num_heads = 0, num_kv_heads = 0, head_dim = 128;
+  int64_t vocab_size = 0;
+  float rms_norm_eps = 1e-6f;
+  double rope_theta = 10000.0;
+  int64_t block_size = 0, mask_token_id = 0;
+  std::vector<int64_t> target_layer_ids;
+  int64_t num_target_layers = 0;
+  std::vector<int64_t> window;  // per layer: sliding window (0 = full attention)
+  bool causal = false;          // causal inside the block
+  int64_t conv_group_size = 16, selector_rank = 256, selector_top_k = 16;
+
+  // Parses and checks the drafter against the target (hidden size, vocabulary, mask id,
+  // target_layer_ids, num_target_layers); Config errors name the file and the field.
+  static DraftConfig from_config(const Config& cfg, const GlmConfig& target);
+};
+
+// One stream of context K/V in the draft cache (positions 0 .. length-1).
+struct DraftStream {
+  std::vector<int32_t> blocks;
+  int64_t length = 0;
+};
+
+// What one drafted block proposes for one sequence.
+struct DraftBlock {
+  std::vector<int32_t> tokens;                 // B-1 drafted tokens
+  std::vector<std::vector<int32_t>> cand;      // per position: top-k candidate ids (DFlash 2)
+  std::vector<std::vector<float>> q;           // per position: proposal over cand (sampling; empty = one-hot)
+};
+
+class DFlashDrafter {
+ public:
+  static std::unique_ptr<DFlashDrafter> load(const Checkpoint& ck, const GlmConfig& target, const Tensor& embed,
+                                             const ops::Weight& lm_head, int64_t max_seq_len, int64_t max_batch);
+  ~DFlashDrafter();
+  const DraftConfig& config() const { return cfg_; }
+  int64_t block_size() const { return cfg_.block_size; }
+
+  // Appends context features for `n` committed tokens: taps[j] is F32 [n, H] = the target's
+  // hidden state after layer target_layer_ids[j] for those tokens.
+  void append_context(DraftStream& s, const std::vector<Tensor>& taps, int64_t n);
+  void rollback(DraftStream& s, int64_t length);
+  void release(DraftStream& s) { rollback(s, 0); }
+
+  // Drafts one block per sequence: anchors[i] at position streams[i]->length. temperature
+  // 0 walks the selector greedily; > 0 samples it and records q (DFlash 1 is always greedy).
+  void draft(const std::vector<DraftStream*>& streams, const std::vector<int32_t>& anchors, float temperature,
+             std::vector<std::mt19937_64*> rngs, std::vector<DraftBlock>& out);
+
+ private:
+  DFlashDrafter() = default;
+  struct Layer;
+  void ensure(DraftStream& s, int64_t len);
+  float* kv(int64_t layer, int32_t block, int64_t off) const {
+    return kv_base_ + ((layer * num_blocks_ + block) * kv_block_ + off) * (2 * kvdim_);
+  }
+  void conv(const Tensor& x, const float* base, const Tensor& dyn, int64_t side, int64_t nseq, Tensor& out) const;
+
+  DraftConfig cfg_;
+  std::shared_ptr<Checkpoint> ckpt_;
+  Tensor embed_;
+  ops::Weight lm_head_;
+  ops::Weight fc_;
+  Tensor hidden_norm_, norm_;
+  std::vector<std::unique_ptr<Layer>> layers_;
+  ops::Weight sel_proj_;
+  Tensor pred_book_, succ_book_;  // [V, R]
+  int64_t kvdim_ = 0, kv_block_ = 16, num_blocks_ = 0, max_seq_len_ = 0;
+  Tensor kv_;
+  float* kv_base_ = nullptr;
+  std::vector<int32_t> free_;
+};
+
+}  // namespace dflash2::model
