@@ -58,11 +58,10 @@ def _write_safetensors(path, tensors):
         f.write(struct.pack("<Q", len(h)) + h + b"".join(blobs))
 
 
-@pytest.fixture(scope="module")
-def embed_exe(tmp_path_factory):
+def _build_example(tmp_path_factory, name, exe_name):
     cmake = shutil.which("cmake")
     if cmake is None:
-        pytest.skip("cmake is not installed: cannot build examples/embed against the C++ package")
+        pytest.skip(f"cmake is not installed: cannot build examples/{name} against the C++ package")
     prefix, from_env = _prefix()
     configs = [os.path.join(prefix, d, "cmake", "dflash2", "dflash2Config.cmake") for d in ("lib", "lib64")]
     if not any(os.path.isfile(c) for c in configs):
@@ -72,19 +71,25 @@ def embed_exe(tmp_path_factory):
             f"dflash2_rt is imported from {prefix}, which has no lib/cmake/dflash2: this is a development "
             "build (CMake build tree + DFLASH2_RT_CORE_DIR), not an installed wheel. pip install the package, "
             "or set DFLASH2_CMAKE_PREFIX to a `cmake --install` prefix, to test the C++ package")
-    if not os.path.isfile(os.path.join(EMBED_SRC, "CMakeLists.txt")):
-        pytest.skip(f"examples/embed is not beside the tests ({EMBED_SRC})")
+    src = os.path.join(REPO, "examples", name)
+    if not os.path.isfile(os.path.join(src, "CMakeLists.txt")):
+        pytest.skip(f"examples/{name} is not beside the tests ({src})")
 
-    build = tmp_path_factory.mktemp("embed-build")
-    cfg = [cmake, "-S", EMBED_SRC, "-B", str(build), f"-DCMAKE_PREFIX_PATH={prefix}", "-DCMAKE_BUILD_TYPE=Release"]
+    build = tmp_path_factory.mktemp(f"{name}-build")
+    cfg = [cmake, "-S", src, "-B", str(build), f"-DCMAKE_PREFIX_PATH={prefix}", "-DCMAKE_BUILD_TYPE=Release"]
     if shutil.which("ninja"):
         cfg += ["-G", "Ninja"]
     for cmd in (cfg, [cmake, "--build", str(build), "-j2"]):
         r = subprocess.run(cmd, capture_output=True, text=True, timeout=900)
         assert r.returncode == 0, f"{' '.join(cmd)} failed:\n{r.stdout[-4000:]}\n{r.stderr[-4000:]}"
-    exe = build / "dflash2_embed"
+    exe = build / exe_name
     assert exe.is_file()
     return str(exe), prefix, from_env
+
+
+@pytest.fixture(scope="module")
+def embed_exe(tmp_path_factory):
+    return _build_example(tmp_path_factory, "embed", "dflash2_embed")
 
 
 @pytest.fixture(scope="module")
@@ -173,3 +178,34 @@ def test_embed_errors_exit_nonzero(embed_exe, checkpoint, tmp_path):
     r = _run(exe, str(truncated))
     assert r.returncode != 0
     assert r.stderr.startswith("error (Checkpoint): "), r.stderr
+
+
+@pytest.fixture(scope="module")
+def tiny_target(tmp_path_factory):
+    torch = pytest.importorskip("torch")
+    transformers = pytest.importorskip("transformers")
+    torch.manual_seed(0)
+    cfg = transformers.GlmMoeDsaConfig(
+        vocab_size=128, hidden_size=32, num_hidden_layers=2, intermediate_size=48, moe_intermediate_size=16,
+        num_attention_heads=2, num_key_value_heads=2, q_lora_rank=16, kv_lora_rank=16, qk_nope_head_dim=8,
+        qk_rope_head_dim=4, v_head_dim=8, index_topk=4, index_n_heads=8, index_head_dim=8, n_routed_experts=4,
+        num_experts_per_tok=2, n_shared_experts=1, first_k_dense_replace=1, max_position_embeddings=256,
+        rope_parameters={"rope_theta": 10000.0, "rope_type": "default"})
+    path = tmp_path_factory.mktemp("tiny-target")
+    transformers.GlmMoeDsaForCausalLM(cfg).save_pretrained(str(path))
+    return str(path)
+
+
+def test_generate_example_streams_the_engine_output(tmp_path_factory, tiny_target):
+    """examples/generate: Engine + generate + a streaming callback from C++, equal to Python's."""
+    exe, _, _ = _build_example(tmp_path_factory, "generate", "dflash2_generate")
+    r = _run(exe, "--target", tiny_target, "--prompt-ids", "3,1,4,1,5", "--max-new-tokens", "12")
+    assert r.returncode == 0, r.stderr
+    streamed = [int(t) for t in re.search(r"^stream:(.*)$", r.stdout, re.M).group(1).split()]
+    final = [int(t) for t in re.search(r"^tokens:(.*)$", r.stdout, re.M).group(1).split()]
+    assert streamed == final and len(final) == 12
+    eng = dflash2_rt.Engine(target=tiny_target, max_seq_len=512, max_batch_size=1)
+    assert eng.generate([[3, 1, 4, 1, 5]], max_new_tokens=12, stop_token_ids=[])[0].token_ids == final
+    assert "method ar: 12 tokens" in r.stdout
+    bad = _run(exe, "--target", tiny_target, "--method", "dflash2", "--prompt-ids", "1")
+    assert bad.returncode == 1 and "needs a drafter checkpoint" in bad.stderr

@@ -119,7 +119,69 @@ def _run_info(args: argparse.Namespace) -> int:
     return 0
 
 
+# ---------------------------------------------------------------------------- generate
+
+
+def _generate_args(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--target", required=True, help="target checkpoint directory (glm_moe_dsa)")
+    p.add_argument("--draft", default=None, help="drafter checkpoint directory (methods dflash2 / dflash)")
+    p.add_argument("--method", default=None, choices=["ar", "mtp", "dflash", "dflash2"],
+                   help="decoding method (default: dflash2 with --draft, else ar)")
+    g = p.add_mutually_exclusive_group(required=True)
+    g.add_argument("--prompt", help="prompt text (needs tokenizer.json in the target directory)")
+    g.add_argument("--prompt-ids", help="prompt token ids, comma- or space-separated")
+    p.add_argument("--max-new-tokens", type=int, default=64)
+    p.add_argument("--temperature", type=float, default=0.0)
+    p.add_argument("--top-p", type=float, default=1.0)
+    p.add_argument("--top-k", type=int, default=0)
+    p.add_argument("--seed", type=int, default=None)
+    p.add_argument("--max-seq-len", type=int, default=4096)
+    p.add_argument("--stream", action="store_true", help="print tokens as they are committed")
+    p.add_argument("--json", action="store_true", help="print the result as JSON")
+
+
+def _run_generate(args: argparse.Namespace) -> int:
+    import time
+
+    from .engine import Engine
+
+    method = args.method or ("dflash2" if args.draft else "ar")
+    t0 = time.perf_counter()
+    print(f"loading {args.target}" + (f" + {args.draft}" if args.draft else "") + f" (method {method}) ...",
+          file=sys.stderr, flush=True)
+    eng = Engine(target=args.target, draft=args.draft, method=method, max_seq_len=args.max_seq_len, max_batch_size=1)
+    print(f"loaded in {time.perf_counter() - t0:.2f} s", file=sys.stderr, flush=True)
+    if args.prompt is not None:
+        prompt = args.prompt
+    else:
+        try:
+            prompt = [int(t) for t in args.prompt_ids.replace(",", " ").split()]
+        except ValueError:
+            print(f"error: --prompt-ids must be integers, found {args.prompt_ids!r}", file=sys.stderr)
+            return 2
+    kw = dict(max_new_tokens=args.max_new_tokens, temperature=args.temperature, top_p=args.top_p,
+              top_k=args.top_k, seed=args.seed)
+    if args.stream and not args.json:
+        for tok in eng.stream(prompt, **kw):
+            piece = eng.decode([tok]) if eng.tokenizer is not None else f"{tok} "
+            print(piece, end="", flush=True)
+        print()
+    r = eng.generate([prompt], **kw)[0]
+    st = r.stats
+    if args.json:
+        print(json.dumps({"token_ids": r.token_ids, "text": r.text, "finish_reason": r.finish_reason, "stats": st}, indent=1))
+        return 0
+    if not args.stream:
+        print(r.text if r.text is not None else " ".join(str(t) for t in r.token_ids))
+    print(f"[{method}] {st['generated_tokens']} tokens, {st['tokens_per_second']:.1f} tok/s, "
+          f"acceptance length {st['acceptance_length']:.2f} over {st['verify_steps']} verify steps, "
+          f"finish: {r.finish_reason}", file=sys.stderr)
+    return 0
+
+
 _COMMANDS = [
+    _Command("generate", "generate from a prompt with ar / mtp / dflash / dflash2 decoding; prints text and stats",
+             _generate_args, _run_generate),
     _Command("inspect", "validate a checkpoint and list its tensors (name, dtype, shape, file) with totals",
              _inspect_args, _run_inspect),
     _Command("info", "print what this build contains (backends, CUDA archs, NCCL, CUTLASS, BLAS, threads)",

@@ -20,8 +20,33 @@ from typing import Iterable, Iterator, Optional, Sequence as Seq
 
 import numpy as np
 
+from dataclasses import dataclass, field
+
 from . import _core
-from ._core import GenerationResult, UnsupportedError  # noqa: F401
+from ._core import UnsupportedError  # noqa: F401
+
+
+@dataclass
+class GenerationResult:
+    """One request's output: the generated token ids (ending with the stop token if one
+    was hit), why it ended ("stop" | "length"), the decoded text when the target has a
+    tokenizer.json, and stats (acceptance_length, verify_steps, accepted_per_position,
+    draft_s / verify_s / host_s, prefill_s, decode_s, tokens_per_second, ...)."""
+    token_ids: list
+    finish_reason: str
+    stats: dict = field(default_factory=dict)
+    text: Optional[str] = None
+
+
+def _load_tokenizer(target):
+    path = os.path.join(os.fspath(target), "tokenizer.json") if os.path.isdir(os.fspath(target)) else None
+    if not path or not os.path.exists(path):
+        return None
+    try:
+        import tokenizers
+    except ImportError as e:  # pragma: no cover - depends on the environment
+        raise UnsupportedError(f"{path} exists but the 'tokenizers' package is not installed: pip install tokenizers") from e
+    return tokenizers.Tokenizer.from_file(path)
 
 
 class Engine:
@@ -37,6 +62,8 @@ class Engine:
                                mtp_draft_tokens)
         self.method = method
         self.device = device
+        self.target = os.fspath(target)
+        self.tokenizer = _load_tokenizer(target)
         self.max_seq_len = max_seq_len
         self.max_batch_size = max_batch_size
 
@@ -53,45 +80,67 @@ class Engine:
     def has_mtp(self) -> bool:
         return self._e.has_mtp
 
-    def logits(self, token_ids: Iterable[int]) -> np.ndarray:
+    def logits(self, token_ids) -> np.ndarray:
         """float32 [n, vocab]: the logits at every position of `token_ids` (real prefill path)."""
-        return self._e.logits(list(token_ids))
+        return self._e.logits(self._ids(token_ids))
 
-    def generate(self, prompts: Seq[Seq[int]], max_new_tokens: int = 16, temperature: float = 0.0,
+    def encode(self, text: str) -> list:
+        if self.tokenizer is None:
+            raise _core.InvalidArgumentError(
+                f"a text prompt needs a tokenizer, but {self.target} has no tokenizer.json; pass token ids")
+        return self.tokenizer.encode(text).ids
+
+    def decode(self, token_ids: Iterable[int]) -> str:
+        if self.tokenizer is None:
+            raise _core.InvalidArgumentError(f"{self.target} has no tokenizer.json to decode with")
+        return self.tokenizer.decode(list(token_ids))
+
+    def _ids(self, prompt) -> list:
+        return self.encode(prompt) if isinstance(prompt, str) else list(prompt)
+
+    def generate(self, prompts, max_new_tokens: int = 16, temperature: float = 0.0,
                  top_p: float = 1.0, top_k: int = 0, seed: Optional[int] = None,
                  stop_token_ids: Optional[Iterable[int]] = None) -> list:
-        """Generates for a batch of prompts (lists of token ids), decoded together. Each
-        result has .token_ids (generated only, ending with the stop token if one was hit),
-        .finish_reason ('stop' | 'length') and .stats. stop_token_ids=None uses the
-        config's eos_token_id; [] disables stopping."""
+        """Generates for a batch of prompts (each a list of token ids, or a string when the
+        target has a tokenizer.json), decoded together in lockstep; returns one
+        GenerationResult per prompt. stop_token_ids=None uses the config's eos_token_id;
+        [] disables stopping. seed makes sampling reproducible (request i draws from a
+        stream derived from (seed, i))."""
         if isinstance(prompts, (str, bytes)):
-            raise _core.InvalidArgumentError("generate: 'prompts' must be a list of prompts (each a list of token ids)")
-        return self._e.generate([list(p) for p in prompts], max_new_tokens, temperature, top_p, top_k, seed,
-                                None if stop_token_ids is None else list(stop_token_ids))
+            raise _core.InvalidArgumentError("generate: 'prompts' must be a list of prompts (token-id lists or strings)")
+        ids = [self._ids(p) for p in prompts]
+        raw = self._e.generate(ids, max_new_tokens, temperature, top_p, top_k, seed,
+                               None if stop_token_ids is None else list(stop_token_ids))
+        out = []
+        for r in raw:
+            text = self.tokenizer.decode(list(r.token_ids)) if self.tokenizer is not None else None
+            out.append(GenerationResult(list(r.token_ids), r.finish_reason, dict(r.stats), text))
+        return out
 
     @property
     def block_size(self) -> int:
         """Tokens verified per step: 1 for ar, the drafter's block size (8), or mtp_draft_tokens + 1."""
         return self._e.block_size
 
-    def propose(self, token_ids: Iterable[int]):
+    def propose(self, token_ids):
         """One greedy draft block after a prefill of `token_ids`: .anchor (the target's greedy
         next token), .tokens (the drafted block_size - 1 tokens) and .candidates (the
         selector's top-k ids per drafted position; empty for DFlash 1 and MTP)."""
-        return self._e.propose(list(token_ids))
+        return self._e.propose(self._ids(token_ids))
 
-    def stream(self, prompt: Seq[int], max_new_tokens: int = 16, temperature: float = 0.0, top_p: float = 1.0,
+    def stream(self, prompt, max_new_tokens: int = 16, temperature: float = 0.0, top_p: float = 1.0,
                top_k: int = 0, seed: Optional[int] = None,
                stop_token_ids: Optional[Iterable[int]] = None) -> Iterator[int]:
         """Yields the generated token ids of one prompt as they are committed (several per
         verify step with speculative methods). Errors are raised in the caller's thread."""
+        ids = self._ids(prompt)
         q: queue.Queue = queue.Queue()
         done = object()
         box = {}
 
         def run():
             try:
-                box["result"] = self._e.generate([list(prompt)], max_new_tokens, temperature, top_p, top_k, seed,
+                box["result"] = self._e.generate([ids], max_new_tokens, temperature, top_p, top_k, seed,
                                                  None if stop_token_ids is None else list(stop_token_ids),
                                                  lambda i, toks: q.put(list(toks)))
             except BaseException as e:  # noqa: BLE001 - re-raised below in the consumer

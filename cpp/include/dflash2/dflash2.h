@@ -3,6 +3,7 @@
 #include "dflash2/arena.h"
 #include "dflash2/build_info.h"
 #include "dflash2/dtype.h"
+#include "dflash2/engine.h"
 #include "dflash2/error.h"
 #include "dflash2/json.h"
 #include "dflash2/ops.h"
