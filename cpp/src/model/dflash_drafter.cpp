@@ -216,6 +216,7 @@ std::unique_ptr<DFlashDrafter> DFlashDrafter::load(const Checkpoint& ck, const G
          missing.size() > 1 ? "s are" : " is", " missing: ", list,
          c.v2 ? " (a DFlash2DraftModel needs its convs and candidate selector)" : "");
   }
+  d->use_selector_ = c.v2;
   d->kvdim_ = kvh * hd;
   d->max_seq_len_ = max_seq_len;
   d->num_blocks_ = (max_seq_len + d->kv_block_ - 1) / d->kv_block_ * max_batch;
@@ -412,7 +413,7 @@ void DFlashDrafter::draft(const std::vector<DraftStream*>& streams, const std::v
   Tensor logits = Tensor::empty(DType::F32, {R, V});
   ops::linear(hrows, lm_head_, logits);
   out.assign(size_t(S), DraftBlock());
-  if (!c.v2) {
+  if (!c.v2 || !use_selector_) {
     for (int64_t s = 0; s < S; ++s)
       for (int64_t t = 0; t < B - 1; ++t) {
         const float* lg = logits.data_as<float>() + (s * (B - 1) + t) * V;

@@ -53,6 +53,9 @@ class DFlashDrafter {
   ~DFlashDrafter();
   const DraftConfig& config() const { return cfg_; }
   int64_t block_size() const { return cfg_.block_size; }
+  // DFlash 2 only: false drafts the argmax per position (convs still on), for ablations.
+  void set_use_selector(bool on) { use_selector_ = on && cfg_.v2; }
+  bool use_selector() const { return use_selector_; }
 
   // Appends context features for `n` committed tokens: taps[j] is F32 [n, H] = the target's
   // hidden state after layer target_layer_ids[j] for those tokens.
@@ -87,6 +90,7 @@ class DFlashDrafter {
   Tensor kv_;
   float* kv_base_ = nullptr;
   std::vector<int32_t> free_;
+  bool use_selector_ = true;
 };
 
 }  // namespace dflash2::model

@@ -68,8 +68,11 @@ Engine::Engine(const EngineConfig& cfg) : impl_(std::make_unique<Impl>()) {
     impl_->drafter = model::DFlashDrafter::load(dk, impl_->model->config(), impl_->model->embed_tokens(),
                                                 impl_->model->lm_head(), cfg.max_seq_len, cfg.max_batch_size);
     const bool v2 = impl_->drafter->config().v2;
-    DFLASH2_CHECK(v2 == (m == "dflash2"), ErrorKind::Config, "Engine: method '", m, "' but the drafter ", cfg.draft,
-                  " is a ", v2 ? "DFlash2DraftModel (use method='dflash2')" : "DFlashDraftModel (use method='dflash')");
+    // dflash2 needs a DFlash 2 checkpoint; dflash runs DFlash 1 checkpoints, and DFlash 2
+    // ones with their convs but the selector off (argmax per position: an ablation).
+    DFLASH2_CHECK(v2 || m == "dflash", ErrorKind::Config, "Engine: method 'dflash2' but the drafter ", cfg.draft,
+                  " is a DFlashDraftModel (no convs, no candidate selector): use method='dflash'");
+    impl_->drafter->set_use_selector(m == "dflash2");
     impl_->draft_len = impl_->drafter->block_size() - 1;
   } else if (m == "mtp") {
     DFLASH2_CHECK(impl_->model->has_mtp(), ErrorKind::Config, "Engine: method 'mtp' but the target ", cfg.target,
