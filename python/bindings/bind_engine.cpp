@@ -87,6 +87,7 @@ void bind_engine(py::module_& m) {
           py::arg("token_ids"), py::arg("hidden_layers") = std::vector<int64_t>{}, py::arg("final_hidden") = false,
           "Appends tokens; returns (logits [n, V], {layer: hidden after that layer [n, H]}[, final normed hidden]).")
       .def("rollback", &Sequence::rollback, py::arg("length"))
+      .def("release", &Sequence::release)
       .def(
           "mtp_extend",
           [](Sequence& s, py::handle tokens, py::handle hidden_main) {

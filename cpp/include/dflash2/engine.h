@@ -74,6 +74,7 @@ class Sequence {
   Tensor extend(const std::vector<int32_t>& tokens, const std::vector<int64_t>& hidden_layers,
                 std::vector<Tensor>* hidden, Tensor* final_hidden = nullptr);
   void rollback(int64_t length);
+  void release();  // frees its cache blocks (main and MTP); the sequence is empty afterwards
   int64_t mtp_length() const;
   // MTP layer: next_tokens (t+1) with the main model's final hidden states at t.
   Tensor mtp_extend(const std::vector<int32_t>& next_tokens, const Tensor& hidden_main);

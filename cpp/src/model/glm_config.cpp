@@ -13,7 +13,10 @@ namespace {
 GlmConfig GlmConfig::from_config(const Config& c) {
   GlmConfig g;
   const std::string mt = c.get_string("model_type", "");
-  if (mt != "glm_moe_dsa") {
+  if (!mt.empty() && mt != "glm_moe_dsa")
+    bad(c, "model_type", "unsupported model type '" + mt +
+                             "': this runtime serves glm_moe_dsa (GlmMoeDsaForCausalLM) targets");
+  if (mt.empty()) {  // no model_type: accept by architecture
     bool arch_ok = false;
     if (c.has("architectures"))
       for (const auto& a : c.get_string_list("architectures")) arch_ok |= (a == "GlmMoeDsaForCausalLM");

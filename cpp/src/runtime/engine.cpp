@@ -514,6 +514,10 @@ Tensor Sequence::extend(const std::vector<int32_t>& tokens, const std::vector<in
 }
 
 void Sequence::rollback(int64_t length) { impl_->model->rollback(impl_->main, length); }
+void Sequence::release() {
+  impl_->model->release(impl_->main);
+  if (impl_->model->has_mtp()) impl_->model->release(impl_->mtp, true);
+}
 
 Tensor Sequence::mtp_extend(const std::vector<int32_t>& next_tokens, const Tensor& hidden_main) {
   GlmModel& m = *impl_->model;
