@@ -439,3 +439,28 @@ def test_bad_arguments_are_invalid_argument_errors(zoo):
         eng.generate([ok], max_new_tokens=1, top_p=1.5)
     # the engine is still usable afterwards
     assert len(gen1(eng, ok, 2).token_ids) == 2
+
+
+# ---------------------------------------------------------------------------- cache pages and chunking
+
+
+def test_sequences_ending_on_page_boundaries(zoo):
+    """Pitfall (DSA indexer table off by one): lengths that end exactly on a KV page, then
+    decoding across it, equal transformers."""
+    eng, hf = zoo.engine("tiny", kv_block_size=4), zoo.hf("tiny")
+    for n in (4, 8, 12):
+        ids = gf.prompt(n + 3, n)
+        seq = eng.new_sequence()
+        lg, _ = seq.extend(ids[:n])
+        rows = [lg] + [seq.extend([t])[0] for t in ids[n:]]
+        release(seq)
+        assert_close(np.concatenate(rows), gf.hf_logits(hf, ids), f"page boundary n={n}")
+
+
+def test_chunked_prefill_equals_one_pass_bitwise(zoo):
+    """Prefill longer than max_step_tokens is chunked; every row is computed alone, so the
+    chunked logits equal the single-pass ones bit for bit."""
+    ids = gf.prompt(41, 7)
+    one = zoo.engine("tiny").logits(ids)
+    chunked = zoo.engine("tiny", max_step_tokens=5).logits(ids)
+    assert np.array_equal(one, chunked)
