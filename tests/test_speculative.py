@@ -1,0 +1,685 @@
+"""Speculative decoding in the runtime (``dflash2_rt.Engine`` with method "dflash2",
+"dflash", "mtp") against the independent reference (tests/dflash_ref.py) and against plain
+autoregressive decoding ("ar") of the same engine.
+
+* ``propose`` equals the reference (anchor, drafted tokens, candidates) for DFlash 2 and
+  DFlash 1 drafters: causal / non-causal, sliding window smaller than the prompt, BF16,
+  odd shapes. Comparisons are tie-aware: where the engine differs from the reference, the
+  engine's choice must score within a tolerance of the reference's best.
+* greedy is lossless: every method equals "ar" token for token, at every batch size
+  1..max_batch_size with prompts of different lengths in one batch, in long generations
+  with low acceptance (random drafters) and with high acceptance (the self-drafting pair
+  of tests/dflash_fixtures.py, whose accepted count per verify step is known exactly).
+* sampling is lossless: the distribution of the first three generated tokens matches the
+  exact target distribution (computed by teacher forcing) on a 16-token vocabulary, with a
+  TV bound that tightens with the number of samples.
+* stats, stop tokens, streaming, configuration errors and argument errors.
+
+The whole module skips while the engine raises NotImplementedError for method="dflash2".
+"""
+from __future__ import annotations
+
+import json
+import math
+import os
+import shutil
+import sys
+
+import numpy as np
+import pytest
+
+torch = pytest.importorskip("torch")
+pytest.importorskip("transformers.models.glm_moe_dsa", reason="needs transformers>=5 with GlmMoeDsa")
+pytest.importorskip("safetensors")
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+import dflash2_rt  # noqa: E402
+import dflash_fixtures as F  # noqa: E402
+import dflash_ref as R  # noqa: E402
+
+try:
+    import glm_fixtures as G  # noqa: E402  (another engineer's tiny targets, with an MTP layer)
+except ImportError:  # pragma: no cover
+    G = None
+
+torch.set_num_threads(1)
+
+MAXB = 4
+MAXLEN = 256
+NO_STOP: list = []
+
+
+def _engine(target, draft=None, method="ar", **kw):
+    return dflash2_rt.Engine(target=os.fspath(target), draft=None if draft is None else os.fspath(draft),
+                             method=method, device="cpu", max_batch_size=MAXB, max_seq_len=MAXLEN, **kw)
+
+
+def _prompt(seed: int, n: int, vocab: int = 256) -> list:
+    return [int(x) for x in np.random.default_rng(500 + seed).integers(0, vocab - 1, n)]
+
+
+# Random drafters: name -> (make function, kwargs). Seeds differ so that each is its own drafter.
+DRAFTERS = {
+    "d2": ("v2", dict(seed=1)),
+    "d2_causal": ("v2", dict(seed=2, is_causal=True)),
+    "d2_sw": ("v2", dict(seed=3, sliding_window=12)),
+    "d2_sw_causal": ("v2", dict(seed=4, sliding_window=12, is_causal=True)),
+    "d2_no_causal_key": ("v2", dict(seed=5, is_causal=None)),   # key absent -> non-causal
+    "d2_bf16": ("v2", dict(seed=6, dtype="bf16")),
+    "d2_shapes": ("v2", dict(seed=7, num_layers=3, block_size=6, heads=8, kv_heads=2, head_dim=8,
+                             conv_group_size=8, selector_rank=16, selector_top_k=8, intermediate=96)),
+    "d1": ("v1", dict(seed=1)),
+    "d1_causal": ("v1", dict(seed=2, is_causal=True)),
+    "d1_sw": ("v1", dict(seed=3, sliding_window=12)),
+}
+
+
+class World:
+    """The tiny target (with an MTP layer when tests/glm_fixtures.py is there), drafters and
+    references, built on first use."""
+
+    def __init__(self, root):
+        self.root = root
+        if G is not None:
+            self.target = G.build_model(root / "target", "tiny")
+        else:
+            self.target = F.make_tiny_target(root / "target", num_hidden_layers=4)
+        self.cfg = F.read_target_config(self.target)
+        self.V = self.cfg["vocab_size"]
+        self._drafts, self._refs, self._tref = {}, {}, None
+
+    def draft(self, key):
+        if key not in self._drafts:
+            kind, kw = DRAFTERS[key]
+            make = F.make_dflash2_drafter if kind == "v2" else F.make_dflash1_drafter
+            self._drafts[key] = make(self.target, self.root / key, **kw)
+        return self._drafts[key]
+
+    @property
+    def tref(self):
+        if self._tref is None:
+            self._tref = R.TargetRef(self.target)
+        return self._tref
+
+    def ref(self, key, use_selector=True):
+        k = (key, use_selector)
+        if k not in self._refs:
+            self._refs[k] = R.DraftRef(self.draft(key), self.tref, use_selector=use_selector)
+        return self._refs[k]
+
+
+@pytest.fixture(scope="module")
+def world(tmp_path_factory):
+    w = World(tmp_path_factory.mktemp("spec"))
+    try:
+        _engine(w.target, w.draft("d2"), "dflash2")
+    except NotImplementedError as e:
+        pytest.skip(f"speculative decoding is not implemented yet (Engine(method='dflash2') raised: {e})")
+    return w
+
+
+@pytest.fixture(scope="module")
+def ar_engine(world):
+    return _engine(world.target)
+
+
+@pytest.fixture(scope="module")
+def pair(tmp_path_factory, world):
+    return F.make_self_drafting_pair(tmp_path_factory.mktemp("pair"))
+
+
+def _has_mtp(world) -> bool:
+    return bool(_engine(world.target).has_mtp)
+
+
+# ---------------------------------------------------------------------------- propose vs reference
+
+
+def check_proposal(ref: R.Proposal, got, dref: R.DraftRef, rel_tol: float = 1e-4) -> bool:
+    """Asserts that the engine's proposal is the reference's up to near-ties; returns True
+    if it is exactly the reference's."""
+    c = dref.cfg
+    scale = max(1.0, float(ref.logits.abs().max()), float(ref.anchor_logits.abs().max()))
+    tol = rel_tol * scale
+    al = ref.anchor_logits.double()
+    assert 0 <= got.anchor < al.shape[0]
+    if got.anchor != ref.anchor:
+        assert float(al[got.anchor]) >= float(al.max()) - tol, (got.anchor, ref.anchor)
+        return False  # a tie decided the anchor: a different block, nothing more to compare
+    toks = [int(t) for t in got.tokens]
+    assert len(toks) == c.block_size - 1, f"{len(toks)} drafted tokens, expected block_size - 1 = {c.block_size - 1}"
+    exact = toks == ref.tokens
+    if dref.use_selector:
+        cands = [[int(x) for x in row] for row in got.candidates]
+        assert len(cands) == c.block_size - 1
+        A = dref.w["candidate_selector.predecessor_codebook"]
+        Bc = dref.w["candidate_selector.successor_codebook"]
+        pred = ref.anchor
+        for t in range(c.block_size - 1):
+            row = ref.logits[t]
+            assert len(cands[t]) == c.selector_top_k and len(set(cands[t])) == c.selector_top_k
+            vals = row[torch.tensor(cands[t])]
+            # the engine's candidates are a top-k in descending order, up to ties
+            assert torch.allclose(vals, ref.unary[t], rtol=0, atol=tol), (t, cands[t], ref.candidates[t])
+            assert toks[t] in cands[t], f"position {t + 1}: drafted token {toks[t]} is not a candidate"
+            s = R.selector_scores(vals, torch.tensor(cands[t]), ref.g[t], A, Bc, pred)
+            b = cands[t].index(toks[t])
+            assert float(s[b]) >= float(s.max()) - tol, (t, toks, ref.tokens)
+            pred = toks[t]
+        exact = exact and cands == ref.candidates
+    else:
+        for t in range(c.block_size - 1):
+            assert float(ref.logits[t][toks[t]]) >= float(ref.logits[t].max()) - tol, (t, toks, ref.tokens)
+    return exact
+
+
+PROPOSE_KEYS = ["d2", "d2_causal", "d2_sw", "d2_sw_causal", "d2_no_causal_key", "d2_bf16", "d2_shapes",
+                "d1", "d1_causal", "d1_sw"]
+
+
+@pytest.mark.parametrize("key", PROPOSE_KEYS)
+def test_propose_matches_reference(world, key):
+    kind = DRAFTERS[key][0]
+    eng = _engine(world.target, world.draft(key), "dflash2" if kind == "v2" else "dflash")
+    dref = world.ref(key)
+    exact = 0
+    prompts = [_prompt(1, 5), _prompt(2, 17), _prompt(3, 30)]   # window 12 < 17, 30
+    for ids in prompts:
+        got = eng.propose(ids)
+        exact += check_proposal(dref.propose(ids), got, dref)
+        if kind == "v1":
+            assert len(got.candidates) == 0 or all(len(c) > 0 for c in got.candidates)
+    assert exact >= 2, f"only {exact} of {len(prompts)} proposals equal the reference exactly"
+
+
+def test_dflash2_checkpoint_as_dflash_drafts_argmax_with_convs(world):
+    """method 'dflash' on a DFlash 2 checkpoint (the README's ablation): convs on, selector off."""
+    eng = _engine(world.target, world.draft("d2"), "dflash")
+    dref = world.ref("d2", use_selector=False)
+    exact = 0
+    for ids in (_prompt(4, 9), _prompt(5, 21)):
+        exact += check_proposal(dref.propose(ids), eng.propose(ids), dref)
+    assert exact >= 1
+
+
+def test_dflash2_never_runs_as_dflash1(world, tmp_path):
+    """The conv + selector path is used: a DFlash 2 drafter proposes differently from the
+    same weights loaded as DFlash 1, unless its convs are identity and its successor
+    codebook is zero (then it must draft exactly like DFlash 1)."""
+    d2 = world.draft("d2")
+    d1 = F.dflash1_from_dflash2(d2, tmp_path / "d2_as_v1")
+    e2, e1 = _engine(world.target, d2, "dflash2"), _engine(world.target, d1, "dflash")
+    prompts = [_prompt(s, n) for s, n in ((10, 6), (11, 14), (12, 23), (13, 3))]
+    differs = 0
+    for ids in prompts:
+        p2, p1 = e2.propose(ids), e1.propose(ids)
+        assert p2.anchor == p1.anchor
+        assert len(p2.candidates) == 7 and all(len(c) == 16 for c in p2.candidates)
+        differs += list(p2.tokens) != list(p1.tokens)
+    assert differs >= 2, "a DFlash 2 drafter drafts like its DFlash 1 weights: convs/selector not applied"
+    ident = F.make_dflash2_drafter(world.target, tmp_path / "ident", seed=1, identity_convs=True,
+                                   zero_successor=True)
+    ident1 = F.dflash1_from_dflash2(ident, tmp_path / "ident_v1")
+    ei, ei1 = _engine(world.target, ident, "dflash2"), _engine(world.target, ident1, "dflash")
+    for ids in prompts:
+        pi, pi1 = ei.propose(ids), ei1.propose(ids)
+        assert list(pi.tokens) == list(pi1.tokens)
+        assert [c[0] for c in pi.candidates] == list(pi.tokens)
+
+
+def test_dflash2_refuses_dflash1_checkpoint(world):
+    with pytest.raises(dflash2_rt.ConfigError):
+        _engine(world.target, world.draft("d1"), "dflash2")
+
+
+# ---------------------------------------------------------------------------- greedy is lossless
+
+GREEDY_PROMPTS = [_prompt(20 + i, n) for i, n in enumerate([3, 8, 17, 30, 5, 12, 25, 1])]
+GREEDY_NEW = 24
+
+
+@pytest.fixture(scope="module")
+def ar_greedy(world, ar_engine):
+    out = []
+    for i in range(0, len(GREEDY_PROMPTS), MAXB):
+        out += [list(r.token_ids) for r in ar_engine.generate(GREEDY_PROMPTS[i:i + MAXB], max_new_tokens=GREEDY_NEW,
+                                                              stop_token_ids=NO_STOP)]
+    return out
+
+
+def _spec_engine(world, key):
+    if key == "mtp":
+        if not _has_mtp(world):
+            pytest.skip("the target has no MTP layer (tests/glm_fixtures.py not available)")
+        return _engine(world.target, None, "mtp")
+    kind = DRAFTERS[key][0]
+    return _engine(world.target, world.draft(key), "dflash2" if kind == "v2" else "dflash")
+
+
+@pytest.mark.parametrize("key", ["d2", "d2_sw_causal", "d2_shapes", "d1", "mtp"])
+def test_greedy_equals_ar_every_batch_size(world, ar_greedy, key):
+    eng = _spec_engine(world, key)
+    n = len(GREEDY_PROMPTS)
+    for bs in range(1, MAXB + 1):
+        order = [(i * 3 + bs) % n for i in range(n)]        # mixes prompt lengths inside a batch
+        for j in range(0, n, bs):
+            idx = order[j:j + bs]
+            res = eng.generate([GREEDY_PROMPTS[i] for i in idx], max_new_tokens=GREEDY_NEW, stop_token_ids=NO_STOP)
+            assert len(res) == len(idx)
+            for i, r in zip(idx, res):
+                assert list(r.token_ids) == ar_greedy[i], f"{key}, batch size {bs}, prompt {i}"
+                assert r.finish_reason == "length"
+
+
+@pytest.mark.parametrize("key", ["d2", "d2_sw", "d1_causal", "mtp"])
+def test_long_generation_low_acceptance_equals_ar(world, ar_engine, key):
+    """Random drafters accept little: many rejections, rollbacks and context appends."""
+    eng = _spec_engine(world, key)
+    prompts = [_prompt(40, 9), _prompt(41, 23)]
+    new = 150
+    want = [list(r.token_ids) for r in ar_engine.generate(prompts, max_new_tokens=new, stop_token_ids=NO_STOP)]
+    got = eng.generate(prompts, max_new_tokens=new, stop_token_ids=NO_STOP)
+    for w, r in zip(want, got):
+        assert list(r.token_ids) == w
+        assert 1.0 <= r.stats["acceptance_length"] <= eng.block_size
+
+
+def test_reference_decode_loop_agrees(world):
+    """The reference's own greedy speculative loop (HF target, no caches) commits the same
+    accepted counts as the engine for a random drafter, as long as no near-tie intervenes."""
+    dref = world.ref("d2")
+    prompt = _prompt(60, 11)
+    toks, accepted = dref.speculative_greedy(prompt, 12)
+    r = _engine(world.target, world.draft("d2"), "dflash2").generate([prompt], max_new_tokens=12,
+                                                                      stop_token_ids=NO_STOP)[0]
+    assert list(r.token_ids) == toks
+    assert r.stats["verify_steps"] == len(accepted)
+
+
+# ---------------------------------------------------------------------------- high acceptance (the pair)
+
+PAIR_PROMPTS = [[3, 77, 12, 40], [9, 100], [127], [5] * 20 + [60]]
+
+
+def _per_position(accepted, B):
+    steps = len(accepted)
+    return [sum(a > j for a in accepted) / steps for j in range(B - 1)]
+
+
+def _check_pair_result(r, exp, B):
+    assert list(r.token_ids) == exp["tokens"]
+    st = r.stats
+    assert st["verify_steps"] == exp["steps"]
+    steps = exp["steps"]
+    # the last step may be counted before or after truncation to max_new_tokens
+    assert abs(st["acceptance_length"] - exp["tau"]) <= (B - 1) / steps + 1e-9, (st, exp)
+    app = st["accepted_per_position"]
+    assert len(app) == B - 1
+    for got, want in zip(app, _per_position(exp["accepted"], B)):
+        assert abs(got - want) <= 1.0 / steps + 1e-9, (app, exp["accepted"])
+
+
+@pytest.mark.parametrize("variant", ["default", "causal", "window8", "no_breaks", "two_layers"])
+def test_self_drafting_pair_high_acceptance(pair, tmp_path, variant):
+    p = {
+        "default": lambda: pair,
+        "causal": lambda: pair.with_drafter(tmp_path / "d", is_causal=True),
+        "window8": lambda: pair.with_drafter(tmp_path / "d", sliding_window=8),
+        "no_breaks": lambda: pair.with_drafter(tmp_path / "d", break_tokens=()),
+        "two_layers": lambda: pair.with_drafter(tmp_path / "d", num_draft_layers=2, is_causal=None),
+    }[variant]()
+    eng = _engine(p.target_dir, p.draft_dir, "dflash2")
+    new = 41
+    res = eng.generate(PAIR_PROMPTS, max_new_tokens=new, stop_token_ids=NO_STOP)
+    for prompt, r in zip(PAIR_PROMPTS, res):
+        exp = p.expected_greedy(prompt, new)
+        _check_pair_result(r, exp, p.block_size)
+        if variant == "no_breaks":
+            assert r.stats["acceptance_length"] == p.block_size
+        else:
+            assert r.stats["acceptance_length"] >= 3.0
+    # propose: anchor + 1, anchor + 2, ... up to the first break, candidates a-6 .. a+9
+    prop = eng.propose([11, 22, 33])
+    a = prop.anchor
+    assert a == 34
+    k = p.accepted_from(a)
+    assert list(prop.tokens)[: k + 1] == p.draft_from(a)[: k + 1]
+    assert sorted((c - a) % p.period for c in prop.candidates[0]) == list(range(10)) + list(range(122, 128))
+    # the same engine again: no state carried between calls
+    again = eng.generate(PAIR_PROMPTS[:2], max_new_tokens=new, stop_token_ids=NO_STOP)
+    for r0, r1 in zip(res, again):
+        assert list(r0.token_ids) == list(r1.token_ids)
+        assert r0.stats["verify_steps"] == r1.stats["verify_steps"]
+
+
+def test_self_drafting_pair_equals_ar_and_batch_sizes(pair):
+    ar = _engine(pair.target_dir)
+    eng = _engine(pair.target_dir, pair.draft_dir, "dflash2")
+    prompts = [[int(x)] * (1 + i % 5) + [int(x)] for i, x in enumerate(np.random.default_rng(9).integers(0, 128, 6))]
+    want = [pair.expected_greedy(pr, 57)["tokens"] for pr in prompts]
+    for bs in (1, 3, 4):
+        for j in range(0, len(prompts), bs):
+            got = eng.generate(prompts[j:j + bs], max_new_tokens=57, stop_token_ids=NO_STOP)
+            assert [list(r.token_ids) for r in got] == want[j:j + bs]
+    got = ar.generate(prompts[:4], max_new_tokens=57, stop_token_ids=NO_STOP)
+    assert [list(r.token_ids) for r in got] == want[:4]
+
+
+# ---------------------------------------------------------------------------- stop tokens, streaming
+
+
+def test_stop_tokens_truncate_inside_a_block(pair):
+    eng = _engine(pair.target_dir, pair.draft_dir, "dflash2")
+    prompts = [[1, 40], [7, 7, 10], [60], [2, 49]]
+    stops = [50, 15]
+    res = eng.generate(prompts, max_new_tokens=30, stop_token_ids=stops)
+    for pr, r in zip(prompts, res):
+        full = pair.expected_greedy(pr, 30)["tokens"]
+        cut = next((i for i, t in enumerate(full) if t in stops), None)
+        if cut is None:
+            assert list(r.token_ids) == full and r.finish_reason == "length"
+        else:
+            assert list(r.token_ids) == full[: cut + 1] and r.finish_reason == "stop"
+    assert list(res[3].token_ids) == [50]                  # the prefill's token is already a stop
+    assert list(res[0].token_ids) == list(range(41, 51))   # 10 tokens: cut in the middle of a block
+
+
+def test_stop_tokens_random_drafter(world, ar_engine):
+    eng = _engine(world.target, world.draft("d2"), "dflash2")
+    prompt = _prompt(70, 13)
+    full = list(ar_engine.generate([prompt], max_new_tokens=30, stop_token_ids=NO_STOP)[0].token_ids)
+    stop = full[6]
+    cut = full.index(stop)
+    r = eng.generate([prompt, _prompt(71, 4)], max_new_tokens=30, stop_token_ids=[stop])
+    assert list(r[0].token_ids) == full[: cut + 1] and r[0].finish_reason == "stop"
+    other = list(ar_engine.generate([_prompt(71, 4)], max_new_tokens=30, stop_token_ids=[stop])[0].token_ids)
+    assert list(r[1].token_ids) == other
+
+
+def test_stream_yields_the_generated_tokens(world, pair):
+    eng = _engine(pair.target_dir, pair.draft_dir, "dflash2")
+    pr = [3, 77, 12, 40]
+    assert list(eng.stream(pr, max_new_tokens=25, stop_token_ids=NO_STOP)) == pair.expected_greedy(pr, 25)["tokens"]
+    assert list(eng.stream(pr, max_new_tokens=25, stop_token_ids=[50])) == list(range(41, 51))
+    e2 = _engine(world.target, world.draft("d2"), "dflash2")
+    p = _prompt(80, 7)
+    want = list(e2.generate([p], max_new_tokens=20, stop_token_ids=NO_STOP)[0].token_ids)
+    assert list(e2.stream(p, max_new_tokens=20, stop_token_ids=NO_STOP)) == want
+
+
+# ---------------------------------------------------------------------------- stats
+
+
+def test_stats_sanity(world, pair):
+    eng = _engine(world.target, world.draft("d2"), "dflash2")
+    res = eng.generate(GREEDY_PROMPTS[:4], max_new_tokens=20, stop_token_ids=NO_STOP)
+    B = eng.block_size
+    assert B == 8
+    for r in res:
+        st = r.stats
+        for key in ("acceptance_length", "verify_steps", "accepted_per_position", "draft_s", "verify_s", "host_s",
+                    "tokens_per_second"):
+            assert key in st, f"stats lack '{key}'"
+        assert 1.0 <= st["acceptance_length"] <= B
+        assert 1 <= st["verify_steps"] <= 20
+        app = st["accepted_per_position"]
+        assert len(app) == B - 1 and all(0.0 <= a <= 1.0 for a in app)
+        assert all(app[j] >= app[j + 1] for j in range(B - 2)), app   # a prefix rule: non-increasing
+        # tau = 1 + mean accepted = 1 + sum of per-position rates (up to the truncated last step)
+        assert abs(st["acceptance_length"] - 1 - sum(app)) <= (B - 1) / st["verify_steps"] + 1e-9
+        for key in ("draft_s", "verify_s", "host_s"):
+            assert st[key] >= 0.0
+        assert st["tokens_per_second"] > 0
+    pe = _engine(pair.target_dir, pair.draft_dir, "dflash2")
+    r = pe.generate([[3, 77, 12, 40]], max_new_tokens=64, stop_token_ids=NO_STOP)[0]
+    assert r.stats["acceptance_length"] > 3.5
+    assert r.stats["accepted_per_position"][0] > 0.6
+
+
+# ---------------------------------------------------------------------------- sampling is lossless
+
+V_SMALL = 16
+SAMPLE_PROMPT = [3, 9, 4, 12, 7]
+SAMPLE_T = 0.7      # not 1: a verifier that forgets the temperature on p (or on q) is caught
+
+
+class Small:
+    """A 16-token target with a sharpened lm_head (so that sampled sequences concentrate on
+    few outcomes) and drafters with top-4 candidates (q is zero outside them)."""
+
+    def __init__(self, root):
+        if G is not None:
+            self.target = G.build_model(root / "t16", "tiny", config={"vocab_size": V_SMALL})
+        else:
+            self.target = F.make_tiny_target(root / "t16", vocab_size=V_SMALL, num_hidden_layers=4)
+        _scale_tensor(self.target, "lm_head.weight", 5.0)
+        self.d2 = F.make_dflash2_drafter(self.target, root / "d2", seed=11, selector_top_k=4, selector_rank=8)
+        self.ar = _engine(self.target)
+        self.exact = _exact_triples(self.ar, SAMPLE_PROMPT, SAMPLE_T)
+        # DFlash 1 drafts one-hot; a random one is almost never accepted, so this one always
+        # drafts the target's most likely second token
+        self.d1_token = int(np.argmax(self.exact.sum((0, 2))))
+        self.d1 = F.make_constant_dflash1_drafter(self.target, root / "d1", self.d1_token, seed=12)
+
+
+def _scale_tensor(ckpt_dir, name, factor):
+    from safetensors.torch import load_file, save_file
+
+    d = os.fspath(ckpt_dir)
+    for f in sorted(os.listdir(d)):
+        if not f.endswith(".safetensors"):
+            continue
+        path = os.path.join(d, f)
+        t = load_file(path)
+        if name in t:
+            t[name] = (t[name].float() * factor).to(t[name].dtype)
+            save_file(t, path, metadata={"format": "pt"})
+            return
+    raise KeyError(name)
+
+
+def _softmax(x, T):
+    z = np.asarray(x, np.float64) / T
+    z = np.exp(z - z.max())
+    return z / z.sum()
+
+
+def _exact_triples(ar, prompt, T):
+    """p(t1, t2, t3 | prompt) at temperature T by teacher forcing, [V, V, V]."""
+    V = V_SMALL
+    p1 = _softmax(ar.logits(prompt)[-1], T)
+    out = np.zeros((V, V, V))
+    for a in range(V):
+        p2 = _softmax(ar.logits(prompt + [a])[-1], T)
+        for b in range(V):
+            if p1[a] * p2[b] < 1e-7:
+                continue
+            p3 = _softmax(ar.logits(prompt + [a, b])[-1], T)
+            out[a, b] = p1[a] * p2[b] * p3
+    return out / out.sum()
+
+
+@pytest.fixture(scope="module")
+def small(world, tmp_path_factory):
+    s = Small(tmp_path_factory.mktemp("small"))
+    assert R.DraftRef(s.d1, R.TargetRef(s.target)).propose(SAMPLE_PROMPT).tokens == [s.d1_token] * 7
+    # the teacher-forced engine logits used for the exact distribution agree with transformers
+    tr = R.TargetRef(s.target)
+    ids = SAMPLE_PROMPT + [2, 5]
+    lg, _ = tr.run(ids)
+    np.testing.assert_allclose(s.ar.logits(ids), lg.numpy(), rtol=0, atol=1e-4 * float(lg.abs().max()) + 1e-5)
+    return s
+
+
+def _sample(eng, n, seed0, **kw):
+    """n sampled continuations of SAMPLE_PROMPT (3 tokens each), 4 per generate call."""
+    kw.setdefault("temperature", SAMPLE_T)
+    out, acc = [], []
+    i = 0
+    while len(out) < n:
+        res = eng.generate([SAMPLE_PROMPT] * MAXB, max_new_tokens=3, seed=seed0 + i, stop_token_ids=NO_STOP, **kw)
+        for r in res:
+            assert len(r.token_ids) == 3
+            out.append(list(r.token_ids))
+            app = r.stats.get("accepted_per_position") or [0.0]
+            acc.append(app[0] if r.stats.get("verify_steps") else 0.0)
+        i += 1
+    return np.array(out[:n]), float(np.mean(acc))
+
+
+def _tv_bound(p, n, c=2.0):
+    """c x the expected TV distance between p and an n-sample empirical distribution (the
+    observed ratio for a correct sampler is about 1; seeds are fixed)."""
+    p = p.ravel()
+    return c * 0.5 * float(np.sum(np.sqrt(2 * p * (1 - p) / (math.pi * n))))
+
+
+def _marginals(samples_or_p, V=V_SMALL):
+    if samples_or_p.ndim == 2:                      # samples [n, 3]
+        p = np.zeros((V, V, V))
+        np.add.at(p, (samples_or_p[:, 0], samples_or_p[:, 1], samples_or_p[:, 2]), 1.0)
+        p /= len(samples_or_p)
+    else:
+        p = samples_or_p
+    return {"t1,t2": p.sum(2), "t2,t3": p.sum(0), "t1,t3": p.sum(1)}
+
+
+@pytest.mark.parametrize("method", ["ar", "dflash2", "dflash", "mtp"])
+def test_sampling_matches_target_distribution(small, method):
+    if method == "ar":
+        eng = small.ar
+    elif method == "mtp":
+        if not small.ar.has_mtp:
+            pytest.skip("the small target has no MTP layer (tests/glm_fixtures.py not available)")
+        try:  # fewer chained MTP drafts: the same verifier, a third of the drafting time
+            eng = _engine(small.target, None, "mtp", mtp_draft_tokens=3)
+        except TypeError:
+            eng = _engine(small.target, None, "mtp")
+    else:
+        eng = _engine(small.target, small.d2 if method == "dflash2" else small.d1, method)
+    samples, acc0 = _sample(eng, 4000, seed0=1000)
+    exact = _marginals(small.exact)
+    for n in (1000, 4000):                       # the bound tightens with the sample size
+        emp = _marginals(samples[:n])
+        for name in exact:
+            tv = 0.5 * float(np.abs(emp[name] - exact[name]).sum())
+            bound = _tv_bound(exact[name], n)
+            print(f"{method}: TV({name}) = {tv:.4f}, bound {bound:.4f}, {n} samples")
+            assert tv <= bound, f"{method}: TV({name}) = {tv:.4f} > {bound:.4f} with {n} samples"
+    print(f"{method}: first draft accepted in {acc0:.3f} of the verify steps")
+    if method != "ar":
+        assert acc0 > 0.01, \
+            f"{method}: almost no draft accepted ({acc0:.3f}): the test would not exercise acceptance"
+
+
+def test_sampling_with_top_k_top_p_matches_ar(small):
+    """Temperature, top-k and top-p apply to p exactly as in plain sampling (two-sample test)."""
+    kw = dict(temperature=0.8, top_k=6, top_p=0.85)
+    n = 3000
+    a, _ = _sample(small.ar, n, seed0=5000, **kw)
+    b, acc0 = _sample(_engine(small.target, small.d2, "dflash2"), n, seed0=9000, **kw)
+    ma, mb = _marginals(a), _marginals(b)
+    for name in ma:
+        pooled = 0.5 * (ma[name] + mb[name])
+        tv = 0.5 * float(np.abs(ma[name] - mb[name]).sum())
+        bound = 2 * _tv_bound(pooled, n)
+        print(f"TV({name}) dflash2 vs ar = {tv:.4f}, bound {bound:.4f}")
+        assert tv <= bound, f"TV({name}) dflash2 vs ar = {tv:.4f} > {bound:.4f}"
+    assert acc0 > 0.02
+
+
+# ---------------------------------------------------------------------------- bad configurations
+
+
+def _fake_target(tmp_path, world, **changes):
+    """A directory with only the target's config.json, edited (the fixtures read nothing else)."""
+    d = tmp_path / ("fake_" + "_".join(changes))
+    d.mkdir()
+    cfg = dict(world.cfg["raw"])
+    cfg.update(changes)
+    (d / "config.json").write_text(json.dumps(cfg))
+    return d
+
+
+def test_config_error_hidden_size_mismatch(world, tmp_path):
+    d = F.make_dflash2_drafter(_fake_target(tmp_path, world, hidden_size=32), tmp_path / "d")
+    with pytest.raises(dflash2_rt.ConfigError, match=r"(?i)hidden"):
+        _engine(world.target, d, "dflash2")
+
+
+def test_config_error_vocab_mismatch(world, tmp_path):
+    d = F.make_dflash2_drafter(_fake_target(tmp_path, world, vocab_size=300), tmp_path / "d", mask_token_id=100)
+    with pytest.raises(dflash2_rt.ConfigError, match=r"(?i)vocab"):
+        _engine(world.target, d, "dflash2")
+
+
+def test_config_error_mask_token_out_of_vocab(world, tmp_path):
+    d = shutil.copytree(world.draft("d2"), tmp_path / "d")
+    F.rewrite_config(d, dflash_config={"mask_token_id": world.V})
+    with pytest.raises(dflash2_rt.ConfigError, match=r"(?i)mask"):
+        _engine(world.target, d, "dflash2")
+    d1 = shutil.copytree(world.draft("d1"), tmp_path / "d1")
+    F.rewrite_config(d1, dflash_config={"mask_token_id": world.V + 5})
+    with pytest.raises(dflash2_rt.ConfigError, match=r"(?i)mask"):
+        _engine(world.target, d1, "dflash")
+
+
+def test_config_error_target_layer_ids_out_of_range(world, tmp_path):
+    T = world.cfg["num_hidden_layers"]
+    d = shutil.copytree(world.draft("d2"), tmp_path / "d")
+    F.rewrite_config(d, dflash_config={"target_layer_ids": [0, T]})
+    with pytest.raises(dflash2_rt.ConfigError, match=r"(?i)target_layer_ids|layer"):
+        _engine(world.target, d, "dflash2")
+    F.rewrite_config(d, dflash_config={"target_layer_ids": [-1, 1]})
+    with pytest.raises(dflash2_rt.ConfigError, match=r"(?i)target_layer_ids|layer"):
+        _engine(world.target, d, "dflash2")
+
+
+def test_dflash2_checkpoint_without_selector_or_convs_fails(world, tmp_path):
+    """A DFlash2DraftModel missing its selector or conv tensors is an error, never a
+    silent DFlash 1."""
+    from safetensors.torch import load_file, save_file
+
+    for drop in ("candidate_selector.", "_conv."):
+        d = shutil.copytree(world.draft("d2"), tmp_path / drop.strip("._"))
+        path = os.path.join(d, "model.safetensors")
+        t = {k: v for k, v in load_file(path).items() if drop not in k and not k.startswith(drop)}
+        save_file(t, path, metadata={"format": "pt"})
+        with pytest.raises(dflash2_rt.DFlash2Error):
+            _engine(world.target, d, "dflash2")
+
+
+def test_config_error_conv_group_size(world, tmp_path):
+    d = shutil.copytree(world.draft("d2"), tmp_path / "d")
+    F.rewrite_config(d, dflash_config={"conv_group_size": 24})    # does not divide 64
+    with pytest.raises(dflash2_rt.DFlash2Error):
+        _engine(world.target, d, "dflash2")
+
+
+# ---------------------------------------------------------------------------- bad arguments
+
+
+@pytest.mark.parametrize("kw", [dict(max_new_tokens=0), dict(max_new_tokens=-3), dict(temperature=-0.5),
+                                dict(top_p=0.0), dict(top_p=1.5), dict(top_p=-0.1)])
+def test_invalid_sampling_arguments(world, kw):
+    eng = _engine(world.target, world.draft("d2"), "dflash2")
+    args = dict(max_new_tokens=4, stop_token_ids=NO_STOP)
+    args.update(kw)
+    with pytest.raises(dflash2_rt.InvalidArgumentError):
+        eng.generate([_prompt(90, 5)], **args)
+    with pytest.raises(dflash2_rt.InvalidArgumentError):
+        list(eng.stream(_prompt(90, 5), **args))
+
+
+def test_invalid_prompts(world):
+    eng = _engine(world.target, world.draft("d2"), "dflash2")
+    with pytest.raises(dflash2_rt.InvalidArgumentError):
+        eng.generate([[]], max_new_tokens=4)
+    with pytest.raises(dflash2_rt.InvalidArgumentError):
+        eng.generate([_prompt(91, 3), []], max_new_tokens=4)
+    with pytest.raises(dflash2_rt.InvalidArgumentError):
+        eng.generate([[1, world.V]], max_new_tokens=4)
+    with pytest.raises(dflash2_rt.InvalidArgumentError):
+        list(eng.stream([], max_new_tokens=4))
+    with pytest.raises(dflash2_rt.InvalidArgumentError):
+        eng.propose([])
