@@ -1,6 +1,11 @@
 import os
 import sys
 
+# torch (the oracle) and dflash2_rt each bring an OpenMP runtime; with the default spinning
+# waits the two thread pools take the cores from each other and tests run 10-20x slower.
+# Must be set before either library initialises OpenMP.
+os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
+
 import pytest
 
 # Development builds (plain CMake) put the extension elsewhere: see python/dflash2_rt/__init__.py.

@@ -313,7 +313,10 @@ std::unique_ptr<GlmModel> GlmModel::load(const Checkpoint& ck, const Options& op
   m->cache_ = PagedCache(c.num_layers, c.latent_dim(), c.indexer_full, c.index_head_dim, opt.kv_block_size, nblocks);
   if (m->mtp_)
     m->mtp_cache_ = PagedCache(1, c.latent_dim(), {m->mtp_->attn.indexer}, c.index_head_dim, opt.kv_block_size, nblocks);
-  m->nthreads_ = std::max(1, omp_get_max_threads());
+  // Per-thread scratch is sized for this many threads and the parallel regions that use it
+  // never run wider (the calling thread's OpenMP setting may differ from the loader's,
+  // e.g. after torch.set_num_threads or from a streaming thread).
+  m->nthreads_ = std::max({1, omp_get_max_threads(), omp_get_num_procs()});
   m->last_rows_ = Tensor::empty(DType::F32, {opt.max_batch_size, H});
   m->plan_workspace();
   return m;
@@ -388,7 +391,7 @@ void GlmModel::layer_forward(const Layer& L, int64_t cl, PagedCache& cache, Step
     }
     ops::linear(b.x, a.iw, b.wI);
     const float wscale = 1.0f / std::sqrt(float(nI)), sscale = 1.0f / std::sqrt(float(dI));
-#pragma omp parallel for schedule(dynamic, 1)
+#pragma omp parallel for schedule(dynamic, 1) num_threads(nthreads_)
     for (int64_t i = 0; i < T; ++i) {
       const int64_t p = st.pos[size_t(i)];
       if (p + 1 <= topk) {
@@ -424,7 +427,7 @@ void GlmModel::layer_forward(const Layer& L, int64_t cl, PagedCache& cache, Step
     ops::linear(qn, a.wuk_t[size_t(hh)], qt);
   }
   const float scale = 1.0f / std::sqrt(float(qk));
-#pragma omp parallel for schedule(dynamic, 1) collapse(2)
+#pragma omp parallel for schedule(dynamic, 1) collapse(2) num_threads(nthreads_)
   for (int64_t i = 0; i < T; ++i) {
     for (int64_t hh = 0; hh < nh; ++hh) {
       const int64_t p = st.pos[size_t(i)];
