@@ -464,3 +464,19 @@ def test_chunked_prefill_equals_one_pass_bitwise(zoo):
     one = zoo.engine("tiny").logits(ids)
     chunked = zoo.engine("tiny", max_step_tokens=5).logits(ids)
     assert np.array_equal(one, chunked)
+
+
+def test_other_threads_may_run_wider_than_the_loader(zoo):
+    """Regression: an engine loaded while this thread's OpenMP width was 1 (e.g. after
+    torch.set_num_threads(1)) must stay correct when a thread with the default width (the
+    one behind Engine.stream) runs it: per-thread scratch is sized for every core."""
+    before = dflash2_rt.build_info()["num_threads"]
+    dflash2_rt._core.set_num_threads(1)
+    try:
+        eng = dflash2_rt.Engine(target=zoo.path("tiny"), max_seq_len=MAX_SEQ, max_batch_size=1)
+        p = gf.prompt(30, 3)
+        want = gen1(eng, p, 12).token_ids
+        got = list(eng.stream(p, max_new_tokens=12, stop_token_ids=[]))
+    finally:
+        dflash2_rt._core.set_num_threads(before)
+    assert got == list(want)
