@@ -73,7 +73,9 @@ def test_build_info():
         assert all(a.startswith("sm_") for a in info["cuda_archs"])
 
 
-def test_engine_without_target_is_a_clear_error():
-    # the bundled default model pair does not exist yet: say so instead of failing obscurely
+def test_engine_without_target_is_a_clear_error(monkeypatch, tmp_path):
+    # Engine() loads the bundled default pair; where it is missing, say so instead of failing obscurely
+    import dflash2_rt.engine
+    monkeypatch.setattr(dflash2_rt.engine, "DEFAULT_PAIR_DIR", str(tmp_path / "missing"))
     with pytest.raises(NotImplementedError, match="bundled default model"):
         dflash2_rt.Engine(target=None)

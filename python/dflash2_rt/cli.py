@@ -123,7 +123,8 @@ def _run_info(args: argparse.Namespace) -> int:
 
 
 def _generate_args(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--target", required=True, help="target checkpoint directory (glm_moe_dsa)")
+    p.add_argument("--target", default=None,
+                   help="target checkpoint directory (glm_moe_dsa; default: the bundled default pair)")
     p.add_argument("--draft", default=None, help="drafter checkpoint directory (methods dflash2 / dflash)")
     p.add_argument("--method", default=None, choices=["ar", "mtp", "dflash", "dflash2"],
                    help="decoding method (default: dflash2 with --draft, else ar)")
@@ -145,10 +146,10 @@ def _run_generate(args: argparse.Namespace) -> int:
 
     from .engine import Engine
 
-    method = args.method or ("dflash2" if args.draft else "ar")
+    method = args.method or ("dflash2" if args.draft or args.target is None else "ar")
     t0 = time.perf_counter()
-    print(f"loading {args.target}" + (f" + {args.draft}" if args.draft else "") + f" (method {method}) ...",
-          file=sys.stderr, flush=True)
+    print(f"loading {args.target or 'the bundled default pair'}" + (f" + {args.draft}" if args.draft else "") +
+          f" (method {method}) ...", file=sys.stderr, flush=True)
     eng = Engine(target=args.target, draft=args.draft, method=method, max_seq_len=args.max_seq_len, max_batch_size=1)
     print(f"loaded in {time.perf_counter() - t0:.2f} s", file=sys.stderr, flush=True)
     if args.prompt is not None:

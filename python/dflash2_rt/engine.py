@@ -49,14 +49,30 @@ def _load_tokenizer(target):
     return tokenizers.Tokenizer.from_file(path)
 
 
+DEFAULT_PAIR_DIR = os.path.join(os.path.dirname(os.path.abspath(__file__)), "models", "default")
+
+
+def default_pair() -> tuple:
+    """(target dir, draft dir) of the bundled default model pair (a small glm_moe_dsa target
+    with an MTP layer and its DFlash 2 drafter, trained on the Python standard library by
+    ``python -m dflash2_rt.train.make_default_pair``)."""
+    t, d = os.path.join(DEFAULT_PAIR_DIR, "target"), os.path.join(DEFAULT_PAIR_DIR, "draft")
+    if not os.path.exists(os.path.join(t, "config.json")):
+        raise UnsupportedError(f"the bundled default model pair is missing ({t}); reinstall dflash2_rt "
+                               "or pass target=PATH to a glm_moe_dsa checkpoint directory")
+    return t, d
+
+
 class Engine:
-    def __init__(self, target=None, draft=None, method: str = "ar", device: str = "cpu", *,
+    def __init__(self, target=None, draft=None, method: Optional[str] = None, device: str = "cpu", *,
                  max_batch_size: int = 8, max_seq_len: int = 4096, max_step_tokens: int = 256,
                  kv_block_size: int = 16, num_threads: Optional[int] = None, mtp_draft_tokens: int = 7):
-        if target is None:
-            raise UnsupportedError(
-                "Engine() without a target needs the bundled default model pair, which is not built yet; "
-                "pass target=PATH to a glm_moe_dsa checkpoint directory")
+        if target is None:  # the bundled default pair (python/dflash2_rt/models/default)
+            target, bundled_draft = default_pair()
+            method = method or "dflash2"
+            if draft is None and method in ("dflash", "dflash2"):
+                draft = bundled_draft
+        method = method or "ar"
         self._e = _core.Engine(os.fspath(target), None if draft is None else os.fspath(draft), method, device,
                                max_batch_size, max_seq_len, max_step_tokens, kv_block_size, num_threads or 0,
                                mtp_draft_tokens)

@@ -1,0 +1,137 @@
+"""Benchmark of the bundled default pair (python/dflash2_rt/models/default) over held-out
+prompts: ar vs mtp vs dflash (the DFlash 2 checkpoint with the selector off) vs dflash2,
+greedy and at temperature 1.0 / top-p 0.95. Reports acceptance length (committed tokens per
+verify step incl. the bonus, mean over requests), per-position acceptance rates, output
+tokens/s (sum of generated tokens / sum of decode time, batch 1) and speedup over ar in the
+same run; checks greedy outputs equal ar's. Writes a table (.md), JSON and a PNG plot.
+
+    python bench/bench_default_pair.py [--n 16] [--new 128] [--threads 2] [--out bench/results]
+
+Held-out prompts: 128-token windows (seeded) of the held-out stdlib files (every 20th file,
+see dflash2_rt.train.corpus), tokenized with the pair's tokenizer.
+"""
+import argparse
+import json
+import os
+import sys
+import time
+
+os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")  # spinning OpenMP waits are slow on a shared CPU
+
+import numpy as np  # noqa: E402
+
+import dflash2_rt  # noqa: E402
+from dflash2_rt.engine import default_pair  # noqa: E402
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+METHODS = ["ar", "mtp", "dflash", "dflash2"]
+
+
+def heldout_prompts(tok, n: int, length: int = 128, seed: int = 0) -> list:
+    from dflash2_rt.train.corpus import read, split
+    ids = []
+    for f in split()[1]:
+        ids.extend(tok.encode(read(f)).ids)
+    ids = np.asarray(ids)
+    rng = np.random.default_rng(seed)
+    return [ids[s:s + length].tolist() for s in rng.integers(0, ids.size - length, n)]
+
+
+def run_method(method, prompts, new, threads, temperature, top_p, seed):
+    eng = dflash2_rt.Engine(method=method, num_threads=threads, max_batch_size=1)
+    eng.generate([prompts[0][:32]], max_new_tokens=8, stop_token_ids=[])  # warm-up
+    out, toks, dec, taus, pos = [], 0, 0.0, [], []
+    for i, p in enumerate(prompts):
+        r = eng.generate([p], max_new_tokens=new, temperature=temperature, top_p=top_p,
+                         seed=None if temperature == 0 else seed + i, stop_token_ids=[])[0]
+        out.append(r.token_ids)
+        toks += r.stats["generated_tokens"]
+        dec += r.stats["decode_s"]
+        taus.append(r.stats["acceptance_length"])
+        if r.stats.get("accepted_per_position"):
+            pos.append(r.stats["accepted_per_position"])
+    return out, {"acceptance_length": float(np.mean(taus)), "tokens_per_second": toks / dec,
+                 "accepted_per_position": np.mean(pos, 0).tolist() if pos else [], "generated_tokens": toks,
+                 "decode_s": dec}
+
+
+def main(argv=None):
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--n", type=int, default=16)
+    ap.add_argument("--new", type=int, default=128)
+    ap.add_argument("--threads", type=int, default=2)
+    ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--out", default=os.path.join(HERE, "results"))
+    a = ap.parse_args(argv)
+    target, _ = default_pair()
+    eng = dflash2_rt.Engine(method="ar")
+    prompts = heldout_prompts(eng.tokenizer, a.n)
+    res = {"config": {"prompts": a.n, "prompt_tokens": 128, "new_tokens": a.new, "threads": a.threads,
+                      "omp_wait_policy": os.environ.get("OMP_WAIT_POLICY"), "build": str(dflash2_rt.build_info())
+                      if hasattr(dflash2_rt, "build_info") else ""}, "modes": {}}
+    for mode, (temp, top_p) in {"greedy": (0.0, 1.0), "t1.0_p0.95": (1.0, 0.95)}.items():
+        rows, ref = {}, None
+        for m in METHODS:
+            t0 = time.time()
+            outs, st = run_method(m, prompts, a.new, a.threads, temp, top_p, a.seed)
+            if m == "ar":
+                ref = outs
+            if temp == 0:
+                st["lossless_vs_ar"] = outs == ref
+            rows[m] = st
+            print(f"{mode:12s} {m:8s} tau {st['acceptance_length']:.2f} {st['tokens_per_second']:.1f} tok/s "
+                  f"({time.time() - t0:.0f}s)", flush=True)
+        for m in METHODS:
+            rows[m]["speedup_vs_ar"] = rows[m]["tokens_per_second"] / rows["ar"]["tokens_per_second"]
+        res["modes"][mode] = rows
+    os.makedirs(a.out, exist_ok=True)
+    with open(os.path.join(a.out, "default_pair.json"), "w") as f:
+        json.dump(res, f, indent=1)
+    lines = ["| mode | method | acceptance length | tok/s | speedup vs ar | per-position acceptance (1..7) | lossless |",
+             "| --- | --- | --- | --- | --- | --- | --- |"]
+    for mode, rows in res["modes"].items():
+        for m, st in rows.items():
+            pp = " ".join(f"{x:.2f}" for x in st["accepted_per_position"]) or "-"
+            ll = {True: "yes", False: "NO"}.get(st.get("lossless_vs_ar"), "n/a (sampled)")
+            lines.append(f"| {mode} | {m} | {st['acceptance_length']:.2f} | {st['tokens_per_second']:.1f} | "
+                         f"{st['speedup_vs_ar']:.2f}x | {pp} | {ll} |")
+    cmd = "python bench/bench_default_pair.py " + " ".join(argv if argv is not None else sys.argv[1:])
+    table = "\n".join(lines)
+    with open(os.path.join(a.out, "default_pair.md"), "w") as f:
+        f.write(f"# Default pair benchmark\n\n`{cmd.strip()}`\n\n{a.n} held-out prompts x 128 tokens, {a.new} new "
+                f"tokens, batch 1, {a.threads} threads (CPU).\n\n{table}\n")
+    print(table)
+    try:
+        import matplotlib
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        print("matplotlib is not installed: no plot")
+        return
+    fig, ax = plt.subplots(1, 3, figsize=(15, 4))
+    modes = list(res["modes"])
+    w = 0.8 / len(modes)
+    for j, mode in enumerate(modes):
+        rows = res["modes"][mode]
+        x = np.arange(len(METHODS)) + j * w
+        ax[0].bar(x, [rows[m]["acceptance_length"] for m in METHODS], w, label=mode)
+        ax[1].bar(x, [rows[m]["speedup_vs_ar"] for m in METHODS], w, label=mode)
+        for m in METHODS[1:]:
+            if rows[m]["accepted_per_position"]:
+                ax[2].plot(range(1, 8), rows[m]["accepted_per_position"], marker="o",
+                           linestyle="-" if mode == "greedy" else "--", label=f"{m} {mode}")
+    for k, title in enumerate(["acceptance length", "speedup vs ar (tok/s)"]):
+        ax[k].set_xticks(np.arange(len(METHODS)) + w * (len(modes) - 1) / 2, METHODS)
+        ax[k].set_title(title)
+        ax[k].legend()
+    ax[1].axhline(1.0, color="gray", lw=0.8)
+    ax[2].set_title("acceptance rate per draft position")
+    ax[2].set_xlabel("position")
+    ax[2].legend(fontsize=7)
+    fig.suptitle("dflash2_rt default pair (CPU), held-out stdlib prompts")
+    fig.tight_layout()
+    fig.savefig(os.path.join(a.out, "default_pair.png"), dpi=100)
+
+
+if __name__ == "__main__":
+    main()
