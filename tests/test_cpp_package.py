@@ -189,7 +189,7 @@ def tiny_target(tmp_path_factory):
         vocab_size=128, hidden_size=32, num_hidden_layers=2, intermediate_size=48, moe_intermediate_size=16,
         num_attention_heads=2, num_key_value_heads=2, q_lora_rank=16, kv_lora_rank=16, qk_nope_head_dim=8,
         qk_rope_head_dim=4, v_head_dim=8, index_topk=4, index_n_heads=8, index_head_dim=8, n_routed_experts=4,
-        num_experts_per_tok=2, n_shared_experts=1, first_k_dense_replace=1, max_position_embeddings=256,
+        num_experts_per_tok=2, n_shared_experts=1, first_k_dense_replace=1, max_position_embeddings=1024,
         rope_parameters={"rope_theta": 10000.0, "rope_type": "default"})
     path = tmp_path_factory.mktemp("tiny-target")
     transformers.GlmMoeDsaForCausalLM(cfg).save_pretrained(str(path))
