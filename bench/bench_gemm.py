@@ -10,9 +10,9 @@ import argparse
 import json
 import os
 
-# torch and dflash2_rt each bring an OpenMP runtime; with spinning waits the two thread
-# pools steal the 2 cores from each other and every call costs a scheduler slice (~12 ms).
-# Passive waits make the comparison fair to both. Must be set before either is imported.
+# torch and dflash2_rt each bring an OpenMP runtime; with long spinning waits the two
+# thread pools steal the 2 cores from each other and every call costs a scheduler slice
+# (~12 ms). Passive waits are fair to both. Must be set before either is imported.
 os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
 import platform
 import sys

@@ -8,6 +8,14 @@ from __future__ import annotations
 
 import os as _os
 
+# OpenMP (libgomp) threads spin for a long time after each parallel region by default; the
+# decode step runs many short regions, and on a busy or shared machine (or beside torch's
+# own OpenMP runtime) the long spins steal the cores: measured 5-10x slower steps. A short
+# spin before sleeping keeps back-to-back regions fast. Read once when libgomp loads (with
+# _core below), so it must be set before; an explicit GOMP_SPINCOUNT or OMP_WAIT_POLICY wins.
+if "OMP_WAIT_POLICY" not in _os.environ:
+    _os.environ.setdefault("GOMP_SPINCOUNT", "20000")
+
 if _os.environ.get("DFLASH2_RT_CORE_DIR"):
     __path__.append(_os.environ["DFLASH2_RT_CORE_DIR"])  # noqa: F821  (package __path__)
 
