@@ -8,6 +8,7 @@
 #include <set>
 #include <sstream>
 
+#include "io/names.h"
 #include "dflash2/error.h"
 #include "dflash2/safetensors.h"
 
@@ -19,22 +20,7 @@ namespace {
 
 constexpr const char* kIndexName = "model.safetensors.index.json";
 
-std::string quote_name(const std::string& s) {
-  std::string out = "'";
-  size_t n = std::min<size_t>(s.size(), 200);
-  for (size_t i = 0; i < n; ++i) {
-    unsigned char c = static_cast<unsigned char>(s[i]);
-    if (c < 0x20 || c == 0x7f || c == '\'' || c == '\\') {
-      char buf[8];
-      std::snprintf(buf, sizeof buf, "\\x%02x", c);
-      out += buf;
-    } else {
-      out += char(c);
-    }
-  }
-  if (s.size() > n) out += "...";
-  return out + "'";
-}
+using io::quote_name;
 
 std::string read_text_file(const std::string& path, ErrorKind kind) {
   std::ifstream f(path, std::ios::binary);

@@ -2,6 +2,7 @@
 //
 // Layout: u64 little-endian header length N, N bytes of JSON, then the data region.
 // Everything in the header is checked against the file before any tensor is handed out.
+#include "io/names.h"
 #include "dflash2/safetensors.h"
 
 #include <fcntl.h>
@@ -34,23 +35,7 @@ std::string show(const Json& v) {
   return s;
 }
 
-// A tensor name for a message: control characters and quotes escaped, long names shortened.
-std::string quote_name(const std::string& name) {
-  std::string out = "'";
-  size_t n = std::min<size_t>(name.size(), 200);
-  for (size_t i = 0; i < n; ++i) {
-    unsigned char c = static_cast<unsigned char>(name[i]);
-    if (c < 0x20 || c == 0x7f || c == '\'' || c == '\\') {
-      char buf[8];
-      std::snprintf(buf, sizeof buf, "\\x%02x", c);
-      out += buf;
-    } else {
-      out += char(c);
-    }
-  }
-  if (name.size() > n) out += "...";
-  return out + "'";
-}
+using io::quote_name;
 
 uint64_t read_u64_le(const uint8_t* p) {
   uint64_t v = 0;
