@@ -30,8 +30,9 @@ PROMPTS = [
     "    def __eq__(self, other):\n        if not isinstance(other, self.__class__):\n",
 ]
 NEW = 48
-# measured greedy acceptance length over PROMPTS (48 new tokens each), see the closing report
-FLOORS = {"mtp": 1.0, "dflash": 1.0, "dflash2": 1.0}
+# measured greedy acceptance length over PROMPTS (48 new tokens each) when the pair was made:
+# mtp 3.97, dflash 5.24, dflash2 5.52; floors with a margin of about 1 token per step
+FLOORS = {"mtp": 3.0, "dflash": 4.2, "dflash2": 4.5}
 
 
 @pytest.fixture(scope="module")

@@ -24,12 +24,34 @@ def prompts(ids: np.ndarray, n: int, seed: int = 0) -> list:
     return [ids[s:s + l].astype(np.int64).tolist() for s, l in zip(starts, lens)]
 
 
-def run(work: str, out: str, n: int = 512, seed: int = 0, batch: int = 8, threads: int = 1) -> dict:
+def _without_mtp(tdir: str, view: str) -> str:
+    """A view of the target (links to its files) whose config says it has no MTP layer."""
+    import json
+    import shutil
+    shutil.rmtree(view, ignore_errors=True)
+    os.makedirs(view)
+    for f in os.listdir(tdir):
+        if f != "config.json":
+            os.symlink(os.path.abspath(os.path.join(tdir, f)), os.path.join(view, f))
+    with open(os.path.join(tdir, "config.json")) as f:
+        cfg = json.load(f)
+    cfg["num_nextn_predict_layers"] = 0
+    with open(os.path.join(view, "config.json"), "w") as f:
+        json.dump(cfg, f, indent=2)
+    return view
+
+
+def run(work: str, out: str, n: int = 1024, seed: int = 0, batch: int = 8, threads: int = 1) -> dict:
     # OpenMP threads that spin while waiting are very slow on a shared (oversubscribed) CPU
     os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
     from dflash2_rt import Engine
-    eng = Engine(target=os.path.join(out, "target"), method="ar", max_batch_size=batch, max_seq_len=512,
-                 num_threads=threads)
+    from dflash2_rt import CheckpointError
+    tdir = os.path.join(out, "target")
+    try:
+        eng = Engine(target=tdir, method="ar", max_batch_size=batch, max_seq_len=512, num_threads=threads)
+    except CheckpointError:  # the MTP layer is not trained yet (this step can run alongside mtp.py)
+        tdir = _without_mtp(tdir, os.path.join(work, "target_no_mtp"))
+        eng = Engine(target=tdir, method="ar", max_batch_size=batch, max_seq_len=512, num_threads=threads)
     ids = np.load(os.path.join(work, "train_ids.npy"))
     ps = prompts(ids, n, seed)
     width = 160 + NEW_TOKENS
@@ -55,7 +77,7 @@ def main(argv=None):
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--work", default="/tmp/dflash2_default_work")
     ap.add_argument("--out", default="python/dflash2_rt/models/default")
-    ap.add_argument("--n", type=int, default=512)
+    ap.add_argument("--n", type=int, default=1024)
     a = ap.parse_args(argv)
     print(run(a.work, a.out, n=a.n))
 

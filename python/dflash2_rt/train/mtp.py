@@ -75,7 +75,7 @@ def load_target(tdir: str):
     return m.eval()
 
 
-def train(work: str, out: str, steps: int = 150, batch: int = 8, seq: int = 256, lr: float = 1e-3, seed: int = 0,
+def train(work: str, out: str, steps: int = 300, batch: int = 8, seq: int = 256, lr: float = 1e-3, seed: int = 0,
           time_limit: float = 900.0) -> dict:
     common.set_threads()
     tdir = os.path.join(out, "target")
@@ -145,7 +145,7 @@ def main(argv=None):
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--work", default="/tmp/dflash2_default_work")
     ap.add_argument("--out", default="python/dflash2_rt/models/default")
-    ap.add_argument("--steps", type=int, default=150)
+    ap.add_argument("--steps", type=int, default=300)
     a = ap.parse_args(argv)
     print(train(a.work, a.out, steps=a.steps))
 
