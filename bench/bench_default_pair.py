@@ -2,10 +2,10 @@
 prompts: ar vs mtp vs dflash (the DFlash 2 checkpoint with the selector off) vs dflash2,
 greedy and at temperature 1.0 / top-p 0.95. Reports acceptance length (committed tokens per
 verify step incl. the bonus, mean over requests), per-position acceptance rates, output
-tokens/s (sum of generated tokens / sum of decode time, batch 1) and speedup over ar in the
-same run; checks greedy outputs equal ar's. Writes a table (.md), JSON and a PNG plot.
+tokens/s (sum of generated tokens / sum of decode time, batch 1; the fastest of --repeat
+passes over the same requests) and speedup over ar in the same run; checks greedy outputs equal ar's. Writes a table (.md), JSON and a PNG plot.
 
-    python bench/bench_default_pair.py [--n 16] [--new 128] [--threads 2] [--out bench/results]
+    python bench/bench_default_pair.py [--n 16] [--new 128] [--threads 2] [--repeat 2] [--out bench/results]
 
 Held-out prompts: 128-token windows (seeded) of the held-out stdlib files (every 20th file,
 see dflash2_rt.train.corpus), tokenized with the pair's tokenizer.
@@ -16,12 +16,10 @@ import os
 import sys
 import time
 
-os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")  # spinning OpenMP waits are slow on a shared CPU
+import numpy as np
 
-import numpy as np  # noqa: E402
-
-import dflash2_rt  # noqa: E402
-from dflash2_rt.engine import default_pair  # noqa: E402
+import dflash2_rt  # sets the package's OpenMP wait default (see README, Benchmarks) unless the env has one
+from dflash2_rt.engine import default_pair
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 METHODS = ["ar", "mtp", "dflash", "dflash2"]
@@ -61,19 +59,23 @@ def main(argv=None):
     ap.add_argument("--new", type=int, default=128)
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--repeat", type=int, default=2)
     ap.add_argument("--out", default=os.path.join(HERE, "results"))
     a = ap.parse_args(argv)
     target, _ = default_pair()
     eng = dflash2_rt.Engine(method="ar")
     prompts = heldout_prompts(eng.tokenizer, a.n)
-    res = {"config": {"prompts": a.n, "prompt_tokens": 128, "new_tokens": a.new, "threads": a.threads,
-                      "omp_wait_policy": os.environ.get("OMP_WAIT_POLICY"), "build": str(dflash2_rt.build_info())
+    res = {"config": {"repeat_best_of": a.repeat, "prompts": a.n, "prompt_tokens": 128, "new_tokens": a.new, "threads": a.threads,
+                      "omp_wait_policy": os.environ.get("OMP_WAIT_POLICY"),
+                      "gomp_spincount": os.environ.get("GOMP_SPINCOUNT"), "build": str(dflash2_rt.build_info())
                       if hasattr(dflash2_rt, "build_info") else ""}, "modes": {}}
     for mode, (temp, top_p) in {"greedy": (0.0, 1.0), "t1.0_p0.95": (1.0, 0.95)}.items():
         rows, ref = {}, None
         for m in METHODS:
             t0 = time.time()
-            outs, st = run_method(m, prompts, a.new, a.threads, temp, top_p, a.seed)
+            # the same requests (same seeds) `repeat` times; the fastest pass counts (the CPU is shared)
+            outs, st = max((run_method(m, prompts, a.new, a.threads, temp, top_p, a.seed) for _ in range(a.repeat)),
+                           key=lambda r: r[1]["tokens_per_second"])
             if m == "ar":
                 ref = outs
             if temp == 0:

@@ -344,7 +344,7 @@ def cache_features(work: str, target, layer_ids, batch: int = 8) -> tuple:
     return toks, plen, np.load(path, mmap_mode="r")
 
 
-def train(work: str, out: str, steps: int = 800, seqs: int = 8, anchors: int = 16, lr: float = 2e-3, seed: int = 0,
+def train(work: str, out: str, steps: int = 1800, seqs: int = 8, anchors: int = 16, lr: float = 2e-3, seed: int = 0,
           time_limit: float = 1300.0) -> dict:
     common.set_threads()
     torch.manual_seed(seed)
@@ -406,7 +406,7 @@ def main(argv=None):
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--work", default="/tmp/dflash2_default_work")
     ap.add_argument("--out", default="python/dflash2_rt/models/default")
-    ap.add_argument("--steps", type=int, default=800)
+    ap.add_argument("--steps", type=int, default=1800)
     ap.add_argument("--time-limit", type=float, default=1300.0)
     a = ap.parse_args(argv)
     print(train(a.work, a.out, steps=a.steps, time_limit=a.time_limit))

@@ -28,7 +28,7 @@ def main(argv=None):
     ap.add_argument("--target-time-limit", type=float, default=1900.0)
     ap.add_argument("--mtp-steps", type=int, default=300)
     ap.add_argument("--gen-n", type=int, default=1024)
-    ap.add_argument("--draft-steps", type=int, default=800)
+    ap.add_argument("--draft-steps", type=int, default=1800)
     ap.add_argument("--draft-time-limit", type=float, default=1300.0)
     a = ap.parse_args(argv)
     from dflash2_rt.train import check, corpus, drafter, gen_data, mtp, target
