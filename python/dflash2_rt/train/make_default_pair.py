@@ -5,8 +5,9 @@ in WORK (delete WORK to start over).
     python -m dflash2_rt.train.make_default_pair --out python/dflash2_rt/models/default
 
 Runtime on a 2-core CPU shared with other jobs (the run that made the committed pair):
-corpus + tokenizer ~3 min, target ~28 min (time-limited), MTP ~8 min, data ~10 min,
-drafter ~20 min (time-limited), checks ~3 min. Each training step stops at its --time-limit
+corpus + tokenizer ~3 min, target ~30 min (400 steps), MTP ~9 min (300 steps), data ~5 min
+(1024 sequences), drafter ~16 min (1800 steps, after ~3 min of feature caching), checks ~1 min.
+One torch thread per job (see common.set_threads). Each training step stops at its --time-limit
 (wall clock), so on a faster machine more steps run, up to the fixed step counts; the step
 counts reached are recorded in OUT/recipe.json. Needs torch, transformers 5.x, tokenizers,
 safetensors and a built dflash2_rt (the drafter's data comes from our runtime).
