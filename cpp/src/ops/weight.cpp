@@ -18,10 +18,13 @@ const char* weight_format_name(WeightFormat f) {
   return "?";
 }
 
-Weight Weight::dense(Tensor w, std::string name) {
+namespace {
+// A weight whose logical shape is its data's [out, in] (dense, FP8 block-128).
+Weight unpacked(WeightFormat fmt, Tensor w, Tensor scale, std::string name) {
   Weight r;
-  r.format = WeightFormat::Dense;
+  r.format = fmt;
   r.data = std::move(w);
+  r.scale = std::move(scale);
   r.name = std::move(name);
   DFLASH2_CHECK_ARG(r.data.defined() && r.data.ndim() == 2, "weight '", r.name, "' must be 2-D [out, in], found ",
                     r.data.describe());
@@ -30,19 +33,14 @@ Weight Weight::dense(Tensor w, std::string name) {
   r.validate();
   return r;
 }
+}  // namespace
+
+Weight Weight::dense(Tensor w, std::string name) {
+  return unpacked(WeightFormat::Dense, std::move(w), Tensor(), std::move(name));
+}
 
 Weight Weight::fp8_block128(Tensor w, Tensor scale_inv, std::string name) {
-  Weight r;
-  r.format = WeightFormat::FP8Block128;
-  r.data = std::move(w);
-  r.scale = std::move(scale_inv);
-  r.name = std::move(name);
-  DFLASH2_CHECK_ARG(r.data.defined() && r.data.ndim() == 2, "weight '", r.name, "' must be 2-D [out, in], found ",
-                    r.data.describe());
-  r.out_features = r.data.shape(0);
-  r.in_features = r.data.shape(1);
-  r.validate();
-  return r;
+  return unpacked(WeightFormat::FP8Block128, std::move(w), std::move(scale_inv), std::move(name));
 }
 
 Weight Weight::nvfp4(Tensor packed, Tensor block_scale, float global_scale, float input_scale, int64_t in_features,

@@ -127,6 +127,34 @@ struct Req {
 
 int32_t argmax_row(const float* x, int64_t V) { return runtime::argmax(x, V); }
 
+// Runs the MTP layer over n positions (next tokens with the main model's final hidden
+// states) and keeps what predicts the next position: its logits row and output hidden.
+void mtp_extend(GlmModel& m, CacheStream& s, const int32_t* next, const Tensor& h_main, int64_t n,
+                std::vector<float>& last_logits, std::vector<float>& last_hidden) {
+  const int64_t V = m.config().vocab_size, H = m.config().hidden_size;
+  Tensor lg = Tensor::empty(DType::F32, {n, V}), mh = Tensor::empty(DType::F32, {n, H});
+  m.mtp_forward(s, next, h_main, n, lg, &mh);
+  last_logits.assign(lg.data_as<float>() + (n - 1) * V, lg.data_as<float>() + n * V);
+  last_hidden.assign(mh.data_as<float>() + (n - 1) * H, mh.data_as<float>() + n * H);
+}
+
+// Greedy chained MTP drafting of k tokens, starting from the layer's last prediction and
+// feeding its output hidden state back as the next step's h_main (appends k-1 positions).
+std::vector<int32_t> mtp_chain(GlmModel& m, CacheStream& s, const std::vector<float>& logits,
+                               std::vector<float> hidden, int64_t k) {
+  const int64_t V = m.config().vocab_size, H = m.config().hidden_size;
+  std::vector<int32_t> out;
+  if (k <= 0) return out;
+  std::vector<float> lg = logits;
+  out.push_back(argmax_row(lg.data(), V));
+  for (int64_t j = 1; j < k; ++j) {
+    Tensor hm = Tensor::view(hidden.data(), DType::F32, {1, H});
+    mtp_extend(m, s, &out.back(), hm, 1, lg, hidden);
+    out.push_back(argmax_row(lg.data(), V));
+  }
+  return out;
+}
+
 }  // namespace
 
 std::vector<GenerationResult> Engine::generate(const std::vector<std::vector<int32_t>>& prompts,
@@ -236,10 +264,7 @@ std::vector<GenerationResult> Engine::generate(const std::vector<std::vector<int
           if (use_mtp) {
             std::vector<int32_t> nxt(prompts[w0 + i].begin() + 1, prompts[w0 + i].end());
             nxt.push_back(r.anchor);
-            Tensor lg = Tensor::empty(DType::F32, {np, V}), mh = Tensor::empty(DType::F32, {np, H});
-            m.mtp_forward(r.mtp, nxt.data(), fin.slice(0, row, row + np), np, lg, &mh);
-            r.mtp_logits.assign(lg.data_as<float>() + (np - 1) * V, lg.data_as<float>() + np * V);
-            r.mtp_hidden.assign(mh.data_as<float>() + (np - 1) * H, mh.data_as<float>() + np * H);
+            mtp_extend(m, r.mtp, nxt.data(), fin.slice(0, row, row + np), np, r.mtp_logits, r.mtp_hidden);
           }
           row += np;
           emit(r, {r.anchor});
@@ -283,18 +308,7 @@ std::vector<GenerationResult> Engine::generate(const std::vector<std::vector<int
         } else if (use_mtp) {
           for (Req* r : act) {
             const int64_t kk = std::min<int64_t>(K, max_len - r->main.length - 1);
-            if (kk <= 0) continue;
-            int32_t d = argmax_row(r->mtp_logits.data(), V);
-            r->drafted.push_back(d);
-            std::vector<float> hcur = r->mtp_hidden;
-            for (int64_t j = 1; j < kk; ++j) {
-              Tensor hm = Tensor::view(hcur.data(), DType::F32, {1, H});
-              Tensor lg = Tensor::empty(DType::F32, {1, V}), mh = Tensor::empty(DType::F32, {1, H});
-              m.mtp_forward(r->mtp, &d, hm, 1, lg, &mh);
-              d = argmax_row(lg.data_as<float>(), V);
-              r->drafted.push_back(d);
-              hcur.assign(mh.data_as<float>(), mh.data_as<float>() + H);
-            }
+            r->drafted = mtp_chain(m, r->mtp, r->mtp_logits, r->mtp_hidden, kk);
           }
         }
         t_draft += now() - t0;
@@ -357,22 +371,7 @@ std::vector<GenerationResult> Engine::generate(const std::vector<std::vector<int
               }
               double mass = 0;
               for (double v : probs2) mass += v;
-              const std::vector<double>& dist = mass > 0 ? probs2 : probs;
-              const double tot = mass > 0 ? mass : 1.0;
-              const double u2 = std::uniform_real_distribution<double>(0.0, 1.0)(r.rng) * tot;
-              double cum = 0;
-              bonus = -1;
-              int32_t last = 0;
-              for (int64_t t = 0; t < V; ++t) {
-                if (dist[size_t(t)] <= 0) continue;
-                last = int32_t(t);
-                cum += dist[size_t(t)];
-                if (u2 < cum) {
-                  bonus = int32_t(t);
-                  break;
-                }
-              }
-              if (bonus < 0) bonus = last;
+              bonus = mass > 0 ? runtime::draw(probs2.data(), V, mass, r.rng) : runtime::draw(probs.data(), V, 1.0, r.rng);
               rejected = true;
               break;
             }
@@ -397,10 +396,7 @@ std::vector<GenerationResult> Engine::generate(const std::vector<std::vector<int
             m.rollback(r.mtp, L, true);
             std::vector<int32_t> nxt(r.drafted.begin(), r.drafted.begin() + a);
             nxt.push_back(bonus);
-            Tensor lgm = Tensor::empty(DType::F32, {a + 1, V}), mh = Tensor::empty(DType::F32, {a + 1, H});
-            m.mtp_forward(r.mtp, nxt.data(), fin.slice(0, row, row + a + 1), a + 1, lgm, &mh);
-            r.mtp_logits.assign(lgm.data_as<float>() + a * V, lgm.data_as<float>() + (a + 1) * V);
-            r.mtp_hidden.assign(mh.data_as<float>() + a * H, mh.data_as<float>() + (a + 1) * H);
+            mtp_extend(m, r.mtp, nxt.data(), fin.slice(0, row, row + a + 1), a + 1, r.mtp_logits, r.mtp_hidden);
           }
           after_commit(r);
           row += kk + 1;
@@ -465,19 +461,9 @@ Proposal Engine::propose(const std::vector<int32_t>& tokens) {
     } else {
       std::vector<int32_t> nxt(tokens.begin() + 1, tokens.end());
       nxt.push_back(out.anchor);
-      Tensor lg = Tensor::empty(DType::F32, {n, V}), mh = Tensor::empty(DType::F32, {n, H});
-      m.mtp_forward(mtp, nxt.data(), fin, n, lg, &mh);
-      int32_t d = argmax_row(lg.data_as<float>() + (n - 1) * V, V);
-      std::vector<float> hcur(mh.data_as<float>() + (n - 1) * H, mh.data_as<float>() + n * H);
-      out.tokens.push_back(d);
-      for (int64_t j = 1; j < impl_->draft_len; ++j) {
-        Tensor hm = Tensor::view(hcur.data(), DType::F32, {1, H});
-        Tensor l1 = Tensor::empty(DType::F32, {1, V}), h1 = Tensor::empty(DType::F32, {1, H});
-        m.mtp_forward(mtp, &d, hm, 1, l1, &h1);
-        d = argmax_row(l1.data_as<float>(), V);
-        out.tokens.push_back(d);
-        hcur.assign(h1.data_as<float>(), h1.data_as<float>() + H);
-      }
+      std::vector<float> lg, hid_last;
+      mtp_extend(m, mtp, nxt.data(), fin, n, lg, hid_last);
+      out.tokens = mtp_chain(m, mtp, lg, hid_last, impl_->draft_len);
     }
   } catch (...) {
     m.release(main);

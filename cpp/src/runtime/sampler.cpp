@@ -51,20 +51,24 @@ void sampling_probs(const float* logits, int64_t V, const SamplerParams& p, doub
   for (int64_t i = 0; i < V; ++i) probs[i] /= sum;
 }
 
-int32_t sample(const float* logits, int64_t V, const SamplerParams& p, std::mt19937_64& rng, double* probs,
-               int32_t* order) {
-  if (p.temperature <= 0.0f) return argmax(logits, V);
-  sampling_probs(logits, V, p, probs, order);
-  const double u = std::uniform_real_distribution<double>(0.0, 1.0)(rng);
+int32_t draw(const double* w, int64_t V, double total, std::mt19937_64& rng) {
+  const double u = std::uniform_real_distribution<double>(0.0, 1.0)(rng) * total;
   double cum = 0;
   int32_t last = 0;
   for (int64_t i = 0; i < V; ++i) {
-    if (probs[i] <= 0) continue;
-    cum += probs[i];
+    if (w[i] <= 0) continue;
+    cum += w[i];
     last = int32_t(i);
     if (u < cum) return int32_t(i);
   }
   return last;  // rounding left u >= cum: the last token with mass
+}
+
+int32_t sample(const float* logits, int64_t V, const SamplerParams& p, std::mt19937_64& rng, double* probs,
+               int32_t* order) {
+  if (p.temperature <= 0.0f) return argmax(logits, V);
+  sampling_probs(logits, V, p, probs, order);
+  return draw(probs, V, 1.0, rng);
 }
 
 std::mt19937_64 make_rng(int64_t seed, int64_t index) {

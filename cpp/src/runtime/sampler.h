@@ -17,6 +17,9 @@ int32_t argmax(const float* logits, int64_t V);
 void sampling_probs(const float* logits, int64_t V, const SamplerParams& p, double* probs, int32_t* order_scratch);
 int32_t sample(const float* logits, int64_t V, const SamplerParams& p, std::mt19937_64& rng, double* probs,
                int32_t* order_scratch);
+// One draw from a distribution given by non-negative weights summing to `total` (mass <= 0
+// entries are never drawn; if rounding leaves the draw past the end, the last entry with mass).
+int32_t draw(const double* weights, int64_t V, double total, std::mt19937_64& rng);
 // A per-request RNG stream derived from (seed, request index).
 std::mt19937_64 make_rng(int64_t seed, int64_t index);
 
