@@ -263,6 +263,9 @@ void bind_core(py::module_& m) {
     d["blas"] = b.blas;
     d["threading"] = b.threading;
     d["num_threads"] = b.num_threads;
+    py::dict ops;
+    for (const auto& e : b.ops) ops[py::str(e.first)] = e.second;
+    d["ops"] = ops;
     return d;
   });
 }

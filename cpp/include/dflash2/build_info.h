@@ -1,6 +1,7 @@
 // dflash2/build_info.h: what this build contains.
 #pragma once
 #include <string>
+#include <utility>
 #include <vector>
 
 namespace dflash2 {
@@ -19,9 +20,13 @@ struct BuildInfo {
   std::string blas;        // which GEMM implementation and why
   std::string threading;   // "OpenMP (N threads)" / "none"
   int num_threads = 1;
+  // every op of the op interface with the backends implementing it, e.g. {"rms_norm", {"cpu", "cuda"}}
+  std::vector<std::pair<std::string, std::vector<std::string>>> ops;
 };
 
 BuildInfo build_info();
-void set_num_threads(int n);  // CPU backend thread count (<= 0: the OpenMP default)
+// The CPU backend's thread count for ops called from this thread outside an engine (<= 0:
+// all cores). Engines apply their own num_threads while they run; nothing is process-wide.
+void set_num_threads(int n);
 
 }  // namespace dflash2

@@ -9,6 +9,7 @@
 #pragma once
 #include <cstdint>
 #include <string>
+#include <vector>
 
 #include "dflash2/tensor.h"
 
@@ -79,6 +80,120 @@ void topk(const Tensor& x, int64_t k, Tensor& values, Tensor& indices);
 // out[T, D] (F32) = table[ids[t], :]; table F32/BF16/F16 [V, D]; ids I32/I64 [T];
 // an id outside [0, V) is an InvalidArgument error naming it.
 void embedding(const Tensor& table, const Tensor& ids, Tensor& out);
+
+// ------------------------------------------------------------------ data movement
+// dst = src: same dtype and shape (up to 6-D), any strides on either side.
+void copy(const Tensor& src, Tensor& dst);
+// out = a + b elementwise (F32 rows; out may be a or b: the residual add).
+void add(const Tensor& a, const Tensor& b, Tensor& out);
+// out[i, :] = src[idx[i], :] (src F32/BF16/F16 [N, D] with contiguous rows, idx I32 [M],
+// out F32 [M, D]); an index outside [0, N) is an InvalidArgument error.
+void gather_rows(const Tensor& src, const Tensor& idx, Tensor& out);
+// argmax per row of x F32 [R, V] into out I32 [R]: the first maximum (lowest id), by
+// `x[i] > x[best]` from best = 0 (comparisons with NaN are false: check_finite catches them).
+void argmax(const Tensor& x, Tensor& out);
+// flags I32 [R]: 1 where row r of x F32 [R, V] holds a NaN or an infinity, else 0.
+void check_finite(const Tensor& x, Tensor& flags);
+
+// ------------------------------------------------------------------ paged caches
+// A paged cache layer is a 2-D F32 tensor [num_blocks * block_size, D]: the token at
+// position p of a sequence with block table row bt lives in row bt[p / bs] * bs + p % bs.
+// The tokens of a step are described by the planner (host) in fixed I32 buffers:
+struct PagedTokens {
+  Tensor seq;          // I32 [T]: the block-table row (sequence) of token t
+  Tensor pos;          // I32 [T]: its absolute position
+  Tensor block_table;  // I32 [S, max_blocks]
+  int64_t block_size = 0;
+};
+// cache[slots[t], :] = src[t, :] (src F32 [T, D], slots I32 [T]); a negative slot skips
+// the row (padding).
+void cache_write(const Tensor& src, const Tensor& slots, Tensor& cache);
+
+// ------------------------------------------------------------------ attention
+// Per-head linear: y[t, g, :] = x[t, g, :] @ w[g]^T; x F32 [T, G, K] (any strides, rows
+// contiguous), w F32/BF16/F16 [G, N, K] (rows contiguous), y F32 [T, G, N]. Each head is
+// the dense linear above (same rounding): the absorbed MLA's W_UK^T and W_UV.
+void linear_heads(const Tensor& x, const Tensor& w, Tensor& y);
+
+// DSA indexer. For token t (sequence s = seq[t], position p = pos[t]) and every key j <= p
+// of s in key_cache ([slots, dI] F32, paged as above):
+//   score(j) = sum_h (w[t, h] / sqrt(nI)) * relu(q[t, h, :] . k_j / sqrt(dI))
+// with q F32 [T, nI, dI], w F32 [T, nI]. If p + 1 > topk, sel[t, :] (I32 [T, topk]) gets
+// the topk best keys (ties to the earlier key) in ascending position order and
+// sel_len[t] = topk; otherwise sel_len[t] = -1 (every causal key) and sel[t] is untouched.
+void indexer_topk(const Tensor& q, const Tensor& w, const Tensor& key_cache, const PagedTokens& tok, int64_t topk,
+                  Tensor& sel, Tensor& sel_len);
+
+// Sparse absorbed MLA over the paged latent cache (rows [c (kv_lora) | k_pe (rope)]): for
+// token t and head h, with keys K_t = sel[t, :sel_len[t]] (or 0..pos[t] when sel_len[t] < 0
+// or sel_len is undefined),
+//   s_j = (q_lat[t, h] . c_j + q_pe[t, h] . k_pe_j) * scale,   out[t, h] = sum_j softmax(s)_j c_j
+// q_lat F32 [T, nh, kv_lora], q_pe F32 [T, nh, rope] (any strides, rows contiguous),
+// out F32 [T, nh, kv_lora]. One op serves prefill chunks, decode and verify: every token
+// is computed alone (a row of a verify block equals the same row decoded).
+void mla_attention(const Tensor& q_lat, const Tensor& q_pe, const Tensor& cache, const PagedTokens& tok,
+                   const Tensor& sel, const Tensor& sel_len, float scale, Tensor& out);
+
+// The DFlash drafter's block attention: queries are S blocks of B tokens (T = S * B,
+// block s at positions ctx_len[s] .. ctx_len[s] + B - 1). Query (s, i) attends to the
+// context keys j of sequence s in kv_cache ([slots, 2 * kvh * hd] F32, rows [k | v],
+// paged by block_table / cache_block_size) with j > ctx_len[s] + i - window when window
+// > 0, and to the block's own keys k[s*B + j], v[s*B + j] for j < B (j <= i if causal).
+// q F32 [T, nh, hd], k, v F32 [T, kvh, hd] (GQA: head h uses kv head h / (nh / kvh)),
+// out F32 [T, nh, hd]; softmax in fp32 with the sum in double.
+struct BlockAttention {
+  int64_t block = 0;       // B
+  int64_t window = 0;      // 0 = full attention
+  bool causal = false;
+  float scale = 1.0f;
+  int64_t cache_block_size = 0;
+};
+void block_attention(const Tensor& q, const Tensor& k, const Tensor& v, const Tensor& kv_cache,
+                     const Tensor& ctx_len, const Tensor& block_table, const BlockAttention& p, Tensor& out);
+
+// ------------------------------------------------------------------ MoE
+struct MoeRouting {
+  int64_t top_k = 1;
+  int64_t n_group = 1, topk_group = 1;
+  bool norm_topk_prob = true;
+  float routed_scaling_factor = 1.0f;
+};
+// Routing of logits F32 [T, E] (fp32 router output): s = sigmoid(logits); choice = s + bias
+// (bias F32 [E], selection only); with n_group > 1 only the topk_group groups with the
+// best top-2 sums of choice stay eligible; the top_k eligible experts (ties to the lower
+// id) are written in ascending expert order to ids I32 [T, top_k] with weights F32
+// [T, top_k] = s (/ sum of the chosen s if norm_topk_prob) * routed_scaling_factor.
+void moe_route(const Tensor& logits, const Tensor& bias, const MoeRouting& r, Tensor& ids, Tensor& weights);
+// The routed experts of one MoE layer (each a gated SiLU MLP).
+struct ExpertWeights {
+  std::vector<Weight> gate, up, down;
+};
+// Floats of workspace moe_experts needs for T tokens, top_k, hidden H, expert width F and
+// E experts.
+int64_t moe_workspace_floats(int64_t T, int64_t top_k, int64_t H, int64_t F, int64_t E);
+// out[t] = sum_j weights[t, j] * expert_{ids[t, j]}(x[t]) (j ascending, from zero): each
+// expert runs once on the tokens routed to it (gather, grouped gated MLP, weighted
+// combine). x, out F32 [T, H]; workspace F32 contiguous, >= moe_workspace_floats(...).
+void moe_experts(const Tensor& x, const Tensor& ids, const Tensor& weights, const ExpertWeights& experts,
+                 Tensor& out, Tensor& workspace);
+
+// ------------------------------------------------------------------ DFlash drafter
+// Two-tap dynamic conv over blocks of `block` rows (taps never cross a block):
+//   out[r, c] = (base[0, c] + dyn[r, c / gs]) * x[r, c] + (base[1, c] + dyn[r, G + c / gs]) * x[r - 1, c]
+// where the second term is dropped at block position 0; x, out F32 [R, H] (out may be x),
+// base F32 [2, H], dyn F32 [R, 2G] (rows may be strided), gs = H / G.
+void dyn_conv(const Tensor& x, const Tensor& base, const Tensor& dyn, int64_t block, Tensor& out);
+// The DFlash 2 candidate selector's path walk, per sequence s over positions t < P:
+//   a = pred_book[prev] * g[s, t];  score_b = vals[s, t, b] + a . succ_book[cand[s, t, b]]
+// prev starts at anchors[s] and becomes the chosen candidate. temperature <= 0 takes the
+// best score (first on ties); otherwise q = softmax(score / temperature) is written to q
+// F32 [S, P, K] and the candidate is drawn with uniforms[s, t]. vals F32 / cand I32
+// [S, P, K] (a top-k of the drafter's logits), g F32 [S, P, R] (hidden projection), books
+// F32/BF16/F16 [V, R], anchors I32 [S], tokens I32 [S, P].
+// uniforms: I64 [S, P] holding the bit patterns of doubles in [0, 1).
+void selector_walk(const Tensor& vals, const Tensor& cand, const Tensor& g, const Tensor& pred_book,
+                   const Tensor& succ_book, const Tensor& anchors, float temperature, const Tensor& uniforms,
+                   Tensor& tokens, Tensor& q);
 
 }  // namespace ops
 }  // namespace dflash2

@@ -2,11 +2,13 @@
 
 #include <omp.h>
 
+#include <algorithm>
 #include <sstream>
 
 #include "backend/cpu/cpu_ops.h"
+#include "ops/backend.h"
 #ifdef DFLASH2_WITH_CUDA
-#include "backend/cuda_api.h"
+#include "backend/cuda/cuda_api.h"
 #endif
 #ifdef DFLASH2_WITH_NCCL
 #include <nccl.h>
@@ -68,12 +70,23 @@ BuildInfo build_info() {
       "dequantized in registers, with a fixed reduction order so one row equals the same row in a batch";
   b.num_threads = cpu::num_threads();
   b.threading = "OpenMP (" + std::to_string(b.num_threads) + " threads)";
+  b.ops = ops::op_backends();
+  // composite ops (built from table entries in ops.cpp)
+  auto backends_of = [&](const std::string& op) {
+    for (const auto& e : b.ops)
+      if (e.first == op) return e.second;
+    return std::vector<std::string>{};
+  };
+  b.ops.emplace_back("embedding", backends_of("gather_rows"));
+  std::vector<std::string> mlp;
+  for (const auto& be : backends_of("linear")) {
+    const auto s = backends_of("silu_mul");
+    if (std::find(s.begin(), s.end(), be) != s.end()) mlp.push_back(be);
+  }
+  b.ops.emplace_back("gated_mlp", mlp);
   return b;
 }
 
-void set_num_threads(int n) {
-  if (n <= 0) n = omp_get_num_procs();
-  omp_set_num_threads(n);
-}
+void set_num_threads(int n) { cpu::set_thread_default(n); }
 
 }  // namespace dflash2

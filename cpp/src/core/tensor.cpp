@@ -6,7 +6,7 @@
 
 #include "dflash2/error.h"
 #ifdef DFLASH2_WITH_CUDA
-#include "backend/cuda_api.h"
+#include "backend/cuda/cuda_api.h"
 #endif
 
 namespace dflash2 {

@@ -2,11 +2,12 @@
 // device of the tensors to a backend.
 #include "dflash2/ops.h"
 
-#include "backend/cpu/cpu_ops.h"
+#include <cmath>
+#include <initializer_list>
+#include <string>
+
 #include "dflash2/error.h"
-#ifdef DFLASH2_WITH_CUDA
-#include "backend/cuda_api.h"
-#endif
+#include "ops/backend.h"
 
 namespace dflash2::ops {
 
@@ -68,15 +69,15 @@ void same_device(const Tensor& a, const Tensor& b, const char* op) {
                       b.describe());
 }
 
-[[noreturn]] void not_on_device(const char* op, const Tensor& t) {
-#ifdef DFLASH2_WITH_CUDA
-  fail(ErrorKind::Unsupported, op, " is not implemented on the CUDA backend yet (tensor ", t.describe(),
-       "); run it on the CPU");
-#else
-  fail(ErrorKind::Unsupported, op, ": tensor ", t.describe(), " is on ", t.device().str(),
-       " but dflash2 was built without CUDA");
-#endif
+// The dispatch-table entry of `op` for the device of `t`, or an Unsupported error.
+template <class Fn>
+Fn entry(Fn fn, const char* op, const Tensor& t) {
+  if (!fn)
+    fail(ErrorKind::Unsupported, op, " is not implemented on the ", backend_table(t.device()).name,
+         " backend yet (tensor ", t.describe(), ")");
+  return fn;
 }
+#define DFLASH2_DISPATCH(op, t, ...) return entry(backend_table((t).device()).op, #op, (t))(__VA_ARGS__)
 
 }  // namespace
 
@@ -95,8 +96,7 @@ void linear(const Tensor& x, const Weight& w, Tensor& y, bool accumulate) {
                     x.shape(0), ", ", w.out_features, "], found ", y.describe());
   same_device(x, y, op);
   same_device(x, w.data, op);
-  if (x.device().is_cpu()) return cpu::linear(x, w, y, accumulate);
-  not_on_device(op, x);
+  DFLASH2_DISPATCH(linear, x, x, w, y, accumulate);
 }
 
 void rms_norm(const Tensor& x, const Tensor& w, float eps, Tensor& out) {
@@ -116,17 +116,12 @@ void rms_norm(const Tensor& x, const Tensor& w, float eps, Tensor& out) {
   row_stride(out, op, "out");
   same_device(x, w, op);
   same_device(x, out, op);
-  if (x.device().is_cpu()) {
+  if (x.device().is_cpu())
     DFLASH2_CHECK_ARG(x.dtype() == DType::F32, op, ": the CPU backend takes F32 activations, found ", x.describe());
-    return cpu::rms_norm(x, w, eps, out);
-  }
-#ifdef DFLASH2_WITH_CUDA
-  DFLASH2_CHECK_ARG(x.dtype() == DType::F32 || x.dtype() == DType::BF16, op,
-                    ": the CUDA backend takes F32 or BF16 activations, found ", x.describe());
-  return cuda::rms_norm(x, w, eps, out);
-#else
-  not_on_device(op, x);
-#endif
+  else
+    DFLASH2_CHECK_ARG(x.dtype() == DType::F32 || x.dtype() == DType::BF16, op,
+                      ": the CUDA backend takes F32 or BF16 activations, found ", x.describe());
+  DFLASH2_DISPATCH(rms_norm, x, x, w, eps, out);
 }
 
 void layer_norm(const Tensor& x, const Tensor& w, const Tensor& b, float eps, Tensor& out) {
@@ -150,8 +145,7 @@ void layer_norm(const Tensor& x, const Tensor& w, const Tensor& b, float eps, Te
   row_stride(out, op, "out");
   same_device(x, w, op);
   same_device(x, out, op);
-  if (x.device().is_cpu()) return cpu::layer_norm(x, w, b, eps, out);
-  not_on_device(op, x);
+  DFLASH2_DISPATCH(layer_norm, x, x, w, b, eps, out);
 }
 
 void rope(Tensor& x, const Tensor& positions, double theta, RopeStyle style) {
@@ -164,8 +158,7 @@ void rope(Tensor& x, const Tensor& positions, double theta, RopeStyle style) {
                     x.shape(0), "], found ", positions.describe());
   DFLASH2_CHECK_ARG(theta > 0, op, ": theta must be > 0, found ", theta);
   same_device(x, positions, op);
-  if (x.device().is_cpu()) return cpu::rope(x, positions, theta, style);
-  not_on_device(op, x);
+  DFLASH2_DISPATCH(rope, x, x, positions, theta, style);
 }
 
 void silu_mul(const Tensor& gate, const Tensor& up, Tensor& out) {
@@ -183,8 +176,7 @@ void silu_mul(const Tensor& gate, const Tensor& up, Tensor& out) {
   row_stride(out, op, "out");
   same_device(gate, up, op);
   same_device(gate, out, op);
-  if (gate.device().is_cpu()) return cpu::silu_mul(gate, up, out);
-  not_on_device(op, gate);
+  DFLASH2_DISPATCH(silu_mul, gate, gate, up, out);
 }
 
 void gated_mlp(const Tensor& x, const Weight& gate, const Weight& up, const Weight& down, Tensor& out,
@@ -220,8 +212,7 @@ void softmax(const Tensor& x, Tensor& out, float scale) {
   row_stride(x, op, "x");
   row_stride(out, op, "out");
   same_device(x, out, op);
-  if (x.device().is_cpu()) return cpu::softmax(x, out, scale);
-  not_on_device(op, x);
+  DFLASH2_DISPATCH(softmax, x, x, out, scale);
 }
 
 void topk(const Tensor& x, int64_t k, Tensor& values, Tensor& indices) {
@@ -243,8 +234,7 @@ void topk(const Tensor& x, int64_t k, Tensor& values, Tensor& indices) {
   row_stride(indices, op, "indices");
   same_device(x, values, op);
   same_device(x, indices, op);
-  if (x.device().is_cpu()) return cpu::topk(x, k, values, indices);
-  not_on_device(op, x);
+  DFLASH2_DISPATCH(topk, x, x, k, values, indices);
 }
 
 void embedding(const Tensor& table, const Tensor& ids, Tensor& out) {
@@ -260,8 +250,376 @@ void embedding(const Tensor& table, const Tensor& ids, Tensor& out) {
   need_rows(out, op, "out");
   same_device(table, ids, op);
   same_device(table, out, op);
-  if (table.device().is_cpu()) return cpu::embedding(table, ids, out);
-  not_on_device(op, table);
+  if (ids.device().is_cpu()) {
+    const int64_t V = table.shape(0);
+    for (int64_t t = 0; t < ids.shape(0); ++t) {
+      const int64_t id = ids.dtype() == DType::I64 ? ids.data_as<const int64_t>()[t * ids.stride(0)]
+                                                   : ids.data_as<const int32_t>()[t * ids.stride(0)];
+      DFLASH2_CHECK_ARG(id >= 0 && id < V, "embedding: token id ", id, " at position ", t,
+                        " is outside the vocabulary [0, ", V, ")");
+    }
+  }
+  DFLASH2_DISPATCH(gather_rows, table, table, ids, out);
+}
+
+// ------------------------------------------------------------------ data movement
+namespace {
+void need_i32_vec(const Tensor& t, int64_t n, const char* op, const char* arg) {
+  need_dtype(t, DType::I32, op, arg);
+  DFLASH2_CHECK_ARG(t.ndim() == 1 && (n < 0 || t.shape(0) == n), op, ": argument '", arg, "' must be I32 [",
+                    n < 0 ? std::string("n") : std::to_string(n), "], found ", t.describe());
+}
+void need_3d(const Tensor& t, DType dt, const char* op, const char* arg) {
+  need_dtype(t, dt, op, arg);
+  DFLASH2_CHECK_ARG(t.ndim() == 3 && (t.stride(2) == 1 || t.shape(2) == 1), op, ": argument '", arg, "' must be ",
+                    dtype_name(dt), " [a, b, c] with contiguous rows, found ", t.describe(), " strides ",
+                    shape_str(t.strides()));
+}
+void need_2d_rows(const Tensor& t, DType dt, const char* op, const char* arg) {
+  need_dtype(t, dt, op, arg);
+  DFLASH2_CHECK_ARG(t.ndim() == 2 && (t.stride(1) == 1 || t.shape(1) == 1), op, ": argument '", arg, "' must be ",
+                    dtype_name(dt), " [rows, cols] with contiguous rows, found ", t.describe(), " strides ",
+                    shape_str(t.strides()));
+}
+void need_tokens(const PagedTokens& tok, int64_t T, const char* op) {
+  need_i32_vec(tok.seq, T, op, "tok.seq");
+  need_i32_vec(tok.pos, T, op, "tok.pos");
+  need_2d_rows(tok.block_table, DType::I32, op, "tok.block_table");
+  DFLASH2_CHECK_ARG(tok.block_size >= 1, op, ": block_size must be >= 1, found ", tok.block_size);
+}
+// On the CPU, the planner's bookkeeping is checked against the cache: every (seq, pos) must
+// name a block-table row and a block inside the cache (a bad plan is an error, not a read
+// out of bounds).
+void check_tokens_cpu(const PagedTokens& tok, const Tensor& cache, const char* op) {
+  if (!tok.seq.device().is_cpu()) return;
+  const int64_t S = tok.block_table.shape(0), NB = tok.block_table.shape(1), rows = cache.shape(0);
+  for (int64_t i = 0; i < tok.seq.shape(0); ++i) {
+    const int64_t s = tok.seq.data_as<const int32_t>()[i * tok.seq.stride(0)];
+    const int64_t p = tok.pos.data_as<const int32_t>()[i * tok.pos.stride(0)];
+    DFLASH2_CHECK_ARG(s >= 0 && s < S, op, ": token ", i, " names block-table row ", s, " outside [0, ", S, ")");
+    DFLASH2_CHECK_ARG(p >= 0 && p / tok.block_size < NB, op, ": token ", i, " at position ", p,
+                      " does not fit a block table of ", NB, " blocks of ", tok.block_size);
+    for (int64_t b = 0; b <= p / tok.block_size; ++b) {
+      const int64_t blk = tok.block_table.data_as<const int32_t>()[s * tok.block_table.stride(0) + b];
+      DFLASH2_CHECK_ARG(blk >= 0 && (blk + 1) * tok.block_size <= rows, op, ": block-table row ", s, " entry ", b,
+                        " = ", blk, " is outside the cache of ", rows / tok.block_size, " blocks");
+    }
+  }
+}
+}  // namespace
+
+void copy(const Tensor& src, Tensor& dst) {
+  const char* op = "copy";
+  need(src, op, "src");
+  need(dst, op, "dst");
+  need_same_shape(src, dst, op, "src", "dst");
+  DFLASH2_CHECK_ARG(src.dtype() == dst.dtype(), op, ": src ", src.describe(), " and dst ", dst.describe(),
+                    " must have the same dtype");
+  same_device(src, dst, op);
+  DFLASH2_DISPATCH(copy, src, src, dst);
+}
+
+void add(const Tensor& a, const Tensor& b, Tensor& out) {
+  const char* op = "add";
+  need_dtype(a, DType::F32, op, "a");
+  need_dtype(b, DType::F32, op, "b");
+  need_dtype(out, DType::F32, op, "out");
+  need_rows(a, op, "a");
+  need_rows(b, op, "b");
+  need_rows(out, op, "out");
+  need_same_shape(a, b, op, "a", "b");
+  need_same_shape(a, out, op, "a", "out");
+  row_stride(a, op, "a");
+  row_stride(b, op, "b");
+  row_stride(out, op, "out");
+  same_device(a, b, op);
+  same_device(a, out, op);
+  DFLASH2_DISPATCH(add, a, a, b, out);
+}
+
+void gather_rows(const Tensor& src, const Tensor& idx, Tensor& out) {
+  const char* op = "gather_rows";
+  need_float_weight(src, op, "src");
+  need_index(idx, op, "idx");
+  need_dtype(out, DType::F32, op, "out");
+  DFLASH2_CHECK_ARG(src.ndim() == 2 && src.stride(1) == 1, op, ": src must be [N, D] with contiguous rows, found ",
+                    src.describe());
+  DFLASH2_CHECK_ARG(idx.ndim() == 1, op, ": idx must be 1-D, found ", idx.describe());
+  DFLASH2_CHECK_ARG(out.ndim() == 2 && out.shape(0) == idx.shape(0) && out.shape(1) == src.shape(1), op,
+                    ": out must be [", idx.shape(0), ", ", src.shape(1), "], found ", out.describe());
+  need_rows(out, op, "out");
+  same_device(src, idx, op);
+  same_device(src, out, op);
+  DFLASH2_DISPATCH(gather_rows, src, src, idx, out);
+}
+
+void argmax(const Tensor& x, Tensor& out) {
+  const char* op = "argmax";
+  need_2d_rows(x, DType::F32, op, "x");
+  need_i32_vec(out, x.shape(0), op, "out");
+  DFLASH2_CHECK_ARG(x.shape(1) >= 1, op, ": rows must not be empty, found ", x.describe());
+  same_device(x, out, op);
+  DFLASH2_DISPATCH(argmax, x, x, out);
+}
+
+void check_finite(const Tensor& x, Tensor& flags) {
+  const char* op = "check_finite";
+  need_2d_rows(x, DType::F32, op, "x");
+  need_i32_vec(flags, x.shape(0), op, "flags");
+  same_device(x, flags, op);
+  DFLASH2_DISPATCH(check_finite, x, x, flags);
+}
+
+// ------------------------------------------------------------------ paged caches
+void cache_write(const Tensor& src, const Tensor& slots, Tensor& cache) {
+  const char* op = "cache_write";
+  need_2d_rows(src, DType::F32, op, "src");
+  need_2d_rows(cache, DType::F32, op, "cache");
+  need_i32_vec(slots, src.shape(0), op, "slots");
+  DFLASH2_CHECK_ARG(src.shape(1) == cache.shape(1), op, ": src rows have ", src.shape(1),
+                    " values but cache rows have ", cache.shape(1));
+  same_device(src, slots, op);
+  same_device(src, cache, op);
+  DFLASH2_DISPATCH(cache_write, src, src, slots, cache);
+}
+
+// ------------------------------------------------------------------ attention
+void linear_heads(const Tensor& x, const Tensor& w, Tensor& y) {
+  const char* op = "linear_heads";
+  need_3d(x, DType::F32, op, "x");
+  need_3d(y, DType::F32, op, "y");
+  need_float_weight(w, op, "w");
+  DFLASH2_CHECK_ARG(w.ndim() == 3 && w.stride(2) == 1, op, ": w must be [G, N, K] with contiguous rows, found ",
+                    w.describe());
+  DFLASH2_CHECK_ARG(w.shape(0) == x.shape(1) && w.shape(2) == x.shape(2), op, ": x ", x.describe(),
+                    " does not match w ", w.describe(), " ([T, G, K] and [G, N, K])");
+  DFLASH2_CHECK_ARG(y.shape(0) == x.shape(0) && y.shape(1) == x.shape(1) && y.shape(2) == w.shape(1), op,
+                    ": y must be [", x.shape(0), ", ", x.shape(1), ", ", w.shape(1), "], found ", y.describe());
+  same_device(x, w, op);
+  same_device(x, y, op);
+  DFLASH2_DISPATCH(linear_heads, x, x, w, y);
+}
+
+void indexer_topk(const Tensor& q, const Tensor& w, const Tensor& key_cache, const PagedTokens& tok, int64_t topk,
+                  Tensor& sel, Tensor& sel_len) {
+  const char* op = "indexer_topk";
+  need_3d(q, DType::F32, op, "q");
+  const int64_t T = q.shape(0);
+  need_2d_rows(w, DType::F32, op, "w");
+  DFLASH2_CHECK_ARG(w.shape(0) == T && w.shape(1) == q.shape(1), op, ": w must be [", T, ", ", q.shape(1),
+                    "], found ", w.describe());
+  need_2d_rows(key_cache, DType::F32, op, "key_cache");
+  DFLASH2_CHECK_ARG(key_cache.shape(1) == q.shape(2), op, ": key_cache rows have ", key_cache.shape(1),
+                    " values but q heads have ", q.shape(2));
+  need_tokens(tok, T, op);
+  DFLASH2_CHECK_ARG(topk >= 1, op, ": topk must be >= 1, found ", topk);
+  need_2d_rows(sel, DType::I32, op, "sel");
+  DFLASH2_CHECK_ARG(sel.shape(0) == T && sel.shape(1) == topk, op, ": sel must be I32 [", T, ", ", topk, "], found ",
+                    sel.describe());
+  need_i32_vec(sel_len, T, op, "sel_len");
+  for (const Tensor* t : std::initializer_list<const Tensor*>{&w, &key_cache, &tok.seq, &tok.pos, &tok.block_table, &sel, &sel_len}) same_device(q, *t, op);
+  check_tokens_cpu(tok, key_cache, op);
+  DFLASH2_DISPATCH(indexer_topk, q, q, w, key_cache, tok, topk, sel, sel_len);
+}
+
+void mla_attention(const Tensor& q_lat, const Tensor& q_pe, const Tensor& cache, const PagedTokens& tok,
+                   const Tensor& sel, const Tensor& sel_len, float scale, Tensor& out) {
+  const char* op = "mla_attention";
+  need_3d(q_lat, DType::F32, op, "q_lat");
+  need_3d(q_pe, DType::F32, op, "q_pe");
+  need_3d(out, DType::F32, op, "out");
+  const int64_t T = q_lat.shape(0), nh = q_lat.shape(1), kvl = q_lat.shape(2);
+  DFLASH2_CHECK_ARG(q_pe.shape(0) == T && q_pe.shape(1) == nh, op, ": q_pe ", q_pe.describe(), " does not match q_lat ",
+                    q_lat.describe());
+  need_same_shape(q_lat, out, op, "q_lat", "out");
+  need_2d_rows(cache, DType::F32, op, "cache");
+  DFLASH2_CHECK_ARG(cache.shape(1) == kvl + q_pe.shape(2), op, ": cache rows must hold kv_lora + rope = ",
+                    kvl + q_pe.shape(2), " values, found ", cache.describe());
+  need_tokens(tok, T, op);
+  if (sel_len.defined()) {
+    need_i32_vec(sel_len, T, op, "sel_len");
+    need_2d_rows(sel, DType::I32, op, "sel");
+    DFLASH2_CHECK_ARG(sel.shape(0) == T, op, ": sel must have ", T, " rows, found ", sel.describe());
+    if (sel_len.device().is_cpu())
+      for (int64_t i = 0; i < T; ++i) {
+        const int64_t n = sel_len.data_as<const int32_t>()[i * sel_len.stride(0)];
+        const int64_t p = tok.pos.data_as<const int32_t>()[i * tok.pos.stride(0)];
+        DFLASH2_CHECK_ARG(n <= sel.shape(1), op, ": sel_len[", i, "] = ", n, " exceeds the ", sel.shape(1),
+                          " selection columns");
+        for (int64_t j = 0; j < n; ++j) {
+          const int64_t key = sel.data_as<const int32_t>()[i * sel.stride(0) + j];
+          DFLASH2_CHECK_ARG(key >= 0 && key <= p, op, ": token ", i, " at position ", p, " selects key ", key,
+                            " outside its causal range [0, ", p, "]");
+        }
+      }
+    same_device(q_lat, sel, op);
+    same_device(q_lat, sel_len, op);
+  }
+  for (const Tensor* t : std::initializer_list<const Tensor*>{&q_pe, &cache, &tok.seq, &tok.pos, &tok.block_table, &out}) same_device(q_lat, *t, op);
+  check_tokens_cpu(tok, cache, op);
+  DFLASH2_DISPATCH(mla_attention, q_lat, q_lat, q_pe, cache, tok, sel, sel_len, scale, out);
+}
+
+void block_attention(const Tensor& q, const Tensor& k, const Tensor& v, const Tensor& kv_cache, const Tensor& ctx_len,
+                     const Tensor& block_table, const BlockAttention& p, Tensor& out) {
+  const char* op = "block_attention";
+  need_3d(q, DType::F32, op, "q");
+  need_3d(k, DType::F32, op, "k");
+  need_3d(v, DType::F32, op, "v");
+  need_3d(out, DType::F32, op, "out");
+  const int64_t T = q.shape(0), nh = q.shape(1), hd = q.shape(2), kvh = k.shape(1);
+  DFLASH2_CHECK_ARG(p.block >= 1 && T % p.block == 0, op, ": ", T, " query rows are not whole blocks of ", p.block);
+  DFLASH2_CHECK_ARG(k.shape(0) == T && k.shape(2) == hd && kvh >= 1 && nh % kvh == 0, op, ": k ", k.describe(),
+                    " does not match q ", q.describe(), " (kv heads must divide the query heads)");
+  need_same_shape(k, v, op, "k", "v");
+  need_same_shape(q, out, op, "q", "out");
+  need_2d_rows(kv_cache, DType::F32, op, "kv_cache");
+  DFLASH2_CHECK_ARG(kv_cache.shape(1) == 2 * kvh * hd, op, ": kv_cache rows must hold [k | v] = ", 2 * kvh * hd,
+                    " values, found ", kv_cache.describe());
+  const int64_t S = T / p.block;
+  need_i32_vec(ctx_len, S, op, "ctx_len");
+  need_2d_rows(block_table, DType::I32, op, "block_table");
+  DFLASH2_CHECK_ARG(block_table.shape(0) >= S, op, ": block_table needs a row per block (", S, "), found ",
+                    block_table.describe());
+  DFLASH2_CHECK_ARG(p.cache_block_size >= 1 && p.window >= 0, op, ": cache_block_size must be >= 1 and window >= 0");
+  for (const Tensor* t : std::initializer_list<const Tensor*>{&k, &v, &kv_cache, &ctx_len, &block_table, &out}) same_device(q, *t, op);
+  if (ctx_len.device().is_cpu())
+    for (int64_t s = 0; s < S; ++s) {
+      const int64_t L = ctx_len.data_as<const int32_t>()[s * ctx_len.stride(0)];
+      DFLASH2_CHECK_ARG(L >= 0 && (L + p.cache_block_size - 1) / p.cache_block_size <= block_table.shape(1), op,
+                        ": ctx_len[", s, "] = ", L, " does not fit the block table");
+      for (int64_t b = 0; b < (L + p.cache_block_size - 1) / p.cache_block_size; ++b) {
+        const int64_t blk = block_table.data_as<const int32_t>()[s * block_table.stride(0) + b];
+        DFLASH2_CHECK_ARG(blk >= 0 && (blk + 1) * p.cache_block_size <= kv_cache.shape(0), op, ": block-table row ",
+                          s, " entry ", b, " = ", blk, " is outside the cache");
+      }
+    }
+  DFLASH2_DISPATCH(block_attention, q, q, k, v, kv_cache, ctx_len, block_table, p, out);
+}
+
+// ------------------------------------------------------------------ MoE
+void moe_route(const Tensor& logits, const Tensor& bias, const MoeRouting& r, Tensor& ids, Tensor& weights) {
+  const char* op = "moe_route";
+  need_2d_rows(logits, DType::F32, op, "logits");
+  const int64_t T = logits.shape(0), E = logits.shape(1);
+  need_dtype(bias, DType::F32, op, "bias");
+  DFLASH2_CHECK_ARG(bias.ndim() == 1 && bias.shape(0) == E, op, ": bias must be F32 [", E, "], found ", bias.describe());
+  DFLASH2_CHECK_ARG(r.n_group >= 1 && E % r.n_group == 0, op, ": n_group ", r.n_group, " must divide ", E,
+                    " experts");
+  DFLASH2_CHECK_ARG(r.topk_group >= 1 && r.topk_group <= r.n_group, op, ": topk_group must be in [1, n_group = ",
+                    r.n_group, "], found ", r.topk_group);
+  DFLASH2_CHECK_ARG(r.top_k >= 1 && r.top_k <= E / r.n_group * r.topk_group, op, ": top_k = ", r.top_k,
+                    " must be in [1, experts in the kept groups = ", E / r.n_group * r.topk_group, "]");
+  need_2d_rows(ids, DType::I32, op, "ids");
+  need_2d_rows(weights, DType::F32, op, "weights");
+  DFLASH2_CHECK_ARG(ids.shape(0) == T && ids.shape(1) == r.top_k && weights.shape(0) == T &&
+                        weights.shape(1) == r.top_k,
+                    op, ": ids and weights must be [", T, ", ", r.top_k, "], found ", ids.describe(), " and ",
+                    weights.describe());
+  for (const Tensor* t : std::initializer_list<const Tensor*>{&bias, &ids, &weights}) same_device(logits, *t, op);
+  DFLASH2_DISPATCH(moe_route, logits, logits, bias, r, ids, weights);
+}
+
+int64_t moe_workspace_floats(int64_t T, int64_t top_k, int64_t H, int64_t F, int64_t E) {
+  return 2 * T * H + 2 * T * F + T * top_k * H + T * top_k + 2 * E + 1;
+}
+
+void moe_experts(const Tensor& x, const Tensor& ids, const Tensor& weights, const ExpertWeights& experts, Tensor& out,
+                 Tensor& workspace) {
+  const char* op = "moe_experts";
+  need_2d_rows(x, DType::F32, op, "x");
+  need_2d_rows(out, DType::F32, op, "out");
+  need_same_shape(x, out, op, "x", "out");
+  const int64_t T = x.shape(0), H = x.shape(1), E = int64_t(experts.gate.size());
+  need_2d_rows(ids, DType::I32, op, "ids");
+  need_2d_rows(weights, DType::F32, op, "weights");
+  DFLASH2_CHECK_ARG(ids.shape(0) == T && weights.shape() == ids.shape(), op, ": ids and weights must be [", T,
+                    ", top_k], found ", ids.describe(), " and ", weights.describe());
+  DFLASH2_CHECK_ARG(E >= 1 && int64_t(experts.up.size()) == E && int64_t(experts.down.size()) == E, op,
+                    ": expected the same number (>= 1) of gate, up and down weights");
+  const int64_t F = experts.gate[0].out_features;
+  for (int64_t e = 0; e < E; ++e) {
+    const Weight &g = experts.gate[size_t(e)], &u = experts.up[size_t(e)], &d = experts.down[size_t(e)];
+    DFLASH2_CHECK_ARG(g.in_features == H && u.in_features == H && g.out_features == F && u.out_features == F &&
+                          d.in_features == F && d.out_features == H,
+                      op, ": expert ", e, " has shapes gate [", g.out_features, ", ", g.in_features, "], up [",
+                      u.out_features, ", ", u.in_features, "], down [", d.out_features, ", ", d.in_features,
+                      "]; expected [", F, ", ", H, "], [", F, ", ", H, "], [", H, ", ", F, "]");
+    same_device(x, g.data, op);
+  }
+  need_dtype(workspace, DType::F32, op, "workspace");
+  const int64_t need_ws = moe_workspace_floats(T, ids.shape(1), H, F, E);
+  DFLASH2_CHECK_ARG(workspace.is_contiguous() && workspace.numel() >= need_ws, op, ": workspace must hold ", need_ws,
+                    " contiguous floats, found ", workspace.describe());
+  for (const Tensor* t : std::initializer_list<const Tensor*>{&ids, &weights, &out, &workspace}) same_device(x, *t, op);
+  DFLASH2_DISPATCH(moe_experts, x, x, ids, weights, experts, out, workspace);
+}
+
+// ------------------------------------------------------------------ DFlash drafter
+void dyn_conv(const Tensor& x, const Tensor& base, const Tensor& dyn, int64_t block, Tensor& out) {
+  const char* op = "dyn_conv";
+  need_2d_rows(x, DType::F32, op, "x");
+  need_2d_rows(out, DType::F32, op, "out");
+  need_same_shape(x, out, op, "x", "out");
+  const int64_t R = x.shape(0), H = x.shape(1);
+  DFLASH2_CHECK_ARG(block >= 1 && R % block == 0, op, ": ", R, " rows are not whole blocks of ", block);
+  need_2d_rows(base, DType::F32, op, "base");
+  DFLASH2_CHECK_ARG(base.shape(0) == 2 && base.shape(1) == H, op, ": base must be F32 [2, ", H, "], found ",
+                    base.describe());
+  need_2d_rows(dyn, DType::F32, op, "dyn");
+  const int64_t G2 = dyn.shape(1);
+  DFLASH2_CHECK_ARG(dyn.shape(0) == R && G2 >= 2 && G2 % 2 == 0 && H % (G2 / 2) == 0, op,
+                    ": dyn must be [", R, ", 2G] with G dividing ", H, ", found ", dyn.describe());
+  for (const Tensor* t : std::initializer_list<const Tensor*>{&base, &dyn, &out}) same_device(x, *t, op);
+  DFLASH2_DISPATCH(dyn_conv, x, x, base, dyn, block, out);
+}
+
+void selector_walk(const Tensor& vals, const Tensor& cand, const Tensor& g, const Tensor& pred_book,
+                   const Tensor& succ_book, const Tensor& anchors, float temperature, const Tensor& uniforms,
+                   Tensor& tokens, Tensor& q) {
+  const char* op = "selector_walk";
+  need_3d(vals, DType::F32, op, "vals");
+  need_3d(cand, DType::I32, op, "cand");
+  need_3d(g, DType::F32, op, "g");
+  const int64_t S = vals.shape(0), P = vals.shape(1), K = vals.shape(2), R = g.shape(2);
+  need_same_shape(vals, cand, op, "vals", "cand");
+  DFLASH2_CHECK_ARG(g.shape(0) == S && g.shape(1) == P, op, ": g must be [", S, ", ", P, ", rank], found ",
+                    g.describe());
+  for (const Tensor* b : {&pred_book, &succ_book}) {
+    need_float_weight(*b, op, "book");
+    DFLASH2_CHECK_ARG(b->ndim() == 2 && b->shape(1) == R && b->stride(1) == 1, op, ": codebooks must be [vocab, ", R,
+                      "] with contiguous rows, found ", b->describe());
+  }
+  DFLASH2_CHECK_ARG(pred_book.shape(0) == succ_book.shape(0), op, ": the codebooks have different vocabularies");
+  need_i32_vec(anchors, S, op, "anchors");
+  need_2d_rows(tokens, DType::I32, op, "tokens");
+  DFLASH2_CHECK_ARG(tokens.shape(0) == S && tokens.shape(1) == P, op, ": tokens must be I32 [", S, ", ", P,
+                    "], found ", tokens.describe());
+  DFLASH2_CHECK_ARG(std::isfinite(temperature), op, ": temperature must be finite, found ", temperature);
+  const int64_t V = pred_book.shape(0);
+  if (cand.device().is_cpu()) {
+    for (int64_t s = 0; s < S; ++s) {
+      const int64_t a = anchors.data_as<const int32_t>()[s * anchors.stride(0)];
+      DFLASH2_CHECK_ARG(a >= 0 && a < V, op, ": anchor ", a, " of sequence ", s, " is outside [0, ", V, ")");
+      for (int64_t t = 0; t < P; ++t)
+        for (int64_t b = 0; b < K; ++b) {
+          const int64_t c = cand.data_as<const int32_t>()[s * cand.stride(0) + t * cand.stride(1) + b];
+          DFLASH2_CHECK_ARG(c >= 0 && c < V, op, ": candidate ", c, " at (", s, ", ", t, ", ", b, ") is outside [0, ",
+                            V, ")");
+        }
+    }
+  }
+  if (temperature > 0.0f) {
+    need_dtype(uniforms, DType::I64, op, "uniforms");
+    DFLASH2_CHECK_ARG(uniforms.ndim() == 2 && uniforms.shape(0) == S && uniforms.shape(1) == P, op,
+                      ": uniforms must be I64 [", S, ", ", P, "], found ", uniforms.describe());
+    need_3d(q, DType::F32, op, "q");
+    need_same_shape(vals, q, op, "vals", "q");
+    same_device(vals, uniforms, op);
+    same_device(vals, q, op);
+  }
+  for (const Tensor* t : std::initializer_list<const Tensor*>{&cand, &g, &pred_book, &succ_book, &anchors, &tokens}) same_device(vals, *t, op);
+  DFLASH2_DISPATCH(selector_walk, vals, vals, cand, g, pred_book, succ_book, anchors, temperature, uniforms, tokens, q);
 }
 
 }  // namespace dflash2::ops

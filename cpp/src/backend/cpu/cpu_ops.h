@@ -1,19 +1,85 @@
-// Internal: the CPU backend. ops.cpp validates arguments and dispatches here.
+// Internal: the CPU backend (the oracle). ops.cpp validates arguments and dispatches here
+// through the table filled by register_cpu_ops() (register.cpp).
 #pragma once
+#include <cmath>
+#include <cstdint>
+#include <vector>
+
 #include "dflash2/ops.h"
 
 namespace dflash2::cpu {
 
 const char* gemm_isa();  // "avx2+fma" or "generic": what linear() runs on this machine
-int num_threads();
+
+// ---- threads: every parallel region of the backend runs with threads() threads, the
+// calling thread's setting (an engine's num_threads while it runs, see ThreadScope), so
+// one engine's setting never changes another's.
+int threads();            // the calling thread's width (>= 1)
+int num_threads();        // same (build_info)
+void set_thread_default(int n);  // this thread's width outside any ThreadScope (<= 0: all cores)
+class ThreadScope {
+ public:
+  explicit ThreadScope(int n);  // n <= 0: keep the current width
+  ~ThreadScope();
+  ThreadScope(const ThreadScope&) = delete;
+  ThreadScope& operator=(const ThreadScope&) = delete;
+
+ private:
+  int prev_;
+};
+
+// Per-thread scratch that grows to a high-water mark and is then reused (no allocation
+// in steady state); slot separates buffers used at the same time.
+float* thread_scratch(int slot, size_t n);
+int32_t* thread_iscratch(int slot, size_t n);
+
+// 4-way partial dot product (the attention / indexer score order).
+inline float dot4(const float* a, const float* b, int64_t n) {
+  float s0 = 0, s1 = 0, s2 = 0, s3 = 0;
+  int64_t i = 0;
+  for (; i + 4 <= n; i += 4) {
+    s0 += a[i] * b[i];
+    s1 += a[i + 1] * b[i + 1];
+    s2 += a[i + 2] * b[i + 2];
+    s3 += a[i + 3] * b[i + 3];
+  }
+  for (; i < n; ++i) s0 += a[i] * b[i];
+  return (s0 + s1) + (s2 + s3);
+}
+
+// Row of a paged cache layer for (block-table row s, position p).
+inline const float* paged_row(const Tensor& cache, const ops::PagedTokens& tok, int64_t s, int64_t p) {
+  const int32_t* bt = tok.block_table.data_as<const int32_t>() + s * tok.block_table.stride(0);
+  const int64_t slot = int64_t(bt[p / tok.block_size]) * tok.block_size + p % tok.block_size;
+  return cache.data_as<const float>() + slot * cache.stride(0);
+}
 
 void linear(const Tensor& x, const ops::Weight& w, Tensor& y, bool accumulate);
+void linear_heads(const Tensor& x, const Tensor& w, Tensor& y);
 void rms_norm(const Tensor& x, const Tensor& w, float eps, Tensor& out);
 void layer_norm(const Tensor& x, const Tensor& w, const Tensor& b, float eps, Tensor& out);
 void rope(Tensor& x, const Tensor& positions, double theta, ops::RopeStyle style);
 void silu_mul(const Tensor& gate, const Tensor& up, Tensor& out);
 void softmax(const Tensor& x, Tensor& out, float scale);
 void topk(const Tensor& x, int64_t k, Tensor& values, Tensor& indices);
-void embedding(const Tensor& table, const Tensor& ids, Tensor& out);
+void gather_rows(const Tensor& src, const Tensor& idx, Tensor& out);
+void copy(const Tensor& src, Tensor& dst);
+void add(const Tensor& a, const Tensor& b, Tensor& out);
+void argmax(const Tensor& x, Tensor& out);
+void check_finite(const Tensor& x, Tensor& flags);
+void cache_write(const Tensor& src, const Tensor& slots, Tensor& cache);
+void indexer_topk(const Tensor& q, const Tensor& w, const Tensor& key_cache, const ops::PagedTokens& tok,
+                  int64_t topk, Tensor& sel, Tensor& sel_len);
+void mla_attention(const Tensor& q_lat, const Tensor& q_pe, const Tensor& cache, const ops::PagedTokens& tok,
+                   const Tensor& sel, const Tensor& sel_len, float scale, Tensor& out);
+void block_attention(const Tensor& q, const Tensor& k, const Tensor& v, const Tensor& kv_cache,
+                     const Tensor& ctx_len, const Tensor& block_table, const ops::BlockAttention& p, Tensor& out);
+void moe_route(const Tensor& logits, const Tensor& bias, const ops::MoeRouting& r, Tensor& ids, Tensor& weights);
+void moe_experts(const Tensor& x, const Tensor& ids, const Tensor& weights, const ops::ExpertWeights& experts,
+                 Tensor& out, Tensor& workspace);
+void dyn_conv(const Tensor& x, const Tensor& base, const Tensor& dyn, int64_t block, Tensor& out);
+void selector_walk(const Tensor& vals, const Tensor& cand, const Tensor& g, const Tensor& pred_book,
+                   const Tensor& succ_book, const Tensor& anchors, float temperature, const Tensor& uniforms,
+                   Tensor& tokens, Tensor& q);
 
 }  // namespace dflash2::cpu

@@ -44,7 +44,7 @@ inline bool parallel_worth(int64_t elems) { return elems >= (1 << 15); }
 void rms_norm(const Tensor& x, const Tensor& w, float eps, Tensor& out) {
   Rows xr = rows_of(x), orows = rows_of(out);
   const int64_t D = xr.d;
-#pragma omp parallel for schedule(static) if (parallel_worth(xr.n * D))
+#pragma omp parallel for schedule(static) num_threads(threads()) if (parallel_worth(xr.n * D))
   for (int64_t r = 0; r < xr.n; ++r) {
     const float* xi = xr.row<const float>(r);
     float* oi = orows.row<float>(r);
@@ -64,7 +64,7 @@ void layer_norm(const Tensor& x, const Tensor& w, const Tensor& b, float eps, Te
   Rows xr = rows_of(x), orows = rows_of(out);
   const int64_t D = xr.d;
   const bool has_b = b.defined();
-#pragma omp parallel for schedule(static) if (parallel_worth(xr.n * D))
+#pragma omp parallel for schedule(static) num_threads(threads()) if (parallel_worth(xr.n * D))
   for (int64_t r = 0; r < xr.n; ++r) {
     const float* xi = xr.row<const float>(r);
     float* oi = orows.row<float>(r);
@@ -88,7 +88,7 @@ void rope(Tensor& x, const Tensor& positions, double theta, ops::RopeStyle style
   float* base = x.data_as<float>();
   const bool i64 = positions.dtype() == DType::I64;
   const float ftheta = float(theta);
-#pragma omp parallel for schedule(static) if (parallel_worth(T * H * D))
+#pragma omp parallel for schedule(static) num_threads(threads()) if (parallel_worth(T * H * D))
   for (int64_t t = 0; t < T; ++t) {
     const int64_t pos = i64 ? positions.data_as<const int64_t>()[t * positions.stride(0)]
                             : positions.data_as<const int32_t>()[t * positions.stride(0)];
@@ -112,7 +112,7 @@ void rope(Tensor& x, const Tensor& positions, double theta, ops::RopeStyle style
 void silu_mul(const Tensor& gate, const Tensor& up, Tensor& out) {
   Rows g = rows_of(gate), u = rows_of(up), o = rows_of(out);
   const int64_t D = g.d;
-#pragma omp parallel for schedule(static) if (parallel_worth(g.n * D))
+#pragma omp parallel for schedule(static) num_threads(threads()) if (parallel_worth(g.n * D))
   for (int64_t r = 0; r < g.n; ++r) {
     const float* gi = g.row<const float>(r);
     const float* ui = u.row<const float>(r);
@@ -127,7 +127,7 @@ void silu_mul(const Tensor& gate, const Tensor& up, Tensor& out) {
 void softmax(const Tensor& x, Tensor& out, float scale) {
   Rows xr = rows_of(x), o = rows_of(out);
   const int64_t D = xr.d;
-#pragma omp parallel for schedule(static) if (parallel_worth(xr.n * D))
+#pragma omp parallel for schedule(static) num_threads(threads()) if (parallel_worth(xr.n * D))
   for (int64_t r = 0; r < xr.n; ++r) {
     const float* xi = xr.row<const float>(r);
     float* oi = o.row<float>(r);
@@ -150,7 +150,7 @@ void softmax(const Tensor& x, Tensor& out, float scale) {
 void topk(const Tensor& x, int64_t k, Tensor& values, Tensor& indices) {
   Rows xr = rows_of(x), vr = rows_of(values), ir = rows_of(indices);
   const int64_t D = xr.d;
-#pragma omp parallel for schedule(static) if (parallel_worth(xr.n * D))
+#pragma omp parallel for schedule(static) num_threads(threads()) if (parallel_worth(xr.n * D))
   for (int64_t r = 0; r < xr.n; ++r) {
     const float* xi = xr.row<const float>(r);
     int32_t* heap = ir.row<int32_t>(r);  // the output doubles as the heap: no allocation
@@ -180,35 +180,104 @@ void topk(const Tensor& x, int64_t k, Tensor& values, Tensor& indices) {
   }
 }
 
-void embedding(const Tensor& table, const Tensor& ids, Tensor& out) {
-  const int64_t T = ids.shape(0), V = table.shape(0), D = table.shape(1);
-  const bool i64 = ids.dtype() == DType::I64;
+void gather_rows(const Tensor& src, const Tensor& idx, Tensor& out) {
+  const int64_t T = idx.shape(0), V = src.shape(0), D = src.shape(1);
+  const bool i64 = idx.dtype() == DType::I64;
   auto id_at = [&](int64_t t) -> int64_t {
-    return i64 ? ids.data_as<const int64_t>()[t * ids.stride(0)] : ids.data_as<const int32_t>()[t * ids.stride(0)];
+    return i64 ? idx.data_as<const int64_t>()[t * idx.stride(0)] : idx.data_as<const int32_t>()[t * idx.stride(0)];
   };
   for (int64_t t = 0; t < T; ++t) {
     const int64_t id = id_at(t);
-    DFLASH2_CHECK_ARG(id >= 0 && id < V, "embedding: token id ", id, " at position ", t,
-                      " is outside the vocabulary [0, ", V, ")");
+    DFLASH2_CHECK_ARG(id >= 0 && id < V, "gather_rows: index ", id, " at position ", t, " is outside [0, ", V, ")");
   }
-  const char* tb = static_cast<const char*>(table.data());
-  const int64_t trow = table.stride(0) * int64_t(table.itemsize());
+  const char* tb = static_cast<const char*>(src.data());
+  const int64_t trow = src.stride(0) * int64_t(src.itemsize());
   Rows o = rows_of(out);
-#pragma omp parallel for schedule(static) if (parallel_worth(T * D))
+#pragma omp parallel for schedule(static) num_threads(threads()) if (parallel_worth(T * D))
   for (int64_t t = 0; t < T; ++t) {
-    const char* src = tb + id_at(t) * trow;
+    const char* s = tb + id_at(t) * trow;
     float* dst = o.row<float>(t);
-    if (table.dtype() == DType::F32) {
-      std::memcpy(dst, src, size_t(D) * 4);
-    } else if (table.dtype() == DType::BF16) {
+    if (src.dtype() == DType::F32) {
+      std::memcpy(dst, s, size_t(D) * 4);
+    } else if (src.dtype() == DType::BF16) {
       for (int64_t i = 0; i < D; ++i) {
         uint16_t h;
-        std::memcpy(&h, src + 2 * i, 2);
+        std::memcpy(&h, s + 2 * i, 2);
         dst[i] = bf16_to_f32(h);
       }
     } else {
-      for (int64_t i = 0; i < D; ++i) dst[i] = load_as_f32(src + 2 * i, table.dtype());
+      for (int64_t i = 0; i < D; ++i) dst[i] = load_as_f32(s + 2 * i, src.dtype());
     }
+  }
+}
+
+void copy(const Tensor& src, Tensor& dst) {
+  // innermost dimension as a run; the outer index walks the rest in row-major order
+  const int nd = src.ndim();
+  const size_t es = src.itemsize();
+  if (nd == 0 || src.numel() == 0) return;
+  const int64_t inner = src.shape(nd - 1);
+  const int64_t outer = src.numel() / inner;
+  const bool runs = src.stride(nd - 1) == 1 && dst.stride(nd - 1) == 1;
+  const char* sb = static_cast<const char*>(src.data());
+  char* db = static_cast<char*>(dst.data());
+#pragma omp parallel for schedule(static) num_threads(threads()) if (parallel_worth(src.numel()))
+  for (int64_t o = 0; o < outer; ++o) {
+    int64_t rem = o, soff = 0, doff = 0;
+    for (int d = nd - 2; d >= 0; --d) {
+      const int64_t i = rem % src.shape(d);
+      rem /= src.shape(d);
+      soff += i * src.stride(d);
+      doff += i * dst.stride(d);
+    }
+    if (runs) {
+      std::memcpy(db + doff * int64_t(es), sb + soff * int64_t(es), size_t(inner) * es);
+    } else {
+      for (int64_t i = 0; i < inner; ++i)
+        std::memcpy(db + (doff + i * dst.stride(nd - 1)) * int64_t(es), sb + (soff + i * src.stride(nd - 1)) * int64_t(es),
+                    es);
+    }
+  }
+}
+
+void add(const Tensor& a, const Tensor& b, Tensor& out) {
+  Rows ar = rows_of(a), br = rows_of(b), o = rows_of(out);
+  const int64_t D = ar.d;
+#pragma omp parallel for schedule(static) num_threads(threads()) if (parallel_worth(ar.n * D))
+  for (int64_t r = 0; r < ar.n; ++r) {
+    const float* ai = ar.row<const float>(r);
+    const float* bi = br.row<const float>(r);
+    float* oi = o.row<float>(r);
+    for (int64_t i = 0; i < D; ++i) oi[i] = ai[i] + bi[i];
+  }
+}
+
+void argmax(const Tensor& x, Tensor& out) {
+  Rows xr = rows_of(x);
+  const int64_t V = xr.d;
+  int32_t* o = out.data_as<int32_t>();
+  const int64_t os = out.stride(0);
+#pragma omp parallel for schedule(static) num_threads(threads()) if (parallel_worth(xr.n * V))
+  for (int64_t r = 0; r < xr.n; ++r) {
+    const float* xi = xr.row<const float>(r);
+    int64_t best = 0;
+    for (int64_t i = 1; i < V; ++i)
+      if (xi[i] > xi[best]) best = i;
+    o[r * os] = int32_t(best);
+  }
+}
+
+void check_finite(const Tensor& x, Tensor& flags) {
+  Rows xr = rows_of(x);
+  const int64_t V = xr.d;
+  int32_t* f = flags.data_as<int32_t>();
+  const int64_t fs = flags.stride(0);
+#pragma omp parallel for schedule(static) num_threads(threads()) if (parallel_worth(xr.n * V))
+  for (int64_t r = 0; r < xr.n; ++r) {
+    const float* xi = xr.row<const float>(r);
+    float acc = 0.0f;  // x * 0 is NaN exactly for NaN and +-inf
+    for (int64_t i = 0; i < V; ++i) acc += xi[i] * 0.0f;
+    f[r * fs] = acc == acc ? 0 : 1;
   }
 }
 

@@ -24,7 +24,7 @@
 
 namespace dflash2::cpu {
 
-int num_threads() { return omp_get_max_threads(); }
+
 
 namespace {
 
@@ -275,10 +275,19 @@ void linear(const Tensor& x, const ops::Weight& w, Tensor& y, bool accumulate) {
   constexpr int64_t NB = 24;
   const int64_t panels = (N + NB - 1) / NB;
   const double work = double(M) * double(N) * double(w.in_features);
-#pragma omp parallel for schedule(static) if (work > 1 << 16)
+#pragma omp parallel for schedule(static) num_threads(threads()) if (work > 1 << 16)
   for (int64_t p = 0; p < panels; ++p) {
     const int64_t n0 = p * NB, n1 = n0 + NB < N ? n0 + NB : N;
     fn(v, xp, ldx, M, yp, ldy, n0, n1, accumulate);
+  }
+}
+
+void linear_heads(const Tensor& x, const Tensor& w, Tensor& y) {
+  const int64_t G = x.shape(1);
+  for (int64_t g = 0; g < G; ++g) {
+    const ops::Weight wg = ops::Weight::dense(w.select(0, g));
+    Tensor yg = y.select(1, g);
+    cpu::linear(x.select(1, g), wg, yg, false);
   }
 }
 

@@ -26,8 +26,8 @@
 
 #include <cstdint>
 
-#include "backend/cuda_api.h"
-#include "cuda/cuda_check.cuh"
+#include "backend/cuda/cuda_api.h"
+#include "backend/cuda/cuda_check.cuh"
 #include "dflash2/error.h"
 
 namespace dflash2::cuda {

@@ -8,8 +8,8 @@
 #include <sstream>
 #include <string>
 
-#include "backend/cuda_api.h"
-#include "cuda/cuda_check.cuh"
+#include "backend/cuda/cuda_api.h"
+#include "backend/cuda/cuda_check.cuh"
 #include "dflash2/error.h"
 
 namespace dflash2::cuda {

@@ -1,0 +1,166 @@
+// CPU backend: paged cache writes, the DSA indexer (scores + causal top-k), sparse absorbed
+// MLA attention and the DFlash drafter's block attention. Every (token, head) is computed
+// alone, in a fixed order (scores with a 4-way partial dot product, max, exp, the sum in
+// double, then the weighted sum of values in key order), so a token's result does not
+// depend on the other tokens of the step or on the thread count: decode == verify.
+#include <omp.h>
+
+#include <algorithm>
+#include <cmath>
+#include <cstring>
+
+#include "backend/cpu/cpu_ops.h"
+#include "dflash2/error.h"
+
+namespace dflash2::cpu {
+
+void cache_write(const Tensor& src, const Tensor& slots, Tensor& cache) {
+  const int64_t T = src.shape(0), D = src.shape(1), rows = cache.shape(0);
+  const int32_t* sl = slots.data_as<const int32_t>();
+  for (int64_t t = 0; t < T; ++t) {
+    const int64_t s = sl[t * slots.stride(0)];
+    DFLASH2_CHECK_ARG(s < rows, "cache_write: slot ", s, " of row ", t, " is outside the cache's ", rows, " rows");
+    if (s < 0) continue;
+    std::memcpy(cache.data_as<float>() + s * cache.stride(0), src.data_as<const float>() + t * src.stride(0),
+                size_t(D) * 4);
+  }
+}
+
+void indexer_topk(const Tensor& q, const Tensor& w, const Tensor& key_cache, const ops::PagedTokens& tok,
+                  int64_t topk, Tensor& sel, Tensor& sel_len) {
+  const int64_t T = q.shape(0), nI = q.shape(1), dI = q.shape(2);
+  const int32_t* seq = tok.seq.data_as<const int32_t>();
+  const int32_t* pos = tok.pos.data_as<const int32_t>();
+  int32_t* len = sel_len.data_as<int32_t>();
+  const float wscale = 1.0f / std::sqrt(float(nI)), sscale = 1.0f / std::sqrt(float(dI));
+#pragma omp parallel for schedule(dynamic, 1) num_threads(threads())
+  for (int64_t i = 0; i < T; ++i) {
+    const int64_t p = pos[i * tok.pos.stride(0)];
+    if (p + 1 <= topk) {
+      len[i * sel_len.stride(0)] = -1;
+      continue;
+    }
+    const int64_t s = seq[i * tok.seq.stride(0)];
+    float* sc = thread_scratch(0, size_t(p + 1));
+    const float* qb = q.data_as<const float>() + i * q.stride(0);
+    const float* wr = w.data_as<const float>() + i * w.stride(0);
+    for (int64_t t = 0; t <= p; ++t) {
+      const float* k = paged_row(key_cache, tok, s, t);
+      float acc = 0;
+      for (int64_t hh = 0; hh < nI; ++hh) {
+        const float d = dot4(qb + hh * q.stride(1), k, dI) * sscale;
+        acc += (wr[hh] * wscale) * (d > 0 ? d : 0.0f);
+      }
+      sc[t] = acc;
+    }
+    Tensor row = Tensor::view(sc, DType::F32, {p + 1});
+    Tensor vals = Tensor::view(thread_scratch(1, size_t(topk)), DType::F32, {topk});
+    Tensor idx = Tensor::view(sel.data_as<int32_t>() + i * sel.stride(0), DType::I32, {topk});
+    cpu::topk(row, topk, vals, idx);
+    std::sort(idx.data_as<int32_t>(), idx.data_as<int32_t>() + topk);  // attend in position order
+    len[i * sel_len.stride(0)] = int32_t(topk);
+  }
+}
+
+void mla_attention(const Tensor& q_lat, const Tensor& q_pe, const Tensor& cache, const ops::PagedTokens& tok,
+                   const Tensor& sel, const Tensor& sel_len, float scale, Tensor& out) {
+  const int64_t T = q_lat.shape(0), nh = q_lat.shape(1), kvl = q_lat.shape(2), rope = q_pe.shape(2);
+  const int32_t* seq = tok.seq.data_as<const int32_t>();
+  const int32_t* pos = tok.pos.data_as<const int32_t>();
+  const bool has_sel = sel_len.defined();
+#pragma omp parallel for schedule(dynamic, 1) collapse(2) num_threads(threads())
+  for (int64_t i = 0; i < T; ++i) {
+    for (int64_t hh = 0; hh < nh; ++hh) {
+      const int64_t p = pos[i * tok.pos.stride(0)], s = seq[i * tok.seq.stride(0)];
+      const int64_t cnt = has_sel ? sel_len.data_as<const int32_t>()[i * sel_len.stride(0)] : -1;
+      const int32_t* sl = cnt >= 0 ? sel.data_as<const int32_t>() + i * sel.stride(0) : nullptr;
+      const int64_t nk = cnt < 0 ? p + 1 : cnt;
+      float* sc = thread_scratch(0, size_t(nk));
+      const float* qt = q_lat.data_as<const float>() + i * q_lat.stride(0) + hh * q_lat.stride(1);
+      const float* qpe = q_pe.data_as<const float>() + i * q_pe.stride(0) + hh * q_pe.stride(1);
+      float mx = -INFINITY;
+      for (int64_t j = 0; j < nk; ++j) {
+        const int64_t t = cnt < 0 ? j : sl[j];
+        const float* kv = paged_row(cache, tok, s, t);
+        const float sj = (dot4(qt, kv, kvl) + dot4(qpe, kv + kvl, rope)) * scale;
+        sc[j] = sj;
+        mx = std::max(mx, sj);
+      }
+      double sum = 0;
+      for (int64_t j = 0; j < nk; ++j) {
+        sc[j] = std::exp(sc[j] - mx);
+        sum += sc[j];
+      }
+      const float inv = float(1.0 / sum);
+      float* o = out.data_as<float>() + i * out.stride(0) + hh * out.stride(1);
+      std::fill(o, o + kvl, 0.0f);
+      for (int64_t j = 0; j < nk; ++j) {
+        const int64_t t = cnt < 0 ? j : sl[j];
+        const float* kv = paged_row(cache, tok, s, t);
+        const float pj = sc[j] * inv;
+        for (int64_t d = 0; d < kvl; ++d) o[d] += pj * kv[d];
+      }
+    }
+  }
+}
+
+void block_attention(const Tensor& q, const Tensor& k, const Tensor& v, const Tensor& kv_cache,
+                     const Tensor& ctx_len, const Tensor& block_table, const ops::BlockAttention& p, Tensor& out) {
+  const int64_t T = q.shape(0), nh = q.shape(1), hd = q.shape(2), kvh = k.shape(1), grp = nh / kvh;
+  const int64_t B = p.block, kvdim = kvh * hd, cbs = p.cache_block_size;
+  const int32_t* clen = ctx_len.data_as<const int32_t>();
+  auto ctx_row = [&](int64_t s, int64_t j) {
+    const int32_t* bt = block_table.data_as<const int32_t>() + s * block_table.stride(0);
+    return kv_cache.data_as<const float>() + (int64_t(bt[j / cbs]) * cbs + j % cbs) * kv_cache.stride(0);
+  };
+#pragma omp parallel for schedule(dynamic, 1) collapse(2) num_threads(threads())
+  for (int64_t r = 0; r < T; ++r) {
+    for (int64_t h = 0; h < nh; ++h) {
+      const int64_t s = r / B, t = r % B, kh = h / grp;
+      const int64_t L = clen[s * ctx_len.stride(0)];
+      const int64_t i = L + t;  // absolute position of this query
+      const int64_t c0 = p.window > 0 ? std::max<int64_t>(0, i - p.window + 1) : 0;  // keys j with i - window < j
+      const int64_t nblk = p.causal ? t + 1 : B;
+      const int64_t nctx = L - c0;
+      const int64_t nsc = std::max<int64_t>(nctx, 0) + nblk;
+      float* sc = thread_scratch(0, size_t(nsc));
+      const float* qv = q.data_as<const float>() + r * q.stride(0) + h * q.stride(1);
+      float mx = -INFINITY;
+      int64_t n = 0;
+      for (int64_t j = c0; j < L; ++j, ++n) {
+        const float* kvp = ctx_row(s, j) + kh * hd;
+        float d = 0;
+        for (int64_t e = 0; e < hd; ++e) d += qv[e] * kvp[e];
+        sc[n] = d * p.scale;
+        mx = std::max(mx, sc[n]);
+      }
+      for (int64_t j = 0; j < nblk; ++j, ++n) {
+        const float* kp = k.data_as<const float>() + (s * B + j) * k.stride(0) + kh * k.stride(1);
+        float d = 0;
+        for (int64_t e = 0; e < hd; ++e) d += qv[e] * kp[e];
+        sc[n] = d * p.scale;
+        mx = std::max(mx, sc[n]);
+      }
+      double sum = 0;
+      for (int64_t j = 0; j < nsc; ++j) {
+        sc[j] = std::exp(sc[j] - mx);
+        sum += sc[j];
+      }
+      float* o = out.data_as<float>() + r * out.stride(0) + h * out.stride(1);
+      std::fill(o, o + hd, 0.0f);
+      n = 0;
+      for (int64_t j = c0; j < L; ++j, ++n) {
+        const float* vp = ctx_row(s, j) + kvdim + kh * hd;
+        const float pj = float(sc[n] / sum);
+        for (int64_t e = 0; e < hd; ++e) o[e] += pj * vp[e];
+      }
+      for (int64_t j = 0; j < nblk; ++j, ++n) {
+        const float* vp = v.data_as<const float>() + (s * B + j) * v.stride(0) + kh * v.stride(1);
+        const float pj = float(sc[n] / sum);
+        for (int64_t e = 0; e < hd; ++e) o[e] += pj * vp[e];
+      }
+    }
+  }
+}
+
+}  // namespace dflash2::cpu

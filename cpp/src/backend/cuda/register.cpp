@@ -1,0 +1,10 @@
+// The CUDA backend's entries in the dispatch table: each op implemented in this folder
+// registers here; ops without an entry raise a clear Unsupported error.
+#include "backend/cuda/cuda_api.h"
+#include "ops/backend.h"
+
+namespace dflash2::ops {
+void register_cuda_ops(BackendTable& t) {
+  t.rms_norm = &cuda::rms_norm;
+}
+}  // namespace dflash2::ops

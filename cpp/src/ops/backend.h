@@ -1,0 +1,62 @@
+// Internal: the dispatch table. Every op a backend can implement is one line of
+// DFLASH2_BACKEND_OPS: X(name, (parameters)). A backend is a folder (backend/cpu,
+// backend/cuda) whose register_<backend>_ops() fills a BackendTable with its
+// implementations; ops.cpp validates the arguments once and calls the entry of the
+// tensors' device. An empty entry is "not implemented on that backend" (a clear
+// Unsupported error), so a backend may implement any subset.
+#pragma once
+#include <string>
+#include <utility>
+#include <vector>
+
+#include "dflash2/ops.h"
+
+namespace dflash2::ops {
+
+#define DFLASH2_BACKEND_OPS(X)                                                                                      \
+  X(linear, (const Tensor& x, const Weight& w, Tensor& y, bool accumulate))                                         \
+  X(linear_heads, (const Tensor& x, const Tensor& w, Tensor& y))                                                     \
+  X(rms_norm, (const Tensor& x, const Tensor& w, float eps, Tensor& out))                                           \
+  X(layer_norm, (const Tensor& x, const Tensor& w, const Tensor& b, float eps, Tensor& out))                        \
+  X(rope, (Tensor & x, const Tensor& positions, double theta, RopeStyle style))                                     \
+  X(silu_mul, (const Tensor& gate, const Tensor& up, Tensor& out))                                                  \
+  X(softmax, (const Tensor& x, Tensor& out, float scale))                                                           \
+  X(topk, (const Tensor& x, int64_t k, Tensor& values, Tensor& indices))                                           \
+  X(gather_rows, (const Tensor& src, const Tensor& idx, Tensor& out))                                              \
+  X(copy, (const Tensor& src, Tensor& dst))                                                                         \
+  X(add, (const Tensor& a, const Tensor& b, Tensor& out))                                                           \
+  X(argmax, (const Tensor& x, Tensor& out))                                                                         \
+  X(check_finite, (const Tensor& x, Tensor& flags))                                                                 \
+  X(cache_write, (const Tensor& src, const Tensor& slots, Tensor& cache))                                          \
+  X(indexer_topk, (const Tensor& q, const Tensor& w, const Tensor& key_cache, const PagedTokens& tok, int64_t topk, \
+                   Tensor& sel, Tensor& sel_len))                                                                   \
+  X(mla_attention, (const Tensor& q_lat, const Tensor& q_pe, const Tensor& cache, const PagedTokens& tok,           \
+                    const Tensor& sel, const Tensor& sel_len, float scale, Tensor& out))                            \
+  X(block_attention, (const Tensor& q, const Tensor& k, const Tensor& v, const Tensor& kv_cache,                    \
+                      const Tensor& ctx_len, const Tensor& block_table, const BlockAttention& p, Tensor& out))      \
+  X(moe_route, (const Tensor& logits, const Tensor& bias, const MoeRouting& r, Tensor& ids, Tensor& weights))      \
+  X(moe_experts, (const Tensor& x, const Tensor& ids, const Tensor& weights, const ExpertWeights& experts,          \
+                  Tensor& out, Tensor& workspace))                                                                  \
+  X(dyn_conv, (const Tensor& x, const Tensor& base, const Tensor& dyn, int64_t block, Tensor& out))                 \
+  X(selector_walk, (const Tensor& vals, const Tensor& cand, const Tensor& g, const Tensor& pred_book,               \
+                    const Tensor& succ_book, const Tensor& anchors, float temperature, const Tensor& uniforms,     \
+                    Tensor& tokens, Tensor& q))
+
+struct BackendTable {
+  const char* name = "";
+#define DFLASH2_TABLE_ENTRY(op, params) void(*op) params = nullptr;
+  DFLASH2_BACKEND_OPS(DFLASH2_TABLE_ENTRY)
+#undef DFLASH2_TABLE_ENTRY
+};
+
+// The table of a device's backend (entries may be empty); a device type the build has
+// no backend for gets an Unsupported error naming it.
+const BackendTable& backend_table(Device dev);
+// {op name, [backends implementing it]} for every op, in table order (build_info()).
+std::vector<std::pair<std::string, std::vector<std::string>>> op_backends();
+
+// Filled once, by the backend folders.
+void register_cpu_ops(BackendTable& t);
+void register_cuda_ops(BackendTable& t);  // backend/cuda (only built with DFLASH2_WITH_CUDA)
+
+}  // namespace dflash2::ops
