@@ -6,6 +6,7 @@
 #include "bindings.h"
 #include "dflash2/engine.h"
 #include "dflash2/error.h"
+#include "dflash2/ops.h"
 
 namespace dflash2::py_bind {
 
@@ -106,7 +107,10 @@ void bind_engine(py::module_& m) {
   py::class_<Engine>(m, "Engine")
       .def(py::init([](const std::string& target, py::object draft, const std::string& method, const std::string& device,
                        int64_t max_batch_size, int64_t max_seq_len, int64_t max_step_tokens, int64_t kv_block_size,
-                       int num_threads, int64_t mtp_draft_tokens) {
+                       int64_t num_threads, int64_t mtp_draft_tokens) {
+             DFLASH2_CHECK_ARG(num_threads >= 0 && num_threads <= ops::cpu_max_threads(),
+                               "Engine: num_threads must be in [0, ", ops::cpu_max_threads(), "] (0 = all ",
+                               ops::cpu_cores(), " cores), found ", num_threads);
              EngineConfig c;
              c.target = target;
              c.draft = draft.is_none() ? "" : py::str(draft).cast<std::string>();
@@ -116,13 +120,13 @@ void bind_engine(py::module_& m) {
              c.max_seq_len = max_seq_len;
              c.max_step_tokens = max_step_tokens;
              c.kv_block_size = kv_block_size;
-             c.num_threads = num_threads;
+             c.num_threads = int(num_threads);
              c.mtp_draft_tokens = mtp_draft_tokens;
              py::gil_scoped_release nogil;
              return std::make_unique<Engine>(c);
            }),
-           py::arg("target"), py::arg("draft") = py::none(), py::arg("method") = "ar", py::arg("device") = "cpu",
-           py::arg("max_batch_size") = 8, py::arg("max_seq_len") = 4096, py::arg("max_step_tokens") = 256,
+           py::arg("target"), py::arg("draft") = py::none(), py::arg("method") = "", py::arg("device") = "cpu",
+           py::arg("max_batch_size") = 8, py::arg("max_seq_len") = 0, py::arg("max_step_tokens") = 256,
            py::arg("kv_block_size") = 16, py::arg("num_threads") = 0, py::arg("mtp_draft_tokens") = 7)
       .def(
           "logits",
@@ -180,6 +184,8 @@ void bind_engine(py::module_& m) {
           py::arg("token_ids"))
       .def_property_readonly("block_size", &Engine::block_size)
       .def_property_readonly("method", &Engine::method)
+      .def_property_readonly("max_seq_len", [](const Engine& e) { return e.config().max_seq_len; })
+      .def_property_readonly("num_threads", [](const Engine& e) { return e.config().num_threads; })
       .def("new_sequence", &Engine::new_sequence, py::keep_alive<0, 1>())
       .def_property_readonly("vocab_size", &Engine::vocab_size)
       .def_property_readonly("hidden_size", &Engine::hidden_size)

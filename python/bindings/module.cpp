@@ -7,7 +7,7 @@
 #include "dflash2/error.h"
 
 namespace {
-PyObject* g_exc[7] = {};
+PyObject* g_exc[8] = {};
 PyObject* make_exc(py::module_& m, const char* name, PyObject* base1, PyObject* base2, const char* doc) {
   py::object type = py::reinterpret_borrow<py::object>((PyObject*)&PyType_Type);
   py::tuple bases = base2 ? py::tuple(py::make_tuple(py::handle(base1), py::handle(base2)))
@@ -38,6 +38,8 @@ PYBIND11_MODULE(_core, m) {
       make_exc(m, "OutOfMemoryError", base, PyExc_MemoryError, "An allocation that does not fit.");
   g_exc[int(ErrorKind::Internal)] =
       make_exc(m, "InternalError", base, PyExc_RuntimeError, "A broken invariant inside the runtime.");
+  g_exc[int(ErrorKind::Numerical)] = make_exc(m, "NumericalError", base, PyExc_ArithmeticError,
+                                              "Non-finite values where the model must produce finite ones (NaN logits).");
   py::register_exception_translator([](std::exception_ptr p) {
     try {
       if (p) std::rethrow_exception(p);

@@ -27,6 +27,7 @@ from ._core import (  # noqa: E402,F401
     DFlash2Error,
     InternalError,
     InvalidArgumentError,
+    NumericalError,
     OutOfMemoryError,
     Checkpoint,
     Tensor,

@@ -14,13 +14,17 @@ struct EngineConfig {
   std::string target;             // checkpoint directory or .safetensors file (with config.json)
   std::string draft;              // drafter checkpoint ("" = none)
   int64_t mtp_draft_tokens = 7;   // method "mtp": tokens drafted per step by the chained MTP layer
-  std::string method = "ar";      // "ar" | "mtp" | "dflash" | "dflash2" (dflash* need a drafter)
+  std::string method;             // "ar" | "mtp" | "dflash" | "dflash2" (dflash* need a drafter);
+                                  // "" = "ar" without a drafter, else from the drafter's architecture
+                                  // (DFlash2DraftModel -> "dflash2", DFlashDraftModel -> "dflash")
   std::string device = "cpu";
   int64_t max_batch_size = 8;     // sequences decoded together
-  int64_t max_seq_len = 4096;     // prompt + generated tokens per sequence
+  int64_t max_seq_len = 0;        // prompt + generated tokens per sequence (0 = min(4096, the model's
+                                  // max_position_embeddings))
   int64_t max_step_tokens = 256;  // tokens per forward chunk (longer prefills are chunked)
   int64_t kv_block_size = 16;     // tokens per KV-cache page
-  int num_threads = 0;            // CPU threads (0 = all cores)
+  int num_threads = 0;            // CPU threads of this engine's ops (0 = all cores; at most
+                                  // max(256, 4 x cores)); applied per engine, never process-wide
 };
 
 struct SamplingParams {

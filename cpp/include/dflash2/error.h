@@ -17,6 +17,8 @@ enum class ErrorKind {
   Backend,          // a device/backend failure, e.g. a CUDA error (Python: RuntimeError)
   OutOfMemory,      // an arena or device allocation that does not fit (Python: MemoryError)
   Internal,         // a broken invariant inside the runtime (Python: RuntimeError)
+  Numerical,        // non-finite values where the model must produce finite ones, e.g. NaN logits
+                    // from NaN weights (Python: ArithmeticError)
 };
 
 const char* error_kind_name(ErrorKind k);

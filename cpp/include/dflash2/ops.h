@@ -50,6 +50,24 @@ struct Weight {
   Tensor dequantize() const;  // F32 [N, K] on the CPU (reference path, tests, tools)
 };
 
+// The CPU backend's thread count for ops called from this thread while the scope lives
+// (n <= 0: unchanged). An engine wraps its work in one, so each engine keeps its own
+// num_threads and nothing is set process-wide.
+class CpuThreadScope {
+ public:
+  explicit CpuThreadScope(int n);
+  ~CpuThreadScope();
+  CpuThreadScope(const CpuThreadScope&) = delete;
+  CpuThreadScope& operator=(const CpuThreadScope&) = delete;
+
+ private:
+  int prev_;
+};
+// The number of cores the CPU backend sees, and the largest thread count it accepts
+// (max(256, 4 x cores): beyond that a request is an error, not thousands of threads).
+int cpu_cores();
+int cpu_max_threads();
+
 // y[M, N] (F32) = x[M, K] (F32) @ W^T; if accumulate, y += x @ W^T.
 void linear(const Tensor& x, const Weight& w, Tensor& y, bool accumulate = false);
 
@@ -82,7 +100,8 @@ void topk(const Tensor& x, int64_t k, Tensor& values, Tensor& indices);
 void embedding(const Tensor& table, const Tensor& ids, Tensor& out);
 
 // ------------------------------------------------------------------ data movement
-// dst = src: same dtype and shape (up to 6-D), any strides on either side.
+// dst = src: same shape (up to 6-D), any strides on either side; same dtype, or BF16/F16
+// widened into an F32 dst.
 void copy(const Tensor& src, Tensor& dst);
 // out = a + b elementwise (F32 rows; out may be a or b: the residual add).
 void add(const Tensor& a, const Tensor& b, Tensor& out);

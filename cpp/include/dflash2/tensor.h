@@ -61,6 +61,7 @@ class Tensor {
   Tensor select(int dim, int64_t index) const;  // drops dim
   Tensor reshape(const Shape& shape) const;     // contiguous tensors only; one -1 allowed
   Tensor transpose(int a, int b) const;
+  Tensor unsqueeze(int dim) const;              // a new dimension of size 1 at dim
 
   // Copies.
   Tensor to(Device dev) const;          // contiguous copy on dev (or *this if already there and contiguous)

@@ -11,6 +11,7 @@ const char* error_kind_name(ErrorKind k) {
     case ErrorKind::Backend: return "Backend";
     case ErrorKind::OutOfMemory: return "OutOfMemory";
     case ErrorKind::Internal: return "Internal";
+    case ErrorKind::Numerical: return "Numerical";
   }
   return "?";
 }

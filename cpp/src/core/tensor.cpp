@@ -139,6 +139,21 @@ Tensor Tensor::select(int dim, int64_t index) const {
   return t;
 }
 
+Tensor Tensor::unsqueeze(int dim) const {
+  int d = dim < 0 ? dim + ndim_ + 1 : dim;
+  DFLASH2_CHECK_ARG(d >= 0 && d <= ndim_ && ndim_ < kMaxDims, "unsqueeze: dimension ", dim, " out of range for ",
+                    describe());
+  Tensor t = *this;
+  for (int i = ndim_; i > d; --i) {
+    t.shape_[i] = shape_[i - 1];
+    t.strides_[i] = strides_[i - 1];
+  }
+  t.shape_[d] = 1;
+  t.strides_[d] = d < ndim_ ? strides_[d] * shape_[d] : 1;
+  t.ndim_++;
+  return t;
+}
+
 Tensor Tensor::reshape(const Shape& shape) const {
   DFLASH2_CHECK_ARG(is_contiguous(), "reshape of a non-contiguous tensor ", describe());
   Shape s = shape;

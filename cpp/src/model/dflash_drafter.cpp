@@ -1,10 +1,7 @@
 #include "model/dflash_drafter.h"
 
-#include <omp.h>
-
 #include <algorithm>
 #include <cmath>
-#include <cstring>
 
 #include "dflash2/error.h"
 
@@ -12,23 +9,24 @@ namespace dflash2::model {
 
 using ops::Weight;
 
-namespace {
-float at(const Tensor& t, int64_t i) {
-  return load_as_f32(static_cast<const char*>(t.data()) + i * int64_t(t.itemsize()), t.dtype());
-}
-}  // namespace
+// The per-call workspace (an Arena planned at load for the largest append / draft).
+struct DFlashDrafter::Bufs {
+  Tensor f, ctx, kk, vv;                                                   // append_context
+  Tensor x, y, dyn, q, kb, vb, att, ob, scratch, hrows, logits, vals, g;  // draft
+};
 
 struct DFlashDrafter::Layer {
   Weight q, k, v, o, gate, up, down;
   Tensor q_norm, k_norm, in_norm, post_norm;
-  std::vector<float> att_base, mlp_base;  // [2 sides][2 taps][H]
+  Tensor att_base, mlp_base;  // F32 [2 sides, 2 taps, H]
   Weight att_proj, mlp_proj;              // [4G, H]
 };
 
 DFlashDrafter::~DFlashDrafter() = default;
 
 std::unique_ptr<DFlashDrafter> DFlashDrafter::load(const Checkpoint& ck, const GlmConfig& tgt, const Tensor& embed,
-                                                   const ops::Weight& lm_head, int64_t max_seq_len, int64_t max_batch) {
+                                                   const ops::Weight& lm_head, int64_t max_context_tokens,
+                                                   int64_t max_seqs) {
   DFLASH2_CHECK(ck.has_config(), ErrorKind::Config, "drafter checkpoint ", ck.path(), ": config.json is missing");
   std::unique_ptr<DFlashDrafter> d(new DFlashDrafter());
   d->cfg_ = DraftConfig::from_config(ck.config(), tgt);
@@ -77,10 +75,10 @@ std::unique_ptr<DFlashDrafter> DFlashDrafter::load(const Checkpoint& ck, const G
     if (c.v2) {
       for (const char* which : {"attention_conv", "mlp_conv"}) {
         Tensor b = vec(p + "." + which + ".base_kernel", 4 * H);
-        std::vector<float> base;
+        Tensor base;
         if (b.defined()) {
-          Tensor bc = b.contiguous();
-          for (int64_t i = 0; i < 4 * H; ++i) base.push_back(at(bc, i));
+          base = Tensor::empty(DType::F32, {2, 2, H});
+          ops::copy(b.contiguous().reshape({2, 2, H}), base);
         }
         Weight pr = lin(p + "." + which + ".kernel_projection", 4 * G, H);
         if (std::string(which) == "attention_conv") {
@@ -118,256 +116,140 @@ std::unique_ptr<DFlashDrafter> DFlashDrafter::load(const Checkpoint& ck, const G
          c.v2 ? " (a DFlash2DraftModel needs its convs and candidate selector)" : "");
   }
   d->use_selector_ = c.v2;
-  d->kvdim_ = kvh * hd;
-  d->max_seq_len_ = max_seq_len;
-  d->num_blocks_ = (max_seq_len + d->kv_block_ - 1) / d->kv_block_ * max_batch;
-  d->kv_ = Tensor::zeros(DType::F32, {c.num_layers, d->num_blocks_, d->kv_block_, 2 * d->kvdim_});
-  d->kv_base_ = d->kv_.data_as<float>();
-  for (int64_t b = d->num_blocks_ - 1; b >= 0; --b) d->free_.push_back(int32_t(b));
+  d->max_ctx_ = max_context_tokens;
+  d->max_seqs_ = max_seqs;
+  Arena plan = Arena::planner();
+  d->alloc_append(plan, max_context_tokens);
+  plan.reset();
+  d->alloc_draft(plan, max_seqs);
+  d->ws_ = std::make_unique<Arena>(plan.high_water());
+  // rows s*B + 1 + t (t < B-1) of a drafted batch: the positions that predict tokens
+  const int64_t B = c.block_size;
+  std::vector<int32_t> rows(static_cast<size_t>(max_seqs * (B - 1)));
+  for (int64_t s = 0; s < max_seqs; ++s)
+    for (int64_t t = 0; t < B - 1; ++t) rows[size_t(s * (B - 1) + t)] = int32_t(s * B + 1 + t);
+  d->logit_rows_ = Tensor::empty(DType::I32, {max_seqs * (B - 1)});
+  d->logit_rows_.copy_from(Tensor::view(rows.data(), DType::I32, {max_seqs * (B - 1)}));
   return d;
 }
 
-void DFlashDrafter::ensure(DraftStream& s, int64_t len) {
-  DFLASH2_CHECK_ARG(len <= max_seq_len_, "draft context of ", len, " tokens exceeds max_seq_len ", max_seq_len_);
-  while (int64_t(s.blocks.size()) * kv_block_ < len) {
-    DFLASH2_CHECK(!free_.empty(), ErrorKind::OutOfMemory, "draft KV cache is full");
-    s.blocks.push_back(free_.back());
-    free_.pop_back();
-  }
-}
-
-void DFlashDrafter::rollback(DraftStream& s, int64_t length) {
-  DFLASH2_CHECK_ARG(length >= 0 && length <= s.length, "draft rollback to ", length, " but the context has ", s.length);
-  const int64_t keep = (length + kv_block_ - 1) / kv_block_;
-  while (int64_t(s.blocks.size()) > keep) {
-    free_.push_back(s.blocks.back());
-    s.blocks.pop_back();
-  }
-  s.length = length;
-}
-
-void DFlashDrafter::append_context(DraftStream& s, const std::vector<Tensor>& taps, int64_t n) {
+DFlashDrafter::Bufs DFlashDrafter::alloc_append(Arena& a, int64_t n) const {
   const DraftConfig& c = cfg_;
-  const int64_t H = c.hidden_size, nt = int64_t(c.target_layer_ids.size()), hd = c.head_dim, kvh = c.num_kv_heads;
-  DFLASH2_INTERNAL(int64_t(taps.size()) == nt, "append_context: wrong number of taps");
-  if (n == 0) return;
-  ensure(s, s.length + n);
-  Tensor cat = Tensor::empty(DType::F32, {n, nt * H});
-  for (int64_t j = 0; j < nt; ++j)
-    for (int64_t i = 0; i < n; ++i)
-      std::memcpy(cat.data_as<float>() + i * nt * H + j * H, taps[size_t(j)].data_as<float>() + i * H, size_t(H) * 4);
-  Tensor f = Tensor::empty(DType::F32, {n, H}), ctx = Tensor::empty(DType::F32, {n, H});
-  ops::linear(cat, fc_, f);
-  ops::rms_norm(f, hidden_norm_, c.rms_norm_eps, ctx);
-  std::vector<int32_t> pos(static_cast<size_t>(n));
-  for (int64_t i = 0; i < n; ++i) pos[size_t(i)] = int32_t(s.length + i);
-  Tensor pt = Tensor::view(pos.data(), DType::I32, {n});
-  Tensor kk = Tensor::empty(DType::F32, {n, kvh * hd}), vv = Tensor::empty(DType::F32, {n, kvh * hd});
+  Bufs b;
+  b.f = a.alloc(DType::F32, {n, c.hidden_size});
+  b.ctx = a.alloc(DType::F32, {n, c.hidden_size});
+  b.kk = a.alloc(DType::F32, {n, c.num_kv_heads, c.head_dim});
+  b.vv = a.alloc(DType::F32, {n, c.num_kv_heads * c.head_dim});
+  return b;
+}
+
+DFlashDrafter::Bufs DFlashDrafter::alloc_draft(Arena& a, int64_t S) const {
+  const DraftConfig& c = cfg_;
+  const int64_t B = c.block_size, T = S * B, H = c.hidden_size, R = S * (B - 1);
+  const int64_t G = H / c.conv_group_size, nh = c.num_heads, kvh = c.num_kv_heads, hd = c.head_dim;
+  Bufs b;
+  b.x = a.alloc(DType::F32, {T, H});
+  b.y = a.alloc(DType::F32, {T, H});
+  b.dyn = a.alloc(DType::F32, {T, 4 * G});
+  b.q = a.alloc(DType::F32, {T, nh, hd});
+  b.kb = a.alloc(DType::F32, {T, kvh, hd});
+  b.vb = a.alloc(DType::F32, {T, kvh, hd});
+  b.att = a.alloc(DType::F32, {T, nh, hd});
+  b.ob = a.alloc(DType::F32, {T, H});
+  b.scratch = a.alloc(DType::F32, {2 * T * c.intermediate_size});
+  b.hrows = a.alloc(DType::F32, {R, H});
+  b.logits = a.alloc(DType::F32, {R, c.vocab_size});
+  b.vals = a.alloc(DType::F32, {R, c.v2 ? c.selector_top_k : 1});
+  b.g = a.alloc(DType::F32, {R, c.v2 ? c.selector_rank : 1});
+  return b;
+}
+
+void DFlashDrafter::append_context(const TokenBatch& batch, const Tensor& taps, const std::vector<Tensor>& kv_layers) {
+  const DraftConfig& c = cfg_;
+  const int64_t n = batch.T, kvd = kv_dim();
+  DFLASH2_INTERNAL(n >= 1 && n <= max_ctx_, "append_context of ", n, " tokens (max ", max_ctx_, ")");
+  ws_->reset();
+  Bufs b = alloc_append(*ws_, n);
+  ops::linear(taps, fc_, b.f);
+  ops::rms_norm(b.f, hidden_norm_, c.rms_norm_eps, b.ctx);
   for (int64_t l = 0; l < c.num_layers; ++l) {
     const Layer& L = *layers_[size_t(l)];
-    ops::linear(ctx, L.k, kk);
-    ops::linear(ctx, L.v, vv);
-    Tensor k3 = kk.reshape({n * kvh, hd});
-    ops::rms_norm(k3, L.k_norm, c.rms_norm_eps, k3);
-    Tensor kr = kk.reshape({n, kvh, hd});
-    ops::rope(kr, pt, c.rope_theta, ops::RopeStyle::NeoX);
-    for (int64_t i = 0; i < n; ++i) {
-      const int64_t p = s.length + i;
-      float* dst = kv(l, s.blocks[size_t(p / kv_block_)], p % kv_block_);
-      std::memcpy(dst, kk.data_as<float>() + i * kvdim_, size_t(kvdim_) * 4);
-      std::memcpy(dst + kvdim_, vv.data_as<float>() + i * kvdim_, size_t(kvdim_) * 4);
-    }
-  }
-  s.length += n;
-}
-
-// conv(x, base, dyn)[t, c] = sum_{o in {0,1}} (base[side][o][c] + dyn[t, side, o, c / group]) * x[t - o, c],
-// with x[t - 1] = 0 at block position 0 (taps never cross a block).
-void DFlashDrafter::conv(const Tensor& x, const float* base, const Tensor& dyn, int64_t side, int64_t nseq,
-                         Tensor& out) const {
-  const int64_t H = cfg_.hidden_size, B = cfg_.block_size, G = H / cfg_.conv_group_size, gs = cfg_.conv_group_size;
-  const float* xp = x.data_as<const float>();
-  const float* dp = dyn.data_as<const float>();
-  float* op = out.data_as<float>();
-  const float* b0 = base + (side * 2 + 0) * H;
-  const float* b1 = base + (side * 2 + 1) * H;
-  for (int64_t s = 0; s < nseq; ++s) {
-    for (int64_t t = B - 1; t >= 0; --t) {  // backwards so out may alias x
-      const int64_t r = s * B + t;
-      const float* d0 = dp + r * 4 * G + (side * 2 + 0) * G;
-      const float* d1 = dp + r * 4 * G + (side * 2 + 1) * G;
-      for (int64_t ch = 0; ch < H; ++ch) {
-        float v = (b0[ch] + d0[ch / gs]) * xp[r * H + ch];
-        if (t > 0) v += (b1[ch] + d1[ch / gs]) * xp[(r - 1) * H + ch];
-        op[r * H + ch] = v;
-      }
-    }
+    Tensor k2 = b.kk.reshape({n, kvd});
+    ops::linear(b.ctx, L.k, k2);
+    ops::linear(b.ctx, L.v, b.vv);
+    ops::rms_norm(b.kk, L.k_norm, c.rms_norm_eps, b.kk);
+    ops::rope(b.kk, batch.paged.pos, c.rope_theta, ops::RopeStyle::NeoX);
+    Tensor kc = kv_layers[size_t(l)].slice(1, 0, kvd), vc = kv_layers[size_t(l)].slice(1, kvd, 2 * kvd);
+    ops::cache_write(k2, batch.slots, kc);
+    ops::cache_write(b.vv, batch.slots, vc);
   }
 }
 
-void DFlashDrafter::draft(const std::vector<DraftStream*>& streams, const std::vector<int32_t>& anchors,
-                          float temperature, std::vector<std::mt19937_64*> rngs, std::vector<DraftBlock>& out) {
+void DFlashDrafter::draft(const TokenBatch& batch, const std::vector<Tensor>& kv_layers, float temperature,
+                          const Tensor& uniforms, DraftOutputs& out) {
   const DraftConfig& c = cfg_;
-  const int64_t S = int64_t(streams.size()), B = c.block_size, H = c.hidden_size, T = S * B;
-  const int64_t nh = c.num_heads, kvh = c.num_kv_heads, hd = c.head_dim, grp = nh / kvh, I = c.intermediate_size;
-  const int64_t G = H / c.conv_group_size, V = c.vocab_size;
-  std::vector<int32_t> ids(static_cast<size_t>(T)), pos(static_cast<size_t>(T));
-  for (int64_t s = 0; s < S; ++s) {
-    DFLASH2_CHECK_ARG(streams[size_t(s)]->length + B <= max_seq_len_, "draft block would exceed max_seq_len");
-    for (int64_t t = 0; t < B; ++t) {
-      ids[size_t(s * B + t)] = t == 0 ? anchors[size_t(s)] : int32_t(c.mask_token_id);
-      pos[size_t(s * B + t)] = int32_t(streams[size_t(s)]->length + t);
-    }
-  }
-  Tensor idt = Tensor::view(ids.data(), DType::I32, {T}), pt = Tensor::view(pos.data(), DType::I32, {T});
-  Tensor x = Tensor::empty(DType::F32, {T, H}), y = Tensor::empty(DType::F32, {T, H});
-  Tensor dyn = Tensor::empty(DType::F32, {T, 4 * G});
-  Tensor q = Tensor::empty(DType::F32, {T, nh * hd}), kb = Tensor::empty(DType::F32, {T, kvh * hd}),
-         vb = Tensor::empty(DType::F32, {T, kvh * hd}), att = Tensor::empty(DType::F32, {T, nh * hd});
-  Tensor ob = Tensor::empty(DType::F32, {T, H}), scratch = Tensor::empty(DType::F32, {2 * T * I});
-  ops::embedding(embed_, idt, x);
-  const float scale = 1.0f / std::sqrt(float(hd));
+  const int64_t B = c.block_size, T = batch.T, S = batch.S, H = c.hidden_size, G = H / c.conv_group_size;
+  const int64_t R = S * (B - 1);
+  DFLASH2_INTERNAL(S >= 1 && S <= max_seqs_ && T == S * B, "draft batch of ", S, " sequences / ", T, " tokens");
+  ws_->reset();
+  Bufs b = alloc_draft(*ws_, S);
+  Tensor x = b.x.slice(0, 0, T), y = b.y.slice(0, 0, T), dyn = b.dyn.slice(0, 0, T), q = b.q.slice(0, 0, T),
+         kb = b.kb.slice(0, 0, T), vb = b.vb.slice(0, 0, T), att = b.att.slice(0, 0, T), ob = b.ob.slice(0, 0, T);
+  Tensor scratch = b.scratch.slice(0, 0, 2 * T * c.intermediate_size);
+  ops::embedding(embed_, batch.tokens, x);
+  ops::BlockAttention ba;
+  ba.block = B;
+  ba.causal = c.causal;
+  ba.scale = 1.0f / std::sqrt(float(c.head_dim));
+  ba.cache_block_size = batch.paged.block_size;
+  const int64_t nh = c.num_heads, kvh = c.num_kv_heads, hd = c.head_dim;
   for (int64_t l = 0; l < c.num_layers; ++l) {
     const Layer& L = *layers_[size_t(l)];
     // attention sublayer
     ops::rms_norm(x, L.in_norm, c.rms_norm_eps, y);
     if (c.v2) {
       ops::linear(y, L.att_proj, dyn);
-      conv(y, L.att_base.data(), dyn, 0, S, y);
+      ops::dyn_conv(y, L.att_base.select(0, 0), dyn.slice(1, 0, 2 * G), B, y);
     }
-    ops::linear(y, L.q, q);
-    ops::linear(y, L.k, kb);
-    ops::linear(y, L.v, vb);
-    Tensor q2 = q.reshape({T * nh, hd}), k2 = kb.reshape({T * kvh, hd});
-    ops::rms_norm(q2, L.q_norm, c.rms_norm_eps, q2);
-    ops::rms_norm(k2, L.k_norm, c.rms_norm_eps, k2);
-    Tensor q3 = q.reshape({T, nh, hd}), k3 = kb.reshape({T, kvh, hd});
-    ops::rope(q3, pt, c.rope_theta, ops::RopeStyle::NeoX);
-    ops::rope(k3, pt, c.rope_theta, ops::RopeStyle::NeoX);
-    const int64_t win = c.window[size_t(l)];
-#pragma omp parallel for schedule(dynamic, 1) collapse(2)
-    for (int64_t r = 0; r < T; ++r) {
-      for (int64_t h = 0; h < nh; ++h) {
-        const int64_t s = r / B, t = r % B, kh = h / grp;
-        const DraftStream& st = *streams[size_t(s)];
-        const int64_t i = st.length + t;  // absolute position of this query
-        const int64_t c0 = win > 0 ? std::max<int64_t>(0, i - win + 1) : 0;  // keys j with i - window < j
-        const int64_t nblk = c.causal ? t + 1 : B;
-        const int64_t nctx = st.length - c0;
-        std::vector<float> sc(static_cast<size_t>(std::max<int64_t>(nctx, 0) + nblk));
-        const float* qv = q.data_as<float>() + (r * nh + h) * hd;
-        float mx = -INFINITY;
-        int64_t n = 0;
-        for (int64_t j = c0; j < st.length; ++j, ++n) {
-          const float* kvp = kv(l, st.blocks[size_t(j / kv_block_)], j % kv_block_) + kh * hd;
-          float d = 0;
-          for (int64_t e = 0; e < hd; ++e) d += qv[e] * kvp[e];
-          sc[size_t(n)] = d * scale;
-          mx = std::max(mx, sc[size_t(n)]);
-        }
-        for (int64_t j = 0; j < nblk; ++j, ++n) {
-          const float* kp = kb.data_as<float>() + ((s * B + j) * kvh + kh) * hd;
-          float d = 0;
-          for (int64_t e = 0; e < hd; ++e) d += qv[e] * kp[e];
-          sc[size_t(n)] = d * scale;
-          mx = std::max(mx, sc[size_t(n)]);
-        }
-        double sum = 0;
-        for (auto& v : sc) {
-          v = std::exp(v - mx);
-          sum += v;
-        }
-        float* o = att.data_as<float>() + (r * nh + h) * hd;
-        std::fill(o, o + hd, 0.0f);
-        n = 0;
-        for (int64_t j = c0; j < st.length; ++j, ++n) {
-          const float* vp = kv(l, st.blocks[size_t(j / kv_block_)], j % kv_block_) + kvdim_ + kh * hd;
-          const float p = float(sc[size_t(n)] / sum);
-          for (int64_t e = 0; e < hd; ++e) o[e] += p * vp[e];
-        }
-        for (int64_t j = 0; j < nblk; ++j, ++n) {
-          const float* vp = vb.data_as<float>() + ((s * B + j) * kvh + kh) * hd;
-          const float p = float(sc[size_t(n)] / sum);
-          for (int64_t e = 0; e < hd; ++e) o[e] += p * vp[e];
-        }
-      }
-    }
-    ops::linear(att, L.o, ob);
-    if (c.v2) conv(ob, L.att_base.data(), dyn, 1, S, ob);
-    for (int64_t i = 0; i < T * H; ++i) x.data_as<float>()[i] += ob.data_as<float>()[i];
+    Tensor q2 = q.reshape({T, nh * hd}), k2 = kb.reshape({T, kvh * hd}), v2 = vb.reshape({T, kvh * hd});
+    ops::linear(y, L.q, q2);
+    ops::linear(y, L.k, k2);
+    ops::linear(y, L.v, v2);
+    ops::rms_norm(q, L.q_norm, c.rms_norm_eps, q);
+    ops::rms_norm(kb, L.k_norm, c.rms_norm_eps, kb);
+    ops::rope(q, batch.paged.pos, c.rope_theta, ops::RopeStyle::NeoX);
+    ops::rope(kb, batch.paged.pos, c.rope_theta, ops::RopeStyle::NeoX);
+    ba.window = c.window[size_t(l)];
+    ops::block_attention(q, kb, vb, kv_layers[size_t(l)], batch.ctx_len, batch.paged.block_table, ba, att);
+    ops::linear(att.reshape({T, nh * hd}), L.o, ob);
+    if (c.v2) ops::dyn_conv(ob, L.att_base.select(0, 1), dyn.slice(1, 2 * G, 4 * G), B, ob);
+    ops::add(x, ob, x);
     // MLP sublayer
     ops::rms_norm(x, L.post_norm, c.rms_norm_eps, y);
     if (c.v2) {
       ops::linear(y, L.mlp_proj, dyn);
-      conv(y, L.mlp_base.data(), dyn, 0, S, y);
+      ops::dyn_conv(y, L.mlp_base.select(0, 0), dyn.slice(1, 0, 2 * G), B, y);
     }
     ops::gated_mlp(y, L.gate, L.up, L.down, ob, scratch);
-    if (c.v2) conv(ob, L.mlp_base.data(), dyn, 1, S, ob);
-    for (int64_t i = 0; i < T * H; ++i) x.data_as<float>()[i] += ob.data_as<float>()[i];
+    if (c.v2) ops::dyn_conv(ob, L.mlp_base.select(0, 1), dyn.slice(1, 2 * G, 4 * G), B, ob);
+    ops::add(x, ob, x);
   }
   ops::rms_norm(x, norm_, c.rms_norm_eps, y);
   // logits of block positions 1..B-1 (position i predicts the token at start + i)
-  const int64_t R = S * (B - 1);
-  Tensor hrows = Tensor::empty(DType::F32, {R, H});
-  for (int64_t s = 0; s < S; ++s)
-    std::memcpy(hrows.data_as<float>() + s * (B - 1) * H, y.data_as<float>() + (s * B + 1) * H, size_t((B - 1) * H) * 4);
-  Tensor logits = Tensor::empty(DType::F32, {R, V});
+  Tensor hrows = b.hrows.slice(0, 0, R), logits = b.logits.slice(0, 0, R);
+  ops::gather_rows(y, logit_rows_.slice(0, 0, R), hrows);
   ops::linear(hrows, lm_head_, logits);
-  out.assign(size_t(S), DraftBlock());
   if (!c.v2 || !use_selector_) {
-    for (int64_t s = 0; s < S; ++s)
-      for (int64_t t = 0; t < B - 1; ++t) {
-        const float* lg = logits.data_as<float>() + (s * (B - 1) + t) * V;
-        out[size_t(s)].tokens.push_back(int32_t(std::max_element(lg, lg + V) - lg));  // first max: lowest id
-      }
+    Tensor toks = out.tokens.reshape({R});
+    ops::argmax(logits, toks);
     return;
   }
   const int64_t K = c.selector_top_k, Rk = c.selector_rank;
-  Tensor vals = Tensor::empty(DType::F32, {R, K}), cand = Tensor::empty(DType::I32, {R, K});
+  Tensor vals = b.vals.slice(0, 0, R), cand = out.cand.reshape({R, K}), g = b.g.slice(0, 0, R);
   ops::topk(logits, K, vals, cand);
-  Tensor g = Tensor::empty(DType::F32, {R, Rk});
   ops::linear(hrows, sel_proj_, g);
-  std::vector<float> a(static_cast<size_t>(Rk)), score(static_cast<size_t>(K));
-  for (int64_t s = 0; s < S; ++s) {
-    DraftBlock& db = out[size_t(s)];
-    int32_t pred = anchors[size_t(s)];
-    for (int64_t t = 0; t < B - 1; ++t) {
-      const int64_t r = s * (B - 1) + t;
-      const float* gt = g.data_as<float>() + r * Rk;
-      for (int64_t e = 0; e < Rk; ++e) a[size_t(e)] = at(pred_book_, int64_t(pred) * Rk + e) * gt[e];
-      const int32_t* cd = cand.data_as<int32_t>() + r * K;
-      for (int64_t b = 0; b < K; ++b) {
-        float dd = 0;
-        for (int64_t e = 0; e < Rk; ++e) dd += a[size_t(e)] * at(succ_book_, int64_t(cd[b]) * Rk + e);
-        score[size_t(b)] = vals.data_as<float>()[r * K + b] + dd;
-      }
-      int64_t choice = 0;
-      if (temperature <= 0.0f) {
-        for (int64_t b = 1; b < K; ++b)
-          if (score[size_t(b)] > score[size_t(choice)]) choice = b;
-      } else {
-        std::vector<float> qd(static_cast<size_t>(K));
-        float mx = *std::max_element(score.begin(), score.end());
-        double sum = 0;
-        for (int64_t b = 0; b < K; ++b) sum += (qd[size_t(b)] = std::exp((score[size_t(b)] - mx) / temperature));
-        for (auto& v : qd) v = float(v / sum);
-        const double u = std::uniform_real_distribution<double>(0.0, 1.0)(*rngs[size_t(s)]);
-        double cum = 0;
-        choice = K - 1;
-        for (int64_t b = 0; b < K; ++b) {
-          cum += qd[size_t(b)];
-          if (u < cum) {
-            choice = b;
-            break;
-          }
-        }
-        db.q.push_back(qd);
-      }
-      db.cand.emplace_back(cd, cd + K);
-      pred = cd[choice];
-      db.tokens.push_back(pred);
-    }
-  }
+  ops::selector_walk(vals.reshape({S, B - 1, K}), out.cand, g.reshape({S, B - 1, Rk}), pred_book_, succ_book_,
+                     batch.tokens.reshape({S, B}).select(1, 0), temperature, uniforms, out.tokens, out.q);
 }
 
 }  // namespace dflash2::model

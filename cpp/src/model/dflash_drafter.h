@@ -1,65 +1,61 @@
 // The DFlash drafters: DFlash 2 (`DFlash2DraftModel`: two-tap dynamic convs per sublayer
 // and a candidate selector) and DFlash 1 (`DFlashDraftModel`: neither). A block
 // [anchor, MASK x (B-1)] is drafted in one pass over the draft's context cache, which
-// holds K/V of the target's context features (taps of target_layer_ids) only.
+// holds K/V of the target's context features (taps of target_layer_ids) only. Written
+// against the op interface: no loops over tensor data, no allocation per call (the
+// workspace is an Arena planned at load).
 #pragma once
 #include <cstdint>
 #include <memory>
-#include <random>
 #include <string>
 #include <vector>
 
+#include "dflash2/arena.h"
 #include "dflash2/ops.h"
 #include "dflash2/safetensors.h"
 #include "model/draft_config.h"
+#include "model/token_batch.h"
 
 namespace dflash2::model {
 
-
-
-// One stream of context K/V in the draft cache (positions 0 .. length-1).
-struct DraftStream {
-  std::vector<int32_t> blocks;
-  int64_t length = 0;
-};
-
-// What one drafted block proposes for one sequence.
-struct DraftBlock {
-  std::vector<int32_t> tokens;                 // B-1 drafted tokens
-  std::vector<std::vector<int32_t>> cand;      // per position: top-k candidate ids (DFlash 2)
-  std::vector<std::vector<float>> q;           // per position: proposal over cand (sampling; empty = one-hot)
+// What draft() writes (fixed buffers of the caller, rows = sequences of the batch).
+struct DraftOutputs {
+  Tensor tokens;  // I32 [S, B-1]: the drafted tokens
+  Tensor cand;    // I32 [S, B-1, K]: the selector's candidates (DFlash 2 with the selector)
+  Tensor q;       // F32 [S, B-1, K]: the selector's proposal over cand (sampling only)
 };
 
 class DFlashDrafter {
  public:
+  // max_context_tokens: the largest append_context chunk; max_seqs: the largest draft batch.
   static std::unique_ptr<DFlashDrafter> load(const Checkpoint& ck, const GlmConfig& target, const Tensor& embed,
-                                             const ops::Weight& lm_head, int64_t max_seq_len, int64_t max_batch);
+                                             const ops::Weight& lm_head, int64_t max_context_tokens,
+                                             int64_t max_seqs);
   ~DFlashDrafter();
   const DraftConfig& config() const { return cfg_; }
   int64_t block_size() const { return cfg_.block_size; }
+  int64_t kv_dim() const { return cfg_.num_kv_heads * cfg_.head_dim; }  // K (and V) floats per token per layer
   // DFlash 2 only: false drafts the argmax per position (convs still on), for ablations.
   void set_use_selector(bool on) { use_selector_ = on && cfg_.v2; }
   bool use_selector() const { return use_selector_; }
 
-  // Appends context features for `n` committed tokens: taps[j] is F32 [n, H] = the target's
-  // hidden state after layer target_layer_ids[j] for those tokens.
-  void append_context(DraftStream& s, const std::vector<Tensor>& taps, int64_t n);
-  void rollback(DraftStream& s, int64_t length);
-  void release(DraftStream& s) { rollback(s, 0); }
-
-  // Drafts one block per sequence: anchors[i] at position streams[i]->length. temperature
-  // 0 walks the selector greedily; > 0 samples it and records q (DFlash 1 is always greedy).
-  void draft(const std::vector<DraftStream*>& streams, const std::vector<int32_t>& anchors, float temperature,
-             std::vector<std::mt19937_64*> rngs, std::vector<DraftBlock>& out);
+  // Context features of newly committed tokens: taps F32 [T, n_taps * H] (the target's
+  // hidden states after target_layer_ids, in that order) -> fc -> hidden_norm -> per layer
+  // K (k_norm, NeoX RoPE at batch.paged.pos) and V, written to kv_layers[l] at batch.slots.
+  void append_context(const TokenBatch& batch, const Tensor& taps, const std::vector<Tensor>& kv_layers);
+  // Drafts one block per sequence: batch.tokens = [anchor, MASK...] per sequence (T = S*B),
+  // positions ctx_len[s] + j, context in kv_layers (paged by batch.paged.block_table).
+  // temperature 0 walks the selector greedily; > 0 samples it (uniforms I64 [S, B-1]: bit
+  // patterns of doubles in [0, 1)) and writes q. DFlash 1 (and dflash) take the argmax.
+  void draft(const TokenBatch& batch, const std::vector<Tensor>& kv_layers, float temperature, const Tensor& uniforms,
+             DraftOutputs& out);
 
  private:
   DFlashDrafter() = default;
   struct Layer;
-  void ensure(DraftStream& s, int64_t len);
-  float* kv(int64_t layer, int32_t block, int64_t off) const {
-    return kv_base_ + ((layer * num_blocks_ + block) * kv_block_ + off) * (2 * kvdim_);
-  }
-  void conv(const Tensor& x, const float* base, const Tensor& dyn, int64_t side, int64_t nseq, Tensor& out) const;
+  struct Bufs;
+  Bufs alloc_append(Arena& a, int64_t n) const;
+  Bufs alloc_draft(Arena& a, int64_t seqs) const;
 
   DraftConfig cfg_;
   std::shared_ptr<Checkpoint> ckpt_;
@@ -70,10 +66,9 @@ class DFlashDrafter {
   std::vector<std::unique_ptr<Layer>> layers_;
   ops::Weight sel_proj_;
   Tensor pred_book_, succ_book_;  // [V, R]
-  int64_t kvdim_ = 0, kv_block_ = 16, num_blocks_ = 0, max_seq_len_ = 0;
-  Tensor kv_;
-  float* kv_base_ = nullptr;
-  std::vector<int32_t> free_;
+  int64_t max_ctx_ = 0, max_seqs_ = 0;
+  std::unique_ptr<Arena> ws_;
+  Tensor logit_rows_;  // I32 [max_seqs * (B-1)]: rows s*B + 1 + t of a drafted batch
   bool use_selector_ = true;
 };
 

@@ -313,8 +313,10 @@ void copy(const Tensor& src, Tensor& dst) {
   need(src, op, "src");
   need(dst, op, "dst");
   need_same_shape(src, dst, op, "src", "dst");
-  DFLASH2_CHECK_ARG(src.dtype() == dst.dtype(), op, ": src ", src.describe(), " and dst ", dst.describe(),
-                    " must have the same dtype");
+  DFLASH2_CHECK_ARG(src.dtype() == dst.dtype() || (dst.dtype() == DType::F32 && (src.dtype() == DType::BF16 ||
+                                                                                   src.dtype() == DType::F16)),
+                    op, ": src ", src.describe(), " and dst ", dst.describe(),
+                    " must have the same dtype (or BF16/F16 into F32)");
   same_device(src, dst, op);
   DFLASH2_DISPATCH(copy, src, src, dst);
 }

@@ -1,40 +1,63 @@
-// The engine: loads the target, runs batched autoregressive generation in lockstep
-// (each request with its own length, sampling stream and stopping), and exposes
-// step-level sequences for verification and debugging.
+// The engine: loads the target (and a drafter), then runs batched generation in lockstep:
+// plan on the host, run the target / drafter / verifier, commit the accepted tokens.
+// Every step buffer is allocated here, once, at load; each request has its own length,
+// sampling stream and stopping.
 #include "dflash2/engine.h"
-
-#include <omp.h>
 
 #include <algorithm>
 #include <chrono>
 #include <cmath>
-#include <cstring>
 
 #include "dflash2/error.h"
+#include "dflash2/ops.h"
 #include "dflash2/safetensors.h"
-#include "model/dflash_drafter.h"
 #include "model/glm_model.h"
-#include "runtime/sampler.h"
+#include "runtime/drafter.h"
+#include "runtime/target.h"
+#include "runtime/verifier.h"
 
 namespace dflash2 {
 
-using model::CacheStream;
-using model::GlmModel;
+using runtime::CacheStream;
+using runtime::Method;
 
 struct Engine::Impl {
   EngineConfig cfg;
-  std::unique_ptr<GlmModel> model;
-  std::unique_ptr<model::DFlashDrafter> drafter;
+  Method method = Method::AR;
+  std::string method_str;
+  std::unique_ptr<runtime::Target> target;
+  std::unique_ptr<runtime::Drafter> drafter;  // null for ar
   std::string config_json;
-  int64_t draft_len = 0;  // draft tokens per verify step (0 for ar)
+  int64_t K = 0;  // draft tokens per verify step (0 for ar)
+  std::vector<int64_t> taps;
+  bool want_final = false;
+  // step buffers (allocated once): logits of a verify step or of a prefill chunk's last
+  // rows, the drafter's features (taps, final hidden) of a chunk or a verify step, and
+  // the non-finite flags of the logits rows.
+  Tensor logits, taps_buf, fin, flags;
+  std::unique_ptr<runtime::Verifier> verifier;
+  // host bookkeeping reused across steps
+  std::vector<std::vector<runtime::Piece>> chunks;
+
+  void check_finite(int64_t rows, const char* what, int64_t step, const std::vector<int64_t>* row_owner) {
+    Tensor lg = logits.slice(0, 0, rows), fl = flags.slice(0, 0, rows);
+    ops::check_finite(lg, fl);
+    const int32_t* f = fl.data_as<const int32_t>();
+    for (int64_t r = 0; r < rows; ++r)
+      if (f[r])
+        fail(ErrorKind::Numerical, "non-finite logits (NaN or Inf) from the target in ", what,
+             step >= 0 ? " at decode step " + std::to_string(step) : std::string(),
+             row_owner ? ", request " + std::to_string((*row_owner)[size_t(r)]) : std::string(), ", logits row ", r,
+             ": the checkpoint holds non-finite weights or its activations overflow");
+  }
 };
 
 struct Sequence::Impl {
-  GlmModel* model;
+  Engine::Impl* e;
   CacheStream main, mtp;
   ~Impl() {
-    model->release(main);
-    if (model->has_mtp()) model->release(mtp, true);
+    e->target->cache().release(main);
+    if (e->target->model().has_mtp()) e->target->mtp_cache().release(mtp);
   }
 };
 
@@ -42,58 +65,94 @@ namespace {
 double now() {
   return std::chrono::duration<double>(std::chrono::steady_clock::now().time_since_epoch()).count();
 }
+
+// The method a drafter checkpoint implies when none is given.
+std::string method_of_drafter(const Checkpoint& dk) {
+  const Config& c = dk.config();
+  if (c.has("architectures")) {
+    for (const auto& a : c.get_string_list("architectures")) {
+      if (a == "DFlash2DraftModel") return "dflash2";
+      if (a == "DFlashDraftModel") return "dflash";
+    }
+  }
+  fail(ErrorKind::Config, dk.path(), ": field 'architectures': expected [\"DFlash2DraftModel\"] or [\"DFlashDraftModel\"] "
+       "to infer the method; pass method= explicitly");
+}
 }  // namespace
 
 Engine::Engine(const EngineConfig& cfg) : impl_(std::make_unique<Impl>()) {
-  impl_->cfg = cfg;
+  Impl& I = *impl_;
+  I.cfg = cfg;
   DFLASH2_CHECK_ARG(!cfg.target.empty(), "Engine: 'target' (a checkpoint directory) is required");
-  const std::string& m = cfg.method;
-  DFLASH2_CHECK_ARG(m == "ar" || m == "mtp" || m == "dflash" || m == "dflash2", "Engine: unknown method '", m,
-                    "' (expected 'ar', 'mtp', 'dflash' or 'dflash2')");
   DFLASH2_CHECK(cfg.device == "cpu", ErrorKind::Unsupported, "Engine: device '", cfg.device,
                 "' is not supported for the model yet; the target runs on the CPU backend ('cpu')");
-  if (m == "dflash" || m == "dflash2")
-    DFLASH2_CHECK_ARG(!cfg.draft.empty(), "Engine: method '", m, "' needs a drafter checkpoint (draft=PATH)");
-  if (cfg.num_threads > 0) omp_set_num_threads(cfg.num_threads);
+  DFLASH2_CHECK_ARG(cfg.num_threads >= 0 && cfg.num_threads <= ops::cpu_max_threads(), "Engine: num_threads must be in [0, ",
+                    ops::cpu_max_threads(), "] (0 = all ", ops::cpu_cores(), " cores), found ", cfg.num_threads);
+  DFLASH2_CHECK_ARG(cfg.max_batch_size >= 1 && cfg.max_step_tokens >= 1 && cfg.kv_block_size >= 1 && cfg.max_seq_len >= 0,
+                    "Engine: max_batch_size, max_step_tokens and kv_block_size must be >= 1 and max_seq_len >= 0 (0 = "
+                    "the model's limit), found ", cfg.max_batch_size, ", ", cfg.max_step_tokens, ", ", cfg.kv_block_size,
+                    ", ", cfg.max_seq_len);
+  ops::CpuThreadScope threads(cfg.num_threads);
+  // the method: given, or implied by the drafter
+  std::unique_ptr<Checkpoint> dk;
+  if (!cfg.draft.empty()) dk = std::make_unique<Checkpoint>(Checkpoint::open(cfg.draft));
+  std::string m = cfg.method;
+  if (m.empty()) m = dk ? method_of_drafter(*dk) : "ar";
+  I.method = runtime::parse_method(m);
+  I.method_str = m;
+  I.cfg.method = m;
+  if (I.method == Method::DFlash || I.method == Method::DFlash2)
+    DFLASH2_CHECK_ARG(dk != nullptr, "Engine: method '", m, "' needs a drafter checkpoint (draft=PATH)");
+  else
+    DFLASH2_CHECK_ARG(dk == nullptr, "Engine: method '", m, "' takes no drafter (draft='", cfg.draft, "')",
+                      I.method == Method::MTP ? ": it drafts with the target's own MTP layer" : "");
+
   Checkpoint ck = Checkpoint::open(cfg.target);
-  GlmModel::Options o;
-  o.max_seq_len = cfg.max_seq_len;
-  o.max_batch_size = cfg.max_batch_size;
-  o.max_step_tokens = cfg.max_step_tokens;
-  o.kv_block_size = cfg.kv_block_size;
-  impl_->model = GlmModel::load(ck, o);
-  impl_->config_json = ck.config().root().dump();
-  if (m == "dflash" || m == "dflash2") {
-    Checkpoint dk = Checkpoint::open(cfg.draft);
-    impl_->drafter = model::DFlashDrafter::load(dk, impl_->model->config(), impl_->model->embed_tokens(),
-                                                impl_->model->lm_head(), cfg.max_seq_len, cfg.max_batch_size);
-    const bool v2 = impl_->drafter->config().v2;
-    // dflash2 needs a DFlash 2 checkpoint; dflash runs DFlash 1 checkpoints, and DFlash 2
-    // ones with their convs but the selector off (argmax per position: an ablation).
-    DFLASH2_CHECK(v2 || m == "dflash", ErrorKind::Config, "Engine: method 'dflash2' but the drafter ", cfg.draft,
-                  " is a DFlashDraftModel (no convs, no candidate selector): use method='dflash'");
-    impl_->drafter->set_use_selector(m == "dflash2");
-    impl_->draft_len = impl_->drafter->block_size() - 1;
-  } else if (m == "mtp") {
-    DFLASH2_CHECK(impl_->model->has_mtp(), ErrorKind::Config, "Engine: method 'mtp' but the target ", cfg.target,
-                  " has no MTP layer (num_nextn_predict_layers = 0)");
-    DFLASH2_CHECK_ARG(cfg.mtp_draft_tokens >= 1, "Engine: mtp_draft_tokens must be >= 1");
-    impl_->draft_len = cfg.mtp_draft_tokens;
-  } else {
-    DFLASH2_CHECK_ARG(cfg.draft.empty(), "Engine: method 'ar' takes no drafter (draft='", cfg.draft, "')");
+  model::GlmModel::Options mo;
+  mo.max_step_tokens = cfg.max_step_tokens;
+  auto model = model::GlmModel::load(ck, mo);
+  const model::GlmConfig& mc = model->config();
+  const int64_t max_len = cfg.max_seq_len > 0 ? cfg.max_seq_len : std::min<int64_t>(4096, mc.max_position_embeddings);
+  DFLASH2_CHECK_ARG(max_len <= mc.max_position_embeddings, "Engine: max_seq_len ", max_len,
+                    " exceeds the model's max_position_embeddings ", mc.max_position_embeddings);
+  I.cfg.max_seq_len = max_len;
+  runtime::Target::Options to;
+  to.max_seq_len = max_len;
+  to.max_batch_size = cfg.max_batch_size;
+  to.max_step_tokens = cfg.max_step_tokens;
+  to.kv_block_size = cfg.kv_block_size;
+  I.target = std::make_unique<runtime::Target>(std::move(model), to);
+  I.config_json = ck.config().root().dump();
+  if (I.method == Method::DFlash || I.method == Method::DFlash2) {
+    I.drafter = runtime::make_dflash_drafter(*dk, *I.target, I.method);
+  } else if (I.method == Method::MTP) {
+    I.drafter = runtime::make_mtp_drafter(*I.target, cfg.mtp_draft_tokens);
   }
+  if (I.drafter) {
+    I.K = I.drafter->draft_len();
+    I.taps = I.drafter->tap_layers();
+    I.want_final = I.drafter->wants_final_hidden();
+  }
+  const int64_t V = mc.vocab_size, H = mc.hidden_size, B = cfg.max_batch_size;
+  const int64_t verify_rows = B * (I.K + 1);
+  const int64_t feat_rows = std::max(cfg.max_step_tokens, verify_rows);
+  I.logits = Tensor::empty(DType::F32, {verify_rows, V});
+  I.flags = Tensor::empty(DType::I32, {verify_rows});
+  if (!I.taps.empty()) I.taps_buf = Tensor::empty(DType::F32, {feat_rows, int64_t(I.taps.size()) * H});
+  if (I.want_final) I.fin = Tensor::empty(DType::F32, {feat_rows, H});
+  I.verifier = std::make_unique<runtime::Verifier>(V);
 }
 
 Engine::~Engine() = default;
 
-int64_t Engine::vocab_size() const { return impl_->model->config().vocab_size; }
-int64_t Engine::hidden_size() const { return impl_->model->config().hidden_size; }
-int64_t Engine::num_layers() const { return impl_->model->config().num_layers; }
-bool Engine::has_mtp() const { return impl_->model->has_mtp(); }
+int64_t Engine::vocab_size() const { return impl_->target->config().vocab_size; }
+int64_t Engine::hidden_size() const { return impl_->target->config().hidden_size; }
+int64_t Engine::num_layers() const { return impl_->target->config().num_layers; }
+bool Engine::has_mtp() const { return impl_->target->model().has_mtp(); }
 const EngineConfig& Engine::config() const { return impl_->cfg; }
 std::string Engine::model_config_json() const { return impl_->config_json; }
-int64_t Engine::block_size() const { return impl_->draft_len + 1; }
-const std::string& Engine::method() const { return impl_->cfg.method; }
+int64_t Engine::block_size() const { return impl_->K + 1; }
+const std::string& Engine::method() const { return impl_->method_str; }
 
 Tensor Engine::logits(const std::vector<int32_t>& tokens) {
   DFLASH2_CHECK_ARG(!tokens.empty(), "logits: the token list is empty");
@@ -104,7 +163,7 @@ Tensor Engine::logits(const std::vector<int32_t>& tokens) {
 
 std::unique_ptr<Sequence> Engine::new_sequence() {
   auto impl = std::make_unique<Sequence::Impl>();
-  impl->model = impl_->model.get();
+  impl->e = impl_.get();
   return std::unique_ptr<Sequence>(new Sequence(std::move(impl)));
 }
 
@@ -113,55 +172,27 @@ namespace {
 // Everything one request carries through the decode loop.
 struct Req {
   size_t idx = 0;
-  CacheStream main, mtp;
-  model::DraftStream draft;
+  int slot = 0;
+  const std::vector<int32_t>* prompt = nullptr;
+  CacheStream main;
   int32_t anchor = 0;  // last emitted token: not yet in the target cache
   bool done = false;
   std::mt19937_64 rng;
-  std::vector<float> mtp_logits, mtp_hidden;  // MTP: predicts the next block's first token
-  std::vector<int32_t> drafted;
-  model::DraftBlock block;
+  std::vector<int32_t> next;      // the tokens following the positions being committed
+  std::vector<int32_t> verify;    // [anchor, drafts...] of the current step
   int64_t committed = 0;
   std::vector<int64_t> accepted_at;
 };
-
-int32_t argmax_row(const float* x, int64_t V) { return runtime::argmax(x, V); }
-
-// Runs the MTP layer over n positions (next tokens with the main model's final hidden
-// states) and keeps what predicts the next position: its logits row and output hidden.
-void mtp_extend(GlmModel& m, CacheStream& s, const int32_t* next, const Tensor& h_main, int64_t n,
-                std::vector<float>& last_logits, std::vector<float>& last_hidden) {
-  const int64_t V = m.config().vocab_size, H = m.config().hidden_size;
-  Tensor lg = Tensor::empty(DType::F32, {n, V}), mh = Tensor::empty(DType::F32, {n, H});
-  m.mtp_forward(s, next, h_main, n, lg, &mh);
-  last_logits.assign(lg.data_as<float>() + (n - 1) * V, lg.data_as<float>() + n * V);
-  last_hidden.assign(mh.data_as<float>() + (n - 1) * H, mh.data_as<float>() + n * H);
-}
-
-// Greedy chained MTP drafting of k tokens, starting from the layer's last prediction and
-// feeding its output hidden state back as the next step's h_main (appends k-1 positions).
-std::vector<int32_t> mtp_chain(GlmModel& m, CacheStream& s, const std::vector<float>& logits,
-                               std::vector<float> hidden, int64_t k) {
-  const int64_t V = m.config().vocab_size, H = m.config().hidden_size;
-  std::vector<int32_t> out;
-  if (k <= 0) return out;
-  std::vector<float> lg = logits;
-  out.push_back(argmax_row(lg.data(), V));
-  for (int64_t j = 1; j < k; ++j) {
-    Tensor hm = Tensor::view(hidden.data(), DType::F32, {1, H});
-    mtp_extend(m, s, &out.back(), hm, 1, lg, hidden);
-    out.push_back(argmax_row(lg.data(), V));
-  }
-  return out;
-}
 
 }  // namespace
 
 std::vector<GenerationResult> Engine::generate(const std::vector<std::vector<int32_t>>& prompts,
                                                const SamplingParams& p, const TokenCallback& on_tokens) {
-  GlmModel& m = *impl_->model;
-  const auto& mc = m.config();
-  const int64_t V = mc.vocab_size, H = mc.hidden_size, max_len = m.options().max_seq_len;
+  Impl& I = *impl_;
+  ops::CpuThreadScope threads(I.cfg.num_threads);
+  runtime::Target& tgt = *I.target;
+  const auto& mc = tgt.config();
+  const int64_t V = mc.vocab_size, max_len = tgt.options().max_seq_len, K = I.K;
   DFLASH2_CHECK_ARG(!prompts.empty(), "generate: no prompts given");
   DFLASH2_CHECK_ARG(p.max_new_tokens >= 1, "generate: max_new_tokens must be >= 1, found ", p.max_new_tokens);
   DFLASH2_CHECK_ARG(p.temperature >= 0.0f && std::isfinite(p.temperature), "generate: temperature must be >= 0, found ",
@@ -177,44 +208,46 @@ std::vector<GenerationResult> Engine::generate(const std::vector<std::vector<int
                         prompts[i][j], " is outside the vocabulary [0, ", V, ")");
   }
   std::vector<int32_t> stops;
-  if (p.has_stop_tokens) stops = p.stop_token_ids;
-  else
+  if (p.has_stop_tokens) {
+    stops = p.stop_token_ids;
+    for (size_t i = 0; i < stops.size(); ++i)
+      DFLASH2_CHECK_ARG(stops[i] >= 0 && stops[i] < V, "generate: stop_token_ids[", i, "] = ", stops[i],
+                        " is outside the vocabulary [0, ", V, ")");
+  } else {
     for (auto e : mc.eos_token_ids) stops.push_back(int32_t(e));
+  }
   const runtime::SamplerParams sp{p.temperature, p.top_p, p.top_k};
   const bool greedy = p.temperature <= 0.0f;
-  const std::string& method = impl_->cfg.method;
-  const bool use_drafter = impl_->drafter != nullptr, use_mtp = method == "mtp";
-  const int64_t K = impl_->draft_len;
-  std::vector<int64_t> taps;
-  if (use_drafter) taps = impl_->drafter->config().target_layer_ids;
+  runtime::Drafter* drafter = I.drafter.get();
+  const int64_t step_tokens = tgt.options().max_step_tokens;
 
   std::vector<GenerationResult> results(prompts.size());
-  std::vector<double> probs(static_cast<size_t>(V)), probs2(static_cast<size_t>(V));
-  std::vector<int32_t> order(static_cast<size_t>(V));
-  const int64_t wave = m.options().max_batch_size;
+  const int64_t wave = tgt.options().max_batch_size;
   for (size_t w0 = 0; w0 < prompts.size(); w0 += size_t(wave)) {
     const size_t n = std::min(prompts.size(), w0 + size_t(wave)) - w0;
     std::vector<Req> reqs(n);
     double t_prefill = 0, t_draft = 0, t_verify = 0, t_total0 = now();
     auto release_all = [&]() {
       for (auto& r : reqs) {
-        m.release(r.main);
-        if (use_mtp) m.release(r.mtp, true);
-        if (use_drafter) impl_->drafter->release(r.draft);
+        tgt.cache().release(r.main);
+        if (drafter) drafter->release(r.slot);
       }
     };
     try {
       for (size_t i = 0; i < n; ++i) {
         reqs[i].idx = w0 + i;
+        reqs[i].slot = int(i);
+        reqs[i].prompt = &prompts[w0 + i];
         reqs[i].rng = runtime::make_rng(p.seed, int64_t(w0 + i));
         reqs[i].accepted_at.assign(size_t(K), 0);
         results[w0 + i].stats.prompt_tokens = int64_t(prompts[w0 + i].size());
       }
       // Emits accepted tokens in order; a stop token or the length budget ends the request.
-      auto emit = [&](Req& r, const std::vector<int32_t>& toks) {
+      auto emit = [&](Req& r, const int32_t* toks, int64_t count) {
         GenerationResult& res = results[r.idx];
         std::vector<int32_t> sent;
-        for (int32_t t : toks) {
+        for (int64_t k = 0; k < count; ++k) {
+          const int32_t t = toks[k];
           res.token_ids.push_back(t);
           sent.push_back(t);
           if (std::find(stops.begin(), stops.end(), t) != stops.end()) {
@@ -236,171 +269,166 @@ std::vector<GenerationResult> Engine::generate(const std::vector<std::vector<int
           r.done = true;
         }
       };
+      runtime::Features feats{I.taps_buf, I.fin};
 
-      // ---------------- prefill (hidden states for the drafter's taps / the MTP layer)
+      // ---------------- prefill, chunk by chunk; each chunk's features go to the drafter
       {
-        double t0 = now();
-        std::vector<GlmModel::StepSeq> step;
-        int64_t total = 0;
-        for (size_t i = 0; i < n; ++i) {
-          step.push_back({&reqs[i].main, prompts[w0 + i].data(), int64_t(prompts[w0 + i].size())});
-          total += int64_t(prompts[w0 + i].size());
+        const double t0 = now();
+        std::vector<CacheStream*> streams;
+        std::vector<const int32_t*> toks;
+        std::vector<int64_t> counts;
+        for (auto& r : reqs) {
+          streams.push_back(&r.main);
+          toks.push_back(r.prompt->data());
+          counts.push_back(int64_t(r.prompt->size()));
         }
-        Tensor logits = Tensor::empty(DType::F32, {int64_t(n), V});
-        std::vector<Tensor> hid;
-        for (size_t j = 0; j < taps.size(); ++j) hid.push_back(Tensor::empty(DType::F32, {total, H}));
-        Tensor fin = use_mtp ? Tensor::empty(DType::F32, {total, H}) : Tensor();
-        m.forward(step, false, logits, taps, hid, fin);
-        int64_t row = 0;
-        for (size_t i = 0; i < n; ++i) {
-          Req& r = reqs[i];
-          const int64_t np = int64_t(prompts[w0 + i].size());
-          r.anchor = runtime::sample(logits.data_as<float>() + int64_t(i) * V, V, sp, r.rng, probs.data(), order.data());
-          if (use_drafter) {
-            std::vector<Tensor> rows;
-            for (auto& h : hid) rows.push_back(h.slice(0, row, row + np));
-            impl_->drafter->append_context(r.draft, rows, np);
+        runtime::make_chunks(streams, toks, counts, step_tokens, I.chunks);
+        std::vector<runtime::CommitRows> commits;
+        for (const auto& ch : I.chunks) {
+          int64_t R = 0;
+          for (const auto& pc : ch) R += pc.last ? 1 : 0;
+          model::ForwardOutputs out;
+          out.logits = I.logits.slice(0, 0, R);
+          out.tap_layers = I.taps;
+          int64_t T = 0;
+          for (const auto& pc : ch) T += pc.n;
+          if (I.taps_buf.defined()) out.taps = I.taps_buf.slice(0, 0, T);
+          if (I.fin.defined()) out.final_hidden = I.fin.slice(0, 0, T);
+          tgt.run_chunk(ch, out);
+          if (R > 0) I.check_finite(R, "the prefill", -1, nullptr);
+          int64_t r = 0;
+          for (const auto& pc : ch) {  // the first token of every prompt that ends here
+            if (!pc.last) continue;
+            Req& q = reqs[size_t(pc.seq)];
+            q.anchor = I.verifier->sample(I.logits.select(0, r++), sp, q.rng);
+            q.next.assign(q.prompt->begin() + 1, q.prompt->end());
+            q.next.push_back(q.anchor);
           }
-          if (use_mtp) {
-            std::vector<int32_t> nxt(prompts[w0 + i].begin() + 1, prompts[w0 + i].end());
-            nxt.push_back(r.anchor);
-            mtp_extend(m, r.mtp, nxt.data(), fin.slice(0, row, row + np), np, r.mtp_logits, r.mtp_hidden);
+          if (drafter) {
+            commits.clear();
+            int64_t row = 0;
+            for (const auto& pc : ch) {
+              const Req& q = reqs[size_t(pc.seq)];
+              runtime::CommitRows c;
+              c.slot = q.slot;
+              c.pos0 = pc.offset;
+              c.row0 = row;
+              c.n = pc.n;
+              c.next = pc.last ? q.next.data() + pc.offset : q.prompt->data() + pc.offset + 1;
+              commits.push_back(c);
+              row += pc.n;
+            }
+            drafter->commit(commits, feats);
           }
-          row += np;
-          emit(r, {r.anchor});
-          after_commit(r);
+          for (const auto& pc : ch) {
+            if (!pc.last) continue;
+            Req& q = reqs[size_t(pc.seq)];
+            emit(q, &q.anchor, 1);
+            after_commit(q);
+          }
         }
         t_prefill = now() - t0;
       }
 
-      // ---------------- draft / verify / accept
-      while (true) {
-        std::vector<Req*> act;
+      // ---------------- draft / verify / accept / commit
+      std::vector<Req*> act;
+      std::vector<runtime::DraftJob> jobs;
+      std::vector<runtime::CommitRows> commits;
+      std::vector<int64_t> row_owner;
+      for (int64_t step = 0;; ++step) {
+        act.clear();
         for (auto& r : reqs)
           if (!r.done) act.push_back(&r);
         if (act.empty()) break;
         // 1. draft
         double t0 = now();
-        for (Req* r : act) {
-          r->drafted.clear();
-          r->block = model::DraftBlock();
-        }
-        if (use_drafter) {
-          std::vector<model::DraftStream*> ds;
-          std::vector<int32_t> anchors;
-          std::vector<std::mt19937_64*> rngs;
-          std::vector<Req*> who;
-          for (Req* r : act)
-            if (r->main.length + K + 1 <= max_len) {
-              ds.push_back(&r->draft);
-              anchors.push_back(r->anchor);
-              rngs.push_back(&r->rng);
-              who.push_back(r);
-            }
-          if (!who.empty()) {
-            std::vector<model::DraftBlock> blocks;
-            impl_->drafter->draft(ds, anchors, greedy ? 0.0f : p.temperature, rngs, blocks);
-            for (size_t k = 0; k < who.size(); ++k) {
-              who[k]->block = std::move(blocks[k]);
-              who[k]->drafted = who[k]->block.tokens;
-            }
-          }
-        } else if (use_mtp) {
+        const runtime::DraftResult* dr = nullptr;
+        if (drafter) {
+          jobs.clear();
           for (Req* r : act) {
-            const int64_t kk = std::min<int64_t>(K, max_len - r->main.length - 1);
-            r->drafted = mtp_chain(m, r->mtp, r->mtp_logits, r->mtp_hidden, kk);
+            runtime::DraftJob j;
+            j.slot = r->slot;
+            j.anchor = r->anchor;
+            j.max_tokens = max_len - r->main.length - 1;
+            j.rng = &r->rng;
+            jobs.push_back(j);
           }
+          dr = &drafter->draft(jobs, greedy ? 0.0f : p.temperature);
         }
         t_draft += now() - t0;
 
-        // 2. verify [anchor, d_1..d_k] in one target pass
+        // 2. verify [anchor, d_1..d_k] in one target pass (chunked if it exceeds max_step_tokens)
         t0 = now();
-        std::vector<std::vector<int32_t>> vt(act.size());
-        std::vector<GlmModel::StepSeq> step;
-        int64_t total = 0;
+        std::vector<CacheStream*> streams;
+        std::vector<const int32_t*> toks;
+        std::vector<int64_t> counts;
+        row_owner.clear();
         for (size_t k = 0; k < act.size(); ++k) {
-          vt[k].push_back(act[k]->anchor);
-          vt[k].insert(vt[k].end(), act[k]->drafted.begin(), act[k]->drafted.end());
-          step.push_back({&act[k]->main, vt[k].data(), int64_t(vt[k].size())});
-          total += int64_t(vt[k].size());
+          Req& r = *act[k];
+          r.verify.assign(1, r.anchor);
+          if (dr && dr->len[k] > 0) {
+            const int32_t* d = dr->tokens.data_as<const int32_t>() + dr->row[k] * dr->tokens.stride(0);
+            r.verify.insert(r.verify.end(), d, d + dr->len[k]);
+          }
+          streams.push_back(&r.main);
+          toks.push_back(r.verify.data());
+          counts.push_back(int64_t(r.verify.size()));
+          for (size_t j = 0; j < r.verify.size(); ++j) row_owner.push_back(int64_t(r.idx));
         }
-        Tensor logits = Tensor::empty(DType::F32, {total, V});
-        std::vector<Tensor> hid;
-        for (size_t j = 0; j < taps.size(); ++j) hid.push_back(Tensor::empty(DType::F32, {total, H}));
-        Tensor fin = use_mtp ? Tensor::empty(DType::F32, {total, H}) : Tensor();
-        m.forward(step, true, logits, taps, hid, fin);
+        runtime::make_chunks(streams, toks, counts, step_tokens, I.chunks);
+        int64_t row0 = 0;
+        for (const auto& ch : I.chunks) {
+          int64_t T = 0;
+          for (const auto& pc : ch) T += pc.n;
+          model::ForwardOutputs out;
+          out.logits = I.logits.slice(0, row0, row0 + T);
+          out.all_logits = true;
+          out.tap_layers = I.taps;
+          if (I.taps_buf.defined()) out.taps = I.taps_buf.slice(0, row0, row0 + T);
+          if (I.fin.defined()) out.final_hidden = I.fin.slice(0, row0, row0 + T);
+          tgt.run_chunk(ch, out);
+          row0 += T;
+        }
+        I.check_finite(row0, "a decode step", step, &row_owner);
         t_verify += now() - t0;
 
         // 3. accept (greedy: longest matching prefix; sampling: lossless rejection sampling)
+        commits.clear();
         int64_t row = 0;
         for (size_t k = 0; k < act.size(); ++k) {
           Req& r = *act[k];
-          const int64_t kk = int64_t(r.drafted.size());
-          const float* lg = logits.data_as<float>() + row * V;
-          int64_t a = 0;
-          int32_t bonus = 0;
-          if (greedy) {
-            while (a < kk && r.drafted[size_t(a)] == argmax_row(lg + a * V, V)) ++a;
-            bonus = argmax_row(lg + a * V, V);
-          } else {
-            bool rejected = false;
-            for (; a < kk; ++a) {
-              runtime::sampling_probs(lg + a * V, V, sp, probs.data(), order.data());
-              const int32_t d = r.drafted[size_t(a)];
-              double qd = 1.0;  // one-hot proposal unless the selector recorded q
-              const std::vector<int32_t>* cand = nullptr;
-              const std::vector<float>* qrow = nullptr;
-              if (size_t(a) < r.block.q.size()) {
-                cand = &r.block.cand[size_t(a)];
-                qrow = &r.block.q[size_t(a)];
-                for (size_t b = 0; b < cand->size(); ++b)
-                  if ((*cand)[b] == d) {
-                    qd = (*qrow)[b];
-                    break;
-                  }
-              }
-              const double u = std::uniform_real_distribution<double>(0.0, 1.0)(r.rng);
-              if (u * qd < probs[size_t(d)]) continue;
-              // rejected: the bonus comes from normalize(max(p - q, 0)) (or p if no mass is left)
-              probs2 = probs;
-              if (qrow) {
-                for (size_t b = 0; b < cand->size(); ++b)
-                  probs2[size_t((*cand)[b])] = std::max(0.0, probs2[size_t((*cand)[b])] - double((*qrow)[b]));
-              } else {
-                probs2[size_t(d)] = std::max(0.0, probs2[size_t(d)] - 1.0);
-              }
-              double mass = 0;
-              for (double v : probs2) mass += v;
-              bonus = mass > 0 ? runtime::draw(probs2.data(), V, mass, r.rng) : runtime::draw(probs.data(), V, 1.0, r.rng);
-              rejected = true;
-              break;
-            }
-            if (!rejected) bonus = runtime::sample(lg + kk * V, V, sp, r.rng, probs.data(), order.data());
+          const int64_t kk = int64_t(r.verify.size()) - 1;
+          Tensor cand, q;
+          if (dr && dr->has_q && kk > 0) {
+            cand = dr->cand.select(0, dr->row[k]);
+            q = dr->q.select(0, dr->row[k]);
           }
+          const runtime::Accepted acc = I.verifier->accept(I.logits.slice(0, row, row + kk + 1), r.verify.data() + 1,
+                                                           kk, cand, q, greedy, sp, r.rng);
+          const int64_t a = acc.n;
           // 4. commit anchor + a accepted tokens; roll back the rest of the verify pass
           const int64_t L = r.main.length - (kk + 1);
-          m.rollback(r.main, L + a + 1);
-          if (use_drafter) {
-            std::vector<Tensor> rows;
-            for (auto& h : hid) rows.push_back(h.slice(0, row, row + a + 1));
-            impl_->drafter->append_context(r.draft, rows, a + 1);
-          }
+          tgt.cache().truncate(r.main, L + a + 1);
           r.committed += a + 1;
           for (int64_t j = 0; j < a && j < K; ++j) r.accepted_at[size_t(j)] += 1;
           results[r.idx].stats.verify_steps += 1;
-          std::vector<int32_t> out(r.drafted.begin(), r.drafted.begin() + a);
-          out.push_back(bonus);
-          emit(r, out);
-          r.anchor = bonus;
-          if (use_mtp && !r.done) {
-            m.rollback(r.mtp, L, true);
-            std::vector<int32_t> nxt(r.drafted.begin(), r.drafted.begin() + a);
-            nxt.push_back(bonus);
-            mtp_extend(m, r.mtp, nxt.data(), fin.slice(0, row, row + a + 1), a + 1, r.mtp_logits, r.mtp_hidden);
+          r.next.assign(r.verify.begin() + 1, r.verify.begin() + 1 + a);
+          r.next.push_back(acc.bonus);
+          emit(r, r.next.data(), int64_t(r.next.size()));
+          r.anchor = acc.bonus;
+          if (drafter && !r.done) {
+            runtime::CommitRows c;
+            c.slot = r.slot;
+            c.pos0 = L;
+            c.row0 = row;
+            c.n = a + 1;
+            c.next = r.next.data();
+            commits.push_back(c);
           }
           after_commit(r);
           row += kk + 1;
         }
+        if (drafter && !commits.empty()) drafter->commit(commits, feats);
       }
     } catch (...) {
       release_all();
@@ -432,48 +460,71 @@ std::vector<GenerationResult> Engine::generate(const std::vector<std::vector<int
 }
 
 Proposal Engine::propose(const std::vector<int32_t>& tokens) {
-  GlmModel& m = *impl_->model;
-  DFLASH2_CHECK(impl_->cfg.method != "ar", ErrorKind::InvalidArgument,
+  Impl& I = *impl_;
+  ops::CpuThreadScope threads(I.cfg.num_threads);
+  runtime::Target& tgt = *I.target;
+  DFLASH2_CHECK(I.drafter != nullptr, ErrorKind::InvalidArgument,
                 "propose: method 'ar' drafts nothing; create the Engine with method 'dflash2', 'dflash' or 'mtp'");
   DFLASH2_CHECK_ARG(!tokens.empty(), "propose: the token list is empty");
-  const int64_t n = int64_t(tokens.size()), V = m.config().vocab_size, H = m.config().hidden_size;
-  DFLASH2_CHECK_ARG(n + impl_->draft_len + 1 <= m.options().max_seq_len, "propose: ", n, " tokens plus a block of ",
-                    impl_->draft_len + 1, " exceed max_seq_len ", m.options().max_seq_len);
+  const int64_t n = int64_t(tokens.size()), V = tgt.config().vocab_size;
+  for (int64_t j = 0; j < n; ++j)
+    DFLASH2_CHECK_ARG(tokens[size_t(j)] >= 0 && tokens[size_t(j)] < V, "propose: token ", j, " = ", tokens[size_t(j)],
+                      " is outside the vocabulary [0, ", V, ")");
+  DFLASH2_CHECK_ARG(n + I.K + 1 <= tgt.options().max_seq_len, "propose: ", n, " tokens plus a block of ", I.K + 1,
+                    " exceed max_seq_len ", tgt.options().max_seq_len);
   Proposal out;
-  CacheStream main, mtp;
-  model::DraftStream ds;
+  CacheStream main;
+  const int slot = 0;
   try {
-    std::vector<int64_t> taps;
-    if (impl_->drafter) taps = impl_->drafter->config().target_layer_ids;
-    std::vector<Tensor> hid;
-    for (size_t j = 0; j < taps.size(); ++j) hid.push_back(Tensor::empty(DType::F32, {n, H}));
-    Tensor fin = impl_->drafter ? Tensor() : Tensor::empty(DType::F32, {n, H});
-    Tensor logits = Tensor::empty(DType::F32, {1, V});
-    std::vector<GlmModel::StepSeq> step{{&main, tokens.data(), n}};
-    m.forward(step, false, logits, taps, hid, fin);
-    out.anchor = argmax_row(logits.data_as<float>(), V);
-    if (impl_->drafter) {
-      impl_->drafter->append_context(ds, hid, n);
-      std::vector<model::DraftBlock> blocks;
-      impl_->drafter->draft({&ds}, {out.anchor}, 0.0f, {nullptr}, blocks);
-      out.tokens = blocks[0].tokens;
-      out.candidates = blocks[0].cand;
-    } else {
-      std::vector<int32_t> nxt(tokens.begin() + 1, tokens.end());
-      nxt.push_back(out.anchor);
-      std::vector<float> lg, hid_last;
-      mtp_extend(m, mtp, nxt.data(), fin, n, lg, hid_last);
-      out.tokens = mtp_chain(m, mtp, lg, hid_last, impl_->draft_len);
+    std::vector<CacheStream*> streams{&main};
+    std::vector<const int32_t*> toks{tokens.data()};
+    std::vector<int64_t> counts{n};
+    runtime::make_chunks(streams, toks, counts, tgt.options().max_step_tokens, I.chunks);
+    std::vector<int32_t> next(tokens.begin() + 1, tokens.end());
+    runtime::Features feats{I.taps_buf, I.fin};
+    const runtime::SamplerParams greedy{0.0f, 1.0f, 0};
+    std::mt19937_64 unused;
+    for (const auto& ch : I.chunks) {
+      const auto& pc = ch[0];
+      model::ForwardOutputs fo;
+      fo.logits = I.logits.slice(0, 0, pc.last ? 1 : 0);
+      fo.tap_layers = I.taps;
+      if (I.taps_buf.defined()) fo.taps = I.taps_buf.slice(0, 0, pc.n);
+      if (I.fin.defined()) fo.final_hidden = I.fin.slice(0, 0, pc.n);
+      tgt.run_chunk(ch, fo);
+      if (pc.last) {
+        out.anchor = I.verifier->sample(I.logits.select(0, 0), greedy, unused);
+        next.push_back(out.anchor);
+      }
+      runtime::CommitRows c;
+      c.slot = slot;
+      c.pos0 = pc.offset;
+      c.n = pc.n;
+      c.next = next.data() + pc.offset;
+      I.drafter->commit({c}, feats);
+    }
+    runtime::DraftJob j;
+    j.slot = slot;
+    j.anchor = out.anchor;
+    j.max_tokens = I.K;
+    j.rng = &unused;
+    const runtime::DraftResult& dr = I.drafter->draft({j}, 0.0f);
+    const int32_t* d = dr.tokens.data_as<const int32_t>() + dr.row[0] * dr.tokens.stride(0);
+    out.tokens.assign(d, d + dr.len[0]);
+    if (dr.cand.defined() && dr.len[0] > 0) {
+      const int64_t Kc = dr.cand.shape(2);
+      for (int64_t t = 0; t < dr.len[0]; ++t) {
+        const int32_t* c = dr.cand.data_as<const int32_t>() + dr.row[0] * dr.cand.stride(0) + t * dr.cand.stride(1);
+        out.candidates.emplace_back(c, c + Kc);
+      }
     }
   } catch (...) {
-    m.release(main);
-    if (m.has_mtp()) m.release(mtp, true);
-    if (impl_->drafter) impl_->drafter->release(ds);
+    tgt.cache().release(main);
+    I.drafter->release(slot);
     throw;
   }
-  m.release(main);
-  if (m.has_mtp()) m.release(mtp, true);
-  if (impl_->drafter) impl_->drafter->release(ds);
+  tgt.cache().release(main);
+  I.drafter->release(slot);
   return out;
 }
 
@@ -485,36 +536,88 @@ int64_t Sequence::mtp_length() const { return impl_->mtp.length; }
 
 Tensor Sequence::extend(const std::vector<int32_t>& tokens, const std::vector<int64_t>& hidden_layers,
                         std::vector<Tensor>* hidden, Tensor* final_hidden) {
-  GlmModel& m = *impl_->model;
+  Engine::Impl& I = *impl_->e;
+  ops::CpuThreadScope threads(I.cfg.num_threads);
+  runtime::Target& tgt = *I.target;
   DFLASH2_CHECK_ARG(!tokens.empty(), "extend: the token list is empty");
-  const int64_t n = int64_t(tokens.size()), V = m.config().vocab_size, H = m.config().hidden_size;
+  const int64_t n = int64_t(tokens.size()), V = tgt.config().vocab_size, H = tgt.config().hidden_size;
+  for (int64_t j = 0; j < n; ++j)
+    DFLASH2_CHECK_ARG(tokens[size_t(j)] >= 0 && tokens[size_t(j)] < V, "token id ", tokens[size_t(j)], " at position ",
+                      j, " is outside the vocabulary [0, ", V, ")");
+  for (auto l : hidden_layers)
+    DFLASH2_CHECK_ARG(l >= 0 && l < tgt.config().num_layers, "hidden layer id ", l, " is outside [0, ",
+                      tgt.config().num_layers, ")");
+  DFLASH2_CHECK_ARG(impl_->main.length + n <= tgt.options().max_seq_len, "sequence of ", impl_->main.length + n,
+                    " tokens exceeds max_seq_len ", tgt.options().max_seq_len);
   Tensor logits = Tensor::empty(DType::F32, {n, V});
-  std::vector<Tensor> hs;
-  for (size_t j = 0; j < hidden_layers.size(); ++j) hs.push_back(Tensor::empty(DType::F32, {n, H}));
+  const int64_t nl = int64_t(hidden_layers.size());
+  Tensor taps = nl ? Tensor::empty(DType::F32, {n, nl * H}) : Tensor();
   Tensor fh = final_hidden ? Tensor::empty(DType::F32, {n, H}) : Tensor();
-  std::vector<GlmModel::StepSeq> step{{&impl_->main, tokens.data(), n}};
-  m.forward(step, true, logits, hidden_layers, hs, fh);
-  if (hidden) *hidden = hs;
+  std::vector<CacheStream*> streams{&impl_->main};
+  std::vector<const int32_t*> toks{tokens.data()};
+  std::vector<int64_t> counts{n};
+  std::vector<std::vector<runtime::Piece>> chunks;
+  runtime::make_chunks(streams, toks, counts, tgt.options().max_step_tokens, chunks);
+  int64_t row0 = 0;
+  for (const auto& ch : chunks) {
+    const int64_t T = ch[0].n;
+    model::ForwardOutputs out;
+    out.logits = logits.slice(0, row0, row0 + T);
+    out.all_logits = true;
+    out.tap_layers = hidden_layers;
+    if (nl) out.taps = taps.slice(0, row0, row0 + T);
+    if (fh.defined()) out.final_hidden = fh.slice(0, row0, row0 + T);
+    tgt.run_chunk(ch, out);
+    row0 += T;
+  }
+  if (hidden) {
+    hidden->clear();
+    for (int64_t j = 0; j < nl; ++j) hidden->push_back(taps.slice(1, j * H, (j + 1) * H).contiguous());
+  }
   if (final_hidden) *final_hidden = fh;
   return logits;
 }
 
-void Sequence::rollback(int64_t length) { impl_->model->rollback(impl_->main, length); }
+void Sequence::rollback(int64_t length) { impl_->e->target->cache().truncate(impl_->main, length); }
 void Sequence::release() {
-  impl_->model->release(impl_->main);
-  if (impl_->model->has_mtp()) impl_->model->release(impl_->mtp, true);
+  impl_->e->target->cache().release(impl_->main);
+  if (impl_->e->target->model().has_mtp()) impl_->e->target->mtp_cache().release(impl_->mtp);
 }
 
 Tensor Sequence::mtp_extend(const std::vector<int32_t>& next_tokens, const Tensor& hidden_main) {
-  GlmModel& m = *impl_->model;
+  Engine::Impl& I = *impl_->e;
+  ops::CpuThreadScope threads(I.cfg.num_threads);
+  runtime::Target& tgt = *I.target;
+  DFLASH2_CHECK(tgt.model().has_mtp(), ErrorKind::Unsupported,
+                "this checkpoint has no MTP layer (num_nextn_predict_layers = 0)");
   DFLASH2_CHECK_ARG(!next_tokens.empty(), "mtp_extend: the token list is empty");
-  const int64_t n = int64_t(next_tokens.size());
-  Tensor logits = Tensor::empty(DType::F32, {n, m.config().vocab_size});
+  const int64_t n = int64_t(next_tokens.size()), V = tgt.config().vocab_size, H = tgt.config().hidden_size;
+  for (int64_t j = 0; j < n; ++j)
+    DFLASH2_CHECK_ARG(next_tokens[size_t(j)] >= 0 && next_tokens[size_t(j)] < V, "token id ", next_tokens[size_t(j)],
+                      " is outside the vocabulary [0, ", V, ")");
+  DFLASH2_CHECK_ARG(hidden_main.dtype() == DType::F32 && hidden_main.shape() == Tensor::Shape({n, H}),
+                    "mtp: hidden_main must be F32 [", n, ", ", H, "], found ", hidden_main.describe());
+  DFLASH2_CHECK_ARG(impl_->mtp.length + n <= tgt.options().max_seq_len, "MTP sequence of ", impl_->mtp.length + n,
+                    " tokens exceeds max_seq_len ", tgt.options().max_seq_len);
   Tensor hm = hidden_main.contiguous();
-  m.mtp_forward(impl_->mtp, next_tokens.data(), hm, n, logits);
+  Tensor logits = Tensor::empty(DType::F32, {n, V});
+  // every row's logits: one piece per token so each is a "last" row
+  std::vector<runtime::Piece> pieces;
+  for (int64_t off = 0; off < n; off += tgt.options().max_step_tokens) {
+    const int64_t T = std::min(tgt.options().max_step_tokens, n - off);
+    pieces.clear();
+    runtime::Piece pc;
+    pc.stream = &impl_->mtp;
+    pc.tokens = next_tokens.data() + off;
+    pc.n = T;
+    pc.last = true;
+    pieces.push_back(pc);
+    Tensor lg = logits.slice(0, off, off + T), none;
+    tgt.mtp_chunk(pieces, hm.slice(0, off, off + T), lg, none, /*all_rows=*/true);
+  }
   return logits;
 }
 
-void Sequence::mtp_rollback(int64_t length) { impl_->model->rollback(impl_->mtp, length, true); }
+void Sequence::mtp_rollback(int64_t length) { impl_->e->target->mtp_cache().truncate(impl_->mtp, length); }
 
 }  // namespace dflash2

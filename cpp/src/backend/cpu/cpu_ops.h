@@ -12,21 +12,13 @@ namespace dflash2::cpu {
 const char* gemm_isa();  // "avx2+fma" or "generic": what linear() runs on this machine
 
 // ---- threads: every parallel region of the backend runs with threads() threads, the
-// calling thread's setting (an engine's num_threads while it runs, see ThreadScope), so
-// one engine's setting never changes another's.
-int threads();            // the calling thread's width (>= 1)
-int num_threads();        // same (build_info)
-void set_thread_default(int n);  // this thread's width outside any ThreadScope (<= 0: all cores)
-class ThreadScope {
- public:
-  explicit ThreadScope(int n);  // n <= 0: keep the current width
-  ~ThreadScope();
-  ThreadScope(const ThreadScope&) = delete;
-  ThreadScope& operator=(const ThreadScope&) = delete;
-
- private:
-  int prev_;
-};
+// calling thread's setting (an engine's num_threads while it runs, see
+// ops::CpuThreadScope), so one engine's setting never changes another's.
+int threads();                   // the calling thread's width (>= 1)
+int num_threads();               // same (build_info)
+void set_thread_default(int n);  // this thread's width outside any scope (<= 0: all cores)
+int tl_scope_value();            // the innermost scope's width (0: none)
+void set_tl_scope(int n);
 
 // Per-thread scratch that grows to a high-water mark and is then reused (no allocation
 // in steady state); slot separates buffers used at the same time.

@@ -218,7 +218,9 @@ void copy(const Tensor& src, Tensor& dst) {
   if (nd == 0 || src.numel() == 0) return;
   const int64_t inner = src.shape(nd - 1);
   const int64_t outer = src.numel() / inner;
-  const bool runs = src.stride(nd - 1) == 1 && dst.stride(nd - 1) == 1;
+  const bool widen = src.dtype() != dst.dtype();  // BF16/F16 -> F32
+  const bool runs = !widen && src.stride(nd - 1) == 1 && dst.stride(nd - 1) == 1;
+  const size_t ds = dst.itemsize();
   const char* sb = static_cast<const char*>(src.data());
   char* db = static_cast<char*>(dst.data());
 #pragma omp parallel for schedule(static) num_threads(threads()) if (parallel_worth(src.numel()))
@@ -232,6 +234,11 @@ void copy(const Tensor& src, Tensor& dst) {
     }
     if (runs) {
       std::memcpy(db + doff * int64_t(es), sb + soff * int64_t(es), size_t(inner) * es);
+    } else if (widen) {
+      for (int64_t i = 0; i < inner; ++i) {
+        const float v = load_as_f32(sb + (soff + i * src.stride(nd - 1)) * int64_t(es), src.dtype());
+        std::memcpy(db + (doff + i * dst.stride(nd - 1)) * int64_t(ds), &v, 4);
+      }
     } else {
       for (int64_t i = 0; i < inner; ++i)
         std::memcpy(db + (doff + i * dst.stride(nd - 1)) * int64_t(es), sb + (soff + i * src.stride(nd - 1)) * int64_t(es),

@@ -23,10 +23,8 @@ int threads() {
 int num_threads() { return threads(); }
 void set_thread_default(int n) { tl_default = n > 0 ? n : 0; }
 
-ThreadScope::ThreadScope(int n) : prev_(tl_scope) {
-  if (n > 0) tl_scope = n;
-}
-ThreadScope::~ThreadScope() { tl_scope = prev_; }
+int tl_scope_value() { return tl_scope; }
+void set_tl_scope(int n) { tl_scope = n; }
 
 float* thread_scratch(int slot, size_t n) {
   thread_local std::vector<float> bufs[4];
@@ -43,3 +41,12 @@ int32_t* thread_iscratch(int slot, size_t n) {
 }
 
 }  // namespace dflash2::cpu
+
+namespace dflash2::ops {
+CpuThreadScope::CpuThreadScope(int n) : prev_(cpu::tl_scope_value()) {
+  if (n > 0) cpu::set_tl_scope(n);
+}
+CpuThreadScope::~CpuThreadScope() { cpu::set_tl_scope(prev_); }
+int cpu_cores() { return std::max(1, omp_get_num_procs()); }
+int cpu_max_threads() { return std::max(256, 4 * cpu_cores()); }
+}  // namespace dflash2::ops

@@ -1,0 +1,79 @@
+// One interface for every way of drafting: the target's MTP layer chained (mtp), and the
+// DFlash 1 / DFlash 2 block drafters (dflash, dflash2). The engine hands a drafter the
+// target features of newly committed positions (commit), asks it for a block per running
+// sequence (draft), and frees a sequence's state when it ends (release). Sequences are
+// identified by their slot (0 .. max_batch_size - 1).
+#pragma once
+#include <cstdint>
+#include <memory>
+#include <random>
+#include <string>
+#include <vector>
+
+#include "dflash2/tensor.h"
+
+namespace dflash2::runtime {
+
+enum class Method { AR, MTP, DFlash, DFlash2 };
+const char* method_name(Method m);
+// "ar" | "mtp" | "dflash" | "dflash2" (an InvalidArgument error otherwise).
+Method parse_method(const std::string& s);
+
+// Newly committed target positions of one slot: rows [row0, row0 + n) of the features
+// are positions pos0 .. pos0 + n - 1 (pos0 is the slot's committed length before them);
+// next[i] is the token that follows position pos0 + i (the MTP layer's input).
+struct CommitRows {
+  int slot = 0;
+  int64_t pos0 = 0, row0 = 0, n = 0;
+  const int32_t* next = nullptr;
+};
+// The target's outputs the rows refer to.
+struct Features {
+  Tensor taps;          // F32 [rows, n_taps * H] (DFlash)
+  Tensor final_hidden;  // F32 [rows, H] (MTP)
+};
+
+struct DraftJob {
+  int slot = 0;
+  int32_t anchor = 0;       // the last committed token (at the slot's committed length)
+  int64_t max_tokens = 0;   // draft at most this many (the room left before max_seq_len)
+  std::mt19937_64* rng = nullptr;
+};
+
+// A drafter's output for the jobs of one draft() call (row i = job i), in its fixed buffers.
+struct DraftResult {
+  Tensor tokens;             // I32 [rows, K]: job i's draft is the first len[i] entries of row[i]
+  std::vector<int64_t> len;  // per job (0: nothing drafted)
+  std::vector<int64_t> row;  // per job
+  Tensor cand, q;            // I32 / F32 [rows, K, top_k]: the selector's candidates and proposal
+  bool has_q = false;        // q holds the sampled proposal (else drafts are one-hot)
+};
+
+class Drafter {
+ public:
+  virtual ~Drafter() = default;
+  virtual int64_t draft_len() const = 0;  // K: tokens drafted per step at most
+  virtual std::vector<int64_t> tap_layers() const { return {}; }
+  virtual bool wants_final_hidden() const { return false; }
+  virtual void commit(const std::vector<CommitRows>& rows, const Features& f) = 0;
+  // temperature 0: greedy drafts; > 0 may sample (DFlash 2's selector records q).
+  virtual const DraftResult& draft(const std::vector<DraftJob>& jobs, float temperature) = 0;
+  virtual void release(int slot) = 0;
+};
+
+}  // namespace dflash2::runtime
+
+namespace dflash2 {
+class Checkpoint;
+}
+
+namespace dflash2::runtime {
+
+class Target;
+// The target's MTP layer chained to draft `draft_tokens` tokens per step.
+std::unique_ptr<Drafter> make_mtp_drafter(Target& target, int64_t draft_tokens);
+// A DFlash 1 / DFlash 2 drafter checkpoint for method dflash2 (needs DFlash 2) or dflash
+// (DFlash 1, or DFlash 2 with the selector off: an ablation).
+std::unique_ptr<Drafter> make_dflash_drafter(const Checkpoint& ck, Target& target, Method method);
+
+}  // namespace dflash2::runtime

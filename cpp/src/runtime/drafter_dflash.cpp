@@ -1,0 +1,159 @@
+// The DFlash 1 / DFlash 2 block drafters behind the Drafter interface: the draft context
+// cache (one KvCache), the planner for context appends and draft blocks, and the fixed
+// output buffers.
+#include <algorithm>
+#include <cstring>
+
+#include "dflash2/error.h"
+#include "dflash2/safetensors.h"
+#include "model/dflash_drafter.h"
+#include "runtime/drafter.h"
+#include "runtime/target.h"
+
+namespace dflash2::runtime {
+
+const char* method_name(Method m) {
+  switch (m) {
+    case Method::AR: return "ar";
+    case Method::MTP: return "mtp";
+    case Method::DFlash: return "dflash";
+    case Method::DFlash2: return "dflash2";
+  }
+  return "?";
+}
+
+Method parse_method(const std::string& s) {
+  if (s == "ar") return Method::AR;
+  if (s == "mtp") return Method::MTP;
+  if (s == "dflash") return Method::DFlash;
+  if (s == "dflash2") return Method::DFlash2;
+  fail(ErrorKind::InvalidArgument, "unknown method '", s, "' (expected 'ar', 'mtp', 'dflash' or 'dflash2')");
+}
+
+namespace {
+
+class DFlashRunner final : public Drafter {
+ public:
+  DFlashRunner(std::unique_ptr<model::DFlashDrafter> m, Target& t) : m_(std::move(m)), t_(t) {
+    const auto& o = t.options();
+    const auto& c = m_->config();
+    const int64_t B = c.block_size, maxB = o.max_batch_size, H = c.hidden_size;
+    const int64_t nt = int64_t(c.target_layer_ids.size());
+    const int64_t bs = o.kv_block_size, per_seq = (o.max_seq_len + bs - 1) / bs;
+    cache_ = KvCache("draft KV cache", {{c.num_layers, 2 * m_->kv_dim()}}, bs, per_seq * maxB);
+    cache_.set_max_blocks_per_stream(per_seq);
+    for (int64_t l = 0; l < c.num_layers; ++l) kv_layers_.push_back(cache_.layer(0, l));
+    streams_.resize(size_t(maxB));
+    planner_ = StepPlanner(std::max(o.max_step_tokens, maxB * B), maxB, per_seq);
+    taps_ = Tensor::zeros(DType::F32, {o.max_step_tokens, nt * H});
+    idx_ = Tensor::zeros(DType::I32, {o.max_step_tokens});
+    ids_ = Tensor::zeros(DType::I32, {maxB * B});
+    uniforms_ = Tensor::zeros(DType::I64, {maxB, B - 1});
+    res_.tokens = Tensor::zeros(DType::I32, {maxB, B - 1});
+    if (m_->use_selector()) {
+      res_.cand = Tensor::zeros(DType::I32, {maxB, B - 1, c.selector_top_k});
+      res_.q = Tensor::zeros(DType::F32, {maxB, B - 1, c.selector_top_k});
+    }
+  }
+  int64_t draft_len() const override { return m_->block_size() - 1; }
+  std::vector<int64_t> tap_layers() const override { return m_->config().target_layer_ids; }
+
+  void commit(const std::vector<CommitRows>& rows, const Features& f) override {
+    std::vector<CacheStream*> streams;
+    std::vector<const int32_t*> none;
+    std::vector<int64_t> counts;
+    for (const CommitRows& r : rows) {
+      CacheStream& s = streams_[size_t(r.slot)];
+      if (s.length > r.pos0) cache_.truncate(s, r.pos0);
+      DFLASH2_INTERNAL(s.length == r.pos0, "draft context of slot ", r.slot, " has ", s.length,
+                       " tokens, commit starts at ", r.pos0);
+      streams.push_back(&s);
+      none.push_back(nullptr);
+      counts.push_back(r.n);
+    }
+    make_chunks(streams, none, counts, t_.options().max_step_tokens, chunks_);
+    for (const auto& ch : chunks_) {
+      host_idx_.clear();
+      for (const Piece& p : ch)
+        for (int64_t j = 0; j < p.n; ++j) host_idx_.push_back(int32_t(rows[size_t(p.seq)].row0 + p.offset + j));
+      const int64_t T = int64_t(host_idx_.size());
+      Tensor ix = idx_.slice(0, 0, T), taps = taps_.slice(0, 0, T);
+      ix.copy_from(Tensor::view(host_idx_.data(), DType::I32, {T}));
+      ops::gather_rows(f.taps, ix, taps);
+      model::TokenBatch b = planner_.plan(ch, cache_);
+      m_->append_context(b, taps, kv_layers_);
+      for (const Piece& p : ch) p.stream->length += p.n;
+    }
+  }
+
+  const DraftResult& draft(const std::vector<DraftJob>& jobs, float temperature) override {
+    const int64_t S = int64_t(jobs.size()), B = m_->block_size(), K = B - 1;
+    res_.len.assign(size_t(S), 0);
+    res_.row.assign(size_t(S), 0);
+    std::vector<CacheStream*>& streams = host_streams_;
+    streams.clear();
+    host_ids_.clear();
+    const bool sample = temperature > 0.0f && m_->use_selector();
+    for (int64_t i = 0; i < S; ++i) {
+      const DraftJob& j = jobs[size_t(i)];
+      if (j.max_tokens < K) continue;  // no room for a whole block before max_seq_len
+      const int64_t a = int64_t(streams.size());
+      res_.len[size_t(i)] = K;
+      res_.row[size_t(i)] = a;
+      streams.push_back(&streams_[size_t(j.slot)]);
+      host_ids_.push_back(j.anchor);
+      for (int64_t t = 1; t < B; ++t) host_ids_.push_back(int32_t(m_->config().mask_token_id));
+      if (sample) {
+        int64_t* u = uniforms_.data_as<int64_t>() + a * uniforms_.stride(0);
+        for (int64_t t = 0; t < K; ++t) {
+          const double v = std::uniform_real_distribution<double>(0.0, 1.0)(*j.rng);
+          std::memcpy(&u[t], &v, 8);
+        }
+      }
+    }
+    res_.has_q = sample;
+    const int64_t A = int64_t(streams.size());
+    if (A == 0) return res_;
+    model::TokenBatch b = planner_.plan_blocks(streams, B, cache_);
+    Tensor ids = ids_.slice(0, 0, A * B);
+    ids.copy_from(Tensor::view(host_ids_.data(), DType::I32, {A * B}));
+    b.tokens = ids;
+    model::DraftOutputs out;
+    out.tokens = res_.tokens.slice(0, 0, A);
+    if (res_.cand.defined()) out.cand = res_.cand.slice(0, 0, A);
+    if (sample) out.q = res_.q.slice(0, 0, A);
+    m_->draft(b, kv_layers_, sample ? temperature : 0.0f, sample ? uniforms_.slice(0, 0, A) : Tensor(), out);
+    return res_;
+  }
+
+  void release(int slot) override { cache_.release(streams_[size_t(slot)]); }
+
+ private:
+  std::unique_ptr<model::DFlashDrafter> m_;
+  Target& t_;
+  KvCache cache_;
+  std::vector<Tensor> kv_layers_;
+  std::vector<CacheStream> streams_;
+  StepPlanner planner_;
+  Tensor taps_, idx_, ids_, uniforms_;
+  std::vector<std::vector<Piece>> chunks_;
+  std::vector<int32_t> host_idx_, host_ids_;
+  std::vector<CacheStream*> host_streams_;
+  DraftResult res_;
+};
+
+}  // namespace
+
+std::unique_ptr<Drafter> make_dflash_drafter(const Checkpoint& ck, Target& target, Method method) {
+  const auto& o = target.options();
+  auto m = model::DFlashDrafter::load(ck, target.config(), target.model().embed_tokens(), target.model().lm_head(),
+                                      o.max_step_tokens, o.max_batch_size);
+  // dflash2 needs a DFlash 2 checkpoint; dflash runs DFlash 1 checkpoints, and DFlash 2
+  // ones with their convs but the selector off (argmax per position: an ablation).
+  DFLASH2_CHECK(m->config().v2 || method == Method::DFlash, ErrorKind::Config, "method 'dflash2' but the drafter ",
+                ck.path(), " is a DFlashDraftModel (no convs, no candidate selector): use method='dflash'");
+  m->set_use_selector(method == Method::DFlash2);
+  return std::make_unique<DFlashRunner>(std::move(m), target);
+}
+
+}  // namespace dflash2::runtime

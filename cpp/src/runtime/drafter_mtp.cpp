@@ -1,0 +1,149 @@
+// Drafting with the target's MTP layer, chained: the layer predicts position t+2 from the
+// main model's final hidden state at t and the token at t+1; its own output hidden state
+// is fed back to draft further tokens. After each verify step the layer's cache is rolled
+// back to the committed length and re-extended over the committed tokens.
+#include <algorithm>
+
+#include "dflash2/error.h"
+#include "runtime/drafter.h"
+#include "runtime/target.h"
+
+namespace dflash2::runtime {
+
+namespace {
+
+class MtpDrafter final : public Drafter {
+ public:
+  MtpDrafter(Target& t, int64_t K) : t_(t), K_(K) {
+    const auto& o = t.options();
+    const int64_t V = t.config().vocab_size, H = t.config().hidden_size, B = o.max_batch_size;
+    const int64_t rows = o.max_step_tokens;
+    streams_.resize(size_t(B));
+    last_logits_ = Tensor::zeros(DType::F32, {B, V});
+    last_hidden_ = Tensor::zeros(DType::F32, {B, H});
+    chain_hidden_ = Tensor::zeros(DType::F32, {B, H});
+    hm_ = Tensor::zeros(DType::F32, {rows, H});
+    idx_ = Tensor::zeros(DType::I32, {rows});
+    out_logits_ = Tensor::zeros(DType::F32, {rows, V});
+    out_hidden_ = Tensor::zeros(DType::F32, {rows, H});
+    res_.tokens = Tensor::zeros(DType::I32, {B, K});
+  }
+  int64_t draft_len() const override { return K_; }
+  bool wants_final_hidden() const override { return true; }
+
+  void commit(const std::vector<CommitRows>& rows, const Features& f) override {
+    std::vector<CacheStream*> streams;
+    std::vector<const int32_t*> next;
+    std::vector<int64_t> counts;
+    for (const CommitRows& r : rows) {
+      CacheStream& s = streams_[size_t(r.slot)];
+      t_.mtp_cache().truncate(s, r.pos0);  // drop what drafting appended
+      streams.push_back(&s);
+      next.push_back(r.next);
+      counts.push_back(r.n);
+    }
+    make_chunks(streams, next, counts, t_.options().max_step_tokens, chunks_);
+    for (const auto& ch : chunks_) {
+      // h_main: the committed rows of the target's final hidden states, in chunk order
+      std::vector<int32_t>& idx = host_idx_;
+      idx.clear();
+      for (const Piece& p : ch)
+        for (int64_t j = 0; j < p.n; ++j) idx.push_back(int32_t(rows[size_t(p.seq)].row0 + p.offset + j));
+      const int64_t T = int64_t(idx.size());
+      Tensor ix = idx_.slice(0, 0, T), hm = hm_.slice(0, 0, T);
+      ix.copy_from(Tensor::view(idx.data(), DType::I32, {T}));
+      ops::gather_rows(f.final_hidden, ix, hm);
+      int64_t R = 0;
+      for (const Piece& p : ch) R += p.last ? 1 : 0;
+      Tensor lg = out_logits_.slice(0, 0, R), hd = out_hidden_.slice(0, 0, R);
+      t_.mtp_chunk(ch, hm, lg, hd);
+      int64_t r = 0;
+      for (const Piece& p : ch) {
+        if (!p.last) continue;
+        const int64_t slot = rows[size_t(p.seq)].slot;
+        Tensor dl = last_logits_.slice(0, slot, slot + 1), dh = last_hidden_.slice(0, slot, slot + 1);
+        ops::copy(lg.slice(0, r, r + 1), dl);
+        ops::copy(hd.slice(0, r, r + 1), dh);
+        ++r;
+      }
+    }
+  }
+
+  const DraftResult& draft(const std::vector<DraftJob>& jobs, float /*temperature: MTP drafts greedily*/) override {
+    const int64_t S = int64_t(jobs.size());
+    res_.len.assign(size_t(S), 0);
+    res_.row.resize(size_t(S));
+    res_.has_q = false;
+    int64_t longest = 0;
+    for (int64_t i = 0; i < S; ++i) {
+      res_.row[size_t(i)] = i;
+      res_.len[size_t(i)] = std::max<int64_t>(0, std::min(K_, jobs[size_t(i)].max_tokens));
+      longest = std::max(longest, res_.len[size_t(i)]);
+    }
+    // position 0: the layer's prediction kept at the last commit
+    for (int64_t i = 0; i < S; ++i) {
+      if (res_.len[size_t(i)] == 0) continue;
+      const int64_t slot = jobs[size_t(i)].slot;
+      Tensor tok = res_.tokens.select(1, 0).slice(0, i, i + 1);
+      ops::argmax(last_logits_.slice(0, slot, slot + 1), tok);
+    }
+    // positions 1..: feed the previous token and the layer's own hidden state back
+    for (int64_t j = 1; j < longest; ++j) {
+      std::vector<CacheStream*> streams;
+      std::vector<const int32_t*> toks;
+      std::vector<int64_t> counts, who;
+      for (int64_t i = 0; i < S; ++i) {
+        if (res_.len[size_t(i)] <= j) continue;
+        streams.push_back(&streams_[size_t(jobs[size_t(i)].slot)]);
+        toks.push_back(res_.tokens.data_as<int32_t>() + i * res_.tokens.stride(0) + (j - 1));
+        counts.push_back(1);
+        who.push_back(i);
+      }
+      make_chunks(streams, toks, counts, t_.options().max_step_tokens, chunks_);
+      for (const auto& ch : chunks_) {
+        const int64_t T = int64_t(ch.size());
+        for (int64_t a = 0; a < T; ++a) {
+          const int64_t i = who[size_t(ch[size_t(a)].seq)];
+          const int64_t slot = jobs[size_t(i)].slot;
+          Tensor src = j == 1 ? last_hidden_.slice(0, slot, slot + 1) : chain_hidden_.slice(0, i, i + 1);
+          Tensor dst = hm_.slice(0, a, a + 1);
+          ops::copy(src, dst);
+        }
+        Tensor hm = hm_.slice(0, 0, T), lg = out_logits_.slice(0, 0, T), hd = out_hidden_.slice(0, 0, T);
+        t_.mtp_chunk(ch, hm, lg, hd);
+        for (int64_t a = 0; a < T; ++a) {
+          const int64_t i = who[size_t(ch[size_t(a)].seq)];
+          Tensor dst = chain_hidden_.slice(0, i, i + 1);
+          ops::copy(hd.slice(0, a, a + 1), dst);
+          Tensor tok = res_.tokens.select(1, j).slice(0, i, i + 1);
+          ops::argmax(lg.slice(0, a, a + 1), tok);
+        }
+      }
+    }
+    return res_;
+  }
+
+  void release(int slot) override { t_.mtp_cache().release(streams_[size_t(slot)]); }
+
+ private:
+  Target& t_;
+  int64_t K_;
+  std::vector<CacheStream> streams_;  // per slot
+  Tensor last_logits_, last_hidden_;  // per slot: what predicts the next position
+  Tensor chain_hidden_;               // per job: the chain's running hidden state
+  Tensor hm_, idx_, out_logits_, out_hidden_;
+  std::vector<std::vector<Piece>> chunks_;
+  std::vector<int32_t> host_idx_;
+  DraftResult res_;
+};
+
+}  // namespace
+
+std::unique_ptr<Drafter> make_mtp_drafter(Target& target, int64_t draft_tokens) {
+  DFLASH2_CHECK(target.model().has_mtp(), ErrorKind::Config,
+                "method 'mtp' but the target has no MTP layer (num_nextn_predict_layers = 0)");
+  DFLASH2_CHECK_ARG(draft_tokens >= 1, "mtp_draft_tokens must be >= 1, found ", draft_tokens);
+  return std::make_unique<MtpDrafter>(target, draft_tokens);
+}
+
+}  // namespace dflash2::runtime

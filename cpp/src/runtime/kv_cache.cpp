@@ -1,0 +1,50 @@
+#include "runtime/kv_cache.h"
+
+#include "dflash2/error.h"
+
+namespace dflash2::runtime {
+
+KvCache::KvCache(std::string name, const std::vector<Plane>& planes, int64_t block_size, int64_t num_blocks,
+                 Device dev)
+    : name_(std::move(name)), block_size_(block_size), num_blocks_(num_blocks), max_blocks_per_stream_(num_blocks) {
+  DFLASH2_CHECK_ARG(block_size >= 1 && num_blocks >= 1, name_, ": block_size and num_blocks must be >= 1");
+  for (const Plane& p : planes)
+    planes_.push_back(p.layers > 0 ? Tensor::zeros(DType::F32, {p.layers, num_blocks * block_size, p.dim}, dev)
+                                   : Tensor());
+  free_.reserve(size_t(num_blocks));
+  for (int64_t b = num_blocks - 1; b >= 0; --b) free_.push_back(int32_t(b));
+}
+
+Tensor KvCache::layer(size_t plane, int64_t layer) const {
+  DFLASH2_INTERNAL(plane < planes_.size() && planes_[plane].defined() && layer >= 0 && layer < planes_[plane].shape(0),
+                   name_, ": no plane ", plane, " layer ", layer);
+  return planes_[plane].select(0, layer);
+}
+
+void KvCache::reserve(CacheStream& s, int64_t new_len) {
+  const int64_t need = (new_len + block_size_ - 1) / block_size_;
+  DFLASH2_CHECK_ARG(need <= max_blocks_per_stream_, name_, ": a sequence of ", new_len, " tokens needs ", need,
+                    " blocks of ", block_size_, " but a sequence may hold at most ", max_blocks_per_stream_);
+  const int64_t more = need - int64_t(s.blocks.size());
+  if (more <= 0) return;
+  if (more > int64_t(free_.size()))
+    fail(ErrorKind::OutOfMemory, name_, " is full: ", more, " more blocks of ", block_size_, " tokens are needed but ",
+         free_.size(), " of ", num_blocks_, " are free (raise max_batch_size or max_seq_len)");
+  for (int64_t i = 0; i < more; ++i) {
+    s.blocks.push_back(free_.back());
+    free_.pop_back();
+  }
+}
+
+void KvCache::truncate(CacheStream& s, int64_t length) {
+  DFLASH2_CHECK_ARG(length >= 0 && length <= s.length, name_, ": rollback to length ", length,
+                    " but the sequence has ", s.length, " tokens");
+  const int64_t keep = (length + block_size_ - 1) / block_size_;
+  while (int64_t(s.blocks.size()) > keep) {
+    free_.push_back(s.blocks.back());
+    s.blocks.pop_back();
+  }
+  s.length = length;
+}
+
+}  // namespace dflash2::runtime

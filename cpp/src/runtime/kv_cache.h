@@ -1,0 +1,57 @@
+// The one KV-cache module: a pool of fixed-size blocks with a free list, per-sequence
+// block tables, and any number of cache "planes" (tensors [layers, num_blocks * block_size,
+// dim]) indexed by the same block ids. It serves the target's MLA latent + indexer-key
+// caches, the MTP layer's caches and the DFlash drafter's context K/V alike.
+#pragma once
+#include <cstdint>
+#include <string>
+#include <vector>
+
+#include "dflash2/tensor.h"
+
+namespace dflash2::runtime {
+
+// One sequence's stream of tokens in a KvCache: its block table and committed length.
+struct CacheStream {
+  std::vector<int32_t> blocks;
+  int64_t length = 0;
+};
+
+class KvCache {
+ public:
+  struct Plane {
+    int64_t layers = 0;  // cache layers in this plane
+    int64_t dim = 0;     // floats per token per layer
+  };
+  KvCache() = default;
+  // All memory is allocated here, once (zeroed); name is used in messages.
+  KvCache(std::string name, const std::vector<Plane>& planes, int64_t block_size, int64_t num_blocks,
+          Device dev = Device::cpu());
+
+  const std::string& name() const { return name_; }
+  int64_t block_size() const { return block_size_; }
+  int64_t num_blocks() const { return num_blocks_; }
+  int64_t free_blocks() const { return int64_t(free_.size()); }
+  int64_t max_blocks_per_stream() const { return max_blocks_per_stream_; }
+  void set_max_blocks_per_stream(int64_t n) { max_blocks_per_stream_ = n; }
+  // The cache rows of one layer of a plane: F32 [num_blocks * block_size, dim].
+  Tensor layer(size_t plane, int64_t layer) const;
+  // Blocks for positions < new_len (OutOfMemory when the pool is exhausted: nothing is
+  // taken then); the stream's length is not changed.
+  void reserve(CacheStream& s, int64_t new_len);
+  // Rolls the stream back to `length` tokens, returning whole blocks past it to the pool.
+  void truncate(CacheStream& s, int64_t length);
+  void release(CacheStream& s) { truncate(s, 0); }
+  // Cache row of position p of the stream.
+  int64_t slot(const CacheStream& s, int64_t p) const {
+    return int64_t(s.blocks[size_t(p / block_size_)]) * block_size_ + p % block_size_;
+  }
+
+ private:
+  std::string name_;
+  int64_t block_size_ = 0, num_blocks_ = 0, max_blocks_per_stream_ = 0;
+  std::vector<Tensor> planes_;  // [layers, rows, dim]
+  std::vector<int32_t> free_;
+};
+
+}  // namespace dflash2::runtime

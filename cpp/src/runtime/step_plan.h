@@ -1,0 +1,49 @@
+// Plan on the host, run from fixed buffers: the planner turns "these sequences get these
+// new tokens" into the I32 tensors a forward chunk reads (token ids, positions, the
+// block-table row of each token, cache slots, block tables, logit rows), reserving cache
+// blocks for the new positions. Its buffers are allocated once, for the largest step.
+#pragma once
+#include <cstdint>
+#include <vector>
+
+#include "model/token_batch.h"
+#include "runtime/kv_cache.h"
+
+namespace dflash2::runtime {
+
+// Part of one sequence's new tokens inside a chunk.
+struct Piece {
+  CacheStream* stream = nullptr;
+  const int32_t* tokens = nullptr;  // n token ids (may be null for plans without ids)
+  int64_t n = 0;
+  int64_t seq = 0;     // index of the sequence in the caller's list
+  int64_t offset = 0;  // of the piece within the sequence's new tokens
+  bool last = false;   // holds the sequence's last new token
+};
+
+// Splits the new tokens of `n_seqs` sequences (counts[i] tokens each, streams[i]) into
+// chunks of at most max_tokens tokens; a sequence may continue in the next chunk.
+void make_chunks(const std::vector<CacheStream*>& streams, const std::vector<const int32_t*>& tokens,
+                 const std::vector<int64_t>& counts, int64_t max_tokens, std::vector<std::vector<Piece>>& chunks);
+
+class StepPlanner {
+ public:
+  StepPlanner() = default;
+  StepPlanner(int64_t max_tokens, int64_t max_seqs, int64_t max_blocks_per_seq, Device dev = Device::cpu());
+  int64_t max_tokens() const { return max_tokens_; }
+  int64_t max_seqs() const { return max_seqs_; }
+  // One chunk: positions continue each stream at stream->length; the cache gets blocks for
+  // them (the caller advances stream->length after the forward). logit_rows lists, in
+  // order, the row of each piece's last token when it is the sequence's last (`last`).
+  // all_rows: every row gets logits instead.
+  model::TokenBatch plan(const std::vector<Piece>& pieces, KvCache& cache, bool all_rows = false);
+  // A batch without new cache positions: S sequences of `per_seq` tokens each at positions
+  // stream->length + j (the drafter's block), block tables only.
+  model::TokenBatch plan_blocks(const std::vector<CacheStream*>& streams, int64_t per_seq, const KvCache& cache);
+
+ private:
+  int64_t max_tokens_ = 0, max_seqs_ = 0, max_blocks_ = 0;
+  Tensor tokens_, seq_, pos_, slots_, block_table_, logit_rows_, ctx_len_;
+};
+
+}  // namespace dflash2::runtime
