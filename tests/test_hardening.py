@@ -178,6 +178,13 @@ def test_bad_token_ids_are_invalid_argument(eng, fn, ids):
             getattr(eng, fn)(ids)
 
 
+def test_too_long_prompt_is_reported_before_its_ids(eng):
+    with pytest.raises(E, match="max_seq_len"):
+        eng.generate([[2 ** 70] * 300], max_new_tokens=2)
+    with pytest.raises(E, match="max_seq_len"):
+        eng.stream([1] * 256, max_new_tokens=2)
+
+
 @pytest.mark.parametrize("seed", BAD_SEEDS, ids=repr)
 def test_bad_seeds_are_invalid_argument(eng, seed):
     with pytest.raises(E, match="seed"):

@@ -132,9 +132,11 @@ def _check_seed(where: str, seed) -> Optional[int]:
     return s
 
 
-def _token_list(where: str, ids, vocab_size: int) -> list:
+def _token_list(where: str, ids, vocab_size: int, max_len: Optional[int] = None) -> list:
     """A list of Python ints in [0, vocab_size) from an iterable of integers (numpy arrays
-    included); anything else is an InvalidArgumentError naming `where` and the position."""
+    included); anything else is an InvalidArgumentError naming `where` and the position.
+    With max_len, a list of max_len or more ids is refused first (as the engine does: the
+    prompt plus at least one generated token must fit)."""
     if isinstance(ids, (str, bytes, bytearray, memoryview)):
         raise _core.InvalidArgumentError(
             f"{where}: expected a list of token ids, found {type(ids).__name__} (text prompts are str)")
@@ -142,25 +144,24 @@ def _token_list(where: str, ids, vocab_size: int) -> list:
         if ids.ndim != 1 or ids.dtype.kind not in "iu":
             raise _core.InvalidArgumentError(
                 f"{where}: expected a 1-D integer array of token ids, found a {ids.ndim}-D {ids.dtype} array")
-        if ids.size and (int(ids.min()) < 0 or int(ids.max()) >= vocab_size):
-            j = int(np.flatnonzero((ids < 0) | (ids >= vocab_size))[0])
-            raise _core.InvalidArgumentError(
-                f"{where}: token {j} = {int(ids[j])} is outside the vocabulary [0, {vocab_size})")
-        return ids.tolist()
-    try:
-        it = iter(ids)
-    except TypeError:
+        out = ids.tolist()
+    else:
+        try:
+            it = iter(ids)
+        except TypeError:
+            raise _core.InvalidArgumentError(f"{where}: expected a list of token ids, found {_short(ids)}") from None
+        out = []
+        for j, v in enumerate(it):
+            if not _is_int(v):
+                raise _core.InvalidArgumentError(f"{where}: token {j} must be an integer token id, found {_short(v)}")
+            out.append(operator.index(v))
+    if max_len is not None and len(out) >= max_len:
         raise _core.InvalidArgumentError(
-            f"{where}: expected a list of token ids, found {_short(ids)}") from None
-    out = []
-    for j, v in enumerate(it):
-        if not _is_int(v):
-            raise _core.InvalidArgumentError(
-                f"{where}: token {j} must be an integer token id, found {_short(v)}")
-        t = operator.index(v)
+            f"{where} has {len(out)} tokens; max_seq_len is {max_len} (the prompt plus at least one generated "
+            "token must fit)")
+    for j, t in enumerate(out):
         if not 0 <= t < vocab_size:
             raise _core.InvalidArgumentError(f"{where}: token {j} = {t} is outside the vocabulary [0, {vocab_size})")
-        out.append(t)
     return out
 
 
@@ -234,12 +235,12 @@ class Engine:
             raise _core.InvalidArgumentError(f"{self.target} has no tokenizer.json to decode with")
         return self.tokenizer.decode(list(token_ids))
 
-    def _ids(self, prompt, where: str) -> list:
+    def _ids(self, prompt, where: str, max_len: Optional[int] = None) -> list:
         """A prompt (a string when the target has a tokenizer.json, or token ids) as a list of
         ints in [0, vocab_size); InvalidArgumentError otherwise."""
         if isinstance(prompt, str):
             return self.encode(prompt)
-        return _token_list(where, prompt, self.vocab_size)
+        return _token_list(where, prompt, self.vocab_size, max_len)
 
     def _request(self, where: str, max_new_tokens, temperature, top_p, top_k, seed, stop_token_ids) -> tuple:
         """The sampling arguments checked for type and range (the engine checks the rest)."""
@@ -268,7 +269,7 @@ class Engine:
         except TypeError:
             raise _core.InvalidArgumentError(
                 f"generate: 'prompts' must be a list of prompts, found {type(prompts).__name__}") from None
-        ids = [self._ids(p, f"generate: prompt {i}") for i, p in enumerate(prompts)]
+        ids = [self._ids(p, f"generate: prompt {i}", self.max_seq_len) for i, p in enumerate(prompts)]
         req = self._request("generate", max_new_tokens, temperature, top_p, top_k, seed, stop_token_ids)
         raw = self._e.generate(ids, *req)
         return [self._result(r) for r in raw]
@@ -292,7 +293,7 @@ class Engine:
         first token; errors of the generation are raised in the caller's thread.
         on_result, when given, is called once with the GenerationResult of this same
         generation (finish_reason, text, stats) after the last token has been yielded."""
-        ids = self._ids(prompt, "stream: prompt")
+        ids = self._ids(prompt, "stream: prompt", self.max_seq_len)
         req = self._request("stream", max_new_tokens, temperature, top_p, top_k, seed, stop_token_ids)
         if on_result is not None and not callable(on_result):
             raise _core.InvalidArgumentError(f"stream: on_result must be callable, found {type(on_result).__name__}")
