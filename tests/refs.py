@@ -1,4 +1,6 @@
 """Plain numpy/torch reference implementations used by the op harness (float64)."""
+import math
+
 import numpy as np
 import torch
 
@@ -78,10 +80,22 @@ def layer_norm(x, w, b, eps):
 
 
 def rope(x, pos, theta, style):
-    """x [T, H, D] -> rotated copy; angles computed in float32 as transformers does."""
+    """x [T, H, D] -> rotated copy; angles computed in float32 as transformers does.
+
+    inv_freq is the float32 value of 1 / theta^(2i/D) with the exponent formed in float32
+    (an exactly rounded division) and the power taken in float64 (scalar math.pow, no numpy
+    SIMD), then rounded to float32:
+    the correctly rounded powf result, which glibc's powf (the runtime's std::pow) gives
+    for these exponents. numpy's own float32 power is not used: its SIMD paths differ by
+    host (AVX-512 builds use another implementation), and a 1-ulp change of inv_freq moves
+    the float32 angle pos * inv_freq by up to pos * 2^-24 rad (NMSE ~1e-9 at pos ~ 5000).
+    """
     t, h, d = x.shape
     half = d // 2
-    inv = (1.0 / (np.float32(theta) ** (np.arange(0, d, 2, dtype=np.int64).astype(np.float32) / np.float32(d)))).astype(np.float32)
+    expo = np.arange(0, d, 2, dtype=np.int64).astype(np.float32) / np.float32(d)  # float32, as transformers
+    base = float(np.float32(theta))
+    power = np.array([math.pow(base, float(e)) for e in expo], np.float64).astype(np.float32)  # scalar libm pow
+    inv = (np.float32(1.0) / power).astype(np.float32)  # float32 division (exactly rounded)
     ang = (pos.astype(np.float32)[:, None] * inv[None, :]).astype(np.float64)  # [T, half]
     c, s = np.cos(ang)[:, None, :], np.sin(ang)[:, None, :]
     x = x.astype(np.float64)

@@ -3,6 +3,8 @@
 // (ValueError, NotImplementedError, RuntimeError, MemoryError).
 #include <pybind11/pybind11.h>
 
+#include <new>
+
 #include "bindings.h"
 #include "dflash2/error.h"
 
@@ -45,6 +47,12 @@ PYBIND11_MODULE(_core, m) {
       if (p) std::rethrow_exception(p);
     } catch (const dflash2::Error& e) {
       PyErr_SetString(g_exc[int(e.kind())], e.what());
+    } catch (const std::bad_alloc&) {
+      // An allocation of the standard library (a std::vector, a std::string) that failed:
+      // the same typed error as an arena or device allocation, still a MemoryError. The
+      // message is a literal: building one could fail again.
+      PyErr_SetString(g_exc[int(ErrorKind::OutOfMemory)],
+                      "out of host memory: an allocation of the native core failed (std::bad_alloc)");
     }
   });
   dflash2::py_bind::bind_core(m);

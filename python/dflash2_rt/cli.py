@@ -40,6 +40,24 @@ def human_count(n: int) -> str:
     return _human(n, ["", "K", "M", "B", "T"], 1000.0)
 
 
+def printable(s: str) -> str:
+    """`s` safe to print on a terminal: backslashes, control characters (ESC, newlines, ...)
+    and other non-printable characters (format characters such as U+202E, unassigned code
+    points, lone surrogates) escaped as \\, \\n, \\x1b, \\u202e; printable text unchanged."""
+    out = []
+    for ch in s:
+        if ch == "\\":
+            out.append("\\\\")
+        elif ch.isprintable():
+            out.append(ch)
+        elif ch in "\n\r\t":
+            out.append({"\n": "\\n", "\r": "\\r", "\t": "\\t"}[ch])
+        else:
+            o = ord(ch)
+            out.append(f"\\x{o:02x}" if o < 0x100 else f"\\u{o:04x}" if o < 0x10000 else f"\\U{o:08x}")
+    return "".join(out)
+
+
 def _numel(shape: Sequence[int]) -> int:
     n = 1
     for d in shape:
@@ -79,7 +97,7 @@ def _run_inspect(args: argparse.Namespace) -> int:
         rows = [("name", "dtype", "shape", "file")]
         for name, info in tensors.items():
             shape = "[" + ", ".join(str(d) for d in info["shape"]) + "]"
-            rows.append((name, info["dtype"], shape, info["file"]))
+            rows.append((printable(name), printable(info["dtype"]), shape, printable(info["file"])))
         widths = [max(len(r[i]) for r in rows) for i in range(3)]
         for r in rows:
             print(f"{r[0]:<{widths[0]}}  {r[1]:<{widths[1]}}  {r[2]:<{widths[2]}}  {r[3]}")
@@ -89,7 +107,7 @@ def _run_inspect(args: argparse.Namespace) -> int:
     print(f"parameters: {params:,} ({human_count(params)})")
     print(f"bytes:      {total_bytes:,} ({human_bytes(total_bytes)})")
     for dt in sorted(per_dtype):
-        print(f"  {dt + ':':<9} {per_dtype[dt]:,} ({human_bytes(per_dtype[dt])})")
+        print(f"  {printable(dt) + ':':<9} {per_dtype[dt]:,} ({human_bytes(per_dtype[dt])})")
     return 0
 
 
@@ -135,7 +153,7 @@ def _generate_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--temperature", type=float, default=0.0)
     p.add_argument("--top-p", type=float, default=1.0)
     p.add_argument("--top-k", type=int, default=0)
-    p.add_argument("--seed", type=int, default=None)
+    p.add_argument("--seed", type=int, default=None, help="sampling seed, an integer in [0, 2**63)")
     p.add_argument("--max-seq-len", type=int, default=4096)
     p.add_argument("--stream", action="store_true", help="print tokens as they are committed")
     p.add_argument("--json", action="store_true", help="print the result as JSON")
@@ -146,6 +164,9 @@ def _run_generate(args: argparse.Namespace) -> int:
 
     from .engine import Engine
 
+    if args.seed is not None and not 0 <= args.seed < 2 ** 63:
+        print(f"error: --seed must be an integer in [0, 2**63), found {args.seed}", file=sys.stderr)
+        return 2
     method = args.method or ("dflash2" if args.draft or args.target is None else "ar")
     t0 = time.perf_counter()
     print(f"loading {args.target or 'the bundled default pair'}" + (f" + {args.draft}" if args.draft else "") +
@@ -163,11 +184,15 @@ def _run_generate(args: argparse.Namespace) -> int:
     kw = dict(max_new_tokens=args.max_new_tokens, temperature=args.temperature, top_p=args.top_p,
               top_k=args.top_k, seed=args.seed)
     if args.stream and not args.json:
-        for tok in eng.stream(prompt, **kw):
+        # One generation: the tokens are printed as they come and the stats are this run's.
+        box: dict = {}
+        for tok in eng.stream(prompt, on_result=lambda res: box.setdefault("result", res), **kw):
             piece = eng.decode([tok]) if eng.tokenizer is not None else f"{tok} "
             print(piece, end="", flush=True)
         print()
-    r = eng.generate([prompt], **kw)[0]
+        r = box["result"]
+    else:
+        r = eng.generate([prompt], **kw)[0]
     st = r.stats
     if args.json:
         print(json.dumps({"token_ids": r.token_ids, "text": r.text, "finish_reason": r.finish_reason, "stats": st}, indent=1))

@@ -13,10 +13,14 @@ target's distribution (rejection sampling with the drafter's proposal).
 from __future__ import annotations
 
 import json
+import math
+import numbers
+import operator
 import os
 import queue
+import stat
 import threading
-from typing import Iterable, Iterator, Optional, Sequence as Seq
+from typing import Callable, Iterable, Iterator, Optional, Sequence as Seq
 
 import numpy as np
 
@@ -39,14 +43,126 @@ class GenerationResult:
 
 
 def _load_tokenizer(target):
-    path = os.path.join(os.fspath(target), "tokenizer.json") if os.path.isdir(os.fspath(target)) else None
-    if not path or not os.path.exists(path):
+    """The target's tokenizer.json, or None when the target directory has none. A
+    tokenizer.json that is not a readable regular file or does not parse raises
+    CheckpointError naming it (a FIFO or a device is refused, never read)."""
+    target = os.fspath(target)
+    if not os.path.isdir(target):
         return None
+    path = os.path.join(target, "tokenizer.json")
+    if not os.path.lexists(path):
+        return None
+    try:
+        st = os.stat(path)
+    except OSError as e:  # a dangling symlink, a symlink loop, no permission on the directory
+        raise _core.CheckpointError(f"cannot read tokenizer '{path}': {e.strerror or e}") from None
+    if stat.S_ISDIR(st.st_mode):
+        raise _core.CheckpointError(f"cannot read tokenizer '{path}': it is a directory, expected a tokenizer.json file")
+    if not stat.S_ISREG(st.st_mode):
+        raise _core.CheckpointError(f"cannot read tokenizer '{path}': not a regular file (a FIFO, socket or device), "
+                                    "expected a tokenizer.json file")
     try:
         import tokenizers
     except ImportError as e:  # pragma: no cover - depends on the environment
         raise UnsupportedError(f"{path} exists but the 'tokenizers' package is not installed: pip install tokenizers") from e
-    return tokenizers.Tokenizer.from_file(path)
+    try:
+        with open(path, "rb"):  # a readable file: permission errors get their own message
+            pass
+    except OSError as e:
+        raise _core.CheckpointError(f"cannot read tokenizer '{path}': {e.strerror or e}") from None
+    try:
+        return tokenizers.Tokenizer.from_file(path)
+    except Exception as e:  # noqa: BLE001 - the tokenizers package raises a plain Exception
+        msg = " ".join(str(e).split())
+        if len(msg) > 300:
+            msg = msg[:297] + "..."
+        raise _core.CheckpointError(f"cannot load tokenizer '{path}': {msg}") from None
+
+
+_I64_MAX = 2 ** 63 - 1
+
+
+def _short(v) -> str:
+    """type and repr of a bad value for a message, shortened."""
+    r = repr(v)
+    return f"{type(v).__name__} {r if len(r) <= 60 else r[:57] + '...'}"
+
+
+def _is_int(v) -> bool:
+    """An integer that is not a bool (Python int, numpy integer, or anything with
+    __index__ except bool / numpy.bool_)."""
+    if isinstance(v, (bool, np.bool_)):
+        return False
+    if isinstance(v, numbers.Integral):
+        return True
+    try:
+        operator.index(v)
+    except TypeError:
+        return False
+    return True
+
+
+def _check_int(where: str, name: str, v, lo: int = -_I64_MAX - 1, hi: int = _I64_MAX) -> int:
+    if not _is_int(v):
+        raise _core.InvalidArgumentError(f"{where}: {name} must be an integer, found {_short(v)}")
+    v = operator.index(v)
+    if not lo <= v <= hi:
+        raise _core.InvalidArgumentError(f"{where}: {name} = {v} is out of range [{lo}, {hi}]")
+    return v
+
+
+def _check_real(where: str, name: str, v) -> float:
+    if isinstance(v, (bool, np.bool_)) or not isinstance(v, numbers.Real):
+        raise _core.InvalidArgumentError(f"{where}: {name} must be a number, found {_short(v)}")
+    f = float(v)
+    if not math.isfinite(f):
+        raise _core.InvalidArgumentError(f"{where}: {name} must be finite, found {f}")
+    return f
+
+
+def _check_seed(where: str, seed) -> Optional[int]:
+    if seed is None:
+        return None
+    if not _is_int(seed):
+        raise _core.InvalidArgumentError(
+            f"{where}: seed must be None or an integer in [0, 2**63), found {_short(seed)}")
+    s = operator.index(seed)
+    if not 0 <= s <= _I64_MAX:
+        raise _core.InvalidArgumentError(f"{where}: seed must be None or an integer in [0, 2**63), found {s}")
+    return s
+
+
+def _token_list(where: str, ids, vocab_size: int, max_len: Optional[int] = None) -> list:
+    """A list of Python ints in [0, vocab_size) from an iterable of integers (numpy arrays
+    included); anything else is an InvalidArgumentError naming `where` and the position.
+    With max_len, a list of max_len or more ids is refused first (as the engine does: the
+    prompt plus at least one generated token must fit)."""
+    if isinstance(ids, (str, bytes, bytearray, memoryview)):
+        raise _core.InvalidArgumentError(
+            f"{where}: expected a list of token ids, found {type(ids).__name__} (text prompts are str)")
+    if isinstance(ids, np.ndarray):
+        if ids.ndim != 1 or ids.dtype.kind not in "iu":
+            raise _core.InvalidArgumentError(
+                f"{where}: expected a 1-D integer array of token ids, found a {ids.ndim}-D {ids.dtype} array")
+        out = ids.tolist()
+    else:
+        try:
+            it = iter(ids)
+        except TypeError:
+            raise _core.InvalidArgumentError(f"{where}: expected a list of token ids, found {_short(ids)}") from None
+        out = []
+        for j, v in enumerate(it):
+            if not _is_int(v):
+                raise _core.InvalidArgumentError(f"{where}: token {j} must be an integer token id, found {_short(v)}")
+            out.append(operator.index(v))
+    if max_len is not None and len(out) >= max_len:
+        raise _core.InvalidArgumentError(
+            f"{where} has {len(out)} tokens; max_seq_len is {max_len} (the prompt plus at least one generated "
+            "token must fit)")
+    for j, t in enumerate(out):
+        if not 0 <= t < vocab_size:
+            raise _core.InvalidArgumentError(f"{where}: token {j} = {t} is outside the vocabulary [0, {vocab_size})")
+    return out
 
 
 DEFAULT_PAIR_DIR = os.path.join(os.path.dirname(os.path.abspath(__file__)), "models", "default")
@@ -73,13 +189,21 @@ class Engine:
             if draft is None and method in ("dflash", "dflash2"):
                 draft = bundled_draft
         method = method or "ar"
+        for name, v in (("max_batch_size", max_batch_size), ("max_seq_len", max_seq_len),
+                        ("max_step_tokens", max_step_tokens), ("kv_block_size", kv_block_size),
+                        ("mtp_draft_tokens", mtp_draft_tokens)):
+            _check_int("Engine", name, v)
+        if num_threads is not None:
+            _check_int("Engine", "num_threads", num_threads, -2 ** 31, 2 ** 31 - 1)
+        # The tokenizer first: a broken tokenizer.json fails before the weights are loaded.
+        tokenizer = _load_tokenizer(target)
         self._e = _core.Engine(os.fspath(target), None if draft is None else os.fspath(draft), method, device,
                                max_batch_size, max_seq_len, max_step_tokens, kv_block_size, num_threads or 0,
                                mtp_draft_tokens)
         self.method = method
         self.device = device
         self.target = os.fspath(target)
-        self.tokenizer = _load_tokenizer(target)
+        self.tokenizer = tokenizer
         self.max_seq_len = max_seq_len
         self.max_batch_size = max_batch_size
 
@@ -98,7 +222,7 @@ class Engine:
 
     def logits(self, token_ids) -> np.ndarray:
         """float32 [n, vocab]: the logits at every position of `token_ids` (real prefill path)."""
-        return self._e.logits(self._ids(token_ids))
+        return self._e.logits(self._ids(token_ids, "logits: token_ids"))
 
     def encode(self, text: str) -> list:
         if self.tokenizer is None:
@@ -111,8 +235,24 @@ class Engine:
             raise _core.InvalidArgumentError(f"{self.target} has no tokenizer.json to decode with")
         return self.tokenizer.decode(list(token_ids))
 
-    def _ids(self, prompt) -> list:
-        return self.encode(prompt) if isinstance(prompt, str) else list(prompt)
+    def _ids(self, prompt, where: str, max_len: Optional[int] = None) -> list:
+        """A prompt (a string when the target has a tokenizer.json, or token ids) as a list of
+        ints in [0, vocab_size); InvalidArgumentError otherwise."""
+        if isinstance(prompt, str):
+            return self.encode(prompt)
+        return _token_list(where, prompt, self.vocab_size, max_len)
+
+    def _request(self, where: str, max_new_tokens, temperature, top_p, top_k, seed, stop_token_ids) -> tuple:
+        """The sampling arguments checked for type and range (the engine checks the rest)."""
+        stop = None
+        if stop_token_ids is not None:
+            stop = _token_list(f"{where}: stop_token_ids", stop_token_ids, self.vocab_size)
+        return (_check_int(where, "max_new_tokens", max_new_tokens), _check_real(where, "temperature", temperature),
+                _check_real(where, "top_p", top_p), _check_int(where, "top_k", top_k), _check_seed(where, seed), stop)
+
+    def _result(self, r) -> GenerationResult:
+        text = self.tokenizer.decode(list(r.token_ids)) if self.tokenizer is not None else None
+        return GenerationResult(list(r.token_ids), r.finish_reason, dict(r.stats), text)
 
     def generate(self, prompts, max_new_tokens: int = 16, temperature: float = 0.0,
                  top_p: float = 1.0, top_k: int = 0, seed: Optional[int] = None,
@@ -122,16 +262,17 @@ class Engine:
         GenerationResult per prompt. stop_token_ids=None uses the config's eos_token_id;
         [] disables stopping. seed makes sampling reproducible (request i draws from a
         stream derived from (seed, i))."""
-        if isinstance(prompts, (str, bytes)):
+        if isinstance(prompts, (str, bytes, bytearray, memoryview)):
             raise _core.InvalidArgumentError("generate: 'prompts' must be a list of prompts (token-id lists or strings)")
-        ids = [self._ids(p) for p in prompts]
-        raw = self._e.generate(ids, max_new_tokens, temperature, top_p, top_k, seed,
-                               None if stop_token_ids is None else list(stop_token_ids))
-        out = []
-        for r in raw:
-            text = self.tokenizer.decode(list(r.token_ids)) if self.tokenizer is not None else None
-            out.append(GenerationResult(list(r.token_ids), r.finish_reason, dict(r.stats), text))
-        return out
+        try:
+            prompts = list(prompts)
+        except TypeError:
+            raise _core.InvalidArgumentError(
+                f"generate: 'prompts' must be a list of prompts, found {type(prompts).__name__}") from None
+        ids = [self._ids(p, f"generate: prompt {i}", self.max_seq_len) for i, p in enumerate(prompts)]
+        req = self._request("generate", max_new_tokens, temperature, top_p, top_k, seed, stop_token_ids)
+        raw = self._e.generate(ids, *req)
+        return [self._result(r) for r in raw]
 
     @property
     def block_size(self) -> int:
@@ -142,23 +283,30 @@ class Engine:
         """One greedy draft block after a prefill of `token_ids`: .anchor (the target's greedy
         next token), .tokens (the drafted block_size - 1 tokens) and .candidates (the
         selector's top-k ids per drafted position; empty for DFlash 1 and MTP)."""
-        return self._e.propose(self._ids(token_ids))
+        return self._e.propose(self._ids(token_ids, "propose: token_ids"))
 
     def stream(self, prompt, max_new_tokens: int = 16, temperature: float = 0.0, top_p: float = 1.0,
-               top_k: int = 0, seed: Optional[int] = None,
-               stop_token_ids: Optional[Iterable[int]] = None) -> Iterator[int]:
+               top_k: int = 0, seed: Optional[int] = None, stop_token_ids: Optional[Iterable[int]] = None,
+               on_result: Optional[Callable[[GenerationResult], None]] = None) -> Iterator[int]:
         """Yields the generated token ids of one prompt as they are committed (several per
-        verify step with speculative methods). Errors are raised in the caller's thread."""
-        ids = self._ids(prompt)
+        verify step with speculative methods). The arguments are checked here, before the
+        first token; errors of the generation are raised in the caller's thread.
+        on_result, when given, is called once with the GenerationResult of this same
+        generation (finish_reason, text, stats) after the last token has been yielded."""
+        ids = self._ids(prompt, "stream: prompt", self.max_seq_len)
+        req = self._request("stream", max_new_tokens, temperature, top_p, top_k, seed, stop_token_ids)
+        if on_result is not None and not callable(on_result):
+            raise _core.InvalidArgumentError(f"stream: on_result must be callable, found {type(on_result).__name__}")
+        return self._stream(ids, req, on_result)
+
+    def _stream(self, ids: list, req: tuple, on_result) -> Iterator[int]:
         q: queue.Queue = queue.Queue()
         done = object()
         box = {}
 
         def run():
             try:
-                box["result"] = self._e.generate([ids], max_new_tokens, temperature, top_p, top_k, seed,
-                                                 None if stop_token_ids is None else list(stop_token_ids),
-                                                 lambda i, toks: q.put(list(toks)))
+                box["result"] = self._e.generate([ids], *req, lambda i, toks: q.put(list(toks)))
             except BaseException as e:  # noqa: BLE001 - re-raised below in the consumer
                 box["error"] = e
             finally:
@@ -174,6 +322,8 @@ class Engine:
         th.join()
         if "error" in box:
             raise box["error"]
+        if on_result is not None:
+            on_result(self._result(box["result"][0]))
 
     def new_sequence(self):
         """A sequence with its own KV caches, for step-level use: .extend(tokens, hidden_layers)

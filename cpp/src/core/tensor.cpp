@@ -51,9 +51,16 @@ void check_shape(const Tensor::Shape& shape) {
 
 Tensor Tensor::empty(DType dtype, const Shape& shape, Device dev) {
   check_shape(shape);
-  int64_t n = 1;
-  for (auto d : shape) n *= d;
-  auto mem = allocate(size_t(n) * dtype_size(dtype), dev);
+  // The byte size, checked: a wrapped product would allocate a small block for a huge shape.
+  uint64_t n = 1, bytes = 0;
+  for (auto d : shape)
+    if (__builtin_mul_overflow(n, uint64_t(d), &n))
+      fail(ErrorKind::OutOfMemory, "cannot allocate ", dtype_name(dtype), shape_str(shape),
+           ": its element count does not fit in 64 bits");
+  if (__builtin_mul_overflow(n, uint64_t(dtype_size(dtype)), &bytes) || bytes > uint64_t(INT64_MAX) - 64)
+    fail(ErrorKind::OutOfMemory, "cannot allocate ", dtype_name(dtype), shape_str(shape), ": ", n,
+         " elements do not fit in 63 bits of bytes");
+  auto mem = allocate(size_t(bytes), dev);
   return view(mem.get(), dtype, shape, {}, dev, mem);
 }
 

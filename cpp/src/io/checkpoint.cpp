@@ -1,13 +1,11 @@
 // Checkpoints: a single .safetensors file, or a directory with an index
 // (model.safetensors.index.json) or plain *.safetensors files, plus config.json.
 #include <algorithm>
-#include <cerrno>
 #include <cstring>
 #include <filesystem>
-#include <fstream>
 #include <set>
-#include <sstream>
 
+#include "io/file.h"
 #include "io/names.h"
 #include "dflash2/error.h"
 #include "dflash2/safetensors.h"
@@ -23,15 +21,7 @@ constexpr const char* kIndexName = "model.safetensors.index.json";
 using io::quote_name;
 
 std::string read_text_file(const std::string& path, ErrorKind kind) {
-  std::ifstream f(path, std::ios::binary);
-  if (!f) {
-    int err = errno;
-    fail(kind, "cannot open '", path, "': ", std::strerror(err));
-  }
-  std::ostringstream ss;
-  ss << f.rdbuf();
-  if (f.bad()) fail(kind, "cannot read '", path, "': read error");
-  return ss.str();
+  return io::read_regular_file(path, kind, "file");
 }
 
 // Levenshtein distance, or limit + 1 as soon as it must exceed `limit`. Only the band
@@ -113,7 +103,7 @@ Checkpoint Checkpoint::open(const std::string& path) {
     const fs::path dir(path);
     const fs::path index = dir / kIndexName;
     config_path = dir / "config.json";
-    if (fs::exists(index, ec)) {
+    if (fs::exists(fs::symlink_status(index, ec))) {  // anything there (also a broken link) is read
       const std::string index_str = index.string();
       Json root = Json::parse(read_text_file(index_str, K), index_str, K);
       if (!root.is_object()) fail(K, index_str, ": expected a JSON object at the top level, found ", root.type_name());
@@ -164,9 +154,10 @@ Checkpoint Checkpoint::open(const std::string& path) {
       if (ec) fail(K, "cannot list checkpoint directory '", path, "': ", ec.message());
       for (; it != end; it.increment(ec)) {
         if (ec) fail(K, "cannot list checkpoint directory '", path, "': ", ec.message());
+        // Every *.safetensors entry, whatever it is: a FIFO, a directory or a broken link
+        // is reported by SafetensorsFile::open rather than skipped.
         const fs::path& p = it->path();
-        std::error_code e2;
-        if (p.extension() == ".safetensors" && fs::is_regular_file(it->status(e2))) files.push_back(p.string());
+        if (p.extension() == ".safetensors") files.push_back(p.string());
       }
       if (files.empty())
         fail(K, "checkpoint directory '", path, "' contains no ", kIndexName, " and no *.safetensors files");
@@ -179,8 +170,10 @@ Checkpoint Checkpoint::open(const std::string& path) {
     config_path = (parent.empty() ? fs::path(".") : parent) / "config.json";
   }
 
+  // Anything named config.json (a FIFO, a directory, a device, a dangling link, a link
+  // loop) is loaded, so that what is wrong with it is reported instead of "missing".
   std::error_code e3;
-  if (fs::is_regular_file(config_path, e3)) {
+  if (fs::exists(fs::symlink_status(config_path, e3))) {
     ck.config_ = Config::load(config_path.string());
     ck.has_config_ = true;
   }

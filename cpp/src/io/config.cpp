@@ -1,14 +1,10 @@
 // config.json: typed getters whose errors name the file, the field, what was expected and
 // what was found. All errors are ErrorKind::Config.
-#include <cerrno>
 #include <cmath>
-#include <cstring>
-#include <fstream>
-#include <sstream>
-#include <sys/stat.h>
 
 #include "dflash2/error.h"
 #include "dflash2/json.h"
+#include "io/file.h"
 
 namespace dflash2 {
 
@@ -46,17 +42,9 @@ Config::Config(Json root, std::string path) : root_(std::move(root)), path_(std:
 }
 
 Config Config::load(const std::string& path) {
-  struct stat st;
-  if (::stat(path.c_str(), &st) != 0)
-    fail(ErrorKind::Config, "cannot read config '", path, "': ", std::strerror(errno));
-  if (S_ISDIR(st.st_mode))
-    fail(ErrorKind::Config, "cannot read config '", path, "': it is a directory, expected a config.json file");
-  std::ifstream f(path, std::ios::binary);
-  if (!f) fail(ErrorKind::Config, "cannot open config '", path, "': ", std::strerror(errno));
-  std::ostringstream ss;
-  ss << f.rdbuf();
-  if (f.bad()) fail(ErrorKind::Config, "cannot read config '", path, "': read error");
-  std::string text = ss.str();
+  // Only a regular file is read: a FIFO, a device (/dev/zero) or a directory is an error
+  // that says what the path is, never a hang or an endless read.
+  std::string text = io::read_regular_file(path, ErrorKind::Config, "config");
   Json root = Json::parse(text, path, ErrorKind::Config);
   if (!root.is_object())
     fail(ErrorKind::Config, path, ": expected a JSON object at the top level, found ", root.type_name());

@@ -2,6 +2,7 @@
 //
 // Layout: u64 little-endian header length N, N bytes of JSON, then the data region.
 // Everything in the header is checked against the file before any tensor is handed out.
+#include "io/file.h"
 #include "io/names.h"
 #include "dflash2/safetensors.h"
 
@@ -178,7 +179,8 @@ std::shared_ptr<SafetensorsFile> SafetensorsFile::open(const std::string& path) 
     fail(K, "cannot stat safetensors file '", path, "': ", std::strerror(err));
   }
   if (S_ISDIR(st.st_mode)) fail(K, "'", path, "' is a directory, expected a .safetensors file");
-  if (!S_ISREG(st.st_mode)) fail(K, "'", path, "' is not a regular file, expected a .safetensors file");
+  if (!S_ISREG(st.st_mode))
+    fail(K, "'", path, "' is ", io::file_kind(st.st_mode), ", not a regular file; expected a .safetensors file");
   if (st.st_size == 0)
     fail(K, path, ": file is empty (0 bytes); a safetensors file starts with an 8-byte header length");
   const size_t size = size_t(st.st_size);

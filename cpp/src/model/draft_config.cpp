@@ -2,6 +2,7 @@
 
 #include <algorithm>
 #include <cmath>
+#include <sstream>
 #include <string>
 
 #include "dflash2/error.h"
@@ -11,6 +12,35 @@ namespace dflash2::model {
 namespace {
 [[noreturn]] void bad(const Config& c, const std::string& field, const std::string& what) {
   fail(ErrorKind::Config, c.path(), ": field '", field, "': ", what);
+}
+
+// Sane bounds (far above any real drafter, far below what would allocate gigabytes or
+// overflow before the weights are checked against them).
+constexpr int64_t kMaxVocab = int64_t(1) << 24;
+constexpr int64_t kMaxHidden = int64_t(1) << 16;
+constexpr int64_t kMaxLayers = 4096;
+constexpr int64_t kMaxFfn = int64_t(1) << 20;
+constexpr int64_t kMaxHeads = 4096;
+constexpr int64_t kMaxHeadDim = int64_t(1) << 14;
+constexpr int64_t kMaxBlock = 64;
+constexpr int64_t kMaxSelectorRank = int64_t(1) << 16;
+constexpr int64_t kMaxSelectorTopK = 4096;
+constexpr int64_t kMaxWindow = int64_t(1) << 30;
+
+int64_t in_range(const Config& c, const std::string& field, int64_t v, int64_t lo, int64_t hi) {
+  if (v < lo || v > hi)
+    bad(c, field, (v < lo && lo == 1 ? "must be positive" : "is out of range") + std::string(": expected [") +
+                      std::to_string(lo) + ", " + std::to_string(hi) + "], found " + std::to_string(v));
+  return v;
+}
+
+double finite_in(const Config& c, const std::string& field, double v, double lo, double hi, bool lo_open) {
+  if (!std::isfinite(v) || (lo_open ? !(v > lo) : !(v >= lo)) || !(v <= hi)) {
+    std::ostringstream os;
+    os << "must be a finite number in " << (lo_open ? "(" : "[") << lo << ", " << hi << "], found " << v;
+    bad(c, field, os.str());
+  }
+  return v;
 }
 
 // The default tap layers when a config has none (the published DFlash rule).
@@ -48,14 +78,28 @@ DraftConfig DraftConfig::from_config(const Config& c, const GlmConfig& tgt) {
   d.num_kv_heads = c.get_int("num_key_value_heads", d.num_heads);
   d.head_dim = c.has("head_dim") && !c.find("head_dim")->is_null() ? c.get_int("head_dim") : 128;
   d.vocab_size = c.get_int("vocab_size");
-  d.rms_norm_eps = float(c.get_double("rms_norm_eps", 1e-6));
+  d.rms_norm_eps = float(finite_in(c, "rms_norm_eps", c.get_double("rms_norm_eps", 1e-6), 0.0, 1.0, false));
   Config rp = c.sub("rope_parameters");
   d.rope_theta = c.get_double("rope_theta", rp.root().is_object() ? rp.get_double("rope_theta", 10000.0) : 10000.0);
+  finite_in(c, "rope_theta", d.rope_theta, 0.0, 1e300, true);
   d.block_size = pick_int("block_size", 0, true);
   d.mask_token_id = pick_int("mask_token_id", 0, true);
+  // Every size is bounded before anything is derived from it (tap lists, per-layer tables).
+  in_range(c, "hidden_size", d.hidden_size, 1, kMaxHidden);
+  in_range(c, "intermediate_size", d.intermediate_size, 1, kMaxFfn);
+  in_range(c, "num_hidden_layers", d.num_layers, 1, kMaxLayers);
+  in_range(c, "num_attention_heads", d.num_heads, 1, kMaxHeads);
+  in_range(c, "num_key_value_heads", d.num_kv_heads, 1, kMaxHeads);
+  in_range(c, "head_dim", d.head_dim, 1, kMaxHeadDim);
+  in_range(c, "vocab_size", d.vocab_size, 1, kMaxVocab);
+  in_range(c, "dflash_config.block_size", d.block_size, 2, kMaxBlock);
   if (dc.root().is_object() && dc.has("target_layer_ids")) d.target_layer_ids = dc.get_int_list("target_layer_ids");
   else if (c.has("target_layer_ids")) d.target_layer_ids = c.get_int_list("target_layer_ids");
   d.num_target_layers = c.get_int("num_target_layers", tgt.num_layers);
+  in_range(c, "num_target_layers", d.num_target_layers, 1, kMaxLayers);
+  if (d.target_layer_ids.size() > size_t(kMaxLayers))
+    bad(c, "dflash_config.target_layer_ids", "has " + std::to_string(d.target_layer_ids.size()) +
+                                                 " entries, more than " + std::to_string(kMaxLayers));
   if (d.target_layer_ids.empty()) d.target_layer_ids = default_taps(d.num_target_layers, d.num_layers);
   // causality: dflash_config.causal, else top-level is_causal, else non-causal
   if (dc.root().is_object() && dc.has("causal")) d.causal = dc.get_bool("causal", false);
@@ -64,7 +108,7 @@ DraftConfig DraftConfig::from_config(const Config& c, const GlmConfig& tgt) {
   d.window.assign(size_t(d.num_layers), 0);
   const bool use_sw = c.get_bool("use_sliding_window", false);
   const Json* swj = c.find("sliding_window");
-  const int64_t sw = swj && swj->is_int() ? swj->as_int() : 0;
+  const int64_t sw = swj && !swj->is_null() ? in_range(c, "sliding_window", c.get_int("sliding_window"), 0, kMaxWindow) : 0;
   if (c.has("layer_types") && !c.find("layer_types")->is_null()) {
     auto lt = c.get_string_list("layer_types");
     if (int64_t(lt.size()) < d.num_layers) bad(c, "layer_types", "has fewer entries than num_hidden_layers");
@@ -81,10 +125,11 @@ DraftConfig DraftConfig::from_config(const Config& c, const GlmConfig& tgt) {
       d.selector_rank = dc.get_int("selector_rank", 256);
       d.selector_top_k = dc.get_int("selector_top_k", 16);
     }
-    if (d.conv_group_size <= 0 || d.hidden_size % d.conv_group_size)
+    in_range(c, "dflash_config.conv_group_size", d.conv_group_size, 1, d.hidden_size);
+    if (d.hidden_size % d.conv_group_size)
       bad(c, "dflash_config.conv_group_size", "must divide hidden_size " + std::to_string(d.hidden_size));
-    if (d.selector_top_k <= 0 || d.selector_top_k > d.vocab_size) bad(c, "dflash_config.selector_top_k", "out of range");
-    if (d.selector_rank <= 0) bad(c, "dflash_config.selector_rank", "must be positive");
+    in_range(c, "dflash_config.selector_top_k", d.selector_top_k, 1, std::min(d.vocab_size, kMaxSelectorTopK));
+    in_range(c, "dflash_config.selector_rank", d.selector_rank, 1, kMaxSelectorRank);
   }
   // --- the drafter must fit the target
   if (d.hidden_size != tgt.hidden_size)

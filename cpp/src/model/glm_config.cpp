@@ -1,5 +1,10 @@
 #include "model/glm_config.h"
 
+#include <algorithm>
+#include <cmath>
+#include <sstream>
+#include <string>
+
 #include "dflash2/error.h"
 
 namespace dflash2::model {
@@ -7,6 +12,36 @@ namespace dflash2::model {
 namespace {
 [[noreturn]] void bad(const Config& c, const std::string& field, const std::string& what) {
   fail(ErrorKind::Config, c.path(), ": field '", field, "': ", what);
+}
+
+// Sane bounds on the sizes a config may ask for: far above any real GLM-5.x value, far
+// below what would make the loader allocate gigabytes (or overflow) before the weights are
+// checked against them.
+constexpr int64_t kMaxVocab = int64_t(1) << 24;      // GLM-5.x: 154880
+constexpr int64_t kMaxHidden = int64_t(1) << 16;     // 6144
+constexpr int64_t kMaxLayers = 4096;                 // 78
+constexpr int64_t kMaxFfn = int64_t(1) << 20;        // 12288 / 2048 (MoE)
+constexpr int64_t kMaxHeads = 4096;                  // 64
+constexpr int64_t kMaxRank = int64_t(1) << 16;       // q 2048, kv 512
+constexpr int64_t kMaxHeadDim = int64_t(1) << 14;    // 192 / 64 / 256
+constexpr int64_t kMaxExperts = int64_t(1) << 16;    // 256
+constexpr int64_t kMaxPositions = int64_t(1) << 30;  // 202752
+constexpr int64_t kMaxTopk = int64_t(1) << 24;       // 2048
+
+int64_t in_range(const Config& c, const char* field, int64_t v, int64_t lo, int64_t hi) {
+  if (v < lo || v > hi)
+    bad(c, field, (v < lo && lo == 1 ? "must be positive" : "is out of range") + std::string(": expected [") +
+                      std::to_string(lo) + ", " + std::to_string(hi) + "], found " + std::to_string(v));
+  return v;
+}
+
+double finite_in(const Config& c, const char* field, double v, double lo, double hi, bool lo_open) {
+  if (!std::isfinite(v) || (lo_open ? !(v > lo) : !(v >= lo)) || !(v <= hi)) {
+    std::ostringstream os;
+    os << "must be a finite number in " << (lo_open ? "(" : "[") << lo << ", " << hi << "], found " << v;
+    bad(c, field, os.str());
+  }
+  return v;
 }
 }  // namespace
 
@@ -41,16 +76,21 @@ GlmConfig GlmConfig::from_config(const Config& c) {
   g.max_position_embeddings = c.get_int("max_position_embeddings", 1 << 20);
   g.tie_word_embeddings = c.get_bool("tie_word_embeddings", false);
 
-  for (auto [name, v] : {std::pair<const char*, int64_t>{"vocab_size", g.vocab_size},
-                         {"hidden_size", g.hidden_size},
-                         {"num_hidden_layers", g.num_layers},
-                         {"num_attention_heads", g.num_heads},
-                         {"q_lora_rank", g.q_lora_rank},
-                         {"kv_lora_rank", g.kv_lora_rank},
-                         {"qk_nope_head_dim", g.qk_nope_head_dim},
-                         {"qk_rope_head_dim", g.qk_rope_head_dim},
-                         {"v_head_dim", g.v_head_dim}})
-    if (v <= 0) bad(c, name, "must be positive, found " + std::to_string(v));
+  // Every size is bounded before anything is derived from it (per-layer tables, caches).
+  in_range(c, "vocab_size", g.vocab_size, 1, kMaxVocab);
+  in_range(c, "hidden_size", g.hidden_size, 1, kMaxHidden);
+  in_range(c, "num_hidden_layers", g.num_layers, 1, kMaxLayers);
+  in_range(c, "intermediate_size", g.intermediate_size, 1, kMaxFfn);
+  in_range(c, "num_attention_heads", g.num_heads, 1, kMaxHeads);
+  in_range(c, "q_lora_rank", g.q_lora_rank, 1, kMaxRank);
+  in_range(c, "kv_lora_rank", g.kv_lora_rank, 1, kMaxRank);
+  in_range(c, "qk_nope_head_dim", g.qk_nope_head_dim, 1, kMaxHeadDim);
+  in_range(c, "qk_rope_head_dim", g.qk_rope_head_dim, 1, kMaxHeadDim);
+  in_range(c, "v_head_dim", g.v_head_dim, 1, kMaxHeadDim);
+  in_range(c, "max_position_embeddings", g.max_position_embeddings, 1, kMaxPositions);
+  // moe_intermediate_size may be absent-like (0) on a dense-only model; checked below for MoE
+  in_range(c, "moe_intermediate_size", g.moe_intermediate_size, 0, kMaxFfn);
+  finite_in(c, "rms_norm_eps", c.get_double("rms_norm_eps", 1e-6), 0.0, 1.0, false);
   if (g.qk_rope_head_dim % 2) bad(c, "qk_rope_head_dim", "must be even, found " + std::to_string(g.qk_rope_head_dim));
 
   // RoPE: rope_parameters {rope_theta, rope_type} (transformers 5) or a top-level rope_theta.
@@ -65,7 +105,8 @@ GlmConfig GlmConfig::from_config(const Config& c) {
       bad(c, "rope_scaling", "RoPE scaling is not supported (GLM-5.x uses plain RoPE)");
     g.rope_theta = c.get_double("rope_theta", 10000.0);
   }
-  if (!(g.rope_theta > 0)) bad(c, "rope_theta", "must be > 0");
+  if (!(g.rope_theta > 0) || !std::isfinite(g.rope_theta))
+    bad(c, "rope_theta", "must be a finite number > 0, found " + std::to_string(g.rope_theta));
   if (c.get_string("hidden_act", "silu") != "silu") bad(c, "hidden_act", "only 'silu' is supported");
   if (c.get_bool("attention_bias", false)) bad(c, "attention_bias", "true is not supported (GLM-5.x has none)");
 
@@ -73,8 +114,9 @@ GlmConfig GlmConfig::from_config(const Config& c) {
   g.index_topk = c.get_int("index_topk", 2048);
   g.index_n_heads = c.get_int("index_n_heads", 32);
   g.index_head_dim = c.get_int("index_head_dim", 128);
-  if (g.index_topk <= 0) bad(c, "index_topk", "must be positive");
-  if (g.index_n_heads <= 0) bad(c, "index_n_heads", "must be positive");
+  in_range(c, "index_topk", g.index_topk, 1, kMaxTopk);
+  in_range(c, "index_n_heads", g.index_n_heads, 1, kMaxHeads);
+  in_range(c, "index_head_dim", g.index_head_dim, 1, kMaxHeadDim);
   if (g.index_head_dim < g.qk_rope_head_dim)
     bad(c, "index_head_dim", "must be >= qk_rope_head_dim (" + std::to_string(g.qk_rope_head_dim) + ")");
   g.indexer_full.assign(size_t(g.num_layers), true);
@@ -122,7 +164,13 @@ GlmConfig GlmConfig::from_config(const Config& c) {
   g.n_group = c.get_int("n_group", 1);
   g.topk_group = c.get_int("topk_group", 1);
   g.norm_topk_prob = c.get_bool("norm_topk_prob", true);
-  g.routed_scaling_factor = float(c.get_double("routed_scaling_factor", 1.0));
+  g.routed_scaling_factor =
+      float(finite_in(c, "routed_scaling_factor", c.get_double("routed_scaling_factor", 1.0), 0.0, 1e6, true));
+  in_range(c, "n_routed_experts", g.n_routed_experts, 0, kMaxExperts);
+  in_range(c, "n_shared_experts", g.n_shared_experts, 0, kMaxExperts);
+  in_range(c, "num_experts_per_tok", g.num_experts_per_tok, 0, kMaxExperts);
+  in_range(c, "n_group", g.n_group, 1, kMaxExperts);
+  in_range(c, "topk_group", g.topk_group, 1, kMaxExperts);
   if (c.has("scoring_func") && c.get_string("scoring_func") != "sigmoid")
     bad(c, "scoring_func", "only 'sigmoid' router scoring is supported");
   if (c.has("topk_method") && c.get_string("topk_method") != "noaux_tc")
@@ -141,9 +189,20 @@ GlmConfig GlmConfig::from_config(const Config& c) {
   g.num_mtp_layers = c.get_int("num_nextn_predict_layers", 0);
   if (g.num_mtp_layers < 0 || g.num_mtp_layers > 1)
     bad(c, "num_nextn_predict_layers", "only 0 or 1 MTP layer is supported, found " + std::to_string(g.num_mtp_layers));
-  if (const Json* e = c.find("eos_token_id")) {
-    if (e->is_int()) g.eos_token_ids.push_back(e->as_int());
-    else if (e->is_array()) g.eos_token_ids = c.get_int_list("eos_token_id");
+  // eos_token_id: null, an id, or a list of ids, each inside the vocabulary.
+  if (const Json* e = c.find("eos_token_id"); e && !e->is_null()) {
+    if (e->is_array()) g.eos_token_ids = c.get_int_list("eos_token_id");
+    else if (e->is_number()) g.eos_token_ids.push_back(c.get_int("eos_token_id"));
+    else {
+      std::string found = e->dump();
+      if (found.size() > 80) found = found.substr(0, 77) + "...";
+      bad(c, "eos_token_id", "expected an integer token id or a list of them, found " + found + " (" +
+                                 e->type_name() + ")");
+    }
+    for (int64_t id : g.eos_token_ids)
+      if (id < 0 || id >= g.vocab_size)
+        bad(c, "eos_token_id", "token id " + std::to_string(id) + " is outside the vocabulary [0, " +
+                                   std::to_string(g.vocab_size) + ")");
   }
   return g;
 }
