@@ -181,30 +181,38 @@ def default_pair() -> tuple:
 
 class Engine:
     def __init__(self, target=None, draft=None, method: Optional[str] = None, device: str = "cpu", *,
-                 max_batch_size: int = 8, max_seq_len: int = 4096, max_step_tokens: int = 256,
+                 max_batch_size: int = 8, max_seq_len: Optional[int] = None, max_step_tokens: int = 256,
                  kv_block_size: int = 16, num_threads: Optional[int] = None, mtp_draft_tokens: int = 7):
+        """target: a glm_moe_dsa checkpoint directory (None: the bundled default pair).
+        draft: a DFlash 2 / DFlash 1 drafter directory. method: "ar" | "mtp" | "dflash" |
+        "dflash2"; None infers it: "ar" without a drafter, else from the drafter's
+        architecture (DFlash2DraftModel -> "dflash2", DFlashDraftModel -> "dflash").
+        max_seq_len None: min(4096, the model's max_position_embeddings). num_threads: this
+        engine's CPU threads (None/0: all cores); it never changes other engines'."""
         if target is None:  # the bundled default pair (python/dflash2_rt/models/default)
             target, bundled_draft = default_pair()
             method = method or "dflash2"
             if draft is None and method in ("dflash", "dflash2"):
                 draft = bundled_draft
-        method = method or "ar"
-        for name, v in (("max_batch_size", max_batch_size), ("max_seq_len", max_seq_len),
-                        ("max_step_tokens", max_step_tokens), ("kv_block_size", kv_block_size),
-                        ("mtp_draft_tokens", mtp_draft_tokens)):
+        if method is not None and not isinstance(method, str):
+            raise _core.InvalidArgumentError(f"Engine: method must be a string, found {type(method).__name__}")
+        for name, v in (("max_batch_size", max_batch_size), ("max_step_tokens", max_step_tokens),
+                        ("kv_block_size", kv_block_size), ("mtp_draft_tokens", mtp_draft_tokens)):
             _check_int("Engine", name, v)
+        if max_seq_len is not None:
+            _check_int("Engine", "max_seq_len", max_seq_len)
         if num_threads is not None:
             _check_int("Engine", "num_threads", num_threads, -2 ** 31, 2 ** 31 - 1)
         # The tokenizer first: a broken tokenizer.json fails before the weights are loaded.
         tokenizer = _load_tokenizer(target)
-        self._e = _core.Engine(os.fspath(target), None if draft is None else os.fspath(draft), method, device,
-                               max_batch_size, max_seq_len, max_step_tokens, kv_block_size, num_threads or 0,
+        self._e = _core.Engine(os.fspath(target), None if draft is None else os.fspath(draft), method or "", device,
+                               max_batch_size, max_seq_len or 0, max_step_tokens, kv_block_size, num_threads or 0,
                                mtp_draft_tokens)
-        self.method = method
+        self.method = self._e.method
         self.device = device
         self.target = os.fspath(target)
         self.tokenizer = tokenizer
-        self.max_seq_len = max_seq_len
+        self.max_seq_len = self._e.max_seq_len
         self.max_batch_size = max_batch_size
 
     @property
