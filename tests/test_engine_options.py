@@ -1,0 +1,159 @@
+"""Engine options as a careless user sets them: thread counts (bounded, per engine, never
+process-wide), non-finite weights (a typed error naming the step, not silent garbage),
+max_seq_len from the model's limit, and the method inferred from the drafter.
+
+Runs on copies of the bundled default pair (weights symlinked or rewritten, configs edited).
+"""
+from __future__ import annotations
+
+import json
+import os
+import shutil
+
+import numpy as np
+import pytest
+
+import dflash2_rt
+from dflash2_rt.checkpoint import save_safetensors
+from dflash2_rt.engine import DEFAULT_PAIR_DIR
+
+TARGET = os.path.join(DEFAULT_PAIR_DIR, "target")
+DRAFT = os.path.join(DEFAULT_PAIR_DIR, "draft")
+pytestmark = pytest.mark.skipif(not os.path.exists(os.path.join(TARGET, "config.json")),
+                                reason="the bundled default pair is not present")
+PROMPT = [15, 687, 9, 280, 13, 292]
+
+
+def _copy(src, dst, link_weights=True):
+    os.makedirs(dst)
+    for name in os.listdir(src):
+        s, d = os.path.join(src, name), os.path.join(dst, name)
+        if name.endswith(".safetensors") and link_weights:
+            os.symlink(s, d)
+        else:
+            shutil.copy(s, d)
+    return str(dst)
+
+
+def _edit(path, **kv):
+    p = os.path.join(path, "config.json")
+    with open(p, encoding="utf-8") as f:
+        cfg = json.load(f)
+    cfg.update(kv)
+    with open(p, "w", encoding="utf-8") as f:
+        json.dump(cfg, f)
+
+
+# ----------------------------------------------------------------------------- threads
+
+
+@pytest.mark.parametrize("n", [10 ** 6, 10 ** 12, -1])
+def test_absurd_num_threads_is_an_error_and_harms_no_other_engine(n):
+    healthy = dflash2_rt.Engine(method="ar", max_seq_len=128)
+    want = healthy.generate([PROMPT], max_new_tokens=8)[0].token_ids
+    with pytest.raises(dflash2_rt.InvalidArgumentError, match="num_threads"):
+        dflash2_rt.Engine(method="ar", max_seq_len=128, num_threads=n)
+    assert healthy.generate([PROMPT], max_new_tokens=8)[0].token_ids == want
+
+
+def test_num_threads_is_per_engine():
+    before = dflash2_rt.build_info()["num_threads"]
+    one = dflash2_rt.Engine(method="ar", max_seq_len=128, num_threads=1)
+    other = dflash2_rt.Engine(method="ar", max_seq_len=128)
+    assert one._e.num_threads == 1 and other._e.num_threads == 0
+    a = one.generate([PROMPT], max_new_tokens=8)[0].token_ids
+    # the process-wide / calling thread's setting is untouched by the engine's own
+    assert dflash2_rt.build_info()["num_threads"] == before
+    b = other.generate([PROMPT], max_new_tokens=8)[0].token_ids
+    assert a == b  # the thread count never changes the numbers
+    assert dflash2_rt.build_info()["num_threads"] == before
+
+
+# ----------------------------------------------------------------------------- non-finite weights
+
+
+def _poisoned_target(tmp_path, name, value, rows=None):
+    """A copy of the bundled target with `value` written into tensor `name` (rows: which
+    rows; None = all)."""
+    import safetensors.numpy as stn
+    import torch
+    from safetensors.torch import load_file, save_file
+
+    dst = _copy(TARGET, tmp_path / "poisoned", link_weights=False)
+    f = os.path.join(dst, "model.safetensors")
+    t = load_file(f)
+    w = t[name].float()
+    if rows is None:
+        w[...] = value
+    else:
+        w[rows] = value
+    t[name] = w.to(t[name].dtype)
+    save_file(t, f, metadata={"format": "pt"})
+    del stn, torch
+    return dst
+
+
+@pytest.mark.parametrize("value", [float("nan"), float("inf")])
+@pytest.mark.parametrize("method", ["ar", "dflash2"])
+@pytest.mark.parametrize("temperature", [0.0, 1.0])
+def test_non_finite_weights_raise_a_typed_error(tmp_path, value, method, temperature):
+    pytest.importorskip("safetensors.torch")
+    tgt = _poisoned_target(tmp_path, "model.norm.weight", value, rows=slice(0, 3))
+    eng = dflash2_rt.Engine(target=tgt, draft=DRAFT if method != "ar" else None, method=method, max_seq_len=128)
+    with pytest.raises(dflash2_rt.NumericalError, match=r"non-finite logits .* prefill"):
+        eng.generate([PROMPT], max_new_tokens=8, temperature=temperature, seed=0)
+    assert isinstance(dflash2_rt.NumericalError("x"), ArithmeticError)
+
+
+def test_non_finite_logits_in_a_decode_step_name_the_step_and_request(tmp_path):
+    """An embedding row only one request's generated token reaches: the prefill is finite,
+    the decode step that feeds the poisoned token raises naming its step and request."""
+    pytest.importorskip("safetensors.torch")
+    ar = dflash2_rt.Engine(method="ar", max_seq_len=128)
+    other = [7, 8, 11, 12]
+    toks = ar.generate([PROMPT], max_new_tokens=12)[0].token_ids
+    # poison the embedding row of a generated token no prompt holds: the step that feeds it breaks
+    bad = next(t for t in toks[1:] if t not in PROMPT and t not in other and t != toks[0])
+    tgt = _poisoned_target(tmp_path, "model.embed_tokens.weight", float("nan"), rows=bad)
+    eng = dflash2_rt.Engine(target=tgt, method="ar", max_seq_len=128)
+    with pytest.raises(dflash2_rt.NumericalError, match=r"decode step \d+, request 1, logits row 1"):
+        eng.generate([other, PROMPT], max_new_tokens=12, stop_token_ids=[])
+
+
+# ----------------------------------------------------------------------------- max_seq_len, method
+
+
+def test_max_seq_len_defaults_to_the_models_limit(tmp_path):
+    small = _copy(TARGET, tmp_path / "small")
+    _edit(small, max_position_embeddings=512)
+    eng = dflash2_rt.Engine(target=small)
+    assert eng.max_seq_len == 512
+    assert eng.generate([PROMPT], max_new_tokens=4)[0].token_ids
+    assert dflash2_rt.Engine(target=TARGET).max_seq_len == min(4096, json.load(
+        open(os.path.join(TARGET, "config.json")))["max_position_embeddings"])
+    with pytest.raises(dflash2_rt.InvalidArgumentError, match="max_position_embeddings"):
+        dflash2_rt.Engine(target=small, max_seq_len=1024)
+
+
+def test_method_is_inferred_from_the_drafter(tmp_path):
+    eng = dflash2_rt.Engine(target=TARGET, draft=DRAFT)
+    assert eng.method == "dflash2"
+    v1 = _copy(DRAFT, tmp_path / "v1")
+    _edit(v1, architectures=["DFlashDraftModel"])
+    assert dflash2_rt.Engine(target=TARGET, draft=v1).method == "dflash"
+    assert dflash2_rt.Engine(target=TARGET).method == "ar"
+    odd = _copy(DRAFT, tmp_path / "odd")
+    _edit(odd, architectures=["LlamaForCausalLM"])
+    with pytest.raises(dflash2_rt.ConfigError, match="architectures"):
+        dflash2_rt.Engine(target=TARGET, draft=odd)
+    with pytest.raises(dflash2_rt.InvalidArgumentError, match="method 'mtp' takes no drafter"):
+        dflash2_rt.Engine(target=TARGET, draft=DRAFT, method="mtp")
+    with pytest.raises(dflash2_rt.InvalidArgumentError, match="takes no drafter"):
+        dflash2_rt.Engine(target=TARGET, draft=DRAFT, method="ar")
+    with pytest.raises(dflash2_rt.InvalidArgumentError, match="unknown method"):
+        dflash2_rt.Engine(target=TARGET, method="eagle")
+    # the inferred engine is the explicit one
+    a = eng.generate([PROMPT], max_new_tokens=12)[0].token_ids
+    b = dflash2_rt.Engine(target=TARGET, draft=DRAFT, method="dflash2").generate([PROMPT], max_new_tokens=12)[0].token_ids
+    assert a == b
+    assert np.array_equal(a, dflash2_rt.Engine(method="ar").generate([PROMPT], max_new_tokens=12)[0].token_ids)
