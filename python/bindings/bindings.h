@@ -11,6 +11,7 @@ namespace dflash2::py_bind {
 void bind_core(py::module_& m);  // Tensor (DLPack in/out), Arena, build_info, devices
 void bind_io(py::module_& m);    // checkpoints, safetensors, config
 void bind_ops(py::module_& m);   // the op interface (submodule "ops")
+void bind_sampling(py::module_& m);  // ops.sample, ops.accept (after bind_ops)
 void bind_engine(py::module_& m);  // Engine, Sequence, GenerationResult
 
 // Any object with __dlpack__ (numpy, torch, dflash2_rt.Tensor) -> a zero-copy view that

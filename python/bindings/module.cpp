@@ -58,5 +58,6 @@ PYBIND11_MODULE(_core, m) {
   dflash2::py_bind::bind_core(m);
   dflash2::py_bind::bind_io(m);
   dflash2::py_bind::bind_ops(m);
+  dflash2::py_bind::bind_sampling(m);
   dflash2::py_bind::bind_engine(m);
 }

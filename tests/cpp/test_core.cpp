@@ -1,8 +1,10 @@
 // Core: dtype conversions, tensor views, the workspace arena, op argument errors.
 #include <cmath>
+#include <algorithm>
 #include <cstring>
 
 #include "dflash2/dflash2.h"
+#include "ops/philox.h"
 #include "testing.h"
 
 using namespace dflash2;
@@ -139,6 +141,37 @@ TEST(build_info_lists_cpu) {
   BuildInfo b = build_info();
   CHECK(!b.backends.empty() && b.backends[0] == "cpu");
   CHECK(!b.version.empty() && b.num_threads >= 1);
+}
+
+// Random123's known-answer vectors (tests/kat_vectors, "philox4x32 10"): ctr[4] key[2] -> out[4]
+TEST(philox_known_answers) {
+  using dflash2::philox::U32x4;
+  struct Kat {
+    uint32_t c[4], k[2], r[4];
+  } kats[] = {
+      {{0, 0, 0, 0}, {0, 0}, {0x6627e8d5u, 0xe169c58du, 0xbc57ac4cu, 0x9b00dbd8u}},
+      {{0xffffffffu, 0xffffffffu, 0xffffffffu, 0xffffffffu},
+       {0xffffffffu, 0xffffffffu},
+       {0x408f276du, 0x41c83b0eu, 0xa20bc7c6u, 0x6d5451fdu}},
+      {{0x243f6a88u, 0x85a308d3u, 0x13198a2eu, 0x03707344u},
+       {0xa4093822u, 0x299f31d0u},
+       {0xd16cfe09u, 0x94fdccebu, 0x5001e420u, 0x24126ea1u}},
+  };
+  for (const auto& k : kats) {
+    U32x4 out = dflash2::philox::philox4x32_10(U32x4{{k.c[0], k.c[1], k.c[2], k.c[3]}}, k.k[0], k.k[1]);
+    for (int i = 0; i < 4; ++i) CHECK(out.v[i] == k.r[i]);
+  }
+  // uniforms lie in [0, 1) and differ across counters and keys
+  double lo = 1, hi = 0, sum = 0;
+  for (uint64_t c = 0; c < 20000; ++c) {
+    const double u = dflash2::philox::uniform(12345, c);
+    CHECK(u >= 0.0 && u < 1.0);
+    lo = std::min(lo, u);
+    hi = std::max(hi, u);
+    sum += u;
+  }
+  CHECK(lo < 0.001 && hi > 0.999 && std::fabs(sum / 20000 - 0.5) < 0.01);
+  CHECK(dflash2::philox::uniform(1, 7) != dflash2::philox::uniform(2, 7));
 }
 
 TEST_MAIN()

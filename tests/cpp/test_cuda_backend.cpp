@@ -11,7 +11,7 @@
 #include "dflash2/dflash2.h"
 #include "testing.h"
 #ifdef DFLASH2_WITH_CUDA
-#include "backend/cuda_api.h"
+#include "backend/cuda/cuda_api.h"
 #endif
 
 using namespace dflash2;

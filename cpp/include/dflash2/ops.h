@@ -204,15 +204,45 @@ void moe_experts(const Tensor& x, const Tensor& ids, const Tensor& weights, cons
 void dyn_conv(const Tensor& x, const Tensor& base, const Tensor& dyn, int64_t block, Tensor& out);
 // The DFlash 2 candidate selector's path walk, per sequence s over positions t < P:
 //   a = pred_book[prev] * g[s, t];  score_b = vals[s, t, b] + a . succ_book[cand[s, t, b]]
-// prev starts at anchors[s] and becomes the chosen candidate. temperature <= 0 takes the
-// best score (first on ties); otherwise q = softmax(score / temperature) is written to q
-// F32 [S, P, K] and the candidate is drawn with uniforms[s, t]. vals F32 / cand I32
-// [S, P, K] (a top-k of the drafter's logits), g F32 [S, P, R] (hidden projection), books
-// F32/BF16/F16 [V, R], anchors I32 [S], tokens I32 [S, P].
-// uniforms: I64 [S, P] holding the bit patterns of doubles in [0, 1).
+// prev starts at anchors[s] and becomes the chosen candidate. temperature[s] <= 0 takes
+// the best score (first on ties); otherwise q = softmax(score / temperature[s]) is written
+// to q F32 [S, P, K] and the candidate is drawn with the draw t of rng[s] (P draws per
+// sequence). vals F32 / cand I32 [S, P, K] (a top-k of the drafter's logits), g F32
+// [S, P, R] (hidden projection), books F32/BF16/F16 [V, R], anchors I32 [S], tokens I32
+// [S, P], temperature F32 [S].
 void selector_walk(const Tensor& vals, const Tensor& cand, const Tensor& g, const Tensor& pred_book,
-                   const Tensor& succ_book, const Tensor& anchors, float temperature, const Tensor& uniforms,
+                   const Tensor& succ_book, const Tensor& anchors, const Tensor& temperature, const Tensor& rng,
                    Tensor& tokens, Tensor& q);
+
+// ------------------------------------------------------------------ sampling and acceptance
+// Random numbers are counter-based (Philox4x32-10, see philox.h): rng I64 [R, 2] holds per
+// row (key, counter); the op's j-th draw for row r is uniform(key_r, counter_r + j). Each
+// op says how many draws a row takes; the caller advances its counters by that much
+// (planned on the host: the op never writes rng, so a step can be replayed).
+// Sampling parameters are per row: temperature F32 [R] (<= 0: greedy), top_p F32 [R] in
+// (0, 1], top_k I32 [R] (0 = off). The distribution p of a row is: the logits scaled by
+// 1 / temperature, restricted to the top_k largest (ties to the lower id), then to the
+// smallest set of the largest whose mass reaches top_p of the rest (ties to the lower id),
+// renormalised. Found without sorting the vocabulary (radix selection over the logits'
+// bits, then one pass), as FlashInfer's sorting-free samplers do.
+struct SamplingTensors {
+  Tensor temperature, top_p, top_k;
+};
+// One token per row of logits F32 [R, V] into out I32 [R]: argmax when greedy, else a draw
+// from p (one draw per row).
+void sample(const Tensor& logits, const SamplingTensors& sp, const Tensor& rng, Tensor& out);
+// Lossless acceptance of drafted blocks. Sequence s drafted draft_len[s] <= K tokens
+// (row draft_row[s] of draft I32 [N, K]); its target logits are rows row0[s] .. row0[s] +
+// draft_len[s] of logits F32 [M, V] ([anchor, d_1 .. d_k]). Greedy: the longest prefix
+// equal to the target's argmax, bonus = the argmax after it. Sampling: d_i is accepted iff
+// u_i * q(d_i) < p(d_i) (u_i: draw i); on the first rejection the bonus is drawn (draw K)
+// from normalize(max(p - q, 0)), or from p if no mass is left; if all are accepted, from
+// p of the last row (draw K). q is the selector's proposal (cand I32 / q F32 [N, K, C],
+// row draft_row[s]) or, when q is undefined, one-hot on the drafted token. K + 1 draws per
+// sequence. accepted / bonus I32 [S].
+void accept(const Tensor& logits, const Tensor& row0, const Tensor& draft, const Tensor& draft_row,
+            const Tensor& draft_len, const Tensor& cand, const Tensor& q, const SamplingTensors& sp, const Tensor& rng,
+            Tensor& accepted, Tensor& bonus);
 
 }  // namespace ops
 }  // namespace dflash2

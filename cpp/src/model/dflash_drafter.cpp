@@ -185,8 +185,8 @@ void DFlashDrafter::append_context(const TokenBatch& batch, const Tensor& taps, 
   }
 }
 
-void DFlashDrafter::draft(const TokenBatch& batch, const std::vector<Tensor>& kv_layers, float temperature,
-                          const Tensor& uniforms, DraftOutputs& out) {
+void DFlashDrafter::draft(const TokenBatch& batch, const std::vector<Tensor>& kv_layers, const Tensor& temperature,
+                          const Tensor& rng, DraftOutputs& out) {
   const DraftConfig& c = cfg_;
   const int64_t B = c.block_size, T = batch.T, S = batch.S, H = c.hidden_size, G = H / c.conv_group_size;
   const int64_t R = S * (B - 1);
@@ -249,7 +249,7 @@ void DFlashDrafter::draft(const TokenBatch& batch, const std::vector<Tensor>& kv
   ops::topk(logits, K, vals, cand);
   ops::linear(hrows, sel_proj_, g);
   ops::selector_walk(vals.reshape({S, B - 1, K}), out.cand, g.reshape({S, B - 1, Rk}), pred_book_, succ_book_,
-                     batch.tokens.reshape({S, B}).select(1, 0), temperature, uniforms, out.tokens, out.q);
+                     batch.tokens.reshape({S, B}).select(1, 0), temperature, rng, out.tokens, out.q);
 }
 
 }  // namespace dflash2::model

@@ -45,10 +45,10 @@ class DFlashDrafter {
   void append_context(const TokenBatch& batch, const Tensor& taps, const std::vector<Tensor>& kv_layers);
   // Drafts one block per sequence: batch.tokens = [anchor, MASK...] per sequence (T = S*B),
   // positions ctx_len[s] + j, context in kv_layers (paged by batch.paged.block_table).
-  // temperature 0 walks the selector greedily; > 0 samples it (uniforms I64 [S, B-1]: bit
-  // patterns of doubles in [0, 1)) and writes q. DFlash 1 (and dflash) take the argmax.
-  void draft(const TokenBatch& batch, const std::vector<Tensor>& kv_layers, float temperature, const Tensor& uniforms,
-             DraftOutputs& out);
+  // temperature F32 [S]: 0 walks the selector greedily; > 0 samples it (B-1 draws of rng
+  // I64 [S, 2], see ops::selector_walk) and writes q. DFlash 1 (and dflash) take the argmax.
+  void draft(const TokenBatch& batch, const std::vector<Tensor>& kv_layers, const Tensor& temperature,
+             const Tensor& rng, DraftOutputs& out);
 
  private:
   DFlashDrafter() = default;

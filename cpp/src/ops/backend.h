@@ -39,8 +39,12 @@ namespace dflash2::ops {
                   Tensor& out, Tensor& workspace))                                                                  \
   X(dyn_conv, (const Tensor& x, const Tensor& base, const Tensor& dyn, int64_t block, Tensor& out))                 \
   X(selector_walk, (const Tensor& vals, const Tensor& cand, const Tensor& g, const Tensor& pred_book,               \
-                    const Tensor& succ_book, const Tensor& anchors, float temperature, const Tensor& uniforms,     \
-                    Tensor& tokens, Tensor& q))
+                    const Tensor& succ_book, const Tensor& anchors, const Tensor& temperature, const Tensor& rng,   \
+                    Tensor& tokens, Tensor& q))                                                                     \
+  X(sample, (const Tensor& logits, const SamplingTensors& sp, const Tensor& rng, Tensor& out))                     \
+  X(accept, (const Tensor& logits, const Tensor& row0, const Tensor& draft, const Tensor& draft_row,                \
+             const Tensor& draft_len, const Tensor& cand, const Tensor& q, const SamplingTensors& sp, const Tensor& rng, \
+             Tensor& accepted, Tensor& bonus))
 
 struct BackendTable {
   const char* name = "";

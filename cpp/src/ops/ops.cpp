@@ -576,8 +576,34 @@ void dyn_conv(const Tensor& x, const Tensor& base, const Tensor& dyn, int64_t bl
   DFLASH2_DISPATCH(dyn_conv, x, x, base, dyn, block, out);
 }
 
+namespace {
+void need_rng(const Tensor& rng, int64_t R, const char* op) {
+  need_dtype(rng, DType::I64, op, "rng");
+  DFLASH2_CHECK_ARG(rng.ndim() == 2 && rng.shape(0) == R && rng.shape(1) == 2, op, ": rng must be I64 [", R,
+                    ", 2] (key, counter), found ", rng.describe());
+}
+void need_sampling(const SamplingTensors& sp, int64_t R, const char* op) {
+  need_dtype(sp.temperature, DType::F32, op, "temperature");
+  need_dtype(sp.top_p, DType::F32, op, "top_p");
+  need_i32_vec(sp.top_k, R, op, "top_k");
+  DFLASH2_CHECK_ARG(sp.temperature.ndim() == 1 && sp.temperature.shape(0) == R && sp.top_p.ndim() == 1 &&
+                        sp.top_p.shape(0) == R,
+                    op, ": temperature and top_p must be F32 [", R, "], found ", sp.temperature.describe(), " and ",
+                    sp.top_p.describe());
+  if (sp.temperature.device().is_cpu())
+    for (int64_t r = 0; r < R; ++r) {
+      const float t = sp.temperature.data_as<const float>()[r * sp.temperature.stride(0)];
+      const float p = sp.top_p.data_as<const float>()[r * sp.top_p.stride(0)];
+      const int32_t k = sp.top_k.data_as<const int32_t>()[r * sp.top_k.stride(0)];
+      DFLASH2_CHECK_ARG(std::isfinite(t) && t >= 0.0f, op, ": temperature[", r, "] must be finite and >= 0, found ", t);
+      DFLASH2_CHECK_ARG(p > 0.0f && p <= 1.0f, op, ": top_p[", r, "] must be in (0, 1], found ", p);
+      DFLASH2_CHECK_ARG(k >= 0, op, ": top_k[", r, "] must be >= 0, found ", k);
+    }
+}
+}  // namespace
+
 void selector_walk(const Tensor& vals, const Tensor& cand, const Tensor& g, const Tensor& pred_book,
-                   const Tensor& succ_book, const Tensor& anchors, float temperature, const Tensor& uniforms,
+                   const Tensor& succ_book, const Tensor& anchors, const Tensor& temperature, const Tensor& rng,
                    Tensor& tokens, Tensor& q) {
   const char* op = "selector_walk";
   need_3d(vals, DType::F32, op, "vals");
@@ -597,31 +623,96 @@ void selector_walk(const Tensor& vals, const Tensor& cand, const Tensor& g, cons
   need_2d_rows(tokens, DType::I32, op, "tokens");
   DFLASH2_CHECK_ARG(tokens.shape(0) == S && tokens.shape(1) == P, op, ": tokens must be I32 [", S, ", ", P,
                     "], found ", tokens.describe());
-  DFLASH2_CHECK_ARG(std::isfinite(temperature), op, ": temperature must be finite, found ", temperature);
+  need_dtype(temperature, DType::F32, op, "temperature");
+  DFLASH2_CHECK_ARG(temperature.ndim() == 1 && temperature.shape(0) == S, op, ": temperature must be F32 [", S,
+                    "], found ", temperature.describe());
   const int64_t V = pred_book.shape(0);
+  bool sampled = !temperature.device().is_cpu();
   if (cand.device().is_cpu()) {
     for (int64_t s = 0; s < S; ++s) {
       const int64_t a = anchors.data_as<const int32_t>()[s * anchors.stride(0)];
       DFLASH2_CHECK_ARG(a >= 0 && a < V, op, ": anchor ", a, " of sequence ", s, " is outside [0, ", V, ")");
-      for (int64_t t = 0; t < P; ++t)
+      const float t = temperature.data_as<const float>()[s * temperature.stride(0)];
+      DFLASH2_CHECK_ARG(std::isfinite(t) && t >= 0.0f, op, ": temperature[", s, "] must be finite and >= 0, found ", t);
+      sampled = sampled || t > 0.0f;
+      for (int64_t t2 = 0; t2 < P; ++t2)
         for (int64_t b = 0; b < K; ++b) {
-          const int64_t c = cand.data_as<const int32_t>()[s * cand.stride(0) + t * cand.stride(1) + b];
-          DFLASH2_CHECK_ARG(c >= 0 && c < V, op, ": candidate ", c, " at (", s, ", ", t, ", ", b, ") is outside [0, ",
-                            V, ")");
+          const int64_t c = cand.data_as<const int32_t>()[s * cand.stride(0) + t2 * cand.stride(1) + b];
+          DFLASH2_CHECK_ARG(c >= 0 && c < V, op, ": candidate ", c, " at (", s, ", ", t2, ", ", b,
+                            ") is outside [0, ", V, ")");
         }
     }
   }
-  if (temperature > 0.0f) {
-    need_dtype(uniforms, DType::I64, op, "uniforms");
-    DFLASH2_CHECK_ARG(uniforms.ndim() == 2 && uniforms.shape(0) == S && uniforms.shape(1) == P, op,
-                      ": uniforms must be I64 [", S, ", ", P, "], found ", uniforms.describe());
+  if (sampled) {
+    need_rng(rng, S, op);
     need_3d(q, DType::F32, op, "q");
     need_same_shape(vals, q, op, "vals", "q");
-    same_device(vals, uniforms, op);
+    same_device(vals, rng, op);
     same_device(vals, q, op);
   }
-  for (const Tensor* t : std::initializer_list<const Tensor*>{&cand, &g, &pred_book, &succ_book, &anchors, &tokens}) same_device(vals, *t, op);
-  DFLASH2_DISPATCH(selector_walk, vals, vals, cand, g, pred_book, succ_book, anchors, temperature, uniforms, tokens, q);
+  for (const Tensor* t : std::initializer_list<const Tensor*>{&cand, &g, &pred_book, &succ_book, &anchors, &tokens,
+                                                              &temperature})
+    same_device(vals, *t, op);
+  DFLASH2_DISPATCH(selector_walk, vals, vals, cand, g, pred_book, succ_book, anchors, temperature, rng, tokens, q);
+}
+
+// ------------------------------------------------------------------ sampling and acceptance
+void sample(const Tensor& logits, const SamplingTensors& sp, const Tensor& rng, Tensor& out) {
+  const char* op = "sample";
+  need_2d_rows(logits, DType::F32, op, "logits");
+  const int64_t R = logits.shape(0);
+  DFLASH2_CHECK_ARG(logits.shape(1) >= 1, op, ": rows must not be empty");
+  need_sampling(sp, R, op);
+  need_rng(rng, R, op);
+  need_i32_vec(out, R, op, "out");
+  for (const Tensor* t : std::initializer_list<const Tensor*>{&sp.temperature, &sp.top_p, &sp.top_k, &rng, &out})
+    same_device(logits, *t, op);
+  DFLASH2_DISPATCH(sample, logits, logits, sp, rng, out);
+}
+
+void accept(const Tensor& logits, const Tensor& row0, const Tensor& draft, const Tensor& draft_row,
+            const Tensor& draft_len, const Tensor& cand, const Tensor& q, const SamplingTensors& sp, const Tensor& rng,
+            Tensor& accepted, Tensor& bonus) {
+  const char* op = "accept";
+  need_2d_rows(logits, DType::F32, op, "logits");
+  need(row0, op, "row0");
+  const int64_t S = row0.shape(0), M = logits.shape(0), V = logits.shape(1);
+  need_i32_vec(row0, S, op, "row0");
+  need_i32_vec(draft_row, S, op, "draft_row");
+  need_i32_vec(draft_len, S, op, "draft_len");
+  need_2d_rows(draft, DType::I32, op, "draft");
+  const int64_t N = draft.shape(0), K = draft.shape(1);
+  if (q.defined()) {
+    need_3d(q, DType::F32, op, "q");
+    need_3d(cand, DType::I32, op, "cand");
+    need_same_shape(q, cand, op, "q", "cand");
+    DFLASH2_CHECK_ARG(q.shape(0) == N && q.shape(1) == K, op, ": q and cand must be [", N, ", ", K, ", C], found ",
+                      q.describe());
+    same_device(logits, q, op);
+    same_device(logits, cand, op);
+  }
+  need_sampling(sp, S, op);
+  need_rng(rng, S, op);
+  need_i32_vec(accepted, S, op, "accepted");
+  need_i32_vec(bonus, S, op, "bonus");
+  for (const Tensor* t : std::initializer_list<const Tensor*>{&row0, &draft, &draft_row, &draft_len, &sp.temperature,
+                                                              &sp.top_p, &sp.top_k, &rng, &accepted, &bonus})
+    same_device(logits, *t, op);
+  if (row0.device().is_cpu())
+    for (int64_t s = 0; s < S; ++s) {
+      const int64_t r0 = row0.data_as<const int32_t>()[s * row0.stride(0)];
+      const int64_t L = draft_len.data_as<const int32_t>()[s * draft_len.stride(0)];
+      const int64_t dr = draft_row.data_as<const int32_t>()[s * draft_row.stride(0)];
+      DFLASH2_CHECK_ARG(L >= 0 && L <= K, op, ": draft_len[", s, "] = ", L, " outside [0, ", K, "]");
+      DFLASH2_CHECK_ARG(r0 >= 0 && r0 + L < M, op, ": sequence ", s, " needs logits rows ", r0, "..", r0 + L,
+                        " of ", M);
+      DFLASH2_CHECK_ARG(L == 0 || (dr >= 0 && dr < N), op, ": draft_row[", s, "] = ", dr, " outside [0, ", N, ")");
+      for (int64_t j = 0; j < L; ++j) {
+        const int64_t t = draft.data_as<const int32_t>()[dr * draft.stride(0) + j];
+        DFLASH2_CHECK_ARG(t >= 0 && t < V, op, ": drafted token ", t, " of sequence ", s, " is outside [0, ", V, ")");
+      }
+    }
+  DFLASH2_DISPATCH(accept, logits, logits, row0, draft, draft_row, draft_len, cand, q, sp, rng, accepted, bonus);
 }
 
 }  // namespace dflash2::ops

@@ -6,7 +6,6 @@
 #pragma once
 #include <cstdint>
 #include <memory>
-#include <random>
 #include <string>
 #include <vector>
 
@@ -35,9 +34,11 @@ struct Features {
 
 struct DraftJob {
   int slot = 0;
-  int32_t anchor = 0;       // the last committed token (at the slot's committed length)
-  int64_t max_tokens = 0;   // draft at most this many (the room left before max_seq_len)
-  std::mt19937_64* rng = nullptr;
+  int32_t anchor = 0;        // the last committed token (at the slot's committed length)
+  int64_t max_tokens = 0;    // draft at most this many (the room left before max_seq_len)
+  float temperature = 0.0f;  // > 0: a drafter that can sample does (DFlash 2's selector)
+  uint64_t rng_key = 0;      // the request's random stream (Philox key) ...
+  uint64_t* rng_counter = nullptr;  // ... and its next counter, advanced by the draws taken
 };
 
 // A drafter's output for the jobs of one draft() call (row i = job i), in its fixed buffers.
@@ -56,8 +57,9 @@ class Drafter {
   virtual std::vector<int64_t> tap_layers() const { return {}; }
   virtual bool wants_final_hidden() const { return false; }
   virtual void commit(const std::vector<CommitRows>& rows, const Features& f) = 0;
-  // temperature 0: greedy drafts; > 0 may sample (DFlash 2's selector records q).
-  virtual const DraftResult& draft(const std::vector<DraftJob>& jobs, float temperature) = 0;
+  // Greedy drafts where a job's temperature is 0; DFlash 2's selector samples the others
+  // and records q.
+  virtual const DraftResult& draft(const std::vector<DraftJob>& jobs) = 0;
   virtual void release(int slot) = 0;
 };
 

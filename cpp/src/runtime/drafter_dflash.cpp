@@ -48,7 +48,8 @@ class DFlashRunner final : public Drafter {
     taps_ = Tensor::zeros(DType::F32, {o.max_step_tokens, nt * H});
     idx_ = Tensor::zeros(DType::I32, {o.max_step_tokens});
     ids_ = Tensor::zeros(DType::I32, {maxB * B});
-    uniforms_ = Tensor::zeros(DType::I64, {maxB, B - 1});
+    rng_ = Tensor::zeros(DType::I64, {maxB, 2});
+    temp_ = Tensor::zeros(DType::F32, {maxB});
     res_.tokens = Tensor::zeros(DType::I32, {maxB, B - 1});
     if (m_->use_selector()) {
       res_.cand = Tensor::zeros(DType::I32, {maxB, B - 1, c.selector_top_k});
@@ -86,14 +87,16 @@ class DFlashRunner final : public Drafter {
     }
   }
 
-  const DraftResult& draft(const std::vector<DraftJob>& jobs, float temperature) override {
+  const DraftResult& draft(const std::vector<DraftJob>& jobs) override {
     const int64_t S = int64_t(jobs.size()), B = m_->block_size(), K = B - 1;
     res_.len.assign(size_t(S), 0);
     res_.row.assign(size_t(S), 0);
     std::vector<CacheStream*>& streams = host_streams_;
     streams.clear();
     host_ids_.clear();
-    const bool sample = temperature > 0.0f && m_->use_selector();
+    host_temp_.clear();
+    host_rng_.clear();
+    bool sample = false;
     for (int64_t i = 0; i < S; ++i) {
       const DraftJob& j = jobs[size_t(i)];
       if (j.max_tokens < K) continue;  // no room for a whole block before max_seq_len
@@ -103,13 +106,13 @@ class DFlashRunner final : public Drafter {
       streams.push_back(&streams_[size_t(j.slot)]);
       host_ids_.push_back(j.anchor);
       for (int64_t t = 1; t < B; ++t) host_ids_.push_back(int32_t(m_->config().mask_token_id));
-      if (sample) {
-        int64_t* u = uniforms_.data_as<int64_t>() + a * uniforms_.stride(0);
-        for (int64_t t = 0; t < K; ++t) {
-          const double v = std::uniform_real_distribution<double>(0.0, 1.0)(*j.rng);
-          std::memcpy(&u[t], &v, 8);
-        }
-      }
+      // the selector's draws: K per sampled block, taken from the request's stream
+      const bool s_j = j.temperature > 0.0f && m_->use_selector();
+      host_temp_.push_back(s_j ? j.temperature : 0.0f);
+      host_rng_.push_back(int64_t(j.rng_key));
+      host_rng_.push_back(int64_t(s_j ? *j.rng_counter : 0));
+      if (s_j) *j.rng_counter += uint64_t(K);
+      sample = sample || s_j;
     }
     res_.has_q = sample;
     const int64_t A = int64_t(streams.size());
@@ -118,11 +121,14 @@ class DFlashRunner final : public Drafter {
     Tensor ids = ids_.slice(0, 0, A * B);
     ids.copy_from(Tensor::view(host_ids_.data(), DType::I32, {A * B}));
     b.tokens = ids;
+    Tensor temp = temp_.slice(0, 0, A), rng = rng_.slice(0, 0, A);
+    temp.copy_from(Tensor::view(host_temp_.data(), DType::F32, {A}));
+    rng.copy_from(Tensor::view(host_rng_.data(), DType::I64, {A, 2}));
     model::DraftOutputs out;
     out.tokens = res_.tokens.slice(0, 0, A);
     if (res_.cand.defined()) out.cand = res_.cand.slice(0, 0, A);
     if (sample) out.q = res_.q.slice(0, 0, A);
-    m_->draft(b, kv_layers_, sample ? temperature : 0.0f, sample ? uniforms_.slice(0, 0, A) : Tensor(), out);
+    m_->draft(b, kv_layers_, temp, rng, out);
     return res_;
   }
 
@@ -135,9 +141,11 @@ class DFlashRunner final : public Drafter {
   std::vector<Tensor> kv_layers_;
   std::vector<CacheStream> streams_;
   StepPlanner planner_;
-  Tensor taps_, idx_, ids_, uniforms_;
+  Tensor taps_, idx_, ids_, rng_, temp_;
   std::vector<std::vector<Piece>> chunks_;
   std::vector<int32_t> host_idx_, host_ids_;
+  std::vector<float> host_temp_;
+  std::vector<int64_t> host_rng_;
   std::vector<CacheStream*> host_streams_;
   DraftResult res_;
 };

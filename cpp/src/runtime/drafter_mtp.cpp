@@ -69,7 +69,7 @@ class MtpDrafter final : public Drafter {
     }
   }
 
-  const DraftResult& draft(const std::vector<DraftJob>& jobs, float /*temperature: MTP drafts greedily*/) override {
+  const DraftResult& draft(const std::vector<DraftJob>& jobs) override {  // greedy at any temperature
     const int64_t S = int64_t(jobs.size());
     res_.len.assign(size_t(S), 0);
     res_.row.resize(size_t(S));

@@ -7,6 +7,7 @@
 #include <algorithm>
 #include <chrono>
 #include <cmath>
+#include <random>
 
 #include "dflash2/error.h"
 #include "dflash2/ops.h"
@@ -14,7 +15,6 @@
 #include "model/glm_model.h"
 #include "runtime/drafter.h"
 #include "runtime/target.h"
-#include "runtime/verifier.h"
 
 namespace dflash2 {
 
@@ -35,7 +35,9 @@ struct Engine::Impl {
   // rows, the drafter's features (taps, final hidden) of a chunk or a verify step, and
   // the non-finite flags of the logits rows.
   Tensor logits, taps_buf, fin, flags;
-  std::unique_ptr<runtime::Verifier> verifier;
+  // sampling / acceptance plan buffers (one row per sequence of a step), filled on the host
+  Tensor s_temp, s_topp, s_topk, s_rng, s_out;
+  Tensor a_row0, a_draft_row, a_draft_len, a_accepted, a_bonus, no_drafts;
   // host bookkeeping reused across steps
   std::vector<std::vector<runtime::Piece>> chunks;
 
@@ -140,7 +142,17 @@ Engine::Engine(const EngineConfig& cfg) : impl_(std::make_unique<Impl>()) {
   I.flags = Tensor::empty(DType::I32, {verify_rows});
   if (!I.taps.empty()) I.taps_buf = Tensor::empty(DType::F32, {feat_rows, int64_t(I.taps.size()) * H});
   if (I.want_final) I.fin = Tensor::empty(DType::F32, {feat_rows, H});
-  I.verifier = std::make_unique<runtime::Verifier>(V);
+  I.s_temp = Tensor::zeros(DType::F32, {B});
+  I.s_topp = Tensor::zeros(DType::F32, {B});
+  I.s_topk = Tensor::zeros(DType::I32, {B});
+  I.s_rng = Tensor::zeros(DType::I64, {B, 2});
+  I.s_out = Tensor::zeros(DType::I32, {B});
+  I.a_row0 = Tensor::zeros(DType::I32, {B});
+  I.a_draft_row = Tensor::zeros(DType::I32, {B});
+  I.a_draft_len = Tensor::zeros(DType::I32, {B});
+  I.a_accepted = Tensor::zeros(DType::I32, {B});
+  I.a_bonus = Tensor::zeros(DType::I32, {B});
+  I.no_drafts = Tensor::zeros(DType::I32, {B, 1});
 }
 
 Engine::~Engine() = default;
@@ -169,6 +181,15 @@ std::unique_ptr<Sequence> Engine::new_sequence() {
 
 namespace {
 
+// The Philox key of request `index` of a call with `seed` (< 0: nondeterministic).
+uint64_t rng_key(int64_t seed, int64_t index) {
+  uint64_t s = seed < 0 ? std::random_device{}() ^ (uint64_t(std::random_device{}()) << 32) : uint64_t(seed);
+  uint64_t z = s + 0x9e3779b97f4a7c15ull * uint64_t(index + 1);  // splitmix64 of (seed, index)
+  z = (z ^ (z >> 30)) * 0xbf58476d1ce4e5b9ull;
+  z = (z ^ (z >> 27)) * 0x94d049bb133111ebull;
+  return z ^ (z >> 31);
+}
+
 // Everything one request carries through the decode loop.
 struct Req {
   size_t idx = 0;
@@ -177,7 +198,7 @@ struct Req {
   CacheStream main;
   int32_t anchor = 0;  // last emitted token: not yet in the target cache
   bool done = false;
-  std::mt19937_64 rng;
+  uint64_t rng_key = 0, rng_counter = 0;  // the request's random stream (Philox)
   std::vector<int32_t> next;      // the tokens following the positions being committed
   std::vector<int32_t> verify;    // [anchor, drafts...] of the current step
   int64_t committed = 0;
@@ -216,8 +237,22 @@ std::vector<GenerationResult> Engine::generate(const std::vector<std::vector<int
   } else {
     for (auto e : mc.eos_token_ids) stops.push_back(int32_t(e));
   }
-  const runtime::SamplerParams sp{p.temperature, p.top_p, p.top_k};
   const bool greedy = p.temperature <= 0.0f;
+  DFLASH2_CHECK_ARG(p.top_k <= INT32_MAX, "generate: top_k must fit 32 bits, found ", p.top_k);
+  const ops::SamplingTensors sp_all{I.s_temp, I.s_topp, I.s_topk};
+  // Writes row r of the sampling plan for request q, taking `draws` of its stream.
+  auto plan_row = [&](int64_t r, Req& q, uint64_t draws) {
+    I.s_temp.data_as<float>()[r] = greedy ? 0.0f : p.temperature;
+    I.s_topp.data_as<float>()[r] = p.top_p;
+    I.s_topk.data_as<int32_t>()[r] = int32_t(p.top_k);
+    I.s_rng.data_as<int64_t>()[2 * r] = int64_t(q.rng_key);
+    I.s_rng.data_as<int64_t>()[2 * r + 1] = int64_t(q.rng_counter);
+    q.rng_counter += draws;
+  };
+  auto sampling_rows = [&](int64_t n) {
+    return ops::SamplingTensors{sp_all.temperature.slice(0, 0, n), sp_all.top_p.slice(0, 0, n),
+                                sp_all.top_k.slice(0, 0, n)};
+  };
   runtime::Drafter* drafter = I.drafter.get();
   const int64_t step_tokens = tgt.options().max_step_tokens;
 
@@ -238,7 +273,7 @@ std::vector<GenerationResult> Engine::generate(const std::vector<std::vector<int
         reqs[i].idx = w0 + i;
         reqs[i].slot = int(i);
         reqs[i].prompt = &prompts[w0 + i];
-        reqs[i].rng = runtime::make_rng(p.seed, int64_t(w0 + i));
+        reqs[i].rng_key = rng_key(p.seed, int64_t(w0 + i));
         reqs[i].accepted_at.assign(size_t(K), 0);
         results[w0 + i].stats.prompt_tokens = int64_t(prompts[w0 + i].size());
       }
@@ -296,11 +331,19 @@ std::vector<GenerationResult> Engine::generate(const std::vector<std::vector<int
           if (I.fin.defined()) out.final_hidden = I.fin.slice(0, 0, T);
           tgt.run_chunk(ch, out);
           if (R > 0) I.check_finite(R, "the prefill", -1, nullptr);
+          // the first token of every prompt that ends here (one draw each)
           int64_t r = 0;
-          for (const auto& pc : ch) {  // the first token of every prompt that ends here
+          for (const auto& pc : ch)
+            if (pc.last) plan_row(r++, reqs[size_t(pc.seq)], 1);
+          if (R > 0) {
+            Tensor lg = I.logits.slice(0, 0, R), rng = I.s_rng.slice(0, 0, R), out = I.s_out.slice(0, 0, R);
+            ops::sample(lg, sampling_rows(R), rng, out);
+          }
+          r = 0;
+          for (const auto& pc : ch) {
             if (!pc.last) continue;
             Req& q = reqs[size_t(pc.seq)];
-            q.anchor = I.verifier->sample(I.logits.select(0, r++), sp, q.rng);
+            q.anchor = I.s_out.data_as<const int32_t>()[r++];
             q.next.assign(q.prompt->begin() + 1, q.prompt->end());
             q.next.push_back(q.anchor);
           }
@@ -350,10 +393,12 @@ std::vector<GenerationResult> Engine::generate(const std::vector<std::vector<int
             j.slot = r->slot;
             j.anchor = r->anchor;
             j.max_tokens = max_len - r->main.length - 1;
-            j.rng = &r->rng;
+            j.temperature = greedy ? 0.0f : p.temperature;
+            j.rng_key = r->rng_key;
+            j.rng_counter = &r->rng_counter;
             jobs.push_back(j);
           }
-          dr = &drafter->draft(jobs, greedy ? 0.0f : p.temperature);
+          dr = &drafter->draft(jobs);
         }
         t_draft += now() - t0;
 
@@ -393,19 +438,32 @@ std::vector<GenerationResult> Engine::generate(const std::vector<std::vector<int
         t_verify += now() - t0;
 
         // 3. accept (greedy: longest matching prefix; sampling: lossless rejection sampling)
+        const Tensor& drafts = dr ? dr->tokens : I.no_drafts;
+        const int64_t S = int64_t(act.size());
+        {
+          int64_t row = 0;
+          for (int64_t k = 0; k < S; ++k) {
+            Req& r = *act[size_t(k)];
+            const int64_t kk = int64_t(r.verify.size()) - 1;
+            I.a_row0.data_as<int32_t>()[k] = int32_t(row);
+            I.a_draft_row.data_as<int32_t>()[k] = dr ? int32_t(dr->row[size_t(k)]) : 0;
+            I.a_draft_len.data_as<int32_t>()[k] = int32_t(kk);
+            plan_row(k, r, uint64_t(drafts.shape(1) + 1));
+            row += kk + 1;
+          }
+          Tensor lg = I.logits.slice(0, 0, row), rng = I.s_rng.slice(0, 0, S);
+          Tensor acc = I.a_accepted.slice(0, 0, S), bon = I.a_bonus.slice(0, 0, S);
+          const bool with_q = dr && dr->has_q;
+          ops::accept(lg, I.a_row0.slice(0, 0, S), drafts, I.a_draft_row.slice(0, 0, S), I.a_draft_len.slice(0, 0, S),
+                      with_q ? dr->cand : Tensor(), with_q ? dr->q : Tensor(), sampling_rows(S), rng, acc, bon);
+        }
         commits.clear();
         int64_t row = 0;
-        for (size_t k = 0; k < act.size(); ++k) {
-          Req& r = *act[k];
+        for (int64_t k = 0; k < S; ++k) {
+          Req& r = *act[size_t(k)];
           const int64_t kk = int64_t(r.verify.size()) - 1;
-          Tensor cand, q;
-          if (dr && dr->has_q && kk > 0) {
-            cand = dr->cand.select(0, dr->row[k]);
-            q = dr->q.select(0, dr->row[k]);
-          }
-          const runtime::Accepted acc = I.verifier->accept(I.logits.slice(0, row, row + kk + 1), r.verify.data() + 1,
-                                                           kk, cand, q, greedy, sp, r.rng);
-          const int64_t a = acc.n;
+          const int64_t a = I.a_accepted.data_as<const int32_t>()[k];
+          const int32_t bonus = I.a_bonus.data_as<const int32_t>()[k];
           // 4. commit anchor + a accepted tokens; roll back the rest of the verify pass
           const int64_t L = r.main.length - (kk + 1);
           tgt.cache().truncate(r.main, L + a + 1);
@@ -413,9 +471,9 @@ std::vector<GenerationResult> Engine::generate(const std::vector<std::vector<int
           for (int64_t j = 0; j < a && j < K; ++j) r.accepted_at[size_t(j)] += 1;
           results[r.idx].stats.verify_steps += 1;
           r.next.assign(r.verify.begin() + 1, r.verify.begin() + 1 + a);
-          r.next.push_back(acc.bonus);
+          r.next.push_back(bonus);
           emit(r, r.next.data(), int64_t(r.next.size()));
-          r.anchor = acc.bonus;
+          r.anchor = bonus;
           if (drafter && !r.done) {
             runtime::CommitRows c;
             c.slot = r.slot;
@@ -482,8 +540,7 @@ Proposal Engine::propose(const std::vector<int32_t>& tokens) {
     runtime::make_chunks(streams, toks, counts, tgt.options().max_step_tokens, I.chunks);
     std::vector<int32_t> next(tokens.begin() + 1, tokens.end());
     runtime::Features feats{I.taps_buf, I.fin};
-    const runtime::SamplerParams greedy{0.0f, 1.0f, 0};
-    std::mt19937_64 unused;
+    uint64_t unused = 0;
     for (const auto& ch : I.chunks) {
       const auto& pc = ch[0];
       model::ForwardOutputs fo;
@@ -493,7 +550,9 @@ Proposal Engine::propose(const std::vector<int32_t>& tokens) {
       if (I.fin.defined()) fo.final_hidden = I.fin.slice(0, 0, pc.n);
       tgt.run_chunk(ch, fo);
       if (pc.last) {
-        out.anchor = I.verifier->sample(I.logits.select(0, 0), greedy, unused);
+        Tensor lg = I.logits.slice(0, 0, 1), tok = I.s_out.slice(0, 0, 1);
+        ops::argmax(lg, tok);
+        out.anchor = I.s_out.data_as<const int32_t>()[0];
         next.push_back(out.anchor);
       }
       runtime::CommitRows c;
@@ -507,8 +566,8 @@ Proposal Engine::propose(const std::vector<int32_t>& tokens) {
     j.slot = slot;
     j.anchor = out.anchor;
     j.max_tokens = I.K;
-    j.rng = &unused;
-    const runtime::DraftResult& dr = I.drafter->draft({j}, 0.0f);
+    j.rng_counter = &unused;
+    const runtime::DraftResult& dr = I.drafter->draft({j});
     const int32_t* d = dr.tokens.data_as<const int32_t>() + dr.row[0] * dr.tokens.stride(0);
     out.tokens.assign(d, d + dr.len[0]);
     if (dr.cand.defined() && dr.len[0] > 0) {

@@ -23,6 +23,7 @@ void set_tl_scope(int n);
 // Per-thread scratch that grows to a high-water mark and is then reused (no allocation
 // in steady state); slot separates buffers used at the same time.
 float* thread_scratch(int slot, size_t n);
+double* thread_dscratch(int slot, size_t n);
 int32_t* thread_iscratch(int slot, size_t n);
 
 // 4-way partial dot product (the attention / indexer score order).
@@ -71,7 +72,11 @@ void moe_experts(const Tensor& x, const Tensor& ids, const Tensor& weights, cons
                  Tensor& out, Tensor& workspace);
 void dyn_conv(const Tensor& x, const Tensor& base, const Tensor& dyn, int64_t block, Tensor& out);
 void selector_walk(const Tensor& vals, const Tensor& cand, const Tensor& g, const Tensor& pred_book,
-                   const Tensor& succ_book, const Tensor& anchors, float temperature, const Tensor& uniforms,
+                   const Tensor& succ_book, const Tensor& anchors, const Tensor& temperature, const Tensor& rng,
                    Tensor& tokens, Tensor& q);
+void sample(const Tensor& logits, const ops::SamplingTensors& sp, const Tensor& rng, Tensor& out);
+void accept(const Tensor& logits, const Tensor& row0, const Tensor& draft, const Tensor& draft_row,
+            const Tensor& draft_len, const Tensor& cand, const Tensor& q, const ops::SamplingTensors& sp,
+            const Tensor& rng, Tensor& accepted, Tensor& bonus);
 
 }  // namespace dflash2::cpu

@@ -6,6 +6,7 @@
 
 #include "backend/cpu/cpu_ops.h"
 #include "dflash2/error.h"
+#include "ops/philox.h"
 
 namespace dflash2::cpu {
 
@@ -37,7 +38,7 @@ inline float book_at(const Tensor& t, int64_t row, int64_t col) {
 }  // namespace
 
 void selector_walk(const Tensor& vals, const Tensor& cand, const Tensor& g, const Tensor& pred_book,
-                   const Tensor& succ_book, const Tensor& anchors, float temperature, const Tensor& uniforms,
+                   const Tensor& succ_book, const Tensor& anchors, const Tensor& temperature, const Tensor& rng,
                    Tensor& tokens, Tensor& q) {
   const int64_t S = vals.shape(0), P = vals.shape(1), K = vals.shape(2), Rk = g.shape(2);
   float* a = thread_scratch(0, size_t(Rk + 2 * K));
@@ -45,6 +46,7 @@ void selector_walk(const Tensor& vals, const Tensor& cand, const Tensor& g, cons
   float* qd = score + K;
   for (int64_t s = 0; s < S; ++s) {
     int32_t pred = anchors.data_as<const int32_t>()[s * anchors.stride(0)];
+    const float temp = temperature.data_as<const float>()[s * temperature.stride(0)];
     for (int64_t t = 0; t < P; ++t) {
       const float* gt = g.data_as<const float>() + s * g.stride(0) + t * g.stride(1);
       for (int64_t e = 0; e < Rk; ++e) a[e] = book_at(pred_book, pred, e) * gt[e];
@@ -56,18 +58,17 @@ void selector_walk(const Tensor& vals, const Tensor& cand, const Tensor& g, cons
         score[b] = vr[b] + dd;
       }
       int64_t choice = 0;
-      if (temperature <= 0.0f) {
+      if (temp <= 0.0f) {
         for (int64_t b = 1; b < K; ++b)
           if (score[b] > score[choice]) choice = b;
       } else {
         const float mx = *std::max_element(score, score + K);
         double sum = 0;
-        for (int64_t b = 0; b < K; ++b) sum += (qd[b] = std::exp((score[b] - mx) / temperature));
+        for (int64_t b = 0; b < K; ++b) sum += (qd[b] = std::exp((score[b] - mx) / temp));
         float* qo = q.data_as<float>() + s * q.stride(0) + t * q.stride(1);
         for (int64_t b = 0; b < K; ++b) qo[b] = qd[b] = float(qd[b] / sum);
-        const int64_t bits = uniforms.data_as<const int64_t>()[s * uniforms.stride(0) + t * uniforms.stride(1)];
-        double u;
-        std::memcpy(&u, &bits, 8);
+        const int64_t* st = rng.data_as<const int64_t>() + s * rng.stride(0);
+        const double u = philox::uniform(uint64_t(st[0]), uint64_t(st[rng.stride(1)]) + uint64_t(t));
         double cum = 0;
         choice = K - 1;
         for (int64_t b = 0; b < K; ++b) {

@@ -33,6 +33,13 @@ float* thread_scratch(int slot, size_t n) {
   return b.data();
 }
 
+double* thread_dscratch(int slot, size_t n) {
+  thread_local std::vector<double> bufs[4];
+  std::vector<double>& b = bufs[slot];
+  if (b.size() < n) b.resize(std::max(n, b.size() * 2));
+  return b.data();
+}
+
 int32_t* thread_iscratch(int slot, size_t n) {
   thread_local std::vector<int32_t> bufs[4];
   std::vector<int32_t>& b = bufs[slot];

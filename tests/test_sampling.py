@@ -1,0 +1,206 @@
+"""The sampling and acceptance ops (dflash2_rt.ops.sample / accept) against exact
+distributions computed here by sorting (the reference the sorting-free op must equal):
+
+* the support of a row's distribution is exactly the top-k / top-p set of the definition
+  (ties at the cut go to the lower id), and its frequencies match the exact probabilities
+  (TV distance within a bound that tightens with the number of draws);
+* draws are a pure function of (key, counter): same state, same token;
+* acceptance is lossless: drafting d ~ q and committing accept's output token gives
+  exactly p (one-hot and K-wide q), and greedy acceptance is the longest argmax prefix.
+"""
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+import dflash2_rt
+from dflash2_rt import ops
+
+
+def exact_probs(logits, temperature, top_k, top_p):
+    """The definition, with a stable sort: scale, keep the top_k largest (ties to the lower
+    id), then the smallest prefix by probability whose mass reaches top_p (ties to the
+    lower id), renormalise."""
+    x = np.asarray(logits, np.float64) / temperature
+    V = x.shape[0]
+    order = sorted(range(V), key=lambda i: (-float(logits[i]), i))  # descending, ties lower id first
+    keep = order[:top_k] if 0 < top_k < V else order
+    w = np.exp(x[keep] - x.max())
+    w = w / w.sum()
+    if top_p < 1.0:
+        cum, n = 0.0, 0
+        for n, v in enumerate(w, 1):
+            cum += v
+            if cum >= top_p:
+                break
+        keep, w = keep[:n], w[:n] / w[:n].sum()
+    p = np.zeros(V)
+    p[keep] = w
+    return p
+
+
+def tv_bound(p, n):
+    """A generous high-probability bound on the TV distance of an n-sample empirical
+    distribution from p (5 standard deviations of the sum of |errors|)."""
+    sd = np.sqrt(p * (1 - p) / n)
+    return 0.5 * (np.sqrt(2 / np.pi) * sd.sum() + 5 * np.sqrt((sd ** 2).sum())) + 1e-12
+
+
+def rng_rows(key, n, start=0, stride=1):
+    return np.stack([np.full(n, key, np.int64), start + stride * np.arange(n, dtype=np.int64)], 1)
+
+
+def params(n, temperature, top_p, top_k):
+    return (np.full(n, temperature, np.float32), np.full(n, top_p, np.float32), np.full(n, top_k, np.int32))
+
+
+def sample_many(row, n, temperature, top_p, top_k, key=7):
+    logits = np.repeat(np.asarray(row, np.float32)[None], n, 0)
+    t, p, k = params(n, temperature, top_p, top_k)
+    return np.asarray(ops.sample(logits, t, p, k, rng_rows(key, n)).numpy())
+
+
+ROWS = {
+    "random": np.random.default_rng(1).normal(0, 2, 40).astype(np.float32),
+    # ties everywhere: 4 values, 10 copies each, interleaved
+    "ties": np.array([3.0, 1.0, 2.0, 0.5] * 10, np.float32),
+    "peaked": np.concatenate([[8.0, 7.5], np.random.default_rng(2).normal(0, 1, 30)]).astype(np.float32),
+    "negative": -np.abs(np.random.default_rng(3).normal(5, 3, 33)).astype(np.float32),
+}
+SETTINGS = [(1.0, 1.0, 0), (0.7, 1.0, 5), (1.0, 0.9, 0), (1.3, 0.5, 0), (0.8, 0.85, 6), (1.0, 0.3, 12),
+            (2.0, 1.0, 1), (1.0, 1e-6, 0), (1.0, 0.999, 3)]
+
+
+@pytest.mark.parametrize("name", sorted(ROWS))
+@pytest.mark.parametrize("temperature,top_p,top_k", SETTINGS)
+def test_sample_matches_the_exact_distribution(name, temperature, top_p, top_k):
+    row = ROWS[name]
+    p = exact_probs(row, temperature, top_k, top_p)
+    n = 20000
+    got = sample_many(row, n, temperature, top_p, top_k)
+    support = set(np.flatnonzero(p))
+    assert set(got.tolist()) <= support, f"drew outside the kept set: {sorted(set(got.tolist()) - support)}"
+    # every token of the kept set with a fair share of the mass appears
+    assert {i for i in support if p[i] > 20 / n} <= set(got.tolist())
+    emp = np.bincount(got, minlength=row.shape[0]) / n
+    tv = 0.5 * np.abs(emp - p).sum()
+    assert tv <= tv_bound(p, n), f"TV {tv:.4f} > {tv_bound(p, n):.4f}"
+
+
+def test_top_k_cuts_ties_at_the_lower_id():
+    row = np.array([1.0, 5.0, 3.0, 5.0, 3.0, 3.0, 0.0], np.float32)
+    got = set(sample_many(row, 4000, 1.0, 1.0, 3).tolist())
+    assert got == {1, 3, 2}  # both 5s and the first 3
+    got = set(sample_many(row, 4000, 1.0, 1.0, 4).tolist())
+    assert got == {1, 3, 2, 4}
+
+
+def test_top_p_cuts_ties_at_the_lower_id():
+    # four equal tokens with 0.234 of the mass each: top_p 0.4 keeps the 2 lowest ids, 0.5 the 3 lowest
+    row = np.array([0.0, 2.0, 2.0, 0.0, 2.0, 2.0], np.float32)
+    for top_p, want in ((0.4, {1, 2}), (0.5, {1, 2, 4})):
+        assert set(np.flatnonzero(exact_probs(row, 1.0, 0, top_p))) == want
+        assert set(sample_many(row, 4000, 1.0, top_p, 0).tolist()) == want
+
+
+def test_greedy_is_argmax_and_draws_are_a_function_of_the_state():
+    rows = np.random.default_rng(5).normal(size=(6, 300)).astype(np.float32)
+    rows[2, 7] = rows[2, 9] = rows[2].max() + 1  # a tie: the lower id
+    t, p, k = params(6, 0.0, 1.0, 0)
+    g = np.asarray(ops.sample(rows, t, p, k, rng_rows(1, 6)).numpy())
+    assert g.tolist() == [int(np.argmax(r)) for r in rows] and g[2] == 7
+    t, p, k = params(6, 1.0, 0.9, 50)
+    a = np.asarray(ops.sample(rows, t, p, k, rng_rows(3, 6, 100)).numpy())
+    b = np.asarray(ops.sample(rows, t, p, k, rng_rows(3, 6, 100)).numpy())
+    c = np.asarray(ops.sample(rows, t, p, k, rng_rows(4, 6, 100)).numpy())
+    assert (a == b).all() and not (a == c).all()
+
+
+def test_sample_argument_errors():
+    x = np.zeros((2, 5), np.float32)
+    t, p, k = params(2, 1.0, 1.0, 0)
+    with pytest.raises(dflash2_rt.InvalidArgumentError, match="sample: .*top_p"):
+        ops.sample(x, t, np.array([1.0, 1.5], np.float32), k, rng_rows(1, 2))
+    with pytest.raises(dflash2_rt.InvalidArgumentError, match="sample: .*temperature"):
+        ops.sample(x, np.array([1.0, np.nan], np.float32), p, k, rng_rows(1, 2))
+    with pytest.raises(dflash2_rt.InvalidArgumentError, match="sample: .*rng"):
+        ops.sample(x, t, p, k, np.zeros((2, 3), np.int64))
+    with pytest.raises(dflash2_rt.InvalidArgumentError, match="sample: .*top_k"):
+        ops.sample(x, t, p, np.array([0, -1], np.int32), rng_rows(1, 2))
+
+
+# ----------------------------------------------------------------------------- accept
+
+
+def test_greedy_acceptance_is_the_longest_argmax_prefix():
+    V, K = 20, 4
+    rng = np.random.default_rng(0)
+    S = 5
+    logits = rng.normal(size=(S * (K + 1), V)).astype(np.float32)
+    am = logits.argmax(1).reshape(S, K + 1)
+    draft = am[:, :K].copy()
+    draft[1, 2] = (draft[1, 2] + 1) % V   # rejected at 2
+    draft[2, 0] = (draft[2, 0] + 1) % V   # rejected at 0
+    lens = np.array([K, K, K, 2, 0], np.int32)
+    t, p, k = params(S, 0.0, 1.0, 0)
+    acc, bon = ops.accept(logits, np.arange(S, dtype=np.int32) * (K + 1), draft.astype(np.int32),
+                          np.arange(S, dtype=np.int32), lens, temperature=t, top_p=p, top_k=k, rng=rng_rows(1, S))
+    acc, bon = np.asarray(acc.numpy()), np.asarray(bon.numpy())
+    assert acc.tolist() == [4, 2, 0, 2, 0]
+    assert bon.tolist() == [am[0, 4], am[1, 2], am[2, 0], am[3, 2], am[4, 0]]
+
+
+@pytest.mark.parametrize("wide", [False, True])
+@pytest.mark.parametrize("setting", [(1.0, 1.0, 0), (0.8, 0.85, 6)])
+def test_rejection_sampling_keeps_the_target_distribution(wide, setting):
+    """Draft d ~ q (one-hot on a fixed token, or a K-wide proposal over candidates), then the
+    first committed token (d if accepted, else the bonus) must be distributed as p."""
+    temperature, top_p, top_k = setting
+    V, C, n = 24, 6, 30000
+    g = np.random.default_rng(11)
+    row = g.normal(0, 1.5, V).astype(np.float32)
+    p = exact_probs(row, temperature, top_k, top_p)
+    logits = np.repeat(row[None], 2 * n, 0)  # rows [2s, 2s+1]: the anchor's row, then the bonus row
+    if wide:
+        cands = g.choice(V, C, replace=False).astype(np.int32)
+        qv = g.dirichlet(np.ones(C)).astype(np.float32)
+        pick = g.choice(C, n, p=qv / qv.sum())
+        draft = cands[pick][:, None]
+        cand = np.repeat(cands[None, None], n, 0)
+        q = np.repeat(qv[None, None], n, 0)
+    else:
+        draft = np.full((n, 1), int(np.argsort(-p)[1]), np.int32)  # a likely but not the likeliest token
+        cand = q = None
+    t, pp, k = params(n, temperature, top_p, top_k)
+    acc, bon = ops.accept(logits, np.arange(n, dtype=np.int32) * 2, draft.astype(np.int32),
+                          np.arange(n, dtype=np.int32), np.ones(n, np.int32), cand=cand, q=q,
+                          temperature=t, top_p=pp, top_k=k, rng=rng_rows(99, n, 0, 2))
+    acc, bon = np.asarray(acc.numpy()), np.asarray(bon.numpy())
+    first = np.where(acc == 1, draft[:, 0], bon)
+    emp = np.bincount(first, minlength=V) / n
+    tv = 0.5 * np.abs(emp - p).sum()
+    assert tv <= tv_bound(p, n), f"TV {tv:.4f} > {tv_bound(p, n):.4f}"
+    assert 0.02 < acc.mean() < 0.98  # both branches exercised
+    # the accepted rate is sum_d min(p, q) (the classic result)
+    qfull = np.zeros(V)
+    if wide:
+        qfull[cands] = qv / qv.sum()
+    else:
+        qfull[draft[0, 0]] = 1.0
+    want = np.minimum(p, qfull).sum()
+    assert abs(acc.mean() - want) < 5 * np.sqrt(want * (1 - want) / n) + 1e-3
+
+
+def test_accept_argument_errors():
+    logits = np.zeros((4, 5), np.float32)
+    t, p, k = params(2, 1.0, 1.0, 0)
+    args = dict(temperature=t, top_p=p, top_k=k, rng=rng_rows(1, 2))
+    with pytest.raises(dflash2_rt.InvalidArgumentError, match="accept: .*logits rows"):
+        ops.accept(logits, np.array([0, 3], np.int32), np.zeros((2, 2), np.int32), np.array([0, 1], np.int32),
+                   np.array([1, 1], np.int32), **args)
+    with pytest.raises(dflash2_rt.InvalidArgumentError, match="accept: .*draft_len"):
+        ops.accept(logits, np.array([0, 2], np.int32), np.zeros((2, 2), np.int32), np.array([0, 1], np.int32),
+                   np.array([3, 1], np.int32), **args)
+    with pytest.raises(dflash2_rt.InvalidArgumentError, match="accept: .*drafted token 9"):
+        ops.accept(logits, np.array([0, 2], np.int32), np.full((2, 2), 9, np.int32), np.array([0, 1], np.int32),
+                   np.array([1, 1], np.int32), **args)
