@@ -157,3 +157,18 @@ def test_method_is_inferred_from_the_drafter(tmp_path):
     b = dflash2_rt.Engine(target=TARGET, draft=DRAFT, method="dflash2").generate([PROMPT], max_new_tokens=12)[0].token_ids
     assert a == b
     assert np.array_equal(a, dflash2_rt.Engine(method="ar").generate([PROMPT], max_new_tokens=12)[0].token_ids)
+
+
+@pytest.mark.parametrize("method", ["ar", "mtp", "dflash", "dflash2"])
+def test_tiny_max_step_tokens_chunks_everything_and_changes_nothing(method):
+    """max_step_tokens smaller than a verify block and than the batch: the prefill, the
+    verify pass, the drafter's context appends and the MTP chain all run in chunks; the
+    tokens must be those of an unchunked engine (greedy and seeded sampling)."""
+    prompts = [PROMPT, PROMPT[:3], [5, 6, 7, 8, 9, 10, 11, 12, 13], [44, 45]]
+    kw = dict(method=method, max_batch_size=4, max_seq_len=256)
+    small = dflash2_rt.Engine(max_step_tokens=3, **kw)
+    big = dflash2_rt.Engine(**kw)
+    for sampling in (dict(), dict(temperature=1.0, top_p=0.9, seed=3)):
+        a = [r.token_ids for r in small.generate(prompts, max_new_tokens=20, stop_token_ids=[], **sampling)]
+        b = [r.token_ids for r in big.generate(prompts, max_new_tokens=20, stop_token_ids=[], **sampling)]
+        assert a == b

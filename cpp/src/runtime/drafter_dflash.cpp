@@ -60,9 +60,12 @@ class DFlashRunner final : public Drafter {
   std::vector<int64_t> tap_layers() const override { return m_->config().target_layer_ids; }
 
   void commit(const std::vector<CommitRows>& rows, const Features& f) override {
-    std::vector<CacheStream*> streams;
-    std::vector<const int32_t*> none;
-    std::vector<int64_t> counts;
+    std::vector<CacheStream*>& streams = host_streams_;
+    std::vector<const int32_t*>& none = host_toks_;
+    std::vector<int64_t>& counts = host_counts_;
+    streams.clear();
+    none.clear();
+    counts.clear();
     for (const CommitRows& r : rows) {
       CacheStream& s = streams_[size_t(r.slot)];
       if (s.length > r.pos0) cache_.truncate(s, r.pos0);
@@ -147,6 +150,8 @@ class DFlashRunner final : public Drafter {
   std::vector<float> host_temp_;
   std::vector<int64_t> host_rng_;
   std::vector<CacheStream*> host_streams_;
+  std::vector<const int32_t*> host_toks_;
+  std::vector<int64_t> host_counts_;
   DraftResult res_;
 };
 

@@ -32,9 +32,12 @@ class MtpDrafter final : public Drafter {
   bool wants_final_hidden() const override { return true; }
 
   void commit(const std::vector<CommitRows>& rows, const Features& f) override {
-    std::vector<CacheStream*> streams;
-    std::vector<const int32_t*> next;
-    std::vector<int64_t> counts;
+    std::vector<CacheStream*>& streams = streams_tmp_;
+    std::vector<const int32_t*>& next = toks_tmp_;
+    std::vector<int64_t>& counts = counts_tmp_;
+    streams.clear();
+    next.clear();
+    counts.clear();
     for (const CommitRows& r : rows) {
       CacheStream& s = streams_[size_t(r.slot)];
       t_.mtp_cache().truncate(s, r.pos0);  // drop what drafting appended
@@ -88,10 +91,14 @@ class MtpDrafter final : public Drafter {
       ops::argmax(last_logits_.slice(0, slot, slot + 1), tok);
     }
     // positions 1..: feed the previous token and the layer's own hidden state back
+    std::vector<CacheStream*>& streams = streams_tmp_;
+    std::vector<const int32_t*>& toks = toks_tmp_;
+    std::vector<int64_t>&counts = counts_tmp_, &who = who_tmp_;
     for (int64_t j = 1; j < longest; ++j) {
-      std::vector<CacheStream*> streams;
-      std::vector<const int32_t*> toks;
-      std::vector<int64_t> counts, who;
+      streams.clear();
+      toks.clear();
+      counts.clear();
+      who.clear();
       for (int64_t i = 0; i < S; ++i) {
         if (res_.len[size_t(i)] <= j) continue;
         streams.push_back(&streams_[size_t(jobs[size_t(i)].slot)]);
@@ -134,6 +141,9 @@ class MtpDrafter final : public Drafter {
   Tensor hm_, idx_, out_logits_, out_hidden_;
   std::vector<std::vector<Piece>> chunks_;
   std::vector<int32_t> host_idx_;
+  std::vector<CacheStream*> streams_tmp_;
+  std::vector<const int32_t*> toks_tmp_;
+  std::vector<int64_t> counts_tmp_, who_tmp_;
   DraftResult res_;
 };
 

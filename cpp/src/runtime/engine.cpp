@@ -378,6 +378,9 @@ std::vector<GenerationResult> Engine::generate(const std::vector<std::vector<int
       std::vector<runtime::DraftJob> jobs;
       std::vector<runtime::CommitRows> commits;
       std::vector<int64_t> row_owner;
+      std::vector<CacheStream*> streams;
+      std::vector<const int32_t*> toks;
+      std::vector<int64_t> counts;
       for (int64_t step = 0;; ++step) {
         act.clear();
         for (auto& r : reqs)
@@ -404,9 +407,9 @@ std::vector<GenerationResult> Engine::generate(const std::vector<std::vector<int
 
         // 2. verify [anchor, d_1..d_k] in one target pass (chunked if it exceeds max_step_tokens)
         t0 = now();
-        std::vector<CacheStream*> streams;
-        std::vector<const int32_t*> toks;
-        std::vector<int64_t> counts;
+        streams.clear();
+        toks.clear();
+        counts.clear();
         row_owner.clear();
         for (size_t k = 0; k < act.size(); ++k) {
           Req& r = *act[k];

@@ -8,12 +8,21 @@ namespace dflash2::runtime {
 
 void make_chunks(const std::vector<CacheStream*>& streams, const std::vector<const int32_t*>& tokens,
                  const std::vector<int64_t>& counts, int64_t max_tokens, std::vector<std::vector<Piece>>& chunks) {
-  chunks.clear();
-  std::vector<Piece> cur;
+  // reuses the capacity of `chunks` (steady state: no allocation)
+  size_t used = 0;
   int64_t in_chunk = 0;
+  auto cur = [&]() -> std::vector<Piece>& {
+    if (used == 0 || in_chunk == 0) {
+      if (chunks.size() <= used) chunks.emplace_back();
+      chunks[used].clear();
+      ++used;
+    }
+    return chunks[used - 1];
+  };
   for (size_t si = 0; si < streams.size(); ++si) {
     for (int64_t off = 0; off < counts[si];) {
       const int64_t take = std::min(counts[si] - off, max_tokens - in_chunk);
+      std::vector<Piece>& ch = cur();
       Piece p;
       p.stream = streams[si];
       p.tokens = tokens[si] ? tokens[si] + off : nullptr;
@@ -21,17 +30,13 @@ void make_chunks(const std::vector<CacheStream*>& streams, const std::vector<con
       p.seq = int64_t(si);
       p.offset = off;
       p.last = off + take == counts[si];
-      cur.push_back(p);
+      ch.push_back(p);
       in_chunk += take;
       off += take;
-      if (in_chunk == max_tokens) {
-        chunks.push_back(std::move(cur));
-        cur.clear();
-        in_chunk = 0;
-      }
+      if (in_chunk == max_tokens) in_chunk = 0;
     }
   }
-  if (!cur.empty()) chunks.push_back(std::move(cur));
+  chunks.resize(used);
 }
 
 StepPlanner::StepPlanner(int64_t max_tokens, int64_t max_seqs, int64_t max_blocks_per_seq, Device dev)
