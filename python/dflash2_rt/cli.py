@@ -145,7 +145,8 @@ def _generate_args(p: argparse.ArgumentParser) -> None:
                    help="target checkpoint directory (glm_moe_dsa; default: the bundled default pair)")
     p.add_argument("--draft", default=None, help="drafter checkpoint directory (methods dflash2 / dflash)")
     p.add_argument("--method", default=None, choices=["ar", "mtp", "dflash", "dflash2"],
-                   help="decoding method (default: dflash2 with --draft, else ar)")
+                   help="decoding method (default: from the drafter's architecture with --draft, dflash2 on the "
+                        "bundled pair, else ar)")
     g = p.add_mutually_exclusive_group(required=True)
     g.add_argument("--prompt", help="prompt text (needs tokenizer.json in the target directory)")
     g.add_argument("--prompt-ids", help="prompt token ids, comma- or space-separated")
@@ -154,7 +155,9 @@ def _generate_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--top-p", type=float, default=1.0)
     p.add_argument("--top-k", type=int, default=0)
     p.add_argument("--seed", type=int, default=None, help="sampling seed, an integer in [0, 2**63)")
-    p.add_argument("--max-seq-len", type=int, default=4096)
+    p.add_argument("--max-seq-len", type=int, default=None,
+                   help="prompt + generated tokens (default: min(4096, the model's max_position_embeddings))")
+    p.add_argument("--threads", type=int, default=None, help="CPU threads (default: all cores)")
     p.add_argument("--stream", action="store_true", help="print tokens as they are committed")
     p.add_argument("--json", action="store_true", help="print the result as JSON")
 
@@ -167,12 +170,13 @@ def _run_generate(args: argparse.Namespace) -> int:
     if args.seed is not None and not 0 <= args.seed < 2 ** 63:
         print(f"error: --seed must be an integer in [0, 2**63), found {args.seed}", file=sys.stderr)
         return 2
-    method = args.method or ("dflash2" if args.draft or args.target is None else "ar")
     t0 = time.perf_counter()
     print(f"loading {args.target or 'the bundled default pair'}" + (f" + {args.draft}" if args.draft else "") +
-          f" (method {method}) ...", file=sys.stderr, flush=True)
-    eng = Engine(target=args.target, draft=args.draft, method=method, max_seq_len=args.max_seq_len, max_batch_size=1)
-    print(f"loaded in {time.perf_counter() - t0:.2f} s", file=sys.stderr, flush=True)
+          (f" (method {args.method})" if args.method else "") + " ...", file=sys.stderr, flush=True)
+    eng = Engine(target=args.target, draft=args.draft, method=args.method, max_seq_len=args.max_seq_len,
+                 max_batch_size=1, num_threads=args.threads)
+    method = eng.method
+    print(f"loaded in {time.perf_counter() - t0:.2f} s (method {method})", file=sys.stderr, flush=True)
     if args.prompt is not None:
         prompt = args.prompt
     else:
