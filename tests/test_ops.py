@@ -7,6 +7,8 @@ threshold, after checking for NaN/Inf. Outputs are written into a buffer with gu
 regions on both sides that must come back untouched. A CUDA op plugs in by adding its
 name to CUDA_OPS.
 """
+import zlib
+
 import numpy as np
 import pytest
 import torch
@@ -84,7 +86,9 @@ def check(name, got, ref, tol=None):
 
 
 def rng_for(*key):
-    return np.random.default_rng(abs(hash(key)) % (2 ** 32))
+    """A generator seeded from `key` the same way in every process: hash() of a tuple that
+    holds strings is randomised per process (PYTHONHASHSEED), crc32 of its repr is not."""
+    return np.random.default_rng(zlib.crc32(repr(key).encode()))
 
 
 # ----------------------------------------------------------------------------- linear
