@@ -7,6 +7,7 @@ threshold, after checking for NaN/Inf. Outputs are written into a buffer with gu
 regions on both sides that must come back untouched. A CUDA op plugs in by adding its
 name to CUDA_OPS.
 """
+import math
 import zlib
 
 import numpy as np
@@ -23,6 +24,7 @@ DEVICES = ["cpu", "cuda"]
 CUDA_OPS = {"rms_norm"}
 GUARD = 64
 SENTINEL = np.float32(-12345.678)
+ISENTINEL = np.int32(-777777)
 
 # per-op NMSE thresholds (fp32 results vs float64 references)
 TOL = {
@@ -34,6 +36,25 @@ TOL = {
     "softmax": 1e-12,
     "embedding": 0.0,
     "gated_mlp": 1e-10,
+    # The new ops. Worst NMSE measured (cpu, avx2+fma GEMM) in brackets; a wrong key,
+    # expert, tap, window edge or scale gives > 1e-4. Index outputs (argmax, check_finite,
+    # indexer_topk, moe_route ids, selector_walk tokens) and data movement (copy,
+    # gather_rows, cache_write, and add: one correctly rounded fp32 add per element) are
+    # compared exactly instead. The thresholds cover fp32 rounding only: ~50-500x the
+    # measured worst, so a generic (non-FMA) GEMM or another compiler's contraction still
+    # passes; the float64 references differ by ~1e-16 between hosts (AVX-512 numpy), far
+    # below. Every decision (a top-k boundary, an argmax, a sampled draw) is made on
+    # inputs whose margin is > MARGIN, so fp32 and float64 agree on it.
+    "copy": 0.0, "gather_rows": 0.0, "cache_write": 0.0,  # moves bits: compared bitwise
+    "add": 2.0 ** -48,  # one rounding per element: |err| <= 2^-24 |ref|, NMSE <= 2^-48 (and bitwise
+    #                     equal to the float64 sum rounded once to fp32)
+    "linear_heads": 1e-11,  # the dense linear per head: linear's threshold [1.7e-14]
+    "mla_attention": 1e-12,  # fp32 scores over kv_lora + rope <= 192, exp, weighted sum [4.8e-15]
+    "block_attention": 1e-12,  # same with hd <= 32 and up to ~60 keys [2.1e-14]
+    "moe_route": 1e-12,  # fp32 sigmoid, one division, one multiply [5.9e-15]
+    "moe_experts": 1e-11,  # three chained fp32 GEMMs + silu, as gated_mlp [2.4e-14]
+    "dyn_conv": 1e-12,  # two fp32 multiply-adds per element [2.5e-15]
+    "selector_walk": 1e-10,  # q: softmax of fp32 scores / temperature (0.6: errors x1.7) [2.5e-13]
 }
 
 
@@ -57,19 +78,25 @@ def to_np(t):
 
 
 class Guarded:
-    """An F32 output of `shape` in the middle of a buffer with sentinel guards."""
+    """An output of `shape` (F32, or I32 for index outputs) in the middle of a buffer with
+    sentinel guards. `init` gives the output's starting contents (an in-place op, an output
+    the op may leave untouched); otherwise it starts as sentinels too."""
 
-    def __init__(self, shape, dev):
+    def __init__(self, shape, dev, dtype=np.float32, init=None):
         self.shape = tuple(shape)
+        self.dtype = np.dtype(dtype)
+        self.sentinel = SENTINEL if self.dtype == np.float32 else ISENTINEL
         self.n = int(np.prod(shape))
-        host = np.full(self.n + 2 * GUARD, SENTINEL, np.float32)
+        host = np.full(self.n + 2 * GUARD, self.sentinel, self.dtype)
+        if init is not None:
+            host[GUARD:GUARD + self.n] = np.asarray(init, self.dtype).reshape(-1)
         self.buf = to_dev(host, dev)
         self.view = self.buf.slice(0, GUARD, GUARD + self.n).reshape(list(self.shape))
 
     def result(self):
         all_ = to_np(self.buf)
-        assert (all_[:GUARD] == SENTINEL).all(), "op wrote before its output"
-        assert (all_[GUARD + self.n:] == SENTINEL).all(), "op wrote past its output"
+        assert (all_[:GUARD] == self.sentinel).all(), "op wrote before its output"
+        assert (all_[GUARD + self.n:] == self.sentinel).all(), "op wrote past its output"
         return all_[GUARD:GUARD + self.n].reshape(self.shape)
 
 
@@ -356,3 +383,269 @@ def test_op_errors_are_clear():
         ops.rms_norm([1.0, 2.0], np.ones(2, np.float32))
     with pytest.raises(ValueError, match="unsupported DLPack dtype"):
         ops.softmax(np.zeros((2, 2), np.complex64))
+
+
+# ============================================================================= new ops
+# copy, add, gather_rows, argmax, check_finite, cache_write, linear_heads, indexer_topk,
+# mla_attention, block_attention, moe_route, moe_experts, dyn_conv, selector_walk: every
+# one against an independent float64 reference written from ops.h (tests/refs.py).
+# Index / selection outputs must match exactly; a reference with a discrete decision
+# reports its smallest margin, and random data is redrawn until the decision is well-posed
+# (an exact tie is kept only where the op must compute it exactly too, e.g. duplicated rows).
+MARGIN = 1e-4  # relative (indexer) or absolute (routing, selector) distance from a flip
+
+
+def well_posed(make, ref, tries=50):
+    """Draws inputs with make(attempt) until ref(inputs) reports a margin > MARGIN."""
+    for attempt in range(tries):
+        inputs = make(attempt)
+        out = ref(inputs)
+        if out[-1] > MARGIN:
+            return inputs, out
+    raise AssertionError("could not draw well-posed inputs")
+
+
+def i32(x):
+    return np.ascontiguousarray(x, np.int32)
+
+
+def make_pages(rng, lengths, bs, width, spare=2):
+    """A paged cache layer holding lengths[s] rows of sequence s in shuffled blocks.
+
+    Returns (cache [blocks * bs, width] F32, block_table I32 [S, max_blocks + 1]). Rows that
+    hold no token are NaN and unused block-table entries are -1: an op that reads past a
+    sequence, or through an entry it should not need, produces a NaN or fails validation."""
+    nblk = [-(-L // bs) for L in lengths]
+    total = sum(nblk) + spare
+    perm = rng.permutation(total).astype(np.int32)
+    bt = np.full((len(lengths), max(nblk) + 1), -1, np.int32)
+    cache = np.full((total * bs, width), np.nan, np.float32)
+    k = 0
+    for s, (L, n) in enumerate(zip(lengths, nblk)):
+        bt[s, :n] = perm[k:k + n]
+        k += n
+        for p in range(L):
+            cache[refs.paged_slot(bt, s, p, bs)] = rng.standard_normal(width)
+    return cache, bt
+
+
+def page_lengths(rng, bs, n):
+    """n sequence lengths that end exactly on a page boundary, one past it, and random."""
+    out = []
+    for i in range(n):
+        pages = int(rng.integers(1, 4))
+        out.append([pages * bs, pages * bs + 1, int(rng.integers(1, 4 * bs + 2))][i % 3])
+    return out
+
+
+def step_tokens(rng, lengths, bs, per_seq, extra=()):
+    """The tokens of a step: per sequence its last position, the last and first positions
+    of a random page, random earlier positions and `extra` ones (where they exist), in a
+    shuffled order (each token is computed alone)."""
+    seq, pos = [], []
+    for s, L in enumerate(lengths):
+        ps = {L - 1}
+        page = int(rng.integers(1, L // bs + 1)) if L >= bs else 0
+        ps.update(p for p in (page * bs - 1, page * bs) if 0 <= p < L)
+        ps.update(int(p) for p in rng.integers(0, L, per_seq))
+        ps.update(p for p in extra if 0 <= p < L)
+        for p in sorted(ps):
+            seq.append(s)
+            pos.append(p)
+    order = rng.permutation(len(seq))
+    return i32(np.array(seq)[order]), i32(np.array(pos)[order])
+
+
+# ----------------------------------------------------------------------------- data movement
+@pytest.mark.parametrize("dev", DEVICES)
+@pytest.mark.parametrize("dtype", ["f32", "i32"])
+def test_copy_strided_3d(dev, dtype):
+    need_device(dev, "copy")
+    rng = rng_for("copy", dtype)
+    npt = np.float32 if dtype == "f32" else np.int32
+    for shape in [(1, 1, 1), (3, 5, 7), (4, 2, 33), (2, 17, 1)]:
+        a, b, c = shape
+        big = (rng.standard_normal((a + 2, b + 3, c + 4)) * 100).astype(npt)
+        src = to_dev(big, dev).slice(0, 1, 1 + a).slice(1, 2, 2 + b).slice(2, 3, 3 + c)  # strided views
+        dst = Guarded((a + 1, b + 2, c + 5), dev, npt)
+        dview = dst.view.slice(0, 1, 1 + a).slice(1, 0, b).slice(2, 4, 4 + c)
+        ops.copy(src, out=dview)
+        exp = np.full(dst.shape, dst.sentinel, npt)
+        exp[1:, :b, 4:4 + c] = big[1:1 + a, 2:2 + b, 3:3 + c]
+        np.testing.assert_array_equal(dst.result(), exp)  # exact, nothing else touched
+    # the transpose of a contiguous 5-D tensor (a permuted view), into a contiguous dst
+    x = np.arange(2 * 3 * 4 * 5 * 6).astype(npt).reshape(2, 3, 4, 5, 6)
+    xt = x.transpose(4, 2, 0, 3, 1)
+    out = Guarded(xt.shape, dev, npt)
+    ops.copy(to_dev(xt, dev) if dev == "cpu" else to_dev(np.ascontiguousarray(xt), dev), out=out.view)
+    np.testing.assert_array_equal(out.result(), xt)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.int32, torch.bfloat16, torch.float16])
+def test_copy_any_strides_both_sides_cpu(dtype):
+    """Non-unit strides in the last dimension too (host views only)."""
+    rng = rng_for("copy-steps", str(dtype))
+    for shape in [(1, 1, 1), (3, 5, 7), (4, 2, 33)]:
+        base = torch.from_numpy(rng.standard_normal((shape[0] * 2, shape[1] + 3, shape[2] * 3 + 1)) * 100)
+        src = base.to(dtype)[::2, 1:1 + shape[1], ::3][:, :, :shape[2]]
+        dst_big = torch.full((shape[0] + 1, shape[1] * 2, shape[2] * 2 + 2), -777, dtype=dtype)
+        dst = dst_big[1:, ::2, 2::2][:, :, :shape[2]]
+        assert tuple(src.shape) == tuple(dst.shape) == shape
+        ref_big = dst_big.clone()
+        ref_big[1:, ::2, 2::2][:, :, :shape[2]] = src
+        ops.copy(src, out=dst)
+        assert torch.equal(dst_big, ref_big)
+
+
+@pytest.mark.parametrize("dev", DEVICES)
+@pytest.mark.parametrize("src_dtype", [torch.bfloat16, torch.float16])
+def test_copy_widens_into_f32(dev, src_dtype):
+    need_device(dev, "copy")
+    rng = rng_for("copy-widen", str(src_dtype))
+    for shape in [(1, 1, 1), (3, 4, 9), (5, 1, 130)]:
+        base = torch.from_numpy(rng.standard_normal((shape[0], shape[1] * 2, shape[2] + 4)).astype(np.float32) * 10)
+        src = base.to(src_dtype)[:, ::2, 3:3 + shape[2]]
+        out = Guarded(shape, dev)
+        ops.copy(to_dev(src, dev), out=out.view)
+        np.testing.assert_array_equal(out.result(), src.float().numpy())  # widening is exact
+    # strided F32 dst (a numpy view) from F16
+    src = torch.from_numpy(rng.standard_normal((4, 6)).astype(np.float16))
+    dst_big = np.full((8, 7), SENTINEL, np.float32)
+    ops.copy(src, out=dst_big[::2, 1:])
+    np.testing.assert_array_equal(dst_big[::2, 1:], src.float().numpy())
+    assert (dst_big[1::2] == SENTINEL).all() and (dst_big[:, 0] == SENTINEL).all()
+
+
+@pytest.mark.parametrize("dev", DEVICES)
+def test_add(dev):
+    need_device(dev, "add")
+    for shape in [(1, 1), (3, 17), (4, 1000), (2, 3, 5), (7, 4096)]:
+        rng = rng_for("add", shape)
+        a = (rng.standard_normal(shape) * rng.choice([1e-3, 1.0, 1e3], shape)).astype(np.float32)
+        b = rng.standard_normal(shape).astype(np.float32)
+        ref = refs.add(a, b)
+        # one fp32 add per element: the float64 sum of two floats rounded once to fp32
+        ref32 = ref.astype(np.float32)
+        out = Guarded(shape, dev)
+        ops.add(to_dev(a, dev), to_dev(b, dev), out=out.view)
+        got = out.result()
+        check("add", got, ref)
+        np.testing.assert_array_equal(got, ref32)
+        for alias in ["a", "b"]:  # the residual add: out is one of the inputs
+            g = Guarded(shape, dev, init=a if alias == "a" else b)
+            other = to_dev(b if alias == "a" else a, dev)
+            if alias == "a":
+                ops.add(g.view, other, out=g.view)
+            else:
+                ops.add(other, g.view, out=g.view)
+            np.testing.assert_array_equal(g.result(), ref32)
+    # rows strided by a wider tensor
+    rng = rng_for("add-strided")
+    wide = rng.standard_normal((5, 40)).astype(np.float32)
+    b = rng.standard_normal((5, 24)).astype(np.float32)
+    got = np.from_dlpack(ops.add(wide[:, 8:32], b))
+    np.testing.assert_array_equal(got, refs.add(wide[:, 8:32], b).astype(np.float32))
+
+
+@pytest.mark.parametrize("dev", DEVICES)
+@pytest.mark.parametrize("sdtype", ["f32", "bf16", "f16"])
+def test_gather_rows(dev, sdtype):
+    need_device(dev, "gather_rows")
+    rng = rng_for("gather", sdtype)
+    for (n, d) in [(1, 1), (97, 33), (5, 1000), (300, 7)]:
+        src = rng.standard_normal((n, d)).astype(np.float32)
+        st = refs.bf16_round(src) if sdtype == "bf16" else (src.astype(np.float16) if sdtype == "f16" else src)
+        sref = refs.f64(st)
+        for idx in [np.array([0], np.int32), i32(rng.integers(0, n, 11)), i32(np.full(4, n - 1))]:
+            out = Guarded((len(idx), d), dev)
+            ops.gather_rows(to_dev(st, dev), to_dev(idx, dev), out=out.view)
+            np.testing.assert_array_equal(out.result(), sref[idx])
+    src = np.zeros((6, 4), np.float32)
+    for idx, bad, at in [([0, 6], 6, 1), ([-1], -1, 0), ([2, 7, 1], 7, 1)]:
+        with pytest.raises(dflash2_rt.InvalidArgumentError, match=rf"gather_rows: index {bad} at position {at}"):
+            ops.gather_rows(src, np.array(idx, np.int32))
+
+
+@pytest.mark.parametrize("dev", DEVICES)
+def test_argmax(dev):
+    need_device(dev, "argmax")
+    for (r, v) in [(1, 1), (3, 17), (5, 1000), (2, 154880 // 16), (9, 2)]:
+        rng = rng_for("argmax", r, v)
+        x = rng.integers(-5, 5, (r, v)).astype(np.float32)  # many ties: the lowest id wins
+        x[0] = 3.0  # a row of equal values: 0
+        if r > 2:
+            x[1] = -np.inf
+            x[2, :] = -np.inf
+            x[2, -1] = -1e30  # the only finite value, last
+        out = Guarded((r,), dev, np.int32)
+        ops.argmax(to_dev(x, dev), out=out.view)
+        got = out.result()
+        np.testing.assert_array_equal(got, refs.argmax_first(x))
+        np.testing.assert_array_equal(got, x.argmax(1))  # numpy agrees: the first maximum
+    # the documented NaN rule (comparisons with NaN are false)
+    x = np.array([[np.nan, 1, 2], [1, np.nan, 3], [4, 4, np.nan]], np.float32)
+    np.testing.assert_array_equal(np.from_dlpack(ops.argmax(x)), [0, 2, 0])
+    # strided rows
+    wide = rng_for("argmax-wide").standard_normal((4, 50)).astype(np.float32)
+    np.testing.assert_array_equal(np.from_dlpack(ops.argmax(wide[:, 10:40])), wide[:, 10:40].argmax(1))
+
+
+@pytest.mark.parametrize("dev", DEVICES)
+def test_check_finite(dev):
+    need_device(dev, "check_finite")
+    rng = rng_for("finite")
+    for v in [1, 5, 1000, 4099]:
+        x = rng.standard_normal((9, v)).astype(np.float32)
+        x[1, 0] = np.nan
+        x[2, -1] = np.inf
+        x[3, v // 2] = -np.inf
+        x[4, :] = np.float32(3.4e38)  # large but finite (x * 0 is 0)
+        x[5, :] = np.float32(-1e-45)  # denormal
+        x[6, 0] = -0.0
+        x[7, ::2] = np.nan  # several
+        x[8, -1] = np.inf
+        x[8, 0] = -np.inf
+        out = Guarded((9,), dev, np.int32)
+        ops.check_finite(to_dev(x, dev), out=out.view)
+        got = out.result()
+        np.testing.assert_array_equal(got, refs.check_finite(x))
+        np.testing.assert_array_equal(got, [0, 1, 1, 1, 0, 0, 0, 1, 1])
+    wide = np.zeros((3, 20), np.float32)
+    wide[1, 2] = np.nan  # outside the slice below
+    wide[2, 12] = np.inf
+    np.testing.assert_array_equal(np.from_dlpack(ops.check_finite(wide[:, 5:15])), [0, 0, 1])
+
+
+# ----------------------------------------------------------------------------- paged caches
+@pytest.mark.parametrize("dev", DEVICES)
+@pytest.mark.parametrize("bs", [1, 3, 16])
+def test_cache_write(dev, bs):
+    need_device(dev, "cache_write")
+    rng = rng_for("cache_write", bs)
+    d = 37
+    lengths = page_lengths(rng, bs, 4)
+    nblk = [-(-L // bs) for L in lengths]
+    total = sum(nblk) + 2
+    perm = rng.permutation(total).astype(np.int32)
+    bt = np.full((len(lengths), max(nblk) + 1), -1, np.int32)
+    k = 0
+    for s, n in enumerate(nblk):
+        bt[s, :n] = perm[k:k + n]
+        k += n
+    # the step writes the last few tokens of every sequence (a prefill chunk / verify
+    # block) plus padding rows with slot -1
+    seq, pos = [], []
+    for s, L in enumerate(lengths):
+        for p in range(max(0, L - 1 - int(rng.integers(0, 2 * bs + 2))), L):
+            seq.append(s)
+            pos.append(p)
+    slots = [refs.paged_slot(bt, s, p, bs) for s, p in zip(seq, pos)] + [-1, -7]
+    slots = i32(np.array(slots)[rng.permutation(len(slots))])
+    src = rng.standard_normal((len(slots), d)).astype(np.float32)
+    init = rng.standard_normal((total * bs, d)).astype(np.float32)
+    cache = Guarded(init.shape, dev, init=init)
+    ops.cache_write(to_dev(src, dev), to_dev(slots, dev), cache.view)
+    got = cache.result()
+    np.testing.assert_array_equal(got, refs.cache_write(init, src, slots))
+    with pytest.raises(dflash2_rt.InvalidArgumentError, match="cache_write: slot"):
+        ops.cache_write(src[:1], np.array([total * bs], np.int32), np.zeros((total * bs, d), np.float32))
