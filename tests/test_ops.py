@@ -649,3 +649,237 @@ def test_cache_write(dev, bs):
     np.testing.assert_array_equal(got, refs.cache_write(init, src, slots))
     with pytest.raises(dflash2_rt.InvalidArgumentError, match="cache_write: slot"):
         ops.cache_write(src[:1], np.array([total * bs], np.int32), np.zeros((total * bs, d), np.float32))
+
+
+# ----------------------------------------------------------------------------- attention
+@pytest.mark.parametrize("dev", DEVICES)
+@pytest.mark.parametrize("wdtype", ["f32", "bf16", "f16"])
+def test_linear_heads(dev, wdtype):
+    need_device(dev, "linear_heads")
+    for (t, g, n, k) in [(1, 1, 1, 1), (3, 4, 17, 33), (5, 2, 64, 128), (2, 3, 7, 100), (9, 1, 5, 256)]:
+        rng = rng_for("linear_heads", wdtype, t, g, n, k)
+        # x: a slice of a wider projection (rows strided); w: rows strided too
+        xw = rng.standard_normal((t, g, k + 9)).astype(np.float32)
+        w = (rng.standard_normal((g, n, k + 3)) * 0.1).astype(np.float32)
+        ww = refs.bf16_round(w) if wdtype == "bf16" else (w.astype(np.float16) if wdtype == "f16" else w)
+        out = Guarded((t, g, n), dev)
+        ops.linear_heads(to_dev(xw, dev).slice(2, 5, 5 + k), to_dev(ww, dev).slice(2, 0, k), out=out.view)
+        check("linear_heads", out.result(), refs.linear_heads(xw[:, :, 5:5 + k], ww[:, :, :k]))
+
+
+INDEXER_CASES = [  # (block size, nI heads, dI, topk)
+    (1, 1, 7, 1),
+    (1, 3, 20, 4),
+    (3, 4, 64, 5),
+    (3, 2, 33, 8),
+    (16, 5, 16, 16),
+    (16, 4, 32, 7),
+]
+
+
+@pytest.mark.parametrize("dev", DEVICES)
+@pytest.mark.parametrize("case", INDEXER_CASES, ids=lambda c: "bs%d-h%d-d%d-k%d" % c)
+def test_indexer_topk(dev, case):
+    need_device(dev, "indexer_topk")
+    bs, nI, dI, topk = case
+    rng = rng_for("indexer", case)
+    lengths = page_lengths(rng, bs, 4) + [topk, topk + 1, 3 * topk + 5]
+    key_cache, bt = make_pages(rng, lengths, bs, dI)
+    # positions below, at and above topk (p + 1 <= topk: every causal key, sel untouched)
+    seq, pos = step_tokens(rng, lengths, bs, 3, extra=(topk - 2, topk - 1, topk, topk + 1))
+    T = len(seq)
+
+    def make(attempt):
+        q = rng.standard_normal((T, nI, dI)).astype(np.float32)
+        w = rng.standard_normal((T, nI)).astype(np.float32)
+        return q, w
+
+    (q, w), (ref_sel, ref_len, _) = well_posed(
+        make, lambda a: refs.indexer_topk(a[0], a[1], key_cache, seq, pos, bt, bs, topk))
+    assert (ref_len == -1).any() and (ref_len == topk).any()
+    sel = Guarded((T, topk), dev, np.int32)
+    sel_len = Guarded((T,), dev, np.int32)
+    args = [to_dev(a, dev) for a in (q, w, key_cache, seq, pos, bt)]
+    ops.indexer_topk(*args[:3], *args[3:], bs, topk, sel=sel.view, sel_len=sel_len.view)
+    got_sel, got_len = sel.result(), sel_len.result()
+    np.testing.assert_array_equal(got_len, ref_len)
+    for t in range(T):
+        if ref_len[t] < 0:
+            assert (got_sel[t] == ISENTINEL).all(), f"token {t} (pos {pos[t]} <= topk - 1): sel was written"
+        else:
+            np.testing.assert_array_equal(got_sel[t], ref_sel[t], err_msg=f"token {t} at position {pos[t]}")
+            assert (np.diff(got_sel[t]) > 0).all(), "selection not ascending"
+
+
+@pytest.mark.parametrize("dev", DEVICES)
+@pytest.mark.parametrize("bs", [1, 3, 16])
+def test_indexer_topk_exact_ties_go_to_the_earlier_key(dev, bs):
+    need_device(dev, "indexer_topk")
+    rng = rng_for("indexer-ties", bs)
+    nI, dI, L = 3, 12, 40
+    q = np.abs(rng.standard_normal((1, nI, dI))).astype(np.float32) + 0.1  # positive entries
+    w = np.abs(rng.standard_normal((1, nI))).astype(np.float32) + 0.1
+    # keys: two rows duplicated at many positions (exact ties with a nonzero score), a few
+    # distinct positive rows, and distinct all-negative rows (every head's product < 0:
+    # score exactly 0, tied with each other whatever their values)
+    a = np.abs(rng.standard_normal(dI)).astype(np.float32) * 2.0
+    b = np.abs(rng.standard_normal(dI)).astype(np.float32)
+    kind = rng.choice(["a", "b", "pos", "zero"], L, p=[0.15, 0.3, 0.1, 0.45])
+    keys = np.empty((L, dI), np.float32)
+    for p, kd in enumerate(kind):
+        keys[p] = {"a": a, "b": b, "pos": np.abs(rng.standard_normal(dI)) * 0.5,
+                   "zero": -np.abs(rng.standard_normal(dI)) - 0.05}[kd]
+    score, _ = refs.indexer_scores(q[0], w[0], keys)
+    distinct = np.unique(score)
+    assert np.diff(distinct).min() > 1e-3 * np.abs(score).max(), "the distinct scores must be well apart"
+    key_cache, bt = make_pages(rng, [L], bs, dI)
+    for p in range(L):
+        key_cache[refs.paged_slot(bt, 0, p, bs)] = keys[p]
+    # topk values whose boundary falls inside the duplicated "a" / "b" groups and inside the zeros
+    n_a, n_b, n_pos = (kind == "a").sum(), (kind == "b").sum(), (kind == "pos").sum()
+    ranked = sorted(range(L), key=lambda j: (-score[j], j))
+    for topk in sorted({max(1, n_a - 1), n_a + 1, n_a + n_b - 1, L - 3, L - 1, n_a + n_b + n_pos + 2}):
+        sel, sel_len = ops.indexer_topk(*[to_dev(x, dev) for x in (q, w, key_cache, np.zeros(1, np.int32),
+                                                                    np.array([L - 1], np.int32), bt)], bs, topk)
+        exp_sel, exp_len, margin = refs.indexer_topk(q, w, key_cache, [0], [L - 1], bt, bs, topk)
+        assert margin == np.inf
+        np.testing.assert_array_equal(to_np(sel_len), exp_len)
+        np.testing.assert_array_equal(to_np(sel)[0], exp_sel[0])
+        np.testing.assert_array_equal(to_np(sel)[0], sorted(ranked[:topk]))
+
+
+MLA_CASES = [  # (block size, heads, kv_lora, rope)
+    (1, 1, 8, 2),
+    (1, 2, 16, 8),
+    (3, 3, 33, 5),
+    (3, 2, 64, 16),
+    (16, 4, 64, 16),
+    (16, 2, 128, 64),
+]
+
+
+def mla_inputs(rng, case):
+    bs, nh, kvl, rope = case
+    lengths = page_lengths(rng, bs, 4) + [1, 2]
+    cache, bt = make_pages(rng, lengths, bs, kvl + rope)
+    seq, pos = step_tokens(rng, lengths, bs, 2, extra=(0, 1))
+    T = len(seq)
+    q_lat = rng.standard_normal((T, nh, kvl)).astype(np.float32)
+    # q_pe: a strided slice of a wider projection
+    q_wide = rng.standard_normal((T, nh, rope + 7)).astype(np.float32)
+    q_pe = q_wide[:, :, 7:]
+    return cache, bt, seq, pos, q_lat, q_pe, 1.0 / math.sqrt(kvl + rope)
+
+
+def mla_args(dev, q_lat, q_pe, cache, seq, pos, bt):
+    """The inputs on `dev`, q_pe still the strided slice of its wider base."""
+    pe = to_dev(q_pe.base, dev).slice(2, 7, 7 + q_pe.shape[2])
+    return [to_dev(q_lat, dev), pe] + [to_dev(x, dev) for x in (cache, seq, pos, bt)]
+
+
+
+@pytest.mark.parametrize("dev", DEVICES)
+@pytest.mark.parametrize("case", MLA_CASES, ids=lambda c: "bs%d-h%d-lora%d-rope%d" % c)
+def test_mla_attention_dense(dev, case):
+    need_device(dev, "mla_attention")
+    rng = rng_for("mla-dense", case)
+    cache, bt, seq, pos, q_lat, q_pe, scale = mla_inputs(rng, case)
+    ref = refs.mla_attention(q_lat, q_pe, cache, seq, pos, bt, case[0], None, None, scale)
+    out = Guarded(q_lat.shape, dev)
+    ops.mla_attention(*mla_args(dev, q_lat, q_pe, cache, seq, pos, bt),
+                      case[0], scale, out=out.view)  # no sel_len: every causal key
+    got = out.result()
+    check("mla_attention", got, ref)
+    # sel given but sel_len undefined: still dense; sel_len all -1: dense too
+    T = len(seq)
+    junk = i32(np.zeros((T, 3)))
+    got2 = np.from_dlpack(ops.mla_attention(q_lat, q_pe, cache, seq, pos, bt, case[0], scale, sel=junk))
+    np.testing.assert_array_equal(got2, got)
+    got3 = np.from_dlpack(ops.mla_attention(q_lat, q_pe, cache, seq, pos, bt, case[0], scale, sel=junk,
+                                            sel_len=i32(np.full(T, -1))))
+    np.testing.assert_array_equal(got3, got)
+
+
+@pytest.mark.parametrize("dev", DEVICES)
+@pytest.mark.parametrize("case", MLA_CASES, ids=lambda c: "bs%d-h%d-lora%d-rope%d" % c)
+def test_mla_attention_sparse(dev, case):
+    need_device(dev, "mla_attention")
+    rng = rng_for("mla-sparse", case)
+    cache, bt, seq, pos, q_lat, q_pe, scale = mla_inputs(rng, case)
+    T = len(seq)
+    W = int(pos.max()) + 1 + 2
+    sel = np.zeros((T, W), np.int32)
+    sel_len = np.zeros(T, np.int32)
+    for t in range(T):
+        p = int(pos[t])
+        mode = ["dense", "one", "two", "small", "full", "random"][t % 6]
+        n = {"dense": -1, "one": 1, "two": min(2, p + 1), "small": min(3, p + 1), "full": p + 1,
+             "random": int(rng.integers(1, p + 2))}[mode]
+        keys = rng.permutation(p + 1)[:max(n, 0)]  # any order
+        # columns past sel_len hold valid but wrong keys: reading them changes the result
+        sel[t] = rng.integers(0, p + 1, W)
+        sel[t, :len(keys)] = keys
+        sel_len[t] = n
+    ref = refs.mla_attention(q_lat, q_pe, cache, seq, pos, bt, case[0], sel, sel_len, scale)
+    out = Guarded(q_lat.shape, dev)
+    ops.mla_attention(*mla_args(dev, q_lat, q_pe, cache, seq, pos, bt),
+                      case[0], scale, sel=to_dev(sel, dev), sel_len=to_dev(sel_len, dev), out=out.view)
+    got = out.result()
+    check("mla_attention", got, ref)
+    # one selected key: out is that key's latent exactly up to the fp32 softmax of one score
+    for t in np.nonzero(sel_len == 1)[0]:
+        c = cache[refs.paged_slot(bt, int(seq[t]), int(sel[t, 0]), case[0]), :q_lat.shape[2]]
+        np.testing.assert_allclose(got[t], np.broadcast_to(c, got[t].shape), rtol=1e-6, atol=1e-6)
+
+
+def test_mla_attention_token_computed_alone():
+    """A row of a verify block equals the same row decoded alone (bitwise)."""
+    rng = rng_for("mla-alone")
+    case = (3, 2, 33, 5)
+    cache, bt, seq, pos, q_lat, q_pe, scale = mla_inputs(rng, case)
+    full = np.from_dlpack(ops.mla_attention(q_lat, q_pe, cache, seq, pos, bt, 3, scale)).copy()
+    for t in range(len(seq)):
+        one = np.from_dlpack(ops.mla_attention(q_lat[t:t + 1], q_pe[t:t + 1], cache, seq[t:t + 1], pos[t:t + 1],
+                                               bt, 3, scale))
+        assert np.array_equal(one[0], full[t]), f"token {t} differs when computed alone"
+
+
+BLOCK_ATTN_CASES = [  # (nh, kvh, hd, B, cache block size)
+    (1, 1, 4, 1, 1),
+    (2, 2, 5, 3, 3),
+    (4, 2, 16, 4, 16),
+    (3, 1, 8, 2, 3),
+    (8, 2, 32, 5, 16),
+]
+
+
+@pytest.mark.parametrize("dev", DEVICES)
+@pytest.mark.parametrize("case", BLOCK_ATTN_CASES, ids=lambda c: "h%d-kv%d-d%d-B%d-cbs%d" % c)
+@pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
+def test_block_attention(dev, case, causal):
+    need_device(dev, "block_attention")
+    nh, kvh, hd, B, cbs = case
+    rng = rng_for("block-attn", case, causal)
+    # contexts: empty, ending on a page boundary, one past it, shorter than the block, long
+    ctx = [0, 2 * cbs, 2 * cbs + 1, max(1, B - 1), 3 * cbs + 7]
+    S = len(ctx)
+    kv_cache, bt = make_pages(rng, ctx, cbs, 2 * kvh * hd)
+    T = S * B
+    q = rng.standard_normal((T, nh, hd)).astype(np.float32)
+    k = rng.standard_normal((T, kvh, hd)).astype(np.float32)
+    v = rng.standard_normal((T, kvh, hd)).astype(np.float32)
+    ctx_len = i32(ctx)
+    scale = 1.0 / math.sqrt(hd)
+    # window: full; 1 (no context key is visible to any query: j > L + i - 1 >= L - 1);
+    # 2 (only the last context key, and only for i = 0); smaller than most contexts;
+    # larger than every context
+    for window in [0, 1, 2, 5, max(ctx) + B + 3]:
+        ref = refs.block_attention(q, k, v, kv_cache, ctx_len, bt, B, window, causal, scale, cbs)
+        out = Guarded(q.shape, dev)
+        ops.block_attention(*[to_dev(x, dev) for x in (q, k, v, kv_cache, ctx_len, bt)], B, cbs, window=window,
+                            causal=causal, scale=scale, out=out.view)
+        got = out.result()
+        check("block_attention", got, ref)
+        if window == 1 and causal:  # the first query of a block sees only its own key
+            for s in range(S):
+                np.testing.assert_allclose(got[s * B], np.repeat(v[s * B], nh // kvh, axis=0), rtol=1e-6)
