@@ -883,3 +883,273 @@ def test_block_attention(dev, case, causal):
         if window == 1 and causal:  # the first query of a block sees only its own key
             for s in range(S):
                 np.testing.assert_allclose(got[s * B], np.repeat(v[s * B], nh // kvh, axis=0), rtol=1e-6)
+
+
+# ----------------------------------------------------------------------------- MoE
+ROUTE_CASES = [  # (E, n_group, topk_group, top_k)
+    (8, 1, 1, 1),
+    (8, 1, 1, 2),
+    (13, 1, 1, 5),
+    (16, 4, 2, 4),
+    (12, 3, 1, 2),
+    (12, 3, 3, 5),
+    (64, 8, 4, 8),
+]
+
+
+@pytest.mark.parametrize("dev", DEVICES)
+@pytest.mark.parametrize("case", ROUTE_CASES, ids=lambda c: "E%d-g%d-kg%d-k%d" % c)
+@pytest.mark.parametrize("norm,scaling", [(True, 1.0), (True, 2.5), (False, 1.0), (False, 0.75)])
+def test_moe_route(dev, case, norm, scaling):
+    need_device(dev, "moe_route")
+    E, ng, kg, k = case
+    rng = rng_for("moe_route", case, norm, scaling)
+    T = 9
+
+    def make(attempt):
+        logits = (rng.standard_normal((T, E)) * 2).astype(np.float32)
+        bias = (rng.standard_normal(E) * 0.3).astype(np.float32)
+        return logits, bias
+
+    (logits, bias), (rid, rw, _) = well_posed(make, lambda a: refs.moe_route(a[0], a[1], k, ng, kg, norm, scaling))
+    ids, w = Guarded((T, k), dev, np.int32), Guarded((T, k), dev)
+    ops.moe_route(to_dev(logits, dev), to_dev(bias, dev), k, ng, kg, norm, scaling, ids=ids.view, weights=w.view)
+    np.testing.assert_array_equal(ids.result(), rid)
+    check("moe_route", w.result(), rw)
+
+
+@pytest.mark.parametrize("dev", DEVICES)
+def test_moe_route_ties_go_to_the_lower_expert(dev):
+    need_device(dev, "moe_route")
+    # exact ties: equal logits and equal bias give bitwise equal choices
+    logits = np.array([[0.5, 2.0, 1.0, 2.0, 2.0, -1.0, 2.0, 0.0],    # 1, 3, 4, 6 tie for the top
+                       [1.0, 1.0, 1.0, 1.0, 1.0, 1.0, 1.0, 1.0],     # all tie
+                       [0.0, 3.0, 0.0, 1.5, 0.0, 1.5, 0.0, 1.5]],    # 1, then 3, 5, 7 tie
+                      np.float32)
+    bias = np.zeros(8, np.float32)
+    for k, exp in [(1, [[1], [0], [1]]), (2, [[1, 3], [0, 1], [1, 3]]), (3, [[1, 3, 4], [0, 1, 2], [1, 3, 5]])]:
+        ids, w = ops.moe_route(to_dev(logits, dev), to_dev(bias, dev), k)
+        np.testing.assert_array_equal(to_np(ids), exp)
+        rid, rw, _ = refs.moe_route(logits, bias, k, 1, 1, True, 1.0)
+        np.testing.assert_array_equal(rid, exp)
+        check("moe_route", to_np(w), rw)
+    # a bias breaks the tie: expert 6 (logit 2.0, bias +0.25) first, then 1 of 1, 3, 4
+    bias2 = np.array([0, 0, 0, 0, 0, 0, 0.25, 0], np.float32)
+    ids, _ = ops.moe_route(to_dev(logits[:1], dev), to_dev(bias2, dev), 2)
+    np.testing.assert_array_equal(to_np(ids), [[1, 6]])
+    # groups: E = 8 in 2 groups; group 1 (experts 4..7) clearly best; ties inside it go
+    # to the lower id, and the dropped group's experts are never chosen even when tied
+    logits = np.array([[1.0, -2.0, -2.0, -2.0, 1.0, 1.0, 1.0, 0.5]], np.float32)
+    for kg, k, exp in [(1, 2, [[4, 5]]), (1, 3, [[4, 5, 6]]), (2, 3, [[0, 4, 5]])]:
+        ids, w = ops.moe_route(to_dev(logits, dev), to_dev(bias, dev), k, 2, kg, False, 1.0)
+        np.testing.assert_array_equal(to_np(ids), exp)
+        np.testing.assert_array_equal(refs.moe_route(logits, bias, k, 2, kg, False, 1.0)[0], exp)
+        check("moe_route", to_np(w), 1 / (1 + np.exp(-logits[0, exp[0]].astype(np.float64)))[None])
+
+
+def make_experts(rng, E, H, F, wdtype):
+    gate, up, down, ref = [], [], [], []
+    for e in range(E):
+        mats = []
+        for (n, k) in [(F, H), (F, H), (H, F)]:
+            w = (rng.standard_normal((n, k)) * 0.2).astype(np.float32)
+            if wdtype == "bf16":
+                t = refs.bf16_round(w)
+                mats.append((ops.Weight.dense(t, f"e{e}"), t.double().numpy()))
+            else:
+                mats.append((ops.Weight.dense(w, f"e{e}"), w.astype(np.float64)))
+        gate.append(mats[0][0])
+        up.append(mats[1][0])
+        down.append(mats[2][0])
+        ref.append(tuple(m[1] for m in mats))
+    return gate, up, down, ref
+
+
+@pytest.mark.parametrize("dev", DEVICES)
+@pytest.mark.parametrize("wdtype", ["f32", "bf16"])
+def test_moe_experts(dev, wdtype):
+    need_device(dev, "moe_experts")
+    rng = rng_for("moe_experts", wdtype)
+    for (T, E, H, F, k) in [(1, 3, 8, 5, 1), (1, 6, 33, 17, 3), (6, 5, 24, 20, 2), (9, 8, 40, 31, 4),
+                            (13, 4, 16, 48, 2)]:
+        gate, up, down, eref = make_experts(rng, E, H, F, wdtype)
+        x = rng.standard_normal((T, H)).astype(np.float32)
+        # distinct experts per token, in ascending order (as moe_route gives them), with
+        # the last expert never used and expert 0 used by every token when there are
+        # several tokens (all routed to the same expert)
+        ids = np.zeros((T, k), np.int32)
+        for t in range(T):
+            pool = rng.permutation(np.arange(1, E - 1))[:k - 1] if T > 1 else rng.permutation(E - 1)[:k - 1]
+            first = 0 if T > 1 else int(rng.integers(0, E - 1))
+            row = sorted({first, *map(int, pool)})
+            while len(row) < k:
+                row = sorted(set(row) | {int(rng.integers(0, E - 1))})
+            ids[t] = row
+        weights = rng.uniform(0.05, 1.0, (T, k)).astype(np.float32)
+        ref = refs.moe_experts(x, ids, weights, eref)
+        out = Guarded((T, H), dev)
+        ws = Guarded((ops.moe_workspace_floats(T, k, H, F, E),), dev)  # exactly the documented size
+        ops.moe_experts(to_dev(x, dev), to_dev(ids, dev), to_dev(weights, dev), gate, up, down, out=out.view,
+                        workspace=ws.view)
+        check("moe_experts", out.result(), ref)
+        ws.result()  # the workspace's guards too
+        assert (ids[:, :] != E - 1).all()
+    # the binding sizes the workspace itself
+    got = np.from_dlpack(ops.moe_experts(x, ids, weights, gate, up, down))
+    check("moe_experts", got, ref)
+
+
+MOE_DUP_XFAIL = pytest.mark.xfail(
+    strict=True, raises=dflash2_rt.InvalidArgumentError,
+    reason="op bug: cpu/moe.cpp:96-104 sizes the per-expert gather (xe/ye, mlp scratch) for T rows, but an "
+           "expert named twice by one token gets more than T rows: 'slice [0, 2) out of range for dimension 0 "
+           "of F32[1, H]' instead of (w0 + w1) * expert(x)")
+
+
+@pytest.mark.parametrize("ids,weights", [
+    ([[1, 1], [0, 2]], [[0.25, 0.5], [0.5, 0.5]]),  # expert 1 gets 2 rows of 2 tokens: fits
+    pytest.param([[1, 1]], [[0.25, 0.5]], marks=MOE_DUP_XFAIL),  # 2 rows of 1 token
+    pytest.param([[2, 0, 2], [2, 2, 1]], [[0.1, 0.2, 0.3], [0.4, 0.5, 0.6]], marks=MOE_DUP_XFAIL),
+], ids=["fits", "T1", "T2-k3"])
+def test_moe_experts_same_expert_twice_in_a_row(ids, weights):
+    """ids naming one expert twice for a token: by the documented formula, out[t] is
+    (w0 + w1) * expert(x[t]) (moe_route never does this, but moe_experts takes any ids)."""
+    rng = rng_for("moe-dup", repr(ids))
+    ids, weights = i32(ids), np.array(weights, np.float32)
+    (T, k), E, H, F = ids.shape, 3, 16, 12
+    gate, up, down, eref = make_experts(rng, E, H, F, "f32")
+    x = rng.standard_normal((T, H)).astype(np.float32)
+    out = Guarded((T, H), "cpu")
+    ws = Guarded((ops.moe_workspace_floats(T, k, H, F, E),), "cpu")
+    ops.moe_experts(x, ids, weights, gate, up, down, out=out.view, workspace=ws.view)
+    check("moe_experts", out.result(), refs.moe_experts(x, ids, weights, eref))
+    ws.result()
+
+
+# ----------------------------------------------------------------------------- DFlash drafter
+DYN_CASES = [  # (blocks, B, H, G)
+    (1, 1, 8, 1),
+    (3, 2, 12, 3),
+    (2, 5, 33, 11),
+    (4, 4, 7, 7),
+    (2, 16, 64, 8),
+]
+
+
+@pytest.mark.parametrize("dev", DEVICES)
+@pytest.mark.parametrize("case", DYN_CASES, ids=lambda c: "n%d-B%d-H%d-G%d" % c)
+def test_dyn_conv(dev, case):
+    need_device(dev, "dyn_conv")
+    nb, B, H, G = case
+    rng = rng_for("dyn_conv", case)
+    R = nb * B
+    x = rng.standard_normal((R, H)).astype(np.float32)
+    base = rng.standard_normal((2, H)).astype(np.float32)
+    wide = rng.standard_normal((R, 2 * G + 7)).astype(np.float32)
+    dyn = wide[:, 3:3 + 2 * G]  # a strided column slice of a wider projection
+    ref = refs.dyn_conv(x, base, dyn, B)
+    out = Guarded((R, H), dev)
+    dyn_dev = to_dev(wide, dev).slice(1, 3, 3 + 2 * G)  # strided on any device
+    ops.dyn_conv(to_dev(x, dev), to_dev(base, dev), dyn_dev, B, out=out.view)
+    got = out.result()
+    check("dyn_conv", got, ref)
+    # no tap across blocks: the first row of every block is the one-tap term alone
+    np.testing.assert_allclose(got[::B], ref[::B], rtol=1e-6, atol=1e-6)
+    # in place: out is x
+    xin = Guarded((R, H), dev, init=x)
+    ops.dyn_conv(xin.view, to_dev(base, dev), dyn_dev, B, out=xin.view)
+    np.testing.assert_array_equal(xin.result(), got)  # same arithmetic, same result
+
+
+SELECTOR_CASES = [  # (S, P, K, R, V)
+    (1, 1, 1, 1, 3),
+    (2, 4, 5, 8, 50),
+    (3, 6, 8, 13, 100),
+    (1, 9, 16, 32, 64),
+]
+
+
+def selector_inputs(rng, case, book_dtype):
+    S, P, K, R, V = case
+    vals = rng.standard_normal((S, P, K)).astype(np.float32)
+    cand = i32(rng.integers(0, V, (S, P, K)))
+    g = rng.standard_normal((S, P, R)).astype(np.float32)
+    books = []
+    for _ in range(2):
+        b = rng.standard_normal((V, R)).astype(np.float32)
+        books.append(refs.bf16_round(b) if book_dtype == "bf16" else (b.astype(np.float16) if book_dtype == "f16"
+                                                                       else b))
+    anchors = i32(rng.integers(0, V, S))
+    return vals, cand, g, books[0], books[1], anchors
+
+
+@pytest.mark.parametrize("dev", DEVICES)
+@pytest.mark.parametrize("case", SELECTOR_CASES, ids=lambda c: "S%d-P%d-K%d-R%d-V%d" % c)
+@pytest.mark.parametrize("book_dtype", ["f32", "bf16", "f16"])
+def test_selector_walk_greedy(dev, case, book_dtype):
+    need_device(dev, "selector_walk")
+    rng = rng_for("selector-greedy", case, book_dtype)
+    S, P, K = case[:3]
+    inputs, (rtok, _, _) = well_posed(
+        lambda a: selector_inputs(rng, case, book_dtype), lambda a: refs.selector_walk(*a, 0.0, None))
+    tokens = Guarded((S, P), dev, np.int32)
+    q = Guarded((S, P, K), dev)  # not written when greedy
+    ops.selector_walk(*[to_dev(a, dev) for a in inputs], temperature=0.0, tokens=tokens.view, q=q.view)
+    np.testing.assert_array_equal(tokens.result(), rtok)
+    assert (q.result() == SENTINEL).all(), "greedy walk wrote q"
+    t2, q2 = ops.selector_walk(*[to_dev(a, dev) for a in inputs], temperature=-1.0)
+    np.testing.assert_array_equal(to_np(t2), rtok)
+    assert q2 is None
+
+
+@pytest.mark.parametrize("dev", DEVICES)
+def test_selector_walk_greedy_ties_go_to_the_first_candidate(dev):
+    need_device(dev, "selector_walk")
+    rng = rng_for("selector-ties")
+    S, P, K, R, V = 2, 5, 6, 8, 40
+    vals, cand, g, pred, succ, anchors = selector_inputs(rng, (S, P, K, R, V), "f32")
+    # tokens 10 and 20 share their successor-codebook row (different predecessor rows):
+    # with equal values they score exactly alike, and the first candidate must win
+    succ[20] = succ[10]
+    for s in range(S):
+        for t in range(P):
+            first, second = sorted(rng.choice(K, 2, replace=False))
+            cand[s, t, first], cand[s, t, second] = (10, 20) if (s + t) % 2 else (20, 10)
+            vals[s, t, first] = vals[s, t, second] = 50.0  # far above the rest
+    tok, _ = ops.selector_walk(*[to_dev(a, dev) for a in (vals, cand, g, pred, succ, anchors)])
+    rtok, _, margin = refs.selector_walk(vals, cand, g, pred, succ, anchors, 0.0, None)
+    assert margin > MARGIN
+    exp = np.where((np.arange(S)[:, None] + np.arange(P)[None]) % 2, 10, 20)
+    np.testing.assert_array_equal(rtok, exp)
+    np.testing.assert_array_equal(to_np(tok), exp)
+
+
+def uniform_bits(u):
+    return np.ascontiguousarray(np.asarray(u, np.float64)).view(np.int64)
+
+
+@pytest.mark.parametrize("dev", DEVICES)
+@pytest.mark.parametrize("case", SELECTOR_CASES, ids=lambda c: "S%d-P%d-K%d-R%d-V%d" % c)
+@pytest.mark.parametrize("temperature", [0.6, 1.0, 2.5])
+def test_selector_walk_sampled(dev, case, temperature):
+    need_device(dev, "selector_walk")
+    rng = rng_for("selector-sampled", case, temperature)
+    S, P, K = case[:3]
+    inputs = selector_inputs(rng, case, "bf16")
+    (u,), (rtok, rq, _) = well_posed(
+        lambda a: (uniform_bits(rng.random((S, P))),),
+        lambda a: refs.selector_walk(*inputs, temperature, a[0]))
+    tokens = Guarded((S, P), dev, np.int32)
+    q = Guarded((S, P, K), dev)
+    ops.selector_walk(*[to_dev(a, dev) for a in inputs], temperature=temperature, uniforms=to_dev(u, dev),
+                      tokens=tokens.view, q=q.view)
+    np.testing.assert_array_equal(tokens.result(), rtok)
+    got_q = q.result()
+    check("selector_walk", got_q, rq)
+    np.testing.assert_allclose(got_q.sum(-1), 1.0, rtol=0, atol=1e-6)
+    # uniforms just above 0 take the first candidate; the binding allocates q itself
+    tiny = uniform_bits(np.full((S, P), 1e-300))
+    t0, q0 = ops.selector_walk(*[to_dev(a, dev) for a in inputs], temperature=temperature, uniforms=to_dev(tiny, dev))
+    r0, rq0, _ = refs.selector_walk(*inputs, temperature, tiny)
+    np.testing.assert_array_equal(to_np(t0), r0)
+    check("selector_walk", to_np(q0), rq0)
