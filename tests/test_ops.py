@@ -1153,3 +1153,149 @@ def test_selector_walk_sampled(dev, case, temperature):
     r0, rq0, _ = refs.selector_walk(*inputs, temperature, tiny)
     np.testing.assert_array_equal(to_np(t0), r0)
     check("selector_walk", to_np(q0), rq0)
+
+
+# ----------------------------------------------------------------------------- argument errors
+def _f(*s):
+    return np.zeros(s, np.float32)
+
+
+def _i(*s):
+    return np.zeros(s, np.int32)
+
+
+def _w(n, k):
+    return ops.Weight.dense(_f(n, k))
+
+
+_BT = _i(2, 4)  # a block table of 2 sequences x 4 blocks (block 0), blocks of 4 rows
+_SW = (_f(1, 2, 3), _i(1, 2, 3), _f(1, 2, 4), _f(10, 4), _f(10, 4), _i(1))  # selector_walk inputs
+
+# (op call, the message: it names the op and the bad argument)
+ARG_ERRORS = {
+    "copy-shape": (lambda: ops.copy(_f(2, 3), out=_f(3, 2)), r"copy: 'src' .* and 'dst' .* same shape"),
+    "copy-dtype": (lambda: ops.copy(_f(2, 3), out=np.zeros((2, 3), np.float16)), r"copy: src .* and dst .* same dtype"),
+    "copy-i32-to-f32": (lambda: ops.copy(_i(2, 3), out=_f(2, 3)), r"copy: src I32.* and dst F32.* same dtype"),
+    "add-shape": (lambda: ops.add(_f(2, 3), _f(2, 4)), r"add: 'a' .* and 'b' .* same shape"),
+    "add-dtype": (lambda: ops.add(_f(2, 3), np.zeros((2, 3), np.float16)), r"add: argument 'b' must be F32"),
+    "add-out": (lambda: ops.add(_f(2, 3), _f(2, 3), out=_i(2, 3)), r"add: argument 'out' must be F32"),
+    "gather-src-1d": (lambda: ops.gather_rows(_f(5), _i(2)), r"gather_rows: src must be \[N, D\]"),
+    "gather-idx-f32": (lambda: ops.gather_rows(_f(5, 3), _f(2)), r"gather_rows: argument 'idx' must be I32 or I64"),
+    "gather-out": (lambda: ops.gather_rows(_f(5, 3), _i(2), out=_f(2, 4)), r"gather_rows: out must be \[2, 3\]"),
+    "argmax-1d": (lambda: ops.argmax(_f(5)), r"argmax: argument 'x' must be F32 \[rows, cols\]"),
+    "argmax-out": (lambda: ops.argmax(_f(2, 3), out=np.zeros(2, np.int64)), r"argmax: argument 'out' must be I32"),
+    "argmax-out-len": (lambda: ops.argmax(_f(2, 3), out=_i(3)), r"argmax: argument 'out' must be I32 \[2\]"),
+    "finite-flags": (lambda: ops.check_finite(_f(2, 3), out=_i(3)),
+        r"check_finite: argument 'flags' must be I32 \[2\]"),
+    "finite-f16": (lambda: ops.check_finite(np.zeros((2, 3), np.float16)), r"check_finite: argument 'x' must be F32"),
+    "cache_write-width": (lambda: ops.cache_write(_f(2, 3), _i(2), _f(8, 4)),
+        r"cache_write: src rows have 3 values but cache rows have 4"),
+    "cache_write-slots": (lambda: ops.cache_write(_f(2, 3), _i(3), _f(8, 3)),
+        r"cache_write: argument 'slots' must be I32 \[2\]"),
+    "cache_write-slots-i64": (lambda: ops.cache_write(_f(2, 3), np.zeros(2, np.int64), _f(8, 3)),
+        r"cache_write: argument 'slots' must be I32"),
+    "linear_heads-x": (lambda: ops.linear_heads(_f(2, 3), _f(3, 4, 3)),
+        r"linear_heads: argument 'x' must be F32 \[a, b, c\]"),
+    "linear_heads-w": (lambda: ops.linear_heads(_f(2, 3, 5), _f(3, 4, 6)), r"linear_heads: x .* does not match w"),
+    "linear_heads-w-i32": (lambda: ops.linear_heads(_f(2, 3, 5), _i(3, 4, 5)),
+        r"linear_heads: argument 'w' must be F32, BF16 or F16"),
+    "linear_heads-y": (lambda: ops.linear_heads(_f(2, 3, 5), _f(3, 4, 5), out=_f(2, 3, 5)),
+        r"linear_heads: y must be \[2, 3, 4\]"),
+    "indexer-q": (lambda: ops.indexer_topk(_f(2, 8), _f(2, 1), _f(8, 8), _i(2), _i(2), _BT, 4, 2),
+        r"indexer_topk: argument 'q' must be F32 \[a, b, c\]"),
+    "indexer-w": (lambda: ops.indexer_topk(_f(2, 2, 8), _f(2, 3), _f(8, 8), _i(2), _i(2), _BT, 4, 2),
+        r"indexer_topk: w must be \[2, 2\]"),
+    "indexer-keys": (lambda: ops.indexer_topk(_f(2, 2, 8), _f(2, 2), _f(8, 7), _i(2), _i(2), _BT, 4, 2),
+        r"indexer_topk: key_cache rows have 7 values"),
+    "indexer-seq": (lambda: ops.indexer_topk(_f(2, 2, 8), _f(2, 2), _f(8, 8), _i(3), _i(2), _BT, 4, 2),
+        r"indexer_topk: argument 'tok.seq' must be I32 \[2\]"),
+    "indexer-topk": (lambda: ops.indexer_topk(_f(2, 2, 8), _f(2, 2), _f(8, 8), _i(2), _i(2), _BT, 4, 0),
+        r"indexer_topk: topk must be >= 1"),
+    "indexer-block_size": (lambda: ops.indexer_topk(_f(2, 2, 8), _f(2, 2), _f(8, 8), _i(2), _i(2), _BT, 0, 2),
+        r"indexer_topk: block_size must be >= 1"),
+    "indexer-sel": (lambda: ops.indexer_topk(_f(2, 2, 8), _f(2, 2), _f(8, 8), _i(2), _i(2), _BT, 4, 2, sel=_i(2, 3)),
+        r"indexer_topk: sel must be I32 \[2, 2\]"),
+    "indexer-seq-range": (lambda: ops.indexer_topk(_f(2, 2, 8), _f(2, 2), _f(8, 8), i32([0, 5]), _i(2), _BT, 4, 2),
+        r"indexer_topk: token 1 names block-table row 5"),
+    "indexer-pos-range": (lambda: ops.indexer_topk(_f(2, 2, 8), _f(2, 2), _f(8, 8), _i(2), i32([0, 99]), _BT, 4, 2),
+        r"indexer_topk: token 1 at position 99 does not fit"),
+    "indexer-block-range": (lambda: ops.indexer_topk(_f(2, 2, 8), _f(2, 2), _f(8, 8), _i(2), _i(2), np.full((2, 4), 9, np.int32), 4, 2),
+        r"indexer_topk: block-table row 0 entry 0 = 9 is outside the cache"),
+    "mla-q_pe": (lambda: ops.mla_attention(_f(2, 2, 8), _f(2, 3, 4), _f(8, 12), _i(2), _i(2), _BT, 4, 1.0),
+        r"mla_attention: q_pe .* does not match q_lat"),
+    "mla-cache": (lambda: ops.mla_attention(_f(2, 2, 8), _f(2, 2, 4), _f(8, 11), _i(2), _i(2), _BT, 4, 1.0),
+        r"mla_attention: cache rows must hold kv_lora \+ rope = 12"),
+    "mla-pos-i64": (lambda: ops.mla_attention(_f(2, 2, 8), _f(2, 2, 4), _f(8, 12), _i(2), np.zeros(2, np.int64), _BT, 4, 1.0),
+        r"mla_attention: argument 'tok.pos' must be I32"),
+    "mla-sel_len": (lambda: ops.mla_attention(_f(2, 2, 8), _f(2, 2, 4), _f(8, 12), _i(2), _i(2), _BT, 4, 1.0, sel=_i(2, 1), sel_len=i32([2, 0])),
+        r"mla_attention: sel_len\[0\] = 2 exceeds the 1 selection columns"),
+    "mla-sel-key": (lambda: ops.mla_attention(_f(2, 2, 8), _f(2, 2, 4), _f(8, 12), _i(2), _i(2), _BT, 4, 1.0, sel=i32([[1], [0]]), sel_len=i32([1, 1])),
+        r"mla_attention: token 0 at position 0 selects key 1 outside its causal range"),
+    "mla-sel-missing": (lambda: ops.mla_attention(_f(2, 2, 8), _f(2, 2, 4), _f(8, 12), _i(2), _i(2), _BT, 4, 1.0, sel_len=i32([1, 1])),
+        r"mla_attention: argument 'sel' is undefined"),
+    "block_attn-blocks": (lambda: ops.block_attention(_f(5, 2, 4), _f(5, 1, 4), _f(5, 1, 4), _f(8, 8), _i(2), _BT, 2, 4),
+        r"block_attention: 5 query rows are not whole blocks of 2"),
+    "block_attn-gqa": (lambda: ops.block_attention(_f(4, 3, 4), _f(4, 2, 4), _f(4, 2, 4), _f(8, 16), _i(2), _BT, 2, 4),
+        r"block_attention: k .* does not match q .* \(kv heads must divide"),
+    "block_attn-v": (lambda: ops.block_attention(_f(4, 2, 4), _f(4, 1, 4), _f(4, 1, 5), _f(8, 8), _i(2), _BT, 2, 4),
+        r"block_attention: 'k' .* and 'v' .* same shape"),
+    "block_attn-kv_cache": (lambda: ops.block_attention(_f(4, 2, 4), _f(4, 1, 4), _f(4, 1, 4), _f(8, 9), _i(2), _BT, 2, 4),
+        r"block_attention: kv_cache rows must hold \[k \| v\] = 8"),
+    "block_attn-ctx_len": (lambda: ops.block_attention(_f(4, 2, 4), _f(4, 1, 4), _f(4, 1, 4), _f(8, 8), _i(3), _BT, 2, 4),
+        r"block_attention: argument 'ctx_len' must be I32 \[2\]"),
+    "block_attn-ctx-range": (lambda: ops.block_attention(_f(4, 2, 4), _f(4, 1, 4), _f(4, 1, 4), _f(8, 8), i32([0, 100]), _BT, 2, 4),
+        r"block_attention: ctx_len\[1\] = 100 does not fit the block table"),
+    "block_attn-window": (lambda: ops.block_attention(_f(4, 2, 4), _f(4, 1, 4), _f(4, 1, 4), _f(8, 8), _i(2), _BT, 2, 4, window=-1),
+        r"block_attention: .*window >= 0"),
+    "moe_route-bias": (lambda: ops.moe_route(_f(2, 8), _f(7), 2), r"moe_route: bias must be F32 \[8\]"),
+    "moe_route-n_group": (lambda: ops.moe_route(_f(2, 8), _f(8), 2, 3, 1),
+        r"moe_route: n_group 3 must divide 8 experts"),
+    "moe_route-topk_group": (lambda: ops.moe_route(_f(2, 8), _f(8), 2, 2, 3),
+        r"moe_route: topk_group must be in \[1, n_group = 2\]"),
+    "moe_route-top_k": (lambda: ops.moe_route(_f(2, 8), _f(8), 5, 2, 1),
+        r"moe_route: top_k = 5 must be in \[1, experts in the kept groups = 4\]"),
+    "moe_route-ids": (lambda: ops.moe_route(_f(2, 8), _f(8), 2, ids=_i(2, 3)),
+        r"moe_route: ids and weights must be \[2, 2\]"),
+    "moe_experts-ids": (lambda: ops.moe_experts(_f(2, 4), _i(3, 1), _f(3, 1), [_w(3, 4)], [_w(3, 4)], [_w(4, 3)]),
+        r"moe_experts: ids and weights must be \[2, top_k\]"),
+    "moe_experts-down": (lambda: ops.moe_experts(_f(2, 4), _i(2, 1), _f(2, 1), [_w(3, 4)], [_w(3, 4)], [_w(5, 3)]),
+        r"moe_experts: expert 0 has shapes .* down \[5, 3\]"),
+    "moe_experts-counts": (lambda: ops.moe_experts(_f(2, 4), _i(2, 1), _f(2, 1), [_w(3, 4)], [_w(3, 4)], []),
+        r"moe_experts: expected the same number \(>= 1\) of gate, up and down"),
+    "moe_experts-workspace": (lambda: ops.moe_experts(_f(2, 4), _i(2, 1), _f(2, 1), [_w(3, 4)], [_w(3, 4)], [_w(4, 3)], workspace=_f(5)),
+        r"moe_experts: workspace must hold 41 contiguous floats"),
+    "moe_experts-id-range": (lambda: ops.moe_experts(_f(2, 4), i32([[0], [1]]), _f(2, 1), [_w(3, 4)], [_w(3, 4)], [_w(4, 3)]),
+        r"moe_experts: expert id 1 of token 1 is outside \[0, 1\)"),
+    "dyn_conv-blocks": (lambda: ops.dyn_conv(_f(5, 4), _f(2, 4), _f(5, 2), 2),
+        r"dyn_conv: 5 rows are not whole blocks of 2"),
+    "dyn_conv-block0": (lambda: ops.dyn_conv(_f(4, 4), _f(2, 4), _f(4, 2), 0),
+        r"dyn_conv: 4 rows are not whole blocks of 0"),
+    "dyn_conv-base": (lambda: ops.dyn_conv(_f(4, 4), _f(1, 4), _f(4, 2), 2), r"dyn_conv: base must be F32 \[2, 4\]"),
+    "dyn_conv-dyn-odd": (lambda: ops.dyn_conv(_f(4, 4), _f(2, 4), _f(4, 3), 2), r"dyn_conv: dyn must be \[4, 2G\]"),
+    "dyn_conv-dyn-G": (lambda: ops.dyn_conv(_f(4, 6), _f(2, 6), _f(4, 8), 2),
+        r"dyn_conv: dyn must be \[4, 2G\] with G dividing 6"),
+    "selector-cand": (lambda: ops.selector_walk(_SW[0], _f(1, 2, 3), *_SW[2:]),
+        r"selector_walk: argument 'cand' must be I32"),
+    "selector-g": (lambda: ops.selector_walk(*_SW[:2], _f(1, 3, 4), *_SW[3:]),
+        r"selector_walk: g must be \[1, 2, rank\]"),
+    "selector-book": (lambda: ops.selector_walk(*_SW[:3], _f(10, 5), *_SW[4:]),
+        r"selector_walk: codebooks must be \[vocab, 4\]"),
+    "selector-cand-range": (lambda: ops.selector_walk(_SW[0], np.full((1, 2, 3), 10, np.int32), *_SW[2:]),
+        r"selector_walk: candidate 10 at \(0, 0, 0\) is outside \[0, 10\)"),
+    "selector-anchor": (lambda: ops.selector_walk(*_SW[:5], i32([-1])), r"selector_walk: anchor -1 of sequence 0"),
+    "selector-uniforms-missing": (lambda: ops.selector_walk(*_SW, temperature=1.0),
+        r"selector_walk: argument 'uniforms' is undefined"),
+    "selector-uniforms-f32": (lambda: ops.selector_walk(*_SW, temperature=1.0, uniforms=_f(1, 2)),
+        r"selector_walk: argument 'uniforms' must be I64"),
+    "selector-temperature": (lambda: ops.selector_walk(*_SW, temperature=float("nan")),
+        r"selector_walk: temperature must be finite"),
+    "selector-q": (lambda: ops.selector_walk(*_SW, temperature=1.0, uniforms=np.zeros((1, 2), np.int64), q=_f(1, 2, 4)),
+        r"selector_walk: 'vals' .* and 'q' .* same shape"),
+}
+
+
+@pytest.mark.parametrize("name", list(ARG_ERRORS))
+def test_new_op_argument_errors(name):
+    call, msg = ARG_ERRORS[name]
+    with pytest.raises(dflash2_rt.InvalidArgumentError, match="^" + msg):
+        call()
