@@ -748,6 +748,29 @@ def test_indexer_topk_exact_ties_go_to_the_earlier_key(dev, bs):
         np.testing.assert_array_equal(to_np(sel)[0], sorted(ranked[:topk]))
 
 
+@pytest.mark.parametrize("dev", DEVICES)
+def test_indexer_topk_glm_sized(dev):
+    """GLM-5's indexer shape (32 heads of 128, topk 2048, pages of 64) around the topk."""
+    need_device(dev, "indexer_topk")
+    rng = rng_for("indexer-glm")
+    bs, nI, dI, topk = 64, 32, 128, 2048
+    lengths = [topk, topk + 1, topk + 150]
+    key_cache, bt = make_pages(rng, lengths, bs, dI)
+    seq, pos = i32([0, 1, 2, 2]), i32([topk - 1, topk, topk + 149, topk + 63])
+    (q, w), (ref_sel, ref_len, _) = well_posed(
+        lambda a: (rng.standard_normal((4, nI, dI)).astype(np.float32), rng.standard_normal((4, nI)).astype(np.float32)),
+        lambda a: refs.indexer_topk(a[0], a[1], key_cache, seq, pos, bt, bs, topk))
+    sel = Guarded((4, topk), dev, np.int32)
+    sel_len = Guarded((4,), dev, np.int32)
+    ops.indexer_topk(*[to_dev(x, dev) for x in (q, w, key_cache, seq, pos, bt)], bs, topk, sel=sel.view,
+                     sel_len=sel_len.view)
+    got_sel, got_len = sel.result(), sel_len.result()
+    np.testing.assert_array_equal(got_len, [-1, topk, topk, topk])
+    assert (got_sel[0] == ISENTINEL).all()
+    for t in range(1, 4):
+        np.testing.assert_array_equal(got_sel[t], ref_sel[t])
+
+
 MLA_CASES = [  # (block size, heads, kv_lora, rope)
     (1, 1, 8, 2),
     (1, 2, 16, 8),
@@ -755,6 +778,7 @@ MLA_CASES = [  # (block size, heads, kv_lora, rope)
     (3, 2, 64, 16),
     (16, 4, 64, 16),
     (16, 2, 128, 64),
+    (64, 4, 512, 64),  # GLM-5's latent width
 ]
 
 
