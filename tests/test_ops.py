@@ -7,6 +7,9 @@ threshold, after checking for NaN/Inf. Outputs are written into a buffer with gu
 regions on both sides that must come back untouched. A CUDA op plugs in by adding its
 name to CUDA_OPS.
 """
+import math
+import zlib
+
 import numpy as np
 import pytest
 import torch
@@ -21,6 +24,7 @@ DEVICES = ["cpu", "cuda"]
 CUDA_OPS = {"rms_norm"}
 GUARD = 64
 SENTINEL = np.float32(-12345.678)
+ISENTINEL = np.int32(-777777)
 
 # per-op NMSE thresholds (fp32 results vs float64 references)
 TOL = {
@@ -32,6 +36,25 @@ TOL = {
     "softmax": 1e-12,
     "embedding": 0.0,
     "gated_mlp": 1e-10,
+    # The new ops. Worst NMSE measured (cpu, avx2+fma GEMM) in brackets; a wrong key,
+    # expert, tap, window edge or scale gives > 1e-4. Index outputs (argmax, check_finite,
+    # indexer_topk, moe_route ids, selector_walk tokens) and data movement (copy,
+    # gather_rows, cache_write, and add: one correctly rounded fp32 add per element) are
+    # compared exactly instead. The thresholds cover fp32 rounding only: ~50-500x the
+    # measured worst, so a generic (non-FMA) GEMM or another compiler's contraction still
+    # passes; the float64 references differ by ~1e-16 between hosts (AVX-512 numpy), far
+    # below. Every decision (a top-k boundary, an argmax, a sampled draw) is made on
+    # inputs whose margin is > MARGIN, so fp32 and float64 agree on it.
+    "copy": 0.0, "gather_rows": 0.0, "cache_write": 0.0,  # moves bits: compared bitwise
+    "add": 2.0 ** -48,  # one rounding per element: |err| <= 2^-24 |ref|, NMSE <= 2^-48 (and bitwise
+    #                     equal to the float64 sum rounded once to fp32)
+    "linear_heads": 1e-11,  # the dense linear per head: linear's threshold [1.7e-14]
+    "mla_attention": 1e-12,  # fp32 scores over kv_lora + rope <= 192, exp, weighted sum [4.8e-15]
+    "block_attention": 1e-12,  # same with hd <= 32 and up to ~60 keys [2.1e-14]
+    "moe_route": 1e-12,  # fp32 sigmoid, one division, one multiply [5.9e-15]
+    "moe_experts": 1e-11,  # three chained fp32 GEMMs + silu, as gated_mlp [2.4e-14]
+    "dyn_conv": 1e-12,  # two fp32 multiply-adds per element [2.5e-15]
+    "selector_walk": 1e-10,  # q: softmax of fp32 scores / temperature (0.6: errors x1.7) [2.5e-13]
 }
 
 
@@ -55,19 +78,25 @@ def to_np(t):
 
 
 class Guarded:
-    """An F32 output of `shape` in the middle of a buffer with sentinel guards."""
+    """An output of `shape` (F32, or I32 for index outputs) in the middle of a buffer with
+    sentinel guards. `init` gives the output's starting contents (an in-place op, an output
+    the op may leave untouched); otherwise it starts as sentinels too."""
 
-    def __init__(self, shape, dev):
+    def __init__(self, shape, dev, dtype=np.float32, init=None):
         self.shape = tuple(shape)
+        self.dtype = np.dtype(dtype)
+        self.sentinel = SENTINEL if self.dtype == np.float32 else ISENTINEL
         self.n = int(np.prod(shape))
-        host = np.full(self.n + 2 * GUARD, SENTINEL, np.float32)
+        host = np.full(self.n + 2 * GUARD, self.sentinel, self.dtype)
+        if init is not None:
+            host[GUARD:GUARD + self.n] = np.asarray(init, self.dtype).reshape(-1)
         self.buf = to_dev(host, dev)
         self.view = self.buf.slice(0, GUARD, GUARD + self.n).reshape(list(self.shape))
 
     def result(self):
         all_ = to_np(self.buf)
-        assert (all_[:GUARD] == SENTINEL).all(), "op wrote before its output"
-        assert (all_[GUARD + self.n:] == SENTINEL).all(), "op wrote past its output"
+        assert (all_[:GUARD] == self.sentinel).all(), "op wrote before its output"
+        assert (all_[GUARD + self.n:] == self.sentinel).all(), "op wrote past its output"
         return all_[GUARD:GUARD + self.n].reshape(self.shape)
 
 
@@ -84,7 +113,9 @@ def check(name, got, ref, tol=None):
 
 
 def rng_for(*key):
-    return np.random.default_rng(abs(hash(key)) % (2 ** 32))
+    """A generator seeded from `key` the same way in every process: hash() of a tuple that
+    holds strings is randomised per process (PYTHONHASHSEED), crc32 of its repr is not."""
+    return np.random.default_rng(zlib.crc32(repr(key).encode()))
 
 
 # ----------------------------------------------------------------------------- linear
@@ -352,3 +383,943 @@ def test_op_errors_are_clear():
         ops.rms_norm([1.0, 2.0], np.ones(2, np.float32))
     with pytest.raises(ValueError, match="unsupported DLPack dtype"):
         ops.softmax(np.zeros((2, 2), np.complex64))
+
+
+# ============================================================================= new ops
+# copy, add, gather_rows, argmax, check_finite, cache_write, linear_heads, indexer_topk,
+# mla_attention, block_attention, moe_route, moe_experts, dyn_conv, selector_walk: every
+# one against an independent float64 reference written from ops.h (tests/refs.py).
+# Index / selection outputs must match exactly; a reference with a discrete decision
+# reports its smallest margin, and random data is redrawn until the decision is well-posed
+# (an exact tie is kept only where the op must compute it exactly too, e.g. duplicated rows).
+MARGIN = 1e-4  # relative (indexer) or absolute (routing, selector) distance from a flip
+
+
+def well_posed(make, ref, tries=50):
+    """Draws inputs with make(attempt) until ref(inputs) reports a margin > MARGIN."""
+    for attempt in range(tries):
+        inputs = make(attempt)
+        out = ref(inputs)
+        if out[-1] > MARGIN:
+            return inputs, out
+    raise AssertionError("could not draw well-posed inputs")
+
+
+def i32(x):
+    return np.ascontiguousarray(x, np.int32)
+
+
+def make_pages(rng, lengths, bs, width, spare=2):
+    """A paged cache layer holding lengths[s] rows of sequence s in shuffled blocks.
+
+    Returns (cache [blocks * bs, width] F32, block_table I32 [S, max_blocks + 1]). Rows that
+    hold no token are NaN and unused block-table entries are -1: an op that reads past a
+    sequence, or through an entry it should not need, produces a NaN or fails validation."""
+    nblk = [-(-L // bs) for L in lengths]
+    total = sum(nblk) + spare
+    perm = rng.permutation(total).astype(np.int32)
+    bt = np.full((len(lengths), max(nblk) + 1), -1, np.int32)
+    cache = np.full((total * bs, width), np.nan, np.float32)
+    k = 0
+    for s, (L, n) in enumerate(zip(lengths, nblk)):
+        bt[s, :n] = perm[k:k + n]
+        k += n
+        for p in range(L):
+            cache[refs.paged_slot(bt, s, p, bs)] = rng.standard_normal(width)
+    return cache, bt
+
+
+def page_lengths(rng, bs, n):
+    """n sequence lengths that end exactly on a page boundary, one past it, and random."""
+    out = []
+    for i in range(n):
+        pages = int(rng.integers(1, 4))
+        out.append([pages * bs, pages * bs + 1, int(rng.integers(1, 4 * bs + 2))][i % 3])
+    return out
+
+
+def step_tokens(rng, lengths, bs, per_seq, extra=()):
+    """The tokens of a step: per sequence its last position, the last and first positions
+    of a random page, random earlier positions and `extra` ones (where they exist), in a
+    shuffled order (each token is computed alone)."""
+    seq, pos = [], []
+    for s, L in enumerate(lengths):
+        ps = {L - 1}
+        page = int(rng.integers(1, L // bs + 1)) if L >= bs else 0
+        ps.update(p for p in (page * bs - 1, page * bs) if 0 <= p < L)
+        ps.update(int(p) for p in rng.integers(0, L, per_seq))
+        ps.update(p for p in extra if 0 <= p < L)
+        for p in sorted(ps):
+            seq.append(s)
+            pos.append(p)
+    order = rng.permutation(len(seq))
+    return i32(np.array(seq)[order]), i32(np.array(pos)[order])
+
+
+# ----------------------------------------------------------------------------- data movement
+@pytest.mark.parametrize("dev", DEVICES)
+@pytest.mark.parametrize("dtype", ["f32", "i32"])
+def test_copy_strided_3d(dev, dtype):
+    need_device(dev, "copy")
+    rng = rng_for("copy", dtype)
+    npt = np.float32 if dtype == "f32" else np.int32
+    for shape in [(1, 1, 1), (3, 5, 7), (4, 2, 33), (2, 17, 1)]:
+        a, b, c = shape
+        big = (rng.standard_normal((a + 2, b + 3, c + 4)) * 100).astype(npt)
+        src = to_dev(big, dev).slice(0, 1, 1 + a).slice(1, 2, 2 + b).slice(2, 3, 3 + c)  # strided views
+        dst = Guarded((a + 1, b + 2, c + 5), dev, npt)
+        dview = dst.view.slice(0, 1, 1 + a).slice(1, 0, b).slice(2, 4, 4 + c)
+        ops.copy(src, out=dview)
+        exp = np.full(dst.shape, dst.sentinel, npt)
+        exp[1:, :b, 4:4 + c] = big[1:1 + a, 2:2 + b, 3:3 + c]
+        np.testing.assert_array_equal(dst.result(), exp)  # exact, nothing else touched
+    # the transpose of a contiguous 5-D tensor (a permuted view), into a contiguous dst
+    x = np.arange(2 * 3 * 4 * 5 * 6).astype(npt).reshape(2, 3, 4, 5, 6)
+    xt = x.transpose(4, 2, 0, 3, 1)
+    out = Guarded(xt.shape, dev, npt)
+    ops.copy(to_dev(xt, dev) if dev == "cpu" else to_dev(np.ascontiguousarray(xt), dev), out=out.view)
+    np.testing.assert_array_equal(out.result(), xt)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.int32, torch.bfloat16, torch.float16])
+def test_copy_any_strides_both_sides_cpu(dtype):
+    """Non-unit strides in the last dimension too (host views only)."""
+    rng = rng_for("copy-steps", str(dtype))
+    for shape in [(1, 1, 1), (3, 5, 7), (4, 2, 33)]:
+        base = torch.from_numpy(rng.standard_normal((shape[0] * 2, shape[1] + 3, shape[2] * 3 + 1)) * 100)
+        src = base.to(dtype)[::2, 1:1 + shape[1], ::3][:, :, :shape[2]]
+        dst_big = torch.full((shape[0] + 1, shape[1] * 2, shape[2] * 2 + 2), -777, dtype=dtype)
+        dst = dst_big[1:, ::2, 2::2][:, :, :shape[2]]
+        assert tuple(src.shape) == tuple(dst.shape) == shape
+        ref_big = dst_big.clone()
+        ref_big[1:, ::2, 2::2][:, :, :shape[2]] = src
+        ops.copy(src, out=dst)
+        assert torch.equal(dst_big, ref_big)
+
+
+@pytest.mark.parametrize("dev", DEVICES)
+@pytest.mark.parametrize("src_dtype", [torch.bfloat16, torch.float16])
+def test_copy_widens_into_f32(dev, src_dtype):
+    need_device(dev, "copy")
+    rng = rng_for("copy-widen", str(src_dtype))
+    for shape in [(1, 1, 1), (3, 4, 9), (5, 1, 130)]:
+        base = torch.from_numpy(rng.standard_normal((shape[0], shape[1] * 2, shape[2] + 4)).astype(np.float32) * 10)
+        src = base.to(src_dtype)[:, ::2, 3:3 + shape[2]]
+        out = Guarded(shape, dev)
+        ops.copy(to_dev(src, dev), out=out.view)
+        np.testing.assert_array_equal(out.result(), src.float().numpy())  # widening is exact
+    # strided F32 dst (a numpy view) from F16
+    src = torch.from_numpy(rng.standard_normal((4, 6)).astype(np.float16))
+    dst_big = np.full((8, 7), SENTINEL, np.float32)
+    ops.copy(src, out=dst_big[::2, 1:])
+    np.testing.assert_array_equal(dst_big[::2, 1:], src.float().numpy())
+    assert (dst_big[1::2] == SENTINEL).all() and (dst_big[:, 0] == SENTINEL).all()
+
+
+@pytest.mark.parametrize("dev", DEVICES)
+def test_add(dev):
+    need_device(dev, "add")
+    for shape in [(1, 1), (3, 17), (4, 1000), (2, 3, 5), (7, 4096)]:
+        rng = rng_for("add", shape)
+        a = (rng.standard_normal(shape) * rng.choice([1e-3, 1.0, 1e3], shape)).astype(np.float32)
+        b = rng.standard_normal(shape).astype(np.float32)
+        ref = refs.add(a, b)
+        # one fp32 add per element: the float64 sum of two floats rounded once to fp32
+        ref32 = ref.astype(np.float32)
+        out = Guarded(shape, dev)
+        ops.add(to_dev(a, dev), to_dev(b, dev), out=out.view)
+        got = out.result()
+        check("add", got, ref)
+        np.testing.assert_array_equal(got, ref32)
+        for alias in ["a", "b"]:  # the residual add: out is one of the inputs
+            g = Guarded(shape, dev, init=a if alias == "a" else b)
+            other = to_dev(b if alias == "a" else a, dev)
+            if alias == "a":
+                ops.add(g.view, other, out=g.view)
+            else:
+                ops.add(other, g.view, out=g.view)
+            np.testing.assert_array_equal(g.result(), ref32)
+    # rows strided by a wider tensor
+    rng = rng_for("add-strided")
+    wide = rng.standard_normal((5, 40)).astype(np.float32)
+    b = rng.standard_normal((5, 24)).astype(np.float32)
+    got = np.from_dlpack(ops.add(wide[:, 8:32], b))
+    np.testing.assert_array_equal(got, refs.add(wide[:, 8:32], b).astype(np.float32))
+
+
+@pytest.mark.parametrize("dev", DEVICES)
+@pytest.mark.parametrize("sdtype", ["f32", "bf16", "f16"])
+def test_gather_rows(dev, sdtype):
+    need_device(dev, "gather_rows")
+    rng = rng_for("gather", sdtype)
+    for (n, d) in [(1, 1), (97, 33), (5, 1000), (300, 7)]:
+        src = rng.standard_normal((n, d)).astype(np.float32)
+        st = refs.bf16_round(src) if sdtype == "bf16" else (src.astype(np.float16) if sdtype == "f16" else src)
+        sref = refs.f64(st)
+        for idx in [np.array([0], np.int32), i32(rng.integers(0, n, 11)), i32(np.full(4, n - 1))]:
+            out = Guarded((len(idx), d), dev)
+            ops.gather_rows(to_dev(st, dev), to_dev(idx, dev), out=out.view)
+            np.testing.assert_array_equal(out.result(), sref[idx])
+    src = np.zeros((6, 4), np.float32)
+    for idx, bad, at in [([0, 6], 6, 1), ([-1], -1, 0), ([2, 7, 1], 7, 1)]:
+        with pytest.raises(dflash2_rt.InvalidArgumentError, match=rf"gather_rows: index {bad} at position {at}"):
+            ops.gather_rows(src, np.array(idx, np.int32))
+
+
+@pytest.mark.parametrize("dev", DEVICES)
+def test_argmax(dev):
+    need_device(dev, "argmax")
+    for (r, v) in [(1, 1), (3, 17), (5, 1000), (2, 154880 // 16), (9, 2)]:
+        rng = rng_for("argmax", r, v)
+        x = rng.integers(-5, 5, (r, v)).astype(np.float32)  # many ties: the lowest id wins
+        x[0] = 3.0  # a row of equal values: 0
+        if r > 2:
+            x[1] = -np.inf
+            x[2, :] = -np.inf
+            x[2, -1] = -1e30  # the only finite value, last
+        out = Guarded((r,), dev, np.int32)
+        ops.argmax(to_dev(x, dev), out=out.view)
+        got = out.result()
+        np.testing.assert_array_equal(got, refs.argmax_first(x))
+        np.testing.assert_array_equal(got, x.argmax(1))  # numpy agrees: the first maximum
+    # the documented NaN rule (comparisons with NaN are false)
+    x = np.array([[np.nan, 1, 2], [1, np.nan, 3], [4, 4, np.nan]], np.float32)
+    np.testing.assert_array_equal(np.from_dlpack(ops.argmax(x)), [0, 2, 0])
+    # strided rows
+    wide = rng_for("argmax-wide").standard_normal((4, 50)).astype(np.float32)
+    np.testing.assert_array_equal(np.from_dlpack(ops.argmax(wide[:, 10:40])), wide[:, 10:40].argmax(1))
+
+
+@pytest.mark.parametrize("dev", DEVICES)
+def test_check_finite(dev):
+    need_device(dev, "check_finite")
+    rng = rng_for("finite")
+    for v in [1, 5, 1000, 4099]:
+        x = rng.standard_normal((9, v)).astype(np.float32)
+        x[1, 0] = np.nan
+        x[2, -1] = np.inf
+        x[3, v // 2] = -np.inf
+        x[4, :] = np.float32(3.4e38)  # large but finite (x * 0 is 0)
+        x[5, :] = np.float32(-1e-45)  # denormal
+        x[6, 0] = -0.0
+        x[7, ::2] = np.nan  # several
+        x[8, -1] = np.inf
+        x[8, 0] = -np.inf
+        out = Guarded((9,), dev, np.int32)
+        ops.check_finite(to_dev(x, dev), out=out.view)
+        got = out.result()
+        np.testing.assert_array_equal(got, refs.check_finite(x))
+        np.testing.assert_array_equal(got, [0, 1, 1, 1, 0, 0, 0, 1, 1])
+    wide = np.zeros((3, 20), np.float32)
+    wide[1, 2] = np.nan  # outside the slice below
+    wide[2, 12] = np.inf
+    np.testing.assert_array_equal(np.from_dlpack(ops.check_finite(wide[:, 5:15])), [0, 0, 1])
+
+
+# ----------------------------------------------------------------------------- paged caches
+@pytest.mark.parametrize("dev", DEVICES)
+@pytest.mark.parametrize("bs", [1, 3, 16])
+def test_cache_write(dev, bs):
+    need_device(dev, "cache_write")
+    rng = rng_for("cache_write", bs)
+    d = 37
+    lengths = page_lengths(rng, bs, 4)
+    nblk = [-(-L // bs) for L in lengths]
+    total = sum(nblk) + 2
+    perm = rng.permutation(total).astype(np.int32)
+    bt = np.full((len(lengths), max(nblk) + 1), -1, np.int32)
+    k = 0
+    for s, n in enumerate(nblk):
+        bt[s, :n] = perm[k:k + n]
+        k += n
+    # the step writes the last few tokens of every sequence (a prefill chunk / verify
+    # block) plus padding rows with slot -1
+    seq, pos = [], []
+    for s, L in enumerate(lengths):
+        for p in range(max(0, L - 1 - int(rng.integers(0, 2 * bs + 2))), L):
+            seq.append(s)
+            pos.append(p)
+    slots = [refs.paged_slot(bt, s, p, bs) for s, p in zip(seq, pos)] + [-1, -7]
+    slots = i32(np.array(slots)[rng.permutation(len(slots))])
+    src = rng.standard_normal((len(slots), d)).astype(np.float32)
+    init = rng.standard_normal((total * bs, d)).astype(np.float32)
+    cache = Guarded(init.shape, dev, init=init)
+    ops.cache_write(to_dev(src, dev), to_dev(slots, dev), cache.view)
+    got = cache.result()
+    np.testing.assert_array_equal(got, refs.cache_write(init, src, slots))
+    with pytest.raises(dflash2_rt.InvalidArgumentError, match="cache_write: slot"):
+        ops.cache_write(src[:1], np.array([total * bs], np.int32), np.zeros((total * bs, d), np.float32))
+
+
+# ----------------------------------------------------------------------------- attention
+@pytest.mark.parametrize("dev", DEVICES)
+@pytest.mark.parametrize("wdtype", ["f32", "bf16", "f16"])
+def test_linear_heads(dev, wdtype):
+    need_device(dev, "linear_heads")
+    for (t, g, n, k) in [(1, 1, 1, 1), (3, 4, 17, 33), (5, 2, 64, 128), (2, 3, 7, 100), (9, 1, 5, 256)]:
+        rng = rng_for("linear_heads", wdtype, t, g, n, k)
+        # x: a slice of a wider projection (rows strided); w: rows strided too
+        xw = rng.standard_normal((t, g, k + 9)).astype(np.float32)
+        w = (rng.standard_normal((g, n, k + 3)) * 0.1).astype(np.float32)
+        ww = refs.bf16_round(w) if wdtype == "bf16" else (w.astype(np.float16) if wdtype == "f16" else w)
+        out = Guarded((t, g, n), dev)
+        ops.linear_heads(to_dev(xw, dev).slice(2, 5, 5 + k), to_dev(ww, dev).slice(2, 0, k), out=out.view)
+        check("linear_heads", out.result(), refs.linear_heads(xw[:, :, 5:5 + k], ww[:, :, :k]))
+
+
+INDEXER_CASES = [  # (block size, nI heads, dI, topk)
+    (1, 1, 7, 1),
+    (1, 3, 20, 4),
+    (3, 4, 64, 5),
+    (3, 2, 33, 8),
+    (16, 5, 16, 16),
+    (16, 4, 32, 7),
+]
+
+
+@pytest.mark.parametrize("dev", DEVICES)
+@pytest.mark.parametrize("case", INDEXER_CASES, ids=lambda c: "bs%d-h%d-d%d-k%d" % c)
+def test_indexer_topk(dev, case):
+    need_device(dev, "indexer_topk")
+    bs, nI, dI, topk = case
+    rng = rng_for("indexer", case)
+    lengths = page_lengths(rng, bs, 4) + [topk, topk + 1, 3 * topk + 5]
+    key_cache, bt = make_pages(rng, lengths, bs, dI)
+    # positions below, at and above topk (p + 1 <= topk: every causal key, sel untouched)
+    seq, pos = step_tokens(rng, lengths, bs, 3, extra=(topk - 2, topk - 1, topk, topk + 1))
+    T = len(seq)
+
+    def make(attempt):
+        q = rng.standard_normal((T, nI, dI)).astype(np.float32)
+        w = rng.standard_normal((T, nI)).astype(np.float32)
+        return q, w
+
+    (q, w), (ref_sel, ref_len, _) = well_posed(
+        make, lambda a: refs.indexer_topk(a[0], a[1], key_cache, seq, pos, bt, bs, topk))
+    assert (ref_len == -1).any() and (ref_len == topk).any()
+    sel = Guarded((T, topk), dev, np.int32)
+    sel_len = Guarded((T,), dev, np.int32)
+    args = [to_dev(a, dev) for a in (q, w, key_cache, seq, pos, bt)]
+    ops.indexer_topk(*args[:3], *args[3:], bs, topk, sel=sel.view, sel_len=sel_len.view)
+    got_sel, got_len = sel.result(), sel_len.result()
+    np.testing.assert_array_equal(got_len, ref_len)
+    for t in range(T):
+        if ref_len[t] < 0:
+            assert (got_sel[t] == ISENTINEL).all(), f"token {t} (pos {pos[t]} <= topk - 1): sel was written"
+        else:
+            np.testing.assert_array_equal(got_sel[t], ref_sel[t], err_msg=f"token {t} at position {pos[t]}")
+            assert (np.diff(got_sel[t]) > 0).all(), "selection not ascending"
+
+
+@pytest.mark.parametrize("dev", DEVICES)
+@pytest.mark.parametrize("bs", [1, 3, 16])
+def test_indexer_topk_exact_ties_go_to_the_earlier_key(dev, bs):
+    need_device(dev, "indexer_topk")
+    rng = rng_for("indexer-ties", bs)
+    nI, dI, L = 3, 12, 40
+    q = np.abs(rng.standard_normal((1, nI, dI))).astype(np.float32) + 0.1  # positive entries
+    w = np.abs(rng.standard_normal((1, nI))).astype(np.float32) + 0.1
+    # keys: two rows duplicated at many positions (exact ties with a nonzero score), a few
+    # distinct positive rows, and distinct all-negative rows (every head's product < 0:
+    # score exactly 0, tied with each other whatever their values)
+    a = np.abs(rng.standard_normal(dI)).astype(np.float32) * 2.0
+    b = np.abs(rng.standard_normal(dI)).astype(np.float32)
+    kind = rng.choice(["a", "b", "pos", "zero"], L, p=[0.15, 0.3, 0.1, 0.45])
+    keys = np.empty((L, dI), np.float32)
+    for p, kd in enumerate(kind):
+        keys[p] = {"a": a, "b": b, "pos": np.abs(rng.standard_normal(dI)) * 0.5,
+                   "zero": -np.abs(rng.standard_normal(dI)) - 0.05}[kd]
+    score, _ = refs.indexer_scores(q[0], w[0], keys)
+    distinct = np.unique(score)
+    assert np.diff(distinct).min() > 1e-3 * np.abs(score).max(), "the distinct scores must be well apart"
+    key_cache, bt = make_pages(rng, [L], bs, dI)
+    for p in range(L):
+        key_cache[refs.paged_slot(bt, 0, p, bs)] = keys[p]
+    # topk values whose boundary falls inside the duplicated "a" / "b" groups and inside the zeros
+    n_a, n_b, n_pos = (kind == "a").sum(), (kind == "b").sum(), (kind == "pos").sum()
+    ranked = sorted(range(L), key=lambda j: (-score[j], j))
+    for topk in sorted({max(1, n_a - 1), n_a + 1, n_a + n_b - 1, L - 3, L - 1, n_a + n_b + n_pos + 2}):
+        sel, sel_len = ops.indexer_topk(*[to_dev(x, dev) for x in (q, w, key_cache, np.zeros(1, np.int32),
+                                                                    np.array([L - 1], np.int32), bt)], bs, topk)
+        exp_sel, exp_len, margin = refs.indexer_topk(q, w, key_cache, [0], [L - 1], bt, bs, topk)
+        assert margin == np.inf
+        np.testing.assert_array_equal(to_np(sel_len), exp_len)
+        np.testing.assert_array_equal(to_np(sel)[0], exp_sel[0])
+        np.testing.assert_array_equal(to_np(sel)[0], sorted(ranked[:topk]))
+
+
+@pytest.mark.parametrize("dev", DEVICES)
+def test_indexer_topk_glm_sized(dev):
+    """GLM-5's indexer shape (32 heads of 128, topk 2048, pages of 64) around the topk."""
+    need_device(dev, "indexer_topk")
+    rng = rng_for("indexer-glm")
+    bs, nI, dI, topk = 64, 32, 128, 2048
+    lengths = [topk, topk + 1, topk + 150]
+    key_cache, bt = make_pages(rng, lengths, bs, dI)
+    seq, pos = i32([0, 1, 2, 2]), i32([topk - 1, topk, topk + 149, topk + 63])
+    (q, w), (ref_sel, ref_len, _) = well_posed(
+        lambda a: (rng.standard_normal((4, nI, dI)).astype(np.float32), rng.standard_normal((4, nI)).astype(np.float32)),
+        lambda a: refs.indexer_topk(a[0], a[1], key_cache, seq, pos, bt, bs, topk))
+    sel = Guarded((4, topk), dev, np.int32)
+    sel_len = Guarded((4,), dev, np.int32)
+    ops.indexer_topk(*[to_dev(x, dev) for x in (q, w, key_cache, seq, pos, bt)], bs, topk, sel=sel.view,
+                     sel_len=sel_len.view)
+    got_sel, got_len = sel.result(), sel_len.result()
+    np.testing.assert_array_equal(got_len, [-1, topk, topk, topk])
+    assert (got_sel[0] == ISENTINEL).all()
+    for t in range(1, 4):
+        np.testing.assert_array_equal(got_sel[t], ref_sel[t])
+
+
+MLA_CASES = [  # (block size, heads, kv_lora, rope)
+    (1, 1, 8, 2),
+    (1, 2, 16, 8),
+    (3, 3, 33, 5),
+    (3, 2, 64, 16),
+    (16, 4, 64, 16),
+    (16, 2, 128, 64),
+    (64, 4, 512, 64),  # GLM-5's latent width
+]
+
+
+def mla_inputs(rng, case):
+    bs, nh, kvl, rope = case
+    lengths = page_lengths(rng, bs, 4) + [1, 2]
+    cache, bt = make_pages(rng, lengths, bs, kvl + rope)
+    seq, pos = step_tokens(rng, lengths, bs, 2, extra=(0, 1))
+    T = len(seq)
+    q_lat = rng.standard_normal((T, nh, kvl)).astype(np.float32)
+    # q_pe: a strided slice of a wider projection
+    q_wide = rng.standard_normal((T, nh, rope + 7)).astype(np.float32)
+    q_pe = q_wide[:, :, 7:]
+    return cache, bt, seq, pos, q_lat, q_pe, 1.0 / math.sqrt(kvl + rope)
+
+
+def mla_args(dev, q_lat, q_pe, cache, seq, pos, bt):
+    """The inputs on `dev`, q_pe still the strided slice of its wider base."""
+    pe = to_dev(q_pe.base, dev).slice(2, 7, 7 + q_pe.shape[2])
+    return [to_dev(q_lat, dev), pe] + [to_dev(x, dev) for x in (cache, seq, pos, bt)]
+
+
+
+@pytest.mark.parametrize("dev", DEVICES)
+@pytest.mark.parametrize("case", MLA_CASES, ids=lambda c: "bs%d-h%d-lora%d-rope%d" % c)
+def test_mla_attention_dense(dev, case):
+    need_device(dev, "mla_attention")
+    rng = rng_for("mla-dense", case)
+    cache, bt, seq, pos, q_lat, q_pe, scale = mla_inputs(rng, case)
+    ref = refs.mla_attention(q_lat, q_pe, cache, seq, pos, bt, case[0], None, None, scale)
+    out = Guarded(q_lat.shape, dev)
+    ops.mla_attention(*mla_args(dev, q_lat, q_pe, cache, seq, pos, bt),
+                      case[0], scale, out=out.view)  # no sel_len: every causal key
+    got = out.result()
+    check("mla_attention", got, ref)
+    # sel given but sel_len undefined: still dense; sel_len all -1: dense too
+    T = len(seq)
+    junk = i32(np.zeros((T, 3)))
+    got2 = np.from_dlpack(ops.mla_attention(q_lat, q_pe, cache, seq, pos, bt, case[0], scale, sel=junk))
+    np.testing.assert_array_equal(got2, got)
+    got3 = np.from_dlpack(ops.mla_attention(q_lat, q_pe, cache, seq, pos, bt, case[0], scale, sel=junk,
+                                            sel_len=i32(np.full(T, -1))))
+    np.testing.assert_array_equal(got3, got)
+
+
+@pytest.mark.parametrize("dev", DEVICES)
+@pytest.mark.parametrize("case", MLA_CASES, ids=lambda c: "bs%d-h%d-lora%d-rope%d" % c)
+def test_mla_attention_sparse(dev, case):
+    need_device(dev, "mla_attention")
+    rng = rng_for("mla-sparse", case)
+    cache, bt, seq, pos, q_lat, q_pe, scale = mla_inputs(rng, case)
+    T = len(seq)
+    W = int(pos.max()) + 1 + 2
+    sel = np.zeros((T, W), np.int32)
+    sel_len = np.zeros(T, np.int32)
+    for t in range(T):
+        p = int(pos[t])
+        mode = ["dense", "one", "two", "small", "full", "random"][t % 6]
+        n = {"dense": -1, "one": 1, "two": min(2, p + 1), "small": min(3, p + 1), "full": p + 1,
+             "random": int(rng.integers(1, p + 2))}[mode]
+        keys = rng.permutation(p + 1)[:max(n, 0)]  # any order
+        # columns past sel_len hold valid but wrong keys: reading them changes the result
+        sel[t] = rng.integers(0, p + 1, W)
+        sel[t, :len(keys)] = keys
+        sel_len[t] = n
+    ref = refs.mla_attention(q_lat, q_pe, cache, seq, pos, bt, case[0], sel, sel_len, scale)
+    out = Guarded(q_lat.shape, dev)
+    ops.mla_attention(*mla_args(dev, q_lat, q_pe, cache, seq, pos, bt),
+                      case[0], scale, sel=to_dev(sel, dev), sel_len=to_dev(sel_len, dev), out=out.view)
+    got = out.result()
+    check("mla_attention", got, ref)
+    # one selected key: out is that key's latent exactly up to the fp32 softmax of one score
+    for t in np.nonzero(sel_len == 1)[0]:
+        c = cache[refs.paged_slot(bt, int(seq[t]), int(sel[t, 0]), case[0]), :q_lat.shape[2]]
+        np.testing.assert_allclose(got[t], np.broadcast_to(c, got[t].shape), rtol=1e-6, atol=1e-6)
+
+
+def test_mla_attention_token_computed_alone():
+    """A row of a verify block equals the same row decoded alone (bitwise)."""
+    rng = rng_for("mla-alone")
+    case = (3, 2, 33, 5)
+    cache, bt, seq, pos, q_lat, q_pe, scale = mla_inputs(rng, case)
+    full = np.from_dlpack(ops.mla_attention(q_lat, q_pe, cache, seq, pos, bt, 3, scale)).copy()
+    for t in range(len(seq)):
+        one = np.from_dlpack(ops.mla_attention(q_lat[t:t + 1], q_pe[t:t + 1], cache, seq[t:t + 1], pos[t:t + 1],
+                                               bt, 3, scale))
+        assert np.array_equal(one[0], full[t]), f"token {t} differs when computed alone"
+
+
+BLOCK_ATTN_CASES = [  # (nh, kvh, hd, B, cache block size)
+    (1, 1, 4, 1, 1),
+    (2, 2, 5, 3, 3),
+    (4, 2, 16, 4, 16),
+    (3, 1, 8, 2, 3),
+    (8, 2, 32, 5, 16),
+]
+
+
+@pytest.mark.parametrize("dev", DEVICES)
+@pytest.mark.parametrize("case", BLOCK_ATTN_CASES, ids=lambda c: "h%d-kv%d-d%d-B%d-cbs%d" % c)
+@pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
+def test_block_attention(dev, case, causal):
+    need_device(dev, "block_attention")
+    nh, kvh, hd, B, cbs = case
+    rng = rng_for("block-attn", case, causal)
+    # contexts: empty, ending on a page boundary, one past it, shorter than the block, long
+    ctx = [0, 2 * cbs, 2 * cbs + 1, max(1, B - 1), 3 * cbs + 7]
+    S = len(ctx)
+    kv_cache, bt = make_pages(rng, ctx, cbs, 2 * kvh * hd)
+    T = S * B
+    q = rng.standard_normal((T, nh, hd)).astype(np.float32)
+    k = rng.standard_normal((T, kvh, hd)).astype(np.float32)
+    v = rng.standard_normal((T, kvh, hd)).astype(np.float32)
+    ctx_len = i32(ctx)
+    scale = 1.0 / math.sqrt(hd)
+    # window: full; 1 (no context key is visible to any query: j > L + i - 1 >= L - 1);
+    # 2 (only the last context key, and only for i = 0); smaller than most contexts;
+    # larger than every context
+    for window in [0, 1, 2, 5, max(ctx) + B + 3]:
+        ref = refs.block_attention(q, k, v, kv_cache, ctx_len, bt, B, window, causal, scale, cbs)
+        out = Guarded(q.shape, dev)
+        ops.block_attention(*[to_dev(x, dev) for x in (q, k, v, kv_cache, ctx_len, bt)], B, cbs, window=window,
+                            causal=causal, scale=scale, out=out.view)
+        got = out.result()
+        check("block_attention", got, ref)
+        if window == 1 and causal:  # the first query of a block sees only its own key
+            for s in range(S):
+                np.testing.assert_allclose(got[s * B], np.repeat(v[s * B], nh // kvh, axis=0), rtol=1e-6)
+
+
+# ----------------------------------------------------------------------------- MoE
+ROUTE_CASES = [  # (E, n_group, topk_group, top_k)
+    (8, 1, 1, 1),
+    (8, 1, 1, 2),
+    (13, 1, 1, 5),
+    (16, 4, 2, 4),
+    (12, 3, 1, 2),
+    (12, 3, 3, 5),
+    (64, 8, 4, 8),
+]
+
+
+@pytest.mark.parametrize("dev", DEVICES)
+@pytest.mark.parametrize("case", ROUTE_CASES, ids=lambda c: "E%d-g%d-kg%d-k%d" % c)
+@pytest.mark.parametrize("norm,scaling", [(True, 1.0), (True, 2.5), (False, 1.0), (False, 0.75)])
+def test_moe_route(dev, case, norm, scaling):
+    need_device(dev, "moe_route")
+    E, ng, kg, k = case
+    rng = rng_for("moe_route", case, norm, scaling)
+    T = 9
+
+    def make(attempt):
+        logits = (rng.standard_normal((T, E)) * 2).astype(np.float32)
+        bias = (rng.standard_normal(E) * 0.3).astype(np.float32)
+        return logits, bias
+
+    (logits, bias), (rid, rw, _) = well_posed(make, lambda a: refs.moe_route(a[0], a[1], k, ng, kg, norm, scaling))
+    ids, w = Guarded((T, k), dev, np.int32), Guarded((T, k), dev)
+    ops.moe_route(to_dev(logits, dev), to_dev(bias, dev), k, ng, kg, norm, scaling, ids=ids.view, weights=w.view)
+    np.testing.assert_array_equal(ids.result(), rid)
+    check("moe_route", w.result(), rw)
+
+
+@pytest.mark.parametrize("dev", DEVICES)
+def test_moe_route_ties_go_to_the_lower_expert(dev):
+    need_device(dev, "moe_route")
+    # exact ties: equal logits and equal bias give bitwise equal choices
+    logits = np.array([[0.5, 2.0, 1.0, 2.0, 2.0, -1.0, 2.0, 0.0],    # 1, 3, 4, 6 tie for the top
+                       [1.0, 1.0, 1.0, 1.0, 1.0, 1.0, 1.0, 1.0],     # all tie
+                       [0.0, 3.0, 0.0, 1.5, 0.0, 1.5, 0.0, 1.5]],    # 1, then 3, 5, 7 tie
+                      np.float32)
+    bias = np.zeros(8, np.float32)
+    for k, exp in [(1, [[1], [0], [1]]), (2, [[1, 3], [0, 1], [1, 3]]), (3, [[1, 3, 4], [0, 1, 2], [1, 3, 5]])]:
+        ids, w = ops.moe_route(to_dev(logits, dev), to_dev(bias, dev), k)
+        np.testing.assert_array_equal(to_np(ids), exp)
+        rid, rw, _ = refs.moe_route(logits, bias, k, 1, 1, True, 1.0)
+        np.testing.assert_array_equal(rid, exp)
+        check("moe_route", to_np(w), rw)
+    # a bias breaks the tie: expert 6 (logit 2.0, bias +0.25) first, then 1 of 1, 3, 4
+    bias2 = np.array([0, 0, 0, 0, 0, 0, 0.25, 0], np.float32)
+    ids, _ = ops.moe_route(to_dev(logits[:1], dev), to_dev(bias2, dev), 2)
+    np.testing.assert_array_equal(to_np(ids), [[1, 6]])
+    # groups: E = 8 in 2 groups; group 1 (experts 4..7) clearly best; ties inside it go
+    # to the lower id, and the dropped group's experts are never chosen even when tied
+    logits = np.array([[1.0, -2.0, -2.0, -2.0, 1.0, 1.0, 1.0, 0.5]], np.float32)
+    for kg, k, exp in [(1, 2, [[4, 5]]), (1, 3, [[4, 5, 6]]), (2, 3, [[0, 4, 5]])]:
+        ids, w = ops.moe_route(to_dev(logits, dev), to_dev(bias, dev), k, 2, kg, False, 1.0)
+        np.testing.assert_array_equal(to_np(ids), exp)
+        np.testing.assert_array_equal(refs.moe_route(logits, bias, k, 2, kg, False, 1.0)[0], exp)
+        check("moe_route", to_np(w), 1 / (1 + np.exp(-logits[0, exp[0]].astype(np.float64)))[None])
+
+
+def make_experts(rng, E, H, F, wdtype):
+    gate, up, down, ref = [], [], [], []
+    for e in range(E):
+        mats = []
+        for (n, k) in [(F, H), (F, H), (H, F)]:
+            w = (rng.standard_normal((n, k)) * 0.2).astype(np.float32)
+            if wdtype == "bf16":
+                t = refs.bf16_round(w)
+                mats.append((ops.Weight.dense(t, f"e{e}"), t.double().numpy()))
+            else:
+                mats.append((ops.Weight.dense(w, f"e{e}"), w.astype(np.float64)))
+        gate.append(mats[0][0])
+        up.append(mats[1][0])
+        down.append(mats[2][0])
+        ref.append(tuple(m[1] for m in mats))
+    return gate, up, down, ref
+
+
+@pytest.mark.parametrize("dev", DEVICES)
+@pytest.mark.parametrize("wdtype", ["f32", "bf16"])
+def test_moe_experts(dev, wdtype):
+    need_device(dev, "moe_experts")
+    rng = rng_for("moe_experts", wdtype)
+    for (T, E, H, F, k) in [(1, 3, 8, 5, 1), (1, 6, 33, 17, 3), (6, 5, 24, 20, 2), (9, 8, 40, 31, 4),
+                            (13, 4, 16, 48, 2)]:
+        gate, up, down, eref = make_experts(rng, E, H, F, wdtype)
+        x = rng.standard_normal((T, H)).astype(np.float32)
+        # distinct experts per token, in ascending order (as moe_route gives them), with
+        # the last expert never used and expert 0 used by every token when there are
+        # several tokens (all routed to the same expert)
+        ids = np.zeros((T, k), np.int32)
+        for t in range(T):
+            pool = rng.permutation(np.arange(1, E - 1))[:k - 1] if T > 1 else rng.permutation(E - 1)[:k - 1]
+            first = 0 if T > 1 else int(rng.integers(0, E - 1))
+            row = sorted({first, *map(int, pool)})
+            while len(row) < k:
+                row = sorted(set(row) | {int(rng.integers(0, E - 1))})
+            ids[t] = row
+        weights = rng.uniform(0.05, 1.0, (T, k)).astype(np.float32)
+        ref = refs.moe_experts(x, ids, weights, eref)
+        out = Guarded((T, H), dev)
+        ws = Guarded((ops.moe_workspace_floats(T, k, H, F, E),), dev)  # exactly the documented size
+        ops.moe_experts(to_dev(x, dev), to_dev(ids, dev), to_dev(weights, dev), gate, up, down, out=out.view,
+                        workspace=ws.view)
+        check("moe_experts", out.result(), ref)
+        ws.result()  # the workspace's guards too
+        assert (ids[:, :] != E - 1).all()
+    # the binding sizes the workspace itself
+    got = np.from_dlpack(ops.moe_experts(x, ids, weights, gate, up, down))
+    check("moe_experts", got, ref)
+
+
+MOE_DUP_XFAIL = pytest.mark.xfail(
+    strict=True, raises=dflash2_rt.InvalidArgumentError,
+    reason="op bug: cpu/moe.cpp:96-104 sizes the per-expert gather (xe/ye, mlp scratch) for T rows, but an "
+           "expert named twice by one token gets more than T rows: 'slice [0, 2) out of range for dimension 0 "
+           "of F32[1, H]' instead of (w0 + w1) * expert(x)")
+
+
+@pytest.mark.parametrize("ids,weights", [
+    ([[1, 1], [0, 2]], [[0.25, 0.5], [0.5, 0.5]]),  # expert 1 gets 2 rows of 2 tokens: fits
+    pytest.param([[1, 1]], [[0.25, 0.5]], marks=MOE_DUP_XFAIL),  # 2 rows of 1 token
+    pytest.param([[2, 0, 2], [2, 2, 1]], [[0.1, 0.2, 0.3], [0.4, 0.5, 0.6]], marks=MOE_DUP_XFAIL),
+], ids=["fits", "T1", "T2-k3"])
+def test_moe_experts_same_expert_twice_in_a_row(ids, weights):
+    """ids naming one expert twice for a token: by the documented formula, out[t] is
+    (w0 + w1) * expert(x[t]) (moe_route never does this, but moe_experts takes any ids)."""
+    rng = rng_for("moe-dup", repr(ids))
+    ids, weights = i32(ids), np.array(weights, np.float32)
+    (T, k), E, H, F = ids.shape, 3, 16, 12
+    gate, up, down, eref = make_experts(rng, E, H, F, "f32")
+    x = rng.standard_normal((T, H)).astype(np.float32)
+    out = Guarded((T, H), "cpu")
+    ws = Guarded((ops.moe_workspace_floats(T, k, H, F, E),), "cpu")
+    ops.moe_experts(x, ids, weights, gate, up, down, out=out.view, workspace=ws.view)
+    check("moe_experts", out.result(), refs.moe_experts(x, ids, weights, eref))
+    ws.result()
+
+
+# ----------------------------------------------------------------------------- DFlash drafter
+DYN_CASES = [  # (blocks, B, H, G)
+    (1, 1, 8, 1),
+    (3, 2, 12, 3),
+    (2, 5, 33, 11),
+    (4, 4, 7, 7),
+    (2, 16, 64, 8),
+]
+
+
+@pytest.mark.parametrize("dev", DEVICES)
+@pytest.mark.parametrize("case", DYN_CASES, ids=lambda c: "n%d-B%d-H%d-G%d" % c)
+def test_dyn_conv(dev, case):
+    need_device(dev, "dyn_conv")
+    nb, B, H, G = case
+    rng = rng_for("dyn_conv", case)
+    R = nb * B
+    x = rng.standard_normal((R, H)).astype(np.float32)
+    base = rng.standard_normal((2, H)).astype(np.float32)
+    wide = rng.standard_normal((R, 2 * G + 7)).astype(np.float32)
+    dyn = wide[:, 3:3 + 2 * G]  # a strided column slice of a wider projection
+    ref = refs.dyn_conv(x, base, dyn, B)
+    out = Guarded((R, H), dev)
+    dyn_dev = to_dev(wide, dev).slice(1, 3, 3 + 2 * G)  # strided on any device
+    ops.dyn_conv(to_dev(x, dev), to_dev(base, dev), dyn_dev, B, out=out.view)
+    got = out.result()
+    check("dyn_conv", got, ref)
+    # no tap across blocks: the first row of every block is the one-tap term alone
+    np.testing.assert_allclose(got[::B], ref[::B], rtol=1e-6, atol=1e-6)
+    # in place: out is x
+    xin = Guarded((R, H), dev, init=x)
+    ops.dyn_conv(xin.view, to_dev(base, dev), dyn_dev, B, out=xin.view)
+    np.testing.assert_array_equal(xin.result(), got)  # same arithmetic, same result
+
+
+SELECTOR_CASES = [  # (S, P, K, R, V)
+    (1, 1, 1, 1, 3),
+    (2, 4, 5, 8, 50),
+    (3, 6, 8, 13, 100),
+    (1, 9, 16, 32, 64),
+]
+
+
+def selector_inputs(rng, case, book_dtype):
+    S, P, K, R, V = case
+    vals = rng.standard_normal((S, P, K)).astype(np.float32)
+    cand = i32(rng.integers(0, V, (S, P, K)))
+    g = rng.standard_normal((S, P, R)).astype(np.float32)
+    books = []
+    for _ in range(2):
+        b = rng.standard_normal((V, R)).astype(np.float32)
+        books.append(refs.bf16_round(b) if book_dtype == "bf16" else (b.astype(np.float16) if book_dtype == "f16"
+                                                                       else b))
+    anchors = i32(rng.integers(0, V, S))
+    return vals, cand, g, books[0], books[1], anchors
+
+
+@pytest.mark.parametrize("dev", DEVICES)
+@pytest.mark.parametrize("case", SELECTOR_CASES, ids=lambda c: "S%d-P%d-K%d-R%d-V%d" % c)
+@pytest.mark.parametrize("book_dtype", ["f32", "bf16", "f16"])
+def test_selector_walk_greedy(dev, case, book_dtype):
+    need_device(dev, "selector_walk")
+    rng = rng_for("selector-greedy", case, book_dtype)
+    S, P, K = case[:3]
+    inputs, (rtok, _, _) = well_posed(
+        lambda a: selector_inputs(rng, case, book_dtype), lambda a: refs.selector_walk(*a, 0.0, None))
+    tokens = Guarded((S, P), dev, np.int32)
+    q = Guarded((S, P, K), dev)  # not written when greedy
+    ops.selector_walk(*[to_dev(a, dev) for a in inputs], temperature=0.0, tokens=tokens.view, q=q.view)
+    np.testing.assert_array_equal(tokens.result(), rtok)
+    assert (q.result() == SENTINEL).all(), "greedy walk wrote q"
+    t2, q2 = ops.selector_walk(*[to_dev(a, dev) for a in inputs], temperature=-1.0)
+    np.testing.assert_array_equal(to_np(t2), rtok)
+    assert q2 is None
+
+
+@pytest.mark.parametrize("dev", DEVICES)
+def test_selector_walk_greedy_ties_go_to_the_first_candidate(dev):
+    need_device(dev, "selector_walk")
+    rng = rng_for("selector-ties")
+    S, P, K, R, V = 2, 5, 6, 8, 40
+    vals, cand, g, pred, succ, anchors = selector_inputs(rng, (S, P, K, R, V), "f32")
+    # tokens 10 and 20 share their successor-codebook row (different predecessor rows):
+    # with equal values they score exactly alike, and the first candidate must win
+    succ[20] = succ[10]
+    for s in range(S):
+        for t in range(P):
+            first, second = sorted(rng.choice(K, 2, replace=False))
+            cand[s, t, first], cand[s, t, second] = (10, 20) if (s + t) % 2 else (20, 10)
+            vals[s, t, first] = vals[s, t, second] = 50.0  # far above the rest
+    tok, _ = ops.selector_walk(*[to_dev(a, dev) for a in (vals, cand, g, pred, succ, anchors)])
+    rtok, _, margin = refs.selector_walk(vals, cand, g, pred, succ, anchors, 0.0, None)
+    assert margin > MARGIN
+    exp = np.where((np.arange(S)[:, None] + np.arange(P)[None]) % 2, 10, 20)
+    np.testing.assert_array_equal(rtok, exp)
+    np.testing.assert_array_equal(to_np(tok), exp)
+
+
+def uniform_bits(u):
+    return np.ascontiguousarray(np.asarray(u, np.float64)).view(np.int64)
+
+
+@pytest.mark.parametrize("dev", DEVICES)
+@pytest.mark.parametrize("case", SELECTOR_CASES, ids=lambda c: "S%d-P%d-K%d-R%d-V%d" % c)
+@pytest.mark.parametrize("temperature", [0.6, 1.0, 2.5])
+def test_selector_walk_sampled(dev, case, temperature):
+    need_device(dev, "selector_walk")
+    rng = rng_for("selector-sampled", case, temperature)
+    S, P, K = case[:3]
+    inputs = selector_inputs(rng, case, "bf16")
+    (u,), (rtok, rq, _) = well_posed(
+        lambda a: (uniform_bits(rng.random((S, P))),),
+        lambda a: refs.selector_walk(*inputs, temperature, a[0]))
+    tokens = Guarded((S, P), dev, np.int32)
+    q = Guarded((S, P, K), dev)
+    ops.selector_walk(*[to_dev(a, dev) for a in inputs], temperature=temperature, uniforms=to_dev(u, dev),
+                      tokens=tokens.view, q=q.view)
+    np.testing.assert_array_equal(tokens.result(), rtok)
+    got_q = q.result()
+    check("selector_walk", got_q, rq)
+    np.testing.assert_allclose(got_q.sum(-1), 1.0, rtol=0, atol=1e-6)
+    # uniforms just above 0 take the first candidate; the binding allocates q itself
+    tiny = uniform_bits(np.full((S, P), 1e-300))
+    t0, q0 = ops.selector_walk(*[to_dev(a, dev) for a in inputs], temperature=temperature, uniforms=to_dev(tiny, dev))
+    r0, rq0, _ = refs.selector_walk(*inputs, temperature, tiny)
+    np.testing.assert_array_equal(to_np(t0), r0)
+    check("selector_walk", to_np(q0), rq0)
+
+
+# ----------------------------------------------------------------------------- argument errors
+def _f(*s):
+    return np.zeros(s, np.float32)
+
+
+def _i(*s):
+    return np.zeros(s, np.int32)
+
+
+def _w(n, k):
+    return ops.Weight.dense(_f(n, k))
+
+
+_BT = _i(2, 4)  # a block table of 2 sequences x 4 blocks (block 0), blocks of 4 rows
+_SW = (_f(1, 2, 3), _i(1, 2, 3), _f(1, 2, 4), _f(10, 4), _f(10, 4), _i(1))  # selector_walk inputs
+
+# (op call, the message: it names the op and the bad argument)
+ARG_ERRORS = {
+    "copy-shape": (lambda: ops.copy(_f(2, 3), out=_f(3, 2)), r"copy: 'src' .* and 'dst' .* same shape"),
+    "copy-dtype": (lambda: ops.copy(_f(2, 3), out=np.zeros((2, 3), np.float16)), r"copy: src .* and dst .* same dtype"),
+    "copy-i32-to-f32": (lambda: ops.copy(_i(2, 3), out=_f(2, 3)), r"copy: src I32.* and dst F32.* same dtype"),
+    "add-shape": (lambda: ops.add(_f(2, 3), _f(2, 4)), r"add: 'a' .* and 'b' .* same shape"),
+    "add-dtype": (lambda: ops.add(_f(2, 3), np.zeros((2, 3), np.float16)), r"add: argument 'b' must be F32"),
+    "add-out": (lambda: ops.add(_f(2, 3), _f(2, 3), out=_i(2, 3)), r"add: argument 'out' must be F32"),
+    "gather-src-1d": (lambda: ops.gather_rows(_f(5), _i(2)), r"gather_rows: src must be \[N, D\]"),
+    "gather-idx-f32": (lambda: ops.gather_rows(_f(5, 3), _f(2)), r"gather_rows: argument 'idx' must be I32 or I64"),
+    "gather-out": (lambda: ops.gather_rows(_f(5, 3), _i(2), out=_f(2, 4)), r"gather_rows: out must be \[2, 3\]"),
+    "argmax-1d": (lambda: ops.argmax(_f(5)), r"argmax: argument 'x' must be F32 \[rows, cols\]"),
+    "argmax-out": (lambda: ops.argmax(_f(2, 3), out=np.zeros(2, np.int64)), r"argmax: argument 'out' must be I32"),
+    "argmax-out-len": (lambda: ops.argmax(_f(2, 3), out=_i(3)), r"argmax: argument 'out' must be I32 \[2\]"),
+    "finite-flags": (lambda: ops.check_finite(_f(2, 3), out=_i(3)),
+        r"check_finite: argument 'flags' must be I32 \[2\]"),
+    "finite-f16": (lambda: ops.check_finite(np.zeros((2, 3), np.float16)), r"check_finite: argument 'x' must be F32"),
+    "cache_write-width": (lambda: ops.cache_write(_f(2, 3), _i(2), _f(8, 4)),
+        r"cache_write: src rows have 3 values but cache rows have 4"),
+    "cache_write-slots": (lambda: ops.cache_write(_f(2, 3), _i(3), _f(8, 3)),
+        r"cache_write: argument 'slots' must be I32 \[2\]"),
+    "cache_write-slots-i64": (lambda: ops.cache_write(_f(2, 3), np.zeros(2, np.int64), _f(8, 3)),
+        r"cache_write: argument 'slots' must be I32"),
+    "linear_heads-x": (lambda: ops.linear_heads(_f(2, 3), _f(3, 4, 3)),
+        r"linear_heads: argument 'x' must be F32 \[a, b, c\]"),
+    "linear_heads-w": (lambda: ops.linear_heads(_f(2, 3, 5), _f(3, 4, 6)), r"linear_heads: x .* does not match w"),
+    "linear_heads-w-i32": (lambda: ops.linear_heads(_f(2, 3, 5), _i(3, 4, 5)),
+        r"linear_heads: argument 'w' must be F32, BF16 or F16"),
+    "linear_heads-y": (lambda: ops.linear_heads(_f(2, 3, 5), _f(3, 4, 5), out=_f(2, 3, 5)),
+        r"linear_heads: y must be \[2, 3, 4\]"),
+    "indexer-q": (lambda: ops.indexer_topk(_f(2, 8), _f(2, 1), _f(8, 8), _i(2), _i(2), _BT, 4, 2),
+        r"indexer_topk: argument 'q' must be F32 \[a, b, c\]"),
+    "indexer-w": (lambda: ops.indexer_topk(_f(2, 2, 8), _f(2, 3), _f(8, 8), _i(2), _i(2), _BT, 4, 2),
+        r"indexer_topk: w must be \[2, 2\]"),
+    "indexer-keys": (lambda: ops.indexer_topk(_f(2, 2, 8), _f(2, 2), _f(8, 7), _i(2), _i(2), _BT, 4, 2),
+        r"indexer_topk: key_cache rows have 7 values"),
+    "indexer-seq": (lambda: ops.indexer_topk(_f(2, 2, 8), _f(2, 2), _f(8, 8), _i(3), _i(2), _BT, 4, 2),
+        r"indexer_topk: argument 'tok.seq' must be I32 \[2\]"),
+    "indexer-topk": (lambda: ops.indexer_topk(_f(2, 2, 8), _f(2, 2), _f(8, 8), _i(2), _i(2), _BT, 4, 0),
+        r"indexer_topk: topk must be >= 1"),
+    "indexer-block_size": (lambda: ops.indexer_topk(_f(2, 2, 8), _f(2, 2), _f(8, 8), _i(2), _i(2), _BT, 0, 2),
+        r"indexer_topk: block_size must be >= 1"),
+    "indexer-sel": (lambda: ops.indexer_topk(_f(2, 2, 8), _f(2, 2), _f(8, 8), _i(2), _i(2), _BT, 4, 2, sel=_i(2, 3)),
+        r"indexer_topk: sel must be I32 \[2, 2\]"),
+    "indexer-seq-range": (lambda: ops.indexer_topk(_f(2, 2, 8), _f(2, 2), _f(8, 8), i32([0, 5]), _i(2), _BT, 4, 2),
+        r"indexer_topk: token 1 names block-table row 5"),
+    "indexer-pos-range": (lambda: ops.indexer_topk(_f(2, 2, 8), _f(2, 2), _f(8, 8), _i(2), i32([0, 99]), _BT, 4, 2),
+        r"indexer_topk: token 1 at position 99 does not fit"),
+    "indexer-block-range": (lambda: ops.indexer_topk(_f(2, 2, 8), _f(2, 2), _f(8, 8), _i(2), _i(2), np.full((2, 4), 9, np.int32), 4, 2),
+        r"indexer_topk: block-table row 0 entry 0 = 9 is outside the cache"),
+    "mla-q_pe": (lambda: ops.mla_attention(_f(2, 2, 8), _f(2, 3, 4), _f(8, 12), _i(2), _i(2), _BT, 4, 1.0),
+        r"mla_attention: q_pe .* does not match q_lat"),
+    "mla-cache": (lambda: ops.mla_attention(_f(2, 2, 8), _f(2, 2, 4), _f(8, 11), _i(2), _i(2), _BT, 4, 1.0),
+        r"mla_attention: cache rows must hold kv_lora \+ rope = 12"),
+    "mla-pos-i64": (lambda: ops.mla_attention(_f(2, 2, 8), _f(2, 2, 4), _f(8, 12), _i(2), np.zeros(2, np.int64), _BT, 4, 1.0),
+        r"mla_attention: argument 'tok.pos' must be I32"),
+    "mla-sel_len": (lambda: ops.mla_attention(_f(2, 2, 8), _f(2, 2, 4), _f(8, 12), _i(2), _i(2), _BT, 4, 1.0, sel=_i(2, 1), sel_len=i32([2, 0])),
+        r"mla_attention: sel_len\[0\] = 2 exceeds the 1 selection columns"),
+    "mla-sel-key": (lambda: ops.mla_attention(_f(2, 2, 8), _f(2, 2, 4), _f(8, 12), _i(2), _i(2), _BT, 4, 1.0, sel=i32([[1], [0]]), sel_len=i32([1, 1])),
+        r"mla_attention: token 0 at position 0 selects key 1 outside its causal range"),
+    "mla-sel-missing": (lambda: ops.mla_attention(_f(2, 2, 8), _f(2, 2, 4), _f(8, 12), _i(2), _i(2), _BT, 4, 1.0, sel_len=i32([1, 1])),
+        r"mla_attention: argument 'sel' is undefined"),
+    "block_attn-blocks": (lambda: ops.block_attention(_f(5, 2, 4), _f(5, 1, 4), _f(5, 1, 4), _f(8, 8), _i(2), _BT, 2, 4),
+        r"block_attention: 5 query rows are not whole blocks of 2"),
+    "block_attn-gqa": (lambda: ops.block_attention(_f(4, 3, 4), _f(4, 2, 4), _f(4, 2, 4), _f(8, 16), _i(2), _BT, 2, 4),
+        r"block_attention: k .* does not match q .* \(kv heads must divide"),
+    "block_attn-v": (lambda: ops.block_attention(_f(4, 2, 4), _f(4, 1, 4), _f(4, 1, 5), _f(8, 8), _i(2), _BT, 2, 4),
+        r"block_attention: 'k' .* and 'v' .* same shape"),
+    "block_attn-kv_cache": (lambda: ops.block_attention(_f(4, 2, 4), _f(4, 1, 4), _f(4, 1, 4), _f(8, 9), _i(2), _BT, 2, 4),
+        r"block_attention: kv_cache rows must hold \[k \| v\] = 8"),
+    "block_attn-ctx_len": (lambda: ops.block_attention(_f(4, 2, 4), _f(4, 1, 4), _f(4, 1, 4), _f(8, 8), _i(3), _BT, 2, 4),
+        r"block_attention: argument 'ctx_len' must be I32 \[2\]"),
+    "block_attn-ctx-range": (lambda: ops.block_attention(_f(4, 2, 4), _f(4, 1, 4), _f(4, 1, 4), _f(8, 8), i32([0, 100]), _BT, 2, 4),
+        r"block_attention: ctx_len\[1\] = 100 does not fit the block table"),
+    "block_attn-window": (lambda: ops.block_attention(_f(4, 2, 4), _f(4, 1, 4), _f(4, 1, 4), _f(8, 8), _i(2), _BT, 2, 4, window=-1),
+        r"block_attention: .*window >= 0"),
+    "moe_route-bias": (lambda: ops.moe_route(_f(2, 8), _f(7), 2), r"moe_route: bias must be F32 \[8\]"),
+    "moe_route-n_group": (lambda: ops.moe_route(_f(2, 8), _f(8), 2, 3, 1),
+        r"moe_route: n_group 3 must divide 8 experts"),
+    "moe_route-topk_group": (lambda: ops.moe_route(_f(2, 8), _f(8), 2, 2, 3),
+        r"moe_route: topk_group must be in \[1, n_group = 2\]"),
+    "moe_route-top_k": (lambda: ops.moe_route(_f(2, 8), _f(8), 5, 2, 1),
+        r"moe_route: top_k = 5 must be in \[1, experts in the kept groups = 4\]"),
+    "moe_route-ids": (lambda: ops.moe_route(_f(2, 8), _f(8), 2, ids=_i(2, 3)),
+        r"moe_route: ids and weights must be \[2, 2\]"),
+    "moe_experts-ids": (lambda: ops.moe_experts(_f(2, 4), _i(3, 1), _f(3, 1), [_w(3, 4)], [_w(3, 4)], [_w(4, 3)]),
+        r"moe_experts: ids and weights must be \[2, top_k\]"),
+    "moe_experts-down": (lambda: ops.moe_experts(_f(2, 4), _i(2, 1), _f(2, 1), [_w(3, 4)], [_w(3, 4)], [_w(5, 3)]),
+        r"moe_experts: expert 0 has shapes .* down \[5, 3\]"),
+    "moe_experts-counts": (lambda: ops.moe_experts(_f(2, 4), _i(2, 1), _f(2, 1), [_w(3, 4)], [_w(3, 4)], []),
+        r"moe_experts: expected the same number \(>= 1\) of gate, up and down"),
+    "moe_experts-workspace": (lambda: ops.moe_experts(_f(2, 4), _i(2, 1), _f(2, 1), [_w(3, 4)], [_w(3, 4)], [_w(4, 3)], workspace=_f(5)),
+        r"moe_experts: workspace must hold 41 contiguous floats"),
+    "moe_experts-id-range": (lambda: ops.moe_experts(_f(2, 4), i32([[0], [1]]), _f(2, 1), [_w(3, 4)], [_w(3, 4)], [_w(4, 3)]),
+        r"moe_experts: expert id 1 of token 1 is outside \[0, 1\)"),
+    "dyn_conv-blocks": (lambda: ops.dyn_conv(_f(5, 4), _f(2, 4), _f(5, 2), 2),
+        r"dyn_conv: 5 rows are not whole blocks of 2"),
+    "dyn_conv-block0": (lambda: ops.dyn_conv(_f(4, 4), _f(2, 4), _f(4, 2), 0),
+        r"dyn_conv: 4 rows are not whole blocks of 0"),
+    "dyn_conv-base": (lambda: ops.dyn_conv(_f(4, 4), _f(1, 4), _f(4, 2), 2), r"dyn_conv: base must be F32 \[2, 4\]"),
+    "dyn_conv-dyn-odd": (lambda: ops.dyn_conv(_f(4, 4), _f(2, 4), _f(4, 3), 2), r"dyn_conv: dyn must be \[4, 2G\]"),
+    "dyn_conv-dyn-G": (lambda: ops.dyn_conv(_f(4, 6), _f(2, 6), _f(4, 8), 2),
+        r"dyn_conv: dyn must be \[4, 2G\] with G dividing 6"),
+    "selector-cand": (lambda: ops.selector_walk(_SW[0], _f(1, 2, 3), *_SW[2:]),
+        r"selector_walk: argument 'cand' must be I32"),
+    "selector-g": (lambda: ops.selector_walk(*_SW[:2], _f(1, 3, 4), *_SW[3:]),
+        r"selector_walk: g must be \[1, 2, rank\]"),
+    "selector-book": (lambda: ops.selector_walk(*_SW[:3], _f(10, 5), *_SW[4:]),
+        r"selector_walk: codebooks must be \[vocab, 4\]"),
+    "selector-cand-range": (lambda: ops.selector_walk(_SW[0], np.full((1, 2, 3), 10, np.int32), *_SW[2:]),
+        r"selector_walk: candidate 10 at \(0, 0, 0\) is outside \[0, 10\)"),
+    "selector-anchor": (lambda: ops.selector_walk(*_SW[:5], i32([-1])), r"selector_walk: anchor -1 of sequence 0"),
+    "selector-uniforms-missing": (lambda: ops.selector_walk(*_SW, temperature=1.0),
+        r"selector_walk: argument 'uniforms' is undefined"),
+    "selector-uniforms-f32": (lambda: ops.selector_walk(*_SW, temperature=1.0, uniforms=_f(1, 2)),
+        r"selector_walk: argument 'uniforms' must be I64"),
+    "selector-temperature": (lambda: ops.selector_walk(*_SW, temperature=float("nan")),
+        r"selector_walk: temperature must be finite"),
+    "selector-q": (lambda: ops.selector_walk(*_SW, temperature=1.0, uniforms=np.zeros((1, 2), np.int64), q=_f(1, 2, 4)),
+        r"selector_walk: 'vals' .* and 'q' .* same shape"),
+}
+
+
+@pytest.mark.parametrize("name", list(ARG_ERRORS))
+def test_new_op_argument_errors(name):
+    call, msg = ARG_ERRORS[name]
+    with pytest.raises(dflash2_rt.InvalidArgumentError, match="^" + msg):
+        call()

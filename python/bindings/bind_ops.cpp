@@ -3,6 +3,9 @@
 // device unless `out=` is given (then they write into it, e.g. a view into a guarded buffer).
 #include <pybind11/stl.h>
 
+#include <algorithm>
+#include <vector>
+
 #include "bindings.h"
 #include "dflash2/error.h"
 #include "dflash2/ops.h"
@@ -27,6 +30,26 @@ ops::RopeStyle parse_style(const std::string& s) {
   if (s == "neox" || s == "half") return ops::RopeStyle::NeoX;
   fail(ErrorKind::InvalidArgument, "rope: style must be 'interleaved' or 'neox', found '", s, "'");
 }
+
+// Size of dim i of t (negative i counts from the end), or 0 when t has no such dim: the
+// shape of a default output is only a guess when the inputs are malformed, and the op's
+// own validation then names the bad argument.
+int64_t dim_or0(const Tensor& t, int i) {
+  if (!t.defined()) return 0;
+  if (i < 0) i += t.ndim();
+  return i >= 0 && i < t.ndim() ? t.shape(i) : 0;
+}
+
+ops::PagedTokens paged_tokens(py::handle seq, py::handle pos, py::handle block_table, int64_t block_size) {
+  ops::PagedTokens tok;
+  tok.seq = tensor_from_python(seq, "seq");
+  tok.pos = tensor_from_python(pos, "pos");
+  tok.block_table = tensor_from_python(block_table, "block_table");
+  tok.block_size = block_size;
+  return tok;
+}
+
+py::object none_or(const Tensor& t) { return t.defined() ? py::cast(t) : py::object(py::none()); }
 
 }  // namespace
 
@@ -195,6 +218,258 @@ void bind_ops(py::module_& m) {
         return ot;
       },
       py::arg("table"), py::arg("ids"), py::arg("out") = py::none());
+
+  // ---------------------------------------------------------------- data movement
+  o.def(
+      "copy",
+      [](py::handle src, py::handle out) {
+        Tensor st = tensor_from_python(src, "src");
+        Tensor dt = out_or_new(out, st.dtype(), st.shape(), st.device());
+        {
+          py::gil_scoped_release nogil;
+          ops::copy(st, dt);
+        }
+        return dt;
+      },
+      py::arg("src"), py::arg("out") = py::none(),
+      "out = src (any strides on either side; BF16/F16 src widens into an F32 out). Returns out.");
+
+  o.def(
+      "add",
+      [](py::handle a, py::handle b, py::handle out) {
+        Tensor at = tensor_from_python(a, "a"), bt = tensor_from_python(b, "b");
+        Tensor ot = out_or_new(out, DType::F32, at.shape(), at.device());
+        {
+          py::gil_scoped_release nogil;
+          ops::add(at, bt, ot);
+        }
+        return ot;
+      },
+      py::arg("a"), py::arg("b"), py::arg("out") = py::none(), "out = a + b (out may be a or b).");
+
+  o.def(
+      "gather_rows",
+      [](py::handle src, py::handle idx, py::handle out) {
+        Tensor st = tensor_from_python(src, "src"), it = tensor_from_python(idx, "idx");
+        Tensor ot = out_or_new(out, DType::F32, {dim_or0(it, 0), dim_or0(st, 1)}, st.device());
+        {
+          py::gil_scoped_release nogil;
+          ops::gather_rows(st, it, ot);
+        }
+        return ot;
+      },
+      py::arg("src"), py::arg("idx"), py::arg("out") = py::none(), "out[i, :] = src[idx[i], :] (F32).");
+
+  o.def(
+      "argmax",
+      [](py::handle x, py::handle out) {
+        Tensor xt = tensor_from_python(x, "x");
+        Tensor ot = out_or_new(out, DType::I32, {dim_or0(xt, 0)}, xt.device());
+        {
+          py::gil_scoped_release nogil;
+          ops::argmax(xt, ot);
+        }
+        return ot;
+      },
+      py::arg("x"), py::arg("out") = py::none(), "I32 [R]: the first maximum of each row of x F32 [R, V].");
+
+  o.def(
+      "check_finite",
+      [](py::handle x, py::handle out) {
+        Tensor xt = tensor_from_python(x, "x");
+        Tensor ot = out_or_new(out, DType::I32, {dim_or0(xt, 0)}, xt.device());
+        {
+          py::gil_scoped_release nogil;
+          ops::check_finite(xt, ot);
+        }
+        return ot;
+      },
+      py::arg("x"), py::arg("out") = py::none(), "I32 [R]: 1 where row r of x holds a NaN or an infinity.");
+
+  // ---------------------------------------------------------------- paged caches, attention
+  o.def(
+      "cache_write",
+      [](py::handle src, py::handle slots, py::handle cache) {
+        Tensor st = tensor_from_python(src, "src"), sl = tensor_from_python(slots, "slots");
+        Tensor ct = tensor_from_python(cache, "cache");
+        {
+          py::gil_scoped_release nogil;
+          ops::cache_write(st, sl, ct);
+        }
+        return ct;
+      },
+      py::arg("src"), py::arg("slots"), py::arg("cache"),
+      "In place: cache[slots[t], :] = src[t, :] (negative slots skip). Returns cache.");
+
+  o.def(
+      "linear_heads",
+      [](py::handle x, py::handle w, py::handle out) {
+        Tensor xt = tensor_from_python(x, "x"), wt = tensor_from_python(w, "w");
+        Tensor ot = out_or_new(out, DType::F32, {dim_or0(xt, 0), dim_or0(xt, 1), dim_or0(wt, 1)}, xt.device());
+        {
+          py::gil_scoped_release nogil;
+          ops::linear_heads(xt, wt, ot);
+        }
+        return ot;
+      },
+      py::arg("x"), py::arg("w"), py::arg("out") = py::none(), "y[t, g, :] = x[t, g, :] @ w[g]^T.");
+
+  o.def(
+      "indexer_topk",
+      [](py::handle q, py::handle w, py::handle key_cache, py::handle seq, py::handle pos, py::handle block_table,
+         int64_t block_size, int64_t topk, py::handle sel, py::handle sel_len) {
+        Tensor qt = tensor_from_python(q, "q"), wt = tensor_from_python(w, "w");
+        Tensor kt = tensor_from_python(key_cache, "key_cache");
+        ops::PagedTokens tok = paged_tokens(seq, pos, block_table, block_size);
+        const int64_t T = dim_or0(qt, 0);
+        // a new sel starts zeroed: rows with sel_len -1 are left untouched by the op
+        Tensor st = sel.is_none() ? Tensor::zeros(DType::I32, {T, std::max<int64_t>(topk, 0)}, qt.device())
+                                  : tensor_from_python(sel, "sel");
+        Tensor lt = out_or_new(sel_len, DType::I32, {T}, qt.device(), "sel_len");
+        {
+          py::gil_scoped_release nogil;
+          ops::indexer_topk(qt, wt, kt, tok, topk, st, lt);
+        }
+        return py::make_tuple(st, lt);
+      },
+      py::arg("q"), py::arg("w"), py::arg("key_cache"), py::arg("seq"), py::arg("pos"), py::arg("block_table"),
+      py::arg("block_size"), py::arg("topk"), py::arg("sel") = py::none(), py::arg("sel_len") = py::none(),
+      "DSA indexer over a paged key cache: (sel I32 [T, topk] ascending, sel_len I32 [T], -1 = every causal key).");
+
+  o.def(
+      "mla_attention",
+      [](py::handle q_lat, py::handle q_pe, py::handle cache, py::handle seq, py::handle pos, py::handle block_table,
+         int64_t block_size, float scale, py::handle sel, py::handle sel_len, py::handle out) {
+        Tensor ql = tensor_from_python(q_lat, "q_lat"), qp = tensor_from_python(q_pe, "q_pe");
+        Tensor ct = tensor_from_python(cache, "cache");
+        ops::PagedTokens tok = paged_tokens(seq, pos, block_table, block_size);
+        Tensor st = opt_tensor(sel, "sel"), lt = opt_tensor(sel_len, "sel_len");
+        Tensor ot = out_or_new(out, DType::F32, ql.shape(), ql.device());
+        {
+          py::gil_scoped_release nogil;
+          ops::mla_attention(ql, qp, ct, tok, st, lt, scale, ot);
+        }
+        return ot;
+      },
+      py::arg("q_lat"), py::arg("q_pe"), py::arg("cache"), py::arg("seq"), py::arg("pos"), py::arg("block_table"),
+      py::arg("block_size"), py::arg("scale"), py::arg("sel") = py::none(), py::arg("sel_len") = py::none(),
+      py::arg("out") = py::none(),
+      "Sparse absorbed MLA over a paged latent cache; no sel_len = every causal key.");
+
+  o.def(
+      "block_attention",
+      [](py::handle q, py::handle k, py::handle v, py::handle kv_cache, py::handle ctx_len, py::handle block_table,
+         int64_t block, int64_t cache_block_size, int64_t window, bool causal, float scale, py::handle out) {
+        Tensor qt = tensor_from_python(q, "q"), kt = tensor_from_python(k, "k"), vt = tensor_from_python(v, "v");
+        Tensor ct = tensor_from_python(kv_cache, "kv_cache"), lt = tensor_from_python(ctx_len, "ctx_len");
+        Tensor bt = tensor_from_python(block_table, "block_table");
+        ops::BlockAttention p;
+        p.block = block;
+        p.window = window;
+        p.causal = causal;
+        p.scale = scale;
+        p.cache_block_size = cache_block_size;
+        Tensor ot = out_or_new(out, DType::F32, qt.shape(), qt.device());
+        {
+          py::gil_scoped_release nogil;
+          ops::block_attention(qt, kt, vt, ct, lt, bt, p, ot);
+        }
+        return ot;
+      },
+      py::arg("q"), py::arg("k"), py::arg("v"), py::arg("kv_cache"), py::arg("ctx_len"), py::arg("block_table"),
+      py::arg("block"), py::arg("cache_block_size"), py::arg("window") = 0, py::arg("causal") = false,
+      py::arg("scale") = 1.0f, py::arg("out") = py::none(), "The DFlash drafter's block attention.");
+
+  // ---------------------------------------------------------------- MoE
+  o.def(
+      "moe_route",
+      [](py::handle logits, py::handle bias, int64_t top_k, int64_t n_group, int64_t topk_group, bool norm_topk_prob,
+         float routed_scaling_factor, py::handle ids, py::handle weights) {
+        Tensor lt = tensor_from_python(logits, "logits"), bt = tensor_from_python(bias, "bias");
+        ops::MoeRouting r;
+        r.top_k = top_k;
+        r.n_group = n_group;
+        r.topk_group = topk_group;
+        r.norm_topk_prob = norm_topk_prob;
+        r.routed_scaling_factor = routed_scaling_factor;
+        const Tensor::Shape s = {dim_or0(lt, 0), std::max<int64_t>(top_k, 0)};
+        Tensor it = out_or_new(ids, DType::I32, s, lt.device(), "ids");
+        Tensor wt = out_or_new(weights, DType::F32, s, lt.device(), "weights");
+        {
+          py::gil_scoped_release nogil;
+          ops::moe_route(lt, bt, r, it, wt);
+        }
+        return py::make_tuple(it, wt);
+      },
+      py::arg("logits"), py::arg("bias"), py::arg("top_k"), py::arg("n_group") = 1, py::arg("topk_group") = 1,
+      py::arg("norm_topk_prob") = true, py::arg("routed_scaling_factor") = 1.0f, py::arg("ids") = py::none(),
+      py::arg("weights") = py::none(), "(ids I32 [T, top_k] ascending, weights F32 [T, top_k]).");
+
+  o.def("moe_workspace_floats", &ops::moe_workspace_floats, py::arg("T"), py::arg("top_k"), py::arg("H"), py::arg("F"),
+        py::arg("E"), "Floats of workspace moe_experts needs.");
+
+  o.def(
+      "moe_experts",
+      [](py::handle x, py::handle ids, py::handle weights, std::vector<ops::Weight> gate, std::vector<ops::Weight> up,
+         std::vector<ops::Weight> down, py::handle out, py::handle workspace) {
+        Tensor xt = tensor_from_python(x, "x"), it = tensor_from_python(ids, "ids");
+        Tensor wt = tensor_from_python(weights, "weights");
+        ops::ExpertWeights ex{std::move(gate), std::move(up), std::move(down)};
+        Tensor ot = out_or_new(out, DType::F32, xt.shape(), xt.device());
+        const int64_t F = ex.gate.empty() ? 0 : ex.gate[0].out_features;
+        const int64_t n = ops::moe_workspace_floats(dim_or0(xt, 0), dim_or0(it, 1), dim_or0(xt, 1), F,
+                                                    int64_t(ex.gate.size()));
+        Tensor ws = out_or_new(workspace, DType::F32, {n}, xt.device(), "workspace");
+        {
+          py::gil_scoped_release nogil;
+          ops::moe_experts(xt, it, wt, ex, ot, ws);
+        }
+        return ot;
+      },
+      py::arg("x"), py::arg("ids"), py::arg("weights"), py::arg("gate"), py::arg("up"), py::arg("down"),
+      py::arg("out") = py::none(), py::arg("workspace") = py::none(),
+      "out[t] = sum_j weights[t, j] * expert_{ids[t, j]}(x[t]); gate/up/down: lists of Weight, one per expert.");
+
+  // ---------------------------------------------------------------- DFlash drafter
+  o.def(
+      "dyn_conv",
+      [](py::handle x, py::handle base, py::handle dyn, int64_t block, py::handle out) {
+        Tensor xt = tensor_from_python(x, "x"), bt = tensor_from_python(base, "base");
+        Tensor dt = tensor_from_python(dyn, "dyn");
+        Tensor ot = out_or_new(out, DType::F32, xt.shape(), xt.device());
+        {
+          py::gil_scoped_release nogil;
+          ops::dyn_conv(xt, bt, dt, block, ot);
+        }
+        return ot;
+      },
+      py::arg("x"), py::arg("base"), py::arg("dyn"), py::arg("block"), py::arg("out") = py::none(),
+      "Two-tap dynamic conv within blocks of `block` rows (out may be x).");
+
+  o.def(
+      "selector_walk",
+      [](py::handle vals, py::handle cand, py::handle g, py::handle pred_book, py::handle succ_book,
+         py::handle anchors, float temperature, py::handle uniforms, py::handle tokens, py::handle q) {
+        Tensor vt = tensor_from_python(vals, "vals"), ct = tensor_from_python(cand, "cand");
+        Tensor gt = tensor_from_python(g, "g"), pb = tensor_from_python(pred_book, "pred_book");
+        Tensor sb = tensor_from_python(succ_book, "succ_book"), at = tensor_from_python(anchors, "anchors");
+        Tensor ut = opt_tensor(uniforms, "uniforms");
+        Tensor tt = out_or_new(tokens, DType::I32, {dim_or0(vt, 0), dim_or0(vt, 1)}, vt.device(), "tokens");
+        // q is written only when sampling (temperature > 0)
+        Tensor qt = !q.is_none() ? tensor_from_python(q, "q")
+                    : temperature > 0.0f ? Tensor::empty(DType::F32, vt.shape(), vt.device())
+                                         : Tensor();
+        {
+          py::gil_scoped_release nogil;
+          ops::selector_walk(vt, ct, gt, pb, sb, at, temperature, ut, tt, qt);
+        }
+        return py::make_tuple(tt, none_or(qt));
+      },
+      py::arg("vals"), py::arg("cand"), py::arg("g"), py::arg("pred_book"), py::arg("succ_book"), py::arg("anchors"),
+      py::arg("temperature") = 0.0f, py::arg("uniforms") = py::none(), py::arg("tokens") = py::none(),
+      py::arg("q") = py::none(),
+      "The DFlash 2 selector's path walk: (tokens I32 [S, P], q F32 [S, P, K] when sampling, else None). "
+      "uniforms: I64 [S, P], bit patterns of doubles in [0, 1).");
 }
 
 }  // namespace dflash2::py_bind
