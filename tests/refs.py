@@ -348,11 +348,33 @@ def dyn_conv(x, base, dyn, block):
     return out
 
 
+def philox4x32_10(ctr, key):
+    """Philox4x32-10 of a 4-word counter and a 2-word key (Salmon et al. 2011), in plain
+    Python integers: an independent reference for the ops' random numbers."""
+    M0, M1, W0, W1, mask = 0xD2511F53, 0xCD9E8D57, 0x9E3779B9, 0xBB67AE85, 0xFFFFFFFF
+    c0, c1, c2, c3 = (int(v) & mask for v in ctr)
+    k0, k1 = (int(v) & mask for v in key)
+    for r in range(10):
+        if r:
+            k0, k1 = (k0 + W0) & mask, (k1 + W1) & mask
+        p0, p1 = M0 * c0, M1 * c2
+        c0, c1, c2, c3 = ((p1 >> 32) ^ c1 ^ k0) & mask, p1 & mask, ((p0 >> 32) ^ c3 ^ k1) & mask, p0 & mask
+    return c0, c1, c2, c3
+
+
+def philox_uniform(key, counter):
+    """The ops' draw: a double in [0, 1) from the top 53 bits of words 1:0 of
+    philox(counter = (lo, hi, 0, 0), key = (lo, hi))."""
+    key, counter = int(key) & (2 ** 64 - 1), int(counter) & (2 ** 64 - 1)
+    r = philox4x32_10((counter & 0xFFFFFFFF, counter >> 32, 0, 0), (key & 0xFFFFFFFF, key >> 32))
+    return float(((r[1] << 32) | r[0]) >> 11) * 2.0 ** -53
+
+
 def selector_walk(vals, cand, g, pred_book, succ_book, anchors, temperature, uniforms):
     """Returns (tokens, q or None, margin). Per sequence s, prev = anchors[s]; at step t
     a = pred_book[prev] * g[s, t], score_b = vals[s, t, b] + a . succ_book[cand[s, t, b]];
     greedy: the first best score; sampled: q = softmax(score / temperature) and the first b
-    with u < q_0 + ... + q_b (u: the double of uniforms[s, t])."""
+    with u < q_0 + ... + q_b (u = uniforms[s, t], a float64)."""
     vals, g, pb, sb = f64(vals), f64(g), f64(pred_book), f64(succ_book)
     S, P, K = vals.shape
     tokens = np.zeros((S, P), np.int32)
@@ -377,7 +399,7 @@ def selector_walk(vals, cand, g, pred_book, succ_book, anchors, temperature, uni
             else:
                 qq = _softmax_rows(score / temperature)
                 q[s, t] = qq
-                u = float(np.asarray(uniforms[s, t], np.int64).view(np.float64))
+                u = float(uniforms[s, t])
                 cum = np.cumsum(qq)
                 b = int(np.searchsorted(cum, u, side="right"))  # first b with u < cum[b]
                 b = min(b, K - 1)

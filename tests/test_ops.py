@@ -1023,17 +1023,10 @@ def test_moe_experts(dev, wdtype):
     check("moe_experts", got, ref)
 
 
-MOE_DUP_XFAIL = pytest.mark.xfail(
-    strict=True, raises=dflash2_rt.InvalidArgumentError,
-    reason="op bug: cpu/moe.cpp:96-104 sizes the per-expert gather (xe/ye, mlp scratch) for T rows, but an "
-           "expert named twice by one token gets more than T rows: 'slice [0, 2) out of range for dimension 0 "
-           "of F32[1, H]' instead of (w0 + w1) * expert(x)")
-
-
 @pytest.mark.parametrize("ids,weights", [
     ([[1, 1], [0, 2]], [[0.25, 0.5], [0.5, 0.5]]),  # expert 1 gets 2 rows of 2 tokens: fits
-    pytest.param([[1, 1]], [[0.25, 0.5]], marks=MOE_DUP_XFAIL),  # 2 rows of 1 token
-    pytest.param([[2, 0, 2], [2, 2, 1]], [[0.1, 0.2, 0.3], [0.4, 0.5, 0.6]], marks=MOE_DUP_XFAIL),
+    ([[1, 1]], [[0.25, 0.5]]),  # 2 rows of 1 token: an expert gets up to T * top_k rows
+    ([[2, 0, 2], [2, 2, 1]], [[0.1, 0.2, 0.3], [0.4, 0.5, 0.6]]),
 ], ids=["fits", "T1", "T2-k3"])
 def test_moe_experts_same_expert_twice_in_a_row(ids, weights):
     """ids naming one expert twice for a token: by the documented formula, out[t] is
@@ -1121,9 +1114,11 @@ def test_selector_walk_greedy(dev, case, book_dtype):
     ops.selector_walk(*[to_dev(a, dev) for a in inputs], temperature=0.0, tokens=tokens.view, q=q.view)
     np.testing.assert_array_equal(tokens.result(), rtok)
     assert (q.result() == SENTINEL).all(), "greedy walk wrote q"
-    t2, q2 = ops.selector_walk(*[to_dev(a, dev) for a in inputs], temperature=-1.0)
+    t2, q2 = ops.selector_walk(*[to_dev(a, dev) for a in inputs], temperature=0)
     np.testing.assert_array_equal(to_np(t2), rtok)
     assert q2 is None
+    with pytest.raises(dflash2_rt.InvalidArgumentError, match=r"temperature\[0\] must be finite and >= 0"):
+        ops.selector_walk(*[to_dev(a, dev) for a in inputs], temperature=-1.0)
 
 
 @pytest.mark.parametrize("dev", DEVICES)
@@ -1148,8 +1143,16 @@ def test_selector_walk_greedy_ties_go_to_the_first_candidate(dev):
     np.testing.assert_array_equal(to_np(tok), exp)
 
 
-def uniform_bits(u):
-    return np.ascontiguousarray(np.asarray(u, np.float64)).view(np.int64)
+def philox_uniforms(rng_rows, P):
+    """The draws selector_walk takes: uniform(key_s, counter_s + t) for t < P."""
+    return np.array([[refs.philox_uniform(k, c + t) for t in range(P)] for k, c in rng_rows])
+
+
+def test_philox_reference_known_answers():
+    """The reference Philox of tests/refs.py against Random123's known-answer vectors."""
+    assert refs.philox4x32_10((0, 0, 0, 0), (0, 0)) == (0x6627e8d5, 0xe169c58d, 0xbc57ac4c, 0x9b00dbd8)
+    assert refs.philox4x32_10((0x243f6a88, 0x85a308d3, 0x13198a2e, 0x03707344), (0xa4093822, 0x299f31d0)) == \
+        (0xd16cfe09, 0x94fdcceb, 0x5001e420, 0x24126ea1)
 
 
 @pytest.mark.parametrize("dev", DEVICES)
@@ -1160,23 +1163,25 @@ def test_selector_walk_sampled(dev, case, temperature):
     rng = rng_for("selector-sampled", case, temperature)
     S, P, K = case[:3]
     inputs = selector_inputs(rng, case, "bf16")
-    (u,), (rtok, rq, _) = well_posed(
-        lambda a: (uniform_bits(rng.random((S, P))),),
-        lambda a: refs.selector_walk(*inputs, temperature, a[0]))
+    (state,), (rtok, rq, _) = well_posed(
+        lambda a: (np.stack([rng.integers(0, 2 ** 62, S), rng.integers(0, 2 ** 40, S)], 1).astype(np.int64),),
+        lambda a: refs.selector_walk(*inputs, temperature, philox_uniforms(a[0], P)))
     tokens = Guarded((S, P), dev, np.int32)
     q = Guarded((S, P, K), dev)
-    ops.selector_walk(*[to_dev(a, dev) for a in inputs], temperature=temperature, uniforms=to_dev(u, dev),
+    ops.selector_walk(*[to_dev(a, dev) for a in inputs], temperature=temperature, rng=to_dev(state, dev),
                       tokens=tokens.view, q=q.view)
     np.testing.assert_array_equal(tokens.result(), rtok)
     got_q = q.result()
     check("selector_walk", got_q, rq)
     np.testing.assert_allclose(got_q.sum(-1), 1.0, rtol=0, atol=1e-6)
-    # uniforms just above 0 take the first candidate; the binding allocates q itself
-    tiny = uniform_bits(np.full((S, P), 1e-300))
-    t0, q0 = ops.selector_walk(*[to_dev(a, dev) for a in inputs], temperature=temperature, uniforms=to_dev(tiny, dev))
-    r0, rq0, _ = refs.selector_walk(*inputs, temperature, tiny)
-    np.testing.assert_array_equal(to_np(t0), r0)
-    check("selector_walk", to_np(q0), rq0)
+    # per-sequence temperatures: sequence 0 greedy, the others sampled; the binding allocates q
+    temps = np.full(S, temperature, np.float32)
+    temps[0] = 0.0
+    t1, q1 = ops.selector_walk(*[to_dev(a, dev) for a in inputs], temperature=to_dev(temps, dev), rng=to_dev(state, dev))
+    vals, cand, g, pred, succ, anchors = inputs
+    g0, _, _ = refs.selector_walk(vals[:1], cand[:1], g[:1], pred, succ, anchors[:1], 0.0, None)
+    np.testing.assert_array_equal(to_np(t1)[0], g0[0])
+    np.testing.assert_array_equal(to_np(t1)[1:], rtok[1:])
 
 
 # ----------------------------------------------------------------------------- argument errors
@@ -1307,13 +1312,17 @@ ARG_ERRORS = {
     "selector-cand-range": (lambda: ops.selector_walk(_SW[0], np.full((1, 2, 3), 10, np.int32), *_SW[2:]),
         r"selector_walk: candidate 10 at \(0, 0, 0\) is outside \[0, 10\)"),
     "selector-anchor": (lambda: ops.selector_walk(*_SW[:5], i32([-1])), r"selector_walk: anchor -1 of sequence 0"),
-    "selector-uniforms-missing": (lambda: ops.selector_walk(*_SW, temperature=1.0),
-        r"selector_walk: argument 'uniforms' is undefined"),
-    "selector-uniforms-f32": (lambda: ops.selector_walk(*_SW, temperature=1.0, uniforms=_f(1, 2)),
-        r"selector_walk: argument 'uniforms' must be I64"),
+    "selector-rng-missing": (lambda: ops.selector_walk(*_SW, temperature=1.0),
+        r"selector_walk: argument 'rng' is undefined"),
+    "selector-rng-f32": (lambda: ops.selector_walk(*_SW, temperature=1.0, rng=_f(1, 2)),
+        r"selector_walk: argument 'rng' must be I64"),
+    "selector-rng-shape": (lambda: ops.selector_walk(*_SW, temperature=1.0, rng=np.zeros((1, 3), np.int64)),
+        r"selector_walk: rng must be I64 \[1, 2\]"),
     "selector-temperature": (lambda: ops.selector_walk(*_SW, temperature=float("nan")),
-        r"selector_walk: temperature must be finite"),
-    "selector-q": (lambda: ops.selector_walk(*_SW, temperature=1.0, uniforms=np.zeros((1, 2), np.int64), q=_f(1, 2, 4)),
+        r"selector_walk: temperature\[0\] must be finite"),
+    "selector-temperature-shape": (lambda: ops.selector_walk(*_SW, temperature=_f(2)),
+        r"selector_walk: temperature must be F32 \[1\]"),
+    "selector-q": (lambda: ops.selector_walk(*_SW, temperature=1.0, rng=np.zeros((1, 2), np.int64), q=_f(1, 2, 4)),
         r"selector_walk: 'vals' .* and 'q' .* same shape"),
 }
 

@@ -449,27 +449,40 @@ void bind_ops(py::module_& m) {
   o.def(
       "selector_walk",
       [](py::handle vals, py::handle cand, py::handle g, py::handle pred_book, py::handle succ_book,
-         py::handle anchors, float temperature, py::handle uniforms, py::handle tokens, py::handle q) {
+         py::handle anchors, py::handle temperature, py::handle rng, py::handle tokens, py::handle q) {
         Tensor vt = tensor_from_python(vals, "vals"), ct = tensor_from_python(cand, "cand");
         Tensor gt = tensor_from_python(g, "g"), pb = tensor_from_python(pred_book, "pred_book");
         Tensor sb = tensor_from_python(succ_book, "succ_book"), at = tensor_from_python(anchors, "anchors");
-        Tensor ut = opt_tensor(uniforms, "uniforms");
+        Tensor rt = opt_tensor(rng, "rng");
+        // temperature: one number for every sequence, or F32 [S]
+        Tensor temp;
+        bool sampled = false;
+        if (py::isinstance<py::float_>(temperature) || py::isinstance<py::int_>(temperature)) {
+          const float t = temperature.cast<float>();
+          temp = Tensor::empty(DType::F32, {dim_or0(vt, 0)});
+          for (int64_t s = 0; s < temp.shape(0); ++s) temp.data_as<float>()[s] = t;
+          temp = temp.to(vt.device());
+          sampled = t > 0.0f;
+        } else {
+          temp = tensor_from_python(temperature, "temperature");
+          sampled = true;
+        }
         Tensor tt = out_or_new(tokens, DType::I32, {dim_or0(vt, 0), dim_or0(vt, 1)}, vt.device(), "tokens");
-        // q is written only when sampling (temperature > 0)
+        // q is written only when sampling (a temperature > 0)
         Tensor qt = !q.is_none() ? tensor_from_python(q, "q")
-                    : temperature > 0.0f ? Tensor::empty(DType::F32, vt.shape(), vt.device())
-                                         : Tensor();
+                    : sampled ? Tensor::empty(DType::F32, vt.shape(), vt.device())
+                              : Tensor();
         {
           py::gil_scoped_release nogil;
-          ops::selector_walk(vt, ct, gt, pb, sb, at, temperature, ut, tt, qt);
+          ops::selector_walk(vt, ct, gt, pb, sb, at, temp, rt, tt, qt);
         }
         return py::make_tuple(tt, none_or(qt));
       },
       py::arg("vals"), py::arg("cand"), py::arg("g"), py::arg("pred_book"), py::arg("succ_book"), py::arg("anchors"),
-      py::arg("temperature") = 0.0f, py::arg("uniforms") = py::none(), py::arg("tokens") = py::none(),
+      py::arg("temperature") = 0.0f, py::arg("rng") = py::none(), py::arg("tokens") = py::none(),
       py::arg("q") = py::none(),
       "The DFlash 2 selector's path walk: (tokens I32 [S, P], q F32 [S, P, K] when sampling, else None). "
-      "uniforms: I64 [S, P], bit patterns of doubles in [0, 1).");
+      "temperature: a number or F32 [S]; rng: I64 [S, 2] (Philox key, counter), draw t at counter + t.");
 }
 
 }  // namespace dflash2::py_bind

@@ -149,7 +149,8 @@ void indexer_topk(const Tensor& q, const Tensor& w, const Tensor& key_cache, con
 //   s_j = (q_lat[t, h] . c_j + q_pe[t, h] . k_pe_j) * scale,   out[t, h] = sum_j softmax(s)_j c_j
 // q_lat F32 [T, nh, kv_lora], q_pe F32 [T, nh, rope] (any strides, rows contiguous),
 // out F32 [T, nh, kv_lora]. One op serves prefill chunks, decode and verify: every token
-// is computed alone (a row of a verify block equals the same row decoded).
+// is computed alone (a row of a verify block equals the same row decoded). An empty
+// selection (sel_len[t] = 0) gives zeros.
 void mla_attention(const Tensor& q_lat, const Tensor& q_pe, const Tensor& cache, const PagedTokens& tok,
                    const Tensor& sel, const Tensor& sel_len, float scale, Tensor& out);
 
@@ -192,7 +193,8 @@ struct ExpertWeights {
 int64_t moe_workspace_floats(int64_t T, int64_t top_k, int64_t H, int64_t F, int64_t E);
 // out[t] = sum_j weights[t, j] * expert_{ids[t, j]}(x[t]) (j ascending, from zero): each
 // expert runs once on the tokens routed to it (gather, grouped gated MLP, weighted
-// combine). x, out F32 [T, H]; workspace F32 contiguous, >= moe_workspace_floats(...).
+// combine; a token may name an expert more than once). x, out F32 [T, H]; workspace F32
+// contiguous, >= moe_workspace_floats(...).
 void moe_experts(const Tensor& x, const Tensor& ids, const Tensor& weights, const ExpertWeights& experts,
                  Tensor& out, Tensor& workspace);
 

@@ -357,9 +357,10 @@ void gather_rows(const Tensor& src, const Tensor& idx, Tensor& out) {
 
 void argmax(const Tensor& x, Tensor& out) {
   const char* op = "argmax";
+  need_dtype(x, DType::F32, op, "x");
+  if (x.ndim() == 2) DFLASH2_CHECK_ARG(x.shape(1) >= 1, op, ": rows must not be empty, found ", x.describe());
   need_2d_rows(x, DType::F32, op, "x");
   need_i32_vec(out, x.shape(0), op, "out");
-  DFLASH2_CHECK_ARG(x.shape(1) >= 1, op, ": rows must not be empty, found ", x.describe());
   same_device(x, out, op);
   DFLASH2_DISPATCH(argmax, x, x, out);
 }
@@ -523,7 +524,7 @@ void moe_route(const Tensor& logits, const Tensor& bias, const MoeRouting& r, Te
 }
 
 int64_t moe_workspace_floats(int64_t T, int64_t top_k, int64_t H, int64_t F, int64_t E) {
-  return 2 * T * H + 2 * T * F + T * top_k * H + T * top_k + 2 * E + 1;
+  return 3 * T * top_k * H + 2 * T * top_k * F + T * top_k + 2 * E + 1;
 }
 
 void moe_experts(const Tensor& x, const Tensor& ids, const Tensor& weights, const ExpertWeights& experts, Tensor& out,

@@ -68,13 +68,14 @@ void moe_experts(const Tensor& x, const Tensor& ids, const Tensor& weights, cons
                  Tensor& workspace) {
   const int64_t T = x.shape(0), H = x.shape(1), K = ids.shape(1), E = int64_t(ex.gate.size());
   const int64_t F = ex.gate.empty() ? 0 : ex.gate[0].out_features;
-  // workspace: xe [T, H] | ye [T, H] | mlp scratch [2 T F] | slot_out [T K, H] | order I32 [T K] |
-  // start I32 [E + 1] | cursor I32 [E]  (ops::moe_workspace_floats)
+  // workspace: xe [T K, H] | ye [T K, H] | mlp scratch [2 T K F] | slot_out [T K, H] | order I32 [T K] |
+  // start I32 [E + 1] | cursor I32 [E]  (ops::moe_workspace_floats); an expert gets at most T K
+  // rows (T if a token's ids are distinct, as moe_route's are)
   float* w = workspace.data_as<float>();
   float* xe_p = w;
-  float* ye_p = xe_p + T * H;
-  float* mlp_p = ye_p + T * H;
-  float* slot_p = mlp_p + 2 * T * F;
+  float* ye_p = xe_p + T * K * H;
+  float* mlp_p = ye_p + T * K * H;
+  float* slot_p = mlp_p + 2 * T * K * F;
   int32_t* order = reinterpret_cast<int32_t*>(slot_p + T * K * H);
   int32_t* start = order + T * K;
   int32_t* cursor = start + E + 1;
@@ -93,8 +94,8 @@ void moe_experts(const Tensor& x, const Tensor& ids, const Tensor& weights, cons
       const int32_t e = ids.data_as<const int32_t>()[t * ids.stride(0) + j];
       order[cursor[e]++] = int32_t(t * K + j);
     }
-  Tensor xe_all = Tensor::view(xe_p, DType::F32, {T, H});
-  Tensor ye_all = Tensor::view(ye_p, DType::F32, {T, H});
+  Tensor xe_all = Tensor::view(xe_p, DType::F32, {T * K, H});
+  Tensor ye_all = Tensor::view(ye_p, DType::F32, {T * K, H});
   for (int64_t e = 0; e < E; ++e) {
     const int64_t n = start[e + 1] - start[e];
     if (n == 0) continue;
