@@ -96,9 +96,18 @@ def draft_copy(tmp_path):
     return _copy_ckpt(DRAFT, tmp_path / "draft")
 
 
-def _run_cli(*args, timeout=120):
+def _child_env():
+    """The environment for a child Python: the same dflash2_rt as this process (a dev build
+    through DFLASH2_RT_CORE_DIR needs python/ on the path; an installed one must not get it,
+    or the source tree without _core would shadow the wheel)."""
     env = dict(os.environ)
-    env["PYTHONPATH"] = os.pathsep.join([os.path.join(REPO, "python")] + [p for p in [env.get("PYTHONPATH")] if p])
+    if env.get("DFLASH2_RT_CORE_DIR"):
+        env["PYTHONPATH"] = os.pathsep.join([os.path.join(REPO, "python")] + [p for p in [env.get("PYTHONPATH")] if p])
+    return env
+
+
+def _run_cli(*args, timeout=120):
+    env = _child_env()
     return subprocess.run([sys.executable, "-m", "dflash2_rt", *args], capture_output=True, text=True,
                           timeout=timeout, env=env)
 
@@ -242,8 +251,7 @@ def test_bad_alloc_is_out_of_memory_error(tmp_path):
         print("NO-ERROR")
         sys.exit(4)
     """)
-    env = dict(os.environ)
-    env["PYTHONPATH"] = os.pathsep.join([os.path.join(REPO, "python")] + [p for p in [env.get("PYTHONPATH")] if p])
+    env = _child_env()
     env["OMP_NUM_THREADS"] = "1"
     r = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=120, env=env)
     assert r.returncode == 0 and "OOM-TYPED" in r.stdout, (r.stdout, r.stderr[-2000:])
@@ -392,8 +400,7 @@ def test_huge_layer_counts_fail_without_allocating(tmp_path):
             sys.exit(3)
         print("OK")
     """)
-    env = dict(os.environ)
-    env["PYTHONPATH"] = os.pathsep.join([os.path.join(REPO, "python")] + [p for p in [env.get("PYTHONPATH")] if p])
+    env = _child_env()
     env["OMP_NUM_THREADS"] = "1"
     t0 = time.perf_counter()
     r = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=120, env=env)
