@@ -76,14 +76,11 @@ class DFlashRunner final : public Drafter {
       counts.push_back(r.n);
     }
     make_chunks(streams, none, counts, t_.options().max_step_tokens, chunks_);
+    first_row_.clear();
+    for (const CommitRows& r : rows) first_row_.push_back(r.row0);
     for (const auto& ch : chunks_) {
-      host_idx_.clear();
-      for (const Piece& p : ch)
-        for (int64_t j = 0; j < p.n; ++j) host_idx_.push_back(int32_t(rows[size_t(p.seq)].row0 + p.offset + j));
-      const int64_t T = int64_t(host_idx_.size());
-      Tensor ix = idx_.slice(0, 0, T), taps = taps_.slice(0, 0, T);
-      ix.copy_from(Tensor::view(host_idx_.data(), DType::I32, {T}));
-      ops::gather_rows(f.taps, ix, taps);
+      Tensor taps;
+      gather_rows_of_pieces(ch, first_row_, f.taps, idx_, host_idx_, taps_, taps);
       model::TokenBatch b = planner_.plan(ch, cache_);
       m_->append_context(b, taps, kv_layers_);
       for (const Piece& p : ch) p.stream->length += p.n;
@@ -147,6 +144,7 @@ class DFlashRunner final : public Drafter {
   Tensor taps_, idx_, ids_, rng_, temp_;
   std::vector<std::vector<Piece>> chunks_;
   std::vector<int32_t> host_idx_, host_ids_;
+  std::vector<int64_t> first_row_;
   std::vector<float> host_temp_;
   std::vector<int64_t> host_rng_;
   std::vector<CacheStream*> host_streams_;

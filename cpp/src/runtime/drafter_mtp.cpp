@@ -46,16 +46,12 @@ class MtpDrafter final : public Drafter {
       counts.push_back(r.n);
     }
     make_chunks(streams, next, counts, t_.options().max_step_tokens, chunks_);
+    first_row_.clear();
+    for (const CommitRows& r : rows) first_row_.push_back(r.row0);
     for (const auto& ch : chunks_) {
       // h_main: the committed rows of the target's final hidden states, in chunk order
-      std::vector<int32_t>& idx = host_idx_;
-      idx.clear();
-      for (const Piece& p : ch)
-        for (int64_t j = 0; j < p.n; ++j) idx.push_back(int32_t(rows[size_t(p.seq)].row0 + p.offset + j));
-      const int64_t T = int64_t(idx.size());
-      Tensor ix = idx_.slice(0, 0, T), hm = hm_.slice(0, 0, T);
-      ix.copy_from(Tensor::view(idx.data(), DType::I32, {T}));
-      ops::gather_rows(f.final_hidden, ix, hm);
+      Tensor hm;
+      gather_rows_of_pieces(ch, first_row_, f.final_hidden, idx_, host_idx_, hm_, hm);
       int64_t R = 0;
       for (const Piece& p : ch) R += p.last ? 1 : 0;
       Tensor lg = out_logits_.slice(0, 0, R), hd = out_hidden_.slice(0, 0, R);
@@ -141,6 +137,7 @@ class MtpDrafter final : public Drafter {
   Tensor hm_, idx_, out_logits_, out_hidden_;
   std::vector<std::vector<Piece>> chunks_;
   std::vector<int32_t> host_idx_;
+  std::vector<int64_t> first_row_;
   std::vector<CacheStream*> streams_tmp_;
   std::vector<const int32_t*> toks_tmp_;
   std::vector<int64_t> counts_tmp_, who_tmp_;

@@ -50,6 +50,30 @@ StepPlanner::StepPlanner(int64_t max_tokens, int64_t max_seqs, int64_t max_block
   ctx_len_ = Tensor::zeros(DType::I32, {max_seqs}, dev);
 }
 
+model::TokenBatch StepPlanner::views(int64_t T, int64_t S, int64_t block_size) const {
+  model::TokenBatch b;
+  b.T = T;
+  b.S = S;
+  b.tokens = tokens_.slice(0, 0, T);
+  b.paged.seq = seq_.slice(0, 0, T);
+  b.paged.pos = pos_.slice(0, 0, T);
+  b.paged.block_table = block_table_.slice(0, 0, std::max<int64_t>(S, 1));
+  b.paged.block_size = block_size;
+  return b;
+}
+
+void gather_rows_of_pieces(const std::vector<Piece>& chunk, const std::vector<int64_t>& first_row, const Tensor& src,
+                           Tensor& idx_buf, std::vector<int32_t>& host, Tensor& dst_buf, Tensor& dst) {
+  host.clear();
+  for (const Piece& p : chunk)
+    for (int64_t j = 0; j < p.n; ++j) host.push_back(int32_t(first_row[size_t(p.seq)] + p.offset + j));
+  const int64_t T = int64_t(host.size());
+  Tensor ix = idx_buf.slice(0, 0, T);
+  ix.copy_from(Tensor::view(host.data(), DType::I32, {T}));
+  dst = dst_buf.slice(0, 0, T);
+  ops::gather_rows(src, ix, dst);
+}
+
 model::TokenBatch StepPlanner::plan(const std::vector<Piece>& pieces, KvCache& cache, bool all_rows) {
   int64_t T = 0;
   for (const Piece& p : pieces) T += p.n;
@@ -80,14 +104,7 @@ model::TokenBatch StepPlanner::plan(const std::vector<Piece>& pieces, KvCache& c
     else if (p.last)
       rows[r++] = int32_t(t - 1);
   }
-  model::TokenBatch b;
-  b.T = T;
-  b.S = S;
-  b.tokens = tokens_.slice(0, 0, T);
-  b.paged.seq = seq_.slice(0, 0, T);
-  b.paged.pos = pos_.slice(0, 0, T);
-  b.paged.block_table = block_table_.slice(0, 0, std::max<int64_t>(S, 1));
-  b.paged.block_size = cache.block_size();
+  model::TokenBatch b = views(T, S, cache.block_size());
   b.slots = slots_.slice(0, 0, T);
   b.logit_rows = logit_rows_.slice(0, 0, r);
   return b;
@@ -110,14 +127,7 @@ model::TokenBatch StepPlanner::plan_blocks(const std::vector<CacheStream*>& stre
       pos[s * per_seq + j] = int32_t(st.length + j);
     }
   }
-  model::TokenBatch b;
-  b.T = T;
-  b.S = S;
-  b.tokens = tokens_.slice(0, 0, T);
-  b.paged.seq = seq_.slice(0, 0, T);
-  b.paged.pos = pos_.slice(0, 0, T);
-  b.paged.block_table = block_table_.slice(0, 0, std::max<int64_t>(S, 1));
-  b.paged.block_size = cache.block_size();
+  model::TokenBatch b = views(T, S, cache.block_size());
   b.ctx_len = ctx_len_.slice(0, 0, S);
   return b;
 }

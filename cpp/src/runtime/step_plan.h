@@ -26,6 +26,12 @@ struct Piece {
 void make_chunks(const std::vector<CacheStream*>& streams, const std::vector<const int32_t*>& tokens,
                  const std::vector<int64_t>& counts, int64_t max_tokens, std::vector<std::vector<Piece>>& chunks);
 
+// dst = the rows of src that a chunk's pieces stand for: piece p covers rows
+// first_row[p.seq] + p.offset ... (e.g. committed rows of the target's features), gathered
+// in chunk order into a prefix of dst_buf (idx_buf: an I32 plan buffer, host: scratch).
+void gather_rows_of_pieces(const std::vector<Piece>& chunk, const std::vector<int64_t>& first_row, const Tensor& src,
+                           Tensor& idx_buf, std::vector<int32_t>& host, Tensor& dst_buf, Tensor& dst);
+
 class StepPlanner {
  public:
   StepPlanner() = default;
@@ -42,6 +48,7 @@ class StepPlanner {
   model::TokenBatch plan_blocks(const std::vector<CacheStream*>& streams, int64_t per_seq, const KvCache& cache);
 
  private:
+  model::TokenBatch views(int64_t T, int64_t S, int64_t block_size) const;
   int64_t max_tokens_ = 0, max_seqs_ = 0, max_blocks_ = 0;
   Tensor tokens_, seq_, pos_, slots_, block_table_, logit_rows_, ctx_len_;
 };
