@@ -1,0 +1,46 @@
+// What every generation of an engine shares: the target, the drafter, and the step
+// buffers allocated once at load (logits, drafter features, sampling / acceptance plan
+// rows). Engine owns one; a Batch runs its requests on it.
+#pragma once
+#include <cstdint>
+#include <memory>
+#include <string>
+#include <vector>
+
+#include "dflash2/ops.h"
+#include "runtime/drafter.h"
+#include "runtime/target.h"
+
+namespace dflash2::runtime {
+
+struct Core {
+  std::unique_ptr<Target> target;
+  std::unique_ptr<Drafter> drafter;  // null for ar
+  int64_t K = 0;                     // draft tokens per verify step (0 for ar)
+  std::vector<int64_t> taps;         // target layers the drafter reads
+  bool want_final = false;           // the drafter reads the final hidden states (MTP)
+  int num_threads = 0;
+  // step buffers: logits of a verify step or of a prefill chunk's last rows, the drafter's
+  // features (taps, final hidden) of a chunk or a verify step, non-finite flags per row
+  Tensor logits, taps_buf, fin, flags;
+  // sampling / acceptance plan rows (one per sequence of a step), filled on the host
+  Tensor s_temp, s_topp, s_topk, s_rng, s_out;
+  Tensor a_row0, a_draft_row, a_draft_len, a_accepted, a_bonus, no_drafts;
+  // host bookkeeping reused across steps
+  std::vector<std::vector<Piece>> chunks;
+
+  // Allocates the step buffers for the target / drafter already set.
+  void allocate_buffers();
+  // Raises NumericalError if one of the first `rows` logits rows holds NaN or Inf; what /
+  // step / row_owner name where (row_owner[r]: the request of row r, or null).
+  void check_finite(int64_t rows, const char* what, int64_t step, const std::vector<int64_t>* row_owner);
+  // The plan buffers' first n sampling rows.
+  ops::SamplingTensors sampling_rows(int64_t n) const {
+    return {s_temp.slice(0, 0, n), s_topp.slice(0, 0, n), s_topk.slice(0, 0, n)};
+  }
+};
+
+// The Philox key of request `index` of a call with `seed` (< 0: nondeterministic).
+uint64_t rng_key(int64_t seed, int64_t index);
+
+}  // namespace dflash2::runtime
