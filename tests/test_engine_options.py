@@ -100,7 +100,7 @@ def test_non_finite_weights_raise_a_typed_error(tmp_path, value, method, tempera
     pytest.importorskip("safetensors.torch")
     tgt = _poisoned_target(tmp_path, "model.norm.weight", value, rows=slice(0, 3))
     eng = dflash2_rt.Engine(target=tgt, draft=DRAFT if method != "ar" else None, method=method, max_seq_len=128)
-    with pytest.raises(dflash2_rt.NumericalError, match=r"non-finite logits .* prefill"):
+    with pytest.raises(dflash2_rt.NumericalError, match=r"prompt 0: non-finite logits .* the prefill"):
         eng.generate([PROMPT], max_new_tokens=8, temperature=temperature, seed=0)
     assert isinstance(dflash2_rt.NumericalError("x"), ArithmeticError)
 
@@ -116,7 +116,7 @@ def test_non_finite_logits_in_a_decode_step_name_the_step_and_request(tmp_path):
     bad = next(t for t in toks[1:] if t not in PROMPT and t not in other and t != toks[0])
     tgt = _poisoned_target(tmp_path, "model.embed_tokens.weight", float("nan"), rows=bad)
     eng = dflash2_rt.Engine(target=tgt, method="ar", max_seq_len=128)
-    with pytest.raises(dflash2_rt.NumericalError, match=r"decode step \d+, request 1, logits row 1"):
+    with pytest.raises(dflash2_rt.NumericalError, match=r"prompt 1: non-finite logits .* decode step \d+ \(request \d+, logits row \d+\)"):
         eng.generate([other, PROMPT], max_new_tokens=12, stop_token_ids=[])
 
 

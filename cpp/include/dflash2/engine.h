@@ -25,6 +25,9 @@ struct EngineConfig {
   int64_t kv_block_size = 16;     // tokens per KV-cache page
   int num_threads = 0;            // CPU threads of this engine's ops (0 = all cores; at most
                                   // max(256, 4 x cores)); applied per engine, never process-wide
+  std::string speculation = "fixed";  // "fixed": every step drafts the full block; "adaptive": per
+                                      // step the draft length (0..K) that maximises the measured
+                                      // throughput of the running batch (see README)
 };
 
 struct SamplingParams {
@@ -32,7 +35,9 @@ struct SamplingParams {
   float temperature = 0.0f;  // 0 = greedy
   float top_p = 1.0f;        // in (0, 1]
   int64_t top_k = 0;         // 0 = off
-  int64_t seed = -1;         // < 0: nondeterministic; request i uses a stream derived from (seed, i)
+  int64_t seed = -1;         // < 0: nondeterministic; generate()'s request i uses a stream derived from
+                             // (seed, i); submit() uses (seed, stream_index)
+  int64_t stream_index = 0;  // see seed
   bool has_stop_tokens = false;        // false: the config's eos_token_id
   std::vector<int32_t> stop_token_ids;  // a stop token ends the request (and is its last token)
 };
@@ -58,10 +63,30 @@ struct Proposal {
 // Called with (request index, newly committed tokens) as generation proceeds.
 using TokenCallback = std::function<void(int64_t, const std::vector<int32_t>&)>;
 
+using RequestId = int64_t;
+
 struct GenerationResult {
   std::vector<int32_t> token_ids;  // generated tokens only
-  std::string finish_reason;       // "stop" | "length"
+  std::string finish_reason;       // "stop" | "length" | "cancelled"
   GenerationStats stats;
+};
+
+// What poll() reports about one request.
+struct RequestUpdate {
+  RequestId id = 0;
+  std::vector<int32_t> new_tokens;  // committed since the last poll
+  bool finished = false;
+  GenerationResult result;          // when finished: every token, the finish reason, stats
+};
+
+// Engine-wide counters (for /metrics and dashboards).
+struct EngineMetrics {
+  int64_t queue_length = 0, running = 0, requests_total = 0, requests_finished = 0, requests_cancelled = 0;
+  int64_t generated_tokens_total = 0, steps_total = 0;
+  double tokens_per_second = 0;   // committed tokens / s over the recent steps
+  double acceptance_length = 0;   // committed tokens per sequence per step, recent mean
+  double step_time_s = 0;         // recent mean
+  double draft_len = 0;           // recent mean draft length (adaptive speculation)
 };
 
 class Engine;
@@ -98,8 +123,25 @@ class Engine {
   Engine(const Engine&) = delete;
   Engine& operator=(const Engine&) = delete;
 
+  // Every request below runs on the engine's scheduler thread: requests from any number of
+  // threads join the running batch between steps and leave it when done (continuous
+  // batching). generate() submits its prompts and waits for them (on_tokens is called on
+  // the calling thread as tokens are committed).
   std::vector<GenerationResult> generate(const std::vector<std::vector<int32_t>>& prompts, const SamplingParams& p,
                                         const TokenCallback& on_tokens = nullptr);
+  // Queues one request (validated now: a bad request throws here) and returns its id.
+  RequestId submit(const std::vector<int32_t>& prompt, const SamplingParams& p);
+  // Waits up to timeout_s (< 0: until there is news) for news on any of `ids`; returns one
+  // update per id with news (new tokens or finished). A finished request is reported once,
+  // then forgotten. A request that failed rethrows its error here. Unknown ids are an error.
+  std::vector<RequestUpdate> poll(const std::vector<RequestId>& ids, double timeout_s);
+  // Ends a request within one step (finish reason "cancelled") and frees its cache pages;
+  // its record is dropped once it has ended (no poll needed). Unknown or ended ids: no-op.
+  void cancel(RequestId id);
+  // Cancels every request, stops the scheduler thread; later requests raise. Idempotent
+  // (the destructor calls it).
+  void close();
+  EngineMetrics metrics() const;
   Proposal propose(const std::vector<int32_t>& tokens);
   int64_t block_size() const;  // tokens verified per step (1 for ar)
   const std::string& method() const;

@@ -31,9 +31,8 @@ struct Core {
 
   // Allocates the step buffers for the target / drafter already set.
   void allocate_buffers();
-  // Raises NumericalError if one of the first `rows` logits rows holds NaN or Inf; what /
-  // step / row_owner name where (row_owner[r]: the request of row r, or null).
-  void check_finite(int64_t rows, const char* what, int64_t step, const std::vector<int64_t>* row_owner);
+  // Flags (1 = NaN or Inf present) of the first `rows` logits rows.
+  const int32_t* nonfinite_rows(int64_t rows);
   // The plan buffers' first n sampling rows.
   ops::SamplingTensors sampling_rows(int64_t n) const {
     return {s_temp.slice(0, 0, n), s_topp.slice(0, 0, n), s_topk.slice(0, 0, n)};

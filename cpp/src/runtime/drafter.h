@@ -35,7 +35,8 @@ struct Features {
 struct DraftJob {
   int slot = 0;
   int32_t anchor = 0;        // the last committed token (at the slot's committed length)
-  int64_t max_tokens = 0;    // draft at most this many (the room left before max_seq_len)
+  int64_t room = 0;          // positions left before max_seq_len after the anchor
+  int64_t max_tokens = 0;    // draft at most this many (<= room; the speculation policy's length)
   float temperature = 0.0f;  // > 0: a drafter that can sample does (DFlash 2's selector)
   uint64_t rng_key = 0;      // the request's random stream (Philox key) ...
   uint64_t* rng_counter = nullptr;  // ... and its next counter, advanced by the draws taken
@@ -61,7 +62,12 @@ class Drafter {
   // and records q.
   virtual const DraftResult& draft(const std::vector<DraftJob>& jobs) = 0;
   virtual void release(int slot) = 0;
+  // Reserves the cache of `slot` for `tokens` positions up front (false: the pool lacks them).
+  virtual bool reserve(int slot, int64_t tokens) = 0;
+  // Whether drafting k tokens costs ~k passes (MTP) rather than one block pass (DFlash).
+  virtual bool draft_cost_scales_with_k() const { return false; }
 };
+// Drafters hold max_batch_size + 1 slots: the last (index max_batch_size) is Engine::propose's.
 
 }  // namespace dflash2::runtime
 

@@ -37,7 +37,7 @@ class DFlashRunner final : public Drafter {
   DFlashRunner(std::unique_ptr<model::DFlashDrafter> m, Target& t) : m_(std::move(m)), t_(t) {
     const auto& o = t.options();
     const auto& c = m_->config();
-    const int64_t B = c.block_size, maxB = o.max_batch_size, H = c.hidden_size;
+    const int64_t B = c.block_size, maxB = o.max_batch_size + 1, H = c.hidden_size;  // + propose's slot
     const int64_t nt = int64_t(c.target_layer_ids.size());
     const int64_t bs = o.kv_block_size, per_seq = (o.max_seq_len + bs - 1) / bs;
     cache_ = KvCache("draft KV cache", {{c.num_layers, 2 * m_->kv_dim()}}, bs, per_seq * maxB);
@@ -57,6 +57,7 @@ class DFlashRunner final : public Drafter {
     }
   }
   int64_t draft_len() const override { return m_->block_size() - 1; }
+  bool reserve(int slot, int64_t tokens) override { return cache_.try_pin(streams_[size_t(slot)], tokens); }
   std::vector<int64_t> tap_layers() const override { return m_->config().target_layer_ids; }
 
   void commit(const std::vector<CommitRows>& rows, const Features& f) override {
@@ -99,9 +100,10 @@ class DFlashRunner final : public Drafter {
     bool sample = false;
     for (int64_t i = 0; i < S; ++i) {
       const DraftJob& j = jobs[size_t(i)];
-      if (j.max_tokens < K) continue;  // no room for a whole block before max_seq_len
+      // no room for a whole block before max_seq_len, or the policy drafts nothing
+      if (j.room < K || j.max_tokens < 1) continue;
       const int64_t a = int64_t(streams.size());
-      res_.len[size_t(i)] = K;
+      res_.len[size_t(i)] = std::min(K, j.max_tokens);
       res_.row[size_t(i)] = a;
       streams.push_back(&streams_[size_t(j.slot)]);
       host_ids_.push_back(j.anchor);
@@ -158,7 +160,7 @@ class DFlashRunner final : public Drafter {
 std::unique_ptr<Drafter> make_dflash_drafter(const Checkpoint& ck, Target& target, Method method) {
   const auto& o = target.options();
   auto m = model::DFlashDrafter::load(ck, target.config(), target.model().embed_tokens(), target.model().lm_head(),
-                                      o.max_step_tokens, o.max_batch_size);
+                                      o.max_step_tokens, o.max_batch_size + 1);
   // dflash2 needs a DFlash 2 checkpoint; dflash runs DFlash 1 checkpoints, and DFlash 2
   // ones with their convs but the selector off (argmax per position: an ablation).
   DFLASH2_CHECK(m->config().v2 || method == Method::DFlash, ErrorKind::Config, "method 'dflash2' but the drafter ",

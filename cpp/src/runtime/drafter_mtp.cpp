@@ -16,7 +16,7 @@ class MtpDrafter final : public Drafter {
  public:
   MtpDrafter(Target& t, int64_t K) : t_(t), K_(K) {
     const auto& o = t.options();
-    const int64_t V = t.config().vocab_size, H = t.config().hidden_size, B = o.max_batch_size;
+    const int64_t V = t.config().vocab_size, H = t.config().hidden_size, B = o.max_batch_size + 1;
     const int64_t rows = o.max_step_tokens;
     streams_.resize(size_t(B));
     last_logits_ = Tensor::zeros(DType::F32, {B, V});
@@ -30,6 +30,8 @@ class MtpDrafter final : public Drafter {
   }
   int64_t draft_len() const override { return K_; }
   bool wants_final_hidden() const override { return true; }
+  bool draft_cost_scales_with_k() const override { return true; }
+  bool reserve(int slot, int64_t tokens) override { return t_.mtp_cache().try_pin(streams_[size_t(slot)], tokens); }
 
   void commit(const std::vector<CommitRows>& rows, const Features& f) override {
     std::vector<CacheStream*>& streams = streams_tmp_;
@@ -76,7 +78,7 @@ class MtpDrafter final : public Drafter {
     int64_t longest = 0;
     for (int64_t i = 0; i < S; ++i) {
       res_.row[size_t(i)] = i;
-      res_.len[size_t(i)] = std::max<int64_t>(0, std::min(K_, jobs[size_t(i)].max_tokens));
+      res_.len[size_t(i)] = std::max<int64_t>(0, std::min({K_, jobs[size_t(i)].max_tokens, jobs[size_t(i)].room}));
       longest = std::max(longest, res_.len[size_t(i)]);
     }
     // position 0: the layer's prediction kept at the last commit

@@ -1,18 +1,20 @@
-// The engine: loads the target (and a drafter), then runs batched generation in lockstep:
-// plan on the host, run the target / drafter / verifier, commit the accepted tokens.
-// Every step buffer is allocated here, once, at load; each request has its own length,
-// sampling stream and stopping.
+// The engine: loads the target (and a drafter), allocates every step buffer once, and
+// starts the scheduler thread that runs all generation (continuous batching). The
+// step-level API (logits, propose, Sequence) runs on the caller's thread between steps,
+// under the same model mutex.
 #include "dflash2/engine.h"
 
 #include <algorithm>
 #include <cmath>
+#include <mutex>
+#include <unordered_map>
 
 #include "dflash2/error.h"
 #include "dflash2/ops.h"
 #include "dflash2/safetensors.h"
 #include "model/glm_model.h"
 #include "runtime/drafter.h"
-#include "runtime/batch.h"
+#include "runtime/scheduler.h"
 #include "runtime/target.h"
 
 namespace dflash2 {
@@ -26,12 +28,22 @@ struct Engine::Impl {
   std::string method_str;
   std::string config_json;
   runtime::Core core;  // target, drafter, step buffers
+  std::mutex model_mu;  // held while the model runs (scheduler steps, the step-level API)
+  std::unique_ptr<runtime::Scheduler> scheduler;
+
+  void check_open() const {
+    DFLASH2_CHECK_ARG(scheduler && !scheduler->closed(), "the engine is closed");
+  }
+  // Validates a request and fills a runtime::Request (stops, random stream, policy class).
+  std::unique_ptr<runtime::Request> make_request(const std::vector<int32_t>& prompt, const SamplingParams& p,
+                                                 const char* where);
 };
 
 struct Sequence::Impl {
   Engine::Impl* e;
   CacheStream main, mtp;
   ~Impl() {
+    std::lock_guard<std::mutex> lk(e->model_mu);
     e->core.target->cache().release(main);
     if (e->core.target->model().has_mtp()) e->core.target->mtp_cache().release(mtp);
   }
@@ -107,9 +119,12 @@ Engine::Engine(const EngineConfig& cfg) : impl_(std::make_unique<Impl>()) {
     I.core.want_final = I.core.drafter->wants_final_hidden();
   }
   I.core.allocate_buffers();
+  DFLASH2_CHECK_ARG(cfg.speculation == "fixed" || cfg.speculation == "adaptive",
+                    "Engine: speculation must be 'fixed' or 'adaptive', found '", cfg.speculation, "'");
+  I.scheduler = std::make_unique<runtime::Scheduler>(I.core, I.model_mu, cfg.speculation == "adaptive");
 }
 
-Engine::~Engine() = default;
+Engine::~Engine() { close(); }
 
 int64_t Engine::vocab_size() const { return impl_->core.target->config().vocab_size; }
 int64_t Engine::hidden_size() const { return impl_->core.target->config().hidden_size; }
@@ -133,56 +148,108 @@ std::unique_ptr<Sequence> Engine::new_sequence() {
   return std::unique_ptr<Sequence>(new Sequence(std::move(impl)));
 }
 
-std::vector<GenerationResult> Engine::generate(const std::vector<std::vector<int32_t>>& prompts,
-                                               const SamplingParams& p, const TokenCallback& on_tokens) {
-  runtime::Core& C = impl_->core;
-  ops::CpuThreadScope threads(C.num_threads);
-  const auto& mc = C.target->config();
-  const int64_t V = mc.vocab_size, max_len = C.target->options().max_seq_len;
-  DFLASH2_CHECK_ARG(!prompts.empty(), "generate: no prompts given");
-  DFLASH2_CHECK_ARG(p.max_new_tokens >= 1, "generate: max_new_tokens must be >= 1, found ", p.max_new_tokens);
-  DFLASH2_CHECK_ARG(p.temperature >= 0.0f && std::isfinite(p.temperature), "generate: temperature must be >= 0, found ",
-                    p.temperature);
-  DFLASH2_CHECK_ARG(p.top_p > 0.0f && p.top_p <= 1.0f, "generate: top_p must be in (0, 1], found ", p.top_p);
-  DFLASH2_CHECK_ARG(p.top_k >= 0 && p.top_k <= INT32_MAX, "generate: top_k must be in [0, 2^31) (0 = off), found ",
+std::unique_ptr<runtime::Request> Engine::Impl::make_request(const std::vector<int32_t>& prompt,
+                                                             const SamplingParams& p, const char* where) {
+  const auto& mc = core.target->config();
+  const int64_t V = mc.vocab_size, max_len = core.target->options().max_seq_len;
+  DFLASH2_CHECK_ARG(p.max_new_tokens >= 1, where, ": max_new_tokens must be >= 1, found ", p.max_new_tokens);
+  DFLASH2_CHECK_ARG(p.temperature >= 0.0f && std::isfinite(p.temperature), where,
+                    ": temperature must be >= 0, found ", p.temperature);
+  DFLASH2_CHECK_ARG(p.top_p > 0.0f && p.top_p <= 1.0f, where, ": top_p must be in (0, 1], found ", p.top_p);
+  DFLASH2_CHECK_ARG(p.top_k >= 0 && p.top_k <= INT32_MAX, where, ": top_k must be in [0, 2^31) (0 = off), found ",
                     p.top_k);
-  for (size_t i = 0; i < prompts.size(); ++i) {
-    DFLASH2_CHECK_ARG(!prompts[i].empty(), "generate: prompt ", i, " is empty");
-    DFLASH2_CHECK_ARG(int64_t(prompts[i].size()) < max_len, "generate: prompt ", i, " has ", prompts[i].size(),
-                      " tokens; max_seq_len is ", max_len, " (the prompt plus at least one generated token must fit)");
-    for (size_t j = 0; j < prompts[i].size(); ++j)
-      DFLASH2_CHECK_ARG(prompts[i][j] >= 0 && prompts[i][j] < V, "generate: prompt ", i, " token ", j, " = ",
-                        prompts[i][j], " is outside the vocabulary [0, ", V, ")");
-  }
-  std::vector<int32_t> stops;
+  DFLASH2_CHECK_ARG(!prompt.empty(), where, " is empty");
+  DFLASH2_CHECK_ARG(int64_t(prompt.size()) < max_len, where, " has ", prompt.size(), " tokens; max_seq_len is ",
+                    max_len, " (the prompt plus at least one generated token must fit)");
+  for (size_t j = 0; j < prompt.size(); ++j)
+    DFLASH2_CHECK_ARG(prompt[j] >= 0 && prompt[j] < V, where, " token ", j, " = ", prompt[j],
+                      " is outside the vocabulary [0, ", V, ")");
+  auto r = std::make_unique<runtime::Request>();
+  r->prompt = prompt;
+  r->p = p;
   if (p.has_stop_tokens) {
-    stops = p.stop_token_ids;
-    for (size_t i = 0; i < stops.size(); ++i)
-      DFLASH2_CHECK_ARG(stops[i] >= 0 && stops[i] < V, "generate: stop_token_ids[", i, "] = ", stops[i],
+    r->stops = p.stop_token_ids;
+    for (size_t i = 0; i < r->stops.size(); ++i)
+      DFLASH2_CHECK_ARG(r->stops[i] >= 0 && r->stops[i] < V, where, ": stop_token_ids[", i, "] = ", r->stops[i],
                         " is outside the vocabulary [0, ", V, ")");
   } else {
-    for (auto e : mc.eos_token_ids) stops.push_back(int32_t(e));
+    for (auto e : mc.eos_token_ids) r->stops.push_back(int32_t(e));
+  }
+  r->rng_key = runtime::rng_key(p.seed, p.stream_index);
+  // greedy output never depends on the drafts; a seeded sampled request keeps the full block
+  // so that its tokens do not depend on what else runs (the draft length would change them)
+  r->adaptive = p.temperature <= 0.0f || p.seed < 0;
+  return r;
+}
+
+std::vector<GenerationResult> Engine::generate(const std::vector<std::vector<int32_t>>& prompts,
+                                               const SamplingParams& p, const TokenCallback& on_tokens) {
+  Impl& I = *impl_;
+  I.check_open();
+  DFLASH2_CHECK_ARG(!prompts.empty(), "generate: no prompts given");
+  std::vector<std::unique_ptr<runtime::Request>> reqs;
+  for (size_t i = 0; i < prompts.size(); ++i) {
+    SamplingParams pi = p;
+    pi.stream_index = int64_t(i);
+    const std::string where = "generate: prompt " + std::to_string(i);
+    reqs.push_back(I.make_request(prompts[i], pi, where.c_str()));
+  }
+  std::vector<RequestId> ids;
+  std::unordered_map<RequestId, size_t> index;
+  for (size_t i = 0; i < reqs.size(); ++i) {
+    ids.push_back(I.scheduler->submit(std::move(reqs[i])));
+    index[ids.back()] = i;
   }
   std::vector<GenerationResult> results(prompts.size());
-  const size_t wave = size_t(C.target->options().max_batch_size);
-  for (size_t w0 = 0; w0 < prompts.size(); w0 += wave) {
-    runtime::Batch batch(C, prompts, w0, std::min(prompts.size(), w0 + wave) - w0, p, stops, on_tokens, results);
-    batch.prefill();
-    while (batch.step()) {
+  std::vector<RequestId> open = ids;
+  try {
+    while (!open.empty()) {
+      for (RequestUpdate& u : I.scheduler->poll(open, -1.0)) {
+        const size_t i = index[u.id];
+        if (on_tokens && !u.new_tokens.empty()) on_tokens(int64_t(i), u.new_tokens);
+        if (u.finished) {
+          results[i] = std::move(u.result);
+          open.erase(std::find(open.begin(), open.end(), u.id));
+        }
+      }
     }
-    batch.finish_stats();
-  }
-  for (auto& r : results) {
-    r.stats.generated_tokens = int64_t(r.token_ids.size());
-    const double t = r.stats.prefill_s + r.stats.decode_s;
-    r.stats.tokens_per_second = t > 0 ? double(r.stats.generated_tokens) / t : 0.0;
+  } catch (const runtime::RequestFailed& e) {
+    for (RequestId id : open) I.scheduler->cancel(id);
+    // name the prompt of the request that failed, keep the error's kind
+    throw Error(e.kind(), "generate: prompt " + std::to_string(index[e.id]) + ": " + e.what());
+  } catch (...) {
+    for (RequestId id : open) I.scheduler->cancel(id);
+    throw;
   }
   return results;
+}
+
+RequestId Engine::submit(const std::vector<int32_t>& prompt, const SamplingParams& p) {
+  impl_->check_open();
+  return impl_->scheduler->submit(impl_->make_request(prompt, p, "submit: prompt"));
+}
+
+std::vector<RequestUpdate> Engine::poll(const std::vector<RequestId>& ids, double timeout_s) {
+  DFLASH2_CHECK_ARG(impl_->scheduler != nullptr, "the engine is closed");
+  return impl_->scheduler->poll(ids, timeout_s);
+}
+
+void Engine::cancel(RequestId id) {
+  if (impl_->scheduler) impl_->scheduler->cancel(id);
+}
+
+void Engine::close() {
+  if (impl_ && impl_->scheduler) impl_->scheduler->close();
+}
+
+EngineMetrics Engine::metrics() const {
+  return impl_->scheduler ? impl_->scheduler->metrics() : EngineMetrics{};
 }
 
 Proposal Engine::propose(const std::vector<int32_t>& tokens) {
   Impl& I = *impl_;
   ops::CpuThreadScope threads(I.core.num_threads);
+  std::lock_guard<std::mutex> model_lock(I.model_mu);
   runtime::Target& tgt = *I.core.target;
   DFLASH2_CHECK(I.core.drafter != nullptr, ErrorKind::InvalidArgument,
                 "propose: method 'ar' drafts nothing; create the Engine with method 'dflash2', 'dflash' or 'mtp'");
@@ -195,7 +262,7 @@ Proposal Engine::propose(const std::vector<int32_t>& tokens) {
                     " exceed max_seq_len ", tgt.options().max_seq_len);
   Proposal out;
   CacheStream main;
-  const int slot = 0;
+  const int slot = int(tgt.options().max_batch_size);  // the drafter's slot for propose
   try {
     std::vector<CacheStream*> streams{&main};
     std::vector<const int32_t*> toks{tokens.data()};
@@ -229,6 +296,7 @@ Proposal Engine::propose(const std::vector<int32_t>& tokens) {
     j.slot = slot;
     j.anchor = out.anchor;
     j.max_tokens = I.core.K;
+    j.room = tgt.options().max_seq_len - n - 1;
     j.rng_counter = &unused;
     const runtime::DraftResult& dr = I.core.drafter->draft({j});
     const int32_t* d = dr.tokens.data_as<const int32_t>() + dr.row[0] * dr.tokens.stride(0);
@@ -260,6 +328,7 @@ Tensor Sequence::extend(const std::vector<int32_t>& tokens, const std::vector<in
                         std::vector<Tensor>* hidden, Tensor* final_hidden) {
   Engine::Impl& I = *impl_->e;
   ops::CpuThreadScope threads(I.core.num_threads);
+  std::lock_guard<std::mutex> model_lock(I.model_mu);
   runtime::Target& tgt = *I.core.target;
   DFLASH2_CHECK_ARG(!tokens.empty(), "extend: the token list is empty");
   const int64_t n = int64_t(tokens.size()), V = tgt.config().vocab_size, H = tgt.config().hidden_size;
@@ -300,8 +369,12 @@ Tensor Sequence::extend(const std::vector<int32_t>& tokens, const std::vector<in
   return logits;
 }
 
-void Sequence::rollback(int64_t length) { impl_->e->core.target->cache().truncate(impl_->main, length); }
+void Sequence::rollback(int64_t length) {
+  std::lock_guard<std::mutex> lk(impl_->e->model_mu);
+  impl_->e->core.target->cache().truncate(impl_->main, length);
+}
 void Sequence::release() {
+  std::lock_guard<std::mutex> lk(impl_->e->model_mu);
   impl_->e->core.target->cache().release(impl_->main);
   if (impl_->e->core.target->model().has_mtp()) impl_->e->core.target->mtp_cache().release(impl_->mtp);
 }
@@ -309,6 +382,7 @@ void Sequence::release() {
 Tensor Sequence::mtp_extend(const std::vector<int32_t>& next_tokens, const Tensor& hidden_main) {
   Engine::Impl& I = *impl_->e;
   ops::CpuThreadScope threads(I.core.num_threads);
+  std::lock_guard<std::mutex> model_lock(I.model_mu);
   runtime::Target& tgt = *I.core.target;
   DFLASH2_CHECK(tgt.model().has_mtp(), ErrorKind::Unsupported,
                 "this checkpoint has no MTP layer (num_nextn_predict_layers = 0)");
@@ -340,6 +414,9 @@ Tensor Sequence::mtp_extend(const std::vector<int32_t>& next_tokens, const Tenso
   return logits;
 }
 
-void Sequence::mtp_rollback(int64_t length) { impl_->e->core.target->mtp_cache().truncate(impl_->mtp, length); }
+void Sequence::mtp_rollback(int64_t length) {
+  std::lock_guard<std::mutex> lk(impl_->e->model_mu);
+  impl_->e->core.target->mtp_cache().truncate(impl_->mtp, length);
+}
 
 }  // namespace dflash2

@@ -1,5 +1,7 @@
 #include "runtime/kv_cache.h"
 
+#include <algorithm>
+
 #include "dflash2/error.h"
 
 namespace dflash2::runtime {
@@ -36,10 +38,21 @@ void KvCache::reserve(CacheStream& s, int64_t new_len) {
   }
 }
 
+bool KvCache::try_pin(CacheStream& s, int64_t tokens) {
+  const int64_t need = std::min((tokens + block_size_ - 1) / block_size_, max_blocks_per_stream_);
+  if (need - int64_t(s.blocks.size()) > int64_t(free_.size())) return false;
+  while (int64_t(s.blocks.size()) < need) {
+    s.blocks.push_back(free_.back());
+    free_.pop_back();
+  }
+  s.pinned = std::max(s.pinned, need);
+  return true;
+}
+
 void KvCache::truncate(CacheStream& s, int64_t length) {
   DFLASH2_CHECK_ARG(length >= 0 && length <= s.length, name_, ": rollback to length ", length,
                     " but the sequence has ", s.length, " tokens");
-  const int64_t keep = (length + block_size_ - 1) / block_size_;
+  const int64_t keep = std::max((length + block_size_ - 1) / block_size_, s.pinned);
   while (int64_t(s.blocks.size()) > keep) {
     free_.push_back(s.blocks.back());
     s.blocks.pop_back();

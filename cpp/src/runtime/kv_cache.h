@@ -15,6 +15,7 @@ namespace dflash2::runtime {
 struct CacheStream {
   std::vector<int32_t> blocks;
   int64_t length = 0;
+  int64_t pinned = 0;  // blocks kept by rollback (a request's up-front reservation); release frees all
 };
 
 class KvCache {
@@ -39,9 +40,17 @@ class KvCache {
   // Blocks for positions < new_len (OutOfMemory when the pool is exhausted: nothing is
   // taken then); the stream's length is not changed.
   void reserve(CacheStream& s, int64_t new_len);
-  // Rolls the stream back to `length` tokens, returning whole blocks past it to the pool.
+  // Reserves blocks for `tokens` positions up front and pins them (rollback keeps them), so
+  // that the stream never runs out of cache later; false (nothing taken) if the pool lacks them.
+  bool try_pin(CacheStream& s, int64_t tokens);
+  // Rolls the stream back to `length` tokens, returning whole blocks past it (and past its
+  // pinned blocks) to the pool.
   void truncate(CacheStream& s, int64_t length);
-  void release(CacheStream& s) { truncate(s, 0); }
+  // Returns every block of the stream to the pool; the stream is empty afterwards.
+  void release(CacheStream& s) {
+    s.pinned = 0;
+    truncate(s, 0);
+  }
   // Cache row of position p of the stream.
   int64_t slot(const CacheStream& s, int64_t p) const {
     return int64_t(s.blocks[size_t(p / block_size_)]) * block_size_ + p % block_size_;

@@ -7,7 +7,8 @@ namespace dflash2::runtime {
 Target::Target(std::unique_ptr<model::GlmModel> model, const Options& opt) : model_(std::move(model)), opt_(opt) {
   const model::GlmConfig& c = model_->config();
   const int64_t blocks_per_seq = (opt.max_seq_len + opt.kv_block_size - 1) / opt.kv_block_size;
-  const int64_t nblocks = blocks_per_seq * opt.max_batch_size;
+  // one sequence beyond the batch: the step-level API (Sequence, logits, propose) beside it
+  const int64_t nblocks = blocks_per_seq * (opt.max_batch_size + 1);
   int64_t n_index = 0;
   for (bool f : c.indexer_full) n_index += f ? 1 : 0;
   // planes: 0 = MLA latent per layer, 1 = indexer keys per indexer layer
@@ -30,7 +31,7 @@ Target::Target(std::unique_ptr<model::GlmModel> model, const Options& opt) : mod
     mtp_views_.latent.push_back(mtp_cache_.layer(0, 0));
     mtp_views_.index.push_back(ix ? mtp_cache_.layer(1, 0) : Tensor());
   }
-  planner_ = StepPlanner(opt.max_step_tokens, std::max(opt.max_batch_size, opt.max_step_tokens), blocks_per_seq);
+  planner_ = StepPlanner(opt.max_step_tokens, std::max(opt.max_batch_size + 1, opt.max_step_tokens), blocks_per_seq);
 }
 
 void Target::run_chunk(const std::vector<Piece>& pieces, const model::ForwardOutputs& out) {

@@ -1,4 +1,4 @@
-#include "runtime/batch.h"
+#include "runtime/decoder.h"
 
 #include <algorithm>
 #include <chrono>
@@ -44,99 +44,135 @@ void Core::allocate_buffers() {
   no_drafts = Tensor::zeros(DType::I32, {B, 1});
 }
 
-void Core::check_finite(int64_t rows, const char* what, int64_t step, const std::vector<int64_t>* row_owner) {
+const int32_t* Core::nonfinite_rows(int64_t rows) {
   Tensor lg = logits.slice(0, 0, rows), fl = flags.slice(0, 0, rows);
   ops::check_finite(lg, fl);
-  const int32_t* f = fl.data_as<const int32_t>();
-  for (int64_t r = 0; r < rows; ++r)
-    if (f[r])
-      fail(ErrorKind::Numerical, "non-finite logits (NaN or Inf) from the target in ", what,
-           step >= 0 ? " at decode step " + std::to_string(step) : std::string(),
-           row_owner ? ", request " + std::to_string((*row_owner)[size_t(r)]) : std::string(), ", logits row ", r,
-           ": the checkpoint holds non-finite weights or its activations overflow");
+  return fl.data_as<const int32_t>();
 }
 
-// Everything one request carries through the decode loop.
-struct Batch::Req {
-  size_t idx = 0;
-  int slot = 0;
-  const std::vector<int32_t>* prompt = nullptr;
-  CacheStream main;
-  int32_t anchor = 0;  // last emitted token: not yet in the target cache
-  bool done = false;
-  uint64_t rng_key = 0, rng_counter = 0;  // the request's random stream (Philox)
-  std::vector<int32_t> next;              // the tokens following the positions being committed
-  std::vector<int32_t> verify;            // [anchor, drafts...] of the current step
-  int64_t committed = 0;
-  std::vector<int64_t> accepted_at;
-};
+namespace {
+std::exception_ptr numerical_error(const Request& r, const char* where, int64_t step, int64_t row) {
+  try {
+    fail(ErrorKind::Numerical, "non-finite logits (NaN or Inf) from the target in ",
+         step >= 0 ? "decode step " + std::to_string(step) : std::string(where), " (request ", r.id, ", logits row ",
+         row, "): the checkpoint holds non-finite weights or its activations overflow");
+  } catch (...) {
+    return std::current_exception();
+  }
+}
+}  // namespace
 
-Batch::Batch(Core& core, const std::vector<std::vector<int32_t>>& prompts, size_t first, size_t count,
-             const SamplingParams& p, const std::vector<int32_t>& stops, const TokenCallback& on_tokens,
-             std::vector<GenerationResult>& results)
-    : c_(core), p_(p), stops_(stops), on_tokens_(on_tokens), results_(results), reqs_(count) {
-  greedy_ = p.temperature <= 0.0f;
+Decoder::Decoder(Core& core, Sink& sink, bool adaptive)
+    : c_(core), sink_(sink), policy_(core.K, adaptive, core.drafter && core.drafter->draft_cost_scales_with_k()) {
+  slots_.assign(size_t(c_.target->options().max_batch_size), nullptr);
   max_len_ = c_.target->options().max_seq_len;
-  t0_ = now();
-  for (size_t i = 0; i < count; ++i) {
-    Req& r = reqs_[i];
-    r.idx = first + i;
-    r.slot = int(i);
-    r.prompt = &prompts[first + i];
-    r.rng_key = rng_key(p.seed, int64_t(first + i));
-    r.accepted_at.assign(size_t(c_.K), 0);
-    results_[first + i].stats.prompt_tokens = int64_t(prompts[first + i].size());
-  }
 }
 
-Batch::~Batch() {
-  for (auto& r : reqs_) {
-    c_.target->cache().release(r.main);
-    if (c_.drafter) c_.drafter->release(r.slot);
+int64_t Decoder::free_slots() const {
+  int64_t n = 0;
+  for (Request* r : slots_) n += r == nullptr ? 1 : 0;
+  return n;
+}
+
+bool Decoder::admit(Request* r) {
+  int slot = -1;
+  for (size_t i = 0; i < slots_.size(); ++i)
+    if (!slots_[i]) {
+      slot = int(i);
+      break;
+    }
+  if (slot < 0) return false;
+  // the whole request's cache up front: prompt + new tokens + one verify block of lookahead
+  const int64_t need = std::min(max_len_, int64_t(r->prompt.size()) + r->p.max_new_tokens + c_.K + 1);
+  Target& tgt = *c_.target;
+  if (!tgt.cache().try_pin(r->main, need)) return false;
+  if (c_.drafter && !c_.drafter->reserve(slot, need)) {
+    tgt.cache().release(r->main);
+    return false;
   }
+  r->slot = slot;
+  slots_[size_t(slot)] = r;
+  running_.push_back(r);
+  r->accepted_at.assign(size_t(c_.K), 0);
+  return true;
+}
+
+void Decoder::retire(Request* r) {
+  if (r->slot < 0) return;
+  c_.target->cache().release(r->main);
+  if (c_.drafter) c_.drafter->release(r->slot);
+  slots_[size_t(r->slot)] = nullptr;
+  r->slot = -1;
+  running_.erase(std::remove(running_.begin(), running_.end(), r), running_.end());
+  // stats
+  GenerationStats& st = r->result.stats;
+  st.prompt_tokens = int64_t(r->prompt.size());
+  st.generated_tokens = int64_t(r->tokens.size());
+  st.prefill_s = r->prefill_s;
+  st.draft_s = r->draft_s;
+  st.verify_s = r->verify_s;
+  st.decode_s = r->t_prefilled > 0 ? std::max(0.0, now() - r->t_prefilled) : 0.0;
+  st.host_s = std::max(0.0, st.decode_s - st.draft_s - st.verify_s);
+  st.verify_steps = r->verify_steps;
+  st.steps = r->verify_steps;
+  st.acceptance_length = r->verify_steps ? double(r->committed) / double(r->verify_steps) : 1.0;
+  st.accepted_per_position.assign(size_t(c_.K), 0.0);
+  for (int64_t j = 0; j < c_.K; ++j)
+    st.accepted_per_position[size_t(j)] =
+        r->verify_steps ? double(r->accepted_at[size_t(j)]) / double(r->verify_steps) : 0.0;
+  const double t = st.prefill_s + st.decode_s;
+  st.tokens_per_second = t > 0 ? double(st.generated_tokens) / t : 0.0;
+  r->result.token_ids = r->tokens;
+  r->result.finish_reason = r->finish_reason;
+}
+
+void Decoder::retire_all() {
+  while (!running_.empty()) retire(running_.back());
 }
 
 // Writes row r of the sampling plan for request q, taking `draws` of its stream.
-void Batch::plan_row(int64_t r, Req& q, uint64_t draws) {
-  c_.s_temp.data_as<float>()[r] = greedy_ ? 0.0f : p_.temperature;
-  c_.s_topp.data_as<float>()[r] = p_.top_p;
-  c_.s_topk.data_as<int32_t>()[r] = int32_t(p_.top_k);
-  c_.s_rng.data_as<int64_t>()[2 * r] = int64_t(q.rng_key);
-  c_.s_rng.data_as<int64_t>()[2 * r + 1] = int64_t(q.rng_counter);
+void Decoder::plan_row(int64_t row, Request& q, uint64_t draws) {
+  c_.s_temp.data_as<float>()[row] = q.p.temperature;
+  c_.s_topp.data_as<float>()[row] = q.p.top_p;
+  c_.s_topk.data_as<int32_t>()[row] = int32_t(q.p.top_k);
+  c_.s_rng.data_as<int64_t>()[2 * row] = int64_t(q.rng_key);
+  c_.s_rng.data_as<int64_t>()[2 * row + 1] = int64_t(q.rng_counter);
   q.rng_counter += draws;
 }
 
 // Emits accepted tokens in order; a stop token or the length budget ends the request.
-void Batch::emit(Req& r, const int32_t* toks, int64_t count) {
-  GenerationResult& res = results_[r.idx];
-  sent_.clear();
-  for (int64_t k = 0; k < count; ++k) {
-    const int32_t t = toks[k];
-    res.token_ids.push_back(t);
-    sent_.push_back(t);
-    if (std::find(stops_.begin(), stops_.end(), t) != stops_.end()) {
-      res.finish_reason = "stop";
+void Decoder::emit(Request& r, const int32_t* toks, int64_t count) {
+  int64_t n = 0;
+  for (; n < count;) {
+    const int32_t t = toks[n++];
+    r.tokens.push_back(t);
+    if (std::find(r.stops.begin(), r.stops.end(), t) != r.stops.end()) {
+      r.finish_reason = "stop";
       r.done = true;
       break;
     }
-    if (int64_t(res.token_ids.size()) >= p_.max_new_tokens) {
-      res.finish_reason = "length";
+    if (int64_t(r.tokens.size()) >= r.p.max_new_tokens) {
+      r.finish_reason = "length";
       r.done = true;
       break;
     }
   }
-  if (on_tokens_ && !sent_.empty()) on_tokens_(int64_t(r.idx), sent_);
+  if (n > 0) sink_.on_tokens(r, toks, n);
 }
 
-void Batch::after_commit(Req& r) {  // room for the next anchor?
+void Decoder::after_commit(Request& r) {  // room for the next anchor?
   if (!r.done && r.main.length + 1 > max_len_) {
-    results_[r.idx].finish_reason = "length";
+    r.finish_reason = "length";
     r.done = true;
   }
 }
 
 // ---------------- prefill, chunk by chunk; each chunk's features go to the drafter
-void Batch::prefill() {
+void Decoder::prefill() {
+  act_.clear();
+  for (Request* r : running_)
+    if (!r->prefilled && !r->done) act_.push_back(r);
+  if (act_.empty()) return;
   const double t0 = now();
   Target& tgt = *c_.target;
   Drafter* drafter = c_.drafter.get();
@@ -144,10 +180,10 @@ void Batch::prefill() {
   streams_.clear();
   toks_.clear();
   counts_.clear();
-  for (auto& r : reqs_) {
-    streams_.push_back(&r.main);
-    toks_.push_back(r.prompt->data());
-    counts_.push_back(int64_t(r.prompt->size()));
+  for (Request* r : act_) {
+    streams_.push_back(&r->main);
+    toks_.push_back(r->prompt.data());
+    counts_.push_back(int64_t(r->prompt.size()));
   }
   make_chunks(streams_, toks_, counts_, tgt.options().max_step_tokens, c_.chunks);
   for (const auto& ch : c_.chunks) {
@@ -162,11 +198,11 @@ void Batch::prefill() {
     if (c_.taps_buf.defined()) out.taps = c_.taps_buf.slice(0, 0, T);
     if (c_.fin.defined()) out.final_hidden = c_.fin.slice(0, 0, T);
     tgt.run_chunk(ch, out);
-    if (R > 0) c_.check_finite(R, "the prefill", -1, nullptr);
+    const int32_t* bad = R > 0 ? c_.nonfinite_rows(R) : nullptr;
     // the first token of every prompt that ends here (one draw each)
     int64_t r = 0;
     for (const auto& pc : ch)
-      if (pc.last) plan_row(r++, reqs_[size_t(pc.seq)], 1);
+      if (pc.last) plan_row(r++, *act_[size_t(pc.seq)], 1);
     if (R > 0) {
       Tensor lg = c_.logits.slice(0, 0, R), rng = c_.s_rng.slice(0, 0, R), tok = c_.s_out.slice(0, 0, R);
       ops::sample(lg, c_.sampling_rows(R), rng, tok);
@@ -174,73 +210,89 @@ void Batch::prefill() {
     r = 0;
     for (const auto& pc : ch) {
       if (!pc.last) continue;
-      Req& q = reqs_[size_t(pc.seq)];
+      Request& q = *act_[size_t(pc.seq)];
       q.anchor = c_.s_out.data_as<const int32_t>()[r++];
-      q.next.assign(q.prompt->begin() + 1, q.prompt->end());
+      q.next.assign(q.prompt.begin() + 1, q.prompt.end());
       q.next.push_back(q.anchor);
     }
     if (drafter) {
       commits_.clear();
       int64_t row = 0;
       for (const auto& pc : ch) {
-        const Req& q = reqs_[size_t(pc.seq)];
+        const Request& q = *act_[size_t(pc.seq)];
         CommitRows cr;
         cr.slot = q.slot;
         cr.pos0 = pc.offset;
         cr.row0 = row;
         cr.n = pc.n;
-        cr.next = pc.last ? q.next.data() + pc.offset : q.prompt->data() + pc.offset + 1;
+        cr.next = pc.last ? q.next.data() + pc.offset : q.prompt.data() + pc.offset + 1;
         commits_.push_back(cr);
         row += pc.n;
       }
       drafter->commit(commits_, feats);
     }
+    r = 0;
     for (const auto& pc : ch) {
       if (!pc.last) continue;
-      Req& q = reqs_[size_t(pc.seq)];
-      emit(q, &q.anchor, 1);
-      after_commit(q);
+      Request& q = *act_[size_t(pc.seq)];
+      q.prefilled = true;
+      if (bad[r]) {
+        q.done = true;
+        q.finish_reason = "error";
+        sink_.on_error(q, numerical_error(q, "the prefill", -1, r));
+      } else {
+        emit(q, &q.anchor, 1);
+        after_commit(q);
+      }
+      ++r;
     }
   }
-  t_prefill_ = now() - t0;
+  const double t1 = now();
+  for (Request* r : act_) {
+    r->prefill_s = t1 - t0;
+    r->t_prefilled = t1;
+  }
 }
 
 // ---------------- draft / verify / accept / commit
-bool Batch::step() {
+void Decoder::step() {
   Target& tgt = *c_.target;
   Drafter* drafter = c_.drafter.get();
   act_.clear();
-  for (auto& r : reqs_)
-    if (!r.done) act_.push_back(&r);
-  if (act_.empty()) return false;
+  for (Request* r : running_)
+    if (r->prefilled && !r->done) act_.push_back(r);
+  if (act_.empty()) return;
   const int64_t S = int64_t(act_.size());
+  const double t_step = now();
+  // 0. how far to speculate this step (adaptive: from the batch size and the acceptance so far)
+  const int64_t k_adapt = drafter ? policy_.choose(S) : 0;
   // 1. draft
   double t0 = now();
   const DraftResult* dr = nullptr;
   if (drafter) {
     jobs_.clear();
-    for (Req* r : act_) {
+    for (Request* r : act_) {
       DraftJob j;
       j.slot = r->slot;
       j.anchor = r->anchor;
-      j.max_tokens = max_len_ - r->main.length - 1;
-      j.temperature = greedy_ ? 0.0f : p_.temperature;
+      j.room = max_len_ - r->main.length - 1;
+      j.max_tokens = std::min(j.room, r->adaptive ? k_adapt : c_.K);
+      j.temperature = r->p.temperature;
       j.rng_key = r->rng_key;
       j.rng_counter = &r->rng_counter;
       jobs_.push_back(j);
     }
     dr = &drafter->draft(jobs_);
   }
-  t_draft_ += now() - t0;
+  const double t_draft = now() - t0;
 
   // 2. verify [anchor, d_1..d_k] in one target pass (chunked if it exceeds max_step_tokens)
   t0 = now();
   streams_.clear();
   toks_.clear();
   counts_.clear();
-  row_owner_.clear();
   for (int64_t k = 0; k < S; ++k) {
-    Req& r = *act_[size_t(k)];
+    Request& r = *act_[size_t(k)];
     r.verify.assign(1, r.anchor);
     if (dr && dr->len[size_t(k)] > 0) {
       const int32_t* d = dr->tokens.data_as<const int32_t>() + dr->row[size_t(k)] * dr->tokens.stride(0);
@@ -249,7 +301,6 @@ bool Batch::step() {
     streams_.push_back(&r.main);
     toks_.push_back(r.verify.data());
     counts_.push_back(int64_t(r.verify.size()));
-    for (size_t j = 0; j < r.verify.size(); ++j) row_owner_.push_back(int64_t(r.idx));
   }
   make_chunks(streams_, toks_, counts_, tgt.options().max_step_tokens, c_.chunks);
   int64_t row0 = 0;
@@ -265,15 +316,15 @@ bool Batch::step() {
     tgt.run_chunk(ch, out);
     row0 += T;
   }
-  c_.check_finite(row0, "a decode step", step_, &row_owner_);
-  t_verify_ += now() - t0;
+  const int32_t* bad = c_.nonfinite_rows(row0);
+  const double t_verify = now() - t0;
 
   // 3. accept (greedy: longest matching prefix; sampling: lossless rejection sampling)
   const Tensor& drafts = dr ? dr->tokens : c_.no_drafts;
   {
     int64_t row = 0;
     for (int64_t k = 0; k < S; ++k) {
-      Req& r = *act_[size_t(k)];
+      Request& r = *act_[size_t(k)];
       const int64_t kk = int64_t(r.verify.size()) - 1;
       c_.a_row0.data_as<int32_t>()[k] = int32_t(row);
       c_.a_draft_row.data_as<int32_t>()[k] = dr ? int32_t(dr->row[size_t(k)]) : 0;
@@ -289,17 +340,34 @@ bool Batch::step() {
   }
   // 4. commit anchor + the accepted tokens; roll back the rest of the verify pass
   commits_.clear();
-  int64_t row = 0;
+  drafted_.clear();
+  accepted_.clear();
+  int64_t row = 0, committed = 0;
   for (int64_t k = 0; k < S; ++k) {
-    Req& r = *act_[size_t(k)];
+    Request& r = *act_[size_t(k)];
     const int64_t kk = int64_t(r.verify.size()) - 1;
+    int64_t bad_row = -1;
+    for (int64_t j = 0; j <= kk && bad_row < 0; ++j)
+      if (bad[row + j]) bad_row = row + j;
+    if (bad_row >= 0) {  // this request's logits are garbage: it fails, the others go on
+      r.done = true;
+      r.finish_reason = "error";
+      sink_.on_error(r, numerical_error(r, "a decode step", steps_, bad_row));
+      drafted_.push_back(0);
+      accepted_.push_back(0);
+      row += kk + 1;
+      continue;
+    }
     const int64_t a = c_.a_accepted.data_as<const int32_t>()[k];
     const int32_t bonus = c_.a_bonus.data_as<const int32_t>()[k];
     const int64_t L = r.main.length - (kk + 1);
     tgt.cache().truncate(r.main, L + a + 1);
     r.committed += a + 1;
+    committed += a + 1;
+    drafted_.push_back(kk);
+    accepted_.push_back(a);
     for (int64_t j = 0; j < a && j < c_.K; ++j) r.accepted_at[size_t(j)] += 1;
-    results_[r.idx].stats.verify_steps += 1;
+    r.verify_steps += 1;
     r.next.assign(r.verify.begin() + 1, r.verify.begin() + 1 + a);
     r.next.push_back(bonus);
     emit(r, r.next.data(), int64_t(r.next.size()));
@@ -317,28 +385,19 @@ bool Batch::step() {
     row += kk + 1;
   }
   if (drafter && !commits_.empty()) drafter->commit(commits_, Features{c_.taps_buf, c_.fin});
-  ++step_;
-  return true;
-}
-
-void Batch::finish_stats() {
-  const double t_total = now() - t0_;
-  const int64_t K = c_.K;
-  for (auto& r : reqs_) {
-    GenerationStats& st = results_[r.idx].stats;
-    st.prefill_s = t_prefill_;
-    st.draft_s = t_draft_;
-    st.verify_s = t_verify_;
-    st.decode_s = t_total - t_prefill_;
-    st.host_s = std::max(0.0, t_total - t_prefill_ - t_draft_ - t_verify_);
-    st.steps = st.verify_steps;
-    // the first token comes from the prefill; each verify step commits r.committed / steps
-    st.acceptance_length = st.verify_steps ? double(r.committed) / double(st.verify_steps) : 1.0;
-    st.accepted_per_position.assign(size_t(K), 0.0);
-    for (int64_t j = 0; j < K; ++j)
-      st.accepted_per_position[size_t(j)] =
-          st.verify_steps ? double(r.accepted_at[size_t(j)]) / double(st.verify_steps) : 0.0;
+  const double dt = now() - t_step;
+  for (Request* r : act_) {
+    r->draft_s += t_draft;
+    r->verify_s += t_verify;
   }
+  policy_.record(S, k_adapt, row, dt, drafted_, accepted_);
+  // recent figures
+  const double w = steps_ < 8 ? 1.0 / double(steps_ + 1) : 0.1;
+  step_time_ += w * (dt - step_time_);
+  tok_s_ += w * (double(committed) / std::max(dt, 1e-9) - tok_s_);
+  acc_len_ += w * (double(committed) / double(S) - acc_len_);
+  draft_len_ += w * (double(drafter ? k_adapt : 0) - draft_len_);
+  ++steps_;
 }
 
 }  // namespace dflash2::runtime

@@ -1,0 +1,94 @@
+// The decoder: the running batch of the engine, one step at a time (continuous batching).
+// Requests join between steps (admit: a free slot and their whole cache reserved up
+// front, so a running request never runs out of pages), are prefilled (chunked, each
+// sampling its first token), then every step() is one draft -> verify -> accept -> commit
+// round for all of them; a request leaves when it ends (retire frees its slot and pages).
+// Runs on the scheduler thread only; tokens leave through a Sink.
+#pragma once
+#include <cstdint>
+#include <exception>
+#include <string>
+#include <vector>
+
+#include "dflash2/engine.h"
+#include "runtime/core.h"
+#include "runtime/spec_policy.h"
+
+namespace dflash2::runtime {
+
+// One request, from submit to its final result.
+struct Request {
+  RequestId id = 0;
+  std::vector<int32_t> prompt;
+  SamplingParams p;
+  std::vector<int32_t> stops;
+  uint64_t rng_key = 0;
+  bool adaptive = true;  // may take adaptive draft lengths (greedy, or sampled without a seed)
+  double t_submit = 0;
+  // ---- decoder state (scheduler thread only)
+  int slot = -1;
+  CacheStream main;
+  int32_t anchor = 0;  // last emitted token: not yet in the target cache
+  bool prefilled = false, done = false;
+  uint64_t rng_counter = 0;
+  std::vector<int32_t> next, verify;  // tokens after the committed positions; [anchor, drafts...]
+  std::vector<int32_t> tokens;        // everything generated
+  std::string finish_reason;
+  int64_t committed = 0, verify_steps = 0;
+  std::vector<int64_t> accepted_at;
+  double prefill_s = 0, draft_s = 0, verify_s = 0, t_prefilled = 0;
+  // ---- shared with clients (guarded by the scheduler's mutex)
+  std::vector<int32_t> unread;
+  bool finished = false, cancel_requested = false, detached = false, reported = false;
+  GenerationResult result;
+  std::exception_ptr error;
+};
+
+class Decoder {
+ public:
+  struct Sink {
+    virtual ~Sink() = default;
+    virtual void on_tokens(Request& r, const int32_t* toks, int64_t n) = 0;  // committed, in order
+    virtual void on_error(Request& r, std::exception_ptr e) = 0;            // r fails (r.done is set)
+  };
+  Decoder(Core& core, Sink& sink, bool adaptive);
+
+  int64_t free_slots() const;
+  const std::vector<Request*>& running() const { return running_; }
+  // Takes a slot and reserves the request's cache; false (nothing taken) if none is free.
+  bool admit(Request* r);
+  void prefill();   // every admitted request not prefilled yet
+  void step();      // one round for the running requests not done
+  void retire(Request* r);  // frees its slot and pages; fills its stats
+  void retire_all();
+
+  // recent figures (EWMA) for metrics
+  double step_time_s() const { return step_time_; }
+  double tokens_per_second() const { return tok_s_; }
+  double acceptance_length() const { return acc_len_; }
+  double draft_len() const { return draft_len_; }
+  int64_t steps() const { return steps_; }
+  const SpecPolicy& policy() const { return policy_; }
+
+ private:
+  void plan_row(int64_t row, Request& q, uint64_t draws);
+  void emit(Request& r, const int32_t* toks, int64_t count);
+  void after_commit(Request& r);
+
+  Core& c_;
+  Sink& sink_;
+  SpecPolicy policy_;
+  std::vector<Request*> slots_;    // slot -> request (null: free)
+  std::vector<Request*> running_;  // admitted, in admission order
+  int64_t max_len_ = 0, steps_ = 0;
+  double step_time_ = 0, tok_s_ = 0, acc_len_ = 0, draft_len_ = 0;
+  // host bookkeeping reused across steps
+  std::vector<Request*> act_;
+  std::vector<DraftJob> jobs_;
+  std::vector<CommitRows> commits_;
+  std::vector<int64_t> counts_, drafted_, accepted_;
+  std::vector<CacheStream*> streams_;
+  std::vector<const int32_t*> toks_;
+};
+
+}  // namespace dflash2::runtime

@@ -1,0 +1,230 @@
+#include "runtime/scheduler.h"
+
+#include <algorithm>
+#include <chrono>
+
+#include "dflash2/error.h"
+
+namespace dflash2::runtime {
+
+Scheduler::Scheduler(Core& core, std::mutex& model_mutex, bool adaptive)
+    : core_(core), model_mu_(model_mutex), dec_(core, *this, adaptive) {
+  thread_ = std::thread([this] { loop(); });
+}
+
+Scheduler::~Scheduler() { close(); }
+
+bool Scheduler::closed() const {
+  std::lock_guard<std::mutex> lk(mu_);
+  return stop_;
+}
+
+RequestId Scheduler::submit(std::unique_ptr<Request> r) {
+  std::lock_guard<std::mutex> lk(mu_);
+  DFLASH2_CHECK_ARG(!stop_, "the engine is closed: no new requests");
+  const RequestId id = next_id_++;
+  r->id = id;
+  Request* p = r.get();
+  records_[id] = std::move(r);
+  waiting_.push_back(p);
+  ++requests_total_;
+  work_cv_.notify_one();
+  return id;
+}
+
+bool Scheduler::has_news_locked(const Request& r) const {
+  return !r.unread.empty() || (r.finished && !r.reported);
+}
+
+std::vector<RequestUpdate> Scheduler::poll(const std::vector<RequestId>& ids, double timeout_s) {
+  std::unique_lock<std::mutex> lk(mu_);
+  std::vector<Request*> rs;
+  for (RequestId id : ids) {
+    auto it = records_.find(id);
+    DFLASH2_CHECK_ARG(it != records_.end(), "poll: unknown request id ", id,
+                      " (never submitted, cancelled, or its final update was already returned)");
+    rs.push_back(it->second.get());
+  }
+  auto any_news = [&] {
+    for (Request* r : rs)
+      if (has_news_locked(*r)) return true;
+    return false;
+  };
+  if (timeout_s < 0)
+    news_cv_.wait(lk, any_news);
+  else if (timeout_s > 0)
+    news_cv_.wait_for(lk, std::chrono::duration<double>(timeout_s), any_news);
+  // a request that failed: its error, once
+  for (Request* r : rs)
+    if (r->finished && r->error) {
+      std::exception_ptr e = r->error;
+      const RequestId id = r->id;
+      records_.erase(id);
+      lk.unlock();
+      try {
+        std::rethrow_exception(e);
+      } catch (const Error& err) {
+        throw RequestFailed(err.kind(), err.what(), id);
+      } catch (const std::bad_alloc&) {
+        throw RequestFailed(ErrorKind::OutOfMemory, "out of host memory while running the request", id);
+      } catch (const std::exception& ex) {
+        throw RequestFailed(ErrorKind::Internal, ex.what(), id);
+      }
+    }
+  std::vector<RequestUpdate> out;
+  for (Request* r : rs) {
+    if (!has_news_locked(*r)) continue;
+    RequestUpdate u;
+    u.id = r->id;
+    u.new_tokens.swap(r->unread);
+    if (r->finished) {
+      u.finished = true;
+      u.result = r->result;
+      r->reported = true;
+    }
+    out.push_back(std::move(u));
+    if (r->reported) records_.erase(r->id);
+  }
+  return out;
+}
+
+void Scheduler::cancel(RequestId id) {
+  std::lock_guard<std::mutex> lk(mu_);
+  auto it = records_.find(id);
+  if (it == records_.end()) return;
+  Request* r = it->second.get();
+  if (r->finished) {
+    records_.erase(it);
+    return;
+  }
+  auto w = std::find(waiting_.begin(), waiting_.end(), r);
+  if (w != waiting_.end()) {  // never admitted: ends now
+    waiting_.erase(w);
+    r->finish_reason = "cancelled";
+    r->result.finish_reason = "cancelled";
+    r->result.stats.prompt_tokens = int64_t(r->prompt.size());
+    r->detached = true;
+    finish_locked(*r);
+    return;
+  }
+  r->cancel_requested = true;  // running: ends at the next step boundary
+  r->detached = true;
+  work_cv_.notify_one();
+}
+
+void Scheduler::finish_locked(Request& r) {
+  r.finished = true;
+  ++requests_finished_;
+  if (r.result.finish_reason == "cancelled" || r.finish_reason == "cancelled") ++requests_cancelled_;
+  if (r.detached) {
+    records_.erase(r.id);  // nobody polls it any more
+  } else {
+    news_cv_.notify_all();
+  }
+}
+
+void Scheduler::on_tokens(Request& r, const int32_t* toks, int64_t n) {
+  std::lock_guard<std::mutex> lk(mu_);
+  r.unread.insert(r.unread.end(), toks, toks + n);
+  tokens_total_ += n;
+  news_cv_.notify_all();
+}
+
+void Scheduler::on_error(Request& r, std::exception_ptr e) {
+  std::lock_guard<std::mutex> lk(mu_);
+  r.error = e;
+}
+
+void Scheduler::close() {
+  {
+    std::lock_guard<std::mutex> lk(mu_);
+    if (!stop_) {
+      stop_ = true;
+      while (!waiting_.empty()) {
+        Request* r = waiting_.front();
+        waiting_.pop_front();
+        r->finish_reason = "cancelled";
+        r->result.finish_reason = "cancelled";
+        r->result.stats.prompt_tokens = int64_t(r->prompt.size());
+        finish_locked(*r);
+      }
+      work_cv_.notify_all();
+    }
+  }
+  if (thread_.joinable() && thread_.get_id() != std::this_thread::get_id()) thread_.join();
+  std::lock_guard<std::mutex> lk(mu_);
+  news_cv_.notify_all();
+}
+
+EngineMetrics Scheduler::metrics() const {
+  std::lock_guard<std::mutex> lk(mu_);
+  EngineMetrics m;
+  m.queue_length = int64_t(waiting_.size());
+  m.running = requests_total_ - requests_finished_ - m.queue_length;
+  m.requests_total = requests_total_;
+  m.requests_finished = requests_finished_;
+  m.requests_cancelled = requests_cancelled_;
+  m.generated_tokens_total = tokens_total_;
+  m.steps_total = snap_.steps_total;
+  m.tokens_per_second = snap_.tokens_per_second;
+  m.acceptance_length = snap_.acceptance_length;
+  m.step_time_s = snap_.step_time_s;
+  m.draft_len = snap_.draft_len;
+  return m;
+}
+
+void Scheduler::loop() {
+  ops::CpuThreadScope threads(core_.num_threads);
+  std::vector<Request*> ended;
+  while (true) {
+    {
+      std::unique_lock<std::mutex> lk(mu_);
+      work_cv_.wait(lk, [&] { return stop_ || !waiting_.empty() || !dec_.running().empty(); });
+      if (stop_) break;
+    }
+    std::lock_guard<std::mutex> ml(model_mu_);
+    {
+      std::lock_guard<std::mutex> lk(mu_);
+      for (Request* r : dec_.running())  // cancelled between steps
+        if (r->cancel_requested && !r->done) {
+          r->done = true;
+          r->finish_reason = "cancelled";
+        }
+      while (!waiting_.empty() && dec_.admit(waiting_.front())) waiting_.pop_front();
+    }
+    try {
+      dec_.prefill();
+      dec_.step();
+    } catch (...) {  // a failure of the step: every request in it fails with the error
+      std::exception_ptr e = std::current_exception();
+      std::lock_guard<std::mutex> lk(mu_);
+      for (Request* r : dec_.running()) {
+        if (!r->error) r->error = e;
+        r->done = true;
+        if (r->finish_reason.empty()) r->finish_reason = "error";
+      }
+    }
+    ended.clear();
+    for (Request* r : dec_.running())
+      if (r->done) ended.push_back(r);
+    for (Request* r : ended) dec_.retire(r);
+    std::lock_guard<std::mutex> lk(mu_);
+    for (Request* r : ended) finish_locked(*r);
+    snap_.steps_total = dec_.steps();
+    snap_.tokens_per_second = dec_.tokens_per_second();
+    snap_.acceptance_length = dec_.acceptance_length();
+    snap_.step_time_s = dec_.step_time_s();
+    snap_.draft_len = dec_.draft_len();
+  }
+  // shutdown: what still runs ends as cancelled
+  std::lock_guard<std::mutex> ml(model_mu_);
+  ended.assign(dec_.running().begin(), dec_.running().end());
+  for (Request* r : ended) {
+    if (r->finish_reason.empty()) r->finish_reason = "cancelled";
+    dec_.retire(r);
+  }
+  std::lock_guard<std::mutex> lk(mu_);
+  for (Request* r : ended) finish_locked(*r);
+}
+
+}  // namespace dflash2::runtime

@@ -1,0 +1,64 @@
+// The scheduler: the engine's own thread, fed by a request queue. Between steps it drops
+// cancelled requests, admits waiting ones while the decoder has slots (and their cache
+// fits), prefills them, and runs one step of the running batch; tokens are handed to the
+// requests' records, which any number of client threads poll. The model runs only on this
+// thread (under the engine's model mutex, which the step-level API also takes).
+#pragma once
+#include <condition_variable>
+#include <cstdint>
+#include <deque>
+#include <memory>
+#include <mutex>
+#include <thread>
+#include <unordered_map>
+#include <vector>
+
+#include "dflash2/error.h"
+#include "runtime/decoder.h"
+
+namespace dflash2::runtime {
+
+// How poll() reports a request that failed: the error's kind and message, and which request.
+struct RequestFailed : Error {
+  RequestFailed(ErrorKind k, const std::string& msg, RequestId i) : Error(k, msg), id(i) {}
+  RequestId id;
+};
+
+class Scheduler final : public Decoder::Sink {
+ public:
+  // model_mutex: held while the model runs (a step, or the step-level API).
+  Scheduler(Core& core, std::mutex& model_mutex, bool adaptive);
+  ~Scheduler() override;
+
+  // Takes a validated request; returns its id.
+  RequestId submit(std::unique_ptr<Request> r);
+  std::vector<RequestUpdate> poll(const std::vector<RequestId>& ids, double timeout_s);
+  void cancel(RequestId id);
+  void close();  // cancels everything and joins the thread (idempotent)
+  bool closed() const;
+  EngineMetrics metrics() const;
+
+  // Decoder::Sink (scheduler thread)
+  void on_tokens(Request& r, const int32_t* toks, int64_t n) override;
+  void on_error(Request& r, std::exception_ptr e) override;
+
+ private:
+  void loop();
+  void finish_locked(Request& r);  // r has ended: publish the result
+  bool has_news_locked(const Request& r) const;
+
+  Core& core_;
+  std::mutex& model_mu_;
+  Decoder dec_;
+  mutable std::mutex mu_;
+  std::condition_variable work_cv_, news_cv_;
+  std::deque<Request*> waiting_;
+  std::unordered_map<RequestId, std::unique_ptr<Request>> records_;
+  RequestId next_id_ = 1;
+  bool stop_ = false;
+  int64_t requests_total_ = 0, requests_finished_ = 0, requests_cancelled_ = 0, tokens_total_ = 0;
+  EngineMetrics snap_;  // the decoder's recent figures, copied under mu_ after each step
+  std::thread thread_;
+};
+
+}  // namespace dflash2::runtime
