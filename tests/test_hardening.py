@@ -116,7 +116,7 @@ _RealEngine = _core.Engine
 
 
 class _CountingEngine:
-    """Wraps a _core.Engine and counts generate() calls."""
+    """Wraps a _core.Engine and counts generations (generate() calls, or requests submitted)."""
     instances: list = []
 
     def __init__(self, *a):
@@ -127,6 +127,10 @@ class _CountingEngine:
     def generate(self, *a, **k):
         self.generate_calls += 1
         return self._real.generate(*a, **k)
+
+    def submit(self, *a, **k):
+        self.generate_calls += 1
+        return self._real.submit(*a, **k)
 
     def __getattr__(self, name):
         return getattr(self._real, name)

@@ -107,7 +107,7 @@ void bind_engine(py::module_& m) {
   py::class_<Engine>(m, "Engine")
       .def(py::init([](const std::string& target, py::object draft, const std::string& method, const std::string& device,
                        int64_t max_batch_size, int64_t max_seq_len, int64_t max_step_tokens, int64_t kv_block_size,
-                       int64_t num_threads, int64_t mtp_draft_tokens) {
+                       int64_t num_threads, int64_t mtp_draft_tokens, const std::string& speculation) {
              DFLASH2_CHECK_ARG(num_threads >= 0 && num_threads <= ops::cpu_max_threads(),
                                "Engine: num_threads must be in [0, ", ops::cpu_max_threads(), "] (0 = all ",
                                ops::cpu_cores(), " cores), found ", num_threads);
@@ -122,12 +122,14 @@ void bind_engine(py::module_& m) {
              c.kv_block_size = kv_block_size;
              c.num_threads = int(num_threads);
              c.mtp_draft_tokens = mtp_draft_tokens;
+             c.speculation = speculation;
              py::gil_scoped_release nogil;
              return std::make_unique<Engine>(c);
            }),
            py::arg("target"), py::arg("draft") = py::none(), py::arg("method") = "", py::arg("device") = "cpu",
            py::arg("max_batch_size") = 8, py::arg("max_seq_len") = 0, py::arg("max_step_tokens") = 256,
-           py::arg("kv_block_size") = 16, py::arg("num_threads") = 0, py::arg("mtp_draft_tokens") = 7)
+           py::arg("kv_block_size") = 16, py::arg("num_threads") = 0, py::arg("mtp_draft_tokens") = 7,
+           py::arg("speculation") = "fixed")
       .def(
           "logits",
           [](Engine& e, py::handle tokens) {
@@ -174,6 +176,78 @@ void bind_engine(py::module_& m) {
           py::arg("prompts"), py::arg("max_new_tokens") = 16, py::arg("temperature") = 0.0f, py::arg("top_p") = 1.0f,
           py::arg("top_k") = 0, py::arg("seed") = py::none(), py::arg("stop_token_ids") = py::none(),
           py::arg("on_tokens") = py::none())
+      .def(
+          "submit",
+          [](Engine& e, py::handle prompt, int64_t max_new_tokens, float temperature, float top_p, int64_t top_k,
+             py::object seed, py::object stop_token_ids, int64_t stream_index) {
+            std::vector<int32_t> t = to_tokens(prompt, "prompt");
+            SamplingParams sp;
+            sp.max_new_tokens = max_new_tokens;
+            sp.temperature = temperature;
+            sp.top_p = top_p;
+            sp.top_k = top_k;
+            sp.stream_index = stream_index;
+            if (!seed.is_none()) {
+              int64_t s = seed.cast<int64_t>();
+              DFLASH2_CHECK_ARG(s >= 0, "submit: seed must be >= 0, found ", s);
+              sp.seed = s;
+            }
+            if (!stop_token_ids.is_none()) {
+              sp.has_stop_tokens = true;
+              sp.stop_token_ids = to_tokens(stop_token_ids, "stop_token_ids");
+            }
+            py::gil_scoped_release nogil;
+            return e.submit(t, sp);
+          },
+          py::arg("prompt"), py::arg("max_new_tokens") = 16, py::arg("temperature") = 0.0f, py::arg("top_p") = 1.0f,
+          py::arg("top_k") = 0, py::arg("seed") = py::none(), py::arg("stop_token_ids") = py::none(),
+          py::arg("stream_index") = 0, "Queues one request; returns its id.")
+      .def(
+          "poll",
+          [](Engine& e, const std::vector<RequestId>& ids, double timeout) {
+            std::vector<RequestUpdate> ups;
+            {
+              py::gil_scoped_release nogil;
+              ups = e.poll(ids, timeout);
+            }
+            py::list out;
+            for (auto& u : ups)
+              out.append(py::make_tuple(u.id, py::cast(u.new_tokens), u.finished,
+                                        u.finished ? py::cast(u.result) : py::none()));
+            return out;
+          },
+          py::arg("ids"), py::arg("timeout") = -1.0,
+          "[(id, new_token_ids, finished, GenerationResult or None)] for the ids with news, waiting up to "
+          "timeout seconds (< 0: until there is news).")
+      .def(
+          "cancel",
+          [](Engine& e, RequestId id) {
+            py::gil_scoped_release nogil;
+            e.cancel(id);
+          },
+          py::arg("id"))
+      .def("close",
+           [](Engine& e) {
+             py::gil_scoped_release nogil;
+             e.close();
+           })
+      .def("metrics",
+           [](const Engine& e) {
+             EngineMetrics m = e.metrics();
+             py::dict d;
+             d["queue_length"] = m.queue_length;
+             d["running"] = m.running;
+             d["requests_total"] = m.requests_total;
+             d["requests_finished"] = m.requests_finished;
+             d["requests_cancelled"] = m.requests_cancelled;
+             d["generated_tokens_total"] = m.generated_tokens_total;
+             d["steps_total"] = m.steps_total;
+             d["tokens_per_second"] = m.tokens_per_second;
+             d["acceptance_length"] = m.acceptance_length;
+             d["step_time_s"] = m.step_time_s;
+             d["draft_len"] = m.draft_len;
+             return d;
+           })
       .def(
           "propose",
           [](Engine& e, py::handle tokens) {

@@ -6,6 +6,7 @@
 #include <new>
 
 #include "bindings.h"
+#include "dflash2/engine.h"
 #include "dflash2/error.h"
 
 namespace {
@@ -45,6 +46,19 @@ PYBIND11_MODULE(_core, m) {
   py::register_exception_translator([](std::exception_ptr p) {
     try {
       if (p) std::rethrow_exception(p);
+    } catch (const dflash2::RequestError& e) {
+      // a failed request: the typed error, with .request_id naming the request
+      PyObject* cls = g_exc[int(e.kind())];
+      PyObject* inst = PyObject_CallFunction(cls, "s", e.what());
+      if (inst) {
+        PyObject* id = PyLong_FromLongLong(e.id);
+        if (id) {
+          PyObject_SetAttrString(inst, "request_id", id);
+          Py_DECREF(id);
+        }
+        PyErr_SetObject(cls, inst);
+        Py_DECREF(inst);
+      }
     } catch (const dflash2::Error& e) {
       PyErr_SetString(g_exc[int(e.kind())], e.what());
     } catch (const std::bad_alloc&) {

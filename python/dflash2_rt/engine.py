@@ -20,6 +20,8 @@ import os
 import queue
 import stat
 import threading
+import weakref
+import atexit
 from typing import Callable, Iterable, Iterator, Optional, Sequence as Seq
 
 import numpy as np
@@ -40,6 +42,29 @@ class GenerationResult:
     finish_reason: str
     stats: dict = field(default_factory=dict)
     text: Optional[str] = None
+
+
+@dataclass
+class RequestUpdate:
+    """poll()'s answer: tokens committed since the last poll, whether the request ended, and
+    its GenerationResult once it has."""
+    new_token_ids: list
+    finished: bool
+    result: Optional[GenerationResult] = None
+
+
+# Engines still open: closed at interpreter exit, so that no scheduler thread outlives it
+# (a joinable thread at exit would abort the process).
+_LIVE: "weakref.WeakSet" = weakref.WeakSet()
+
+
+@atexit.register
+def _close_all_engines():
+    for e in list(_LIVE):
+        try:
+            e.close()
+        except Exception:  # noqa: BLE001
+            pass
 
 
 def _load_tokenizer(target):
@@ -182,13 +207,20 @@ def default_pair() -> tuple:
 class Engine:
     def __init__(self, target=None, draft=None, method: Optional[str] = None, device: str = "cpu", *,
                  max_batch_size: int = 8, max_seq_len: Optional[int] = None, max_step_tokens: int = 256,
-                 kv_block_size: int = 16, num_threads: Optional[int] = None, mtp_draft_tokens: int = 7):
+                 kv_block_size: int = 16, num_threads: Optional[int] = None, mtp_draft_tokens: int = 7,
+                 speculation: str = "fixed"):
         """target: a glm_moe_dsa checkpoint directory (None: the bundled default pair).
         draft: a DFlash 2 / DFlash 1 drafter directory. method: "ar" | "mtp" | "dflash" |
         "dflash2"; None infers it: "ar" without a drafter, else from the drafter's
         architecture (DFlash2DraftModel -> "dflash2", DFlashDraftModel -> "dflash").
         max_seq_len None: min(4096, the model's max_position_embeddings). num_threads: this
-        engine's CPU threads (None/0: all cores); it never changes other engines'."""
+        engine's CPU threads (None/0: all cores); it never changes other engines'.
+        speculation: "fixed" (every step drafts the full block) or "adaptive" (per step, the
+        draft length that maximises the measured throughput of the running batch).
+
+        All generation runs on the engine's own scheduler thread: generate / stream / submit
+        from any number of threads join one running batch (continuous batching). Close the
+        engine with close() or a `with` block (also done at interpreter exit)."""
         if target is None:  # the bundled default pair (python/dflash2_rt/models/default)
             target, bundled_draft = default_pair()
             method = method or "dflash2"
@@ -205,9 +237,13 @@ class Engine:
             _check_int("Engine", "num_threads", num_threads, -2 ** 31, 2 ** 31 - 1)
         # The tokenizer first: a broken tokenizer.json fails before the weights are loaded.
         tokenizer = _load_tokenizer(target)
+        if speculation not in ("fixed", "adaptive"):
+            raise _core.InvalidArgumentError(f"Engine: speculation must be 'fixed' or 'adaptive', found {speculation!r}")
         self._e = _core.Engine(os.fspath(target), None if draft is None else os.fspath(draft), method or "", device,
                                max_batch_size, max_seq_len or 0, max_step_tokens, kv_block_size, num_threads or 0,
-                               mtp_draft_tokens)
+                               mtp_draft_tokens, speculation)
+        _LIVE.add(self)
+        self.speculation = speculation
         self.method = self._e.method
         self.device = device
         self.target = os.fspath(target)
@@ -262,14 +298,90 @@ class Engine:
         text = self.tokenizer.decode(list(r.token_ids)) if self.tokenizer is not None else None
         return GenerationResult(list(r.token_ids), r.finish_reason, dict(r.stats), text)
 
+    # ------------------------------------------------------------------ requests
+    def submit(self, prompt, max_new_tokens: int = 16, temperature: float = 0.0, top_p: float = 1.0,
+               top_k: int = 0, seed: Optional[int] = None, stop_token_ids: Optional[Iterable[int]] = None,
+               _stream_index: int = 0) -> int:
+        """Queues one request (checked now: a bad request raises here) and returns its id; it
+        joins the running batch at the next step. Follow it with poll(id) / cancel(id)."""
+        ids = self._ids(prompt, "submit: prompt", self.max_seq_len)
+        req = self._request("submit", max_new_tokens, temperature, top_p, top_k, seed, stop_token_ids)
+        return self._e.submit(ids, *req, _stream_index)
+
+    def poll(self, request_id: int, timeout: Optional[float] = None) -> "RequestUpdate":
+        """What happened to a request since the last poll: .new_token_ids, .finished, .result
+        (a GenerationResult once finished; after that the id is forgotten). Waits up to
+        `timeout` seconds for news (None: until there is some; 0: not at all). A request that
+        failed raises its error here."""
+        rid = _check_int("poll", "request_id", request_id)
+        t = -1.0 if timeout is None else max(0.0, _check_real("poll", "timeout", timeout))
+        while True:  # wait in slices so that Ctrl-C (KeyboardInterrupt) is seen
+            step = 0.1 if t < 0 else min(t, 0.1)
+            ups = self._e.poll([rid], step)
+            if ups:
+                _, toks, finished, res = ups[0]
+                return RequestUpdate(list(toks), bool(finished), self._result(res) if finished else None)
+            if t >= 0:
+                t -= step
+                if t <= 0:
+                    return RequestUpdate([], False, None)
+
+    def cancel(self, request_id: int) -> None:
+        """Ends a request within one step (finish_reason "cancelled") and frees its cache pages;
+        no poll is needed afterwards. Unknown or finished ids are ignored."""
+        self._e.cancel(_check_int("cancel", "request_id", request_id))
+
+    def metrics(self) -> dict:
+        """Engine-wide counters: queue_length, running, requests_total / _finished / _cancelled,
+        generated_tokens_total, steps_total, and recent tokens_per_second, acceptance_length
+        (committed tokens per sequence per step), step_time_s, draft_len."""
+        return dict(self._e.metrics())
+
+    def close(self) -> None:
+        """Cancels every request and stops the scheduler thread (idempotent). Later requests
+        raise; logits / new_sequence still work."""
+        e = getattr(self, "_e", None)
+        if e is not None:
+            e.close()
+        _LIVE.discard(self)
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        self.close()
+        return False
+
+    def __del__(self):
+        try:
+            self.close()
+        except Exception:  # noqa: BLE001 - interpreter shutdown
+            pass
+
+    def _wait_all(self, rids: list, on_update) -> None:
+        """Polls rids until all finished, calling on_update(index, new_tokens, result_or_None);
+        on any exception (KeyboardInterrupt included) the unfinished ones are cancelled."""
+        pending = dict(zip(rids, range(len(rids))))
+        try:
+            while pending:
+                for rid, toks, finished, res in self._e.poll(list(pending), 0.1):
+                    i = pending[rid]
+                    if finished:
+                        del pending[rid]
+                    on_update(i, list(toks), res if finished else None)
+        except BaseException:
+            for rid in pending:
+                self._e.cancel(rid)
+            raise
+
     def generate(self, prompts, max_new_tokens: int = 16, temperature: float = 0.0,
                  top_p: float = 1.0, top_k: int = 0, seed: Optional[int] = None,
                  stop_token_ids: Optional[Iterable[int]] = None) -> list:
-        """Generates for a batch of prompts (each a list of token ids, or a string when the
-        target has a tokenizer.json), decoded together in lockstep; returns one
-        GenerationResult per prompt. stop_token_ids=None uses the config's eos_token_id;
-        [] disables stopping. seed makes sampling reproducible (request i draws from a
-        stream derived from (seed, i))."""
+        """Generates for a list of prompts (each a list of token ids, or a string when the
+        target has a tokenizer.json); returns one GenerationResult per prompt. The prompts
+        join the engine's running batch (with whatever else runs). stop_token_ids=None uses
+        the config's eos_token_id; [] disables stopping. seed makes sampling reproducible
+        (request i draws from a stream derived from (seed, i)). Ctrl-C cancels the requests."""
         if isinstance(prompts, (str, bytes, bytearray, memoryview)):
             raise _core.InvalidArgumentError("generate: 'prompts' must be a list of prompts (token-id lists or strings)")
         try:
@@ -277,10 +389,34 @@ class Engine:
         except TypeError:
             raise _core.InvalidArgumentError(
                 f"generate: 'prompts' must be a list of prompts, found {type(prompts).__name__}") from None
+        if not prompts:
+            raise _core.InvalidArgumentError("generate: no prompts given")
         ids = [self._ids(p, f"generate: prompt {i}", self.max_seq_len) for i, p in enumerate(prompts)]
         req = self._request("generate", max_new_tokens, temperature, top_p, top_k, seed, stop_token_ids)
-        raw = self._e.generate(ids, *req)
-        return [self._result(r) for r in raw]
+        rids = []
+        try:
+            for i, p in enumerate(ids):
+                try:
+                    rids.append(self._e.submit(p, *req, i))
+                except _core.DFlash2Error as e:
+                    raise type(e)(f"generate: prompt {i}: {e}") from None
+        except BaseException:
+            for r in rids:
+                self._e.cancel(r)
+            raise
+        results = [None] * len(ids)
+
+        def done(i, toks, res):
+            if res is not None:
+                results[i] = self._result(res)
+
+        try:
+            self._wait_all(rids, done)
+        except _core.DFlash2Error as e:
+            rid = getattr(e, "request_id", None)
+            which = f"prompt {rids.index(rid)}: " if rid in rids else ""
+            raise type(e)(f"generate: {which}{e}") from None
+        return results
 
     @property
     def block_size(self) -> int:
@@ -308,30 +444,19 @@ class Engine:
         return self._stream(ids, req, on_result)
 
     def _stream(self, ids: list, req: tuple, on_result) -> Iterator[int]:
-        q: queue.Queue = queue.Queue()
-        done = object()
-        box = {}
-
-        def run():
-            try:
-                box["result"] = self._e.generate([ids], *req, lambda i, toks: q.put(list(toks)))
-            except BaseException as e:  # noqa: BLE001 - re-raised below in the consumer
-                box["error"] = e
-            finally:
-                q.put(done)
-
-        th = threading.Thread(target=run, daemon=True)
-        th.start()
-        while True:
-            item = q.get()
-            if item is done:
-                break
-            yield from item
-        th.join()
-        if "error" in box:
-            raise box["error"]
-        if on_result is not None:
-            on_result(self._result(box["result"][0]))
+        rid = self._e.submit(ids, *req, 0)
+        finished = False
+        try:
+            while not finished:
+                for _, toks, fin, res in self._e.poll([rid], 0.1):
+                    yield from toks
+                    if fin:
+                        finished = True
+                        if on_result is not None:
+                            on_result(self._result(res))
+        finally:
+            if not finished:  # closed early (break, GeneratorExit, an error): cancel it
+                self._e.cancel(rid)
 
     def new_sequence(self):
         """A sequence with its own KV caches, for step-level use: .extend(tokens, hidden_layers)

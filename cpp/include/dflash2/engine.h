@@ -6,6 +6,7 @@
 #include <string>
 #include <vector>
 
+#include "dflash2/error.h"
 #include "dflash2/tensor.h"
 
 namespace dflash2 {
@@ -69,6 +70,13 @@ struct GenerationResult {
   std::vector<int32_t> token_ids;  // generated tokens only
   std::string finish_reason;       // "stop" | "length" | "cancelled"
   GenerationStats stats;
+};
+
+// What poll() throws for a request that failed: the failure's kind and message, and which
+// request it was (the request is forgotten afterwards).
+struct RequestError : Error {
+  RequestError(ErrorKind k, const std::string& msg, RequestId i) : Error(k, msg), id(i) {}
+  RequestId id;
 };
 
 // What poll() reports about one request.

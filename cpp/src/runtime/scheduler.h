@@ -18,11 +18,7 @@
 
 namespace dflash2::runtime {
 
-// How poll() reports a request that failed: the error's kind and message, and which request.
-struct RequestFailed : Error {
-  RequestFailed(ErrorKind k, const std::string& msg, RequestId i) : Error(k, msg), id(i) {}
-  RequestId id;
-};
+using RequestFailed = RequestError;
 
 class Scheduler final : public Decoder::Sink {
  public:
