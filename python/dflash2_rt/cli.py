@@ -238,6 +238,9 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         msg = " ".join(str(e).split("\n"))
         print(f"error: {msg}", file=sys.stderr)
         return 1
+    except KeyboardInterrupt:  # Ctrl-C: the running request was cancelled by the engine
+        print("\ninterrupted", file=sys.stderr)
+        return 130
     except BrokenPipeError:  # e.g. `dflash2-rt inspect ... | head`: stop quietly
         devnull = os.open(os.devnull, os.O_WRONLY)
         os.dup2(devnull, sys.stdout.fileno())  # so the flush at exit does not fail again

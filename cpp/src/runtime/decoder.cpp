@@ -3,6 +3,8 @@
 #include <algorithm>
 #include <chrono>
 #include <random>
+#include <cstdio>
+#include <cstdlib>
 
 #include "dflash2/error.h"
 
@@ -391,6 +393,10 @@ void Decoder::step() {
     r->verify_s += t_verify;
   }
   policy_.record(S, k_adapt, row, dt, drafted_, accepted_);
+  if (std::getenv("DFLASH2_DEBUG_SPEC"))
+    std::fprintf(stderr, "step %lld S=%lld k=%lld T=%lld dt=%.3fms committed=%lld pred(k)=%.3fms\n", (long long)steps_,
+                 (long long)S, (long long)k_adapt, (long long)row, dt * 1e3, (long long)committed,
+                 policy_.predicted_time(S, k_adapt) * 1e3);
   // recent figures
   const double w = steps_ < 8 ? 1.0 / double(steps_ + 1) : 0.1;
   step_time_ += w * (dt - step_time_);

@@ -9,6 +9,7 @@ namespace {
 constexpr double kDecay = 0.98;   // forgetting of old steps (time model)
 constexpr double kAccDecay = 0.95;  // of old acceptance
 constexpr int64_t kExplore = 16;
+constexpr double kPriorCount = 8;  // the 0.5 prior of each position's acceptance weighs 8 observations
 
 // Solves the 4x4 system A x = b (A symmetric positive semi-definite, ridge-regularised).
 bool solve4(double A[4][4], const double b[4], double x[4]) {
@@ -35,7 +36,8 @@ bool solve4(double A[4][4], const double b[4], double x[4]) {
 }  // namespace
 
 SpecPolicy::SpecPolicy(int64_t K, bool adaptive, bool scales_with_k)
-    : K_(K), adaptive_(adaptive && K > 0), scales_with_k_(scales_with_k), acc_(size_t(K), 0.5), acc_n_(size_t(K), 0) {}
+    : K_(K), adaptive_(adaptive && K > 0), scales_with_k_(scales_with_k), acc_(size_t(K), 0.5),
+      acc_n_(size_t(K), kPriorCount) {}
 
 std::array<double, SpecPolicy::kF> SpecPolicy::features(int64_t S, int64_t k) const {
   const double T = double(S * (k + 1));
@@ -72,9 +74,13 @@ int64_t SpecPolicy::choose(int64_t S) {
       best = k;
     }
   }
-  // keep the model fresh at both ends and in the middle
-  if (steps_ % kExplore == 0) return best == 0 ? K_ : 0;
-  if (steps_ % kExplore == kExplore / 2) return best == std::max<int64_t>(1, K_ / 2) ? K_ : std::max<int64_t>(1, K_ / 2);
+  // keep the model fresh: plain decoding once every kExplore steps, and the full block
+  // (which also measures the acceptance of every position) about as often, less often when
+  // a full-block step costs much more than the chosen one (large batches)
+  if (steps_ % kExplore == 0) return best != 0 ? 0 : K_;
+  const double cost = predicted_time(S, K_) / std::max(predicted_time(S, best), 1e-12);
+  const int64_t every = std::max<int64_t>(kExplore, int64_t(double(kExplore) * std::min(cost, 8.0)));
+  if (best != K_ && steps_ % every == kExplore / 2) return K_;
   return best;
 }
 

@@ -4,9 +4,10 @@
 //   tokens(k)  = S * (1 + a_1 + ... + a_k)          a_j: P(draft position j accepted)
 //   time(k)    = c0 + c1 * T + [k > 0] (d0 + d1 * X) T = S (k + 1) verified tokens,
 //                                                     X = S (DFlash: one block pass) or S k (MTP)
-// fitted by exponentially weighted least squares over the steps run. Every 16th step
-// explores the other end (k = 0 or K) so the model sees both; until it has seen enough
-// steps, the full block is used. "fixed" always returns K.
+// fitted by exponentially weighted least squares over the steps run. Twice every 16 steps
+// it explores (k = 0, and the full block, which also measures every position's
+// acceptance) so the model keeps seeing both ends; while it has seen too few steps it
+// cycles K, K/2, 0. "fixed" always returns K.
 #pragma once
 #include <array>
 #include <cstdint>

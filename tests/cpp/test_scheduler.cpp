@@ -1,0 +1,143 @@
+// The C++ request API on the bundled default pair: submit / poll / cancel from several
+// threads (continuous batching), outputs equal to a request run alone, cancellation
+// freeing the slot, close() with requests in flight, errors for bad requests.
+#include <atomic>
+#include <cstdio>
+#include <string>
+#include <thread>
+#include <vector>
+
+#include "dflash2/dflash2.h"
+#include "testing.h"
+
+using namespace dflash2;
+
+namespace {
+const std::string kPair = std::string(DFLASH2_SOURCE_DIR) + "/python/dflash2_rt/models/default";
+
+void skip(const char* test, const char* why) { std::printf("  %s: skipped: %s\n", test, why); }
+
+bool have_pair() {
+  FILE* f = std::fopen((kPair + "/target/config.json").c_str(), "r");
+  if (!f) return false;
+  std::fclose(f);
+  return true;
+}
+
+EngineConfig config(const std::string& method, const std::string& speculation = "fixed") {
+  EngineConfig c;
+  c.target = kPair + "/target";
+  if (method == "dflash2") c.draft = kPair + "/draft";
+  c.method = method;
+  c.max_batch_size = 3;
+  c.max_seq_len = 256;
+  c.speculation = speculation;
+  return c;
+}
+
+std::vector<int32_t> prompt(int i) {
+  std::vector<int32_t> p;
+  for (int j = 0; j < 5 + (i * 7) % 23; ++j) p.push_back((i * 31 + j * 17) % 4000 + 2);
+  return p;
+}
+
+std::vector<int32_t> run(Engine& e, RequestId id) {
+  std::vector<int32_t> got;
+  while (true) {
+    auto ups = e.poll({id}, -1.0);
+    for (auto& u : ups) {
+      got.insert(got.end(), u.new_tokens.begin(), u.new_tokens.end());
+      if (u.finished) return got;
+    }
+  }
+}
+}  // namespace
+
+TEST(threads_get_their_alone_outputs) {
+  if (!have_pair()) return skip("threads", "the bundled default pair is not present");
+  for (const char* spec : {"fixed", "adaptive"}) {
+    Engine e(config("dflash2", spec));
+    SamplingParams p;
+    p.max_new_tokens = 16;
+    p.has_stop_tokens = true;  // no stop tokens
+    std::vector<std::vector<int32_t>> alone;
+    for (int i = 0; i < 8; ++i) alone.push_back(e.generate({prompt(i)}, p)[0].token_ids);
+    std::vector<std::vector<int32_t>> got(8);
+    std::vector<std::thread> ts;
+    for (int i = 0; i < 8; ++i)
+      ts.emplace_back([&, i] { got[size_t(i)] = run(e, e.submit(prompt(i), p)); });
+    for (auto& t : ts) t.join();
+    for (int i = 0; i < 8; ++i) CHECK(got[size_t(i)] == alone[size_t(i)]);
+    EngineMetrics m = e.metrics();
+    CHECK(m.running == 0 && m.queue_length == 0 && m.requests_finished == m.requests_total);
+  }
+}
+
+TEST(cancel_frees_the_slot_and_close_ends_everything) {
+  if (!have_pair()) return skip("cancel", "the bundled default pair is not present");
+  EngineConfig c = config("ar");
+  c.max_seq_len = 2048;
+  Engine e(c);
+  SamplingParams p;
+  p.max_new_tokens = 1800;
+  p.has_stop_tokens = true;
+  std::vector<RequestId> ids;
+  for (int i = 0; i < 3; ++i) ids.push_back(e.submit(prompt(i), p));  // fills the 3 slots
+  SamplingParams wp = p;
+  wp.max_new_tokens = 40;
+  const RequestId waiting = e.submit(prompt(3), wp);                     // waits for one
+  auto first = e.poll({ids[0]}, -1.0);
+  CHECK(!first.empty() && !first[0].new_tokens.empty());
+  e.cancel(ids[0]);  // frees a slot: the waiting request is admitted and finishes
+  SamplingParams shortp = p;
+  shortp.max_new_tokens = 5;
+  std::vector<int32_t> w = run(e, waiting);
+  CHECK(int64_t(w.size()) == wp.max_new_tokens);
+  bool threw = false;
+  try {
+    e.poll({ids[0]}, 0.0);  // cancelled: forgotten
+  } catch (const Error& err) {
+    threw = err.kind() == ErrorKind::InvalidArgument;
+  }
+  CHECK(threw);
+  e.close();  // ids[1], ids[2] still run: they end as cancelled
+  for (RequestId id : {ids[1], ids[2]}) {
+    bool finished = false;
+    while (!finished)
+      for (auto& u : e.poll({id}, -1.0))
+        if (u.finished) {
+          finished = true;
+          CHECK(u.result.finish_reason == "cancelled");
+        }
+  }
+  threw = false;
+  try {
+    e.submit(prompt(0), shortp);
+  } catch (const Error& err) {
+    threw = err.kind() == ErrorKind::InvalidArgument;
+  }
+  CHECK(threw);
+}
+
+TEST(bad_requests_throw_at_submit) {
+  if (!have_pair()) return skip("bad_requests", "the bundled default pair is not present");
+  Engine e(config("ar"));
+  SamplingParams p;
+  int caught = 0;
+  for (auto bad : {std::vector<int32_t>{}, std::vector<int32_t>{-1}, std::vector<int32_t>{1 << 30}}) {
+    try {
+      e.submit(bad, p);
+    } catch (const Error& err) {
+      caught += err.kind() == ErrorKind::InvalidArgument;
+    }
+  }
+  p.top_p = 0.0f;
+  try {
+    e.submit({1, 2}, p);
+  } catch (const Error& err) {
+    caught += err.kind() == ErrorKind::InvalidArgument;
+  }
+  CHECK(caught == 4);
+}
+
+TEST_MAIN()

@@ -1,0 +1,216 @@
+"""One engine, many callers (continuous batching on the engine's scheduler thread):
+
+* N threads with mixed batch shapes get exactly the greedy output each gets alone;
+  seeded sampled requests give the same tokens whatever runs beside them;
+* an abandoned or closed stream cancels its request within a step and frees its pages;
+  Ctrl-C (KeyboardInterrupt) during generate cancels; the interpreter exits cleanly with
+  requests in flight (exit code 0, no abort), also `dflash2-rt generate --stream` on SIGINT;
+* close() / with-blocks; requests beyond max_batch_size wait for a slot;
+* submit / poll / cancel and metrics.
+Runs on the bundled default pair.
+"""
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import textwrap
+import threading
+import time
+
+import pytest
+
+import dflash2_rt
+from dflash2_rt.engine import DEFAULT_PAIR_DIR
+
+pytestmark = pytest.mark.skipif(not os.path.exists(os.path.join(DEFAULT_PAIR_DIR, "target", "config.json")),
+                                reason="the bundled default pair is not present")
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+def prompts(n, seed=0):
+    return [[(seed * 131 + i * 31 + j * 17) % 4000 + 2 for j in range(5 + (i * 7) % 29)] for i in range(n)]
+
+
+def child_env():
+    env = dict(os.environ)
+    if env.get("DFLASH2_RT_CORE_DIR"):
+        env["PYTHONPATH"] = os.pathsep.join([os.path.join(REPO, "python")] + [p for p in [env.get("PYTHONPATH")] if p])
+    return env
+
+
+def wait_until(pred, timeout=20.0):
+    t = time.time()
+    while time.time() - t < timeout:
+        if pred():
+            return True
+        time.sleep(0.01)
+    return pred()
+
+
+@pytest.mark.parametrize("method,speculation", [("ar", "fixed"), ("dflash2", "fixed"), ("dflash2", "adaptive"),
+                                                ("mtp", "adaptive")])
+def test_threads_with_mixed_batches_get_their_alone_outputs(method, speculation):
+    ps = prompts(12)
+    alone_eng = dflash2_rt.Engine(method=method, max_batch_size=4, max_seq_len=256)
+    alone = {i: alone_eng.generate([p], max_new_tokens=20, stop_token_ids=[])[0].token_ids for i, p in enumerate(ps)}
+    alone_eng.close()
+    eng = dflash2_rt.Engine(method=method, max_batch_size=4, max_seq_len=256, speculation=speculation)
+    got, errors = {}, []
+    shapes = [[0], [1, 2], [3, 4, 5], [6], [7, 8], [9], [10, 11], [2, 7, 11, 0]]  # 8 threads, batches of 1..4
+
+    def worker(idx):
+        try:
+            res = eng.generate([ps[i] for i in idx], max_new_tokens=20, stop_token_ids=[])
+            for i, r in zip(idx, res):
+                got.setdefault(i, []).append(r.token_ids)
+        except BaseException as e:  # noqa: BLE001
+            errors.append(e)
+
+    threads = [threading.Thread(target=worker, args=(s,)) for s in shapes]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(300)
+    assert not errors, errors
+    for i, outs in got.items():
+        for o in outs:
+            assert o == alone[i], f"prompt {i}: {o} != alone {alone[i]}"
+    m = eng.metrics()
+    assert m["running"] == 0 and m["queue_length"] == 0 and m["requests_finished"] == m["requests_total"] == 16
+    eng.close()
+
+
+@pytest.mark.parametrize("speculation", ["fixed", "adaptive"])
+def test_seeded_sampling_does_not_depend_on_the_neighbours(speculation):
+    eng = dflash2_rt.Engine(method="dflash2", max_batch_size=6, max_seq_len=256, speculation=speculation)
+    p = prompts(1, seed=5)[0]
+    kw = dict(max_new_tokens=24, temperature=1.0, top_p=0.9, seed=77, stop_token_ids=[])
+    alone = eng.generate([p], **kw)[0].token_ids
+    noise = [eng.submit(q, max_new_tokens=40, temperature=0.8, stop_token_ids=[]) for q in prompts(4, seed=9)]
+    greedy = [eng.submit(q, max_new_tokens=30, stop_token_ids=[]) for q in prompts(1, seed=3)]
+    crowded = eng.generate([p], **kw)[0].token_ids
+    assert crowded == alone
+    for rid in noise + greedy:
+        while not eng.poll(rid, timeout=30).finished:
+            pass
+    eng.close()
+
+
+def test_submit_poll_cancel_and_metrics():
+    eng = dflash2_rt.Engine(method="dflash2", max_batch_size=2, max_seq_len=256)
+    ps = prompts(5)
+    want = [eng.generate([p], max_new_tokens=16, stop_token_ids=[])[0].token_ids for p in ps]
+    rids = [eng.submit(p, max_new_tokens=16, stop_token_ids=[]) for p in ps]  # 5 requests, 2 slots: some wait
+    seen_queue = eng.metrics()["queue_length"]
+    out = {r: [] for r in rids}
+    results = {}
+    for r in rids:
+        while True:
+            u = eng.poll(r, timeout=30)
+            out[r] += u.new_token_ids
+            if u.finished:
+                results[r] = u.result
+                break
+    assert seen_queue >= 1
+    assert [out[r] for r in rids] == want == [results[r].token_ids for r in rids]
+    assert all(results[r].finish_reason == "length" for r in rids)
+    with pytest.raises(dflash2_rt.InvalidArgumentError, match="unknown request id"):
+        eng.poll(rids[0], timeout=0)  # the final update was returned: forgotten
+    # cancel a running request: it ends within a step, its pages come back
+    rid = eng.submit(ps[0], max_new_tokens=200, stop_token_ids=[])
+    assert eng.poll(rid, timeout=30).new_token_ids
+    eng.cancel(rid)
+    assert wait_until(lambda: eng.metrics()["running"] == 0)
+    m = eng.metrics()
+    assert m["requests_cancelled"] == 1 and m["queue_length"] == 0
+    eng.cancel(rid)  # ended: a no-op
+    eng.cancel(10 ** 9)  # unknown: a no-op
+    assert eng.generate([ps[1]], max_new_tokens=16, stop_token_ids=[])[0].token_ids == want[1]
+    with pytest.raises(dflash2_rt.InvalidArgumentError, match="submit: .*token"):
+        eng.submit([10 ** 9], max_new_tokens=4)
+    eng.close()
+
+
+def test_abandoned_streams_cancel_and_free_their_pages():
+    eng = dflash2_rt.Engine(method="dflash2", max_batch_size=4, max_seq_len=512)
+    ps = prompts(6)
+    want = eng.generate([ps[5]], max_new_tokens=24, stop_token_ids=[])[0].token_ids
+    streams = [eng.stream(p, max_new_tokens=400, stop_token_ids=[]) for p in ps[:4]]
+    for s in streams:
+        for i, _ in enumerate(s):  # a few tokens, then abandon
+            if i == 3:
+                break
+    for s in streams:
+        s.close()
+    del streams
+    assert wait_until(lambda: eng.metrics()["running"] == 0), eng.metrics()
+    assert eng.metrics()["requests_cancelled"] == 4
+    # the engine is healthy and correct afterwards
+    assert eng.generate([ps[5]], max_new_tokens=24, stop_token_ids=[])[0].token_ids == want
+    eng.close()
+
+
+def test_keyboard_interrupt_during_generate_cancels():
+    eng = dflash2_rt.Engine(method="ar", max_batch_size=2, max_seq_len=1024)
+    main = threading.get_ident()
+    timer = threading.Timer(0.3, lambda: signal.pthread_kill(main, signal.SIGINT))
+    timer.start()
+    t0 = time.time()
+    with pytest.raises(KeyboardInterrupt):
+        eng.generate(prompts(2), max_new_tokens=1000, stop_token_ids=[])
+    assert time.time() - t0 < 10, "generate did not stop promptly on Ctrl-C"
+    assert wait_until(lambda: eng.metrics()["running"] == 0)
+    assert eng.metrics()["requests_cancelled"] == 2
+    eng.close()
+
+
+def test_close_and_with_block():
+    with dflash2_rt.Engine(method="ar", max_batch_size=2, max_seq_len=256) as eng:
+        rid = eng.submit(prompts(1)[0], max_new_tokens=500, stop_token_ids=[])
+        assert eng.poll(rid, timeout=30).new_token_ids
+    with pytest.raises(dflash2_rt.InvalidArgumentError, match="closed"):
+        eng.submit([1, 2, 3], max_new_tokens=4)
+    eng.close()  # idempotent
+    # the step-level API still works on a closed engine
+    assert eng.logits([5, 6, 7]).shape[0] == 3
+
+
+SCRIPT_EXIT = r"""
+import sys, threading, dflash2_rt
+eng = dflash2_rt.Engine(method="dflash2", max_batch_size=4, max_seq_len=1024)
+s = eng.stream([5, 6, 7, 8], max_new_tokens=900, stop_token_ids=[])
+next(s)
+rids = [eng.submit([9, 10, 11 + i], max_new_tokens=900, stop_token_ids=[]) for i in range(3)]
+def consume():
+    for _ in eng.stream([3, 4, 5], max_new_tokens=900, stop_token_ids=[]):
+        pass
+threading.Thread(target=consume, daemon=True).start()
+print("in flight", flush=True)
+sys.exit(0)
+"""
+
+
+def test_interpreter_exits_cleanly_with_requests_in_flight():
+    r = subprocess.run([sys.executable, "-c", SCRIPT_EXIT], capture_output=True, text=True, timeout=120,
+                       env=child_env())
+    assert "in flight" in r.stdout, r.stderr[-2000:]
+    assert r.returncode == 0, (r.returncode, r.stderr[-2000:])
+    assert "terminate called" not in r.stderr and "Abort" not in r.stderr
+
+
+def test_ctrl_c_on_cli_stream_exits_cleanly():
+    p = subprocess.Popen([sys.executable, "-m", "dflash2_rt", "generate", "--prompt-ids", "5,6,7",
+                          "--max-new-tokens", "4000", "--max-seq-len", "4096", "--stream"],
+                         stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=child_env())
+    try:
+        assert p.stdout.read(8)  # streaming has started
+        p.send_signal(signal.SIGINT)
+        out, err = p.communicate(timeout=60)
+    finally:
+        if p.poll() is None:
+            p.kill()
+    assert p.returncode in (130, 1), (p.returncode, err[-2000:])
+    assert p.returncode != -signal.SIGABRT and "terminate called" not in err and "Traceback" not in err
+    assert "interrupted" in err
