@@ -77,7 +77,7 @@ int64_t SpecPolicy::choose(int64_t S) {
   // keep the model fresh: plain decoding once every kExplore steps, and the full block
   // (which also measures the acceptance of every position) about as often, less often when
   // a full-block step costs much more than the chosen one (large batches)
-  if (steps_ % kExplore == 0) return best != 0 ? 0 : K_;
+  if (best != 0 && steps_ % kExplore == 0) return 0;
   const double cost = predicted_time(S, K_) / std::max(predicted_time(S, best), 1e-12);
   const int64_t every = std::max<int64_t>(kExplore, int64_t(double(kExplore) * std::min(cost, 8.0)));
   if (best != K_ && steps_ % every == kExplore / 2) return K_;
