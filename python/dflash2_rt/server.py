@@ -449,8 +449,21 @@ class _Job:
             pass
 
     async def events(self):
+        """The events in order, the deltas already queued merged into one (one chunk, one write
+        for a reader that fell behind); a checkpoint before each, so that a writer never
+        monopolizes the loop (nor misses the client's disconnect) while events are queued."""
+        pending = None
         while True:
-            ev = await self.queue.get()
+            await asyncio.sleep(0)
+            ev = pending if pending is not None else await self.queue.get()
+            pending = None
+            if ev[0] == "delta":
+                while not self.queue.empty():
+                    nxt = self.queue.get_nowait()
+                    if nxt[0] != "delta":
+                        pending = nxt
+                        break
+                    ev = ("delta", ev[1] + nxt[1], ev[2] + nxt[2], nxt[3])
             yield ev
             if ev[0] in ("done", "error"):
                 return
