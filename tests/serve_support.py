@@ -58,10 +58,13 @@ def real_engine_class():
         import dflash2_rt
     except Exception as e:  # noqa: BLE001 - ImportError, or an OSError from a broken build
         return None, f"dflash2_rt (native core) is not importable here: {type(e).__name__}: {e}"
-    missing = [a for a in ("submit", "poll", "cancel", "metrics") if not hasattr(dflash2_rt.Engine, a)]
+    engine = getattr(dflash2_rt, "Engine", None)
+    if engine is None:
+        return None, "this dflash2_rt has no Engine"
+    missing = [a for a in ("submit", "poll", "cancel", "metrics") if not hasattr(engine, a)]
     if missing:
         return None, f"this build's dflash2_rt.Engine has no {'/'.join(missing)} yet (request scheduler not merged)"
-    return dflash2_rt.Engine, None
+    return engine, None
 
 
 def make_engine(kind: str, target=None, **kw):

@@ -164,6 +164,8 @@ def test_completion_token_id_prompt_equals_text_prompt(live):
     # a batch of one prompt is one prompt
     one = complete(live, [PROMPTS[1]], max_tokens=16)
     assert one.choices[0].text == by_text.choices[0].text
+    one = complete(live, [live.engine.encode(PROMPTS[1])], max_tokens=16)
+    assert one.choices[0].text == by_text.choices[0].text
 
 
 def test_engine_greedy_matches_direct(live):
@@ -216,8 +218,8 @@ def test_streaming_raw_sse_format(live):
 
 def test_stop_strings(live):
     full = complete(live, PROMPTS[6], max_tokens=48, extra_body={"ignore_eos": True}).choices[0].text
-    assert len(full) >= 30, full
-    stop = full[12:16]
+    assert len(full) >= 12, full
+    stop = full[len(full) // 3:len(full) // 3 + 4]
     expect = full[:full.index(stop)]
     before = live.metric("dflash2_stop_string_matches_total")
     r = complete(live, PROMPTS[6], max_tokens=48, stop=["\x00never", stop], extra_body={"ignore_eos": True})
@@ -277,16 +279,41 @@ def test_chat_with_template(chat_live):
     assert "".join(ch.choices[0].delta.content or "" for ch in chunks) == c.message.content
     assert chunks[-1].choices[0].finish_reason == "length"
     # content as a list of text parts
-    parts = [{"role": "system", "content": [{"type": "text", "text": "You write "}, {"type": "text", "text": "Python."}]},
+    parts = [{"role": "system",
+              "content": [{"type": "text", "text": "You write "}, {"type": "text", "text": "Python."}]},
              msgs[1]]
     r2 = chat_live.client.chat.completions.create(model=MODEL, messages=parts, max_tokens=20, temperature=0,
                                                   extra_body={"ignore_eos": True})
     assert r2.choices[0].message.content == c.message.content
     # no max_tokens: up to the rest of the context; a stop string ends it early
-    r3 = chat_live.client.chat.completions.create(model=MODEL, messages=msgs, temperature=0,
-                                                  stop=[c.message.content[5:9]], extra_body={"ignore_eos": True})
+    text = c.message.content
+    assert len(text) >= 6, text
+    stop = text[len(text) // 3:len(text) // 3 + 3]
+    r3 = chat_live.client.chat.completions.create(model=MODEL, messages=msgs, temperature=0, stop=[stop],
+                                                  extra_body={"ignore_eos": True})
     assert r3.choices[0].finish_reason == "stop"
-    assert r3.choices[0].message.content == c.message.content[:c.message.content.index(c.message.content[5:9])]
+    assert r3.choices[0].message.content == text[:text.index(stop)]
+
+
+def test_chat_template_override(live):
+    """create_app(chat_template=...) over a target without one; a template's
+    raise_exception is a 400."""
+    if live.kind != "fake":
+        pytest.skip("one engine per kind is enough: the fake shares it safely")
+    tpl = ("{% for m in messages %}{% if m['role'] == 'bad' %}{{ raise_exception('role bad is not allowed') }}"
+           "{% endif %}[{{ m['role'] }}] {{ m['content'] }}\n{% endfor %}[assistant]")
+    srv = server.BackgroundServer(server.create_app(live.engine, model_name=MODEL, chat_template=tpl))
+    try:
+        c = openai.OpenAI(base_url=srv.url + "/v1", api_key="x", max_retries=0)
+        r = c.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "hi"}], max_tokens=8,
+                                      temperature=0)
+        ref = c.completions.create(model=MODEL, prompt="[user] hi\n[assistant]", max_tokens=8, temperature=0)
+        assert r.choices[0].message.content == ref.choices[0].text
+        resp = httpx.post(srv.url + "/v1/chat/completions", timeout=30,
+                          json={"model": MODEL, "messages": [{"role": "bad", "content": "x"}]})
+        assert resp.status_code == 400 and "role bad is not allowed" in resp.json()["error"]["message"]
+    finally:
+        srv.stop()
 
 
 # ------------------------------------------------------------------------------ metrics
@@ -349,6 +376,8 @@ BAD = [
     ("m", {"messages": [{"role": "user", "content": "hi"}], "n": 3}, "n"),
     ("m", {"messages": [{"role": "user", "content": "hi"}], "logprobs": True}, "logprobs"),
     ("m", {"messages": [{"role": "user", "content": "hi"}], "max_completion_tokens": 0}, "max_completion_tokens"),
+    ("m", {"messages": [{"role": "user", "content": "hi"}], "chat_template_kwargs": 5}, "chat_template_kwargs"),
+    ("m", {"messages": [{"role": "user", "content": [{"type": "image_url", "image_url": {}}]}]}, "messages"),
 ]
 
 

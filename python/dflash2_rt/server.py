@@ -800,8 +800,10 @@ class _Service:
 
         kwargs = dict(self.special_tokens)
         extra = body.get("chat_template_kwargs")
-        if isinstance(extra, dict):
-            kwargs.update(extra)
+        if extra is not None:
+            if not isinstance(extra, dict):
+                raise _bad("chat_template_kwargs", "'chat_template_kwargs' must be an object")
+            kwargs.update({k: v for k, v in extra.items() if k not in ("messages", "add_generation_prompt")})
         try:
             text = self.template.render(messages=messages, add_generation_prompt=True, **kwargs)
         except jinja2.exceptions.TemplateError as e:
