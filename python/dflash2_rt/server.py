@@ -7,18 +7,41 @@
 
 Endpoints
     POST /v1/completions        prompt (a string, a list of token ids, or a list holding one of
-                                those), max_tokens (default 16), temperature, top_p, seed, stop,
-                                n (1), stream, stream_options; extensions: top_k,
-                                stop_token_ids, ignore_eos, return_token_ids
+                                those; several prompts: 400), max_tokens (default 16), temperature
+                                (default 1), top_p, seed, stop (strings, matched on the text: the
+                                output is cut before the match, finish_reason "stop"), n (1 only),
+                                stream (SSE "data: {...}" chunks, then "data: [DONE]"),
+                                stream_options.include_usage; echo false, logprobs / suffix /
+                                penalties / logit_bias unsupported (400)
     POST /v1/chat/completions   messages rendered with the checkpoint's chat template
                                 (tokenizer_config.json "chat_template" or chat_template.jinja in
                                 the target directory, or create_app(chat_template=...)); without
                                 one: 400 naming the missing template. max_tokens /
-                                max_completion_tokens default to the rest of the context.
+                                max_completion_tokens default to the rest of the context; text
+                                content parts only; no tools.
     GET  /v1/models, /v1/models/{id}
-    GET  /health                200 {"status": "ok"} while the engine runs, else 503
-    GET  /metrics               Prometheus text exposition (engine gauges and counters plus
-                                the server's own request counters)
+    GET  /health                200 {"status": "ok"} while the engine answers metrics(), else 503
+    GET  /metrics               Prometheus text exposition: dflash2_queue_length,
+                                dflash2_running_requests, dflash2_tokens_per_second,
+                                dflash2_acceptance_length, dflash2_step_time_seconds,
+                                dflash2_requests_total, dflash2_requests_finished_total,
+                                dflash2_generated_tokens_total (from Engine.metrics(); its other
+                                numeric keys as dflash2_engine_<key>), and the server's
+                                dflash2_http_requests_total{endpoint,code},
+                                dflash2_server_active_requests, dflash2_client_disconnects_total,
+                                dflash2_stop_string_matches_total, dflash2_prompt_tokens_total,
+                                dflash2_completion_tokens_total
+
+Extensions (request fields): top_k (0 or -1: off), stop_token_ids (in addition to the
+checkpoint's eos ids), ignore_eos (do not stop at eos), return_token_ids (the choice gets
+"token_ids": all generated ids; in a stream, each chunk's new ids),
+stream_options.continuous_usage_stats (every chunk carries the cumulative usage; with
+include_usage), chat_template_kwargs (extra template variables). Responses carry a "dflash2"
+object with the request's engine stats (acceptance_length, verify_steps, prefill_s, decode_s,
+tokens_per_second, ...): at the top level, and in a stream's last chunk. Stop tokens (eos,
+stop_token_ids) are counted in usage and listed in token_ids but not part of the text.
+Context: a prompt of max_seq_len tokens or more, or an explicit max_tokens that does not fit
+after the prompt, is a 400 (as OpenAI answers), never cut silently.
 
 Model names: ``model`` may be omitted; when given it must be the served name
 (``create_app(model_name=...)``, by default the target directory's name, "default" for the
