@@ -209,9 +209,80 @@ def _run_generate(args: argparse.Namespace) -> int:
     return 0
 
 
+# ---------------------------------------------------------------------------- serve
+
+
+def _serve_args(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--target", default=None,
+                   help="target checkpoint directory (glm_moe_dsa; default: the bundled default pair)")
+    p.add_argument("--draft", default=None, help="drafter checkpoint directory (methods dflash2 / dflash)")
+    p.add_argument("--method", default=None, choices=["ar", "mtp", "dflash", "dflash2"],
+                   help="decoding method (default: from the drafter's architecture with --draft, dflash2 on the "
+                        "bundled pair, else ar)")
+    p.add_argument("--host", default="127.0.0.1", help="address to listen on (default: 127.0.0.1)")
+    p.add_argument("--port", type=int, default=8000, help="port to listen on (default: 8000)")
+    p.add_argument("--max-batch-size", type=int, default=8, help="requests decoded together (default: 8)")
+    p.add_argument("--max-seq-len", type=int, default=None,
+                   help="prompt + generated tokens per request (default: min(4096, the model's "
+                        "max_position_embeddings))")
+    p.add_argument("--speculation", default="adaptive", choices=["adaptive", "fixed"],
+                   help="speculation length policy (default: adaptive)")
+    p.add_argument("--threads", type=int, default=None, help="CPU threads (default: all cores)")
+    p.add_argument("--model-name", default=None,
+                   help="the model name clients must send (default: the target directory's name; 'default' for "
+                        "the bundled pair)")
+    p.add_argument("--chat-template", default=None,
+                   help="a Jinja chat template file for /v1/chat/completions (default: the checkpoint's, from "
+                        "tokenizer_config.json or chat_template.jinja)")
+    p.add_argument("--log-level", default="info", choices=["critical", "error", "warning", "info", "debug"])
+
+
+def _run_serve(args: argparse.Namespace) -> int:
+    import time
+
+    try:
+        import fastapi  # noqa: F401
+        import uvicorn  # noqa: F401
+    except ImportError as e:
+        print(f"error: dflash2-rt serve needs fastapi and uvicorn ({e.name or e} is missing): "
+              "pip install 'dflash2_rt[serve]'", file=sys.stderr)
+        return 1
+    if not 0 <= args.port <= 65535:
+        print(f"error: --port must be in [0, 65535], found {args.port}", file=sys.stderr)
+        return 2
+    if args.chat_template is not None and not os.path.isfile(args.chat_template):
+        print(f"error: --chat-template: no such file: {args.chat_template}", file=sys.stderr)
+        return 2
+    from .engine import Engine
+    from .server import run
+
+    if not hasattr(Engine, "submit"):
+        print("error: this build's Engine has no request API (submit / poll / cancel): rebuild dflash2_rt",
+              file=sys.stderr)
+        return 1
+    t0 = time.perf_counter()
+    print(f"loading {args.target or 'the bundled default pair'}" + (f" + {args.draft}" if args.draft else "") +
+          (f" (method {args.method})" if args.method else "") + " ...", file=sys.stderr, flush=True)
+    kw = dict(max_batch_size=args.max_batch_size, max_seq_len=args.max_seq_len, speculation=args.speculation)
+    if args.threads is not None:
+        kw["num_threads"] = args.threads
+    eng = Engine(target=args.target, draft=args.draft, method=args.method, **kw)
+    try:
+        print(f"loaded in {time.perf_counter() - t0:.2f} s (method {eng.method}, max_batch_size "
+              f"{eng.max_batch_size}, max_seq_len {eng.max_seq_len}); serving on http://{args.host}:{args.port}/v1",
+              file=sys.stderr, flush=True)
+        run(eng, host=args.host, port=args.port, model_name=args.model_name, chat_template=args.chat_template,
+            log_level=args.log_level)
+    finally:
+        eng.close()
+    return 0
+
+
 _COMMANDS = [
     _Command("generate", "generate from a prompt with ar / mtp / dflash / dflash2 decoding; prints text and stats",
              _generate_args, _run_generate),
+    _Command("serve", "serve an OpenAI-compatible HTTP API (/v1/completions, /v1/chat/completions, /metrics)",
+             _serve_args, _run_serve),
     _Command("inspect", "validate a checkpoint and list its tensors (name, dtype, shape, file) with totals",
              _inspect_args, _run_inspect),
     _Command("info", "print what this build contains (backends, CUDA archs, NCCL, CUTLASS, BLAS, threads)",

@@ -1,0 +1,1242 @@
+"""An OpenAI-compatible HTTP server over a ``dflash2_rt.Engine`` (FastAPI + uvicorn).
+
+    from dflash2_rt import Engine
+    from dflash2_rt.server import create_app, run
+    eng = Engine(max_batch_size=8, speculation="adaptive")
+    run(eng, host="127.0.0.1", port=8000)          # or: dflash2-rt serve --port 8000
+
+Endpoints
+    POST /v1/completions        prompt (a string, a list of token ids, or a list holding one of
+                                those; several prompts: 400), max_tokens (default 16), temperature
+                                (default 1), top_p, seed, stop (strings, matched on the text: the
+                                output is cut before the match, finish_reason "stop"), n (1 only),
+                                stream (SSE "data: {...}" chunks, then "data: [DONE]"),
+                                stream_options.include_usage; echo false, logprobs / suffix /
+                                penalties / logit_bias unsupported (400)
+    POST /v1/chat/completions   messages rendered with the checkpoint's chat template
+                                (tokenizer_config.json "chat_template" or chat_template.jinja in
+                                the target directory, or create_app(chat_template=...)); without
+                                one: 400 naming the missing template. max_tokens /
+                                max_completion_tokens default to the rest of the context; text
+                                content parts only; no tools.
+    GET  /v1/models, /v1/models/{id}
+    GET  /health                200 {"status": "ok"} while the engine answers metrics(), else 503
+    GET  /metrics               Prometheus text exposition: dflash2_queue_length,
+                                dflash2_running_requests, dflash2_tokens_per_second,
+                                dflash2_acceptance_length, dflash2_step_time_seconds,
+                                dflash2_requests_total, dflash2_requests_finished_total,
+                                dflash2_generated_tokens_total (from Engine.metrics(); its other
+                                numeric keys as dflash2_engine_<key>), and the server's
+                                dflash2_http_requests_total{endpoint,code},
+                                dflash2_server_active_requests, dflash2_client_disconnects_total,
+                                dflash2_stop_string_matches_total, dflash2_prompt_tokens_total,
+                                dflash2_completion_tokens_total
+
+Extensions (request fields): top_k (0 or -1: off), stop_token_ids (in addition to the
+checkpoint's eos ids), ignore_eos (do not stop at eos), return_token_ids (the choice gets
+"token_ids": all generated ids; in a stream, each chunk's new ids),
+stream_options.continuous_usage_stats (every chunk carries the cumulative usage; with
+include_usage), chat_template_kwargs (extra template variables). Responses carry a "dflash2"
+object with the request's engine stats (acceptance_length, verify_steps, prefill_s, decode_s,
+tokens_per_second, ...): at the top level, and in a stream's last chunk. Stop tokens (eos,
+stop_token_ids) are counted in usage and listed in token_ids but not part of the text.
+Context: a prompt of max_seq_len tokens or more, or an explicit max_tokens that does not fit
+after the prompt, is a 400 (as OpenAI answers), never cut silently.
+
+Model names: ``model`` may be omitted; when given it must be the served name
+(``create_app(model_name=...)``, by default the target directory's name, "default" for the
+bundled pair), else 404 ``model_not_found`` as OpenAI answers.
+
+Errors have OpenAI's shape ``{"error": {"message", "type", "param", "code"}}``: client mistakes
+(malformed JSON, missing or invalid fields, unsupported options such as n > 1, logprobs or
+echo, a prompt too long for max_seq_len, an engine InvalidArgumentError) are 400 naming the
+field in ``param`` and in the message; other engine errors are 500 with their message.
+
+Each request is one engine request, submitted and polled by a thread of its own (so no
+engine call ever runs on the event loop); the thread detokenizes incrementally (correct for
+byte-level BPE: partial UTF-8 characters are held back), applies stop strings on the text
+(holding back a possible stop-string prefix; on a match it cancels the engine request) and
+hands text deltas to the event loop. A client that disconnects -- streaming or not -- gets
+its engine request cancelled within one poll interval plus one engine step.
+
+This module imports nothing from the dflash2_rt package at import time (the engine is passed
+in), so it can be used and tested with a stand-in engine without the native core.
+"""
+from __future__ import annotations
+
+import asyncio
+import json
+import logging
+import math
+import numbers
+import os
+import socket
+import threading
+import time
+import uuid
+from typing import Any, Callable, Optional
+
+import anyio
+from fastapi import FastAPI, Request
+from fastapi.exceptions import RequestValidationError
+from fastapi.responses import JSONResponse, PlainTextResponse, Response, StreamingResponse
+from starlette.exceptions import HTTPException as StarletteHTTPException
+from starlette.requests import ClientDisconnect
+
+log = logging.getLogger("dflash2_rt.server")
+
+_POLL_S = 0.1             # poll timeout of the request threads: how often they look at a cancel flag
+_CANCEL_DRAIN_S = 30.0    # after a cancel, how long a request thread waits for the engine to end it
+_I64_MAX = 2 ** 63 - 1
+
+
+# ----------------------------------------------------------------------------- errors
+
+
+class ApiError(Exception):
+    """An error answered in OpenAI's shape with an HTTP status."""
+
+    def __init__(self, status: int, message: str, param: Optional[str] = None, type_: Optional[str] = None,
+                 code: Optional[str] = None):
+        super().__init__(message)
+        self.status = status
+        self.message = message
+        self.param = param
+        self.type = type_ or ("invalid_request_error" if status < 500 else "server_error")
+        self.code = code
+
+    def body(self) -> dict:
+        return {"error": {"message": self.message, "type": self.type, "param": self.param, "code": self.code}}
+
+
+def _bad(param: Optional[str], message: str) -> ApiError:
+    return ApiError(400, message, param)
+
+
+def _is_invalid_argument(e: BaseException) -> bool:
+    """dflash2_rt.InvalidArgumentError (or a stand-in engine's error of that name)."""
+    return any(c.__name__ == "InvalidArgumentError" for c in type(e).__mro__)
+
+
+# engine argument names -> API field names, for the `param` of a 400 from the engine
+_ENGINE_PARAMS = [("max_new_tokens", "max_tokens"), ("stop_token_ids", "stop_token_ids"), ("top_p", "top_p"),
+                  ("top_k", "top_k"), ("temperature", "temperature"), ("seed", "seed"), ("prompt", "prompt")]
+
+
+def _engine_error(e: BaseException) -> ApiError:
+    msg = " ".join(str(e).split()) or type(e).__name__
+    if _is_invalid_argument(e):
+        param = next((api for name, api in _ENGINE_PARAMS if name in msg), None)
+        return ApiError(400, msg, param)
+    return ApiError(500, f"{type(e).__name__}: {msg}", None, "server_error")
+
+
+# ----------------------------------------------------------------------------- validation
+
+
+def _short(v: Any) -> str:
+    r = json.dumps(v) if isinstance(v, (str, int, float, bool, type(None))) else type(v).__name__
+    return r if len(r) <= 60 else r[:57] + "..."
+
+
+def _int(body: dict, name: str, default, lo: Optional[int] = None, hi: Optional[int] = None, what: str = ""):
+    v = body.get(name)
+    if v is None:
+        return default
+    if isinstance(v, float) and v.is_integer():
+        v = int(v)
+    if isinstance(v, bool) or not isinstance(v, int):
+        raise _bad(name, f"'{name}' must be an integer{what}, found {_short(v)}")
+    if (lo is not None and v < lo) or (hi is not None and v > hi):
+        raise _bad(name, f"'{name}' must be an integer{what}, found {v}")
+    return v
+
+
+def _number(body: dict, name: str, default: float) -> float:
+    v = body.get(name)
+    if v is None:
+        return default
+    if isinstance(v, bool) or not isinstance(v, (int, float)) or not math.isfinite(float(v)):
+        raise _bad(name, f"'{name}' must be a finite number, found {_short(v)}")
+    return float(v)
+
+
+def _bool(body: dict, name: str, default: bool) -> bool:
+    v = body.get(name)
+    if v is None:
+        return default
+    if not isinstance(v, bool):
+        raise _bad(name, f"'{name}' must be a boolean, found {_short(v)}")
+    return v
+
+
+def _unsupported(body: dict, name: str, ok: Callable[[Any], bool], message: str) -> None:
+    v = body.get(name)
+    if v is not None and not ok(v):
+        raise _bad(name, message)
+
+
+class _Params:
+    """A request's generation arguments, checked."""
+
+    __slots__ = ("max_tokens", "max_tokens_given", "max_tokens_param", "temperature", "top_p", "top_k", "seed",
+                 "stop", "stop_token_ids", "ignore_eos", "stream", "include_usage", "continuous_usage",
+                 "return_token_ids")
+
+
+def _parse_common(body: dict, *, chat: bool, vocab_size: Optional[int]) -> _Params:
+    p = _Params()
+    _unsupported(body, "n", lambda v: v == 1, "'n' must be 1: one choice per request is supported")
+    _unsupported(body, "best_of", lambda v: v == 1, "'best_of' must be 1: one choice per request is supported")
+    _unsupported(body, "presence_penalty", lambda v: v == 0, "'presence_penalty' is not supported (must be 0)")
+    _unsupported(body, "frequency_penalty", lambda v: v == 0, "'frequency_penalty' is not supported (must be 0)")
+    _unsupported(body, "logit_bias", lambda v: v == {}, "'logit_bias' is not supported")
+    if chat:
+        _unsupported(body, "logprobs", lambda v: v is False, "'logprobs' is not supported")
+        _unsupported(body, "top_logprobs", lambda v: False, "'top_logprobs' is not supported")
+        _unsupported(body, "tools", lambda v: v == [], "'tools' (function calling) is not supported")
+        _unsupported(body, "tool_choice", lambda v: v == "none", "'tool_choice' is not supported")
+        _unsupported(body, "response_format", lambda v: isinstance(v, dict) and v.get("type") == "text",
+                     "'response_format' other than {\"type\": \"text\"} is not supported")
+    else:
+        _unsupported(body, "logprobs", lambda v: False, "'logprobs' is not supported")
+        _unsupported(body, "echo", lambda v: v is False, "'echo' is not supported (must be false)")
+        _unsupported(body, "suffix", lambda v: v == "", "'suffix' is not supported")
+
+    name = "max_tokens"
+    if chat and body.get("max_completion_tokens") is not None:
+        name = "max_completion_tokens"
+    p.max_tokens = _int(body, name, None, 1, None, " >= 1")
+    p.max_tokens_param = name
+    p.max_tokens_given = p.max_tokens is not None
+    if not p.max_tokens_given and not chat:
+        p.max_tokens = 16  # OpenAI's default for completions
+    p.temperature = _number(body, "temperature", 1.0)  # OpenAI's default: sampling
+    if p.temperature < 0:
+        raise _bad("temperature", f"'temperature' must be >= 0, found {p.temperature:g}")
+    p.top_p = _number(body, "top_p", 1.0)
+    if not 0 < p.top_p <= 1:
+        raise _bad("top_p", f"'top_p' must be in (0, 1], found {p.top_p:g}")
+    p.top_k = _int(body, "top_k", 0, -1, None, " >= -1 (0 or -1: no top-k)")
+    if p.top_k < 0:
+        p.top_k = 0
+    p.seed = _int(body, "seed", None, 0, _I64_MAX, " in [0, 2**63)")
+
+    stop = body.get("stop")
+    if stop is None:
+        p.stop = []
+    elif isinstance(stop, str):
+        p.stop = [stop]
+    elif isinstance(stop, list) and all(isinstance(s, str) for s in stop):
+        p.stop = list(stop)
+    else:
+        raise _bad("stop", f"'stop' must be a string or a list of strings, found {_short(stop)}")
+    if any(s == "" for s in p.stop):
+        raise _bad("stop", "'stop' strings must not be empty")
+
+    sti = body.get("stop_token_ids")
+    if sti is None:
+        p.stop_token_ids = []
+    elif isinstance(sti, list) and all(isinstance(t, int) and not isinstance(t, bool) for t in sti):
+        for t in sti:
+            if t < 0 or (vocab_size is not None and t >= vocab_size):
+                raise _bad("stop_token_ids", f"'stop_token_ids': {t} is outside the vocabulary [0, {vocab_size})")
+        p.stop_token_ids = list(sti)
+    else:
+        raise _bad("stop_token_ids", f"'stop_token_ids' must be a list of token ids, found {_short(sti)}")
+
+    p.ignore_eos = _bool(body, "ignore_eos", False)
+    p.stream = _bool(body, "stream", False)
+    p.return_token_ids = _bool(body, "return_token_ids", False)
+    so = body.get("stream_options")
+    if so is not None and not isinstance(so, dict):
+        raise _bad("stream_options", f"'stream_options' must be an object, found {_short(so)}")
+    so = so or {}
+    for key in ("include_usage", "continuous_usage_stats"):
+        if so.get(key) is not None and not isinstance(so[key], bool):
+            raise _bad("stream_options", f"'stream_options.{key}' must be a boolean, found {_short(so[key])}")
+    p.include_usage = bool(so.get("include_usage"))
+    p.continuous_usage = p.include_usage and bool(so.get("continuous_usage_stats"))
+    return p
+
+
+# ----------------------------------------------------------------------------- text
+
+
+class Detokenizer:
+    """Incremental text of a growing list of token ids.
+
+    ``add(ids)`` returns the new text that is stable: the decode of a window of recent ids
+    (the ids since the previous emission plus those of the emission before, as context) minus
+    the decode of its context part -- held back while it ends with U+FFFD, i.e. while the last
+    bytes may be an incomplete UTF-8 character of a byte-level BPE. ``flush()`` returns the
+    rest at the end, from one decode of all ids, so that the concatenated pieces equal
+    ``decode(all ids)``."""
+
+    def __init__(self, decode: Callable[[list], str]):
+        self._decode = decode
+        self.ids: list = []
+        self.text = ""
+        self._prefix = 0
+        self._read = 0
+
+    def add(self, ids) -> str:
+        if not ids:
+            return ""
+        self.ids.extend(ids)
+        context = self._decode(self.ids[self._prefix:self._read])
+        window = self._decode(self.ids[self._prefix:])
+        if len(window) <= len(context) or window.endswith("\ufffd"):
+            return ""
+        if not window.startswith(context):  # a tokenizer whose decode is not local: decode everything
+            full = self._decode(self.ids)
+            if full.endswith("\ufffd") or not full.startswith(self.text):
+                return ""
+            delta = full[len(self.text):]
+        else:
+            delta = window[len(context):]
+        self._prefix, self._read = self._read, len(self.ids)
+        self.text += delta
+        return delta
+
+    def flush(self) -> str:
+        full = self._decode(self.ids)
+        if full.startswith(self.text):
+            delta = full[len(self.text):]
+        else:
+            context = self._decode(self.ids[self._prefix:self._read])
+            window = self._decode(self.ids[self._prefix:])
+            delta = window[len(context):] if window.startswith(context) else ""
+        self._prefix = self._read = len(self.ids)
+        self.text += delta
+        return delta
+
+
+class StopStrings:
+    """Stop sequences on streamed text: ``feed(delta)`` -> (text safe to release, matched).
+    Text that could be the start of a stop string is held back until it is known not to be;
+    on a match the text before the stop string is released and the rest dropped."""
+
+    def __init__(self, stops: list):
+        self.stops = [s for s in stops if s]
+        self.buf = ""
+
+    def feed(self, delta: str) -> tuple:
+        if not self.stops:
+            return delta, False
+        buf = self.buf + delta
+        cut = -1
+        for s in self.stops:
+            i = buf.find(s)
+            if i >= 0 and (cut < 0 or i < cut):
+                cut = i
+        if cut >= 0:
+            self.buf = ""
+            return buf[:cut], True
+        hold = 0
+        for s in self.stops:
+            for k in range(min(len(s) - 1, len(buf)), hold, -1):
+                if buf.endswith(s[:k]):
+                    hold = k
+                    break
+        self.buf = buf[len(buf) - hold:] if hold else ""
+        return buf[:len(buf) - hold], False
+
+    def finish(self, delta: str) -> tuple:
+        out, hit = self.feed(delta)
+        if not hit:
+            out, self.buf = out + self.buf, ""
+        return out, hit
+
+
+# ----------------------------------------------------------------------------- one request
+
+
+class _Job:
+    """One engine request, driven by a thread of its own: submit, then poll with a short
+    timeout (looking at the cancel flag between polls), detokenize, apply stop strings, and
+    post events to the event loop's queue:
+    ("started", rid) | ("error", exc) first, then ("delta", text, new_ids, n_generated)*,
+    then ("done", text, finish_reason, result, n_generated) or ("error", exc)."""
+
+    def __init__(self, engine, loop: asyncio.AbstractEventLoop, prompt_ids: list, sampling: dict,
+                 stop_strings: list, hidden_ids: set, decode: Optional[Callable[[list], str]], on_stop_string=None):
+        self.engine = engine
+        self.queue: asyncio.Queue = asyncio.Queue()
+        self._loop = loop
+        self._prompt = prompt_ids
+        self._sampling = sampling
+        self._stops = stop_strings
+        self._hidden = hidden_ids
+        self._decode = decode
+        self._on_stop_string = on_stop_string
+        self._cancel = threading.Event()
+        self._abandoned = False
+        self.finished = False
+        self.rid: Optional[int] = None
+        self._thread = threading.Thread(target=self._run, name="dflash2-request", daemon=True)
+
+    def start(self) -> "_Job":
+        self._thread.start()
+        return self
+
+    def cancel(self) -> None:
+        """Ends the engine request (the thread calls engine.cancel at its next poll) and stops
+        posting events: nobody reads them any more."""
+        self._abandoned = True
+        self._cancel.set()
+
+    def _post(self, ev: tuple) -> None:
+        if self._abandoned:
+            return
+        try:
+            self._loop.call_soon_threadsafe(self.queue.put_nowait, ev)
+        except RuntimeError:  # the event loop is closed (server shut down): end the request
+            self._abandoned = True
+            self._cancel.set()
+
+    def _run(self) -> None:
+        eng = self.engine
+        try:
+            rid = eng.submit(self._prompt, **self._sampling)
+        except BaseException as e:  # noqa: BLE001 - handed to the event loop
+            self.finished = True
+            self._post(("error", e))
+            return
+        self.rid = rid
+        self._post(("started", rid))
+        detok = Detokenizer(self._decode) if self._decode is not None else None
+        stops = StopStrings(self._stops)
+        stopped = False      # a stop string matched: later tokens are dropped
+        cancel_at = None     # monotonic time engine.cancel was called
+        n = 0
+        while True:
+            if self._cancel.is_set() and cancel_at is None:
+                cancel_at = time.monotonic()
+                try:
+                    eng.cancel(rid)
+                except Exception:  # noqa: BLE001 - the poll below reports the state
+                    log.debug("cancel(%s) failed", rid, exc_info=True)
+            try:
+                upd = eng.poll(rid, timeout=_POLL_S)
+            except BaseException as e:  # noqa: BLE001
+                self.finished = True
+                self._post(("error", e))
+                return
+            new = list(upd.new_token_ids)
+            if new:
+                n += len(new)
+                if not stopped and not self._abandoned:
+                    text = ""
+                    if detok is not None:
+                        try:
+                            text = detok.add([t for t in new if t not in self._hidden])
+                        except Exception as e:  # noqa: BLE001 - a decode failure ends the request
+                            self._cancel.set()
+                            self.finished = True
+                            self._post(("error", e))
+                            self._drain(rid)
+                            return
+                    text, hit = stops.feed(text)
+                    if hit:
+                        stopped = True
+                        self._cancel.set()
+                        if self._on_stop_string is not None:
+                            self._on_stop_string()
+                    self._post(("delta", text, new, n))
+            if upd.finished:
+                result = upd.result
+                text = ""
+                if not stopped and not self._abandoned:
+                    tail = detok.flush() if detok is not None else ""
+                    text, hit = stops.finish(tail)
+                    stopped = stopped or hit
+                reason = "stop" if stopped else getattr(result, "finish_reason", "stop")
+                self.finished = True
+                self._post(("done", text, reason, result, n))
+                return
+            if cancel_at is not None and time.monotonic() - cancel_at > _CANCEL_DRAIN_S:
+                log.warning("request %s: still not ended %.0f s after cancel; giving up on it", rid, _CANCEL_DRAIN_S)
+                self.finished = True
+                self._post(("error", RuntimeError(f"request {rid} did not end after cancel")))
+                return
+
+    def _drain(self, rid) -> None:
+        try:
+            self.engine.cancel(rid)
+            t0 = time.monotonic()
+            while time.monotonic() - t0 < _CANCEL_DRAIN_S:
+                if self.engine.poll(rid, timeout=_POLL_S).finished:
+                    return
+        except Exception:  # noqa: BLE001
+            pass
+
+    async def events(self):
+        """The events in order, the deltas already queued merged into one (one chunk, one write
+        for a reader that fell behind); a checkpoint before each, so that a writer never
+        monopolizes the loop (nor misses the client's disconnect) while events are queued."""
+        pending = None
+        while True:
+            await asyncio.sleep(0)
+            ev = pending if pending is not None else await self.queue.get()
+            pending = None
+            if ev[0] == "delta":
+                while not self.queue.empty():
+                    nxt = self.queue.get_nowait()
+                    if nxt[0] != "delta":
+                        pending = nxt
+                        break
+                    ev = ("delta", ev[1] + nxt[1], ev[2] + nxt[2], nxt[3])
+            yield ev
+            if ev[0] in ("done", "error"):
+                return
+
+
+# ----------------------------------------------------------------------------- chat template
+
+
+def _load_chat_template(target: Optional[str], override: Optional[str]) -> tuple:
+    """(template source or None, special tokens dict, where it came from)."""
+    special: dict = {}
+    cfg_path = os.path.join(target, "tokenizer_config.json") if target else None
+    cfg: dict = {}
+    if cfg_path and os.path.isfile(cfg_path):
+        try:
+            with open(cfg_path, encoding="utf-8") as f:
+                cfg = json.load(f)
+        except (OSError, ValueError) as e:
+            log.warning("cannot read %s: %s", cfg_path, e)
+            cfg = {}
+    for k in ("bos_token", "eos_token", "unk_token", "pad_token"):
+        v = cfg.get(k)
+        if isinstance(v, dict):
+            v = v.get("content")
+        if isinstance(v, str):
+            special[k] = v
+    if override is not None:
+        if os.path.isfile(override):
+            with open(override, encoding="utf-8") as f:
+                return f.read(), special, override
+        return override, special, "chat_template argument"
+    tpl = cfg.get("chat_template")
+    if isinstance(tpl, list):  # [{"name": ..., "template": ...}]
+        named = {t.get("name"): t.get("template") for t in tpl if isinstance(t, dict)}
+        tpl = named.get("default") or next(iter(named.values()), None)
+    if isinstance(tpl, str) and tpl:
+        return tpl, special, cfg_path
+    jinja_path = os.path.join(target, "chat_template.jinja") if target else None
+    if jinja_path and os.path.isfile(jinja_path):
+        with open(jinja_path, encoding="utf-8") as f:
+            return f.read(), special, jinja_path
+    return None, special, None
+
+
+def _compile_template(source: str):
+    import jinja2
+    from jinja2.sandbox import ImmutableSandboxedEnvironment
+
+    def raise_exception(message):
+        raise jinja2.exceptions.TemplateError(message)
+
+    def tojson(x, ensure_ascii=False, indent=None, separators=None, sort_keys=False):
+        return json.dumps(x, ensure_ascii=ensure_ascii, indent=indent, separators=separators, sort_keys=sort_keys)
+
+    env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True, extensions=["jinja2.ext.loopcontrols"])
+    env.filters["tojson"] = tojson
+    env.globals["raise_exception"] = raise_exception
+    env.globals["strftime_now"] = lambda fmt: time.strftime(fmt)
+    return env.from_string(source)
+
+
+def _chat_messages(body: dict) -> list:
+    msgs = body.get("messages")
+    if msgs is None:
+        raise _bad("messages", "'messages' is required")
+    if not isinstance(msgs, list) or not msgs:
+        raise _bad("messages", "'messages' must be a non-empty list of messages")
+    out = []
+    for i, m in enumerate(msgs):
+        where = f"messages[{i}]"
+        if not isinstance(m, dict):
+            raise _bad("messages", f"'{where}' must be an object with 'role' and 'content'")
+        role = m.get("role")
+        if not isinstance(role, str) or not role:
+            raise _bad("messages", f"'{where}.role' must be a non-empty string")
+        content = m.get("content")
+        if isinstance(content, list):
+            parts = []
+            for j, part in enumerate(content):
+                if not isinstance(part, dict) or part.get("type") != "text" or not isinstance(part.get("text"), str):
+                    raise _bad("messages", f"'{where}.content[{j}]': only text parts "
+                                           "({\"type\": \"text\", \"text\": ...}) are supported")
+                parts.append(part["text"])
+            content = "".join(parts)
+        elif content is not None and not isinstance(content, str):
+            raise _bad("messages", f"'{where}.content' must be a string or a list of text parts")
+        mm = dict(m)
+        mm["content"] = content if content is not None else ""
+        out.append(mm)
+    return out
+
+
+# ----------------------------------------------------------------------------- responses
+
+
+class _EventStream(StreamingResponse):
+    """Server-sent events that always watch for the client's disconnect (whatever ASGI spec
+    version the server announces), then close the body generator and call ``on_close`` --
+    which cancels the engine request unless it ended -- however the response ends."""
+
+    media_type = "text/event-stream"
+
+    def __init__(self, content, on_close: Callable[[], None], **kw):
+        super().__init__(content, **kw)
+        self._on_close = on_close
+
+    async def __call__(self, scope, receive, send) -> None:
+        try:
+            async with anyio.create_task_group() as tg:
+                async def stream() -> None:
+                    try:
+                        await self.stream_response(send)
+                    except OSError:  # the client is gone
+                        pass
+                    tg.cancel_scope.cancel()
+
+                async def listen() -> None:
+                    while True:
+                        message = await receive()
+                        if message["type"] == "http.disconnect":
+                            break
+                    tg.cancel_scope.cancel()
+
+                tg.start_soon(stream)
+                tg.start_soon(listen)
+        finally:
+            try:
+                aclose = getattr(self.body_iterator, "aclose", None)
+                if aclose is not None:
+                    with anyio.CancelScope(shield=True):
+                        await aclose()
+            finally:
+                self._on_close()
+
+
+def _sse(obj) -> str:
+    return "data: " + json.dumps(obj, ensure_ascii=False, separators=(",", ":")) + "\n\n"
+
+
+def _jsonable(v):
+    """stats as JSON: numpy scalars to Python numbers, non-finite floats to None."""
+    if isinstance(v, dict):
+        return {str(k): _jsonable(x) for k, x in v.items()}
+    if isinstance(v, (list, tuple)):
+        return [_jsonable(x) for x in v]
+    if v is None or isinstance(v, (bool, str)):
+        return v
+    if isinstance(v, numbers.Integral):
+        return int(v)
+    if isinstance(v, numbers.Real):
+        f = float(v)
+        return f if math.isfinite(f) else None
+    if hasattr(v, "tolist"):  # a numpy array
+        return _jsonable(v.tolist())
+    return str(v)
+
+
+def _prom_value(v) -> str:
+    f = float(v)
+    if math.isnan(f):
+        return "NaN"
+    if math.isinf(f):
+        return "+Inf" if f > 0 else "-Inf"
+    if f.is_integer() and abs(f) < 2 ** 53:
+        return str(int(f))
+    return repr(f)
+
+
+# engine metric -> (exposed name, type, help)
+_ENGINE_METRICS = [
+    ("queue_length", "dflash2_queue_length", "gauge", "Requests waiting for a batch slot."),
+    ("running", "dflash2_running_requests", "gauge", "Requests in the running batch."),
+    ("tokens_per_second", "dflash2_tokens_per_second", "gauge", "Generated tokens per second (recent)."),
+    ("acceptance_length", "dflash2_acceptance_length", "gauge",
+     "Mean committed tokens per request per verify step (recent)."),
+    ("step_time_s", "dflash2_step_time_seconds", "gauge", "Mean engine step time in seconds (recent)."),
+    ("requests_total", "dflash2_requests_total", "counter", "Requests submitted to the engine."),
+    ("requests_finished", "dflash2_requests_finished_total", "counter", "Requests the engine finished."),
+    ("generated_tokens_total", "dflash2_generated_tokens_total", "counter", "Tokens generated by the engine."),
+]
+
+
+def _metric_name(key: str) -> str:
+    out = "".join(c if c.isalnum() or c == "_" else "_" for c in key)
+    return "dflash2_engine_" + out.strip("_")
+
+
+class _Counters:
+    """The server's own counters (the event loop's thread only, no lock needed, except for
+    the stop-string counter incremented from request threads: guarded)."""
+
+    def __init__(self):
+        self.http: dict = {}           # (endpoint, status) -> count
+        self.disconnects = 0           # requests cancelled because their client went away
+        self.active = 0                # generation requests in flight
+        self.prompt_tokens = 0
+        self.completion_tokens = 0
+        self._lock = threading.Lock()
+        self.stop_strings = 0          # requests ended by a stop string
+
+    def stop_string(self) -> None:
+        with self._lock:
+            self.stop_strings += 1
+
+
+# ----------------------------------------------------------------------------- the app
+
+
+def default_model_name(engine) -> str:
+    """The target directory's name ('default' for the bundled pair, whose target is
+    models/default/target)."""
+    target = getattr(engine, "target", None)
+    if not target:
+        return "dflash2"
+    path = os.path.normpath(os.fspath(target))
+    name = os.path.basename(path)
+    if name == "target":
+        name = os.path.basename(os.path.dirname(path)) or name
+    return name or "dflash2"
+
+
+class _Service:
+    def __init__(self, engine, model_name: str, chat_template: Optional[str]):
+        self.engine = engine
+        self.model_name = model_name
+        self.created = int(time.time())
+        self.counters = _Counters()
+        self.tokenizer = getattr(engine, "tokenizer", None)
+        self.max_seq_len = getattr(engine, "max_seq_len", None)
+        try:
+            self.vocab_size = int(engine.vocab_size)
+        except Exception:  # noqa: BLE001
+            self.vocab_size = None
+        cfg = {}
+        try:
+            cfg = dict(engine.config or {})
+        except Exception:  # noqa: BLE001
+            pass
+        self.eos_ids = set(self._ids(cfg.get("eos_token_id")))
+        target = getattr(engine, "target", None)
+        gen_cfg = os.path.join(target, "generation_config.json") if target else None
+        if gen_cfg and os.path.isfile(gen_cfg):
+            try:
+                with open(gen_cfg, encoding="utf-8") as f:
+                    self.eos_ids |= set(self._ids(json.load(f).get("eos_token_id")))
+            except (OSError, ValueError):
+                pass
+        self.template_source, self.special_tokens, self.template_origin = _load_chat_template(
+            os.fspath(target) if target else None, chat_template)
+        self.template = None
+        self.template_error = None
+        if self.template_source is not None:
+            try:
+                self.template = _compile_template(self.template_source)
+            except Exception as e:  # noqa: BLE001 - reported on each chat request
+                self.template_error = f"the chat template ({self.template_origin}) does not compile: {e}"
+                log.warning(self.template_error)
+
+    @staticmethod
+    def _ids(v) -> list:
+        if v is None:
+            return []
+        if isinstance(v, int) and not isinstance(v, bool):
+            return [v]
+        if isinstance(v, list):
+            return [t for t in v if isinstance(t, int) and not isinstance(t, bool)]
+        return []
+
+    # ------------------------------------------------------------------ helpers
+
+    def check_model(self, body: dict) -> None:
+        m = body.get("model")
+        if m is None:
+            return
+        if not isinstance(m, str):
+            raise _bad("model", f"'model' must be a string, found {_short(m)}")
+        if m != self.model_name:
+            raise ApiError(404, f"The model '{m}' does not exist; this server serves '{self.model_name}'",
+                           "model", "invalid_request_error", "model_not_found")
+
+    def encode(self, text: str, special: bool = True) -> list:
+        if self.tokenizer is None:
+            raise _bad("prompt", "this model has no tokenizer (no tokenizer.json in its target directory): "
+                                 "send the prompt as a list of token ids")
+        if not special:
+            try:
+                return list(self.tokenizer.encode(text, add_special_tokens=False).ids)
+            except TypeError:
+                pass
+        if hasattr(self.engine, "encode"):
+            return list(self.engine.encode(text))
+        return list(self.tokenizer.encode(text).ids)
+
+    def decoder(self) -> Optional[Callable[[list], str]]:
+        if self.tokenizer is None:
+            return None
+        return self.engine.decode if hasattr(self.engine, "decode") else (lambda ids: self.tokenizer.decode(ids))
+
+    def token_ids(self, v, param: str = "prompt") -> list:
+        ids = list(v)
+        for j, t in enumerate(ids):
+            if self.vocab_size is not None and not 0 <= t < self.vocab_size:
+                raise _bad(param, f"'{param}': token {j} = {t} is outside the vocabulary [0, {self.vocab_size})")
+        return ids
+
+    async def completion_prompt(self, body: dict) -> list:
+        prompt = body.get("prompt")
+        if prompt is None:
+            raise _bad("prompt", "'prompt' is required")
+        if isinstance(prompt, list) and len(prompt) == 1 and isinstance(prompt[0], (str, list)):
+            prompt = prompt[0]  # a batch of one prompt
+        if isinstance(prompt, str):
+            if prompt == "":
+                raise _bad("prompt", "'prompt' must not be empty")
+            return await anyio.to_thread.run_sync(self.encode, prompt)
+        if isinstance(prompt, list):
+            if not prompt:
+                raise _bad("prompt", "'prompt' must not be empty")
+            if all(isinstance(t, int) and not isinstance(t, bool) for t in prompt):
+                return self.token_ids(prompt)
+            if all(isinstance(t, (str, list)) for t in prompt):
+                raise _bad("prompt", f"'prompt' holds {len(prompt)} prompts; one prompt per request is supported")
+        raise _bad("prompt", "'prompt' must be a string or a list of token ids")
+
+    def render_chat(self, messages: list, body: dict) -> list:
+        if self.template_error is not None:
+            raise ApiError(500, self.template_error)
+        if self.template is None:
+            target = getattr(self.engine, "target", "?")
+            raise _bad("messages", f"model '{self.model_name}' has no chat template (no 'chat_template' in "
+                                   f"tokenizer_config.json and no chat_template.jinja in {target}); "
+                                   "use /v1/completions, or serve with --chat-template")
+        import jinja2
+
+        kwargs = dict(self.special_tokens)
+        extra = body.get("chat_template_kwargs")
+        if extra is not None:
+            if not isinstance(extra, dict):
+                raise _bad("chat_template_kwargs", "'chat_template_kwargs' must be an object")
+            kwargs.update({k: v for k, v in extra.items() if k not in ("messages", "add_generation_prompt")})
+        try:
+            text = self.template.render(messages=messages, add_generation_prompt=True, **kwargs)
+        except jinja2.exceptions.TemplateError as e:
+            raise _bad("messages", f"the chat template rejected the messages: {e}") from None
+        if not text:
+            raise _bad("messages", "the chat template rendered an empty prompt")
+        return self.encode(text, special=False)
+
+    def fit(self, ids: list, p: _Params, prompt_param: str) -> None:
+        """max_tokens against the context: 400 when the prompt or prompt + max_tokens do not
+        fit in max_seq_len; a missing max_tokens (chat) takes the rest of the context."""
+        L = self.max_seq_len
+        if L is None:
+            if p.max_tokens is None:
+                p.max_tokens = 16
+            return
+        if len(ids) >= L:
+            raise _bad(prompt_param, f"the prompt has {len(ids)} tokens; this model's max_seq_len is {L} "
+                                     "(the prompt plus at least one generated token must fit)")
+        room = L - len(ids)
+        if p.max_tokens is None:
+            p.max_tokens = room
+        elif p.max_tokens > room:
+            if p.max_tokens_given:
+                raise _bad(p.max_tokens_param, f"'{p.max_tokens_param}' = {p.max_tokens} plus the prompt's "
+                                               f"{len(ids)} tokens exceeds this model's max_seq_len of {L}")
+            p.max_tokens = room  # the completions default (16) near the end of the context
+
+    def sampling(self, p: _Params) -> dict:
+        stop_ids = set(p.stop_token_ids)
+        if not p.ignore_eos:
+            stop_ids |= self.eos_ids
+        return dict(max_new_tokens=p.max_tokens, temperature=p.temperature, top_p=p.top_p, top_k=p.top_k,
+                    seed=p.seed, stop_token_ids=sorted(stop_ids))
+
+    # ------------------------------------------------------------------ generation
+
+    async def generate(self, request: Request, ids: list, p: _Params, chat: bool) -> Response:
+        sampling = self.sampling(p)
+        job = _Job(self.engine, asyncio.get_running_loop(), ids, sampling, p.stop,
+                   set(sampling["stop_token_ids"]), self.decoder(), self.counters.stop_string).start()
+        self.counters.active += 1
+        handed_over = False
+        try:
+            first = await job.queue.get()
+            if first[0] == "error":
+                raise _engine_error(first[1])
+            rid = first[1]
+            req_id = ("chatcmpl-" if chat else "cmpl-") + uuid.uuid4().hex
+            if p.stream:
+                state = {"done": False, "closed": False}
+
+                def on_close() -> None:  # the event loop's thread; once
+                    if state["closed"]:
+                        return
+                    state["closed"] = True
+                    self.counters.active -= 1
+                    if not state["done"]:
+                        job.cancel()
+                        self.counters.disconnects += 1
+                        log.info("request %s: stream closed before its end (client disconnected); cancelled", rid)
+
+                resp = _EventStream(self._stream(job, ids, p, chat, req_id, rid, state), on_close,
+                                    headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
+                handed_over = True
+                return resp
+            return await self._collect(request, job, ids, p, chat, req_id, rid)
+        finally:
+            if not handed_over:
+                job.cancel()  # a no-op for a finished request
+                self.counters.active -= 1
+
+    async def _collect(self, request: Request, job: _Job, ids: list, p: _Params, chat: bool, req_id: str,
+                       rid: int) -> Response:
+        box: dict = {"text": [], "ids": []}
+
+        async def consume() -> None:
+            async for ev in job.events():
+                if ev[0] == "delta":
+                    box["text"].append(ev[1])
+                    box["ids"].extend(ev[2])
+                elif ev[0] == "done":
+                    box["text"].append(ev[1])
+                    box["done"] = ev
+                else:
+                    box["error"] = ev[1]
+
+        disconnected = False
+        async with anyio.create_task_group() as tg:
+            async def main() -> None:
+                await consume()
+                tg.cancel_scope.cancel()
+
+            async def watch() -> None:
+                nonlocal disconnected
+                while True:
+                    message = await request.receive()
+                    if message["type"] == "http.disconnect":
+                        disconnected = True
+                        tg.cancel_scope.cancel()
+                        return
+
+            tg.start_soon(main)
+            tg.start_soon(watch)
+        if disconnected and "done" not in box and "error" not in box:
+            job.cancel()
+            self.counters.disconnects += 1
+            log.info("request %s: client disconnected; cancelled", rid)
+            return Response(status_code=499)  # nobody reads it
+        if "error" in box:
+            raise _engine_error(box["error"])
+        _, _, reason, result, n = box["done"]
+        text = "".join(box["text"])
+        usage = self._usage(ids, result, n)
+        choice: dict = {"index": 0, "finish_reason": reason, "logprobs": None}
+        if chat:
+            choice["message"] = {"role": "assistant", "content": text}
+        else:
+            choice["text"] = text
+        if p.return_token_ids:
+            choice["token_ids"] = list(getattr(result, "token_ids", None) or box["ids"])
+        obj = {"id": req_id, "object": "chat.completion" if chat else "text_completion", "created": int(time.time()),
+               "model": self.model_name, "choices": [choice], "usage": usage,
+               "dflash2": self._extension(result, rid)}
+        if chat:
+            obj["system_fingerprint"] = None
+        return JSONResponse(obj)
+
+    def _usage(self, ids: list, result, n: int) -> dict:
+        toks = getattr(result, "token_ids", None)
+        completion = len(toks) if toks is not None else n
+        self.counters.prompt_tokens += len(ids)
+        self.counters.completion_tokens += completion
+        return {"prompt_tokens": len(ids), "completion_tokens": completion, "total_tokens": len(ids) + completion}
+
+    @staticmethod
+    def _extension(result, rid) -> dict:
+        stats = getattr(result, "stats", None) or {}
+        out = {"request_id": rid, "engine_finish_reason": getattr(result, "finish_reason", None)}
+        out.update(_jsonable(dict(stats)))
+        return out
+
+    async def _stream(self, job: _Job, ids: list, p: _Params, chat: bool, req_id: str, rid: int, state: dict):
+        created = int(time.time())
+        obj_type = "chat.completion.chunk" if chat else "text_completion"
+
+        def chunk(text: Optional[str], reason: Optional[str], new_ids: Optional[list], n: int,
+                  role: bool = False) -> dict:
+            if chat:
+                delta: dict = {}
+                if role:
+                    delta["role"] = "assistant"
+                if text is not None:
+                    delta["content"] = text
+                choice = {"index": 0, "delta": delta, "logprobs": None, "finish_reason": reason}
+            else:
+                choice = {"index": 0, "text": text or "", "logprobs": None, "finish_reason": reason}
+            if p.return_token_ids and new_ids is not None:
+                choice["token_ids"] = new_ids
+            obj = {"id": req_id, "object": obj_type, "created": created, "model": self.model_name, "choices": [choice]}
+            if chat:
+                obj["system_fingerprint"] = None
+            if p.include_usage:
+                obj["usage"] = ({"prompt_tokens": len(ids), "completion_tokens": n, "total_tokens": len(ids) + n}
+                                if p.continuous_usage else None)
+            return obj
+
+        if chat:
+            yield _sse(chunk("", None, None, 0, role=True))
+        async for ev in job.events():
+            if ev[0] == "delta":
+                _, text, new_ids, n = ev
+                if text or p.return_token_ids or p.continuous_usage:
+                    yield _sse(chunk(text, None, new_ids, n))
+            elif ev[0] == "done":
+                _, text, reason, result, n = ev
+                state["done"] = True
+                usage = self._usage(ids, result, n)
+                final = chunk(text if (text or not chat) else None, reason, [] if p.return_token_ids else None,
+                              usage["completion_tokens"])
+                final["dflash2"] = self._extension(result, rid)
+                yield _sse(final)
+                if p.include_usage:
+                    yield _sse({"id": req_id, "object": obj_type, "created": created, "model": self.model_name,
+                                "choices": [], "usage": usage})
+            else:
+                state["done"] = True
+                err = _engine_error(ev[1])
+                if err.status >= 500:
+                    log.error("request %s failed: %s", rid, err.message)
+                yield _sse(err.body())
+        yield "data: [DONE]\n\n"
+
+    # ------------------------------------------------------------------ metrics
+
+    def prometheus(self, m: dict) -> str:
+        lines = []
+        seen = set()
+        for key, name, typ, help_ in _ENGINE_METRICS:
+            if key in m and isinstance(m[key], (int, float)) and not isinstance(m[key], bool):
+                lines += [f"# HELP {name} {help_}", f"# TYPE {name} {typ}", f"{name} {_prom_value(m[key])}"]
+                seen.add(key)
+        for key, v in sorted(m.items()):
+            if key in seen or isinstance(v, bool) or not isinstance(v, (int, float)):
+                continue
+            name = _metric_name(str(key))
+            lines += [f"# HELP {name} Engine metric '{key}'.", f"# TYPE {name} gauge", f"{name} {_prom_value(v)}"]
+        c = self.counters
+        lines += ["# HELP dflash2_http_requests_total HTTP requests answered, by endpoint and status code.",
+                  "# TYPE dflash2_http_requests_total counter"]
+        for (ep, code), v in sorted(c.http.items()):
+            lines.append(f'dflash2_http_requests_total{{endpoint="{ep}",code="{code}"}} {v}')
+        for name, typ, help_, v in [
+            ("dflash2_server_active_requests", "gauge", "Generation requests in flight in the HTTP server.", c.active),
+            ("dflash2_client_disconnects_total", "counter",
+             "Requests cancelled because their client disconnected.", c.disconnects),
+            ("dflash2_stop_string_matches_total", "counter", "Requests ended by a stop string.", c.stop_strings),
+            ("dflash2_prompt_tokens_total", "counter", "Prompt tokens of the answered requests.", c.prompt_tokens),
+            ("dflash2_completion_tokens_total", "counter", "Completion tokens of the answered requests.",
+             c.completion_tokens),
+        ]:
+            lines += [f"# HELP {name} {help_}", f"# TYPE {name} {typ}", f"{name} {_prom_value(v)}"]
+        return "\n".join(lines) + "\n"
+
+
+async def _json_body(request: Request) -> dict:
+    raw = await request.body()
+    if not raw:
+        raise _bad(None, "the request body is empty; expected a JSON object")
+    try:
+        body = json.loads(raw)
+    except (ValueError, UnicodeDecodeError) as e:
+        raise _bad(None, f"the request body is not valid JSON: {e}") from None
+    if not isinstance(body, dict):
+        raise _bad(None, f"the request body must be a JSON object, found {type(body).__name__}")
+    return body
+
+
+def create_app(engine, model_name: Optional[str] = None, *, chat_template: Optional[str] = None) -> FastAPI:
+    """The FastAPI app serving `engine` (which the app does not own: close it after the
+    server stops). model_name: the served name (default: default_model_name(engine)).
+    chat_template: a Jinja chat template (its source, or a path to a file) overriding the
+    checkpoint's. The service state lives in app.state.dflash2."""
+    svc = _Service(engine, model_name or default_model_name(engine), chat_template)
+    app = FastAPI(title="dflash2_rt", docs_url=None, redoc_url=None, openapi_url=None)
+    app.state.dflash2 = svc
+
+    def count(endpoint: str, status: int) -> None:
+        key = (endpoint, status)
+        svc.counters.http[key] = svc.counters.http.get(key, 0) + 1
+
+    async def handle(endpoint: str, fn, request: Request) -> Response:
+        try:
+            resp = await fn(request)
+        except ClientDisconnect:  # gone while its body was being read: nothing was submitted
+            count(endpoint, 499)
+            return Response(status_code=499)
+        except ApiError as e:
+            if e.status >= 500:
+                log.error("%s: %s", endpoint, e.message)
+            count(endpoint, e.status)
+            return JSONResponse(e.body(), status_code=e.status)
+        except Exception as e:  # noqa: BLE001 - a bug or an engine failure: 500 with the message
+            log.exception("%s failed", endpoint)
+            err = ApiError(500, f"{type(e).__name__}: {e}")
+            count(endpoint, 500)
+            return JSONResponse(err.body(), status_code=500)
+        count(endpoint, resp.status_code)
+        return resp
+
+    async def completions(request: Request) -> Response:
+        body = await _json_body(request)
+        svc.check_model(body)
+        p = _parse_common(body, chat=False, vocab_size=svc.vocab_size)
+        ids = await svc.completion_prompt(body)
+        svc.fit(ids, p, "prompt")
+        return await svc.generate(request, ids, p, chat=False)
+
+    async def chat_completions(request: Request) -> Response:
+        body = await _json_body(request)
+        svc.check_model(body)
+        messages = _chat_messages(body)
+        p = _parse_common(body, chat=True, vocab_size=svc.vocab_size)
+        ids = await anyio.to_thread.run_sync(svc.render_chat, messages, body)
+        svc.fit(ids, p, "messages")
+        return await svc.generate(request, ids, p, chat=True)
+
+    @app.post("/v1/completions")
+    async def _completions(request: Request):
+        return await handle("/v1/completions", completions, request)
+
+    @app.post("/v1/chat/completions")
+    async def _chat(request: Request):
+        return await handle("/v1/chat/completions", chat_completions, request)
+
+    def model_card() -> dict:
+        return {"id": svc.model_name, "object": "model", "created": svc.created, "owned_by": "dflash2_rt",
+                "max_model_len": svc.max_seq_len, "method": getattr(engine, "method", None)}
+
+    @app.get("/v1/models")
+    async def _models():
+        count("/v1/models", 200)
+        return JSONResponse({"object": "list", "data": [model_card()]})
+
+    @app.get("/v1/models/{model_id:path}")
+    async def _model(model_id: str):
+        if model_id != svc.model_name:
+            count("/v1/models", 404)
+            e = ApiError(404, f"The model '{model_id}' does not exist; this server serves '{svc.model_name}'",
+                         "model", "invalid_request_error", "model_not_found")
+            return JSONResponse(e.body(), status_code=404)
+        count("/v1/models", 200)
+        return JSONResponse(model_card())
+
+    @app.get("/health")
+    async def _health():
+        try:
+            await anyio.to_thread.run_sync(engine.metrics)
+        except Exception as e:  # noqa: BLE001 - closed or broken engine
+            count("/health", 503)
+            return JSONResponse({"status": "error", "message": f"{type(e).__name__}: {e}"}, status_code=503)
+        count("/health", 200)
+        return JSONResponse({"status": "ok"})
+
+    @app.get("/metrics")
+    async def _metrics():
+        try:
+            m = await anyio.to_thread.run_sync(engine.metrics)
+        except Exception as e:  # noqa: BLE001
+            count("/metrics", 503)
+            return PlainTextResponse(f"# engine unavailable: {type(e).__name__}: {e}\n", status_code=503)
+        count("/metrics", 200)
+        return PlainTextResponse(svc.prometheus(dict(m)), media_type="text/plain; version=0.0.4; charset=utf-8")
+
+    @app.exception_handler(StarletteHTTPException)
+    async def _http_error(request: Request, exc: StarletteHTTPException):
+        e = ApiError(exc.status_code, str(exc.detail), None,
+                     "invalid_request_error" if exc.status_code < 500 else "server_error")
+        return JSONResponse(e.body(), status_code=exc.status_code, headers=getattr(exc, "headers", None))
+
+    @app.exception_handler(RequestValidationError)
+    async def _validation_error(request: Request, exc: RequestValidationError):
+        errs = exc.errors()
+        loc = errs[0].get("loc", ()) if errs else ()
+        param = ".".join(str(x) for x in loc if x != "body") or None
+        e = _bad(param, "; ".join(f"{'.'.join(str(x) for x in er.get('loc', ()))}: {er.get('msg')}" for er in errs))
+        return JSONResponse(e.body(), status_code=400)
+
+    return app
+
+
+# ----------------------------------------------------------------------------- running
+
+
+def run(engine, host: str = "127.0.0.1", port: int = 8000, *, model_name: Optional[str] = None,
+        chat_template: Optional[str] = None, log_level: str = "info") -> None:
+    """Serves `engine` until interrupted (Ctrl-C / SIGTERM). The engine is not closed."""
+    import uvicorn
+
+    app = create_app(engine, model_name, chat_template=chat_template)
+    uvicorn.run(app, host=host, port=port, log_level=log_level, timeout_graceful_shutdown=5)
+
+
+class BackgroundServer:
+    """A uvicorn server on a thread of this process (tests, benchmarks):
+
+        with BackgroundServer(create_app(engine)) as srv:
+            httpx.get(srv.url + "/health")
+
+    port=0 picks a free port (the socket is bound here, so there is no race)."""
+
+    def __init__(self, app, host: str = "127.0.0.1", port: int = 0, log_level: str = "warning",
+                 startup_timeout: float = 30.0):
+        import uvicorn
+
+        family = socket.AF_INET6 if ":" in host else socket.AF_INET
+        self._sock = socket.socket(family, socket.SOCK_STREAM)
+        self._sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        self._sock.bind((host, port))
+        self.host = host
+        self.port = self._sock.getsockname()[1]
+        config = uvicorn.Config(app, log_level=log_level, timeout_graceful_shutdown=5, lifespan="off")
+        self.server = uvicorn.Server(config)
+        self._thread = threading.Thread(target=self.server.run, kwargs={"sockets": [self._sock]},
+                                        name="dflash2-server", daemon=True)
+        self._thread.start()
+        t0 = time.monotonic()
+        while not self.server.started:
+            if not self._thread.is_alive():
+                raise RuntimeError("the server thread ended during startup")
+            if time.monotonic() - t0 > startup_timeout:
+                self.stop()
+                raise RuntimeError(f"the server did not start within {startup_timeout} s")
+            time.sleep(0.01)
+
+    @property
+    def url(self) -> str:
+        h = f"[{self.host}]" if ":" in self.host else self.host
+        return f"http://{h}:{self.port}"
+
+    def stop(self, timeout: float = 10.0) -> None:
+        self.server.should_exit = True
+        self._thread.join(timeout)
+        try:
+            self._sock.close()
+        except OSError:
+            pass
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        self.stop()
