@@ -246,6 +246,8 @@ void bind_engine(py::module_& m) {
              d["acceptance_length"] = m.acceptance_length;
              d["step_time_s"] = m.step_time_s;
              d["draft_len"] = m.draft_len;
+             d["cache_pages_used"] = m.cache_pages_used;
+             d["cache_pages_total"] = m.cache_pages_total;
              return d;
            })
       .def(

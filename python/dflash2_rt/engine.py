@@ -244,6 +244,7 @@ class Engine:
                                mtp_draft_tokens, speculation)
         _LIVE.add(self)
         self.speculation = speculation
+        self._cancelled: set = set()
         self.method = self._e.method
         self.device = device
         self.target = os.fspath(target)
@@ -317,7 +318,13 @@ class Engine:
         t = -1.0 if timeout is None else max(0.0, _check_real("poll", "timeout", timeout))
         while True:  # wait in slices so that Ctrl-C (KeyboardInterrupt) is seen
             step = 0.1 if t < 0 else min(t, 0.1)
-            ups = self._e.poll([rid], step)
+            try:
+                ups = self._e.poll([rid], step)
+            except _core.InvalidArgumentError:
+                if rid in self._cancelled:  # cancelled and ended: the engine forgot it
+                    self._cancelled.discard(rid)
+                    return RequestUpdate([], True, GenerationResult([], "cancelled", {}, None))
+                raise
             if ups:
                 _, toks, finished, res = ups[0]
                 return RequestUpdate(list(toks), bool(finished), self._result(res) if finished else None)
@@ -328,13 +335,19 @@ class Engine:
 
     def cancel(self, request_id: int) -> None:
         """Ends a request within one step (finish_reason "cancelled") and frees its cache pages;
-        no poll is needed afterwards. Unknown or finished ids are ignored."""
-        self._e.cancel(_check_int("cancel", "request_id", request_id))
+        no poll is needed afterwards (a later poll reports it finished, "cancelled"). Unknown
+        or finished ids are ignored."""
+        rid = _check_int("cancel", "request_id", request_id)
+        self._e.cancel(rid)
+        self._cancelled.add(rid)
+        if len(self._cancelled) > 4096:  # bounded: the oldest are forgotten
+            self._cancelled.pop()
 
     def metrics(self) -> dict:
         """Engine-wide counters: queue_length, running, requests_total / _finished / _cancelled,
-        generated_tokens_total, steps_total, and recent tokens_per_second, acceptance_length
-        (committed tokens per sequence per step), step_time_s, draft_len."""
+        generated_tokens_total, steps_total, cache_pages_used / _total (the target's KV-cache
+        blocks), and recent tokens_per_second, acceptance_length (committed tokens per
+        sequence per step), step_time_s, draft_len."""
         return dict(self._e.metrics())
 
     def close(self) -> None:

@@ -95,6 +95,7 @@ struct EngineMetrics {
   double acceptance_length = 0;   // committed tokens per sequence per step, recent mean
   double step_time_s = 0;         // recent mean
   double draft_len = 0;           // recent mean draft length (adaptive speculation)
+  int64_t cache_pages_used = 0, cache_pages_total = 0;  // the target's KV-cache blocks
 };
 
 class Engine;

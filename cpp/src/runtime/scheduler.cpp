@@ -9,6 +9,8 @@ namespace dflash2::runtime {
 
 Scheduler::Scheduler(Core& core, std::mutex& model_mutex, bool adaptive)
     : core_(core), model_mu_(model_mutex), dec_(core, *this, adaptive) {
+  snap_.cache_pages_total = core.target->cache().num_blocks();
+  snap_.cache_pages_used = snap_.cache_pages_total - core.target->cache().free_blocks();
   thread_ = std::thread([this] { loop(); });
 }
 
@@ -25,7 +27,7 @@ RequestId Scheduler::submit(std::unique_ptr<Request> r) {
   const RequestId id = next_id_++;
   r->id = id;
   Request* p = r.get();
-  records_[id] = std::move(r);
+  records_[id] = std::shared_ptr<Request>(std::move(r));
   waiting_.push_back(p);
   ++requests_total_;
   work_cv_.notify_one();
@@ -38,15 +40,15 @@ bool Scheduler::has_news_locked(const Request& r) const {
 
 std::vector<RequestUpdate> Scheduler::poll(const std::vector<RequestId>& ids, double timeout_s) {
   std::unique_lock<std::mutex> lk(mu_);
-  std::vector<Request*> rs;
+  std::vector<std::shared_ptr<Request>> rs;
   for (RequestId id : ids) {
     auto it = records_.find(id);
     DFLASH2_CHECK_ARG(it != records_.end(), "poll: unknown request id ", id,
                       " (never submitted, cancelled, or its final update was already returned)");
-    rs.push_back(it->second.get());
+    rs.push_back(it->second);
   }
   auto any_news = [&] {
-    for (Request* r : rs)
+    for (const auto& r : rs)
       if (has_news_locked(*r)) return true;
     return false;
   };
@@ -55,8 +57,9 @@ std::vector<RequestUpdate> Scheduler::poll(const std::vector<RequestId>& ids, do
   else if (timeout_s > 0)
     news_cv_.wait_for(lk, std::chrono::duration<double>(timeout_s), any_news);
   // a request that failed: its error, once
-  for (Request* r : rs)
-    if (r->finished && r->error) {
+  for (const auto& r : rs)
+    if (r->finished && r->error && !r->reported) {
+      r->reported = true;
       std::exception_ptr e = r->error;
       const RequestId id = r->id;
       records_.erase(id);
@@ -72,7 +75,7 @@ std::vector<RequestUpdate> Scheduler::poll(const std::vector<RequestId>& ids, do
       }
     }
   std::vector<RequestUpdate> out;
-  for (Request* r : rs) {
+  for (const auto& r : rs) {
     if (!has_news_locked(*r)) continue;
     RequestUpdate u;
     u.id = r->id;
@@ -92,7 +95,8 @@ void Scheduler::cancel(RequestId id) {
   std::lock_guard<std::mutex> lk(mu_);
   auto it = records_.find(id);
   if (it == records_.end()) return;
-  Request* r = it->second.get();
+  std::shared_ptr<Request> keep = it->second;
+  Request* r = keep.get();
   if (r->finished) {
     records_.erase(it);
     return;
@@ -116,11 +120,8 @@ void Scheduler::finish_locked(Request& r) {
   r.finished = true;
   ++requests_finished_;
   if (r.result.finish_reason == "cancelled" || r.finish_reason == "cancelled") ++requests_cancelled_;
-  if (r.detached) {
-    records_.erase(r.id);  // nobody polls it any more
-  } else {
-    news_cv_.notify_all();
-  }
+  news_cv_.notify_all();               // a poller still waiting on it gets the final update
+  if (r.detached) records_.erase(r.id);  // (it holds its own reference); nobody polls it later
 }
 
 void Scheduler::on_tokens(Request& r, const int32_t* toks, int64_t n) {
@@ -170,6 +171,8 @@ EngineMetrics Scheduler::metrics() const {
   m.acceptance_length = snap_.acceptance_length;
   m.step_time_s = snap_.step_time_s;
   m.draft_len = snap_.draft_len;
+  m.cache_pages_used = snap_.cache_pages_used;
+  m.cache_pages_total = snap_.cache_pages_total;
   return m;
 }
 
@@ -215,6 +218,8 @@ void Scheduler::loop() {
     snap_.acceptance_length = dec_.acceptance_length();
     snap_.step_time_s = dec_.step_time_s();
     snap_.draft_len = dec_.draft_len();
+    snap_.cache_pages_total = core_.target->cache().num_blocks();
+    snap_.cache_pages_used = snap_.cache_pages_total - core_.target->cache().free_blocks();
   }
   // shutdown: what still runs ends as cancelled
   std::lock_guard<std::mutex> ml(model_mu_);
@@ -225,6 +230,8 @@ void Scheduler::loop() {
   }
   std::lock_guard<std::mutex> lk(mu_);
   for (Request* r : ended) finish_locked(*r);
+  snap_.cache_pages_total = core_.target->cache().num_blocks();
+  snap_.cache_pages_used = snap_.cache_pages_total - core_.target->cache().free_blocks();
 }
 
 }  // namespace dflash2::runtime

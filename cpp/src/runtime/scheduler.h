@@ -49,7 +49,9 @@ class Scheduler final : public Decoder::Sink {
   mutable std::mutex mu_;
   std::condition_variable work_cv_, news_cv_;
   std::deque<Request*> waiting_;
-  std::unordered_map<RequestId, std::unique_ptr<Request>> records_;
+  // shared: a poller keeps a request alive while it waits, even if the scheduler drops the
+  // record meanwhile (a cancelled request ending)
+  std::unordered_map<RequestId, std::shared_ptr<Request>> records_;
   RequestId next_id_ = 1;
   bool stop_ = false;
   int64_t requests_total_ = 0, requests_finished_ = 0, requests_cancelled_ = 0, tokens_total_ = 0;
