@@ -66,6 +66,7 @@ std::exception_ptr numerical_error(const Request& r, const char* where, int64_t 
 
 Decoder::Decoder(Core& core, Sink& sink, bool adaptive)
     : c_(core), sink_(sink), policy_(core.K, adaptive, core.drafter && core.drafter->draft_cost_scales_with_k()) {
+  debug_spec_ = std::getenv("DFLASH2_DEBUG_SPEC") != nullptr;
   slots_.assign(size_t(c_.target->options().max_batch_size), nullptr);
   max_len_ = c_.target->options().max_seq_len;
 }
@@ -393,7 +394,7 @@ void Decoder::step() {
     r->verify_s += t_verify;
   }
   policy_.record(S, k_adapt, row, dt, drafted_, accepted_);
-  if (std::getenv("DFLASH2_DEBUG_SPEC"))
+  if (debug_spec_)  // DFLASH2_DEBUG_SPEC=1: one line per step on stderr
     std::fprintf(stderr, "step %lld S=%lld k=%lld T=%lld dt=%.3fms committed=%lld pred(k)=%.3fms\n", (long long)steps_,
                  (long long)S, (long long)k_adapt, (long long)row, dt * 1e3, (long long)committed,
                  policy_.predicted_time(S, k_adapt) * 1e3);

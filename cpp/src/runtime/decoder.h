@@ -81,6 +81,7 @@ class Decoder {
   std::vector<Request*> slots_;    // slot -> request (null: free)
   std::vector<Request*> running_;  // admitted, in admission order
   int64_t max_len_ = 0, steps_ = 0;
+  bool debug_spec_ = false;
   double step_time_ = 0, tok_s_ = 0, acc_len_ = 0, draft_len_ = 0;
   // host bookkeeping reused across steps
   std::vector<Request*> act_;

@@ -44,6 +44,9 @@ class DFlashRunner final : public Drafter {
     cache_.set_max_blocks_per_stream(per_seq);
     for (int64_t l = 0; l < c.num_layers; ++l) kv_layers_.push_back(cache_.layer(0, l));
     streams_.resize(size_t(maxB));
+    pend_ = Tensor::zeros(DType::F32, {maxB, kPending, nt * H});
+    pend_flat_ = pend_.reshape({maxB * kPending, nt * H});
+    pend_n_.assign(size_t(maxB), 0);
     planner_ = StepPlanner(std::max(o.max_step_tokens, maxB * B), maxB, per_seq);
     taps_ = Tensor::zeros(DType::F32, {o.max_step_tokens, nt * H});
     idx_ = Tensor::zeros(DType::I32, {o.max_step_tokens});
@@ -60,36 +63,80 @@ class DFlashRunner final : public Drafter {
   bool reserve(int slot, int64_t tokens) override { return cache_.try_pin(streams_[size_t(slot)], tokens); }
   std::vector<int64_t> tap_layers() const override { return m_->config().target_layer_ids; }
 
+  // Committed rows are kept per slot (up to kPending) and appended to the draft context only
+  // when the slot drafts next (or its buffer is full): while the speculation policy drafts
+  // nothing, the drafter costs nothing. Rows are appended exactly as they would have been
+  // (each row is computed alone), in batches.
   void commit(const std::vector<CommitRows>& rows, const Features& f) override {
+    flush_.clear();
+    for (const CommitRows& r : rows) {
+      const CacheStream& s = streams_[size_t(r.slot)];
+      DFLASH2_INTERNAL(s.length + pend_n_[size_t(r.slot)] == r.pos0, "draft context of slot ", r.slot, " has ",
+                       s.length, " + ", pend_n_[size_t(r.slot)], " pending tokens, commit starts at ", r.pos0);
+      if (pend_n_[size_t(r.slot)] + r.n > kPending) flush_.push_back(r.slot);
+    }
+    flush(flush_);
+    direct_.clear();
+    for (const CommitRows& r : rows) {
+      int64_t& n = pend_n_[size_t(r.slot)];
+      if (n + r.n <= kPending) {
+        Tensor dst = pend_.select(0, r.slot).slice(0, n, n + r.n);
+        ops::copy(f.taps.slice(0, r.row0, r.row0 + r.n), dst);
+        n += r.n;
+      } else {
+        direct_.push_back(r);  // more rows than a buffer holds (a prefill chunk): append now
+      }
+    }
+    if (!direct_.empty()) append(direct_, f.taps);
+  }
+
+  // Appends rows of `src` (CommitRows::row0..) to the slots' draft context.
+  void append(const std::vector<CommitRows>& rows, const Tensor& src) {
     std::vector<CacheStream*>& streams = host_streams_;
     std::vector<const int32_t*>& none = host_toks_;
     std::vector<int64_t>& counts = host_counts_;
     streams.clear();
     none.clear();
     counts.clear();
+    first_row_.clear();
     for (const CommitRows& r : rows) {
-      CacheStream& s = streams_[size_t(r.slot)];
-      if (s.length > r.pos0) cache_.truncate(s, r.pos0);
-      DFLASH2_INTERNAL(s.length == r.pos0, "draft context of slot ", r.slot, " has ", s.length,
-                       " tokens, commit starts at ", r.pos0);
-      streams.push_back(&s);
+      streams.push_back(&streams_[size_t(r.slot)]);
       none.push_back(nullptr);
       counts.push_back(r.n);
+      first_row_.push_back(r.row0);
     }
     make_chunks(streams, none, counts, t_.options().max_step_tokens, chunks_);
-    first_row_.clear();
-    for (const CommitRows& r : rows) first_row_.push_back(r.row0);
     for (const auto& ch : chunks_) {
       Tensor taps;
-      gather_rows_of_pieces(ch, first_row_, f.taps, idx_, host_idx_, taps_, taps);
+      gather_rows_of_pieces(ch, first_row_, src, idx_, host_idx_, taps_, taps);
       model::TokenBatch b = planner_.plan(ch, cache_);
       m_->append_context(b, taps, kv_layers_);
       for (const Piece& p : ch) p.stream->length += p.n;
     }
   }
 
+  // Appends the pending rows of `slots` (each once).
+  void flush(const std::vector<int>& slots) {
+    pend_rows_.clear();
+    for (int slot : slots) {
+      if (pend_n_[size_t(slot)] == 0) continue;
+      CommitRows r;
+      r.slot = slot;
+      r.pos0 = streams_[size_t(slot)].length;
+      r.row0 = int64_t(slot) * kPending;
+      r.n = pend_n_[size_t(slot)];
+      pend_rows_.push_back(r);
+      pend_n_[size_t(slot)] = 0;
+    }
+    if (!pend_rows_.empty()) append(pend_rows_, pend_flat_);
+  }
+
   const DraftResult& draft(const std::vector<DraftJob>& jobs) override {
     const int64_t S = int64_t(jobs.size()), B = m_->block_size(), K = B - 1;
+    flush_.clear();  // the slots that draft now need their whole context
+    for (const DraftJob& j : jobs)
+      if (j.room >= K && j.max_tokens >= 1) flush_.push_back(j.slot);
+    flush(flush_);
     res_.len.assign(size_t(S), 0);
     res_.row.assign(size_t(S), 0);
     std::vector<CacheStream*>& streams = host_streams_;
@@ -134,7 +181,10 @@ class DFlashRunner final : public Drafter {
     return res_;
   }
 
-  void release(int slot) override { cache_.release(streams_[size_t(slot)]); }
+  void release(int slot) override {
+    pend_n_[size_t(slot)] = 0;
+    cache_.release(streams_[size_t(slot)]);
+  }
 
  private:
   std::unique_ptr<model::DFlashDrafter> m_;
@@ -152,6 +202,11 @@ class DFlashRunner final : public Drafter {
   std::vector<CacheStream*> host_streams_;
   std::vector<const int32_t*> host_toks_;
   std::vector<int64_t> host_counts_;
+  static constexpr int64_t kPending = 64;  // committed rows a slot keeps before appending them
+  Tensor pend_, pend_flat_;                // [slots, kPending, n_taps * H] and its [slots * kPending, ...] view
+  std::vector<int64_t> pend_n_;
+  std::vector<int> flush_;
+  std::vector<CommitRows> direct_, pend_rows_;
   DraftResult res_;
 };
 

@@ -2,6 +2,8 @@
 
 #include <algorithm>
 #include <cmath>
+#include <cstdio>
+#include <cstdlib>
 
 namespace dflash2::runtime {
 
@@ -65,8 +67,11 @@ int64_t SpecPolicy::choose(int64_t S) {
   if (!fitted()) return steps_ % 4 == 0 ? 0 : steps_ % 4 == 2 ? std::max<int64_t>(1, K_ / 2) : K_;  // warm-up
   int64_t best = K_;
   double best_rate = -1;
+  static const bool dbg = std::getenv("DFLASH2_DEBUG_SPEC") != nullptr;
   for (int64_t k = 0; k <= K_; ++k) {
     const double t = predicted_time(S, k);
+    if (dbg) std::fprintf(stderr, "  k=%lld t=%.2fms E=%.2f rate=%.0f\n", (long long)k, t * 1e3, expected_tokens(k),
+                          double(S) * expected_tokens(k) / t);
     if (!(t > 0)) continue;
     const double rate = double(S) * expected_tokens(k) / t;
     if (rate > best_rate) {
@@ -78,8 +83,11 @@ int64_t SpecPolicy::choose(int64_t S) {
   // (which also measures the acceptance of every position) about as often, less often when
   // a full-block step costs much more than the chosen one (large batches)
   if (best != 0 && steps_ % kExplore == 0) return 0;
+  // the full block is re-measured less often the more it costs and the worse it is predicted
   const double cost = predicted_time(S, K_) / std::max(predicted_time(S, best), 1e-12);
-  const int64_t every = std::max<int64_t>(kExplore, int64_t(double(kExplore) * std::min(cost, 8.0)));
+  const double rate_k = double(S) * expected_tokens(K_) / std::max(predicted_time(S, K_), 1e-12);
+  const double worse = best_rate / std::max(rate_k, 1e-12);
+  const int64_t every = std::max<int64_t>(kExplore, int64_t(double(kExplore) * std::min(cost * worse, 64.0)));
   if (best != K_ && steps_ % every == kExplore / 2) return K_;
   return best;
 }
