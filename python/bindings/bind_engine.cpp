@@ -47,6 +47,25 @@ py::dict stats_dict(const GenerationStats& s) {
   return d;
 }
 
+SamplingParams sampling_params(int64_t max_new_tokens, float temperature, float top_p, int64_t top_k,
+                               const py::object& seed, const py::object& stop_token_ids, const char* where) {
+  SamplingParams sp;
+  sp.max_new_tokens = max_new_tokens;
+  sp.temperature = temperature;
+  sp.top_p = top_p;
+  sp.top_k = top_k;
+  if (!seed.is_none()) {
+    const int64_t s = seed.cast<int64_t>();
+    DFLASH2_CHECK_ARG(s >= 0, where, ": seed must be >= 0, found ", s);
+    sp.seed = s;
+  }
+  if (!stop_token_ids.is_none()) {
+    sp.has_stop_tokens = true;
+    sp.stop_token_ids = to_tokens(stop_token_ids, "stop_token_ids");
+  }
+  return sp;
+}
+
 }  // namespace
 
 void bind_engine(py::module_& m) {
@@ -154,20 +173,8 @@ void bind_engine(py::module_& m) {
               std::string name = "prompts[" + std::to_string(i++) + "]";
               ps.push_back(to_tokens(p, name.c_str()));
             }
-            SamplingParams sp;
-            sp.max_new_tokens = max_new_tokens;
-            sp.temperature = temperature;
-            sp.top_p = top_p;
-            sp.top_k = top_k;
-            if (!seed.is_none()) {
-              int64_t s = seed.cast<int64_t>();
-              DFLASH2_CHECK_ARG(s >= 0, "generate: seed must be >= 0, found ", s);
-              sp.seed = s;
-            }
-            if (!stop_token_ids.is_none()) {
-              sp.has_stop_tokens = true;
-              sp.stop_token_ids = to_tokens(stop_token_ids, "stop_token_ids");
-            }
+            SamplingParams sp =
+                sampling_params(max_new_tokens, temperature, top_p, top_k, seed, stop_token_ids, "generate");
             TokenCallback cb;
             if (!on_tokens.is_none()) cb = on_tokens.cast<TokenCallback>();
             py::gil_scoped_release nogil;
@@ -181,21 +188,9 @@ void bind_engine(py::module_& m) {
           [](Engine& e, py::handle prompt, int64_t max_new_tokens, float temperature, float top_p, int64_t top_k,
              py::object seed, py::object stop_token_ids, int64_t stream_index) {
             std::vector<int32_t> t = to_tokens(prompt, "prompt");
-            SamplingParams sp;
-            sp.max_new_tokens = max_new_tokens;
-            sp.temperature = temperature;
-            sp.top_p = top_p;
-            sp.top_k = top_k;
+            SamplingParams sp =
+                sampling_params(max_new_tokens, temperature, top_p, top_k, seed, stop_token_ids, "submit");
             sp.stream_index = stream_index;
-            if (!seed.is_none()) {
-              int64_t s = seed.cast<int64_t>();
-              DFLASH2_CHECK_ARG(s >= 0, "submit: seed must be >= 0, found ", s);
-              sp.seed = s;
-            }
-            if (!stop_token_ids.is_none()) {
-              sp.has_stop_tokens = true;
-              sp.stop_token_ids = to_tokens(stop_token_ids, "stop_token_ids");
-            }
             py::gil_scoped_release nogil;
             return e.submit(t, sp);
           },

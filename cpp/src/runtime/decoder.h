@@ -24,7 +24,6 @@ struct Request {
   std::vector<int32_t> stops;
   uint64_t rng_key = 0;
   bool adaptive = true;  // may take adaptive draft lengths (greedy, or sampled without a seed)
-  double t_submit = 0;
   // ---- decoder state (scheduler thread only)
   int slot = -1;
   CacheStream main;

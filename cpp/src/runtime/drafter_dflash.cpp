@@ -8,6 +8,7 @@
 #include "dflash2/safetensors.h"
 #include "model/dflash_drafter.h"
 #include "runtime/drafter.h"
+#include "runtime/pending_rows.h"
 #include "runtime/target.h"
 
 namespace dflash2::runtime {
@@ -44,9 +45,8 @@ class DFlashRunner final : public Drafter {
     cache_.set_max_blocks_per_stream(per_seq);
     for (int64_t l = 0; l < c.num_layers; ++l) kv_layers_.push_back(cache_.layer(0, l));
     streams_.resize(size_t(maxB));
-    pend_ = Tensor::zeros(DType::F32, {maxB, kPending, nt * H});
-    pend_flat_ = pend_.reshape({maxB * kPending, nt * H});
-    pend_n_.assign(size_t(maxB), 0);
+    pending_ = PendingRows(maxB, kPending, nt * H, /*with_next=*/false);
+    append_ = [this](const std::vector<CommitRows>& rows, const Tensor& src) { append(rows, src); };
     planner_ = StepPlanner(std::max(o.max_step_tokens, maxB * B), maxB, per_seq);
     taps_ = Tensor::zeros(DType::F32, {o.max_step_tokens, nt * H});
     idx_ = Tensor::zeros(DType::I32, {o.max_step_tokens});
@@ -63,31 +63,14 @@ class DFlashRunner final : public Drafter {
   bool reserve(int slot, int64_t tokens) override { return cache_.try_pin(streams_[size_t(slot)], tokens); }
   std::vector<int64_t> tap_layers() const override { return m_->config().target_layer_ids; }
 
-  // Committed rows are kept per slot (up to kPending) and appended to the draft context only
-  // when the slot drafts next (or its buffer is full): while the speculation policy drafts
-  // nothing, the drafter costs nothing. Rows are appended exactly as they would have been
-  // (each row is computed alone), in batches.
+  // Committed rows wait per slot (PendingRows) and are appended to the draft context only
+  // when the slot drafts next: while the speculation policy drafts nothing, this costs nothing.
   void commit(const std::vector<CommitRows>& rows, const Features& f) override {
-    flush_.clear();
-    for (const CommitRows& r : rows) {
-      const CacheStream& s = streams_[size_t(r.slot)];
-      DFLASH2_INTERNAL(s.length + pend_n_[size_t(r.slot)] == r.pos0, "draft context of slot ", r.slot, " has ",
-                       s.length, " + ", pend_n_[size_t(r.slot)], " pending tokens, commit starts at ", r.pos0);
-      if (pend_n_[size_t(r.slot)] + r.n > kPending) flush_.push_back(r.slot);
-    }
-    flush(flush_);
-    direct_.clear();
-    for (const CommitRows& r : rows) {
-      int64_t& n = pend_n_[size_t(r.slot)];
-      if (n + r.n <= kPending) {
-        Tensor dst = pend_.select(0, r.slot).slice(0, n, n + r.n);
-        ops::copy(f.taps.slice(0, r.row0, r.row0 + r.n), dst);
-        n += r.n;
-      } else {
-        direct_.push_back(r);  // more rows than a buffer holds (a prefill chunk): append now
-      }
-    }
-    if (!direct_.empty()) append(direct_, f.taps);
+    for (const CommitRows& r : rows)
+      DFLASH2_INTERNAL(streams_[size_t(r.slot)].length + pending_.count(r.slot) == r.pos0, "draft context of slot ",
+                       r.slot, " has ", streams_[size_t(r.slot)].length, " + ", pending_.count(r.slot),
+                       " pending tokens, commit starts at ", r.pos0);
+    pending_.stage(rows, f.taps, append_);
   }
 
   // Appends rows of `src` (CommitRows::row0..) to the slots' draft context.
@@ -115,28 +98,12 @@ class DFlashRunner final : public Drafter {
     }
   }
 
-  // Appends the pending rows of `slots` (each once).
-  void flush(const std::vector<int>& slots) {
-    pend_rows_.clear();
-    for (int slot : slots) {
-      if (pend_n_[size_t(slot)] == 0) continue;
-      CommitRows r;
-      r.slot = slot;
-      r.pos0 = streams_[size_t(slot)].length;
-      r.row0 = int64_t(slot) * kPending;
-      r.n = pend_n_[size_t(slot)];
-      pend_rows_.push_back(r);
-      pend_n_[size_t(slot)] = 0;
-    }
-    if (!pend_rows_.empty()) append(pend_rows_, pend_flat_);
-  }
-
   const DraftResult& draft(const std::vector<DraftJob>& jobs) override {
     const int64_t S = int64_t(jobs.size()), B = m_->block_size(), K = B - 1;
     flush_.clear();  // the slots that draft now need their whole context
     for (const DraftJob& j : jobs)
       if (j.room >= K && j.max_tokens >= 1) flush_.push_back(j.slot);
-    flush(flush_);
+    pending_.flush(flush_, append_);
     res_.len.assign(size_t(S), 0);
     res_.row.assign(size_t(S), 0);
     std::vector<CacheStream*>& streams = host_streams_;
@@ -182,7 +149,7 @@ class DFlashRunner final : public Drafter {
   }
 
   void release(int slot) override {
-    pend_n_[size_t(slot)] = 0;
+    pending_.clear(slot);
     cache_.release(streams_[size_t(slot)]);
   }
 
@@ -203,10 +170,9 @@ class DFlashRunner final : public Drafter {
   std::vector<const int32_t*> host_toks_;
   std::vector<int64_t> host_counts_;
   static constexpr int64_t kPending = 64;  // committed rows a slot keeps before appending them
-  Tensor pend_, pend_flat_;                // [slots, kPending, n_taps * H] and its [slots * kPending, ...] view
-  std::vector<int64_t> pend_n_;
+  PendingRows pending_;
+  PendingRows::Run append_;
   std::vector<int> flush_;
-  std::vector<CommitRows> direct_, pend_rows_;
   DraftResult res_;
 };
 

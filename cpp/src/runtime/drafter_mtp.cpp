@@ -6,6 +6,7 @@
 
 #include "dflash2/error.h"
 #include "runtime/drafter.h"
+#include "runtime/pending_rows.h"
 #include "runtime/target.h"
 
 namespace dflash2::runtime {
@@ -27,10 +28,8 @@ class MtpDrafter final : public Drafter {
     out_logits_ = Tensor::zeros(DType::F32, {rows, V});
     out_hidden_ = Tensor::zeros(DType::F32, {rows, H});
     res_.tokens = Tensor::zeros(DType::I32, {B, K});
-    pend_h_ = Tensor::zeros(DType::F32, {B, kPending, H});
-    pend_h_flat_ = pend_h_.reshape({B * kPending, H});
-    pend_next_.assign(size_t(B * kPending), 0);
-    pend_n_.assign(size_t(B), 0);
+    pending_ = PendingRows(B, kPending, H, /*with_next=*/true);
+    run_ = [this](const std::vector<CommitRows>& rows, const Tensor& src) { run(rows, src); };
     base_len_.assign(size_t(B), 0);
   }
   int64_t draft_len() const override { return K_; }
@@ -38,33 +37,17 @@ class MtpDrafter final : public Drafter {
   bool draft_cost_scales_with_k() const override { return true; }
   bool reserve(int slot, int64_t tokens) override { return t_.mtp_cache().try_pin(streams_[size_t(slot)], tokens); }
 
-  // Committed rows are kept per slot (up to kPending: the final hidden states and the next
-  // tokens) and run through the MTP layer only when the slot drafts next (or its buffer is
-  // full): while the speculation policy drafts nothing, the MTP layer does not run. Each row
-  // is computed alone, so batching them later changes nothing.
+  // Committed rows (final hidden states + next tokens) wait per slot (PendingRows) and run
+  // through the MTP layer only when the slot drafts next: while the speculation policy drafts
+  // nothing, the MTP layer does not run.
   void commit(const std::vector<CommitRows>& rows, const Features& f) override {
-    flush_.clear();
     for (const CommitRows& r : rows) {
       CacheStream& s = streams_[size_t(r.slot)];
       t_.mtp_cache().truncate(s, std::min(s.length, base_len_[size_t(r.slot)]));  // drop the chain's positions
-      DFLASH2_INTERNAL(s.length + pend_n_[size_t(r.slot)] == r.pos0, "MTP stream of slot ", r.slot, " has ",
-                       s.length, " + ", pend_n_[size_t(r.slot)], " pending tokens, commit starts at ", r.pos0);
-      if (pend_n_[size_t(r.slot)] + r.n > kPending) flush_.push_back(r.slot);
+      DFLASH2_INTERNAL(s.length + pending_.count(r.slot) == r.pos0, "MTP stream of slot ", r.slot, " has ", s.length,
+                       " + ", pending_.count(r.slot), " pending tokens, commit starts at ", r.pos0);
     }
-    flush(flush_);
-    direct_.clear();
-    for (const CommitRows& r : rows) {
-      int64_t& n = pend_n_[size_t(r.slot)];
-      if (n + r.n <= kPending) {
-        Tensor dst = pend_h_.select(0, r.slot).slice(0, n, n + r.n);
-        ops::copy(f.final_hidden.slice(0, r.row0, r.row0 + r.n), dst);
-        std::copy(r.next, r.next + r.n, pend_next_.begin() + r.slot * kPending + n);
-        n += r.n;
-      } else {
-        direct_.push_back(r);  // more rows than a buffer holds (a prefill chunk): run them now
-      }
-    }
-    if (!direct_.empty()) run(direct_, f.final_hidden);
+    pending_.stage(rows, f.final_hidden, run_);
   }
 
   // Runs rows of h_src (CommitRows::row0..) with their next tokens through the MTP layer; the
@@ -105,29 +88,12 @@ class MtpDrafter final : public Drafter {
     for (const CommitRows& r : rows) base_len_[size_t(r.slot)] = streams_[size_t(r.slot)].length;
   }
 
-  // Runs the pending rows of `slots`.
-  void flush(const std::vector<int>& slots) {
-    pend_rows_.clear();
-    for (int slot : slots) {
-      if (pend_n_[size_t(slot)] == 0) continue;
-      CommitRows r;
-      r.slot = slot;
-      r.pos0 = streams_[size_t(slot)].length;
-      r.row0 = int64_t(slot) * kPending;
-      r.n = pend_n_[size_t(slot)];
-      r.next = pend_next_.data() + int64_t(slot) * kPending;
-      pend_rows_.push_back(r);
-      pend_n_[size_t(slot)] = 0;
-    }
-    if (!pend_rows_.empty()) run(pend_rows_, pend_h_flat_);
-  }
-
   const DraftResult& draft(const std::vector<DraftJob>& jobs) override {  // greedy at any temperature
     const int64_t S = int64_t(jobs.size());
     flush_.clear();  // the slots that draft now need their MTP state up to date
     for (const DraftJob& j : jobs)
       if (std::min({K_, j.max_tokens, j.room}) > 0) flush_.push_back(j.slot);
-    flush(flush_);
+    pending_.flush(flush_, run_);
     res_.len.assign(size_t(S), 0);
     res_.row.resize(size_t(S));
     res_.has_q = false;
@@ -185,7 +151,7 @@ class MtpDrafter final : public Drafter {
   }
 
   void release(int slot) override {
-    pend_n_[size_t(slot)] = 0;
+    pending_.clear(slot);
     base_len_[size_t(slot)] = 0;
     t_.mtp_cache().release(streams_[size_t(slot)]);
   }
@@ -204,11 +170,10 @@ class MtpDrafter final : public Drafter {
   std::vector<const int32_t*> toks_tmp_;
   std::vector<int64_t> counts_tmp_, who_tmp_;
   static constexpr int64_t kPending = 64;  // committed rows a slot keeps before running them
-  Tensor pend_h_, pend_h_flat_;            // [slots, kPending, H] and its [slots * kPending, H] view
-  std::vector<int32_t> pend_next_;         // [slots * kPending]
-  std::vector<int64_t> pend_n_, base_len_;  // per slot: pending rows; MTP length after its last run
+  PendingRows pending_;
+  PendingRows::Run run_;
+  std::vector<int64_t> base_len_;  // per slot: the MTP stream's length after its last run
   std::vector<int> flush_;
-  std::vector<CommitRows> direct_, pend_rows_;
   DraftResult res_;
 };
 
