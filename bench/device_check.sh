@@ -6,7 +6,8 @@
 # Configures a CUDA build (DFLASH2_CUDA=ON, DFLASH2_CUDA_ARCHS=${DFLASH2_CUDA_ARCHS:-90a}),
 # builds it, runs ctest (C++ tests, including tests/cpp/test_cuda_backend: the CUDA device
 # layer and kernels against host references) and the op parity tests tests/test_ops.py
-# (cpu and cuda parametrizations), then writes ${OUT:-bench/results}/device_check.json:
+# (cpu and cuda parametrizations; with a GPU the CUDA rows once more under compute-sanitizer
+# memcheck), then writes ${OUT:-bench/results}/device_check.json:
 # GPU name/driver, cuda_available() and its reason, build ok, test counts, the failing
 # step if any. Step logs go beside it in device_check_logs/.
 #
@@ -240,6 +241,17 @@ print(n)
 PYEOF
 )
       [ "$n_cuda_skipped" = 0 ] || fail pytest "a GPU is present but $n_cuda_skipped CUDA op tests skipped (see $LOGS/pytest.log)"
+      # every CUDA op once more under compute-sanitizer memcheck (out-of-bounds / misaligned
+      # accesses, leaks of device memory); bounded so the whole check stays within 8 minutes
+      SANITIZER=$(command -v compute-sanitizer || true)
+      [ -z "$SANITIZER" ] && [ -x "$(dirname "$NVCC")/compute-sanitizer" ] && SANITIZER=$(dirname "$NVCC")/compute-sanitizer
+      if [ -n "$SANITIZER" ]; then
+        run_step memcheck timeout "${DC_MEMCHECK_TIMEOUT:-240}" "$SANITIZER" --tool memcheck --error-exitcode 9 \
+          "$PY" -m pytest -q -x "$ROOT/tests/test_ops.py" -k cuda -p no:cacheprovider ||
+          fail memcheck "compute-sanitizer memcheck over the CUDA op tests failed (see $LOGS/memcheck.log)"
+      else
+        note "compute-sanitizer not found: memcheck not run"
+      fi
     fi
   fi
 fi
