@@ -1,0 +1,36 @@
+// Tensor-parallel collectives behind one interface. Every rank of a group calls the same
+// collective in the same order with tensors of the same shape; the call returns when the
+// collective is complete on this rank. Backends: an in-process CPU communicator (ranks are
+// threads of one process; a fixed reduction order, so results are deterministic and equal
+// on every rank) and NCCL (one GPU per rank, loaded lazily).
+#pragma once
+#include <cstdint>
+#include <memory>
+#include <string>
+
+#include "dflash2/tensor.h"
+
+namespace dflash2::comm {
+
+class Communicator {
+ public:
+  virtual ~Communicator() = default;
+  virtual int rank() const = 0;
+  virtual int size() const = 0;
+  virtual const char* backend() const = 0;
+  // x (F32, contiguous) = sum over ranks of x, summed in rank order 0, 1, ..., size-1.
+  virtual void all_reduce_sum(Tensor& x) = 0;
+  // out[r * n .. (r + 1) * n) = in of rank r, along dim 0 (in contiguous [n, ...], out [size n, ...]).
+  virtual void all_gather(const Tensor& in, Tensor& out) = 0;
+  // out (this rank's slice [n, ...] of the rank-order sum of in [size n, ...]).
+  virtual void reduce_scatter_sum(const Tensor& in, Tensor& out) = 0;
+  // x = root's x.
+  virtual void broadcast(Tensor& x, int root) = 0;
+  virtual void barrier() = 0;
+};
+
+// An in-process group of `size` ranks: the communicators of its ranks, to be used by one
+// thread each. Fails clearly for size < 1.
+std::vector<std::unique_ptr<Communicator>> make_cpu_group(int size);
+
+}  // namespace dflash2::comm
