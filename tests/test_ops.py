@@ -358,6 +358,32 @@ def test_embedding(dev, tdtype):
         ops.embedding(table, np.array([-1], np.int64))
 
 
+@pytest.mark.parametrize("dev", DEVICES)
+@pytest.mark.parametrize("tdtype", ["f32", "bf16"])
+def test_embedding_shard(dev, tdtype):
+    # vocab-parallel embedding: each shard writes its own rows and zeros elsewhere, and
+    # the shards' outputs sum to the full embedding exactly (one non-zero term per element)
+    need_device(dev, "embedding_shard")
+    rng = rng_for("embshard", tdtype)
+    table = rng.standard_normal((96, 24)).astype(np.float32)
+    tt = refs.bf16_round(table) if tdtype == "bf16" else table
+    tref = tt.float().numpy() if tdtype == "bf16" else table
+    ids = np.array([0, 95, 31, 32, 64, 7, 63], np.int32)
+    total = np.zeros((len(ids), 24), np.float32)
+    for first in (0, 32, 64):
+        shard = tt[first:first + 32]
+        out = Guarded((len(ids), 24), dev)
+        ops.embedding_shard(to_dev(shard, dev), to_dev(ids, dev), first, out=out.view)
+        got = out.result()
+        local = (ids >= first) & (ids < first + 32)
+        check("embedding", got[local], tref[ids[local]])
+        assert not got[~local].any()
+        total += got
+    np.testing.assert_array_equal(total, tref[ids])
+    with pytest.raises(ValueError, match="first must be >= 0"):
+        ops.embedding_shard(table, np.array([1], np.int32), -1)
+
+
 def test_gated_mlp():
     rng = rng_for("mlp")
     d, f, m = 48, 80, 5

@@ -219,6 +219,24 @@ void bind_ops(py::module_& m) {
       },
       py::arg("table"), py::arg("ids"), py::arg("out") = py::none());
 
+  o.def(
+      "embedding_shard",
+      [](py::handle table, py::handle ids, int64_t first, py::handle out) {
+        Tensor tt = tensor_from_python(table, "table"), it = tensor_from_python(ids, "ids");
+        DFLASH2_CHECK_ARG(tt.ndim() == 2 && it.ndim() == 1, "embedding_shard: table must be 2-D and ids 1-D, found ",
+                          tt.describe(), " and ", it.describe());
+        Tensor ot = out_or_new(out, DType::F32, {it.shape(0), tt.shape(1)}, tt.device());
+        {
+          py::gil_scoped_release nogil;
+          ops::embedding_shard(tt, it, first, ot);
+        }
+        return ot;
+      },
+      py::arg("table"), py::arg("ids"), py::arg("first"), py::arg("out") = py::none(),
+      "Vocab-parallel embedding: table holds rows [first, first + rows) of the full table; "
+      "out[t] = table[ids[t] - first], or zeros where ids[t] is another shard's. Summing the "
+      "shards' outputs gives the full embedding.");
+
   // ---------------------------------------------------------------- data movement
   o.def(
       "copy",

@@ -26,6 +26,8 @@ struct EngineConfig {
   int64_t kv_block_size = 16;     // tokens per KV-cache page
   int num_threads = 0;            // CPU threads of this engine's ops (0 = all cores; at most
                                   // max(256, 4 x cores)); applied per engine, never process-wide
+  int64_t tensor_parallel = 1;    // ranks the target is split across (CPU: threads of this process
+                                  // with an in-process communicator); 1 = no tensor parallelism
   std::string speculation = "fixed";  // "fixed": every step drafts the full block; "adaptive": per
                                       // step the draft length (0..K) that maximises the measured
                                       // throughput of the running batch (see README)

@@ -47,6 +47,10 @@ struct Weight {
   static Weight load(const Checkpoint& ckpt, const std::string& prefix, int64_t expected_out = -1,
                      int64_t expected_in = -1);
   void validate() const;  // consistency of data/scale shapes and dtypes
+  // Views of output rows [begin, end) / input columns [begin, end) (tensor parallelism);
+  // a slice that splits a quantization block (128 for FP8, 16 inputs for NVFP4) is a Config error.
+  Weight rows(int64_t begin, int64_t end) const;
+  Weight cols(int64_t begin, int64_t end) const;
   Tensor dequantize() const;  // F32 [N, K] on the CPU (reference path, tests, tools)
 };
 
@@ -108,6 +112,10 @@ void add(const Tensor& a, const Tensor& b, Tensor& out);
 // out[i, :] = src[idx[i], :] (src F32/BF16/F16 [N, D] with contiguous rows, idx I32 [M],
 // out F32 [M, D]); an index outside [0, N) is an InvalidArgument error.
 void gather_rows(const Tensor& src, const Tensor& idx, Tensor& out);
+// A vocabulary shard's embedding: out[i, :] = table[ids[i] - first, :] when that row is held
+// here (0 <= ids[i] - first < table rows), else zeros (an all-reduce over the shards then
+// gives the full embedding). table F32/BF16/F16 [Vs, D], ids I32/I64 [M], out F32 [M, D].
+void embedding_shard(const Tensor& table, const Tensor& ids, int64_t first, Tensor& out);
 // argmax per row of x F32 [R, V] into out I32 [R]: the first maximum (lowest id), by
 // `x[i] > x[best]` from best = 0 (comparisons with NaN are false: check_finite catches them).
 void argmax(const Tensor& x, Tensor& out);
@@ -184,14 +192,18 @@ struct MoeRouting {
 // id) are written in ascending expert order to ids I32 [T, top_k] with weights F32
 // [T, top_k] = s (/ sum of the chosen s if norm_topk_prob) * routed_scaling_factor.
 void moe_route(const Tensor& logits, const Tensor& bias, const MoeRouting& r, Tensor& ids, Tensor& weights);
-// The routed experts of one MoE layer (each a gated SiLU MLP).
+// The routed experts of one MoE layer (each a gated SiLU MLP). With expert parallelism a
+// rank holds experts [first, first + gate.size()) of num_global (0: all of them); ids of
+// other ranks' experts contribute nothing here.
 struct ExpertWeights {
   std::vector<Weight> gate, up, down;
+  int64_t first = 0, num_global = 0;
 };
 // Floats of workspace moe_experts needs for T tokens, top_k, hidden H, expert width F and
 // E experts.
 int64_t moe_workspace_floats(int64_t T, int64_t top_k, int64_t H, int64_t F, int64_t E);
-// out[t] = sum_j weights[t, j] * expert_{ids[t, j]}(x[t]) (j ascending, from zero): each
+// out[t] = sum_j weights[t, j] * expert_{ids[t, j]}(x[t]) over the experts held here (j
+// ascending, from zero; ids in [0, num_global)): each
 // expert runs once on the tokens routed to it (gather, grouped gated MLP, weighted
 // combine; a token may name an expert more than once). x, out F32 [T, H]; workspace F32
 // contiguous, >= moe_workspace_floats(...).

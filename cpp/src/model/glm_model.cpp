@@ -86,25 +86,34 @@ struct Loader {
   }
 };
 
-void load_layer(Loader& ld, const GlmConfig& c, const std::string& p, bool moe, bool indexer, Layer& L) {
+// Tensor parallelism: rank r of n holds attention heads [r nh/n, (r+1) nh/n) (q_b rows, kv_b
+// per head, o_proj columns), a 1/n slice of every dense / shared-expert MLP's intermediate
+// (gate/up rows, down columns) and routed experts [r E/n, (r+1) E/n) (expert parallelism);
+// everything else (norms, q_a / kv_a, the indexer, the router) is replicated.
+void load_layer(Loader& ld, const GlmConfig& c, const std::string& p, bool moe, bool indexer, Layer& L, int64_t r,
+                int64_t n) {
   const int64_t H = c.hidden_size, nh = c.num_heads, qk = c.qk_head_dim(), nope = c.qk_nope_head_dim,
                 v = c.v_head_dim, kvl = c.kv_lora_rank;
+  const int64_t nhl = nh / n, h0 = r * nhl;  // this rank's heads
+  auto rows = [&](const Weight& w, int64_t b, int64_t e) { return w.data.defined() && n > 1 ? w.rows(b, e) : w; };
+  auto cols = [&](const Weight& w, int64_t b, int64_t e) { return w.data.defined() && n > 1 ? w.cols(b, e) : w; };
   L.in_norm = ld.vec(p + ".input_layernorm.weight", H);
   L.post_norm = ld.vec(p + ".post_attention_layernorm.weight", H);
   Attn& a = L.attn;
   const std::string s = p + ".self_attn";
   a.q_a = ld.lin(s + ".q_a_proj", c.q_lora_rank, H);
   a.q_a_norm = ld.vec(s + ".q_a_layernorm.weight", c.q_lora_rank);
-  a.q_b = ld.lin(s + ".q_b_proj", nh * qk, c.q_lora_rank);
+  a.q_b = rows(ld.lin(s + ".q_b_proj", nh * qk, c.q_lora_rank), h0 * qk, (h0 + nhl) * qk);
   a.kv_a = ld.lin(s + ".kv_a_proj_with_mqa", c.latent_dim(), H);
   a.kv_a_norm = ld.vec(s + ".kv_a_layernorm.weight", kvl);
   Weight kvb = ld.lin(s + ".kv_b_proj", nh * (nope + v), kvl);
-  a.o = ld.lin(s + ".o_proj", H, nh * v);
+  a.o = cols(ld.lin(s + ".o_proj", H, nh * v), h0 * v, (h0 + nhl) * v);
   if (kvb.data.defined()) {
     // Absorbed MLA: q~_h = W_UK_h^T q_nope_h (kv_lora), out_h = W_UV_h (sum_t p_t c_t).
-    a.kvb = kvb.dequantize();
-    Tensor per_head = a.kvb.reshape({nh, nope + v, kvl});
-    a.wuk_t = Tensor::empty(DType::F32, {nh, kvl, nope});
+    Tensor full = kvb.dequantize();
+    a.kvb = n > 1 ? full.slice(0, h0 * (nope + v), (h0 + nhl) * (nope + v)).contiguous() : full;
+    Tensor per_head = a.kvb.reshape({nhl, nope + v, kvl});
+    a.wuk_t = Tensor::empty(DType::F32, {nhl, kvl, nope});
     ops::copy(per_head.slice(1, 0, nope).transpose(1, 2), a.wuk_t);
     a.wuv = per_head.slice(1, nope, nope + v);
   }
@@ -121,20 +130,24 @@ void load_layer(Loader& ld, const GlmConfig& c, const std::string& p, bool moe, 
   m.moe = moe;
   const std::string mp = p + ".mlp";
   if (!moe) {
-    m.gate = ld.lin(mp + ".gate_proj", c.intermediate_size, H);
-    m.up = ld.lin(mp + ".up_proj", c.intermediate_size, H);
-    m.down = ld.lin(mp + ".down_proj", H, c.intermediate_size);
+    const int64_t Il = c.intermediate_size / n;
+    m.gate = rows(ld.lin(mp + ".gate_proj", c.intermediate_size, H), r * Il, (r + 1) * Il);
+    m.up = rows(ld.lin(mp + ".up_proj", c.intermediate_size, H), r * Il, (r + 1) * Il);
+    m.down = cols(ld.lin(mp + ".down_proj", H, c.intermediate_size), r * Il, (r + 1) * Il);
     return;
   }
   const int64_t E = c.n_routed_experts, I = c.moe_intermediate_size;
-  Tensor r = ld.mat(mp + ".gate.weight", E, H);
-  if (r.defined()) m.router = Weight::dense(r, mp + ".gate.weight");
+  Tensor rw = ld.mat(mp + ".gate.weight", E, H);
+  if (rw.defined()) m.router = Weight::dense(rw, mp + ".gate.weight");
   Tensor b = ld.vec(mp + ".gate.e_score_correction_bias", E);
   if (b.defined()) {
     m.bias = Tensor::empty(DType::F32, {E});
     ops::copy(b, m.bias);  // stored F32 or BF16
   }
-  for (int64_t e = 0; e < E; ++e) {
+  const int64_t El = E / n;  // expert parallelism: this rank's experts
+  m.experts.first = r * El;
+  m.experts.num_global = E;
+  for (int64_t e = r * El; e < (r + 1) * El; ++e) {
     const std::string ep = mp + ".experts." + std::to_string(e);
     m.experts.gate.push_back(ld.lin(ep + ".gate_proj", I, H));
     m.experts.up.push_back(ld.lin(ep + ".up_proj", I, H));
@@ -142,10 +155,10 @@ void load_layer(Loader& ld, const GlmConfig& c, const std::string& p, bool moe, 
   }
   m.has_shared = c.n_shared_experts > 0;
   if (m.has_shared) {
-    const int64_t SI = I * c.n_shared_experts;
-    m.gate = ld.lin(mp + ".shared_experts.gate_proj", SI, H);
-    m.up = ld.lin(mp + ".shared_experts.up_proj", SI, H);
-    m.down = ld.lin(mp + ".shared_experts.down_proj", H, SI);
+    const int64_t SI = I * c.n_shared_experts, SIl = SI / n;
+    m.gate = rows(ld.lin(mp + ".shared_experts.gate_proj", SI, H), r * SIl, (r + 1) * SIl);
+    m.up = rows(ld.lin(mp + ".shared_experts.up_proj", SI, H), r * SIl, (r + 1) * SIl);
+    m.down = cols(ld.lin(mp + ".shared_experts.down_proj", H, SI), r * SIl, (r + 1) * SIl);
   }
 }
 
@@ -157,11 +170,12 @@ struct Bufs {
   Tensor h, x, qa, cq, q, kva, c, qt, olat, ocat, ao;
   Tensor qI, kI0, kI, wI, sel, sel_len;
   Tensor mlp_out, scratch, router, rids, rw, moe_ws, shared_out, nrm, cat, rows;
+  Tensor lg_local, lg_all;  // tensor parallelism: this rank's vocabulary slice of the logits, all slices
 };
 
 namespace {
-Bufs alloc_bufs(Arena& a, const GlmConfig& c, int64_t T) {
-  const int64_t H = c.hidden_size, nh = c.num_heads, kvl = c.kv_lora_rank;
+Bufs alloc_bufs(Arena& a, const GlmConfig& c, int64_t T, int64_t tp) {
+  const int64_t H = c.hidden_size, nh = c.num_heads / tp, kvl = c.kv_lora_rank;
   Bufs b;
   b.h = a.alloc(DType::F32, {T, H});
   b.x = a.alloc(DType::F32, {T, H});
@@ -184,7 +198,11 @@ Bufs alloc_bufs(Arena& a, const GlmConfig& c, int64_t T) {
   const int64_t F = std::max(c.intermediate_size, c.moe_intermediate_size * std::max<int64_t>(c.n_shared_experts, 1));
   b.scratch = a.alloc(DType::F32, {2 * T * F});
   const int64_t E = std::max<int64_t>(c.n_routed_experts, 1), K = std::max<int64_t>(c.num_experts_per_tok, 1);
-  b.router = a.alloc(DType::F32, {T, E});
+  if (tp > 1) {
+    b.lg_local = a.alloc(DType::F32, {T, c.vocab_size / tp});
+    b.lg_all = a.alloc(DType::F32, {tp, T, c.vocab_size / tp});
+  }
+  b.router = a.alloc(DType::F32, {T, c.n_routed_experts > 0 ? c.n_routed_experts : 1});
   b.rids = a.alloc(DType::I32, {T, K});
   b.rw = a.alloc(DType::F32, {T, K});
   b.moe_ws = a.alloc(DType::F32, {ops::moe_workspace_floats(T, K, H, std::max<int64_t>(c.moe_intermediate_size, 1), E)});
@@ -206,10 +224,25 @@ std::unique_ptr<GlmModel> GlmModel::load(const Checkpoint& ck, const Options& op
   m->cfg_ = GlmConfig::from_config(ck.config());
   const GlmConfig& c = m->cfg_;
   DFLASH2_CHECK_ARG(opt.max_step_tokens > 0, "engine options: max_step_tokens must be positive");
+  const int64_t n = opt.tp_size, r = opt.tp_rank;
+  DFLASH2_CHECK_ARG(n >= 1 && r >= 0 && r < n, "tensor parallel rank ", r, " of ", n);
+  auto divides = [&](int64_t value, const char* field) {
+    DFLASH2_CHECK(value % n == 0, ErrorKind::Config, "tensor_parallel=", n, " does not divide ", field, " = ", value,
+                  " of ", ck.path(), " (heads, experts, intermediate sizes and the vocabulary are split across ranks)");
+  };
+  if (n > 1) {
+    divides(c.num_heads, "num_attention_heads");
+    divides(c.vocab_size, "vocab_size");
+    divides(c.intermediate_size, "intermediate_size");
+    if (c.n_routed_experts > 0) {
+      divides(c.n_routed_experts, "n_routed_experts");
+      divides(c.moe_intermediate_size * c.n_shared_experts, "moe_intermediate_size x n_shared_experts");
+    }
+  }
   m->opt_ = opt;
   m->ckpt_ = std::make_shared<Checkpoint>(ck);
   Loader ld{*m->ckpt_, {}};
-  const int64_t H = c.hidden_size, V = c.vocab_size;
+  const int64_t H = c.hidden_size, V = c.vocab_size, Vl = V / n;
   m->embed_ = ld.mat("model.embed_tokens.weight", V, H);
   m->final_norm_ = ld.vec("model.norm.weight", H);
   if (c.tie_word_embeddings && !ld.has("lm_head.weight")) {
@@ -217,9 +250,14 @@ std::unique_ptr<GlmModel> GlmModel::load(const Checkpoint& ck, const Options& op
   } else {
     m->lm_head_ = ld.lin("lm_head", V, H);
   }
+  // vocabulary parallelism: this rank's rows of the embedding and the LM head (the full ones
+  // stay available, as mmap'ed views, for the drafter)
+  if (m->embed_.defined()) m->embed_local_ = n > 1 ? m->embed_.slice(0, r * Vl, (r + 1) * Vl) : m->embed_;
+  if (m->lm_head_.data.defined()) m->lm_head_local_ = n > 1 ? m->lm_head_.rows(r * Vl, (r + 1) * Vl) : m->lm_head_;
   for (int64_t l = 0; l < c.num_layers; ++l) {
     auto L = std::make_unique<Layer>();
-    load_layer(ld, c, "model.layers." + std::to_string(l), c.moe_layer[size_t(l)], c.indexer_full[size_t(l)], *L);
+    load_layer(ld, c, "model.layers." + std::to_string(l), c.moe_layer[size_t(l)], c.indexer_full[size_t(l)], *L, r,
+               n);
     m->layers_.push_back(std::move(L));
   }
   if (c.num_mtp_layers > 0) {
@@ -227,18 +265,20 @@ std::unique_ptr<GlmModel> GlmModel::load(const Checkpoint& ck, const Options& op
     m->mtp_ = std::make_unique<Layer>();
     bool mtp_moe = ld.has(p + ".mlp.gate.weight");
     bool mtp_indexer = ld.has(p + ".self_attn.indexer.wk.weight");
-    load_layer(ld, c, p, mtp_moe, mtp_indexer, *m->mtp_);
+    load_layer(ld, c, p, mtp_moe, mtp_indexer, *m->mtp_, r, n);
     m->mtp_enorm_ = ld.vec(p + ".enorm.weight", H);
     m->mtp_hnorm_ = ld.vec(p + ".hnorm.weight", H);
     m->mtp_head_norm_ = ld.vec(p + ".shared_head.norm.weight", H);
     m->mtp_eh_proj_ = ld.lin(p + ".eh_proj", H, 2 * H);
     m->mtp_embed_ = ld.has(p + ".embed_tokens.weight") ? ld.mat(p + ".embed_tokens.weight", V, H) : m->embed_;
     m->mtp_head_ = ld.has(p + ".shared_head.head.weight") ? ld.lin(p + ".shared_head.head", V, H) : m->lm_head_;
+    if (m->mtp_embed_.defined()) m->mtp_embed_ = n > 1 ? m->mtp_embed_.slice(0, r * Vl, (r + 1) * Vl) : m->mtp_embed_;
+    if (m->mtp_head_.data.defined() && n > 1) m->mtp_head_ = m->mtp_head_.rows(r * Vl, (r + 1) * Vl);
   }
   ld.finish();
 
   Arena plan = Arena::planner();
-  alloc_bufs(plan, c, opt.max_step_tokens);
+  alloc_bufs(plan, c, opt.max_step_tokens, n);
   m->ws_ = std::make_unique<Arena>(plan.high_water());
   return m;
 }
@@ -249,8 +289,9 @@ bool GlmModel::mtp_has_indexer() const { return mtp_ && mtp_->attn.indexer; }
 void GlmModel::layer_forward(const Layer& L, const Tensor& latent, const Tensor& index_keys, const TokenBatch& tb,
                              Bufs& b, Tensor& h, bool& have_sel) {
   const GlmConfig& c = cfg_;
-  const int64_t T = tb.T, nh = c.num_heads, qk = c.qk_head_dim(), nope = c.qk_nope_head_dim,
+  const int64_t T = tb.T, nh = c.num_heads / opt_.tp_size, qk = c.qk_head_dim(), nope = c.qk_nope_head_dim,
                 rope = c.qk_rope_head_dim, kvl = c.kv_lora_rank, lat = c.latent_dim();
+  const bool tp = opt_.tp_size > 1;
   const Attn& a = L.attn;
   const Tensor& positions = tb.paged.pos;
   // --- MLA projections (q_a_layernorm / kv_a_layernorm use eps 1e-6, as transformers does)
@@ -290,7 +331,14 @@ void GlmModel::layer_forward(const Layer& L, const Tensor& latent, const Tensor&
   const float scale = 1.0f / std::sqrt(float(qk));
   ops::mla_attention(b.qt, q_pe, latent, tb.paged, b.sel, have_sel ? b.sel_len : Tensor(), scale, b.olat);
   ops::linear_heads(b.olat, a.wuv, b.ocat);
-  ops::linear(b.ocat.reshape({T, nh * c.v_head_dim}), a.o, h, /*accumulate=*/true);  // h += o_proj(attn)
+  if (!tp) {
+    ops::linear(b.ocat.reshape({T, nh * c.v_head_dim}), a.o, h, /*accumulate=*/true);  // h += o_proj(attn)
+  } else {  // this rank's heads' share of o_proj, summed over the ranks
+    Tensor part = b.ao.slice(0, 0, T);
+    ops::linear(b.ocat.reshape({T, nh * c.v_head_dim}), a.o, part);
+    comm_->all_reduce_sum(part);
+    ops::add(h, part, h);
+  }
 
   // --- MLP
   ops::rms_norm(h, L.post_norm, c.rms_norm_eps, b.x);
@@ -313,15 +361,35 @@ void GlmModel::layer_forward(const Layer& L, const Tensor& latent, const Tensor&
       ops::add(b.mlp_out, b.shared_out, b.mlp_out);
     }
   }
+  if (tp) comm_->all_reduce_sum(b.mlp_out);  // the ranks' intermediate slices / experts
   ops::add(h, b.mlp_out, h);
+}
+
+// ------------------------------------------------------------------ vocabulary parallelism
+void GlmModel::embed(const Tensor& table, const TokenBatch& tb, Tensor& out) {
+  if (opt_.tp_size == 1) return ops::embedding(table, tb.tokens, out);
+  ops::embedding_shard(table, tb.tokens, opt_.tp_rank * table.shape(0), out);  // rows held here, zeros elsewhere
+  comm_->all_reduce_sum(out);
+}
+
+void GlmModel::project(const Tensor& rows, const ops::Weight& head, Bufs& b, Tensor& logits) {
+  if (opt_.tp_size == 1) return ops::linear(rows, head, logits);
+  // each rank computes its vocabulary slice; all-gather, then [rank, row, v] -> [row, rank * Vl + v]
+  const int64_t R = rows.shape(0), n = opt_.tp_size, Vl = head.out_features;
+  Tensor local = b.lg_local.slice(0, 0, R);
+  ops::linear(rows, head, local);
+  Tensor all = Tensor::view(b.lg_all.data(), DType::F32, {n, R, Vl});
+  comm_->all_gather(local, all);
+  Tensor dst = logits.reshape({R, n, Vl}).transpose(0, 1);
+  ops::copy(all, dst);
 }
 
 // ------------------------------------------------------------------ forward
 namespace {
 // The chunk workspace cut to T rows (the arena is planned for max_step_tokens).
-Bufs chunk_bufs(Arena& ws, const GlmConfig& c, int64_t T) {
+Bufs chunk_bufs(Arena& ws, const GlmConfig& c, int64_t T, int64_t tp) {
   ws.reset();
-  return alloc_bufs(ws, c, T);
+  return alloc_bufs(ws, c, T, tp);
 }
 }  // namespace
 
@@ -330,9 +398,9 @@ void GlmModel::forward(const TokenBatch& tb, const GlmCache& cache, const Forwar
   const int64_t T = tb.T, H = c.hidden_size;
   DFLASH2_INTERNAL(T >= 1 && T <= opt_.max_step_tokens, "forward chunk of ", T, " tokens (max ", opt_.max_step_tokens,
                    ")");
-  Bufs b = chunk_bufs(*ws_, c, T);
+  Bufs b = chunk_bufs(*ws_, c, T, opt_.tp_size);
   Tensor h = b.h;
-  ops::embedding(embed_, tb.tokens, h);
+  embed(embed_local_, tb, h);
   bool have_sel = false;
   for (int64_t l = 0; l < c.num_layers; ++l) {
     layer_forward(*layers_[size_t(l)], cache.latent[size_t(l)], cache.index[size_t(l)], tb, b, h, have_sel);
@@ -351,11 +419,11 @@ void GlmModel::forward(const TokenBatch& tb, const GlmCache& cache, const Forwar
   if (!out.logits.defined()) return;
   Tensor logits = out.logits;
   if (out.all_logits) {
-    ops::linear(nrm, lm_head_, logits);
+    project(nrm, lm_head_local_, b, logits);
   } else {
     Tensor rows = b.rows.slice(0, 0, tb.logit_rows.shape(0));
     ops::gather_rows(nrm, tb.logit_rows, rows);
-    ops::linear(rows, lm_head_, logits);
+    project(rows, lm_head_local_, b, logits);
   }
 }
 
@@ -365,9 +433,9 @@ void GlmModel::mtp_forward(const TokenBatch& tb, const Tensor& h_main, const Glm
   const GlmConfig& c = cfg_;
   const int64_t T = tb.T, H = c.hidden_size;
   DFLASH2_INTERNAL(T >= 1 && T <= opt_.max_step_tokens, "mtp chunk of ", T, " tokens");
-  Bufs b = chunk_bufs(*ws_, c, T);
+  Bufs b = chunk_bufs(*ws_, c, T, opt_.tp_size);
   Tensor e = b.ao;  // free until the layer runs
-  ops::embedding(mtp_embed_, tb.tokens, e);
+  embed(mtp_embed_, tb, e);
   Tensor cat_e = b.cat.slice(1, 0, H), cat_h = b.cat.slice(1, H, 2 * H);
   ops::rms_norm(e, mtp_enorm_, c.rms_norm_eps, cat_e);
   ops::rms_norm(h_main, mtp_hnorm_, c.rms_norm_eps, cat_h);
@@ -380,7 +448,7 @@ void GlmModel::mtp_forward(const TokenBatch& tb, const Tensor& h_main, const Glm
   Tensor nrm = b.nrm.slice(0, 0, R), rows = b.rows.slice(0, 0, R);
   ops::gather_rows(h, tb.logit_rows, rows);
   ops::rms_norm(rows, mtp_head_norm_, c.rms_norm_eps, nrm);
-  ops::linear(nrm, mtp_head_, logits);
+  project(nrm, mtp_head_, b, logits);
 }
 
 }  // namespace dflash2::model

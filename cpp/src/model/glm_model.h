@@ -14,6 +14,7 @@
 #include "dflash2/ops.h"
 #include "dflash2/safetensors.h"
 #include "model/glm_config.h"
+#include "comm/communicator.h"
 #include "model/token_batch.h"
 
 namespace dflash2::model {
@@ -43,6 +44,7 @@ class GlmModel {
  public:
   struct Options {
     int64_t max_step_tokens = 256;  // the largest chunk a forward takes
+    int64_t tp_rank = 0, tp_size = 1;  // tensor parallelism: this model holds rank tp_rank's shard
   };
 
   static std::unique_ptr<GlmModel> load(const Checkpoint& ckpt, const Options& opt);
@@ -52,8 +54,12 @@ class GlmModel {
   const Options& options() const { return opt_; }
   bool has_mtp() const { return mtp_ != nullptr; }
   bool mtp_has_indexer() const;
+  // the full embedding and LM head (mmap'ed views; the drafter shares them)
   const Tensor& embed_tokens() const { return embed_; }
   const ops::Weight& lm_head() const { return lm_head_; }
+  // Tensor parallelism: the group's communicator for this rank (every rank's model runs the
+  // same forward at once, in its own thread).
+  void set_comm(comm::Communicator* c) { comm_ = c; }
 
   // One chunk (batch.T <= max_step_tokens) through the decoder: the new tokens' latents and
   // indexer keys are written into `cache` at batch.slots.
@@ -69,12 +75,17 @@ class GlmModel {
   GlmModel() = default;
   void layer_forward(const Layer& L, const Tensor& latent, const Tensor& index_keys, const TokenBatch& tb, Bufs& b,
                      Tensor& h, bool& have_sel);
+  void embed(const Tensor& table, const TokenBatch& tb, Tensor& out);
+  void project(const Tensor& rows, const ops::Weight& head, Bufs& b, Tensor& logits);
 
   GlmConfig cfg_;
   Options opt_;
   std::shared_ptr<Checkpoint> ckpt_;
   Tensor embed_;  // [V, H] (F32/BF16/F16 view into the checkpoint)
   ops::Weight lm_head_;
+  Tensor embed_local_;           // this rank's vocabulary rows (all of them without TP)
+  ops::Weight lm_head_local_;
+  comm::Communicator* comm_ = nullptr;
   Tensor final_norm_;
   std::vector<std::unique_ptr<Layer>> layers_;
   std::unique_ptr<Layer> mtp_;

@@ -23,6 +23,7 @@ namespace dflash2::ops {
   X(softmax, (const Tensor& x, Tensor& out, float scale))                                                           \
   X(topk, (const Tensor& x, int64_t k, Tensor& values, Tensor& indices))                                           \
   X(gather_rows, (const Tensor& src, const Tensor& idx, Tensor& out))                                              \
+  X(embedding_shard, (const Tensor& table, const Tensor& ids, int64_t first, Tensor& out))                         \
   X(copy, (const Tensor& src, Tensor& dst))                                                                         \
   X(add, (const Tensor& a, const Tensor& b, Tensor& out))                                                           \
   X(argmax, (const Tensor& x, Tensor& out))                                                                         \

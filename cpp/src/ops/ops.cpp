@@ -355,6 +355,23 @@ void gather_rows(const Tensor& src, const Tensor& idx, Tensor& out) {
   DFLASH2_DISPATCH(gather_rows, src, src, idx, out);
 }
 
+void embedding_shard(const Tensor& table, const Tensor& ids, int64_t first, Tensor& out) {
+  const char* op = "embedding_shard";
+  need_float_weight(table, op, "table");
+  need_index(ids, op, "ids");
+  need_dtype(out, DType::F32, op, "out");
+  DFLASH2_CHECK_ARG(table.ndim() == 2 && table.stride(1) == 1, op, ": table must be [rows, dim] with contiguous rows, found ",
+                    table.describe());
+  DFLASH2_CHECK_ARG(ids.ndim() == 1, op, ": ids must be 1-D, found ", ids.describe());
+  DFLASH2_CHECK_ARG(out.ndim() == 2 && out.shape(0) == ids.shape(0) && out.shape(1) == table.shape(1), op,
+                    ": out must be [", ids.shape(0), ", ", table.shape(1), "], found ", out.describe());
+  DFLASH2_CHECK_ARG(first >= 0, op, ": first must be >= 0, found ", first);
+  need_rows(out, op, "out");
+  same_device(table, ids, op);
+  same_device(table, out, op);
+  DFLASH2_DISPATCH(embedding_shard, table, table, ids, first, out);
+}
+
 void argmax(const Tensor& x, Tensor& out) {
   const char* op = "argmax";
   need_dtype(x, DType::F32, op, "x");
@@ -540,6 +557,9 @@ void moe_experts(const Tensor& x, const Tensor& ids, const Tensor& weights, cons
                     ", top_k], found ", ids.describe(), " and ", weights.describe());
   DFLASH2_CHECK_ARG(E >= 1 && int64_t(experts.up.size()) == E && int64_t(experts.down.size()) == E, op,
                     ": expected the same number (>= 1) of gate, up and down weights");
+  DFLASH2_CHECK_ARG(experts.first >= 0 && (experts.num_global == 0 || experts.first + E <= experts.num_global), op,
+                    ": experts [", experts.first, ", ", experts.first + E, ") are not inside [0, ", experts.num_global,
+                    ")");
   const int64_t F = experts.gate[0].out_features;
   for (int64_t e = 0; e < E; ++e) {
     const Weight &g = experts.gate[size_t(e)], &u = experts.up[size_t(e)], &d = experts.down[size_t(e)];

@@ -79,7 +79,7 @@ void Weight::validate() const {
                     "': an fp8 block-128 weight must be F8_E4M3, found ", data.describe());
       const int64_t sn = (N + 127) / 128, sk = (K + 127) / 128;
       DFLASH2_CHECK(scale.defined() && scale.dtype() == DType::F32 && scale.ndim() == 2 && scale.shape(0) == sn &&
-                        scale.shape(1) == sk && scale.is_contiguous(),
+                        scale.shape(1) == sk && scale.stride(1) == 1,
                     ErrorKind::Checkpoint, "weight '", n, "': weight_scale_inv must be F32[", sn, ", ", sk,
                     "] (ceil(N/128), ceil(K/128)) for weight [", N, ", ", K, "], found ", scale.describe());
       break;
@@ -91,7 +91,7 @@ void Weight::validate() const {
                     "': NVFP4 needs in_features divisible by 16 and packed as [N, K/2]; found ", data.describe(),
                     " for in_features ", K);
       DFLASH2_CHECK(scale.defined() && scale.dtype() == DType::F8_E4M3 && scale.ndim() == 2 && scale.shape(0) == N &&
-                        scale.shape(1) == K / 16 && scale.is_contiguous(),
+                        scale.shape(1) == K / 16 && scale.stride(1) == 1,
                     ErrorKind::Checkpoint, "weight '", n, "': weight_scale must be F8_E4M3[", N, ", ", K / 16,
                     "] (one per 16 inputs, row-major), found ", scale.describe());
       DFLASH2_CHECK(std::isfinite(global_scale) && global_scale > 0, ErrorKind::Checkpoint, "weight '", n,
@@ -115,12 +115,12 @@ Tensor Weight::dequantize() const {
       switch (format) {
         case WeightFormat::Dense: v = load_as_f32(row + k * int64_t(data.itemsize()), data.dtype()); break;
         case WeightFormat::FP8Block128:
-          v = fp8_e4m3_to_f32(uint8_t(row[k])) * scale.data_as<float>()[(r / 128) * scale.shape(1) + k / 128];
+          v = fp8_e4m3_to_f32(uint8_t(row[k])) * scale.data_as<float>()[(r / 128) * scale.stride(0) + k / 128];
           break;
         case WeightFormat::NVFP4: {
           uint8_t byte = uint8_t(row[k / 2]);
           uint8_t nib = (k & 1) ? (byte >> 4) : (byte & 15);
-          float s = fp8_e4m3_to_f32(scale.data_as<uint8_t>()[r * (K / 16) + k / 16]);
+          float s = fp8_e4m3_to_f32(scale.data_as<uint8_t>()[r * scale.stride(0) + k / 16]);
           v = e2m1_to_f32(nib) * s * global_scale;
           break;
         }
@@ -179,6 +179,49 @@ Weight Weight::load(const Checkpoint& ck, const std::string& prefix, int64_t exp
                   ", ", r.in_features, "], expected [", expected_out, ", ", expected_in, "]");
   }
   return r;
+}
+
+Weight Weight::rows(int64_t begin, int64_t end) const {
+  DFLASH2_CHECK_ARG(0 <= begin && begin < end && end <= out_features, "weight '", name, "': rows [", begin, ", ", end,
+                    ") outside [0, ", out_features, ")");
+  Weight w = *this;
+  w.out_features = end - begin;
+  w.data = data.slice(0, begin, end);
+  if (format == WeightFormat::FP8Block128) {
+    DFLASH2_CHECK(begin % 128 == 0 && (end % 128 == 0 || end == out_features), ErrorKind::Config, "weight '", name,
+                  "': rows [", begin, ", ", end, ") split an fp8 block of 128 rows (tensor parallelism needs slices on ",
+                  "128-row boundaries)");
+    w.scale = scale.slice(0, begin / 128, (end + 127) / 128);
+  } else if (format == WeightFormat::NVFP4) {
+    w.scale = scale.slice(0, begin, end);
+  }
+  w.name = name + "[rows " + std::to_string(begin) + ":" + std::to_string(end) + "]";
+  w.validate();
+  return w;
+}
+
+Weight Weight::cols(int64_t begin, int64_t end) const {
+  DFLASH2_CHECK_ARG(0 <= begin && begin < end && end <= in_features, "weight '", name, "': columns [", begin, ", ",
+                    end, ") outside [0, ", in_features, ")");
+  Weight w = *this;
+  w.in_features = end - begin;
+  if (format == WeightFormat::Dense) {
+    w.data = data.slice(1, begin, end);
+  } else if (format == WeightFormat::FP8Block128) {
+    DFLASH2_CHECK(begin % 128 == 0 && (end % 128 == 0 || end == in_features), ErrorKind::Config, "weight '", name,
+                  "': columns [", begin, ", ", end, ") split an fp8 block of 128 columns (tensor parallelism needs ",
+                  "slices on 128-column boundaries)");
+    w.data = data.slice(1, begin, end);
+    w.scale = scale.slice(1, begin / 128, (end + 127) / 128);
+  } else {
+    DFLASH2_CHECK(begin % 16 == 0 && end % 16 == 0, ErrorKind::Config, "weight '", name, "': columns [", begin, ", ",
+                  end, ") split an NVFP4 block of 16 inputs (tensor parallelism needs slices on 16-column boundaries)");
+    w.data = data.slice(1, begin / 2, end / 2);
+    w.scale = scale.slice(1, begin / 16, end / 16);
+  }
+  w.name = name + "[cols " + std::to_string(begin) + ":" + std::to_string(end) + "]";
+  w.validate();
+  return w;
 }
 
 }  // namespace dflash2::ops

@@ -91,11 +91,18 @@ Engine::Engine(const EngineConfig& cfg) : impl_(std::make_unique<Impl>()) {
     DFLASH2_CHECK_ARG(dk == nullptr, "Engine: method '", m, "' takes no drafter (draft='", cfg.draft, "')",
                       I.method == Method::MTP ? ": it drafts with the target's own MTP layer" : "");
 
+  DFLASH2_CHECK_ARG(cfg.tensor_parallel >= 1 && cfg.tensor_parallel <= 64, "Engine: tensor_parallel must be in [1, ",
+                    "64], found ", cfg.tensor_parallel);
   Checkpoint ck = Checkpoint::open(cfg.target);
-  model::GlmModel::Options mo;
-  mo.max_step_tokens = cfg.max_step_tokens;
-  auto model = model::GlmModel::load(ck, mo);
-  const model::GlmConfig& mc = model->config();
+  std::vector<std::unique_ptr<model::GlmModel>> shards;  // one per tensor-parallel rank
+  for (int64_t r = 0; r < cfg.tensor_parallel; ++r) {
+    model::GlmModel::Options mo;
+    mo.max_step_tokens = cfg.max_step_tokens;
+    mo.tp_rank = r;
+    mo.tp_size = cfg.tensor_parallel;
+    shards.push_back(model::GlmModel::load(ck, mo));
+  }
+  const model::GlmConfig& mc = shards[0]->config();
   const int64_t max_len = cfg.max_seq_len > 0 ? cfg.max_seq_len : std::min<int64_t>(4096, mc.max_position_embeddings);
   DFLASH2_CHECK_ARG(max_len <= mc.max_position_embeddings, "Engine: max_seq_len ", max_len,
                     " exceeds the model's max_position_embeddings ", mc.max_position_embeddings);
@@ -105,7 +112,8 @@ Engine::Engine(const EngineConfig& cfg) : impl_(std::make_unique<Impl>()) {
   to.max_batch_size = cfg.max_batch_size;
   to.max_step_tokens = cfg.max_step_tokens;
   to.kv_block_size = cfg.kv_block_size;
-  I.core.target = std::make_unique<runtime::Target>(std::move(model), to);
+  to.num_threads = cfg.num_threads;
+  I.core.target = std::make_unique<runtime::Target>(std::move(shards), to);
   I.config_json = ck.config().root().dump();
   if (I.method == Method::DFlash || I.method == Method::DFlash2) {
     I.core.drafter = runtime::make_dflash_drafter(*dk, *I.core.target, I.method);

@@ -7,20 +7,25 @@
 namespace dflash2::runtime {
 
 KvCache::KvCache(std::string name, const std::vector<Plane>& planes, int64_t block_size, int64_t num_blocks,
-                 Device dev)
+                 Device dev, int replicas)
     : name_(std::move(name)), block_size_(block_size), num_blocks_(num_blocks), max_blocks_per_stream_(num_blocks) {
-  DFLASH2_CHECK_ARG(block_size >= 1 && num_blocks >= 1, name_, ": block_size and num_blocks must be >= 1");
-  for (const Plane& p : planes)
-    planes_.push_back(p.layers > 0 ? Tensor::zeros(DType::F32, {p.layers, num_blocks * block_size, p.dim}, dev)
-                                   : Tensor());
+  DFLASH2_CHECK_ARG(block_size >= 1 && num_blocks >= 1 && replicas >= 1, name_,
+                    ": block_size, num_blocks and replicas must be >= 1");
+  nplanes_ = planes.size();
+  for (int r = 0; r < replicas; ++r)
+    for (const Plane& p : planes)
+      planes_.push_back(p.layers > 0 ? Tensor::zeros(DType::F32, {p.layers, num_blocks * block_size, p.dim}, dev)
+                                     : Tensor());
   free_.reserve(size_t(num_blocks));
   for (int64_t b = num_blocks - 1; b >= 0; --b) free_.push_back(int32_t(b));
 }
 
-Tensor KvCache::layer(size_t plane, int64_t layer) const {
-  DFLASH2_INTERNAL(plane < planes_.size() && planes_[plane].defined() && layer >= 0 && layer < planes_[plane].shape(0),
-                   name_, ": no plane ", plane, " layer ", layer);
-  return planes_[plane].select(0, layer);
+Tensor KvCache::layer(size_t plane, int64_t layer, int replica) const {
+  const size_t i = size_t(replica) * nplanes_ + plane;
+  DFLASH2_INTERNAL(plane < nplanes_ && i < planes_.size() && planes_[i].defined() && layer >= 0 &&
+                       layer < planes_[i].shape(0),
+                   name_, ": no plane ", plane, " layer ", layer, " replica ", replica);
+  return planes_[i].select(0, layer);
 }
 
 void KvCache::reserve(CacheStream& s, int64_t new_len) {

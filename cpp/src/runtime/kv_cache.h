@@ -25,9 +25,11 @@ class KvCache {
     int64_t dim = 0;     // floats per token per layer
   };
   KvCache() = default;
-  // All memory is allocated here, once (zeroed); name is used in messages.
+  // All memory is allocated here, once (zeroed); name is used in messages. `replicas` copies
+  // of every plane share the block allocator (tensor parallelism: each rank's own caches,
+  // with one set of block tables).
   KvCache(std::string name, const std::vector<Plane>& planes, int64_t block_size, int64_t num_blocks,
-          Device dev = Device::cpu());
+          Device dev = Device::cpu(), int replicas = 1);
 
   const std::string& name() const { return name_; }
   int64_t block_size() const { return block_size_; }
@@ -36,7 +38,7 @@ class KvCache {
   int64_t max_blocks_per_stream() const { return max_blocks_per_stream_; }
   void set_max_blocks_per_stream(int64_t n) { max_blocks_per_stream_ = n; }
   // The cache rows of one layer of a plane: F32 [num_blocks * block_size, dim].
-  Tensor layer(size_t plane, int64_t layer) const;
+  Tensor layer(size_t plane, int64_t layer, int replica = 0) const;
   // Blocks for positions < new_len (OutOfMemory when the pool is exhausted: nothing is
   // taken then); the stream's length is not changed.
   void reserve(CacheStream& s, int64_t new_len);
@@ -59,7 +61,8 @@ class KvCache {
  private:
   std::string name_;
   int64_t block_size_ = 0, num_blocks_ = 0, max_blocks_per_stream_ = 0;
-  std::vector<Tensor> planes_;  // [layers, rows, dim]
+  std::vector<Tensor> planes_;  // [layers, rows, dim], replica-major
+  size_t nplanes_ = 0;
   std::vector<int32_t> free_;
 };
 

@@ -1,8 +1,17 @@
 // The target on the runtime side: the GLM model, its KV caches (main + MTP, one
-// KvCache module each) and a planner, run chunk by chunk (chunked prefill, verify).
+// KvCache module each) and a planner, run chunk by chunk (chunked prefill, verify). With
+// tensor parallelism it holds one model shard per rank, each rank with its own caches (one
+// set of block tables) and its own thread; a chunk is planned once and every rank runs it,
+// meeting in the collectives.
 #pragma once
+#include <condition_variable>
+#include <functional>
 #include <memory>
+#include <mutex>
+#include <thread>
 #include <vector>
+
+#include "comm/communicator.h"
 
 #include "model/glm_model.h"
 #include "runtime/kv_cache.h"
@@ -17,11 +26,15 @@ class Target {
     int64_t max_batch_size = 8;
     int64_t max_step_tokens = 256;
     int64_t kv_block_size = 16;
+    int num_threads = 0;  // CPU threads of the whole target (0: all cores), shared by the ranks
   };
-  Target(std::unique_ptr<model::GlmModel> model, const Options& opt);
+  // models: one per rank (tensor parallelism: models[r] was loaded as rank r of size()).
+  Target(std::vector<std::unique_ptr<model::GlmModel>> models, const Options& opt);
+  ~Target();
 
-  model::GlmModel& model() { return *model_; }
-  const model::GlmConfig& config() const { return model_->config(); }
+  model::GlmModel& model() { return *models_[0]; }
+  int tp_size() const { return int(models_.size()); }
+  const model::GlmConfig& config() const { return models_[0]->config(); }
   const Options& options() const { return opt_; }
   KvCache& cache() { return cache_; }
   KvCache& mtp_cache() { return mtp_cache_; }
@@ -38,11 +51,28 @@ class Target {
                  bool all_rows = false);
 
  private:
-  std::unique_ptr<model::GlmModel> model_;
+  // Runs job(rank) on every rank at once (rank 0 on the calling thread); rethrows the first
+  // failure after all ranks have returned.
+  void on_all_ranks(const std::function<void(int)>& job);
+  void worker(int rank);
+
+  std::vector<std::unique_ptr<model::GlmModel>> models_;
   Options opt_;
   KvCache cache_, mtp_cache_;
-  model::GlmCache views_, mtp_views_;
+  std::vector<model::GlmCache> views_, mtp_views_;  // per rank
   StepPlanner planner_;
+  // tensor parallelism
+  std::vector<std::unique_ptr<comm::Communicator>> comms_;
+  std::vector<Tensor> scratch_logits_;  // ranks > 0: the gathered logits nobody reads
+  int rank_threads_ = 0;
+  std::vector<std::thread> workers_;
+  std::mutex mu_;
+  std::condition_variable cv_;
+  const std::function<void(int)>* job_ = nullptr;
+  int64_t job_seq_ = 0;
+  int pending_ = 0;
+  bool stop_ = false;
+  std::vector<std::exception_ptr> errors_;
 };
 
 }  // namespace dflash2::runtime

@@ -56,6 +56,7 @@ void silu_mul(const Tensor& gate, const Tensor& up, Tensor& out);
 void softmax(const Tensor& x, Tensor& out, float scale);
 void topk(const Tensor& x, int64_t k, Tensor& values, Tensor& indices);
 void gather_rows(const Tensor& src, const Tensor& idx, Tensor& out);
+void embedding_shard(const Tensor& table, const Tensor& ids, int64_t first, Tensor& out);
 void copy(const Tensor& src, Tensor& dst);
 void add(const Tensor& a, const Tensor& b, Tensor& out);
 void argmax(const Tensor& x, Tensor& out);

@@ -211,6 +211,25 @@ void gather_rows(const Tensor& src, const Tensor& idx, Tensor& out) {
   }
 }
 
+void embedding_shard(const Tensor& table, const Tensor& ids, int64_t first, Tensor& out) {
+  const int64_t T = ids.shape(0), Vs = table.shape(0), D = table.shape(1);
+  const bool i64 = ids.dtype() == DType::I64;
+  const char* tb = static_cast<const char*>(table.data());
+  const int64_t trow = table.stride(0) * int64_t(table.itemsize());
+  Rows o = rows_of(out);
+  for (int64_t t = 0; t < T; ++t) {
+    const int64_t id = (i64 ? ids.data_as<const int64_t>()[t * ids.stride(0)]
+                            : ids.data_as<const int32_t>()[t * ids.stride(0)]) - first;
+    float* dst = o.row<float>(t);
+    if (id < 0 || id >= Vs) {
+      std::fill(dst, dst + D, 0.0f);
+      continue;
+    }
+    const char* s = tb + id * trow;
+    for (int64_t i = 0; i < D; ++i) dst[i] = load_as_f32(s + i * int64_t(table.itemsize()), table.dtype());
+  }
+}
+
 void copy(const Tensor& src, Tensor& dst) {
   // innermost dimension as a run; the outer index walks the rest in row-major order
   const int nd = src.ndim();

@@ -46,7 +46,8 @@ struct WView {
   int64_t row_bytes;
   const float* fp8_scale;     // FP8: [ceil(N/128), ceil(K/128)]
   int64_t fp8_scale_cols;
-  const uint8_t* nv_scale;    // NVFP4: F8_E4M3 [N, K/16]
+  const uint8_t* nv_scale;    // NVFP4: F8_E4M3 [N, K/16] (row stride nv_scale_stride)
+  int64_t nv_scale_stride;
   float nv_global;
   int64_t K;
 };
@@ -70,7 +71,7 @@ inline float w_at(const WView& w, int64_t r, int64_t k) {
     case ops::WeightFormat::NVFP4: {
       uint8_t b = row[k / 2];
       return e2m1_to_f32((k & 1) ? (b >> 4) : (b & 15)) *
-             tables().fp8[w.nv_scale[r * (w.K / 16) + k / 16]] * w.nv_global;
+             tables().fp8[w.nv_scale[r * w.nv_scale_stride + k / 16]] * w.nv_global;
     }
   }
   return 0.f;
@@ -164,7 +165,7 @@ void micro(const WView& w, int64_t n, const float* x, int64_t ldx, float* y, int
     if constexpr (F == ops::WeightFormat::FP8Block128)
       srows[i] = w.fp8_scale + ((n + i) / 128) * w.fp8_scale_cols;
     else if constexpr (F == ops::WeightFormat::NVFP4)
-      srows[i] = w.nv_scale + (n + i) * (w.K / 16);
+      srows[i] = w.nv_scale + (n + i) * w.nv_scale_stride;
     else
       srows[i] = nullptr;
   }
@@ -255,9 +256,10 @@ void linear(const Tensor& x, const ops::Weight& w, Tensor& y, bool accumulate) {
   v.K = w.in_features;
   if (w.format == ops::WeightFormat::FP8Block128) {
     v.fp8_scale = w.scale.data_as<const float>();
-    v.fp8_scale_cols = w.scale.shape(1);
+    v.fp8_scale_cols = w.scale.stride(0);  // the row stride (a column slice keeps the full one)
   } else if (w.format == ops::WeightFormat::NVFP4) {
     v.nv_scale = static_cast<const uint8_t*>(w.scale.data());
+    v.nv_scale_stride = w.scale.stride(0);
     v.nv_global = w.global_scale;
   }
   const int64_t M = x.shape(0), N = w.out_features;

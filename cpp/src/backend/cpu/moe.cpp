@@ -67,6 +67,7 @@ void moe_route(const Tensor& logits, const Tensor& bias, const ops::MoeRouting& 
 void moe_experts(const Tensor& x, const Tensor& ids, const Tensor& weights, const ops::ExpertWeights& ex, Tensor& out,
                  Tensor& workspace) {
   const int64_t T = x.shape(0), H = x.shape(1), K = ids.shape(1), E = int64_t(ex.gate.size());
+  const int64_t first = ex.first, Eg = ex.num_global > 0 ? ex.num_global : E;
   const int64_t F = ex.gate.empty() ? 0 : ex.gate[0].out_features;
   // workspace: xe [T K, H] | ye [T K, H] | mlp scratch [2 T K F] | slot_out [T K, H] | order I32 [T K] |
   // start I32 [E + 1] | cursor I32 [E]  (ops::moe_workspace_floats); an expert gets at most T K
@@ -81,18 +82,22 @@ void moe_experts(const Tensor& x, const Tensor& ids, const Tensor& weights, cons
   int32_t* cursor = start + E + 1;
   // counting sort of the (token, j) slots by expert, ascending slot within an expert
   std::fill(start, start + E + 1, 0);
+  auto local = [&](int64_t t, int64_t j) {  // the expert's index here, or -1 (another rank's)
+    const int64_t e = ids.data_as<const int32_t>()[t * ids.stride(0) + j] - first;
+    return e >= 0 && e < E ? e : int64_t(-1);
+  };
   for (int64_t t = 0; t < T; ++t)
     for (int64_t j = 0; j < K; ++j) {
       const int32_t e = ids.data_as<const int32_t>()[t * ids.stride(0) + j];
-      DFLASH2_CHECK_ARG(e >= 0 && e < E, "moe_experts: expert id ", e, " of token ", t, " is outside [0, ", E, ")");
-      ++start[e + 1];
+      DFLASH2_CHECK_ARG(e >= 0 && e < Eg, "moe_experts: expert id ", e, " of token ", t, " is outside [0, ", Eg, ")");
+      if (local(t, j) >= 0) ++start[local(t, j) + 1];
     }
   for (int64_t e = 0; e < E; ++e) start[e + 1] += start[e];
   std::copy(start, start + E, cursor);
   for (int64_t t = 0; t < T; ++t)
     for (int64_t j = 0; j < K; ++j) {
-      const int32_t e = ids.data_as<const int32_t>()[t * ids.stride(0) + j];
-      order[cursor[e]++] = int32_t(t * K + j);
+      const int64_t e = local(t, j);
+      if (e >= 0) order[cursor[e]++] = int32_t(t * K + j);
     }
   Tensor xe_all = Tensor::view(xe_p, DType::F32, {T * K, H});
   Tensor ye_all = Tensor::view(ye_p, DType::F32, {T * K, H});
@@ -115,6 +120,7 @@ void moe_experts(const Tensor& x, const Tensor& ids, const Tensor& weights, cons
     float* o = out.data_as<float>() + t * out.stride(0);
     std::fill(o, o + H, 0.0f);
     for (int64_t j = 0; j < K; ++j) {
+      if (local(t, j) < 0) continue;
       const float wj = weights.data_as<const float>()[t * weights.stride(0) + j];
       const float* y = slot_p + (t * K + j) * H;
       for (int64_t d = 0; d < H; ++d) o[d] += y[d] * wj;
