@@ -268,6 +268,11 @@ class Engine:
     def has_mtp(self) -> bool:
         return self._e.has_mtp
 
+    @property
+    def tensor_parallel(self) -> int:
+        """Ranks the target is split across (1: not split)."""
+        return self._e.tensor_parallel
+
     def logits(self, token_ids) -> np.ndarray:
         """float32 [n, vocab]: the logits at every position of `token_ids` (real prefill path)."""
         return self._e.logits(self._ids(token_ids, "logits: token_ids"))

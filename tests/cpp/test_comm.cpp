@@ -61,4 +61,37 @@ TEST(cpu_collectives) {
   CHECK_THROWS(comm::make_cpu_group(0), "tensor parallel size");
 }
 
+// A rank that fails between collectives aborts the group: the others, waiting in a
+// collective, throw CollectiveAborted instead of hanging; after reset the group works again.
+TEST(abort_and_reset) {
+  for (int n : {2, 3, 4}) {
+    auto g = comm::make_cpu_group(n);
+    std::vector<int> aborted(size_t(n), 0), bad(size_t(n), 0);
+    on_ranks(g, [&](comm::Communicator& c) {
+      Tensor x = Tensor::empty(DType::F32, {8});
+      for (int i = 0; i < 8; ++i) x.data_as<float>()[i] = 1.0f;
+      try {
+        c.all_reduce_sum(x);  // a healthy collective first
+        if (c.rank() == n - 1) {
+          c.abort();  // this rank "fails" and never joins the next collective
+          return;
+        }
+        c.all_reduce_sum(x);
+      } catch (const comm::CollectiveAborted&) {
+        aborted[size_t(c.rank())] = 1;
+      }
+    });
+    for (int r = 0; r < n - 1; ++r) CHECK(aborted[size_t(r)] == 1);
+    g[0]->reset();
+    on_ranks(g, [&](comm::Communicator& c) {
+      Tensor x = Tensor::empty(DType::F32, {5});
+      for (int i = 0; i < 5; ++i) x.data_as<float>()[i] = float(c.rank());
+      c.all_reduce_sum(x);
+      for (int i = 0; i < 5; ++i)
+        if (x.data_as<float>()[i] != float(n * (n - 1) / 2)) bad[size_t(c.rank())]++;
+    });
+    for (int v : bad) CHECK(v == 0);
+  }
+}
+
 TEST_MAIN()

@@ -8,6 +8,7 @@
 #include <memory>
 #include <string>
 
+#include "dflash2/error.h"
 #include "dflash2/tensor.h"
 
 namespace dflash2::comm {
@@ -27,6 +28,17 @@ class Communicator {
   // x = root's x.
   virtual void broadcast(Tensor& x, int root) = 0;
   virtual void barrier() = 0;
+  // A rank that fails between collectives calls abort: every rank waiting in (or later
+  // entering) a collective of the group throws CollectiveAborted instead of waiting forever.
+  // reset() (called once all ranks have left the failed step) makes the group usable again.
+  virtual void abort() = 0;
+  virtual void reset() = 0;
+};
+
+// Thrown on the other ranks of an aborted group (the failing rank's own error is the cause).
+class CollectiveAborted : public Error {
+ public:
+  CollectiveAborted() : Error(ErrorKind::Internal, "collective aborted: another tensor-parallel rank failed") {}
 };
 
 // An in-process group of `size` ranks: the communicators of its ranks, to be used by one

@@ -21,19 +21,33 @@ struct Shared {
   std::condition_variable cv;
   int arrived = 0;
   int64_t generation = 0;
+  bool aborted = false;
   std::vector<const void*> ptrs;  // per rank, published for the current collective
   std::vector<float> scratch;     // the reduced result
 
   void barrier() {
     std::unique_lock<std::mutex> lk(mu);
+    if (aborted) throw CollectiveAborted();
     const int64_t gen = generation;
     if (++arrived == size) {
       arrived = 0;
       ++generation;
       cv.notify_all();
     } else {
-      cv.wait(lk, [&] { return generation != gen; });
+      cv.wait(lk, [&] { return generation != gen || aborted; });
+      if (generation == gen) throw CollectiveAborted();  // aborted before the last rank arrived
     }
+  }
+  void abort() {
+    std::lock_guard<std::mutex> lk(mu);
+    aborted = true;
+    cv.notify_all();
+  }
+  void reset() {
+    std::lock_guard<std::mutex> lk(mu);
+    aborted = false;
+    arrived = 0;
+    ++generation;
   }
 };
 
@@ -109,6 +123,8 @@ class CpuComm final : public Communicator {
   }
 
   void barrier() override { s_->barrier(); }
+  void abort() override { s_->abort(); }
+  void reset() override { s_->reset(); }
 
  private:
   void publish(const void* p) {

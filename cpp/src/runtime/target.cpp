@@ -82,6 +82,7 @@ void Target::worker(int rank) {
       (*job)(rank);
     } catch (...) {
       errors_[size_t(rank)] = std::current_exception();
+      comms_[size_t(rank)]->abort();
     }
     std::lock_guard<std::mutex> lk(mu_);
     if (--pending_ == 0) cv_.notify_all();
@@ -104,11 +105,26 @@ void Target::on_all_ranks(const std::function<void(int)>& job) {
     job(0);
   } catch (...) {
     errors_[0] = std::current_exception();
+    comms_[0]->abort();  // ranks waiting in a collective for rank 0 give up instead of hanging
   }
   std::unique_lock<std::mutex> lk(mu_);
   cv_.wait(lk, [&] { return pending_ == 0; });
-  for (auto& e : errors_)
-    if (e) std::rethrow_exception(e);
+  // the cause: the first error that is not another rank's abort
+  std::exception_ptr cause, any;
+  for (auto& e : errors_) {
+    if (!e) continue;
+    if (!any) any = e;
+    try {
+      std::rethrow_exception(e);
+    } catch (const comm::CollectiveAborted&) {
+    } catch (...) {
+      if (!cause) cause = e;
+    }
+  }
+  if (any) {
+    comms_[0]->reset();  // every rank has left the step: the group is usable again
+    std::rethrow_exception(cause ? cause : any);
+  }
 }
 
 void Target::run_chunk(const std::vector<Piece>& pieces, const model::ForwardOutputs& out) {

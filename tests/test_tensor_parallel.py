@@ -1,0 +1,219 @@
+"""Tensor parallelism (``Engine(tensor_parallel=N)``) on the CPU: N rank models on N
+threads of one process, joined by the in-process communicator (cpp/src/comm/cpu_comm.cpp).
+
+A TP=N engine computes the same function as TP=1 with the sums split differently: each
+rank holds 1/N of the attention heads, of the dense and shared MLP intermediate, of the
+vocabulary (embedding and LM head) and 1/N of the routed experts (expert parallelism),
+and the partial outputs are summed in rank order. So logits agree with TP=1 to a few ulps
+of fp32 (bounded here by 1e-5 of the logit scale) and everything that follows from the
+logits (greedy tokens, seeded samples, speculative acceptance) is the same unless a
+near-tie sits exactly at that scale; where a token differs the test checks that the TP=1
+top-2 margin there was below the bound, and fails otherwise.
+
+Shard-shape errors: sizes that N does not divide and quantized slices that break a block
+(FP8: 128, NVFP4: 16) are ConfigErrors that name the field; tensor_parallel outside [1, 64]
+is an InvalidArgumentError.
+"""
+import os
+
+import numpy as np
+import pytest
+
+pytest.importorskip("transformers.models.glm_moe_dsa", reason="needs transformers>=5 with GlmMoeDsa")
+pytest.importorskip("safetensors")
+import torch  # noqa: E402,F401
+
+import dflash2_rt  # noqa: E402
+import dflash_fixtures as F  # noqa: E402
+import glm_fixtures as gf  # noqa: E402
+from dflash2_rt.tools.quantize import quantize_checkpoint  # noqa: E402
+
+REL = 1e-5  # |logits(TP=N) - logits(TP=1)| <= REL * max|logits| (observed: ~3e-7)
+NO_STOP = []
+
+
+class Zoo:
+    def __init__(self, root):
+        self.root, self.paths, self.engines = root, {}, {}
+
+    def path(self, name, variant=None, **opts):
+        if name not in self.paths:
+            self.paths[name] = gf.build_model(os.path.join(self.root, name), variant or name, **opts)
+        return self.paths[name]
+
+    def engine(self, name, tp, method="ar", **kw):
+        key = (name, tp, method, tuple(sorted(kw.items())))
+        if key not in self.engines:
+            self.engines[key] = dflash2_rt.Engine(target=self.path(name), method=method, device="cpu",
+                                                  max_batch_size=4, max_seq_len=256, tensor_parallel=tp, **kw)
+        return self.engines[key]
+
+
+@pytest.fixture(scope="module")
+def zoo(tmp_path_factory):
+    return Zoo(str(tmp_path_factory.mktemp("tp")))
+
+
+def close(got, ref, what):
+    got, ref = np.asarray(got, np.float64), np.asarray(ref, np.float64)
+    assert got.shape == ref.shape and np.isfinite(got).all(), what
+    err, scale = float(np.abs(got - ref).max()), float(np.abs(ref).max())
+    print(f"{what}: max|d| = {err:.2e}, rel {err / scale:.1e}")
+    assert err <= REL * scale, f"{what}: max|d| = {err:.3e} > {REL} * {scale:.3e}"
+
+
+def same_tokens(ref_engine, prompt, got, want, what):
+    """got == want, or they part at a token where the reference's top-2 margin is within
+    the TP tolerance (a genuine near-tie, not a TP error)."""
+    if list(got) == list(want):
+        return
+    j = next((k for k, (a, b) in enumerate(zip(got, want)) if a != b), min(len(got), len(want)))
+    logits = np.asarray(ref_engine.logits(list(prompt) + list(want[:j])))[-1]
+    top2 = np.sort(logits)[-2:]
+    margin, scale = float(top2[1] - top2[0]), float(np.abs(logits).max())
+    assert margin <= 4 * REL * scale, (f"{what}: token {j} differs ({got[j]} vs {want[j]}) with a TP=1 margin "
+                                       f"{margin:.2e} > {4 * REL} * {scale:.2e}\n got  {list(got)}\n want {list(want)}")
+
+
+# ---------------------------------------------------------------------------- logits
+
+
+@pytest.mark.parametrize("tp", [2, 4])
+@pytest.mark.parametrize("variant", ["tiny", "bf16", "ngroup", "indexshare_list"])
+def test_logits_equal_tp1(zoo, variant, tp):
+    one, eng = zoo.engine(variant, 1), zoo.engine(variant, tp)
+    assert eng.tensor_parallel == tp and one.tensor_parallel == 1
+    for n in (1, 9, 40):  # below and above index_topk = 8: sparse attention on every rank
+        ids = gf.prompt(200 + n, n)
+        close(eng.logits(ids), one.logits(ids), f"{variant} TP={tp} n={n}")
+
+
+def test_tp_engine_matches_transformers(zoo):
+    """Not only equal to TP=1: equal to the oracle (so TP=1 and TP=N are not wrong together)."""
+    hf = gf.load_hf(zoo.path("tiny"))
+    ids = gf.prompt(7, 30)
+    ref = gf.hf_logits(hf, ids)
+    got = np.asarray(zoo.engine("tiny", 4).logits(ids), np.float64)
+    err = float(np.abs(got - ref).max())
+    assert err <= 1e-4 * float(np.abs(ref).max()) + 1e-5
+
+
+def test_mtp_layer_sharded(zoo):
+    """The MTP layer is split like the others: MTP speculative greedy at TP=2 equals TP=1 AR."""
+    one = zoo.engine("tiny", 1)
+    eng = zoo.engine("tiny", 2, method="mtp")
+    for i, plen in enumerate((3, 12, 25)):
+        p = gf.prompt(300 + i, plen)
+        (want,) = one.generate([p], max_new_tokens=16, stop_token_ids=NO_STOP)
+        (got,) = eng.generate([p], max_new_tokens=16, stop_token_ids=NO_STOP)
+        same_tokens(one, p, got.token_ids, want.token_ids, f"mtp TP=2 prompt {i}")
+        assert got.stats["verify_steps"] >= 1
+
+
+# ---------------------------------------------------------------------------- generation
+
+
+@pytest.mark.parametrize("tp", [2, 4])
+def test_greedy_and_batch_equal_tp1(zoo, tp):
+    one, eng = zoo.engine("tiny", 1), zoo.engine("tiny", tp)
+    prompts = [gf.prompt(400 + i, n) for i, n in enumerate((3, 11, 6, 20))]
+    want = one.generate(prompts, max_new_tokens=12, stop_token_ids=NO_STOP)
+    got = eng.generate(prompts, max_new_tokens=12, stop_token_ids=NO_STOP)
+    for i, (g, w) in enumerate(zip(got, want)):
+        same_tokens(one, prompts[i], g.token_ids, w.token_ids, f"TP={tp} prompt {i}")
+        assert g.finish_reason == "length"
+
+
+def test_seeded_sampling_equal_tp1(zoo):
+    """Sampling draws its uniforms from (seed, request, position) only, so a seeded TP=2 run
+    reproduces TP=1 exactly (its probabilities differ by ~1e-7, which moves a sample only if
+    a uniform lands within that distance of a bucket edge)."""
+    one, eng = zoo.engine("tiny", 1), zoo.engine("tiny", 2)
+    prompts = [gf.prompt(500 + i, 5 + i) for i in range(3)]
+    kw = dict(max_new_tokens=16, temperature=1.0, top_p=0.95, stop_token_ids=NO_STOP)
+    for seed in (1, 2):
+        a = [r.token_ids for r in one.generate(prompts, seed=seed, **kw)]
+        b = [r.token_ids for r in eng.generate(prompts, seed=seed, **kw)]
+        assert a == b
+    a = [r.token_ids for r in zoo.engine("tiny", 1, method="mtp").generate(prompts, seed=3, **kw)]
+    b = [r.token_ids for r in zoo.engine("tiny", 2, method="mtp").generate(prompts, seed=3, **kw)]
+    assert a == b
+
+
+def test_submit_poll_and_stream_at_tp2(zoo):
+    eng, one = zoo.engine("tiny", 2), zoo.engine("tiny", 1)
+    p = gf.prompt(600, 7)
+    (want,) = one.generate([p], max_new_tokens=10, stop_token_ids=NO_STOP)
+    assert list(eng.stream(p, max_new_tokens=10, stop_token_ids=NO_STOP)) == list(want.token_ids)
+
+
+@pytest.fixture(scope="module")
+def pair(tmp_path_factory):
+    return F.make_self_drafting_pair(tmp_path_factory.mktemp("pair"))
+
+
+@pytest.mark.parametrize("tp", [2, 4])
+def test_dflash2_pair_at_tp(pair, tp):
+    """DFlash 2 over a sharded target (the drafter is replicated and reads the gathered
+    target features): the hand-built pair's exact output and accepted counts."""
+    eng = dflash2_rt.Engine(target=pair.target_dir, draft=pair.draft_dir, method="dflash2", device="cpu",
+                            max_batch_size=4, max_seq_len=256, tensor_parallel=tp)
+    prompts = [[int(x)] * 3 for x in (5, 40, 77)]
+    got = eng.generate(prompts, max_new_tokens=41, stop_token_ids=NO_STOP)
+    for pr, r in zip(prompts, got):
+        exp = pair.expected_greedy(pr, 41)
+        assert list(r.token_ids) == exp["tokens"]
+        assert r.stats["verify_steps"] == exp["steps"]
+
+
+# ---------------------------------------------------------------------------- quantized
+
+
+def test_nvfp4_experts_tp2(zoo, tmp_path):
+    dst = str(tmp_path / "nvfp4")
+    quantize_checkpoint(zoo.path("tiny"), dst, "nvfp4", "experts")
+    kw = dict(method="ar", device="cpu", max_batch_size=2, max_seq_len=128)
+    one = dflash2_rt.Engine(target=dst, tensor_parallel=1, **kw)
+    ids = gf.prompt(700, 20)
+    for tp in (2, 4):  # routed experts are whole per rank (EP): no NVFP4 block is cut
+        close(dflash2_rt.Engine(target=dst, tensor_parallel=tp, **kw).logits(ids), one.logits(ids), f"nvfp4 TP={tp}")
+
+
+def test_fp8_tp2_with_block_aligned_slices(tmp_path):
+    """FP8 block-128: a slice must start on a 128 boundary. 32 heads x (16 + 8) q rows and
+    256-wide MLPs split in two keep every block whole."""
+    src = gf.build_model(str(tmp_path / "wide"), "tiny", mtp=False,
+                         config=dict(num_attention_heads=32, num_key_value_heads=32, intermediate_size=256,
+                                     moe_intermediate_size=256))
+    dst = str(tmp_path / "fp8")
+    quantize_checkpoint(src, dst, "fp8")
+    kw = dict(method="ar", device="cpu", max_batch_size=2, max_seq_len=128)
+    ids = gf.prompt(710, 15)
+    close(dflash2_rt.Engine(target=dst, tensor_parallel=2, **kw).logits(ids),
+          dflash2_rt.Engine(target=dst, tensor_parallel=1, **kw).logits(ids), "fp8 TP=2")
+
+
+def test_quantized_slices_that_cut_blocks_are_config_errors(zoo, tmp_path):
+    fp8 = str(tmp_path / "fp8")
+    quantize_checkpoint(zoo.path("tiny"), fp8, "fp8")
+    with pytest.raises(dflash2_rt.ConfigError, match="128"):  # 4 heads x 24 rows / 2 = 48 rows
+        dflash2_rt.Engine(target=fp8, method="ar", device="cpu", tensor_parallel=2)
+    mlp = str(tmp_path / "mlp")
+    quantize_checkpoint(zoo.path("tiny"), mlp, "nvfp4", "mlp")
+    with pytest.raises(dflash2_rt.ConfigError, match="16"):  # intermediate 96 / 4 = 24
+        dflash2_rt.Engine(target=mlp, method="ar", device="cpu", tensor_parallel=4)
+
+
+# ---------------------------------------------------------------------------- errors
+
+
+def test_bad_tensor_parallel_sizes(zoo):
+    with pytest.raises(dflash2_rt.ConfigError, match="num_attention_heads = 4"):
+        dflash2_rt.Engine(target=zoo.path("tiny"), method="ar", device="cpu", tensor_parallel=3)
+    for bad in (0, -1, 65, 100):
+        with pytest.raises(dflash2_rt.InvalidArgumentError, match="tensor_parallel"):
+            dflash2_rt.Engine(target=zoo.path("tiny"), method="ar", device="cpu", tensor_parallel=bad)
+    with pytest.raises(dflash2_rt.InvalidArgumentError, match="tensor_parallel"):
+        dflash2_rt.Engine(target=zoo.path("tiny"), method="ar", device="cpu", tensor_parallel=2.0)
+    # an engine that failed to build leaves a good one working
+    assert zoo.engine("tiny", 2).logits([1, 2, 3]).shape == (3, gf.TINY_CONFIG["vocab_size"])
