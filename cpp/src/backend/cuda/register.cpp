@@ -1,10 +1,12 @@
 // The CUDA backend's entries in the dispatch table: each op implemented in this folder
 // registers here; ops without an entry raise a clear Unsupported error.
+// ops::embedding dispatches to gather_rows, so it runs on the CUDA gather too.
 #include "backend/cuda/cuda_api.h"
 #include "ops/backend.h"
 
 namespace dflash2::ops {
 void register_cuda_ops(BackendTable& t) {
-  t.rms_norm = &cuda::rms_norm;
+  t.rms_norm = &cuda::rms_norm;        // rmsnorm.cu
+  t.copy = &cuda::copy;                // copy.cu
 }
 }  // namespace dflash2::ops
