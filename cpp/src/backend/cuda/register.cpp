@@ -7,6 +7,9 @@
 namespace dflash2::ops {
 void register_cuda_ops(BackendTable& t) {
   t.rms_norm = &cuda::rms_norm;        // rmsnorm.cu
+  t.rope = &cuda::rope;                // elementwise.cu
+  t.silu_mul = &cuda::silu_mul;        // elementwise.cu
+  t.add = &cuda::add;                  // elementwise.cu
   t.copy = &cuda::copy;                // copy.cu
 }
 }  // namespace dflash2::ops
