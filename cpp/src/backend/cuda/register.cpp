@@ -7,6 +7,10 @@
 namespace dflash2::ops {
 void register_cuda_ops(BackendTable& t) {
   t.rms_norm = &cuda::rms_norm;        // rmsnorm.cu
+  t.layer_norm = &cuda::layer_norm;    // row_reduce.cu
+  t.softmax = &cuda::softmax;          // row_reduce.cu
+  t.argmax = &cuda::argmax;            // row_reduce.cu
+  t.check_finite = &cuda::check_finite;  // row_reduce.cu
   t.rope = &cuda::rope;                // elementwise.cu
   t.silu_mul = &cuda::silu_mul;        // elementwise.cu
   t.add = &cuda::add;                  // elementwise.cu
