@@ -15,5 +15,7 @@ void register_cuda_ops(BackendTable& t) {
   t.silu_mul = &cuda::silu_mul;        // elementwise.cu
   t.add = &cuda::add;                  // elementwise.cu
   t.copy = &cuda::copy;                // copy.cu
+  t.gather_rows = &cuda::gather_rows;  // index_rows.cu
+  t.cache_write = &cuda::cache_write;  // index_rows.cu
 }
 }  // namespace dflash2::ops
