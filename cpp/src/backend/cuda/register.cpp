@@ -17,5 +17,6 @@ void register_cuda_ops(BackendTable& t) {
   t.copy = &cuda::copy;                // copy.cu
   t.gather_rows = &cuda::gather_rows;  // index_rows.cu
   t.cache_write = &cuda::cache_write;  // index_rows.cu
+  t.dyn_conv = &cuda::dyn_conv;        // drafter_ops.cu
 }
 }  // namespace dflash2::ops
