@@ -33,7 +33,7 @@
 //               beats it on the CPU), else the winner. Exactly the CPU's index, always.
 //   check_finite  1 where the row holds a NaN or an infinity (isfinite per element, OR over
 //               the row with __syncthreads_or): the CPU's answer, always.
-// Row lengths up to INT32_MAX - 1 elements.
+// Row lengths up to INT32_MAX - 1024 elements.
 #include <cuda_runtime.h>
 
 #include <cmath>
@@ -185,7 +185,8 @@ void need_f32(const char* op, const Tensor& t, const char* arg) {
 }
 
 void need_row_len(const char* op, int64_t D) {
-  DFLASH2_CHECK_ARG(D < int64_t(INT32_MAX), "cuda::", op, ": rows of ", D, " elements are too long");
+  // int element indices: i + blockDim.x must not overflow
+  DFLASH2_CHECK_ARG(D <= int64_t(INT32_MAX) - kMaxThreads, "cuda::", op, ": rows of ", D, " elements are too long");
 }
 
 // x F32 [R, V] with contiguous rows and out I32 [R] (argmax, check_finite).
