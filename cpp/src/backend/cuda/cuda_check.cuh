@@ -1,6 +1,7 @@
 // cuda/cuda_check.cuh: CUDA error handling shared by the cuda/*.cu files. Every failing
 // CUDA call becomes a dflash2::Error (ErrorKind::Backend unless stated) naming the call,
 // the CUDA error name and its description; nothing aborts.
+// check_launch (below) is compiled but has not yet run on a GPU.
 #pragma once
 #include <cuda_runtime.h>
 

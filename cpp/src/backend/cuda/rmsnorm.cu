@@ -22,7 +22,8 @@
 // does not depend on how many rows are normalised together (decode == verify).
 //
 // The kernel runs on the calling thread's stream (current_stream(), cuda_api.h) and is not
-// synchronized; a failed launch is an error at once (detail::check_launch).
+// synchronized; a failed launch is an error at once (detail::check_launch). (The stream
+// and check_launch changes are compiled, not yet run on a GPU.)
 #include <cuda_bf16.h>
 #include <cuda_fp16.h>
 #include <cuda_runtime.h>
