@@ -21,7 +21,10 @@ import refs
 from conftest import cuda_or_skip
 
 DEVICES = ["cpu", "cuda"]
-CUDA_OPS = {"rms_norm"}
+# Ops with a CUDA implementation (cpp/src/backend/cuda, registered in register.cpp);
+# "embedding" runs the CUDA gather_rows.
+CUDA_OPS = {"rms_norm", "layer_norm", "rope", "silu_mul", "softmax", "embedding", "copy", "add", "gather_rows",
+            "argmax", "check_finite", "cache_write", "dyn_conv"}
 GUARD = 64
 SENTINEL = np.float32(-12345.678)
 ISENTINEL = np.int32(-777777)
@@ -532,14 +535,26 @@ def test_copy_widens_into_f32(dev, src_dtype):
         base = torch.from_numpy(rng.standard_normal((shape[0], shape[1] * 2, shape[2] + 4)).astype(np.float32) * 10)
         src = base.to(src_dtype)[:, ::2, 3:3 + shape[2]]
         out = Guarded(shape, dev)
-        ops.copy(to_dev(src, dev), out=out.view)
+        if dev == "cpu":
+            ops.copy(to_dev(src, dev), out=out.view)
+        else:  # the same strided view, on the device: [a, b, 2, c + 4][:, :, 0, 3:3 + c]
+            a, b, c = shape
+            dsrc = to_dev(base.to(src_dtype), dev).reshape([a, b, 2, c + 4]).slice(2, 0, 1).slice(3, 3, 3 + c)
+            ops.copy(dsrc, out=out.view.reshape([a, b, 1, c]))
         np.testing.assert_array_equal(out.result(), src.float().numpy())  # widening is exact
-    # strided F32 dst (a numpy view) from F16
+    # strided F32 dst from F16
     src = torch.from_numpy(rng.standard_normal((4, 6)).astype(np.float16))
-    dst_big = np.full((8, 7), SENTINEL, np.float32)
-    ops.copy(src, out=dst_big[::2, 1:])
-    np.testing.assert_array_equal(dst_big[::2, 1:], src.float().numpy())
-    assert (dst_big[1::2] == SENTINEL).all() and (dst_big[:, 0] == SENTINEL).all()
+    if dev == "cpu":  # a numpy view
+        dst_big = np.full((8, 7), SENTINEL, np.float32)
+        ops.copy(src, out=dst_big[::2, 1:])
+        np.testing.assert_array_equal(dst_big[::2, 1:], src.float().numpy())
+        assert (dst_big[1::2] == SENTINEL).all() and (dst_big[:, 0] == SENTINEL).all()
+    else:  # rows 0, 2, 4, 6 and columns 1.. of an [8, 7] device buffer, as [4, 1, 6]
+        dst = Guarded((4, 2, 7), dev)
+        ops.copy(to_dev(src, dev).reshape([4, 1, 6]), out=dst.view.slice(1, 0, 1).slice(2, 1, 7))
+        got = dst.result()
+        np.testing.assert_array_equal(got[:, 0, 1:], src.float().numpy())
+        assert (got[:, 1] == SENTINEL).all() and (got[:, 0, 0] == SENTINEL).all()
 
 
 @pytest.mark.parametrize("dev", DEVICES)
@@ -569,7 +584,7 @@ def test_add(dev):
     rng = rng_for("add-strided")
     wide = rng.standard_normal((5, 40)).astype(np.float32)
     b = rng.standard_normal((5, 24)).astype(np.float32)
-    got = np.from_dlpack(ops.add(wide[:, 8:32], b))
+    got = to_np(ops.add(to_dev(wide, dev).slice(1, 8, 32), to_dev(b, dev)))
     np.testing.assert_array_equal(got, refs.add(wide[:, 8:32], b).astype(np.float32))
 
 
@@ -610,10 +625,10 @@ def test_argmax(dev):
         np.testing.assert_array_equal(got, x.argmax(1))  # numpy agrees: the first maximum
     # the documented NaN rule (comparisons with NaN are false)
     x = np.array([[np.nan, 1, 2], [1, np.nan, 3], [4, 4, np.nan]], np.float32)
-    np.testing.assert_array_equal(np.from_dlpack(ops.argmax(x)), [0, 2, 0])
+    np.testing.assert_array_equal(to_np(ops.argmax(to_dev(x, dev))), [0, 2, 0])
     # strided rows
     wide = rng_for("argmax-wide").standard_normal((4, 50)).astype(np.float32)
-    np.testing.assert_array_equal(np.from_dlpack(ops.argmax(wide[:, 10:40])), wide[:, 10:40].argmax(1))
+    np.testing.assert_array_equal(to_np(ops.argmax(to_dev(wide, dev).slice(1, 10, 40))), wide[:, 10:40].argmax(1))
 
 
 @pytest.mark.parametrize("dev", DEVICES)
@@ -639,7 +654,7 @@ def test_check_finite(dev):
     wide = np.zeros((3, 20), np.float32)
     wide[1, 2] = np.nan  # outside the slice below
     wide[2, 12] = np.inf
-    np.testing.assert_array_equal(np.from_dlpack(ops.check_finite(wide[:, 5:15])), [0, 0, 1])
+    np.testing.assert_array_equal(to_np(ops.check_finite(to_dev(wide, dev).slice(1, 5, 15))), [0, 0, 1])
 
 
 # ----------------------------------------------------------------------------- paged caches

@@ -2,9 +2,13 @@
 // declared when the library is built with DFLASH2_WITH_CUDA; callers guard with #ifdef.
 #pragma once
 #include <cstddef>
+#include <cstdint>
 #include <string>
 
+#include "dflash2/ops.h"
 #include "dflash2/tensor.h"
+
+struct CUstream_st;  // the CUDA runtime's stream type: cudaStream_t is CUstream_st*
 
 namespace dflash2::cuda {
 
@@ -19,7 +23,45 @@ void synchronize(int device);
 std::string toolkit_version();      // CUDART_VERSION at compile time, "13.0"
 std::string runtime_info();         // driver/runtime versions and device names, or why none
 
-// ops (inputs already validated by ops.cpp: same device, shapes consistent, contiguous rows)
+// The stream every CUDA op called from this thread launches its kernels and device-side
+// copies on: nullptr (the legacy default stream) unless set. Thread-local, so each engine
+// thread keeps its own (e.g. a non-default stream to capture a step as a CUDA graph). The
+// stream must belong to the device of the tensors an op is called with. Ops never
+// synchronize; a copy to the host (copy() below, Tensor::to) does.
+CUstream_st* current_stream();
+void set_current_stream(CUstream_st* stream);
+// Sets this thread's stream for the lifetime of the scope and restores the previous one.
+class StreamScope {
+ public:
+  explicit StreamScope(CUstream_st* stream) : prev_(current_stream()) { set_current_stream(stream); }
+  ~StreamScope() { set_current_stream(prev_); }
+  StreamScope(const StreamScope&) = delete;
+  StreamScope& operator=(const StreamScope&) = delete;
+
+ private:
+  CUstream_st* prev_;
+};
+
+// Device-side index errors: gather_rows (and embedding) ids outside [0, N) and
+// cache_write slots >= the cache's rows are device data, so the kernels cannot throw; they
+// skip or zero the row (index_rows.cu) and add 1 per offending row to a per-device
+// counter. Returns the count accumulated on `device` since the last reset (synchronizes
+// the device; a diagnostic for tests and debug builds, not for the step loop).
+uint64_t index_errors(int device, bool reset);
+
+// ops (inputs already validated by ops.cpp: same device, shapes consistent, contiguous rows;
+// each also checks what its kernel relies on, so direct callers get errors, not faults)
 void rms_norm(const Tensor& x, const Tensor& w, float eps, Tensor& out);
+void layer_norm(const Tensor& x, const Tensor& w, const Tensor& b, float eps, Tensor& out);
+void rope(Tensor& x, const Tensor& positions, double theta, ops::RopeStyle style);
+void silu_mul(const Tensor& gate, const Tensor& up, Tensor& out);
+void softmax(const Tensor& x, Tensor& out, float scale);
+void gather_rows(const Tensor& src, const Tensor& idx, Tensor& out);
+void copy(const Tensor& src, Tensor& dst);
+void add(const Tensor& a, const Tensor& b, Tensor& out);
+void argmax(const Tensor& x, Tensor& out);
+void check_finite(const Tensor& x, Tensor& flags);
+void cache_write(const Tensor& src, const Tensor& slots, Tensor& cache);
+void dyn_conv(const Tensor& x, const Tensor& base, const Tensor& dyn, int64_t block, Tensor& out);
 
 }  // namespace dflash2::cuda

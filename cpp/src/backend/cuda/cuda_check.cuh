@@ -1,6 +1,7 @@
 // cuda/cuda_check.cuh: CUDA error handling shared by the cuda/*.cu files. Every failing
 // CUDA call becomes a dflash2::Error (ErrorKind::Backend unless stated) naming the call,
 // the CUDA error name and its description; nothing aborts.
+// check_launch (below) is compiled but has not yet run on a GPU.
 #pragma once
 #include <cuda_runtime.h>
 
@@ -47,6 +48,26 @@ class DeviceGuard {
   int prev_ = 0;
   bool restore_ = false;
 };
+
+// After a kernel launch: throws Backend "<what> kernel launch failed (<context>): ..." if the
+// launch failed (bad configuration, no SASS for this GPU, or a sticky error left by an
+// earlier kernel), with a hint to rebuild when the build has no code for this GPU. Does
+// not synchronize: a fault inside the kernel surfaces at the next synchronizing call.
+template <class... A>
+void check_launch(const char* what, const A&... context) {
+  const cudaError_t e = cudaGetLastError();
+  if (e == cudaSuccess) return;
+  if (e == cudaErrorNoKernelImageForDevice || e == cudaErrorInvalidDeviceFunction) {
+#ifdef DFLASH2_CUDA_ARCHS_STR
+    const char* built = DFLASH2_CUDA_ARCHS_STR;
+#else
+    const char* built = "?";
+#endif
+    raise(e, what, context..., "; this build has SASS for ", built,
+          " only: rebuild with DFLASH2_CUDA_ARCHS including this GPU's architecture");
+  }
+  raise(e, what, context...);
+}
 
 }  // namespace dflash2::cuda::detail
 

@@ -20,6 +20,10 @@
 //
 // The block size depends only on D, so a row's reduction order, and therefore its result,
 // does not depend on how many rows are normalised together (decode == verify).
+//
+// The kernel runs on the calling thread's stream (current_stream(), cuda_api.h) and is not
+// synchronized; a failed launch is an error at once (detail::check_launch). (The stream
+// and check_launch changes are compiled, not yet run on a GPU.)
 #include <cuda_bf16.h>
 #include <cuda_fp16.h>
 #include <cuda_runtime.h>
@@ -169,9 +173,11 @@ void launch(const Tensor& x, const RowLayout& xl, const Tensor& w, Tensor& out, 
   const int64_t rows = xl.rows;
   const unsigned blocks = unsigned(rows < kMaxBlocks ? rows : kMaxBlocks);
   if (vec) {
-    rms_norm_kernel<TX, TW, TO, G><<<blocks, pick_threads(D / G)>>>(xp, xl.stride, wp, op, ol.stride, rows, D, eps);
+    rms_norm_kernel<TX, TW, TO, G>
+        <<<blocks, pick_threads(D / G), 0, current_stream()>>>(xp, xl.stride, wp, op, ol.stride, rows, D, eps);
   } else {
-    rms_norm_kernel<TX, TW, TO, 1><<<blocks, pick_threads(D)>>>(xp, xl.stride, wp, op, ol.stride, rows, D, eps);
+    rms_norm_kernel<TX, TW, TO, 1>
+        <<<blocks, pick_threads(D), 0, current_stream()>>>(xp, xl.stride, wp, op, ol.stride, rows, D, eps);
   }
 }
 
@@ -227,17 +233,7 @@ void rms_norm(const Tensor& x, const Tensor& w, float eps, Tensor& out) {
   else
     dispatch_out<__nv_bfloat16>(x, xl, w, out, ol, int(D), eps);
 
-  cudaError_t e = cudaGetLastError();
-  if (e == cudaErrorNoKernelImageForDevice || e == cudaErrorInvalidDeviceFunction) {
-#ifdef DFLASH2_CUDA_ARCHS_STR
-    const char* built = DFLASH2_CUDA_ARCHS_STR;
-#else
-    const char* built = "?";
-#endif
-    detail::raise(e, "rms_norm kernel launch", x.describe(), "; this build has SASS for ", built,
-                  " only: rebuild with DFLASH2_CUDA_ARCHS including this GPU's architecture");
-  }
-  if (e != cudaSuccess) detail::raise(e, "rms_norm kernel launch", x.describe());
+  detail::check_launch("rms_norm kernel launch", x.describe());
 }
 
 }  // namespace dflash2::cuda

@@ -1,0 +1,201 @@
+// cuda/index_rows.cu: rows moved by a device index tensor on the CUDA backend:
+// gather_rows (also what ops::embedding runs) and cache_write (paged cache rows).
+//
+// Status: compiled for sm_90a/sm_100a/sm_103a, NOT yet run on a GPU. Checked against the
+// CPU backend by tests/test_ops.py and tests/cpp/test_cuda_backend.cpp when a GPU is
+// present (bench/device_check.sh).
+//
+//   gather_rows  out[t, :] = float(src[idx[t], :]); src F32 / BF16 / F16 [N, D] with
+//                contiguous rows (any row stride), idx I32 / I64 [T] (any stride), out F32
+//                [T, D] (any row stride). Bitwise the CPU's result (F32 rows are moved,
+//                BF16 / F16 widening is exact).
+//   cache_write  cache[slots[t], :] = src[t, :]; src F32 [T, D], cache F32 [rows, D] (any
+//                row strides), slots I32 [T] (any stride). A negative slot skips its row
+//                (padding), as on the CPU. Bitwise the CPU's result.
+//
+// Index values live on the device, so a kernel cannot raise the CPU backend's
+// InvalidArgument for a bad one. Instead (and never touching memory out of bounds):
+//   - gather_rows: an id outside [0, N) writes a row of zeros;
+//   - cache_write: a slot >= rows is skipped, like a negative one;
+// and each such row adds 1 to a per-device error counter (a __device__ variable of this
+// file) that cuda::index_errors(device, reset) reads back (cuda_api.h).
+// Ids / slots repeated inside one cache_write call (never produced by the planner) land in
+// an unspecified order (the CPU's last write wins; here any of them may).
+//
+// Mapping: grid x covers a row (16-byte vectors of 4 elements when D, the row strides and
+// the pointers allow it, else one element per thread), grid y walks the index entries
+// (grid-stride past 65535). Each thread reads the index of its row (a broadcast load) and
+// moves its elements; reads and writes of one row are coalesced.
+#include <cuda_bf16.h>
+#include <cuda_fp16.h>
+#include <cuda_runtime.h>
+
+#include <cstdint>
+
+#include "backend/cuda/cuda_api.h"
+#include "backend/cuda/cuda_check.cuh"
+#include "backend/cuda/kernel_util.cuh"
+#include "backend/cuda/layout.h"
+#include "dflash2/error.h"
+
+namespace dflash2::cuda {
+
+namespace {
+
+using detail::Vec;
+
+__device__ unsigned long long g_index_errors = 0;
+
+constexpr int kThreads = 256;
+
+template <class TS, class TI, int G>
+__global__ void __launch_bounds__(kThreads)
+    gather_rows_kernel(const TS* __restrict__ src, int64_t src_stride, int64_t N, const TI* __restrict__ idx,
+                       int64_t idx_stride, float* __restrict__ out, int64_t out_stride, int64_t T, int64_t nvec) {
+  const int64_t j = int64_t(blockIdx.x) * blockDim.x + threadIdx.x;
+  if (j >= nvec) return;
+  for (int64_t t = blockIdx.y; t < T; t += gridDim.y) {
+    const int64_t id = int64_t(idx[t * idx_stride]);
+    Vec<float, G> o;
+    if (layout::row_in_range(id, N)) {
+      const Vec<TS, G> s = reinterpret_cast<const Vec<TS, G>*>(src + id * src_stride)[j];
+#pragma unroll
+      for (int k = 0; k < G; ++k) o.v[k] = detail::to_f32(s.v[k]);
+    } else {
+#pragma unroll
+      for (int k = 0; k < G; ++k) o.v[k] = 0.0f;
+      if (j == 0) atomicAdd(&g_index_errors, 1ull);
+    }
+    reinterpret_cast<Vec<float, G>*>(out + t * out_stride)[j] = o;
+  }
+}
+
+template <int G>
+__global__ void __launch_bounds__(kThreads)
+    cache_write_kernel(const float* __restrict__ src, int64_t src_stride, const int32_t* __restrict__ slots,
+                       int64_t slot_stride, float* __restrict__ cache, int64_t cache_stride, int64_t rows, int64_t T,
+                       int64_t nvec) {
+  const int64_t j = int64_t(blockIdx.x) * blockDim.x + threadIdx.x;
+  if (j >= nvec) return;
+  for (int64_t t = blockIdx.y; t < T; t += gridDim.y) {
+    const int64_t s = slots[t * slot_stride];
+    if (s < 0) continue;  // padding
+    if (!layout::row_in_range(s, rows)) {
+      if (j == 0) atomicAdd(&g_index_errors, 1ull);
+      continue;
+    }
+    reinterpret_cast<Vec<float, G>*>(cache + s * cache_stride)[j] =
+        reinterpret_cast<const Vec<float, G>*>(src + t * src_stride)[j];
+  }
+}
+
+dim3 rows_grid(int64_t nvec, int64_t T, int threads) {
+  return dim3(detail::ceil_blocks(nvec, threads, int64_t(INT32_MAX)),
+              unsigned(T < detail::kMaxGridY ? T : detail::kMaxGridY));
+}
+
+template <class TS, class TI>
+void launch_gather(const Tensor& src, const Tensor& idx, Tensor& out, int64_t out_stride) {
+  const int64_t T = idx.shape(0), N = src.shape(0), D = src.shape(1);
+  const TS* sp = src.data_as<const TS>();
+  const TI* ip = idx.data_as<const TI>();
+  float* op = out.data_as<float>();
+  const bool vec = D % 4 == 0 && src.stride(0) % 4 == 0 && out_stride % 4 == 0 &&
+                   detail::aligned(sp, sizeof(Vec<TS, 4>)) && detail::aligned(op, 16);
+  const int64_t nvec = vec ? D / 4 : D;
+  const int threads = detail::pick_threads(nvec, kThreads);
+  const dim3 grid = rows_grid(nvec, T, threads);
+  if (vec)
+    gather_rows_kernel<TS, TI, 4><<<grid, threads, 0, detail::stream()>>>(sp, src.stride(0), N, ip, idx.stride(0), op,
+                                                                          out_stride, T, nvec);
+  else
+    gather_rows_kernel<TS, TI, 1><<<grid, threads, 0, detail::stream()>>>(sp, src.stride(0), N, ip, idx.stride(0), op,
+                                                                          out_stride, T, nvec);
+}
+
+template <class TS>
+void gather_by_index(const Tensor& src, const Tensor& idx, Tensor& out, int64_t out_stride) {
+  if (idx.dtype() == DType::I64)
+    launch_gather<TS, int64_t>(src, idx, out, out_stride);
+  else
+    launch_gather<TS, int32_t>(src, idx, out, out_stride);
+}
+
+}  // namespace
+
+uint64_t index_errors(int device, bool reset) {
+  DFLASH2_CHECK_ARG(device >= 0 && device < device_count(), "cuda::index_errors: device cuda:", device,
+                    " does not exist");
+  detail::DeviceGuard guard(device);
+  DFLASH2_CUDA_CHECK(cudaDeviceSynchronize(), "cuda:", device);
+  unsigned long long v = 0;
+  DFLASH2_CUDA_CHECK(cudaMemcpyFromSymbol(&v, g_index_errors, sizeof(v)), "cuda:", device);
+  if (reset) {
+    const unsigned long long zero = 0;
+    DFLASH2_CUDA_CHECK(cudaMemcpyToSymbol(g_index_errors, &zero, sizeof(zero)), "cuda:", device);
+  }
+  return uint64_t(v);
+}
+
+void gather_rows(const Tensor& src, const Tensor& idx, Tensor& out) {
+  DFLASH2_CHECK_ARG(src.defined() && idx.defined() && out.defined(), "cuda::gather_rows: undefined tensor argument");
+  DFLASH2_CHECK_ARG(src.device().is_cuda() && idx.device() == src.device() && out.device() == src.device(),
+                    "cuda::gather_rows: src, idx and out must be on the same CUDA device, found ", src.describe(), ", ",
+                    idx.describe(), ", ", out.describe());
+  DFLASH2_CHECK_ARG(src.ndim() == 2 && (src.stride(1) == 1 || src.shape(1) == 1),
+                    "cuda::gather_rows: src must be [N, D] with contiguous rows, found ", src.describe());
+  DFLASH2_CHECK_ARG(idx.ndim() == 1 && (idx.dtype() == DType::I32 || idx.dtype() == DType::I64),
+                    "cuda::gather_rows: idx must be I32 or I64 [T], found ", idx.describe());
+  DFLASH2_CHECK_ARG(out.dtype() == DType::F32 && out.ndim() == 2 && out.shape(0) == idx.shape(0) &&
+                        out.shape(1) == src.shape(1),
+                    "cuda::gather_rows: out must be F32 [", idx.shape(0), ", ", src.shape(1), "], found ",
+                    out.describe());
+  const layout::RowLayout lo = layout::row_layout(out, "gather_rows", "out");
+  layout::check_rows_disjoint(lo, "gather_rows", "out");
+  if (lo.rows == 0 || lo.cols == 0) return;
+  detail::DeviceGuard guard(src.device().index);
+  switch (src.dtype()) {
+    case DType::F32: gather_by_index<float>(src, idx, out, lo.stride); break;
+    case DType::BF16: gather_by_index<__nv_bfloat16>(src, idx, out, lo.stride); break;
+    case DType::F16: gather_by_index<__half>(src, idx, out, lo.stride); break;
+    default: fail(ErrorKind::InvalidArgument, "cuda::gather_rows: src must be F32, BF16 or F16, found ", src.describe());
+  }
+  detail::check_launch("gather_rows kernel launch", src.describe(), " by ", idx.describe());
+}
+
+void cache_write(const Tensor& src, const Tensor& slots, Tensor& cache) {
+  DFLASH2_CHECK_ARG(src.defined() && slots.defined() && cache.defined(), "cuda::cache_write: undefined tensor argument");
+  DFLASH2_CHECK_ARG(src.device().is_cuda() && slots.device() == src.device() && cache.device() == src.device(),
+                    "cuda::cache_write: src, slots and cache must be on the same CUDA device, found ", src.describe(),
+                    ", ", slots.describe(), ", ", cache.describe());
+  DFLASH2_CHECK_ARG(src.dtype() == DType::F32 && cache.dtype() == DType::F32 && src.ndim() == 2 && cache.ndim() == 2,
+                    "cuda::cache_write: src and cache must be F32 [rows, D], found ", src.describe(), " and ",
+                    cache.describe());
+  DFLASH2_CHECK_ARG(slots.dtype() == DType::I32 && slots.ndim() == 1 && slots.shape(0) == src.shape(0),
+                    "cuda::cache_write: slots must be I32 [", src.shape(0), "], found ", slots.describe());
+  DFLASH2_CHECK_ARG(src.shape(1) == cache.shape(1), "cuda::cache_write: src rows have ", src.shape(1),
+                    " values but cache rows have ", cache.shape(1));
+  const layout::RowLayout ls = layout::row_layout(src, "cache_write", "src");
+  const layout::RowLayout lc = layout::row_layout(cache, "cache_write", "cache");
+  layout::check_rows_disjoint(lc, "cache_write", "cache");
+  const int64_t T = src.shape(0), D = src.shape(1), rows = cache.shape(0);
+  if (T == 0 || D == 0) return;
+  const int64_t src_stride = ls.stride, cache_stride = lc.stride;
+  const float* sp = src.data_as<const float>();
+  float* cp = cache.data_as<float>();
+  const bool vec = D % 4 == 0 && src_stride % 4 == 0 && cache_stride % 4 == 0 && detail::aligned(sp, 16) &&
+                   detail::aligned(cp, 16);
+  const int64_t nvec = vec ? D / 4 : D;
+  const int threads = detail::pick_threads(nvec, kThreads);
+  const dim3 grid = rows_grid(nvec, T, threads);
+  detail::DeviceGuard guard(src.device().index);
+  if (vec)
+    cache_write_kernel<4><<<grid, threads, 0, detail::stream()>>>(sp, src_stride, slots.data_as<const int32_t>(),
+                                                                   slots.stride(0), cp, cache_stride, rows, T, nvec);
+  else
+    cache_write_kernel<1><<<grid, threads, 0, detail::stream()>>>(sp, src_stride, slots.data_as<const int32_t>(),
+                                                                   slots.stride(0), cp, cache_stride, rows, T, nvec);
+  detail::check_launch("cache_write kernel launch", src.describe(), " into ", cache.describe());
+}
+
+}  // namespace dflash2::cuda

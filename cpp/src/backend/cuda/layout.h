@@ -1,0 +1,185 @@
+// cuda/layout.h: the index and layout arithmetic of the CUDA ops, written once for the host
+// and the device. Plain C++ (no CUDA header): the DFLASH2_HD functions compile as
+// __host__ __device__ under nvcc and as inline host functions elsewhere, so
+// tests/cpp/test_cuda_layout.cpp checks them on the CPU in every build, with or without a
+// GPU. The host-only part (RowLayout, collapse of a strided pair) is what the .cu files
+// use to plan a launch.
+//
+// Status: the host side is unit-tested on the CPU; the device side is compiled for
+// sm_90a/sm_100a/sm_103a but has not yet run on a GPU.
+#pragma once
+#include <cstdint>
+
+#include "dflash2/error.h"
+#include "dflash2/tensor.h"
+
+#ifndef DFLASH2_HD
+#if defined(__CUDACC__)
+#define DFLASH2_HD __host__ __device__ __forceinline__
+#else
+#define DFLASH2_HD inline
+#endif
+#endif
+
+namespace dflash2::cuda::layout {
+
+constexpr int kMaxDims = Tensor::kMaxDims;  // 6
+
+// ------------------------------------------------------------------ strided pairs (copy)
+// Two tensors of one shape with their own strides (elements), after collapse(): ndim
+// dims (0 = a single element), outermost first, the last dim fastest.
+struct StridedPair {
+  int ndim = 0;
+  int64_t shape[kMaxDims] = {};
+  int64_t src_stride[kMaxDims] = {};
+  int64_t dst_stride[kMaxDims] = {};
+};
+
+// Element offsets in src and dst of the element with row-major linear index i (0 <= i <
+// product of the shape). I is the index type used for the div/mod walk: uint32_t when the
+// element count fits (cheaper on the GPU), else uint64_t.
+template <class I>
+DFLASH2_HD void pair_offsets(const StridedPair& p, I i, int64_t* src_off, int64_t* dst_off) {
+  int64_t s = 0, d = 0;
+  for (int k = p.ndim - 1; k >= 0; --k) {
+    const I n = I(p.shape[k]);
+    const I c = i % n;
+    i /= n;
+    s += int64_t(c) * p.src_stride[k];
+    d += int64_t(c) * p.dst_stride[k];
+  }
+  *src_off = s;
+  *dst_off = d;
+}
+
+// The same walk over a shape whose dims are given in any form: drops size-1 dims and merges
+// a dim into the next inner one when both tensors step over it contiguously
+// (stride[k] == stride[k+1] * shape[k+1] on both sides). The element order (row-major
+// over the original shape) and every element's pair of offsets are unchanged. ndim <= 6;
+// a shape holding a 0 must be handled by the caller (nothing to copy).
+inline StridedPair collapse(int ndim, const int64_t* shape, const int64_t* src_stride, const int64_t* dst_stride) {
+  StridedPair out;
+  // built innermost-first in tmp, reversed at the end
+  int64_t sh[kMaxDims], ss[kMaxDims], ds[kMaxDims];
+  int n = 0;
+  for (int k = ndim - 1; k >= 0; --k) {
+    if (shape[k] == 1) continue;
+    if (n > 0 && src_stride[k] == ss[n - 1] * sh[n - 1] && dst_stride[k] == ds[n - 1] * sh[n - 1]) {
+      sh[n - 1] *= shape[k];
+      continue;
+    }
+    sh[n] = shape[k];
+    ss[n] = src_stride[k];
+    ds[n] = dst_stride[k];
+    ++n;
+  }
+  out.ndim = n;
+  for (int k = 0; k < n; ++k) {
+    out.shape[k] = sh[n - 1 - k];
+    out.src_stride[k] = ss[n - 1 - k];
+    out.dst_stride[k] = ds[n - 1 - k];
+  }
+  return out;
+}
+
+// True when the collapsed pair is one run of consecutive elements on both sides (a plain
+// memcpy of numel elements), including the single-element case.
+inline bool is_one_run(const StridedPair& p) {
+  return p.ndim == 0 || (p.ndim == 1 && p.src_stride[0] == 1 && p.dst_stride[0] == 1);
+}
+
+inline int64_t numel(const StridedPair& p) {
+  int64_t n = 1;
+  for (int k = 0; k < p.ndim; ++k) n *= p.shape[k];
+  return n;
+}
+
+// ------------------------------------------------------------------ rows
+// Rows of a [.., D] tensor whose last dim is contiguous: their count and the stride between
+// consecutive rows (elements) after collapsing the leading dims (size-1 dims ignored; a
+// tensor with a single row gets stride D). Throws InvalidArgument naming `op` and `arg`
+// when the last dim is strided or the leading dims are not evenly strided (ops.cpp has
+// already checked this for calls through the op interface; direct callers get the same).
+struct RowLayout {
+  int64_t rows = 0;
+  int64_t stride = 0;
+  int64_t cols = 0;
+};
+
+inline RowLayout row_layout(const Tensor& t, const char* op, const char* arg) {
+  const int nd = t.ndim();
+  DFLASH2_CHECK_ARG(nd >= 1, "cuda::", op, ": '", arg, "' must have at least one dimension, found ", t.describe());
+  const int64_t D = t.shape(-1);
+  DFLASH2_CHECK_ARG(t.stride(-1) == 1 || D == 1, "cuda::", op, ": '", arg,
+                    "' must be contiguous in its last dimension, found ", t.describe(), " with strides ",
+                    shape_str(t.strides()));
+  RowLayout L;
+  L.cols = D;
+  L.rows = D > 0 ? t.numel() / D : 0;
+  L.stride = D;
+  bool have = false;
+  int64_t expect = 0;
+  for (int i = nd - 2; i >= 0; --i) {
+    if (t.shape(i) == 1) continue;
+    if (!have) {
+      L.stride = t.stride(i);
+      expect = L.stride * t.shape(i);
+      have = true;
+    } else {
+      DFLASH2_CHECK_ARG(t.stride(i) == expect, "cuda::", op, ": the leading dimensions of '", arg, "' ",
+                        t.describe(), " (strides ", shape_str(t.strides()),
+                        ") cannot be viewed as evenly strided rows");
+      expect *= t.shape(i);
+    }
+  }
+  return L;
+}
+
+// An output's rows must not overlap each other (row stride >= row length), or threads
+// writing different rows would race.
+inline void check_rows_disjoint(const RowLayout& L, const char* op, const char* arg) {
+  DFLASH2_CHECK_ARG(L.rows <= 1 || L.stride >= L.cols, "cuda::", op, ": the rows of '", arg, "' overlap (row stride ",
+                    L.stride, " < ", L.cols, ")");
+}
+
+// ------------------------------------------------------------------ RoPE
+// The two elements rotated together by pair i < D/2 (positions along the rotary dim):
+// interleaved (GPT-J) rotates (2i, 2i + 1), NeoX rotates (i, i + D/2).
+struct RopePair {
+  int64_t a, b;
+};
+DFLASH2_HD RopePair rope_pair(bool interleaved, int64_t i, int64_t half) {
+  return interleaved ? RopePair{2 * i, 2 * i + 1} : RopePair{i, i + half};
+}
+// The exponent 2i/D of theta^(-2i/D), formed in fp32 exactly as the CPU backend does.
+DFLASH2_HD float rope_exponent(int64_t i, int64_t D) { return float(2 * i) / float(D); }
+
+// ------------------------------------------------------------------ argmax
+// The CPU's argmax is sequential: best = 0, then best = i whenever x[i] > x[best]. A NaN
+// never compares greater and nothing compares greater than a NaN, so the result is:
+//   0 if x[0] is NaN; otherwise the lowest index of the maximum over the non-NaN elements
+//   (+0 and -0 compare equal, so they tie and the lower index wins).
+// A parallel reduction gets the same answer by never forming a candidate from a NaN,
+// ordering candidates by (value, -index) with argmax_better (a strict total order on
+// non-NaN values with distinct indices, hence associative and commutative: any reduction
+// tree gives the same winner), and applying argmax_finish with x[0]'s NaN-ness.
+// The empty candidate (value -inf, index kArgmaxNone) loses to every real candidate.
+constexpr int32_t kArgmaxNone = 0x7fffffff;
+
+DFLASH2_HD bool argmax_better(float va, int32_t ia, float vb, int32_t ib) {
+  return va > vb || (va == vb && ia < ib);
+}
+DFLASH2_HD int32_t argmax_finish(bool first_is_nan, int32_t best) {
+  return (first_is_nan || best == kArgmaxNone) ? 0 : best;
+}
+
+// ------------------------------------------------------------------ index tensors on the device
+// gather_rows ids and cache_write slots are device data: a kernel cannot throw. A row index
+// is used only when 0 <= r < n (see index_rows.cu for what happens otherwise).
+DFLASH2_HD bool row_in_range(int64_t r, int64_t n) { return r >= 0 && r < n; }
+
+// dyn_conv: the dynamic-weight group of channel c when H channels are split in G groups of
+// gs = H / G channels.
+DFLASH2_HD int64_t conv_group(int64_t c, int64_t gs) { return c / gs; }
+
+}  // namespace dflash2::cuda::layout

@@ -1,0 +1,278 @@
+// cuda/row_reduce.cu: the row reductions of the CUDA backend: layer_norm, softmax,
+// argmax, check_finite (F32 rows, as ops.cpp accepts them).
+//
+// Status: compiled for sm_90a/sm_100a/sm_103a, NOT yet run on a GPU. The argmax
+// candidate order (layout.h) is unit-tested on the CPU against the CPU backend's sequential
+// rule; the kernels are checked against the CPU backend by tests/test_ops.py and
+// tests/cpp/test_cuda_backend.cpp when a GPU is present (bench/device_check.sh).
+//
+// Mapping (every op): one thread block per row (grid-strided past 2^20 rows), threads
+// striding over the row, block reductions with warp shuffles then across warps
+// (kernel_util.cuh). The block size depends only on the row length, so a row's result does
+// not depend on how many rows are reduced together (decode == verify). Rows are
+// [.., D] with a contiguous last dim and one row stride per tensor (layout::row_layout).
+// In every op a thread writes only the elements it read itself, after the block-wide
+// reductions over the row, so out may be x itself (the same view).
+//
+// Numerics against the CPU backend (cpu/elementwise.cpp):
+//   layer_norm  sum and sum of squared deviations in double, like the CPU, but in a
+//               different order (per thread, then the tree); mean = sum / D in double,
+//               inv = 1 / sqrtf(float(var / D) + eps) and y = ((x - float(mean)) * inv) * w
+//               [+ b] in fp32 exactly as the CPU. The double sums agree with the CPU's to
+//               ~1e-16 relative, so the results are almost always bitwise equal.
+//               w and b may be F32, BF16 or F16 (independently); b may be undefined.
+//   softmax     max of x * scale (NaN entries ignored, as the CPU's std::max); an all -inf
+//               row (fully masked) gives zeros, as on the CPU; e = expf(x * scale - max)
+//               written to out, their sum in double (order differs from the CPU), then
+//               out *= float(1 / sum). Only expf (2 ulp vs glibc's 1) and the sum order
+//               differ from the CPU.
+//   argmax      the CPU's sequential rule (best = 0; best = i when x[i] > x[best]) as a
+//               parallel reduction: NaN elements never become candidates, candidates are
+//               ordered by (value, -index) (layout::argmax_better: ties and +0/-0 go to the
+//               lower index), and the row's answer is 0 when x[0] is NaN (then nothing
+//               beats it on the CPU), else the winner. Exactly the CPU's index, always.
+//   check_finite  1 where the row holds a NaN or an infinity (isfinite per element, OR over
+//               the row with __syncthreads_or): the CPU's answer, always.
+// Row lengths up to INT32_MAX - 1024 elements.
+#include <cuda_runtime.h>
+
+#include <cmath>
+#include <cstdint>
+
+#include "backend/cuda/cuda_api.h"
+#include "backend/cuda/cuda_check.cuh"
+#include "backend/cuda/kernel_util.cuh"
+#include "backend/cuda/layout.h"
+#include "dflash2/error.h"
+
+namespace dflash2::cuda {
+
+namespace {
+
+using detail::kMaxThreads;
+
+// ------------------------------------------------------------------ layer_norm
+__global__ void __launch_bounds__(kMaxThreads)
+    layer_norm_kernel(const float* x, int64_t x_stride, const void* __restrict__ w, detail::WCode wc,
+                      const void* __restrict__ b, detail::WCode bc, bool has_b, float* out, int64_t out_stride,
+                      int64_t rows, int D, float eps) {
+  __shared__ double scratch[33];
+  for (int64_t r = blockIdx.x; r < rows; r += gridDim.x) {
+    const float* xr = x + r * x_stride;
+    float* orow = out + r * out_stride;
+    double s = 0.0;
+    for (int i = threadIdx.x; i < D; i += blockDim.x) s += double(xr[i]);
+    s = detail::block_reduce(s, scratch, detail::SumOp{}, 0.0);
+    const double mean = s / double(D);
+    double v = 0.0;
+    for (int i = threadIdx.x; i < D; i += blockDim.x) {
+      const double d = double(xr[i]) - mean;
+      v += d * d;
+    }
+    v = detail::block_reduce(v, scratch, detail::SumOp{}, 0.0);
+    const float inv = __fdiv_rn(1.0f, __fsqrt_rn(__fadd_rn(float(v / double(D)), eps)));
+    const float mf = float(mean);
+    for (int i = threadIdx.x; i < D; i += blockDim.x) {
+      const float y = __fmul_rn(__fmul_rn(__fsub_rn(xr[i], mf), inv), detail::load_w(w, wc, i));
+      orow[i] = has_b ? __fadd_rn(y, detail::load_w(b, bc, i)) : y;
+    }
+  }
+}
+
+// ------------------------------------------------------------------ softmax
+__global__ void __launch_bounds__(kMaxThreads)
+    softmax_kernel(const float* x, int64_t x_stride, float* out, int64_t out_stride, int64_t rows, int D,
+                   float scale) {
+  __shared__ float fscratch[33];
+  __shared__ double dscratch[33];
+  for (int64_t r = blockIdx.x; r < rows; r += gridDim.x) {
+    const float* xr = x + r * x_stride;
+    float* orow = out + r * out_stride;
+    float mx = -INFINITY;
+    for (int i = threadIdx.x; i < D; i += blockDim.x) {
+      const float v = __fmul_rn(xr[i], scale);
+      mx = mx < v ? v : mx;  // std::max(mx, v): a NaN v is ignored
+    }
+    mx = detail::block_reduce(mx, fscratch, detail::MaxOp{}, -INFINITY);
+    if (mx == -INFINITY) {  // all -inf (fully masked): zeros, as the CPU
+      for (int i = threadIdx.x; i < D; i += blockDim.x) orow[i] = 0.0f;
+      continue;
+    }
+    double sum = 0.0;
+    for (int i = threadIdx.x; i < D; i += blockDim.x) {
+      const float e = expf(__fsub_rn(__fmul_rn(xr[i], scale), mx));
+      orow[i] = e;
+      sum += double(e);
+    }
+    sum = detail::block_reduce(sum, dscratch, detail::SumOp{}, 0.0);
+    const float inv = float(1.0 / sum);
+    for (int i = threadIdx.x; i < D; i += blockDim.x) orow[i] = __fmul_rn(orow[i], inv);
+  }
+}
+
+// ------------------------------------------------------------------ argmax
+__global__ void __launch_bounds__(kMaxThreads)
+    argmax_kernel(const float* x, int64_t x_stride, int32_t* out, int64_t out_stride, int64_t rows, int32_t V) {
+  __shared__ float sval[32];
+  __shared__ int32_t sidx[32];
+  const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
+  const int nwarps = (blockDim.x + 31) >> 5;
+  for (int64_t r = blockIdx.x; r < rows; r += gridDim.x) {
+    const float* xr = x + r * x_stride;
+    float bv = -INFINITY;
+    int32_t bi = layout::kArgmaxNone;
+    for (int32_t i = threadIdx.x; i < V; i += blockDim.x) {
+      const float v = xr[i];
+      if (!isnan(v) && layout::argmax_better(v, i, bv, bi)) {
+        bv = v;
+        bi = i;
+      }
+    }
+#pragma unroll
+    for (int off = 16; off > 0; off >>= 1) {
+      const float ov = __shfl_xor_sync(0xffffffffu, bv, off);
+      const int32_t oi = __shfl_xor_sync(0xffffffffu, bi, off);
+      if (layout::argmax_better(ov, oi, bv, bi)) {
+        bv = ov;
+        bi = oi;
+      }
+    }
+    if (lane == 0) {
+      sval[warp] = bv;
+      sidx[warp] = bi;
+    }
+    __syncthreads();
+    if (warp == 0) {
+      bv = lane < nwarps ? sval[lane] : -INFINITY;
+      bi = lane < nwarps ? sidx[lane] : layout::kArgmaxNone;
+#pragma unroll
+      for (int off = 16; off > 0; off >>= 1) {
+        const float ov = __shfl_xor_sync(0xffffffffu, bv, off);
+        const int32_t oi = __shfl_xor_sync(0xffffffffu, bi, off);
+        if (layout::argmax_better(ov, oi, bv, bi)) {
+          bv = ov;
+          bi = oi;
+        }
+      }
+      if (lane == 0) out[r * out_stride] = layout::argmax_finish(isnan(xr[0]), bi);
+    }
+    __syncthreads();  // sval / sidx are reused by the next row
+  }
+}
+
+// ------------------------------------------------------------------ check_finite
+__global__ void __launch_bounds__(kMaxThreads)
+    check_finite_kernel(const float* x, int64_t x_stride, int32_t* flags, int64_t flags_stride, int64_t rows,
+                        int32_t V) {
+  for (int64_t r = blockIdx.x; r < rows; r += gridDim.x) {
+    const float* xr = x + r * x_stride;
+    int bad = 0;
+    for (int32_t i = threadIdx.x; i < V; i += blockDim.x) bad |= isfinite(xr[i]) ? 0 : 1;
+    bad = __syncthreads_or(bad);
+    if (threadIdx.x == 0) flags[r * flags_stride] = bad ? 1 : 0;
+  }
+}
+
+// ------------------------------------------------------------------ host checks
+void same_cuda_device(const char* op, const Tensor& a, const Tensor& b) {
+  DFLASH2_CHECK_ARG(a.device().is_cuda() && b.device() == a.device(), "cuda::", op,
+                    ": tensors must be on the same CUDA device, found ", a.describe(), " and ", b.describe());
+}
+
+void need_f32(const char* op, const Tensor& t, const char* arg) {
+  DFLASH2_CHECK_ARG(t.defined() && t.dtype() == DType::F32, "cuda::", op, ": '", arg, "' must be F32, found ",
+                    t.defined() ? t.describe() : std::string("<undefined>"));
+}
+
+void need_row_len(const char* op, int64_t D) {
+  // int element indices: i + blockDim.x must not overflow
+  DFLASH2_CHECK_ARG(D <= int64_t(INT32_MAX) - kMaxThreads, "cuda::", op, ": rows of ", D, " elements are too long");
+}
+
+// x F32 [R, V] with contiguous rows and out I32 [R] (argmax, check_finite).
+layout::RowLayout index_rows_args(const char* op, const Tensor& x, const Tensor& out, const char* out_name) {
+  need_f32(op, x, "x");
+  DFLASH2_CHECK_ARG(out.defined() && out.dtype() == DType::I32, "cuda::", op, ": '", out_name, "' must be I32, found ",
+                    out.defined() ? out.describe() : std::string("<undefined>"));
+  same_cuda_device(op, x, out);
+  DFLASH2_CHECK_ARG(x.ndim() == 2, "cuda::", op, ": x must be [rows, cols], found ", x.describe());
+  DFLASH2_CHECK_ARG(out.ndim() == 1 && out.shape(0) == x.shape(0), "cuda::", op, ": '", out_name, "' must be I32 [",
+                    x.shape(0), "], found ", out.describe());
+  const layout::RowLayout L = layout::row_layout(x, op, "x");
+  need_row_len(op, L.cols);
+  return L;
+}
+
+}  // namespace
+
+void layer_norm(const Tensor& x, const Tensor& w, const Tensor& b, float eps, Tensor& out) {
+  const char* op = "layer_norm";
+  need_f32(op, x, "x");
+  need_f32(op, out, "out");
+  DFLASH2_CHECK_ARG(w.defined(), "cuda::layer_norm: w is undefined");
+  same_cuda_device(op, x, out);
+  same_cuda_device(op, x, w);
+  DFLASH2_CHECK_ARG(x.shape() == out.shape(), "cuda::layer_norm: x ", x.describe(), " and out ", out.describe(),
+                    " must have the same shape");
+  const layout::RowLayout lx = layout::row_layout(x, op, "x");
+  const layout::RowLayout lo = layout::row_layout(out, op, "out");
+  layout::check_rows_disjoint(lo, op, "out");
+  const int64_t D = lx.cols;
+  need_row_len(op, D);
+  DFLASH2_CHECK_ARG(w.ndim() == 1 && w.shape(0) == D && w.is_contiguous(), "cuda::layer_norm: w must be [", D,
+                    "] contiguous, found ", w.describe());
+  const detail::WCode wc = detail::wcode(w.dtype());
+  detail::WCode bc = detail::WCode::F32;
+  if (b.defined()) {
+    same_cuda_device(op, x, b);
+    DFLASH2_CHECK_ARG(b.ndim() == 1 && b.shape(0) == D && b.is_contiguous(), "cuda::layer_norm: b must be [", D,
+                      "] contiguous, found ", b.describe());
+    bc = detail::wcode(b.dtype());
+  }
+  DFLASH2_CHECK_ARG(eps >= 0, "cuda::layer_norm: eps must be >= 0, found ", eps);
+  if (lx.rows == 0 || D == 0) return;
+  detail::DeviceGuard guard(x.device().index);
+  layer_norm_kernel<<<detail::row_blocks(lx.rows), detail::pick_threads(D), 0, detail::stream()>>>(
+      x.data_as<const float>(), lx.stride, w.data(), wc, b.defined() ? b.data() : nullptr, bc, b.defined(),
+      out.data_as<float>(), lo.stride, lx.rows, int(D), eps);
+  detail::check_launch("layer_norm kernel launch", x.describe());
+}
+
+void softmax(const Tensor& x, Tensor& out, float scale) {
+  const char* op = "softmax";
+  need_f32(op, x, "x");
+  need_f32(op, out, "out");
+  same_cuda_device(op, x, out);
+  DFLASH2_CHECK_ARG(x.shape() == out.shape(), "cuda::softmax: x ", x.describe(), " and out ", out.describe(),
+                    " must have the same shape");
+  const layout::RowLayout lx = layout::row_layout(x, op, "x");
+  const layout::RowLayout lo = layout::row_layout(out, op, "out");
+  layout::check_rows_disjoint(lo, op, "out");
+  need_row_len(op, lx.cols);
+  if (lx.rows == 0 || lx.cols == 0) return;
+  detail::DeviceGuard guard(x.device().index);
+  softmax_kernel<<<detail::row_blocks(lx.rows), detail::pick_threads(lx.cols), 0, detail::stream()>>>(
+      x.data_as<const float>(), lx.stride, out.data_as<float>(), lo.stride, lx.rows, int(lx.cols), scale);
+  detail::check_launch("softmax kernel launch", x.describe());
+}
+
+void argmax(const Tensor& x, Tensor& out) {
+  const layout::RowLayout L = index_rows_args("argmax", x, out, "out");
+  if (L.rows == 0) return;
+  DFLASH2_CHECK_ARG(L.cols >= 1, "cuda::argmax: rows must not be empty, found ", x.describe());
+  detail::DeviceGuard guard(x.device().index);
+  argmax_kernel<<<detail::row_blocks(L.rows), detail::pick_threads(L.cols), 0, detail::stream()>>>(
+      x.data_as<const float>(), L.stride, out.data_as<int32_t>(), out.stride(0), L.rows, int32_t(L.cols));
+  detail::check_launch("argmax kernel launch", x.describe());
+}
+
+void check_finite(const Tensor& x, Tensor& flags) {
+  const layout::RowLayout L = index_rows_args("check_finite", x, flags, "flags");
+  if (L.rows == 0) return;
+  detail::DeviceGuard guard(x.device().index);
+  check_finite_kernel<<<detail::row_blocks(L.rows), detail::pick_threads(L.cols), 0, detail::stream()>>>(
+      x.data_as<const float>(), L.stride, flags.data_as<int32_t>(), flags.stride(0), L.rows, int32_t(L.cols));
+  detail::check_launch("check_finite kernel launch", x.describe());
+}
+
+}  // namespace dflash2::cuda
