@@ -32,7 +32,7 @@ class Tensor {
   using Shape = std::vector<int64_t>;
 
   Tensor() = default;
-  // Owning, contiguous, uninitialised, 64-byte aligned (CPU) or cudaMalloc'ed (CUDA).
+  // Owning, contiguous, uninitialised, 256-byte aligned (CPU) or cudaMalloc'ed (CUDA).
   static Tensor empty(DType dtype, const Shape& shape, Device dev = Device::cpu());
   static Tensor zeros(DType dtype, const Shape& shape, Device dev = Device::cpu());
   // A view of memory owned by someone else; strides in elements (empty = contiguous).

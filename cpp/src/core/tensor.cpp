@@ -27,8 +27,10 @@ namespace {
 
 std::shared_ptr<void> allocate(size_t bytes, Device dev) {
   if (dev.is_cpu()) {
-    size_t n = (bytes + 63) / 64 * 64;
-    void* p = std::aligned_alloc(64, n ? n : 64);
+    // 256 bytes: the alignment cudaMalloc gives and Arena::kDefaultAlignment, so an arena
+    // carved from a host tensor aligns its allocations as on the device
+    size_t n = (bytes + 255) / 256 * 256;
+    void* p = std::aligned_alloc(256, n ? n : 256);
     if (!p) fail(ErrorKind::OutOfMemory, "cannot allocate ", bytes, " bytes of host memory");
     return std::shared_ptr<void>(p, [](void* q) { std::free(q); });
   }
@@ -57,7 +59,7 @@ Tensor Tensor::empty(DType dtype, const Shape& shape, Device dev) {
     if (__builtin_mul_overflow(n, uint64_t(d), &n))
       fail(ErrorKind::OutOfMemory, "cannot allocate ", dtype_name(dtype), shape_str(shape),
            ": its element count does not fit in 64 bits");
-  if (__builtin_mul_overflow(n, uint64_t(dtype_size(dtype)), &bytes) || bytes > uint64_t(INT64_MAX) - 64)
+  if (__builtin_mul_overflow(n, uint64_t(dtype_size(dtype)), &bytes) || bytes > uint64_t(INT64_MAX) - 256)
     fail(ErrorKind::OutOfMemory, "cannot allocate ", dtype_name(dtype), shape_str(shape), ": ", n,
          " elements do not fit in 63 bits of bytes");
   auto mem = allocate(size_t(bytes), dev);
