@@ -217,3 +217,21 @@ def test_bad_tensor_parallel_sizes(zoo):
         dflash2_rt.Engine(target=zoo.path("tiny"), method="ar", device="cpu", tensor_parallel=2.0)
     # an engine that failed to build leaves a good one working
     assert zoo.engine("tiny", 2).logits([1, 2, 3]).shape == (3, gf.TINY_CONFIG["vocab_size"])
+
+
+def test_collectives_per_forward(zoo):
+    """The collectives the model issues, counted on rank 0: per forward of T tokens, one
+    all-reduce of the embedding [T, H], two per decoder layer (after o_proj and after the
+    MLP or MoE block, routed and shared experts summed together first) and one all-gather
+    of the logits [R, V]. bench/tp_model.py scales the same formula to GLM-5.3."""
+    eng = zoo.engine("tiny", 2)
+    H, V, L = gf.TINY_CONFIG["hidden_size"], gf.TINY_CONFIG["vocab_size"], gf.TINY_CONFIG["num_hidden_layers"]
+    before = eng.tp_collectives()
+    T = 13
+    eng.logits(gf.prompt(800, T))
+    after = eng.tp_collectives()
+    d = {k: after[k] - before[k] for k in after}
+    assert d["all_reduce_calls"] == 1 + 2 * L
+    assert d["all_reduce_bytes"] == (1 + 2 * L) * T * H * 4
+    assert d["all_gather_calls"] == 1 and d["all_gather_bytes"] == T * V * 4
+    assert zoo.engine("tiny", 1).tp_collectives() == dict.fromkeys(after, 0)

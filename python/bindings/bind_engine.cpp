@@ -228,6 +228,20 @@ void bind_engine(py::module_& m) {
              py::gil_scoped_release nogil;
              e.close();
            })
+      .def("tp_collectives",
+           [](const Engine& e) {
+             TpCollectives t;
+             {
+               py::gil_scoped_release nogil;
+               t = e.tp_collectives();
+             }
+             py::dict d;
+             d["all_reduce_calls"] = t.all_reduce_calls;
+             d["all_reduce_bytes"] = t.all_reduce_bytes;
+             d["all_gather_calls"] = t.all_gather_calls;
+             d["all_gather_bytes"] = t.all_gather_bytes;
+             return d;
+           })
       .def("metrics",
            [](const Engine& e) {
              EngineMetrics m = e.metrics();

@@ -273,6 +273,12 @@ class Engine:
         """Ranks the target is split across (1: not split)."""
         return self._e.tensor_parallel
 
+    def tp_collectives(self) -> dict:
+        """Collectives rank 0 has issued since load (every rank issues the same):
+        {all_reduce_calls, all_reduce_bytes, all_gather_calls, all_gather_bytes}; zeros at
+        tensor_parallel = 1. bench/tp_model.py compares them with its per-step model."""
+        return dict(self._e.tp_collectives())
+
     def logits(self, token_ids) -> np.ndarray:
         """float32 [n, vocab]: the logits at every position of `token_ids` (real prefill path)."""
         return self._e.logits(self._ids(token_ids, "logits: token_ids"))

@@ -100,6 +100,13 @@ struct EngineMetrics {
   int64_t cache_pages_used = 0, cache_pages_total = 0;  // the target's KV-cache blocks
 };
 
+// Tensor-parallel collectives issued by rank 0 since the engine was loaded (every rank
+// issues the same ones): calls and payload bytes. All zero at tensor_parallel = 1.
+struct TpCollectives {
+  int64_t all_reduce_calls = 0, all_reduce_bytes = 0;
+  int64_t all_gather_calls = 0, all_gather_bytes = 0;
+};
+
 class Engine;
 
 // A sequence and its caches, for step-level use (verification, rollback, debugging).
@@ -153,6 +160,7 @@ class Engine {
   // (the destructor calls it).
   void close();
   EngineMetrics metrics() const;
+  TpCollectives tp_collectives() const;
   Proposal propose(const std::vector<int32_t>& tokens);
   int64_t block_size() const;  // tokens verified per step (1 for ar)
   const std::string& method() const;

@@ -7,15 +7,29 @@
 #include <cstdint>
 #include <memory>
 #include <string>
+#include <vector>
 
 #include "dflash2/error.h"
 #include "dflash2/tensor.h"
 
 namespace dflash2::comm {
 
+// Collectives issued by one rank since creation: calls and payload bytes per kind (the
+// payload: the tensor reduced, the gathered output, the scattered input, the broadcast
+// buffer). Read by the engine's tp_collectives() and by bench/tp_model.py.
+struct CommStats {
+  int64_t all_reduce_calls = 0, all_reduce_bytes = 0;
+  int64_t all_gather_calls = 0, all_gather_bytes = 0;
+  int64_t reduce_scatter_calls = 0, reduce_scatter_bytes = 0;
+  int64_t broadcast_calls = 0, broadcast_bytes = 0;
+  int64_t barrier_calls = 0;
+};
+
 class Communicator {
  public:
   virtual ~Communicator() = default;
+  // Counters of this rank (updated by the calling rank's thread only).
+  const CommStats& stats() const { return stats_; }
   virtual int rank() const = 0;
   virtual int size() const = 0;
   virtual const char* backend() const = 0;
@@ -33,6 +47,9 @@ class Communicator {
   // reset() (called once all ranks have left the failed step) makes the group usable again.
   virtual void abort() = 0;
   virtual void reset() = 0;
+
+ protected:
+  CommStats stats_;
 };
 
 // Thrown on the other ranks of an aborted group (the failing rank's own error is the cause).
@@ -44,5 +61,17 @@ class CollectiveAborted : public Error {
 // An in-process group of `size` ranks: the communicators of its ranks, to be used by one
 // thread each. Fails clearly for size < 1.
 std::vector<std::unique_ptr<Communicator>> make_cpu_group(int size);
+
+// NCCL: one rank per device of `devices` (one process, one thread per rank), created
+// together (ncclCommInitAll). libnccl.so.2 is loaded on first use ($DFLASH2_NCCL_LIBRARY,
+// then the library found at build time, then the loader's search path). Collectives take
+// device tensors on the rank's GPU and are ordered on the calling thread's current CUDA
+// stream. Throws UnsupportedError in a build without NCCL, BackendError when the library
+// or a GPU is missing, InvalidArgumentError for more ranks than GPUs.
+std::vector<std::unique_ptr<Communicator>> make_nccl_group(const std::vector<int>& devices);
+// Whether make_nccl_group can work here (NCCL loads and a CUDA device is usable); else why.
+bool nccl_available(std::string* why);
+// The loaded library's version ("2.27.7"), or "" when it cannot be loaded.
+std::string nccl_version();
 
 }  // namespace dflash2::comm

@@ -66,6 +66,8 @@ class CpuComm final : public Communicator {
   void all_reduce_sum(Tensor& x) override {
     need_contiguous(x, DType::F32, "all_reduce_sum", "x");
     const int64_t n = x.numel();
+    stats_.all_reduce_calls++;
+    stats_.all_reduce_bytes += int64_t(x.nbytes());
     if (s_->size == 1) return;
     publish(x.data());
     // rank r reduces the slice [r n / size, (r + 1) n / size) of every rank's buffer
@@ -92,6 +94,8 @@ class CpuComm final : public Communicator {
                       "comm::all_gather: out must be contiguous with size x the elements of in, found ",
                       in.describe(), " and ", out.describe());
     const size_t bytes = in.nbytes();
+    stats_.all_gather_calls++;
+    stats_.all_gather_bytes += int64_t(out.nbytes());
     publish(in.data());
     for (int r = 0; r < s_->size; ++r)
       std::memcpy(static_cast<char*>(out.data()) + size_t(r) * bytes, s_->ptrs[size_t(r)], bytes);
@@ -104,6 +108,8 @@ class CpuComm final : public Communicator {
     DFLASH2_CHECK_ARG(in.numel() == out.numel() * s_->size, "comm::reduce_scatter_sum: in must hold size x out's ",
                       "elements, found ", in.describe(), " and ", out.describe());
     const int64_t n = out.numel();
+    stats_.reduce_scatter_calls++;
+    stats_.reduce_scatter_bytes += int64_t(in.nbytes());
     publish(in.data());
     float* o = out.data_as<float>();
     for (int64_t i = 0; i < n; ++i) {
@@ -117,12 +123,17 @@ class CpuComm final : public Communicator {
   void broadcast(Tensor& x, int root) override {
     DFLASH2_CHECK_ARG(root >= 0 && root < s_->size, "comm::broadcast: root ", root, " outside [0, ", s_->size, ")");
     DFLASH2_CHECK_ARG(x.defined() && x.is_contiguous(), "comm::broadcast: x must be contiguous, found ", x.describe());
+    stats_.broadcast_calls++;
+    stats_.broadcast_bytes += int64_t(x.nbytes());
     publish(x.data());
     if (rank_ != root) std::memcpy(x.data(), s_->ptrs[size_t(root)], x.nbytes());
     s_->barrier();
   }
 
-  void barrier() override { s_->barrier(); }
+  void barrier() override {
+    stats_.barrier_calls++;
+    s_->barrier();
+  }
   void abort() override { s_->abort(); }
   void reset() override { s_->reset(); }
 

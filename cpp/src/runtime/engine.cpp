@@ -254,6 +254,17 @@ EngineMetrics Engine::metrics() const {
   return impl_->scheduler ? impl_->scheduler->metrics() : EngineMetrics{};
 }
 
+TpCollectives Engine::tp_collectives() const {
+  std::lock_guard<std::mutex> lk(impl_->model_mu);  // rank 0 counts on the thread that runs the model
+  comm::CommStats s = impl_->core.target->comm_stats();
+  TpCollectives t;
+  t.all_reduce_calls = s.all_reduce_calls;
+  t.all_reduce_bytes = s.all_reduce_bytes;
+  t.all_gather_calls = s.all_gather_calls;
+  t.all_gather_bytes = s.all_gather_bytes;
+  return t;
+}
+
 Proposal Engine::propose(const std::vector<int32_t>& tokens) {
   Impl& I = *impl_;
   ops::CpuThreadScope threads(I.core.num_threads);

@@ -34,6 +34,8 @@ class Target {
 
   model::GlmModel& model() { return *models_[0]; }
   int tp_size() const { return int(models_.size()); }
+  // rank 0's collective counters (call with the model idle: rank 0 runs on the caller's thread)
+  comm::CommStats comm_stats() const { return comms_.empty() ? comm::CommStats{} : comms_[0]->stats(); }
   const model::GlmConfig& config() const { return models_[0]->config(); }
   const Options& options() const { return opt_; }
   KvCache& cache() { return cache_; }

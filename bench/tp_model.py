@@ -1,0 +1,193 @@
+"""Tensor-parallel communication model: per step and per layer, the collectives the engine
+issues at TP 2 / 4 for batch 1 / 8 / 32 (AR decode and DFlash 2 verify of 8-token blocks),
+their sizes, the estimated NVLink time on GB300 and H200, and the step's compute time
+(memory roofline) beside it. The counts are the engine's own: ``--check`` runs the bundled
+default pair at TP 2 on the CPU and compares Engine.tp_collectives() with the formula.
+
+    python bench/tp_model.py [--context 4096] [--check] [--json bench/results/tp_model.json]
+
+What the engine issues (cpp/src/model/glm_model.cpp), per target forward of T tokens:
+  1 all-reduce of the embedding rows [T, H] (vocabulary-parallel table)
+  2 all-reduces per decoder layer [T, H]: after o_proj (heads split) and after the MLP
+    block (dense / shared-expert intermediate split, routed experts split by expert:
+    routed and shared partial sums are added before the one all-reduce)
+  1 all-gather of the logits [R, V] (vocabulary-parallel LM head; R = rows sampled: B for
+    AR, B x 8 for a DFlash 2 verify)
+The drafter is replicated on every rank and reads the (already reduced) target features:
+no collective. The MTP layer (method "mtp") adds 2 all-reduces + 1 all-gather per draft.
+
+Time of one collective on N ranks (ring/NVLS bus model of nccl-tests doc/PERFORMANCE.md):
+  all-reduce  t = alpha + 2 (N - 1) / N * S / B
+  all-gather  t = alpha + (N - 1) / N * S / B      (S: the gathered output's bytes)
+B is the application-level bandwidth per direction and alpha the small-message latency:
+  H200 (NVLink 4): 900 GB/s is both directions at wire speed; NCCL reaches about 370 GB/s
+    per direction (NCCL maintainer, github.com/NVIDIA/nccl/issues/1442); HBM3e 4.8 TB/s
+    (NVIDIA H200 datasheet).
+  GB300 (NVLink 5): 1.8 TB/s total, 900 GB/s per direction (verda.com/blog/
+    gb300-nvl72-architecture; NVIDIA GB300 NVL72 page); HBM3e 8 TB/s (same sources).
+    Application-level B assumed at the same 82 % of wire speed as Hopper: 740 GB/s.
+  alpha: about 6 us for a small all-reduce on 2 H100s over NVLink SHARP with CUDA graphs
+    (github.com/NVIDIA/nccl/issues/1259); used for every size and both machines (it grows
+    with the rank count and without graphs: an optimistic floor, to be measured).
+Compute (roofline lower bound): the bytes one rank reads per step / HBM bandwidth: its
+weight slices (attention and dense / shared MLP BF16 as in GLM-5.3-NVFP4, routed experts
+NVFP4 at 0.5625 B/param, experts touched by T tokens under uniform top-8 routing), its LM
+head slice, and the replicated latent + indexer caches at the given context.
+"""
+import argparse
+import json
+import os
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+
+GLM53 = dict(vocab_size=154880, hidden_size=6144, num_hidden_layers=78, intermediate_size=12288,
+             num_attention_heads=64, q_lora_rank=2048, kv_lora_rank=512, qk_nope_head_dim=192, qk_rope_head_dim=64,
+             v_head_dim=256, index_n_heads=32, index_head_dim=128, index_topk=2048, n_routed_experts=256,
+             num_experts_per_tok=8, n_shared_experts=1, moe_intermediate_size=2048, first_k_dense_replace=3,
+             full_indexer_layers=21)  # GLM-5.2/5.3 IndexShare (freq 4, offset 3): 21 of 78 layers run the indexer
+
+MACHINES = {
+    "GB300": dict(link_GBps=740.0, wire_GBps=900.0, hbm_TBps=8.0, alpha_us=6.0),
+    "H200": dict(link_GBps=370.0, wire_GBps=450.0, hbm_TBps=4.8, alpha_us=6.0),
+}
+ACT_BYTES = 2  # BF16 activations in the collectives (the CPU engine reduces F32: twice these sizes)
+
+
+def collectives(c, T, R, N):
+    """[(kind, where, bytes, count)] of one target forward of T tokens with R logit rows."""
+    H, L, V = c["hidden_size"], c["num_hidden_layers"], c["vocab_size"]
+    row = T * H * ACT_BYTES
+    return [("all_reduce", "embedding", row, 1),
+            ("all_reduce", "o_proj (per layer)", row, L),
+            ("all_reduce", "MLP / MoE (per layer)", row, L),
+            ("all_gather", "logits (F32)", R * V * 4, 1)]
+
+
+def coll_time_us(kind, S, N, m):
+    f = 2 * (N - 1) / N if kind == "all_reduce" else (N - 1) / N
+    return m["alpha_us"] + f * S / (m["link_GBps"] * 1e3)  # GB/s = 1e3 bytes/us
+
+
+def weights_bytes_per_rank(c, T, N):
+    H, L = c["hidden_size"], c["num_hidden_layers"]
+    nh, qk = c["num_attention_heads"], c["qk_nope_head_dim"] + c["qk_rope_head_dim"]
+    kv, vh, ql = c["kv_lora_rank"], c["v_head_dim"], c["q_lora_rank"]
+    bf16 = 2
+    attn_split = (ql * nh * qk + kv * nh * (c["qk_nope_head_dim"] + vh) + nh * vh * H) / N
+    attn_repl = H * ql + H * (kv + c["qk_rope_head_dim"])
+    indexer = ql * c["index_n_heads"] * c["index_head_dim"] + H * c["index_head_dim"] + H * c["index_n_heads"]
+    per_layer_attn = (attn_split + attn_repl) * bf16
+    n_dense = c["first_k_dense_replace"]
+    dense = n_dense * 3 * H * c["intermediate_size"] / N * bf16
+    E, k, Fm = c["n_routed_experts"], c["num_experts_per_tok"], c["moe_intermediate_size"]
+    touched = E * (1 - (1 - k / E) ** T)  # expected distinct experts for T tokens, uniform routing
+    moe_layers = L - n_dense
+    routed = moe_layers * touched / N * 3 * H * Fm * 0.5625
+    shared = moe_layers * c["n_shared_experts"] * 3 * H * Fm / N * bf16
+    router = moe_layers * H * E * bf16
+    head = c["vocab_size"] / N * H * bf16
+    return L * per_layer_attn + c["full_indexer_layers"] * indexer * bf16 + dense + routed + shared + router + head
+
+
+def cache_bytes_per_rank(c, B, context):
+    # latent [c 512 | k_pe 64] BF16 per token per layer, read for min(context, top-k) keys;
+    # indexer keys (FP8, 128) read in full by every indexer layer's scoring
+    L = c["num_hidden_layers"]
+    lat = B * L * min(context, c["index_topk"]) * (c["kv_lora_rank"] + c["qk_rope_head_dim"]) * 2
+    idx = B * c["full_indexer_layers"] * context * c["index_head_dim"] * 1
+    return lat + idx
+
+
+def model(c, context):
+    rows = []
+    for method, per_seq in (("ar", 1), ("dflash2 verify", 8)):
+        for N in (2, 4):
+            for B in (1, 8, 32):
+                T = B * per_seq
+                R = T
+                cs = collectives(c, T, R, N)
+                n_ar = sum(n for k, _, _, n in cs if k == "all_reduce")
+                n_ag = sum(n for k, _, _, n in cs if k == "all_gather")
+                ar_bytes = cs[0][2]
+                ag_bytes = cs[-1][2]
+                entry = dict(method=method, tp=N, batch=B, tokens=T, all_reduces=n_ar, all_reduce_bytes=ar_bytes,
+                             all_gathers=n_ag, logits_gather_bytes=ag_bytes,
+                             argmax_gather_bytes=R * N * 8)
+                for name, m in MACHINES.items():
+                    comm = sum(n * coll_time_us(k, S, N, m) for k, _, S, n in cs)
+                    comm_bw_only = sum(n * (coll_time_us(k, S, N, m) - m["alpha_us"]) for k, _, S, n in cs)
+                    weights = weights_bytes_per_rank(c, T, N)
+                    cache = cache_bytes_per_rank(c, B, context)
+                    compute = (weights + cache) / (m["hbm_TBps"] * 1e6)  # TB/s = 1e6 bytes/us
+                    entry[name] = dict(comm_us=round(comm, 1), comm_latency_us=round(comm - comm_bw_only, 1),
+                                       comm_bandwidth_us=round(comm_bw_only, 1), compute_us=round(compute, 1),
+                                       comm_share=round(comm / (comm + compute), 3),
+                                       per_layer_comm_us=round(2 * coll_time_us("all_reduce", ar_bytes, N, m), 2))
+                rows.append(entry)
+    return rows
+
+
+def check_counts():
+    """The bundled default pair at TP 2 on the CPU: collectives counted by the engine vs the
+    formula (1 + 2 L all-reduces and 1 all-gather per target forward)."""
+    import dflash2_rt
+
+    out = {}
+    for method in ("ar", "dflash2"):
+        eng = dflash2_rt.Engine(method=method, tensor_parallel=2, max_batch_size=1)
+        L = eng.config["num_hidden_layers"]
+        H = eng.config["hidden_size"]
+        prompt = list(range(2, 40))
+        before = eng.tp_collectives()
+        (r,) = eng.generate([prompt], max_new_tokens=24, stop_token_ids=[])
+        after = eng.tp_collectives()
+        d = {k: after[k] - before[k] for k in after}
+        forwards = d["all_gather_calls"]  # one logits gather per target forward
+        ok = d["all_reduce_calls"] == forwards * (1 + 2 * L)
+        steps = r.stats.get("verify_steps", len(r.token_ids))
+        out[method] = dict(target_forwards=forwards, steps=steps, all_reduce_calls=d["all_reduce_calls"],
+                           all_reduce_bytes=d["all_reduce_bytes"], all_gather_bytes=d["all_gather_bytes"],
+                           formula_all_reduces=forwards * (1 + 2 * L), matches=ok, hidden_size=H, layers=L)
+        eng.close()
+    return out
+
+
+def main():
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--context", type=int, default=4096, help="tokens of context per sequence (cache reads)")
+    ap.add_argument("--check", action="store_true", help="also count the CPU engine's collectives at TP 2")
+    ap.add_argument("--json", default=os.path.join(HERE, "results", "tp_model.json"))
+    args = ap.parse_args()
+    c = dict(GLM53)
+    rows = model(c, args.context)
+    print(f"GLM-5.3, context {args.context}; activations BF16 in all-reduces, F32 logits; alpha "
+          f"{MACHINES['H200']['alpha_us']} us; link GB300 {MACHINES['GB300']['link_GBps']:.0f} GB/s, "
+          f"H200 {MACHINES['H200']['link_GBps']:.0f} GB/s per direction")
+    hdr = (f"{'method':15s} {'TP':>2s} {'B':>3s} {'AR/step':>7s} {'AR size':>9s} {'logits AG':>10s} | "
+           f"{'GB300 comm':>10s} {'compute':>8s} {'share':>6s} | {'H200 comm':>9s} {'compute':>8s} {'share':>6s}")
+    print(hdr)
+    print("-" * len(hdr))
+    for e in rows:
+        g, h = e["GB300"], e["H200"]
+        print(f"{e['method']:15s} {e['tp']:2d} {e['batch']:3d} {e['all_reduces']:7d} "
+              f"{e['all_reduce_bytes'] / 1024:7.0f}KB {e['logits_gather_bytes'] / 2**20:8.1f}MB | "
+              f"{g['comm_us']:8.0f}us {g['compute_us']:6.0f}us {g['comm_share']:6.1%} | "
+              f"{h['comm_us']:7.0f}us {h['compute_us']:6.0f}us {h['comm_share']:6.1%}")
+    print("per layer: 2 all-reduces; e.g. dflash2 B=32 TP=4: "
+          + ", ".join(f"{m} {next(e for e in rows if e['method'].startswith('dflash2') and e['tp'] == 4 and e['batch'] == 32)[m]['per_layer_comm_us']} us"
+                      for m in MACHINES))
+    result = dict(config=c, context=args.context, machines=MACHINES, act_bytes=ACT_BYTES, rows=rows)
+    if args.check:
+        chk = check_counts()
+        result["cpu_engine_check"] = chk
+        for m, v in chk.items():
+            print(f"CPU engine TP=2 {m}: {v['target_forwards']} target forwards, {v['all_reduce_calls']} all-reduces "
+                  f"(formula {v['formula_all_reduces']}): {'match' if v['matches'] else 'MISMATCH'}")
+    os.makedirs(os.path.dirname(os.path.abspath(args.json)), exist_ok=True)
+    with open(args.json, "w") as f:
+        json.dump(result, f, indent=1)
+    print("wrote", args.json)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,272 @@
+// The NCCL communicator: one rank per GPU, all driven by one process (one thread per rank),
+// created together with ncclCommInitAll. libnccl.so.2 is loaded on first use (dlopen), so
+// the library and the Python package work on machines without NCCL; only nccl.h (from the
+// nvidia-nccl-cu13 wheel) is needed at build time, for the types and function signatures.
+//
+// Collectives are stream-ordered: each call enqueues on this thread's current CUDA stream
+// (cuda::current_stream()) and returns; the result is complete when the stream reaches it.
+// Unlike the CPU communicator, NCCL's reduction order is its own (ring or tree), fixed for a
+// given group and size but not rank order: results agree across ranks, not bit for bit with
+// a host sum of more than two terms.
+//
+// Status: compiled in CI; never run on a GPU yet (tests/cpp/test_nccl.cpp is the check).
+#include <string>
+#include <vector>
+
+#include "comm/communicator.h"
+#include "dflash2/error.h"
+
+#if defined(DFLASH2_WITH_CUDA) && defined(DFLASH2_WITH_NCCL)
+#include <cuda_runtime.h>
+#include <dlfcn.h>
+#include <nccl.h>
+
+#include <cstdlib>
+#include <mutex>
+
+#include "backend/cuda/cuda_api.h"
+
+namespace dflash2::comm {
+namespace {
+
+// The entry points used, typed from nccl.h and resolved from the loaded library.
+struct Nccl {
+  decltype(&::ncclGetVersion) GetVersion = nullptr;
+  decltype(&::ncclGetErrorString) GetErrorString = nullptr;
+  decltype(&::ncclCommInitAll) CommInitAll = nullptr;
+  decltype(&::ncclCommDestroy) CommDestroy = nullptr;
+  decltype(&::ncclCommAbort) CommAbort = nullptr;
+  decltype(&::ncclCommGetAsyncError) CommGetAsyncError = nullptr;
+  decltype(&::ncclAllReduce) AllReduce = nullptr;
+  decltype(&::ncclAllGather) AllGather = nullptr;
+  decltype(&::ncclReduceScatter) ReduceScatter = nullptr;
+  decltype(&::ncclBroadcast) Broadcast = nullptr;
+  void* handle = nullptr;
+  std::string error;  // why loading failed (empty when loaded)
+  std::string path;
+};
+
+// Candidates, in order: $DFLASH2_NCCL_LIBRARY, the library found at build time, and the
+// loader's own search (LD_LIBRARY_PATH, ldconfig) for libnccl.so.2.
+const Nccl& nccl() {
+  static Nccl n;
+  static std::once_flag once;
+  std::call_once(once, [] {
+    std::vector<std::string> paths;
+    if (const char* env = std::getenv("DFLASH2_NCCL_LIBRARY"); env && *env) paths.emplace_back(env);
+#ifdef DFLASH2_NCCL_LIBRARY_PATH
+    paths.emplace_back(DFLASH2_NCCL_LIBRARY_PATH);
+#endif
+    paths.emplace_back("libnccl.so.2");
+    std::string tried;
+    for (const std::string& p : paths) {
+      n.handle = dlopen(p.c_str(), RTLD_NOW | RTLD_LOCAL);
+      if (n.handle) {
+        n.path = p;
+        break;
+      }
+      const char* e = dlerror();
+      tried += "\n  " + p + ": " + (e ? e : "not found");
+    }
+    if (!n.handle) {
+      n.error = "cannot load NCCL (pip install nvidia-nccl-cu13, or set DFLASH2_NCCL_LIBRARY to libnccl.so.2); tried:" +
+                tried;
+      return;
+    }
+    bool ok = true;
+    auto sym = [&](auto& fn, const char* name) {
+      fn = reinterpret_cast<std::remove_reference_t<decltype(fn)>>(dlsym(n.handle, name));
+      if (!fn) {
+        ok = false;
+        n.error += std::string(n.error.empty() ? "" : ", ") + name;
+      }
+    };
+    sym(n.GetVersion, "ncclGetVersion");
+    sym(n.GetErrorString, "ncclGetErrorString");
+    sym(n.CommInitAll, "ncclCommInitAll");
+    sym(n.CommDestroy, "ncclCommDestroy");
+    sym(n.CommAbort, "ncclCommAbort");
+    sym(n.CommGetAsyncError, "ncclCommGetAsyncError");
+    sym(n.AllReduce, "ncclAllReduce");
+    sym(n.AllGather, "ncclAllGather");
+    sym(n.ReduceScatter, "ncclReduceScatter");
+    sym(n.Broadcast, "ncclBroadcast");
+    if (!ok) {
+      n.error = n.path + " lacks the NCCL entry points " + n.error;
+      dlclose(n.handle);
+      n.handle = nullptr;
+    }
+  });
+  return n;
+}
+
+const Nccl& loaded() {
+  const Nccl& n = nccl();
+  DFLASH2_CHECK(n.handle, ErrorKind::Backend, n.error);
+  return n;
+}
+
+void check(ncclResult_t r, const char* what, int rank) {
+  if (r == ncclSuccess) return;
+  fail(ErrorKind::Backend, "NCCL ", what, " on rank ", rank, " failed: ", loaded().GetErrorString(r), " (", int(r),
+       ")");
+}
+
+void check_cuda(cudaError_t e, const char* what) {
+  DFLASH2_CHECK(e == cudaSuccess, ErrorKind::Backend, what, ": ", cudaGetErrorString(e));
+}
+
+class NcclComm final : public Communicator {
+ public:
+  NcclComm(ncclComm_t c, int rank, int size, int device) : c_(c), rank_(rank), size_(size), dev_(device) {}
+  ~NcclComm() override {
+    if (c_) loaded().CommDestroy(c_);
+  }
+  int rank() const override { return rank_; }
+  int size() const override { return size_; }
+  const char* backend() const override { return "nccl"; }
+
+  void all_reduce_sum(Tensor& x) override {
+    need(x, "all_reduce_sum", "x", true);
+    stats_.all_reduce_calls++;
+    stats_.all_reduce_bytes += int64_t(x.nbytes());
+    enter();
+    check(loaded().AllReduce(x.data(), x.data(), size_t(x.numel()), ncclFloat32, ncclSum, c_, stream()),
+          "all_reduce_sum", rank_);
+  }
+  void all_gather(const Tensor& in, Tensor& out) override {
+    need(in, "all_gather", "in", false);
+    need(out, "all_gather", "out", false);
+    DFLASH2_CHECK_ARG(in.dtype() == out.dtype() && out.numel() == in.numel() * size_,
+                      "comm::all_gather: out must hold size x the elements of in, found ", in.describe(), " and ",
+                      out.describe());
+    stats_.all_gather_calls++;
+    stats_.all_gather_bytes += int64_t(out.nbytes());
+    enter();
+    check(loaded().AllGather(in.data(), out.data(), in.nbytes(), ncclChar, c_, stream()), "all_gather", rank_);
+  }
+  void reduce_scatter_sum(const Tensor& in, Tensor& out) override {
+    need(in, "reduce_scatter_sum", "in", true);
+    need(out, "reduce_scatter_sum", "out", true);
+    DFLASH2_CHECK_ARG(in.numel() == out.numel() * size_, "comm::reduce_scatter_sum: in must hold size x out's ",
+                      "elements, found ", in.describe(), " and ", out.describe());
+    stats_.reduce_scatter_calls++;
+    stats_.reduce_scatter_bytes += int64_t(in.nbytes());
+    enter();
+    check(loaded().ReduceScatter(in.data(), out.data(), size_t(out.numel()), ncclFloat32, ncclSum, c_, stream()),
+          "reduce_scatter_sum", rank_);
+  }
+  void broadcast(Tensor& x, int root) override {
+    DFLASH2_CHECK_ARG(root >= 0 && root < size_, "comm::broadcast: root ", root, " outside [0, ", size_, ")");
+    need(x, "broadcast", "x", false);
+    stats_.broadcast_calls++;
+    stats_.broadcast_bytes += int64_t(x.nbytes());
+    enter();
+    check(loaded().Broadcast(x.data(), x.data(), x.nbytes(), ncclChar, root, c_, stream()), "broadcast", rank_);
+  }
+  // a one-element all-reduce, then waiting for this rank's stream
+  void barrier() override {
+    stats_.barrier_calls++;
+    enter();
+    if (!flag_.defined()) flag_ = Tensor::zeros(DType::F32, {1}, Device::cuda(dev_));
+    check(loaded().AllReduce(flag_.data(), flag_.data(), 1, ncclFloat32, ncclSum, c_, stream()), "barrier", rank_);
+    check_cuda(cudaStreamSynchronize(stream()), "comm::barrier: cudaStreamSynchronize");
+  }
+  void abort() override {
+    if (c_) loaded().CommAbort(c_);
+    c_ = nullptr;
+  }
+  void reset() override {
+    DFLASH2_CHECK(c_, ErrorKind::Unsupported,
+                  "an aborted NCCL group cannot be reset: its communicators are gone; create the group again");
+  }
+
+ private:
+  static cudaStream_t stream() { return reinterpret_cast<cudaStream_t>(cuda::current_stream()); }
+  void need(const Tensor& t, const char* op, const char* arg, bool f32) const {
+    DFLASH2_CHECK_ARG(t.defined() && t.device().is_cuda() && t.device().index == dev_ && t.is_contiguous() &&
+                          (!f32 || t.dtype() == DType::F32),
+                      "comm::", op, ": '", arg, "' must be a contiguous ", f32 ? "F32 " : "", "tensor on cuda:", dev_,
+                      " (rank ", rank_, "), found ", t.describe());
+  }
+  void enter() {
+    DFLASH2_CHECK(c_, ErrorKind::Backend, "NCCL communicator of rank ", rank_, " was aborted");
+    check_cuda(cudaSetDevice(dev_), "comm: cudaSetDevice");
+    ncclResult_t async = ncclSuccess;
+    check(loaded().CommGetAsyncError(c_, &async), "async error query", rank_);
+    check(async, "an earlier collective (asynchronous error)", rank_);
+  }
+  ncclComm_t c_;
+  int rank_, size_, dev_;
+  Tensor flag_;
+};
+
+}  // namespace
+
+bool nccl_available(std::string* why) {
+  const Nccl& n = nccl();
+  if (!n.handle) {
+    if (why) *why = n.error;
+    return false;
+  }
+  std::string cw;
+  if (!cuda::available(&cw)) {
+    if (why) *why = "NCCL loaded from " + n.path + " but no CUDA device is usable: " + cw;
+    return false;
+  }
+  if (why) *why = "";
+  return true;
+}
+
+std::string nccl_version() {
+  const Nccl& n = nccl();
+  if (!n.handle) return "";
+  int v = 0;
+  if (n.GetVersion(&v) != ncclSuccess) return "";
+  // NCCL >= 2.9 encodes major * 10000 + minor * 100 + patch
+  return std::to_string(v / 10000) + "." + std::to_string(v / 100 % 100) + "." + std::to_string(v % 100);
+}
+
+std::vector<std::unique_ptr<Communicator>> make_nccl_group(const std::vector<int>& devices) {
+  DFLASH2_CHECK_ARG(!devices.empty(), "make_nccl_group: at least one device is needed");
+  std::string why;
+  DFLASH2_CHECK(nccl_available(&why), ErrorKind::Backend, "NCCL tensor parallelism: ", why);
+  const int count = cuda::device_count();
+  for (size_t i = 0; i < devices.size(); ++i) {
+    DFLASH2_CHECK_ARG(devices[i] >= 0 && devices[i] < count, "make_nccl_group: ", devices.size(),
+                      " ranks need as many GPUs; device ", devices[i], " does not exist (this machine has ", count,
+                      ")");
+    for (size_t j = 0; j < i; ++j)
+      DFLASH2_CHECK_ARG(devices[i] != devices[j], "make_nccl_group: device ", devices[i], " is listed twice");
+  }
+  const int n = int(devices.size());
+  std::vector<ncclComm_t> comms(size_t(n), nullptr);
+  check(loaded().CommInitAll(comms.data(), n, devices.data()), "ncclCommInitAll", 0);
+  std::vector<std::unique_ptr<Communicator>> out;
+  for (int r = 0; r < n; ++r) out.push_back(std::make_unique<NcclComm>(comms[size_t(r)], r, n, devices[size_t(r)]));
+  return out;
+}
+
+}  // namespace dflash2::comm
+
+#else  // built without CUDA or without nccl.h
+
+namespace dflash2::comm {
+
+bool nccl_available(std::string* why) {
+  if (why)
+    *why = "this build has no NCCL support (build with the CUDA backend and the nvidia-nccl-cu13 wheel installed)";
+  return false;
+}
+
+std::string nccl_version() { return ""; }
+
+std::vector<std::unique_ptr<Communicator>> make_nccl_group(const std::vector<int>&) {
+  fail(ErrorKind::Unsupported,
+       "NCCL tensor parallelism: this build has no NCCL support (build with the CUDA backend and the "
+       "nvidia-nccl-cu13 wheel installed)");
+}
+
+}  // namespace dflash2::comm
+
+#endif
