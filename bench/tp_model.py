@@ -1,8 +1,10 @@
 """Tensor-parallel communication model: per step and per layer, the collectives the engine
 issues at TP 2 / 4 for batch 1 / 8 / 32 (AR decode and DFlash 2 verify of 8-token blocks),
 their sizes, the estimated NVLink time on GB300 and H200, and the step's compute time
-(memory roofline) beside it. The counts are the engine's own: ``--check`` runs the bundled
-default pair at TP 2 on the CPU and compares Engine.tp_collectives() with the formula.
+(memory roofline) beside it; and how evenly the two ways of splitting the routed experts
+load the ranks (every expert sliced vs whole experts per rank). The counts are the engine's
+own: ``--check`` runs the bundled default pair at TP 2 on the CPU and compares
+Engine.tp_collectives() with the formula.
 
     python bench/tp_model.py [--context 4096] [--check] [--json bench/results/tp_model.json]
 
@@ -127,6 +129,30 @@ def model(c, context):
     return rows
 
 
+def expert_balance(c, trials=300, seed=0):
+    """Routed-expert bytes on the slowest rank, experts split (every rank a 1/N slice of each
+    touched expert: touched / N expert-equivalents on every rank) vs expert parallelism
+    (rank r owns experts [r E/N, (r+1) E/N): the most-loaded rank's touched experts), for T
+    tokens under uniform top-k routing (Monte Carlo; real routing is skewed, which only
+    widens the gap)."""
+    import numpy as np
+
+    rng = np.random.default_rng(seed)
+    E, k = c["n_routed_experts"], c["num_experts_per_tok"]
+    out = []
+    for N in (2, 4):
+        for T in (1, 8, 64, 256):
+            ep, split = [], []
+            for _ in range(trials):
+                touched = np.unique(np.argsort(rng.random((T, E)), axis=1)[:, :k])
+                ep.append(np.bincount(touched // (E // N), minlength=N).max())
+                split.append(len(touched) / N)
+            out.append(dict(tp=N, tokens=T, split_per_rank=round(float(np.mean(split)), 2),
+                            ep_slowest_rank=round(float(np.mean(ep)), 2),
+                            ep_over_split=round(float(np.mean(ep) / np.mean(split)), 3)))
+    return out
+
+
 def check_counts():
     """The bundled default pair at TP 2 on the CPU: collectives counted by the engine vs the
     formula (1 + 2 L all-reduces and 1 all-gather per target forward)."""
@@ -176,7 +202,14 @@ def main():
     print("per layer: 2 all-reduces; e.g. dflash2 B=32 TP=4: "
           + ", ".join(f"{m} {next(e for e in rows if e['method'].startswith('dflash2') and e['tp'] == 4 and e['batch'] == 32)[m]['per_layer_comm_us']} us"
                       for m in MACHINES))
-    result = dict(config=c, context=args.context, machines=MACHINES, act_bytes=ACT_BYTES, rows=rows)
+    bal = expert_balance(c)
+    print("routed experts read by the slowest rank (expert-equivalents), uniform top-8 routing:")
+    print(f"{'TP':>3s} {'tokens':>6s} {'split':>7s} {'EP':>7s} {'EP/split':>8s}")
+    for b in bal:
+        print(f"{b['tp']:3d} {b['tokens']:6d} {b['split_per_rank']:7.2f} {b['ep_slowest_rank']:7.2f} "
+              f"{b['ep_over_split']:8.2f}")
+    result = dict(config=c, context=args.context, machines=MACHINES, act_bytes=ACT_BYTES, rows=rows,
+                  expert_balance=bal)
     if args.check:
         chk = check_counts()
         result["cpu_engine_check"] = chk

@@ -78,14 +78,15 @@ def same_tokens(ref_engine, prompt, got, want, what):
 # ---------------------------------------------------------------------------- logits
 
 
+@pytest.mark.parametrize("ep", [False, True], ids=["experts-split", "expert-parallel"])
 @pytest.mark.parametrize("tp", [2, 4])
 @pytest.mark.parametrize("variant", ["tiny", "bf16", "ngroup", "indexshare_list"])
-def test_logits_equal_tp1(zoo, variant, tp):
-    one, eng = zoo.engine(variant, 1), zoo.engine(variant, tp)
-    assert eng.tensor_parallel == tp and one.tensor_parallel == 1
+def test_logits_equal_tp1(zoo, variant, tp, ep):
+    one, eng = zoo.engine(variant, 1), zoo.engine(variant, tp, expert_parallel=ep)
+    assert eng.tensor_parallel == tp and one.tensor_parallel == 1 and eng.expert_parallel == ep
     for n in (1, 9, 40):  # below and above index_topk = 8: sparse attention on every rank
         ids = gf.prompt(200 + n, n)
-        close(eng.logits(ids), one.logits(ids), f"{variant} TP={tp} n={n}")
+        close(eng.logits(ids), one.logits(ids), f"{variant} TP={tp} ep={ep} n={n}")
 
 
 def test_tp_engine_matches_transformers(zoo):
@@ -98,10 +99,11 @@ def test_tp_engine_matches_transformers(zoo):
     assert err <= 1e-4 * float(np.abs(ref).max()) + 1e-5
 
 
-def test_mtp_layer_sharded(zoo):
+@pytest.mark.parametrize("ep", [False, True], ids=["experts-split", "expert-parallel"])
+def test_mtp_layer_sharded(zoo, ep):
     """The MTP layer is split like the others: MTP speculative greedy at TP=2 equals TP=1 AR."""
     one = zoo.engine("tiny", 1)
-    eng = zoo.engine("tiny", 2, method="mtp")
+    eng = zoo.engine("tiny", 2, method="mtp", expert_parallel=ep)
     for i, plen in enumerate((3, 12, 25)):
         p = gf.prompt(300 + i, plen)
         (want,) = one.generate([p], max_new_tokens=16, stop_token_ids=NO_STOP)
@@ -169,14 +171,20 @@ def test_dflash2_pair_at_tp(pair, tp):
 # ---------------------------------------------------------------------------- quantized
 
 
-def test_nvfp4_experts_tp2(zoo, tmp_path):
+def test_nvfp4_experts(zoo, tmp_path):
     dst = str(tmp_path / "nvfp4")
     quantize_checkpoint(zoo.path("tiny"), dst, "nvfp4", "experts")
     kw = dict(method="ar", device="cpu", max_batch_size=2, max_seq_len=128)
     one = dflash2_rt.Engine(target=dst, tensor_parallel=1, **kw)
     ids = gf.prompt(700, 20)
-    for tp in (2, 4):  # routed experts are whole per rank (EP): no NVFP4 block is cut
-        close(dflash2_rt.Engine(target=dst, tensor_parallel=tp, **kw).logits(ids), one.logits(ids), f"nvfp4 TP={tp}")
+    # split experts: moe_intermediate_size 32 / 2 = 16, one NVFP4 block per rank
+    close(dflash2_rt.Engine(target=dst, tensor_parallel=2, **kw).logits(ids), one.logits(ids), "nvfp4 TP=2")
+    for tp in (2, 4):  # whole experts per rank: no NVFP4 block is cut
+        close(dflash2_rt.Engine(target=dst, tensor_parallel=tp, expert_parallel=True, **kw).logits(ids),
+              one.logits(ids), f"nvfp4 TP={tp} expert-parallel")
+    # 32 / 4 = 8 columns of down_proj per rank would cut a 16-wide block
+    with pytest.raises(dflash2_rt.ConfigError, match="16"):
+        dflash2_rt.Engine(target=dst, tensor_parallel=4, **kw)
 
 
 def test_fp8_tp2_with_block_aligned_slices(tmp_path):
@@ -210,6 +218,8 @@ def test_quantized_slices_that_cut_blocks_are_config_errors(zoo, tmp_path):
 def test_bad_tensor_parallel_sizes(zoo):
     with pytest.raises(dflash2_rt.ConfigError, match="num_attention_heads = 4"):
         dflash2_rt.Engine(target=zoo.path("tiny"), method="ar", device="cpu", tensor_parallel=3)
+    with pytest.raises(dflash2_rt.InvalidArgumentError, match="expert_parallel"):
+        dflash2_rt.Engine(target=zoo.path("tiny"), method="ar", device="cpu", tensor_parallel=2, expert_parallel=1)
     for bad in (0, -1, 65, 100):
         with pytest.raises(dflash2_rt.InvalidArgumentError, match="tensor_parallel"):
             dflash2_rt.Engine(target=zoo.path("tiny"), method="ar", device="cpu", tensor_parallel=bad)

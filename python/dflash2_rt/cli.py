@@ -157,6 +157,10 @@ def _generate_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--seed", type=int, default=None, help="sampling seed, an integer in [0, 2**63)")
     p.add_argument("--max-seq-len", type=int, default=None,
                    help="prompt + generated tokens (default: min(4096, the model's max_position_embeddings))")
+    p.add_argument("--tensor-parallel", type=int, default=1,
+                   help="ranks the target is split across (on the CPU: threads of this process)")
+    p.add_argument("--expert-parallel", action="store_true",
+                   help="with --tensor-parallel > 1: whole routed experts per rank instead of a slice of each")
     p.add_argument("--threads", type=int, default=None, help="CPU threads (default: all cores)")
     p.add_argument("--stream", action="store_true", help="print tokens as they are committed")
     p.add_argument("--json", action="store_true", help="print the result as JSON")
@@ -174,7 +178,8 @@ def _run_generate(args: argparse.Namespace) -> int:
     print(f"loading {args.target or 'the bundled default pair'}" + (f" + {args.draft}" if args.draft else "") +
           (f" (method {args.method})" if args.method else "") + " ...", file=sys.stderr, flush=True)
     eng = Engine(target=args.target, draft=args.draft, method=args.method, max_seq_len=args.max_seq_len,
-                 max_batch_size=1, num_threads=args.threads)
+                 max_batch_size=1, num_threads=args.threads, tensor_parallel=args.tensor_parallel,
+                 expert_parallel=args.expert_parallel)
     method = eng.method
     print(f"loaded in {time.perf_counter() - t0:.2f} s (method {method})", file=sys.stderr, flush=True)
     if args.prompt is not None:
@@ -227,6 +232,10 @@ def _serve_args(p: argparse.ArgumentParser) -> None:
                         "max_position_embeddings))")
     p.add_argument("--speculation", default="adaptive", choices=["adaptive", "fixed"],
                    help="speculation length policy (default: adaptive)")
+    p.add_argument("--tensor-parallel", type=int, default=1,
+                   help="ranks the target is split across (on the CPU: threads of this process)")
+    p.add_argument("--expert-parallel", action="store_true",
+                   help="with --tensor-parallel > 1: whole routed experts per rank instead of a slice of each")
     p.add_argument("--threads", type=int, default=None, help="CPU threads (default: all cores)")
     p.add_argument("--model-name", default=None,
                    help="the model name clients must send (default: the target directory's name; 'default' for "
@@ -263,7 +272,8 @@ def _run_serve(args: argparse.Namespace) -> int:
     t0 = time.perf_counter()
     print(f"loading {args.target or 'the bundled default pair'}" + (f" + {args.draft}" if args.draft else "") +
           (f" (method {args.method})" if args.method else "") + " ...", file=sys.stderr, flush=True)
-    kw = dict(max_batch_size=args.max_batch_size, max_seq_len=args.max_seq_len, speculation=args.speculation)
+    kw = dict(max_batch_size=args.max_batch_size, max_seq_len=args.max_seq_len, speculation=args.speculation,
+              tensor_parallel=args.tensor_parallel, expert_parallel=args.expert_parallel)
     if args.threads is not None:
         kw["num_threads"] = args.threads
     eng = Engine(target=args.target, draft=args.draft, method=args.method, **kw)

@@ -208,7 +208,7 @@ class Engine:
     def __init__(self, target=None, draft=None, method: Optional[str] = None, device: str = "cpu", *,
                  max_batch_size: int = 8, max_seq_len: Optional[int] = None, max_step_tokens: int = 256,
                  kv_block_size: int = 16, num_threads: Optional[int] = None, mtp_draft_tokens: int = 7,
-                 speculation: str = "fixed", tensor_parallel: int = 1):
+                 speculation: str = "fixed", tensor_parallel: int = 1, expert_parallel: bool = False):
         """target: a glm_moe_dsa checkpoint directory (None: the bundled default pair).
         draft: a DFlash 2 / DFlash 1 drafter directory. method: "ar" | "mtp" | "dflash" |
         "dflash2"; None infers it: "ar" without a drafter, else from the drafter's
@@ -218,7 +218,9 @@ class Engine:
         speculation: "fixed" (every step drafts the full block) or "adaptive" (per step, the
         draft length that maximises the measured throughput of the running batch).
         tensor_parallel: ranks the target is split across (heads, MLP slices, experts and the
-        vocabulary; on the CPU the ranks are threads of this process).
+        vocabulary; on the CPU the ranks are threads of this process). expert_parallel: with
+        tensor_parallel > 1, give each rank whole routed experts (E / N of them) instead of
+        a 1/N slice of every expert (the default: balanced whatever the routing; see README).
 
         All generation runs on the engine's own scheduler thread: generate / stream / submit
         from any number of threads join one running batch (continuous batching). Close the
@@ -240,11 +242,13 @@ class Engine:
         # The tokenizer first: a broken tokenizer.json fails before the weights are loaded.
         tokenizer = _load_tokenizer(target)
         _check_int("Engine", "tensor_parallel", tensor_parallel, 1, 64)
+        if not isinstance(expert_parallel, (bool, np.bool_)):
+            raise _core.InvalidArgumentError(f"Engine: expert_parallel must be True or False, found {expert_parallel!r}")
         if speculation not in ("fixed", "adaptive"):
             raise _core.InvalidArgumentError(f"Engine: speculation must be 'fixed' or 'adaptive', found {speculation!r}")
         self._e = _core.Engine(os.fspath(target), None if draft is None else os.fspath(draft), method or "", device,
                                max_batch_size, max_seq_len or 0, max_step_tokens, kv_block_size, num_threads or 0,
-                               mtp_draft_tokens, speculation, tensor_parallel)
+                               mtp_draft_tokens, speculation, tensor_parallel, bool(expert_parallel))
         _LIVE.add(self)
         self.speculation = speculation
         self._cancelled: set = set()
@@ -272,6 +276,11 @@ class Engine:
     def tensor_parallel(self) -> int:
         """Ranks the target is split across (1: not split)."""
         return self._e.tensor_parallel
+
+    @property
+    def expert_parallel(self) -> bool:
+        """Whether each rank holds whole routed experts (True) or a slice of every expert."""
+        return self._e.expert_parallel
 
     def tp_collectives(self) -> dict:
         """Collectives rank 0 has issued since load (every rank issues the same):

@@ -28,6 +28,8 @@ struct EngineConfig {
                                   // max(256, 4 x cores)); applied per engine, never process-wide
   int64_t tensor_parallel = 1;    // ranks the target is split across (CPU: threads of this process
                                   // with an in-process communicator); 1 = no tensor parallelism
+  bool expert_parallel = false;   // with tensor_parallel > 1: routed experts whole per rank (expert
+                                  // parallelism) instead of every expert's intermediate split
   std::string speculation = "fixed";  // "fixed": every step drafts the full block; "adaptive": per
                                       // step the draft length (0..K) that maximises the measured
                                       // throughput of the running batch (see README)

@@ -88,10 +88,11 @@ struct Loader {
 
 // Tensor parallelism: rank r of n holds attention heads [r nh/n, (r+1) nh/n) (q_b rows, kv_b
 // per head, o_proj columns), a 1/n slice of every dense / shared-expert MLP's intermediate
-// (gate/up rows, down columns) and routed experts [r E/n, (r+1) E/n) (expert parallelism);
-// everything else (norms, q_a / kv_a, the indexer, the router) is replicated.
+// (gate/up rows, down columns), and of the routed experts either a 1/n slice of every
+// expert's intermediate (ep = false) or whole experts [r E/n, (r+1) E/n) (ep = true, expert
+// parallelism); everything else (norms, q_a / kv_a, the indexer, the router) is replicated.
 void load_layer(Loader& ld, const GlmConfig& c, const std::string& p, bool moe, bool indexer, Layer& L, int64_t r,
-                int64_t n) {
+                int64_t n, bool ep) {
   const int64_t H = c.hidden_size, nh = c.num_heads, qk = c.qk_head_dim(), nope = c.qk_nope_head_dim,
                 v = c.v_head_dim, kvl = c.kv_lora_rank;
   const int64_t nhl = nh / n, h0 = r * nhl;  // this rank's heads
@@ -144,14 +145,25 @@ void load_layer(Loader& ld, const GlmConfig& c, const std::string& p, bool moe, 
     m.bias = Tensor::empty(DType::F32, {E});
     ops::copy(b, m.bias);  // stored F32 or BF16
   }
-  const int64_t El = E / n;  // expert parallelism: this rank's experts
-  m.experts.first = r * El;
   m.experts.num_global = E;
-  for (int64_t e = r * El; e < (r + 1) * El; ++e) {
-    const std::string ep = mp + ".experts." + std::to_string(e);
-    m.experts.gate.push_back(ld.lin(ep + ".gate_proj", I, H));
-    m.experts.up.push_back(ld.lin(ep + ".up_proj", I, H));
-    m.experts.down.push_back(ld.lin(ep + ".down_proj", H, I));
+  if (ep) {  // expert parallelism: this rank's whole experts
+    const int64_t El = E / n;
+    m.experts.first = r * El;
+    for (int64_t e = r * El; e < (r + 1) * El; ++e) {
+      const std::string x = mp + ".experts." + std::to_string(e);
+      m.experts.gate.push_back(ld.lin(x + ".gate_proj", I, H));
+      m.experts.up.push_back(ld.lin(x + ".up_proj", I, H));
+      m.experts.down.push_back(ld.lin(x + ".down_proj", H, I));
+    }
+  } else {  // every expert, this rank's slice of its intermediate
+    const int64_t Il = I / n;
+    m.experts.first = 0;
+    for (int64_t e = 0; e < E; ++e) {
+      const std::string x = mp + ".experts." + std::to_string(e);
+      m.experts.gate.push_back(rows(ld.lin(x + ".gate_proj", I, H), r * Il, (r + 1) * Il));
+      m.experts.up.push_back(rows(ld.lin(x + ".up_proj", I, H), r * Il, (r + 1) * Il));
+      m.experts.down.push_back(cols(ld.lin(x + ".down_proj", H, I), r * Il, (r + 1) * Il));
+    }
   }
   m.has_shared = c.n_shared_experts > 0;
   if (m.has_shared) {
@@ -235,7 +247,10 @@ std::unique_ptr<GlmModel> GlmModel::load(const Checkpoint& ck, const Options& op
     divides(c.vocab_size, "vocab_size");
     divides(c.intermediate_size, "intermediate_size");
     if (c.n_routed_experts > 0) {
-      divides(c.n_routed_experts, "n_routed_experts");
+      if (opt.expert_parallel)
+        divides(c.n_routed_experts, "n_routed_experts");
+      else
+        divides(c.moe_intermediate_size, "moe_intermediate_size");
       divides(c.moe_intermediate_size * c.n_shared_experts, "moe_intermediate_size x n_shared_experts");
     }
   }
@@ -257,7 +272,7 @@ std::unique_ptr<GlmModel> GlmModel::load(const Checkpoint& ck, const Options& op
   for (int64_t l = 0; l < c.num_layers; ++l) {
     auto L = std::make_unique<Layer>();
     load_layer(ld, c, "model.layers." + std::to_string(l), c.moe_layer[size_t(l)], c.indexer_full[size_t(l)], *L, r,
-               n);
+               n, opt.expert_parallel);
     m->layers_.push_back(std::move(L));
   }
   if (c.num_mtp_layers > 0) {
@@ -265,7 +280,7 @@ std::unique_ptr<GlmModel> GlmModel::load(const Checkpoint& ck, const Options& op
     m->mtp_ = std::make_unique<Layer>();
     bool mtp_moe = ld.has(p + ".mlp.gate.weight");
     bool mtp_indexer = ld.has(p + ".self_attn.indexer.wk.weight");
-    load_layer(ld, c, p, mtp_moe, mtp_indexer, *m->mtp_, r, n);
+    load_layer(ld, c, p, mtp_moe, mtp_indexer, *m->mtp_, r, n, opt.expert_parallel);
     m->mtp_enorm_ = ld.vec(p + ".enorm.weight", H);
     m->mtp_hnorm_ = ld.vec(p + ".hnorm.weight", H);
     m->mtp_head_norm_ = ld.vec(p + ".shared_head.norm.weight", H);

@@ -45,6 +45,10 @@ class GlmModel {
   struct Options {
     int64_t max_step_tokens = 256;  // the largest chunk a forward takes
     int64_t tp_rank = 0, tp_size = 1;  // tensor parallelism: this model holds rank tp_rank's shard
+    // routed experts: false = every expert's intermediate split across the ranks (balanced
+    // whatever the routing); true = expert parallelism, rank r holds whole experts
+    // [r E/n, (r+1) E/n)
+    bool expert_parallel = false;
   };
 
   static std::unique_ptr<GlmModel> load(const Checkpoint& ckpt, const Options& opt);

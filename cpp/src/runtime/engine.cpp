@@ -100,6 +100,7 @@ Engine::Engine(const EngineConfig& cfg) : impl_(std::make_unique<Impl>()) {
     mo.max_step_tokens = cfg.max_step_tokens;
     mo.tp_rank = r;
     mo.tp_size = cfg.tensor_parallel;
+    mo.expert_parallel = cfg.expert_parallel;
     shards.push_back(model::GlmModel::load(ck, mo));
   }
   const model::GlmConfig& mc = shards[0]->config();
