@@ -32,6 +32,7 @@
 
 #include "backend/cuda/cuda_api.h"
 #include "backend/cuda/cuda_check.cuh"
+#include "backend/cuda/layout.h"
 #include "dflash2/error.h"
 
 namespace dflash2::cuda {
@@ -118,39 +119,7 @@ __global__ void __launch_bounds__(kMaxThreads)
   }
 }
 
-// Rows of a [.., D] tensor whose last dim is contiguous: the count and the stride between
-// consecutive rows (elements), after collapsing the leading dims (size-1 dims ignored).
-struct RowLayout {
-  int64_t rows = 0;
-  int64_t stride = 0;
-};
-
-RowLayout row_layout(const Tensor& t, const char* arg) {
-  const int nd = t.ndim();
-  const int64_t D = t.shape(-1);
-  DFLASH2_CHECK_ARG(t.stride(-1) == 1 || D == 1, "cuda::rms_norm: '", arg,
-                    "' must be contiguous in its last dimension, found ", t.describe(), " with strides ",
-                    shape_str(t.strides()));
-  RowLayout L;
-  L.rows = D > 0 ? t.numel() / D : 0;
-  L.stride = D;
-  bool have = false;
-  int64_t expect = 0;
-  for (int i = nd - 2; i >= 0; --i) {
-    if (t.shape(i) == 1) continue;
-    if (!have) {
-      L.stride = t.stride(i);
-      expect = L.stride * t.shape(i);
-      have = true;
-    } else {
-      DFLASH2_CHECK_ARG(t.stride(i) == expect, "cuda::rms_norm: the leading dimensions of '", arg, "' ",
-                        t.describe(), " (strides ", shape_str(t.strides()),
-                        ") cannot be viewed as evenly strided rows");
-      expect *= t.shape(i);
-    }
-  }
-  return L;
-}
+using layout::RowLayout;
 
 bool aligned(const void* p, size_t a) { return reinterpret_cast<uintptr_t>(p) % a == 0; }
 
@@ -221,8 +190,8 @@ void rms_norm(const Tensor& x, const Tensor& w, float eps, Tensor& out) {
                     "] contiguous, found ", w.describe());
   DFLASH2_CHECK_ARG(D <= int64_t(INT32_MAX), "cuda::rms_norm: rows of ", D, " elements are too long");
   DFLASH2_CHECK_ARG(eps >= 0, "cuda::rms_norm: eps must be >= 0, found ", eps);
-  const RowLayout xl = row_layout(x, "x");
-  const RowLayout ol = row_layout(out, "out");
+  const RowLayout xl = layout::row_layout(x, "rms_norm", "x");
+  const RowLayout ol = layout::row_layout(out, "rms_norm", "out");
   if (xl.rows == 0 || D == 0) return;
   DFLASH2_CHECK_ARG(xl.rows == 1 || ol.stride >= D, "cuda::rms_norm: rows of out ", out.describe(),
                     " overlap (row stride ", ol.stride, " < ", D, ")");
