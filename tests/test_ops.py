@@ -24,7 +24,8 @@ DEVICES = ["cpu", "cuda"]
 # Ops with a CUDA implementation (cpp/src/backend/cuda, registered in register.cpp);
 # "embedding" runs the CUDA gather_rows.
 CUDA_OPS = {"rms_norm", "layer_norm", "rope", "silu_mul", "softmax", "embedding", "copy", "add", "gather_rows",
-            "argmax", "check_finite", "cache_write", "dyn_conv"}
+            "argmax", "check_finite", "cache_write", "dyn_conv", "indexer_topk", "mla_attention", "block_attention",
+            "moe_route", "moe_experts", "topk", "selector_walk", "linear", "linear_heads", "embedding_shard"}
 GUARD = 64
 SENTINEL = np.float32(-12345.678)
 ISENTINEL = np.int32(-777777)
@@ -157,7 +158,7 @@ def test_linear(dev, fmt):
         w, wref = make_weight(fmt, n, k, rng)
         x = rng.standard_normal((m, k)).astype(np.float32)
         out = Guarded((m, n), dev)
-        ops.linear(to_dev(x, dev), w, out=out.view)
+        ops.linear(to_dev(x, dev), w if dev == "cpu" else w.to(dev), out=out.view)
         check("linear", out.result(), x.astype(np.float64) @ wref.T)
         # the Weight's own dequantization agrees with the independent reference
         np.testing.assert_allclose(np.from_dlpack(w.dequantize()), wref, rtol=1e-6, atol=1e-7)
@@ -1054,8 +1055,9 @@ def test_moe_experts(dev, wdtype):
         ref = refs.moe_experts(x, ids, weights, eref)
         out = Guarded((T, H), dev)
         ws = Guarded((ops.moe_workspace_floats(T, k, H, F, E),), dev)  # exactly the documented size
-        ops.moe_experts(to_dev(x, dev), to_dev(ids, dev), to_dev(weights, dev), gate, up, down, out=out.view,
-                        workspace=ws.view)
+        on = (lambda ws_: ws_) if dev == "cpu" else (lambda ws_: [w.to(dev) for w in ws_])
+        ops.moe_experts(to_dev(x, dev), to_dev(ids, dev), to_dev(weights, dev), on(gate), on(up), on(down),
+                        out=out.view, workspace=ws.view)
         check("moe_experts", out.result(), ref)
         ws.result()  # the workspace's guards too
         assert (ids[:, :] != E - 1).all()

@@ -204,3 +204,98 @@ def test_accept_argument_errors():
     with pytest.raises(dflash2_rt.InvalidArgumentError, match="accept: .*drafted token 9"):
         ops.accept(logits, np.array([0, 2], np.int32), np.full((2, 2), 9, np.int32), np.array([0, 1], np.int32),
                    np.array([1, 1], np.int32), **args)
+
+
+# ---------------------------------------------------------------------------- the CUDA backend
+# sample / accept on the GPU (cpp/src/backend/cuda/sampling.cu) make the CPU's decisions
+# with the same Philox draws: the tokens equal the CPU's row for row (their sums differ only
+# in order, ~1e-16 relative, which moves a draw only if it lands that close to a bucket
+# edge), and the statistical tests hold on the GPU by themselves.
+def _cuda():
+    from conftest import cuda_or_skip
+    cuda_or_skip()
+
+
+def _dev(a):
+    return dflash2_rt.from_dlpack(np.ascontiguousarray(a)).to("cuda")
+
+
+def _host(t):
+    return np.asarray(t.to("cpu").numpy())
+
+
+@pytest.mark.parametrize("name", sorted(ROWS))
+def test_cuda_sample_equals_cpu(name):
+    _cuda()
+    n = 1000
+    for (temperature, top_p, top_k) in SETTINGS + [(0.0, 1.0, 0)]:
+        logits = np.repeat(ROWS[name][None], n, 0)
+        t, p, k = params(n, temperature, top_p, top_k)
+        r = rng_rows(5, n)
+        want = np.asarray(ops.sample(logits, t, p, k, r).numpy())
+        got = _host(ops.sample(_dev(logits), _dev(t), _dev(p), _dev(k), _dev(r)))
+        assert np.array_equal(got, want), f"{name} {temperature, top_p, top_k}: {(got != want).sum()} of {n} differ"
+
+
+@pytest.mark.parametrize("temperature,top_p,top_k", [(1.0, 1.0, 0), (0.8, 0.85, 6), (1.0, 0.3, 12)])
+def test_cuda_sample_matches_the_exact_distribution(temperature, top_p, top_k):
+    _cuda()
+    n = 20000
+    row = ROWS["random"]
+    logits = np.repeat(row[None], n, 0)
+    t, p, k = params(n, temperature, top_p, top_k)
+    got = _host(ops.sample(_dev(logits), _dev(t), _dev(p), _dev(k), _dev(rng_rows(17, n))))
+    exact = exact_probs(row, temperature, top_k, top_p)
+    emp = np.bincount(got, minlength=len(row)) / n
+    assert 0.5 * np.abs(emp - exact).sum() <= tv_bound(exact, n)
+
+
+@pytest.mark.parametrize("wide", [False, True])
+def test_cuda_accept_equals_cpu(wide):
+    _cuda()
+    g = np.random.default_rng(21)
+    S, K, V, C = 64, 4, 50, 8
+    logits = g.normal(0, 1.5, (S * (K + 1), V)).astype(np.float32)
+    draft = g.integers(0, V, (S, K)).astype(np.int32)
+    am = logits.argmax(1).reshape(S, K + 1)
+    draft[::3] = am[::3, :K]  # some blocks fully accepted when greedy
+    lens = g.integers(0, K + 1, S).astype(np.int32)
+    cand = q = None
+    if wide:
+        cand = np.stack([[g.choice(V, C, replace=False) for _ in range(K)] for _ in range(S)]).astype(np.int32)
+        cand[:, :, 0] = draft
+        q = g.dirichlet(np.ones(C), (S, K)).astype(np.float32)
+    row0 = np.arange(S, dtype=np.int32) * (K + 1)
+    drow = np.arange(S, dtype=np.int32)
+    for setting in [(0.0, 1.0, 0), (1.0, 1.0, 0), (0.8, 0.9, 10)]:
+        t, p, k = params(S, *setting)
+        r = rng_rows(33, S, 0, K + 1)
+        a0, b0 = ops.accept(logits, row0, draft, drow, lens, cand=cand, q=q, temperature=t, top_p=p, top_k=k, rng=r)
+        a1, b1 = ops.accept(_dev(logits), _dev(row0), _dev(draft), _dev(drow), _dev(lens),
+                            cand=None if cand is None else _dev(cand), q=None if q is None else _dev(q),
+                            temperature=_dev(t), top_p=_dev(p), top_k=_dev(k), rng=_dev(r))
+        assert np.array_equal(_host(a1), np.asarray(a0.numpy())), setting
+        assert np.array_equal(_host(b1), np.asarray(b0.numpy())), setting
+
+
+def test_cuda_rejection_sampling_keeps_the_target_distribution():
+    _cuda()
+    temperature, top_p, top_k = 0.8, 0.85, 6
+    V, C, n = 24, 6, 30000
+    g = np.random.default_rng(12)
+    row = g.normal(0, 1.5, V).astype(np.float32)
+    p = exact_probs(row, temperature, top_k, top_p)
+    logits = np.repeat(row[None], 2 * n, 0)
+    cands = g.choice(V, C, replace=False).astype(np.int32)
+    qv = g.dirichlet(np.ones(C)).astype(np.float32)
+    draft = cands[g.choice(C, n, p=qv / qv.sum())][:, None].astype(np.int32)
+    cand, q = np.repeat(cands[None, None], n, 0), np.repeat(qv[None, None], n, 0)
+    t, pp, k = params(n, temperature, top_p, top_k)
+    acc, bon = ops.accept(_dev(logits), _dev(np.arange(n, dtype=np.int32) * 2), _dev(draft),
+                          _dev(np.arange(n, dtype=np.int32)), _dev(np.ones(n, np.int32)), cand=_dev(cand), q=_dev(q),
+                          temperature=_dev(t), top_p=_dev(pp), top_k=_dev(k), rng=_dev(rng_rows(98, n, 0, 2)))
+    acc, bon = _host(acc), _host(bon)
+    first = np.where(acc == 1, draft[:, 0], bon)
+    emp = np.bincount(first, minlength=V) / n
+    assert 0.5 * np.abs(emp - p).sum() <= tv_bound(p, n)
+    assert 0.02 < acc.mean() < 0.98

@@ -23,6 +23,7 @@ pytest.importorskip("transformers.models.glm_moe_dsa", reason="needs transformer
 pytest.importorskip("safetensors")
 import torch  # noqa: E402,F401
 
+import compare  # noqa: E402
 import dflash2_rt  # noqa: E402
 import dflash_fixtures as F  # noqa: E402
 import glm_fixtures as gf  # noqa: E402
@@ -54,25 +55,12 @@ def zoo(tmp_path_factory):
     return Zoo(str(tmp_path_factory.mktemp("tp")))
 
 
-def close(got, ref, what):
-    got, ref = np.asarray(got, np.float64), np.asarray(ref, np.float64)
-    assert got.shape == ref.shape and np.isfinite(got).all(), what
-    err, scale = float(np.abs(got - ref).max()), float(np.abs(ref).max())
-    print(f"{what}: max|d| = {err:.2e}, rel {err / scale:.1e}")
-    assert err <= REL * scale, f"{what}: max|d| = {err:.3e} > {REL} * {scale:.3e}"
+def close(got, ref, what, rel=REL):
+    compare.close(got, ref, what, rel)
 
 
-def same_tokens(ref_engine, prompt, got, want, what):
-    """got == want, or they part at a token where the reference's top-2 margin is within
-    the TP tolerance (a genuine near-tie, not a TP error)."""
-    if list(got) == list(want):
-        return
-    j = next((k for k, (a, b) in enumerate(zip(got, want)) if a != b), min(len(got), len(want)))
-    logits = np.asarray(ref_engine.logits(list(prompt) + list(want[:j])))[-1]
-    top2 = np.sort(logits)[-2:]
-    margin, scale = float(top2[1] - top2[0]), float(np.abs(logits).max())
-    assert margin <= 4 * REL * scale, (f"{what}: token {j} differs ({got[j]} vs {want[j]}) with a TP=1 margin "
-                                       f"{margin:.2e} > {4 * REL} * {scale:.2e}\n got  {list(got)}\n want {list(want)}")
+def same_tokens(ref_engine, prompt, got, want, what, rel=REL):
+    compare.same_tokens(ref_engine, prompt, got, want, what, rel)
 
 
 # ---------------------------------------------------------------------------- logits

@@ -132,17 +132,7 @@ DType parse_dtype(const std::string& s) {
 
 }  // namespace
 
-Device parse_device(const std::string& s) {
-  if (s == "cpu") return Device::cpu();
-  if (s == "cuda") return Device::cuda(0);
-  if (s.rfind("cuda:", 0) == 0) {
-    try {
-      return Device::cuda(std::stoi(s.substr(5)));
-    } catch (...) {
-    }
-  }
-  fail(ErrorKind::InvalidArgument, "unknown device '", s, "' (expected 'cpu', 'cuda' or 'cuda:N')");
-}
+Device parse_device(const std::string& s) { return Device::parse(s); }
 
 Tensor tensor_from_python(py::handle obj, const char* arg) {
   if (py::isinstance<Tensor>(obj)) return obj.cast<Tensor>();

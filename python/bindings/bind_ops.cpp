@@ -1,6 +1,7 @@
 // dflash2_rt._core.ops: the op interface, for tests (the backend-parity harness), tools
 // and benchmarks. Ops run on the device of their inputs; outputs are allocated on that
 // device unless `out=` is given (then they write into it, e.g. a view into a guarded buffer).
+#include <cmath>
 #include <pybind11/stl.h>
 
 #include <algorithm>
@@ -90,7 +91,13 @@ void bind_ops(py::module_& m) {
       .def("dequantize", [](const ops::Weight& w) {
         py::gil_scoped_release nogil;
         return w.dequantize();
-      });
+      })
+      .def_property_readonly("device", [](const ops::Weight& w) { return w.data.device().str(); })
+      .def("to", [](const ops::Weight& w, const std::string& device) {
+        const Device d = parse_device(device);
+        py::gil_scoped_release nogil;
+        return w.to(d);
+      }, py::arg("device"), "The weight with its data and scales copied (contiguous) to device ('cpu', 'cuda:N').");
 
   o.def(
       "linear",
@@ -477,6 +484,9 @@ void bind_ops(py::module_& m) {
         bool sampled = false;
         if (py::isinstance<py::float_>(temperature) || py::isinstance<py::int_>(temperature)) {
           const float t = temperature.cast<float>();
+          // checked here too: on a device the op cannot read the temperatures it is given
+          DFLASH2_CHECK_ARG(std::isfinite(t) && t >= 0.0f, "selector_walk: temperature[0] must be finite and >= 0, "
+                            "found ", t);
           temp = Tensor::empty(DType::F32, {dim_or0(vt, 0)});
           for (int64_t s = 0; s < temp.shape(0); ++s) temp.data_as<float>()[s] = t;
           temp = temp.to(vt.device());

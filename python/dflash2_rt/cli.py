@@ -157,6 +157,8 @@ def _generate_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--seed", type=int, default=None, help="sampling seed, an integer in [0, 2**63)")
     p.add_argument("--max-seq-len", type=int, default=None,
                    help="prompt + generated tokens (default: min(4096, the model's max_position_embeddings))")
+    p.add_argument("--device", default="cpu",
+                   help="where the target runs: cpu, cuda or cuda:N (CUDA: see the README; never run on a GPU yet)")
     p.add_argument("--tensor-parallel", type=int, default=1,
                    help="ranks the target is split across (on the CPU: threads of this process)")
     p.add_argument("--expert-parallel", action="store_true",
@@ -177,9 +179,9 @@ def _run_generate(args: argparse.Namespace) -> int:
     t0 = time.perf_counter()
     print(f"loading {args.target or 'the bundled default pair'}" + (f" + {args.draft}" if args.draft else "") +
           (f" (method {args.method})" if args.method else "") + " ...", file=sys.stderr, flush=True)
-    eng = Engine(target=args.target, draft=args.draft, method=args.method, max_seq_len=args.max_seq_len,
-                 max_batch_size=1, num_threads=args.threads, tensor_parallel=args.tensor_parallel,
-                 expert_parallel=args.expert_parallel)
+    eng = Engine(target=args.target, draft=args.draft, method=args.method, device=args.device,
+                 max_seq_len=args.max_seq_len, max_batch_size=1, num_threads=args.threads,
+                 tensor_parallel=args.tensor_parallel, expert_parallel=args.expert_parallel)
     method = eng.method
     print(f"loaded in {time.perf_counter() - t0:.2f} s (method {method})", file=sys.stderr, flush=True)
     if args.prompt is not None:
@@ -232,6 +234,8 @@ def _serve_args(p: argparse.ArgumentParser) -> None:
                         "max_position_embeddings))")
     p.add_argument("--speculation", default="adaptive", choices=["adaptive", "fixed"],
                    help="speculation length policy (default: adaptive)")
+    p.add_argument("--device", default="cpu",
+                   help="where the target runs: cpu, cuda or cuda:N (CUDA: see the README; never run on a GPU yet)")
     p.add_argument("--tensor-parallel", type=int, default=1,
                    help="ranks the target is split across (on the CPU: threads of this process)")
     p.add_argument("--expert-parallel", action="store_true",
@@ -276,7 +280,7 @@ def _run_serve(args: argparse.Namespace) -> int:
               tensor_parallel=args.tensor_parallel, expert_parallel=args.expert_parallel)
     if args.threads is not None:
         kw["num_threads"] = args.threads
-    eng = Engine(target=args.target, draft=args.draft, method=args.method, **kw)
+    eng = Engine(target=args.target, draft=args.draft, method=args.method, device=args.device, **kw)
     try:
         print(f"loaded in {time.perf_counter() - t0:.2f} s (method {eng.method}, max_batch_size "
               f"{eng.max_batch_size}, max_seq_len {eng.max_seq_len}); serving on http://{args.host}:{args.port}/v1",

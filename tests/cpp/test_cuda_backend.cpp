@@ -975,6 +975,223 @@ TEST(new_ops_reject_bad_arguments_before_launching) {
   CHECK_THROWS(cuda::copy(xd, bf), "same dtype");
 }
 
+// ---------------------------------------------------------------- linear, linear_heads, embedding_shard (gemm.cu)
+namespace {
+
+// A weight of one format held twice (host and device bytes), [N, Kfull] in storage, used
+// as its columns [c0, c0 + K) (a tensor-parallel column slice when c0 > 0 or K < Kfull).
+struct GemmWeight {
+  Mirror data, scale;
+  ops::Weight host, dev;
+  GemmWeight(const char* fmt, int64_t N, int64_t Kfull, int64_t c0, int64_t K, Device d)
+      : data(std::string(fmt) == "fp8" ? DType::F8_E4M3
+             : std::string(fmt) == "nvfp4" ? DType::U8
+             : std::string(fmt) == "bf16" ? DType::BF16
+             : std::string(fmt) == "f16" ? DType::F16
+                                          : DType::F32,
+             std::string(fmt) == "nvfp4" ? N * Kfull / 2 : N * Kfull, d),
+        scale(std::string(fmt) == "nvfp4" ? DType::F8_E4M3 : DType::F32,
+              std::string(fmt) == "nvfp4" ? N * Kfull / 16 : ((N + 127) / 128) * ((Kfull + 127) / 128), d) {
+    const std::string f = fmt;
+    if (f == "fp8") {
+      data.fill_random_bytes();
+      for (auto& b : data.bytes)
+        if ((b & 0x7f) == 0x7f) b = 0x38;  // no NaN encodings
+      for (int64_t i = 0; i < scale.n; ++i) scale.set_f(i, 0.002f + 0.001f * float(i % 7));
+    } else if (f == "nvfp4") {
+      data.fill_random_bytes();
+      for (auto& b : scale.bytes) b = uint8_t(0x30 + gen()() % 0x18);  // positive, finite E4M3
+    } else {
+      data.fill_normal(0.1f);
+      for (int64_t i = 0; i < scale.n; ++i) scale.set_f(i, 0.0f);
+    }
+    data.upload();
+    scale.upload();
+    for (bool device : {false, true}) {
+      ops::Weight w;
+      if (f == "fp8") {
+        const int64_t sn = (N + 127) / 128, sk = (Kfull + 127) / 128;
+        w = ops::Weight::fp8_block128(device ? data.dv(0, {N, Kfull}) : data.hv(0, {N, Kfull}),
+                                      device ? scale.dv(0, {sn, sk}) : scale.hv(0, {sn, sk}), "w");
+      } else if (f == "nvfp4") {
+        w = ops::Weight::nvfp4(device ? data.dv(0, {N, Kfull / 2}) : data.hv(0, {N, Kfull / 2}),
+                               device ? scale.dv(0, {N, Kfull / 16}) : scale.hv(0, {N, Kfull / 16}), 0.37f, 0.0f,
+                               Kfull, "w");
+      } else {
+        w = ops::Weight::dense(device ? data.dv(0, {N, Kfull}) : data.hv(0, {N, Kfull}), "w");
+      }
+      if (c0 > 0 || K < Kfull) w = w.cols(c0, c0 + K);
+      (device ? dev : host) = w;
+    }
+  }
+};
+
+// |got - want| <= 1e-5 * rms(want) + 1e-5 |want| elementwise over the whole buffer
+// (elements outside the output view are sentinels, compared exactly by the same rule).
+int compare_gemm(const char* what, const Mirror& m) {
+  double ss = 0;
+  for (int64_t i = 0; i < m.n; ++i) ss += double(f32_at(m.bytes, i)) * f32_at(m.bytes, i);
+  const double rms = std::sqrt(ss / double(m.n > 0 ? m.n : 1));
+  return compare(what, m, 1e-5, 1e-5 * rms);
+}
+
+}  // namespace
+
+TEST(linear_matches_cpu_on_all_formats) {
+  Device dev = test_device("linear_matches_cpu_on_all_formats");
+  struct LinCase {
+    int64_t M, K, N;
+  };
+  const LinCase dense_cases[] = {{1, 64, 32},  {3, 100, 17},  {8, 256, 96},  {17, 48, 50}, {1, 1000, 7},
+                                 {4, 8, 1},    {2, 1, 3},     {1, 7, 5},     {9, 300, 70}, {13, 4100, 20},
+                                 {2, 8200, 9}, {64, 512, 33}, {1, 7168, 64}};
+  const LinCase nvfp4_cases[] = {{1, 64, 32},    {3, 160, 17}, {7, 256, 40},   {9, 48, 5},
+                                 {1, 2048, 13},  {2, 4096, 20}, {1, 8192, 30}, {40, 512, 24}};
+  int bad = 0, n = 0;
+  for (const char* fmt : {"f32", "bf16", "f16", "fp8", "nvfp4"}) {
+    const bool nv = std::string(fmt) == "nvfp4", fp8 = std::string(fmt) == "fp8";
+    std::vector<LinCase> cases;
+    if (nv)
+      cases.assign(std::begin(nvfp4_cases), std::end(nvfp4_cases));
+    else
+      cases.assign(std::begin(dense_cases), std::end(dense_cases));
+    for (const LinCase& c : cases) {
+      for (int variant = 0; variant < 2; ++variant) {  // 1: column slice, strided x / y rows, accumulate
+        const int64_t M = c.M, K = c.K, N = c.N;
+        const int64_t c0 = variant ? (nv ? 16 : fp8 ? 128 : 8) : 0;
+        const int64_t Kfull = variant ? (fp8 ? K + 128 : K + c0 + (nv ? 32 : 5)) : K;
+        GemmWeight w(fmt, N, Kfull, c0, K, dev);
+        const int64_t ldx = variant ? K + 5 : K, xoff = variant ? 1 : 0, ldy = variant ? N + 3 : N;
+        Mirror x(DType::F32, xoff + M * ldx, dev), y(DType::F32, M * ldy + 2, dev);
+        x.fill_normal();
+        if (variant)
+          y.fill_normal();
+        else
+          y.fill_f(-7.0f);
+        x.upload();
+        y.upload();
+        for (bool device : {false, true}) {
+          Tensor tx = device ? x.dv(xoff, {M, K}, {ldx, 1}) : x.hv(xoff, {M, K}, {ldx, 1});
+          Tensor ty = device ? y.dv(0, {M, N}, {ldy, 1}) : y.hv(0, {M, N}, {ldy, 1});
+          ops::linear(tx, device ? w.dev : w.host, ty, variant == 1);
+        }
+        const int e = compare_gemm("linear", y);
+        if (e)
+          std::printf("    linear %s M %lld K %lld N %lld variant %d: %d mismatches\n", fmt, (long long)M, (long long)K,
+                      (long long)N, variant, e);
+        bad += e ? 1 : 0;
+        ++n;
+      }
+    }
+    // decode == verify on the device: a row computed alone is bitwise the row in a batch
+    for (int64_t K : {int64_t(272), int64_t(4112)}) {
+      const int64_t M = 13, N = 37;
+      GemmWeight w(fmt, N, K, 0, K, dev);
+      Mirror x(DType::F32, M * K, dev);
+      x.fill_normal();
+      x.upload();
+      Tensor full = Tensor::zeros(DType::F32, {M, N}, dev);
+      ops::linear(x.dv(0, {M, K}), w.dev, full);
+      const Tensor full_h = full.to(Device::cpu());
+      int differ = 0;
+      for (int64_t m = 0; m < M; ++m) {
+        Tensor one = Tensor::zeros(DType::F32, {1, N}, dev);
+        ops::linear(x.dv(m * K, {1, K}), w.dev, one);
+        const Tensor one_h = one.to(Device::cpu());
+        differ += std::memcmp(one_h.data(), full_h.data_as<float>() + m * N, size_t(N) * 4) != 0;
+      }
+      if (differ) std::printf("    linear %s K %lld: %d rows differ when computed alone\n", fmt, (long long)K, differ);
+      bad += differ ? 1 : 0;
+      ++n;
+    }
+  }
+  std::printf("  %d linear cases, %d with mismatches\n", n, bad);
+  CHECK(bad == 0);
+}
+
+TEST(linear_heads_and_embedding_shard_match_cpu) {
+  Device dev = test_device("linear_heads_and_embedding_shard_match_cpu");
+  int bad = 0, n = 0;
+  struct HeadCase {
+    int64_t T, G, N, K;
+  };
+  for (DType wt : {DType::F32, DType::BF16, DType::F16}) {
+    for (const HeadCase& c : {HeadCase{1, 1, 1, 1}, HeadCase{3, 4, 17, 33}, HeadCase{5, 2, 64, 128},
+                              HeadCase{2, 3, 7, 100}, HeadCase{9, 1, 5, 256}, HeadCase{4, 16, 128, 512}}) {
+      // x: a slice of a wider projection; w rows strided; y [T, G, N]
+      const int64_t xk = c.K + 9, wk = c.K + 3;
+      Mirror x(DType::F32, c.T * c.G * xk, dev), w(wt, c.G * c.N * wk, dev), y(DType::F32, c.T * c.G * c.N + 2, dev);
+      x.fill_normal();
+      w.fill_normal(0.1f);
+      y.fill_f(5.0f);
+      x.upload();
+      w.upload();
+      y.upload();
+      for (bool device : {false, true}) {
+        const Tensor::Shape xs = {c.T, c.G, c.K}, xst = {c.G * xk, xk, 1}, ws = {c.G, c.N, c.K},
+                            wst = {c.N * wk, wk, 1}, ys = {c.T, c.G, c.N};
+        Tensor tx = device ? x.dv(5, xs, xst) : x.hv(5, xs, xst);
+        Tensor tw = device ? w.dv(0, ws, wst) : w.hv(0, ws, wst);
+        Tensor ty = device ? y.dv(0, ys) : y.hv(0, ys);
+        ops::linear_heads(tx, tw, ty);
+      }
+      const int e = compare_gemm("linear_heads", y);
+      if (e)
+        std::printf("    linear_heads %s T %lld G %lld N %lld K %lld: %d mismatches\n", dtype_name(wt), (long long)c.T,
+                    (long long)c.G, (long long)c.N, (long long)c.K, e);
+      bad += e ? 1 : 0;
+      ++n;
+    }
+  }
+  // embedding_shard: exactly the CPU's rows, zeros for ids outside the shard
+  for (DType tt : {DType::F32, DType::BF16, DType::F16}) {
+    for (DType it : {DType::I32, DType::I64}) {
+      for (int64_t D : {int64_t(1), int64_t(24), int64_t(33)}) {
+        for (int64_t first : {int64_t(0), int64_t(32), int64_t(64)}) {
+          const int64_t Vs = 32, T = 9, ts = D + 4, os = D + 3;
+          Mirror table(tt, Vs * ts, dev), ids(it, T, dev), out(DType::F32, T * os + 1, dev);
+          table.fill_normal();
+          const int64_t idv[T] = {0, 95, 31, 32, 64, 7, 63, 96, 40};
+          for (int64_t t = 0; t < T; ++t) ids.set_i(t, idv[t]);
+          out.fill_f(-2.0f);
+          table.upload();
+          ids.upload();
+          out.upload();
+          for (bool device : {false, true}) {
+            Tensor tb = device ? table.dv(0, {Vs, D}, {ts, 1}) : table.hv(0, {Vs, D}, {ts, 1});
+            Tensor ti = device ? ids.dv(0, {T}) : ids.hv(0, {T});
+            Tensor to = device ? out.dv(0, {T, D}, {os, 1}) : out.hv(0, {T, D}, {os, 1});
+            ops::embedding_shard(tb, ti, first, to);
+          }
+          const int e = compare("embedding_shard", out);
+          if (e)
+            std::printf("    embedding_shard %s by %s D %lld first %lld: %d mismatches\n", dtype_name(tt),
+                        dtype_name(it), (long long)D, (long long)first, e);
+          bad += e ? 1 : 0;
+          ++n;
+        }
+      }
+    }
+  }
+  if (dev.is_cuda()) {  // the shard's out-of-range ids are not index errors
+    cuda::index_errors(0, true);
+    Tensor table = Tensor::zeros(DType::F32, {4, 8}, dev);
+    std::vector<int32_t> h = {-3, 2, 9};
+    Tensor ids = Tensor::view(h.data(), DType::I32, {3}).to(dev);
+    Tensor out = Tensor::zeros(DType::F32, {3, 8}, dev);
+    ops::embedding_shard(table, ids, 0, out);
+    CHECK(cuda::index_errors(0, true) == 0);
+  }
+  std::printf("  %d linear_heads / embedding_shard cases, %d with mismatches\n", n, bad);
+  CHECK(bad == 0);
+  // host-side checks before any launch
+  Tensor x = Tensor::zeros(DType::F32, {2, 8});
+  CHECK_THROWS(cuda::linear(x, ops::Weight::dense(Tensor::zeros(DType::F32, {4, 8})), x, false), "same CUDA device");
+  Tensor x3 = Tensor::zeros(DType::F32, {2, 1, 8});
+  CHECK_THROWS(cuda::linear_heads(x3, Tensor::zeros(DType::F32, {1, 4, 8}), x3), "same CUDA device");
+  CHECK_THROWS(cuda::embedding_shard(x, Tensor::zeros(DType::I32, {2}), 0, x), "same CUDA device");
+}
+
 #endif  // DFLASH2_WITH_CUDA
 
 TEST_MAIN()

@@ -52,6 +52,10 @@ struct Weight {
   Weight rows(int64_t begin, int64_t end) const;
   Weight cols(int64_t begin, int64_t end) const;
   Tensor dequantize() const;  // F32 [N, K] on the CPU (reference path, tests, tools)
+  // The same weight with data and scales copied (contiguous) to `dev` (e.g. to the GPU at
+  // load); bytes() is what that copy holds.
+  Weight to(Device dev) const;
+  size_t bytes() const;
 };
 
 // The CPU backend's thread count for ops called from this thread while the scope lives

@@ -24,6 +24,8 @@ struct Device {
   bool operator==(const Device& o) const { return type == o.type && index == o.index; }
   bool operator!=(const Device& o) const { return !(*this == o); }
   std::string str() const;
+  // "cpu", "cuda" (= cuda:0) or "cuda:N"; anything else is an InvalidArgument error.
+  static Device parse(const std::string& s);
 };
 
 class Tensor {

@@ -15,6 +15,15 @@ std::string Device::str() const {
   return is_cpu() ? std::string("cpu") : "cuda:" + std::to_string(index);
 }
 
+Device Device::parse(const std::string& s) {
+  if (s == "cpu") return Device::cpu();
+  if (s == "cuda") return Device::cuda(0);
+  if (s.rfind("cuda:", 0) == 0 && s.size() > 5 && s.size() <= 9 &&
+      s.find_first_not_of("0123456789", 5) == std::string::npos)
+    return Device::cuda(std::stoi(s.substr(5)));
+  fail(ErrorKind::InvalidArgument, "unknown device '", s, "' (expected 'cpu', 'cuda' or 'cuda:N')");
+}
+
 std::string shape_str(const Tensor::Shape& s) {
   std::ostringstream os;
   os << "[";

@@ -2,6 +2,8 @@
 
 #include <algorithm>
 #include <cmath>
+#include <map>
+#include <set>
 #include <sstream>
 
 #include "dflash2/error.h"
@@ -298,6 +300,120 @@ std::unique_ptr<GlmModel> GlmModel::load(const Checkpoint& ck, const Options& op
   return m;
 }
 
+// ------------------------------------------------------------------ device placement
+void GlmModel::for_each_param(const std::function<void(Tensor&)>& tensor,
+                              const std::function<void(Weight&)>& weight) {
+  auto T = [&](Tensor& t) {
+    if (t.defined()) tensor(t);
+  };
+  auto W = [&](Weight& w) {
+    if (w.data.defined()) weight(w);
+  };
+  auto layer = [&](Layer& L) {
+    T(L.in_norm);
+    T(L.post_norm);
+    Attn& a = L.attn;
+    W(a.q_a);
+    W(a.q_b);
+    W(a.kv_a);
+    W(a.o);
+    T(a.q_a_norm);
+    T(a.kv_a_norm);
+    T(a.kvb);
+    T(a.wuk_t);
+    W(a.iq);
+    W(a.ik);
+    W(a.iw);
+    T(a.ik_norm_w);
+    T(a.ik_norm_b);
+    Mlp& m = L.mlp;
+    W(m.gate);
+    W(m.up);
+    W(m.down);
+    W(m.router);
+    T(m.bias);
+    for (auto* v : {&m.experts.gate, &m.experts.up, &m.experts.down})
+      for (Weight& w : *v) W(w);
+  };
+  T(embed_local_);
+  W(lm_head_local_);
+  T(final_norm_);
+  for (auto& L : layers_) layer(*L);
+  if (mtp_) {
+    layer(*mtp_);
+    T(mtp_enorm_);
+    T(mtp_hnorm_);
+    T(mtp_head_norm_);
+    T(mtp_embed_);
+    W(mtp_eh_proj_);
+    W(mtp_head_);
+  }
+}
+
+namespace {
+// One device copy per stored tensor: names that share storage (a tied LM head, the MTP
+// layer's embedding / head when it has none of its own) share the copy.
+struct TensorKey {
+  const void* data;
+  DType dtype;
+  std::vector<int64_t> shape, strides;
+  bool operator<(const TensorKey& o) const {
+    if (data != o.data) return data < o.data;
+    if (dtype != o.dtype) return dtype < o.dtype;
+    if (shape != o.shape) return shape < o.shape;
+    return strides < o.strides;
+  }
+};
+TensorKey key_of(const Tensor& t) { return {t.data(), t.dtype(), t.shape(), t.strides()}; }
+}  // namespace
+
+size_t GlmModel::device_bytes() const {
+  std::set<TensorKey> seen;
+  size_t total = 0;
+  auto add = [&](const Tensor& t) {
+    if (seen.insert(key_of(t)).second) total += t.nbytes();
+  };
+  const_cast<GlmModel*>(this)->for_each_param([&](Tensor& t) { add(t); },
+                                              [&](Weight& w) {
+                                                add(w.data);
+                                                if (w.scale.defined()) add(w.scale);
+                                              });
+  return total + ws_->capacity();
+}
+
+void GlmModel::to_device(Device dev, const std::function<void(size_t, size_t)>& progress) {
+  DFLASH2_CHECK_ARG(device_.is_cpu(), "GlmModel::to_device: the model is already on ", device_.str());
+  if (dev.is_cpu()) return;
+  const size_t total = device_bytes() - ws_->capacity();
+  size_t done = 0;
+  std::map<TensorKey, Tensor> copies;
+  auto move = [&](Tensor& t) {
+    auto it = copies.find(key_of(t));
+    if (it == copies.end()) {
+      Tensor d = t.to(dev);
+      done += t.nbytes();
+      it = copies.emplace(key_of(t), d).first;
+      if (progress) progress(done, total);
+    }
+    t = it->second;
+  };
+  for_each_param(move, [&](Weight& w) {
+    move(w.data);
+    if (w.scale.defined()) move(w.scale);
+  });
+  // the views derived from moved tensors
+  const GlmConfig& c = cfg_;
+  const int64_t nhl = c.num_heads / opt_.tp_size, nope = c.qk_nope_head_dim, v = c.v_head_dim;
+  auto views = [&](Layer& L) {
+    if (L.attn.kvb.defined())
+      L.attn.wuv = L.attn.kvb.reshape({nhl, nope + v, c.kv_lora_rank}).slice(1, nope, nope + v);
+  };
+  for (auto& L : layers_) views(*L);
+  if (mtp_) views(*mtp_);
+  ws_ = std::make_unique<Arena>(ws_->capacity(), dev);
+  device_ = dev;
+}
+
 bool GlmModel::mtp_has_indexer() const { return mtp_ && mtp_->attn.indexer; }
 
 // ------------------------------------------------------------------ one decoder layer
@@ -393,7 +509,7 @@ void GlmModel::project(const Tensor& rows, const ops::Weight& head, Bufs& b, Ten
   const int64_t R = rows.shape(0), n = opt_.tp_size, Vl = head.out_features;
   Tensor local = b.lg_local.slice(0, 0, R);
   ops::linear(rows, head, local);
-  Tensor all = Tensor::view(b.lg_all.data(), DType::F32, {n, R, Vl});
+  Tensor all = Tensor::view(b.lg_all.data(), DType::F32, {n, R, Vl}, {}, b.lg_all.device());
   comm_->all_gather(local, all);
   Tensor dst = logits.reshape({R, n, Vl}).transpose(0, 1);
   ops::copy(all, dst);

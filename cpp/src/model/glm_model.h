@@ -7,6 +7,7 @@
 // load for the largest chunk.
 #pragma once
 #include <cstdint>
+#include <functional>
 #include <memory>
 #include <vector>
 
@@ -65,6 +66,16 @@ class GlmModel {
   // same forward at once, in its own thread).
   void set_comm(comm::Communicator* c) { comm_ = c; }
 
+  // The device the forward runs on (the CPU until to_device).
+  Device device() const { return device_; }
+  // Bytes to_device(dev) allocates on the device: the weights the forward reads (each
+  // stored tensor once, however many names share it) and the chunk workspace.
+  size_t device_bytes() const;
+  // Copies the weights the forward reads and the chunk workspace to `dev` (once, at load;
+  // progress(done, total) in bytes after each tensor). The full embedding / LM head views
+  // the drafter reads (embed_tokens(), lm_head()) stay in host memory.
+  void to_device(Device dev, const std::function<void(size_t, size_t)>& progress = {});
+
   // One chunk (batch.T <= max_step_tokens) through the decoder: the new tokens' latents and
   // indexer keys are written into `cache` at batch.slots.
   void forward(const TokenBatch& batch, const GlmCache& cache, const ForwardOutputs& out);
@@ -81,9 +92,13 @@ class GlmModel {
                      Tensor& h, bool& have_sel);
   void embed(const Tensor& table, const TokenBatch& tb, Tensor& out);
   void project(const Tensor& rows, const ops::Weight& head, Bufs& b, Tensor& logits);
+  // Calls tensor(t) / weight(w) for every parameter the forward reads (not the views
+  // derived from others: Attn::wuv).
+  void for_each_param(const std::function<void(Tensor&)>& tensor, const std::function<void(ops::Weight&)>& weight);
 
   GlmConfig cfg_;
   Options opt_;
+  Device device_ = Device::cpu();
   std::shared_ptr<Checkpoint> ckpt_;
   Tensor embed_;  // [V, H] (F32/BF16/F16 view into the checkpoint)
   ops::Weight lm_head_;

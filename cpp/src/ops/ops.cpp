@@ -648,7 +648,9 @@ void selector_walk(const Tensor& vals, const Tensor& cand, const Tensor& g, cons
   DFLASH2_CHECK_ARG(temperature.ndim() == 1 && temperature.shape(0) == S, op, ": temperature must be F32 [", S,
                     "], found ", temperature.describe());
   const int64_t V = pred_book.shape(0);
-  bool sampled = !temperature.device().is_cpu();
+  // On a device the temperatures cannot be read here: a call with rng and q may sample;
+  // one with neither is greedy for every sequence (the kernel then takes the best score).
+  bool sampled = !temperature.device().is_cpu() && (rng.defined() || q.defined());
   if (cand.device().is_cpu()) {
     for (int64_t s = 0; s < S; ++s) {
       const int64_t a = anchors.data_as<const int32_t>()[s * anchors.stride(0)];

@@ -181,6 +181,17 @@ Weight Weight::load(const Checkpoint& ck, const std::string& prefix, int64_t exp
   return r;
 }
 
+Weight Weight::to(Device dev) const {
+  Weight w = *this;
+  if (data.defined()) w.data = data.to(dev);
+  if (scale.defined()) w.scale = scale.to(dev);
+  return w;
+}
+
+size_t Weight::bytes() const {
+  return (data.defined() ? data.nbytes() : 0) + (scale.defined() ? scale.nbytes() : 0);
+}
+
 Weight Weight::rows(int64_t begin, int64_t end) const {
   DFLASH2_CHECK_ARG(0 <= begin && begin < end && end <= out_features, "weight '", name, "': rows [", begin, ", ", end,
                     ") outside [0, ", out_features, ")");

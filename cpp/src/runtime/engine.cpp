@@ -17,6 +17,10 @@
 #include "runtime/scheduler.h"
 #include "runtime/target.h"
 
+#ifdef DFLASH2_WITH_CUDA
+#include "backend/cuda/cuda_api.h"
+#endif
+
 namespace dflash2 {
 
 using runtime::CacheStream;
@@ -68,8 +72,16 @@ Engine::Engine(const EngineConfig& cfg) : impl_(std::make_unique<Impl>()) {
   Impl& I = *impl_;
   I.cfg = cfg;
   DFLASH2_CHECK_ARG(!cfg.target.empty(), "Engine: 'target' (a checkpoint directory) is required");
-  DFLASH2_CHECK(cfg.device == "cpu", ErrorKind::Unsupported, "Engine: device '", cfg.device,
-                "' is not supported for the model yet; the target runs on the CPU backend ('cpu')");
+  const Device device = Device::parse(cfg.device);
+  if (device.is_cuda()) {
+#ifdef DFLASH2_WITH_CUDA
+    std::string why;
+    DFLASH2_CHECK(cuda::available(&why), ErrorKind::Unsupported, "Engine: device '", cfg.device, "': ", why);
+#else
+    fail(ErrorKind::Unsupported, "Engine: device '", cfg.device,
+         "': this build of dflash2 has no CUDA backend (configured with DFLASH2_CUDA=OFF or without nvcc)");
+#endif
+  }
   DFLASH2_CHECK_ARG(cfg.num_threads >= 0 && cfg.num_threads <= ops::cpu_max_threads(), "Engine: num_threads must be in [0, ",
                     ops::cpu_max_threads(), "] (0 = all ", ops::cpu_cores(), " cores), found ", cfg.num_threads);
   DFLASH2_CHECK_ARG(cfg.max_batch_size >= 1 && cfg.max_step_tokens >= 1 && cfg.kv_block_size >= 1 && cfg.max_seq_len >= 0,
@@ -114,6 +126,7 @@ Engine::Engine(const EngineConfig& cfg) : impl_(std::make_unique<Impl>()) {
   to.max_step_tokens = cfg.max_step_tokens;
   to.kv_block_size = cfg.kv_block_size;
   to.num_threads = cfg.num_threads;
+  to.device = device;
   I.core.target = std::make_unique<runtime::Target>(std::move(shards), to);
   I.config_json = ck.config().root().dump();
   if (I.method == Method::DFlash || I.method == Method::DFlash2) {

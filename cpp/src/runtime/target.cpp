@@ -1,6 +1,12 @@
 #include "runtime/target.h"
 
 #include <algorithm>
+#include <cstdio>
+#include <string>
+
+#ifdef DFLASH2_WITH_CUDA
+#include "backend/cuda/cuda_api.h"
+#endif
 
 #include "dflash2/error.h"
 #include "dflash2/ops.h"
@@ -17,10 +23,11 @@ Target::Target(std::vector<std::unique_ptr<model::GlmModel>> models, const Optio
   const int64_t nblocks = blocks_per_seq * (opt.max_batch_size + 1);
   int64_t n_index = 0;
   for (bool f : c.indexer_full) n_index += f ? 1 : 0;
+  if (opt.device.is_cuda()) place_on_devices(n_index, nblocks);
   // planes: 0 = MLA latent per layer, 1 = indexer keys per indexer layer; the latent and the
   // indexer are replicated on every rank (MLA shares one latent across heads)
   cache_ = KvCache("KV cache", {{c.num_layers, c.latent_dim()}, {n_index, c.index_head_dim}}, opt.kv_block_size,
-                   nblocks, Device::cpu(), n);
+                   nblocks, opt.device, n);
   cache_.set_max_blocks_per_stream(blocks_per_seq);
   views_.resize(size_t(n));
   mtp_views_.resize(size_t(n));
@@ -37,7 +44,7 @@ Target::Target(std::vector<std::unique_ptr<model::GlmModel>> models, const Optio
                   "the MTP layer has no indexer tensors, which is only supported while max_seq_len (", opt.max_seq_len,
                   ") <= index_topk (", c.index_topk, ")");
     mtp_cache_ = KvCache("MTP KV cache", {{1, c.latent_dim()}, {ix ? 1 : 0, c.index_head_dim}}, opt.kv_block_size,
-                         nblocks, Device::cpu(), n);
+                         nblocks, opt.device, n);
     mtp_cache_.set_max_blocks_per_stream(blocks_per_seq);
     for (int r = 0; r < n; ++r) {
       mtp_views_[size_t(r)].latent.push_back(mtp_cache_.layer(0, 0, r));
@@ -45,13 +52,41 @@ Target::Target(std::vector<std::unique_ptr<model::GlmModel>> models, const Optio
     }
   }
   planner_ = StepPlanner(opt.max_step_tokens, std::max(opt.max_batch_size + 1, opt.max_step_tokens), blocks_per_seq);
+  if (opt.device.is_cuda()) {
+    dplan_.resize(size_t(n));
+    d_logits_.resize(size_t(n));
+    d_taps_.resize(size_t(n));
+    d_fin_.resize(size_t(n));
+    d_hmain_.resize(size_t(n));
+    d_hidden_.resize(size_t(n));
+    const int64_t rows = planner_.max_tokens(), seqs = planner_.max_seqs();
+    for (int r = 0; r < n; ++r) {
+      const Device d = models_[size_t(r)]->device();
+      DevicePlan& p = dplan_[size_t(r)];
+      p.tokens = Tensor::zeros(DType::I32, {rows}, d);
+      p.seq = Tensor::zeros(DType::I32, {rows}, d);
+      p.pos = Tensor::zeros(DType::I32, {rows}, d);
+      p.slots = Tensor::zeros(DType::I32, {rows}, d);
+      p.logit_rows = Tensor::zeros(DType::I32, {std::max(rows, seqs)}, d);
+      p.block_table = Tensor::zeros(DType::I32, {seqs, blocks_per_seq}, d);
+      p.ctx_len = Tensor::zeros(DType::I32, {seqs}, d);
+      d_logits_[size_t(r)] = Tensor::empty(DType::F32, {opt.max_step_tokens, c.vocab_size}, d);
+    }
+  }
   if (n > 1) {
-    comms_ = comm::make_cpu_group(n);
+    if (opt.device.is_cuda()) {
+      std::vector<int> devices;
+      for (int r = 0; r < n; ++r) devices.push_back(opt.device.index + r);
+      comms_ = comm::make_nccl_group(devices);
+    } else {
+      comms_ = comm::make_cpu_group(n);
+    }
     for (int r = 0; r < n; ++r) models_[size_t(r)]->set_comm(comms_[size_t(r)].get());
     const int total = opt.num_threads > 0 ? opt.num_threads : ops::cpu_cores();
     rank_threads_ = std::max(1, total / n);
-    for (int r = 1; r < n; ++r)
-      scratch_logits_.push_back(Tensor::empty(DType::F32, {opt.max_step_tokens, c.vocab_size}));
+    if (!opt.device.is_cuda())
+      for (int r = 1; r < n; ++r)
+        scratch_logits_.push_back(Tensor::empty(DType::F32, {opt.max_step_tokens, c.vocab_size}));
     errors_.resize(size_t(n));
     for (int r = 1; r < n; ++r) workers_.emplace_back([this, r] { worker(r); });
   }
@@ -132,6 +167,11 @@ void Target::run_chunk(const std::vector<Piece>& pieces, const model::ForwardOut
     DFLASH2_CHECK_ARG(p.stream->length + p.n <= opt_.max_seq_len, "sequence of ", p.stream->length + p.n,
                       " tokens exceeds max_seq_len ", opt_.max_seq_len);
   model::TokenBatch b = planner_.plan(pieces, cache_);
+  if (opt_.device.is_cuda()) {
+    run_chunk_device(b, out);
+    for (const Piece& p : pieces) p.stream->length += p.n;
+    return;
+  }
   on_all_ranks([&](int r) {
     if (r == 0) return models_[0]->forward(b, views_[0], out);
     // the other ranks: the same step; only the gathered logits are needed (as scratch)
@@ -151,12 +191,155 @@ void Target::mtp_chunk(const std::vector<Piece>& pieces, const Tensor& h_main, T
     DFLASH2_CHECK_ARG(p.stream->length + p.n <= opt_.max_seq_len, "MTP sequence of ", p.stream->length + p.n,
                       " tokens exceeds max_seq_len ", opt_.max_seq_len);
   model::TokenBatch b = planner_.plan(pieces, mtp_cache_, all_rows);
+  if (opt_.device.is_cuda()) {
+    mtp_chunk_device(b, h_main, logits, hidden);
+    for (const Piece& p : pieces) p.stream->length += p.n;
+    return;
+  }
   on_all_ranks([&](int r) {
     if (r == 0) return models_[0]->mtp_forward(b, h_main, mtp_views_[0], logits, hidden);
     Tensor lg = scratch_logits_[size_t(r - 1)].slice(0, 0, logits.shape(0)), none;
     models_[size_t(r)]->mtp_forward(b, h_main, mtp_views_[size_t(r)], lg, none);
   });
   for (const Piece& p : pieces) p.stream->length += p.n;
+}
+
+// ------------------------------------------------------------------ CUDA
+#ifdef DFLASH2_WITH_CUDA
+namespace {
+std::string gib(size_t b) {
+  char buf[32];
+  std::snprintf(buf, sizeof buf, "%.2f GiB", double(b) / double(size_t(1) << 30));
+  return buf;
+}
+}  // namespace
+#endif
+
+void Target::place_on_devices(int64_t n_index, int64_t nblocks) {
+#ifndef DFLASH2_WITH_CUDA
+  (void)n_index;
+  (void)nblocks;
+  fail(ErrorKind::Unsupported, "device ", opt_.device.str(), ": dflash2 was built without CUDA (DFLASH2_CUDA=OFF)");
+#else
+  const model::GlmConfig& c = models_[0]->config();
+  const int n = tp_size();
+  const int64_t rows = nblocks * opt_.kv_block_size;
+  // per rank: the caches (latent + indexer keys, and the MTP layer's), the plan copies and
+  // the logits of a chunk, besides the model's own weights and workspace
+  size_t cache_bytes = size_t(rows) * size_t(c.num_layers * c.latent_dim() + n_index * c.index_head_dim) * 4;
+  if (models_[0]->has_mtp())
+    cache_bytes += size_t(rows) * size_t(c.latent_dim() + (models_[0]->mtp_has_indexer() ? c.index_head_dim : 0)) * 4;
+  const size_t io_bytes = size_t(opt_.max_step_tokens) * size_t(c.vocab_size) * 4 + (size_t(1) << 20);
+  const int64_t count = cuda::device_count();
+  DFLASH2_CHECK_ARG(opt_.device.index >= 0 && opt_.device.index + n <= count, "device ", opt_.device.str(), " with ",
+                    "tensor_parallel=", n, " needs CUDA devices ", opt_.device.index, "..", opt_.device.index + n - 1,
+                    " but ", count, " ", count == 1 ? "is" : "are", " visible");
+  for (int r = 0; r < n; ++r) {  // everything is checked before anything is allocated
+    const int dev = opt_.device.index + r;
+    cuda::check_arch(dev);
+    const size_t model_bytes = models_[size_t(r)]->device_bytes();
+    const size_t need = model_bytes + cache_bytes + io_bytes;
+    size_t free_b = 0, total_b = 0;
+    cuda::mem_info(dev, &free_b, &total_b);
+    DFLASH2_CHECK(need <= free_b, ErrorKind::OutOfMemory, "the model does not fit cuda:", dev, ": it needs ",
+                  gib(need), " (weights + workspace ", gib(model_bytes), ", KV caches ", gib(cache_bytes),
+                  " for max_batch_size=", opt_.max_batch_size, " x max_seq_len=", opt_.max_seq_len, ", step buffers ",
+                  gib(io_bytes), ") but ", gib(free_b), " of ", gib(total_b), " are free",
+                  n == 1 ? "; tensor_parallel splits the weights across GPUs" : "");
+  }
+  for (int r = 0; r < n; ++r) {
+    const Device d = Device::cuda(opt_.device.index + r);
+    const size_t total = models_[size_t(r)]->device_bytes();
+    const bool report = total > (size_t(1) << 30);
+    int shown = -1;
+    models_[size_t(r)]->to_device(d, [&](size_t done, size_t all) {
+      const int pct = all ? int(100.0 * double(done) / double(all)) : 100;
+      if (report && pct / 10 != shown) {
+        shown = pct / 10;
+        std::fprintf(stderr, "\rdflash2: weights to %s: %3d%% (%s of %s)%s", d.str().c_str(), pct, gib(done).c_str(),
+                     gib(all).c_str(), done >= all ? "\n" : "");
+      }
+    });
+  }
+#endif
+}
+
+Tensor Target::device_rows(std::vector<Tensor>& bufs, int r, int64_t rows, int64_t cols) {
+  Tensor& b = bufs[size_t(r)];
+  if (!b.defined() || b.numel() < rows * cols)
+    b = Tensor::empty(DType::F32, {std::max<int64_t>(rows * cols, 1)}, models_[size_t(r)]->device());
+  return b.slice(0, 0, rows * cols).reshape({rows, cols});
+}
+
+model::TokenBatch Target::upload(const model::TokenBatch& b, int r) {
+  DevicePlan& p = dplan_[size_t(r)];
+  model::TokenBatch d = b;
+  auto up = [](const Tensor& host, const Tensor& dev_buf, int64_t n) {
+    if (!host.defined()) return Tensor();
+    Tensor dst = dev_buf.slice(0, 0, n);
+    if (n > 0) dst.copy_from(host.contiguous());
+    return dst;
+  };
+  d.tokens = up(b.tokens, p.tokens, b.T);
+  d.paged.seq = up(b.paged.seq, p.seq, b.T);
+  d.paged.pos = up(b.paged.pos, p.pos, b.T);
+  d.slots = up(b.slots, p.slots, b.T);
+  if (b.logit_rows.defined()) d.logit_rows = up(b.logit_rows, p.logit_rows, b.logit_rows.shape(0));
+  if (b.paged.block_table.defined()) {
+    const Tensor& bt = b.paged.block_table;
+    Tensor dst = p.block_table.slice(0, 0, bt.shape(0));
+    DFLASH2_INTERNAL(bt.shape(1) == p.block_table.shape(1), "block table width ", bt.shape(1));
+    if (bt.shape(0) > 0) dst.copy_from(bt.contiguous());
+    d.paged.block_table = dst;
+  }
+  if (b.ctx_len.defined()) d.ctx_len = up(b.ctx_len, p.ctx_len, b.ctx_len.shape(0));
+  return d;
+}
+
+void Target::run_chunk_device(const model::TokenBatch& b, const model::ForwardOutputs& out) {
+  const int64_t H = config().hidden_size, V = config().vocab_size;
+  on_all_ranks([&](int r) {
+    model::TokenBatch db = upload(b, r);
+    model::ForwardOutputs o;
+    o.all_logits = out.all_logits;
+    if (out.logits.defined()) o.logits = d_logits_[size_t(r)].slice(0, 0, out.logits.shape(0));
+    if (r == 0) {
+      o.tap_layers = out.tap_layers;
+      if (out.taps.defined()) o.taps = device_rows(d_taps_, r, b.T, out.taps.shape(1));
+      if (out.final_hidden.defined()) o.final_hidden = device_rows(d_fin_, r, b.T, H);
+    }
+    models_[size_t(r)]->forward(db, views_[size_t(r)], o);
+    if (r != 0) return;
+    // the outputs the caller asked for, back to its host tensors (synchronizes)
+    if (out.logits.defined() && out.logits.shape(0) > 0) {
+      DFLASH2_INTERNAL(out.logits.shape(1) == V, "logits width");
+      Tensor dst = out.logits;
+      dst.copy_from(o.logits);
+    }
+    if (out.taps.defined()) {
+      Tensor dst = out.taps;
+      dst.copy_from(o.taps);
+    }
+    if (out.final_hidden.defined()) {
+      Tensor dst = out.final_hidden;
+      dst.copy_from(o.final_hidden);
+    }
+  });
+}
+
+void Target::mtp_chunk_device(const model::TokenBatch& b, const Tensor& h_main, Tensor& logits, Tensor& hidden) {
+  const int64_t H = config().hidden_size;
+  on_all_ranks([&](int r) {
+    model::TokenBatch db = upload(b, r);
+    Tensor hm = device_rows(d_hmain_, r, h_main.shape(0), H);
+    hm.copy_from(h_main.contiguous());
+    Tensor lg = d_logits_[size_t(r)].slice(0, 0, logits.shape(0));
+    Tensor hid = (r == 0 && hidden.defined()) ? device_rows(d_hidden_, r, hidden.shape(0), H) : Tensor();
+    models_[size_t(r)]->mtp_forward(db, hm, mtp_views_[size_t(r)], lg, hid);
+    if (r != 0) return;
+    if (logits.shape(0) > 0) logits.copy_from(lg);
+    if (hidden.defined()) hidden.copy_from(hid);
+  });
 }
 
 }  // namespace dflash2::runtime

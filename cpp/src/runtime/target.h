@@ -27,6 +27,12 @@ class Target {
     int64_t max_step_tokens = 256;
     int64_t kv_block_size = 16;
     int num_threads = 0;  // CPU threads of the whole target (0: all cores), shared by the ranks
+    // Where the model runs: the CPU, or CUDA device d (rank r of tensor parallelism on
+    // device d + r, ranks joined by NCCL). On CUDA the weights, caches and chunk workspace
+    // live in device memory; the chunk's plan (I32 buffers) is copied up and the outputs
+    // the caller asked for (logits, taps, final hidden states) are copied back to the
+    // caller's host tensors after each chunk.
+    Device device = Device::cpu();
   };
   // models: one per rank (tensor parallelism: models[r] was loaded as rank r of size()).
   Target(std::vector<std::unique_ptr<model::GlmModel>> models, const Options& opt);
@@ -56,6 +62,15 @@ class Target {
   // Runs job(rank) on every rank at once (rank 0 on the calling thread); rethrows the first
   // failure after all ranks have returned.
   void on_all_ranks(const std::function<void(int)>& job);
+  // CUDA: checks every rank's device (architecture, free memory for the weights, caches
+  // and step buffers) before allocating anything, then copies the models' weights up.
+  void place_on_devices(int64_t n_index, int64_t nblocks);
+  void run_chunk_device(const model::TokenBatch& b, const model::ForwardOutputs& out);
+  void mtp_chunk_device(const model::TokenBatch& b, const Tensor& h_main, Tensor& logits, Tensor& hidden);
+  // CUDA: the device copy of a host-planned chunk on rank r's device.
+  model::TokenBatch upload(const model::TokenBatch& b, int r);
+  // CUDA: a device buffer of rank r with at least `rows` x `cols` floats (grown on first use).
+  Tensor device_rows(std::vector<Tensor>& bufs, int r, int64_t rows, int64_t cols);
   void worker(int rank);
 
   std::vector<std::unique_ptr<model::GlmModel>> models_;
@@ -66,6 +81,12 @@ class Target {
   // tensor parallelism
   std::vector<std::unique_ptr<comm::Communicator>> comms_;
   std::vector<Tensor> scratch_logits_;  // ranks > 0: the gathered logits nobody reads
+  // CUDA (per rank): the plan buffers' device copies and the forward's device outputs
+  struct DevicePlan {
+    Tensor tokens, seq, pos, slots, logit_rows, block_table, ctx_len;
+  };
+  std::vector<DevicePlan> dplan_;
+  std::vector<Tensor> d_logits_, d_taps_, d_fin_, d_hmain_, d_hidden_;
   int rank_threads_ = 0;
   std::vector<std::thread> workers_;
   std::mutex mu_;

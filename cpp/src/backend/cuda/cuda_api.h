@@ -22,6 +22,13 @@ void memset_zero(void* dst, int device, size_t bytes);
 void synchronize(int device);
 std::string toolkit_version();      // CUDART_VERSION at compile time, "13.0"
 std::string runtime_info();         // driver/runtime versions and device names, or why none
+// Free and total memory of `device` (cudaMemGetInfo).
+void mem_info(int device, size_t* free_bytes, size_t* total_bytes);
+// "sm_90" for an H100/H200: the device's compute capability.
+std::string device_arch(int device);
+// Throws Unsupported naming the device's architecture when this build has no SASS for it
+// (the build's list is DFLASH2_CUDA_ARCHS: 90a for Hopper, 100a / 103a for Blackwell).
+void check_arch(int device);
 
 // The stream every CUDA op called from this thread launches its kernels and device-side
 // copies on: nullptr (the legacy default stream) unless set. Thread-local, so each engine
@@ -63,5 +70,32 @@ void argmax(const Tensor& x, Tensor& out);
 void check_finite(const Tensor& x, Tensor& flags);
 void cache_write(const Tensor& src, const Tensor& slots, Tensor& cache);
 void dyn_conv(const Tensor& x, const Tensor& base, const Tensor& dyn, int64_t block, Tensor& out);
+
+// gemm.cu
+void linear(const Tensor& x, const ops::Weight& w, Tensor& y, bool accumulate);
+void linear_heads(const Tensor& x, const Tensor& w, Tensor& y);
+// index_rows.cu
+void embedding_shard(const Tensor& table, const Tensor& ids, int64_t first, Tensor& out);
+// moe.cu
+void moe_route(const Tensor& logits, const Tensor& bias, const ops::MoeRouting& r, Tensor& ids, Tensor& weights);
+void moe_experts(const Tensor& x, const Tensor& ids, const Tensor& weights, const ops::ExpertWeights& experts,
+                 Tensor& out, Tensor& workspace);
+// attention.cu
+void indexer_topk(const Tensor& q, const Tensor& w, const Tensor& key_cache, const ops::PagedTokens& tok,
+                  int64_t topk, Tensor& sel, Tensor& sel_len);
+void mla_attention(const Tensor& q_lat, const Tensor& q_pe, const Tensor& cache, const ops::PagedTokens& tok,
+                   const Tensor& sel, const Tensor& sel_len, float scale, Tensor& out);
+void block_attention(const Tensor& q, const Tensor& k, const Tensor& v, const Tensor& kv_cache, const Tensor& ctx_len,
+                     const Tensor& block_table, const ops::BlockAttention& p, Tensor& out);
+// sampling.cu
+void topk(const Tensor& x, int64_t k, Tensor& values, Tensor& indices);
+void sample(const Tensor& logits, const ops::SamplingTensors& sp, const Tensor& rng, Tensor& out);
+void accept(const Tensor& logits, const Tensor& row0, const Tensor& draft, const Tensor& draft_row,
+            const Tensor& draft_len, const Tensor& cand, const Tensor& q, const ops::SamplingTensors& sp,
+            const Tensor& rng, Tensor& accepted, Tensor& bonus);
+// selector.cu
+void selector_walk(const Tensor& vals, const Tensor& cand, const Tensor& g, const Tensor& pred_book,
+                   const Tensor& succ_book, const Tensor& anchors, const Tensor& temperature, const Tensor& rng,
+                   Tensor& tokens, Tensor& q);
 
 }  // namespace dflash2::cuda

@@ -151,6 +151,52 @@ void synchronize(int device) {
   DFLASH2_CUDA_CHECK(cudaDeviceSynchronize(), "cuda:", device);
 }
 
+void mem_info(int device, size_t* free_bytes, size_t* total_bytes) {
+  check_index(device, "mem_info");
+  DeviceGuard guard(device);
+  DFLASH2_CUDA_CHECK(cudaMemGetInfo(free_bytes, total_bytes), "cuda:", device);
+}
+
+std::string device_arch(int device) {
+  check_index(device, "device_arch");
+  int major = 0, minor = 0;
+  DFLASH2_CUDA_CHECK(cudaDeviceGetAttribute(&major, cudaDevAttrComputeCapabilityMajor, device), "cuda:", device);
+  DFLASH2_CUDA_CHECK(cudaDeviceGetAttribute(&minor, cudaDevAttrComputeCapabilityMinor, device), "cuda:", device);
+  return "sm_" + std::to_string(major) + std::to_string(minor);
+}
+
+void check_arch(int device) {
+  const std::string arch = device_arch(device);  // "sm_90"
+  const std::string cc = arch.substr(3);         // "90"
+#ifdef DFLASH2_CUDA_ARCHS_STR
+  const std::string built = DFLASH2_CUDA_ARCHS_STR;  // "90a,100a,103a"
+#else
+  const std::string built;
+#endif
+  // Architecture-specific SASS (90a, 100a, 103a) runs only on exactly that compute
+  // capability; a plain number (e.g. "90") also carries PTX the driver can JIT for newer GPUs.
+  size_t start = 0;
+  while (start <= built.size()) {
+    size_t end = built.find(',', start);
+    if (end == std::string::npos) end = built.size();
+    std::string item = built.substr(start, end - start);
+    std::string num;
+    for (char ch : item)
+      if (ch >= '0' && ch <= '9') num += ch;
+    const bool specific = !item.empty() && (item.back() == 'a' || item.back() == 'f');
+    if (!num.empty() && (num == cc || (!specific && std::stoi(num) <= std::stoi(cc)))) return;
+    start = end + 1;
+  }
+  std::string name = "?";
+  cudaDeviceProp p;
+  if (cudaGetDeviceProperties(&p, device) == cudaSuccess) name = p.name;
+  cudaGetLastError();
+  fail(ErrorKind::Unsupported, "cuda:", device, " (", name, ") is ", arch, ", which this build has no kernels for (built for ",
+       built.empty() ? std::string("?") : built,
+       "); the CUDA backend targets Hopper (sm_90a) and Blackwell (sm_100a, sm_103a): rebuild with "
+       "DFLASH2_CUDA_ARCHS including ", cc, " if its kernels support it");
+}
+
 std::string toolkit_version() { return version_str(CUDART_VERSION); }
 
 std::string runtime_info() {

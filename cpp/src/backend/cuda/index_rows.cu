@@ -1,5 +1,6 @@
 // cuda/index_rows.cu: rows moved by a device index tensor on the CUDA backend:
-// gather_rows (also what ops::embedding runs) and cache_write (paged cache rows).
+// gather_rows (also what ops::embedding runs), embedding_shard (a vocabulary shard's
+// embedding) and cache_write (paged cache rows).
 //
 // Status: compiled for sm_90a/sm_100a/sm_103a, NOT yet run on a GPU. Checked against the
 // CPU backend by tests/test_ops.py and tests/cpp/test_cuda_backend.cpp when a GPU is
@@ -9,6 +10,11 @@
 //                contiguous rows (any row stride), idx I32 / I64 [T] (any stride), out F32
 //                [T, D] (any row stride). Bitwise the CPU's result (F32 rows are moved,
 //                BF16 / F16 widening is exact).
+//   embedding_shard  out[t, :] = float(table[ids[t] - first, :]) when 0 <= ids[t] - first
+//                < Vs (the shard holds that row), else a row of zeros: the normal case for
+//                the other shards' ids, so not an index error. Same kernel as gather_rows
+//                (table F32 / BF16 / F16 [Vs, D], ids I32 / I64 [T], out F32 [T, D]);
+//                first >= 0. Bitwise the CPU's result.
 //   cache_write  cache[slots[t], :] = src[t, :]; src F32 [T, D], cache F32 [rows, D] (any
 //                row strides), slots I32 [T] (any stride). A negative slot skips its row
 //                (padding), as on the CPU. Bitwise the CPU's result.
@@ -48,23 +54,28 @@ __device__ unsigned long long g_index_errors = 0;
 
 constexpr int kThreads = 256;
 
-template <class TS, class TI, int G>
+// kShard (embedding_shard): row id - first, where ids outside the shard give zero rows
+// without counting an error; first >= 0, so id - first cannot overflow once id >= first.
+template <class TS, class TI, int G, bool kShard>
 __global__ void __launch_bounds__(kThreads)
     gather_rows_kernel(const TS* __restrict__ src, int64_t src_stride, int64_t N, const TI* __restrict__ idx,
-                       int64_t idx_stride, float* __restrict__ out, int64_t out_stride, int64_t T, int64_t nvec) {
+                       int64_t idx_stride, int64_t first, float* __restrict__ out, int64_t out_stride, int64_t T,
+                       int64_t nvec) {
   const int64_t j = int64_t(blockIdx.x) * blockDim.x + threadIdx.x;
   if (j >= nvec) return;
   for (int64_t t = blockIdx.y; t < T; t += gridDim.y) {
-    const int64_t id = int64_t(idx[t * idx_stride]);
+    const int64_t raw = int64_t(idx[t * idx_stride]);
+    const bool held = kShard ? raw >= first : true;
+    const int64_t id = kShard ? raw - (held ? first : 0) : raw;
     Vec<float, G> o;
-    if (layout::row_in_range(id, N)) {
+    if (held && layout::row_in_range(id, N)) {
       const Vec<TS, G> s = reinterpret_cast<const Vec<TS, G>*>(src + id * src_stride)[j];
 #pragma unroll
       for (int k = 0; k < G; ++k) o.v[k] = detail::to_f32(s.v[k]);
     } else {
 #pragma unroll
       for (int k = 0; k < G; ++k) o.v[k] = 0.0f;
-      if (j == 0) atomicAdd(&g_index_errors, 1ull);
+      if (!kShard && j == 0) atomicAdd(&g_index_errors, 1ull);
     }
     reinterpret_cast<Vec<float, G>*>(out + t * out_stride)[j] = o;
   }
@@ -94,8 +105,8 @@ dim3 rows_grid(int64_t nvec, int64_t T, int threads) {
               unsigned(T < detail::kMaxGridY ? T : detail::kMaxGridY));
 }
 
-template <class TS, class TI>
-void launch_gather(const Tensor& src, const Tensor& idx, Tensor& out, int64_t out_stride) {
+template <class TS, class TI, bool kShard>
+void launch_gather(const Tensor& src, const Tensor& idx, int64_t first, Tensor& out, int64_t out_stride) {
   const int64_t T = idx.shape(0), N = src.shape(0), D = src.shape(1);
   const TS* sp = src.data_as<const TS>();
   const TI* ip = idx.data_as<const TI>();
@@ -106,19 +117,42 @@ void launch_gather(const Tensor& src, const Tensor& idx, Tensor& out, int64_t ou
   const int threads = detail::pick_threads(nvec, kThreads);
   const dim3 grid = rows_grid(nvec, T, threads);
   if (vec)
-    gather_rows_kernel<TS, TI, 4><<<grid, threads, 0, detail::stream()>>>(sp, src.stride(0), N, ip, idx.stride(0), op,
-                                                                          out_stride, T, nvec);
+    gather_rows_kernel<TS, TI, 4, kShard><<<grid, threads, 0, detail::stream()>>>(sp, src.stride(0), N, ip,
+                                                                                  idx.stride(0), first, op,
+                                                                                  out_stride, T, nvec);
   else
-    gather_rows_kernel<TS, TI, 1><<<grid, threads, 0, detail::stream()>>>(sp, src.stride(0), N, ip, idx.stride(0), op,
-                                                                          out_stride, T, nvec);
+    gather_rows_kernel<TS, TI, 1, kShard><<<grid, threads, 0, detail::stream()>>>(sp, src.stride(0), N, ip,
+                                                                                  idx.stride(0), first, op,
+                                                                                  out_stride, T, nvec);
 }
 
-template <class TS>
-void gather_by_index(const Tensor& src, const Tensor& idx, Tensor& out, int64_t out_stride) {
+template <class TS, bool kShard = false>
+void gather_by_index(const Tensor& src, const Tensor& idx, Tensor& out, int64_t out_stride, int64_t first = 0) {
   if (idx.dtype() == DType::I64)
-    launch_gather<TS, int64_t>(src, idx, out, out_stride);
+    launch_gather<TS, int64_t, kShard>(src, idx, first, out, out_stride);
   else
-    launch_gather<TS, int32_t>(src, idx, out, out_stride);
+    launch_gather<TS, int32_t, kShard>(src, idx, first, out, out_stride);
+}
+
+// The host-side checks of embedding_shard (those of gather_rows; `op` names the caller).
+layout::RowLayout check_gather(const Tensor& src, const Tensor& idx, const Tensor& out, const char* op) {
+  DFLASH2_CHECK_ARG(src.defined() && idx.defined() && out.defined(), "cuda::", op, ": undefined tensor argument");
+  DFLASH2_CHECK_ARG(src.device().is_cuda() && idx.device() == src.device() && out.device() == src.device(), "cuda::",
+                    op, ": the table, the ids and out must be on the same CUDA device, found ", src.describe(), ", ",
+                    idx.describe(), ", ", out.describe());
+  DFLASH2_CHECK_ARG(src.ndim() == 2 && (src.stride(1) == 1 || src.shape(1) == 1), "cuda::", op,
+                    ": the table must be [N, D] with contiguous rows, found ", src.describe());
+  DFLASH2_CHECK_ARG(idx.ndim() == 1 && (idx.dtype() == DType::I32 || idx.dtype() == DType::I64), "cuda::", op,
+                    ": ids must be I32 or I64 [T], found ", idx.describe());
+  DFLASH2_CHECK_ARG(out.dtype() == DType::F32 && out.ndim() == 2 && out.shape(0) == idx.shape(0) &&
+                        out.shape(1) == src.shape(1),
+                    "cuda::", op, ": out must be F32 [", idx.shape(0), ", ", src.shape(1), "], found ",
+                    out.describe());
+  DFLASH2_CHECK_ARG(src.dtype() == DType::F32 || src.dtype() == DType::BF16 || src.dtype() == DType::F16, "cuda::",
+                    op, ": the table must be F32, BF16 or F16, found ", src.describe());
+  const layout::RowLayout lo = layout::row_layout(out, op, "out");
+  layout::check_rows_disjoint(lo, op, "out");
+  return lo;
 }
 
 }  // namespace
@@ -161,6 +195,19 @@ void gather_rows(const Tensor& src, const Tensor& idx, Tensor& out) {
     default: fail(ErrorKind::InvalidArgument, "cuda::gather_rows: src must be F32, BF16 or F16, found ", src.describe());
   }
   detail::check_launch("gather_rows kernel launch", src.describe(), " by ", idx.describe());
+}
+
+void embedding_shard(const Tensor& table, const Tensor& ids, int64_t first, Tensor& out) {
+  const layout::RowLayout lo = check_gather(table, ids, out, "embedding_shard");
+  DFLASH2_CHECK_ARG(first >= 0, "cuda::embedding_shard: first must be >= 0, found ", first);
+  if (lo.rows == 0 || lo.cols == 0) return;
+  detail::DeviceGuard guard(table.device().index);
+  switch (table.dtype()) {
+    case DType::F32: gather_by_index<float, true>(table, ids, out, lo.stride, first); break;
+    case DType::BF16: gather_by_index<__nv_bfloat16, true>(table, ids, out, lo.stride, first); break;
+    default: gather_by_index<__half, true>(table, ids, out, lo.stride, first); break;  // F16 (checked)
+  }
+  detail::check_launch("embedding_shard kernel launch", table.describe(), " by ", ids.describe(), " from ", first);
 }
 
 void cache_write(const Tensor& src, const Tensor& slots, Tensor& cache) {

@@ -6,6 +6,9 @@
 
 namespace dflash2::ops {
 void register_cuda_ops(BackendTable& t) {
+  t.linear = &cuda::linear;                    // gemm.cu
+  t.linear_heads = &cuda::linear_heads;        // gemm.cu
+  t.embedding_shard = &cuda::embedding_shard;  // index_rows.cu
   t.rms_norm = &cuda::rms_norm;        // rmsnorm.cu
   t.layer_norm = &cuda::layer_norm;    // row_reduce.cu
   t.softmax = &cuda::softmax;          // row_reduce.cu
@@ -18,5 +21,14 @@ void register_cuda_ops(BackendTable& t) {
   t.gather_rows = &cuda::gather_rows;  // index_rows.cu
   t.cache_write = &cuda::cache_write;  // index_rows.cu
   t.dyn_conv = &cuda::dyn_conv;        // drafter_ops.cu
+  t.indexer_topk = &cuda::indexer_topk;        // attention.cu
+  t.mla_attention = &cuda::mla_attention;      // attention.cu
+  t.block_attention = &cuda::block_attention;  // attention.cu
+  t.moe_route = &cuda::moe_route;      // moe.cu
+  t.moe_experts = &cuda::moe_experts;  // moe.cu
+  t.topk = &cuda::topk;                    // sampling.cu
+  t.sample = &cuda::sample;                // sampling.cu
+  t.accept = &cuda::accept;                // sampling.cu
+  t.selector_walk = &cuda::selector_walk;  // selector.cu
 }
 }  // namespace dflash2::ops

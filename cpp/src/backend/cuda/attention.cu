@@ -1,0 +1,869 @@
+// cuda/attention.cu: the attention ops of the CUDA backend: the DSA indexer (indexer_topk),
+// sparse absorbed MLA over the paged latent cache (mla_attention) and the DFlash drafter's
+// block attention (block_attention). Semantics: dflash2/ops.h; the oracle is the CPU
+// backend (cpu/attention.cpp).
+//
+// Status: compiled for sm_90a/sm_100a/sm_103a, NOT yet run on a GPU. The index logic
+// (attention_index.h: paged slots, the float -> ordered-key map, the radix-select walk and
+// the emit rule) is unit-tested on the CPU by tests/cpp/test_cuda_attention.cpp; the
+// kernels are checked against the CPU backend by that file's device cases and
+// tests/test_ops.py when a GPU is present.
+//
+// indexer_topk (two kernels per chunk of tokens, the scores in detail::scratch):
+//   score   grid (key tiles of 256, tokens). A block stages q[t] (nI x dI, rows padded to
+//           an odd stride) and w[t] / sqrt(nI) in shared memory; each of its 4 warps takes
+//           8 keys at a time (their rows staged in shared memory), lane h computes the
+//           head-h dot products of the 8 keys (heads in chunks of 32), and lanes 0..7 add
+//           the 8 keys' head terms in head order. The arithmetic is the CPU's, in the
+//           CPU's order, with __fmul_rn / __fadd_rn (no FMA contraction): dot4's four
+//           partial sums, (s0 + s1) + (s2 + s3), * (1 / sqrt(dI)), relu, * (w * (1 /
+//           sqrt(nI))), the head terms summed in head order. The scores are therefore
+//           bitwise the CPU's and the selection is exactly the CPU's, margins or not
+//           (for the default CPU build; with DFLASH2_NATIVE=ON GCC may contract the CPU's
+//           dot products into FMAs, and then only the tests' score margins keep the sets
+//           equal).
+//   select  one 1024-thread block per token: the radix select of attention_index.h over
+//           the token's p + 1 scores (up to four 256-bin histogram passes in shared memory,
+//           integer atomics, so the counts and the threshold are deterministic), then one
+//           pass over the positions in tiles of 1024 with a block-wide exclusive scan of
+//           (above-threshold, threshold-class) flags that writes every selected position
+//           to its slot in ascending order: keys above the threshold and the earliest keys
+//           equal to it (ties to the earlier key). Tokens with p + 1 <= topk get
+//           sel_len = -1 and an untouched sel row, as on the CPU.
+//   The scratch holds (tokens of the chunk) x (block-table width * block size) floats; the
+//   tokens are taken in chunks so that it stays under 512 MiB (1024 tokens at 128K). A
+//   token's computation does not depend on the others (decode == verify).
+//   Performance notes: the score kernel is fp32 SIMT, bound by shared-memory bandwidth and
+//   the unfused multiply-adds kept for bitwise CPU parity (~2x an FMA version); a
+//   production indexer would score in fp8/bf16 on tensor cores (wgmma / tcgen05) with a
+//   margin-tolerant selection. The first histogram pass could be fused into the score
+//   kernel (global integer atomics stay deterministic), and a 128K context reads its
+//   scores 5-6 times in select (L2-resident per token).
+//
+// mla_attention: one 256-thread block per (token, group of HG heads; HG = 16, or 4 when
+//   nh <= 4). The latent row [c | k_pe] is shared by every head (the absorbed form), so a
+//   block streams its token's keys once, in chunks of 32 rows staged in shared memory
+//   (paged rows, gathered through sel or 0..pos), and every head of the group uses them:
+//   warp w scores heads w, w + 8, ... (lane = key of the chunk; q rows broadcast, key rows
+//   at an odd stride: no bank conflicts), updates that head's online softmax (running max
+//   in fp32, the sum of exponentials in double, as the CPU sums in double), and the block
+//   then accumulates P V with each thread owning DPT = kv_lora / 256 latent dims for all
+//   HG heads (registers). Scores are (q_lat . c + q_pe . k_pe) * scale as on the CPU
+//   (the dots with FMAs in 4 partial sums, so not bitwise); out = acc * float(1 / sum).
+//   An empty selection gives zeros. Real shapes (kv_lora 512, rope 64, 16 heads) use 111
+//   KiB of shared memory per block (opt-in); kv_lora <= 1024.
+//   Follow-up: split the keys of a token across blocks (split-KV with a fixed-order
+//   combine, deterministic) for decode, where T * nh / HG blocks underfill the GPU, and
+//   stage the chunks with cp.async / TMA double buffering.
+//
+// block_attention: one 256-thread block per (sequence block s, kv head, group of 8 query
+//   rows of that kv head: (token i, head of the GQA group)); warp w owns one query row. The
+//   block streams its rows' visible keys (the context from the earliest window start of
+//   its rows, then the block's own B keys) in chunks of 32 K and V rows staged in shared
+//   memory; each warp masks per row (window start, causal), scores with lane = key, keeps
+//   an online softmax (fp32 max, double sum) and accumulates P V with hd / 32 dims per
+//   lane. Scores are the CPU's sequential dot (unfused, in order) * scale. hd <= 128.
+//   Follow-up: split-KV for long unwindowed contexts (one block walks the whole context).
+//
+// Device data that the CPU backend would reject (positions or block-table entries outside
+// the table or the cache, selected keys outside 0..pos, sel_len > sel's columns, negative
+// ctx_len) never faults here: such a key reads as a zero row, lengths are clamped to what
+// the block table can address.
+#include <cuda_runtime.h>
+
+#include <cmath>
+#include <cstdint>
+#include <string>
+#include <utility>
+
+#include "backend/cuda/attention_index.h"
+#include "backend/cuda/cuda_api.h"
+#include "backend/cuda/cuda_check.cuh"
+#include "backend/cuda/kernel_util.cuh"
+#include "backend/cuda/scratch.h"
+#include "dflash2/error.h"
+
+namespace dflash2::cuda {
+
+namespace {
+
+constexpr size_t kDefaultSmem = 48 * 1024;
+
+// Opts `kernel` into `bytes` of dynamic shared memory when above the default 48 KiB.
+template <class K>
+void allow_smem(K kernel, size_t bytes, int device, const char* op) {
+  if (bytes <= kDefaultSmem) return;
+  int optin = 0;
+  DFLASH2_CUDA_CHECK(cudaDeviceGetAttribute(&optin, cudaDevAttrMaxSharedMemoryPerBlockOptin, device), op);
+  DFLASH2_CHECK(bytes <= size_t(optin), ErrorKind::Unsupported, "cuda::", op, ": these shapes need ", bytes,
+                " bytes of shared memory per block, cuda:", device, " allows ", optin);
+  DFLASH2_CUDA_CHECK(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, int(bytes)), op);
+}
+
+void need_cuda(const Tensor& t, const Tensor& ref, const char* op, const char* arg) {
+  DFLASH2_CHECK_ARG(t.defined(), "cuda::", op, ": undefined tensor argument '", arg, "'");
+  DFLASH2_CHECK_ARG(t.device().is_cuda() && t.device() == ref.device(), "cuda::", op, ": '", arg, "' ",
+                    t.describe(), " must be on the same CUDA device as ", ref.describe());
+}
+void need_i32_vec(const Tensor& t, int64_t n, const char* op, const char* arg) {
+  DFLASH2_CHECK_ARG(t.dtype() == DType::I32 && t.ndim() == 1 && t.shape(0) == n, "cuda::", op, ": '", arg,
+                    "' must be I32 [", n, "], found ", t.describe());
+}
+void need_rows(const Tensor& t, DType dt, int nd, const char* op, const char* arg) {
+  DFLASH2_CHECK_ARG(t.dtype() == dt && t.ndim() == nd && (t.stride(nd - 1) == 1 || t.shape(nd - 1) == 1), "cuda::",
+                    op, ": '", arg, "' must be ", dtype_name(dt), " with ", nd,
+                    " dimensions and contiguous rows, found ", t.describe(), " strides ", shape_str(t.strides()));
+}
+// The rows (i, j, :) of a 3-D output must not overlap: with the two outer dims ordered by
+// stride, each must step past everything inside it.
+void need_disjoint3(const Tensor& t, const char* op, const char* arg) {
+  int64_t n[2] = {t.shape(0), t.shape(1)}, s[2] = {t.stride(0), t.stride(1)};
+  if (s[0] < s[1]) {
+    std::swap(n[0], n[1]);
+    std::swap(s[0], s[1]);
+  }
+  const int64_t D = t.shape(2);
+  const bool ok = (n[1] <= 1 || s[1] >= D) && (n[0] <= 1 || s[0] >= (n[1] <= 1 ? D : s[1] * n[1]));
+  DFLASH2_CHECK_ARG(ok, "cuda::", op, ": the rows of '", arg, "' ", t.describe(), " (strides ",
+                    shape_str(t.strides()), ") overlap");
+}
+void need_tokens(const ops::PagedTokens& tok, const Tensor& ref, int64_t T, const char* op) {
+  need_cuda(tok.seq, ref, op, "tok.seq");
+  need_cuda(tok.pos, ref, op, "tok.pos");
+  need_cuda(tok.block_table, ref, op, "tok.block_table");
+  need_i32_vec(tok.seq, T, op, "tok.seq");
+  need_i32_vec(tok.pos, T, op, "tok.pos");
+  need_rows(tok.block_table, DType::I32, 2, op, "tok.block_table");
+  DFLASH2_CHECK_ARG(tok.block_size >= 1, "cuda::", op, ": block_size must be >= 1, found ", tok.block_size);
+}
+
+// The paged-token description as the kernels read it.
+struct Tokens {
+  const int32_t* seq;
+  int64_t seq_stride;
+  const int32_t* pos;
+  int64_t pos_stride;
+  const int32_t* bt;
+  int64_t bt_stride, nseq, nb, bs;
+};
+Tokens tokens_of(const ops::PagedTokens& tok) {
+  return Tokens{tok.seq.data_as<const int32_t>(),   tok.seq.stride(0),        tok.pos.data_as<const int32_t>(),
+                tok.pos.stride(0),                  tok.block_table.data_as<const int32_t>(),
+                tok.block_table.stride(0),          tok.block_table.shape(0), tok.block_table.shape(1),
+                tok.block_size};
+}
+// Block-table row of token t, or nullptr when its sequence index is outside the table.
+__device__ __forceinline__ const int32_t* bt_row(const Tokens& k, int64_t t) {
+  const int64_t s = k.seq[t * k.seq_stride];
+  return (s >= 0 && s < k.nseq) ? k.bt + s * k.bt_stride : nullptr;
+}
+__device__ __forceinline__ int64_t slot_of(const Tokens& k, const int32_t* row, int64_t rows, int64_t p) {
+  return row ? attn::paged_slot(row, k.nb, k.bs, rows, p) : -1;
+}
+
+__device__ __forceinline__ float warp_max(float v) {
+#pragma unroll
+  for (int off = 16; off > 0; off >>= 1) v = fmaxf(v, __shfl_xor_sync(0xffffffffu, v, off));
+  return v;
+}
+__device__ __forceinline__ double warp_sum(double v) {
+#pragma unroll
+  for (int off = 16; off > 0; off >>= 1) v += __shfl_xor_sync(0xffffffffu, v, off);
+  return v;
+}
+
+// One online-softmax update of a row over a chunk of 32 keys, lane = key: returns the
+// lane's unnormalized weight and updates the running max m (fp32), the running sum l
+// (double) and the rescale factor for the accumulator. Invalid lanes contribute 0.
+__device__ __forceinline__ float softmax_update(float s, bool valid, float& m, double& l, float& alpha) {
+  const float cmax = warp_max(valid ? s : -INFINITY);
+  const float m_new = fmaxf(m, cmax);
+  alpha = (m_new == -INFINITY) ? 1.0f : expf(m - m_new);  // m = -inf, m_new finite: 0
+  const float p = (valid && m_new != -INFINITY) ? expf(s - m_new) : 0.0f;
+  l = l * double(alpha) + warp_sum(double(p));
+  m = m_new;
+  return p;
+}
+
+// ================================================================== indexer_topk
+constexpr int kIdxWarps = 4;
+constexpr int kIdxThreads = kIdxWarps * 32;
+constexpr int kIdxKW = 8;  // keys per warp step
+constexpr int kIdxGroups = 8;  // warp steps per block
+constexpr int64_t kIdxKeysPerBlock = int64_t(kIdxWarps) * kIdxKW * kIdxGroups;  // 256
+constexpr int kSelThreads = 1024;
+constexpr size_t kIdxScratchCap = size_t(512) << 20;
+
+struct IdxShape {
+  int nI, dI, qstride, kstride;  // q rows padded to an odd stride, key rows to a multiple of 4
+};
+inline IdxShape idx_shape(int64_t nI, int64_t dI) {
+  IdxShape s;
+  s.nI = int(nI);
+  s.dI = int(dI);
+  s.qstride = int(dI % 2 == 0 ? dI + 1 : dI);
+  s.kstride = int((dI + 3) / 4 * 4);
+  return s;
+}
+inline size_t idx_smem(const IdxShape& s) {
+  return sizeof(float) * (size_t(s.nI) * s.qstride + s.nI + size_t(kIdxWarps) * kIdxKW * s.kstride +
+                          size_t(kIdxWarps) * kIdxKW * 32);
+}
+
+__global__ void __launch_bounds__(kIdxThreads)
+    indexer_score_kernel(const float* __restrict__ q, int64_t q_s0, int64_t q_s1, const float* __restrict__ w,
+                         int64_t w_s0, const float* __restrict__ kc, int64_t kc_stride, int64_t kc_rows, Tokens tk,
+                         int64_t t0, int64_t topk, IdxShape sh, float sscale, float wscale, float* __restrict__ scores,
+                         int64_t cap) {
+  extern __shared__ __align__(16) float smem[];
+  const int64_t t = t0 + blockIdx.y;
+  const int64_t n = attn::causal_keys(tk.pos[t * tk.pos_stride], cap);
+  const int64_t key0 = int64_t(blockIdx.x) * kIdxKeysPerBlock;
+  if (n <= topk || key0 >= n) return;  // uniform over the block
+  const int nI = sh.nI, dI = sh.dI;
+  float* ks_all = smem;                                              // [warps][KW][kstride], 16-byte rows
+  float* cs_all = ks_all + size_t(kIdxWarps) * kIdxKW * sh.kstride;  // [warps][KW][32]
+  float* qs = cs_all + kIdxWarps * kIdxKW * 32;                      // [nI][qstride]
+  float* ws = qs + size_t(nI) * sh.qstride;                          // [nI]
+  const float* qt = q + t * q_s0;
+  for (int i = threadIdx.x; i < nI * dI; i += kIdxThreads) {
+    const int h = i / dI, e = i - h * dI;
+    qs[h * sh.qstride + e] = qt[h * q_s1 + e];
+  }
+  for (int h = threadIdx.x; h < nI; h += kIdxThreads) ws[h] = __fmul_rn(w[t * w_s0 + h], wscale);
+  __syncthreads();
+  const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
+  float* ks = ks_all + size_t(warp) * kIdxKW * sh.kstride;
+  float* cs = cs_all + warp * kIdxKW * 32;
+  const int32_t* row = bt_row(tk, t);
+  float* sc = scores + blockIdx.y * cap;
+  const int d4 = dI / 4 * 4;
+  for (int g = 0; g < kIdxGroups; ++g) {
+    const int64_t j0 = key0 + (int64_t(g) * kIdxWarps + warp) * kIdxKW;
+    if (j0 >= n) break;  // uniform over the warp
+    for (int k = 0; k < kIdxKW; ++k) {
+      const int64_t slot = j0 + k < n ? slot_of(tk, row, kc_rows, j0 + k) : -1;
+      const float* kr = kc + slot * kc_stride;
+      for (int e = lane; e < dI; e += 32) ks[k * sh.kstride + e] = slot >= 0 ? kr[e] : 0.0f;
+    }
+    __syncwarp();
+    float acc = 0.0f;  // lanes 0..KW-1: key lane's score, summed in head order
+    for (int hc = 0; hc < nI; hc += 32) {
+      const int h = hc + lane;
+      const bool active = h < nI;
+      const float* qh = qs + (active ? h : 0) * sh.qstride;
+      float s[kIdxKW][4];
+#pragma unroll
+      for (int k = 0; k < kIdxKW; ++k) s[k][0] = s[k][1] = s[k][2] = s[k][3] = 0.0f;
+      for (int e = 0; e < d4; e += 4) {
+        const float q0 = qh[e], q1 = qh[e + 1], q2 = qh[e + 2], q3 = qh[e + 3];
+#pragma unroll
+        for (int k = 0; k < kIdxKW; ++k) {
+          const float4 kv = *reinterpret_cast<const float4*>(ks + k * sh.kstride + e);
+          s[k][0] = __fadd_rn(s[k][0], __fmul_rn(q0, kv.x));
+          s[k][1] = __fadd_rn(s[k][1], __fmul_rn(q1, kv.y));
+          s[k][2] = __fadd_rn(s[k][2], __fmul_rn(q2, kv.z));
+          s[k][3] = __fadd_rn(s[k][3], __fmul_rn(q3, kv.w));
+        }
+      }
+      for (int e = d4; e < dI; ++e) {
+        const float qe = qh[e];
+#pragma unroll
+        for (int k = 0; k < kIdxKW; ++k) s[k][0] = __fadd_rn(s[k][0], __fmul_rn(qe, ks[k * sh.kstride + e]));
+      }
+      const float wh = active ? ws[h] : 0.0f;
+#pragma unroll
+      for (int k = 0; k < kIdxKW; ++k) {
+        const float dot = __fadd_rn(__fadd_rn(s[k][0], s[k][1]), __fadd_rn(s[k][2], s[k][3]));
+        const float d = __fmul_rn(dot, sscale);
+        cs[k * 32 + lane] = __fmul_rn(wh, d > 0.0f ? d : 0.0f);
+      }
+      __syncwarp();
+      if (lane < kIdxKW) {
+        const int nh = nI - hc < 32 ? nI - hc : 32;
+        for (int i = 0; i < nh; ++i) acc = __fadd_rn(acc, cs[lane * 32 + i]);
+      }
+      __syncwarp();
+    }
+    if (lane < kIdxKW && j0 + lane < n) sc[j0 + lane] = acc;
+    __syncwarp();  // ks is rewritten by the next step
+  }
+}
+
+// Block-wide exclusive scan of one uint32 per thread (blockDim.x a multiple of 32);
+// returns the exclusive prefix and sets *total. `wsum` holds 32 values. Ends with a
+// barrier-free read of wsum: callers separate consecutive scans with __syncthreads.
+__device__ __forceinline__ uint32_t block_exclusive_scan(uint32_t v, uint32_t* wsum, uint32_t* total) {
+  const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, nw = blockDim.x >> 5;
+  uint32_t inc = v;
+#pragma unroll
+  for (int off = 1; off < 32; off <<= 1) {
+    const uint32_t o = __shfl_up_sync(0xffffffffu, inc, off);
+    if (lane >= off) inc += o;
+  }
+  if (lane == 31) wsum[warp] = inc;
+  __syncthreads();
+  if (warp == 0) {
+    uint32_t x = lane < nw ? wsum[lane] : 0u;
+#pragma unroll
+    for (int off = 1; off < 32; off <<= 1) {
+      const uint32_t o = __shfl_up_sync(0xffffffffu, x, off);
+      if (lane >= off) x += o;
+    }
+    if (lane < nw) wsum[lane] = x;  // inclusive prefix over warps
+  }
+  __syncthreads();
+  *total = wsum[nw - 1];
+  return inc - v + (warp > 0 ? wsum[warp - 1] : 0u);
+}
+
+__global__ void __launch_bounds__(kSelThreads)
+    indexer_select_kernel(const float* __restrict__ scores, int64_t cap, Tokens tk, int64_t t0, int64_t nt,
+                          int64_t topk, int32_t* __restrict__ sel, int64_t sel_stride, int32_t* __restrict__ sel_len,
+                          int64_t len_stride) {
+  __shared__ uint32_t hist[attn::kRadixBins];
+  __shared__ uint32_t wsum[32];
+  __shared__ attn::RadixSelect st_sh;
+  for (int64_t tl = blockIdx.x; tl < nt; tl += gridDim.x) {
+    const int64_t t = t0 + tl;
+    const int64_t n = attn::causal_keys(tk.pos[t * tk.pos_stride], cap);
+    if (n <= topk) {
+      if (threadIdx.x == 0) sel_len[t * len_stride] = -1;
+      continue;  // uniform over the block
+    }
+    const float* sc = scores + tl * cap;
+    attn::RadixSelect st = attn::radix_begin(uint32_t(topk));
+    for (int pass = 0; pass < attn::kRadixPasses; ++pass) {
+      for (int i = threadIdx.x; i < attn::kRadixBins; i += blockDim.x) hist[i] = 0u;
+      __syncthreads();
+      for (int64_t j = threadIdx.x; j < n; j += blockDim.x) {
+        const uint32_t key = attn::order_key(sc[j]);
+        if (attn::radix_in_class(st, key)) atomicAdd(&hist[attn::radix_digit(key, pass)], 1u);
+      }
+      __syncthreads();
+      if (threadIdx.x == 0) {
+        attn::radix_step(st, hist, pass);
+        st_sh = st;
+      }
+      __syncthreads();
+      st = st_sh;
+      if (st.done) break;  // uniform
+    }
+    int32_t* out = sel + t * sel_stride;
+    uint32_t above_tot = 0, class_tot = 0;
+    for (int64_t base = 0; base < n; base += blockDim.x) {
+      const int64_t j = base + threadIdx.x;
+      const uint32_t key = j < n ? attn::order_key(sc[j]) : 0u;
+      const uint32_t f = j < n ? attn::emit_flags(st, key) : 0u;
+      uint32_t tile_total;
+      const uint32_t ex = block_exclusive_scan(f, wsum, &tile_total);
+      const uint32_t above_before = above_tot + (ex & 0xffffu), class_before = class_tot + (ex >> 16);
+      if (j < n && attn::radix_selected(st, key, class_before))
+        out[attn::emit_slot(st, above_before, class_before)] = int32_t(j);
+      above_tot += tile_total & 0xffffu;
+      class_tot += tile_total >> 16;
+      __syncthreads();  // wsum is reused by the next tile's scan
+      if (above_tot + (class_tot < st.k_left ? class_tot : st.k_left) >= uint32_t(topk)) break;  // uniform
+    }
+    if (threadIdx.x == 0) sel_len[t * len_stride] = int32_t(topk);
+  }
+}
+
+// ================================================================== mla_attention
+constexpr int kMlaThreads = 256;
+constexpr int kMlaWarps = kMlaThreads / 32;
+constexpr int kMlaKC = 32;  // keys per chunk (= lanes)
+
+struct MlaShape {
+  int kvl, rope, D, kstride;  // D = kvl + rope, key rows at an odd stride
+};
+inline size_t mla_smem(int HG, const MlaShape& s) {
+  return sizeof(float) * (size_t(HG) * s.D + size_t(kMlaKC) * s.kstride + size_t(HG) * kMlaKC + 2 * HG) +
+         sizeof(double) * HG + sizeof(int64_t) * kMlaKC;
+}
+
+template <int HG, int DPT>
+__global__ void __launch_bounds__(kMlaThreads)
+    mla_kernel(const float* __restrict__ q_lat, int64_t ql_s0, int64_t ql_s1, const float* __restrict__ q_pe,
+               int64_t qp_s0, int64_t qp_s1, const float* __restrict__ cache, int64_t c_stride, int64_t c_rows,
+               Tokens tk, const int32_t* __restrict__ sel, int64_t sel_stride, int64_t sel_cols,
+               const int32_t* __restrict__ sel_len, int64_t len_stride, float scale, float* __restrict__ out,
+               int64_t o_s0, int64_t o_s1, int64_t T, int nh, MlaShape sh) {
+  extern __shared__ __align__(16) unsigned char smem_raw[];
+  double* ls = reinterpret_cast<double*>(smem_raw);                   // [HG] running sums
+  int64_t* slots = reinterpret_cast<int64_t*>(ls + HG);                // [KC]
+  float* qs = reinterpret_cast<float*>(slots + kMlaKC);                // [HG][D]
+  float* ks = qs + size_t(HG) * sh.D;                                  // [KC][kstride]
+  float* ps = ks + size_t(kMlaKC) * sh.kstride;                        // [HG][KC]
+  float* ms = ps + HG * kMlaKC;                                        // [HG] running max
+  float* as = ms + HG;                                                 // [HG] rescale
+  const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
+  const int kvl = sh.kvl, D = sh.D;
+  const int h0 = int(blockIdx.x) * HG;
+  const int64_t cap = tk.nb * tk.bs;
+  for (int64_t t = blockIdx.y; t < T; t += gridDim.y) {
+    const int64_t pos = tk.pos[t * tk.pos_stride];
+    const int32_t* row = bt_row(tk, t);
+    int64_t nk = attn::causal_keys(pos, cap);
+    const int32_t* sl = nullptr;
+    if (sel_len) {
+      const int64_t cnt = sel_len[t * len_stride];
+      if (cnt >= 0) {
+        nk = cnt < sel_cols ? cnt : sel_cols;
+        sl = sel + t * sel_stride;
+      }
+    }
+    for (int i = threadIdx.x; i < HG * D; i += kMlaThreads) {
+      const int hl = i / D, e = i - hl * D, h = h0 + hl;
+      float v = 0.0f;
+      if (h < nh) v = e < kvl ? q_lat[t * ql_s0 + h * ql_s1 + e] : q_pe[t * qp_s0 + h * qp_s1 + (e - kvl)];
+      qs[i] = v;
+    }
+    for (int h = threadIdx.x; h < HG; h += kMlaThreads) {
+      ms[h] = -INFINITY;
+      ls[h] = 0.0;
+    }
+    float acc[HG][DPT];
+#pragma unroll
+    for (int h = 0; h < HG; ++h)
+#pragma unroll
+      for (int i = 0; i < DPT; ++i) acc[h][i] = 0.0f;
+    for (int64_t c0 = 0; c0 < nk; c0 += kMlaKC) {
+      if (threadIdx.x < kMlaKC) {
+        const int64_t j = c0 + threadIdx.x;
+        int64_t slot = -1;
+        if (j < nk) {
+          const int64_t key = sl ? int64_t(sl[j]) : j;
+          if (key >= 0 && key <= pos) slot = slot_of(tk, row, c_rows, key);
+        }
+        slots[threadIdx.x] = slot;
+      }
+      __syncthreads();  // also: the previous chunk's P V is finished with ks / ps
+      for (int r = 0; r < kMlaKC; ++r) {
+        const int64_t slot = slots[r];
+        const float* src = cache + slot * c_stride;
+        for (int e = threadIdx.x; e < D; e += kMlaThreads) ks[r * sh.kstride + e] = slot >= 0 ? src[e] : 0.0f;
+      }
+      __syncthreads();
+      const bool valid = c0 + lane < nk;
+      for (int h = warp; h < HG; h += kMlaWarps) {
+        const float* qh = qs + h * D;
+        const float* kr = ks + lane * sh.kstride;
+        float a0 = 0.0f, a1 = 0.0f, a2 = 0.0f, a3 = 0.0f;
+        int e = 0;
+        for (; e + 4 <= kvl; e += 4) {
+          a0 = fmaf(qh[e], kr[e], a0);
+          a1 = fmaf(qh[e + 1], kr[e + 1], a1);
+          a2 = fmaf(qh[e + 2], kr[e + 2], a2);
+          a3 = fmaf(qh[e + 3], kr[e + 3], a3);
+        }
+        for (; e < kvl; ++e) a0 = fmaf(qh[e], kr[e], a0);
+        float b0 = 0.0f, b1 = 0.0f, b2 = 0.0f, b3 = 0.0f;
+        for (; e + 4 <= D; e += 4) {
+          b0 = fmaf(qh[e], kr[e], b0);
+          b1 = fmaf(qh[e + 1], kr[e + 1], b1);
+          b2 = fmaf(qh[e + 2], kr[e + 2], b2);
+          b3 = fmaf(qh[e + 3], kr[e + 3], b3);
+        }
+        for (; e < D; ++e) b0 = fmaf(qh[e], kr[e], b0);
+        const float s = ((a0 + a1) + (a2 + a3) + ((b0 + b1) + (b2 + b3))) * scale;
+        float m = ms[h], alpha;
+        double l = ls[h];
+        const float p = softmax_update(s, valid, m, l, alpha);
+        ps[h * kMlaKC + lane] = p;
+        if (lane == 0) {
+          ms[h] = m;
+          ls[h] = l;
+          as[h] = alpha;
+        }
+      }
+      __syncthreads();
+      const int nc = nk - c0 < kMlaKC ? int(nk - c0) : kMlaKC;
+#pragma unroll
+      for (int h = 0; h < HG; ++h) {
+        const float a = as[h];
+#pragma unroll
+        for (int i = 0; i < DPT; ++i) acc[h][i] *= a;
+      }
+      for (int j = 0; j < nc; ++j) {
+        float c[DPT];
+#pragma unroll
+        for (int i = 0; i < DPT; ++i) {
+          const int d = threadIdx.x + i * kMlaThreads;
+          c[i] = d < kvl ? ks[j * sh.kstride + d] : 0.0f;
+        }
+#pragma unroll
+        for (int h = 0; h < HG; ++h) {
+          const float p = ps[h * kMlaKC + j];
+#pragma unroll
+          for (int i = 0; i < DPT; ++i) acc[h][i] = fmaf(p, c[i], acc[h][i]);
+        }
+      }
+    }
+    __syncthreads();  // ls final for every head
+#pragma unroll
+    for (int h = 0; h < HG; ++h) {
+      if (h0 + h >= nh) break;
+      const double l = ls[h];
+      const float inv = l > 0.0 ? float(1.0 / l) : 0.0f;
+      float* o = out + t * o_s0 + int64_t(h0 + h) * o_s1;
+#pragma unroll
+      for (int i = 0; i < DPT; ++i) {
+        const int d = threadIdx.x + i * kMlaThreads;
+        if (d < kvl) o[d] = acc[h][i] * inv;
+      }
+    }
+    __syncthreads();  // qs / ms / ls are rewritten for the next token
+  }
+}
+
+// ================================================================== block_attention
+constexpr int kBaThreads = 256;
+constexpr int kBaRows = kBaThreads / 32;  // one query row per warp
+constexpr int kBaKC = 32;
+
+struct BaArgs {
+  const float* q;
+  int64_t q_s0, q_s1;
+  const float* k;
+  int64_t k_s0, k_s1;
+  const float* v;
+  int64_t v_s0, v_s1;
+  const float* kv;
+  int64_t kv_stride, kv_rows;
+  const int32_t* ctx_len;
+  int64_t cl_stride;
+  const int32_t* bt;
+  int64_t bt_stride, nb, cbs;
+  float* out;
+  int64_t o_s0, o_s1;
+  int64_t S, B, nh, kvh, hd, window;
+  int causal;
+  float scale;
+};
+inline size_t ba_smem(int64_t hd) {
+  const int64_t kstride = hd % 2 == 0 ? hd + 1 : hd;
+  return sizeof(float) * size_t(kBaRows * hd + kBaKC * kstride + kBaKC * hd + kBaRows * kBaKC) +
+         sizeof(int64_t) * kBaKC;
+}
+
+template <int DPL>
+__global__ void __launch_bounds__(kBaThreads, 1) block_attention_kernel(const BaArgs a) {
+  extern __shared__ __align__(16) unsigned char smem_raw[];
+  const int hd = int(a.hd), kstride = hd % 2 == 0 ? hd + 1 : hd;
+  int64_t* slots = reinterpret_cast<int64_t*>(smem_raw);  // [KC]
+  float* qs = reinterpret_cast<float*>(slots + kBaKC);      // [rows][hd]
+  float* ks = qs + kBaRows * hd;                            // [KC][kstride]
+  float* vs = ks + kBaKC * kstride;                         // [KC][hd]
+  float* ps = vs + kBaKC * hd;                              // [rows][KC]
+  const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
+  const int64_t grp = a.nh / a.kvh, M = a.B * grp, RG = (M + kBaRows - 1) / kBaRows;
+  const int64_t kvdim = a.kvh * a.hd, cap = a.nb * a.cbs;
+  const int64_t total = a.S * a.kvh * RG;
+  for (int64_t blk = blockIdx.x; blk < total; blk += gridDim.x) {
+    const int64_t rg = blk % RG, kh = (blk / RG) % a.kvh, s = blk / (RG * a.kvh);
+    int64_t L = a.ctx_len[s * a.cl_stride];
+    L = L < 0 ? 0 : (L < cap ? L : cap);
+    const int32_t* btr = a.bt + s * a.bt_stride;
+    // this warp's row
+    const int64_t r = rg * kBaRows + warp;
+    const bool active = r < M;
+    const int64_t i = active ? r / grp : 0, h = kh * grp + (active ? r % grp : 0);
+    const int64_t c0_row = attn::window_first_key(L, i, a.window);
+    const int64_t nblk_row = a.causal ? i + 1 : a.B;
+    // the block's key range: the context from the earliest row's window start, then B own keys
+    const int64_t cmin = attn::window_first_key(L, (rg * kBaRows) / grp, a.window);
+    const int64_t nctx = L - cmin, nv = nctx + a.B;
+    const int64_t qrow = s * a.B + i;
+    for (int e = lane; e < hd; e += 32) qs[warp * hd + e] = active ? a.q[qrow * a.q_s0 + h * a.q_s1 + e] : 0.0f;
+    float m = -INFINITY;
+    double l = 0.0;
+    float acc[DPL];
+#pragma unroll
+    for (int d = 0; d < DPL; ++d) acc[d] = 0.0f;
+    for (int64_t c0 = 0; c0 < nv; c0 += kBaKC) {
+      if (threadIdx.x < kBaKC) {
+        const int64_t vi = c0 + threadIdx.x;
+        slots[threadIdx.x] = vi < nctx ? attn::paged_slot(btr, a.nb, a.cbs, a.kv_rows, cmin + vi) : -1;
+      }
+      __syncthreads();  // also: the previous chunk is finished with ks / vs
+      for (int idx = threadIdx.x; idx < kBaKC * hd; idx += kBaThreads) {
+        const int jj = idx / hd, e = idx - jj * hd;
+        const int64_t vi = c0 + jj;
+        float kx = 0.0f, vx = 0.0f;
+        if (vi < nctx) {
+          const int64_t slot = slots[jj];
+          if (slot >= 0) {
+            const float* rowp = a.kv + slot * a.kv_stride + kh * a.hd + e;
+            kx = rowp[0];
+            vx = rowp[kvdim];
+          }
+        } else if (vi < nv) {
+          const int64_t tr = s * a.B + (vi - nctx);
+          kx = a.k[tr * a.k_s0 + kh * a.k_s1 + e];
+          vx = a.v[tr * a.v_s0 + kh * a.v_s1 + e];
+        }
+        ks[jj * kstride + e] = kx;
+        vs[jj * hd + e] = vx;
+      }
+      __syncthreads();
+      if (active) {  // warp-uniform
+        const int64_t vi = c0 + lane;
+        const bool valid = vi < nctx ? (cmin + vi >= c0_row) : (vi < nv && vi - nctx < nblk_row);
+        const float* qh = qs + warp * hd;
+        const float* kr = ks + lane * kstride;
+        float dot = 0.0f;
+        for (int e = 0; e < hd; ++e) dot = __fadd_rn(dot, __fmul_rn(qh[e], kr[e]));
+        float alpha;
+        const float p = softmax_update(__fmul_rn(dot, a.scale), valid, m, l, alpha);
+        ps[warp * kBaKC + lane] = p;
+        __syncwarp();
+#pragma unroll
+        for (int d = 0; d < DPL; ++d) acc[d] *= alpha;
+        const int nc = nv - c0 < kBaKC ? int(nv - c0) : kBaKC;
+        for (int j = 0; j < nc; ++j) {
+          const float pj = ps[warp * kBaKC + j];
+          if (pj == 0.0f) continue;  // masked keys (uniform): as the CPU, they never touch out
+#pragma unroll
+          for (int d = 0; d < DPL; ++d) {
+            const int e = lane + 32 * d;
+            if (e < hd) acc[d] = fmaf(pj, vs[j * hd + e], acc[d]);
+          }
+        }
+      }
+    }
+    if (active) {
+      const float inv = l > 0.0 ? float(1.0 / l) : 0.0f;
+      float* o = a.out + qrow * a.o_s0 + h * a.o_s1;
+#pragma unroll
+      for (int d = 0; d < DPL; ++d) {
+        const int e = lane + 32 * d;
+        if (e < hd) o[e] = acc[d] * inv;
+      }
+    }
+    __syncthreads();  // qs / slots are rewritten for the next block
+  }
+}
+
+}  // namespace
+
+// ------------------------------------------------------------------ indexer_topk
+void indexer_topk(const Tensor& q, const Tensor& w, const Tensor& key_cache, const ops::PagedTokens& tok,
+                  int64_t topk, Tensor& sel, Tensor& sel_len) {
+  const char* op = "indexer_topk";
+  DFLASH2_CHECK_ARG(q.defined() && q.device().is_cuda(), "cuda::indexer_topk: q must be a CUDA tensor, found ",
+                    q.defined() ? q.describe() : std::string("undefined"));
+  need_cuda(w, q, op, "w");
+  need_cuda(key_cache, q, op, "key_cache");
+  need_cuda(sel, q, op, "sel");
+  need_cuda(sel_len, q, op, "sel_len");
+  need_rows(q, DType::F32, 3, op, "q");
+  const int64_t T = q.shape(0), nI = q.shape(1), dI = q.shape(2);
+  need_rows(w, DType::F32, 2, op, "w");
+  DFLASH2_CHECK_ARG(w.shape(0) == T && w.shape(1) == nI, "cuda::indexer_topk: w must be [", T, ", ", nI, "], found ",
+                    w.describe());
+  need_rows(key_cache, DType::F32, 2, op, "key_cache");
+  DFLASH2_CHECK_ARG(key_cache.shape(1) == dI, "cuda::indexer_topk: key_cache rows have ", key_cache.shape(1),
+                    " values but q heads have ", dI);
+  need_tokens(tok, q, T, op);
+  DFLASH2_CHECK_ARG(topk >= 1 && topk <= INT32_MAX, "cuda::indexer_topk: topk must be in [1, 2^31), found ", topk);
+  need_rows(sel, DType::I32, 2, op, "sel");
+  DFLASH2_CHECK_ARG(sel.shape(0) == T && sel.shape(1) == topk, "cuda::indexer_topk: sel must be I32 [", T, ", ", topk,
+                    "], found ", sel.describe());
+  DFLASH2_CHECK_ARG(T <= 1 || sel.stride(0) >= topk, "cuda::indexer_topk: the rows of 'sel' overlap");
+  need_i32_vec(sel_len, T, op, "sel_len");
+  if (T == 0) return;
+  DFLASH2_CHECK_ARG(nI >= 1 && dI >= 1 && nI * dI <= (int64_t(1) << 24), "cuda::indexer_topk: unsupported q shape ",
+                    q.describe());
+  const int64_t cap = tok.block_table.shape(1) * tok.block_size;  // the longest context a token can have
+  DFLASH2_CHECK_ARG(cap <= (int64_t(1) << 31) - kSelThreads, "cuda::indexer_topk: contexts of ", cap,
+                    " keys are not supported");
+  const int device = q.device().index;
+  detail::DeviceGuard guard(device);
+  const IdxShape sh = idx_shape(nI, dI);
+  const size_t smem = idx_smem(sh);
+  allow_smem(indexer_score_kernel, smem, device, op);
+  const float wscale = 1.0f / std::sqrt(float(nI)), sscale = 1.0f / std::sqrt(float(dI));
+  const Tokens tk = tokens_of(tok);
+  // tokens per chunk: the scores of a chunk stay under the scratch cap (and grid y)
+  const int64_t row_bytes = (cap > 0 ? cap : 1) * int64_t(sizeof(float));
+  int64_t chunk = int64_t(kIdxScratchCap) / row_bytes;
+  chunk = chunk < 1 ? 1 : chunk;
+  chunk = chunk < detail::kMaxGridY ? chunk : detail::kMaxGridY;
+  chunk = chunk < T ? chunk : T;
+  float* scores = static_cast<float*>(detail::scratch(device, size_t(chunk) * size_t(row_bytes)));
+  const int64_t key_tiles = (cap + kIdxKeysPerBlock - 1) / kIdxKeysPerBlock;
+  DFLASH2_CHECK_ARG(key_tiles <= INT32_MAX, "cuda::indexer_topk: context too long");
+  for (int64_t t0 = 0; t0 < T; t0 += chunk) {
+    const int64_t nt = T - t0 < chunk ? T - t0 : chunk;
+    if (key_tiles > 0) {
+      indexer_score_kernel<<<dim3(unsigned(key_tiles), unsigned(nt)), kIdxThreads, smem, detail::stream()>>>(
+          q.data_as<const float>(), q.stride(0), q.stride(1), w.data_as<const float>(), w.stride(0),
+          key_cache.data_as<const float>(), key_cache.stride(0), key_cache.shape(0), tk, t0, topk, sh, sscale, wscale,
+          scores, cap);
+      detail::check_launch("indexer_topk score kernel launch", q.describe());
+    }
+    indexer_select_kernel<<<detail::row_blocks(nt), kSelThreads, 0, detail::stream()>>>(
+        scores, cap, tk, t0, nt, topk, sel.data_as<int32_t>(), sel.stride(0), sel_len.data_as<int32_t>(),
+        sel_len.stride(0));
+    detail::check_launch("indexer_topk select kernel launch", q.describe());
+  }
+}
+
+// ------------------------------------------------------------------ mla_attention
+namespace {
+template <int HG, int DPT>
+void launch_mla(const Tensor& q_lat, const Tensor& q_pe, const Tensor& cache, const Tokens& tk, const Tensor& sel,
+                const Tensor& sel_len, float scale, Tensor& out, const MlaShape& sh, int device) {
+  const int64_t T = q_lat.shape(0), nh = q_lat.shape(1);
+  const size_t smem = mla_smem(HG, sh);
+  allow_smem(mla_kernel<HG, DPT>, smem, device, "mla_attention");
+  const bool has = sel_len.defined();
+  const dim3 grid(unsigned((nh + HG - 1) / HG), unsigned(T < detail::kMaxGridY ? T : detail::kMaxGridY));
+  mla_kernel<HG, DPT><<<grid, kMlaThreads, smem, detail::stream()>>>(
+      q_lat.data_as<const float>(), q_lat.stride(0), q_lat.stride(1), q_pe.data_as<const float>(), q_pe.stride(0),
+      q_pe.stride(1), cache.data_as<const float>(), cache.stride(0), cache.shape(0), tk,
+      has ? sel.data_as<const int32_t>() : nullptr, has ? sel.stride(0) : 0, has ? sel.shape(1) : 0,
+      has ? sel_len.data_as<const int32_t>() : nullptr, has ? sel_len.stride(0) : 0, scale, out.data_as<float>(),
+      out.stride(0), out.stride(1), T, int(nh), sh);
+  detail::check_launch("mla_attention kernel launch", q_lat.describe());
+}
+}  // namespace
+
+void mla_attention(const Tensor& q_lat, const Tensor& q_pe, const Tensor& cache, const ops::PagedTokens& tok,
+                   const Tensor& sel, const Tensor& sel_len, float scale, Tensor& out) {
+  const char* op = "mla_attention";
+  DFLASH2_CHECK_ARG(q_lat.defined() && q_lat.device().is_cuda(),
+                    "cuda::mla_attention: q_lat must be a CUDA tensor, found ",
+                    q_lat.defined() ? q_lat.describe() : std::string("undefined"));
+  need_cuda(q_pe, q_lat, op, "q_pe");
+  need_cuda(cache, q_lat, op, "cache");
+  need_cuda(out, q_lat, op, "out");
+  need_rows(q_lat, DType::F32, 3, op, "q_lat");
+  need_rows(q_pe, DType::F32, 3, op, "q_pe");
+  need_rows(out, DType::F32, 3, op, "out");
+  const int64_t T = q_lat.shape(0), nh = q_lat.shape(1), kvl = q_lat.shape(2), rope = q_pe.shape(2);
+  DFLASH2_CHECK_ARG(q_pe.shape(0) == T && q_pe.shape(1) == nh, "cuda::mla_attention: q_pe ", q_pe.describe(),
+                    " does not match q_lat ", q_lat.describe());
+  DFLASH2_CHECK_ARG(out.shape(0) == T && out.shape(1) == nh && out.shape(2) == kvl, "cuda::mla_attention: out ",
+                    out.describe(), " must have q_lat's shape ", q_lat.describe());
+  need_disjoint3(out, op, "out");
+  need_rows(cache, DType::F32, 2, op, "cache");
+  DFLASH2_CHECK_ARG(cache.shape(1) == kvl + rope, "cuda::mla_attention: cache rows must hold kv_lora + rope = ",
+                    kvl + rope, " values, found ", cache.describe());
+  need_tokens(tok, q_lat, T, op);
+  if (sel_len.defined()) {
+    need_cuda(sel_len, q_lat, op, "sel_len");
+    need_cuda(sel, q_lat, op, "sel");
+    need_i32_vec(sel_len, T, op, "sel_len");
+    need_rows(sel, DType::I32, 2, op, "sel");
+    DFLASH2_CHECK_ARG(sel.shape(0) == T, "cuda::mla_attention: sel must have ", T, " rows, found ", sel.describe());
+  }
+  DFLASH2_CHECK(kvl >= 1 && kvl <= 4 * kMlaThreads && rope >= 0 && kvl + rope <= 4096, ErrorKind::Unsupported,
+                "cuda::mla_attention: kv_lora must be in [1, ", 4 * kMlaThreads, "] and kv_lora + rope <= 4096, found ",
+                q_lat.describe(), " and ", q_pe.describe());
+  if (T == 0 || nh == 0) return;
+  DFLASH2_CHECK_ARG(nh <= INT32_MAX, "cuda::mla_attention: too many heads");
+  const int device = q_lat.device().index;
+  detail::DeviceGuard guard(device);
+  MlaShape sh;
+  sh.kvl = int(kvl);
+  sh.rope = int(rope);
+  sh.D = int(kvl + rope);
+  sh.kstride = sh.D % 2 == 0 ? sh.D + 1 : sh.D;
+  const Tokens tk = tokens_of(tok);
+  const int dpt = kvl <= kMlaThreads ? 1 : (kvl <= 2 * kMlaThreads ? 2 : 4);
+  if (nh <= 4) {
+    if (dpt == 1) launch_mla<4, 1>(q_lat, q_pe, cache, tk, sel, sel_len, scale, out, sh, device);
+    else if (dpt == 2) launch_mla<4, 2>(q_lat, q_pe, cache, tk, sel, sel_len, scale, out, sh, device);
+    else launch_mla<4, 4>(q_lat, q_pe, cache, tk, sel, sel_len, scale, out, sh, device);
+  } else {
+    if (dpt == 1) launch_mla<16, 1>(q_lat, q_pe, cache, tk, sel, sel_len, scale, out, sh, device);
+    else if (dpt == 2) launch_mla<16, 2>(q_lat, q_pe, cache, tk, sel, sel_len, scale, out, sh, device);
+    else launch_mla<16, 4>(q_lat, q_pe, cache, tk, sel, sel_len, scale, out, sh, device);
+  }
+}
+
+// ------------------------------------------------------------------ block_attention
+void block_attention(const Tensor& q, const Tensor& k, const Tensor& v, const Tensor& kv_cache, const Tensor& ctx_len,
+                     const Tensor& block_table, const ops::BlockAttention& p, Tensor& out) {
+  const char* op = "block_attention";
+  DFLASH2_CHECK_ARG(q.defined() && q.device().is_cuda(), "cuda::block_attention: q must be a CUDA tensor, found ",
+                    q.defined() ? q.describe() : std::string("undefined"));
+  need_cuda(k, q, op, "k");
+  need_cuda(v, q, op, "v");
+  need_cuda(kv_cache, q, op, "kv_cache");
+  need_cuda(ctx_len, q, op, "ctx_len");
+  need_cuda(block_table, q, op, "block_table");
+  need_cuda(out, q, op, "out");
+  need_rows(q, DType::F32, 3, op, "q");
+  need_rows(k, DType::F32, 3, op, "k");
+  need_rows(v, DType::F32, 3, op, "v");
+  need_rows(out, DType::F32, 3, op, "out");
+  const int64_t T = q.shape(0), nh = q.shape(1), hd = q.shape(2), kvh = k.shape(1);
+  DFLASH2_CHECK_ARG(p.block >= 1 && T % p.block == 0, "cuda::block_attention: ", T,
+                    " query rows are not whole blocks of ", p.block);
+  DFLASH2_CHECK_ARG(k.shape(0) == T && k.shape(2) == hd && kvh >= 1 && nh % kvh == 0, "cuda::block_attention: k ",
+                    k.describe(), " does not match q ", q.describe(), " (kv heads must divide the query heads)");
+  DFLASH2_CHECK_ARG(v.shape(0) == T && v.shape(1) == kvh && v.shape(2) == hd, "cuda::block_attention: v ",
+                    v.describe(), " must have k's shape ", k.describe());
+  DFLASH2_CHECK_ARG(out.shape(0) == T && out.shape(1) == nh && out.shape(2) == hd, "cuda::block_attention: out ",
+                    out.describe(), " must have q's shape ", q.describe());
+  need_disjoint3(out, op, "out");
+  need_rows(kv_cache, DType::F32, 2, op, "kv_cache");
+  DFLASH2_CHECK_ARG(kv_cache.shape(1) == 2 * kvh * hd, "cuda::block_attention: kv_cache rows must hold [k | v] = ",
+                    2 * kvh * hd, " values, found ", kv_cache.describe());
+  const int64_t S = T / p.block;
+  need_i32_vec(ctx_len, S, op, "ctx_len");
+  need_rows(block_table, DType::I32, 2, op, "block_table");
+  DFLASH2_CHECK_ARG(block_table.shape(0) >= S, "cuda::block_attention: block_table needs a row per block (", S,
+                    "), found ", block_table.describe());
+  DFLASH2_CHECK_ARG(p.cache_block_size >= 1 && p.window >= 0,
+                    "cuda::block_attention: cache_block_size must be >= 1 and window >= 0");
+  DFLASH2_CHECK(hd >= 1 && hd <= 128, ErrorKind::Unsupported, "cuda::block_attention: head_dim must be in [1, 128], found ",
+                hd);
+  if (T == 0 || nh == 0) return;
+  BaArgs a;
+  a.q = q.data_as<const float>();
+  a.q_s0 = q.stride(0);
+  a.q_s1 = q.stride(1);
+  a.k = k.data_as<const float>();
+  a.k_s0 = k.stride(0);
+  a.k_s1 = k.stride(1);
+  a.v = v.data_as<const float>();
+  a.v_s0 = v.stride(0);
+  a.v_s1 = v.stride(1);
+  a.kv = kv_cache.data_as<const float>();
+  a.kv_stride = kv_cache.stride(0);
+  a.kv_rows = kv_cache.shape(0);
+  a.ctx_len = ctx_len.data_as<const int32_t>();
+  a.cl_stride = ctx_len.stride(0);
+  a.bt = block_table.data_as<const int32_t>();
+  a.bt_stride = block_table.stride(0);
+  a.nb = block_table.shape(1);
+  a.cbs = p.cache_block_size;
+  a.out = out.data_as<float>();
+  a.o_s0 = out.stride(0);
+  a.o_s1 = out.stride(1);
+  a.S = S;
+  a.B = p.block;
+  a.nh = nh;
+  a.kvh = kvh;
+  a.hd = hd;
+  a.window = p.window;
+  a.causal = p.causal ? 1 : 0;
+  a.scale = p.scale;
+  const int64_t M = p.block * (nh / kvh), blocks = S * kvh * ((M + kBaRows - 1) / kBaRows);
+  const unsigned grid = detail::row_blocks(blocks);
+  const size_t smem = ba_smem(hd);
+  detail::DeviceGuard guard(q.device().index);
+  if (hd <= 32)
+    block_attention_kernel<1><<<grid, kBaThreads, smem, detail::stream()>>>(a);
+  else if (hd <= 64)
+    block_attention_kernel<2><<<grid, kBaThreads, smem, detail::stream()>>>(a);
+  else
+    block_attention_kernel<4><<<grid, kBaThreads, smem, detail::stream()>>>(a);
+  detail::check_launch("block_attention kernel launch", q.describe());
+}
+
+}  // namespace dflash2::cuda

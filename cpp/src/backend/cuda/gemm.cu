@@ -1,0 +1,424 @@
+// cuda/gemm.cu: the skinny GEMMs of the CUDA backend, written for decode / verify batches
+// (M = 1..64 activation rows), where reading the weight from HBM is the whole cost:
+//
+//   linear        y[M, N] (F32) = x[M, K] (F32) @ W^T, or y += x @ W^T (accumulate). W in
+//                 any ops::Weight format (dense F32 / BF16 / F16, FP8 block-128, NVFP4),
+//                 read through weight_view.cuh, which dequantizes exactly as the CPU does;
+//                 W may be a column slice (row stride > K): rows are addressed by row_bytes.
+//                 x and y: F32 2-D with contiguous rows (any row strides).
+//   linear_heads  y[t, g, :] = x[t, g, :] @ w[g]^T per head g: the same kernel with the head
+//                 in grid y (x F32 [T, G, K], w F32 / BF16 / F16 [G, N, K], y F32 [T, G, N],
+//                 any strides with contiguous rows), so each head is bitwise the dense
+//                 linear of that head's slices.
+//
+// Status: compiled for sm_90a/sm_100a/sm_103a, NOT yet run on a GPU. Checked against the
+// CPU backend by tests/test_ops.py and tests/cpp/test_cuda_backend.cpp when a GPU is present.
+// Before that, this file's kernel and launch logic were run on the CPU under an ad-hoc
+// simulation (one host thread per CUDA thread, shuffles and barriers emulated; not part of
+// the build): all 5 formats, K % 8 tails, K-splits 1 / 2 / 4, misaligned weights and x,
+// accumulate and linear_heads matched a double reference (NMSE < 1e-13) and rows were
+// bitwise independent of the batch.
+// No CUTLASS here: a later change adds a CUTLASS / wgmma (tcgen05 on sm_100) path for large
+// M (prefill), where this kernel becomes compute- and L2-bound (see Performance).
+//
+// Mapping. A block is 4 warps. Each warp owns kNC = 4 consecutive output columns n and a
+// share of K; the K loop walks 8-element chunks (one w_load8 per column: a 32 / 16 / 8 / 4
+// byte load per lane, consecutive lanes on consecutive chunks of the same weight row, so a
+// warp reads whole rows coalesced). KS = 1, 2 or 4 warps split one column group's K (KS
+// is chosen from K alone, larger for long rows so that each lane still has ~8+ chunks),
+// so a block covers 16 / KS columns and grid x covers N. Thread tk (0 <= tk < 32 * KS) of
+// a column group takes chunks tk, tk + 32 KS, tk + 64 KS, ... and keeps fp32 accumulators
+// acc[RT][kNC] for a tile of RT activation rows: the 8 weights of a chunk are dequantized
+// once into registers and used for all RT rows (x rows are read from global through L1:
+// the 4 warps of a block, and blocks on the same SM, read the same x chunks). Row tiles:
+// RT = 1 when M == 1 (plain decode, fewer registers), RT = 8 otherwise (and always for the
+// element-load fallback used when weight rows are not aligned for w_load8); for M > 8 the
+// block loops over row tiles itself, so a block's weights come from HBM once (the first
+// tile) and from L1 / L2 for the next tiles (a block's weight footprint is 16 / KS rows of
+// K, e.g. 8 x 7168 BF16 = 112 KiB), instead of one launch (or grid row) per tile that would
+// re-stream a matrix larger than L2 from HBM. The next chunk's weights are loaded before
+// the current chunk's FMAs (register double buffering) to keep loads in flight.
+// Reduction: the RT x kNC partial sums of a warp are reduced across its 32 lanes by a
+// "transposing" butterfly (xor offsets 16, 8, 4, 2, 1; at each step a lane keeps half of
+// its values and receives the partner's copy of them, so 32 values cost 31 shuffles and
+// lane L ends with value L); with KS > 1 the KS warp results are added through shared
+// memory in warp order. Columns past N are clamped for loads (never stored); rows past M
+// are skipped.
+//
+// Numerics: fp32 accumulation with fused multiply-adds; the order differs from the CPU's
+// (8 lanes per row, cpu/gemm.cpp), so results agree to fp32 rounding (tests/test_ops.py
+// NMSE threshold 1e-11), not bitwise. Per output element y[m, n] the order is: each thread
+// chains fma(w[k], x[m, k], acc) over its chunks (k ascending, 8 per chunk), then the
+// K % 8 tail element k = 8 * (K / 8) + tk if tk < K % 8 (dequantized by w_at, the reference
+// path), then the fixed butterfly over the 32 lanes (the same pairing tree for RT = 1 and
+// RT = 8: the transposing steps pair the same lanes as a plain butterfly, and fp32 addition
+// is commutative), then the KS warps in order, then y + s when accumulating. This is a
+// function of K only: not of M, the row tile, the row's position in the batch or N, so a
+// row computed inside a verify batch is bitwise equal to the same row decoded alone
+// (decode == verify), as on the CPU. Dequantization is weight_view.cuh's (bitwise the
+// CPU's Weight::dequantize values).
+//
+// Performance notes (not measured yet): decode-shaped calls should run near HBM bandwidth
+// when N / (16 / KS) blocks fill the GPU (N >= ~4096 on an H200). Known weak spots, for
+// later: (1) small N (few blocks): a split-K over blocks with a fixed, K-only partition
+// (and a deterministic second pass) would add parallelism; (2) M >= ~16: x is re-read from
+// L2 by every block (x traffic ~ 4 M / (cols_per_block * weight bytes) times the weight
+// traffic) and FMA issue dominates for FP8 / NVFP4: stage an x tile in shared memory for
+// more columns per block, or hand over to the CUTLASS path; (3) NVFP4 / FP8 dequantize
+// every element with fp32 multiplies (an 8-entry per-block table as on the CPU would save
+// one multiply per element); (4) FP8 / NVFP4 could double-buffer the raw weight bytes
+// instead of the dequantized floats (fewer registers, higher occupancy).
+// Registers (ptxas, sm_90a): vector-load kernels 101-128 (dense), 127-160 (FP8 / NVFP4), no
+// spills; the misaligned-row fallback 142-243 (FP8 spills 12 bytes on sm_100a / sm_103a).
+#include <cuda_runtime.h>
+
+#include <cstdint>
+
+#include "backend/cuda/cuda_api.h"
+#include "backend/cuda/cuda_check.cuh"
+#include "backend/cuda/kernel_util.cuh"
+#include "backend/cuda/layout.h"
+#include "backend/cuda/weight_view.cuh"
+#include "dflash2/error.h"
+
+namespace dflash2::cuda {
+
+namespace {
+
+using detail::WeightView;
+using detail::WFmt;
+
+constexpr int kWarps = 4;
+constexpr int kThreads = 32 * kWarps;
+constexpr int kNC = 4;  // output columns per warp
+constexpr unsigned kFull = 0xffffffffu;
+
+// Warps splitting one column group's K: a function of K only (see Numerics).
+inline int k_split(int64_t K) {
+  const int64_t chunks = K / 8;
+  if (chunks >= 4 * 32 * 8) return 4;  // K >= 8192
+  if (chunks >= 2 * 32 * 8) return 2;  // K >= 4096
+  return 1;
+}
+
+struct GemmArgs {
+  WeightView w;          // head 0's weight; N, K
+  int64_t w_head_bytes;  // byte step between heads' weights (linear: 0)
+  const float* x;
+  int64_t ldx, x_head;   // elements: row stride, head stride
+  float* y;
+  int64_t ldy, y_head;
+  int64_t M, G;          // rows (tokens), heads
+  int ks;                // k_split(K)
+  bool x_vec;            // x rows can be read as float4 at every 8-element chunk
+  bool accumulate;
+};
+
+// x[k0 .. k0 + 7] of one row (k0 % 8 == 0, k0 + 8 <= K).
+__device__ __forceinline__ void load_x8(const float* __restrict__ p, bool vec, float out[8]) {
+  if (vec) {
+    const float4 a = __ldg(reinterpret_cast<const float4*>(p));
+    const float4 b = __ldg(reinterpret_cast<const float4*>(p) + 1);
+    out[0] = a.x; out[1] = a.y; out[2] = a.z; out[3] = a.w;
+    out[4] = b.x; out[5] = b.y; out[6] = b.z; out[7] = b.w;
+  } else {
+#pragma unroll
+    for (int j = 0; j < 8; ++j) out[j] = __ldg(p + j);
+  }
+}
+
+// Sum of v[0..V) over the 32 lanes of the warp (V a power of two <= 32). Returns, in every
+// lane, the total of value index `reduced_index<V>(lane)` (lane L for V = 32; for V < 32
+// lanes L and L' with the same bits at offsets >= 32 / V hold the same total); each total
+// is formed by the butterfly over xor offsets 16, 8, 4, 2, 1 whatever V (the same pairing
+// tree, so the same fp32 result for every V).
+template <int OFF, int COUNT, int V>
+__device__ __forceinline__ void transpose_step(float (&v)[V], int lane) {
+  if constexpr (OFF > 0) {
+    if constexpr (COUNT > 1) {
+      constexpr int half = COUNT / 2;
+      const bool up = (lane & OFF) != 0;
+#pragma unroll
+      for (int i = 0; i < half; ++i) {
+        const float send = up ? v[i] : v[i + half];
+        const float keep = up ? v[i + half] : v[i];
+        v[i] = __fadd_rn(keep, __shfl_xor_sync(kFull, send, OFF));
+      }
+      transpose_step<OFF / 2, half, V>(v, lane);
+    } else {
+      v[0] = __fadd_rn(v[0], __shfl_xor_sync(kFull, v[0], OFF));
+      transpose_step<OFF / 2, 1, V>(v, lane);
+    }
+  }
+}
+template <int V>
+__device__ __forceinline__ float warp_transpose_sum(float (&v)[V], int lane) {
+  static_assert(V >= 1 && V <= 32 && (V & (V - 1)) == 0, "V must be a power of two <= 32");
+  transpose_step<16, V, V>(v, lane);
+  return v[0];
+}
+// The value index whose total lane `lane` holds after warp_transpose_sum<V>: the offsets
+// 16, 8, .. at which a lane kept the upper half, weighted by that half.
+template <int V>
+__device__ __forceinline__ int reduced_index(int lane) {
+  int idx = 0, count = V;
+#pragma unroll
+  for (int off = 16; off > 0; off >>= 1) {
+    if (count > 1) {
+      const int half = count / 2;
+      if (lane & off) idx += half;
+      count = half;
+    }
+  }
+  return idx;
+}
+
+// Occupancy: the vector-load kernels of the dense formats are capped at 128 registers (4
+// blocks = 16 warps per SM, no spills); FP8 / NVFP4 (dequantization in registers) at 168
+// (3 blocks), where the 128 cap spilled on sm_100a; the element-load fallback for
+// misaligned rows is left uncapped (rare).
+template <WFmt F, bool kVec>
+constexpr int min_blocks() {
+  return !kVec ? 1 : (F == WFmt::FP8 || F == WFmt::NVFP4) ? 3 : 4;
+}
+
+template <WFmt F, bool kVec, int RT>
+__global__ void __launch_bounds__(kThreads, min_blocks<F, kVec>()) linear_kernel(const GemmArgs a) {
+  constexpr int V = RT * kNC;  // partial sums per thread
+  __shared__ float part[kWarps][V];
+  const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
+  const int ks = a.ks, groups = kWarps / ks;
+  const int cg = warp % groups, kp = warp / groups;
+  const int tk = kp * 32 + lane, T = 32 * ks;
+  const int64_t N = a.w.N, K = a.w.K, C = K / 8;
+  const int tail = int(K - 8 * C);
+  const int64_t n_base = int64_t(blockIdx.x) * (groups * kNC) + int64_t(cg) * kNC;
+  const bool active = n_base < N;  // warp-uniform; inactive warps still join the barriers
+  int64_t ncol[kNC];               // clamped for loads
+#pragma unroll
+  for (int c = 0; c < kNC; ++c) ncol[c] = n_base + c < N ? n_base + c : N - 1;
+  const int ridx = reduced_index<V>(lane);
+  // lanes whose bits below 32 / V are zero hold the V distinct totals (lane L holds value
+  // reduced_index<V>(L); the other lanes hold copies)
+  const bool writer = (lane & (32 / V - 1)) == 0;
+
+  for (int64_t g = blockIdx.y; g < a.G; g += gridDim.y) {
+    WeightView w = a.w;
+    w.data += g * a.w_head_bytes;
+    const float* __restrict__ xg = a.x + g * a.x_head;
+    float* yg = a.y + g * a.y_head;
+
+    for (int64_t m0 = 0; m0 < a.M; m0 += RT) {
+      const int rows = a.M - m0 < RT ? int(a.M - m0) : RT;
+      float acc[V];
+#pragma unroll
+      for (int i = 0; i < V; ++i) acc[i] = 0.0f;
+
+      if (active) {
+        float wn[kNC][8];
+        int64_t c = tk;
+        if (c < C) {
+#pragma unroll
+          for (int j = 0; j < kNC; ++j) detail::w_load8<F, kVec>(w, ncol[j], 8 * c, wn[j]);
+        }
+        for (; c < C; c += T) {
+          float wc[kNC][8];
+#pragma unroll
+          for (int j = 0; j < kNC; ++j)
+#pragma unroll
+            for (int e = 0; e < 8; ++e) wc[j][e] = wn[j][e];
+          if (c + T < C) {
+#pragma unroll
+            for (int j = 0; j < kNC; ++j) detail::w_load8<F, kVec>(w, ncol[j], 8 * (c + T), wn[j]);
+          }
+#pragma unroll
+          for (int r = 0; r < RT; ++r) {
+            if (r < rows) {
+              float xv[8];
+              load_x8(xg + (m0 + r) * a.ldx + 8 * c, a.x_vec, xv);
+#pragma unroll
+              for (int j = 0; j < kNC; ++j)
+#pragma unroll
+                for (int e = 0; e < 8; ++e) acc[r * kNC + j] = __fmaf_rn(wc[j][e], xv[e], acc[r * kNC + j]);
+            }
+          }
+        }
+        if (tk < tail) {
+          const int64_t k = 8 * C + tk;
+          float wt[kNC];
+#pragma unroll
+          for (int j = 0; j < kNC; ++j) wt[j] = detail::w_at<F>(w, ncol[j], k);
+#pragma unroll
+          for (int r = 0; r < RT; ++r) {
+            if (r < rows) {
+              const float xv = __ldg(xg + (m0 + r) * a.ldx + k);
+#pragma unroll
+              for (int j = 0; j < kNC; ++j) acc[r * kNC + j] = __fmaf_rn(wt[j], xv, acc[r * kNC + j]);
+            }
+          }
+        }
+      }
+
+      float s = warp_transpose_sum<V>(acc, lane);  // all lanes take part (active is warp-uniform)
+      const int r = ridx / kNC, j = ridx % kNC;
+      const int64_t n = n_base + j;
+      if (ks > 1) {
+        if (writer) part[warp][ridx] = s;
+        __syncthreads();
+        if (kp == 0 && writer) {
+          for (int q = 1; q < ks; ++q) s = __fadd_rn(s, part[cg + q * groups][ridx]);
+        }
+        __syncthreads();  // part is rewritten by the next tile
+      }
+      if (kp == 0 && writer && r < rows && n < N) {
+        float* out = yg + (m0 + r) * a.ldy + n;
+        *out = a.accumulate ? __fadd_rn(*out, s) : s;
+      }
+    }
+  }
+}
+
+template <WFmt F>
+void launch_fmt(const GemmArgs& a, bool wvec, dim3 grid) {
+  cudaStream_t st = detail::stream();
+  if (wvec) {
+    if (a.M == 1)
+      linear_kernel<F, true, 1><<<grid, kThreads, 0, st>>>(a);
+    else
+      linear_kernel<F, true, 8><<<grid, kThreads, 0, st>>>(a);
+  } else {
+    linear_kernel<F, false, 8><<<grid, kThreads, 0, st>>>(a);  // misaligned rows: rare, one tile size
+  }
+}
+
+// Fills the launch-shape fields of `a` (ks, x_vec), picks the instantiation and launches.
+void run(GemmArgs& a, int64_t N, const char* what) {
+  const int64_t K = a.w.K;
+  a.ks = k_split(K);
+  const int64_t cols_per_block = (kWarps / a.ks) * kNC;
+  const int64_t bx = (N + cols_per_block - 1) / cols_per_block;
+  DFLASH2_CHECK_ARG(bx <= int64_t(INT32_MAX), "cuda::", what, ": ", N, " output features are too many for one launch");
+  a.x_vec = detail::aligned(a.x, 16) && (a.M == 1 || a.ldx % 4 == 0) && (a.G == 1 || a.x_head % 4 == 0);
+  // every head's rows must take the vector load: check head 0 and the head step
+  bool wvec = detail::weight_rows_vectorizable(a.w);
+  if (wvec && a.G > 1) {
+    WeightView next = a.w;
+    next.data += a.w_head_bytes;
+    wvec = detail::weight_rows_vectorizable(next);
+  }
+  const dim3 grid(unsigned(bx), unsigned(a.G < detail::kMaxGridY ? a.G : detail::kMaxGridY));
+  switch (a.w.fmt) {
+    case WFmt::F32: launch_fmt<WFmt::F32>(a, wvec, grid); break;
+    case WFmt::BF16: launch_fmt<WFmt::BF16>(a, wvec, grid); break;
+    case WFmt::F16: launch_fmt<WFmt::F16>(a, wvec, grid); break;
+    case WFmt::FP8: launch_fmt<WFmt::FP8>(a, wvec, grid); break;
+    case WFmt::NVFP4: launch_fmt<WFmt::NVFP4>(a, wvec, grid); break;
+  }
+}
+
+// Rows of an output must not overlap (two threads would write one element): given the
+// (size, stride) of its row dims, a sufficient condition is that, sorted by stride, each
+// row dim steps past everything inside the previous one.
+void check_out_rows(int n, const int64_t* size, const int64_t* stride, int64_t cols, const char* op) {
+  int64_t span = cols;  // extent covered by the inner dims so far
+  int order[2] = {0, 1};
+  if (n == 2 && stride[1] < stride[0]) {
+    order[0] = 1;
+    order[1] = 0;
+  }
+  for (int i = 0; i < n; ++i) {
+    const int d = order[i];
+    if (size[d] <= 1) continue;
+    DFLASH2_CHECK_ARG(stride[d] >= span, "cuda::", op, ": the rows of 'y' overlap (row stride ", stride[d],
+                      " over an extent of ", span, " elements)");
+    span = stride[d] * size[d];
+  }
+}
+
+}  // namespace
+
+void linear(const Tensor& x, const ops::Weight& w, Tensor& y, bool accumulate) {
+  DFLASH2_CHECK_ARG(x.defined() && y.defined(), "cuda::linear: undefined tensor argument");
+  DFLASH2_CHECK_ARG(x.device().is_cuda() && y.device() == x.device(),
+                    "cuda::linear: x and y must be on the same CUDA device, found ", x.describe(), ", ", y.describe());
+  DFLASH2_CHECK_ARG(x.dtype() == DType::F32 && y.dtype() == DType::F32 && x.ndim() == 2 && y.ndim() == 2,
+                    "cuda::linear: x and y must be F32 2-D, found ", x.describe(), ", ", y.describe());
+  w.validate();
+  const int device = x.device().index;
+  const WeightView v = detail::weight_view(w, device, "cuda::linear");
+  const int64_t M = x.shape(0), K = v.K, N = v.N;
+  DFLASH2_CHECK_ARG(x.shape(1) == K && y.shape(0) == M && y.shape(1) == N, "cuda::linear(", w.name, "): x ",
+                    x.describe(), " and y ", y.describe(), " do not match the weight [", N, ", ", K, "]");
+  DFLASH2_CHECK_ARG((x.stride(1) == 1 || K <= 1) && (y.stride(1) == 1 || N <= 1),
+                    "cuda::linear: x and y must be contiguous in their last dimension, found strides ",
+                    shape_str(x.strides()), " and ", shape_str(y.strides()));
+  const int64_t ysize[1] = {M}, ystride[1] = {y.stride(0)};
+  check_out_rows(1, ysize, ystride, N, "linear");
+  if (M == 0 || N == 0) return;
+  GemmArgs a{};
+  a.w = v;
+  a.w_head_bytes = 0;
+  a.x = x.data_as<const float>();
+  a.ldx = x.stride(0);
+  a.x_head = 0;
+  a.y = y.data_as<float>();
+  a.ldy = y.stride(0);
+  a.y_head = 0;
+  a.M = M;
+  a.G = 1;
+  a.accumulate = accumulate;
+  detail::DeviceGuard guard(device);
+  run(a, N, "linear");
+  detail::check_launch("linear kernel launch", w.name, " ", x.describe(), " -> ", y.describe());
+}
+
+void linear_heads(const Tensor& x, const Tensor& w, Tensor& y) {
+  DFLASH2_CHECK_ARG(x.defined() && w.defined() && y.defined(), "cuda::linear_heads: undefined tensor argument");
+  DFLASH2_CHECK_ARG(x.device().is_cuda() && w.device() == x.device() && y.device() == x.device(),
+                    "cuda::linear_heads: x, w and y must be on the same CUDA device, found ", x.describe(), ", ",
+                    w.describe(), ", ", y.describe());
+  DFLASH2_CHECK_ARG(x.dtype() == DType::F32 && y.dtype() == DType::F32 && x.ndim() == 3 && y.ndim() == 3 &&
+                        w.ndim() == 3,
+                    "cuda::linear_heads: x and y must be F32 3-D and w 3-D, found ", x.describe(), ", ", w.describe(),
+                    ", ", y.describe());
+  const int64_t T = x.shape(0), G = x.shape(1), K = x.shape(2), N = w.shape(1);
+  DFLASH2_CHECK_ARG(w.shape(0) == G && w.shape(2) == K && y.shape(0) == T && y.shape(1) == G && y.shape(2) == N,
+                    "cuda::linear_heads: x ", x.describe(), ", w ", w.describe(), " and y ", y.describe(),
+                    " must be [T, G, K], [G, N, K] and [T, G, N]");
+  DFLASH2_CHECK_ARG((x.stride(2) == 1 || K <= 1) && w.stride(2) == 1 && (y.stride(2) == 1 || N <= 1),
+                    "cuda::linear_heads: rows must be contiguous, found strides ", shape_str(x.strides()), ", ",
+                    shape_str(w.strides()), " and ", shape_str(y.strides()));
+  WeightView v;
+  switch (w.dtype()) {
+    case DType::F32: v.fmt = WFmt::F32; break;
+    case DType::BF16: v.fmt = WFmt::BF16; break;
+    case DType::F16: v.fmt = WFmt::F16; break;
+    default:
+      fail(ErrorKind::InvalidArgument, "cuda::linear_heads: w must be F32, BF16 or F16, found ", w.describe());
+  }
+  const int64_t ysize[2] = {T, G}, ystride[2] = {y.stride(0), y.stride(1)};
+  check_out_rows(2, ysize, ystride, N, "linear_heads");
+  if (T == 0 || G == 0 || N == 0) return;
+  const int64_t es = int64_t(w.itemsize());
+  v.data = static_cast<const uint8_t*>(w.data());
+  v.row_bytes = w.stride(1) * es;
+  v.N = N;
+  v.K = K;
+  GemmArgs a{};
+  a.w = v;
+  a.w_head_bytes = w.stride(0) * es;
+  a.x = x.data_as<const float>();
+  a.ldx = x.stride(0);
+  a.x_head = x.stride(1);
+  a.y = y.data_as<float>();
+  a.ldy = y.stride(0);
+  a.y_head = y.stride(1);
+  a.M = T;
+  a.G = G;
+  a.accumulate = false;
+  detail::DeviceGuard guard(x.device().index);
+  run(a, N, "linear_heads");
+  detail::check_launch("linear_heads kernel launch", x.describe(), " by ", w.describe());
+}
+
+}  // namespace dflash2::cuda

@@ -1,0 +1,634 @@
+// cuda/moe.cu: the MoE ops of the CUDA backend: moe_route (sigmoid routing with a
+// correction bias, group-limited top-k) and moe_experts (the routed experts of one layer
+// and their weighted combine). Semantics: dflash2/ops.h; oracle: cpu/moe.cpp.
+//
+// Status: compiled for sm_90a/sm_100a/sm_103a, NOT yet run on a GPU. The routing logic and
+// the workspace layout (moe_route.h) are unit-tested on the CPU against the CPU backend by
+// tests/cpp/test_cuda_moe.cpp; the kernels are checked against the CPU backend by that test
+// and tests/test_ops.py when a GPU is present.
+//
+// moe_route: one block per token (grid-strided past 2^20 tokens), shared memory holding
+//   the token's scores; the phases of moe_route.h (sigmoid, group top-2 sums, group rank,
+//   expert rank by counting, ascending compaction, serial denominator, weights), each a loop
+//   of the block's threads over independent items calling the __host__ __device__
+//   functions the CPU test checks. Ranks are counted (O(E^2 / threads) comparisons of
+//   shared values, ~256 per thread for E = 256), which gives exactly the CPU's
+//   partial_sort membership with ties to the lower id. logits F32 [T, E] rows contiguous
+//   (any row stride), bias F32 [E] (any stride), ids I32 / weights F32 [T, top_k] rows
+//   contiguous (any row stride). E <= 2048.
+//   Numerics: the CPU's fp32 operations in the CPU's order (sigmoid 1 / (1 + expf(-x)),
+//   choice = s + bias, top-2 sum, denominator summed over the chosen experts in ascending
+//   id order from 0, + 1e-20, s / denom, * routed_scaling_factor): no multiply-add pair
+//   exists to be contracted into an FMA. expf is CUDA's (within 2 ulp of glibc's), so the
+//   weights are equal to the CPU's or within a few ulp, and a discrete decision can differ
+//   only between experts whose scores are within an ulp or two; bitwise-equal logits give
+//   bitwise-equal scores, so exact ties are broken exactly as on the CPU.
+//
+// moe_experts: four launches, no host synchronization (the ids are device data):
+//   1 list     one block: counts the slots (t, j) of each expert held here (integer
+//              atomics: the counts are exact), a warp scans them into start[] and the
+//              ascending list of active experts, then one warp fills order[] with
+//              __match_any_sync so each expert's slots stay in ascending slot order
+//              (deterministic). A slot whose id is outside [first, first + E) -- another
+//              rank's expert, or an invalid id, which the CPU rejects with an error but a
+//              kernel cannot -- is in no list and contributes nothing.
+//   2 gate/up  grid (F / 8 row tiles, active experts): block y takes the y-th active expert
+//              (grid-stride over the active list, whose length is device data), each warp
+//              one output row r of gate and up, and walks the expert's slots in chunks of 4
+//              tokens: the lanes stride over H in 8-element pieces (one 4-32 byte
+//              dequantizing load of the weight, weight_view.cuh), accumulate in fp32 for
+//              each token of the chunk, reduce by warp butterfly, and write
+//              h[slot, r] = silu(g) * u with the CPU's (g / (1 + expf(-g))) * u.
+//   3 down     the same kernel over the down weights: y[slot, :] = h[slot, :] @ W_down^T.
+//   4 combine  out[t, d] = sum_j weights[t, j] * y[t * top_k + j, d] over the slots held
+//              here, j ascending from 0.0f, with the CPU's fp32 rounding (__fmul_rn then
+//              __fadd_rn): no atomics, deterministic.
+//   Each (slot, output row) dot product has a fixed order (lane partial sums, then the
+//   butterfly) independent of how many tokens share the expert or the step: a token's
+//   result does not depend on the batch (decode == verify). Against the CPU the sums are
+//   in a different order (fp32 both), well inside the NMSE thresholds.
+//   Workspace (moe_route.h moe_ws_layout): y [n, H], h [n, F(+pad)], then the I32 lists;
+//   n = T * top_k; it fits in ops::moe_workspace_floats(T, top_k, H, F, E) floats.
+//   x, out F32 [T, H] rows contiguous (any row stride); ids I32, weights F32 [T, top_k]
+//   rows contiguous. Weights: any ops::Weight format (dense F32 / BF16 / F16, FP8
+//   block-128, NVFP4) with any row stride (tensor-parallel row / column slices), but one
+//   format for every gate and up weight of the layer and one for every down weight.
+//
+//   The experts' WeightViews live in a device array built on the first call with a given
+//   set of expert weights (one cudaMalloc + a synchronous cudaMemcpy) and cached per device
+//   for the life of the process, keyed by the full content of the views (every pointer,
+//   stride, format and scale of every expert, compared exactly): each call rebuilds the
+//   host views (a few microseconds for 256 experts) and finds its array. Building is
+//   refused while the current stream is being captured into a CUDA graph (Backend error):
+//   run one eager step first, which builds every layer's array. A cached array is never
+//   freed (3 * E * 64 bytes per layer: 49 KB for 256 experts), so a captured graph can
+//   always read it; weights freed and reloaded at new addresses simply get a new entry.
+//
+// Performance (decode, T * top_k small): each active expert's gate/up/down weights are
+// read once per chunk of 4 tokens, by warps streaming rows with 8-element vector loads; the
+// expert list costs one tiny single-block launch. Ideas, roughly in order of value:
+//   - prefill (many tokens per expert): a grouped GEMM over the experts -- CUTLASS sm90
+//     grouped GEMM with TMA / WGMMA (FP8 block-scaled via the sm90 blockwise-scaling
+//     mainloop), and on sm100/sm103 the block-scaled grouped GEMM (tcgen05, NVFP4 / MXFP8
+//     scale factors in TMEM) -- fed by the same per-expert lists (a device-side problem
+//     size array, so still no host synchronization), with silu * up fused into the gate/up
+//     epilogue and the combine into the down epilogue (or kept separate, it is cheap). Here
+//     weights are re-read (from L2) once per 4 tokens and x rows once per output row.
+//   - decode: 16-byte weight loads for FP8 / NVFP4 (16 / 32 elements per lane), two rows
+//     per warp, split-K for the down projection (K = F is short), and a cooperative
+//     multi-warp list kernel for prefill-sized T (the fill is one warp, ~n / 32 steps);
+//   - registers (ptxas): 56-85 on sm_90a; on sm_100a/103a the FP8 / NVFP4 gate/up
+//     variants take 121-128 (2 blocks of 256 per SM). No spills, except 12-16 bytes in the
+//     NVFP4 gate/up fallback for rows not 4-byte aligned (never with a 4-byte aligned
+//     pointer: K % 16 == 0 makes every NVFP4 row a multiple of 8 bytes). __launch_bounds__(256, 3)
+//     caps them at 80 with 8-32 bytes of spills; which is faster is for a GPU to measure.
+//     The NVFP4 variants keep e2m1_to_f32's 8-entry table in local memory (32-64 byte stack
+//     frames, weight_view.cuh): a register-only decode would avoid that;
+//   - fuse the list into moe_route (it already knows each token's experts) and the
+//     combine into the down kernel's epilogue when top_k slots of a token are in one CTA.
+#include <cuda_runtime.h>
+
+#include <cmath>
+#include <cstdint>
+#include <cstring>
+#include <memory>
+#include <mutex>
+#include <unordered_map>
+#include <vector>
+
+#include "backend/cuda/cuda_api.h"
+#include "backend/cuda/cuda_check.cuh"
+#include "backend/cuda/kernel_util.cuh"
+#include "backend/cuda/moe_route.h"
+#include "backend/cuda/weight_view.cuh"
+#include "dflash2/error.h"
+
+namespace dflash2::cuda {
+
+namespace {
+
+using detail::WeightView;
+using detail::WFmt;
+
+// ------------------------------------------------------------------ moe_route
+constexpr int kRouteMaxE = 2048;
+
+__global__ void __launch_bounds__(detail::kMaxThreads)
+    moe_route_kernel(const float* __restrict__ logits, int64_t l_stride, const float* __restrict__ bias,
+                     int64_t b_stride, moe::RouteParams p, int32_t* __restrict__ ids, int64_t i_stride,
+                     float* __restrict__ weights, int64_t w_stride, int64_t T) {
+  extern __shared__ float smem[];
+  const int E = p.E, G = p.G, K = p.K, per = p.E / p.G;
+  float* s = smem;                                           // [E]
+  float* choice = s + E;                                     // [E]
+  float* gs = choice + E;                                    // [G]
+  int32_t* chosen = reinterpret_cast<int32_t*>(gs + G);      // [E]
+  int32_t* sel = chosen + E;                                 // [K]
+  float* denom_sh = reinterpret_cast<float*>(sel + K);       // [1]
+  const int tid = threadIdx.x, nt = blockDim.x;
+  for (int64_t t = blockIdx.x; t < T; t += gridDim.x) {
+    const float* lg = logits + t * l_stride;
+    for (int e = tid; e < E; e += nt) {  // 1
+      s[e] = moe::sigmoid(lg[e]);
+      choice[e] = s[e] + bias[int64_t(e) * b_stride];
+    }
+    __syncthreads();
+    if (G > 1) {
+      for (int g = tid; g < G; g += nt) gs[g] = moe::top2_sum(choice + g * per, per);  // 2
+      __syncthreads();
+      for (int e = tid; e < E; e += nt)  // 3
+        if (!moe::group_kept(gs, p, e)) choice[e] = -INFINITY;
+      __syncthreads();
+    }
+    for (int e = tid; e < E; e += nt) chosen[e] = moe::rank_of(choice, E, e) < K ? 1 : 0;  // 4
+    __syncthreads();
+    for (int e = tid; e < E; e += nt)  // 5
+      if (chosen[e]) sel[moe::count_below(chosen, e)] = e;
+    __syncthreads();
+    if (tid == 0) {  // 6
+      float denom = 0.0f;
+      for (int j = 0; j < K; ++j) denom = __fadd_rn(denom, s[sel[j]]);
+      *denom_sh = __fadd_rn(denom, 1e-20f);
+    }
+    __syncthreads();
+    const float denom = *denom_sh;
+    for (int j = tid; j < K; j += nt) {  // 7
+      const int e = sel[j];
+      ids[t * i_stride + j] = e;
+      weights[t * w_stride + j] = moe::route_weight(s[e], denom, p.norm, p.scale);
+    }
+    __syncthreads();  // the next token reuses the shared arrays
+  }
+}
+
+// ------------------------------------------------------------------ moe_experts
+struct ExpertView {
+  WeightView gate, up, down;
+};
+
+constexpr int kListThreads = 1024;
+constexpr int kGemvWarps = 8;  // output rows per block
+constexpr int kGemvThreads = 32 * kGemvWarps;
+constexpr int kTokChunk = 4;   // tokens per pass over a weight row
+
+// The expert (index here) of slot i, or -1 when it is held elsewhere (or invalid).
+__device__ __forceinline__ int local_expert(const int32_t* ids, int64_t i_stride, int K, int64_t i, int64_t first,
+                                            int E) {
+  const int64_t t = i / K, j = i - t * K;
+  const int64_t e = int64_t(ids[t * i_stride + j]) - first;
+  return e >= 0 && e < E ? int(e) : -1;
+}
+
+__global__ void __launch_bounds__(kListThreads)
+    moe_list_kernel(const int32_t* __restrict__ ids, int64_t i_stride, int K, int64_t n, int64_t first, int E,
+                    int32_t* start, int32_t* cursor, int32_t* active, int32_t* order) {
+  const int tid = threadIdx.x, lane = tid & 31;
+  for (int e = tid; e < E; e += blockDim.x) cursor[e] = 0;
+  __syncthreads();
+  for (int64_t i = tid; i < n; i += blockDim.x) {
+    const int e = local_expert(ids, i_stride, K, i, first, E);
+    if (e >= 0) atomicAdd(&cursor[e], 1);
+  }
+  __syncthreads();
+  if (tid < 32) {  // exclusive scan of the counts, and the ascending list of active experts
+    int run = 0, nact = 0;
+    for (int base = 0; base < E; base += 32) {
+      const int e = base + lane;
+      const int c = e < E ? cursor[e] : 0;
+      int incl = c;
+#pragma unroll
+      for (int off = 1; off < 32; off <<= 1) {
+        const int v = __shfl_up_sync(0xffffffffu, incl, off);
+        if (lane >= off) incl += v;
+      }
+      const unsigned act = __ballot_sync(0xffffffffu, c > 0);
+      if (e < E) {
+        start[e] = run + incl - c;
+        cursor[e] = run + incl - c;
+        if (c > 0) active[1 + nact + __popc(act & ((1u << lane) - 1u))] = e;
+      }
+      nact += __popc(act);
+      run += __shfl_sync(0xffffffffu, incl, 31);
+    }
+    if (lane == 0) {
+      start[E] = run;
+      active[0] = nact;
+    }
+  }
+  __syncthreads();
+  if (tid < 32) {  // stable fill: slots in ascending order within each expert
+    for (int64_t base = 0; base < n; base += 32) {
+      const int64_t i = base + lane;
+      const int e = i < n ? local_expert(ids, i_stride, K, i, first, E) : -1;
+      const unsigned peers = __match_any_sync(0xffffffffu, e);
+      if (e >= 0) order[cursor[e] + __popc(peers & ((1u << lane) - 1u))] = int32_t(i);
+      __syncwarp();
+      if (e >= 0 && lane == __ffs(peers) - 1) cursor[e] += __popc(peers);
+      __syncwarp();
+    }
+  }
+}
+
+struct GemvArgs {
+  const ExpertView* views;
+  const int32_t* start;
+  const int32_t* active;
+  const int32_t* order;
+  const float* in;   // gated: x rows by token (slot / in_div); else h rows by slot
+  int64_t in_stride;
+  int in_div;
+  bool in_vec;       // in rows 16-byte aligned at every multiple of 8 elements
+  float* out;        // out[slot * out_stride + r]
+  int64_t out_stride;
+  int64_t rows;      // output rows (F for gate/up, H for down)
+  int64_t kdim;      // reduction length (H for gate/up, F for down)
+  int max_active;    // bound on active[0] (min(E, n))
+};
+
+__device__ __forceinline__ void load8(const float* p, bool vec, float v[8]) {
+  if (vec) {
+    const float4 a = reinterpret_cast<const float4*>(p)[0];
+    const float4 b = reinterpret_cast<const float4*>(p)[1];
+    v[0] = a.x; v[1] = a.y; v[2] = a.z; v[3] = a.w;
+    v[4] = b.x; v[5] = b.y; v[6] = b.z; v[7] = b.w;
+  } else {
+#pragma unroll
+    for (int i = 0; i < 8; ++i) v[i] = p[i];
+  }
+}
+
+__device__ __forceinline__ float warp_sum(float v) {
+#pragma unroll
+  for (int off = 16; off > 0; off >>= 1) v += __shfl_xor_sync(0xffffffffu, v, off);
+  return v;
+}
+
+// gated: h[slot, r] = silu(x[token] . gate[r]) * (x[token] . up[r]); else y[slot, r] = h[slot] . down[r].
+template <WFmt F, bool wvec, bool gated>
+__global__ void __launch_bounds__(kGemvThreads) moe_gemv_kernel(GemvArgs a) {
+  const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
+  const int64_t r = int64_t(blockIdx.x) * kGemvWarps + warp;
+  if (r >= a.rows) return;  // whole warps only; the kernel has no block barrier
+  int nact = a.active[0];
+  if (nact > a.max_active) nact = a.max_active;
+  const int64_t K8 = a.kdim / 8 * 8;
+  for (int ai = blockIdx.y; ai < nact; ai += gridDim.y) {
+    const int e = a.active[1 + ai];
+    const int beg = a.start[e], cnt = a.start[e + 1] - beg;
+    const WeightView wa = gated ? a.views[e].gate : a.views[e].down;
+    WeightView wb;
+    if constexpr (gated) wb = a.views[e].up;
+    for (int c0 = 0; c0 < cnt; c0 += kTokChunk) {
+      const int nt = cnt - c0 < kTokChunk ? cnt - c0 : kTokChunk;
+      int slot[kTokChunk];
+      const float* in[kTokChunk];
+#pragma unroll
+      for (int j = 0; j < kTokChunk; ++j) {
+        slot[j] = a.order[beg + c0 + (j < nt ? j : 0)];
+        in[j] = a.in + int64_t(slot[j] / a.in_div) * a.in_stride;
+      }
+      float acc_a[kTokChunk], acc_b[kTokChunk];
+#pragma unroll
+      for (int j = 0; j < kTokChunk; ++j) acc_a[j] = acc_b[j] = 0.0f;
+      for (int64_t k0 = int64_t(lane) * 8; k0 < K8; k0 += 256) {
+        float wa8[8], wb8[8];
+        detail::w_load8<F, wvec>(wa, r, k0, wa8);
+        if constexpr (gated) detail::w_load8<F, wvec>(wb, r, k0, wb8);
+#pragma unroll
+        for (int j = 0; j < kTokChunk; ++j) {
+          if (j < nt) {
+            float xv[8];
+            load8(in[j] + k0, a.in_vec, xv);
+#pragma unroll
+            for (int i = 0; i < 8; ++i) {
+              acc_a[j] = fmaf(wa8[i], xv[i], acc_a[j]);
+              if constexpr (gated) acc_b[j] = fmaf(wb8[i], xv[i], acc_b[j]);
+            }
+          }
+        }
+      }
+      for (int64_t k = K8 + lane; k < a.kdim; k += 32) {  // the last kdim % 8 elements
+        const float wk = detail::w_at<F>(wa, r, k);
+        float uk = 0.0f;
+        if constexpr (gated) uk = detail::w_at<F>(wb, r, k);
+#pragma unroll
+        for (int j = 0; j < kTokChunk; ++j) {
+          if (j < nt) {
+            const float xk = in[j][k];
+            acc_a[j] = fmaf(wk, xk, acc_a[j]);
+            if constexpr (gated) acc_b[j] = fmaf(uk, xk, acc_b[j]);
+          }
+        }
+      }
+#pragma unroll
+      for (int j = 0; j < kTokChunk; ++j) {
+        if (j < nt) {  // nt is warp-uniform: every lane joins the shuffles
+          const float g = warp_sum(acc_a[j]);
+          float v = g;
+          if constexpr (gated) {
+            const float u = warp_sum(acc_b[j]);
+            v = __fmul_rn(__fdiv_rn(g, __fadd_rn(1.0f, expf(-g))), u);
+          }
+          if (lane == j) a.out[int64_t(slot[j]) * a.out_stride + r] = v;
+        }
+      }
+    }
+  }
+}
+
+__global__ void __launch_bounds__(256)
+    moe_combine_kernel(const float* __restrict__ y, const int32_t* __restrict__ ids, int64_t i_stride,
+                       const float* __restrict__ w, int64_t w_stride, int K, int64_t first, int E,
+                       float* __restrict__ out, int64_t o_stride, int64_t T, int64_t H) {
+  const int64_t d = int64_t(blockIdx.x) * blockDim.x + threadIdx.x;
+  if (d >= H) return;
+  for (int64_t t = blockIdx.y; t < T; t += gridDim.y) {
+    float o = 0.0f;
+    for (int j = 0; j < K; ++j) {
+      const int64_t e = int64_t(ids[t * i_stride + j]) - first;
+      if (e < 0 || e >= E) continue;
+      o = __fadd_rn(o, __fmul_rn(y[(t * K + j) * H + d], w[t * w_stride + j]));
+    }
+    out[t * o_stride + d] = o;
+  }
+}
+
+// ------------------------------------------------------------------ expert view cache
+struct ExpertTable {
+  int device = -1;
+  std::vector<ExpertView> host;
+  ExpertView* dev = nullptr;
+  WFmt gu_fmt = WFmt::F32, down_fmt = WFmt::F32;
+  bool gu_vec = false, down_vec = false;
+};
+
+bool same_view(const WeightView& a, const WeightView& b) {
+  return a.fmt == b.fmt && a.data == b.data && a.row_bytes == b.row_bytes && a.scale == b.scale &&
+         a.scale_stride == b.scale_stride && std::memcmp(&a.global_scale, &b.global_scale, sizeof(float)) == 0 &&
+         a.N == b.N && a.K == b.K;
+}
+
+void mix(uint64_t& h, uint64_t v) {
+  h ^= v + 0x9e3779b97f4a7c15ull + (h << 6) + (h >> 2);
+}
+
+uint64_t hash_views(int device, const std::vector<ExpertView>& v) {
+  uint64_t h = uint64_t(device) * 0x100000001b3ull + v.size();
+  for (const ExpertView& x : v)
+    for (const WeightView* w : {&x.gate, &x.up, &x.down}) {
+      uint32_t gsb = 0;
+      std::memcpy(&gsb, &w->global_scale, sizeof(gsb));
+      mix(h, uint64_t(w->fmt));
+      mix(h, uint64_t(reinterpret_cast<uintptr_t>(w->data)));
+      mix(h, uint64_t(w->row_bytes));
+      mix(h, uint64_t(reinterpret_cast<uintptr_t>(w->scale)));
+      mix(h, uint64_t(w->scale_stride));
+      mix(h, gsb);
+      mix(h, uint64_t(w->N) * 0x10001ull + uint64_t(w->K));
+    }
+  return h;
+}
+
+const char* fmt_name(WFmt f) {
+  switch (f) {
+    case WFmt::F32: return "dense F32";
+    case WFmt::BF16: return "dense BF16";
+    case WFmt::F16: return "dense F16";
+    case WFmt::FP8: return "FP8 block-128";
+    case WFmt::NVFP4: return "NVFP4";
+  }
+  return "?";
+}
+
+std::mutex g_tables_mu;
+std::unordered_map<uint64_t, std::vector<std::unique_ptr<ExpertTable>>>& tables() {
+  static auto* m = new std::unordered_map<uint64_t, std::vector<std::unique_ptr<ExpertTable>>>();  // never destroyed
+  return *m;
+}
+
+// The device array of the experts' views (see the file comment). Checks every weight's
+// device, layout and shape ([F, H] gate / up, [H, F] down) and the per-layer formats.
+const ExpertTable& expert_table(const ops::ExpertWeights& ex, int device, int64_t H, int64_t F) {
+  const char* op = "cuda::moe_experts";
+  const size_t E = ex.gate.size();
+  std::vector<ExpertView> host(E);
+  for (size_t e = 0; e < E; ++e) {
+    ExpertView& v = host[e];
+    v.gate = detail::weight_view(ex.gate[e], device, op);
+    v.up = detail::weight_view(ex.up[e], device, op);
+    v.down = detail::weight_view(ex.down[e], device, op);
+    DFLASH2_CHECK_ARG(v.gate.N == F && v.gate.K == H && v.up.N == F && v.up.K == H && v.down.N == H &&
+                          v.down.K == F,
+                      op, ": expert ", e, " has shapes gate [", v.gate.N, ", ", v.gate.K, "], up [", v.up.N, ", ",
+                      v.up.K, "], down [", v.down.N, ", ", v.down.K, "]; expected [", F, ", ", H, "], [", F, ", ", H,
+                      "], [", H, ", ", F, "]");
+    DFLASH2_CHECK_ARG(v.gate.fmt == host[0].gate.fmt && v.up.fmt == host[0].gate.fmt, op, ": expert ", e,
+                      " has gate / up weights in ", fmt_name(v.gate.fmt), " / ", fmt_name(v.up.fmt),
+                      " but expert 0's gate is ", fmt_name(host[0].gate.fmt),
+                      "; the CUDA backend needs one format for every gate and up weight of a layer");
+    DFLASH2_CHECK_ARG(v.down.fmt == host[0].down.fmt, op, ": expert ", e, " has its down weight in ",
+                      fmt_name(v.down.fmt), " but expert 0's is ", fmt_name(host[0].down.fmt),
+                      "; the CUDA backend needs one format for every down weight of a layer");
+  }
+  const uint64_t h = hash_views(device, host);
+  std::lock_guard<std::mutex> lock(g_tables_mu);
+  std::vector<std::unique_ptr<ExpertTable>>& bucket = tables()[h];
+  for (const auto& t : bucket) {
+    if (t->device != device || t->host.size() != E) continue;
+    bool same = true;
+    for (size_t e = 0; e < E && same; ++e)
+      same = same_view(t->host[e].gate, host[e].gate) && same_view(t->host[e].up, host[e].up) &&
+             same_view(t->host[e].down, host[e].down);
+    if (same) return *t;
+  }
+  cudaStream_t s = detail::stream();
+  cudaStreamCaptureStatus cap = cudaStreamCaptureStatusNone;
+  DFLASH2_CUDA_CHECK(cudaStreamIsCapturing(s, &cap), "moe_experts: cuda:", device);
+  DFLASH2_CHECK(cap == cudaStreamCaptureStatusNone, ErrorKind::Backend, op,
+                ": the device table of this layer's ", E, " expert weights on cuda:", device,
+                " is built on first use, which cannot happen while the stream is being captured into a CUDA graph; "
+                "run one eager step with these weights before capturing");
+  auto t = std::make_unique<ExpertTable>();
+  t->device = device;
+  t->host = std::move(host);
+  t->gu_fmt = t->host[0].gate.fmt;
+  t->down_fmt = t->host[0].down.fmt;
+  t->gu_vec = t->down_vec = true;
+  for (const ExpertView& v : t->host) {
+    t->gu_vec = t->gu_vec && detail::weight_rows_vectorizable(v.gate) && detail::weight_rows_vectorizable(v.up);
+    t->down_vec = t->down_vec && detail::weight_rows_vectorizable(v.down);
+  }
+  const size_t bytes = E * sizeof(ExpertView);
+  t->dev = static_cast<ExpertView*>(device_malloc(bytes, device));
+  const cudaError_t err = cudaMemcpy(t->dev, t->host.data(), bytes, cudaMemcpyHostToDevice);
+  if (err != cudaSuccess) {
+    device_free(t->dev, device);
+    detail::raise(err, "cudaMemcpy", "moe_experts expert table, cuda:", device);
+  }
+  bucket.push_back(std::move(t));
+  return *bucket.back();
+}
+
+template <WFmt F, bool gated>
+void launch_gemv_fmt(bool wvec, dim3 grid, const GemvArgs& a) {
+  if (wvec)
+    moe_gemv_kernel<F, true, gated><<<grid, kGemvThreads, 0, detail::stream()>>>(a);
+  else
+    moe_gemv_kernel<F, false, gated><<<grid, kGemvThreads, 0, detail::stream()>>>(a);
+}
+
+template <bool gated>
+void launch_gemv(WFmt f, bool wvec, dim3 grid, const GemvArgs& a) {
+  switch (f) {
+    case WFmt::F32: launch_gemv_fmt<WFmt::F32, gated>(wvec, grid, a); break;
+    case WFmt::BF16: launch_gemv_fmt<WFmt::BF16, gated>(wvec, grid, a); break;
+    case WFmt::F16: launch_gemv_fmt<WFmt::F16, gated>(wvec, grid, a); break;
+    case WFmt::FP8: launch_gemv_fmt<WFmt::FP8, gated>(wvec, grid, a); break;
+    case WFmt::NVFP4: launch_gemv_fmt<WFmt::NVFP4, gated>(wvec, grid, a); break;
+  }
+}
+
+// Rows of a 2-D tensor with a contiguous last dim: the row stride (one row: its length).
+int64_t row_stride_2d(const Tensor& t) { return t.shape(0) > 1 ? t.stride(0) : t.shape(1); }
+
+void need_rows(const Tensor& t, DType dt, int device, const char* op, const char* arg) {
+  DFLASH2_CHECK_ARG(t.defined(), op, ": undefined tensor '", arg, "'");
+  DFLASH2_CHECK_ARG(t.device().is_cuda() && t.device().index == device, op, ": '", arg, "' must be on cuda:", device,
+                    ", found ", t.describe());
+  DFLASH2_CHECK_ARG(t.dtype() == dt && t.ndim() == 2 && (t.stride(1) == 1 || t.shape(1) <= 1), op, ": '", arg,
+                    "' must be ", dtype_name(dt), " [rows, cols] with contiguous rows, found ", t.describe());
+}
+
+}  // namespace
+
+void moe_route(const Tensor& logits, const Tensor& bias, const ops::MoeRouting& r, Tensor& ids, Tensor& weights) {
+  const char* op = "cuda::moe_route";
+  DFLASH2_CHECK_ARG(logits.defined() && logits.device().is_cuda(), op, ": logits must be a CUDA tensor, found ",
+                    logits.describe());
+  const int dev = logits.device().index;
+  need_rows(logits, DType::F32, dev, op, "logits");
+  need_rows(ids, DType::I32, dev, op, "ids");
+  need_rows(weights, DType::F32, dev, op, "weights");
+  const int64_t T = logits.shape(0), E = logits.shape(1);
+  DFLASH2_CHECK_ARG(bias.defined() && bias.device() == logits.device() && bias.dtype() == DType::F32 &&
+                        bias.ndim() == 1 && bias.shape(0) == E,
+                    op, ": bias must be F32 [", E, "] on cuda:", dev, ", found ", bias.describe());
+  DFLASH2_CHECK_ARG(E >= 1 && E <= kRouteMaxE, op, ": ", E, " experts; the CUDA kernel takes 1 to ", kRouteMaxE);
+  DFLASH2_CHECK_ARG(r.n_group >= 1 && E % r.n_group == 0, op, ": n_group ", r.n_group, " must divide ", E,
+                    " experts");
+  DFLASH2_CHECK_ARG(r.topk_group >= 1 && r.topk_group <= r.n_group, op, ": topk_group must be in [1, n_group = ",
+                    r.n_group, "], found ", r.topk_group);
+  DFLASH2_CHECK_ARG(r.top_k >= 1 && r.top_k <= E / r.n_group * r.topk_group, op, ": top_k = ", r.top_k,
+                    " must be in [1, experts in the kept groups = ", E / r.n_group * r.topk_group, "]");
+  DFLASH2_CHECK_ARG(ids.shape(0) == T && ids.shape(1) == r.top_k && weights.shape(0) == T &&
+                        weights.shape(1) == r.top_k,
+                    op, ": ids and weights must be [", T, ", ", r.top_k, "], found ", ids.describe(), " and ",
+                    weights.describe());
+  if (T == 0) return;
+  moe::RouteParams p;
+  p.E = int(E);
+  p.G = int(r.n_group);
+  p.topk_group = int(r.topk_group);
+  p.K = int(r.top_k);
+  p.norm = r.norm_topk_prob;
+  p.scale = r.routed_scaling_factor;
+  const size_t smem = size_t(3 * E + r.n_group + r.top_k + 1) * sizeof(float);
+  const int threads = detail::pick_threads(E, 512);
+  detail::DeviceGuard guard(dev);
+  moe_route_kernel<<<detail::row_blocks(T), threads, smem, detail::stream()>>>(
+      logits.data_as<const float>(), row_stride_2d(logits), bias.data_as<const float>(), bias.stride(0), p,
+      ids.data_as<int32_t>(), row_stride_2d(ids), weights.data_as<float>(), row_stride_2d(weights), T);
+  detail::check_launch("moe_route kernel launch", logits.describe());
+}
+
+void moe_experts(const Tensor& x, const Tensor& ids, const Tensor& weights, const ops::ExpertWeights& experts,
+                 Tensor& out, Tensor& workspace) {
+  const char* op = "cuda::moe_experts";
+  DFLASH2_CHECK_ARG(x.defined() && x.device().is_cuda(), op, ": x must be a CUDA tensor, found ", x.describe());
+  const int dev = x.device().index;
+  need_rows(x, DType::F32, dev, op, "x");
+  need_rows(out, DType::F32, dev, op, "out");
+  need_rows(ids, DType::I32, dev, op, "ids");
+  need_rows(weights, DType::F32, dev, op, "weights");
+  const int64_t T = x.shape(0), H = x.shape(1), K = ids.shape(1), E = int64_t(experts.gate.size());
+  DFLASH2_CHECK_ARG(out.shape(0) == T && out.shape(1) == H, op, ": out must be [", T, ", ", H, "], found ",
+                    out.describe());
+  DFLASH2_CHECK_ARG(ids.shape(0) == T && weights.shape(0) == T && weights.shape(1) == K, op,
+                    ": ids and weights must be [", T, ", top_k], found ", ids.describe(), " and ", weights.describe());
+  DFLASH2_CHECK_ARG(E >= 1 && int64_t(experts.up.size()) == E && int64_t(experts.down.size()) == E, op,
+                    ": expected the same number (>= 1) of gate, up and down weights");
+  DFLASH2_CHECK_ARG(E <= int64_t(INT32_MAX) - 1 && experts.first >= 0, op, ": bad expert range: first ",
+                    experts.first, ", ", E, " experts");
+  DFLASH2_CHECK_ARG(out.shape(0) <= 1 || out.stride(0) >= H, op, ": out rows overlap, found ", out.describe());
+  const int64_t F = experts.gate[0].out_features;
+  const int64_t n = T * K;
+  DFLASH2_CHECK_ARG(n <= int64_t(INT32_MAX), op, ": ", T, " tokens x top_k ", K, " slots exceed 2^31");
+  DFLASH2_CHECK_ARG(workspace.defined() && workspace.device() == x.device() && workspace.dtype() == DType::F32 &&
+                        workspace.is_contiguous() &&
+                        workspace.numel() >= ops::moe_workspace_floats(T, K, H, F, E),
+                    op, ": workspace must hold ", ops::moe_workspace_floats(T, K, H, F, E),
+                    " contiguous F32 on cuda:", dev, ", found ", workspace.describe());
+  if (T == 0 || H == 0) return;
+  detail::DeviceGuard guard(dev);
+  const ExpertTable& tab = expert_table(experts, dev, H, F);  // also checks every weight
+
+  float* ws = workspace.data_as<float>();
+  const moe::MoeWsLayout L = moe::moe_ws_layout(n, H, F, E, workspace.numel(),
+                                                int64_t(reinterpret_cast<uintptr_t>(ws) / 4 % 4));
+  float* y = ws + L.y;
+  float* hbuf = ws + L.h;
+  int32_t* start = reinterpret_cast<int32_t*>(ws + L.start);
+  int32_t* cursor = reinterpret_cast<int32_t*>(ws + L.cursor);
+  int32_t* active = reinterpret_cast<int32_t*>(ws + L.active);
+  int32_t* order = reinterpret_cast<int32_t*>(ws + L.order);
+  const int32_t* ip = ids.data_as<const int32_t>();
+  const int64_t i_stride = row_stride_2d(ids);
+  cudaStream_t s = detail::stream();
+
+  if (n > 0 && F > 0) {
+    moe_list_kernel<<<1, kListThreads, 0, s>>>(ip, i_stride, int(K), n, experts.first, int(E), start, cursor, active,
+                                               order);
+    detail::check_launch("moe_experts list kernel launch", ids.describe());
+    const int max_active = int(E < n ? E : n);
+    const unsigned gy = unsigned(max_active < detail::kMaxGridY ? max_active : detail::kMaxGridY);
+
+    GemvArgs a{};
+    a.views = tab.dev;
+    a.start = start;
+    a.active = active;
+    a.order = order;
+    a.max_active = max_active;
+    // gate / up: x rows by token -> h [n, F]
+    a.in = x.data_as<const float>();
+    a.in_stride = row_stride_2d(x);
+    a.in_div = int(K);
+    a.in_vec = detail::aligned(a.in, 16) && a.in_stride % 4 == 0;
+    a.out = hbuf;
+    a.out_stride = L.h_stride;
+    a.rows = F;
+    a.kdim = H;
+    launch_gemv<true>(tab.gu_fmt, tab.gu_vec, dim3(detail::ceil_blocks(F, kGemvWarps, INT32_MAX), gy), a);
+    detail::check_launch("moe_experts gate/up kernel launch", fmt_name(tab.gu_fmt), " [", F, ", ", H, "]");
+    // down: h rows by slot -> y [n, H]
+    a.in = hbuf;
+    a.in_stride = L.h_stride;
+    a.in_div = 1;
+    a.in_vec = detail::aligned(hbuf, 16) && L.h_stride % 4 == 0;
+    a.out = y;
+    a.out_stride = H;
+    a.rows = H;
+    a.kdim = F;
+    launch_gemv<false>(tab.down_fmt, tab.down_vec, dim3(detail::ceil_blocks(H, kGemvWarps, INT32_MAX), gy), a);
+    detail::check_launch("moe_experts down kernel launch", fmt_name(tab.down_fmt), " [", H, ", ", F, "]");
+  }
+  const int ct = detail::pick_threads(H, 256);
+  const dim3 cgrid(detail::ceil_blocks(H, ct, INT32_MAX), unsigned(T < detail::kMaxGridY ? T : detail::kMaxGridY));
+  // F == 0 (no expert width): every held slot's y would be zero; combine reads y only for
+  // n > 0 && F > 0, so fall back to K = 0 (zeros) there.
+  moe_combine_kernel<<<cgrid, ct, 0, s>>>(y, ip, i_stride, weights.data_as<const float>(), row_stride_2d(weights),
+                                          F > 0 ? int(K) : 0, experts.first, int(E), out.data_as<float>(),
+                                          row_stride_2d(out), T, H);
+  detail::check_launch("moe_experts combine kernel launch", x.describe());
+}
+
+}  // namespace dflash2::cuda

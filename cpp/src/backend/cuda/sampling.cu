@@ -1,0 +1,978 @@
+// cuda/sampling.cu: topk, sorting-free sampling (temperature, top-k, top-p) and lossless
+// acceptance of drafted blocks on the CUDA backend.
+//
+// Status: compiled for sm_90a/sm_100a/sm_103a, NOT yet run on a GPU. The decision rules
+// (sampling_logic.h) are unit-tested on the CPU against the CPU backend's sequential rules
+// (tests/cpp/test_cuda_sampling.cpp, which also compares these kernels with the CPU ops
+// when a GPU is present).
+//
+// Semantics (ops.h; the CPU oracle is cpu/sampling.cpp and cpu/elementwise.cpp topk):
+//   topk    x F32 [.., V] -> values F32 / indices I32 [.., k]: the k largest, sorted
+//           descending, ties to the lower index, NaN last (below -inf), +0 == -0.
+//   sample  logits F32 [R, V] -> out I32 [R]: argmax when temperature <= 0, else one draw
+//           (draw 0 of rng[r]) from p = the logits / T restricted to the top_k largest
+//           (ties to the lower id), then to the smallest set of the largest reaching top_p
+//           of the rest's mass (ties to the lower id), renormalised.
+//   accept  the greedy longest-argmax-prefix, or rejection sampling with the selector's
+//           K-wide q (cand / q) or one-hot q; bonus from normalize(max(p - q, 0)) (p when
+//           nothing is left) or from p of the last row; draw i for position i, draw K for
+//           the bonus.
+//
+// Mapping. One thread block per row (sample) or per sequence (accept), up to 512 threads;
+// every pass reads the row from global memory (L2 after the first: a 155K-vocab row is
+// 620 KB), nothing is written but the outputs (no row buffer). The CPU's procedure is
+// followed step by step:
+//   1. max of the logits (x * invT is monotone, so max(x) * invT is the CPU's double max);
+//   2. top-k: a 4-pass radix selection over order-preserving keys (8 bits a pass) with
+//      count histograms (warp-aggregated with __match_any_sync, then shared atomics: exact
+//      integers), the bucket walk of sampling_logic.h done by one warp (lane l walks bins
+//      255-8l .. 248-8l); the ties at the threshold key are taken in id order: when not all
+//      are kept, the id of the last kept one is found by an ordered count scan (below);
+//   3. z = sum of the kept masses exp(x * invT - mx) in double (block reduction);
+//   4. top-p: the same radix selection with mass histograms (double; per-warp private
+//      histograms filled by the leader of each __match_any_sync group, summing its group
+//      in lane order, then summed over the warps in warp order: deterministic, no
+//      floating-point atomics), target top_p * z; the number of ties kept at the threshold
+//      by the CPU's own sequential loop (topp_ties_kept), then the id of the last one;
+//   5. the draw: an inclusive scan of the kept masses in double over ids in ascending order
+//      (warp w owns a contiguous id range; 32 ids at a time, Kogge-Stone across the lanes
+//      plus a running carry; the warps' totals scanned in warp order), x = u * total, the
+//      first id with mass whose cumulative mass exceeds x (the CPU's `x < cum`), re-walking
+//      only the warp whose range holds the crossing.
+// accept runs in two kernels: one block per (sequence, target row <= draft_len) builds the
+// row's kept set (and z, and p of the drafted token) or its argmax into scratch memory
+// (detail::scratch; rows of all sequences in parallel), then one block per sequence makes
+// the sequential accept decisions (thread 0: u_i * q(d_i) < p(d_i)) and draws the bonus.
+// No host synchronization; the only allocation is the scratch (grown, never per call).
+//
+// Numerics vs the CPU backend. Every discrete rule is the CPU's (the same keys, the same
+// threshold walk, the same tie order, the same pick rule `x < cum` skipping massless ids,
+// the same acceptance test and draw indices; Philox draws are bit-identical: philox.h).
+// Masses exp(double(x) * invT - mx) are formed with the CPU's roundings (no FMA); CUDA's
+// double exp is within 1 ulp of glibc's. Sums of masses (z, histogram bins, the draw's
+// cumulative sums) are taken in a different order than the CPU's id-order loop, so they
+// differ by ~1e-16 relative: a decision can differ from the CPU's only when the draw or
+// the top-p target falls within that of a boundary (tests use inputs with margins).
+// Counting decisions (top-k, ties, topk) are exact. Everything is deterministic run to run.
+// Inputs are device data: draft lengths are clamped to [0, K], rows / draft rows to their
+// ranges, and an out-of-range drafted token has p = 0 (rejected); nothing faults.
+//
+// Performance notes. A sampled row costs ~2 passes (no top-k/top-p) to ~12 (both, ties
+// at the cut) over the row per block; with R rows in parallel the grid fills the GPU,
+// a single row uses one SM (latency-bound, ~tens of us at 155K). Ideas: fuse the max pass
+// into the first radix pass; stop the radix early when the selected bucket is exactly the
+// target; split a single long row over a cluster (distributed shared memory histograms);
+// vectorized loads when the row is 16-byte aligned.
+//
+// topk: one block (up to 1024 threads) per row: the count radix selection of step 2 with
+// the same tie rule, then the k kept (key, index) pairs are collected (warp-aggregated
+// atomic slots) and bitonic-sorted as 64-bit keys (~key << 32 | index: descending value,
+// ascending index); in shared memory for k <= 2048, else in scratch memory.
+#include <cuda_runtime.h>
+
+#include <cmath>
+#include <cstdint>
+
+#include "backend/cuda/cuda_api.h"
+#include "backend/cuda/cuda_check.cuh"
+#include "backend/cuda/kernel_util.cuh"
+#include "backend/cuda/layout.h"
+#include "backend/cuda/sampling_logic.h"
+#include "backend/cuda/scratch.h"
+#include "dflash2/error.h"
+#include "ops/philox.h"
+
+namespace dflash2::cuda {
+
+namespace {
+
+namespace sl = sampling;
+
+constexpr unsigned kFull = 0xffffffffu;
+constexpr int kSelThreads = 512;  // sample / accept blocks
+constexpr int kSelWarps = kSelThreads / 32;
+constexpr int kTopkThreads = 1024;
+constexpr int kTopkShared = 2048;  // topk sorts up to this many pairs in shared memory
+constexpr int kSharedCand = 128;   // accept keeps up to this many candidates in shared memory
+constexpr int32_t kAll = 0x7fffffff;
+constexpr int64_t kMaxRowLen = int64_t(INT32_MAX) - 4096;
+
+// ------------------------------------------------------------------ shared state
+struct Bcast {
+  double acc, x, total;
+  int32_t d, warp, result, n;
+  uint32_t cnt;
+};
+
+// What every helper below uses (sized for 32 warps).
+struct Common {
+  uint32_t chist[256];
+  double wtot[32], wexcl[32];
+  int32_t wlast[32];
+  double dred[33];
+  float fred[33];
+  float sval[32];
+  int32_t sidx[32];
+  Bcast bc;
+};
+
+// sample / accept: + the mass histograms and the candidates of a rejected position.
+struct SelShared {
+  Common cm;
+  double whist[kSelWarps * 256];
+  double hist[256];
+  double stage[kSelWarps * 32];
+  int32_t cid[kSharedCand];
+  float cq[kSharedCand];
+};
+
+__device__ __forceinline__ int lane_id() { return int(threadIdx.x & 31); }
+__device__ __forceinline__ int warp_id() { return int(threadIdx.x >> 5); }
+__device__ __forceinline__ int num_warps() { return int(blockDim.x >> 5); }
+
+// Inclusive Kogge-Stone scan across the warp (lane order), in double.
+__device__ __forceinline__ double warp_incl_scan(double v) {
+  const int lane = lane_id();
+#pragma unroll
+  for (int off = 1; off < 32; off <<= 1) {
+    const double o = __shfl_up_sync(kFull, v, off);
+    if (lane >= off) v += o;
+  }
+  return v;
+}
+
+// The mass of logit x: exp(x * invT - mx) with the CPU's roundings (no contraction).
+__device__ __forceinline__ double mass_of(float x, const sl::RowSel& s) {
+  return exp(__dsub_rn(__dmul_rn(double(x), s.invT), s.mx));
+}
+
+// ------------------------------------------------------------------ bucket walk (warp 0)
+// hv: this lane's 8 bins in walking order. Writes the pick to bc.d / bc.acc.
+__device__ void warp_bucket_pick(const double* hv, double acc0, double target, Bcast& bc) {
+  const int lane = lane_id();
+  const double s = sl::lane_sum(hv);
+  const double incl = warp_incl_scan(s);
+  double excl = __shfl_up_sync(kFull, incl, 1);
+  if (lane == 0) excl = 0.0;
+  const sl::LaneWalk w = sl::lane_walk(hv, lane, acc0 + excl, target);
+  const unsigned found = __ballot_sync(kFull, w.found != 0);
+  const unsigned nonempty = __ballot_sync(kFull, w.last_nonempty >= 0);
+  int d;
+  double acc;
+  if (found) {
+    const int src = __ffs(int(found)) - 1;
+    d = __shfl_sync(kFull, w.d, src);
+    acc = __shfl_sync(kFull, w.acc, src);
+  } else if (nonempty) {
+    const int src = 31 - __clz(int(nonempty));
+    d = __shfl_sync(kFull, w.last_nonempty, src);
+    acc = __shfl_sync(kFull, w.acc_end - w.last_h, src);
+  } else {
+    d = 0;
+    acc = __shfl_sync(kFull, w.acc_end, 31);
+  }
+  if (lane == 0) {
+    bc.d = d;
+    bc.acc = acc;
+  }
+}
+
+// ------------------------------------------------------------------ radix selection (counts)
+// The key k* such that fewer than `target` keys are > k* and at least `target` are >= k*
+// (cpu radix_select with counts). *above: the count of keys > k*; *n_eq: the count == k*.
+template <class KeyF>
+__device__ uint32_t radix_count(const float* row, int32_t V, double target, KeyF keyf, Common& cm, double* above,
+                                uint32_t* n_eq) {
+  const int lane = lane_id(), warp = warp_id(), nw = num_warps();
+  uint32_t prefix = 0, mask = 0;
+  double acc = 0.0;
+  uint32_t cnt = 0;
+  for (int shift = 24; shift >= 0; shift -= 8) {
+    for (int b = threadIdx.x; b < 256; b += blockDim.x) cm.chist[b] = 0;
+    __syncthreads();
+    for (int32_t i0 = warp * 32; i0 < V; i0 += nw * 32) {
+      const int32_t i = i0 + lane;
+      int bin = 256;
+      if (i < V) {
+        const uint32_t k = keyf(row[i]);
+        if ((k & mask) == prefix) bin = int((k >> shift) & 255u);
+      }
+      const unsigned m = __match_any_sync(kFull, bin);
+      if (bin < 256 && lane == __ffs(int(m)) - 1) atomicAdd(&cm.chist[bin], uint32_t(__popc(int(m))));
+    }
+    __syncthreads();
+    if (warp == 0) {
+      double hv[sl::kBinsPerLane];
+      sl::lane_bins(cm.chist, lane, hv);
+      warp_bucket_pick(hv, acc, target, cm.bc);
+      if (lane == 0) cm.bc.cnt = cm.chist[cm.bc.d];
+    }
+    __syncthreads();
+    const int d = cm.bc.d;
+    acc = cm.bc.acc;
+    cnt = cm.bc.cnt;
+    prefix |= uint32_t(d) << shift;
+    mask |= 255u << shift;
+  }
+  *above = acc;
+  *n_eq = cnt;
+  return prefix;
+}
+
+// ------------------------------------------------------------------ ordered pick
+// The first id i (ascending) with mass wf(i) > 0 whose inclusive cumulative mass exceeds x,
+// where x = u * total when `scaled` (a draw) else u (a count search); the fallbacks of
+// sampling_logic.h when rounding leaves none. *total: the sum of every wf(i).
+template <class WF>
+__device__ int32_t block_pick(const WF& wf, int32_t V, double u, bool scaled, Common& cm, double* total) {
+  const int lane = lane_id(), warp = warp_id(), nw = num_warps();
+  const int32_t b = int32_t(sl::seg_begin(V, nw, warp)), e = int32_t(sl::seg_end(V, nw, warp));
+  double carry = 0.0;
+  int32_t last = -1;
+  for (int32_t i0 = b; i0 < e; i0 += 32) {
+    const int32_t i = i0 + lane;
+    const double v = i < e ? wf(i) : 0.0;
+    const double p = warp_incl_scan(v);
+    carry = carry + __shfl_sync(kFull, p, 31);
+    if (v > 0.0) last = i;
+  }
+#pragma unroll
+  for (int off = 16; off > 0; off >>= 1) last = max(last, __shfl_xor_sync(kFull, last, off));
+  if (lane == 0) {
+    cm.wtot[warp] = carry;
+    cm.wlast[warp] = last;
+  }
+  __syncthreads();
+  if (threadIdx.x == 0) {
+    double ex = 0.0;
+    for (int w = 0; w < nw; ++w) {
+      cm.wexcl[w] = ex;
+      ex = ex + cm.wtot[w];
+    }
+    const double x = scaled ? u * ex : u;
+    int pw = -1;
+    for (int w = 0; w < nw; ++w)
+      if (x < cm.wexcl[w] + cm.wtot[w]) {
+        pw = w;
+        break;
+      }
+    int32_t res = -1;
+    if (pw < 0)
+      for (int w = 0; w < nw; ++w) res = max(res, cm.wlast[w]);
+    cm.bc.x = x;
+    cm.bc.total = ex;
+    cm.bc.warp = pw;
+    cm.bc.result = res < 0 ? 0 : res;
+  }
+  __syncthreads();
+  if (warp == cm.bc.warp) {
+    const double x = cm.bc.x, ex = cm.wexcl[warp];
+    int32_t found = -1;
+    carry = 0.0;
+    for (int32_t i0 = b; i0 < e; i0 += 32) {
+      const int32_t i = i0 + lane;
+      const double v = i < e ? wf(i) : 0.0;
+      const double p = warp_incl_scan(v);
+      const double cum = ex + (carry + p);
+      const unsigned hit = __ballot_sync(kFull, sl::crosses(x, cum, v));
+      if (hit) {
+        found = i0 + __ffs(int(hit)) - 1;
+        break;
+      }
+      carry = carry + __shfl_sync(kFull, p, 31);
+    }
+    if (found < 0) found = cm.wlast[warp] < 0 ? 0 : cm.wlast[warp];  // rounding: the warp's last with mass
+    if (lane == 0) cm.bc.result = found;
+  }
+  __syncthreads();
+  *total = cm.bc.total;
+  return cm.bc.result;
+}
+
+// The id of the n-th (1-based) element in id order with pred(i).
+template <class Pred>
+struct CountW {
+  Pred pred;
+  __device__ double operator()(int32_t i) const { return pred(i) ? 1.0 : 0.0; }
+};
+template <class Pred>
+__device__ int32_t nth_index(Pred pred, int32_t V, int64_t n, Common& cm) {
+  double total;
+  return block_pick(CountW<Pred>{pred}, V, double(n - 1), false, cm, &total);
+}
+
+// ------------------------------------------------------------------ argmax
+// The CPU's sequential argmax (layout.h argmax_better / argmax_finish).
+__device__ int32_t block_argmax(const float* row, int32_t V, Common& cm) {
+  const int lane = lane_id(), warp = warp_id(), nw = num_warps();
+  float bv = -INFINITY;
+  int32_t bi = layout::kArgmaxNone;
+  for (int32_t i = threadIdx.x; i < V; i += blockDim.x) {
+    const float v = row[i];
+    if (!isnan(v) && layout::argmax_better(v, i, bv, bi)) {
+      bv = v;
+      bi = i;
+    }
+  }
+#pragma unroll
+  for (int off = 16; off > 0; off >>= 1) {
+    const float ov = __shfl_xor_sync(kFull, bv, off);
+    const int32_t oi = __shfl_xor_sync(kFull, bi, off);
+    if (layout::argmax_better(ov, oi, bv, bi)) {
+      bv = ov;
+      bi = oi;
+    }
+  }
+  if (lane == 0) {
+    cm.sval[warp] = bv;
+    cm.sidx[warp] = bi;
+  }
+  __syncthreads();
+  if (warp == 0) {
+    bv = lane < nw ? cm.sval[lane] : -INFINITY;
+    bi = lane < nw ? cm.sidx[lane] : layout::kArgmaxNone;
+#pragma unroll
+    for (int off = 16; off > 0; off >>= 1) {
+      const float ov = __shfl_xor_sync(kFull, bv, off);
+      const int32_t oi = __shfl_xor_sync(kFull, bi, off);
+      if (layout::argmax_better(ov, oi, bv, bi)) {
+        bv = ov;
+        bi = oi;
+      }
+    }
+    if (lane == 0) cm.bc.result = layout::argmax_finish(isnan(row[0]), bi);
+  }
+  __syncthreads();
+  const int32_t r = cm.bc.result;
+  __syncthreads();
+  return r;
+}
+
+// ------------------------------------------------------------------ the kept set of a row
+struct OrderKey {
+  __device__ uint32_t operator()(float x) const { return sl::order_key(x); }
+};
+struct TopkKey {
+  __device__ uint32_t operator()(float x) const { return sl::topk_key(x); }
+};
+
+// The kept masses of a row (0 outside the kept set).
+struct MassW {
+  const float* row;
+  sl::RowSel s;
+  __device__ double operator()(int32_t i) const {
+    const float x = row[i];
+    return sl::keep(s, sl::order_key(x), i) ? mass_of(x, s) : 0.0;
+  }
+};
+// Top-k-kept masses (before top-p).
+struct MassK {
+  const float* row;
+  sl::RowSel s;
+  __device__ double operator()(int32_t i) const {
+    const float x = row[i];
+    return sl::keep_k(s, sl::order_key(x), i) ? mass_of(x, s) : 0.0;
+  }
+};
+
+struct TieK {  // key == kth (sampler keys)
+  const float* row;
+  uint32_t kth;
+  __device__ bool operator()(int32_t i) const { return sl::order_key(row[i]) == kth; }
+};
+struct TieP {  // key == tau among the top-k-kept
+  const float* row;
+  sl::RowSel s;
+  __device__ bool operator()(int32_t i) const {
+    const uint32_t k = sl::order_key(row[i]);
+    return k == s.tau && sl::keep_k(s, k, i);
+  }
+};
+struct TieTopk {  // topk's keys
+  const float* row;
+  uint32_t kth;
+  __device__ bool operator()(int32_t i) const { return sl::topk_key(row[i]) == kth; }
+};
+
+template <class WF>
+__device__ double block_sum(const WF& wf, int32_t V, Common& cm) {
+  double s = 0.0;
+  for (int32_t i = threadIdx.x; i < V; i += blockDim.x) s += wf(i);
+  return detail::block_reduce(s, cm.dred, detail::SumOp{}, 0.0);
+}
+
+// The top-p radix selection over the top-k-kept masses (cpu radix_select with masses):
+// returns tau; *above: the mass of keys > tau; *n_tie: how many kept elements with
+// nonzero mass have key tau.
+__device__ uint32_t radix_mass(const float* row, int32_t V, const sl::RowSel& s, double target, SelShared& sm,
+                               double* above, uint32_t* n_tie) {
+  Common& cm = sm.cm;
+  const int lane = lane_id(), warp = warp_id(), nw = num_warps();
+  double* wh = sm.whist + warp * 256;
+  double* st = sm.stage + warp * 32;
+  uint32_t prefix = 0, mask = 0;
+  double acc = 0.0;
+  uint32_t cnt = 0;
+  for (int shift = 24; shift >= 0; shift -= 8) {
+    for (int b = lane; b < 256; b += 32) wh[b] = 0.0;
+    for (int b = threadIdx.x; b < 256; b += blockDim.x) cm.chist[b] = 0;
+    __syncthreads();
+    for (int32_t i0 = warp * 32; i0 < V; i0 += nw * 32) {
+      const int32_t i = i0 + lane;
+      int bin = 256;
+      double w = 0.0;
+      if (i < V) {
+        const float x = row[i];
+        const uint32_t k = sl::order_key(x);
+        if ((k & mask) == prefix && sl::keep_k(s, k, i)) {
+          w = mass_of(x, s);
+          if (!(w == 0.0)) bin = int((k >> shift) & 255u);  // the CPU skips w == 0 (not NaN)
+        }
+      }
+      const unsigned m = __match_any_sync(kFull, bin);
+      st[lane] = w;
+      __syncwarp();
+      if (bin < 256 && lane == __ffs(int(m)) - 1) {
+        double g = 0.0;
+        for (unsigned mm = m; mm; mm &= mm - 1) g += st[__ffs(int(mm)) - 1];
+        wh[bin] += g;  // the leaders of one warp hold distinct bins
+        atomicAdd(&cm.chist[bin], uint32_t(__popc(int(m))));
+      }
+      __syncwarp();
+    }
+    __syncthreads();
+    for (int b = threadIdx.x; b < 256; b += blockDim.x) {
+      double h = 0.0;
+      for (int w = 0; w < nw; ++w) h += sm.whist[w * 256 + b];
+      sm.hist[b] = h;
+    }
+    __syncthreads();
+    if (warp == 0) {
+      double hv[sl::kBinsPerLane];
+      sl::lane_bins(sm.hist, lane, hv);
+      warp_bucket_pick(hv, acc, target, cm.bc);
+      if (lane == 0) cm.bc.cnt = cm.chist[cm.bc.d];
+    }
+    __syncthreads();
+    const int d = cm.bc.d;
+    acc = cm.bc.acc;
+    cnt = cm.bc.cnt;
+    prefix |= uint32_t(d) << shift;
+    mask |= 255u << shift;
+  }
+  *above = acc;
+  *n_tie = cnt;
+  return prefix;
+}
+
+// The kept set of one row (cpu row_masses); need_z: also the sum of the kept masses.
+__device__ sl::RowSel select_row(const float* row, int32_t V, float temperature, float top_p, int32_t top_k,
+                                 bool need_z, SelShared& sm) {
+  Common& cm = sm.cm;
+  sl::RowSel s;
+  s.invT = 1.0 / double(temperature);
+  float mxf = -INFINITY;
+  for (int32_t i = threadIdx.x; i < V; i += blockDim.x) {
+    const float v = row[i];
+    mxf = mxf < v ? v : mxf;  // NaN ignored, as the CPU's std::max
+  }
+  mxf = detail::block_reduce(mxf, cm.fred, detail::MaxOp{}, -INFINITY);
+  s.mx = __dmul_rn(double(mxf), s.invT);
+  s.use_k = sl::uses_top_k(top_k, V) ? 1 : 0;
+  if (s.use_k) {
+    double gt;
+    uint32_t n_eq;
+    s.kth = radix_count(row, V, double(top_k), OrderKey{}, cm, &gt, &n_eq);
+    const int64_t ties_left = int64_t(top_k) - int64_t(gt);
+    s.k_last = ties_left >= int64_t(n_eq) ? kAll : nth_index(TieK{row, s.kth}, V, ties_left, cm);
+  }
+  s.use_p = 0;
+  double z = 0.0;
+  const bool use_p = sl::uses_top_p(top_p);
+  if (use_p || need_z) z = block_sum(MassK{row, s}, V, cm);
+  if (use_p) {
+    const double target = double(top_p) * z;
+    double above;
+    uint32_t n_tie;
+    s.tau = radix_mass(row, V, s, target, sm, &above, &n_tie);
+    if (threadIdx.x == 0) {
+      const double wt = mass_of(sl::key_float(s.tau), s);
+      cm.bc.n = int32_t(sl::topp_ties_kept(above, wt, target, int64_t(n_tie)));
+    }
+    __syncthreads();
+    const int64_t n_keep = cm.bc.n;
+    __syncthreads();
+    s.use_p = 1;
+    s.p_last = n_keep >= int64_t(n_tie) ? kAll : (n_keep == 0 ? -1 : nth_index(TieP{row, s}, V, n_keep, cm));
+    if (need_z) z = block_sum(MassW{row, s}, V, cm);
+  }
+  s.z = z;
+  return s;
+}
+
+__device__ __forceinline__ double draw_u(const int64_t* rng, int64_t rs0, int64_t rs1, int64_t r, uint64_t j) {
+  const int64_t* st = rng + r * rs0;
+  return philox::uniform(uint64_t(st[0]), uint64_t(st[rs1]) + j);
+}
+
+__device__ __forceinline__ int32_t clamp_i32(int64_t v, int64_t lo, int64_t hi) {
+  return int32_t(v < lo ? lo : (v > hi ? hi : v));
+}
+
+// ------------------------------------------------------------------ sample
+struct ParamPtrs {
+  const float* temp;
+  int64_t ts;
+  const float* top_p;
+  int64_t ps;
+  const int32_t* top_k;
+  int64_t ks;
+  const int64_t* rng;
+  int64_t rs0, rs1;
+};
+
+__global__ void __launch_bounds__(kSelThreads)
+    sample_kernel(const float* __restrict__ lg, int64_t ls, int32_t V, int64_t R, ParamPtrs pp, int32_t* out,
+                  int64_t os) {
+  __shared__ SelShared sm;
+  for (int64_t r = blockIdx.x; r < R; r += gridDim.x) {
+    const float* row = lg + r * ls;
+    const float temp = pp.temp[r * pp.ts];
+    int32_t tok;
+    if (temp <= 0.0f) {
+      tok = block_argmax(row, V, sm.cm);
+    } else {
+      const sl::RowSel s = select_row(row, V, temp, pp.top_p[r * pp.ps], pp.top_k[r * pp.ks], false, sm);
+      double total;
+      tok = block_pick(MassW{row, s}, V, draw_u(pp.rng, pp.rs0, pp.rs1, r, 0), true, sm.cm, &total);
+    }
+    if (threadIdx.x == 0) out[r * os] = tok;
+    __syncthreads();
+  }
+}
+
+// ------------------------------------------------------------------ accept
+struct RowInfo {
+  sl::RowSel sel;
+  double pd;       // p(d_j) of the drafted token (sampling)
+  int32_t argmax;  // greedy
+  int32_t pad;
+};
+
+struct AcceptArgs {
+  const float* lg;
+  int64_t ls, M;
+  int32_t V;
+  const int32_t* row0;
+  int64_t r0s;
+  const int32_t* draft;
+  int64_t ds, N, K;
+  const int32_t* draft_row;
+  int64_t drs;
+  const int32_t* draft_len;
+  int64_t dls;
+  const int32_t* cand;
+  int64_t cs0, cs1;
+  const float* q;
+  int64_t qs0, qs1, C;
+  ParamPtrs pp;
+  RowInfo* info;
+  int64_t S;
+};
+
+__device__ __forceinline__ int64_t draft_len_of(const AcceptArgs& a, int64_t s) {
+  if (a.N <= 0) return 0;
+  return clamp_i32(a.draft_len[s * a.dls], 0, a.K);
+}
+__device__ __forceinline__ const float* logits_row(const AcceptArgs& a, int64_t s, int64_t j) {
+  const int64_t r = int64_t(a.row0[s * a.r0s]) + j;
+  return a.lg + int64_t(clamp_i32(r, 0, a.M - 1)) * a.ls;
+}
+__device__ __forceinline__ const int32_t* draft_of(const AcceptArgs& a, int64_t s) {
+  return a.draft + int64_t(clamp_i32(a.draft_row[s * a.drs], 0, a.N - 1)) * a.ds;
+}
+__device__ __forceinline__ int64_t drow_of(const AcceptArgs& a, int64_t s) {
+  return clamp_i32(a.draft_row[s * a.drs], 0, a.N - 1);
+}
+
+// One block per (sequence s, target row j <= draft_len[s]): the row's kept set, z and
+// p(d_j), or its argmax.
+__global__ void __launch_bounds__(kSelThreads) accept_rows_kernel(AcceptArgs a) {
+  __shared__ SelShared sm;
+  const int64_t per = a.K + 1;
+  for (int64_t idx = blockIdx.x; idx < a.S * per; idx += gridDim.x) {
+    const int64_t s = idx / per, j = idx % per;
+    const int64_t L = draft_len_of(a, s);
+    if (j > L) continue;  // uniform over the block
+    const float* row = logits_row(a, s, j);
+    RowInfo* inf = a.info + idx;
+    const float temp = a.pp.temp[s * a.pp.ts];
+    if (temp <= 0.0f) {
+      const int32_t am = block_argmax(row, a.V, sm.cm);
+      if (threadIdx.x == 0) inf->argmax = am;
+    } else {
+      const sl::RowSel sel =
+          select_row(row, a.V, temp, a.pp.top_p[s * a.pp.ps], a.pp.top_k[s * a.pp.ks], true, sm);
+      if (threadIdx.x == 0) {
+        double pd = 0.0;
+        if (j < L) {
+          const int32_t tok = draft_of(a, s)[j];
+          if (tok >= 0 && tok < a.V) pd = MassW{row, sel}(tok) / sel.z;
+        }
+        inf->sel = sel;
+        inf->pd = pd;
+      }
+    }
+    __syncthreads();
+  }
+}
+
+// The residual masses of a rejected position: p outside the candidates, max(p - q, 0) on
+// them (the last duplicate of a candidate wins, as the CPU's overwrite order).
+struct ResidualW {
+  MassW p;
+  const int32_t* cid;
+  const float* cq;
+  int32_t nc;
+  __device__ double operator()(int32_t i) const {
+    const double pi = p(i) / p.s.z;
+    int32_t c = -1;
+    for (int32_t k = 0; k < nc; ++k)
+      if (cid[k] == i) c = k;
+    return c < 0 ? pi : sl::residual(pi, double(cq[c]));
+  }
+};
+
+// One block per sequence: the sequential accept decisions, then the bonus draw.
+__global__ void __launch_bounds__(kSelThreads) accept_final_kernel(AcceptArgs a, int32_t* accepted, int64_t as,
+                                                                   int32_t* bonus, int64_t bs) {
+  __shared__ SelShared sm;
+  Common& cm = sm.cm;
+  const int64_t per = a.K + 1;
+  for (int64_t s = blockIdx.x; s < a.S; s += gridDim.x) {
+    const int64_t L = draft_len_of(a, s);
+    const RowInfo* inf = a.info + s * per;
+    const float temp = a.pp.temp[s * a.pp.ts];
+    if (temp <= 0.0f) {
+      if (threadIdx.x == 0) {
+        int64_t n = 0;
+        const int32_t* d = L > 0 ? draft_of(a, s) : nullptr;
+        while (n < L && d[n] == inf[n].argmax) ++n;
+        accepted[s * as] = int32_t(n);
+        bonus[s * bs] = inf[n].argmax;
+      }
+      continue;  // uniform over the block; nothing shared was touched
+    }
+    if (threadIdx.x == 0) {
+      int64_t n = 0;
+      if (L > 0) {
+        const int32_t* d = draft_of(a, s);
+        const int64_t dr = drow_of(a, s);
+        for (; n < L; ++n) {
+          const int32_t tok = d[n];
+          double qd = 1.0;
+          if (a.q) {
+            const int32_t* cd = a.cand + dr * a.cs0 + n * a.cs1;
+            const float* qr = a.q + dr * a.qs0 + n * a.qs1;
+            for (int64_t c = 0; c < a.C; ++c)
+              if (cd[c] == tok) {
+                qd = qr[c];
+                break;
+              }
+          }
+          if (!sl::accept_draft(draw_u(a.pp.rng, a.pp.rs0, a.pp.rs1, s, uint64_t(n)), qd, inf[n].pd)) break;
+        }
+      }
+      cm.bc.n = int32_t(n);
+    }
+    __syncthreads();
+    const int64_t n = cm.bc.n;
+    __syncthreads();
+    const double uK = draw_u(a.pp.rng, a.pp.rs0, a.pp.rs1, s, uint64_t(a.K));
+    int32_t b;
+    double total;
+    if (n < L) {  // rejected at n: the residual
+      const float* row = logits_row(a, s, n);
+      const MassW p{row, inf[n].sel};
+      const int64_t dr = drow_of(a, s);
+      const int32_t* cid;
+      const float* cq;
+      int32_t nc;
+      if (a.q && a.C > kSharedCand) {
+        cid = a.cand + dr * a.cs0 + n * a.cs1;
+        cq = a.q + dr * a.qs0 + n * a.qs1;
+        nc = int32_t(a.C);
+      } else {
+        if (a.q) {
+          for (int64_t c = threadIdx.x; c < a.C; c += blockDim.x) {
+            sm.cid[c] = a.cand[dr * a.cs0 + n * a.cs1 + c];
+            sm.cq[c] = a.q[dr * a.qs0 + n * a.qs1 + c];
+          }
+          nc = int32_t(a.C);
+        } else {
+          if (threadIdx.x == 0) {
+            sm.cid[0] = draft_of(a, s)[n];
+            sm.cq[0] = 1.0f;
+          }
+          nc = 1;
+        }
+        cid = sm.cid;
+        cq = sm.cq;
+        __syncthreads();
+      }
+      b = block_pick(ResidualW{p, cid, cq, nc}, a.V, uK, true, cm, &total);
+      if (!(total > 0.0)) b = block_pick(p, a.V, uK, true, cm, &total);  // no residual mass left
+    } else {  // all accepted: from p of the last row
+      b = block_pick(MassW{logits_row(a, s, L), inf[L].sel}, a.V, uK, true, cm, &total);
+    }
+    if (threadIdx.x == 0) {
+      accepted[s * as] = int32_t(n);
+      bonus[s * bs] = b;
+    }
+    __syncthreads();
+  }
+}
+
+// ------------------------------------------------------------------ topk
+__device__ void bitonic_sort(uint64_t* buf, int64_t n) {
+  for (int64_t size = 2; size <= n; size <<= 1) {
+    for (int64_t stride = size >> 1; stride > 0; stride >>= 1) {
+      for (int64_t t = threadIdx.x; t < n / 2; t += blockDim.x) {
+        const int64_t i = (t / stride) * stride * 2 + (t % stride);
+        const int64_t j = i + stride;
+        const bool up = (i & size) == 0;
+        const uint64_t a = buf[i], b = buf[j];
+        if ((a > b) == up) {
+          buf[i] = b;
+          buf[j] = a;
+        }
+      }
+      __syncthreads();
+    }
+  }
+}
+
+__global__ void __launch_bounds__(kTopkThreads)
+    topk_kernel(const float* __restrict__ x, int64_t xs, int32_t V, int64_t rows, int32_t k, float* vals, int64_t vs,
+                int32_t* idx, int64_t is, uint64_t* gbuf, int64_t npow2) {
+  __shared__ Common cm;
+  __shared__ uint64_t sbuf[kTopkShared];
+  __shared__ uint32_t count;
+  const int lane = lane_id(), warp = warp_id(), nw = num_warps();
+  uint64_t* buf = gbuf ? gbuf + int64_t(blockIdx.x) * npow2 : sbuf;
+  for (int64_t r = blockIdx.x; r < rows; r += gridDim.x) {
+    const float* row = x + r * xs;
+    uint32_t kth = 0;
+    int32_t k_last = kAll;
+    if (k < V) {
+      double gt;
+      uint32_t n_eq;
+      kth = radix_count(row, V, double(k), TopkKey{}, cm, &gt, &n_eq);
+      const int64_t ties_left = int64_t(k) - int64_t(gt);
+      if (ties_left < int64_t(n_eq)) k_last = nth_index(TieTopk{row, kth}, V, ties_left, cm);
+    }
+    if (threadIdx.x == 0) count = 0;
+    __syncthreads();
+    for (int32_t i0 = warp * 32; i0 < V; i0 += nw * 32) {
+      const int32_t i = i0 + lane;
+      uint32_t key = 0;
+      bool sel = false;
+      if (i < V) {
+        key = sl::topk_key(row[i]);
+        sel = key > kth || (key == kth && i <= k_last);
+      }
+      const unsigned bal = __ballot_sync(kFull, sel);
+      if (bal == 0) continue;
+      uint32_t base = 0;
+      if (lane == 0) base = atomicAdd(&count, uint32_t(__popc(int(bal))));
+      base = __shfl_sync(kFull, base, 0);
+      if (sel) {
+        const uint32_t pos = base + uint32_t(__popc(int(bal & ((1u << lane) - 1u))));
+        if (pos < uint64_t(npow2)) buf[pos] = sl::topk_sort_key(key, uint32_t(i));
+      }
+    }
+    __syncthreads();
+    const int64_t got = count;
+    for (int64_t j = threadIdx.x; j < npow2; j += blockDim.x)
+      if (j >= got) buf[j] = ~uint64_t(0);
+    __syncthreads();
+    bitonic_sort(buf, npow2);
+    for (int64_t j = threadIdx.x; j < k; j += blockDim.x) {
+      const uint32_t i = sl::topk_sort_index(buf[j]);
+      const uint32_t ic = i < uint32_t(V) ? i : 0u;  // only if the kept count went wrong
+      vals[r * vs + j] = row[ic];
+      idx[r * is + j] = int32_t(ic);
+    }
+    __syncthreads();
+  }
+}
+
+// ------------------------------------------------------------------ host checks
+std::string desc(const Tensor& t) { return t.defined() ? t.describe() : std::string("<undefined>"); }
+
+void need_on(const char* op, const Tensor& ref, const Tensor& t, const char* arg) {
+  DFLASH2_CHECK_ARG(t.defined(), "cuda::", op, ": '", arg, "' is undefined");
+  DFLASH2_CHECK_ARG(ref.device().is_cuda() && t.device() == ref.device(), "cuda::", op, ": '", arg,
+                    "' must be on the CUDA device of the logits, found ", t.describe(), " and ", ref.describe());
+}
+void need_vec(const char* op, const Tensor& t, DType dt, int64_t n, const char* arg) {
+  DFLASH2_CHECK_ARG(t.dtype() == dt && t.ndim() == 1 && t.shape(0) == n, "cuda::", op, ": '", arg, "' must be ",
+                    dtype_name(dt), " [", n, "], found ", desc(t));
+}
+// logits F32 [rows, V] with contiguous rows.
+layout::RowLayout need_logits(const char* op, const Tensor& x) {
+  DFLASH2_CHECK_ARG(x.defined() && x.dtype() == DType::F32 && x.ndim() == 2, "cuda::", op,
+                    ": logits must be F32 [rows, vocab], found ", desc(x));
+  DFLASH2_CHECK_ARG(x.device().is_cuda(), "cuda::", op, ": logits must be on a CUDA device, found ", x.describe());
+  const layout::RowLayout L = layout::row_layout(x, op, "logits");
+  DFLASH2_CHECK_ARG(L.cols >= 1 && L.cols <= kMaxRowLen, "cuda::", op, ": rows of ", L.cols,
+                    " elements are not supported (1 .. ", kMaxRowLen, ")");
+  return L;
+}
+ParamPtrs params_of(const char* op, const Tensor& ref, const ops::SamplingTensors& sp, const Tensor& rng, int64_t R) {
+  need_on(op, ref, sp.temperature, "temperature");
+  need_on(op, ref, sp.top_p, "top_p");
+  need_on(op, ref, sp.top_k, "top_k");
+  need_on(op, ref, rng, "rng");
+  need_vec(op, sp.temperature, DType::F32, R, "temperature");
+  need_vec(op, sp.top_p, DType::F32, R, "top_p");
+  need_vec(op, sp.top_k, DType::I32, R, "top_k");
+  DFLASH2_CHECK_ARG(rng.dtype() == DType::I64 && rng.ndim() == 2 && rng.shape(0) == R && rng.shape(1) == 2, "cuda::",
+                    op, ": rng must be I64 [", R, ", 2] (key, counter), found ", rng.describe());
+  return ParamPtrs{sp.temperature.data_as<const float>(), sp.temperature.stride(0), sp.top_p.data_as<const float>(),
+                   sp.top_p.stride(0), sp.top_k.data_as<const int32_t>(), sp.top_k.stride(0),
+                   rng.data_as<const int64_t>(), rng.stride(0), rng.stride(1)};
+}
+
+int64_t next_pow2(int64_t n) {
+  int64_t p = 1;
+  while (p < n) p <<= 1;
+  return p;
+}
+
+}  // namespace
+
+void topk(const Tensor& x, int64_t k, Tensor& values, Tensor& indices) {
+  const char* op = "topk";
+  DFLASH2_CHECK_ARG(x.defined() && x.dtype() == DType::F32, "cuda::topk: x must be F32, found ", desc(x));
+  DFLASH2_CHECK_ARG(values.defined() && values.dtype() == DType::F32, "cuda::topk: values must be F32, found ",
+                    desc(values));
+  DFLASH2_CHECK_ARG(indices.defined() && indices.dtype() == DType::I32, "cuda::topk: indices must be I32, found ",
+                    desc(indices));
+  DFLASH2_CHECK_ARG(x.device().is_cuda() && values.device() == x.device() && indices.device() == x.device(),
+                    "cuda::topk: x, values and indices must be on the same CUDA device, found ", x.describe(), ", ",
+                    values.describe(), ", ", indices.describe());
+  const layout::RowLayout lx = layout::row_layout(x, op, "x");
+  DFLASH2_CHECK_ARG(k >= 1 && k <= lx.cols, "cuda::topk: k = ", k, " must be in [1, ", lx.cols, "]");
+  DFLASH2_CHECK_ARG(lx.cols <= kMaxRowLen, "cuda::topk: rows of ", lx.cols, " elements are too long");
+  Tensor::Shape s = x.shape();
+  s.back() = k;
+  DFLASH2_CHECK_ARG(values.shape() == s && indices.shape() == s, "cuda::topk: values and indices must be ",
+                    shape_str(s), ", found ", values.describe(), " and ", indices.describe());
+  const layout::RowLayout lv = layout::row_layout(values, op, "values");
+  const layout::RowLayout li = layout::row_layout(indices, op, "indices");
+  layout::check_rows_disjoint(lv, op, "values");
+  layout::check_rows_disjoint(li, op, "indices");
+  if (lx.rows == 0) return;
+  detail::DeviceGuard guard(x.device().index);
+  const int64_t npow2 = next_pow2(k);
+  uint64_t* gbuf = nullptr;
+  unsigned blocks = detail::row_blocks(lx.rows);
+  if (npow2 > kTopkShared) {
+    const int64_t budget = int64_t(16) << 20;  // bytes of scratch for the sort buffers
+    int64_t nb = budget / (npow2 * 8);
+    nb = nb < 1 ? 1 : (nb > lx.rows ? lx.rows : nb);
+    blocks = unsigned(nb);
+    gbuf = static_cast<uint64_t*>(detail::scratch(x.device().index, size_t(nb * npow2 * 8)));
+  }
+  topk_kernel<<<blocks, detail::pick_threads(lx.cols, kTopkThreads), 0, detail::stream()>>>(
+      x.data_as<const float>(), lx.stride, int32_t(lx.cols), lx.rows, int32_t(k), values.data_as<float>(), lv.stride,
+      indices.data_as<int32_t>(), li.stride, gbuf, npow2);
+  detail::check_launch("topk kernel launch", x.describe(), " k = ", k);
+}
+
+void sample(const Tensor& logits, const ops::SamplingTensors& sp, const Tensor& rng, Tensor& out) {
+  const char* op = "sample";
+  const layout::RowLayout L = need_logits(op, logits);
+  const int64_t R = logits.shape(0);
+  const ParamPtrs pp = params_of(op, logits, sp, rng, R);
+  need_on(op, logits, out, "out");
+  need_vec(op, out, DType::I32, R, "out");
+  if (R == 0) return;
+  detail::DeviceGuard guard(logits.device().index);
+  sample_kernel<<<detail::row_blocks(R), detail::pick_threads(L.cols, kSelThreads), 0, detail::stream()>>>(
+      logits.data_as<const float>(), L.stride, int32_t(L.cols), R, pp, out.data_as<int32_t>(), out.stride(0));
+  detail::check_launch("sample kernel launch", logits.describe());
+}
+
+void accept(const Tensor& logits, const Tensor& row0, const Tensor& draft, const Tensor& draft_row,
+            const Tensor& draft_len, const Tensor& cand, const Tensor& q, const ops::SamplingTensors& sp,
+            const Tensor& rng, Tensor& accepted, Tensor& bonus) {
+  const char* op = "accept";
+  const layout::RowLayout L = need_logits(op, logits);
+  DFLASH2_CHECK_ARG(row0.defined(), "cuda::accept: 'row0' is undefined");
+  const int64_t S = row0.shape(0);
+  need_on(op, logits, row0, "row0");
+  need_on(op, logits, draft_row, "draft_row");
+  need_on(op, logits, draft_len, "draft_len");
+  need_on(op, logits, accepted, "accepted");
+  need_on(op, logits, bonus, "bonus");
+  need_vec(op, row0, DType::I32, S, "row0");
+  need_vec(op, draft_row, DType::I32, S, "draft_row");
+  need_vec(op, draft_len, DType::I32, S, "draft_len");
+  need_vec(op, accepted, DType::I32, S, "accepted");
+  need_vec(op, bonus, DType::I32, S, "bonus");
+  need_on(op, logits, draft, "draft");
+  DFLASH2_CHECK_ARG(draft.dtype() == DType::I32 && draft.ndim() == 2 && (draft.stride(1) == 1 || draft.shape(1) == 1),
+                    "cuda::accept: draft must be I32 [N, K] with contiguous rows, found ", draft.describe());
+  const int64_t N = draft.shape(0), K = draft.shape(1);
+  const ParamPtrs pp = params_of(op, logits, sp, rng, S);
+  AcceptArgs a{};
+  if (q.defined()) {
+    need_on(op, logits, q, "q");
+    need_on(op, logits, cand, "cand");
+    DFLASH2_CHECK_ARG(q.dtype() == DType::F32 && cand.dtype() == DType::I32 && q.ndim() == 3 && q.shape() == cand.shape() &&
+                          q.shape(0) == N && q.shape(1) == K && (q.stride(2) == 1 || q.shape(2) == 1) &&
+                          (cand.stride(2) == 1 || cand.shape(2) == 1),
+                      "cuda::accept: q (F32) and cand (I32) must be [", N, ", ", K,
+                      ", C] with contiguous rows, found ", q.describe(), " and ", desc(cand));
+    DFLASH2_CHECK_ARG(q.shape(2) <= INT32_MAX, "cuda::accept: too many candidates, found ", q.describe());
+    a.cand = cand.data_as<const int32_t>();
+    a.cs0 = cand.stride(0);
+    a.cs1 = cand.stride(1);
+    a.q = q.data_as<const float>();
+    a.qs0 = q.stride(0);
+    a.qs1 = q.stride(1);
+    a.C = q.shape(2);
+  }
+  if (S == 0) return;
+  DFLASH2_CHECK_ARG(L.rows >= 1, "cuda::accept: logits has no rows for ", S, " sequences");
+  DFLASH2_CHECK_ARG(K < (int64_t(1) << 20), "cuda::accept: drafts of ", K, " tokens are too long");
+  detail::DeviceGuard guard(logits.device().index);
+  a.lg = logits.data_as<const float>();
+  a.ls = L.stride;
+  a.M = L.rows;
+  a.V = int32_t(L.cols);
+  a.row0 = row0.data_as<const int32_t>();
+  a.r0s = row0.stride(0);
+  a.draft = draft.data_as<const int32_t>();
+  a.ds = draft.stride(0);
+  a.N = N;
+  a.K = K;
+  a.draft_row = draft_row.data_as<const int32_t>();
+  a.drs = draft_row.stride(0);
+  a.draft_len = draft_len.data_as<const int32_t>();
+  a.dls = draft_len.stride(0);
+  a.pp = pp;
+  a.S = S;
+  a.info = static_cast<RowInfo*>(
+      detail::scratch(logits.device().index, size_t(S) * size_t(K + 1) * sizeof(RowInfo)));
+  const int threads = detail::pick_threads(L.cols, kSelThreads);
+  accept_rows_kernel<<<detail::row_blocks(S * (K + 1)), threads, 0, detail::stream()>>>(a);
+  detail::check_launch("accept (rows) kernel launch", logits.describe());
+  accept_final_kernel<<<detail::row_blocks(S), threads, 0, detail::stream()>>>(
+      a, accepted.data_as<int32_t>(), accepted.stride(0), bonus.data_as<int32_t>(), bonus.stride(0));
+  detail::check_launch("accept kernel launch", logits.describe());
+}
+
+}  // namespace dflash2::cuda

@@ -1,0 +1,64 @@
+// cuda/scratch.cu: per-(device, stream) scratch memory for ops whose signature has no
+// workspace (indexer scores over long contexts, sampling row buffers, ...).
+//
+// A buffer belongs to one (device, stream) pair, so ops that run on different streams
+// (TP ranks' threads, a capture stream next to an eager one) never share bytes; ops on one
+// stream run in order, so the one buffer is reused safely by consecutive kernels. It only
+// grows (to the largest request seen), and growing is refused while the stream is being
+// captured into a CUDA graph: a graph must be captured after an eager warm-up step of the
+// same shapes, which sizes every buffer (the error says so). Growing frees the old buffer
+// after the stream has finished with it (cudaStreamSynchronize) -- an eager-only event,
+// never inside a step after warm-up.
+//
+// Status: compiled for sm_90a/sm_100a/sm_103a, NOT yet run on a GPU.
+#include <cuda_runtime.h>
+
+#include <map>
+#include <mutex>
+#include <utility>
+
+#include "backend/cuda/cuda_api.h"
+#include "backend/cuda/cuda_check.cuh"
+#include "backend/cuda/scratch.h"
+#include "dflash2/error.h"
+
+namespace dflash2::cuda::detail {
+
+namespace {
+struct Buf {
+  void* p = nullptr;
+  size_t bytes = 0;
+};
+std::mutex g_mu;
+std::map<std::pair<int, CUstream_st*>, Buf>& buffers() {
+  static auto* m = new std::map<std::pair<int, CUstream_st*>, Buf>();  // never destroyed: freed by process exit
+  return *m;
+}
+}  // namespace
+
+void* scratch(int device, size_t bytes) {
+  if (bytes == 0) bytes = 1;
+  bytes = (bytes + 255) / 256 * 256;
+  CUstream_st* s = current_stream();
+  std::lock_guard<std::mutex> lock(g_mu);
+  Buf& b = buffers()[{device, s}];
+  if (b.bytes >= bytes) return b.p;
+  DeviceGuard guard(device);
+  cudaStreamCaptureStatus cap = cudaStreamCaptureStatusNone;
+  DFLASH2_CUDA_CHECK(cudaStreamIsCapturing(s, &cap), "scratch: cuda:", device);
+  DFLASH2_CHECK(cap == cudaStreamCaptureStatusNone, ErrorKind::Backend, "cuda scratch: an op needs ", bytes,
+                " bytes of scratch on cuda:", device, " (", b.bytes,
+                " held) while its stream is being captured into a CUDA graph; run one eager step of the same "
+                "shapes before capturing");
+  if (b.p) {
+    DFLASH2_CUDA_CHECK(cudaStreamSynchronize(s), "scratch: cuda:", device);
+    device_free(b.p, device);
+    b.p = nullptr;
+    b.bytes = 0;
+  }
+  b.p = device_malloc(bytes, device);
+  b.bytes = bytes;
+  return b.p;
+}
+
+}  // namespace dflash2::cuda::detail

@@ -1,0 +1,168 @@
+// cuda/weight_view.cuh: a linear layer's weight (ops::Weight) as the CUDA kernels read it:
+// a flat view (format, pointers, strides) and device functions that dequantize elements
+// exactly as the CPU does (Weight::dequantize, backend/cpu/gemm.cpp w_at): dense F32 /
+// BF16 / F16 widened, FP8 E4M3 times its block-128 scale (one fp32 multiply), NVFP4 E2M1
+// times its E4M3 per-16 scale times the global scale (two fp32 multiplies, in that order).
+// Shared by gemm.cu (linear) and moe.cu (the routed experts).
+//
+// Status: compiled for sm_90a/sm_100a/sm_103a, NOT yet run on a GPU.
+#pragma once
+#include <cuda_bf16.h>
+#include <cuda_fp16.h>
+#include <cuda_fp8.h>
+
+#include <cstdint>
+
+#include "backend/cuda/kernel_util.cuh"
+#include "dflash2/error.h"
+#include "dflash2/ops.h"
+
+namespace dflash2::cuda::detail {
+
+enum class WFmt : int { F32 = 0, BF16 = 1, F16 = 2, FP8 = 3, NVFP4 = 4 };
+
+// Plain data: passed to kernels by value.
+struct WeightView {
+  WFmt fmt = WFmt::F32;
+  const uint8_t* data = nullptr;  // row r at data + r * row_bytes
+  int64_t row_bytes = 0;
+  const void* scale = nullptr;    // FP8: F32 [ceil(N/128), *] (row stride scale_stride);
+                                  // NVFP4: E4M3 bytes [N, *] (row stride scale_stride)
+  int64_t scale_stride = 0;       // in elements
+  float global_scale = 1.0f;
+  int64_t N = 0, K = 0;
+};
+
+// Host: the view of `w`, which must live on CUDA device `device` (data and scale).
+inline WeightView weight_view(const ops::Weight& w, int device, const char* op) {
+  DFLASH2_CHECK_ARG(w.data.defined(), op, ": undefined weight '", w.name, "'");
+  DFLASH2_CHECK_ARG(w.data.device().is_cuda() && w.data.device().index == device, op, ": weight '", w.name,
+                    "' must be on cuda:", device, ", found ", w.data.describe());
+  DFLASH2_CHECK_ARG(w.data.ndim() == 2 && w.data.stride(1) == 1, op, ": weight '", w.name,
+                    "' rows must be contiguous, found ", w.data.describe());
+  WeightView v;
+  v.data = static_cast<const uint8_t*>(w.data.data());
+  v.row_bytes = w.data.stride(0) * int64_t(w.data.itemsize());
+  v.N = w.out_features;
+  v.K = w.in_features;
+  v.global_scale = w.global_scale;
+  switch (w.format) {
+    case ops::WeightFormat::Dense:
+      switch (w.data.dtype()) {
+        case DType::F32: v.fmt = WFmt::F32; break;
+        case DType::BF16: v.fmt = WFmt::BF16; break;
+        case DType::F16: v.fmt = WFmt::F16; break;
+        default:
+          fail(ErrorKind::InvalidArgument, op, ": dense weight '", w.name, "' must be F32/BF16/F16, found ",
+               w.data.describe());
+      }
+      break;
+    case ops::WeightFormat::FP8Block128:
+    case ops::WeightFormat::NVFP4:
+      DFLASH2_CHECK_ARG(w.scale.defined() && w.scale.device() == w.data.device() && w.scale.ndim() == 2 &&
+                            w.scale.stride(1) == 1,
+                        op, ": weight '", w.name, "' scales must be a row-major 2-D tensor on cuda:", device,
+                        ", found ", w.scale.describe());
+      v.fmt = w.format == ops::WeightFormat::FP8Block128 ? WFmt::FP8 : WFmt::NVFP4;
+      v.scale = w.scale.data();
+      v.scale_stride = w.scale.stride(0);
+      break;
+  }
+  return v;
+}
+
+// OCP E4M3 ("fn") byte -> f32, exact (the CPU's fp8_e4m3_to_f32; 0x7f / 0xff are NaN).
+__device__ __forceinline__ float e4m3_to_f32(uint8_t b) {
+  __nv_fp8_e4m3 v;
+  v.__x = b;
+  return float(v);
+}
+// E2M1 nibble -> f32, exact.
+// Built from the bits (no table, which would live in local memory): exponent field e =
+// bits 2..1, mantissa bit 0; e > 0 is 2^(e-1) (1 + m/2), e = 0 the subnormal m/2.
+__device__ __forceinline__ float e2m1_to_f32(uint32_t nib) {
+  const uint32_t e = (nib >> 1) & 3u, m = nib & 1u;
+  uint32_t bits = e ? (((e + 126u) << 23) | (m << 22)) : (m ? 0x3f000000u : 0u);
+  bits |= (nib & 8u) << 28;
+  return __uint_as_float(bits);
+}
+
+// W[r, k] as f32 (any format; the reference order of the CPU's scalar path).
+template <WFmt F>
+__device__ __forceinline__ float w_at(const WeightView& w, int64_t r, int64_t k) {
+  const uint8_t* row = w.data + r * w.row_bytes;
+  if constexpr (F == WFmt::F32) {
+    return reinterpret_cast<const float*>(row)[k];
+  } else if constexpr (F == WFmt::BF16) {
+    return to_f32(reinterpret_cast<const __nv_bfloat16*>(row)[k]);
+  } else if constexpr (F == WFmt::F16) {
+    return to_f32(reinterpret_cast<const __half*>(row)[k]);
+  } else if constexpr (F == WFmt::FP8) {
+    const float s = static_cast<const float*>(w.scale)[(r / 128) * w.scale_stride + k / 128];
+    return __fmul_rn(e4m3_to_f32(row[k]), s);
+  } else {
+    const uint8_t b = row[k >> 1];
+    const uint32_t nib = (k & 1) ? (b >> 4) : (b & 15u);
+    const float s = e4m3_to_f32(static_cast<const uint8_t*>(w.scale)[r * w.scale_stride + k / 16]);
+    return __fmul_rn(__fmul_rn(e2m1_to_f32(nib), s), w.global_scale);
+  }
+}
+
+// W[r, k0 .. k0 + 7] as f32 into out[8]; k0 % 8 == 0 and k0 + 8 <= K. One 8-16-32 byte
+// load when the row start allows it (vec = true: the caller checked alignment of every row:
+// row_bytes and data aligned to 8 elements' bytes), else element loads.
+template <WFmt F, bool vec>
+__device__ __forceinline__ void w_load8(const WeightView& w, int64_t r, int64_t k0, float out[8]) {
+  const uint8_t* row = w.data + r * w.row_bytes;
+  if constexpr (vec && F == WFmt::F32) {
+    const float4* p = reinterpret_cast<const float4*>(row + 4 * k0);
+    const float4 a = p[0], b = p[1];
+    out[0] = a.x; out[1] = a.y; out[2] = a.z; out[3] = a.w;
+    out[4] = b.x; out[5] = b.y; out[6] = b.z; out[7] = b.w;
+  } else if constexpr (vec && (F == WFmt::BF16 || F == WFmt::F16)) {
+    const uint4 u = *reinterpret_cast<const uint4*>(row + 2 * k0);
+    const uint32_t words[4] = {u.x, u.y, u.z, u.w};
+#pragma unroll
+    for (int i = 0; i < 4; ++i) {
+      if constexpr (F == WFmt::BF16) {
+        out[2 * i] = __uint_as_float(words[i] << 16);
+        out[2 * i + 1] = __uint_as_float(words[i] & 0xffff0000u);
+      } else {
+        out[2 * i] = __half2float(__ushort_as_half(uint16_t(words[i] & 0xffffu)));
+        out[2 * i + 1] = __half2float(__ushort_as_half(uint16_t(words[i] >> 16)));
+      }
+    }
+  } else if constexpr (vec && F == WFmt::FP8) {
+    const uint2 u = *reinterpret_cast<const uint2*>(row + k0);
+    const float s = static_cast<const float*>(w.scale)[(r / 128) * w.scale_stride + k0 / 128];
+#pragma unroll
+    for (int i = 0; i < 8; ++i) {
+      const uint32_t word = i < 4 ? u.x : u.y;
+      out[i] = __fmul_rn(e4m3_to_f32(uint8_t(word >> (8 * (i & 3)))), s);
+    }
+  } else if constexpr (vec && F == WFmt::NVFP4) {
+    const uint32_t u = *reinterpret_cast<const uint32_t*>(row + k0 / 2);
+    const float s = e4m3_to_f32(static_cast<const uint8_t*>(w.scale)[r * w.scale_stride + k0 / 16]);
+#pragma unroll
+    for (int i = 0; i < 8; ++i) out[i] = __fmul_rn(__fmul_rn(e2m1_to_f32((u >> (4 * i)) & 15u), s), w.global_scale);
+  } else {
+#pragma unroll
+    for (int i = 0; i < 8; ++i) out[i] = w_at<F>(w, r, k0 + i);
+  }
+}
+
+// Whether every row of `w` can take w_load8<F, true> (row starts aligned to the 8-element
+// load: 32 B for F32, 16 B for BF16/F16, 8 B for FP8, 4 B for NVFP4).
+inline bool weight_rows_vectorizable(const WeightView& w) {
+  int64_t a = 0;
+  switch (w.fmt) {
+    case WFmt::F32: a = 32; break;
+    case WFmt::BF16:
+    case WFmt::F16: a = 16; break;
+    case WFmt::FP8: a = 8; break;
+    case WFmt::NVFP4: a = 4; break;
+  }
+  return reinterpret_cast<uintptr_t>(w.data) % a == 0 && w.row_bytes % a == 0;
+}
+
+}  // namespace dflash2::cuda::detail

@@ -1,0 +1,181 @@
+"""The target on one GPU: ``Engine(device="cuda")`` against the same engine on the CPU.
+
+On CUDA the weights, KV caches and chunk workspace live in device memory and every op of
+the target's forward runs as a CUDA kernel (cpp/src/backend/cuda); the chunk's plan is
+copied up and the logits (and the drafter's features) come back to the host, where the
+decode loop samples and accepts as on the CPU. So the CPU engine is the oracle: logits
+agree to fp32 summation-order differences (bounded here by REL of the logit scale), and
+greedy tokens are equal except where the CPU's top-2 margin is within that bound.
+
+Without a GPU (or in a build without the CUDA backend) the GPU cases skip with the reason
+and one case checks that asking for CUDA is a clear UnsupportedError.
+"""
+import os
+
+import numpy as np
+import pytest
+
+pytest.importorskip("transformers.models.glm_moe_dsa", reason="needs transformers>=5 with GlmMoeDsa")
+pytest.importorskip("safetensors")
+import torch  # noqa: E402,F401
+
+import compare  # noqa: E402
+import dflash2_rt  # noqa: E402
+import dflash_fixtures as F  # noqa: E402
+import glm_fixtures as gf  # noqa: E402
+from conftest import cuda_or_skip  # noqa: E402
+from dflash2_rt.tools.quantize import quantize_checkpoint  # noqa: E402
+
+REL = 1e-4  # |logits(cuda) - logits(cpu)| <= REL * max|logits|
+NO_STOP = []
+KW = dict(max_batch_size=4, max_seq_len=256)
+
+
+def close(got, ref, what, rel=REL):
+    compare.close(got, ref, what, rel)
+
+
+def same_tokens(ref_engine, prompt, got, want, what, rel=REL):
+    compare.same_tokens(ref_engine, prompt, got, want, what, rel)
+
+
+def test_cuda_without_a_gpu_is_a_clear_error(tmp_path):
+    ok, why = dflash2_rt.cuda_available(with_reason=True)
+    if ok:
+        pytest.skip("a GPU is usable here: the GPU cases below run instead")
+    path = gf.build_model(str(tmp_path / "tiny"), "tiny")
+    with pytest.raises(dflash2_rt.UnsupportedError, match="cuda"):
+        dflash2_rt.Engine(target=path, method="ar", device="cuda", **KW)
+    with pytest.raises(dflash2_rt.InvalidArgumentError, match="unknown device"):
+        dflash2_rt.Engine(target=path, method="ar", device="gpu0", **KW)
+
+
+class Zoo:
+    def __init__(self, root):
+        self.root, self.paths, self.engines = root, {}, {}
+
+    def path(self, name, variant=None, quant=None, **opts):
+        key = (name, quant)
+        if key not in self.paths:
+            p = gf.build_model(os.path.join(self.root, name), variant or name, **opts)
+            if quant:
+                q = os.path.join(self.root, f"{name}-{quant[0]}-{quant[1]}")
+                quantize_checkpoint(p, q, quant[0], quant[1])
+                p = q
+            self.paths[key] = p
+        return self.paths[key]
+
+    def engine(self, name, device, method="ar", quant=None, **kw):
+        key = (name, device, method, quant, tuple(sorted(kw.items())))
+        if key not in self.engines:
+            args = dict(KW, **kw)
+            self.engines[key] = dflash2_rt.Engine(target=self.path(name, quant=quant), method=method, device=device,
+                                                  **args)
+        return self.engines[key]
+
+
+@pytest.fixture(scope="module")
+def zoo(tmp_path_factory):
+    cuda_or_skip()
+    return Zoo(str(tmp_path_factory.mktemp("cuda")))
+
+
+@pytest.mark.parametrize("variant", ["tiny", "bf16", "ngroup", "indexshare_list"])
+def test_logits_equal_cpu(zoo, variant):
+    cpu, gpu = zoo.engine(variant, "cpu"), zoo.engine(variant, "cuda")
+    for n in (1, 9, 40):  # below and above index_topk = 8: dense, then sparse attention
+        ids = gf.prompt(800 + n, n)
+        close(gpu.logits(ids), cpu.logits(ids), f"{variant} n={n}")
+
+
+@pytest.mark.parametrize("quant", [("fp8", "all"), ("nvfp4", "experts"), ("nvfp4", "mlp")],
+                         ids=["fp8", "nvfp4-experts", "nvfp4-mlp"])
+def test_quantized_logits_equal_cpu(zoo, quant):
+    if quant[0] == "fp8":
+        name = "fp8wide"
+        zoo.path(name, "tiny", quant=quant, mtp=False,
+                 config=dict(num_attention_heads=32, num_key_value_heads=32, intermediate_size=256,
+                             moe_intermediate_size=256))
+    else:
+        name = "tiny"
+    cpu, gpu = zoo.engine(name, "cpu", quant=quant), zoo.engine(name, "cuda", quant=quant)
+    ids = gf.prompt(810, 20)
+    close(gpu.logits(ids), cpu.logits(ids), f"{quant}")
+
+
+def test_greedy_and_batch_equal_cpu(zoo):
+    cpu, gpu = zoo.engine("tiny", "cpu"), zoo.engine("tiny", "cuda")
+    prompts = [gf.prompt(820 + i, n) for i, n in enumerate((3, 11, 6, 20))]
+    want = cpu.generate(prompts, max_new_tokens=12, stop_token_ids=NO_STOP)
+    got = gpu.generate(prompts, max_new_tokens=12, stop_token_ids=NO_STOP)
+    for i, (g, w) in enumerate(zip(got, want)):
+        same_tokens(cpu, prompts[i], g.token_ids, w.token_ids, f"cuda prompt {i}")
+
+
+def test_mtp_on_cuda_equals_ar(zoo):
+    """MTP drafting through the target's MTP layer on the GPU: lossless, so it equals AR."""
+    cpu = zoo.engine("tiny", "cpu")
+    gpu = zoo.engine("tiny", "cuda", method="mtp")
+    for i, plen in enumerate((3, 12, 25)):
+        p = gf.prompt(830 + i, plen)
+        (want,) = cpu.generate([p], max_new_tokens=16, stop_token_ids=NO_STOP)
+        (got,) = gpu.generate([p], max_new_tokens=16, stop_token_ids=NO_STOP)
+        same_tokens(cpu, p, got.token_ids, want.token_ids, f"mtp cuda prompt {i}")
+        assert got.stats["verify_steps"] >= 1
+
+
+def test_seeded_sampling_equal_cpu(zoo):
+    cpu, gpu = zoo.engine("tiny", "cpu"), zoo.engine("tiny", "cuda")
+    prompts = [gf.prompt(840 + i, 5 + i) for i in range(3)]
+    kw = dict(max_new_tokens=16, temperature=1.0, top_p=0.95, stop_token_ids=NO_STOP)
+    a = [r.token_ids for r in cpu.generate(prompts, seed=7, **kw)]
+    b = [r.token_ids for r in gpu.generate(prompts, seed=7, **kw)]
+    assert a == b
+
+
+def test_dflash2_pair_on_cuda(tmp_path):
+    """DFlash 2 with the target on the GPU (the drafter reads the features copied back):
+    the hand-built pair's exact output and accepted counts."""
+    cuda_or_skip()
+    pair = F.make_self_drafting_pair(tmp_path)
+    eng = dflash2_rt.Engine(target=pair.target_dir, draft=pair.draft_dir, method="dflash2", device="cuda", **KW)
+    prompts = [[int(x)] * 3 for x in (5, 40, 77)]
+    got = eng.generate(prompts, max_new_tokens=41, stop_token_ids=NO_STOP)
+    for pr, r in zip(prompts, got):
+        exp = pair.expected_greedy(pr, 41)
+        assert list(r.token_ids) == exp["tokens"]
+        assert r.stats["verify_steps"] == exp["steps"]
+
+
+def test_bad_devices(zoo):
+    path = zoo.path("tiny")
+    with pytest.raises(dflash2_rt.InvalidArgumentError, match="visible"):
+        dflash2_rt.Engine(target=path, method="ar", device="cuda:64", **KW)
+    with pytest.raises(dflash2_rt.OutOfMemoryError, match="free"):
+        # a KV pool far beyond any GPU's memory: refused before anything is allocated
+        dflash2_rt.Engine(target=path, method="ar", device="cuda", max_batch_size=4096, max_seq_len=1024,
+                          max_step_tokens=64)
+
+
+# ---------------------------------------------------------------------------- GLM-5.3's dimensions
+REAL = dict(num_hidden_layers=2, hidden_size=1024, num_attention_heads=64, num_key_value_heads=64,
+            q_lora_rank=2048, kv_lora_rank=512, qk_rope_head_dim=64, qk_nope_head_dim=192, v_head_dim=256,
+            index_n_heads=32, index_head_dim=128, index_topk=2048, vocab_size=512, intermediate_size=512,
+            moe_intermediate_size=256, n_routed_experts=8, num_experts_per_tok=4, max_position_embeddings=4096,
+            initializer_range=0.02)
+
+
+def test_real_dimension_slice(zoo):
+    """Two layers (dense + MoE) with GLM-5.3's attention dimensions (64 heads, q_lora 2048,
+    kv_lora 512, rope 64, nope 192, v 256, indexer 32 x 128, index_topk 2048) over a context
+    longer than index_topk, so the sparse path selects 2048 of 2100 keys."""
+    path = zoo.path("real", "tiny", mtp=False, config=REAL)
+    kw = dict(max_batch_size=1, max_seq_len=2200, max_step_tokens=256)
+    cpu = dflash2_rt.Engine(target=path, method="ar", device="cpu", **kw)
+    gpu = dflash2_rt.Engine(target=path, method="ar", device="cuda", **kw)
+    ids = gf.prompt(850, 2100, vocab=REAL["vocab_size"])
+    ref, got = np.asarray(cpu.logits(ids)), np.asarray(gpu.logits(ids))
+    close(got[-64:], ref[-64:], "real dims, last 64 positions")
+    (want,) = cpu.generate([ids[:2060]], max_new_tokens=6, stop_token_ids=NO_STOP)
+    (g,) = gpu.generate([ids[:2060]], max_new_tokens=6, stop_token_ids=NO_STOP)
+    same_tokens(cpu, ids[:2060], g.token_ids, want.token_ids, "real dims greedy")
