@@ -12,10 +12,13 @@ KvCache::KvCache(std::string name, const std::vector<Plane>& planes, int64_t blo
   DFLASH2_CHECK_ARG(block_size >= 1 && num_blocks >= 1 && replicas >= 1, name_,
                     ": block_size, num_blocks and replicas must be >= 1");
   nplanes_ = planes.size();
-  for (int r = 0; r < replicas; ++r)
+  for (int r = 0; r < replicas; ++r) {
+    // tensor parallelism on CUDA: replica r lives on rank r's GPU (dev.index + r)
+    const Device d = dev.is_cuda() ? Device::cuda(dev.index + r) : dev;
     for (const Plane& p : planes)
-      planes_.push_back(p.layers > 0 ? Tensor::zeros(DType::F32, {p.layers, num_blocks * block_size, p.dim}, dev)
+      planes_.push_back(p.layers > 0 ? Tensor::zeros(DType::F32, {p.layers, num_blocks * block_size, p.dim}, d)
                                      : Tensor());
+  }
   free_.reserve(size_t(num_blocks));
   for (int64_t b = num_blocks - 1; b >= 0; --b) free_.push_back(int32_t(b));
 }

@@ -27,7 +27,7 @@ class KvCache {
   KvCache() = default;
   // All memory is allocated here, once (zeroed); name is used in messages. `replicas` copies
   // of every plane share the block allocator (tensor parallelism: each rank's own caches,
-  // with one set of block tables).
+  // with one set of block tables; on CUDA replica r is on device dev.index + r).
   KvCache(std::string name, const std::vector<Plane>& planes, int64_t block_size, int64_t num_blocks,
           Device dev = Device::cpu(), int replicas = 1);
 

@@ -229,7 +229,11 @@ void Target::place_on_devices(int64_t n_index, int64_t nblocks) {
   size_t cache_bytes = size_t(rows) * size_t(c.num_layers * c.latent_dim() + n_index * c.index_head_dim) * 4;
   if (models_[0]->has_mtp())
     cache_bytes += size_t(rows) * size_t(c.latent_dim() + (models_[0]->mtp_has_indexer() ? c.index_head_dim : 0)) * 4;
-  const size_t io_bytes = size_t(opt_.max_step_tokens) * size_t(c.vocab_size) * 4 + (size_t(1) << 20);
+  // logits of a chunk, the drafter features / MTP inputs copied through the device, the
+  // indexer's per-stream score scratch (tokens x context), plan copies and slack
+  const size_t T = size_t(opt_.max_step_tokens), H = size_t(c.hidden_size);
+  const size_t io_bytes = T * size_t(c.vocab_size) * 4 + T * H * 4 * size_t(c.num_layers + 4) +
+                          T * size_t(opt_.max_seq_len) * 4 + (size_t(64) << 20);
   const int64_t count = cuda::device_count();
   DFLASH2_CHECK_ARG(opt_.device.index >= 0 && opt_.device.index + n <= count, "device ", opt_.device.str(), " with ",
                     "tensor_parallel=", n, " needs CUDA devices ", opt_.device.index, "..", opt_.device.index + n - 1,
