@@ -7,12 +7,14 @@
 # builds it, runs ctest (C++ tests, including tests/cpp/test_cuda_backend: the CUDA device
 # layer and kernels against host references) and the op parity tests tests/test_ops.py
 # (cpu and cuda parametrizations; with a GPU the CUDA rows once more under compute-sanitizer
-# memcheck), then writes ${OUT:-bench/results}/device_check.json:
-# GPU name/driver, cuda_available() and its reason, build ok, test counts, the failing
-# step if any. Step logs go beside it in device_check_logs/.
+# memcheck) and, with a GPU, the op microbenchmarks (bench/cpp/bench_ops --quick, at most
+# 120 s, results in bench_ops.json), then writes ${OUT:-bench/results}/device_check.json:
+# GPU name/driver, cuda_available() and its reason, build ok, test counts, the op
+# benchmark results, the failing step if any. Step logs go beside it in device_check_logs/.
 #
 # Environment: OUT (report folder), DFLASH2_CUDA_ARCHS (default 90a = H100/H200),
 # BUILD_DIR (default build-device), JOBS (default nproc), PYTHON (default python3),
+# DC_BENCH_TIMEOUT (seconds for bench_ops --quick, default 120),
 # DFLASH2_REQUIRE_GPU=1 (exit 3 when no GPU is usable; default: report and exit 0).
 #
 # Exit status: 0 all steps passed (without a GPU: the CUDA tests skipped, said in the
@@ -41,6 +43,7 @@ export DC_FAILED_STEP="" DC_FAILED_MSG="" DC_NOTES=""
 export DC_GPU_QUERY="" DC_NVIDIA_SMI="" DC_CUDA_AVAILABLE="" DC_BUILD_INFO=""
 export DC_STEPS=""       # "name:rc:seconds;..."
 export DC_PYTHON_BINDING=0 DC_PYTEST_RAN=0 DC_CTEST_RAN=0 DC_SASS=""
+export DC_BENCH_OPS_JSON=""  # bench_ops --quick --json output, when it ran
 START=$(date +%s)
 
 note() { DC_NOTES+="$*"$'\n'; echo "note: $*"; }
@@ -123,6 +126,13 @@ if py:
                         "skipped": count("skipped"), "failed_tests": [n for n, o in cases if o == "failed"][:50]}
     report["pytest_cuda"] = {"tests": len(cuda), "passed": count("passed", cuda), "failed": count("failed", cuda),
                              "skipped": count("skipped", cuda)}
+bo = env.get("DC_BENCH_OPS_JSON", "")
+if bo:
+    try:
+        with open(bo) as f:
+            report["bench_ops"] = dict(json.load(f), json=bo)
+    except (OSError, ValueError) as e:
+        report["bench_ops"] = {"json": bo, "error": "no readable result: %s" % e}
 with open(env["DC_REPORT"], "w") as f:
     json.dump(report, f, indent=2)
     f.write("\n")
@@ -185,7 +195,7 @@ command -v ninja >/dev/null 2>&1 && GEN=(-G Ninja)
 
 CMAKE_ARGS=(-S "$ROOT" -B "$BUILD" ${GEN[@]+"${GEN[@]}"} -DCMAKE_BUILD_TYPE=Release -DDFLASH2_CUDA=ON
             "-DDFLASH2_CUDA_ARCHS=$ARCHS" -DCMAKE_CUDA_COMPILER="$NVCC" -DDFLASH2_BUILD_TESTS=ON
-            -DDFLASH2_BUILD_BENCH=OFF)
+            -DDFLASH2_BUILD_BENCH=ON)
 if PYBIND11_DIR=$("$PY" -m pybind11 --cmakedir 2>/dev/null); then
   CMAKE_ARGS+=(-DDFLASH2_BUILD_PYTHON=ON "-Dpybind11_DIR=$PYBIND11_DIR" "-DPython_EXECUTABLE=$(command -v "$PY")")
   DC_PYTHON_BINDING=1
@@ -263,6 +273,23 @@ PYEOF
         note "compute-sanitizer not found: memcheck not run"
       fi
     fi
+  fi
+fi
+
+# ---------------------------------------------------------------- op microbenchmarks (GPU only)
+# bench_ops --quick: each CUDA op on GLM-5.3 shapes (decode / verify), the copy bandwidth and
+# cuBLASLt beside the GEMMs (when the nvidia-cublas wheel was importable at configure time).
+# A failure or a timeout is a failed step; the other steps' results stand.
+if [ "$GPU_USABLE" = 1 ]; then
+  BENCH_OPS=$BUILD/bench/cpp/bench_ops
+  rm -f "$OUT_DIR/bench_ops.json"
+  if [ -x "$BENCH_OPS" ]; then
+    run_step bench_ops timeout "${DC_BENCH_TIMEOUT:-120}" "$BENCH_OPS" --quick --json "$OUT_DIR/bench_ops.json" ||
+      soft_fail bench_ops "bench_ops --quick failed or timed out (see $LOGS/bench_ops.log)"
+    DC_BENCH_OPS_JSON=$OUT_DIR/bench_ops.json
+    grep -E "^(device|cublasLt|copy bandwidth|summary):" "$LOGS/bench_ops.log" || true
+  else
+    soft_fail bench_ops "bench/cpp/bench_ops was not built ($BENCH_OPS missing)"
   fi
 fi
 

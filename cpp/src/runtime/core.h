@@ -29,10 +29,26 @@ struct Core {
   // host bookkeeping reused across steps
   std::vector<std::vector<Piece>> chunks;
 
+  // CUDA target: `logits` lives on the target's (rank 0's) device and the decode loop's ops
+  // run there on device copies of the plan rows below (uploaded per step: a few ints per
+  // sequence); only tokens, counts and flags come back. The drafter's features stay host
+  // tensors (copied back by the target), as does everything on the CPU.
+  Device device = Device::cpu();
+  Tensor d_flags, d_temp, d_topp, d_topk, d_rng, d_out, d_row0, d_draft_row, d_draft_len, d_accepted, d_bonus;
+  Tensor d_drafts, d_cand, d_q;  // grown to the drafter's shapes on first use
+
   // Allocates the step buffers for the target / drafter already set.
   void allocate_buffers();
   // Flags (1 = NaN or Inf present) of the first `rows` logits rows.
   const int32_t* nonfinite_rows(int64_t rows);
+  // s_out[0 .. R) = a token per logits row from sampling rows [0, R) (s_temp .. s_rng).
+  void sample_rows(int64_t R);
+  // s_out[0] = argmax of logits row 0.
+  void argmax_row0();
+  // a_accepted / a_bonus [0, S) = ops::accept over logits rows [0, rows) with plan rows
+  // a_row0 / a_draft_row / a_draft_len and sampling rows [0, S); drafts I32 [N, K] and the
+  // selector's cand / q (undefined: one-hot proposals) are host tensors.
+  void accept_rows(int64_t rows, int64_t S, const Tensor& drafts, const Tensor& cand, const Tensor& q);
   // The plan buffers' first n sampling rows.
   ops::SamplingTensors sampling_rows(int64_t n) const {
     return {s_temp.slice(0, 0, n), s_topp.slice(0, 0, n), s_topk.slice(0, 0, n)};

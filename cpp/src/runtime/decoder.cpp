@@ -170,10 +170,7 @@ void Decoder::prefill() {
     int64_t r = 0;
     for (const auto& pc : ch)
       if (pc.last) plan_row(r++, *act_[size_t(pc.seq)], 1);
-    if (R > 0) {
-      Tensor lg = c_.logits.slice(0, 0, R), rng = c_.s_rng.slice(0, 0, R), tok = c_.s_out.slice(0, 0, R);
-      ops::sample(lg, c_.sampling_rows(R), rng, tok);
-    }
+    c_.sample_rows(R);
     r = 0;
     for (const auto& pc : ch) {
       if (!pc.last) continue;
@@ -299,11 +296,8 @@ void Decoder::step() {
       plan_row(k, r, uint64_t(drafts.shape(1) + 1));
       row += kk + 1;
     }
-    Tensor lg = c_.logits.slice(0, 0, row), rng = c_.s_rng.slice(0, 0, S);
-    Tensor acc = c_.a_accepted.slice(0, 0, S), bon = c_.a_bonus.slice(0, 0, S);
     const bool with_q = dr && dr->has_q;
-    ops::accept(lg, c_.a_row0.slice(0, 0, S), drafts, c_.a_draft_row.slice(0, 0, S), c_.a_draft_len.slice(0, 0, S),
-                with_q ? dr->cand : Tensor(), with_q ? dr->q : Tensor(), c_.sampling_rows(S), rng, acc, bon);
+    c_.accept_rows(row, S, drafts, with_q ? dr->cand : Tensor(), with_q ? dr->q : Tensor());
   }
   // 4. commit anchor + the accepted tokens; roll back the rest of the verify pass
   commits_.clear();

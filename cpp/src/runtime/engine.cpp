@@ -313,8 +313,7 @@ Proposal Engine::propose(const std::vector<int32_t>& tokens) {
       if (I.core.fin.defined()) fo.final_hidden = I.core.fin.slice(0, 0, pc.n);
       tgt.run_chunk(ch, fo);
       if (pc.last) {
-        Tensor lg = I.core.logits.slice(0, 0, 1), tok = I.core.s_out.slice(0, 0, 1);
-        ops::argmax(lg, tok);
+        I.core.argmax_row0();
         out.anchor = I.core.s_out.data_as<const int32_t>()[0];
         next.push_back(out.anchor);
       }

@@ -306,7 +306,9 @@ void Target::run_chunk_device(const model::TokenBatch& b, const model::ForwardOu
     model::TokenBatch db = upload(b, r);
     model::ForwardOutputs o;
     o.all_logits = out.all_logits;
-    if (out.logits.defined()) o.logits = d_logits_[size_t(r)].slice(0, 0, out.logits.shape(0));
+    // rank 0 writes logits straight into the caller's tensor when it is on its device
+    const bool direct = r == 0 && out.logits.defined() && out.logits.device() == models_[0]->device();
+    if (out.logits.defined()) o.logits = direct ? out.logits : d_logits_[size_t(r)].slice(0, 0, out.logits.shape(0));
     if (r == 0) {
       o.tap_layers = out.tap_layers;
       if (out.taps.defined()) o.taps = device_rows(d_taps_, r, b.T, out.taps.shape(1));
@@ -315,7 +317,7 @@ void Target::run_chunk_device(const model::TokenBatch& b, const model::ForwardOu
     models_[size_t(r)]->forward(db, views_[size_t(r)], o);
     if (r != 0) return;
     // the outputs the caller asked for, back to its host tensors (synchronizes)
-    if (out.logits.defined() && out.logits.shape(0) > 0) {
+    if (!direct && out.logits.defined() && out.logits.shape(0) > 0) {
       DFLASH2_INTERNAL(out.logits.shape(1) == V, "logits width");
       Tensor dst = out.logits;
       dst.copy_from(o.logits);
