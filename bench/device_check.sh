@@ -14,7 +14,7 @@
 #
 # Environment: OUT (report folder), DFLASH2_CUDA_ARCHS (default 90a = H100/H200),
 # BUILD_DIR (default build-device), JOBS (default nproc), PYTHON (default python3),
-# DC_BENCH_TIMEOUT (seconds for bench_ops --quick, default 120),
+# DC_BENCH_TIMEOUT (seconds for bench_ops --quick, default 90),
 # DFLASH2_REQUIRE_GPU=1 (exit 3 when no GPU is usable; default: report and exit 0).
 #
 # Exit status: 0 all steps passed (without a GPU: the CUDA tests skipped, said in the
@@ -266,7 +266,7 @@ PYEOF
       SANITIZER=$(command -v compute-sanitizer || true)
       [ -z "$SANITIZER" ] && [ -x "$(dirname "$NVCC")/compute-sanitizer" ] && SANITIZER=$(dirname "$NVCC")/compute-sanitizer
       if [ -n "$SANITIZER" ]; then
-        run_step memcheck timeout "${DC_MEMCHECK_TIMEOUT:-240}" "$SANITIZER" --tool memcheck --error-exitcode 9 \
+        run_step memcheck timeout "${DC_MEMCHECK_TIMEOUT:-150}" "$SANITIZER" --tool memcheck --error-exitcode 9 \
           "$PY" -m pytest -q -x "$ROOT/tests/test_ops.py" -k cuda -p no:cacheprovider ||
           soft_fail memcheck "compute-sanitizer memcheck over the CUDA op tests failed (see $LOGS/memcheck.log)"
       else
@@ -284,7 +284,7 @@ if [ "$GPU_USABLE" = 1 ]; then
   BENCH_OPS=$BUILD/bench/cpp/bench_ops
   rm -f "$OUT_DIR/bench_ops.json"
   if [ -x "$BENCH_OPS" ]; then
-    run_step bench_ops timeout "${DC_BENCH_TIMEOUT:-120}" "$BENCH_OPS" --quick --json "$OUT_DIR/bench_ops.json" ||
+    run_step bench_ops timeout "${DC_BENCH_TIMEOUT:-90}" "$BENCH_OPS" --quick --json "$OUT_DIR/bench_ops.json" ||
       soft_fail bench_ops "bench_ops --quick failed or timed out (see $LOGS/bench_ops.log)"
     DC_BENCH_OPS_JSON=$OUT_DIR/bench_ops.json
     grep -E "^(device|cublasLt|copy bandwidth|summary):" "$LOGS/bench_ops.log" || true

@@ -179,3 +179,21 @@ def test_real_dimension_slice(zoo):
     (want,) = cpu.generate([ids[:2060]], max_new_tokens=6, stop_token_ids=NO_STOP)
     (g,) = gpu.generate([ids[:2060]], max_new_tokens=6, stop_token_ids=NO_STOP)
     same_tokens(cpu, ids[:2060], g.token_ids, want.token_ids, "real dims greedy")
+
+
+def test_tensor_parallel_on_gpus(zoo):
+    """TP=2 over NCCL (one rank per GPU) against the CPU engine: needs 2 GPUs (the project's
+    lent machine has one, so this has never run)."""
+    try:
+        gpu = zoo.engine("tiny", "cuda", tensor_parallel=2)
+    except dflash2_rt.InvalidArgumentError as e:
+        assert "visible" in str(e)
+        pytest.skip(f"needs 2 GPUs: {e}")
+    cpu = zoo.engine("tiny", "cpu")
+    for n in (1, 9, 40):
+        ids = gf.prompt(860 + n, n)
+        close(gpu.logits(ids), cpu.logits(ids), f"TP=2 on GPUs n={n}")
+    p = gf.prompt(870, 7)
+    (want,) = cpu.generate([p], max_new_tokens=10, stop_token_ids=NO_STOP)
+    (got,) = gpu.generate([p], max_new_tokens=10, stop_token_ids=NO_STOP)
+    same_tokens(cpu, p, got.token_ids, want.token_ids, "TP=2 on GPUs greedy")
