@@ -6,6 +6,7 @@ import json
 import os
 
 import numpy as np
+import refs
 import pytest
 import torch
 
@@ -351,3 +352,66 @@ def test_quantizer_agrees_with_refs_quantizer_in_error():
     e_mine = np.abs(Q.dequantize_nvfp4(*Q.quantize_nvfp4(w)) - w).mean()
     e_ref = np.abs(refs.dequant_nvfp4(*refs.quantize_nvfp4(w)) - w).mean()
     assert e_mine <= 1.01 * e_ref
+
+
+# ---------------------------------------------------------------------------- W4A4 activations
+def _e2m1_rne(v):
+    """Independent reference: nearest of the E2M1 magnitudes, ties to the even code."""
+    mags = np.array([0, 0.5, 1, 1.5, 2, 3, 4, 6], np.float64)
+    a = np.minimum(np.abs(v), 6.0)
+    d = np.abs(a[..., None] - mags)
+    best = d.min(-1, keepdims=True)
+    cand = np.where(np.isclose(d, best, rtol=0, atol=0), np.arange(8), 99)
+    # among equally near codes take the even one (two candidates at most)
+    lo = cand.min(-1)
+    hi = np.where(cand == 99, -1, cand).max(-1)
+    code = np.where(lo % 2 == 0, lo, hi)
+    return np.sign(v) * mags[code]
+
+
+def _nvfp4_act_ref(x, input_scale):
+    x = np.asarray(x, np.float32)
+    m, k = x.shape
+    g = np.float32(1.0) / np.float32(input_scale)
+    blocks = x.reshape(m, k // 16, 16)
+    amax = np.abs(blocks).max(-1).astype(np.float32)
+    sf_arg = (g * (amax * np.float32(1.0 / 6.0))).astype(np.float32)
+    sf = refs.fp8_e4m3_to_f64(refs.f32_to_fp8_e4m3(np.minimum(sf_arg, 448.0))).astype(np.float32)
+    with np.errstate(divide="ignore", invalid="ignore"):
+        inv = (np.float32(1.0) / (sf / g)).astype(np.float32)
+        scaled = (blocks * inv[..., None]).astype(np.float32)
+    q = _e2m1_rne(scaled.astype(np.float64)).astype(np.float32)
+    out = (q * sf[..., None]).astype(np.float32) * np.float32(input_scale)
+    out = np.where(sf[..., None] == 0, 0.0, out)
+    return out.reshape(m, k).astype(np.float32)
+
+
+@pytest.mark.parametrize("seed", [0, 1, 2])
+def test_nvfp4_activation_quantization_matches_reference(seed):
+    """The CPU emulation of Blackwell's NVFP4 activation quantization (the W4A4 reference)
+    equals an independent numpy implementation bitwise, and linear over it is the W4A4 GEMM."""
+    from dflash2_rt import ops
+    rng = np.random.default_rng(seed)
+    x = (rng.standard_normal((7, 96)) * rng.uniform(0.01, 20, (7, 1))).astype(np.float32)
+    x[0, :16] = 0.0                      # an all-zero block
+    x[1, 16:32] = 1e-30                  # a block whose scale underflows to zero
+    x[2, :16] = [6, 5, 3.5, 2.5, 1.75, 1.25, 0.75, 0.25, -6, -5, -3.5, -2.5, -1.75, -1.25, -0.75, -0.25]
+    input_scale = float(np.abs(x).max()) / (448 * 6)
+    got = np.from_dlpack(ops.nvfp4_quantize_act(x, input_scale)).copy()
+    want = _nvfp4_act_ref(x, input_scale)
+    np.testing.assert_array_equal(got, want)
+    assert (got[0, :16] == 0).all() and (got[1, 16:32] == 0).all()
+    # the quantized values are representable: quantizing again changes nothing
+    np.testing.assert_array_equal(np.from_dlpack(ops.nvfp4_quantize_act(got, input_scale)), got)
+    # relative error per block is bounded by E2M1's half step (1/4 of the value at worst) + the scale's
+    err = np.abs(got - x).reshape(7, 6, 16).max(-1)
+    amax = np.abs(x).reshape(7, 6, 16).max(-1)
+    assert (err <= amax * 0.30 + 1e-30).all()
+    with pytest.raises(dflash2_rt.InvalidArgumentError, match="multiple of 16"):
+        ops.nvfp4_quantize_act(x[:, :40], input_scale)
+    with pytest.raises(dflash2_rt.InvalidArgumentError, match="input_scale"):
+        ops.nvfp4_quantize_act(x, 0.0)
+    nan = x.copy()
+    nan[3, 5] = np.nan
+    out = np.from_dlpack(ops.nvfp4_quantize_act(nan, input_scale))
+    assert np.isnan(out[3, :16]).all() and np.isfinite(out[3, 16:]).all()

@@ -311,6 +311,21 @@ void bind_ops(py::module_& m) {
       },
       py::arg("x"), py::arg("out") = py::none(), "I32 [R]: 1 where row r of x holds a NaN or an infinity.");
 
+  o.def(
+      "nvfp4_quantize_act",
+      [](py::handle x, float input_scale, py::handle out) {
+        Tensor xt = tensor_from_python(x, "x");
+        Tensor ot = out_or_new(out, DType::F32, {dim_or0(xt, 0), dim_or0(xt, 1)}, xt.device());
+        {
+          py::gil_scoped_release nogil;
+          ops::nvfp4_quantize_act(xt, input_scale, ot);
+        }
+        return ot;
+      },
+      py::arg("x"), py::arg("input_scale"), py::arg("out") = py::none(),
+      "F32 [M, K]: x quantized to NVFP4 per 16 inputs (E4M3 block scale, E2M1 values, round to nearest even) "
+      "and dequantized, as a Blackwell W4A4 GEMM sees its activations.");
+
   // ---------------------------------------------------------------- paged caches, attention
   o.def(
       "cache_write",

@@ -79,6 +79,18 @@ int cpu_max_threads();
 // y[M, N] (F32) = x[M, K] (F32) @ W^T; if accumulate, y += x @ W^T.
 void linear(const Tensor& x, const Weight& w, Tensor& y, bool accumulate = false);
 
+// NVFP4 activation quantization as a Blackwell W4A4 GEMM applies it (the CPU emulation that
+// gives the NVFP4 tensor-core path its reference: W4A4 = linear(nvfp4_quantize_act(x), w)).
+// Per row of x F32 [M, K] (K % 16 == 0), per block of 16 inputs, with g = 1 / input_scale
+// (input_scale > 0, finite: the checkpoint's per-tensor activation scale) and amax the
+// block's largest |x| (fp32 throughout):
+//   sf  = e4m3(g * (amax * (1/6)))          round to nearest even, saturating at 448
+//   q_i = e2m1(x_i * (1 / (float(sf) / g)))  round to nearest even, saturating at 6
+//   out_i = q_i * float(sf) * input_scale   (sf = 0: the block is zeros)
+// out F32 [M, K] (may be x). A non-finite x is an error at the GEMM's input, so it is
+// passed through as NaN here (check_finite catches it downstream).
+void nvfp4_quantize_act(const Tensor& x, float input_scale, Tensor& out);
+
 // out = w * x / sqrt(mean(x^2) + eps) per row (last dim); x, out F32 [.., D]; w F32/BF16/F16 [D].
 void rms_norm(const Tensor& x, const Tensor& w, float eps, Tensor& out);
 // out = (x - mean) / sqrt(var + eps) * w + b per row; b may be undefined (no bias).

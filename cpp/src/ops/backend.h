@@ -17,6 +17,7 @@ namespace dflash2::ops {
   X(linear, (const Tensor& x, const Weight& w, Tensor& y, bool accumulate))                                         \
   X(linear_heads, (const Tensor& x, const Tensor& w, Tensor& y))                                                     \
   X(rms_norm, (const Tensor& x, const Tensor& w, float eps, Tensor& out))                                           \
+  X(nvfp4_quantize_act, (const Tensor& x, float input_scale, Tensor& out))                                         \
   X(layer_norm, (const Tensor& x, const Tensor& w, const Tensor& b, float eps, Tensor& out))                        \
   X(rope, (Tensor & x, const Tensor& positions, double theta, RopeStyle style))                                     \
   X(silu_mul, (const Tensor& gate, const Tensor& up, Tensor& out))                                                  \

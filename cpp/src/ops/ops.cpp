@@ -390,6 +390,20 @@ void check_finite(const Tensor& x, Tensor& flags) {
   DFLASH2_DISPATCH(check_finite, x, x, flags);
 }
 
+void nvfp4_quantize_act(const Tensor& x, float input_scale, Tensor& out) {
+  const char* op = "nvfp4_quantize_act";
+  need_2d_rows(x, DType::F32, op, "x");
+  need_2d_rows(out, DType::F32, op, "out");
+  same_device(x, out, op);
+  DFLASH2_CHECK_ARG(out.shape(0) == x.shape(0) && out.shape(1) == x.shape(1), op, ": out ", out.describe(),
+                    " must have x's shape ", x.describe());
+  DFLASH2_CHECK_ARG(x.shape(1) % 16 == 0, op, ": the row length ", x.shape(1),
+                    " must be a multiple of 16 (NVFP4 quantizes blocks of 16 inputs)");
+  DFLASH2_CHECK_ARG(std::isfinite(input_scale) && input_scale > 0.0f, op,
+                    ": input_scale must be positive and finite, found ", input_scale);
+  DFLASH2_DISPATCH(nvfp4_quantize_act, x, x, input_scale, out);
+}
+
 // ------------------------------------------------------------------ paged caches
 void cache_write(const Tensor& src, const Tensor& slots, Tensor& cache) {
   const char* op = "cache_write";

@@ -307,4 +307,67 @@ void check_finite(const Tensor& x, Tensor& flags) {
   }
 }
 
+namespace {
+// f32 -> OCP E4M3 ("fn") value, round to nearest even, saturating at +-448 (what the
+// hardware's cvt.rn.satfinite.e4m3x2.f32 gives); returned as the exact f32 it encodes.
+float round_e4m3(float v) {
+  const float a = std::fabs(v);
+  if (!(a == a)) return v;  // NaN stays NaN
+  if (a >= 448.0f) return std::copysign(448.0f, v);
+  // normals (exponent >= -6): 3 mantissa bits, step 2^(e-3); subnormals: step 2^-9
+  int e;
+  std::frexp(a, &e);  // a = m 2^e, m in [0.5, 1)
+  const int step_exp = std::max(e - 1, -6) - 3;
+  const float step = std::ldexp(1.0f, step_exp);
+  const float r = std::nearbyint(a / step) * step;  // default rounding mode: nearest even
+  return std::copysign(std::min(r, 448.0f), v);
+}
+// f32 -> E2M1 value {0, .5, 1, 1.5, 2, 3, 4, 6}, round to nearest even code, saturating at 6.
+float round_e2m1(float v) {
+  const float a = std::fabs(v);
+  if (!(a == a)) return v;
+  float r;
+  if (a < 2.0f)
+    r = std::nearbyint(a * 2.0f) * 0.5f;  // steps of 0.5 in [0, 2): even codes = multiples of 1
+  else if (a < 4.0f)
+    r = std::nearbyint(a) ;               // steps of 1 in [2, 4): 2 (even code 4), 3 (5), 4 (6)
+  else
+    r = a <= 5.0f ? 4.0f : 6.0f;          // [4, 6]: 4 (code 6) or 6 (code 7); the tie 5 -> 4 (even)
+  // [0, 2) with steps of 0.5: the codes 0..3 are 0, .5, 1, 1.5; nearbyint(2a) ties to even
+  // multiples of 0.5 = even codes. [2, 4): 2.5 -> 2 and 3.5 -> 4 (nearbyint ties to even).
+  return std::copysign(std::min(r, 6.0f), v);
+}
+}  // namespace
+
+void nvfp4_quantize_act(const Tensor& x, float input_scale, Tensor& out) {
+  Rows xr = rows_of(x), orow = rows_of(out);
+  const int64_t K = xr.d;
+  const float g = 1.0f / input_scale, sixth = 1.0f / 6.0f;
+#pragma omp parallel for schedule(static) num_threads(threads()) if (parallel_worth(xr.n * K))
+  for (int64_t r = 0; r < xr.n; ++r) {
+    const float* xi = xr.row<const float>(r);
+    float* oi = orow.row<float>(r);
+    for (int64_t b = 0; b < K; b += 16) {
+      float amax = 0.0f;
+      bool nan = false;
+      for (int i = 0; i < 16; ++i) {
+        const float a = std::fabs(xi[b + i]);
+        nan = nan || !(a <= 3.4028235e38f);
+        amax = std::max(amax, a);
+      }
+      if (nan) {  // a non-finite input: the block is NaN
+        for (int i = 0; i < 16; ++i) oi[b + i] = std::numeric_limits<float>::quiet_NaN();
+        continue;
+      }
+      const float sf = round_e4m3(g * (amax * sixth));
+      if (sf == 0.0f) {
+        for (int i = 0; i < 16; ++i) oi[b + i] = 0.0f;
+        continue;
+      }
+      const float inv = 1.0f / (sf / g);
+      for (int i = 0; i < 16; ++i) oi[b + i] = round_e2m1(xi[b + i] * inv) * sf * input_scale;
+    }
+  }
+}
+
 }  // namespace dflash2::cpu
