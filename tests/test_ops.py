@@ -916,6 +916,10 @@ BLOCK_ATTN_CASES = [  # (nh, kvh, hd, B, cache block size)
     (4, 2, 16, 4, 16),
     (3, 1, 8, 2, 3),
     (8, 2, 32, 5, 16),
+    # blocks longer than the CUDA kernel's 8-row query groups, so a group starts past the
+    # window (window 1, 2, 5 < 8): its context range is empty and only in-block keys count
+    (4, 2, 8, 16, 4),
+    (2, 1, 4, 10, 3),
 ]
 
 

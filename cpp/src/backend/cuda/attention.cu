@@ -73,6 +73,8 @@
 
 #include <cmath>
 #include <cstdint>
+#include <map>
+#include <mutex>
 #include <string>
 #include <utility>
 
@@ -89,15 +91,26 @@ namespace {
 
 constexpr size_t kDefaultSmem = 48 * 1024;
 
-// Opts `kernel` into `bytes` of dynamic shared memory when above the default 48 KiB.
+// Opts `kernel` into `bytes` of dynamic shared memory when above the default 48 KiB. The
+// attribute is per (device, kernel) and a larger limit also serves smaller launches, so the
+// largest size set so far is remembered and the driver calls are made only when a launch
+// needs more (not on every launch). Call with `device` current (DeviceGuard). A
+// cudaDeviceReset would drop the attribute; the runtime never resets a device.
 template <class K>
 void allow_smem(K kernel, size_t bytes, int device, const char* op) {
   if (bytes <= kDefaultSmem) return;
+  static std::mutex mu;
+  static std::map<std::pair<int, const void*>, size_t> granted;  // (device, kernel) -> bytes set
+  const std::pair<int, const void*> key{device, reinterpret_cast<const void*>(kernel)};
+  std::lock_guard<std::mutex> lock(mu);
+  const auto it = granted.find(key);
+  if (it != granted.end() && it->second >= bytes) return;
   int optin = 0;
   DFLASH2_CUDA_CHECK(cudaDeviceGetAttribute(&optin, cudaDevAttrMaxSharedMemoryPerBlockOptin, device), op);
   DFLASH2_CHECK(bytes <= size_t(optin), ErrorKind::Unsupported, "cuda::", op, ": these shapes need ", bytes,
                 " bytes of shared memory per block, cuda:", device, " allows ", optin);
   DFLASH2_CUDA_CHECK(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, int(bytes)), op);
+  granted[key] = bytes;
 }
 
 void need_cuda(const Tensor& t, const Tensor& ref, const char* op, const char* arg) {
@@ -471,6 +484,7 @@ __global__ void __launch_bounds__(kMlaThreads)
         double l = ls[h];
         const float p = softmax_update(s, valid, m, l, alpha);
         ps[h * kMlaKC + lane] = p;
+        __syncwarp();  // every lane has read ms[h] / ls[h] before lane 0 overwrites them
         if (lane == 0) {
           ms[h] = m;
           ls[h] = l;
@@ -572,7 +586,10 @@ __global__ void __launch_bounds__(kBaThreads, 1) block_attention_kernel(const Ba
     const int64_t c0_row = attn::window_first_key(L, i, a.window);
     const int64_t nblk_row = a.causal ? i + 1 : a.B;
     // the block's key range: the context from the earliest row's window start, then B own keys
-    const int64_t cmin = attn::window_first_key(L, (rg * kBaRows) / grp, a.window);
+    // (clamped to L: with window <= that row's i its window starts past the context, and a
+    // negative nctx would shift the block's own keys)
+    const int64_t cmin0 = attn::window_first_key(L, (rg * kBaRows) / grp, a.window);
+    const int64_t cmin = cmin0 < L ? cmin0 : L;
     const int64_t nctx = L - cmin, nv = nctx + a.B;
     const int64_t qrow = s * a.B + i;
     for (int e = lane; e < hd; e += 32) qs[warp * hd + e] = active ? a.q[qrow * a.q_s0 + h * a.q_s1 + e] : 0.0f;

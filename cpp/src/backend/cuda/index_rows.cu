@@ -167,6 +167,9 @@ uint64_t index_errors(int device, bool reset) {
   if (reset) {
     const unsigned long long zero = 0;
     DFLASH2_CUDA_CHECK(cudaMemcpyToSymbol(g_index_errors, &zero, sizeof(zero)), "cuda:", device);
+    // the reset runs on the legacy default stream and a pageable copy may return before it
+    // lands: finish it before kernels on non-blocking streams can count again
+    DFLASH2_CUDA_CHECK(cudaDeviceSynchronize(), "cuda:", device);
   }
   return uint64_t(v);
 }

@@ -55,10 +55,12 @@
 //   format for every gate and up weight of the layer and one for every down weight.
 //
 //   The experts' WeightViews live in a device array built on the first call with a given
-//   set of expert weights (one cudaMalloc + a synchronous cudaMemcpy) and cached per device
-//   for the life of the process, keyed by the full content of the views (every pointer,
-//   stride, format and scale of every expert, compared exactly): each call rebuilds the
-//   host views (a few microseconds for 256 experts) and finds its array. Building is
+//   set of expert weights (one cudaMalloc + a copy on the current stream, waited for) and
+//   cached per device for the life of the process, keyed by the full content of the views
+//   (every pointer, stride, format and scale of every expert, compared exactly). A call
+//   first tries the table stored for its ExpertWeights object (address, device), verified
+//   by an exact signature of every field the views are built from (expert_table); only a
+//   mismatch rebuilds, hashes and looks up the views. Building is
 //   refused while the current stream is being captured into a CUDA graph (Backend error):
 //   run one eager step first, which builds every layer's array. A cached array is never
 //   freed (3 * E * 64 bytes per layer: 49 KB for 256 experts), so a captured graph can
@@ -82,8 +84,7 @@
 //     NVFP4 gate/up fallback for rows not 4-byte aligned (never with a 4-byte aligned
 //     pointer: K % 16 == 0 makes every NVFP4 row a multiple of 8 bytes). __launch_bounds__(256, 3)
 //     caps them at 80 with 8-32 bytes of spills; which is faster is for a GPU to measure.
-//     The NVFP4 variants keep e2m1_to_f32's 8-entry table in local memory (32-64 byte stack
-//     frames, weight_view.cuh): a register-only decode would avoid that;
+//     (e2m1_to_f32 decodes from the bits now: no local-memory table, no stack frame);
 //   - fuse the list into moe_route (it already knows each token's experts) and the
 //     combine into the down kernel's epilogue when top_k slots of a token are in one CTA.
 #include <cuda_runtime.h>
@@ -91,9 +92,11 @@
 #include <cmath>
 #include <cstdint>
 #include <cstring>
+#include <map>
 #include <memory>
 #include <mutex>
 #include <unordered_map>
+#include <utility>
 #include <vector>
 
 #include "backend/cuda/cuda_api.h"
@@ -408,7 +411,7 @@ std::unordered_map<uint64_t, std::vector<std::unique_ptr<ExpertTable>>>& tables(
 
 // The device array of the experts' views (see the file comment). Checks every weight's
 // device, layout and shape ([F, H] gate / up, [H, F] down) and the per-layer formats.
-const ExpertTable& expert_table(const ops::ExpertWeights& ex, int device, int64_t H, int64_t F) {
+const ExpertTable& build_expert_table(const ops::ExpertWeights& ex, int device, int64_t H, int64_t F) {
   const char* op = "cuda::moe_experts";
   const size_t E = ex.gate.size();
   std::vector<ExpertView> host(E);
@@ -460,13 +463,85 @@ const ExpertTable& expert_table(const ops::ExpertWeights& ex, int device, int64_
   }
   const size_t bytes = E * sizeof(ExpertView);
   t->dev = static_cast<ExpertView*>(device_malloc(bytes, device));
-  const cudaError_t err = cudaMemcpy(t->dev, t->host.data(), bytes, cudaMemcpyHostToDevice);
+  // Copied on the stream the kernels run on, then waited for: a plain cudaMemcpy runs on the
+  // legacy default stream, which a non-blocking current stream is not ordered after, and a
+  // pageable host -> device cudaMemcpy may return before its DMA has landed.
+  cudaError_t err = cudaMemcpyAsync(t->dev, t->host.data(), bytes, cudaMemcpyHostToDevice, s);
+  if (err == cudaSuccess) err = cudaStreamSynchronize(s);
   if (err != cudaSuccess) {
     device_free(t->dev, device);
     detail::raise(err, "cudaMemcpy", "moe_experts expert table, cuda:", device);
   }
   bucket.push_back(std::move(t));
   return *bucket.back();
+}
+
+// Fast lookup (the usual case: a layer passes the same ExpertWeights object every step).
+// Per (ExpertWeights address, device) the table found last time, with a signature of every
+// field weight_view() reads or checks, for every gate / up / down weight: data and scale
+// pointers, row strides, contiguity, ndims, dtypes, devices, format, global scale, shape.
+// weight_view() is a pure function of these, so an exactly equal signature (and H, F) gives
+// exactly the views, and the checks, of the call that stored it: the same table. Anything
+// else -- another object at a reused address, a weight replaced, re-sliced or moved --
+// takes build_expert_table(). Cost: 8 words gathered and compared per weight, instead of
+// building, hashing and comparing every view.
+constexpr int kSigWords = 8;
+
+void weight_sig(const ops::Weight& w, uint64_t* s) {
+  const Tensor &d = w.data, &sc = w.scale;
+  const bool d2 = d.defined() && d.ndim() == 2, s2 = sc.defined() && sc.ndim() == 2;
+  uint32_t gsb = 0;
+  std::memcpy(&gsb, &w.global_scale, sizeof(gsb));
+  s[0] = uint64_t(reinterpret_cast<uintptr_t>(d.data()));
+  s[1] = uint64_t(reinterpret_cast<uintptr_t>(sc.defined() ? sc.data() : nullptr));
+  s[2] = d2 ? uint64_t(d.stride(0)) : ~uint64_t(0);
+  s[3] = s2 ? uint64_t(sc.stride(0)) : ~uint64_t(0);
+  s[4] = uint64_t(w.out_features);
+  s[5] = uint64_t(w.in_features);
+  s[6] = uint64_t(gsb) | uint64_t(w.format) << 32 | uint64_t(d.dtype()) << 40 | uint64_t(sc.dtype()) << 48 |
+         uint64_t(d.defined()) << 56 | uint64_t(sc.defined()) << 57 | uint64_t(d2 && d.stride(1) == 1) << 58 |
+         uint64_t(s2 && sc.stride(1) == 1) << 59;
+  s[7] = uint64_t(uint32_t(d.device().index)) | uint64_t(d.device().type) << 32 | uint64_t(d.ndim()) << 40 |
+         uint64_t(sc.ndim()) << 44 | uint64_t(sc.device().type) << 48 |
+         uint64_t(sc.device().index == d.device().index) << 56;
+}
+
+struct FastEntry {
+  int64_t H = 0, F = 0;
+  std::vector<uint64_t> sig;
+  const ExpertTable* table = nullptr;  // never freed (see tables())
+};
+std::mutex g_fast_mu;
+std::map<std::pair<const void*, int>, FastEntry>& fast_tables() {
+  static auto* m = new std::map<std::pair<const void*, int>, FastEntry>();  // never destroyed
+  return *m;
+}
+
+const ExpertTable& expert_table(const ops::ExpertWeights& ex, int device, int64_t H, int64_t F) {
+  const size_t E = ex.gate.size();  // == up.size() == down.size() (checked by the caller)
+  thread_local std::vector<uint64_t> sig;
+  sig.resize(3 * E * kSigWords);
+  for (size_t e = 0; e < E; ++e) {
+    weight_sig(ex.gate[e], &sig[(3 * e + 0) * kSigWords]);
+    weight_sig(ex.up[e], &sig[(3 * e + 1) * kSigWords]);
+    weight_sig(ex.down[e], &sig[(3 * e + 2) * kSigWords]);
+  }
+  const std::pair<const void*, int> key(static_cast<const void*>(&ex), device);
+  {
+    std::lock_guard<std::mutex> lock(g_fast_mu);
+    const auto it = fast_tables().find(key);
+    if (it != fast_tables().end() && it->second.H == H && it->second.F == F && it->second.sig == sig)
+      return *it->second.table;
+  }
+  const ExpertTable& t = build_expert_table(ex, device, H, F);  // checks everything; may throw
+  std::lock_guard<std::mutex> lock(g_fast_mu);
+  if (fast_tables().size() >= 4096) fast_tables().clear();  // many short-lived objects (tests): bound the memory
+  FastEntry& f = fast_tables()[key];
+  f.H = H;
+  f.F = F;
+  f.sig = sig;
+  f.table = &t;
+  return t;
 }
 
 template <WFmt F, bool gated>

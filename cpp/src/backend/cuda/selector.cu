@@ -20,7 +20,7 @@
 // into a lane sum, a butterfly across the warp) and stores score_b in shared memory; then
 // warp 0 makes the choice (argmax with layout.h's rule, or the softmax + draw) and writes
 // the token; the chosen candidate is the next step's predecessor. Two barriers a step.
-// K <= 1024 candidates (shared score buffers). Sampling needs both rng and q; when either
+// K <= 4096 candidates (shared score buffers). Sampling needs both rng and q; when either
 // is undefined (a greedy-only call, e.g. the binding's scalar temperature 0 moved to the
 // device) every sequence takes the greedy choice whatever its temperature and q is not
 // touched (ops.cpp requires both on the CUDA backend today).
@@ -56,7 +56,7 @@ namespace sl = sampling;
 constexpr unsigned kFull = 0xffffffffu;
 constexpr int kMaxWarps = 16;
 constexpr int kMaxThreads = kMaxWarps * 32;
-constexpr int kMaxK = 1024;
+constexpr int kMaxK = 4096;  // the drafter config allows selector_top_k up to 4096 (32 KiB of scores)
 
 struct Book {
   const void* p;
