@@ -2,6 +2,7 @@
 
 #include <algorithm>
 #include <cstdio>
+#include <cstring>
 #include <string>
 
 #ifdef DFLASH2_WITH_CUDA
@@ -12,6 +13,31 @@
 #include "dflash2/ops.h"
 
 namespace dflash2::runtime {
+
+// A chunk's plan goes up in one asynchronous copy: the host packs the planner's I32 buffers
+// into pinned staging (two halves, alternating, so packing the next chunk never waits for
+// more than the copy of the chunk before the last), one cudaMemcpyAsync on the rank's
+// stream moves them into one device buffer, and the model reads views of it. Kernels of the
+// previous chunk that read the device buffer come before the copy in stream order.
+struct Target::DevicePlan {
+  DevicePlan(Device d, int64_t words) : device(d), capacity(words) {
+    buf = Tensor::zeros(DType::I32, {words}, d);
+#ifdef DFLASH2_WITH_CUDA
+    for (int k = 0; k < 2; ++k) {
+      host[k] = std::shared_ptr<void>(cuda::host_alloc_pinned(size_t(words) * 4), cuda::host_free_pinned);
+      done[k] = cuda::Event(d.index);
+    }
+#endif
+  }
+  Device device;
+  int64_t capacity;
+  Tensor buf;                  // I32 [capacity] on the device
+  std::shared_ptr<void> host[2];
+#ifdef DFLASH2_WITH_CUDA
+  cuda::Event done[2];
+#endif
+  int half = 0;
+};
 
 Target::Target(std::vector<std::unique_ptr<model::GlmModel>> models, const Options& opt)
     : models_(std::move(models)), opt_(opt) {
@@ -53,23 +79,17 @@ Target::Target(std::vector<std::unique_ptr<model::GlmModel>> models, const Optio
   }
   planner_ = StepPlanner(opt.max_step_tokens, std::max(opt.max_batch_size + 1, opt.max_step_tokens), blocks_per_seq);
   if (opt.device.is_cuda()) {
-    dplan_.resize(size_t(n));
     d_logits_.resize(size_t(n));
     d_taps_.resize(size_t(n));
     d_fin_.resize(size_t(n));
     d_hmain_.resize(size_t(n));
     d_hidden_.resize(size_t(n));
     const int64_t rows = planner_.max_tokens(), seqs = planner_.max_seqs();
+    // the packed plan: tokens, seq, pos, slots (rows each), logit rows, block table, ctx_len
+    const int64_t words = 4 * rows + std::max(rows, seqs) + seqs * blocks_per_seq + seqs;
     for (int r = 0; r < n; ++r) {
       const Device d = models_[size_t(r)]->device();
-      DevicePlan& p = dplan_[size_t(r)];
-      p.tokens = Tensor::zeros(DType::I32, {rows}, d);
-      p.seq = Tensor::zeros(DType::I32, {rows}, d);
-      p.pos = Tensor::zeros(DType::I32, {rows}, d);
-      p.slots = Tensor::zeros(DType::I32, {rows}, d);
-      p.logit_rows = Tensor::zeros(DType::I32, {std::max(rows, seqs)}, d);
-      p.block_table = Tensor::zeros(DType::I32, {seqs, blocks_per_seq}, d);
-      p.ctx_len = Tensor::zeros(DType::I32, {seqs}, d);
+      dplan_.push_back(std::make_unique<DevicePlan>(d, words));
       d_logits_[size_t(r)] = Tensor::empty(DType::F32, {opt.max_step_tokens, c.vocab_size}, d);
     }
   }
@@ -276,28 +296,40 @@ Tensor Target::device_rows(std::vector<Tensor>& bufs, int r, int64_t rows, int64
 }
 
 model::TokenBatch Target::upload(const model::TokenBatch& b, int r) {
-  DevicePlan& p = dplan_[size_t(r)];
-  model::TokenBatch d = b;
-  auto up = [](const Tensor& host, const Tensor& dev_buf, int64_t n) {
-    if (!host.defined()) return Tensor();
-    Tensor dst = dev_buf.slice(0, 0, n);
-    if (n > 0) dst.copy_from(host.contiguous());
-    return dst;
+#ifndef DFLASH2_WITH_CUDA
+  (void)b;
+  (void)r;
+  fail(ErrorKind::Unsupported, "Target::upload: built without CUDA");
+#else
+  DevicePlan& p = *dplan_[size_t(r)];
+  const int k = p.half;
+  p.half ^= 1;
+  p.done[k].wait();  // this half's previous copy has been executed
+  int32_t* h = static_cast<int32_t*>(p.host[k].get());
+  int64_t off = 0;
+  auto put = [&](const Tensor& t) -> Tensor {
+    if (!t.defined()) return Tensor();
+    const int64_t n = t.numel();
+    DFLASH2_INTERNAL(t.dtype() == DType::I32 && off + n <= p.capacity, "plan upload: ", t.describe(), " at ", off,
+                     " of ", p.capacity);
+    const Tensor c = t.contiguous();
+    if (n > 0) std::memcpy(h + off, c.data(), size_t(n) * 4);
+    Tensor v = p.buf.slice(0, off, off + n).reshape(t.shape());
+    off += n;
+    return v;
   };
-  d.tokens = up(b.tokens, p.tokens, b.T);
-  d.paged.seq = up(b.paged.seq, p.seq, b.T);
-  d.paged.pos = up(b.paged.pos, p.pos, b.T);
-  d.slots = up(b.slots, p.slots, b.T);
-  if (b.logit_rows.defined()) d.logit_rows = up(b.logit_rows, p.logit_rows, b.logit_rows.shape(0));
-  if (b.paged.block_table.defined()) {
-    const Tensor& bt = b.paged.block_table;
-    Tensor dst = p.block_table.slice(0, 0, bt.shape(0));
-    DFLASH2_INTERNAL(bt.shape(1) == p.block_table.shape(1), "block table width ", bt.shape(1));
-    if (bt.shape(0) > 0) dst.copy_from(bt.contiguous());
-    d.paged.block_table = dst;
-  }
-  if (b.ctx_len.defined()) d.ctx_len = up(b.ctx_len, p.ctx_len, b.ctx_len.shape(0));
+  model::TokenBatch d = b;
+  d.tokens = put(b.tokens);
+  d.paged.seq = put(b.paged.seq);
+  d.paged.pos = put(b.paged.pos);
+  d.slots = put(b.slots);
+  d.logit_rows = put(b.logit_rows);
+  d.paged.block_table = put(b.paged.block_table);
+  d.ctx_len = put(b.ctx_len);
+  cuda::copy_async(p.buf.data(), h, size_t(off) * 4, p.device.index);
+  p.done[k].record();
   return d;
+#endif
 }
 
 void Target::run_chunk_device(const model::TokenBatch& b, const model::ForwardOutputs& out) {

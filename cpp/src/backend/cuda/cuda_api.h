@@ -22,6 +22,31 @@ void memset_zero(void* dst, int device, size_t bytes);
 void synchronize(int device);
 std::string toolkit_version();      // CUDART_VERSION at compile time, "13.0"
 std::string runtime_info();         // driver/runtime versions and device names, or why none
+// Page-locked host memory (cudaHostAlloc), so copies from / to it can be asynchronous.
+void* host_alloc_pinned(size_t bytes);
+void host_free_pinned(void* p) noexcept;
+// Copies `bytes` from src to dst asynchronously on the current stream (current_stream());
+// one side must be device memory of `device`, the other pinned host memory (or device).
+void copy_async(void* dst, const void* src, size_t bytes, int device);
+// A CUDA event (timing disabled) on `device`: record() on the current stream, wait() blocks
+// the host until the work recorded before it has finished. Movable, not copyable.
+class Event {
+ public:
+  Event() = default;
+  explicit Event(int device);
+  ~Event();
+  Event(Event&& o) noexcept : ev_(o.ev_), device_(o.device_), recorded_(o.recorded_) { o.ev_ = nullptr; }
+  Event& operator=(Event&& o) noexcept;
+  Event(const Event&) = delete;
+  Event& operator=(const Event&) = delete;
+  void record();
+  void wait();  // no-op if never recorded
+ private:
+  void* ev_ = nullptr;
+  int device_ = 0;
+  bool recorded_ = false;
+};
+
 // Free and total memory of `device` (cudaMemGetInfo).
 void mem_info(int device, size_t* free_bytes, size_t* total_bytes);
 // "sm_90" for an H100/H200: the device's compute capability.

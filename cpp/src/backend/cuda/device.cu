@@ -151,6 +151,66 @@ void synchronize(int device) {
   DFLASH2_CUDA_CHECK(cudaDeviceSynchronize(), "cuda:", device);
 }
 
+void* host_alloc_pinned(size_t bytes) {
+  void* p = nullptr;
+  cudaError_t e = cudaHostAlloc(&p, bytes ? bytes : 1, cudaHostAllocPortable);
+  if (e == cudaErrorMemoryAllocation) {
+    cudaGetLastError();
+    fail(ErrorKind::OutOfMemory, "cannot allocate ", bytes, " bytes of pinned host memory (cudaHostAlloc)");
+  }
+  if (e != cudaSuccess) detail::raise(e, "cudaHostAlloc", bytes, " bytes");
+  return p;
+}
+
+void host_free_pinned(void* p) noexcept {
+  if (p) cudaFreeHost(p);
+  cudaGetLastError();
+}
+
+void copy_async(void* dst, const void* src, size_t bytes, int device) {
+  if (bytes == 0) return;
+  DeviceGuard guard(device);
+  DFLASH2_CUDA_CHECK(cudaMemcpyAsync(dst, src, bytes, cudaMemcpyDefault, current_stream()), bytes,
+                     " bytes on cuda:", device);
+}
+
+Event::Event(int device) : device_(device) {
+  DeviceGuard guard(device);
+  cudaEvent_t e = nullptr;
+  DFLASH2_CUDA_CHECK(cudaEventCreateWithFlags(&e, cudaEventDisableTiming), "cuda:", device);
+  ev_ = e;
+}
+
+Event::~Event() {
+  if (ev_) {
+    cudaEventDestroy(static_cast<cudaEvent_t>(ev_));
+    cudaGetLastError();
+  }
+}
+
+Event& Event::operator=(Event&& o) noexcept {
+  if (this != &o) {
+    if (ev_) cudaEventDestroy(static_cast<cudaEvent_t>(ev_));
+    ev_ = o.ev_;
+    device_ = o.device_;
+    recorded_ = o.recorded_;
+    o.ev_ = nullptr;
+  }
+  return *this;
+}
+
+void Event::record() {
+  DFLASH2_CHECK_ARG(ev_ != nullptr, "cuda::Event::record on an empty event");
+  DeviceGuard guard(device_);
+  DFLASH2_CUDA_CHECK(cudaEventRecord(static_cast<cudaEvent_t>(ev_), current_stream()), "cuda:", device_);
+  recorded_ = true;
+}
+
+void Event::wait() {
+  if (!ev_ || !recorded_) return;
+  DFLASH2_CUDA_CHECK(cudaEventSynchronize(static_cast<cudaEvent_t>(ev_)), "cuda:", device_);
+}
+
 void mem_info(int device, size_t* free_bytes, size_t* total_bytes) {
   check_index(device, "mem_info");
   DeviceGuard guard(device);
