@@ -6,6 +6,11 @@ tokens/s (sum of generated tokens / sum of decode time, batch 1; the fastest of 
 passes over the same requests) and speedup over ar in the same run; checks greedy outputs equal ar's. Writes a table (.md), JSON and a PNG plot.
 
     python bench/bench_default_pair.py [--n 16] [--new 128] [--threads 2] [--repeat 2] [--out bench/results]
+                                       [--device cpu|cuda|cuda:N]
+
+With --device cuda the target runs on the GPU (see the README's "The CUDA backend"; results
+go to default_pair_cuda.*); each method's decode time is also split into draft / verify /
+host shares (the request stats' draft_s, verify_s, host_s).
 
 Held-out prompts: 128-token windows (seeded) of the held-out stdlib files (every 20th file,
 see dflash2_rt.train.corpus), tokenized with the pair's tokenizer.
@@ -35,10 +40,11 @@ def heldout_prompts(tok, n: int, length: int = 128, seed: int = 0) -> list:
     return [ids[s:s + length].tolist() for s in rng.integers(0, ids.size - length, n)]
 
 
-def run_method(method, prompts, new, threads, temperature, top_p, seed):
-    eng = dflash2_rt.Engine(method=method, num_threads=threads, max_batch_size=1)
+def run_method(method, prompts, new, threads, temperature, top_p, seed, device="cpu"):
+    eng = dflash2_rt.Engine(method=method, num_threads=threads, max_batch_size=1, device=device)
     eng.generate([prompts[0][:32]], max_new_tokens=8, stop_token_ids=[])  # warm-up
     out, toks, dec, taus, pos = [], 0, 0.0, [], []
+    split = {"draft_s": 0.0, "verify_s": 0.0, "host_s": 0.0}
     for i, p in enumerate(prompts):
         r = eng.generate([p], max_new_tokens=new, temperature=temperature, top_p=top_p,
                          seed=None if temperature == 0 else seed + i, stop_token_ids=[])[0]
@@ -46,11 +52,13 @@ def run_method(method, prompts, new, threads, temperature, top_p, seed):
         toks += r.stats["generated_tokens"]
         dec += r.stats["decode_s"]
         taus.append(r.stats["acceptance_length"])
+        for k in split:
+            split[k] += float(r.stats.get(k, 0.0))
         if r.stats.get("accepted_per_position"):
             pos.append(r.stats["accepted_per_position"])
     return out, {"acceptance_length": float(np.mean(taus)), "tokens_per_second": toks / dec,
                  "accepted_per_position": np.mean(pos, 0).tolist() if pos else [], "generated_tokens": toks,
-                 "decode_s": dec}
+                 "decode_s": dec, "decode_split": {k: v / dec for k, v in split.items()} if dec > 0 else {}}
 
 
 def main(argv=None):
@@ -61,12 +69,14 @@ def main(argv=None):
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--repeat", type=int, default=2)
     ap.add_argument("--out", default=os.path.join(HERE, "results"))
+    ap.add_argument("--device", default="cpu", help="cpu, cuda or cuda:N (where the target runs)")
     a = ap.parse_args(argv)
     target, _ = default_pair()
     eng = dflash2_rt.Engine(method="ar")
+    suffix = "" if a.device == "cpu" else "_" + a.device.split(":")[0]
     prompts = heldout_prompts(eng.tokenizer, a.n)
     res = {"config": {"repeat_best_of": a.repeat, "prompts": a.n, "prompt_tokens": 128, "new_tokens": a.new, "threads": a.threads,
-                      "omp_wait_policy": os.environ.get("OMP_WAIT_POLICY"),
+                      "device": a.device, "omp_wait_policy": os.environ.get("OMP_WAIT_POLICY"),
                       "gomp_spincount": os.environ.get("GOMP_SPINCOUNT"), "build": str(dflash2_rt.build_info())
                       if hasattr(dflash2_rt, "build_info") else ""}, "modes": {}}
     for mode, (temp, top_p) in {"greedy": (0.0, 1.0), "t1.0_p0.95": (1.0, 0.95)}.items():
@@ -74,20 +84,22 @@ def main(argv=None):
         for m in METHODS:
             t0 = time.time()
             # the same requests (same seeds) `repeat` times; the fastest pass counts (the CPU is shared)
-            outs, st = max((run_method(m, prompts, a.new, a.threads, temp, top_p, a.seed) for _ in range(a.repeat)),
+            outs, st = max((run_method(m, prompts, a.new, a.threads, temp, top_p, a.seed, a.device)
+                            for _ in range(a.repeat)),
                            key=lambda r: r[1]["tokens_per_second"])
             if m == "ar":
                 ref = outs
             if temp == 0:
                 st["lossless_vs_ar"] = outs == ref
             rows[m] = st
+            sp = " ".join(f"{k[:-2]} {v:.0%}" for k, v in st["decode_split"].items())
             print(f"{mode:12s} {m:8s} tau {st['acceptance_length']:.2f} {st['tokens_per_second']:.1f} tok/s "
-                  f"({time.time() - t0:.0f}s)", flush=True)
+                  f"[{sp}] ({time.time() - t0:.0f}s)", flush=True)
         for m in METHODS:
             rows[m]["speedup_vs_ar"] = rows[m]["tokens_per_second"] / rows["ar"]["tokens_per_second"]
         res["modes"][mode] = rows
     os.makedirs(a.out, exist_ok=True)
-    with open(os.path.join(a.out, "default_pair.json"), "w") as f:
+    with open(os.path.join(a.out, f"default_pair{suffix}.json"), "w") as f:
         json.dump(res, f, indent=1)
     lines = ["| mode | method | acceptance length | tok/s | speedup vs ar | per-position acceptance (1..7) | lossless |",
              "| --- | --- | --- | --- | --- | --- | --- |"]
@@ -99,9 +111,9 @@ def main(argv=None):
                          f"{st['speedup_vs_ar']:.2f}x | {pp} | {ll} |")
     cmd = "python bench/bench_default_pair.py " + " ".join(argv if argv is not None else sys.argv[1:])
     table = "\n".join(lines)
-    with open(os.path.join(a.out, "default_pair.md"), "w") as f:
+    with open(os.path.join(a.out, f"default_pair{suffix}.md"), "w") as f:
         f.write(f"# Default pair benchmark\n\n`{cmd.strip()}`\n\n{a.n} held-out prompts x 128 tokens, {a.new} new "
-                f"tokens, batch 1, {a.threads} threads (CPU).\n\n{table}\n")
+                f"tokens, batch 1, {a.threads} threads, target on {a.device}.\n\n{table}\n")
     print(table)
     try:
         import matplotlib
@@ -130,9 +142,9 @@ def main(argv=None):
     ax[2].set_title("acceptance rate per draft position")
     ax[2].set_xlabel("position")
     ax[2].legend(fontsize=7)
-    fig.suptitle("dflash2_rt default pair (CPU), held-out stdlib prompts")
+    fig.suptitle(f"dflash2_rt default pair (target on {a.device}), held-out stdlib prompts")
     fig.tight_layout()
-    fig.savefig(os.path.join(a.out, "default_pair.png"), dpi=100)
+    fig.savefig(os.path.join(a.out, f"default_pair{suffix}.png"), dpi=100)
 
 
 if __name__ == "__main__":

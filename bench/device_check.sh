@@ -8,13 +8,16 @@
 # layer and kernels against host references) and the op parity tests tests/test_ops.py
 # (cpu and cuda parametrizations; with a GPU the CUDA rows once more under compute-sanitizer
 # memcheck) and, with a GPU, the op microbenchmarks (bench/cpp/bench_ops --quick, at most
-# 120 s, results in bench_ops.json), then writes ${OUT:-bench/results}/device_check.json:
+# 75 s, results in bench_ops.json) and the bundled pair end to end on the GPU
+# (bench/bench_default_pair.py --device cuda, at most 60 s: tokens/s, acceptance, speedup
+# over ar, draft / verify / host split), then writes ${OUT:-bench/results}/device_check.json:
 # GPU name/driver, cuda_available() and its reason, build ok, test counts, the op
 # benchmark results, the failing step if any. Step logs go beside it in device_check_logs/.
 #
 # Environment: OUT (report folder), DFLASH2_CUDA_ARCHS (default 90a = H100/H200),
 # BUILD_DIR (default build-device), JOBS (default nproc), PYTHON (default python3),
-# DC_BENCH_TIMEOUT (seconds for bench_ops --quick, default 90),
+# DC_BENCH_TIMEOUT (seconds for bench_ops --quick, default 75), DC_E2E_TIMEOUT (seconds for
+# the end-to-end pair benchmark, default 60), DC_MEMCHECK_TIMEOUT (default 120),
 # DFLASH2_REQUIRE_GPU=1 (exit 3 when no GPU is usable; default: report and exit 0).
 #
 # Exit status: 0 all steps passed (without a GPU: the CUDA tests skipped, said in the
@@ -44,6 +47,7 @@ export DC_GPU_QUERY="" DC_NVIDIA_SMI="" DC_CUDA_AVAILABLE="" DC_BUILD_INFO=""
 export DC_STEPS=""       # "name:rc:seconds;..."
 export DC_PYTHON_BINDING=0 DC_PYTEST_RAN=0 DC_CTEST_RAN=0 DC_SASS=""
 export DC_BENCH_OPS_JSON=""  # bench_ops --quick --json output, when it ran
+export DC_E2E_JSON=""        # bench_default_pair.py --device cuda output, when it ran
 START=$(date +%s)
 
 note() { DC_NOTES+="$*"$'\n'; echo "note: $*"; }
@@ -133,6 +137,17 @@ if bo:
             report["bench_ops"] = dict(json.load(f), json=bo)
     except (OSError, ValueError) as e:
         report["bench_ops"] = {"json": bo, "error": "no readable result: %s" % e}
+e2e = env.get("DC_E2E_JSON", "")
+if e2e:
+    try:
+        with open(e2e) as f:
+            modes = json.load(f)["modes"]
+        report["default_pair_cuda"] = {mode: {m: {k: st.get(k) for k in ("acceptance_length", "tokens_per_second",
+                                                                         "speedup_vs_ar", "lossless_vs_ar",
+                                                                         "decode_split")}
+                                              for m, st in rows.items()} for mode, rows in modes.items()}
+    except (OSError, ValueError, KeyError) as e:
+        report["default_pair_cuda"] = {"json": e2e, "error": "no readable result: %s" % e}
 with open(env["DC_REPORT"], "w") as f:
     json.dump(report, f, indent=2)
     f.write("\n")
@@ -266,7 +281,7 @@ PYEOF
       SANITIZER=$(command -v compute-sanitizer || true)
       [ -z "$SANITIZER" ] && [ -x "$(dirname "$NVCC")/compute-sanitizer" ] && SANITIZER=$(dirname "$NVCC")/compute-sanitizer
       if [ -n "$SANITIZER" ]; then
-        run_step memcheck timeout "${DC_MEMCHECK_TIMEOUT:-150}" "$SANITIZER" --tool memcheck --error-exitcode 9 \
+        run_step memcheck timeout "${DC_MEMCHECK_TIMEOUT:-120}" "$SANITIZER" --tool memcheck --error-exitcode 9 \
           "$PY" -m pytest -q -x "$ROOT/tests/test_ops.py" -k cuda -p no:cacheprovider ||
           soft_fail memcheck "compute-sanitizer memcheck over the CUDA op tests failed (see $LOGS/memcheck.log)"
       else
@@ -284,13 +299,24 @@ if [ "$GPU_USABLE" = 1 ]; then
   BENCH_OPS=$BUILD/bench/cpp/bench_ops
   rm -f "$OUT_DIR/bench_ops.json"
   if [ -x "$BENCH_OPS" ]; then
-    run_step bench_ops timeout "${DC_BENCH_TIMEOUT:-90}" "$BENCH_OPS" --quick --json "$OUT_DIR/bench_ops.json" ||
+    run_step bench_ops timeout "${DC_BENCH_TIMEOUT:-75}" "$BENCH_OPS" --quick --json "$OUT_DIR/bench_ops.json" ||
       soft_fail bench_ops "bench_ops --quick failed or timed out (see $LOGS/bench_ops.log)"
     DC_BENCH_OPS_JSON=$OUT_DIR/bench_ops.json
     grep -E "^(device|cublasLt|copy bandwidth|summary):" "$LOGS/bench_ops.log" || true
   else
     soft_fail bench_ops "bench/cpp/bench_ops was not built ($BENCH_OPS missing)"
   fi
+fi
+
+# ---------------------------------------------------------------- end to end on the GPU
+# The bundled pair with the target on the GPU: ar / mtp / dflash / dflash2, greedy (checked
+# equal to ar) and sampled, 4 prompts x 64 new tokens, one pass (tiny model: launch-bound).
+if [ "$GPU_USABLE" = 1 ] && [ "$DC_PYTHON_BINDING" = 1 ]; then
+  rm -f "$OUT_DIR/default_pair_cuda.json"
+  run_step e2e timeout "${DC_E2E_TIMEOUT:-60}" "$PY" "$ROOT/bench/bench_default_pair.py" --device cuda --n 4 \
+    --new 64 --repeat 1 --threads 4 --out "$OUT_DIR" ||
+    soft_fail e2e "bench/bench_default_pair.py --device cuda failed or timed out (see $LOGS/e2e.log)"
+  if [ -f "$OUT_DIR/default_pair_cuda.json" ]; then DC_E2E_JSON=$OUT_DIR/default_pair_cuda.json; fi
 fi
 
 # ---------------------------------------------------------------- verdict
