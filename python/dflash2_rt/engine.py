@@ -214,8 +214,8 @@ class Engine:
         "dflash2"; None infers it: "ar" without a drafter, else from the drafter's
         architecture (DFlash2DraftModel -> "dflash2", DFlashDraftModel -> "dflash").
         device: "cpu", "cuda" or "cuda:N": where the target's weights, caches and forward run
-        (CUDA: compiled, never run on a GPU yet; sampling and acceptance run on the GPU, the
-        DFlash drafter on the host; see the README's "The CUDA backend").
+        (CUDA: compiled, never run on a GPU yet; sampling, acceptance and the DFlash drafter
+        run on the GPU too; see the README's "The CUDA backend").
         max_seq_len None: min(4096, the model's max_position_embeddings). num_threads: this
         engine's CPU threads (None/0: all cores); it never changes other engines'.
         speculation: "fixed" (every step drafts the full block) or "adaptive" (per step, the

@@ -133,6 +133,36 @@ std::unique_ptr<DFlashDrafter> DFlashDrafter::load(const Checkpoint& ck, const G
   return d;
 }
 
+void DFlashDrafter::to_device(Device dev, const Tensor& embed, const Weight& lm_head) {
+  DFLASH2_CHECK_ARG(device_.is_cpu(), "DFlashDrafter::to_device: already on ", device_.str());
+  DFLASH2_CHECK_ARG(embed.device() == dev && lm_head.data.device() == dev, "DFlashDrafter::to_device: the embedding (",
+                    embed.describe(), ") and the LM head must already be on ", dev.str());
+  DFLASH2_CHECK_ARG(embed.shape() == embed_.shape() && lm_head.out_features == lm_head_.out_features &&
+                        lm_head.in_features == lm_head_.in_features,
+                    "DFlashDrafter::to_device: the device embedding / LM head must be the full ones");
+  embed_ = embed;
+  lm_head_ = lm_head;
+  auto T = [&](Tensor& t) {
+    if (t.defined()) t = t.to(dev);
+  };
+  auto W = [&](Weight& w) {
+    if (w.data.defined()) w = w.to(dev);
+  };
+  W(fc_);
+  T(hidden_norm_);
+  T(norm_);
+  for (auto& L : layers_) {
+    for (Weight* w : {&L->q, &L->k, &L->v, &L->o, &L->gate, &L->up, &L->down, &L->att_proj, &L->mlp_proj}) W(*w);
+    for (Tensor* t : {&L->q_norm, &L->k_norm, &L->in_norm, &L->post_norm, &L->att_base, &L->mlp_base}) T(*t);
+  }
+  W(sel_proj_);
+  T(pred_book_);
+  T(succ_book_);
+  T(logit_rows_);
+  ws_ = std::make_unique<Arena>(ws_->capacity(), dev);
+  device_ = dev;
+}
+
 DFlashDrafter::Bufs DFlashDrafter::alloc_append(Arena& a, int64_t n) const {
   const DraftConfig& c = cfg_;
   Bufs b;

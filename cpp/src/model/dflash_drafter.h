@@ -35,6 +35,10 @@ class DFlashDrafter {
   const DraftConfig& config() const { return cfg_; }
   int64_t block_size() const { return cfg_.block_size; }
   int64_t kv_dim() const { return cfg_.num_kv_heads * cfg_.head_dim; }  // K (and V) floats per token per layer
+  // Copies the drafter's weights, constant buffers and workspace to `dev` (once, at load);
+  // embed / lm_head: the target's copies of them on that device (shared, not copied).
+  void to_device(Device dev, const Tensor& embed, const ops::Weight& lm_head);
+  Device device() const { return device_; }
   // DFlash 2 only: false drafts the argmax per position (convs still on), for ablations.
   void set_use_selector(bool on) { use_selector_ = on && cfg_.v2; }
   bool use_selector() const { return use_selector_; }
@@ -70,6 +74,7 @@ class DFlashDrafter {
   std::unique_ptr<Arena> ws_;
   Tensor logit_rows_;  // I32 [max_seqs * (B-1)]: rows s*B + 1 + t of a drafted batch
   bool use_selector_ = true;
+  Device device_ = Device::cpu();
 };
 
 }  // namespace dflash2::model

@@ -62,6 +62,10 @@ class GlmModel {
   // the full embedding and LM head (mmap'ed views; the drafter shares them)
   const Tensor& embed_tokens() const { return embed_; }
   const ops::Weight& lm_head() const { return lm_head_; }
+  // The embedding / LM head the forward reads (on device() after to_device; without tensor
+  // parallelism they are the full ones).
+  const Tensor& forward_embed() const { return embed_local_; }
+  const ops::Weight& forward_lm_head() const { return lm_head_local_; }
   // Tensor parallelism: the group's communicator for this rank (every rank's model runs the
   // same forward at once, in its own thread).
   void set_comm(comm::Communicator* c) { comm_ = c; }

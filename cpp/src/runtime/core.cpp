@@ -21,8 +21,10 @@ void Core::allocate_buffers() {
   device = target->options().device;  // rank 0's device
   logits = Tensor::empty(DType::F32, {verify_rows, V}, device);
   flags = Tensor::empty(DType::I32, {verify_rows});
-  if (!taps.empty()) taps_buf = Tensor::empty(DType::F32, {feat_rows, int64_t(taps.size()) * H});
-  if (want_final) fin = Tensor::empty(DType::F32, {feat_rows, H});
+  // the drafter's features live where it runs (the target writes them there directly)
+  const Device fdev = drafter ? drafter->device() : Device::cpu();
+  if (!taps.empty()) taps_buf = Tensor::empty(DType::F32, {feat_rows, int64_t(taps.size()) * H}, fdev);
+  if (want_final) fin = Tensor::empty(DType::F32, {feat_rows, H}, fdev);
   s_temp = Tensor::zeros(DType::F32, {B});
   s_topp = Tensor::zeros(DType::F32, {B});
   s_topk = Tensor::zeros(DType::I32, {B});
@@ -59,6 +61,7 @@ Tensor upload_rows(const Tensor& src, const Tensor& dst, int64_t n) {
 // A device buffer of `like`'s shape and dtype (grown when too small), holding a copy of it.
 Tensor upload_whole(const Tensor& like, Tensor& buf, Device dev) {
   if (!like.defined()) return Tensor();
+  if (like.device() == dev) return like;  // already there (a drafter on the device)
   if (!buf.defined() || buf.dtype() != like.dtype() || buf.numel() < like.numel())
     buf = Tensor::empty(like.dtype(), {std::max<int64_t>(like.numel(), 1)}, dev);
   Tensor d = buf.slice(0, 0, like.numel()).reshape(like.shape());

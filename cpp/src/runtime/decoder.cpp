@@ -297,7 +297,11 @@ void Decoder::step() {
       row += kk + 1;
     }
     const bool with_q = dr && dr->has_q;
-    c_.accept_rows(row, S, drafts, with_q ? dr->cand : Tensor(), with_q ? dr->q : Tensor());
+    // a drafter on the device left its outputs there too (dev_*): acceptance reads those
+    const bool on_dev = dr && dr->dev_tokens.defined();
+    c_.accept_rows(row, S, on_dev ? dr->dev_tokens : drafts,
+                   with_q ? (on_dev ? dr->dev_cand : dr->cand) : Tensor(),
+                   with_q ? (on_dev ? dr->dev_q : dr->q) : Tensor());
   }
   // 4. commit anchor + the accepted tokens; roll back the rest of the verify pass
   commits_.clear();

@@ -49,6 +49,9 @@ struct DraftResult {
   std::vector<int64_t> row;  // per job
   Tensor cand, q;            // I32 / F32 [rows, K, top_k]: the selector's candidates and proposal
   bool has_q = false;        // q holds the sampled proposal (else drafts are one-hot)
+  // A drafter on a CUDA device: the same tokens / cand / q on the device (acceptance reads
+  // them there); the host tensors above are copies for the decode loop.
+  Tensor dev_tokens, dev_cand, dev_q;
 };
 
 class Drafter {
@@ -57,6 +60,8 @@ class Drafter {
   virtual int64_t draft_len() const = 0;  // K: tokens drafted per step at most
   virtual std::vector<int64_t> tap_layers() const { return {}; }
   virtual bool wants_final_hidden() const { return false; }
+  // Where the drafter runs and wants its features (Features::taps / final) to be.
+  virtual Device device() const { return Device::cpu(); }
   virtual void commit(const std::vector<CommitRows>& rows, const Features& f) = 0;
   // Greedy drafts where a job's temperature is 0; DFlash 2's selector samples the others
   // and records q.

@@ -41,25 +41,44 @@ class DFlashRunner final : public Drafter {
     const int64_t B = c.block_size, maxB = o.max_batch_size + 1, H = c.hidden_size;  // + propose's slot
     const int64_t nt = int64_t(c.target_layer_ids.size());
     const int64_t bs = o.kv_block_size, per_seq = (o.max_seq_len + bs - 1) / bs;
-    cache_ = KvCache("draft KV cache", {{c.num_layers, 2 * m_->kv_dim()}}, bs, per_seq * maxB);
+    // A CUDA target without tensor parallelism: the drafter runs on its GPU too (weights,
+    // draft cache, features, workspace), sharing the target's embedding and LM head; its
+    // tokens / candidates / proposal come back to the host after each draft. With tensor
+    // parallelism (vocabulary-sharded target copies) it stays on the host.
+    if (o.device.is_cuda() && t.tp_size() == 1) {
+      dev_ = t.model().device();
+      m_->to_device(dev_, t.model().forward_embed(), t.model().forward_lm_head());
+    }
+    cache_ = KvCache("draft KV cache", {{c.num_layers, 2 * m_->kv_dim()}}, bs, per_seq * maxB, dev_);
     cache_.set_max_blocks_per_stream(per_seq);
     for (int64_t l = 0; l < c.num_layers; ++l) kv_layers_.push_back(cache_.layer(0, l));
     streams_.resize(size_t(maxB));
-    pending_ = PendingRows(maxB, kPending, nt * H, /*with_next=*/false);
+    pending_ = PendingRows(maxB, kPending, nt * H, /*with_next=*/false, dev_);
     append_ = [this](const std::vector<CommitRows>& rows, const Tensor& src) { append(rows, src); };
-    planner_ = StepPlanner(std::max(o.max_step_tokens, maxB * B), maxB, per_seq);
-    taps_ = Tensor::zeros(DType::F32, {o.max_step_tokens, nt * H});
-    idx_ = Tensor::zeros(DType::I32, {o.max_step_tokens});
-    ids_ = Tensor::zeros(DType::I32, {maxB * B});
-    rng_ = Tensor::zeros(DType::I64, {maxB, 2});
-    temp_ = Tensor::zeros(DType::F32, {maxB});
+    const int64_t plan_tokens = std::max(o.max_step_tokens, maxB * B);
+    planner_ = StepPlanner(plan_tokens, maxB, per_seq);
+    if (dev_.is_cuda())
+      up_ = std::make_unique<PlanUploader>(dev_, PlanUploader::planned_words(plan_tokens, maxB, per_seq));
+    taps_ = Tensor::zeros(DType::F32, {o.max_step_tokens, nt * H}, dev_);
+    idx_ = Tensor::zeros(DType::I32, {o.max_step_tokens}, dev_);
+    ids_ = Tensor::zeros(DType::I32, {maxB * B}, dev_);
+    rng_ = Tensor::zeros(DType::I64, {maxB, 2}, dev_);
+    temp_ = Tensor::zeros(DType::F32, {maxB}, dev_);
     res_.tokens = Tensor::zeros(DType::I32, {maxB, B - 1});
     if (m_->use_selector()) {
       res_.cand = Tensor::zeros(DType::I32, {maxB, B - 1, c.selector_top_k});
       res_.q = Tensor::zeros(DType::F32, {maxB, B - 1, c.selector_top_k});
     }
+    if (dev_.is_cuda()) {
+      d_tokens_ = Tensor::zeros(DType::I32, {maxB, B - 1}, dev_);
+      if (m_->use_selector()) {
+        d_cand_ = Tensor::zeros(DType::I32, {maxB, B - 1, c.selector_top_k}, dev_);
+        d_q_ = Tensor::zeros(DType::F32, {maxB, B - 1, c.selector_top_k}, dev_);
+      }
+    }
   }
   int64_t draft_len() const override { return m_->block_size() - 1; }
+  Device device() const override { return dev_; }
   bool reserve(int slot, int64_t tokens) override { return cache_.try_pin(streams_[size_t(slot)], tokens); }
   std::vector<int64_t> tap_layers() const override { return m_->config().target_layer_ids; }
 
@@ -93,6 +112,7 @@ class DFlashRunner final : public Drafter {
       Tensor taps;
       gather_rows_of_pieces(ch, first_row_, src, idx_, host_idx_, taps_, taps);
       model::TokenBatch b = planner_.plan(ch, cache_);
+      if (up_) b = up_->upload(b);
       m_->append_context(b, taps, kv_layers_);
       for (const Piece& p : ch) p.stream->length += p.n;
     }
@@ -134,6 +154,7 @@ class DFlashRunner final : public Drafter {
     const int64_t A = int64_t(streams.size());
     if (A == 0) return res_;
     model::TokenBatch b = planner_.plan_blocks(streams, B, cache_);
+    if (up_) b = up_->upload(b);
     Tensor ids = ids_.slice(0, 0, A * B);
     ids.copy_from(Tensor::view(host_ids_.data(), DType::I32, {A * B}));
     b.tokens = ids;
@@ -141,10 +162,34 @@ class DFlashRunner final : public Drafter {
     temp.copy_from(Tensor::view(host_temp_.data(), DType::F32, {A}));
     rng.copy_from(Tensor::view(host_rng_.data(), DType::I64, {A, 2}));
     model::DraftOutputs out;
-    out.tokens = res_.tokens.slice(0, 0, A);
-    if (res_.cand.defined()) out.cand = res_.cand.slice(0, 0, A);
-    if (sample) out.q = res_.q.slice(0, 0, A);
+    if (!dev_.is_cuda()) {
+      out.tokens = res_.tokens.slice(0, 0, A);
+      if (res_.cand.defined()) out.cand = res_.cand.slice(0, 0, A);
+      if (sample) out.q = res_.q.slice(0, 0, A);
+      m_->draft(b, kv_layers_, temp, rng, out);
+      return res_;
+    }
+    // on the device: q is always passed (the device op cannot read the temperatures; rows
+    // drafted greedily leave theirs untouched), then the results come back
+    out.tokens = d_tokens_.slice(0, 0, A);
+    if (d_cand_.defined()) {
+      out.cand = d_cand_.slice(0, 0, A);
+      out.q = d_q_.slice(0, 0, A);
+    }
     m_->draft(b, kv_layers_, temp, rng, out);
+    Tensor ht = res_.tokens.slice(0, 0, A);
+    ht.copy_from(out.tokens);
+    res_.dev_tokens = d_tokens_;
+    if (d_cand_.defined()) {
+      Tensor hc = res_.cand.slice(0, 0, A);
+      hc.copy_from(out.cand);
+      res_.dev_cand = d_cand_;
+      if (sample) {
+        Tensor hq = res_.q.slice(0, 0, A);
+        hq.copy_from(out.q);
+        res_.dev_q = d_q_;
+      }
+    }
     return res_;
   }
 
@@ -161,6 +206,9 @@ class DFlashRunner final : public Drafter {
   std::vector<CacheStream> streams_;
   StepPlanner planner_;
   Tensor taps_, idx_, ids_, rng_, temp_;
+  Device dev_ = Device::cpu();
+  std::unique_ptr<PlanUploader> up_;  // CUDA: the planned batches' device copies
+  Tensor d_tokens_, d_cand_, d_q_;      // CUDA: draft outputs on the device
   std::vector<std::vector<Piece>> chunks_;
   std::vector<int32_t> host_idx_, host_ids_;
   std::vector<int64_t> first_row_;

@@ -4,9 +4,9 @@
 
 namespace dflash2::runtime {
 
-PendingRows::PendingRows(int64_t slots, int64_t per_slot, int64_t width, bool with_next)
+PendingRows::PendingRows(int64_t slots, int64_t per_slot, int64_t width, bool with_next, Device dev)
     : per_slot_(per_slot), with_next_(with_next) {
-  buf_ = Tensor::zeros(DType::F32, {slots, per_slot, width});
+  buf_ = Tensor::zeros(DType::F32, {slots, per_slot, width}, dev);
   flat_ = buf_.reshape({slots * per_slot, width});
   if (with_next) next_.assign(size_t(slots * per_slot), 0);
   n_.assign(size_t(slots), 0);

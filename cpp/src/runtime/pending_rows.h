@@ -18,7 +18,7 @@ class PendingRows {
   using Run = std::function<void(const std::vector<CommitRows>& rows, const Tensor& src)>;
 
   PendingRows() = default;
-  PendingRows(int64_t slots, int64_t per_slot, int64_t width, bool with_next);
+  PendingRows(int64_t slots, int64_t per_slot, int64_t width, bool with_next, Device dev = Device::cpu());
   int64_t count(int slot) const { return n_[size_t(slot)]; }
   void clear(int slot) { n_[size_t(slot)] = 0; }
   // Keeps what fits; a slot whose buffer would overflow is run first (its pending rows), and

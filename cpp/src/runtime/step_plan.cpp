@@ -1,5 +1,11 @@
 #include "runtime/step_plan.h"
 
+#include <cstring>
+
+#ifdef DFLASH2_WITH_CUDA
+#include "backend/cuda/cuda_api.h"
+#endif
+
 #include <algorithm>
 
 #include "dflash2/error.h"
@@ -130,6 +136,66 @@ model::TokenBatch StepPlanner::plan_blocks(const std::vector<CacheStream*>& stre
   model::TokenBatch b = views(T, S, cache.block_size());
   b.ctx_len = ctx_len_.slice(0, 0, S);
   return b;
+}
+
+// ------------------------------------------------------------------ PlanUploader
+struct PlanUploader::Staging {
+#ifdef DFLASH2_WITH_CUDA
+  std::shared_ptr<void> host[2];
+  cuda::Event done[2];
+#endif
+  int half = 0;
+};
+
+PlanUploader::PlanUploader(Device dev, int64_t words)
+    : device_(dev), capacity_(words), staging_(std::make_unique<Staging>()) {
+#ifdef DFLASH2_WITH_CUDA
+  DFLASH2_CHECK_ARG(dev.is_cuda(), "PlanUploader: a CUDA device is needed, found ", dev.str());
+  buf_ = Tensor::zeros(DType::I32, {words}, dev);
+  for (int k = 0; k < 2; ++k) {
+    staging_->host[k] = std::shared_ptr<void>(cuda::host_alloc_pinned(size_t(words) * 4), cuda::host_free_pinned);
+    staging_->done[k] = cuda::Event(dev.index);
+  }
+#else
+  fail(ErrorKind::Unsupported, "PlanUploader on ", dev.str(), ": dflash2 was built without CUDA");
+#endif
+}
+
+PlanUploader::~PlanUploader() = default;
+
+model::TokenBatch PlanUploader::upload(const model::TokenBatch& b) {
+#ifndef DFLASH2_WITH_CUDA
+  return b;
+#else
+  Staging& st = *staging_;
+  const int k = st.half;
+  st.half ^= 1;
+  st.done[k].wait();  // this half's previous copy has been executed
+  int32_t* h = static_cast<int32_t*>(st.host[k].get());
+  int64_t off = 0;
+  auto put = [&](const Tensor& t) -> Tensor {
+    if (!t.defined()) return Tensor();
+    const int64_t n = t.numel();
+    DFLASH2_INTERNAL(t.dtype() == DType::I32 && off + n <= capacity_, "plan upload: ", t.describe(), " at ", off,
+                     " of ", capacity_);
+    const Tensor c = t.contiguous();
+    if (n > 0) std::memcpy(h + off, c.data(), size_t(n) * 4);
+    Tensor v = buf_.slice(0, off, off + n).reshape(t.shape());
+    off += n;
+    return v;
+  };
+  model::TokenBatch d = b;
+  d.tokens = put(b.tokens);
+  d.paged.seq = put(b.paged.seq);
+  d.paged.pos = put(b.paged.pos);
+  d.slots = put(b.slots);
+  d.logit_rows = put(b.logit_rows);
+  d.paged.block_table = put(b.paged.block_table);
+  d.ctx_len = put(b.ctx_len);
+  cuda::copy_async(buf_.data(), h, size_t(off) * 4, device_.index);
+  st.done[k].record();
+  return d;
+#endif
 }
 
 }  // namespace dflash2::runtime

@@ -4,6 +4,7 @@
 // blocks for the new positions. Its buffers are allocated once, for the largest step.
 #pragma once
 #include <cstdint>
+#include <memory>
 #include <vector>
 
 #include "model/token_batch.h"
@@ -31,6 +32,33 @@ void make_chunks(const std::vector<CacheStream*>& streams, const std::vector<con
 // in chunk order into a prefix of dst_buf (idx_buf: an I32 plan buffer, host: scratch).
 void gather_rows_of_pieces(const std::vector<Piece>& chunk, const std::vector<int64_t>& first_row, const Tensor& src,
                            Tensor& idx_buf, std::vector<int32_t>& host, Tensor& dst_buf, Tensor& dst);
+
+// A planned chunk on a CUDA device: the host packs the planner's I32 buffers into pinned
+// staging (two halves, alternating, so packing the next chunk never waits for more than the
+// copy of the chunk before the last), one asynchronous copy on the current stream moves
+// them into one device buffer allocated here, and the returned batch views it. Kernels of
+// the previous chunk that read the device buffer come before the copy in stream order.
+class PlanUploader {
+ public:
+  // words: the largest packed plan in I32 elements (planned_words below).
+  PlanUploader(Device dev, int64_t words);
+  ~PlanUploader();
+  PlanUploader(const PlanUploader&) = delete;
+  PlanUploader& operator=(const PlanUploader&) = delete;
+  model::TokenBatch upload(const model::TokenBatch& host);
+  // The words a planner's largest batch packs into.
+  static int64_t planned_words(int64_t max_tokens, int64_t max_seqs, int64_t max_blocks_per_seq) {
+    return 4 * max_tokens + (max_tokens > max_seqs ? max_tokens : max_seqs) + max_seqs * max_blocks_per_seq +
+           max_seqs;
+  }
+
+ private:
+  struct Staging;
+  Device device_;
+  int64_t capacity_;
+  Tensor buf_;  // I32 [capacity] on the device
+  std::unique_ptr<Staging> staging_;
+};
 
 class StepPlanner {
  public:

@@ -14,31 +14,6 @@
 
 namespace dflash2::runtime {
 
-// A chunk's plan goes up in one asynchronous copy: the host packs the planner's I32 buffers
-// into pinned staging (two halves, alternating, so packing the next chunk never waits for
-// more than the copy of the chunk before the last), one cudaMemcpyAsync on the rank's
-// stream moves them into one device buffer, and the model reads views of it. Kernels of the
-// previous chunk that read the device buffer come before the copy in stream order.
-struct Target::DevicePlan {
-  DevicePlan(Device d, int64_t words) : device(d), capacity(words) {
-    buf = Tensor::zeros(DType::I32, {words}, d);
-#ifdef DFLASH2_WITH_CUDA
-    for (int k = 0; k < 2; ++k) {
-      host[k] = std::shared_ptr<void>(cuda::host_alloc_pinned(size_t(words) * 4), cuda::host_free_pinned);
-      done[k] = cuda::Event(d.index);
-    }
-#endif
-  }
-  Device device;
-  int64_t capacity;
-  Tensor buf;                  // I32 [capacity] on the device
-  std::shared_ptr<void> host[2];
-#ifdef DFLASH2_WITH_CUDA
-  cuda::Event done[2];
-#endif
-  int half = 0;
-};
-
 Target::Target(std::vector<std::unique_ptr<model::GlmModel>> models, const Options& opt)
     : models_(std::move(models)), opt_(opt) {
   const int n = int(models_.size());
@@ -85,11 +60,10 @@ Target::Target(std::vector<std::unique_ptr<model::GlmModel>> models, const Optio
     d_hmain_.resize(size_t(n));
     d_hidden_.resize(size_t(n));
     const int64_t rows = planner_.max_tokens(), seqs = planner_.max_seqs();
-    // the packed plan: tokens, seq, pos, slots (rows each), logit rows, block table, ctx_len
-    const int64_t words = 4 * rows + std::max(rows, seqs) + seqs * blocks_per_seq + seqs;
+    const int64_t words = PlanUploader::planned_words(rows, seqs, blocks_per_seq);
     for (int r = 0; r < n; ++r) {
       const Device d = models_[size_t(r)]->device();
-      dplan_.push_back(std::make_unique<DevicePlan>(d, words));
+      dplan_.push_back(std::make_unique<PlanUploader>(d, words));
       d_logits_[size_t(r)] = Tensor::empty(DType::F32, {opt.max_step_tokens, c.vocab_size}, d);
     }
   }
@@ -295,42 +269,7 @@ Tensor Target::device_rows(std::vector<Tensor>& bufs, int r, int64_t rows, int64
   return b.slice(0, 0, rows * cols).reshape({rows, cols});
 }
 
-model::TokenBatch Target::upload(const model::TokenBatch& b, int r) {
-#ifndef DFLASH2_WITH_CUDA
-  (void)b;
-  (void)r;
-  fail(ErrorKind::Unsupported, "Target::upload: built without CUDA");
-#else
-  DevicePlan& p = *dplan_[size_t(r)];
-  const int k = p.half;
-  p.half ^= 1;
-  p.done[k].wait();  // this half's previous copy has been executed
-  int32_t* h = static_cast<int32_t*>(p.host[k].get());
-  int64_t off = 0;
-  auto put = [&](const Tensor& t) -> Tensor {
-    if (!t.defined()) return Tensor();
-    const int64_t n = t.numel();
-    DFLASH2_INTERNAL(t.dtype() == DType::I32 && off + n <= p.capacity, "plan upload: ", t.describe(), " at ", off,
-                     " of ", p.capacity);
-    const Tensor c = t.contiguous();
-    if (n > 0) std::memcpy(h + off, c.data(), size_t(n) * 4);
-    Tensor v = p.buf.slice(0, off, off + n).reshape(t.shape());
-    off += n;
-    return v;
-  };
-  model::TokenBatch d = b;
-  d.tokens = put(b.tokens);
-  d.paged.seq = put(b.paged.seq);
-  d.paged.pos = put(b.paged.pos);
-  d.slots = put(b.slots);
-  d.logit_rows = put(b.logit_rows);
-  d.paged.block_table = put(b.paged.block_table);
-  d.ctx_len = put(b.ctx_len);
-  cuda::copy_async(p.buf.data(), h, size_t(off) * 4, p.device.index);
-  p.done[k].record();
-  return d;
-#endif
-}
+model::TokenBatch Target::upload(const model::TokenBatch& b, int r) { return dplan_[size_t(r)]->upload(b); }
 
 void Target::run_chunk_device(const model::TokenBatch& b, const model::ForwardOutputs& out) {
   const int64_t H = config().hidden_size, V = config().vocab_size;
@@ -341,10 +280,15 @@ void Target::run_chunk_device(const model::TokenBatch& b, const model::ForwardOu
     // rank 0 writes logits straight into the caller's tensor when it is on its device
     const bool direct = r == 0 && out.logits.defined() && out.logits.device() == models_[0]->device();
     if (out.logits.defined()) o.logits = direct ? out.logits : d_logits_[size_t(r)].slice(0, 0, out.logits.shape(0));
+    // likewise the features when the drafter reading them is on this device
+    const Device d0 = models_[0]->device();
+    const bool taps_direct = r == 0 && out.taps.defined() && out.taps.device() == d0;
+    const bool fin_direct = r == 0 && out.final_hidden.defined() && out.final_hidden.device() == d0;
     if (r == 0) {
       o.tap_layers = out.tap_layers;
-      if (out.taps.defined()) o.taps = device_rows(d_taps_, r, b.T, out.taps.shape(1));
-      if (out.final_hidden.defined()) o.final_hidden = device_rows(d_fin_, r, b.T, H);
+      if (out.taps.defined()) o.taps = taps_direct ? out.taps : device_rows(d_taps_, r, b.T, out.taps.shape(1));
+      if (out.final_hidden.defined())
+        o.final_hidden = fin_direct ? out.final_hidden : device_rows(d_fin_, r, b.T, H);
     }
     models_[size_t(r)]->forward(db, views_[size_t(r)], o);
     if (r != 0) return;
@@ -354,11 +298,11 @@ void Target::run_chunk_device(const model::TokenBatch& b, const model::ForwardOu
       Tensor dst = out.logits;
       dst.copy_from(o.logits);
     }
-    if (out.taps.defined()) {
+    if (out.taps.defined() && !taps_direct) {
       Tensor dst = out.taps;
       dst.copy_from(o.taps);
     }
-    if (out.final_hidden.defined()) {
+    if (out.final_hidden.defined() && !fin_direct) {
       Tensor dst = out.final_hidden;
       dst.copy_from(o.final_hidden);
     }

@@ -82,8 +82,7 @@ class Target {
   std::vector<std::unique_ptr<comm::Communicator>> comms_;
   std::vector<Tensor> scratch_logits_;  // ranks > 0: the gathered logits nobody reads
   // CUDA (per rank): the plan buffers' device copies and the forward's device outputs
-  struct DevicePlan;  // target.cpp: pinned staging + one packed device buffer per rank
-  std::vector<std::unique_ptr<DevicePlan>> dplan_;
+  std::vector<std::unique_ptr<PlanUploader>> dplan_;  // per rank
   std::vector<Tensor> d_logits_, d_taps_, d_fin_, d_hmain_, d_hidden_;
   int rank_threads_ = 0;
   std::vector<std::thread> workers_;
