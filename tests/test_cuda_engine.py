@@ -2,8 +2,8 @@
 
 On CUDA the weights, KV caches and chunk workspace live in device memory and every op of
 the target's forward runs as a CUDA kernel (cpp/src/backend/cuda); the chunk's plan is
-copied up and the logits (and the drafter's features) come back to the host, where the
-decode loop samples and accepts as on the CPU. So the CPU engine is the oracle: logits
+copied up, sampling and acceptance run on the device, and (without tensor parallelism) so
+does the DFlash drafter. So the CPU engine is the oracle: logits
 agree to fp32 summation-order differences (bounded here by REL of the logit scale), and
 greedy tokens are equal except where the CPU's top-2 margin is within that bound.
 
@@ -134,8 +134,8 @@ def test_seeded_sampling_equal_cpu(zoo):
 
 
 def test_dflash2_pair_on_cuda(tmp_path):
-    """DFlash 2 with the target on the GPU (the drafter reads the features copied back):
-    the hand-built pair's exact output and accepted counts."""
+    """DFlash 2 with the target and the drafter on the GPU: the hand-built pair's exact
+    output and accepted counts."""
     cuda_or_skip()
     pair = F.make_self_drafting_pair(tmp_path)
     eng = dflash2_rt.Engine(target=pair.target_dir, draft=pair.draft_dir, method="dflash2", device="cuda", **KW)
@@ -197,3 +197,41 @@ def test_tensor_parallel_on_gpus(zoo):
     (want,) = cpu.generate([p], max_new_tokens=10, stop_token_ids=NO_STOP)
     (got,) = gpu.generate([p], max_new_tokens=10, stop_token_ids=NO_STOP)
     same_tokens(cpu, p, got.token_ids, want.token_ids, "TP=2 on GPUs greedy")
+
+
+def test_dflash_paths_on_cuda(tmp_path):
+    """The device drafter beyond greedy dflash2: dflash (argmax, no candidates) lossless,
+    propose() equal to the CPU's, a prompt longer than max_step_tokens (several context
+    appends in a row), and sampled dflash2 in a mixed greedy / sampled batch (acceptance
+    reading the selector's candidates and proposal on the device): valid, and the greedy
+    request still equal to AR."""
+    cuda_or_skip()
+    pair = F.make_self_drafting_pair(tmp_path)
+    kw = dict(KW, max_step_tokens=32)
+    ar = dflash2_rt.Engine(target=pair.target_dir, method="ar", device="cpu", **kw)
+    cpu = dflash2_rt.Engine(target=pair.target_dir, draft=pair.draft_dir, method="dflash2", device="cpu", **kw)
+    gpu = dflash2_rt.Engine(target=pair.target_dir, draft=pair.draft_dir, method="dflash2", device="cuda", **kw)
+    g1 = dflash2_rt.Engine(target=pair.target_dir, draft=pair.draft_dir, method="dflash", device="cuda", **kw)
+    long_prompt = [int(x) % 100 + 2 for x in range(70)]  # > max_step_tokens = 32
+    prompts = [[5, 5, 5], [40, 40, 40], long_prompt]
+    want = ar.generate(prompts, max_new_tokens=24, stop_token_ids=NO_STOP)
+    for eng, name in ((g1, "dflash"), (gpu, "dflash2")):
+        got = eng.generate(prompts, max_new_tokens=24, stop_token_ids=NO_STOP)
+        for i, (g, w) in enumerate(zip(got, want)):
+            same_tokens(ar, prompts[i], g.token_ids, w.token_ids, f"{name} cuda prompt {i}")
+    pc, pg = cpu.propose([5, 40, 77]), gpu.propose([5, 40, 77])
+    assert pg.anchor == pc.anchor and list(pg.tokens) == list(pc.tokens)
+    ids = [gpu.submit(prompts[0], max_new_tokens=24, stop_token_ids=NO_STOP),
+           gpu.submit(prompts[1], max_new_tokens=24, temperature=1.0, top_p=0.95, seed=3, stop_token_ids=NO_STOP)]
+    res = []
+    for rid in ids:
+        toks = []
+        while True:
+            u = gpu.poll(rid, timeout=60)
+            toks += list(u.new_token_ids)
+            if u.finished:
+                break
+        res.append(toks)
+    same_tokens(ar, prompts[0], res[0], want[0].token_ids, "greedy beside a sampled request")
+    V = gpu.vocab_size
+    assert len(res[1]) == 24 and all(0 <= t < V for t in res[1])

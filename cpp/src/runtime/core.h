@@ -31,8 +31,9 @@ struct Core {
 
   // CUDA target: `logits` lives on the target's (rank 0's) device and the decode loop's ops
   // run there on device copies of the plan rows below (uploaded per step: a few ints per
-  // sequence); only tokens, counts and flags come back. The drafter's features stay host
-  // tensors (copied back by the target), as does everything on the CPU.
+  // sequence); only tokens, counts and flags come back. The drafter's features (taps_buf,
+  // fin) live on the drafter's device (Drafter::device(): the GPU for the DFlash drafter
+  // without tensor parallelism, else the host).
   Device device = Device::cpu();
   Tensor d_flags, d_temp, d_topp, d_topk, d_rng, d_out, d_row0, d_draft_row, d_draft_len, d_accepted, d_bonus;
   Tensor d_drafts, d_cand, d_q;  // grown to the drafter's shapes on first use
@@ -47,7 +48,7 @@ struct Core {
   void argmax_row0();
   // a_accepted / a_bonus [0, S) = ops::accept over logits rows [0, rows) with plan rows
   // a_row0 / a_draft_row / a_draft_len and sampling rows [0, S); drafts I32 [N, K] and the
-  // selector's cand / q (undefined: one-hot proposals) are host tensors.
+  // selector's cand / q (undefined: one-hot proposals) on the host or already on the device.
   void accept_rows(int64_t rows, int64_t S, const Tensor& drafts, const Tensor& cand, const Tensor& q);
   // The plan buffers' first n sampling rows.
   ops::SamplingTensors sampling_rows(int64_t n) const {

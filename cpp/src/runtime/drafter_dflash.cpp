@@ -154,10 +154,14 @@ class DFlashRunner final : public Drafter {
     const int64_t A = int64_t(streams.size());
     if (A == 0) return res_;
     model::TokenBatch b = planner_.plan_blocks(streams, B, cache_);
-    if (up_) b = up_->upload(b);
-    Tensor ids = ids_.slice(0, 0, A * B);
-    ids.copy_from(Tensor::view(host_ids_.data(), DType::I32, {A * B}));
-    b.tokens = ids;
+    if (up_) {  // the block's ids travel in the plan's one asynchronous copy
+      b.tokens = Tensor::view(host_ids_.data(), DType::I32, {A * B});
+      b = up_->upload(b);
+    } else {
+      Tensor ids = ids_.slice(0, 0, A * B);
+      ids.copy_from(Tensor::view(host_ids_.data(), DType::I32, {A * B}));
+      b.tokens = ids;
+    }
     Tensor temp = temp_.slice(0, 0, A), rng = rng_.slice(0, 0, A);
     temp.copy_from(Tensor::view(host_temp_.data(), DType::F32, {A}));
     rng.copy_from(Tensor::view(host_rng_.data(), DType::I64, {A, 2}));
