@@ -28,7 +28,12 @@ from dflash2_rt.tools.quantize import quantize_checkpoint  # noqa: E402
 
 REL = 1e-4  # |logits(cuda) - logits(cpu)| <= REL * max|logits|
 NO_STOP = []
-KW = dict(max_batch_size=4, max_seq_len=256)
+# exact prompt numerics on both devices (the GPU's default is the tensor cores' BF16, which
+# test_bf16_prefill_on_cuda checks against the CPU's emulation of it)
+KW = dict(max_batch_size=4, max_seq_len=256, prefill_gemm="exact")
+# the bf16 comparison's token check: the reference margins come from exact logits
+# (Engine.logits), which differ from bf16 prefill's by BF16 rounding, not fp32 order
+REL_BF16 = 5e-3
 
 
 def close(got, ref, what, rel=REL):
@@ -170,7 +175,7 @@ def test_real_dimension_slice(zoo):
     kv_lora 512, rope 64, nope 192, v 256, indexer 32 x 128, index_topk 2048) over a context
     longer than index_topk, so the sparse path selects 2048 of 2100 keys."""
     path = zoo.path("real", "tiny", mtp=False, config=REAL)
-    kw = dict(max_batch_size=1, max_seq_len=2200, max_step_tokens=256)
+    kw = dict(max_batch_size=1, max_seq_len=2200, max_step_tokens=256, prefill_gemm="exact")
     cpu = dflash2_rt.Engine(target=path, method="ar", device="cpu", **kw)
     gpu = dflash2_rt.Engine(target=path, method="ar", device="cuda", **kw)
     ids = gf.prompt(850, 2100, vocab=REAL["vocab_size"])
@@ -179,6 +184,36 @@ def test_real_dimension_slice(zoo):
     (want,) = cpu.generate([ids[:2060]], max_new_tokens=6, stop_token_ids=NO_STOP)
     (g,) = gpu.generate([ids[:2060]], max_new_tokens=6, stop_token_ids=NO_STOP)
     same_tokens(cpu, ids[:2060], g.token_ids, want.token_ids, "real dims greedy")
+    # the prompt on the tensor cores (CUTLASS, K = 1024 / 2048, N up to 16384) against the
+    # CPU's emulation of the same numerics
+    kw["prefill_gemm"] = "bf16"
+    cpu16 = dflash2_rt.Engine(target=path, method="ar", device="cpu", **kw)
+    gpu16 = dflash2_rt.Engine(target=path, method="ar", device="cuda", **kw)
+    (want,) = cpu16.generate([ids[:2060]], max_new_tokens=6, stop_token_ids=NO_STOP)
+    (g,) = gpu16.generate([ids[:2060]], max_new_tokens=6, stop_token_ids=NO_STOP)
+    same_tokens(cpu, ids[:2060], g.token_ids, want.token_ids, "real dims greedy, bf16 prefill", rel=REL_BF16)
+
+
+def test_bf16_prefill_on_cuda(zoo):
+    """prefill_gemm="bf16" on the GPU (the default there when the kernel is built): the
+    default resolves to it, greedy tokens equal the CPU's emulation of the same numerics,
+    and MTP speculation on the GPU equals AR on the GPU exactly (lossless in this mode)."""
+    if not dflash2_rt.ops.linear_bf16_available("cuda:0"):
+        pytest.skip("this build has no CUTLASS tensor-core GEMM for this GPU's architecture")
+    path = zoo.path("tiny")
+    assert dflash2_rt.Engine(target=path, method="ar", device="cuda", max_batch_size=1,
+                             max_seq_len=64).prefill_gemm == "bf16"
+    cpu = zoo.engine("tiny", "cpu", prefill_gemm="bf16")
+    gpu = zoo.engine("tiny", "cuda", prefill_gemm="bf16")
+    mtp = zoo.engine("tiny", "cuda", method="mtp", prefill_gemm="bf16")
+    prompts = [gf.prompt(880 + i, n) for i, n in enumerate((3, 11, 40, 130))]
+    want = cpu.generate(prompts, max_new_tokens=12, stop_token_ids=NO_STOP)
+    got = gpu.generate(prompts, max_new_tokens=12, stop_token_ids=NO_STOP)
+    for i, (g, w) in enumerate(zip(got, want)):
+        same_tokens(cpu, prompts[i], g.token_ids, w.token_ids, f"bf16 prefill prompt {i}", rel=REL_BF16)
+    spec = mtp.generate(prompts, max_new_tokens=12, stop_token_ids=NO_STOP)
+    for i, (s, g) in enumerate(zip(spec, got)):
+        assert list(s.token_ids) == list(g.token_ids), f"mtp != ar on the GPU with bf16 prefill, prompt {i}"
 
 
 def test_tensor_parallel_on_gpus(zoo):

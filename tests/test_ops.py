@@ -25,7 +25,8 @@ DEVICES = ["cpu", "cuda"]
 # "embedding" runs the CUDA gather_rows.
 CUDA_OPS = {"rms_norm", "layer_norm", "rope", "silu_mul", "softmax", "embedding", "copy", "add", "gather_rows",
             "argmax", "check_finite", "cache_write", "dyn_conv", "indexer_topk", "mla_attention", "block_attention",
-            "moe_route", "moe_experts", "topk", "selector_walk", "linear", "linear_heads", "embedding_shard"}
+            "moe_route", "moe_experts", "topk", "selector_walk", "linear", "linear_heads", "embedding_shard",
+            "linear_bf16"}
 GUARD = 64
 SENTINEL = np.float32(-12345.678)
 ISENTINEL = np.int32(-777777)
@@ -33,6 +34,9 @@ ISENTINEL = np.int32(-777777)
 # per-op NMSE thresholds (fp32 results vs float64 references)
 TOL = {
     "linear": 1e-11,
+    # vs float64 over the same BF16-rounded operands: fp32 summation order only (CPU), or
+    # the tensor cores' fp32 accumulation (CUDA); not rounding x gives ~1e-6
+    "linear_bf16": 1e-10,
     "rms_norm": 1e-12,
     "layer_norm": 1e-12,
     "rope": 1e-12,
@@ -67,6 +71,8 @@ def need_device(dev, op):
         cuda_or_skip()
         if op not in CUDA_OPS:
             pytest.skip(f"{op} is not implemented on the CUDA backend yet")
+        if op == "linear_bf16" and not ops.linear_bf16_available("cuda:0"):
+            pytest.skip("this build has no CUTLASS tensor-core GEMM for this GPU's architecture")
 
 
 def to_dev(a, dev):
@@ -213,6 +219,90 @@ def test_linear_errors():
         ops.Weight.nvfp4(np.zeros((4, 4), np.uint8), torch.zeros(4, 0, dtype=torch.float8_e4m3fn), 1.0)
     with pytest.raises(dflash2_rt.CheckpointError, match="weight_scale_2 must be a positive finite"):
         ops.Weight.nvfp4(np.zeros((4, 8), np.uint8), torch.zeros(4, 1, dtype=torch.float8_e4m3fn), float("nan"))
+
+
+# ----------------------------------------------------------------------------- linear_bf16
+# More than one 128-row tile, K not a multiple of the 64-wide k-tile nor of 8 (padded), N not
+# a multiple of 4 (the CUDA path's staged store), besides linear's shapes.
+TC_SHAPES = LINEAR_SHAPES + [(130, 256, 72), (64, 136, 200), (3, 70, 66)]
+
+
+def nmse(got, ref):
+    ref = np.asarray(ref, np.float64)
+    return float(((np.asarray(got, np.float64) - ref) ** 2).sum() / (ref ** 2).sum())
+
+
+def bf16_operands(x, w):
+    """linear_bf16's operands: bf16(x) and bf16(the weight's own f32 dequantization)."""
+    xr = refs.bf16_round(x).double().numpy()
+    wr = refs.bf16_round(np.from_dlpack(w.dequantize())).double().numpy()
+    return xr, wr
+
+
+@pytest.mark.parametrize("dev", DEVICES)
+@pytest.mark.parametrize("fmt", ["f32", "bf16", "f16", "fp8", "nvfp4"])
+def test_linear_bf16(dev, fmt):
+    need_device(dev, "linear_bf16")
+    shapes = NVFP4_SHAPES if fmt == "nvfp4" else TC_SHAPES
+    for (m, k, n) in shapes:
+        rng = rng_for("linear_bf16", fmt, m, k, n)
+        w, wref = make_weight(fmt, n, k, rng)
+        x = rng.standard_normal((m, k)).astype(np.float32)
+        out = Guarded((m, n), dev)
+        ops.linear_bf16(to_dev(x, dev), w if dev == "cpu" else w.to(dev), out=out.view)
+        got = out.result()
+        xr, wr = bf16_operands(x, w)
+        check("linear_bf16", got, xr @ wr.T)
+        # the rounding really happens: far from the exact GEMM's result
+        assert nmse(got, x.astype(np.float64) @ wref.T) > 1e-9, (m, k, n)
+
+
+@pytest.mark.parametrize("dev", DEVICES)
+def test_linear_bf16_rows_independent_of_batch(dev):
+    """A prompt token's projection must not depend on the chunk around it (the same
+    contract as linear): every row alone, and in slices, bitwise equal to the full batch."""
+    need_device(dev, "linear_bf16")
+    rng = rng_for("bf16rows")
+    n, k, m = 72, 200, 150
+    w, _ = make_weight("fp8", n, k, rng)
+    w = w if dev == "cpu" else w.to(dev)
+    x = rng.standard_normal((m, k)).astype(np.float32)
+    full = to_np(ops.linear_bf16(to_dev(x, dev), w)).copy()
+    for i in (0, 1, 63, 64, 127, 128, 149):
+        one = to_np(ops.linear_bf16(to_dev(x[i:i + 1], dev), w))
+        assert np.array_equal(one[0], full[i]), f"row {i} differs when computed alone"
+    for j in (0, 5, 120):
+        part = to_np(ops.linear_bf16(to_dev(x[j:j + 17], dev), w))
+        assert np.array_equal(part, full[j:j + 17]), f"rows {j}..{j + 16}"
+
+
+@pytest.mark.parametrize("dev", DEVICES)
+@pytest.mark.parametrize("ypad", [0, 1])  # row stride N (aligned) or N + 1 (the staged store)
+def test_linear_bf16_accumulate_and_strided_rows(dev, ypad):
+    need_device(dev, "linear_bf16")
+    rng = rng_for("bf16acc", ypad)
+    wc, _ = make_weight("bf16", 20, 40, rng)
+    w = wc if dev == "cpu" else wc.to(dev)
+    xbig = rng.standard_normal((6, 64)).astype(np.float32)
+    x = xbig[:, 8:48]  # rows strided by 64
+    y0 = rng.standard_normal((6, 20 + ypad)).astype(np.float32)
+    ybuf = to_dev(y0.copy(), dev)  # (the CPU view shares memory)
+    y = ybuf.slice(1, 0, 20)
+    ops.linear_bf16(to_dev(np.ascontiguousarray(xbig), dev).slice(1, 8, 48), w, out=y, accumulate=True)
+    xr, wr = bf16_operands(x, wc)
+    got = to_np(ybuf)
+    check("linear_bf16", got[:, :20], y0[:, :20] + xr @ wr.T)
+    assert np.array_equal(got[:, 20:], y0[:, 20:]), "wrote outside y's columns"
+
+
+def test_linear_bf16_errors_and_availability():
+    w = ops.Weight.dense(np.zeros((4, 8), np.float32), "blk.w")
+    with pytest.raises(dflash2_rt.InvalidArgumentError, match=r"linear_bf16\(blk.w\): x has 7 features"):
+        ops.linear_bf16(np.zeros((2, 7), np.float32), w)
+    with pytest.raises(ValueError, match=r"y must be \[2, 4\]"):
+        ops.linear_bf16(np.zeros((2, 8), np.float32), w, out=np.zeros((2, 5), np.float32))
+    assert ops.linear_bf16_available("cpu")
+    assert "cpu" in dflash2_rt.build_info()["ops"]["linear_bf16"]
 
 
 # ----------------------------------------------------------------------------- norms

@@ -271,6 +271,37 @@ def test_greedy_equals_ar_every_batch_size(world, ar_greedy, key):
                 assert r.finish_reason == "length"
 
 
+def test_bf16_prefill_is_lossless(world, ar_greedy):
+    """prefill_gemm="bf16": prompt tokens' projections on the tensor cores' BF16 numerics
+    (CUTLASS on a GPU; here the CPU's emulation of it). Generated tokens decode exact, so
+    speculative == AR holds in that mode at every batch size; and the output stays close
+    to exact prefill's (only near-ties may flip)."""
+    assert _engine(world.target).prefill_gemm == "exact"  # "auto" on the CPU
+    with pytest.raises(dflash2_rt.InvalidArgumentError, match="prefill_gemm"):
+        _engine(world.target, prefill_gemm="fp8")
+    ar = _engine(world.target, prefill_gemm="bf16")
+    assert ar.prefill_gemm == "bf16"
+    n = len(GREEDY_PROMPTS)
+    want = []
+    for i in range(0, n, MAXB):
+        want += [list(r.token_ids) for r in ar.generate(GREEDY_PROMPTS[i:i + MAXB], max_new_tokens=GREEDY_NEW,
+                                                        stop_token_ids=NO_STOP)]
+    keys = ["d2"] + (["mtp"] if _has_mtp(world) else [])
+    for key in keys:
+        eng = (_engine(world.target, None, "mtp", prefill_gemm="bf16") if key == "mtp"
+               else _engine(world.target, world.draft(key), "dflash2", prefill_gemm="bf16"))
+        for bs in (1, 3):
+            order = [(i * 3 + bs) % n for i in range(n)]
+            for j in range(0, n, bs):
+                idx = order[j:j + bs]
+                res = eng.generate([GREEDY_PROMPTS[i] for i in idx], max_new_tokens=GREEDY_NEW,
+                                   stop_token_ids=NO_STOP)
+                for i, r in zip(idx, res):
+                    assert list(r.token_ids) == want[i], f"{key}, bf16 prefill, batch size {bs}, prompt {i}"
+    same_first = sum(w[0] == e[0] for w, e in zip(want, ar_greedy))
+    assert same_first >= (3 * n) // 4, f"bf16 prefill changed the first token of {n - same_first} of {n} prompts"
+
+
 @pytest.mark.parametrize("key", ["d2", "d2_sw", "d1_causal", "mtp"])
 def test_long_generation_low_acceptance_equals_ar(world, ar_engine, key):
     """Random drafters accept little: many rejections, rollbacks and context appends."""

@@ -12,7 +12,9 @@
 // bandwidth as a fraction of the device-to-device copy bandwidth measured in the same run
 // (cudaMemcpyAsync of 1 GiB, read + write bytes), and for the GEMMs the cuBLASLt time on
 // the same shape and the ratio cuBLASLt time / our time (the goal: >= 0.90; for
-// memory-bound ops: >= 0.85 of the copy bandwidth).
+// memory-bound ops: >= 0.85 of the copy bandwidth). linear_bf16 (the prompt chunks'
+// tensor-core GEMM) runs at prefill sizes T in {256, 1024, 4096} ({256, 1024} with --quick)
+// against cuBLASLt's BF16 GEMM.
 //
 // L2: a weight that fits in L2 would be re-read from L2 by back-to-back calls, unlike in a
 // model step, where every layer has its own weights. Cases whose operands are small keep
@@ -829,6 +831,46 @@ void bench_linear(Bench& b, const std::vector<int64_t>& Ts, int major) {
   }
 }
 
+// Prompt chunks on the tensor cores (ops::linear_bf16: CUTLASS wgmma / tcgen05) at prefill
+// sizes, against cuBLASLt's BF16 GEMM on the same shape. FP8 weights take the same path
+// after a dequantize-to-BF16 pass (counted in our time), so their baseline is BF16 too.
+void bench_linear_tc(Bench& b, const std::vector<int64_t>& Ts, int major) {
+  if (!ops::linear_bf16_available(on_gpu() ? Device::cuda(0) : Device::cpu())) {
+    std::printf("linear_bf16: no tensor-core GEMM for this device in this build (skipped)\n");
+    return;
+  }
+  const std::vector<Proj> ps = {
+      {"q_a_proj", G.q_lora, G.hidden, true, false},
+      {"q_b_proj h16", 16 * G.qk(), G.q_lora, true, false},
+      {"kv_a_proj", G.latent(), G.hidden, false, false},
+      {"o_proj h16", G.hidden, 16 * G.v, true, false},
+      {"idx.wq_b", G.idx_heads * G.idx_dim, G.q_lora, false, false},
+      {"shared gate|up", G.moe_inter, G.hidden, true, false},
+      {"shared down", G.hidden, G.moe_inter, false, false},
+  };
+  for (const Proj& p : ps) {
+    if (b.opt.quick && !p.quick) continue;
+    for (Fmt f : {Fmt::BF16, Fmt::FP8})
+      for (int64_t T : Ts) {
+        Result r{"linear_bf16", p.name + " " + dims({p.N, p.K}), fmt_name(f), "prefill chunk", T};
+        const double wb = weight_bytes(f, p.N, p.K);
+        r.bytes = wb + 4.0 * T * (p.N + p.K);
+        r.flops = 2.0 * T * p.N * p.K;
+        b.run(r, [&](Baseline& base) {
+          const int vars = rotations(int64_t(wb));
+          std::vector<ops::Weight> ws;
+          for (int v = 0; v < vars; ++v) ws.push_back(make_weight(f, p.N, p.K, 10 + v, p.name));
+          Tensor x = dev_rand(DType::F32, {T, p.K}, 3), y = dev_empty(DType::F32, {T, p.N});
+          lt_baseline(base, Fmt::BF16, p.N, p.K, T, vars, 1, {}, major);
+          return std::make_pair(std::function<void(int)>([ws, x, y](int v) mutable {
+                                  ops::linear_bf16(x, ws[size_t(v)], y);
+                                }),
+                                vars);
+        });
+      }
+  }
+}
+
 void bench_linear_heads(Bench& b, const std::vector<int64_t>& Ts, int major) {
   for (int64_t nh : {int64_t(64), int64_t(16)}) {
     if (b.opt.quick && nh == 64) continue;
@@ -1315,6 +1357,8 @@ int main(int argc, char** argv) {
     if (opt.cpu_smoke) Ts = {1, 8};
     bench_linear(b, Ts, di.major);
     bench_linear_heads(b, Ts, di.major);
+    bench_linear_tc(b, opt.cpu_smoke ? Ts : opt.quick ? std::vector<int64_t>{256, 1024}
+                                                      : std::vector<int64_t>{256, 1024, 4096}, di.major);
     bench_mla(b);
     bench_indexer(b);
     bench_moe(b, Ts);

@@ -127,7 +127,7 @@ void bind_engine(py::module_& m) {
       .def(py::init([](const std::string& target, py::object draft, const std::string& method, const std::string& device,
                        int64_t max_batch_size, int64_t max_seq_len, int64_t max_step_tokens, int64_t kv_block_size,
                        int64_t num_threads, int64_t mtp_draft_tokens, const std::string& speculation,
-                       int64_t tensor_parallel, bool expert_parallel) {
+                       int64_t tensor_parallel, bool expert_parallel, const std::string& prefill_gemm) {
              DFLASH2_CHECK_ARG(num_threads >= 0 && num_threads <= ops::cpu_max_threads(),
                                "Engine: num_threads must be in [0, ", ops::cpu_max_threads(), "] (0 = all ",
                                ops::cpu_cores(), " cores), found ", num_threads);
@@ -145,13 +145,15 @@ void bind_engine(py::module_& m) {
              c.speculation = speculation;
              c.tensor_parallel = tensor_parallel;
              c.expert_parallel = expert_parallel;
+             c.prefill_gemm = prefill_gemm;
              py::gil_scoped_release nogil;
              return std::make_unique<Engine>(c);
            }),
            py::arg("target"), py::arg("draft") = py::none(), py::arg("method") = "", py::arg("device") = "cpu",
            py::arg("max_batch_size") = 8, py::arg("max_seq_len") = 0, py::arg("max_step_tokens") = 256,
            py::arg("kv_block_size") = 16, py::arg("num_threads") = 0, py::arg("mtp_draft_tokens") = 7,
-           py::arg("speculation") = "fixed", py::arg("tensor_parallel") = 1, py::arg("expert_parallel") = false)
+           py::arg("speculation") = "fixed", py::arg("tensor_parallel") = 1, py::arg("expert_parallel") = false,
+           py::arg("prefill_gemm") = "auto")
       .def(
           "logits",
           [](Engine& e, py::handle tokens) {
@@ -276,6 +278,7 @@ void bind_engine(py::module_& m) {
       .def_property_readonly("num_threads", [](const Engine& e) { return e.config().num_threads; })
       .def_property_readonly("tensor_parallel", [](const Engine& e) { return e.config().tensor_parallel; })
       .def_property_readonly("expert_parallel", [](const Engine& e) { return e.config().expert_parallel; })
+      .def_property_readonly("prefill_gemm", [](const Engine& e) { return e.config().prefill_gemm; })
       .def("new_sequence", &Engine::new_sequence, py::keep_alive<0, 1>())
       .def_property_readonly("vocab_size", &Engine::vocab_size)
       .def_property_readonly("hidden_size", &Engine::hidden_size)

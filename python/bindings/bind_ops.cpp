@@ -114,6 +114,23 @@ void bind_ops(py::module_& m) {
       "y[M, N] = x[M, K] @ W^T (fp32 accumulation; W dequantized in registers).");
 
   o.def(
+      "linear_bf16",
+      [](py::handle x, const ops::Weight& w, py::handle out, bool accumulate) {
+        Tensor xt = tensor_from_python(x, "x");
+        Tensor y = out_or_new(out, DType::F32, {xt.ndim() == 2 ? xt.shape(0) : 0, w.out_features}, xt.device());
+        {
+          py::gil_scoped_release nogil;
+          ops::linear_bf16(xt, w, y, accumulate);
+        }
+        return y;
+      },
+      py::arg("x"), py::arg("weight"), py::arg("out") = py::none(), py::arg("accumulate") = false,
+      "y = bf16(x) @ bf16(W)^T, fp32 accumulation: the tensor-core numerics of prompt tokens (CUTLASS on "
+      "sm_90a / sm_100a / sm_103a, emulated on the CPU).");
+  o.def("linear_bf16_available", [](const std::string& dev) { return ops::linear_bf16_available(Device::parse(dev)); },
+        py::arg("device"), "Whether linear_bf16 runs on this device in this build.");
+
+  o.def(
       "rms_norm",
       [](py::handle x, py::handle w, float eps, py::handle out) {
         Tensor xt = tensor_from_python(x, "x"), wt = tensor_from_python(w, "w");

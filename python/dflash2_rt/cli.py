@@ -163,6 +163,9 @@ def _generate_args(p: argparse.ArgumentParser) -> None:
                    help="ranks the target is split across (on the CPU: threads of this process)")
     p.add_argument("--expert-parallel", action="store_true",
                    help="with --tensor-parallel > 1: whole routed experts per rank instead of a slice of each")
+    p.add_argument("--prefill-gemm", choices=("auto", "exact", "bf16"), default="auto",
+                   help="prompt tokens' GEMM numerics: bf16 = tensor cores (CPU: emulated), exact = fp32 "
+                        "activations; auto = bf16 on a supported GPU, else exact")
     p.add_argument("--threads", type=int, default=None, help="CPU threads (default: all cores)")
     p.add_argument("--stream", action="store_true", help="print tokens as they are committed")
     p.add_argument("--json", action="store_true", help="print the result as JSON")
@@ -181,7 +184,8 @@ def _run_generate(args: argparse.Namespace) -> int:
           (f" (method {args.method})" if args.method else "") + " ...", file=sys.stderr, flush=True)
     eng = Engine(target=args.target, draft=args.draft, method=args.method, device=args.device,
                  max_seq_len=args.max_seq_len, max_batch_size=1, num_threads=args.threads,
-                 tensor_parallel=args.tensor_parallel, expert_parallel=args.expert_parallel)
+                 tensor_parallel=args.tensor_parallel, expert_parallel=args.expert_parallel,
+              prefill_gemm=args.prefill_gemm)
     method = eng.method
     print(f"loaded in {time.perf_counter() - t0:.2f} s (method {method})", file=sys.stderr, flush=True)
     if args.prompt is not None:
@@ -240,6 +244,9 @@ def _serve_args(p: argparse.ArgumentParser) -> None:
                    help="ranks the target is split across (on the CPU: threads of this process)")
     p.add_argument("--expert-parallel", action="store_true",
                    help="with --tensor-parallel > 1: whole routed experts per rank instead of a slice of each")
+    p.add_argument("--prefill-gemm", choices=("auto", "exact", "bf16"), default="auto",
+                   help="prompt tokens' GEMM numerics: bf16 = tensor cores (CPU: emulated), exact = fp32 "
+                        "activations; auto = bf16 on a supported GPU, else exact")
     p.add_argument("--threads", type=int, default=None, help="CPU threads (default: all cores)")
     p.add_argument("--model-name", default=None,
                    help="the model name clients must send (default: the target directory's name; 'default' for "
@@ -277,7 +284,8 @@ def _run_serve(args: argparse.Namespace) -> int:
     print(f"loading {args.target or 'the bundled default pair'}" + (f" + {args.draft}" if args.draft else "") +
           (f" (method {args.method})" if args.method else "") + " ...", file=sys.stderr, flush=True)
     kw = dict(max_batch_size=args.max_batch_size, max_seq_len=args.max_seq_len, speculation=args.speculation,
-              tensor_parallel=args.tensor_parallel, expert_parallel=args.expert_parallel)
+              tensor_parallel=args.tensor_parallel, expert_parallel=args.expert_parallel,
+              prefill_gemm=args.prefill_gemm)
     if args.threads is not None:
         kw["num_threads"] = args.threads
     eng = Engine(target=args.target, draft=args.draft, method=args.method, device=args.device, **kw)

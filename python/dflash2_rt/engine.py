@@ -208,7 +208,8 @@ class Engine:
     def __init__(self, target=None, draft=None, method: Optional[str] = None, device: str = "cpu", *,
                  max_batch_size: int = 8, max_seq_len: Optional[int] = None, max_step_tokens: int = 256,
                  kv_block_size: int = 16, num_threads: Optional[int] = None, mtp_draft_tokens: int = 7,
-                 speculation: str = "fixed", tensor_parallel: int = 1, expert_parallel: bool = False):
+                 speculation: str = "fixed", tensor_parallel: int = 1, expert_parallel: bool = False,
+                 prefill_gemm: str = "auto"):
         """target: a glm_moe_dsa checkpoint directory (None: the bundled default pair).
         draft: a DFlash 2 / DFlash 1 drafter directory. method: "ar" | "mtp" | "dflash" |
         "dflash2"; None infers it: "ar" without a drafter, else from the drafter's
@@ -224,6 +225,11 @@ class Engine:
         vocabulary; on the CPU the ranks are threads of this process). expert_parallel: with
         tensor_parallel > 1, give each rank whole routed experts (E / N of them) instead of
         a 1/N slice of every expert (the default: balanced whatever the routing; see README).
+        prefill_gemm: the numerics of the prompt tokens' projections: "exact" (fp32
+        activations, as decoding), "bf16" (the tensor cores' BF16 operands: CUTLASS on the
+        GPU, emulated on the CPU), "auto" ("bf16" on a GPU this build has the kernel for,
+        else "exact"). Generated tokens always decode exact, so speculative == AR holds in
+        every mode; the resolved mode is `engine.prefill_gemm`.
 
         All generation runs on the engine's own scheduler thread: generate / stream / submit
         from any number of threads join one running batch (continuous batching). Close the
@@ -247,11 +253,15 @@ class Engine:
         _check_int("Engine", "tensor_parallel", tensor_parallel, 1, 64)
         if not isinstance(expert_parallel, (bool, np.bool_)):
             raise _core.InvalidArgumentError(f"Engine: expert_parallel must be True or False, found {expert_parallel!r}")
+        if prefill_gemm not in ("auto", "exact", "bf16"):
+            raise _core.InvalidArgumentError(
+                f"Engine: prefill_gemm must be 'auto', 'exact' or 'bf16', found {prefill_gemm!r}")
         if speculation not in ("fixed", "adaptive"):
             raise _core.InvalidArgumentError(f"Engine: speculation must be 'fixed' or 'adaptive', found {speculation!r}")
         self._e = _core.Engine(os.fspath(target), None if draft is None else os.fspath(draft), method or "", device,
                                max_batch_size, max_seq_len or 0, max_step_tokens, kv_block_size, num_threads or 0,
-                               mtp_draft_tokens, speculation, tensor_parallel, bool(expert_parallel))
+                               mtp_draft_tokens, speculation, tensor_parallel, bool(expert_parallel),
+                               prefill_gemm)
         _LIVE.add(self)
         self.speculation = speculation
         self._cancelled: set = set()
@@ -279,6 +289,11 @@ class Engine:
     def tensor_parallel(self) -> int:
         """Ranks the target is split across (1: not split)."""
         return self._e.tensor_parallel
+
+    @property
+    def prefill_gemm(self) -> str:
+        """The prompt tokens' GEMM numerics this engine resolved: "exact" or "bf16"."""
+        return self._e.prefill_gemm
 
     @property
     def expert_parallel(self) -> bool:

@@ -30,6 +30,11 @@ struct EngineConfig {
                                   // with an in-process communicator); 1 = no tensor parallelism
   bool expert_parallel = false;   // with tensor_parallel > 1: routed experts whole per rank (expert
                                   // parallelism) instead of every expert's intermediate split
+  std::string prefill_gemm = "auto";  // prompt tokens' projections: "exact" (ops::linear, fp32
+                                      // activations), "bf16" (ops::linear_bf16: the tensor cores'
+                                      // BF16 numerics; the CPU emulates it), "auto" = "bf16" on a
+                                      // GPU this build has the CUTLASS kernel for, else "exact".
+                                      // Generated tokens always run exact (see README).
   std::string speculation = "fixed";  // "fixed": every step drafts the full block; "adaptive": per
                                       // step the draft length (0..K) that maximises the measured
                                       // throughput of the running batch (see README)

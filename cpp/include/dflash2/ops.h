@@ -79,6 +79,18 @@ int cpu_max_threads();
 // y[M, N] (F32) = x[M, K] (F32) @ W^T; if accumulate, y += x @ W^T.
 void linear(const Tensor& x, const Weight& w, Tensor& y, bool accumulate = false);
 
+// The tensor-core GEMM's numerics, used for prompt tokens (Engine prefill_gemm="bf16"):
+//   y = bf16(x) @ bf16(W)^T   (+ y when accumulating), fp32 accumulation,
+// where bf16() rounds to nearest even and W is first dequantized exactly as linear reads it
+// (F32 / F16 / FP8 block-128 / NVFP4 -> f32 -> bf16; BF16 weights as stored, exact). The CPU
+// backend emulates it (the rounded operands through its own fp32 GEMM: the oracle of the
+// CUDA path, which runs CUTLASS wgmma on sm_90a and tcgen05 on sm_100a / sm_103a). As with
+// linear, a row's result never depends on the other rows or on M. Shapes as linear.
+void linear_bf16(const Tensor& x, const Weight& w, Tensor& y, bool accumulate = false);
+// Whether linear_bf16 runs on `dev` in this build (the CPU always; a GPU when a CUTLASS
+// kernel for its architecture was built).
+bool linear_bf16_available(Device dev);
+
 // NVFP4 activation quantization as a Blackwell W4A4 GEMM applies it (the CPU emulation that
 // gives the NVFP4 tensor-core path its reference: W4A4 = linear(nvfp4_quantize_act(x), w)).
 // Per row of x F32 [M, K] (K % 16 == 0), per block of 16 inputs, with g = 1 / input_scale
@@ -107,8 +119,9 @@ void rope(Tensor& x, const Tensor& positions, double theta, RopeStyle style);
 // out = silu(gate) * up, elementwise over [.., F].
 void silu_mul(const Tensor& gate, const Tensor& up, Tensor& out);
 // out[M, D] = down(silu(gate x) * up x); scratch must hold 2*M*F floats (F = gate.out_features).
+// bf16: the three projections run as linear_bf16 (prompt tokens), else as linear.
 void gated_mlp(const Tensor& x, const Weight& gate, const Weight& up, const Weight& down,
-               Tensor& out, Tensor& scratch);
+               Tensor& out, Tensor& scratch, bool bf16 = false);
 
 // Row-wise softmax of scale * x over the last dim (F32).
 void softmax(const Tensor& x, Tensor& out, float scale = 1.0f);

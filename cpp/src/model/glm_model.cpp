@@ -418,22 +418,26 @@ bool GlmModel::mtp_has_indexer() const { return mtp_ && mtp_->attn.indexer; }
 
 // ------------------------------------------------------------------ one decoder layer
 void GlmModel::layer_forward(const Layer& L, const Tensor& latent, const Tensor& index_keys, const TokenBatch& tb,
-                             Bufs& b, Tensor& h, bool& have_sel) {
+                             Bufs& b, Tensor& h, bool& have_sel, bool tc) {
   const GlmConfig& c = cfg_;
   const int64_t T = tb.T, nh = c.num_heads / opt_.tp_size, qk = c.qk_head_dim(), nope = c.qk_nope_head_dim,
                 rope = c.qk_rope_head_dim, kvl = c.kv_lora_rank, lat = c.latent_dim();
   const bool tp = opt_.tp_size > 1;
   const Attn& a = L.attn;
   const Tensor& positions = tb.paged.pos;
+  // prompt chunks with prefill_bf16: the projections on the tensor-core numerics
+  auto lin = [tc](const Tensor& x, const ops::Weight& w, Tensor& y, bool acc = false) {
+    tc ? ops::linear_bf16(x, w, y, acc) : ops::linear(x, w, y, acc);
+  };
   // --- MLA projections (q_a_layernorm / kv_a_layernorm use eps 1e-6, as transformers does)
   ops::rms_norm(h, L.in_norm, c.rms_norm_eps, b.x);
-  ops::linear(b.x, a.q_a, b.qa);
+  lin(b.x, a.q_a, b.qa);
   ops::rms_norm(b.qa, a.q_a_norm, 1e-6f, b.cq);
-  ops::linear(b.cq, a.q_b, b.q);
+  lin(b.cq, a.q_b, b.q);
   Tensor q3 = b.q.reshape({T, nh, qk});
   Tensor q_nope = q3.slice(2, 0, nope), q_pe = q3.slice(2, nope, qk);
   ops::rope(q_pe, positions, c.rope_theta, ops::RopeStyle::Interleaved);
-  ops::linear(b.x, a.kv_a, b.kva);
+  lin(b.x, a.kv_a, b.kva);
   ops::rms_norm(b.kva.slice(1, 0, kvl), a.kv_a_norm, 1e-6f, b.c);  // c = RMS(latent)
   Tensor k_pe = b.kva.slice(1, kvl, lat).unsqueeze(1);
   ops::rope(k_pe, positions, c.rope_theta, ops::RopeStyle::Interleaved);
@@ -444,16 +448,16 @@ void GlmModel::layer_forward(const Layer& L, const Tensor& latent, const Tensor&
   if (a.indexer) {
     const int64_t nI = c.index_n_heads, dI = c.index_head_dim;
     Tensor qI2 = b.qI.reshape({T, nI * dI});
-    ops::linear(b.cq, a.iq, qI2);
+    lin(b.cq, a.iq, qI2);
     Tensor qI_rope = b.qI.slice(2, 0, rope);
     ops::rope(qI_rope, positions, c.rope_theta, ops::RopeStyle::Interleaved);
-    ops::linear(b.x, a.ik, b.kI0);
+    lin(b.x, a.ik, b.kI0);
     ops::layer_norm(b.kI0, a.ik_norm_w, a.ik_norm_b, 1e-6f, b.kI);
     Tensor kI_rope = b.kI.slice(1, 0, rope).unsqueeze(1);
     ops::rope(kI_rope, positions, c.rope_theta, ops::RopeStyle::Interleaved);
     Tensor keys = index_keys;
     ops::cache_write(b.kI, tb.slots, keys);
-    ops::linear(b.x, a.iw, b.wI);
+    lin(b.x, a.iw, b.wI);
     ops::indexer_topk(b.qI, b.wI, index_keys, tb.paged, c.index_topk, b.sel, b.sel_len);
     have_sel = true;
   }
@@ -463,10 +467,10 @@ void GlmModel::layer_forward(const Layer& L, const Tensor& latent, const Tensor&
   ops::mla_attention(b.qt, q_pe, latent, tb.paged, b.sel, have_sel ? b.sel_len : Tensor(), scale, b.olat);
   ops::linear_heads(b.olat, a.wuv, b.ocat);
   if (!tp) {
-    ops::linear(b.ocat.reshape({T, nh * c.v_head_dim}), a.o, h, /*accumulate=*/true);  // h += o_proj(attn)
+    lin(b.ocat.reshape({T, nh * c.v_head_dim}), a.o, h, /*accumulate=*/true);  // h += o_proj(attn)
   } else {  // this rank's heads' share of o_proj, summed over the ranks
     Tensor part = b.ao.slice(0, 0, T);
-    ops::linear(b.ocat.reshape({T, nh * c.v_head_dim}), a.o, part);
+    lin(b.ocat.reshape({T, nh * c.v_head_dim}), a.o, part);
     comm_->all_reduce_sum(part);
     ops::add(h, part, h);
   }
@@ -475,10 +479,10 @@ void GlmModel::layer_forward(const Layer& L, const Tensor& latent, const Tensor&
   ops::rms_norm(h, L.post_norm, c.rms_norm_eps, b.x);
   const Mlp& m = L.mlp;
   if (!m.moe) {
-    ops::gated_mlp(b.x, m.gate, m.up, m.down, b.mlp_out, b.scratch);
+    ops::gated_mlp(b.x, m.gate, m.up, m.down, b.mlp_out, b.scratch, tc);
   } else {
     Tensor logits = b.router.slice(0, 0, T);
-    ops::linear(b.x, m.router, logits);
+    ops::linear(b.x, m.router, logits);  // exact: routing decisions
     ops::MoeRouting r;
     r.top_k = c.num_experts_per_tok;
     r.n_group = c.n_group;
@@ -488,7 +492,7 @@ void GlmModel::layer_forward(const Layer& L, const Tensor& latent, const Tensor&
     ops::moe_route(logits, m.bias, r, b.rids, b.rw);
     ops::moe_experts(b.x, b.rids, b.rw, m.experts, b.mlp_out, b.moe_ws);
     if (m.has_shared) {
-      ops::gated_mlp(b.x, m.gate, m.up, m.down, b.shared_out, b.scratch);
+      ops::gated_mlp(b.x, m.gate, m.up, m.down, b.shared_out, b.scratch, tc);
       ops::add(b.mlp_out, b.shared_out, b.mlp_out);
     }
   }
@@ -534,7 +538,8 @@ void GlmModel::forward(const TokenBatch& tb, const GlmCache& cache, const Forwar
   embed(embed_local_, tb, h);
   bool have_sel = false;
   for (int64_t l = 0; l < c.num_layers; ++l) {
-    layer_forward(*layers_[size_t(l)], cache.latent[size_t(l)], cache.index[size_t(l)], tb, b, h, have_sel);
+    layer_forward(*layers_[size_t(l)], cache.latent[size_t(l)], cache.index[size_t(l)], tb, b, h, have_sel,
+                  out.prompt && opt_.prefill_bf16);
     for (size_t j = 0; j < out.tap_layers.size(); ++j)
       if (out.tap_layers[j] == l) {
         Tensor dst = out.taps.slice(1, int64_t(j) * H, int64_t(j + 1) * H);

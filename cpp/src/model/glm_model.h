@@ -36,6 +36,8 @@ struct ForwardOutputs {
   std::vector<int64_t> tap_layers;   // decoder layers whose output hidden state is wanted
   Tensor taps;                       // F32 [T, n_taps * H]: tap j in columns [j H, (j+1) H)
   Tensor final_hidden;               // F32 [T, H]: after model.norm (the MTP layer's input)
+  bool prompt = false;               // every row is a prompt token: the decoder layers'
+                                     // projections take Options::prefill_bf16's GEMM
 };
 
 struct Layer;  // weights of one decoder layer (glm_model.cpp)
@@ -50,6 +52,12 @@ class GlmModel {
     // whatever the routing); true = expert parallelism, rank r holds whole experts
     // [r E/n, (r+1) E/n)
     bool expert_parallel = false;
+    // Prompt chunks (ForwardOutputs::prompt): the decoder layers' projections (MLA, indexer,
+    // o_proj, dense / shared-expert MLPs) run as ops::linear_bf16, the tensor-core numerics;
+    // the router, the routed experts, the absorbed per-head products and the LM head stay
+    // exact. Decode / verify rows always run ops::linear, so every generated token's
+    // numerics are independent of this flag's batching (speculative == AR still holds).
+    bool prefill_bf16 = false;
   };
 
   static std::unique_ptr<GlmModel> load(const Checkpoint& ckpt, const Options& opt);
@@ -69,6 +77,8 @@ class GlmModel {
   // Tensor parallelism: the group's communicator for this rank (every rank's model runs the
   // same forward at once, in its own thread).
   void set_comm(comm::Communicator* c) { comm_ = c; }
+  // Options::prefill_bf16, decided once the device is known (Engine prefill_gemm).
+  void set_prefill_bf16(bool on) { opt_.prefill_bf16 = on; }
 
   // The device the forward runs on (the CPU until to_device).
   Device device() const { return device_; }
@@ -93,7 +103,7 @@ class GlmModel {
  private:
   GlmModel() = default;
   void layer_forward(const Layer& L, const Tensor& latent, const Tensor& index_keys, const TokenBatch& tb, Bufs& b,
-                     Tensor& h, bool& have_sel);
+                     Tensor& h, bool& have_sel, bool tc = false);
   void embed(const Tensor& table, const TokenBatch& tb, Tensor& out);
   void project(const Tensor& rows, const ops::Weight& head, Bufs& b, Tensor& logits);
   // Calls tensor(t) / weight(w) for every parameter the forward reads (not the views

@@ -8,6 +8,9 @@
 
 #include "dflash2/error.h"
 #include "ops/backend.h"
+#if defined(DFLASH2_WITH_CUDA) && defined(DFLASH2_WITH_CUTLASS)
+#include "backend/cuda/cuda_api.h"
+#endif
 
 namespace dflash2::ops {
 
@@ -81,8 +84,8 @@ Fn entry(Fn fn, const char* op, const Tensor& t) {
 
 }  // namespace
 
-void linear(const Tensor& x, const Weight& w, Tensor& y, bool accumulate) {
-  const char* op = "linear";
+namespace {
+void check_linear(const char* op, const Tensor& x, const Weight& w, const Tensor& y) {
   w.validate();
   need_dtype(x, DType::F32, op, "x");
   need_dtype(y, DType::F32, op, "y");
@@ -96,7 +99,25 @@ void linear(const Tensor& x, const Weight& w, Tensor& y, bool accumulate) {
                     x.shape(0), ", ", w.out_features, "], found ", y.describe());
   same_device(x, y, op);
   same_device(x, w.data, op);
+}
+}  // namespace
+
+void linear(const Tensor& x, const Weight& w, Tensor& y, bool accumulate) {
+  check_linear("linear", x, w, y);
   DFLASH2_DISPATCH(linear, x, x, w, y, accumulate);
+}
+
+void linear_bf16(const Tensor& x, const Weight& w, Tensor& y, bool accumulate) {
+  check_linear("linear_bf16", x, w, y);
+  DFLASH2_DISPATCH(linear_bf16, x, x, w, y, accumulate);
+}
+
+bool linear_bf16_available(Device dev) {
+  if (dev.is_cpu()) return true;
+#if defined(DFLASH2_WITH_CUDA) && defined(DFLASH2_WITH_CUTLASS)
+  if (dev.is_cuda()) return cuda::linear_bf16_supported(dev.index);
+#endif
+  return false;
 }
 
 void rms_norm(const Tensor& x, const Tensor& w, float eps, Tensor& out) {
@@ -180,7 +201,7 @@ void silu_mul(const Tensor& gate, const Tensor& up, Tensor& out) {
 }
 
 void gated_mlp(const Tensor& x, const Weight& gate, const Weight& up, const Weight& down, Tensor& out,
-               Tensor& scratch) {
+               Tensor& scratch, bool bf16) {
   const char* op = "gated_mlp";
   need_dtype(x, DType::F32, op, "x");
   DFLASH2_CHECK_ARG(x.ndim() == 2, op, ": x must be 2-D, found ", x.describe());
@@ -195,10 +216,11 @@ void gated_mlp(const Tensor& x, const Weight& gate, const Weight& up, const Weig
   Tensor flat = scratch.reshape({scratch.numel()});
   Tensor g = flat.slice(0, 0, M * F).reshape({M, F});
   Tensor u = flat.slice(0, M * F, 2 * M * F).reshape({M, F});
-  linear(x, gate, g);
-  linear(x, up, u);
+  auto lin = bf16 ? &linear_bf16 : &linear;
+  lin(x, gate, g, false);
+  lin(x, up, u, false);
   silu_mul(g, u, g);
-  linear(g, down, out);
+  lin(g, down, out, false);
 }
 
 void softmax(const Tensor& x, Tensor& out, float scale) {

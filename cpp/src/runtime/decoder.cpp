@@ -160,6 +160,7 @@ void Decoder::prefill() {
       T += pc.n;
     }
     model::ForwardOutputs out;
+    out.prompt = true;  // Engine prefill_gemm: the tensor-core numerics when on
     out.logits = c_.logits.slice(0, 0, R);
     out.tap_layers = c_.taps;
     if (c_.taps_buf.defined()) out.taps = c_.taps_buf.slice(0, 0, T);

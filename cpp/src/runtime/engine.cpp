@@ -128,6 +128,17 @@ Engine::Engine(const EngineConfig& cfg) : impl_(std::make_unique<Impl>()) {
   to.num_threads = cfg.num_threads;
   to.device = device;
   I.core.target = std::make_unique<runtime::Target>(std::move(shards), to);
+  // prompt tokens' GEMM numerics (the device is placed and checked by now)
+  const std::string& pg = cfg.prefill_gemm;
+  DFLASH2_CHECK_ARG(pg == "auto" || pg == "exact" || pg == "bf16", "Engine: prefill_gemm must be 'auto', 'exact' or ",
+                    "'bf16', found '", pg, "'");
+  const bool tc_ok = ops::linear_bf16_available(device);
+  DFLASH2_CHECK(pg != "bf16" || tc_ok, ErrorKind::Unsupported, "Engine: prefill_gemm='bf16' needs the tensor-core GEMM ",
+                "(ops::linear_bf16), which this build has no kernel for on ", device.str(),
+                " (CUTLASS kernels: sm_90a, sm_100a / sm_103a); use 'exact' or 'auto'");
+  const bool bf16 = pg == "bf16" || (pg == "auto" && device.is_cuda() && tc_ok);
+  I.core.target->set_prefill_bf16(bf16);
+  I.cfg.prefill_gemm = bf16 ? "bf16" : "exact";
   I.config_json = ck.config().root().dump();
   if (I.method == Method::DFlash || I.method == Method::DFlash2) {
     I.core.drafter = runtime::make_dflash_drafter(*dk, *I.core.target, I.method);
@@ -307,6 +318,7 @@ Proposal Engine::propose(const std::vector<int32_t>& tokens) {
     for (const auto& ch : I.core.chunks) {
       const auto& pc = ch[0];
       model::ForwardOutputs fo;
+      fo.prompt = true;  // as generate prefills it
       fo.logits = I.core.logits.slice(0, 0, pc.last ? 1 : 0);
       fo.tap_layers = I.core.taps;
       if (I.core.taps_buf.defined()) fo.taps = I.core.taps_buf.slice(0, 0, pc.n);

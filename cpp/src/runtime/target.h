@@ -44,6 +44,10 @@ class Target {
   comm::CommStats comm_stats() const { return comms_.empty() ? comm::CommStats{} : comms_[0]->stats(); }
   const model::GlmConfig& config() const { return models_[0]->config(); }
   const Options& options() const { return opt_; }
+  // Every rank's GlmModel::Options::prefill_bf16 (before the first step).
+  void set_prefill_bf16(bool on) {
+    for (auto& m : models_) m->set_prefill_bf16(on);
+  }
   KvCache& cache() { return cache_; }
   KvCache& mtp_cache() { return mtp_cache_; }
 

@@ -48,6 +48,7 @@ inline const float* paged_row(const Tensor& cache, const ops::PagedTokens& tok, 
 }
 
 void linear(const Tensor& x, const ops::Weight& w, Tensor& y, bool accumulate);
+void linear_bf16(const Tensor& x, const ops::Weight& w, Tensor& y, bool accumulate);
 void linear_heads(const Tensor& x, const Tensor& w, Tensor& y);
 void rms_norm(const Tensor& x, const Tensor& w, float eps, Tensor& out);
 void layer_norm(const Tensor& x, const Tensor& w, const Tensor& b, float eps, Tensor& out);

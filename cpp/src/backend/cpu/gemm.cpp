@@ -284,6 +284,38 @@ void linear(const Tensor& x, const ops::Weight& w, Tensor& y, bool accumulate) {
   }
 }
 
+// The tensor-core numerics (ops.h linear_bf16), emulated: x and W rounded to BF16 (kept
+// as F32 / BF16 tensors, exact), then this backend's fp32 GEMM. BF16 weights are used as
+// stored; any other format is dequantized (Weight::dequantize) and rounded per element.
+// Allocates its rounded copies: an oracle and CPU-prefill path, not a decode hot path.
+void linear_bf16(const Tensor& x, const ops::Weight& w, Tensor& y, bool accumulate) {
+  const int64_t M = x.shape(0), K = w.in_features;
+  Tensor xr = Tensor::empty(DType::F32, {M, K});
+  const float* xp = x.data_as<const float>();
+  float* xo = xr.data_as<float>();
+  const int64_t ldx = x.stride(0);
+  for (int64_t m = 0; m < M; ++m)
+    for (int64_t k = 0; k < K; ++k) xo[m * K + k] = bf16_to_f32(f32_to_bf16(xp[m * ldx + k]));
+  if (w.format == ops::WeightFormat::Dense && w.data.dtype() == DType::BF16) return cpu::linear(xr, w, y, accumulate);
+  const int64_t N = w.out_features;
+  Tensor wb = Tensor::empty(DType::BF16, {N, K});
+  uint16_t* wp = static_cast<uint16_t*>(wb.data());
+  if (w.format == ops::WeightFormat::Dense) {  // F32 / F16 rows (any row stride)
+    const DType dt = w.data.dtype();
+    const int64_t es = int64_t(w.data.itemsize()), rb = w.data.stride(0) * es;
+    const char* base = static_cast<const char*>(w.data.data());
+#pragma omp parallel for schedule(static) num_threads(threads()) if (N * K > 1 << 16)
+    for (int64_t r = 0; r < N; ++r)
+      for (int64_t k = 0; k < K; ++k) wp[r * K + k] = f32_to_bf16(load_as_f32(base + r * rb + k * es, dt));
+  } else {  // FP8 / NVFP4: the reference dequantization, then rounded
+    const Tensor d = w.dequantize();
+    const float* dp = d.data_as<const float>();
+    const int64_t n = N * K;
+    for (int64_t i = 0; i < n; ++i) wp[i] = f32_to_bf16(dp[i]);
+  }
+  cpu::linear(xr, ops::Weight::dense(wb, w.name), y, accumulate);
+}
+
 void linear_heads(const Tensor& x, const Tensor& w, Tensor& y) {
   const int64_t G = x.shape(1);
   for (int64_t g = 0; g < G; ++g) {

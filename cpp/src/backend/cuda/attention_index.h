@@ -29,6 +29,8 @@
 #include <cstdint>
 #include <cstring>
 
+#include "backend/cuda/layout.h"
+
 #ifndef DFLASH2_HD
 #if defined(__CUDACC__)
 #define DFLASH2_HD __host__ __device__ __forceinline__
@@ -62,15 +64,7 @@ DFLASH2_HD int64_t causal_keys(int64_t pos, int64_t capacity) {
 }
 
 // ------------------------------------------------------------------ float -> ordered key
-DFLASH2_HD uint32_t float_bits(float v) {
-#if defined(__CUDA_ARCH__)
-  return __float_as_uint(v);
-#else
-  uint32_t u;
-  std::memcpy(&u, &v, 4);
-  return u;
-#endif
-}
+using layout::float_bits;
 
 // a ranks before b in the CPU's topk <=> order_key(a) > order_key(b), or the keys are equal
 // (a and b equal values, or both NaN) and a is the earlier position.

@@ -98,6 +98,10 @@ void dyn_conv(const Tensor& x, const Tensor& base, const Tensor& dyn, int64_t bl
 
 // gemm.cu
 void linear(const Tensor& x, const ops::Weight& w, Tensor& y, bool accumulate);
+// gemm_tc.cu (built with CUTLASS only): ops::linear_bf16 on the tensor cores, and whether
+// this build has its kernel for `device`'s architecture.
+void linear_bf16(const Tensor& x, const ops::Weight& w, Tensor& y, bool accumulate);
+bool linear_bf16_supported(int device);
 void linear_heads(const Tensor& x, const Tensor& w, Tensor& y);
 // index_rows.cu
 void embedding_shard(const Tensor& table, const Tensor& ids, int64_t first, Tensor& out);

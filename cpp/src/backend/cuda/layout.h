@@ -9,6 +9,7 @@
 // sm_90a/sm_100a/sm_103a but has not yet run on a GPU.
 #pragma once
 #include <cstdint>
+#include <cstring>
 
 #include "dflash2/error.h"
 #include "dflash2/tensor.h"
@@ -24,6 +25,26 @@
 namespace dflash2::cuda::layout {
 
 constexpr int kMaxDims = Tensor::kMaxDims;  // 6
+
+// ------------------------------------------------------------------ float <-> bits
+DFLASH2_HD uint32_t float_bits(float v) {
+#if defined(__CUDA_ARCH__)
+  return __float_as_uint(v);
+#else
+  uint32_t u;
+  std::memcpy(&u, &v, 4);
+  return u;
+#endif
+}
+DFLASH2_HD float bits_float(uint32_t u) {
+#if defined(__CUDA_ARCH__)
+  return __uint_as_float(u);
+#else
+  float v;
+  std::memcpy(&v, &u, 4);
+  return v;
+#endif
+}
 
 // ------------------------------------------------------------------ strided pairs (copy)
 // Two tensors of one shape with their own strides (elements), after collapse(): ndim

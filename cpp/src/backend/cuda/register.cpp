@@ -8,6 +8,9 @@ namespace dflash2::ops {
 void register_cuda_ops(BackendTable& t) {
   t.linear = &cuda::linear;                    // gemm.cu
   t.linear_heads = &cuda::linear_heads;        // gemm.cu
+#if defined(DFLASH2_WITH_CUTLASS)
+  t.linear_bf16 = &cuda::linear_bf16;          // gemm_tc.cu + cutlass/
+#endif
   t.embedding_shard = &cuda::embedding_shard;  // index_rows.cu
   t.rms_norm = &cuda::rms_norm;        // rmsnorm.cu
   t.layer_norm = &cuda::layer_norm;    // row_reduce.cu

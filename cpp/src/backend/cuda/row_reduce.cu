@@ -39,6 +39,7 @@
 #include <cmath>
 #include <cstdint>
 
+#include "backend/cuda/argmax.cuh"
 #include "backend/cuda/cuda_api.h"
 #include "backend/cuda/cuda_check.cuh"
 #include "backend/cuda/kernel_util.cuh"
@@ -115,47 +116,13 @@ __global__ void __launch_bounds__(kMaxThreads)
     argmax_kernel(const float* x, int64_t x_stride, int32_t* out, int64_t out_stride, int64_t rows, int32_t V) {
   __shared__ float sval[32];
   __shared__ int32_t sidx[32];
-  const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
-  const int nwarps = (blockDim.x + 31) >> 5;
   for (int64_t r = blockIdx.x; r < rows; r += gridDim.x) {
     const float* xr = x + r * x_stride;
     float bv = -INFINITY;
     int32_t bi = layout::kArgmaxNone;
-    for (int32_t i = threadIdx.x; i < V; i += blockDim.x) {
-      const float v = xr[i];
-      if (!isnan(v) && layout::argmax_better(v, i, bv, bi)) {
-        bv = v;
-        bi = i;
-      }
-    }
-#pragma unroll
-    for (int off = 16; off > 0; off >>= 1) {
-      const float ov = __shfl_xor_sync(0xffffffffu, bv, off);
-      const int32_t oi = __shfl_xor_sync(0xffffffffu, bi, off);
-      if (layout::argmax_better(ov, oi, bv, bi)) {
-        bv = ov;
-        bi = oi;
-      }
-    }
-    if (lane == 0) {
-      sval[warp] = bv;
-      sidx[warp] = bi;
-    }
-    __syncthreads();
-    if (warp == 0) {
-      bv = lane < nwarps ? sval[lane] : -INFINITY;
-      bi = lane < nwarps ? sidx[lane] : layout::kArgmaxNone;
-#pragma unroll
-      for (int off = 16; off > 0; off >>= 1) {
-        const float ov = __shfl_xor_sync(0xffffffffu, bv, off);
-        const int32_t oi = __shfl_xor_sync(0xffffffffu, bi, off);
-        if (layout::argmax_better(ov, oi, bv, bi)) {
-          bv = ov;
-          bi = oi;
-        }
-      }
-      if (lane == 0) out[r * out_stride] = layout::argmax_finish(isnan(xr[0]), bi);
-    }
+    for (int32_t i = threadIdx.x; i < V; i += blockDim.x) detail::argmax_take(xr[i], i, bv, bi);
+    detail::block_argmax_merge(bv, bi, sval, sidx);
+    if (threadIdx.x == 0) out[r * out_stride] = layout::argmax_finish(isnan(xr[0]), bi);
     __syncthreads();  // sval / sidx are reused by the next row
   }
 }

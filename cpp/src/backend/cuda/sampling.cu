@@ -73,6 +73,7 @@
 #include <cmath>
 #include <cstdint>
 
+#include "backend/cuda/argmax.cuh"
 #include "backend/cuda/cuda_api.h"
 #include "backend/cuda/cuda_check.cuh"
 #include "backend/cuda/kernel_util.cuh"
@@ -177,6 +178,26 @@ __device__ void warp_bucket_pick(const double* hv, double acc0, double target, B
   }
 }
 
+// One radix pass's decision from its 256-bin histogram (counts, or masses for top-p;
+// cm.chist holds the counts either way): warp 0 walks the bins, then every thread takes the
+// picked digit d into the running (prefix, mask) and the pick's (acc, cnt).
+template <class H>
+__device__ void radix_pass_pick(const H* hist, int shift, double target, Common& cm, uint32_t& prefix,
+                                uint32_t& mask, double& acc, uint32_t& cnt) {
+  if (warp_id() == 0) {
+    double hv[sl::kBinsPerLane];
+    sl::lane_bins(hist, lane_id(), hv);
+    warp_bucket_pick(hv, acc, target, cm.bc);
+    if (lane_id() == 0) cm.bc.cnt = cm.chist[cm.bc.d];
+  }
+  __syncthreads();
+  const int d = cm.bc.d;
+  acc = cm.bc.acc;
+  cnt = cm.bc.cnt;
+  prefix |= uint32_t(d) << shift;
+  mask |= 255u << shift;
+}
+
 // ------------------------------------------------------------------ radix selection (counts)
 // The key k* such that fewer than `target` keys are > k* and at least `target` are >= k*
 // (cpu radix_select with counts). *above: the count of keys > k*; *n_eq: the count == k*.
@@ -201,18 +222,7 @@ __device__ uint32_t radix_count(const float* row, int32_t V, double target, KeyF
       if (bin < 256 && lane == __ffs(int(m)) - 1) atomicAdd(&cm.chist[bin], uint32_t(__popc(int(m))));
     }
     __syncthreads();
-    if (warp == 0) {
-      double hv[sl::kBinsPerLane];
-      sl::lane_bins(cm.chist, lane, hv);
-      warp_bucket_pick(hv, acc, target, cm.bc);
-      if (lane == 0) cm.bc.cnt = cm.chist[cm.bc.d];
-    }
-    __syncthreads();
-    const int d = cm.bc.d;
-    acc = cm.bc.acc;
-    cnt = cm.bc.cnt;
-    prefix |= uint32_t(d) << shift;
-    mask |= 255u << shift;
+    radix_pass_pick(cm.chist, shift, target, cm, prefix, mask, acc, cnt);
   }
   *above = acc;
   *n_eq = cnt;
@@ -304,44 +314,11 @@ __device__ int32_t nth_index(Pred pred, int32_t V, int64_t n, Common& cm) {
 // ------------------------------------------------------------------ argmax
 // The CPU's sequential argmax (layout.h argmax_better / argmax_finish).
 __device__ int32_t block_argmax(const float* row, int32_t V, Common& cm) {
-  const int lane = lane_id(), warp = warp_id(), nw = num_warps();
   float bv = -INFINITY;
   int32_t bi = layout::kArgmaxNone;
-  for (int32_t i = threadIdx.x; i < V; i += blockDim.x) {
-    const float v = row[i];
-    if (!isnan(v) && layout::argmax_better(v, i, bv, bi)) {
-      bv = v;
-      bi = i;
-    }
-  }
-#pragma unroll
-  for (int off = 16; off > 0; off >>= 1) {
-    const float ov = __shfl_xor_sync(kFull, bv, off);
-    const int32_t oi = __shfl_xor_sync(kFull, bi, off);
-    if (layout::argmax_better(ov, oi, bv, bi)) {
-      bv = ov;
-      bi = oi;
-    }
-  }
-  if (lane == 0) {
-    cm.sval[warp] = bv;
-    cm.sidx[warp] = bi;
-  }
-  __syncthreads();
-  if (warp == 0) {
-    bv = lane < nw ? cm.sval[lane] : -INFINITY;
-    bi = lane < nw ? cm.sidx[lane] : layout::kArgmaxNone;
-#pragma unroll
-    for (int off = 16; off > 0; off >>= 1) {
-      const float ov = __shfl_xor_sync(kFull, bv, off);
-      const int32_t oi = __shfl_xor_sync(kFull, bi, off);
-      if (layout::argmax_better(ov, oi, bv, bi)) {
-        bv = ov;
-        bi = oi;
-      }
-    }
-    if (lane == 0) cm.bc.result = layout::argmax_finish(isnan(row[0]), bi);
-  }
+  for (int32_t i = threadIdx.x; i < V; i += blockDim.x) detail::argmax_take(row[i], i, bv, bi);
+  detail::block_argmax_merge(bv, bi, cm.sval, cm.sidx);
+  if (threadIdx.x == 0) cm.bc.result = layout::argmax_finish(isnan(row[0]), bi);
   __syncthreads();
   const int32_t r = cm.bc.result;
   __syncthreads();
@@ -447,18 +424,7 @@ __device__ uint32_t radix_mass(const float* row, int32_t V, const sl::RowSel& s,
       sm.hist[b] = h;
     }
     __syncthreads();
-    if (warp == 0) {
-      double hv[sl::kBinsPerLane];
-      sl::lane_bins(sm.hist, lane, hv);
-      warp_bucket_pick(hv, acc, target, cm.bc);
-      if (lane == 0) cm.bc.cnt = cm.chist[cm.bc.d];
-    }
-    __syncthreads();
-    const int d = cm.bc.d;
-    acc = cm.bc.acc;
-    cnt = cm.bc.cnt;
-    prefix |= uint32_t(d) << shift;
-    mask |= 255u << shift;
+    radix_pass_pick(sm.hist, shift, target, cm, prefix, mask, acc, cnt);
   }
   *above = acc;
   *n_tie = cnt;

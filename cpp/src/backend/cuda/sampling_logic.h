@@ -20,6 +20,8 @@
 #include <cstdint>
 #include <cstring>
 
+#include "backend/cuda/layout.h"
+
 #ifndef DFLASH2_HD
 #if defined(__CUDACC__)
 #define DFLASH2_HD __host__ __device__ __forceinline__
@@ -31,24 +33,8 @@
 namespace dflash2::cuda::sampling {
 
 // ------------------------------------------------------------------ keys
-DFLASH2_HD uint32_t float_bits(float x) {
-#if defined(__CUDA_ARCH__)
-  return __float_as_uint(x);
-#else
-  uint32_t u;
-  std::memcpy(&u, &x, 4);
-  return u;
-#endif
-}
-DFLASH2_HD float bits_float(uint32_t u) {
-#if defined(__CUDA_ARCH__)
-  return __uint_as_float(u);
-#else
-  float x;
-  std::memcpy(&x, &u, 4);
-  return x;
-#endif
-}
+using layout::bits_float;  // layout.h
+using layout::float_bits;
 
 // The CPU sampler's key (cpu/sampling.cpp order_key): a larger float gets a larger key;
 // -0.0 < +0.0 and NaNs land at the ends, exactly as on the CPU (the sampler mirrors it).

@@ -39,6 +39,7 @@
 #include <cstdint>
 #include <initializer_list>
 
+#include "backend/cuda/argmax.cuh"
 #include "backend/cuda/cuda_api.h"
 #include "backend/cuda/cuda_check.cuh"
 #include "backend/cuda/kernel_util.cuh"
@@ -132,22 +133,8 @@ __global__ void __launch_bounds__(kMaxThreads) selector_kernel(SelectorArgs a) {
           // the CPU's `score[b] > score[choice]` from choice = 0 (layout.h argmax rule)
           float bv = -INFINITY;
           int32_t bi = layout::kArgmaxNone;
-          for (int32_t b = lane; b < K; b += 32) {
-            const float v = score[b];
-            if (!isnan(v) && layout::argmax_better(v, b, bv, bi)) {
-              bv = v;
-              bi = b;
-            }
-          }
-#pragma unroll
-          for (int off = 16; off > 0; off >>= 1) {
-            const float ov = __shfl_xor_sync(kFull, bv, off);
-            const int32_t oi = __shfl_xor_sync(kFull, bi, off);
-            if (layout::argmax_better(ov, oi, bv, bi)) {
-              bv = ov;
-              bi = oi;
-            }
-          }
+          for (int32_t b = lane; b < K; b += 32) detail::argmax_take(score[b], b, bv, bi);
+          detail::warp_argmax(bv, bi);
           choice = layout::argmax_finish(isnan(score[0]), bi);
         } else {
           float mx = -INFINITY;

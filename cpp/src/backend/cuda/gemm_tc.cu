@@ -1,0 +1,223 @@
+// cuda/gemm_tc.cu: ops::linear_bf16 on the tensor cores, the GEMM of prompt tokens
+// (Engine prefill_gemm="bf16"), where a chunk of up to max_step_tokens rows makes the GEMM
+// compute-bound and the skinny kernel of gemm.cu (fp32 FMAs) would run at a fraction of
+// the tensor cores' rate.
+//
+//   y[M, N] (F32) = bf16(x)[M, K] @ bf16(W)[N, K]^T   (+ y when accumulating)
+//
+// 1. x (F32) is rounded to BF16 (round to nearest even) into scratch, K padded with zeros to
+//    a multiple of 8 (TMA moves 16-byte rows).
+// 2. W: a dense BF16 weight whose rows are 16-byte aligned is read in place; any other
+//    format (F32 / F16 / FP8 block-128 / NVFP4, or misaligned BF16 rows) is dequantized with
+//    weight_view.cuh's w_at (bitwise the CPU's Weight::dequantize values) and rounded to
+//    BF16 into scratch. That is the numerics the CPU backend emulates
+//    (cpu/gemm.cpp linear_bf16), so the CPU is this op's oracle up to fp32 summation order.
+// 3. The CUTLASS kernel of the device's architecture (cutlass/bf16_gemm.h: wgmma on sm_90a,
+//    tcgen05 on sm_100a / sm_103a) writes F32 straight into y (accumulating in its
+//    epilogue: one rounding of y + sum); when y's rows are not 16-byte aligned (or N % 4 != 0)
+//    it writes a scratch tile and a small kernel stores / adds it into y.
+// No host synchronization and no allocation beyond the per-stream scratch, so it can be
+// captured in a CUDA graph (the scratch refuses to grow during capture).
+//
+// Status: compiled for sm_90a / sm_100a / sm_103a, NOT yet run on a GPU.
+#include <cuda_bf16.h>
+#include <cuda_runtime.h>
+
+#include <atomic>
+#include <cstdint>
+#include <string>
+
+#include "backend/cuda/cuda_api.h"
+#include "backend/cuda/cuda_check.cuh"
+#include "backend/cuda/cutlass/bf16_gemm.h"
+#include "backend/cuda/kernel_util.cuh"
+#include "backend/cuda/scratch.h"
+#include "backend/cuda/weight_view.cuh"
+#include "dflash2/error.h"
+
+namespace dflash2::cuda {
+
+namespace tc {
+
+bool bf16_gemm_built_for(int sm) {
+#if defined(DFLASH2_CUTLASS_SM90)
+  if (sm == 90) return true;
+#endif
+#if defined(DFLASH2_CUTLASS_SM100)
+  if (sm == 100 || sm == 103) return true;
+#endif
+  (void)sm;
+  return false;
+}
+
+size_t bf16_gemm_workspace(int sm, const Bf16GemmArgs& a) {
+#if defined(DFLASH2_CUTLASS_SM90)
+  if (sm == 90) return bf16_gemm_sm90_workspace(a);
+#endif
+#if defined(DFLASH2_CUTLASS_SM100)
+  if (sm == 100 || sm == 103) return bf16_gemm_sm100_workspace(a);
+#endif
+  (void)a;
+  return 0;
+}
+
+std::string bf16_gemm(int sm, const Bf16GemmArgs& a, void* workspace, CUstream_st* stream) {
+#if defined(DFLASH2_CUTLASS_SM90)
+  if (sm == 90) return bf16_gemm_sm90(a, workspace, stream);
+#endif
+#if defined(DFLASH2_CUTLASS_SM100)
+  if (sm == 100 || sm == 103) return bf16_gemm_sm100(a, workspace, stream);
+#endif
+  (void)a;
+  (void)workspace;
+  (void)stream;
+  return "no tensor-core GEMM was built for sm_" + std::to_string(sm);
+}
+
+}  // namespace tc
+
+namespace {
+
+using detail::WeightView;
+using detail::WFmt;
+
+constexpr int kThreads = 256;
+
+// major * 10 + minor of `device`, queried once.
+int device_sm(int device) {
+  static std::atomic<int> cache[64] = {};
+  if (device >= 0 && device < 64) {
+    const int v = cache[device].load(std::memory_order_relaxed);
+    if (v > 0) return v;
+  }
+  int major = 0, minor = 0;
+  DFLASH2_CUDA_CHECK(cudaDeviceGetAttribute(&major, cudaDevAttrComputeCapabilityMajor, device));
+  DFLASH2_CUDA_CHECK(cudaDeviceGetAttribute(&minor, cudaDevAttrComputeCapabilityMinor, device));
+  const int sm = major * 10 + minor;
+  if (device >= 0 && device < 64) cache[device].store(sm, std::memory_order_relaxed);
+  return sm;
+}
+
+int64_t round_up(int64_t v, int64_t m) { return (v + m - 1) / m * m; }
+
+unsigned grid_for(int64_t n) {
+  const int64_t blocks = (n + kThreads - 1) / kThreads;
+  return unsigned(blocks < detail::kMaxRowBlocks ? (blocks > 0 ? blocks : 1) : detail::kMaxRowBlocks);
+}
+
+// out[m, k] = bf16(x[m, k]) for k < K, 0 for K <= k < Kp.
+__global__ void rows_to_bf16(const float* __restrict__ x, int64_t ldx, int64_t M, int64_t K, int64_t Kp,
+                             __nv_bfloat16* __restrict__ out) {
+  const int64_t n = M * Kp;
+  for (int64_t i = int64_t(blockIdx.x) * blockDim.x + threadIdx.x; i < n; i += int64_t(gridDim.x) * blockDim.x) {
+    const int64_t m = i / Kp, k = i - m * Kp;
+    out[i] = k < K ? __float2bfloat16_rn(x[m * ldx + k]) : __float2bfloat16_rn(0.0f);
+  }
+}
+
+// out[r, k] = bf16(W[r, k]) (W dequantized as the CPU does) for k < K, 0 for K <= k < Kp.
+template <WFmt F>
+__global__ void weight_to_bf16(WeightView w, int64_t Kp, __nv_bfloat16* __restrict__ out) {
+  const int64_t n = w.N * Kp;
+  for (int64_t i = int64_t(blockIdx.x) * blockDim.x + threadIdx.x; i < n; i += int64_t(gridDim.x) * blockDim.x) {
+    const int64_t r = i / Kp, k = i - r * Kp;
+    out[i] = k < w.K ? __float2bfloat16_rn(detail::w_at<F>(w, r, k)) : __float2bfloat16_rn(0.0f);
+  }
+}
+
+// y[m, n] = d[m, n] (+ y[m, n] when accumulating: the same single rounding as the epilogue).
+__global__ void store_rows(const float* __restrict__ d, int64_t ldd, int64_t M, int64_t N, float* __restrict__ y,
+                           int64_t ldy, bool accumulate) {
+  const int64_t n = M * N;
+  for (int64_t i = int64_t(blockIdx.x) * blockDim.x + threadIdx.x; i < n; i += int64_t(gridDim.x) * blockDim.x) {
+    const int64_t m = i / N, c = i - m * N;
+    const float v = d[m * ldd + c];
+    float* p = y + m * ldy + c;
+    *p = accumulate ? __fadd_rn(*p, v) : v;
+  }
+}
+
+void convert_weight(const WeightView& v, int64_t Kp, __nv_bfloat16* out, cudaStream_t st) {
+  const unsigned g = grid_for(v.N * Kp);
+  switch (v.fmt) {
+    case WFmt::F32: weight_to_bf16<WFmt::F32><<<g, kThreads, 0, st>>>(v, Kp, out); break;
+    case WFmt::BF16: weight_to_bf16<WFmt::BF16><<<g, kThreads, 0, st>>>(v, Kp, out); break;
+    case WFmt::F16: weight_to_bf16<WFmt::F16><<<g, kThreads, 0, st>>>(v, Kp, out); break;
+    case WFmt::FP8: weight_to_bf16<WFmt::FP8><<<g, kThreads, 0, st>>>(v, Kp, out); break;
+    case WFmt::NVFP4: weight_to_bf16<WFmt::NVFP4><<<g, kThreads, 0, st>>>(v, Kp, out); break;
+  }
+}
+
+}  // namespace
+
+bool linear_bf16_supported(int device) { return tc::bf16_gemm_built_for(device_sm(device)); }
+
+void linear_bf16(const Tensor& x, const ops::Weight& w, Tensor& y, bool accumulate) {
+  DFLASH2_CHECK_ARG(x.defined() && y.defined(), "cuda::linear_bf16: undefined tensor argument");
+  DFLASH2_CHECK_ARG(x.device().is_cuda() && y.device() == x.device(), "cuda::linear_bf16: x and y must be on the same ",
+                    "CUDA device, found ", x.describe(), ", ", y.describe());
+  DFLASH2_CHECK_ARG(x.dtype() == DType::F32 && y.dtype() == DType::F32 && x.ndim() == 2 && y.ndim() == 2,
+                    "cuda::linear_bf16: x and y must be F32 2-D, found ", x.describe(), ", ", y.describe());
+  w.validate();
+  const int device = x.device().index;
+  const WeightView v = detail::weight_view(w, device, "cuda::linear_bf16");
+  const int64_t M = x.shape(0), K = v.K, N = v.N;
+  DFLASH2_CHECK_ARG(x.shape(1) == K && y.shape(0) == M && y.shape(1) == N, "cuda::linear_bf16(", w.name, "): x ",
+                    x.describe(), " and y ", y.describe(), " do not match the weight [", N, ", ", K, "]");
+  DFLASH2_CHECK_ARG((x.stride(1) == 1 || K <= 1) && (y.stride(1) == 1 || N <= 1),
+                    "cuda::linear_bf16: x and y must be contiguous in their last dimension, found strides ",
+                    shape_str(x.strides()), " and ", shape_str(y.strides()));
+  DFLASH2_CHECK_ARG(M <= int64_t(INT32_MAX) && N <= int64_t(INT32_MAX) && K + 8 <= int64_t(INT32_MAX),
+                    "cuda::linear_bf16: [", M, ", ", N, ", ", K, "] exceeds the GEMM's 32-bit extents");
+  DFLASH2_CHECK_ARG(M <= 1 || y.stride(0) >= N, "cuda::linear_bf16: the rows of 'y' overlap (row stride ",
+                    y.stride(0), " < ", N, ")");
+  detail::DeviceGuard guard(device);
+  const int sm = device_sm(device);
+  if (!tc::bf16_gemm_built_for(sm))
+    fail(ErrorKind::Unsupported, "cuda::linear_bf16: this build has no tensor-core GEMM for sm_", sm, " on cuda:",
+         device, " (CUTLASS kernels are built for sm_90a and sm_100a / sm_103a when those are in DFLASH2_CUDA_ARCHS "
+         "and CUTLASS is found); use prefill_gemm='exact'");
+  if (M == 0 || N == 0) return;
+
+  const int64_t Kp = round_up(K, 8);
+  const bool direct_w = v.fmt == WFmt::BF16 && K % 8 == 0 && detail::aligned(v.data, 16) && v.row_bytes % 16 == 0;
+  const bool direct_y = N % 4 == 0 && detail::aligned(y.data(), 16) && (M == 1 || y.stride(0) % 4 == 0);
+  const int64_t Np = round_up(N, 4);
+  constexpr int64_t kAlign = 256;
+  const int64_t a_bytes = round_up(M * Kp * 2, kAlign);
+  const int64_t w_bytes = direct_w ? 0 : round_up(N * Kp * 2, kAlign);
+  const int64_t d_bytes = direct_y ? 0 : round_up(M * Np * 4, kAlign);
+
+  tc::Bf16GemmArgs g;
+  g.M = int(M);
+  g.N = int(N);
+  g.K = int(Kp);
+  g.lda = Kp;
+  g.ldb = direct_w ? v.row_bytes / 2 : Kp;
+  g.ldd = direct_y ? (M == 1 ? Np : y.stride(0)) : Np;
+  g.accumulate = direct_y && accumulate;
+  const size_t ws_bytes = size_t(round_up(int64_t(tc::bf16_gemm_workspace(sm, g)), kAlign));
+  uint8_t* base = static_cast<uint8_t*>(
+      detail::scratch(device, size_t(a_bytes + w_bytes + d_bytes) + ws_bytes));
+  __nv_bfloat16* a16 = reinterpret_cast<__nv_bfloat16*>(base);
+  __nv_bfloat16* w16 = direct_w ? nullptr : reinterpret_cast<__nv_bfloat16*>(base + a_bytes);
+  float* dtmp = direct_y ? nullptr : reinterpret_cast<float*>(base + a_bytes + w_bytes);
+  void* ws = ws_bytes ? static_cast<void*>(base + a_bytes + w_bytes + d_bytes) : nullptr;
+
+  cudaStream_t st = detail::stream();
+  rows_to_bf16<<<grid_for(M * Kp), kThreads, 0, st>>>(x.data_as<const float>(), x.stride(0), M, K, Kp, a16);
+  if (!direct_w) convert_weight(v, Kp, w16, st);
+  detail::check_launch("linear_bf16 operand conversion", w.name, " ", x.describe());
+  g.a = a16;
+  g.b = direct_w ? static_cast<const void*>(v.data) : static_cast<const void*>(w16);
+  g.d = direct_y ? y.data_as<float>() : dtmp;
+  const std::string err = tc::bf16_gemm(sm, g, ws, st);
+  if (!err.empty()) fail(ErrorKind::Backend, "cuda::linear_bf16(", w.name, "): ", err);
+  detail::check_launch("linear_bf16 CUTLASS GEMM", w.name, " ", x.describe(), " -> ", y.describe());
+  if (!direct_y) {
+    store_rows<<<grid_for(M * N), kThreads, 0, st>>>(dtmp, Np, M, N, y.data_as<float>(), y.stride(0), accumulate);
+    detail::check_launch("linear_bf16 store", w.name, " -> ", y.describe());
+  }
+}
+
+}  // namespace dflash2::cuda
