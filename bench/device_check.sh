@@ -240,6 +240,10 @@ else
   DC_CUDA_AVAILABLE=""
 fi
 echo "cuda_available: ${DC_CUDA_AVAILABLE:-unknown (no Python binding)}"
+if [ -n "$DC_BUILD_INFO" ] &&
+   ! printf '%s' "$DC_BUILD_INFO" | "$PY" -c 'import json, sys; sys.exit(0 if json.load(sys.stdin).get("cutlass") else 1)'; then
+  note "CUTLASS was not found at configure time: no tensor-core GEMM (linear_bf16) in this build, its tests skip; pip install nvidia-cutlass==4.2.0.0 (or carry the wheel) or set CUTLASS_DIR"
+fi
 GPU_USABLE=0
 case "$DC_CUDA_AVAILABLE" in '[true'*) GPU_USABLE=1 ;; esac
 if [ -z "$DC_CUDA_AVAILABLE" ] && [ -n "$DC_GPU_QUERY" ]; then GPU_USABLE=1; fi

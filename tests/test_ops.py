@@ -1000,6 +1000,46 @@ def test_mla_attention_token_computed_alone():
         assert np.array_equal(one[0], full[t]), f"token {t} differs when computed alone"
 
 
+@pytest.mark.parametrize("dev", DEVICES)
+@pytest.mark.parametrize("sparse", [False, True], ids=["dense", "sparse"])
+def test_mla_attention_split_kv_equals_whole(dev, sparse):
+    """200 tokens of a 400-token sequence at once (on CUDA: one block per token, keys walked
+    in 64-key segments and folded in order) against tokens computed alone (on CUDA: split-KV,
+    a block per segment, then the in-order combine): bitwise equal, so decode == verify
+    whatever launch shape the batch size picks."""
+    need_device(dev, "mla_attention")
+    rng = rng_for("mla-split", sparse)
+    bs, nh, kvl, rope, L = 16, 2, 64, 16, 400
+    cache, bt = make_pages(rng, [L], bs, kvl + rope)
+    T = 200
+    pos = i32(np.sort(rng.choice(L, T, replace=False)))
+    seq = i32(np.zeros(T))
+    q_lat = rng.standard_normal((T, nh, kvl)).astype(np.float32)
+    q_pe = rng.standard_normal((T, nh, rope)).astype(np.float32)
+    scale = 1.0 / math.sqrt(kvl + rope)
+    extra = {}
+    if sparse:
+        W = 300
+        sel = np.zeros((T, W), np.int32)
+        sel_len = np.full(T, -1, np.int32)
+        for t in range(T):
+            p = int(pos[t])
+            if p + 1 > W:  # as the indexer: a selection once there are more keys than columns
+                sel[t] = rng.permutation(p + 1)[:W]
+                sel_len[t] = int(rng.integers(W // 2, W + 1))
+        extra = dict(sel=sel, sel_len=sel_len)
+    dv = lambda a: to_dev(a, dev)  # noqa: E731
+    kw = {k: dv(v) for k, v in extra.items()}
+    full = to_np(ops.mla_attention(dv(q_lat), dv(q_pe), dv(cache), dv(seq), dv(pos), dv(bt), bs, scale, **kw)).copy()
+    ref = refs.mla_attention(q_lat, q_pe, cache, seq, pos, bt, bs, extra.get("sel"), extra.get("sel_len"), scale)
+    check("mla_attention", full, ref)
+    for t in (0, 1, 63, 64, 65, 130, 199):
+        one_kw = {k: dv(np.ascontiguousarray(v[t:t + 1])) for k, v in extra.items()}
+        one = to_np(ops.mla_attention(dv(q_lat[t:t + 1]), dv(q_pe[t:t + 1]), dv(cache), dv(seq[t:t + 1]),
+                                      dv(pos[t:t + 1]), dv(bt), bs, scale, **one_kw))
+        assert np.array_equal(one[0], full[t]), f"token {t} (position {int(pos[t])}) differs when computed alone"
+
+
 BLOCK_ATTN_CASES = [  # (nh, kvh, hd, B, cache block size)
     (1, 1, 4, 1, 1),
     (2, 2, 5, 3, 3),

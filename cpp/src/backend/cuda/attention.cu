@@ -52,9 +52,16 @@
 //   (the dots with FMAs in 4 partial sums, so not bitwise); out = acc * float(1 / sum).
 //   An empty selection gives zeros. Real shapes (kv_lora 512, rope 64, 16 heads) use 111
 //   KiB of shared memory per block (opt-in); kv_lora <= 1024.
-//   Follow-up: split the keys of a token across blocks (split-KV with a fixed-order
-//   combine, deterministic) for decode, where T * nh / HG blocks underfill the GPU, and
-//   stage the chunks with cp.async / TMA double buffering.
+//   Segments and split-KV: the online softmax runs per segment of 64 keys (2 chunks), and
+//   the segments' states (max, sum, P V) are folded in key order with correctly rounded
+//   operations (mla_fold_scalars / mla_fold_value). When T * nh / 16 blocks would leave
+//   most SMs idle (decode; verify at small batch) and the partial states fit in 64 MiB of
+//   scratch, each segment gets its own block (grid z, 4-head groups) writing its state, and
+//   mla_combine_kernel folds them in the same order with the same operations: bitwise the
+//   unsplit result, so the launch shape (a function of T) never changes a row and decode
+//   == verify holds. A decode token of GLM-5.3 (2048 selected keys, 64 heads) becomes
+//   16 x 32 blocks instead of 4.
+//   Follow-up: stage the chunks with cp.async / TMA double buffering.
 //
 // block_attention: one 256-thread block per (sequence block s, kv head, group of 8 query
 //   rows of that kv head: (token i, head of the GQA group)); warp w owns one query row. The
@@ -71,6 +78,8 @@
 // the block table can address.
 #include <cuda_runtime.h>
 
+#include <algorithm>
+#include <atomic>
 #include <cmath>
 #include <cstdint>
 #include <map>
@@ -193,7 +202,9 @@ __device__ __forceinline__ float softmax_update(float s, bool valid, float& m, d
   const float m_new = fmaxf(m, cmax);
   alpha = (m_new == -INFINITY) ? 1.0f : expf(m - m_new);  // m = -inf, m_new finite: 0
   const float p = (valid && m_new != -INFINITY) ? expf(s - m_new) : 0.0f;
-  l = l * double(alpha) + warp_sum(double(p));
+  // never contracted into an FMA: the same rounding in every instantiation (mla_kernel's
+  // 4- and 16-head groups must agree bitwise, see mla_fold_scalars)
+  l = __dadd_rn(__dmul_rn(l, double(alpha)), warp_sum(double(p)));
   m = m_new;
   return p;
 }
@@ -386,30 +397,67 @@ __global__ void __launch_bounds__(kSelThreads)
 constexpr int kMlaThreads = 256;
 constexpr int kMlaWarps = kMlaThreads / 32;
 constexpr int kMlaKC = 32;  // keys per chunk (= lanes)
+constexpr int kMlaSeg = 64;  // keys per segment: the unit of the softmax fold and of split-KV
 
 struct MlaShape {
   int kvl, rope, D, kstride;  // D = kvl + rope, key rows at an odd stride
 };
 inline size_t mla_smem(int HG, const MlaShape& s) {
-  return sizeof(float) * (size_t(HG) * s.D + size_t(kMlaKC) * s.kstride + size_t(HG) * kMlaKC + 2 * HG) +
-         sizeof(double) * HG + sizeof(int64_t) * kMlaKC;
+  return sizeof(float) * (size_t(HG) * s.D + size_t(kMlaKC) * s.kstride + size_t(HG) * kMlaKC + 5 * HG) +
+         sizeof(double) * 2 * HG + sizeof(int64_t) * kMlaKC;
 }
 
+// Split-KV partial state of one (token, head, segment): written by mla_kernel with split = 1,
+// folded by mla_combine_kernel. part_m / part_l: [T][nh][nseg]; part_acc: [T][nh][nseg][kvl].
+struct MlaSplit {
+  float* acc = nullptr;
+  float* m = nullptr;
+  double* l = nullptr;  // -1: the segment holds none of the token's keys
+  int nseg = 0;         // segments per token in the grid (gridDim.z)
+};
+
+// The fold of one segment's softmax state (m_s, l_s, acc_s) into the running (M, L, tot),
+// segment by segment in key order: mla_kernel (split = 0) and mla_combine_kernel (split-KV)
+// run this same sequence of correctly rounded operations, so both give bitwise the same
+// output and the split decision (a launch-shape choice made from T) never changes a row.
+__device__ __forceinline__ void mla_fold_scalars(float& M, double& L, float m_s, double l_s, float& a, float& b) {
+  const float Mn = M > m_s ? M : m_s;
+  a = M == -INFINITY ? 0.0f : expf(__fsub_rn(M, Mn));
+  b = m_s == -INFINITY ? 0.0f : expf(__fsub_rn(m_s, Mn));
+  L = __dadd_rn(__dmul_rn(L, double(a)), __dmul_rn(l_s, double(b)));
+  M = Mn;
+}
+__device__ __forceinline__ float mla_fold_value(float tot, float a, float acc, float b) {
+  return __fadd_rn(__fmul_rn(tot, a), __fmul_rn(acc, b));
+}
+__device__ __forceinline__ float mla_finish(float tot, double L) {
+  return L > 0.0 ? __fmul_rn(tot, float(1.0 / L)) : 0.0f;
+}
+
+// split = 0: each block walks all of its token's keys, segment by segment (kMlaSeg keys,
+// online softmax inside a segment), folding each segment into registers, and writes out.
+// split = 1: block z handles segment z only (the last grid segment also takes any keys past
+// the grid, which only a caller passing sel_len < 0 with more causal keys than sel's columns
+// can cause) and writes its partial state for mla_combine_kernel.
 template <int HG, int DPT>
 __global__ void __launch_bounds__(kMlaThreads)
     mla_kernel(const float* __restrict__ q_lat, int64_t ql_s0, int64_t ql_s1, const float* __restrict__ q_pe,
                int64_t qp_s0, int64_t qp_s1, const float* __restrict__ cache, int64_t c_stride, int64_t c_rows,
                Tokens tk, const int32_t* __restrict__ sel, int64_t sel_stride, int64_t sel_cols,
                const int32_t* __restrict__ sel_len, int64_t len_stride, float scale, float* __restrict__ out,
-               int64_t o_s0, int64_t o_s1, int64_t T, int nh, MlaShape sh) {
+               int64_t o_s0, int64_t o_s1, int64_t T, int nh, MlaShape sh, int split, MlaSplit sp) {
   extern __shared__ __align__(16) unsigned char smem_raw[];
-  double* ls = reinterpret_cast<double*>(smem_raw);                   // [HG] running sums
-  int64_t* slots = reinterpret_cast<int64_t*>(ls + HG);                // [KC]
+  double* ls = reinterpret_cast<double*>(smem_raw);                   // [HG] running sums (segment)
+  double* lt = ls + HG;                                                // [HG] folded sums
+  int64_t* slots = reinterpret_cast<int64_t*>(lt + HG);                // [KC]
   float* qs = reinterpret_cast<float*>(slots + kMlaKC);                // [HG][D]
   float* ks = qs + size_t(HG) * sh.D;                                  // [KC][kstride]
   float* ps = ks + size_t(kMlaKC) * sh.kstride;                        // [HG][KC]
-  float* ms = ps + HG * kMlaKC;                                        // [HG] running max
+  float* ms = ps + HG * kMlaKC;                                        // [HG] running max (segment)
   float* as = ms + HG;                                                 // [HG] rescale
+  float* mt = as + HG;                                                 // [HG] folded max
+  float* fa = mt + HG;                                                 // [HG] fold factors
+  float* fb = fa + HG;                                                 // [HG]
   const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
   const int kvl = sh.kvl, D = sh.D;
   const int h0 = int(blockIdx.x) * HG;
@@ -426,6 +474,12 @@ __global__ void __launch_bounds__(kMlaThreads)
         sl = sel + t * sel_stride;
       }
     }
+    const int64_t nseg = (nk + kMlaSeg - 1) / kMlaSeg;
+    int64_t seg0 = 0, seg1 = nseg;
+    if (split) {
+      seg0 = blockIdx.z;
+      seg1 = seg0 < nseg ? seg0 + 1 : seg0;
+    }
     for (int i = threadIdx.x; i < HG * D; i += kMlaThreads) {
       const int hl = i / D, e = i - hl * D, h = h0 + hl;
       float v = 0.0f;
@@ -433,101 +487,175 @@ __global__ void __launch_bounds__(kMlaThreads)
       qs[i] = v;
     }
     for (int h = threadIdx.x; h < HG; h += kMlaThreads) {
-      ms[h] = -INFINITY;
-      ls[h] = 0.0;
+      mt[h] = -INFINITY;
+      lt[h] = 0.0;
     }
-    float acc[HG][DPT];
+    float acc[HG][DPT], tot[HG][DPT];
 #pragma unroll
     for (int h = 0; h < HG; ++h)
 #pragma unroll
-      for (int i = 0; i < DPT; ++i) acc[h][i] = 0.0f;
-    for (int64_t c0 = 0; c0 < nk; c0 += kMlaKC) {
-      if (threadIdx.x < kMlaKC) {
-        const int64_t j = c0 + threadIdx.x;
-        int64_t slot = -1;
-        if (j < nk) {
-          const int64_t key = sl ? int64_t(sl[j]) : j;
-          if (key >= 0 && key <= pos) slot = slot_of(tk, row, c_rows, key);
-        }
-        slots[threadIdx.x] = slot;
+      for (int i = 0; i < DPT; ++i) tot[h][i] = acc[h][i] = 0.0f;
+    for (int64_t seg = seg0; seg < seg1; ++seg) {
+      const int64_t k0 = seg * kMlaSeg;
+      int64_t k1 = k0 + kMlaSeg < nk ? k0 + kMlaSeg : nk;
+      if (split && seg == int64_t(gridDim.z) - 1) k1 = nk;  // keys past the grid (see above)
+      for (int h = threadIdx.x; h < HG; h += kMlaThreads) {
+        ms[h] = -INFINITY;
+        ls[h] = 0.0;
       }
-      __syncthreads();  // also: the previous chunk's P V is finished with ks / ps
-      for (int r = 0; r < kMlaKC; ++r) {
-        const int64_t slot = slots[r];
-        const float* src = cache + slot * c_stride;
-        for (int e = threadIdx.x; e < D; e += kMlaThreads) ks[r * sh.kstride + e] = slot >= 0 ? src[e] : 0.0f;
+#pragma unroll
+      for (int h = 0; h < HG; ++h)
+#pragma unroll
+        for (int i = 0; i < DPT; ++i) acc[h][i] = 0.0f;
+      for (int64_t c0 = k0; c0 < k1; c0 += kMlaKC) {
+        if (threadIdx.x < kMlaKC) {
+          const int64_t j = c0 + threadIdx.x;
+          int64_t slot = -1;
+          if (j < k1) {
+            const int64_t key = sl ? int64_t(sl[j]) : j;
+            if (key >= 0 && key <= pos) slot = slot_of(tk, row, c_rows, key);
+          }
+          slots[threadIdx.x] = slot;
+        }
+        __syncthreads();  // also: the previous chunk's P V is finished with ks / ps
+        for (int r = 0; r < kMlaKC; ++r) {
+          const int64_t slot = slots[r];
+          const float* src = cache + slot * c_stride;
+          for (int e = threadIdx.x; e < D; e += kMlaThreads) ks[r * sh.kstride + e] = slot >= 0 ? src[e] : 0.0f;
+        }
+        __syncthreads();
+        const bool valid = c0 + lane < k1;
+        for (int h = warp; h < HG; h += kMlaWarps) {
+          const float* qh = qs + h * D;
+          const float* kr = ks + lane * sh.kstride;
+          float a0 = 0.0f, a1 = 0.0f, a2 = 0.0f, a3 = 0.0f;
+          int e = 0;
+          for (; e + 4 <= kvl; e += 4) {
+            a0 = fmaf(qh[e], kr[e], a0);
+            a1 = fmaf(qh[e + 1], kr[e + 1], a1);
+            a2 = fmaf(qh[e + 2], kr[e + 2], a2);
+            a3 = fmaf(qh[e + 3], kr[e + 3], a3);
+          }
+          for (; e < kvl; ++e) a0 = fmaf(qh[e], kr[e], a0);
+          float b0 = 0.0f, b1 = 0.0f, b2 = 0.0f, b3 = 0.0f;
+          for (; e + 4 <= D; e += 4) {
+            b0 = fmaf(qh[e], kr[e], b0);
+            b1 = fmaf(qh[e + 1], kr[e + 1], b1);
+            b2 = fmaf(qh[e + 2], kr[e + 2], b2);
+            b3 = fmaf(qh[e + 3], kr[e + 3], b3);
+          }
+          for (; e < D; ++e) b0 = fmaf(qh[e], kr[e], b0);
+          const float s = ((a0 + a1) + (a2 + a3) + ((b0 + b1) + (b2 + b3))) * scale;
+          float m = ms[h], alpha;
+          double l = ls[h];
+          const float p = softmax_update(s, valid, m, l, alpha);
+          ps[h * kMlaKC + lane] = p;
+          __syncwarp();  // every lane has read ms[h] / ls[h] before lane 0 overwrites them
+          if (lane == 0) {
+            ms[h] = m;
+            ls[h] = l;
+            as[h] = alpha;
+          }
+        }
+        __syncthreads();
+        const int nc = k1 - c0 < kMlaKC ? int(k1 - c0) : kMlaKC;
+#pragma unroll
+        for (int h = 0; h < HG; ++h) {
+          const float a = as[h];
+#pragma unroll
+          for (int i = 0; i < DPT; ++i) acc[h][i] *= a;
+        }
+        for (int j = 0; j < nc; ++j) {
+          float c[DPT];
+#pragma unroll
+          for (int i = 0; i < DPT; ++i) {
+            const int d = threadIdx.x + i * kMlaThreads;
+            c[i] = d < kvl ? ks[j * sh.kstride + d] : 0.0f;
+          }
+#pragma unroll
+          for (int h = 0; h < HG; ++h) {
+            const float p = ps[h * kMlaKC + j];
+#pragma unroll
+            for (int i = 0; i < DPT; ++i) acc[h][i] = fmaf(p, c[i], acc[h][i]);
+          }
+        }
+      }
+      __syncthreads();  // ms / ls final for the segment
+      if (split) break;  // one segment: acc / ms / ls are its partial state
+      for (int h = threadIdx.x; h < HG; h += kMlaThreads) {
+        float M = mt[h], a, b;
+        double L = lt[h];
+        mla_fold_scalars(M, L, ms[h], ls[h], a, b);
+        mt[h] = M;
+        lt[h] = L;
+        fa[h] = a;
+        fb[h] = b;
       }
       __syncthreads();
-      const bool valid = c0 + lane < nk;
-      for (int h = warp; h < HG; h += kMlaWarps) {
-        const float* qh = qs + h * D;
-        const float* kr = ks + lane * sh.kstride;
-        float a0 = 0.0f, a1 = 0.0f, a2 = 0.0f, a3 = 0.0f;
-        int e = 0;
-        for (; e + 4 <= kvl; e += 4) {
-          a0 = fmaf(qh[e], kr[e], a0);
-          a1 = fmaf(qh[e + 1], kr[e + 1], a1);
-          a2 = fmaf(qh[e + 2], kr[e + 2], a2);
-          a3 = fmaf(qh[e + 3], kr[e + 3], a3);
-        }
-        for (; e < kvl; ++e) a0 = fmaf(qh[e], kr[e], a0);
-        float b0 = 0.0f, b1 = 0.0f, b2 = 0.0f, b3 = 0.0f;
-        for (; e + 4 <= D; e += 4) {
-          b0 = fmaf(qh[e], kr[e], b0);
-          b1 = fmaf(qh[e + 1], kr[e + 1], b1);
-          b2 = fmaf(qh[e + 2], kr[e + 2], b2);
-          b3 = fmaf(qh[e + 3], kr[e + 3], b3);
-        }
-        for (; e < D; ++e) b0 = fmaf(qh[e], kr[e], b0);
-        const float s = ((a0 + a1) + (a2 + a3) + ((b0 + b1) + (b2 + b3))) * scale;
-        float m = ms[h], alpha;
-        double l = ls[h];
-        const float p = softmax_update(s, valid, m, l, alpha);
-        ps[h * kMlaKC + lane] = p;
-        __syncwarp();  // every lane has read ms[h] / ls[h] before lane 0 overwrites them
-        if (lane == 0) {
-          ms[h] = m;
-          ls[h] = l;
-          as[h] = alpha;
-        }
-      }
-      __syncthreads();
-      const int nc = nk - c0 < kMlaKC ? int(nk - c0) : kMlaKC;
 #pragma unroll
       for (int h = 0; h < HG; ++h) {
-        const float a = as[h];
+        const float a = fa[h], b = fb[h];
 #pragma unroll
-        for (int i = 0; i < DPT; ++i) acc[h][i] *= a;
+        for (int i = 0; i < DPT; ++i) tot[h][i] = mla_fold_value(tot[h][i], a, acc[h][i], b);
       }
-      for (int j = 0; j < nc; ++j) {
-        float c[DPT];
+      __syncthreads();  // fa / fb / ms / ls are rewritten by the next segment
+    }
+    __syncthreads();  // mt / lt / ms / ls final (also when the token has no keys)
+    if (split) {
+      const bool have = seg0 < seg1;
+#pragma unroll
+      for (int h = 0; h < HG; ++h) {
+        if (h0 + h >= nh) break;
+        const int64_t ps_i = (t * nh + h0 + h) * int64_t(sp.nseg) + int64_t(blockIdx.z);
+        if (threadIdx.x == 0) {
+          sp.m[ps_i] = have ? ms[h] : -INFINITY;
+          sp.l[ps_i] = have ? ls[h] : -1.0;
+        }
+        float* pa = sp.acc + ps_i * kvl;
 #pragma unroll
         for (int i = 0; i < DPT; ++i) {
           const int d = threadIdx.x + i * kMlaThreads;
-          c[i] = d < kvl ? ks[j * sh.kstride + d] : 0.0f;
+          if (d < kvl) pa[d] = have ? acc[h][i] : 0.0f;
         }
+      }
+    } else {
 #pragma unroll
-        for (int h = 0; h < HG; ++h) {
-          const float p = ps[h * kMlaKC + j];
+      for (int h = 0; h < HG; ++h) {
+        if (h0 + h >= nh) break;
+        const double L = lt[h];
+        float* o = out + t * o_s0 + int64_t(h0 + h) * o_s1;
 #pragma unroll
-          for (int i = 0; i < DPT; ++i) acc[h][i] = fmaf(p, c[i], acc[h][i]);
+        for (int i = 0; i < DPT; ++i) {
+          const int d = threadIdx.x + i * kMlaThreads;
+          if (d < kvl) o[d] = mla_finish(tot[h][i], L);
         }
       }
     }
-    __syncthreads();  // ls final for every head
-#pragma unroll
-    for (int h = 0; h < HG; ++h) {
-      if (h0 + h >= nh) break;
-      const double l = ls[h];
-      const float inv = l > 0.0 ? float(1.0 / l) : 0.0f;
-      float* o = out + t * o_s0 + int64_t(h0 + h) * o_s1;
-#pragma unroll
-      for (int i = 0; i < DPT; ++i) {
-        const int d = threadIdx.x + i * kMlaThreads;
-        if (d < kvl) o[d] = acc[h][i] * inv;
+    __syncthreads();  // qs / mt / lt are rewritten for the next token
+  }
+}
+
+// Split-KV: one block per (head, token) folds the token's segments in order, exactly as
+// mla_kernel does with split = 0 (segments holding none of its keys are skipped).
+__global__ void __launch_bounds__(kMlaThreads)
+    mla_combine_kernel(MlaSplit sp, int64_t T, int nh, int kvl, float* __restrict__ out, int64_t o_s0,
+                       int64_t o_s1) {
+  const int h = blockIdx.x;
+  for (int64_t t = blockIdx.y; t < T; t += gridDim.y) {
+    const int64_t base = (t * nh + h) * int64_t(sp.nseg);
+    float* o = out + t * o_s0 + int64_t(h) * o_s1;
+    for (int d = threadIdx.x; d < kvl; d += kMlaThreads) {
+      float M = -INFINITY, tot = 0.0f;
+      double L = 0.0;
+      for (int z = 0; z < sp.nseg; ++z) {
+        const double l_s = sp.l[base + z];
+        if (l_s < 0.0) continue;
+        float a, b;
+        mla_fold_scalars(M, L, sp.m[base + z], l_s, a, b);
+        tot = mla_fold_value(tot, a, sp.acc[(base + z) * kvl + d], b);
       }
+      o[d] = mla_finish(tot, L);
     }
-    __syncthreads();  // qs / ms / ls are rewritten for the next token
   }
 }
 
@@ -729,21 +857,48 @@ void indexer_topk(const Tensor& q, const Tensor& w, const Tensor& key_cache, con
 
 // ------------------------------------------------------------------ mla_attention
 namespace {
+int sm_count(int device) {
+  static std::atomic<int> cache[64] = {};
+  if (device >= 0 && device < 64) {
+    const int v = cache[device].load(std::memory_order_relaxed);
+    if (v > 0) return v;
+  }
+  int n = 0;
+  DFLASH2_CUDA_CHECK(cudaDeviceGetAttribute(&n, cudaDevAttrMultiProcessorCount, device));
+  if (device >= 0 && device < 64) cache[device].store(n, std::memory_order_relaxed);
+  return n;
+}
+
 template <int HG, int DPT>
 void launch_mla(const Tensor& q_lat, const Tensor& q_pe, const Tensor& cache, const Tokens& tk, const Tensor& sel,
-                const Tensor& sel_len, float scale, Tensor& out, const MlaShape& sh, int device) {
+                const Tensor& sel_len, float scale, Tensor& out, const MlaShape& sh, int device, const MlaSplit& sp) {
   const int64_t T = q_lat.shape(0), nh = q_lat.shape(1);
   const size_t smem = mla_smem(HG, sh);
   allow_smem(mla_kernel<HG, DPT>, smem, device, "mla_attention");
   const bool has = sel_len.defined();
-  const dim3 grid(unsigned((nh + HG - 1) / HG), unsigned(T < detail::kMaxGridY ? T : detail::kMaxGridY));
+  const unsigned gy = unsigned(T < detail::kMaxGridY ? T : detail::kMaxGridY);
+  const dim3 grid(unsigned((nh + HG - 1) / HG), gy, unsigned(sp.nseg > 0 ? sp.nseg : 1));
   mla_kernel<HG, DPT><<<grid, kMlaThreads, smem, detail::stream()>>>(
       q_lat.data_as<const float>(), q_lat.stride(0), q_lat.stride(1), q_pe.data_as<const float>(), q_pe.stride(0),
       q_pe.stride(1), cache.data_as<const float>(), cache.stride(0), cache.shape(0), tk,
       has ? sel.data_as<const int32_t>() : nullptr, has ? sel.stride(0) : 0, has ? sel.shape(1) : 0,
       has ? sel_len.data_as<const int32_t>() : nullptr, has ? sel_len.stride(0) : 0, scale, out.data_as<float>(),
-      out.stride(0), out.stride(1), T, int(nh), sh);
+      out.stride(0), out.stride(1), T, int(nh), sh, sp.nseg > 0 ? 1 : 0, sp);
   detail::check_launch("mla_attention kernel launch", q_lat.describe());
+  if (sp.nseg > 0) {
+    mla_combine_kernel<<<dim3(unsigned(nh), gy), kMlaThreads, 0, detail::stream()>>>(
+        sp, T, int(nh), sh.kvl, out.data_as<float>(), out.stride(0), out.stride(1));
+    detail::check_launch("mla_attention combine kernel launch", q_lat.describe());
+  }
+}
+
+template <int HG>
+void launch_mla_dpt(int dpt, const Tensor& q_lat, const Tensor& q_pe, const Tensor& cache, const Tokens& tk,
+                    const Tensor& sel, const Tensor& sel_len, float scale, Tensor& out, const MlaShape& sh, int device,
+                    const MlaSplit& sp) {
+  if (dpt == 1) launch_mla<HG, 1>(q_lat, q_pe, cache, tk, sel, sel_len, scale, out, sh, device, sp);
+  else if (dpt == 2) launch_mla<HG, 2>(q_lat, q_pe, cache, tk, sel, sel_len, scale, out, sh, device, sp);
+  else launch_mla<HG, 4>(q_lat, q_pe, cache, tk, sel, sel_len, scale, out, sh, device, sp);
 }
 }  // namespace
 
@@ -790,15 +945,30 @@ void mla_attention(const Tensor& q_lat, const Tensor& q_pe, const Tensor& cache,
   sh.kstride = sh.D % 2 == 0 ? sh.D + 1 : sh.D;
   const Tokens tk = tokens_of(tok);
   const int dpt = kvl <= kMlaThreads ? 1 : (kvl <= 2 * kMlaThreads ? 2 : 4);
-  if (nh <= 4) {
-    if (dpt == 1) launch_mla<4, 1>(q_lat, q_pe, cache, tk, sel, sel_len, scale, out, sh, device);
-    else if (dpt == 2) launch_mla<4, 2>(q_lat, q_pe, cache, tk, sel, sel_len, scale, out, sh, device);
-    else launch_mla<4, 4>(q_lat, q_pe, cache, tk, sel, sel_len, scale, out, sh, device);
-  } else {
-    if (dpt == 1) launch_mla<16, 1>(q_lat, q_pe, cache, tk, sel, sel_len, scale, out, sh, device);
-    else if (dpt == 2) launch_mla<16, 2>(q_lat, q_pe, cache, tk, sel, sel_len, scale, out, sh, device);
-    else launch_mla<16, 4>(q_lat, q_pe, cache, tk, sel, sel_len, scale, out, sh, device);
+  // Split-KV when (token, 16-head group) blocks would leave most SMs idle (decode, small
+  // verify batches) and the partial states fit: segments of kMlaSeg keys over the largest
+  // key count a token can have (sel's columns with a selection, else the block table's
+  // capacity), 4-head groups, then the in-order combine. The result is bitwise the
+  // unsplit kernel's (see mla_fold_scalars), so this choice never changes a row.
+  const int64_t cap = tk.nb * tk.bs;
+  const int64_t max_keys = sel_len.defined() ? std::min<int64_t>(sel.shape(1), cap) : cap;
+  const int64_t nseg = (max_keys + kMlaSeg - 1) / kMlaSeg;
+  const int64_t part_bytes = T * nh * nseg * (kvl * 4 + 4 + 8);
+  const bool split = nseg >= 2 && T * ((nh + 15) / 16) < sm_count(device) && nseg <= 65535 &&
+                     part_bytes <= (int64_t(64) << 20);
+  MlaSplit sp;
+  if (split) {
+    const int64_t n = T * nh * nseg;
+    uint8_t* base = static_cast<uint8_t*>(detail::scratch(device, size_t(n) * (8 + 4 + 4 * kvl) + 256));
+    sp.l = reinterpret_cast<double*>(base);
+    sp.m = reinterpret_cast<float*>(base + n * 8);
+    sp.acc = reinterpret_cast<float*>(base + n * 12);
+    sp.nseg = int(nseg);
   }
+  if (nh <= 4 || split)
+    launch_mla_dpt<4>(dpt, q_lat, q_pe, cache, tk, sel, sel_len, scale, out, sh, device, sp);
+  else
+    launch_mla_dpt<16>(dpt, q_lat, q_pe, cache, tk, sel, sel_len, scale, out, sh, device, sp);
 }
 
 // ------------------------------------------------------------------ block_attention

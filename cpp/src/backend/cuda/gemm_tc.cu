@@ -150,7 +150,10 @@ void convert_weight(const WeightView& v, int64_t Kp, __nv_bfloat16* out, cudaStr
 
 }  // namespace
 
-bool linear_bf16_supported(int device) { return tc::bf16_gemm_built_for(device_sm(device)); }
+bool linear_bf16_supported(int device) {
+  if (device < 0 || device >= device_count()) return false;  // no such GPU (or no driver)
+  return tc::bf16_gemm_built_for(device_sm(device));
+}
 
 void linear_bf16(const Tensor& x, const ops::Weight& w, Tensor& y, bool accumulate) {
   DFLASH2_CHECK_ARG(x.defined() && y.defined(), "cuda::linear_bf16: undefined tensor argument");
