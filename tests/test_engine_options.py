@@ -172,3 +172,24 @@ def test_tiny_max_step_tokens_chunks_everything_and_changes_nothing(method):
         a = [r.token_ids for r in small.generate(prompts, max_new_tokens=20, stop_token_ids=[], **sampling)]
         b = [r.token_ids for r in big.generate(prompts, max_new_tokens=20, stop_token_ids=[], **sampling)]
         assert a == b
+
+
+def test_gpu_only_options_on_the_cpu():
+    """cuda_graphs and prefill_gemm are accepted on the CPU and report what is in effect:
+    no graphs, exact prefill (auto); a wrong type or value is a clear error."""
+    eng = dflash2_rt.Engine(TARGET, DRAFT, max_batch_size=1, max_seq_len=64)
+    assert eng.cuda_graphs is False and eng.prefill_gemm == "exact"
+    m = eng.metrics()
+    for k in ("cuda_graphs_captured", "cuda_graphs_replayed", "cuda_graphs_eager", "cuda_graphs_failed"):
+        assert m[k] == 0, k
+    assert m["cuda_graphs_last_failure"] == ""
+    eng.close()
+    eng = dflash2_rt.Engine(TARGET, DRAFT, max_batch_size=1, max_seq_len=64, cuda_graphs=False, prefill_gemm="bf16")
+    assert eng.cuda_graphs is False and eng.prefill_gemm == "bf16"
+    (r,) = eng.generate([PROMPT], max_new_tokens=4)
+    assert len(r.token_ids) == 4
+    eng.close()
+    with pytest.raises(dflash2_rt.InvalidArgumentError, match="cuda_graphs"):
+        dflash2_rt.Engine(TARGET, DRAFT, cuda_graphs="yes")
+    with pytest.raises(dflash2_rt.InvalidArgumentError, match="prefill_gemm"):
+        dflash2_rt.Engine(TARGET, DRAFT, prefill_gemm="BF16")

@@ -127,7 +127,8 @@ void bind_engine(py::module_& m) {
       .def(py::init([](const std::string& target, py::object draft, const std::string& method, const std::string& device,
                        int64_t max_batch_size, int64_t max_seq_len, int64_t max_step_tokens, int64_t kv_block_size,
                        int64_t num_threads, int64_t mtp_draft_tokens, const std::string& speculation,
-                       int64_t tensor_parallel, bool expert_parallel, const std::string& prefill_gemm) {
+                       int64_t tensor_parallel, bool expert_parallel, const std::string& prefill_gemm,
+                       bool cuda_graphs) {
              DFLASH2_CHECK_ARG(num_threads >= 0 && num_threads <= ops::cpu_max_threads(),
                                "Engine: num_threads must be in [0, ", ops::cpu_max_threads(), "] (0 = all ",
                                ops::cpu_cores(), " cores), found ", num_threads);
@@ -146,6 +147,7 @@ void bind_engine(py::module_& m) {
              c.tensor_parallel = tensor_parallel;
              c.expert_parallel = expert_parallel;
              c.prefill_gemm = prefill_gemm;
+             c.cuda_graphs = cuda_graphs;
              py::gil_scoped_release nogil;
              return std::make_unique<Engine>(c);
            }),
@@ -153,7 +155,7 @@ void bind_engine(py::module_& m) {
            py::arg("max_batch_size") = 8, py::arg("max_seq_len") = 0, py::arg("max_step_tokens") = 256,
            py::arg("kv_block_size") = 16, py::arg("num_threads") = 0, py::arg("mtp_draft_tokens") = 7,
            py::arg("speculation") = "fixed", py::arg("tensor_parallel") = 1, py::arg("expert_parallel") = false,
-           py::arg("prefill_gemm") = "auto")
+           py::arg("prefill_gemm") = "auto", py::arg("cuda_graphs") = true)
       .def(
           "logits",
           [](Engine& e, py::handle tokens) {
@@ -262,6 +264,11 @@ void bind_engine(py::module_& m) {
              d["draft_len"] = m.draft_len;
              d["cache_pages_used"] = m.cache_pages_used;
              d["cache_pages_total"] = m.cache_pages_total;
+             d["cuda_graphs_captured"] = m.cuda_graphs_captured;
+             d["cuda_graphs_replayed"] = m.cuda_graphs_replayed;
+             d["cuda_graphs_eager"] = m.cuda_graphs_eager;
+             d["cuda_graphs_failed"] = m.cuda_graphs_failed;
+             d["cuda_graphs_last_failure"] = m.cuda_graphs_last_failure;
              return d;
            })
       .def(
@@ -279,6 +286,7 @@ void bind_engine(py::module_& m) {
       .def_property_readonly("tensor_parallel", [](const Engine& e) { return e.config().tensor_parallel; })
       .def_property_readonly("expert_parallel", [](const Engine& e) { return e.config().expert_parallel; })
       .def_property_readonly("prefill_gemm", [](const Engine& e) { return e.config().prefill_gemm; })
+      .def_property_readonly("cuda_graphs", [](const Engine& e) { return e.config().cuda_graphs; })
       .def("new_sequence", &Engine::new_sequence, py::keep_alive<0, 1>())
       .def_property_readonly("vocab_size", &Engine::vocab_size)
       .def_property_readonly("hidden_size", &Engine::hidden_size)

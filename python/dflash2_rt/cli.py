@@ -166,6 +166,8 @@ def _generate_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--prefill-gemm", choices=("auto", "exact", "bf16"), default="auto",
                    help="prompt tokens' GEMM numerics: bf16 = tensor cores (CPU: emulated), exact = fp32 "
                         "activations; auto = bf16 on a supported GPU, else exact")
+    p.add_argument("--no-cuda-graphs", dest="cuda_graphs", action="store_false",
+                   help="CUDA: run every forward chunk eagerly instead of replaying captured CUDA graphs")
     p.add_argument("--threads", type=int, default=None, help="CPU threads (default: all cores)")
     p.add_argument("--stream", action="store_true", help="print tokens as they are committed")
     p.add_argument("--json", action="store_true", help="print the result as JSON")
@@ -185,7 +187,7 @@ def _run_generate(args: argparse.Namespace) -> int:
     eng = Engine(target=args.target, draft=args.draft, method=args.method, device=args.device,
                  max_seq_len=args.max_seq_len, max_batch_size=1, num_threads=args.threads,
                  tensor_parallel=args.tensor_parallel, expert_parallel=args.expert_parallel,
-              prefill_gemm=args.prefill_gemm)
+              prefill_gemm=args.prefill_gemm, cuda_graphs=args.cuda_graphs)
     method = eng.method
     print(f"loaded in {time.perf_counter() - t0:.2f} s (method {method})", file=sys.stderr, flush=True)
     if args.prompt is not None:
@@ -247,6 +249,8 @@ def _serve_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--prefill-gemm", choices=("auto", "exact", "bf16"), default="auto",
                    help="prompt tokens' GEMM numerics: bf16 = tensor cores (CPU: emulated), exact = fp32 "
                         "activations; auto = bf16 on a supported GPU, else exact")
+    p.add_argument("--no-cuda-graphs", dest="cuda_graphs", action="store_false",
+                   help="CUDA: run every forward chunk eagerly instead of replaying captured CUDA graphs")
     p.add_argument("--threads", type=int, default=None, help="CPU threads (default: all cores)")
     p.add_argument("--model-name", default=None,
                    help="the model name clients must send (default: the target directory's name; 'default' for "
@@ -285,7 +289,7 @@ def _run_serve(args: argparse.Namespace) -> int:
           (f" (method {args.method})" if args.method else "") + " ...", file=sys.stderr, flush=True)
     kw = dict(max_batch_size=args.max_batch_size, max_seq_len=args.max_seq_len, speculation=args.speculation,
               tensor_parallel=args.tensor_parallel, expert_parallel=args.expert_parallel,
-              prefill_gemm=args.prefill_gemm)
+              prefill_gemm=args.prefill_gemm, cuda_graphs=args.cuda_graphs)
     if args.threads is not None:
         kw["num_threads"] = args.threads
     eng = Engine(target=args.target, draft=args.draft, method=args.method, device=args.device, **kw)

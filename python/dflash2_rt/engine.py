@@ -209,7 +209,7 @@ class Engine:
                  max_batch_size: int = 8, max_seq_len: Optional[int] = None, max_step_tokens: int = 256,
                  kv_block_size: int = 16, num_threads: Optional[int] = None, mtp_draft_tokens: int = 7,
                  speculation: str = "fixed", tensor_parallel: int = 1, expert_parallel: bool = False,
-                 prefill_gemm: str = "auto"):
+                 prefill_gemm: str = "auto", cuda_graphs: bool = True):
         """target: a glm_moe_dsa checkpoint directory (None: the bundled default pair).
         draft: a DFlash 2 / DFlash 1 drafter directory. method: "ar" | "mtp" | "dflash" |
         "dflash2"; None infers it: "ar" without a drafter, else from the drafter's
@@ -230,6 +230,9 @@ class Engine:
         GPU, emulated on the CPU), "auto" ("bf16" on a GPU this build has the kernel for,
         else "exact"). Generated tokens always decode exact, so speculative == AR holds in
         every mode; the resolved mode is `engine.prefill_gemm`.
+        cuda_graphs: on CUDA with tensor_parallel=1, capture the target's decode / verify
+        chunks as CUDA graphs and replay them (False: every chunk eagerly, the same
+        kernels); `engine.cuda_graphs` says whether it is in effect, metrics() counts them.
 
         All generation runs on the engine's own scheduler thread: generate / stream / submit
         from any number of threads join one running batch (continuous batching). Close the
@@ -253,6 +256,8 @@ class Engine:
         _check_int("Engine", "tensor_parallel", tensor_parallel, 1, 64)
         if not isinstance(expert_parallel, (bool, np.bool_)):
             raise _core.InvalidArgumentError(f"Engine: expert_parallel must be True or False, found {expert_parallel!r}")
+        if not isinstance(cuda_graphs, (bool, np.bool_)):
+            raise _core.InvalidArgumentError(f"Engine: cuda_graphs must be True or False, found {cuda_graphs!r}")
         if prefill_gemm not in ("auto", "exact", "bf16"):
             raise _core.InvalidArgumentError(
                 f"Engine: prefill_gemm must be 'auto', 'exact' or 'bf16', found {prefill_gemm!r}")
@@ -261,7 +266,7 @@ class Engine:
         self._e = _core.Engine(os.fspath(target), None if draft is None else os.fspath(draft), method or "", device,
                                max_batch_size, max_seq_len or 0, max_step_tokens, kv_block_size, num_threads or 0,
                                mtp_draft_tokens, speculation, tensor_parallel, bool(expert_parallel),
-                               prefill_gemm)
+                               prefill_gemm, bool(cuda_graphs))
         _LIVE.add(self)
         self.speculation = speculation
         self._cancelled: set = set()
@@ -289,6 +294,11 @@ class Engine:
     def tensor_parallel(self) -> int:
         """Ranks the target is split across (1: not split)."""
         return self._e.tensor_parallel
+
+    @property
+    def cuda_graphs(self) -> bool:
+        """Whether the target's decode / verify chunks run as CUDA graphs (CUDA, one rank)."""
+        return self._e.cuda_graphs
 
     @property
     def prefill_gemm(self) -> str:

@@ -35,6 +35,8 @@ struct EngineConfig {
                                       // BF16 numerics; the CPU emulates it), "auto" = "bf16" on a
                                       // GPU this build has the CUTLASS kernel for, else "exact".
                                       // Generated tokens always run exact (see README).
+  bool cuda_graphs = true;  // CUDA, tensor_parallel = 1: decode / verify chunks of the target
+                           // captured as CUDA graphs and replayed; false: every chunk eagerly
   std::string speculation = "fixed";  // "fixed": every step drafts the full block; "adaptive": per
                                       // step the draft length (0..K) that maximises the measured
                                       // throughput of the running batch (see README)
@@ -105,6 +107,10 @@ struct EngineMetrics {
   double step_time_s = 0;         // recent mean
   double draft_len = 0;           // recent mean draft length (adaptive speculation)
   int64_t cache_pages_used = 0, cache_pages_total = 0;  // the target's KV-cache blocks
+  // CUDA graphs of the target's chunks: captured, replayed, run eagerly (warm-ups, prompt
+  // chunks), failed captures (then run eagerly) and the last failure's reason
+  int64_t cuda_graphs_captured = 0, cuda_graphs_replayed = 0, cuda_graphs_eager = 0, cuda_graphs_failed = 0;
+  std::string cuda_graphs_last_failure;
 };
 
 // Tensor-parallel collectives issued by rank 0 since the engine was loaded (every rank

@@ -127,6 +127,7 @@ Engine::Engine(const EngineConfig& cfg) : impl_(std::make_unique<Impl>()) {
   to.kv_block_size = cfg.kv_block_size;
   to.num_threads = cfg.num_threads;
   to.device = device;
+  to.cuda_graphs = cfg.cuda_graphs;
   I.core.target = std::make_unique<runtime::Target>(std::move(shards), to);
   // prompt tokens' GEMM numerics (the device is placed and checked by now)
   const std::string& pg = cfg.prefill_gemm;
@@ -139,6 +140,7 @@ Engine::Engine(const EngineConfig& cfg) : impl_(std::make_unique<Impl>()) {
   const bool bf16 = pg == "bf16" || (pg == "auto" && device.is_cuda() && tc_ok);
   I.core.target->set_prefill_bf16(bf16);
   I.cfg.prefill_gemm = bf16 ? "bf16" : "exact";
+  I.cfg.cuda_graphs = I.core.target->cuda_graphs();  // what is in effect (CUDA, one rank)
   I.config_json = ck.config().root().dump();
   if (I.method == Method::DFlash || I.method == Method::DFlash2) {
     I.core.drafter = runtime::make_dflash_drafter(*dk, *I.core.target, I.method);
@@ -276,7 +278,16 @@ void Engine::close() {
 }
 
 EngineMetrics Engine::metrics() const {
-  return impl_->scheduler ? impl_->scheduler->metrics() : EngineMetrics{};
+  EngineMetrics m = impl_->scheduler ? impl_->scheduler->metrics() : EngineMetrics{};
+  if (impl_->core.target) {
+    const runtime::GraphStats g = impl_->core.target->graph_stats();
+    m.cuda_graphs_captured = g.captured;
+    m.cuda_graphs_replayed = g.replayed;
+    m.cuda_graphs_eager = g.eager;
+    m.cuda_graphs_failed = g.failed;
+    m.cuda_graphs_last_failure = g.last_failure;
+  }
+  return m;
 }
 
 TpCollectives Engine::tp_collectives() const {

@@ -25,6 +25,7 @@ Target::Target(std::vector<std::unique_ptr<model::GlmModel>> models, const Optio
   int64_t n_index = 0;
   for (bool f : c.indexer_full) n_index += f ? 1 : 0;
   if (opt.device.is_cuda()) place_on_devices(n_index, nblocks);
+  if (opt.device.is_cuda() && opt.cuda_graphs && n == 1) graphs_ = std::make_unique<ForwardGraphs>(opt.device);
   // planes: 0 = MLA latent per layer, 1 = indexer keys per indexer layer; the latent and the
   // indexer are replicated on every rank (MLA shares one latent across heads)
   cache_ = KvCache("KV cache", {{c.num_layers, c.latent_dim()}, {n_index, c.index_head_dim}}, opt.kv_block_size,
@@ -274,6 +275,11 @@ model::TokenBatch Target::upload(const model::TokenBatch& b, int r) { return dpl
 void Target::run_chunk_device(const model::TokenBatch& b, const model::ForwardOutputs& out) {
   const int64_t H = config().hidden_size, V = config().vocab_size;
   on_all_ranks([&](int r) {
+#ifdef DFLASH2_WITH_CUDA
+    // rank 0 with graphs: everything on the graphs' stream (blocking: ordered with eager
+    // work on the legacy default stream elsewhere on the device)
+    cuda::StreamScope stream_scope(r == 0 && graphs_ ? graphs_->stream() : cuda::current_stream());
+#endif
     model::TokenBatch db = upload(b, r);
     model::ForwardOutputs o;
     o.all_logits = out.all_logits;
@@ -290,7 +296,18 @@ void Target::run_chunk_device(const model::TokenBatch& b, const model::ForwardOu
       if (out.final_hidden.defined())
         o.final_hidden = fin_direct ? out.final_hidden : device_rows(d_fin_, r, b.T, H);
     }
-    models_[size_t(r)]->forward(db, views_[size_t(r)], o);
+    if (r == 0 && graphs_ && !out.prompt) {
+      // the launch shape: sizes, then every buffer the kernels are given (see step_graphs.h)
+      std::string key;
+      for (int64_t v : {db.T, db.S, db.paged.block_size, int64_t(o.all_logits)}) ForwardGraphs::key_add(key, v);
+      for (const Tensor* t : {&db.tokens, &db.paged.seq, &db.paged.pos, &db.paged.block_table, &db.slots,
+                              &db.logit_rows, &db.ctx_len, &o.logits, &o.taps, &o.final_hidden})
+        ForwardGraphs::key_add(key, *t);
+      for (int64_t l : o.tap_layers) ForwardGraphs::key_add(key, l);
+      graphs_->run(key, [&] { models_[0]->forward(db, views_[0], o); });
+    } else {
+      models_[size_t(r)]->forward(db, views_[size_t(r)], o);
+    }
     if (r != 0) return;
     // the outputs the caller asked for, back to its host tensors (synchronizes)
     if (!direct && out.logits.defined() && out.logits.shape(0) > 0) {

@@ -15,6 +15,7 @@
 
 #include "model/glm_model.h"
 #include "runtime/kv_cache.h"
+#include "runtime/step_graphs.h"
 #include "runtime/step_plan.h"
 
 namespace dflash2::runtime {
@@ -33,6 +34,9 @@ class Target {
     // the caller asked for (logits, taps, final hidden states) are copied back to the
     // caller's host tensors after each chunk.
     Device device = Device::cpu();
+    // CUDA, one rank: capture decode / verify chunks as CUDA graphs and replay them
+    // (runtime/step_graphs.h); false runs every chunk eagerly (the same kernels).
+    bool cuda_graphs = true;
   };
   // models: one per rank (tensor parallelism: models[r] was loaded as rank r of size()).
   Target(std::vector<std::unique_ptr<model::GlmModel>> models, const Options& opt);
@@ -49,6 +53,9 @@ class Target {
     for (auto& m : models_) m->set_prefill_bf16(on);
   }
   KvCache& cache() { return cache_; }
+  // CUDA graph counters (all zero when graphs are off or not on CUDA).
+  GraphStats graph_stats() const { return graphs_ ? graphs_->stats() : GraphStats{}; }
+  bool cuda_graphs() const { return graphs_ != nullptr; }
   KvCache& mtp_cache() { return mtp_cache_; }
 
   // One chunk of at most max_step_tokens tokens through the decoder (pieces from
@@ -88,6 +95,7 @@ class Target {
   // CUDA (per rank): the plan buffers' device copies and the forward's device outputs
   std::vector<std::unique_ptr<PlanUploader>> dplan_;  // per rank
   std::vector<Tensor> d_logits_, d_taps_, d_fin_, d_hmain_, d_hidden_;
+  std::unique_ptr<ForwardGraphs> graphs_;  // CUDA graphs of rank 0's chunks (tensor_parallel = 1)
   int rank_threads_ = 0;
   std::vector<std::thread> workers_;
   std::mutex mu_;

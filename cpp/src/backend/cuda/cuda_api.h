@@ -74,6 +74,21 @@ class StreamScope {
   CUstream_st* prev_;
 };
 
+// Streams and CUDA graphs (graph.cu). stream_create: a blocking stream of `device`
+// (ordered with the legacy default stream). A capture records the work this thread issues
+// on the stream (thread-local mode) without running it; graph_end_capture instantiates it,
+// or returns nullptr with *why when the capture or the instantiation failed (the stream is
+// usable again either way).
+CUstream_st* stream_create(int device);
+void stream_destroy(CUstream_st* s, int device) noexcept;
+void graph_begin_capture(CUstream_st* s);
+void* graph_end_capture(CUstream_st* s, std::string* why);
+void graph_launch(void* exec, CUstream_st* s);
+void graph_destroy(void* exec) noexcept;
+// Bumped whenever a per-stream scratch buffer (scratch.cu) is (re)allocated: a graph
+// captured before the bump may hold a freed scratch address and must be captured again.
+uint64_t scratch_generation();
+
 // Device-side index errors: gather_rows (and embedding) ids outside [0, N) and
 // cache_write slots >= the cache's rows are device data, so the kernels cannot throw; they
 // skip or zero the row (index_rows.cu) and add 1 per offending row to a per-device

@@ -13,6 +13,7 @@
 // Status: compiled for sm_90a/sm_100a/sm_103a, NOT yet run on a GPU.
 #include <cuda_runtime.h>
 
+#include <atomic>
 #include <map>
 #include <mutex>
 #include <utility>
@@ -30,6 +31,7 @@ struct Buf {
   size_t bytes = 0;
 };
 std::mutex g_mu;
+std::atomic<uint64_t> g_generation{0};
 std::map<std::pair<int, CUstream_st*>, Buf>& buffers() {
   static auto* m = new std::map<std::pair<int, CUstream_st*>, Buf>();  // never destroyed: freed by process exit
   return *m;
@@ -58,7 +60,12 @@ void* scratch(int device, size_t bytes) {
   }
   b.p = device_malloc(bytes, device);
   b.bytes = bytes;
+  g_generation.fetch_add(1, std::memory_order_relaxed);
   return b.p;
 }
 
 }  // namespace dflash2::cuda::detail
+
+namespace dflash2::cuda {
+uint64_t scratch_generation() { return detail::g_generation.load(std::memory_order_relaxed); }
+}  // namespace dflash2::cuda

@@ -1,0 +1,74 @@
+// CUDA graphs of the target's forward chunks (issue "CUDA backend, part 2", first stage):
+// a decode / verify chunk's device work is captured once per distinct launch shape and
+// replayed afterwards, so a step's ~10 kernels per layer cost one graph launch on the host.
+//
+// What identifies a shape (the key, built by the caller): every value the forward's kernel
+// launches depend on -- the chunk's sizes and the device addresses, shapes and strides of
+// its plan buffers and outputs. The forward reads everything else from device memory
+// (tokens, positions, block tables, slots: uploaded into the same device buffer before each
+// chunk) or from state fixed at load (weights, caches, the chunk workspace), so a replay
+// does exactly what an eager run with that key would do. The per-stream scratch is the one
+// address that can move (it grows): a graph captured before it moved is captured again.
+//
+// Policy: the first chunk of a key runs eagerly (a warm-up: it sizes the scratch and builds
+// lazily made device tables, which cannot happen inside a capture), the second is captured
+// and launched, later ones replay. A capture that fails (an op that needs to allocate or
+// synchronize, a driver refusal) runs the chunk eagerly instead, is logged once on stderr
+// with the reason, and is retried once; a key that fails twice stays eager. Prompt
+// chunks are never captured (their shapes rarely repeat); at most max_graphs keys are kept.
+//
+// Status: compiled, NOT yet run on a GPU.
+#pragma once
+#include <cstdint>
+#include <functional>
+#include <map>
+#include <mutex>
+#include <string>
+
+#include "dflash2/tensor.h"
+
+struct CUstream_st;
+
+namespace dflash2::runtime {
+
+struct GraphStats {
+  int64_t captured = 0, replayed = 0, eager = 0, failed = 0;
+  std::string last_failure;
+};
+
+class ForwardGraphs {
+ public:
+  explicit ForwardGraphs(Device dev, size_t max_graphs = 64);
+  ~ForwardGraphs();
+  ForwardGraphs(const ForwardGraphs&) = delete;
+  ForwardGraphs& operator=(const ForwardGraphs&) = delete;
+
+  // The stream the target's rank-0 work runs on (captures need a stream of their own).
+  CUstream_st* stream() const { return stream_; }
+  // Runs fn (the chunk's device work, issued on stream() by this thread) for `key`:
+  // eagerly, or captured and launched, or replayed (see above).
+  void run(const std::string& key, const std::function<void()>& fn);
+  GraphStats stats() const;  // a snapshot (any thread)
+
+  // Key building: appends a tensor's identity for launches (address, dtype, shape, strides;
+  // "-" when undefined) or an integer.
+  static void key_add(std::string& key, const Tensor& t);
+  static void key_add(std::string& key, int64_t v);
+
+ private:
+  struct Entry {
+    void* exec = nullptr;
+    uint64_t generation = 0;
+    int failures = 0;
+  };
+  Device dev_;
+  size_t max_graphs_;
+  CUstream_st* stream_ = nullptr;
+  std::map<std::string, Entry> graphs_;
+  mutable std::mutex stats_mu_;
+  GraphStats stats_;
+  bool logged_ = false;
+  void count(int64_t GraphStats::*field, const std::string* failure = nullptr);
+};
+
+}  // namespace dflash2::runtime
