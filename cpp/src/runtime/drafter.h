@@ -10,6 +10,7 @@
 #include <vector>
 
 #include "dflash2/tensor.h"
+#include "runtime/step_graphs.h"
 
 namespace dflash2::runtime {
 
@@ -62,6 +63,8 @@ class Drafter {
   virtual bool wants_final_hidden() const { return false; }
   // Where the drafter runs and wants its features (Features::taps / final) to be.
   virtual Device device() const { return Device::cpu(); }
+  // CUDA graphs of its own forward (the device DFlash drafter), for Engine::metrics().
+  virtual GraphStats graph_stats() const { return {}; }
   virtual void commit(const std::vector<CommitRows>& rows, const Features& f) = 0;
   // Greedy drafts where a job's temperature is 0; DFlash 2's selector samples the others
   // and records q.

@@ -10,6 +10,9 @@
 #include "runtime/drafter.h"
 #include "runtime/pending_rows.h"
 #include "runtime/target.h"
+#ifdef DFLASH2_WITH_CUDA
+#include "backend/cuda/cuda_api.h"
+#endif
 
 namespace dflash2::runtime {
 
@@ -59,6 +62,8 @@ class DFlashRunner final : public Drafter {
     planner_ = StepPlanner(plan_tokens, maxB, per_seq);
     if (dev_.is_cuda())
       up_ = std::make_unique<PlanUploader>(dev_, PlanUploader::planned_words(plan_tokens, maxB, per_seq));
+    // the draft forward as CUDA graphs, on the target's graph stream (see draft())
+    if (dev_.is_cuda() && t.cuda_graphs()) graphs_ = std::make_unique<ForwardGraphs>(dev_, t.graph_stream());
     taps_ = Tensor::zeros(DType::F32, {o.max_step_tokens, nt * H}, dev_);
     idx_ = Tensor::zeros(DType::I32, {o.max_step_tokens}, dev_);
     ids_ = Tensor::zeros(DType::I32, {maxB * B}, dev_);
@@ -79,6 +84,7 @@ class DFlashRunner final : public Drafter {
   }
   int64_t draft_len() const override { return m_->block_size() - 1; }
   Device device() const override { return dev_; }
+  GraphStats graph_stats() const override { return graphs_ ? graphs_->stats() : GraphStats{}; }
   bool reserve(int slot, int64_t tokens) override { return cache_.try_pin(streams_[size_t(slot)], tokens); }
   std::vector<int64_t> tap_layers() const override { return m_->config().target_layer_ids; }
 
@@ -153,6 +159,10 @@ class DFlashRunner final : public Drafter {
     res_.has_q = sample;
     const int64_t A = int64_t(streams.size());
     if (A == 0) return res_;
+#ifdef DFLASH2_WITH_CUDA
+    // with graphs: the block's upload and forward on the target's graph stream
+    cuda::StreamScope stream_scope(graphs_ ? graphs_->stream() : cuda::current_stream());
+#endif
     model::TokenBatch b = planner_.plan_blocks(streams, B, cache_);
     if (up_) {  // the block's ids travel in the plan's one asynchronous copy
       b.tokens = Tensor::view(host_ids_.data(), DType::I32, {A * B});
@@ -180,7 +190,16 @@ class DFlashRunner final : public Drafter {
       out.cand = d_cand_.slice(0, 0, A);
       out.q = d_q_.slice(0, 0, A);
     }
-    m_->draft(b, kv_layers_, temp, rng, out);
+    if (graphs_) {  // the launch shape: every size and buffer the draft's kernels take
+      std::string key;
+      for (int64_t v : {A, b.T, b.S, b.paged.block_size}) ForwardGraphs::key_add(key, v);
+      for (const Tensor* x : {&b.tokens, &b.paged.seq, &b.paged.pos, &b.paged.block_table, &b.slots, &b.logit_rows,
+                              &b.ctx_len, &temp, &rng, &out.tokens, &out.cand, &out.q})
+        ForwardGraphs::key_add(key, *x);
+      graphs_->run(key, [&] { m_->draft(b, kv_layers_, temp, rng, out); });
+    } else {
+      m_->draft(b, kv_layers_, temp, rng, out);
+    }
     Tensor ht = res_.tokens.slice(0, 0, A);
     ht.copy_from(out.tokens);
     res_.dev_tokens = d_tokens_;
@@ -204,6 +223,7 @@ class DFlashRunner final : public Drafter {
 
  private:
   std::unique_ptr<model::DFlashDrafter> m_;
+  std::unique_ptr<ForwardGraphs> graphs_;  // CUDA graphs of draft()
   Target& t_;
   KvCache cache_;
   std::vector<Tensor> kv_layers_;

@@ -12,14 +12,18 @@ namespace dflash2::runtime {
 
 #ifdef DFLASH2_WITH_CUDA
 
-ForwardGraphs::ForwardGraphs(Device dev, size_t max_graphs) : dev_(dev), max_graphs_(max_graphs) {
+ForwardGraphs::ForwardGraphs(Device dev, CUstream_st* stream, size_t max_graphs)
+    : dev_(dev), max_graphs_(max_graphs), stream_(stream) {
   DFLASH2_INTERNAL(dev.is_cuda(), "CUDA graphs on ", dev.str());
-  stream_ = cuda::stream_create(dev.index);
+  if (!stream_) {
+    stream_ = cuda::stream_create(dev.index);
+    own_stream_ = true;
+  }
 }
 
 ForwardGraphs::~ForwardGraphs() {
   for (auto& kv : graphs_) cuda::graph_destroy(kv.second.exec);
-  cuda::stream_destroy(stream_, dev_.index);
+  if (own_stream_) cuda::stream_destroy(stream_, dev_.index);
 }
 
 void ForwardGraphs::run(const std::string& key, const std::function<void()>& fn) {
@@ -75,7 +79,8 @@ void ForwardGraphs::run(const std::string& key, const std::function<void()>& fn)
 
 #else
 
-ForwardGraphs::ForwardGraphs(Device dev, size_t max_graphs) : dev_(dev), max_graphs_(max_graphs) {
+ForwardGraphs::ForwardGraphs(Device dev, CUstream_st* stream, size_t max_graphs)
+    : dev_(dev), max_graphs_(max_graphs), stream_(stream) {
   fail(ErrorKind::Unsupported, "CUDA graphs need the CUDA backend, which this build does not have");
 }
 ForwardGraphs::~ForwardGraphs() = default;

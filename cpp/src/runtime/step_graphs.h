@@ -38,7 +38,9 @@ struct GraphStats {
 
 class ForwardGraphs {
  public:
-  explicit ForwardGraphs(Device dev, size_t max_graphs = 64);
+  // stream: run on this stream (another ForwardGraphs' stream(), e.g. the drafter's graphs
+  // on the target's stream, so the two stay in order); nullptr: a stream of its own.
+  explicit ForwardGraphs(Device dev, CUstream_st* stream = nullptr, size_t max_graphs = 64);
   ~ForwardGraphs();
   ForwardGraphs(const ForwardGraphs&) = delete;
   ForwardGraphs& operator=(const ForwardGraphs&) = delete;
@@ -64,6 +66,7 @@ class ForwardGraphs {
   Device dev_;
   size_t max_graphs_;
   CUstream_st* stream_ = nullptr;
+  bool own_stream_ = false;
   std::map<std::string, Entry> graphs_;
   mutable std::mutex stats_mu_;
   GraphStats stats_;

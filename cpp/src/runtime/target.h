@@ -56,6 +56,9 @@ class Target {
   // CUDA graph counters (all zero when graphs are off or not on CUDA).
   GraphStats graph_stats() const { return graphs_ ? graphs_->stats() : GraphStats{}; }
   bool cuda_graphs() const { return graphs_ != nullptr; }
+  // The stream rank 0's graphs run on (null without graphs): the device drafter's graphs
+  // share it, so the target's and the drafter's chunks stay in order.
+  CUstream_st* graph_stream() const { return graphs_ ? graphs_->stream() : nullptr; }
   KvCache& mtp_cache() { return mtp_cache_; }
 
   // One chunk of at most max_step_tokens tokens through the decoder (pieces from
