@@ -787,6 +787,24 @@ struct Proj {
   bool fp8 = true;
 };
 
+// One GEMM case: y[T, N] = op(x[T, K] F32, W in format f), weights rotated past L2, beside
+// cuBLASLt's GEMM in format base_fmt on the same shape.
+using LinearFn = void (*)(const Tensor&, const ops::Weight&, Tensor&, bool);
+void gemm_case(Bench& b, Result r, const Proj& p, Fmt f, Fmt base_fmt, int64_t T, int major, LinearFn op) {
+  const double wb = weight_bytes(f, p.N, p.K);
+  r.bytes = wb + 4.0 * T * (p.N + p.K);
+  r.flops = 2.0 * T * p.N * p.K;
+  b.run(r, [&](Baseline& base) {
+    const int vars = rotations(int64_t(wb));
+    std::vector<ops::Weight> ws;
+    for (int v = 0; v < vars; ++v) ws.push_back(make_weight(f, p.N, p.K, 10 + v, p.name));
+    Tensor x = dev_rand(DType::F32, {T, p.K}, 3), y = dev_empty(DType::F32, {T, p.N});
+    lt_baseline(base, base_fmt, p.N, p.K, T, vars, 1, {}, major);
+    return std::make_pair(std::function<void(int)>([ws, x, y, op](int v) mutable { op(x, ws[size_t(v)], y, false); }),
+                          vars);
+  });
+}
+
 void bench_linear(Bench& b, const std::vector<int64_t>& Ts, int major) {
   std::vector<Proj> ps = {
       {"q_a_proj", G.q_lora, G.hidden, true, false},
@@ -811,23 +829,9 @@ void bench_linear(Bench& b, const std::vector<int64_t>& Ts, int major) {
     if (p.nvfp4) fmts.push_back(Fmt::NVFP4);
     if (p.name == "router" && !b.opt.quick) fmts.push_back(Fmt::F32);
     for (Fmt f : fmts)
-      for (int64_t T : Ts) {
-        Result r{"linear", p.name + " " + dims({p.N, p.K}), fmt_name(f), t_label(T), T};
-        const double wb = weight_bytes(f, p.N, p.K);
-        r.bytes = wb + 4.0 * T * (p.N + p.K);
-        r.flops = 2.0 * T * p.N * p.K;
-        b.run(r, [&](Baseline& base) {
-          const int vars = rotations(int64_t(wb));
-          std::vector<ops::Weight> ws;
-          for (int v = 0; v < vars; ++v) ws.push_back(make_weight(f, p.N, p.K, 10 + v, p.name));
-          Tensor x = dev_rand(DType::F32, {T, p.K}, 3), y = dev_empty(DType::F32, {T, p.N});
-          lt_baseline(base, f, p.N, p.K, T, vars, 1, {}, major);
-          return std::make_pair(std::function<void(int)>([ws, x, y](int v) mutable {
-                                  ops::linear(x, ws[size_t(v)], y);
-                                }),
-                                vars);
-        });
-      }
+      for (int64_t T : Ts)
+        gemm_case(b, Result{"linear", p.name + " " + dims({p.N, p.K}), fmt_name(f), t_label(T), T}, p, f, f, T,
+                  major, &ops::linear);
   }
 }
 
@@ -851,23 +855,9 @@ void bench_linear_tc(Bench& b, const std::vector<int64_t>& Ts, int major) {
   for (const Proj& p : ps) {
     if (b.opt.quick && !p.quick) continue;
     for (Fmt f : {Fmt::BF16, Fmt::FP8})
-      for (int64_t T : Ts) {
-        Result r{"linear_bf16", p.name + " " + dims({p.N, p.K}), fmt_name(f), "prefill chunk", T};
-        const double wb = weight_bytes(f, p.N, p.K);
-        r.bytes = wb + 4.0 * T * (p.N + p.K);
-        r.flops = 2.0 * T * p.N * p.K;
-        b.run(r, [&](Baseline& base) {
-          const int vars = rotations(int64_t(wb));
-          std::vector<ops::Weight> ws;
-          for (int v = 0; v < vars; ++v) ws.push_back(make_weight(f, p.N, p.K, 10 + v, p.name));
-          Tensor x = dev_rand(DType::F32, {T, p.K}, 3), y = dev_empty(DType::F32, {T, p.N});
-          lt_baseline(base, Fmt::BF16, p.N, p.K, T, vars, 1, {}, major);
-          return std::make_pair(std::function<void(int)>([ws, x, y](int v) mutable {
-                                  ops::linear_bf16(x, ws[size_t(v)], y);
-                                }),
-                                vars);
-        });
-      }
+      for (int64_t T : Ts)
+        gemm_case(b, Result{"linear_bf16", p.name + " " + dims({p.N, p.K}), fmt_name(f), "prefill chunk", T}, p, f,
+                  Fmt::BF16, T, major, &ops::linear_bf16);
   }
 }
 

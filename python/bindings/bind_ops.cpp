@@ -99,34 +99,26 @@ void bind_ops(py::module_& m) {
         return w.to(d);
       }, py::arg("device"), "The weight with its data and scales copied (contiguous) to device ('cpu', 'cuda:N').");
 
-  o.def(
-      "linear",
-      [](py::handle x, const ops::Weight& w, py::handle out, bool accumulate) {
-        Tensor xt = tensor_from_python(x, "x");
-        Tensor y = out_or_new(out, DType::F32, {xt.ndim() == 2 ? xt.shape(0) : 0, w.out_features}, xt.device());
-        {
-          py::gil_scoped_release nogil;
-          ops::linear(xt, w, y, accumulate);
-        }
-        return y;
-      },
-      py::arg("x"), py::arg("weight"), py::arg("out") = py::none(), py::arg("accumulate") = false,
-      "y[M, N] = x[M, K] @ W^T (fp32 accumulation; W dequantized in registers).");
-
-  o.def(
-      "linear_bf16",
-      [](py::handle x, const ops::Weight& w, py::handle out, bool accumulate) {
-        Tensor xt = tensor_from_python(x, "x");
-        Tensor y = out_or_new(out, DType::F32, {xt.ndim() == 2 ? xt.shape(0) : 0, w.out_features}, xt.device());
-        {
-          py::gil_scoped_release nogil;
-          ops::linear_bf16(xt, w, y, accumulate);
-        }
-        return y;
-      },
-      py::arg("x"), py::arg("weight"), py::arg("out") = py::none(), py::arg("accumulate") = false,
-      "y = bf16(x) @ bf16(W)^T, fp32 accumulation: the tensor-core numerics of prompt tokens (CUTLASS on "
-      "sm_90a / sm_100a / sm_103a, emulated on the CPU).");
+  // linear and linear_bf16: the same signature, two numerics
+  auto bind_linear = [&o](const char* name, void (*fn)(const Tensor&, const ops::Weight&, Tensor&, bool),
+                          const char* doc) {
+    o.def(
+        name,
+        [fn](py::handle x, const ops::Weight& w, py::handle out, bool accumulate) {
+          Tensor xt = tensor_from_python(x, "x");
+          Tensor y = out_or_new(out, DType::F32, {xt.ndim() == 2 ? xt.shape(0) : 0, w.out_features}, xt.device());
+          {
+            py::gil_scoped_release nogil;
+            fn(xt, w, y, accumulate);
+          }
+          return y;
+        },
+        py::arg("x"), py::arg("weight"), py::arg("out") = py::none(), py::arg("accumulate") = false, doc);
+  };
+  bind_linear("linear", &ops::linear, "y[M, N] = x[M, K] @ W^T (fp32 accumulation; W dequantized in registers).");
+  bind_linear("linear_bf16", &ops::linear_bf16,
+              "y = bf16(x) @ bf16(W)^T, fp32 accumulation: the tensor-core numerics of prompt tokens (CUTLASS on "
+              "sm_90a / sm_100a / sm_103a, emulated on the CPU).");
   o.def("linear_bf16_available", [](const std::string& dev) { return ops::linear_bf16_available(Device::parse(dev)); },
         py::arg("device"), "Whether linear_bf16 runs on this device in this build.");
 

@@ -133,6 +133,24 @@ std::unique_ptr<DFlashDrafter> DFlashDrafter::load(const Checkpoint& ck, const G
   return d;
 }
 
+size_t DFlashDrafter::device_bytes() const {
+  size_t n = ws_->capacity();
+  auto T = [&](const Tensor& t) { n += t.defined() ? t.nbytes() : 0; };
+  auto W = [&](const Weight& w) { n += w.data.defined() ? w.bytes() : 0; };
+  W(fc_);
+  T(hidden_norm_);
+  T(norm_);
+  for (const auto& L : layers_) {
+    for (const Weight* w : {&L->q, &L->k, &L->v, &L->o, &L->gate, &L->up, &L->down, &L->att_proj, &L->mlp_proj}) W(*w);
+    for (const Tensor* t : {&L->q_norm, &L->k_norm, &L->in_norm, &L->post_norm, &L->att_base, &L->mlp_base}) T(*t);
+  }
+  W(sel_proj_);
+  T(pred_book_);
+  T(succ_book_);
+  T(logit_rows_);
+  return n;
+}
+
 void DFlashDrafter::to_device(Device dev, const Tensor& embed, const Weight& lm_head) {
   DFLASH2_CHECK_ARG(device_.is_cpu(), "DFlashDrafter::to_device: already on ", device_.str());
   DFLASH2_CHECK_ARG(embed.device() == dev && lm_head.data.device() == dev, "DFlashDrafter::to_device: the embedding (",

@@ -38,6 +38,9 @@ class DFlashDrafter {
   // Copies the drafter's weights, constant buffers and workspace to `dev` (once, at load);
   // embed / lm_head: the target's copies of them on that device (shared, not copied).
   void to_device(Device dev, const Tensor& embed, const ops::Weight& lm_head);
+  // Bytes to_device allocates: its own weights (not the shared embedding / LM head) and the
+  // workspace.
+  size_t device_bytes() const;
   Device device() const { return device_; }
   // DFlash 2 only: false drafts the argmax per position (convs still on), for ablations.
   void set_use_selector(bool on) { use_selector_ = on && cfg_.v2; }

@@ -2,6 +2,7 @@
 // cache (one KvCache), the planner for context appends and draft blocks, and the fixed
 // output buffers.
 #include <algorithm>
+#include <cstdio>
 #include <cstring>
 
 #include "dflash2/error.h"
@@ -50,6 +51,7 @@ class DFlashRunner final : public Drafter {
     // parallelism (vocabulary-sharded target copies) it stays on the host.
     if (o.device.is_cuda() && t.tp_size() == 1) {
       dev_ = t.model().device();
+      check_memory(per_seq * maxB * bs, maxB, nt * H, plan_tokens_of(o, maxB, B));
       m_->to_device(dev_, t.model().forward_embed(), t.model().forward_lm_head());
     }
     cache_ = KvCache("draft KV cache", {{c.num_layers, 2 * m_->kv_dim()}}, bs, per_seq * maxB, dev_);
@@ -58,7 +60,7 @@ class DFlashRunner final : public Drafter {
     streams_.resize(size_t(maxB));
     pending_ = PendingRows(maxB, kPending, nt * H, /*with_next=*/false, dev_);
     append_ = [this](const std::vector<CommitRows>& rows, const Tensor& src) { append(rows, src); };
-    const int64_t plan_tokens = std::max(o.max_step_tokens, maxB * B);
+    const int64_t plan_tokens = plan_tokens_of(o, maxB, B);
     planner_ = StepPlanner(plan_tokens, maxB, per_seq);
     if (dev_.is_cuda())
       up_ = std::make_unique<PlanUploader>(dev_, PlanUploader::planned_words(plan_tokens, maxB, per_seq));
@@ -222,6 +224,37 @@ class DFlashRunner final : public Drafter {
   }
 
  private:
+  static int64_t plan_tokens_of(const Target::Options& o, int64_t maxB, int64_t B) {
+    return std::max(o.max_step_tokens, maxB * B);
+  }
+  // Before the drafter allocates on the GPU (the target's weights and caches are there by
+  // now): its weights + workspace, draft KV cache, pending features and step buffers against
+  // the free memory, an OutOfMemoryError with the breakdown otherwise.
+  void check_memory(int64_t cache_rows, int64_t maxB, int64_t feat, int64_t plan_tokens) const {
+#ifdef DFLASH2_WITH_CUDA
+    const auto& c = m_->config();
+    const size_t weights = m_->device_bytes();
+    const size_t cache = size_t(cache_rows) * size_t(c.num_layers) * size_t(2 * m_->kv_dim()) * 4;
+    const size_t bufs = size_t(maxB) * size_t(kPending) * size_t(feat) * 4 +
+                        size_t(t_.options().max_step_tokens) * size_t(feat) * 4 + size_t(plan_tokens) * 64 +
+                        (size_t(16) << 20);
+    const size_t need = weights + cache + bufs;
+    size_t free_b = 0, total_b = 0;
+    cuda::mem_info(dev_.index, &free_b, &total_b);
+    auto gib = [](size_t b) {
+      char buf[32];
+      std::snprintf(buf, sizeof buf, "%.2f GiB", double(b) / double(size_t(1) << 30));
+      return std::string(buf);
+    };
+    DFLASH2_CHECK(need <= free_b, ErrorKind::OutOfMemory, "the drafter does not fit ", dev_.str(), " beside the target: ",
+                  "it needs ", gib(need), " (weights + workspace ", gib(weights), ", draft KV cache ", gib(cache),
+                  ", features and step buffers ", gib(bufs), ") but ", gib(free_b), " of ", gib(total_b),
+                  " are free; lower max_batch_size or max_seq_len");
+#else
+    (void)cache_rows, (void)maxB, (void)feat, (void)plan_tokens;
+#endif
+  }
+
   std::unique_ptr<model::DFlashDrafter> m_;
   std::unique_ptr<ForwardGraphs> graphs_;  // CUDA graphs of draft()
   Target& t_;

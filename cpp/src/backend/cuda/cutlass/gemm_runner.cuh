@@ -10,10 +10,38 @@
 #include "backend/cuda/cutlass/bf16_gemm.h"
 #include "cute/tensor.hpp"
 #include "cutlass/cutlass.h"
+#include "cutlass/epilogue/collective/collective_builder.hpp"
+#include "cutlass/gemm/collective/collective_builder.hpp"
+#include "cutlass/gemm/device/gemm_universal_adapter.h"
+#include "cutlass/gemm/kernel/gemm_universal.hpp"
 #include "cutlass/kernel_hardware_info.h"
 #include "cutlass/util/packed_stride.hpp"
 
 namespace dflash2::cuda::tc::detail {
+
+// The BF16 GEMM of bf16_gemm.h from the collective builders: x [M, K] row-major (A), W [N, K]
+// row-major = B (K x N) column-major, F32 C / D [M, N] row-major, fp32 accumulation, 16-byte
+// (TMA) alignment, cluster 1x1x1, the stage count from the shared memory the epilogue leaves.
+// Arch, tile shape and the two schedules are the per-architecture choices.
+template <class Arch, class TileShape, class EpilogueSchedule, class MainloopSchedule>
+struct Bf16GemmOf {
+  using ElementAB = cutlass::bfloat16_t;
+  using LayoutA = cutlass::layout::RowMajor;
+  using LayoutB = cutlass::layout::ColumnMajor;
+  using LayoutC = cutlass::layout::RowMajor;
+  static constexpr int kAlignAB = 8, kAlignC = 4;
+  using ClusterShape = cute::Shape<cute::_1, cute::_1, cute::_1>;
+  using Epilogue = typename cutlass::epilogue::collective::CollectiveBuilder<
+      Arch, cutlass::arch::OpClassTensorOp, TileShape, ClusterShape, cutlass::epilogue::collective::EpilogueTileAuto,
+      float, float, float, LayoutC, kAlignC, float, LayoutC, kAlignC, EpilogueSchedule>::CollectiveOp;
+  using Mainloop = typename cutlass::gemm::collective::CollectiveBuilder<
+      Arch, cutlass::arch::OpClassTensorOp, ElementAB, LayoutA, kAlignAB, ElementAB, LayoutB, kAlignAB, float,
+      TileShape, ClusterShape,
+      cutlass::gemm::collective::StageCountAutoCarveout<static_cast<int>(sizeof(typename Epilogue::SharedStorage))>,
+      MainloopSchedule>::CollectiveOp;
+  using Kernel = cutlass::gemm::kernel::GemmUniversal<cute::Shape<int, int, int, int>, Mainloop, Epilogue>;
+  using Gemm = cutlass::gemm::device::GemmUniversalAdapter<Kernel>;
+};
 
 // SMs of the current device, queried once per device (a host query per GEMM would add a
 // driver call to every launch).
