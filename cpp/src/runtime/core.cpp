@@ -1,6 +1,7 @@
 #include "runtime/core.h"
 
 #include <algorithm>
+#include <cstring>
 #include <random>
 
 namespace dflash2::runtime {
@@ -26,38 +27,46 @@ void Core::allocate_buffers() {
   if (!taps.empty()) taps_buf = Tensor::empty(DType::F32, {feat_rows, int64_t(taps.size()) * H}, fdev);
   if (want_final) fin = Tensor::empty(DType::F32, {feat_rows, H}, fdev);
   s_temp = Tensor::zeros(DType::F32, {B});
+  // flags, accepted, bonus and sampled tokens: views of one host buffer (h_res), which on
+  // CUDA is the copy of one device buffer (d_res)
+  h_res = Tensor::zeros(DType::I32, {verify_rows + 3 * B});
+  flags = h_res.slice(0, 0, verify_rows);
   s_topp = Tensor::zeros(DType::F32, {B});
   s_topk = Tensor::zeros(DType::I32, {B});
   s_rng = Tensor::zeros(DType::I64, {B, 2});
-  s_out = Tensor::zeros(DType::I32, {B});
+  s_out = h_res.slice(0, verify_rows + 2 * B, verify_rows + 3 * B);
   a_row0 = Tensor::zeros(DType::I32, {B});
   a_draft_row = Tensor::zeros(DType::I32, {B});
   a_draft_len = Tensor::zeros(DType::I32, {B});
-  a_accepted = Tensor::zeros(DType::I32, {B});
-  a_bonus = Tensor::zeros(DType::I32, {B});
+  a_accepted = h_res.slice(0, verify_rows, verify_rows + B);
+  a_bonus = h_res.slice(0, verify_rows + B, verify_rows + 2 * B);
   no_drafts = Tensor::zeros(DType::I32, {B, 1});
   if (device.is_cuda()) {
-    d_flags = Tensor::zeros(DType::I32, {verify_rows}, device);
-    d_temp = Tensor::zeros(DType::F32, {B}, device);
-    d_topp = Tensor::zeros(DType::F32, {B}, device);
-    d_topk = Tensor::zeros(DType::I32, {B}, device);
-    d_rng = Tensor::zeros(DType::I64, {B, 2}, device);
-    d_out = Tensor::zeros(DType::I32, {B}, device);
-    d_row0 = Tensor::zeros(DType::I32, {B}, device);
-    d_draft_row = Tensor::zeros(DType::I32, {B}, device);
-    d_draft_len = Tensor::zeros(DType::I32, {B}, device);
-    d_accepted = Tensor::zeros(DType::I32, {B}, device);
-    d_bonus = Tensor::zeros(DType::I32, {B}, device);
+    d_res = Tensor::zeros(DType::I32, {verify_rows + 3 * B}, device);
+    d_flags = d_res.slice(0, 0, verify_rows);
+    d_accepted = d_res.slice(0, verify_rows, verify_rows + B);
+    d_bonus = d_res.slice(0, verify_rows + B, verify_rows + 2 * B);
+    d_out = d_res.slice(0, verify_rows + 2 * B, verify_rows + 3 * B);
+    // packed inputs, fixed offsets (rng first: 8-byte aligned): rng I64 [B, 2], then temp,
+    // top-p (F32), top-k, row0, draft_row, draft_len (I32), B each
+    const int64_t words = 4 * B + 6 * B;  // in 4-byte words
+    d_in = Tensor::zeros(DType::I32, {words}, device);
+    h_in.assign(size_t(words) * 4, 0);
+    uint8_t* base = static_cast<uint8_t*>(d_in.data());
+    auto view = [&](int64_t word, DType dt, const Tensor::Shape& shape) {
+      return Tensor::view(base + word * 4, dt, shape, {}, device);
+    };
+    d_rng = view(0, DType::I64, {B, 2});
+    d_temp = view(4 * B, DType::F32, {B});
+    d_topp = view(5 * B, DType::F32, {B});
+    d_topk = view(6 * B, DType::I32, {B});
+    d_row0 = view(7 * B, DType::I32, {B});
+    d_draft_row = view(8 * B, DType::I32, {B});
+    d_draft_len = view(9 * B, DType::I32, {B});
   }
 }
 
 namespace {
-// dst[0 .. n) (a device buffer, dim 0) = src[0 .. n) (host); returns the device slice.
-Tensor upload_rows(const Tensor& src, const Tensor& dst, int64_t n) {
-  Tensor d = dst.slice(0, 0, n);
-  if (n > 0) d.copy_from(src.slice(0, 0, n));
-  return d;
-}
 // A device buffer of `like`'s shape and dtype (grown when too small), holding a copy of it.
 Tensor upload_whole(const Tensor& like, Tensor& buf, Device dev) {
   if (!like.defined()) return Tensor();
@@ -70,16 +79,42 @@ Tensor upload_whole(const Tensor& like, Tensor& buf, Device dev) {
 }
 }  // namespace
 
-const int32_t* Core::nonfinite_rows(int64_t rows) {
-  Tensor lg = logits.slice(0, 0, rows), fl = flags.slice(0, 0, rows);
-  if (!device.is_cuda()) {
-    ops::check_finite(lg, fl);
-  } else if (rows > 0) {
-    Tensor dfl = d_flags.slice(0, 0, rows);
-    ops::check_finite(lg, dfl);
-    fl.copy_from(dfl);  // synchronizes: the step's logits are done
+void Core::upload_inputs(int64_t n, bool accept) {
+  const int64_t B = s_temp.shape(0);
+  uint8_t* h = h_in.data();
+  auto put = [&](int64_t word, const Tensor& src, int64_t elem_bytes) {
+    std::memcpy(h + word * 4, src.data(), size_t(n * elem_bytes));
+  };
+  put(0, s_rng, 16);
+  put(4 * B, s_temp, 4);
+  put(5 * B, s_topp, 4);
+  put(6 * B, s_topk, 4);
+  if (accept) {
+    put(7 * B, a_row0, 4);
+    put(8 * B, a_draft_row, 4);
+    put(9 * B, a_draft_len, 4);
   }
-  return fl.data_as<const int32_t>();
+  d_in.copy_from(Tensor::view(h, DType::I32, {int64_t(h_in.size() / 4)}));  // one copy
+}
+
+void Core::download_results() { h_res.copy_from(d_res); }  // one copy (synchronizes)
+
+void Core::check_rows(int64_t rows) {
+  if (rows <= 0) return;
+  Tensor lg = logits.slice(0, 0, rows);
+  if (!device.is_cuda()) {
+    Tensor fl = flags.slice(0, 0, rows);
+    ops::check_finite(lg, fl);
+  } else {
+    Tensor dfl = d_flags.slice(0, 0, rows);
+    ops::check_finite(lg, dfl);  // comes back with the step's results
+  }
+}
+
+const int32_t* Core::nonfinite_rows(int64_t rows) {
+  check_rows(rows);
+  if (device.is_cuda() && rows > 0) download_results();
+  return flags.data_as<const int32_t>();
 }
 
 void Core::sample_rows(int64_t R) {
@@ -90,12 +125,11 @@ void Core::sample_rows(int64_t R) {
     ops::sample(lg, sampling_rows(R), rng, tok);
     return;
   }
-  ops::SamplingTensors sp{upload_rows(s_temp, d_temp, R), upload_rows(s_topp, d_topp, R),
-                          upload_rows(s_topk, d_topk, R)};
-  Tensor rng = upload_rows(s_rng, d_rng, R), tok = d_out.slice(0, 0, R);
+  upload_inputs(R, false);
+  ops::SamplingTensors sp{d_temp.slice(0, 0, R), d_topp.slice(0, 0, R), d_topk.slice(0, 0, R)};
+  Tensor rng = d_rng.slice(0, 0, R), tok = d_out.slice(0, 0, R);
   ops::sample(lg, sp, rng, tok);
-  Tensor host = s_out.slice(0, 0, R);
-  host.copy_from(tok);
+  download_results();  // the tokens, and the flags of check_rows
 }
 
 void Core::argmax_row0() {
@@ -105,9 +139,9 @@ void Core::argmax_row0() {
     ops::argmax(lg, tok);
     return;
   }
-  Tensor tok = d_out.slice(0, 0, 1), host = s_out.slice(0, 0, 1);
+  Tensor tok = d_out.slice(0, 0, 1);
   ops::argmax(lg, tok);
-  host.copy_from(tok);
+  download_results();
 }
 
 void Core::accept_rows(int64_t rows, int64_t S, const Tensor& drafts, const Tensor& cand, const Tensor& q) {
@@ -118,16 +152,14 @@ void Core::accept_rows(int64_t rows, int64_t S, const Tensor& drafts, const Tens
                 sampling_rows(S), rng, acc, bon);
     return;
   }
-  ops::SamplingTensors sp{upload_rows(s_temp, d_temp, S), upload_rows(s_topp, d_topp, S),
-                          upload_rows(s_topk, d_topk, S)};
-  Tensor rng = upload_rows(s_rng, d_rng, S), acc = d_accepted.slice(0, 0, S), bon = d_bonus.slice(0, 0, S);
+  upload_inputs(S, true);
+  ops::SamplingTensors sp{d_temp.slice(0, 0, S), d_topp.slice(0, 0, S), d_topk.slice(0, 0, S)};
+  Tensor rng = d_rng.slice(0, 0, S), acc = d_accepted.slice(0, 0, S), bon = d_bonus.slice(0, 0, S);
   Tensor dd = upload_whole(drafts, d_drafts, device);
   Tensor dc = upload_whole(cand, d_cand, device), dq = upload_whole(q, d_q, device);
-  ops::accept(lg, upload_rows(a_row0, d_row0, S), dd, upload_rows(a_draft_row, d_draft_row, S),
-              upload_rows(a_draft_len, d_draft_len, S), dc, dq, sp, rng, acc, bon);
-  Tensor ha = a_accepted.slice(0, 0, S), hb = a_bonus.slice(0, 0, S);
-  ha.copy_from(acc);
-  hb.copy_from(bon);
+  ops::accept(lg, d_row0.slice(0, 0, S), dd, d_draft_row.slice(0, 0, S), d_draft_len.slice(0, 0, S), dc, dq, sp, rng,
+              acc, bon);
+  download_results();  // accepted, bonus, and the flags of check_rows
 }
 
 }  // namespace dflash2::runtime

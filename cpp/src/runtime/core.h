@@ -30,18 +30,26 @@ struct Core {
   std::vector<std::vector<Piece>> chunks;
 
   // CUDA target: `logits` lives on the target's (rank 0's) device and the decode loop's ops
-  // run there on device copies of the plan rows below (uploaded per step: a few ints per
-  // sequence); only tokens, counts and flags come back. The drafter's features (taps_buf,
-  // fin) live on the drafter's device (Drafter::device(): the GPU for the DFlash drafter
-  // without tensor parallelism, else the host).
+  // run there on device copies of the plan rows below. The rows a step needs (sampling
+  // parameters, Philox states, acceptance rows) are packed on the host and go up in one
+  // copy (d_in views); the flags, accepted counts, bonus and sampled tokens are written into
+  // one device buffer (d_res views) that comes back in one copy: two small copies per step.
+  // The drafter's features (taps_buf, fin) live on the drafter's device
+  // (Drafter::device(): the GPU for the DFlash drafter without tensor parallelism, else
+  // the host).
   Device device = Device::cpu();
+  Tensor d_in, d_res, h_res;  // d_in: packed inputs; d_res / h_res: packed results (device / host)
   Tensor d_flags, d_temp, d_topp, d_topk, d_rng, d_out, d_row0, d_draft_row, d_draft_len, d_accepted, d_bonus;
+  std::vector<uint8_t> h_in;  // the packed inputs on the host
   Tensor d_drafts, d_cand, d_q;  // grown to the drafter's shapes on first use
 
   // Allocates the step buffers for the target / drafter already set.
   void allocate_buffers();
   // Flags (1 = NaN or Inf present) of the first `rows` logits rows.
   const int32_t* nonfinite_rows(int64_t rows);
+  // The same flags, computed but (CUDA) brought back only with the next sample_rows /
+  // accept_rows, which fill `flags` then: one copy for the whole step.
+  void check_rows(int64_t rows);
   // s_out[0 .. R) = a token per logits row from sampling rows [0, R) (s_temp .. s_rng).
   void sample_rows(int64_t R);
   // s_out[0] = argmax of logits row 0.
@@ -50,6 +58,10 @@ struct Core {
   // a_row0 / a_draft_row / a_draft_len and sampling rows [0, S); drafts I32 [N, K] and the
   // selector's cand / q (undefined: one-hot proposals) on the host or already on the device.
   void accept_rows(int64_t rows, int64_t S, const Tensor& drafts, const Tensor& cand, const Tensor& q);
+  // CUDA: packs the first n sampling rows (and with accept the acceptance rows) into h_in
+  // and uploads them into d_in in one copy; brings d_res back into h_res in one copy.
+  void upload_inputs(int64_t n, bool accept);
+  void download_results();
   // The plan buffers' first n sampling rows.
   ops::SamplingTensors sampling_rows(int64_t n) const {
     return {s_temp.slice(0, 0, n), s_topp.slice(0, 0, n), s_topk.slice(0, 0, n)};

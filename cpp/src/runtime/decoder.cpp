@@ -166,7 +166,8 @@ void Decoder::prefill() {
     if (c_.taps_buf.defined()) out.taps = c_.taps_buf.slice(0, 0, T);
     if (c_.fin.defined()) out.final_hidden = c_.fin.slice(0, 0, T);
     tgt.run_chunk(ch, out);
-    const int32_t* bad = R > 0 ? c_.nonfinite_rows(R) : nullptr;
+    c_.check_rows(R);  // the flags come back with the sampled tokens (CUDA: one copy)
+    const int32_t* bad = c_.flags.data_as<const int32_t>();
     // the first token of every prompt that ends here (one draw each)
     int64_t r = 0;
     for (const auto& pc : ch)
@@ -281,7 +282,8 @@ void Decoder::step() {
     tgt.run_chunk(ch, out);
     row0 += T;
   }
-  const int32_t* bad = c_.nonfinite_rows(row0);
+  c_.check_rows(row0);  // the flags come back with the acceptance results (CUDA: one copy)
+  const int32_t* bad = c_.flags.data_as<const int32_t>();
   const double t_verify = now() - t0;
 
   // 3. accept (greedy: longest matching prefix; sampling: lossless rejection sampling)
