@@ -6,6 +6,7 @@
 
 #include <algorithm>
 #include <cmath>
+#include <cstdio>
 #include <mutex>
 #include <unordered_map>
 
@@ -65,6 +66,45 @@ std::string method_of_drafter(const Checkpoint& dk) {
   }
   fail(ErrorKind::Config, dk.path(), ": field 'architectures': expected [\"DFlash2DraftModel\"] or [\"DFlashDraftModel\"] "
        "to infer the method; pass method= explicitly");
+}
+}  // namespace
+
+namespace {
+// prefill_gemm="auto" on a GPU: one small linear_bf16 (two 128-row tiles, a K tail, a
+// dequantized F32 weight) against the CPU's emulation of the same numerics. "" when it
+// agrees (NMSE <= 1e-8), else what went wrong; a GPU whose kernel misbehaves then prefills
+// exact instead of producing wrong prompt states.
+std::string linear_bf16_self_check(Device dev) {
+  try {
+    const int64_t M = 130, K = 200, N = 72;
+    Tensor x = Tensor::empty(DType::F32, {M, K}), w = Tensor::empty(DType::F32, {N, K});
+    uint64_t s = 0x9e3779b97f4a7c15ull;
+    auto next = [&s] {  // xorshift in [-1, 1)
+      s ^= s << 13;
+      s ^= s >> 7;
+      s ^= s << 17;
+      return float(double(s >> 11) / double(uint64_t(1) << 52) - 1.0);
+    };
+    for (int64_t i = 0; i < M * K; ++i) x.data_as<float>()[i] = next();
+    for (int64_t i = 0; i < N * K; ++i) w.data_as<float>()[i] = 0.1f * next();
+    const ops::Weight wc = ops::Weight::dense(w, "self-check");
+    Tensor want = Tensor::empty(DType::F32, {M, N});
+    ops::linear_bf16(x, wc, want);
+    Tensor yd = Tensor::empty(DType::F32, {M, N}, dev);
+    ops::linear_bf16(x.to(dev), wc.to(dev), yd);
+    const Tensor got = yd.to(Device::cpu());
+    double err = 0, nrm = 0;
+    for (int64_t i = 0; i < M * N; ++i) {
+      const double g = got.data_as<float>()[i], r = want.data_as<float>()[i];
+      if (!std::isfinite(g)) return "a non-finite output";
+      err += (g - r) * (g - r);
+      nrm += r * r;
+    }
+    if (!(err <= 1e-8 * nrm)) return "NMSE " + std::to_string(err / nrm) + " against the CPU emulation";
+    return "";
+  } catch (const std::exception& e) {
+    return e.what();
+  }
 }
 }  // namespace
 
@@ -137,7 +177,15 @@ Engine::Engine(const EngineConfig& cfg) : impl_(std::make_unique<Impl>()) {
   DFLASH2_CHECK(pg != "bf16" || tc_ok, ErrorKind::Unsupported, "Engine: prefill_gemm='bf16' needs the tensor-core GEMM ",
                 "(ops::linear_bf16), which this build has no kernel for on ", device.str(),
                 " (CUTLASS kernels: sm_90a, sm_100a / sm_103a); use 'exact' or 'auto'");
-  const bool bf16 = pg == "bf16" || (pg == "auto" && device.is_cuda() && tc_ok);
+  bool bf16 = pg == "bf16" || (pg == "auto" && device.is_cuda() && tc_ok);
+  if (bf16 && pg == "auto" && device.is_cuda()) {  // the default: only once it has proved itself here
+    const std::string why = linear_bf16_self_check(device);
+    if (!why.empty()) {
+      std::fprintf(stderr, "dflash2: the tensor-core GEMM failed its load-time check on %s (%s); prompt tokens run "
+                   "exact (prefill_gemm='exact')\n", device.str().c_str(), why.c_str());
+      bf16 = false;
+    }
+  }
   I.core.target->set_prefill_bf16(bf16);
   I.cfg.prefill_gemm = bf16 ? "bf16" : "exact";
   I.cfg.cuda_graphs = I.core.target->cuda_graphs();  // what is in effect (CUDA, one rank)
