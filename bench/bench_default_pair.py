@@ -10,7 +10,9 @@ passes over the same requests) and speedup over ar in the same run; checks greed
 
 With --device cuda the target runs on the GPU (see the README's "The CUDA backend"; results
 go to default_pair_cuda.*); each method's decode time is also split into draft / verify /
-host shares (the request stats' draft_s, verify_s, host_s).
+host shares (the request stats' draft_s, verify_s, host_s), and in greedy mode each method
+runs once more with cuda_graphs=False in the same run: tok/s with and without CUDA graphs,
+their ratio, whether the outputs are equal, and the engine's graph counters.
 
 Held-out prompts: 128-token windows (seeded) of the held-out stdlib files (every 20th file,
 see dflash2_rt.train.corpus), tokenized with the pair's tokenizer.
@@ -40,8 +42,9 @@ def heldout_prompts(tok, n: int, length: int = 128, seed: int = 0) -> list:
     return [ids[s:s + length].tolist() for s in rng.integers(0, ids.size - length, n)]
 
 
-def run_method(method, prompts, new, threads, temperature, top_p, seed, device="cpu"):
-    eng = dflash2_rt.Engine(method=method, num_threads=threads, max_batch_size=1, device=device)
+def run_method(method, prompts, new, threads, temperature, top_p, seed, device="cpu", cuda_graphs=True):
+    eng = dflash2_rt.Engine(method=method, num_threads=threads, max_batch_size=1, device=device,
+                            cuda_graphs=cuda_graphs)
     eng.generate([prompts[0][:32]], max_new_tokens=8, stop_token_ids=[])  # warm-up
     out, toks, dec, taus, pos = [], 0, 0.0, [], []
     split = {"draft_s": 0.0, "verify_s": 0.0, "host_s": 0.0}
@@ -56,7 +59,9 @@ def run_method(method, prompts, new, threads, temperature, top_p, seed, device="
             split[k] += float(r.stats.get(k, 0.0))
         if r.stats.get("accepted_per_position"):
             pos.append(r.stats["accepted_per_position"])
-    return out, {"acceptance_length": float(np.mean(taus)), "tokens_per_second": toks / dec,
+    m = eng.metrics()
+    graphs = {k: m[k] for k in m if k.startswith("cuda_graphs_")}
+    return out, {"acceptance_length": float(np.mean(taus)), "tokens_per_second": toks / dec, "cuda_graphs": graphs,
                  "accepted_per_position": np.mean(pos, 0).tolist() if pos else [], "generated_tokens": toks,
                  "decode_s": dec, "decode_split": {k: v / dec for k, v in split.items()} if dec > 0 else {}}
 
@@ -91,6 +96,13 @@ def main(argv=None):
                 ref = outs
             if temp == 0:
                 st["lossless_vs_ar"] = outs == ref
+            if temp == 0 and a.device != "cpu":  # the same requests without CUDA graphs, same run
+                eo, es = run_method(m, prompts, a.new, a.threads, temp, top_p, a.seed, a.device, cuda_graphs=False)
+                st["tokens_per_second_eager"] = es["tokens_per_second"]
+                st["graphs_speedup"] = st["tokens_per_second"] / es["tokens_per_second"]
+                st["graphs_equal_eager"] = eo == outs
+                print(f"{'':12s} {m:8s} eager {es['tokens_per_second']:.1f} tok/s: graphs x{st['graphs_speedup']:.2f}, "
+                      f"equal {st['graphs_equal_eager']}, {st['cuda_graphs']}", flush=True)
             rows[m] = st
             sp = " ".join(f"{k[:-2]} {v:.0%}" for k, v in st["decode_split"].items())
             print(f"{mode:12s} {m:8s} tau {st['acceptance_length']:.2f} {st['tokens_per_second']:.1f} tok/s "
