@@ -2,6 +2,12 @@
 // main model's final hidden state at t and the token at t+1; its own output hidden state
 // is fed back to draft further tokens. After each verify step the layer's cache is rolled
 // back to the committed length and re-extended over the committed tokens.
+//
+// With a CUDA target and no tensor parallelism the chain stays on the GPU: the main model's
+// final hidden states are written there (device() is the GPU), the layer's logits and
+// hidden states, the per-slot state and the argmax run there, and only the drafted ids come
+// back (S ints per chained position, which the next position's plan needs) instead of the
+// logits (vocab-wide) per position.
 #include <algorithm>
 
 #include "dflash2/error.h"
@@ -19,20 +25,23 @@ class MtpDrafter final : public Drafter {
     const auto& o = t.options();
     const int64_t V = t.config().vocab_size, H = t.config().hidden_size, B = o.max_batch_size + 1;
     const int64_t rows = o.max_step_tokens;
+    if (o.device.is_cuda() && t.tp_size() == 1) dev_ = t.model().device();
     streams_.resize(size_t(B));
-    last_logits_ = Tensor::zeros(DType::F32, {B, V});
-    last_hidden_ = Tensor::zeros(DType::F32, {B, H});
-    chain_hidden_ = Tensor::zeros(DType::F32, {B, H});
-    hm_ = Tensor::zeros(DType::F32, {rows, H});
-    idx_ = Tensor::zeros(DType::I32, {rows});
-    out_logits_ = Tensor::zeros(DType::F32, {rows, V});
-    out_hidden_ = Tensor::zeros(DType::F32, {rows, H});
+    last_logits_ = Tensor::zeros(DType::F32, {B, V}, dev_);
+    last_hidden_ = Tensor::zeros(DType::F32, {B, H}, dev_);
+    chain_hidden_ = Tensor::zeros(DType::F32, {B, H}, dev_);
+    hm_ = Tensor::zeros(DType::F32, {rows, H}, dev_);
+    idx_ = Tensor::zeros(DType::I32, {rows}, dev_);
+    out_logits_ = Tensor::zeros(DType::F32, {rows, V}, dev_);
+    out_hidden_ = Tensor::zeros(DType::F32, {rows, H}, dev_);
     res_.tokens = Tensor::zeros(DType::I32, {B, K});
-    pending_ = PendingRows(B, kPending, H, /*with_next=*/true);
+    if (dev_.is_cuda()) d_tokens_ = Tensor::zeros(DType::I32, {B, K}, dev_);
+    pending_ = PendingRows(B, kPending, H, /*with_next=*/true, dev_);
     run_ = [this](const std::vector<CommitRows>& rows, const Tensor& src) { run(rows, src); };
     base_len_.assign(size_t(B), 0);
   }
   int64_t draft_len() const override { return K_; }
+  Device device() const override { return dev_; }
   bool wants_final_hidden() const override { return true; }
   bool draft_cost_scales_with_k() const override { return true; }
   bool reserve(int slot, int64_t tokens) override { return t_.mtp_cache().try_pin(streams_[size_t(slot)], tokens); }
@@ -103,13 +112,22 @@ class MtpDrafter final : public Drafter {
       res_.len[size_t(i)] = std::max<int64_t>(0, std::min({K_, jobs[size_t(i)].max_tokens, jobs[size_t(i)].room}));
       longest = std::max(longest, res_.len[size_t(i)]);
     }
+    // the drafted ids: written where the logits are (device tokens on the GPU, brought back
+    // to res_.tokens after each position: the next position's plan reads them)
+    Tensor& toks_out = dev_.is_cuda() ? d_tokens_ : res_.tokens;
+    auto ids_back = [&] {
+      if (!dev_.is_cuda() || S == 0) return;
+      Tensor h = res_.tokens.slice(0, 0, S);
+      h.copy_from(d_tokens_.slice(0, 0, S));
+    };
     // position 0: the layer's prediction kept at the last commit
     for (int64_t i = 0; i < S; ++i) {
       if (res_.len[size_t(i)] == 0) continue;
       const int64_t slot = jobs[size_t(i)].slot;
-      Tensor tok = res_.tokens.select(1, 0).slice(0, i, i + 1);
+      Tensor tok = toks_out.select(1, 0).slice(0, i, i + 1);
       ops::argmax(last_logits_.slice(0, slot, slot + 1), tok);
     }
+    ids_back();
     // positions 1..: feed the previous token and the layer's own hidden state back
     std::vector<CacheStream*>& streams = streams_tmp_;
     std::vector<const int32_t*>& toks = toks_tmp_;
@@ -142,11 +160,13 @@ class MtpDrafter final : public Drafter {
           const int64_t i = who[size_t(ch[size_t(a)].seq)];
           Tensor dst = chain_hidden_.slice(0, i, i + 1);
           ops::copy(hd.slice(0, a, a + 1), dst);
-          Tensor tok = res_.tokens.select(1, j).slice(0, i, i + 1);
+          Tensor tok = toks_out.select(1, j).slice(0, i, i + 1);
           ops::argmax(lg.slice(0, a, a + 1), tok);
         }
       }
+      ids_back();
     }
+    if (dev_.is_cuda()) res_.dev_tokens = d_tokens_;  // acceptance reads them on the device
     return res_;
   }
 
@@ -159,6 +179,8 @@ class MtpDrafter final : public Drafter {
  private:
   Target& t_;
   int64_t K_;
+  Device dev_ = Device::cpu();  // where the chain runs (the target's GPU without tensor parallelism)
+  Tensor d_tokens_;             // CUDA: the drafted ids on the device
   std::vector<CacheStream> streams_;  // per slot
   Tensor last_logits_, last_hidden_;  // per slot: what predicts the next position
   Tensor chain_hidden_;               // per job: the chain's running hidden state

@@ -330,14 +330,22 @@ void Target::mtp_chunk_device(const model::TokenBatch& b, const Tensor& h_main, 
   const int64_t H = config().hidden_size;
   on_all_ranks([&](int r) {
     model::TokenBatch db = upload(b, r);
-    Tensor hm = device_rows(d_hmain_, r, h_main.shape(0), H);
-    hm.copy_from(h_main.contiguous());
-    Tensor lg = d_logits_[size_t(r)].slice(0, 0, logits.shape(0));
-    Tensor hid = (r == 0 && hidden.defined()) ? device_rows(d_hidden_, r, hidden.shape(0), H) : Tensor();
+    // inputs / outputs already on this rank's device (the MTP drafter's chain on the GPU) are
+    // used in place; host ones go through device buffers
+    const Device d = models_[size_t(r)]->device();
+    Tensor hm = h_main;
+    if (h_main.device() != d) {
+      hm = device_rows(d_hmain_, r, h_main.shape(0), H);
+      hm.copy_from(h_main.contiguous());
+    }
+    const bool lg_direct = r == 0 && logits.device() == d, hid_direct = r == 0 && hidden.defined() && hidden.device() == d;
+    Tensor lg = lg_direct ? logits : d_logits_[size_t(r)].slice(0, 0, logits.shape(0));
+    Tensor hid = hid_direct ? hidden
+                            : (r == 0 && hidden.defined()) ? device_rows(d_hidden_, r, hidden.shape(0), H) : Tensor();
     models_[size_t(r)]->mtp_forward(db, hm, mtp_views_[size_t(r)], lg, hid);
     if (r != 0) return;
-    if (logits.shape(0) > 0) logits.copy_from(lg);
-    if (hidden.defined()) hidden.copy_from(hid);
+    if (!lg_direct && logits.shape(0) > 0) logits.copy_from(lg);
+    if (hidden.defined() && !hid_direct) hidden.copy_from(hid);
   });
 }
 
