@@ -30,6 +30,13 @@ void ForwardGraphs::run(const std::string& key, const std::function<void()>& fn)
   cuda::StreamScope scope(stream_);
   auto it = graphs_.find(key);
   if (it == graphs_.end()) {  // first sight: warm up eagerly
+    if (graphs_.size() >= max_graphs_) {  // full: forget a key seen once and never captured
+      for (auto e = graphs_.begin(); e != graphs_.end(); ++e)
+        if (!e->second.exec && e->second.failures == 0) {
+          graphs_.erase(e);
+          break;
+        }
+    }
     if (graphs_.size() < max_graphs_) graphs_.emplace(key, Entry{});
     count(&GraphStats::eager);
     return fn();

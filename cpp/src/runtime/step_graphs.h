@@ -15,7 +15,8 @@
 // and launched, later ones replay. A capture that fails (an op that needs to allocate or
 // synchronize, a driver refusal) runs the chunk eagerly instead, is logged once on stderr
 // with the reason, and is retried once; a key that fails twice stays eager. Prompt
-// chunks are never captured (their shapes rarely repeat); at most max_graphs keys are kept.
+// chunks are never captured (their shapes rarely repeat); at most max_graphs keys are kept,
+// a key seen once and not captured making room for a new one when the table is full.
 //
 // Status: compiled, NOT yet run on a GPU.
 #pragma once

@@ -329,6 +329,9 @@ void Target::run_chunk_device(const model::TokenBatch& b, const model::ForwardOu
 void Target::mtp_chunk_device(const model::TokenBatch& b, const Tensor& h_main, Tensor& logits, Tensor& hidden) {
   const int64_t H = config().hidden_size;
   on_all_ranks([&](int r) {
+#ifdef DFLASH2_WITH_CUDA
+    cuda::StreamScope stream_scope(r == 0 && graphs_ ? graphs_->stream() : cuda::current_stream());
+#endif
     model::TokenBatch db = upload(b, r);
     // inputs / outputs already on this rank's device (the MTP drafter's chain on the GPU) are
     // used in place; host ones go through device buffers
@@ -342,7 +345,16 @@ void Target::mtp_chunk_device(const model::TokenBatch& b, const Tensor& h_main, 
     Tensor lg = lg_direct ? logits : d_logits_[size_t(r)].slice(0, 0, logits.shape(0));
     Tensor hid = hid_direct ? hidden
                             : (r == 0 && hidden.defined()) ? device_rows(d_hidden_, r, hidden.shape(0), H) : Tensor();
-    models_[size_t(r)]->mtp_forward(db, hm, mtp_views_[size_t(r)], lg, hid);
+    if (r == 0 && graphs_) {  // the MTP layer's chunks (commits, chained positions) as graphs too
+      std::string key = "mtp|";
+      for (int64_t v : {db.T, db.S, db.paged.block_size}) ForwardGraphs::key_add(key, v);
+      for (const Tensor* t : {&db.tokens, &db.paged.seq, &db.paged.pos, &db.paged.block_table, &db.slots,
+                              &db.logit_rows, &hm, &lg, &hid})
+        ForwardGraphs::key_add(key, *t);
+      graphs_->run(key, [&] { models_[0]->mtp_forward(db, hm, mtp_views_[0], lg, hid); });
+    } else {
+      models_[size_t(r)]->mtp_forward(db, hm, mtp_views_[size_t(r)], lg, hid);
+    }
     if (r != 0) return;
     if (!lg_direct && logits.shape(0) > 0) logits.copy_from(lg);
     if (hidden.defined() && !hid_direct) hidden.copy_from(hid);
