@@ -163,7 +163,7 @@ class DFlashRunner final : public Drafter {
     if (A == 0) return res_;
 #ifdef DFLASH2_WITH_CUDA
     // with graphs: the block's upload and forward on the target's graph stream
-    cuda::StreamScope stream_scope(graphs_ ? graphs_->stream() : cuda::current_stream());
+    cuda::OrderedStreamScope stream_scope(graphs_ ? graphs_->stream() : nullptr, dev_.index);
 #endif
     model::TokenBatch b = planner_.plan_blocks(streams, B, cache_);
     if (up_) {  // the block's ids travel in the plan's one asynchronous copy

@@ -29,19 +29,23 @@ ForwardGraphs::~ForwardGraphs() {
 void ForwardGraphs::run(const std::string& key, const std::function<void()>& fn) {
   cuda::StreamScope scope(stream_);
   auto it = graphs_.find(key);
+  ++tick_;
   if (it == graphs_.end()) {  // first sight: warm up eagerly
-    if (graphs_.size() >= max_graphs_) {  // full: forget a key seen once and never captured
+    if (graphs_.size() >= max_graphs_ && !graphs_.empty()) {  // full: the least recently used goes
+      auto lru = graphs_.begin();
       for (auto e = graphs_.begin(); e != graphs_.end(); ++e)
-        if (!e->second.exec && e->second.failures == 0) {
-          graphs_.erase(e);
-          break;
-        }
+        if (e->second.last_use < lru->second.last_use) lru = e;
+      cuda::graph_destroy(lru->second.exec);  // (a launched graph finishes first; the driver defers)
+      graphs_.erase(lru);
     }
-    if (graphs_.size() < max_graphs_) graphs_.emplace(key, Entry{});
+    Entry fresh;
+    fresh.last_use = tick_;
+    graphs_.emplace(key, fresh);
     count(&GraphStats::eager);
     return fn();
   }
   Entry& e = it->second;
+  e.last_use = tick_;
   const uint64_t gen = cuda::scratch_generation();
   if (e.exec && e.generation == gen) {
     cuda::graph_launch(e.exec, stream_);
@@ -62,6 +66,8 @@ void ForwardGraphs::run(const std::string& key, const std::function<void()>& fn)
     fn();
   } catch (const std::exception& ex) {
     why = ex.what();
+  } catch (...) {
+    why = "an unknown exception";
   }
   std::string end_why;
   void* exec = cuda::graph_end_capture(stream_, &end_why);

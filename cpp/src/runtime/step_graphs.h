@@ -16,7 +16,9 @@
 // synchronize, a driver refusal) runs the chunk eagerly instead, is logged once on stderr
 // with the reason, and is retried once; a key that fails twice stays eager. Prompt
 // chunks are never captured (their shapes rarely repeat); at most max_graphs keys are kept,
-// a key seen once and not captured making room for a new one when the table is full.
+// the least recently used one (and its graph) making room for a new key when full.
+// run() must be called inside a cuda::OrderedStreamScope on stream(), which orders the
+// stream with the eager work on the legacy default stream.
 //
 // Status: compiled, NOT yet run on a GPU.
 #pragma once
@@ -63,7 +65,9 @@ class ForwardGraphs {
     void* exec = nullptr;
     uint64_t generation = 0;
     int failures = 0;
+    uint64_t last_use = 0;  // tick of its last run (least recently used goes first)
   };
+  uint64_t tick_ = 0;
   Device dev_;
   size_t max_graphs_;
   CUstream_st* stream_ = nullptr;

@@ -276,9 +276,10 @@ void Target::run_chunk_device(const model::TokenBatch& b, const model::ForwardOu
   const int64_t H = config().hidden_size, V = config().vocab_size;
   on_all_ranks([&](int r) {
 #ifdef DFLASH2_WITH_CUDA
-    // rank 0 with graphs: everything on the graphs' stream (blocking: ordered with eager
-    // work on the legacy default stream elsewhere on the device)
-    cuda::StreamScope stream_scope(r == 0 && graphs_ ? graphs_->stream() : cuda::current_stream());
+    // rank 0 with graphs: everything on the graphs' stream, in order with the eager work on
+    // the legacy default stream before and after (OrderedStreamScope)
+    cuda::OrderedStreamScope stream_scope(r == 0 && graphs_ ? graphs_->stream() : nullptr,
+                                          models_[size_t(r)]->device().index);
 #endif
     model::TokenBatch db = upload(b, r);
     model::ForwardOutputs o;
@@ -330,7 +331,8 @@ void Target::mtp_chunk_device(const model::TokenBatch& b, const Tensor& h_main, 
   const int64_t H = config().hidden_size;
   on_all_ranks([&](int r) {
 #ifdef DFLASH2_WITH_CUDA
-    cuda::StreamScope stream_scope(r == 0 && graphs_ ? graphs_->stream() : cuda::current_stream());
+    cuda::OrderedStreamScope stream_scope(r == 0 && graphs_ ? graphs_->stream() : nullptr,
+                                          models_[size_t(r)]->device().index);
 #endif
     model::TokenBatch db = upload(b, r);
     // inputs / outputs already on this rank's device (the MTP drafter's chain on the GPU) are

@@ -200,8 +200,8 @@ __device__ __forceinline__ double warp_sum(double v) {
 __device__ __forceinline__ float softmax_update(float s, bool valid, float& m, double& l, float& alpha) {
   const float cmax = warp_max(valid ? s : -INFINITY);
   const float m_new = fmaxf(m, cmax);
-  alpha = (m_new == -INFINITY) ? 1.0f : expf(m - m_new);  // m = -inf, m_new finite: 0
-  const float p = (valid && m_new != -INFINITY) ? expf(s - m_new) : 0.0f;
+  alpha = (m_new == -INFINITY) ? 1.0f : expf(__fsub_rn(m, m_new));  // m = -inf, m_new finite: 0
+  const float p = (valid && m_new != -INFINITY) ? expf(__fsub_rn(s, m_new)) : 0.0f;
   // never contracted into an FMA: the same rounding in every instantiation (mla_kernel's
   // 4- and 16-head groups must agree bitwise, see mla_fold_scalars)
   l = __dadd_rn(__dmul_rn(l, double(alpha)), warp_sum(double(p)));
@@ -545,7 +545,7 @@ __global__ void __launch_bounds__(kMlaThreads)
             b3 = fmaf(qh[e + 3], kr[e + 3], b3);
           }
           for (; e < D; ++e) b0 = fmaf(qh[e], kr[e], b0);
-          const float s = ((a0 + a1) + (a2 + a3) + ((b0 + b1) + (b2 + b3))) * scale;
+          const float s = __fmul_rn((a0 + a1) + (a2 + a3) + ((b0 + b1) + (b2 + b3)), scale);  // never fused with the max
           float m = ms[h], alpha;
           double l = ls[h];
           const float p = softmax_update(s, valid, m, l, alpha);

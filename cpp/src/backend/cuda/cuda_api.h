@@ -74,8 +74,9 @@ class StreamScope {
   CUstream_st* prev_;
 };
 
-// Streams and CUDA graphs (graph.cu). stream_create: a blocking stream of `device`
-// (ordered with the legacy default stream). A capture records the work this thread issues
+// Streams and CUDA graphs (graph.cu). stream_create: a non-blocking stream of `device` (a
+// capture on it leaves the legacy default stream usable by other threads); run work on it
+// inside an OrderedStreamScope, which keeps it in order with the legacy stream. A capture records the work this thread issues
 // on the stream (thread-local mode) without running it; graph_end_capture instantiates it,
 // or returns nullptr with *why when the capture or the instantiation failed (the stream is
 // usable again either way).
@@ -83,6 +84,23 @@ CUstream_st* stream_create(int device);
 void stream_destroy(CUstream_st* s, int device) noexcept;
 void graph_begin_capture(CUstream_st* s);
 void* graph_end_capture(CUstream_st* s, std::string* why);
+// This thread's ops run on `s` (a stream of `device`; nullptr: no change) while the scope
+// lives, and `s` stays in program order with the legacy default stream without blocking the
+// host: on entry `s` waits (an event) for what the legacy stream has queued, on exit the
+// legacy stream waits for what `s` has queued. Synchronous copies (copy(), Tensor::to /
+// copy_from) run on the current stream, so inside the scope they are ordered on `s` too.
+class OrderedStreamScope {
+ public:
+  OrderedStreamScope(CUstream_st* s, int device);
+  ~OrderedStreamScope();
+  OrderedStreamScope(const OrderedStreamScope&) = delete;
+  OrderedStreamScope& operator=(const OrderedStreamScope&) = delete;
+
+ private:
+  CUstream_st* prev_;
+  CUstream_st* stream_;
+  int device_;
+};
 void graph_launch(void* exec, CUstream_st* s);
 void graph_destroy(void* exec) noexcept;
 // Bumped whenever a per-stream scratch buffer (scratch.cu) is (re)allocated: a graph

@@ -135,14 +135,21 @@ void copy(void* dst, Device dst_dev, const void* src, Device src_dev, size_t byt
     device = src_dev.index;
   }
   DeviceGuard guard(device);
-  DFLASH2_CUDA_CHECK(cudaMemcpy(dst, src, bytes, kind), bytes, " bytes from ", src_dev.str(), " to ",
-                     dst_dev.str());
+  // on this thread's current stream, then waited for: in order with the ops before it on
+  // that stream (the legacy default stream unless a scope set another), synchronous for the host
+  cudaStream_t s = current_stream();
+  cudaError_t e = cudaMemcpyAsync(dst, src, bytes, kind, s);
+  if (e == cudaSuccess) e = cudaStreamSynchronize(s);
+  if (e != cudaSuccess) detail::raise(e, "cudaMemcpyAsync", bytes, " bytes from ", src_dev.str(), " to ", dst_dev.str());
 }
 
 void memset_zero(void* dst, int device, size_t bytes) {
   if (bytes == 0) return;
   DeviceGuard guard(device);
-  DFLASH2_CUDA_CHECK(cudaMemset(dst, 0, bytes), bytes, " bytes on cuda:", device);
+  cudaStream_t s = current_stream();
+  cudaError_t e = cudaMemsetAsync(dst, 0, bytes, s);
+  if (e == cudaSuccess) e = cudaStreamSynchronize(s);
+  if (e != cudaSuccess) detail::raise(e, "cudaMemsetAsync", bytes, " bytes on cuda:", device);
 }
 
 void synchronize(int device) {

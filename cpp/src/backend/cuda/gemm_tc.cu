@@ -115,13 +115,14 @@ __global__ void rows_to_bf16(const float* __restrict__ x, int64_t ldx, int64_t M
   }
 }
 
-// out[r, k] = bf16(W[r, k]) (W dequantized as the CPU does) for k < K, 0 for K <= k < Kp.
+// out[r, k] = bf16(W[r, k]) (W dequantized as the CPU does) for r < N, k < K; 0 in the
+// padding (K <= k < Kp, N <= r < Np).
 template <WFmt F>
-__global__ void weight_to_bf16(WeightView w, int64_t Kp, __nv_bfloat16* __restrict__ out) {
-  const int64_t n = w.N * Kp;
+__global__ void weight_to_bf16(WeightView w, int64_t Np, int64_t Kp, __nv_bfloat16* __restrict__ out) {
+  const int64_t n = Np * Kp;
   for (int64_t i = int64_t(blockIdx.x) * blockDim.x + threadIdx.x; i < n; i += int64_t(gridDim.x) * blockDim.x) {
     const int64_t r = i / Kp, k = i - r * Kp;
-    out[i] = k < w.K ? __float2bfloat16_rn(detail::w_at<F>(w, r, k)) : __float2bfloat16_rn(0.0f);
+    out[i] = (k < w.K && r < w.N) ? __float2bfloat16_rn(detail::w_at<F>(w, r, k)) : __float2bfloat16_rn(0.0f);
   }
 }
 
@@ -137,14 +138,14 @@ __global__ void store_rows(const float* __restrict__ d, int64_t ldd, int64_t M, 
   }
 }
 
-void convert_weight(const WeightView& v, int64_t Kp, __nv_bfloat16* out, cudaStream_t st) {
-  const unsigned g = grid_for(v.N * Kp);
+void convert_weight(const WeightView& v, int64_t Np, int64_t Kp, __nv_bfloat16* out, cudaStream_t st) {
+  const unsigned g = grid_for(Np * Kp);
   switch (v.fmt) {
-    case WFmt::F32: weight_to_bf16<WFmt::F32><<<g, kThreads, 0, st>>>(v, Kp, out); break;
-    case WFmt::BF16: weight_to_bf16<WFmt::BF16><<<g, kThreads, 0, st>>>(v, Kp, out); break;
-    case WFmt::F16: weight_to_bf16<WFmt::F16><<<g, kThreads, 0, st>>>(v, Kp, out); break;
-    case WFmt::FP8: weight_to_bf16<WFmt::FP8><<<g, kThreads, 0, st>>>(v, Kp, out); break;
-    case WFmt::NVFP4: weight_to_bf16<WFmt::NVFP4><<<g, kThreads, 0, st>>>(v, Kp, out); break;
+    case WFmt::F32: weight_to_bf16<WFmt::F32><<<g, kThreads, 0, st>>>(v, Np, Kp, out); break;
+    case WFmt::BF16: weight_to_bf16<WFmt::BF16><<<g, kThreads, 0, st>>>(v, Np, Kp, out); break;
+    case WFmt::F16: weight_to_bf16<WFmt::F16><<<g, kThreads, 0, st>>>(v, Np, Kp, out); break;
+    case WFmt::FP8: weight_to_bf16<WFmt::FP8><<<g, kThreads, 0, st>>>(v, Np, Kp, out); break;
+    case WFmt::NVFP4: weight_to_bf16<WFmt::NVFP4><<<g, kThreads, 0, st>>>(v, Np, Kp, out); break;
   }
 }
 
@@ -170,7 +171,7 @@ void linear_bf16(const Tensor& x, const ops::Weight& w, Tensor& y, bool accumula
   DFLASH2_CHECK_ARG((x.stride(1) == 1 || K <= 1) && (y.stride(1) == 1 || N <= 1),
                     "cuda::linear_bf16: x and y must be contiguous in their last dimension, found strides ",
                     shape_str(x.strides()), " and ", shape_str(y.strides()));
-  DFLASH2_CHECK_ARG(M <= int64_t(INT32_MAX) && N <= int64_t(INT32_MAX) && K + 8 <= int64_t(INT32_MAX),
+  DFLASH2_CHECK_ARG(M <= int64_t(INT32_MAX) && N + 4 <= int64_t(INT32_MAX) && K + 8 <= int64_t(INT32_MAX),
                     "cuda::linear_bf16: [", M, ", ", N, ", ", K, "] exceeds the GEMM's 32-bit extents");
   DFLASH2_CHECK_ARG(M <= 1 || y.stride(0) >= N, "cuda::linear_bf16: the rows of 'y' overlap (row stride ",
                     y.stride(0), " < ", N, ")");
@@ -182,18 +183,20 @@ void linear_bf16(const Tensor& x, const ops::Weight& w, Tensor& y, bool accumula
          "and CUTLASS is found); use prefill_gemm='exact'");
   if (M == 0 || N == 0) return;
 
-  const int64_t Kp = round_up(K, 8);
-  const bool direct_w = v.fmt == WFmt::BF16 && K % 8 == 0 && detail::aligned(v.data, 16) && v.row_bytes % 16 == 0;
-  const bool direct_y = N % 4 == 0 && detail::aligned(y.data(), 16) && (M == 1 || y.stride(0) % 4 == 0);
-  const int64_t Np = round_up(N, 4);
+  // The GEMM runs N padded to Np (a multiple of 4: the epilogue's 16-byte alignment of D's
+  // rows is checked on the problem's N), over a padded weight copy when N % 4 != 0.
+  const int64_t Kp = round_up(K, 8), Np = round_up(N, 4);
+  const bool direct_w = v.fmt == WFmt::BF16 && K % 8 == 0 && N == Np && detail::aligned(v.data, 16) &&
+                        v.row_bytes % 16 == 0;
+  const bool direct_y = N == Np && detail::aligned(y.data(), 16) && (M == 1 || y.stride(0) % 4 == 0);
   constexpr int64_t kAlign = 256;
   const int64_t a_bytes = round_up(M * Kp * 2, kAlign);
-  const int64_t w_bytes = direct_w ? 0 : round_up(N * Kp * 2, kAlign);
+  const int64_t w_bytes = direct_w ? 0 : round_up(Np * Kp * 2, kAlign);
   const int64_t d_bytes = direct_y ? 0 : round_up(M * Np * 4, kAlign);
 
   tc::Bf16GemmArgs g;
   g.M = int(M);
-  g.N = int(N);
+  g.N = int(Np);
   g.K = int(Kp);
   g.lda = Kp;
   g.ldb = direct_w ? v.row_bytes / 2 : Kp;
@@ -209,7 +212,7 @@ void linear_bf16(const Tensor& x, const ops::Weight& w, Tensor& y, bool accumula
 
   cudaStream_t st = detail::stream();
   rows_to_bf16<<<grid_for(M * Kp), kThreads, 0, st>>>(x.data_as<const float>(), x.stride(0), M, K, Kp, a16);
-  if (!direct_w) convert_weight(v, Kp, w16, st);
+  if (!direct_w) convert_weight(v, Np, Kp, w16, st);
   detail::check_launch("linear_bf16 operand conversion", w.name, " ", x.describe());
   g.a = a16;
   g.b = direct_w ? static_cast<const void*>(v.data) : static_cast<const void*>(w16);

@@ -16,10 +16,41 @@ namespace dflash2::cuda {
 CUstream_st* stream_create(int device) {
   detail::DeviceGuard guard(device);
   cudaStream_t s = nullptr;
-  // default flags: a blocking stream, ordered with the legacy default stream, so eager work
-  // elsewhere on this device (sampling, the drafter, synchronous copies) stays in program order
-  DFLASH2_CUDA_CHECK(cudaStreamCreate(&s), "cuda:", device);
+  // non-blocking: a capture on it leaves the legacy default stream usable for every other
+  // thread (a capturing blocking stream would not); OrderedStreamScope orders it explicitly
+  DFLASH2_CUDA_CHECK(cudaStreamCreateWithFlags(&s, cudaStreamNonBlocking), "cuda:", device);
   return s;
+}
+
+OrderedStreamScope::OrderedStreamScope(CUstream_st* s, int device)
+    : prev_(current_stream()), stream_(s), device_(device) {
+  if (!s) return;
+  detail::DeviceGuard guard(device);
+  cudaEvent_t e = nullptr;
+  DFLASH2_CUDA_CHECK(cudaEventCreateWithFlags(&e, cudaEventDisableTiming), "cuda:", device);
+  cudaError_t err = cudaEventRecord(e, cudaStreamLegacy);  // what the legacy stream has queued ...
+  if (err == cudaSuccess) err = cudaStreamWaitEvent(s, e, 0);  // ... comes before s's work
+  cudaEventDestroy(e);  // released once the wait is satisfied
+  if (err != cudaSuccess) detail::raise(err, "ordering a stream after the legacy stream", "cuda:", device);
+  set_current_stream(s);
+}
+
+OrderedStreamScope::~OrderedStreamScope() {
+  if (!stream_) return;
+  set_current_stream(prev_);
+  int prev = -1;
+  if (cudaGetDevice(&prev) != cudaSuccess) prev = -1;
+  cudaSetDevice(device_);
+  cudaEvent_t e = nullptr;
+  if (cudaEventCreateWithFlags(&e, cudaEventDisableTiming) == cudaSuccess) {
+    if (cudaEventRecord(e, stream_) == cudaSuccess)  // s's work comes before what is queued next
+      cudaStreamWaitEvent(cudaStreamLegacy, e, 0);   // on the legacy stream
+    cudaEventDestroy(e);
+  } else {
+    cudaStreamSynchronize(stream_);  // no event: order by waiting
+  }
+  cudaGetLastError();
+  if (prev >= 0) cudaSetDevice(prev);
 }
 
 void stream_destroy(CUstream_st* s, int device) noexcept {
