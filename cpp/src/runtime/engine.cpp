@@ -329,14 +329,7 @@ EngineMetrics Engine::metrics() const {
   EngineMetrics m = impl_->scheduler ? impl_->scheduler->metrics() : EngineMetrics{};
   if (impl_->core.target) {
     runtime::GraphStats g = impl_->core.target->graph_stats();
-    if (impl_->core.drafter) {  // the device drafter's graphs count too
-      const runtime::GraphStats d = impl_->core.drafter->graph_stats();
-      g.captured += d.captured;
-      g.replayed += d.replayed;
-      g.eager += d.eager;
-      g.failed += d.failed;
-      if (!d.last_failure.empty()) g.last_failure = d.last_failure;
-    }
+    if (impl_->core.drafter) g += impl_->core.drafter->graph_stats();  // the device drafter's graphs too
     m.cuda_graphs_captured = g.captured;
     m.cuda_graphs_replayed = g.replayed;
     m.cuda_graphs_eager = g.eager;

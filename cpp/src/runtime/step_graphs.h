@@ -37,6 +37,14 @@ namespace dflash2::runtime {
 struct GraphStats {
   int64_t captured = 0, replayed = 0, eager = 0, failed = 0;
   std::string last_failure;
+  GraphStats& operator+=(const GraphStats& o) {  // the counts add up; a later failure's reason wins
+    captured += o.captured;
+    replayed += o.replayed;
+    eager += o.eager;
+    failed += o.failed;
+    if (!o.last_failure.empty()) last_failure = o.last_failure;
+    return *this;
+  }
 };
 
 class ForwardGraphs {
