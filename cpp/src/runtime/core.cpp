@@ -111,12 +111,6 @@ void Core::check_rows(int64_t rows) {
   }
 }
 
-const int32_t* Core::nonfinite_rows(int64_t rows) {
-  check_rows(rows);
-  if (device.is_cuda() && rows > 0) download_results();
-  return flags.data_as<const int32_t>();
-}
-
 void Core::sample_rows(int64_t R) {
   if (R <= 0) return;
   Tensor lg = logits.slice(0, 0, R);

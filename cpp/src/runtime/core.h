@@ -45,10 +45,9 @@ struct Core {
 
   // Allocates the step buffers for the target / drafter already set.
   void allocate_buffers();
-  // Flags (1 = NaN or Inf present) of the first `rows` logits rows.
-  const int32_t* nonfinite_rows(int64_t rows);
-  // The same flags, computed but (CUDA) brought back only with the next sample_rows /
-  // accept_rows, which fill `flags` then: one copy for the whole step.
+  // Flags (1 = NaN or Inf present) of the first `rows` logits rows, into `flags`: at once on
+  // the CPU; on CUDA they come back with the next sample_rows / accept_rows (one copy for
+  // the whole step), and `flags` is valid after that.
   void check_rows(int64_t rows);
   // s_out[0 .. R) = a token per logits row from sampling rows [0, R) (s_temp .. s_rng).
   void sample_rows(int64_t R);

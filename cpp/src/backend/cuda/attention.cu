@@ -79,7 +79,6 @@
 #include <cuda_runtime.h>
 
 #include <algorithm>
-#include <atomic>
 #include <cmath>
 #include <cstdint>
 #include <map>
@@ -90,6 +89,7 @@
 #include "backend/cuda/attention_index.h"
 #include "backend/cuda/cuda_api.h"
 #include "backend/cuda/cuda_check.cuh"
+#include "backend/cuda/device_attr.cuh"
 #include "backend/cuda/kernel_util.cuh"
 #include "backend/cuda/scratch.h"
 #include "dflash2/error.h"
@@ -857,18 +857,6 @@ void indexer_topk(const Tensor& q, const Tensor& w, const Tensor& key_cache, con
 
 // ------------------------------------------------------------------ mla_attention
 namespace {
-int sm_count(int device) {
-  static std::atomic<int> cache[64] = {};
-  if (device >= 0 && device < 64) {
-    const int v = cache[device].load(std::memory_order_relaxed);
-    if (v > 0) return v;
-  }
-  int n = 0;
-  DFLASH2_CUDA_CHECK(cudaDeviceGetAttribute(&n, cudaDevAttrMultiProcessorCount, device));
-  if (device >= 0 && device < 64) cache[device].store(n, std::memory_order_relaxed);
-  return n;
-}
-
 template <int HG, int DPT>
 void launch_mla(const Tensor& q_lat, const Tensor& q_pe, const Tensor& cache, const Tokens& tk, const Tensor& sel,
                 const Tensor& sel_len, float scale, Tensor& out, const MlaShape& sh, int device, const MlaSplit& sp) {
@@ -954,7 +942,7 @@ void mla_attention(const Tensor& q_lat, const Tensor& q_pe, const Tensor& cache,
   const int64_t max_keys = sel_len.defined() ? std::min<int64_t>(sel.shape(1), cap) : cap;
   const int64_t nseg = (max_keys + kMlaSeg - 1) / kMlaSeg;
   const int64_t part_bytes = T * nh * nseg * (kvl * 4 + 4 + 8);
-  const bool split = nseg >= 2 && T * ((nh + 15) / 16) < sm_count(device) && nseg <= 65535 &&
+  const bool split = nseg >= 2 && T * ((nh + 15) / 16) < detail::sm_count(device) && nseg <= 65535 &&
                      part_bytes <= (int64_t(64) << 20);
   MlaSplit sp;
   if (split) {

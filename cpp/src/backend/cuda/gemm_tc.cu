@@ -23,13 +23,13 @@
 #include <cuda_bf16.h>
 #include <cuda_runtime.h>
 
-#include <atomic>
 #include <cstdint>
 #include <string>
 
 #include "backend/cuda/cuda_api.h"
 #include "backend/cuda/cuda_check.cuh"
 #include "backend/cuda/cutlass/bf16_gemm.h"
+#include "backend/cuda/device_attr.cuh"
 #include "backend/cuda/kernel_util.cuh"
 #include "backend/cuda/scratch.h"
 #include "backend/cuda/weight_view.cuh"
@@ -82,21 +82,6 @@ using detail::WeightView;
 using detail::WFmt;
 
 constexpr int kThreads = 256;
-
-// major * 10 + minor of `device`, queried once.
-int device_sm(int device) {
-  static std::atomic<int> cache[64] = {};
-  if (device >= 0 && device < 64) {
-    const int v = cache[device].load(std::memory_order_relaxed);
-    if (v > 0) return v;
-  }
-  int major = 0, minor = 0;
-  DFLASH2_CUDA_CHECK(cudaDeviceGetAttribute(&major, cudaDevAttrComputeCapabilityMajor, device));
-  DFLASH2_CUDA_CHECK(cudaDeviceGetAttribute(&minor, cudaDevAttrComputeCapabilityMinor, device));
-  const int sm = major * 10 + minor;
-  if (device >= 0 && device < 64) cache[device].store(sm, std::memory_order_relaxed);
-  return sm;
-}
 
 int64_t round_up(int64_t v, int64_t m) { return (v + m - 1) / m * m; }
 
@@ -153,7 +138,7 @@ void convert_weight(const WeightView& v, int64_t Np, int64_t Kp, __nv_bfloat16* 
 
 bool linear_bf16_supported(int device) {
   if (device < 0 || device >= device_count()) return false;  // no such GPU (or no driver)
-  return tc::bf16_gemm_built_for(device_sm(device));
+  return tc::bf16_gemm_built_for(detail::compute_capability(device));
 }
 
 void linear_bf16(const Tensor& x, const ops::Weight& w, Tensor& y, bool accumulate) {
@@ -176,7 +161,7 @@ void linear_bf16(const Tensor& x, const ops::Weight& w, Tensor& y, bool accumula
   DFLASH2_CHECK_ARG(M <= 1 || y.stride(0) >= N, "cuda::linear_bf16: the rows of 'y' overlap (row stride ",
                     y.stride(0), " < ", N, ")");
   detail::DeviceGuard guard(device);
-  const int sm = device_sm(device);
+  const int sm = detail::compute_capability(device);
   if (!tc::bf16_gemm_built_for(sm))
     fail(ErrorKind::Unsupported, "cuda::linear_bf16: this build has no tensor-core GEMM for sm_", sm, " on cuda:",
          device, " (CUTLASS kernels are built for sm_90a and sm_100a / sm_103a when those are in DFLASH2_CUDA_ARCHS "

@@ -4,10 +4,10 @@
 #pragma once
 #include <cuda_runtime.h>
 
-#include <atomic>
 #include <string>
 
 #include "backend/cuda/cutlass/bf16_gemm.h"
+#include "backend/cuda/device_attr.cuh"
 #include "cute/tensor.hpp"
 #include "cutlass/cutlass.h"
 #include "cutlass/epilogue/collective/collective_builder.hpp"
@@ -43,19 +43,6 @@ struct Bf16GemmOf {
   using Gemm = cutlass::gemm::device::GemmUniversalAdapter<Kernel>;
 };
 
-// SMs of the current device, queried once per device (a host query per GEMM would add a
-// driver call to every launch).
-inline int sm_count(int device) {
-  static std::atomic<int> cache[64] = {};
-  if (device < 0 || device >= 64) return cutlass::KernelHardwareInfo::query_device_multiprocessor_count(device);
-  int n = cache[device].load(std::memory_order_relaxed);
-  if (n <= 0) {
-    n = cutlass::KernelHardwareInfo::query_device_multiprocessor_count(device);
-    cache[device].store(n, std::memory_order_relaxed);
-  }
-  return n;
-}
-
 template <class Gemm>
 typename Gemm::Arguments make_arguments(const Bf16GemmArgs& a) {
   using Kernel = typename Gemm::GemmKernel;
@@ -80,7 +67,7 @@ typename Gemm::Arguments make_arguments(const Bf16GemmArgs& a) {
   cudaGetDevice(&device);
   cutlass::KernelHardwareInfo hw;
   hw.device_id = device;
-  hw.sm_count = sm_count(device);
+  hw.sm_count = ::dflash2::cuda::detail::sm_count(device);
   typename Gemm::Arguments args{cutlass::gemm::GemmUniversalMode::kGemm,
                                 {a.M, a.N, a.K, 1},
                                 {static_cast<const ElementA*>(a.a), sa, static_cast<const ElementB*>(a.b), sb},
