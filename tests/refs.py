@@ -50,6 +50,40 @@ def quantize_fp8_block128(w: np.ndarray):
     return q, scale
 
 
+def fp8_quantize_act(x: np.ndarray):
+    """linear_fp8's activation side (ops.h fp8_quantize_act), written independently: per row
+    and block of 128 inputs, sa = float32(amax) / 448 (one fp32 division), codes =
+    e4m3(float32(x / sa)) (torch's round-to-nearest-even conversion). Returns (codes as
+    float64 [M, K], sa float32 [M, ceil(K / 128)]); amax = 0 gives sa = 0 and codes 0."""
+    x = np.asarray(x, np.float32)
+    m, k = x.shape
+    nb = -(-k // 128)
+    sa = np.zeros((m, nb), np.float32)
+    codes = np.zeros((m, k), np.float64)
+    for b in range(nb):
+        blk = x[:, b * 128:(b + 1) * 128]
+        s = (np.abs(blk).max(1) / np.float32(448)).astype(np.float32)
+        sa[:, b] = s
+        safe = np.where(s == 0, np.float32(1), s).astype(np.float32)
+        q = fp8_e4m3_to_f64(f32_to_fp8_e4m3((blk / safe[:, None]).astype(np.float32)))
+        codes[:, b * 128:(b + 1) * 128] = np.where(s[:, None] == 0, 0.0, q)
+    return codes, sa
+
+
+def linear_fp8(x: np.ndarray, w_u8: np.ndarray, w_scale: np.ndarray) -> np.ndarray:
+    """float64 [M, N]: sum over 128-input blocks of (x codes . w codes) * float32(sa * sw)."""
+    codes, sa = fp8_quantize_act(x)
+    wq = fp8_e4m3_to_f64(w_u8)
+    n, k = wq.shape
+    out = np.zeros((x.shape[0], n), np.float64)
+    sw = np.repeat(np.asarray(w_scale, np.float32), 128, 0)[:n]  # [N, nb]
+    for b in range(sa.shape[1]):
+        p = codes[:, b * 128:(b + 1) * 128] @ wq[:, b * 128:(b + 1) * 128].T
+        s = (sa[:, b][:, None] * sw[:, b][None, :]).astype(np.float32)
+        out += p * s.astype(np.float64)
+    return out
+
+
 def quantize_nvfp4(w: np.ndarray):
     n, k = w.shape
     g = max(float(np.abs(w).max()) / (6 * 448), 1e-12)

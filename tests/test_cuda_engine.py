@@ -34,6 +34,9 @@ KW = dict(max_batch_size=4, max_seq_len=256, prefill_gemm="exact")
 # the bf16 comparison's token check: the reference margins come from exact logits
 # (Engine.logits), which differ from bf16 prefill's by BF16 rounding, not fp32 order
 REL_BF16 = 5e-3
+# the same for fp8 prefill (W8A8): exact logits differ from it by the activations' E4M3
+# rounding (~3% per element before the sums average it out)
+REL_FP8 = 3e-2
 
 
 def close(got, ref, what, rel=REL):
@@ -237,6 +240,30 @@ def test_bf16_prefill_on_cuda(zoo):
     spec = mtp.generate(prompts, max_new_tokens=12, stop_token_ids=NO_STOP)
     for i, (s, g) in enumerate(zip(spec, got)):
         assert list(s.token_ids) == list(g.token_ids), f"mtp != ar on the GPU with bf16 prefill, prompt {i}"
+
+
+def test_fp8_prefill_on_cuda(zoo):
+    """prefill_gemm="fp8" on an FP8 block-128 checkpoint (sm_90a: the W8A8 CUTLASS kernel):
+    "auto" resolves to it, greedy tokens equal the CPU's emulation of the same numerics
+    (where the logit margin exceeds the FP8 tensor cores' in-block rounding), and MTP on
+    the GPU equals AR on the GPU exactly."""
+    if not dflash2_rt.ops.linear_fp8_available("cuda:0"):
+        pytest.skip("this build has no FP8 block-128 CUTLASS GEMM for this GPU's architecture (sm_90a only)")
+    quant = ("fp8", "all")
+    path = zoo.path("tiny", quant=quant)
+    assert dflash2_rt.Engine(target=path, method="ar", device="cuda", max_batch_size=1,
+                             max_seq_len=64).prefill_gemm == "fp8"
+    cpu = zoo.engine("tiny", "cpu", quant=quant, prefill_gemm="fp8")
+    gpu = zoo.engine("tiny", "cuda", quant=quant, prefill_gemm="fp8")
+    mtp = zoo.engine("tiny", "cuda", method="mtp", quant=quant, prefill_gemm="fp8")
+    prompts = [gf.prompt(890 + i, n) for i, n in enumerate((3, 11, 40, 130))]
+    want = cpu.generate(prompts, max_new_tokens=12, stop_token_ids=NO_STOP)
+    got = gpu.generate(prompts, max_new_tokens=12, stop_token_ids=NO_STOP)
+    for i, (g, w) in enumerate(zip(got, want)):
+        same_tokens(cpu, prompts[i], g.token_ids, w.token_ids, f"fp8 prefill prompt {i}", rel=REL_FP8)
+    spec = mtp.generate(prompts, max_new_tokens=12, stop_token_ids=NO_STOP)
+    for i, (s, g) in enumerate(zip(spec, got)):
+        assert list(s.token_ids) == list(g.token_ids), f"mtp != ar on the GPU with fp8 prefill, prompt {i}"
 
 
 def test_tensor_parallel_on_gpus(zoo):

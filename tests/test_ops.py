@@ -26,7 +26,7 @@ DEVICES = ["cpu", "cuda"]
 CUDA_OPS = {"rms_norm", "layer_norm", "rope", "silu_mul", "softmax", "embedding", "copy", "add", "gather_rows",
             "argmax", "check_finite", "cache_write", "dyn_conv", "indexer_topk", "mla_attention", "block_attention",
             "moe_route", "moe_experts", "topk", "selector_walk", "linear", "linear_heads", "embedding_shard",
-            "linear_bf16"}
+            "linear_bf16", "linear_fp8", "fp8_quantize_act"}
 GUARD = 64
 SENTINEL = np.float32(-12345.678)
 ISENTINEL = np.int32(-777777)
@@ -37,6 +37,11 @@ TOL = {
     # vs float64 over the same BF16-rounded operands: fp32 summation order only (CPU), or
     # the tensor cores' fp32 accumulation (CUDA); not rounding x gives ~1e-6
     "linear_bf16": 1e-10,
+    # vs float64 over the same E4M3 codes and fp32 block-scale products: the CPU's fp32 block
+    # sums and fused accumulation; the GPU's FP8 tensor-core sums inside a block carry fewer
+    # bits (DeepSeek-V3 reports ~14), so its bound is wider. Not quantizing x gives ~1e-3.
+    "linear_fp8": 1e-10,  # [2.4e-15]
+    "linear_fp8_cuda": 1e-6,
     "rms_norm": 1e-12,
     "layer_norm": 1e-12,
     "rope": 1e-12,
@@ -73,6 +78,8 @@ def need_device(dev, op):
             pytest.skip(f"{op} is not implemented on the CUDA backend yet")
         if op == "linear_bf16" and not ops.linear_bf16_available("cuda:0"):
             pytest.skip("this build has no CUTLASS tensor-core GEMM for this GPU's architecture")
+        if op == "linear_fp8" and not ops.linear_fp8_available("cuda:0"):
+            pytest.skip("this build has no FP8 block-128 CUTLASS GEMM for this GPU's architecture (sm_90a only)")
 
 
 def to_dev(a, dev):
@@ -303,6 +310,125 @@ def test_linear_bf16_errors_and_availability():
         ops.linear_bf16(np.zeros((2, 8), np.float32), w, out=np.zeros((2, 5), np.float32))
     assert ops.linear_bf16_available("cpu")
     assert "cpu" in dflash2_rt.build_info()["ops"]["linear_bf16"]
+
+
+# ----------------------------------------------------------------------------- linear_fp8
+# One and two 128-input blocks, K tails that are not multiples of 16 (the padded copy), N
+# tails across a 128-row weight block and not a multiple of 4, M not a multiple of 4 and
+# above one 128-row tile.
+FP8_SHAPES = [(1, 128, 32), (3, 100, 17), (5, 129, 33), (8, 256, 96), (130, 256, 72), (64, 136, 200), (3, 70, 66),
+              (4, 384, 130)]
+
+
+def fp8_weight(n, k, rng):
+    w = rng.standard_normal((n, k)).astype(np.float32) * 0.1
+    q, s = refs.quantize_fp8_block128(w)
+    return ops.Weight.fp8_block128(torch.from_numpy(q).view(torch.float8_e4m3fn), s), q, s
+
+
+def fp8_inputs(m, k, rng):
+    """Rows with a wide dynamic range: per-block amax from ~1e-3 to ~1e2, an all-zero block
+    and values that land in E4M3's subnormal range once scaled."""
+    x = rng.standard_normal((m, k)).astype(np.float32)
+    x *= (10.0 ** rng.uniform(-3, 2, (m, 1))).astype(np.float32)
+    if m > 1 and k > 128:
+        x[1, :128] = 0.0
+    if m > 2:
+        x[2, ::7] *= np.float32(1e-4)
+    return x
+
+
+@pytest.mark.parametrize("dev", DEVICES)
+def test_fp8_quantize_act(dev):
+    """Bitwise: the CPU and CUDA kernels against an independent numpy/torch quantizer."""
+    need_device(dev, "fp8_quantize_act")
+    for (m, k) in [(1, 128), (3, 200), (5, 129), (4, 1), (2, 384), (7, 1000)]:
+        rng = rng_for("fp8q", m, k)
+        x = fp8_inputs(m, k, rng)
+        codes, sa = refs.fp8_quantize_act(x)
+        want = (codes * np.repeat(sa, 128, 1)[:, :k].astype(np.float64)).astype(np.float32)
+        out = Guarded((m, k), dev)
+        ops.fp8_quantize_act(to_dev(x, dev), out=out.view)
+        got = out.result()
+        assert np.array_equal(got, want), f"[{m}, {k}]: {np.abs(got - want).max()}"
+        # E4M3 has 3 mantissa bits: each value within half a step (2^-4 relative, or the
+        # subnormal step 2^-9 sa)
+        step = np.maximum(np.abs(x) * 2.0 ** -4, np.repeat(sa, 128, 1)[:, :k] * 2.0 ** -9)
+        assert (np.abs(got.astype(np.float64) - x) <= step * 1.0001).all()
+    # a non-finite input poisons its own block only
+    x = np.ones((2, 300), np.float32)
+    x[0, 5], x[1, 290] = np.nan, np.inf
+    got = to_np(ops.fp8_quantize_act(to_dev(x, dev)))
+    assert np.isnan(got[0, :128]).all() and np.isnan(got[1, 256:]).all()
+    assert np.isfinite(got[0, 128:]).all() and np.isfinite(got[1, :256]).all()
+
+
+@pytest.mark.parametrize("dev", DEVICES)
+def test_linear_fp8(dev):
+    need_device(dev, "linear_fp8")
+    for (m, k, n) in FP8_SHAPES:
+        rng = rng_for("linear_fp8", m, k, n)
+        w, q, s = fp8_weight(n, k, rng)
+        x = fp8_inputs(m, k, rng)
+        out = Guarded((m, n), dev)
+        ops.linear_fp8(to_dev(x, dev), w if dev == "cpu" else w.to(dev), out=out.view)
+        got = out.result()
+        check("linear_fp8", got, refs.linear_fp8(x, q, s), TOL["linear_fp8_cuda" if dev == "cuda" else "linear_fp8"])
+        # the activations really are quantized: far from the exact GEMM over the same weight
+        assert nmse(got, x.astype(np.float64) @ refs.dequant_fp8_block128(q, s).T) > 1e-6, (m, k, n)
+
+
+@pytest.mark.parametrize("dev", DEVICES)
+def test_linear_fp8_rows_independent_of_batch(dev):
+    """The same contract as linear: a row alone, and in slices, bitwise equal to the batch."""
+    need_device(dev, "linear_fp8")
+    rng = rng_for("fp8rows")
+    n, k, m = 72, 200, 150
+    w, _, _ = fp8_weight(n, k, rng)
+    w = w if dev == "cpu" else w.to(dev)
+    x = fp8_inputs(m, k, rng)
+    full = to_np(ops.linear_fp8(to_dev(x, dev), w)).copy()
+    for i in (0, 1, 63, 64, 127, 128, 149):
+        one = to_np(ops.linear_fp8(to_dev(x[i:i + 1], dev), w))
+        assert np.array_equal(one[0], full[i]), f"row {i} differs when computed alone"
+    for j in (0, 5, 120):
+        part = to_np(ops.linear_fp8(to_dev(x[j:j + 17], dev), w))
+        assert np.array_equal(part, full[j:j + 17]), f"rows {j}..{j + 16}"
+
+
+@pytest.mark.parametrize("dev", DEVICES)
+@pytest.mark.parametrize("ypad", [0, 1])
+def test_linear_fp8_accumulate_strided_rows_and_sliced_weight(dev, ypad):
+    """x rows strided, y accumulated into a strided view, and the weight a column slice of a
+    wider one (tensor parallelism: its codes and scales strided)."""
+    need_device(dev, "linear_fp8")
+    rng = rng_for("fp8acc", ypad)
+    wfull, q, s = fp8_weight(40, 384, rng)
+    wc = wfull.cols(128, 384)
+    w = wc if dev == "cpu" else wc.to(dev)
+    xbig = fp8_inputs(6, 300, rng)
+    x = xbig[:, 20:276]
+    y0 = rng.standard_normal((6, 40 + ypad)).astype(np.float32)
+    ybuf = to_dev(y0.copy(), dev)
+    y = ybuf.slice(1, 0, 40)
+    ops.linear_fp8(to_dev(np.ascontiguousarray(xbig), dev).slice(1, 20, 276), w, out=y, accumulate=True)
+    got = to_np(ybuf)
+    tol = TOL["linear_fp8_cuda" if dev == "cuda" else "linear_fp8"]
+    check("linear_fp8", got[:, :40] - y0[:, :40], refs.linear_fp8(x, q[:, 128:], s[:, 1:]), max(tol, 1e-9))
+    assert np.array_equal(got[:, 40:], y0[:, 40:]), "wrote outside y's columns"
+
+
+def test_linear_fp8_errors_and_availability():
+    w = ops.Weight.dense(np.zeros((4, 8), np.float32), "blk.w")
+    with pytest.raises(dflash2_rt.InvalidArgumentError, match=r"linear_fp8\(blk.w\): the weight must be FP8"):
+        ops.linear_fp8(np.zeros((2, 8), np.float32), w)
+    wf, _, _ = fp8_weight(4, 8, rng_for("fp8err"))
+    with pytest.raises(dflash2_rt.InvalidArgumentError, match=r"x has 7 features"):
+        ops.linear_fp8(np.zeros((2, 7), np.float32), wf)
+    assert ops.linear_fp8_available("cpu")
+    assert "cpu" in dflash2_rt.build_info()["ops"]["linear_fp8"]
+    with pytest.raises(ValueError, match="out"):
+        ops.fp8_quantize_act(np.zeros((2, 8), np.float32), out=np.zeros((2, 9), np.float32))
 
 
 # ----------------------------------------------------------------------------- norms

@@ -278,6 +278,8 @@ def test_bf16_prefill_is_lossless(world, ar_greedy):
     to exact prefill's (only near-ties may flip)."""
     assert _engine(world.target).prefill_gemm == "exact"  # "auto" on the CPU
     with pytest.raises(dflash2_rt.InvalidArgumentError, match="prefill_gemm"):
+        _engine(world.target, prefill_gemm="fp4")
+    with pytest.raises(dflash2_rt.ConfigError, match="FP8 block-128 checkpoint"):
         _engine(world.target, prefill_gemm="fp8")
     ar = _engine(world.target, prefill_gemm="bf16")
     assert ar.prefill_gemm == "bf16"
@@ -300,6 +302,43 @@ def test_bf16_prefill_is_lossless(world, ar_greedy):
                     assert list(r.token_ids) == want[i], f"{key}, bf16 prefill, batch size {bs}, prompt {i}"
     same_first = sum(w[0] == e[0] for w, e in zip(want, ar_greedy))
     assert same_first >= (3 * n) // 4, f"bf16 prefill changed the first token of {n - same_first} of {n} prompts"
+
+
+def test_fp8_prefill_is_lossless(world, tmp_path):
+    """prefill_gemm="fp8" on an FP8 block-128 checkpoint: the prompt tokens' FP8 projections
+    run W8A8 (activations quantized per 128 inputs: CUTLASS on sm_90a, here the CPU's
+    emulation), the others bf16. Generated tokens decode exact, so speculative == AR holds
+    at every batch size; and the prompt states really differ from exact prefill's."""
+    from dflash2_rt.tools.quantize import quantize_checkpoint
+    fp8 = str(tmp_path / "fp8")
+    quantize_checkpoint(os.fspath(world.target), fp8, "fp8", "all")
+    assert _engine(fp8).prefill_gemm == "exact"  # "auto" on the CPU
+    ar = _engine(fp8, prefill_gemm="fp8")
+    assert ar.prefill_gemm == "fp8"
+    n = len(GREEDY_PROMPTS)
+
+    def greedy(e):
+        out = []
+        for i in range(0, n, MAXB):
+            out += [list(r.token_ids) for r in e.generate(GREEDY_PROMPTS[i:i + MAXB], max_new_tokens=GREEDY_NEW,
+                                                          stop_token_ids=NO_STOP)]
+        return out
+
+    want = greedy(ar)
+    exact = greedy(_engine(fp8, prefill_gemm="exact"))
+    assert any(w != e for w, e in zip(want, exact)), "fp8 prefill changed no continuation: is it really quantizing?"
+    keys = ["d2"] + (["mtp"] if _has_mtp(world) else [])
+    for key in keys:
+        eng = (_engine(fp8, None, "mtp", prefill_gemm="fp8") if key == "mtp"
+               else _engine(fp8, world.draft(key), "dflash2", prefill_gemm="fp8"))
+        for bs in (1, 3):
+            order = [(i * 5 + bs) % n for i in range(n)]
+            for j in range(0, n, bs):
+                idx = order[j:j + bs]
+                res = eng.generate([GREEDY_PROMPTS[i] for i in idx], max_new_tokens=GREEDY_NEW,
+                                   stop_token_ids=NO_STOP)
+                for i, r in zip(idx, res):
+                    assert list(r.token_ids) == want[i], f"{key}, fp8 prefill, batch size {bs}, prompt {i}"
 
 
 @pytest.mark.parametrize("key", ["d2", "d2_sw", "d1_causal", "mtp"])

@@ -14,7 +14,8 @@
 // the same shape and the ratio cuBLASLt time / our time (the goal: >= 0.90; for
 // memory-bound ops: >= 0.85 of the copy bandwidth). linear_bf16 (the prompt chunks'
 // tensor-core GEMM) runs at prefill sizes T in {256, 1024, 4096} ({256, 1024} with --quick)
-// against cuBLASLt's BF16 GEMM.
+// against cuBLASLt's BF16 GEMM, and linear_fp8 (FP8 checkpoints' W8A8 prefill GEMM, sm_90a)
+// at the same sizes against cuBLASLt's block-scaled FP8 GEMM.
 //
 // L2: a weight that fits in L2 would be re-read from L2 by back-to-back calls, unlike in a
 // model step, where every layer has its own weights. Cases whose operands are small keep
@@ -843,6 +844,7 @@ void bench_linear_tc(Bench& b, const std::vector<int64_t>& Ts, int major) {
     std::printf("linear_bf16: no tensor-core GEMM for this device in this build (skipped)\n");
     return;
   }
+  const bool fp8_ok = ops::linear_fp8_available(on_gpu() ? Device::cuda(0) : Device::cpu());
   const std::vector<Proj> ps = {
       {"q_a_proj", G.q_lora, G.hidden, true, false},
       {"q_b_proj h16", 16 * G.qk(), G.q_lora, true, false},
@@ -858,7 +860,15 @@ void bench_linear_tc(Bench& b, const std::vector<int64_t>& Ts, int major) {
       for (int64_t T : Ts)
         gemm_case(b, Result{"linear_bf16", p.name + " " + dims({p.N, p.K}), fmt_name(f), "prefill chunk", T}, p, f,
                   Fmt::BF16, T, major, &ops::linear_bf16);
+    // FP8 checkpoints' W8A8 GEMM (prefill_gemm="fp8"; sm_90a): the activation quantization
+    // is in our time; the baseline is cuBLASLt's block-scaled FP8 GEMM on the same shape
+    // (per-tensor scales where it offers no block scaling: said in cublaslt_kind).
+    if (fp8_ok)
+      for (int64_t T : Ts)
+        gemm_case(b, Result{"linear_fp8", p.name + " " + dims({p.N, p.K}), fmt_name(Fmt::FP8), "prefill chunk", T},
+                  p, Fmt::FP8, Fmt::FP8, T, major, &ops::linear_fp8);
   }
+  if (!fp8_ok) std::printf("linear_fp8: no FP8 block-128 tensor-core GEMM for this device in this build (skipped)\n");
 }
 
 void bench_linear_heads(Bench& b, const std::vector<int64_t>& Ts, int major) {

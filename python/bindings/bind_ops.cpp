@@ -93,13 +93,17 @@ void bind_ops(py::module_& m) {
         return w.dequantize();
       })
       .def_property_readonly("device", [](const ops::Weight& w) { return w.data.device().str(); })
+      .def("rows", &ops::Weight::rows, py::arg("begin"), py::arg("end"),
+           "A view of output rows [begin, end) (a quantization block may not be split).")
+      .def("cols", &ops::Weight::cols, py::arg("begin"), py::arg("end"),
+           "A view of input columns [begin, end) (a quantization block may not be split).")
       .def("to", [](const ops::Weight& w, const std::string& device) {
         const Device d = parse_device(device);
         py::gil_scoped_release nogil;
         return w.to(d);
       }, py::arg("device"), "The weight with its data and scales copied (contiguous) to device ('cpu', 'cuda:N').");
 
-  // linear and linear_bf16: the same signature, two numerics
+  // linear, linear_bf16 and linear_fp8: the same signature, three numerics
   auto bind_linear = [&o](const char* name, void (*fn)(const Tensor&, const ops::Weight&, Tensor&, bool),
                           const char* doc) {
     o.def(
@@ -121,6 +125,12 @@ void bind_ops(py::module_& m) {
               "sm_90a / sm_100a / sm_103a, emulated on the CPU).");
   o.def("linear_bf16_available", [](const std::string& dev) { return ops::linear_bf16_available(Device::parse(dev)); },
         py::arg("device"), "Whether linear_bf16 runs on this device in this build.");
+  bind_linear("linear_fp8", &ops::linear_fp8,
+              "FP8 block-128 W8A8: x quantized per 128 inputs to E4M3 (scale amax / 448), per-block E4M3 dot "
+              "products scaled by the activation and weight block scales, fp32 accumulation (CUTLASS wgmma on "
+              "sm_90a, emulated on the CPU). The weight must be FP8 block-128.");
+  o.def("linear_fp8_available", [](const std::string& dev) { return ops::linear_fp8_available(Device::parse(dev)); },
+        py::arg("device"), "Whether linear_fp8 runs on this device in this build.");
 
   o.def(
       "rms_norm",
@@ -334,6 +344,21 @@ void bind_ops(py::module_& m) {
       py::arg("x"), py::arg("input_scale"), py::arg("out") = py::none(),
       "F32 [M, K]: x quantized to NVFP4 per 16 inputs (E4M3 block scale, E2M1 values, round to nearest even) "
       "and dequantized, as a Blackwell W4A4 GEMM sees its activations.");
+
+  o.def(
+      "fp8_quantize_act",
+      [](py::handle x, py::handle out) {
+        Tensor xt = tensor_from_python(x, "x");
+        Tensor ot = out_or_new(out, DType::F32, {dim_or0(xt, 0), dim_or0(xt, 1)}, xt.device());
+        {
+          py::gil_scoped_release nogil;
+          ops::fp8_quantize_act(xt, ot);
+        }
+        return ot;
+      },
+      py::arg("x"), py::arg("out") = py::none(),
+      "F32 [M, K]: x quantized per block of 128 inputs to E4M3 (scale amax / 448, round to nearest even) and "
+      "dequantized: the activations linear_fp8 multiplies.");
 
   // ---------------------------------------------------------------- paged caches, attention
   o.def(

@@ -91,6 +91,38 @@ void linear_bf16(const Tensor& x, const Weight& w, Tensor& y, bool accumulate = 
 // kernel for its architecture was built).
 bool linear_bf16_available(Device dev);
 
+// FP8 block-128 W8A8: the GEMM that FP8 checkpoints (GLM-5-FP8 / DeepSeek-V3 layout) are
+// made for, used for prompt tokens (Engine prefill_gemm="fp8"). w must be FP8Block128 (E4M3
+// codes, one F32 scale per 128 x 128 block). Each row of x is quantized per block of 128
+// inputs (fp8_quantize_act below: scale sa = amax / 448, codes e4m3(x / sa)), then
+//   y[m, n] = sum over k-blocks b, in order, of  P_b * (sa[m, b] * sw[n / 128, b])
+// where P_b is the dot product of the E4M3 codes over block b (exact products, fp32 sums),
+// each block's term added to the fp32 accumulator with one fused multiply-add (+ y once at
+// the end when accumulating). The CPU backend emulates this (the oracle); the CUDA path runs
+// CUTLASS's blockwise-scaled wgmma kernel on sm_90a, whose FP8 tensor-core sums inside a
+// block round differently, so the two agree to a normalized error, not bitwise. A row's
+// result never depends on M or the other rows. Shapes as linear.
+void linear_fp8(const Tensor& x, const Weight& w, Tensor& y, bool accumulate = false);
+// Whether linear_fp8 runs on `dev` in this build (the CPU always; a GPU when the CUTLASS
+// kernel for its architecture was built: sm_90a).
+bool linear_fp8_available(Device dev);
+// The activation side of linear_fp8, dequantized: per row of x F32 [M, K], per block of 128
+// inputs (the last block may be shorter), with amax the block's largest |x| (fp32):
+//   sa = amax / 448;  q_i = e4m3(x_i / sa)  (round to nearest even, saturating at 448);
+//   out_i = q_i * sa                        (amax = 0: the block is zeros)
+// out F32 [M, K] (may be x). A non-finite input makes its block NaN.
+void fp8_quantize_act(const Tensor& x, Tensor& out);
+
+// The GEMM numerics of prompt tokens (GlmModel::Options::prefill, Engine prefill_gemm).
+enum class GemmNumerics : uint8_t {
+  Exact,  // linear
+  BF16,   // linear_bf16
+  FP8,    // linear_fp8 for FP8Block128 weights, linear_bf16 for every other weight
+};
+const char* gemm_numerics_name(GemmNumerics g);  // "exact", "bf16", "fp8"
+// linear / linear_bf16 / linear_fp8 as `g` says for this weight.
+void linear_as(GemmNumerics g, const Tensor& x, const Weight& w, Tensor& y, bool accumulate = false);
+
 // NVFP4 activation quantization as a Blackwell W4A4 GEMM applies it (the CPU emulation that
 // gives the NVFP4 tensor-core path its reference: W4A4 = linear(nvfp4_quantize_act(x), w)).
 // Per row of x F32 [M, K] (K % 16 == 0), per block of 16 inputs, with g = 1 / input_scale
@@ -119,9 +151,10 @@ void rope(Tensor& x, const Tensor& positions, double theta, RopeStyle style);
 // out = silu(gate) * up, elementwise over [.., F].
 void silu_mul(const Tensor& gate, const Tensor& up, Tensor& out);
 // out[M, D] = down(silu(gate x) * up x); scratch must hold 2*M*F floats (F = gate.out_features).
-// bf16: the three projections run as linear_bf16 (prompt tokens), else as linear.
+// The three projections run as linear_as(numerics, ...) (prompt tokens may take the
+// tensor-core numerics; decode / verify rows always run Exact).
 void gated_mlp(const Tensor& x, const Weight& gate, const Weight& up, const Weight& down,
-               Tensor& out, Tensor& scratch, bool bf16 = false);
+               Tensor& out, Tensor& scratch, GemmNumerics numerics = GemmNumerics::Exact);
 
 // Row-wise softmax of scale * x over the last dim (F32).
 void softmax(const Tensor& x, Tensor& out, float scale = 1.0f);

@@ -416,18 +416,28 @@ void GlmModel::to_device(Device dev, const std::function<void(size_t, size_t)>& 
 
 bool GlmModel::mtp_has_indexer() const { return mtp_ && mtp_->attn.indexer; }
 
+bool GlmModel::has_fp8_weights() const {
+  auto fp8 = [](const Weight& w) { return w.format == ops::WeightFormat::FP8Block128; };
+  for (const auto& L : layers_) {
+    const Attn& a = L->attn;
+    if (fp8(a.q_a) || fp8(a.q_b) || fp8(a.kv_a) || fp8(a.o) || fp8(L->mlp.gate) || fp8(L->mlp.up) || fp8(L->mlp.down))
+      return true;
+  }
+  return false;
+}
+
 // ------------------------------------------------------------------ one decoder layer
 void GlmModel::layer_forward(const Layer& L, const Tensor& latent, const Tensor& index_keys, const TokenBatch& tb,
-                             Bufs& b, Tensor& h, bool& have_sel, bool tc) {
+                             Bufs& b, Tensor& h, bool& have_sel, ops::GemmNumerics tc) {
   const GlmConfig& c = cfg_;
   const int64_t T = tb.T, nh = c.num_heads / opt_.tp_size, qk = c.qk_head_dim(), nope = c.qk_nope_head_dim,
                 rope = c.qk_rope_head_dim, kvl = c.kv_lora_rank, lat = c.latent_dim();
   const bool tp = opt_.tp_size > 1;
   const Attn& a = L.attn;
   const Tensor& positions = tb.paged.pos;
-  // prompt chunks with prefill_bf16: the projections on the tensor-core numerics
+  // prompt chunks with Options::prefill: the projections on the tensor-core numerics
   auto lin = [tc](const Tensor& x, const ops::Weight& w, Tensor& y, bool acc = false) {
-    tc ? ops::linear_bf16(x, w, y, acc) : ops::linear(x, w, y, acc);
+    ops::linear_as(tc, x, w, y, acc);
   };
   // --- MLA projections (q_a_layernorm / kv_a_layernorm use eps 1e-6, as transformers does)
   ops::rms_norm(h, L.in_norm, c.rms_norm_eps, b.x);
@@ -539,7 +549,7 @@ void GlmModel::forward(const TokenBatch& tb, const GlmCache& cache, const Forwar
   bool have_sel = false;
   for (int64_t l = 0; l < c.num_layers; ++l) {
     layer_forward(*layers_[size_t(l)], cache.latent[size_t(l)], cache.index[size_t(l)], tb, b, h, have_sel,
-                  out.prompt && opt_.prefill_bf16);
+                  out.prompt ? opt_.prefill : ops::GemmNumerics::Exact);
     for (size_t j = 0; j < out.tap_layers.size(); ++j)
       if (out.tap_layers[j] == l) {
         Tensor dst = out.taps.slice(1, int64_t(j) * H, int64_t(j + 1) * H);

@@ -37,7 +37,7 @@ struct ForwardOutputs {
   Tensor taps;                       // F32 [T, n_taps * H]: tap j in columns [j H, (j+1) H)
   Tensor final_hidden;               // F32 [T, H]: after model.norm (the MTP layer's input)
   bool prompt = false;               // every row is a prompt token: the decoder layers'
-                                     // projections take Options::prefill_bf16's GEMM
+                                     // projections take Options::prefill's GEMM
 };
 
 struct Layer;  // weights of one decoder layer (glm_model.cpp)
@@ -53,11 +53,12 @@ class GlmModel {
     // [r E/n, (r+1) E/n)
     bool expert_parallel = false;
     // Prompt chunks (ForwardOutputs::prompt): the decoder layers' projections (MLA, indexer,
-    // o_proj, dense / shared-expert MLPs) run as ops::linear_bf16, the tensor-core numerics;
+    // o_proj, dense / shared-expert MLPs) run as ops::linear_as(prefill): the tensor-core
+    // numerics (BF16, or FP8 block-128 W8A8 for FP8 weights);
     // the router, the routed experts, the absorbed per-head products and the LM head stay
     // exact. Decode / verify rows always run ops::linear, so every generated token's
     // numerics are independent of this flag's batching (speculative == AR still holds).
-    bool prefill_bf16 = false;
+    ops::GemmNumerics prefill = ops::GemmNumerics::Exact;
   };
 
   static std::unique_ptr<GlmModel> load(const Checkpoint& ckpt, const Options& opt);
@@ -77,8 +78,11 @@ class GlmModel {
   // Tensor parallelism: the group's communicator for this rank (every rank's model runs the
   // same forward at once, in its own thread).
   void set_comm(comm::Communicator* c) { comm_ = c; }
-  // Options::prefill_bf16, decided once the device is known (Engine prefill_gemm).
-  void set_prefill_bf16(bool on) { opt_.prefill_bf16 = on; }
+  // Options::prefill, decided once the device is known (Engine prefill_gemm).
+  void set_prefill(ops::GemmNumerics g) { opt_.prefill = g; }
+  // Whether any decoder-layer projection is stored as FP8 block-128 (an FP8 checkpoint:
+  // what prefill_gemm="auto" takes W8A8 for).
+  bool has_fp8_weights() const;
 
   // The device the forward runs on (the CPU until to_device).
   Device device() const { return device_; }
@@ -103,7 +107,7 @@ class GlmModel {
  private:
   GlmModel() = default;
   void layer_forward(const Layer& L, const Tensor& latent, const Tensor& index_keys, const TokenBatch& tb, Bufs& b,
-                     Tensor& h, bool& have_sel, bool tc = false);
+                     Tensor& h, bool& have_sel, ops::GemmNumerics tc = ops::GemmNumerics::Exact);
   void embed(const Tensor& table, const TokenBatch& tb, Tensor& out);
   void project(const Tensor& rows, const ops::Weight& head, Bufs& b, Tensor& logits);
   // Calls tensor(t) / weight(w) for every parameter the forward reads (not the views

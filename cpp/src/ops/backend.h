@@ -16,6 +16,8 @@ namespace dflash2::ops {
 #define DFLASH2_BACKEND_OPS(X)                                                                                      \
   X(linear, (const Tensor& x, const Weight& w, Tensor& y, bool accumulate))                                         \
   X(linear_bf16, (const Tensor& x, const Weight& w, Tensor& y, bool accumulate))                                    \
+  X(linear_fp8, (const Tensor& x, const Weight& w, Tensor& y, bool accumulate))                                     \
+  X(fp8_quantize_act, (const Tensor& x, Tensor& out))                                                               \
   X(linear_heads, (const Tensor& x, const Tensor& w, Tensor& y))                                                     \
   X(rms_norm, (const Tensor& x, const Tensor& w, float eps, Tensor& out))                                           \
   X(nvfp4_quantize_act, (const Tensor& x, float input_scale, Tensor& out))                                         \

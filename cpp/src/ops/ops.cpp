@@ -120,6 +120,40 @@ bool linear_bf16_available(Device dev) {
   return false;
 }
 
+void linear_fp8(const Tensor& x, const Weight& w, Tensor& y, bool accumulate) {
+  check_linear("linear_fp8", x, w, y);
+  DFLASH2_CHECK_ARG(w.format == WeightFormat::FP8Block128, "linear_fp8(", w.name, "): the weight must be FP8 block-128 ",
+                    "(W8A8), found ", weight_format_name(w.format), "; use linear or linear_bf16");
+  DFLASH2_DISPATCH(linear_fp8, x, x, w, y, accumulate);
+}
+
+bool linear_fp8_available(Device dev) {
+  if (dev.is_cpu()) return true;
+#if defined(DFLASH2_WITH_CUDA) && defined(DFLASH2_WITH_CUTLASS)
+  if (dev.is_cuda()) return cuda::linear_fp8_supported(dev.index);
+#endif
+  return false;
+}
+
+const char* gemm_numerics_name(GemmNumerics g) {
+  switch (g) {
+    case GemmNumerics::Exact: return "exact";
+    case GemmNumerics::BF16: return "bf16";
+    case GemmNumerics::FP8: return "fp8";
+  }
+  return "?";
+}
+
+void linear_as(GemmNumerics g, const Tensor& x, const Weight& w, Tensor& y, bool accumulate) {
+  switch (g) {
+    case GemmNumerics::Exact: return linear(x, w, y, accumulate);
+    case GemmNumerics::BF16: return linear_bf16(x, w, y, accumulate);
+    case GemmNumerics::FP8:
+      if (w.format == WeightFormat::FP8Block128) return linear_fp8(x, w, y, accumulate);
+      return linear_bf16(x, w, y, accumulate);
+  }
+}
+
 void rms_norm(const Tensor& x, const Tensor& w, float eps, Tensor& out) {
   const char* op = "rms_norm";
   need(x, op, "x");
@@ -201,7 +235,7 @@ void silu_mul(const Tensor& gate, const Tensor& up, Tensor& out) {
 }
 
 void gated_mlp(const Tensor& x, const Weight& gate, const Weight& up, const Weight& down, Tensor& out,
-               Tensor& scratch, bool bf16) {
+               Tensor& scratch, GemmNumerics numerics) {
   const char* op = "gated_mlp";
   need_dtype(x, DType::F32, op, "x");
   DFLASH2_CHECK_ARG(x.ndim() == 2, op, ": x must be 2-D, found ", x.describe());
@@ -216,11 +250,10 @@ void gated_mlp(const Tensor& x, const Weight& gate, const Weight& up, const Weig
   Tensor flat = scratch.reshape({scratch.numel()});
   Tensor g = flat.slice(0, 0, M * F).reshape({M, F});
   Tensor u = flat.slice(0, M * F, 2 * M * F).reshape({M, F});
-  auto lin = bf16 ? &linear_bf16 : &linear;
-  lin(x, gate, g, false);
-  lin(x, up, u, false);
+  linear_as(numerics, x, gate, g, false);
+  linear_as(numerics, x, up, u, false);
   silu_mul(g, u, g);
-  lin(g, down, out, false);
+  linear_as(numerics, g, down, out, false);
 }
 
 void softmax(const Tensor& x, Tensor& out, float scale) {
@@ -424,6 +457,16 @@ void nvfp4_quantize_act(const Tensor& x, float input_scale, Tensor& out) {
   DFLASH2_CHECK_ARG(std::isfinite(input_scale) && input_scale > 0.0f, op,
                     ": input_scale must be positive and finite, found ", input_scale);
   DFLASH2_DISPATCH(nvfp4_quantize_act, x, x, input_scale, out);
+}
+
+void fp8_quantize_act(const Tensor& x, Tensor& out) {
+  const char* op = "fp8_quantize_act";
+  need_2d_rows(x, DType::F32, op, "x");
+  need_2d_rows(out, DType::F32, op, "out");
+  same_device(x, out, op);
+  DFLASH2_CHECK_ARG(out.shape(0) == x.shape(0) && out.shape(1) == x.shape(1), op, ": out ", out.describe(),
+                    " must have x's shape ", x.describe());
+  DFLASH2_DISPATCH(fp8_quantize_act, x, x, out);
 }
 
 // ------------------------------------------------------------------ paged caches

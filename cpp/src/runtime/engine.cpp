@@ -70,14 +70,16 @@ std::string method_of_drafter(const Checkpoint& dk) {
 }  // namespace
 
 namespace {
-// prefill_gemm="auto" on a GPU: one small linear_bf16 (two 128-row tiles, a K tail, a
-// dequantized F32 weight) against the CPU's emulation of the same numerics. "" when it
-// agrees (NMSE <= 1e-8), else what went wrong; a GPU whose kernel misbehaves then prefills
-// exact instead of producing wrong prompt states.
-std::string linear_bf16_self_check(Device dev) {
+// prefill_gemm="auto" on a GPU: one small tensor-core GEMM of numerics g (two 128-row
+// tiles, K and N tails: the padded paths) against the CPU's emulation of the same numerics.
+// BF16 runs a dequantized F32 weight, FP8 an FP8 block-128 one. "" when it agrees (NMSE
+// <= 1e-8 for BF16, whose only difference is the fp32 summation order; <= 1e-6 for FP8,
+// whose tensor-core sums inside a 128-input block carry fewer bits), else what went wrong:
+// a GPU whose kernel misbehaves then prefills with the previous numerics instead of
+// producing wrong prompt states.
+std::string tc_gemm_self_check(Device dev, ops::GemmNumerics g) {
   try {
-    const int64_t M = 130, K = 200, N = 72;
-    Tensor x = Tensor::empty(DType::F32, {M, K}), w = Tensor::empty(DType::F32, {N, K});
+    const int64_t M = 130, K = 200, N = 150;
     uint64_t s = 0x9e3779b97f4a7c15ull;
     auto next = [&s] {  // xorshift in [-1, 1)
       s ^= s << 13;
@@ -85,22 +87,37 @@ std::string linear_bf16_self_check(Device dev) {
       s ^= s << 17;
       return float(double(s >> 11) / double(uint64_t(1) << 52) - 1.0);
     };
+    Tensor x = Tensor::empty(DType::F32, {M, K});
     for (int64_t i = 0; i < M * K; ++i) x.data_as<float>()[i] = next();
-    for (int64_t i = 0; i < N * K; ++i) w.data_as<float>()[i] = 0.1f * next();
-    const ops::Weight wc = ops::Weight::dense(w, "self-check");
+    ops::Weight wc;
+    if (g == ops::GemmNumerics::FP8) {
+      Tensor codes = Tensor::empty(DType::F8_E4M3, {N, K}), sc = Tensor::empty(DType::F32, {(N + 127) / 128, (K + 127) / 128});
+      uint8_t* cp = static_cast<uint8_t*>(codes.data());
+      for (int64_t i = 0; i < N * K; ++i) {
+        const uint8_t c = uint8_t(uint64_t((next() + 1.0f) * 127.99f)) ^ uint8_t(next() < 0 ? 0x80 : 0);
+        cp[i] = (c & 0x7f) == 0x7f ? uint8_t(c - 1) : c;  // never the NaN codes
+      }
+      for (int64_t i = 0; i < sc.numel(); ++i) sc.data_as<float>()[i] = 1e-3f * (1.5f + next());
+      wc = ops::Weight::fp8_block128(codes, sc, "self-check");
+    } else {
+      Tensor w = Tensor::empty(DType::F32, {N, K});
+      for (int64_t i = 0; i < N * K; ++i) w.data_as<float>()[i] = 0.1f * next();
+      wc = ops::Weight::dense(w, "self-check");
+    }
     Tensor want = Tensor::empty(DType::F32, {M, N});
-    ops::linear_bf16(x, wc, want);
+    ops::linear_as(g, x, wc, want);
     Tensor yd = Tensor::empty(DType::F32, {M, N}, dev);
-    ops::linear_bf16(x.to(dev), wc.to(dev), yd);
+    ops::linear_as(g, x.to(dev), wc.to(dev), yd);
     const Tensor got = yd.to(Device::cpu());
     double err = 0, nrm = 0;
     for (int64_t i = 0; i < M * N; ++i) {
-      const double g = got.data_as<float>()[i], r = want.data_as<float>()[i];
-      if (!std::isfinite(g)) return "a non-finite output";
-      err += (g - r) * (g - r);
+      const double gv = got.data_as<float>()[i], r = want.data_as<float>()[i];
+      if (!std::isfinite(gv)) return "a non-finite output";
+      err += (gv - r) * (gv - r);
       nrm += r * r;
     }
-    if (!(err <= 1e-8 * nrm)) return "NMSE " + std::to_string(err / nrm) + " against the CPU emulation";
+    const double tol = g == ops::GemmNumerics::FP8 ? 1e-6 : 1e-8;
+    if (!(err <= tol * nrm)) return "NMSE " + std::to_string(err / nrm) + " against the CPU emulation";
     return "";
   } catch (const std::exception& e) {
     return e.what();
@@ -171,23 +188,38 @@ Engine::Engine(const EngineConfig& cfg) : impl_(std::make_unique<Impl>()) {
   I.core.target = std::make_unique<runtime::Target>(std::move(shards), to);
   // prompt tokens' GEMM numerics (the device is placed and checked by now)
   const std::string& pg = cfg.prefill_gemm;
-  DFLASH2_CHECK_ARG(pg == "auto" || pg == "exact" || pg == "bf16", "Engine: prefill_gemm must be 'auto', 'exact' or ",
-                    "'bf16', found '", pg, "'");
-  const bool tc_ok = ops::linear_bf16_available(device);
-  DFLASH2_CHECK(pg != "bf16" || tc_ok, ErrorKind::Unsupported, "Engine: prefill_gemm='bf16' needs the tensor-core GEMM ",
+  DFLASH2_CHECK_ARG(pg == "auto" || pg == "exact" || pg == "bf16" || pg == "fp8", "Engine: prefill_gemm must be 'auto', ",
+                    "'exact', 'bf16' or 'fp8', found '", pg, "'");
+  const bool bf16_ok = ops::linear_bf16_available(device);
+  const bool fp8_ok = bf16_ok && ops::linear_fp8_available(device);
+  const bool fp8_ckpt = I.core.target->model().has_fp8_weights();
+  DFLASH2_CHECK(pg != "bf16" || bf16_ok, ErrorKind::Unsupported, "Engine: prefill_gemm='bf16' needs the tensor-core GEMM ",
                 "(ops::linear_bf16), which this build has no kernel for on ", device.str(),
                 " (CUTLASS kernels: sm_90a, sm_100a / sm_103a); use 'exact' or 'auto'");
-  bool bf16 = pg == "bf16" || (pg == "auto" && device.is_cuda() && tc_ok);
-  if (bf16 && pg == "auto" && device.is_cuda()) {  // the default: only once it has proved itself here
-    const std::string why = linear_bf16_self_check(device);
-    if (!why.empty()) {
-      std::fprintf(stderr, "dflash2: the tensor-core GEMM failed its load-time check on %s (%s); prompt tokens run "
-                   "exact (prefill_gemm='exact')\n", device.str().c_str(), why.c_str());
-      bf16 = false;
+  DFLASH2_CHECK(pg != "fp8" || fp8_ckpt, ErrorKind::Config, "Engine: prefill_gemm='fp8' (W8A8) needs an FP8 block-128 ",
+                "checkpoint, and ", cfg.target, " stores its projections in another format; use 'bf16', 'exact' or 'auto'");
+  DFLASH2_CHECK(pg != "fp8" || fp8_ok, ErrorKind::Unsupported, "Engine: prefill_gemm='fp8' needs the FP8 block-128 ",
+                "tensor-core GEMM (ops::linear_fp8), which this build has no kernel for on ", device.str(),
+                " (CUTLASS kernel: sm_90a); use 'bf16', 'exact' or 'auto'");
+  using ops::GemmNumerics;
+  GemmNumerics prefill = pg == "bf16" ? GemmNumerics::BF16 : pg == "fp8" ? GemmNumerics::FP8 : GemmNumerics::Exact;
+  if (pg == "auto" && device.is_cuda()) {
+    // The default on a GPU: the tensor cores, each numerics only once it has proved itself
+    // here; FP8 checkpoints take their W8A8 GEMM where it exists (as their authors run them).
+    for (GemmNumerics g : {GemmNumerics::BF16, GemmNumerics::FP8}) {
+      if (g == GemmNumerics::BF16 ? !bf16_ok : (!fp8_ok || !fp8_ckpt || prefill != GemmNumerics::BF16)) continue;
+      const std::string why = tc_gemm_self_check(device, g);
+      if (!why.empty()) {
+        std::fprintf(stderr, "dflash2: the %s tensor-core GEMM failed its load-time check on %s (%s); prompt tokens "
+                     "run with prefill_gemm='%s'\n", ops::gemm_numerics_name(g), device.str().c_str(), why.c_str(),
+                     ops::gemm_numerics_name(prefill));
+        break;
+      }
+      prefill = g;
     }
   }
-  I.core.target->set_prefill_bf16(bf16);
-  I.cfg.prefill_gemm = bf16 ? "bf16" : "exact";
+  I.core.target->set_prefill(prefill);
+  I.cfg.prefill_gemm = ops::gemm_numerics_name(prefill);
   I.cfg.cuda_graphs = I.core.target->cuda_graphs();  // what is in effect (CUDA, one rank)
   I.config_json = ck.config().root().dump();
   if (I.method == Method::DFlash || I.method == Method::DFlash2) {

@@ -48,9 +48,9 @@ class Target {
   comm::CommStats comm_stats() const { return comms_.empty() ? comm::CommStats{} : comms_[0]->stats(); }
   const model::GlmConfig& config() const { return models_[0]->config(); }
   const Options& options() const { return opt_; }
-  // Every rank's GlmModel::Options::prefill_bf16 (before the first step).
-  void set_prefill_bf16(bool on) {
-    for (auto& m : models_) m->set_prefill_bf16(on);
+  // Every rank's GlmModel::Options::prefill (before the first step).
+  void set_prefill(ops::GemmNumerics g) {
+    for (auto& m : models_) m->set_prefill(g);
   }
   KvCache& cache() { return cache_; }
   // CUDA graph counters (all zero when graphs are off or not on CUDA).

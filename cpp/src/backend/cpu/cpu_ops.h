@@ -49,6 +49,11 @@ inline const float* paged_row(const Tensor& cache, const ops::PagedTokens& tok, 
 
 void linear(const Tensor& x, const ops::Weight& w, Tensor& y, bool accumulate);
 void linear_bf16(const Tensor& x, const ops::Weight& w, Tensor& y, bool accumulate);
+void linear_fp8(const Tensor& x, const ops::Weight& w, Tensor& y, bool accumulate);
+void fp8_quantize_act(const Tensor& x, Tensor& out);
+// linear_fp8's activation quantization (ops.h fp8_quantize_act): row m's E4M3 values (as
+// exact floats) into q[m * ldq + k], its block scales into sf[m * ldsf + b].
+void fp8_quantize_rows(const Tensor& x, float* q, int64_t ldq, float* sf, int64_t ldsf);
 void linear_heads(const Tensor& x, const Tensor& w, Tensor& y);
 void rms_norm(const Tensor& x, const Tensor& w, float eps, Tensor& out);
 void layer_norm(const Tensor& x, const Tensor& w, const Tensor& b, float eps, Tensor& out);

@@ -6,6 +6,8 @@
 #include <algorithm>
 #include <cmath>
 #include <cstring>
+#include <limits>
+#include <vector>
 
 #include "backend/cpu/cpu_ops.h"
 #include "dflash2/error.h"
@@ -367,6 +369,47 @@ void nvfp4_quantize_act(const Tensor& x, float input_scale, Tensor& out) {
       const float inv = 1.0f / (sf / g);
       for (int i = 0; i < 16; ++i) oi[b + i] = round_e2m1(xi[b + i] * inv) * sf * input_scale;
     }
+  }
+}
+
+// ops.h fp8_quantize_act / linear_fp8: per block of 128 inputs, sa = amax / 448 and the
+// E4M3 codes of x / sa (IEEE fp32 division and rounding: what the CUDA kernel computes too).
+void fp8_quantize_rows(const Tensor& x, float* q, int64_t ldq, float* sf, int64_t ldsf) {
+  Rows xr = rows_of(x);
+  const int64_t K = xr.d, nb = (K + 127) / 128;
+#pragma omp parallel for schedule(static) num_threads(threads()) if (parallel_worth(xr.n * K))
+  for (int64_t r = 0; r < xr.n; ++r) {
+    const float* xi = xr.row<const float>(r);
+    float* qi = q + r * ldq;
+    for (int64_t b = 0; b < nb; ++b) {
+      const int64_t k0 = b * 128, k1 = std::min(K, k0 + 128);
+      float amax = 0.0f;
+      bool bad = false;
+      for (int64_t k = k0; k < k1; ++k) {
+        const float a = std::fabs(xi[k]);
+        bad = bad || !(a <= 3.4028235e38f);
+        amax = std::max(amax, a);
+      }
+      if (bad) {  // a non-finite input: the block is NaN
+        sf[r * ldsf + b] = std::numeric_limits<float>::quiet_NaN();
+        for (int64_t k = k0; k < k1; ++k) qi[k] = std::numeric_limits<float>::quiet_NaN();
+        continue;
+      }
+      const float sa = amax / 448.0f;
+      sf[r * ldsf + b] = sa;
+      for (int64_t k = k0; k < k1; ++k) qi[k] = sa == 0.0f ? 0.0f : round_e4m3(xi[k] / sa);
+    }
+  }
+}
+
+void fp8_quantize_act(const Tensor& x, Tensor& out) {
+  const int64_t M = x.shape(0), K = x.shape(1), nb = (K + 127) / 128;
+  std::vector<float> q(size_t(M * K)), sf(size_t(M * nb));
+  fp8_quantize_rows(x, q.data(), K, sf.data(), nb);
+  Rows orow = rows_of(out);
+  for (int64_t r = 0; r < M; ++r) {
+    float* o = orow.row<float>(r);
+    for (int64_t k = 0; k < K; ++k) o[k] = q[size_t(r * K + k)] * sf[size_t(r * nb + k / 128)];
   }
 }
 

@@ -11,10 +11,13 @@
 // same row decoded alone.
 #include <omp.h>
 
+#include <algorithm>
 #include <cstdlib>
 #include <cstring>
+#include <vector>
 
 #include "backend/cpu/cpu_ops.h"
+#include "dflash2/dtype.h"
 #include "dflash2/error.h"
 
 #if defined(__x86_64__) || defined(_M_X64)
@@ -314,6 +317,51 @@ void linear_bf16(const Tensor& x, const ops::Weight& w, Tensor& y, bool accumula
     for (int64_t i = 0; i < n; ++i) wp[i] = f32_to_bf16(dp[i]);
   }
   cpu::linear(xr, ops::Weight::dense(wb, w.name), y, accumulate);
+}
+
+// The FP8 block-128 W8A8 numerics (ops.h linear_fp8), emulated: the activation codes and
+// scales (fp8_quantize_rows), the weight's E4M3 codes as exact floats, then per 128-input
+// block P_b = codes_x . codes_w through this backend's fp32 GEMM (the products are exact;
+// only the sums round) and acc = fma(P_b, sa * sw, acc) in block order. Allocates its
+// copies (one block of the weight at a time): an oracle and CPU-prefill path.
+void linear_fp8(const Tensor& x, const ops::Weight& w, Tensor& y, bool accumulate) {
+  const int64_t M = x.shape(0), K = w.in_features, N = w.out_features, nb = (K + 127) / 128;
+  if (M == 0 || N == 0) return;
+  Tensor q = Tensor::empty(DType::F32, {M, K});
+  std::vector<float> sa(size_t(M * nb));
+  fp8_quantize_rows(x, q.data_as<float>(), K, sa.data(), nb);
+  std::vector<float> acc(size_t(M * N), 0.0f);
+  Tensor wb = Tensor::empty(DType::F32, {N, std::min<int64_t>(K, 128)});
+  Tensor part = Tensor::empty(DType::F32, {M, N});
+  const uint8_t* wd = static_cast<const uint8_t*>(w.data.data());
+  const int64_t wrs = w.data.stride(0);
+  const float* ws = w.scale.data_as<const float>();
+  const int64_t srs = w.scale.stride(0), scs = w.scale.stride(1);
+  for (int64_t b = 0; b < nb; ++b) {
+    const int64_t k0 = b * 128, kw = std::min(K, k0 + 128) - k0;
+    Tensor wv = wb.slice(1, 0, kw);
+    float* wo = wb.data_as<float>();
+    const int64_t ldw = wb.stride(0);
+#pragma omp parallel for schedule(static) num_threads(threads()) if (N * kw > 1 << 16)
+    for (int64_t n = 0; n < N; ++n)
+      for (int64_t k = 0; k < kw; ++k) wo[n * ldw + k] = fp8_e4m3_to_f32(wd[n * wrs + k0 + k]);
+    cpu::linear(q.slice(1, k0, k0 + kw), ops::Weight::dense(wv, w.name), part, false);
+    const float* pp = part.data_as<const float>();
+#pragma omp parallel for schedule(static) num_threads(threads()) if (M * N > 1 << 16)
+    for (int64_t m = 0; m < M; ++m)
+      for (int64_t n = 0; n < N; ++n) {
+        const float s = sa[size_t(m * nb + b)] * ws[(n / 128) * srs + b * scs];
+        float& a = acc[size_t(m * N + n)];
+        a = std::fma(pp[m * N + n], s, a);
+      }
+  }
+  float* yp = y.data_as<float>();
+  const int64_t ldy = y.stride(0);
+  for (int64_t m = 0; m < M; ++m)
+    for (int64_t n = 0; n < N; ++n) {
+      float& o = yp[m * ldy + n];
+      o = accumulate ? o + acc[size_t(m * N + n)] : acc[size_t(m * N + n)];
+    }
 }
 
 void linear_heads(const Tensor& x, const Tensor& w, Tensor& y) {

@@ -135,6 +135,11 @@ void linear(const Tensor& x, const ops::Weight& w, Tensor& y, bool accumulate);
 // this build has its kernel for `device`'s architecture.
 void linear_bf16(const Tensor& x, const ops::Weight& w, Tensor& y, bool accumulate);
 bool linear_bf16_supported(int device);
+// gemm_tc.cu (built with CUTLASS only): ops::linear_fp8 (FP8 block-128 W8A8, sm_90a).
+void linear_fp8(const Tensor& x, const ops::Weight& w, Tensor& y, bool accumulate);
+bool linear_fp8_supported(int device);
+// quant.cu
+void fp8_quantize_act(const Tensor& x, Tensor& out);
 void linear_heads(const Tensor& x, const Tensor& w, Tensor& y);
 // index_rows.cu
 void embedding_shard(const Tensor& table, const Tensor& ids, int64_t first, Tensor& out);

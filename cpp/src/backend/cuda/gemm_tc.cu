@@ -16,6 +16,10 @@
 //    tcgen05 on sm_100a / sm_103a) writes F32 straight into y (accumulating in its
 //    epilogue: one rounding of y + sum); when y's rows are not 16-byte aligned (or N % 4 != 0)
 //    it writes a scratch tile and a small kernel stores / adds it into y.
+// ops::linear_fp8 (FP8 block-128 W8A8, Engine prefill_gemm="fp8") is the same pattern over
+// FP8 operands: the activation rows quantized per 128 inputs (quant.cu), the checkpoint's
+// E4M3 codes and block scales read in place, CUTLASS's blockwise-scaled wgmma kernel
+// (cutlass/fp8_gemm.h, sm_90a). See linear_fp8 below.
 // No host synchronization and no allocation beyond the per-stream scratch, so it can be
 // captured in a CUDA graph (the scratch refuses to grow during capture).
 //
@@ -29,8 +33,10 @@
 #include "backend/cuda/cuda_api.h"
 #include "backend/cuda/cuda_check.cuh"
 #include "backend/cuda/cutlass/bf16_gemm.h"
+#include "backend/cuda/cutlass/fp8_gemm.h"
 #include "backend/cuda/device_attr.cuh"
 #include "backend/cuda/kernel_util.cuh"
+#include "backend/cuda/quant.h"
 #include "backend/cuda/scratch.h"
 #include "backend/cuda/weight_view.cuh"
 #include "dflash2/error.h"
@@ -72,6 +78,32 @@ std::string bf16_gemm(int sm, const Bf16GemmArgs& a, void* workspace, CUstream_s
   (void)workspace;
   (void)stream;
   return "no tensor-core GEMM was built for sm_" + std::to_string(sm);
+}
+
+bool fp8_gemm_built_for(int sm) {
+#if defined(DFLASH2_CUTLASS_FP8SM90)
+  if (sm == 90) return true;
+#endif
+  (void)sm;
+  return false;
+}
+
+size_t fp8_gemm_workspace(int sm, const Fp8GemmArgs& a) {
+#if defined(DFLASH2_CUTLASS_FP8SM90)
+  if (sm == 90) return fp8_gemm_sm90_workspace(a);
+#endif
+  (void)a;
+  return 0;
+}
+
+std::string fp8_gemm(int sm, const Fp8GemmArgs& a, void* workspace, CUstream_st* stream) {
+#if defined(DFLASH2_CUTLASS_FP8SM90)
+  if (sm == 90) return fp8_gemm_sm90(a, workspace, stream);
+#endif
+  (void)a;
+  (void)workspace;
+  (void)stream;
+  return "no FP8 block-128 tensor-core GEMM was built for sm_" + std::to_string(sm);
 }
 
 }  // namespace tc
@@ -120,6 +152,25 @@ __global__ void store_rows(const float* __restrict__ d, int64_t ldd, int64_t M, 
     const float v = d[m * ldd + c];
     float* p = y + m * ldy + c;
     *p = accumulate ? __fadd_rn(*p, v) : v;
+  }
+}
+
+// FP8 weight codes into a padded copy: out[r, k] = W[r, k] for r < N, k < K, else 0.
+__global__ void pad_fp8_codes(WeightView w, int64_t Np, int64_t Kp, uint8_t* __restrict__ out) {
+  const int64_t n = Np * Kp;
+  for (int64_t i = int64_t(blockIdx.x) * blockDim.x + threadIdx.x; i < n; i += int64_t(gridDim.x) * blockDim.x) {
+    const int64_t r = i / Kp, k = i - r * Kp;
+    out[i] = (k < w.K && r < w.N) ? w.data[r * w.row_bytes + k] : uint8_t(0);
+  }
+}
+
+// The weight's block scales [rows, cols] (row stride ld) packed contiguously.
+__global__ void pack_scales(const float* __restrict__ s, int64_t ld, int64_t rows, int64_t cols,
+                            float* __restrict__ out) {
+  const int64_t n = rows * cols;
+  for (int64_t i = int64_t(blockIdx.x) * blockDim.x + threadIdx.x; i < n; i += int64_t(gridDim.x) * blockDim.x) {
+    const int64_t r = i / cols, c = i - r * cols;
+    out[i] = s[r * ld + c];
   }
 }
 
@@ -208,6 +259,95 @@ void linear_bf16(const Tensor& x, const ops::Weight& w, Tensor& y, bool accumula
   if (!direct_y) {
     store_rows<<<grid_for(M * N), kThreads, 0, st>>>(dtmp, Np, M, N, y.data_as<float>(), y.stride(0), accumulate);
     detail::check_launch("linear_bf16 store", w.name, " -> ", y.describe());
+  }
+}
+
+bool linear_fp8_supported(int device) {
+  if (device < 0 || device >= device_count()) return false;
+  return tc::fp8_gemm_built_for(detail::compute_capability(device));
+}
+
+// ops::linear_fp8 (ops.h): the activation rows quantized per 128 inputs (quant.h), then
+// CUTLASS's blockwise-scaled FP8 GEMM (cutlass/fp8_gemm.h) over the checkpoint's E4M3 codes
+// and block scales, read in place when their layout allows (16-byte aligned rows, K % 16 ==
+// 0, N % 4 == 0, contiguous scales), else from padded copies in scratch. M is padded to a
+// multiple of 4 (the scales' TMA rows); the rows past M and the staged store as linear_bf16.
+void linear_fp8(const Tensor& x, const ops::Weight& w, Tensor& y, bool accumulate) {
+  DFLASH2_CHECK_ARG(x.defined() && y.defined(), "cuda::linear_fp8: undefined tensor argument");
+  DFLASH2_CHECK_ARG(x.device().is_cuda() && y.device() == x.device(), "cuda::linear_fp8: x and y must be on the same ",
+                    "CUDA device, found ", x.describe(), ", ", y.describe());
+  DFLASH2_CHECK_ARG(x.dtype() == DType::F32 && y.dtype() == DType::F32 && x.ndim() == 2 && y.ndim() == 2,
+                    "cuda::linear_fp8: x and y must be F32 2-D, found ", x.describe(), ", ", y.describe());
+  w.validate();
+  const int device = x.device().index;
+  const WeightView v = detail::weight_view(w, device, "cuda::linear_fp8");
+  DFLASH2_CHECK_ARG(v.fmt == WFmt::FP8, "cuda::linear_fp8(", w.name, "): the weight must be FP8 block-128");
+  const int64_t M = x.shape(0), K = v.K, N = v.N;
+  DFLASH2_CHECK_ARG(x.shape(1) == K && y.shape(0) == M && y.shape(1) == N, "cuda::linear_fp8(", w.name, "): x ",
+                    x.describe(), " and y ", y.describe(), " do not match the weight [", N, ", ", K, "]");
+  DFLASH2_CHECK_ARG((x.stride(1) == 1 || K <= 1) && (y.stride(1) == 1 || N <= 1),
+                    "cuda::linear_fp8: x and y must be contiguous in their last dimension, found strides ",
+                    shape_str(x.strides()), " and ", shape_str(y.strides()));
+  DFLASH2_CHECK_ARG(M + 4 <= int64_t(INT32_MAX) && N + 4 <= int64_t(INT32_MAX) && K + 16 <= int64_t(INT32_MAX),
+                    "cuda::linear_fp8: [", M, ", ", N, ", ", K, "] exceeds the GEMM's 32-bit extents");
+  DFLASH2_CHECK_ARG(M <= 1 || y.stride(0) >= N, "cuda::linear_fp8: the rows of 'y' overlap (row stride ", y.stride(0),
+                    " < ", N, ")");
+  detail::DeviceGuard guard(device);
+  const int sm = detail::compute_capability(device);
+  if (!tc::fp8_gemm_built_for(sm))
+    fail(ErrorKind::Unsupported, "cuda::linear_fp8: this build has no FP8 block-128 tensor-core GEMM for sm_", sm,
+         " on cuda:", device, " (the CUTLASS kernel is built for sm_90a when it is in DFLASH2_CUDA_ARCHS and CUTLASS "
+         "is found); use prefill_gemm='bf16' or 'exact'");
+  if (M == 0 || N == 0) return;
+
+  const int64_t Mp = round_up(M, 4), Kp = round_up(K, 16), Np = round_up(N, 4);
+  const int64_t nbk = (K + 127) / 128, nbn = (N + 127) / 128;
+  const bool direct_w = K % 16 == 0 && N == Np && detail::aligned(v.data, 16) && v.row_bytes % 16 == 0;
+  const bool direct_s = v.scale_stride == nbk;
+  const bool direct_y = M == Mp && N == Np && detail::aligned(y.data(), 16) && (M == 1 || y.stride(0) % 4 == 0);
+  constexpr int64_t kAlign = 256;
+  const int64_t a_bytes = round_up(Mp * Kp, kAlign);
+  const int64_t sa_bytes = round_up(nbk * Mp * 4, kAlign);
+  const int64_t w_bytes = direct_w ? 0 : round_up(Np * Kp, kAlign);
+  const int64_t s_bytes = direct_s ? 0 : round_up(nbn * nbk * 4, kAlign);
+  const int64_t d_bytes = direct_y ? 0 : round_up(Mp * Np * 4, kAlign);
+
+  tc::Fp8GemmArgs g;
+  g.M = int(Mp);
+  g.N = int(Np);
+  g.K = int(Kp);
+  g.lda = Kp;
+  g.ldb = direct_w ? v.row_bytes : Kp;
+  g.ldd = direct_y ? (M == 1 ? Np : y.stride(0)) : Np;
+  g.accumulate = direct_y && accumulate;
+  const size_t ws_bytes = size_t(round_up(int64_t(tc::fp8_gemm_workspace(sm, g)), kAlign));
+  uint8_t* base = static_cast<uint8_t*>(
+      detail::scratch(device, size_t(a_bytes + sa_bytes + w_bytes + s_bytes + d_bytes) + ws_bytes));
+  uint8_t* a8 = base;
+  float* sfa = reinterpret_cast<float*>(base + a_bytes);
+  uint8_t* w8 = direct_w ? nullptr : base + a_bytes + sa_bytes;
+  float* sfb = direct_s ? nullptr : reinterpret_cast<float*>(base + a_bytes + sa_bytes + w_bytes);
+  float* dtmp = direct_y ? nullptr : reinterpret_cast<float*>(base + a_bytes + sa_bytes + w_bytes + s_bytes);
+  void* ws = ws_bytes ? static_cast<void*>(base + a_bytes + sa_bytes + w_bytes + s_bytes + d_bytes) : nullptr;
+
+  cudaStream_t st = detail::stream();
+  detail::fp8_quantize_rows(x.data_as<const float>(), x.stride(0), M, K, Mp, Kp, a8, sfa, nullptr, 0, st);
+  if (!direct_w) pad_fp8_codes<<<grid_for(Np * Kp), kThreads, 0, st>>>(v, Np, Kp, w8);
+  if (!direct_s)
+    pack_scales<<<grid_for(nbn * nbk), kThreads, 0, st>>>(static_cast<const float*>(v.scale), v.scale_stride, nbn, nbk,
+                                                          sfb);
+  detail::check_launch("linear_fp8 operand quantization", w.name, " ", x.describe());
+  g.a = a8;
+  g.sfa = sfa;
+  g.b = direct_w ? static_cast<const void*>(v.data) : static_cast<const void*>(w8);
+  g.sfb = direct_s ? static_cast<const float*>(v.scale) : sfb;
+  g.d = direct_y ? y.data_as<float>() : dtmp;
+  const std::string err = tc::fp8_gemm(sm, g, ws, st);
+  if (!err.empty()) fail(ErrorKind::Backend, "cuda::linear_fp8(", w.name, "): ", err);
+  detail::check_launch("linear_fp8 CUTLASS GEMM", w.name, " ", x.describe(), " -> ", y.describe());
+  if (!direct_y) {
+    store_rows<<<grid_for(M * N), kThreads, 0, st>>>(dtmp, Np, M, N, y.data_as<float>(), y.stride(0), accumulate);
+    detail::check_launch("linear_fp8 store", w.name, " -> ", y.describe());
   }
 }
 

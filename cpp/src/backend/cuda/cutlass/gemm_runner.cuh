@@ -1,6 +1,6 @@
 // cuda/cutlass/gemm_runner.cuh: runs a CUTLASS 3.x/4.x GemmUniversalAdapter on the plain
-// arguments of bf16_gemm.h (strides from the row strides, alpha = 1, beta = 0 or 1, the
-// device's SM count cached once). Included only by the per-architecture files.
+// arguments of bf16_gemm.h / fp8_gemm.h (strides from the row strides, alpha = 1, beta = 0
+// or 1, the device's SM count cached once). Included only by the per-architecture files.
 #pragma once
 #include <cuda_runtime.h>
 
@@ -43,37 +43,40 @@ struct Bf16GemmOf {
   using Gemm = cutlass::gemm::device::GemmUniversalAdapter<Kernel>;
 };
 
-template <class Gemm>
-typename Gemm::Arguments make_arguments(const Bf16GemmArgs& a) {
-  using Kernel = typename Gemm::GemmKernel;
-  using StrideA = typename Kernel::StrideA;
-  using StrideB = typename Kernel::StrideB;
-  using StrideC = typename Kernel::StrideC;
-  using StrideD = typename Kernel::StrideD;
-  using ElementA = typename Gemm::ElementA;
-  using ElementB = typename Gemm::ElementB;
-  using ElementC = typename Gemm::ElementC;
-  using ElementD = typename Gemm::ElementD;
-  // Packed strides for (rows, K, batch = 1), then the real row strides.
-  StrideA sa = cutlass::make_cute_packed_stride(StrideA{}, cute::make_shape(a.M, a.K, 1));
-  StrideB sb = cutlass::make_cute_packed_stride(StrideB{}, cute::make_shape(a.N, a.K, 1));
-  StrideC sc = cutlass::make_cute_packed_stride(StrideC{}, cute::make_shape(a.M, a.N, 1));
-  StrideD sd = cutlass::make_cute_packed_stride(StrideD{}, cute::make_shape(a.M, a.N, 1));
-  cute::get<0>(sa) = a.lda;
-  cute::get<0>(sb) = a.ldb;
-  cute::get<0>(sc) = a.ldd;
-  cute::get<0>(sd) = a.ldd;
+// The device's hardware info for the persistent tile scheduler (SM count cached once).
+inline cutlass::KernelHardwareInfo hw_info() {
   int device = 0;
   cudaGetDevice(&device);
   cutlass::KernelHardwareInfo hw;
   hw.device_id = device;
   hw.sm_count = ::dflash2::cuda::detail::sm_count(device);
-  typename Gemm::Arguments args{cutlass::gemm::GemmUniversalMode::kGemm,
-                                {a.M, a.N, a.K, 1},
-                                {static_cast<const ElementA*>(a.a), sa, static_cast<const ElementB*>(a.b), sb},
-                                {{1.0f, a.accumulate ? 1.0f : 0.0f},
-                                 static_cast<const ElementC*>(a.d), sc, static_cast<ElementD*>(a.d), sd},
-                                hw};
+  return hw;
+}
+
+// Packed strides for (rows, cols, batch = 1) with the real row stride in mode 0.
+template <class Stride>
+Stride row_stride(int rows, int cols, int64_t ld) {
+  Stride s = cutlass::make_cute_packed_stride(Stride{}, cute::make_shape(rows, cols, 1));
+  cute::get<0>(s) = ld;
+  return s;
+}
+
+template <class Gemm>
+typename Gemm::Arguments make_arguments(const Bf16GemmArgs& a) {
+  using Kernel = typename Gemm::GemmKernel;
+  using ElementA = typename Gemm::ElementA;
+  using ElementB = typename Gemm::ElementB;
+  using ElementC = typename Gemm::ElementC;
+  using ElementD = typename Gemm::ElementD;
+  typename Gemm::Arguments args{
+      cutlass::gemm::GemmUniversalMode::kGemm,
+      {a.M, a.N, a.K, 1},
+      {static_cast<const ElementA*>(a.a), row_stride<typename Kernel::StrideA>(a.M, a.K, a.lda),
+       static_cast<const ElementB*>(a.b), row_stride<typename Kernel::StrideB>(a.N, a.K, a.ldb)},
+      {{1.0f, a.accumulate ? 1.0f : 0.0f},
+       static_cast<const ElementC*>(a.d), row_stride<typename Kernel::StrideC>(a.M, a.N, a.ldd),
+       static_cast<ElementD*>(a.d), row_stride<typename Kernel::StrideD>(a.M, a.N, a.ldd)},
+      hw_info()};
   return args;
 }
 
@@ -82,19 +85,25 @@ size_t workspace_bytes(const Bf16GemmArgs& a) {
   return Gemm::get_workspace_size(make_arguments<Gemm>(a));
 }
 
+// can_implement, initialize (workspace, stream), run: "" on success, else what failed.
 template <class Gemm>
-std::string run(const Bf16GemmArgs& a, void* workspace, cudaStream_t stream, const char* what) {
-  const typename Gemm::Arguments args = make_arguments<Gemm>(a);
+std::string launch(const typename Gemm::Arguments& args, void* workspace, cudaStream_t stream, const char* what, int M,
+                   int N, int K) {
   Gemm gemm;
   cutlass::Status s = gemm.can_implement(args);
   if (s != cutlass::Status::kSuccess)
-    return std::string(what) + ": CUTLASS cannot implement M=" + std::to_string(a.M) + " N=" + std::to_string(a.N) +
-           " K=" + std::to_string(a.K) + " (" + cutlassGetStatusString(s) + ")";
+    return std::string(what) + ": CUTLASS cannot implement M=" + std::to_string(M) + " N=" + std::to_string(N) +
+           " K=" + std::to_string(K) + " (" + cutlassGetStatusString(s) + ")";
   s = gemm.initialize(args, workspace, stream);
   if (s != cutlass::Status::kSuccess) return std::string(what) + ": initialize failed (" + cutlassGetStatusString(s) + ")";
   s = gemm.run(stream);
   if (s != cutlass::Status::kSuccess) return std::string(what) + ": launch failed (" + cutlassGetStatusString(s) + ")";
   return "";
+}
+
+template <class Gemm>
+std::string run(const Bf16GemmArgs& a, void* workspace, cudaStream_t stream, const char* what) {
+  return launch<Gemm>(make_arguments<Gemm>(a), workspace, stream, what, a.M, a.N, a.K);
 }
 
 }  // namespace dflash2::cuda::tc::detail

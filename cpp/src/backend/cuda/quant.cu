@@ -1,0 +1,102 @@
+// cuda/quant.cu: the activation quantization of quant.h, and ops::fp8_quantize_act (its
+// dequantized form, bitwise equal to the CPU backend's: the same IEEE fp32 division, the
+// hardware's round-to-nearest-even saturating E4M3 conversion, one fp32 multiply).
+//
+// One warp per (row, 128-input block): each lane holds 4 inputs; the block's amax is a
+// warp max, and a non-finite input anywhere in the block (__any_sync) makes it NaN.
+//
+// Status: compiled for sm_90a / sm_100a / sm_103a, NOT yet run on a GPU.
+#include <cuda_fp16.h>
+#include <cuda_fp8.h>
+#include <cuda_runtime.h>
+
+#include <cstdint>
+
+#include "backend/cuda/cuda_api.h"
+#include "backend/cuda/cuda_check.cuh"
+#include "backend/cuda/kernel_util.cuh"
+#include "backend/cuda/layout.h"
+#include "backend/cuda/quant.h"
+#include "dflash2/error.h"
+
+namespace dflash2::cuda {
+
+namespace detail {
+namespace {
+
+constexpr int kWarps = 8;  // warps per thread block
+constexpr uint8_t kE4M3NaN = 0x7f;
+
+__device__ __forceinline__ float e4m3_value(uint8_t code) {
+  __half_raw h = __nv_cvt_fp8_to_halfraw(static_cast<__nv_fp8_storage_t>(code), __NV_E4M3);
+  return __half2float(__half(h));
+}
+
+__global__ void __launch_bounds__(kWarps * 32)
+    fp8_quant_rows_kernel(const float* __restrict__ x, int64_t ldx, int64_t M, int64_t K, int64_t Mp, int64_t Kp,
+                          int64_t nb, uint8_t* __restrict__ codes, float* __restrict__ sf, float* __restrict__ deq,
+                          int64_t ldd) {
+  const int lane = threadIdx.x & 31;
+  const int64_t units = Mp * nb;
+  for (int64_t u = int64_t(blockIdx.x) * kWarps + (threadIdx.x >> 5); u < units; u += int64_t(gridDim.x) * kWarps) {
+    const int64_t m = u / nb, b = u - m * nb, k0 = b * 128;
+    float v[4];
+    bool bad = false;
+    float amax = 0.0f;
+#pragma unroll
+    for (int j = 0; j < 4; ++j) {
+      const int64_t k = k0 + lane + 32 * j;
+      v[j] = (m < M && k < K) ? x[m * ldx + k] : 0.0f;
+      const float a = fabsf(v[j]);
+      bad = bad || !(a <= 3.4028235e38f);
+      amax = a > amax ? a : amax;
+    }
+    bad = __any_sync(0xffffffffu, bad);
+#pragma unroll
+    for (int off = 16; off > 0; off >>= 1) {
+      const float o = __shfl_xor_sync(0xffffffffu, amax, off);
+      amax = o > amax ? o : amax;
+    }
+    const float sa = bad ? __int_as_float(0x7fc00000) : __fdiv_rn(amax, 448.0f);
+#pragma unroll
+    for (int j = 0; j < 4; ++j) {
+      const int64_t k = k0 + lane + 32 * j;
+      uint8_t q = 0;
+      if (bad)
+        q = kE4M3NaN;
+      else if (sa != 0.0f)
+        q = static_cast<uint8_t>(__nv_cvt_float_to_fp8(__fdiv_rn(v[j], sa), __NV_SATFINITE, __NV_E4M3));
+      if (codes && k < Kp) codes[m * Kp + k] = m < M ? q : uint8_t(0);
+      if (deq && m < M && k < K) deq[m * ldd + k] = bad ? sa : __fmul_rn(e4m3_value(q), sa);
+    }
+    if (sf && lane == 0) sf[layout::fp8_act_scale_offset(m, b, Mp)] = m < M ? sa : 0.0f;
+  }
+}
+
+}  // namespace
+
+void fp8_quantize_rows(const float* x, int64_t ldx, int64_t M, int64_t K, int64_t Mp, int64_t Kp, uint8_t* codes,
+                       float* sf, float* deq, int64_t ldd, cudaStream_t stream) {
+  const int64_t nb = (K + 127) / 128, units = Mp * nb;
+  if (units == 0) return;
+  const int64_t blocks = (units + kWarps - 1) / kWarps;
+  const unsigned grid = unsigned(blocks < kMaxRowBlocks ? blocks : kMaxRowBlocks);
+  fp8_quant_rows_kernel<<<grid, kWarps * 32, 0, stream>>>(x, ldx, M, K, Mp, Kp, nb, codes, sf, deq, ldd);
+}
+
+}  // namespace detail
+
+void fp8_quantize_act(const Tensor& x, Tensor& out) {
+  DFLASH2_CHECK_ARG(x.device().is_cuda() && out.device() == x.device(), "cuda::fp8_quantize_act: x and out must be on ",
+                    "the same CUDA device, found ", x.describe(), ", ", out.describe());
+  const int64_t M = x.shape(0), K = x.shape(1);
+  DFLASH2_CHECK_ARG((x.stride(1) == 1 || K <= 1) && (out.stride(1) == 1 || K <= 1),
+                    "cuda::fp8_quantize_act: x and out must be contiguous in their last dimension");
+  if (M == 0 || K == 0) return;
+  detail::DeviceGuard guard(x.device().index);
+  detail::fp8_quantize_rows(x.data_as<const float>(), x.stride(0), M, K, M, K, nullptr, nullptr, out.data_as<float>(),
+                            out.stride(0), detail::stream());
+  detail::check_launch("fp8_quantize_act", x.describe());
+}
+
+}  // namespace dflash2::cuda

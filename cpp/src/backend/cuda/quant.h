@@ -1,0 +1,25 @@
+// cuda/quant.h: activation quantization for the low-precision tensor-core GEMMs.
+//
+// FP8 block-128 (ops.h fp8_quantize_act / linear_fp8): per row m < M and per block b of 128
+// inputs, with amax the block's largest |x| (fp32):
+//   sa = amax / 448,  code_k = e4m3(x_k / sa)  (IEEE division, round to nearest even,
+//   saturating at 448; amax = 0: codes 0; a non-finite input: sa = NaN, codes NaN)
+// Outputs (each optional, null = not wanted):
+//   codes  E4M3 [Mp, Kp] row-major: rows >= M and inputs K <= k < Kp are 0 (the GEMM's padding)
+//   sf     F32 [nb, Mp], sf[b * Mp + m] = sa (the MN-major layout of CUTLASS's blockwise
+//          scales, granularity 1 x 128); rows >= M get 0
+//   deq    F32 [M, K] with row stride ldd: code * sa (what the GEMM multiplies)
+// nb = ceil(K / 128); requires M <= Mp, K <= Kp <= nb * 128.
+//
+// Status: compiled for sm_90a / sm_100a / sm_103a, NOT yet run on a GPU.
+#pragma once
+#include <cuda_runtime.h>
+
+#include <cstdint>
+
+namespace dflash2::cuda::detail {
+
+void fp8_quantize_rows(const float* x, int64_t ldx, int64_t M, int64_t K, int64_t Mp, int64_t Kp, uint8_t* codes,
+                       float* sf, float* deq, int64_t ldd, cudaStream_t stream);
+
+}  // namespace dflash2::cuda::detail
