@@ -266,6 +266,29 @@ def test_fp8_prefill_on_cuda(zoo):
         assert list(s.token_ids) == list(g.token_ids), f"mtp != ar on the GPU with fp8 prefill, prompt {i}"
 
 
+def test_nvfp4_prefill_on_cuda(zoo):
+    """prefill_gemm="nvfp4" on a checkpoint with NVFP4 MLPs (sm_100a / sm_103a: the W4A4
+    CUTLASS kernel): "auto" resolves to it, greedy tokens equal the CPU's emulation, and MTP
+    on the GPU equals AR on the GPU exactly."""
+    if not dflash2_rt.ops.linear_nvfp4_available("cuda:0"):
+        pytest.skip("this build has no NVFP4 W4A4 CUTLASS GEMM for this GPU's architecture (sm_100a / sm_103a only)")
+    quant = ("nvfp4", "mlp")
+    path = zoo.path("tiny", quant=quant)
+    assert dflash2_rt.Engine(target=path, method="ar", device="cuda", max_batch_size=1,
+                             max_seq_len=64).prefill_gemm == "nvfp4"
+    cpu = zoo.engine("tiny", "cpu", quant=quant, prefill_gemm="nvfp4")
+    gpu = zoo.engine("tiny", "cuda", quant=quant, prefill_gemm="nvfp4")
+    mtp = zoo.engine("tiny", "cuda", method="mtp", quant=quant, prefill_gemm="nvfp4")
+    prompts = [gf.prompt(895 + i, n) for i, n in enumerate((3, 11, 40, 130))]
+    want = cpu.generate(prompts, max_new_tokens=12, stop_token_ids=NO_STOP)
+    got = gpu.generate(prompts, max_new_tokens=12, stop_token_ids=NO_STOP)
+    for i, (g, w) in enumerate(zip(got, want)):
+        same_tokens(cpu, prompts[i], g.token_ids, w.token_ids, f"nvfp4 prefill prompt {i}", rel=REL_FP8)
+    spec = mtp.generate(prompts, max_new_tokens=12, stop_token_ids=NO_STOP)
+    for i, (s, g) in enumerate(zip(spec, got)):
+        assert list(s.token_ids) == list(g.token_ids), f"mtp != ar on the GPU with nvfp4 prefill, prompt {i}"
+
+
 def test_tensor_parallel_on_gpus(zoo):
     """TP=2 over NCCL (one rank per GPU) against the CPU engine: needs 2 GPUs (the project's
     lent machine has one, so this has never run)."""

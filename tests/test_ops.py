@@ -26,7 +26,7 @@ DEVICES = ["cpu", "cuda"]
 CUDA_OPS = {"rms_norm", "layer_norm", "rope", "silu_mul", "softmax", "embedding", "copy", "add", "gather_rows",
             "argmax", "check_finite", "cache_write", "dyn_conv", "indexer_topk", "mla_attention", "block_attention",
             "moe_route", "moe_experts", "topk", "selector_walk", "linear", "linear_heads", "embedding_shard",
-            "linear_bf16", "linear_fp8", "fp8_quantize_act"}
+            "linear_bf16", "linear_fp8", "fp8_quantize_act", "linear_nvfp4"}
 GUARD = 64
 SENTINEL = np.float32(-12345.678)
 ISENTINEL = np.int32(-777777)
@@ -42,6 +42,13 @@ TOL = {
     # bits (DeepSeek-V3 reports ~14), so its bound is wider. Not quantizing x gives ~1e-3.
     "linear_fp8": 1e-10,  # [2.4e-15]
     "linear_fp8_cuda": 1e-6,
+    # vs float64 over the quantized activations (ops.nvfp4_quantize_act, bitwise against an
+    # independent reference in test_quantize.py) and the dequantized weight: fp32 order only
+    # (the GPU scales by alpha once at the end); not quantizing x gives ~1e-3
+    "linear_nvfp4": 1e-10,
+    # the GPU's block-scaled FP4 MMA: if its sums carry fewer bits than fp32 (as Hopper's FP8
+    # ones do), the order-only bound above is too tight; until measured, FP8's bound
+    "linear_nvfp4_cuda": 1e-6,
     "rms_norm": 1e-12,
     "layer_norm": 1e-12,
     "rope": 1e-12,
@@ -78,6 +85,8 @@ def need_device(dev, op):
             pytest.skip(f"{op} is not implemented on the CUDA backend yet")
         if op == "linear_bf16" and not ops.linear_bf16_available("cuda:0"):
             pytest.skip("this build has no CUTLASS tensor-core GEMM for this GPU's architecture")
+        if op == "linear_nvfp4" and not ops.linear_nvfp4_available("cuda:0"):
+            pytest.skip("this build has no NVFP4 W4A4 CUTLASS GEMM for this GPU's architecture (sm_100a / sm_103a only)")
         if op == "linear_fp8" and not ops.linear_fp8_available("cuda:0"):
             pytest.skip("this build has no FP8 block-128 CUTLASS GEMM for this GPU's architecture (sm_90a only)")
 
@@ -399,16 +408,17 @@ def test_linear_fp8_rows_independent_of_batch(dev):
 @pytest.mark.parametrize("dev", DEVICES)
 @pytest.mark.parametrize("ypad", [0, 1])
 def test_linear_fp8_accumulate_strided_rows_and_sliced_weight(dev, ypad):
-    """x rows strided, y accumulated into a strided view, and the weight a column slice of a
-    wider one (tensor parallelism: its codes and scales strided)."""
+    """x rows strided, y accumulated into a view (ypad = 0: contiguous, M % 4 == 0, so on
+    CUDA the kernel's own in-place epilogue, beta = 1; ypad = 1: strided, the staged store),
+    and the weight a column slice of a wider one (tensor parallelism: codes and scales strided)."""
     need_device(dev, "linear_fp8")
     rng = rng_for("fp8acc", ypad)
     wfull, q, s = fp8_weight(40, 384, rng)
     wc = wfull.cols(128, 384)
     w = wc if dev == "cpu" else wc.to(dev)
-    xbig = fp8_inputs(6, 300, rng)
+    xbig = fp8_inputs(8, 300, rng)
     x = xbig[:, 20:276]
-    y0 = rng.standard_normal((6, 40 + ypad)).astype(np.float32)
+    y0 = rng.standard_normal((8, 40 + ypad)).astype(np.float32)
     ybuf = to_dev(y0.copy(), dev)
     y = ybuf.slice(1, 0, 40)
     ops.linear_fp8(to_dev(np.ascontiguousarray(xbig), dev).slice(1, 20, 276), w, out=y, accumulate=True)
@@ -429,6 +439,78 @@ def test_linear_fp8_errors_and_availability():
     assert "cpu" in dflash2_rt.build_info()["ops"]["linear_fp8"]
     with pytest.raises(ValueError, match="out"):
         ops.fp8_quantize_act(np.zeros((2, 8), np.float32), out=np.zeros((2, 9), np.float32))
+
+
+# ----------------------------------------------------------------------------- linear_nvfp4
+# K multiples of 16, some not of 32 (the padded copy), N past a 128-row scale atom and not a
+# multiple of 4, M past 128 rows.
+NVFP4_W4A4_SHAPES = NVFP4_SHAPES + [(130, 96, 72), (5, 208, 130), (64, 512, 256)]
+
+
+def nvfp4_weight(n, k, rng, input_scale):
+    w = rng.standard_normal((n, k)).astype(np.float32) * 0.1
+    p, s, g = refs.quantize_nvfp4(w)
+    wt = ops.Weight.nvfp4(p, torch.from_numpy(s).view(torch.float8_e4m3fn), float(g), float(input_scale))
+    return wt, refs.dequant_nvfp4(p, s, g)
+
+
+@pytest.mark.parametrize("dev", DEVICES)
+def test_linear_nvfp4(dev):
+    need_device(dev, "linear_nvfp4")
+    for (m, k, n) in NVFP4_W4A4_SHAPES:
+        rng = rng_for("linear_nvfp4", m, k, n)
+        x = fp8_inputs(m, k, rng)
+        input_scale = float(np.abs(x).max()) / (6 * 448)
+        w, wref = nvfp4_weight(n, k, rng, input_scale)
+        out = Guarded((m, n), dev)
+        ops.linear_nvfp4(to_dev(x, dev), w if dev == "cpu" else w.to(dev), out=out.view)
+        got = out.result()
+        xq = np.from_dlpack(ops.nvfp4_quantize_act(x, input_scale)).astype(np.float64)
+        check("linear_nvfp4", got, xq @ wref.T, TOL["linear_nvfp4_cuda" if dev == "cuda" else "linear_nvfp4"])
+        assert nmse(got, x.astype(np.float64) @ wref.T) > 1e-5, (m, k, n)
+
+
+@pytest.mark.parametrize("dev", DEVICES)
+@pytest.mark.parametrize("ypad", [0, 1])
+def test_linear_nvfp4_rows_independent_and_accumulate(dev, ypad):
+    need_device(dev, "linear_nvfp4")
+    rng = rng_for("nvfp4rows", ypad)
+    n, k, m = 72, 208, 150
+    x = fp8_inputs(m, k, rng)
+    wc, wref = nvfp4_weight(n, k, rng, float(np.abs(x).max()) / (6 * 448))
+    w = wc if dev == "cpu" else wc.to(dev)
+    full = to_np(ops.linear_nvfp4(to_dev(x, dev), w)).copy()
+    for i in (0, 1, 127, 128, 149):
+        one = to_np(ops.linear_nvfp4(to_dev(x[i:i + 1], dev), w))
+        assert np.array_equal(one[0], full[i]), f"row {i} differs when computed alone"
+    y0 = rng.standard_normal((m, n + ypad)).astype(np.float32)
+    ybuf = to_dev(y0.copy(), dev)
+    ops.linear_nvfp4(to_dev(x, dev), w, out=ybuf.slice(1, 0, n), accumulate=True)
+    got = to_np(ybuf)
+    check("linear_nvfp4", got[:, :n], y0[:, :n].astype(np.float64) + full,
+          TOL["linear_nvfp4_cuda" if dev == "cuda" else "linear_nvfp4"])
+    assert np.array_equal(got[:, n:], y0[:, n:]), "wrote outside y's columns"
+
+
+def test_linear_nvfp4_errors_and_availability():
+    rng = rng_for("nvfp4err")
+    w0, _ = nvfp4_weight(4, 32, rng, 0.0)
+    with pytest.raises(dflash2_rt.InvalidArgumentError, match="input_scale"):
+        ops.linear_nvfp4(np.zeros((2, 32), np.float32), w0)
+    wf, _, _ = fp8_weight(4, 32, rng)
+    with pytest.raises(dflash2_rt.InvalidArgumentError, match="must be NVFP4"):
+        ops.linear_nvfp4(np.zeros((2, 32), np.float32), wf)
+    w1, _ = nvfp4_weight(4, 32, rng, 1e-39)  # subnormal: 1 / input_scale overflows
+    with pytest.raises(dflash2_rt.InvalidArgumentError, match="input_scale"):
+        ops.linear_nvfp4(np.zeros((2, 32), np.float32), w1)
+    assert ops.linear_nvfp4_available("cpu")
+    # on the CPU a non-finite activation makes its output row NaN (the GPU's FP4 MMA decides
+    # for itself what a NaN block scale gives: see README)
+    w2, _ = nvfp4_weight(4, 32, rng, 0.01)
+    x = np.ones((2, 32), np.float32)
+    x[1, 3] = np.inf
+    y = np.from_dlpack(ops.linear_nvfp4(x, w2))
+    assert np.isfinite(y[0]).all() and np.isnan(y[1]).all()
 
 
 # ----------------------------------------------------------------------------- norms

@@ -415,3 +415,21 @@ def test_nvfp4_activation_quantization_matches_reference(seed):
     nan[3, 5] = np.nan
     out = np.from_dlpack(ops.nvfp4_quantize_act(nan, input_scale))
     assert np.isnan(out[3, :16]).all() and np.isfinite(out[3, 16:]).all()
+
+
+def test_nvfp4_activation_quantization_on_cuda_is_the_cpus():
+    """The CUDA kernel behind linear_nvfp4's activations (quant.cu) against the CPU's, bitwise,
+    including zero, underflowing, tie and non-finite blocks."""
+    from conftest import cuda_or_skip
+    from dflash2_rt import ops
+    cuda_or_skip()
+    rng = np.random.default_rng(5)
+    x = (rng.standard_normal((9, 160)) * rng.uniform(0.01, 20, (9, 1))).astype(np.float32)
+    x[0, :16] = 0.0
+    x[1, 16:32] = 1e-30
+    x[2, :16] = [6, 5, 3.5, 2.5, 1.75, 1.25, 0.75, 0.25, -6, -5, -3.5, -2.5, -1.75, -1.25, -0.75, -0.25]
+    x[3, 40] = np.nan
+    input_scale = float(np.nanmax(np.abs(x))) / (448 * 6)
+    want = np.from_dlpack(ops.nvfp4_quantize_act(x, input_scale)).copy()
+    got = np.from_dlpack(ops.nvfp4_quantize_act(dflash2_rt.from_dlpack(x).to("cuda:0"), input_scale).to("cpu"))
+    np.testing.assert_array_equal(got, want)

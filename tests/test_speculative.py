@@ -341,6 +341,43 @@ def test_fp8_prefill_is_lossless(world, tmp_path):
                     assert list(r.token_ids) == want[i], f"{key}, fp8 prefill, batch size {bs}, prompt {i}"
 
 
+def test_nvfp4_prefill_is_lossless(world, tmp_path):
+    """prefill_gemm="nvfp4" on a checkpoint whose MLPs are NVFP4 (with an input_scale): the
+    prompt tokens' NVFP4 projections run W4A4 (CUTLASS on sm_100a; here the CPU's
+    emulation), the others bf16; speculative == AR at every batch size."""
+    from dflash2_rt.tools.quantize import quantize_checkpoint
+    fp4 = str(tmp_path / "nvfp4")
+    quantize_checkpoint(os.fspath(world.target), fp4, "nvfp4", "mlp")
+    with pytest.raises(dflash2_rt.ConfigError, match="NVFP4 with an input_scale"):
+        _engine(world.target, prefill_gemm="nvfp4")
+    ar = _engine(fp4, prefill_gemm="nvfp4")
+    assert ar.prefill_gemm == "nvfp4"
+    n = len(GREEDY_PROMPTS)
+
+    def greedy(e):
+        out = []
+        for i in range(0, n, MAXB):
+            out += [list(r.token_ids) for r in e.generate(GREEDY_PROMPTS[i:i + MAXB], max_new_tokens=GREEDY_NEW,
+                                                          stop_token_ids=NO_STOP)]
+        return out
+
+    want = greedy(ar)
+    exact = greedy(_engine(fp4, prefill_gemm="bf16"))
+    assert any(w != e for w, e in zip(want, exact)), "nvfp4 prefill changed no continuation: is it quantizing?"
+    keys = ["d2"] + (["mtp"] if _has_mtp(world) else [])
+    for key in keys:
+        eng = (_engine(fp4, None, "mtp", prefill_gemm="nvfp4") if key == "mtp"
+               else _engine(fp4, world.draft(key), "dflash2", prefill_gemm="nvfp4"))
+        for bs in (1, 3):
+            order = [(i * 3 + bs) % n for i in range(n)]
+            for j in range(0, n, bs):
+                idx = order[j:j + bs]
+                res = eng.generate([GREEDY_PROMPTS[i] for i in idx], max_new_tokens=GREEDY_NEW,
+                                   stop_token_ids=NO_STOP)
+                for i, r in zip(idx, res):
+                    assert list(r.token_ids) == want[i], f"{key}, nvfp4 prefill, batch size {bs}, prompt {i}"
+
+
 @pytest.mark.parametrize("key", ["d2", "d2_sw", "d1_causal", "mtp"])
 def test_long_generation_low_acceptance_equals_ar(world, ar_engine, key):
     """Random drafters accept little: many rejections, rollbacks and context appends."""

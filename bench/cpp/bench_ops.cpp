@@ -15,7 +15,8 @@
 // memory-bound ops: >= 0.85 of the copy bandwidth). linear_bf16 (the prompt chunks'
 // tensor-core GEMM) runs at prefill sizes T in {256, 1024, 4096} ({256, 1024} with --quick)
 // against cuBLASLt's BF16 GEMM, and linear_fp8 (FP8 checkpoints' W8A8 prefill GEMM, sm_90a)
-// at the same sizes against cuBLASLt's block-scaled FP8 GEMM.
+// at the same sizes against cuBLASLt's block-scaled FP8 GEMM, and linear_nvfp4 (W4A4,
+// sm_100a / sm_103a) on the MLP shapes against cuBLASLt's NVFP4 GEMM.
 //
 // L2: a weight that fits in L2 would be re-read from L2 by back-to-back calls, unlike in a
 // model step, where every layer has its own weights. Cases whose operands are small keep
@@ -845,6 +846,7 @@ void bench_linear_tc(Bench& b, const std::vector<int64_t>& Ts, int major) {
     return;
   }
   const bool fp8_ok = ops::linear_fp8_available(on_gpu() ? Device::cuda(0) : Device::cpu());
+  const bool fp4_ok = ops::linear_nvfp4_available(on_gpu() ? Device::cuda(0) : Device::cpu());
   const std::vector<Proj> ps = {
       {"q_a_proj", G.q_lora, G.hidden, true, false},
       {"q_b_proj h16", 16 * G.qk(), G.q_lora, true, false},
@@ -867,8 +869,17 @@ void bench_linear_tc(Bench& b, const std::vector<int64_t>& Ts, int major) {
       for (int64_t T : Ts)
         gemm_case(b, Result{"linear_fp8", p.name + " " + dims({p.N, p.K}), fmt_name(Fmt::FP8), "prefill chunk", T},
                   p, Fmt::FP8, Fmt::FP8, T, major, &ops::linear_fp8);
+    // NVFP4 checkpoints' W4A4 GEMM (prefill_gemm="nvfp4"; sm_100a / sm_103a) on the MLP
+    // shapes NVFP4 checkpoints quantize: activation quantization and the weight-scale
+    // swizzle in our time; the baseline is cuBLASLt's NVFP4 GEMM.
+    if (fp4_ok && p.name.rfind("shared", 0) == 0)
+      for (int64_t T : Ts)
+        gemm_case(b, Result{"linear_nvfp4", p.name + " " + dims({p.N, p.K}), fmt_name(Fmt::NVFP4), "prefill chunk",
+                            T},
+                  p, Fmt::NVFP4, Fmt::NVFP4, T, major, &ops::linear_nvfp4);
   }
   if (!fp8_ok) std::printf("linear_fp8: no FP8 block-128 tensor-core GEMM for this device in this build (skipped)\n");
+  if (!fp4_ok) std::printf("linear_nvfp4: no NVFP4 W4A4 tensor-core GEMM for this device in this build (skipped)\n");
 }
 
 void bench_linear_heads(Bench& b, const std::vector<int64_t>& Ts, int major) {

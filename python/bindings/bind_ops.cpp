@@ -131,6 +131,13 @@ void bind_ops(py::module_& m) {
               "sm_90a, emulated on the CPU). The weight must be FP8 block-128.");
   o.def("linear_fp8_available", [](const std::string& dev) { return ops::linear_fp8_available(Device::parse(dev)); },
         py::arg("device"), "Whether linear_fp8 runs on this device in this build.");
+  bind_linear("linear_nvfp4", &ops::linear_nvfp4,
+              "NVFP4 W4A4: x quantized as nvfp4_quantize_act(x, weight.input_scale), times the NVFP4 weight (CUTLASS "
+              "block-scaled tcgen05 on sm_100a / sm_103a, emulated on the CPU). The weight must be NVFP4 with an "
+              "input_scale.");
+  o.def("linear_nvfp4_available",
+        [](const std::string& dev) { return ops::linear_nvfp4_available(Device::parse(dev)); }, py::arg("device"),
+        "Whether linear_nvfp4 runs on this device in this build.");
 
   o.def(
       "rms_norm",

@@ -163,10 +163,10 @@ def _generate_args(p: argparse.ArgumentParser) -> None:
                    help="ranks the target is split across (on the CPU: threads of this process)")
     p.add_argument("--expert-parallel", action="store_true",
                    help="with --tensor-parallel > 1: whole routed experts per rank instead of a slice of each")
-    p.add_argument("--prefill-gemm", choices=("auto", "exact", "bf16", "fp8"), default="auto",
+    p.add_argument("--prefill-gemm", choices=("auto", "exact", "bf16", "fp8", "nvfp4"), default="auto",
                    help="prompt tokens' GEMM numerics: bf16 = tensor cores (CPU: emulated), fp8 = W8A8 for an "
-                        "FP8 block-128 checkpoint, exact = fp32 activations; auto = fp8 / bf16 on a supported "
-                        "GPU, else exact")
+                        "FP8 block-128 checkpoint, nvfp4 = W4A4 for an NVFP4 one, exact = fp32 activations; "
+                        "auto = fp8 / nvfp4 / bf16 on a supported GPU, else exact")
     p.add_argument("--no-cuda-graphs", dest="cuda_graphs", action="store_false",
                    help="CUDA: run every forward chunk eagerly instead of replaying captured CUDA graphs")
     p.add_argument("--threads", type=int, default=None, help="CPU threads (default: all cores)")
@@ -247,10 +247,10 @@ def _serve_args(p: argparse.ArgumentParser) -> None:
                    help="ranks the target is split across (on the CPU: threads of this process)")
     p.add_argument("--expert-parallel", action="store_true",
                    help="with --tensor-parallel > 1: whole routed experts per rank instead of a slice of each")
-    p.add_argument("--prefill-gemm", choices=("auto", "exact", "bf16", "fp8"), default="auto",
+    p.add_argument("--prefill-gemm", choices=("auto", "exact", "bf16", "fp8", "nvfp4"), default="auto",
                    help="prompt tokens' GEMM numerics: bf16 = tensor cores (CPU: emulated), fp8 = W8A8 for an "
-                        "FP8 block-128 checkpoint, exact = fp32 activations; auto = fp8 / bf16 on a supported "
-                        "GPU, else exact")
+                        "FP8 block-128 checkpoint, nvfp4 = W4A4 for an NVFP4 one, exact = fp32 activations; "
+                        "auto = fp8 / nvfp4 / bf16 on a supported GPU, else exact")
     p.add_argument("--no-cuda-graphs", dest="cuda_graphs", action="store_false",
                    help="CUDA: run every forward chunk eagerly instead of replaying captured CUDA graphs")
     p.add_argument("--threads", type=int, default=None, help="CPU threads (default: all cores)")

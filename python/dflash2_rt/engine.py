@@ -228,9 +228,11 @@ class Engine:
         prefill_gemm: the numerics of the prompt tokens' projections: "exact" (fp32
         activations, as decoding), "bf16" (the tensor cores' BF16 operands: CUTLASS on the
         GPU, emulated on the CPU), "fp8" (FP8 block-128 checkpoints: W8A8 for their FP8
-        weights, bf16 for the rest), "auto" (on a GPU this build has the kernels for: "fp8"
-        for an FP8 checkpoint where the W8A8 kernel exists, else "bf16", each after a
-        load-time check; "exact" elsewhere). Generated tokens always decode exact, so speculative == AR holds in
+        weights, bf16 for the rest), "nvfp4" (NVFP4 checkpoints whose attention / dense /
+        shared-expert projections are NVFP4 with an input_scale: W4A4 for those, bf16 for
+        the rest), "auto" (on a GPU this build has the kernels for: "fp8" / "nvfp4" for
+        such a checkpoint where the kernel exists (sm_90a / sm_100a), else "bf16", each after
+        a load-time check; "exact" elsewhere). Generated tokens always decode exact, so speculative == AR holds in
         every mode; the resolved mode is `engine.prefill_gemm`.
         cuda_graphs: on CUDA with tensor_parallel=1, capture the target's decode / verify
         chunks as CUDA graphs and replay them (False: every chunk eagerly, the same
@@ -260,9 +262,9 @@ class Engine:
             raise _core.InvalidArgumentError(f"Engine: expert_parallel must be True or False, found {expert_parallel!r}")
         if not isinstance(cuda_graphs, (bool, np.bool_)):
             raise _core.InvalidArgumentError(f"Engine: cuda_graphs must be True or False, found {cuda_graphs!r}")
-        if prefill_gemm not in ("auto", "exact", "bf16", "fp8"):
+        if prefill_gemm not in ("auto", "exact", "bf16", "fp8", "nvfp4"):
             raise _core.InvalidArgumentError(
-                f"Engine: prefill_gemm must be 'auto', 'exact', 'bf16' or 'fp8', found {prefill_gemm!r}")
+                f"Engine: prefill_gemm must be 'auto', 'exact', 'bf16', 'fp8' or 'nvfp4', found {prefill_gemm!r}")
         if speculation not in ("fixed", "adaptive"):
             raise _core.InvalidArgumentError(f"Engine: speculation must be 'fixed' or 'adaptive', found {speculation!r}")
         self._e = _core.Engine(os.fspath(target), None if draft is None else os.fspath(draft), method or "", device,

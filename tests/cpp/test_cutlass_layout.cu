@@ -7,11 +7,13 @@
 #include <cstdio>
 
 #include "backend/cuda/cutlass/fp8_config.cuh"
+#include "backend/cuda/cutlass/nvfp4_config.cuh"
 #include "backend/cuda/layout.h"
 #include "testing.h"
 
 namespace L = dflash2::cuda::layout;
 using dflash2::cuda::tc::Fp8ScaleConfig;
+using dflash2::cuda::tc::Nvfp4SfConfig;
 
 TEST(fp8_activation_scales_are_mn_major_per_row) {
   int bad = 0, cases = 0;
@@ -47,6 +49,28 @@ TEST(fp8_weight_scales_are_the_checkpoints_row_major_blocks) {
       CHECK(int64_t(cute::cosize(cute::filter_zeros(sfb))) == int64_t((N + 127) / 128) * nbk);
     }
   std::printf("  %d (n, k) checked, %d misplaced\n", cases, bad);
+  CHECK(bad == 0);
+}
+
+TEST(nvfp4_scales_are_swizzled_128x4_atoms) {
+  int bad = 0, cases = 0;
+  for (int R : {1, 4, 100, 128, 130, 300})
+    for (int K : {32, 64, 96, 160, 512}) {
+      const int N = 132;
+      const auto sfa = Nvfp4SfConfig::tile_atom_to_shape_SFA(cute::make_shape(R, N, K, 1));
+      const auto sfb = Nvfp4SfConfig::tile_atom_to_shape_SFB(cute::make_shape(N, R, K, 1));
+      const int64_t cols = L::nvfp4_sf_cols(K), buf = L::nvfp4_sf_rows(R) * cols;
+      for (int r = 0; r < R; ++r)
+        for (int k = 0; k < K; ++k) {
+          const int64_t want = L::nvfp4_sf_offset(r, k / 16, cols);
+          bad += int64_t(sfa(r, k, 0)) != want;
+          bad += int64_t(sfb(r, k, 0)) != want;  // B (the weight) takes the same layout over its N rows
+          bad += want < 0 || want >= buf;
+          cases += 2;
+        }
+      CHECK(int64_t(cute::cosize(cute::filter_zeros(sfa))) <= buf);
+    }
+  std::printf("  %d (row, k) checked, %d misplaced\n", cases, bad);
   CHECK(bad == 0);
 }
 

@@ -34,9 +34,11 @@ struct EngineConfig {
                                       // activations), "bf16" (ops::linear_bf16: the tensor cores'
                                       // BF16 numerics; the CPU emulates it), "fp8" (FP8 block-128
                                       // checkpoints: ops::linear_fp8, W8A8, for the FP8 weights and
-                                      // bf16 for the rest), "auto" = on a GPU this build has the
-                                      // CUTLASS kernels for, "fp8" for an FP8 checkpoint (sm_90a)
-                                      // else "bf16", each after a load-time check; else "exact".
+                                      // bf16 for the rest), "nvfp4" (NVFP4 checkpoints with an
+                                      // input_scale: ops::linear_nvfp4, W4A4), "auto" = on a GPU
+                                      // this build has the CUTLASS kernels for, "fp8" / "nvfp4" for
+                                      // such a checkpoint (sm_90a / sm_100a) else "bf16", each after
+                                      // a load-time check; else "exact".
                                       // Generated tokens always run exact (see README).
   bool cuda_graphs = true;  // CUDA, tensor_parallel = 1: decode / verify chunks of the target
                            // captured as CUDA graphs and replayed; false: every chunk eagerly

@@ -113,14 +113,29 @@ bool linear_fp8_available(Device dev);
 // out F32 [M, K] (may be x). A non-finite input makes its block NaN.
 void fp8_quantize_act(const Tensor& x, Tensor& out);
 
+// NVFP4 W4A4: the Blackwell GEMM that NVFP4 (ModelOpt) checkpoints are made for, used for
+// prompt tokens (Engine prefill_gemm="nvfp4"). w must be NVFP4 with input_scale > 0 (the
+// checkpoint's per-tensor activation scale). x is quantized as nvfp4_quantize_act(x,
+// w.input_scale) does, then multiplied by the weight:
+//   y = nvfp4_quantize_act(x, input_scale) @ W^T   (W dequantized as linear reads it)
+// which is how the CPU backend computes it (the oracle). The CUDA path runs CUTLASS's
+// block-scaled tcgen05 kernel on sm_100a / sm_103a: sum_k (q_x sf_x)(q_w sf_w) in fp32 times
+// alpha = input_scale x weight_scale_2, so the two agree to fp32 rounding, not bitwise. A
+// row's result never depends on M or the other rows. Shapes as linear.
+void linear_nvfp4(const Tensor& x, const Weight& w, Tensor& y, bool accumulate = false);
+// Whether linear_nvfp4 runs on `dev` in this build (the CPU always; a GPU when the CUTLASS
+// kernel for its architecture was built: sm_100a / sm_103a).
+bool linear_nvfp4_available(Device dev);
+
 // The GEMM numerics of prompt tokens (GlmModel::Options::prefill, Engine prefill_gemm).
 enum class GemmNumerics : uint8_t {
   Exact,  // linear
   BF16,   // linear_bf16
   FP8,    // linear_fp8 for FP8Block128 weights, linear_bf16 for every other weight
+  NVFP4,  // linear_nvfp4 for NVFP4 weights with an input_scale, linear_bf16 for the others
 };
-const char* gemm_numerics_name(GemmNumerics g);  // "exact", "bf16", "fp8"
-// linear / linear_bf16 / linear_fp8 as `g` says for this weight.
+const char* gemm_numerics_name(GemmNumerics g);  // "exact", "bf16", "fp8", "nvfp4"
+// linear / linear_bf16 / linear_fp8 / linear_nvfp4 as `g` says for this weight.
 void linear_as(GemmNumerics g, const Tensor& x, const Weight& w, Tensor& y, bool accumulate = false);
 
 // NVFP4 activation quantization as a Blackwell W4A4 GEMM applies it (the CPU emulation that

@@ -416,14 +416,26 @@ void GlmModel::to_device(Device dev, const std::function<void(size_t, size_t)>& 
 
 bool GlmModel::mtp_has_indexer() const { return mtp_ && mtp_->attn.indexer; }
 
-bool GlmModel::has_fp8_weights() const {
-  auto fp8 = [](const Weight& w) { return w.format == ops::WeightFormat::FP8Block128; };
-  for (const auto& L : layers_) {
+namespace {
+// Whether any projection a prompt chunk runs through ops::linear_as matches `is`.
+template <class Pred>
+bool any_prefill_weight(const std::vector<std::unique_ptr<Layer>>& layers, Pred is) {
+  for (const auto& L : layers) {
     const Attn& a = L->attn;
-    if (fp8(a.q_a) || fp8(a.q_b) || fp8(a.kv_a) || fp8(a.o) || fp8(L->mlp.gate) || fp8(L->mlp.up) || fp8(L->mlp.down))
+    if (is(a.q_a) || is(a.q_b) || is(a.kv_a) || is(a.o) || is(L->mlp.gate) || is(L->mlp.up) || is(L->mlp.down))
       return true;
   }
   return false;
+}
+}  // namespace
+
+bool GlmModel::has_fp8_weights() const {
+  return any_prefill_weight(layers_, [](const Weight& w) { return w.format == ops::WeightFormat::FP8Block128; });
+}
+
+bool GlmModel::has_nvfp4_weights() const {
+  return any_prefill_weight(layers_,
+                            [](const Weight& w) { return w.format == ops::WeightFormat::NVFP4 && w.input_scale > 0.0f; });
 }
 
 // ------------------------------------------------------------------ one decoder layer

@@ -83,6 +83,9 @@ class GlmModel {
   // Whether any decoder-layer projection is stored as FP8 block-128 (an FP8 checkpoint:
   // what prefill_gemm="auto" takes W8A8 for).
   bool has_fp8_weights() const;
+  // Whether any decoder-layer projection of the prompt path is NVFP4 with an input_scale
+  // (what prefill_gemm="nvfp4" runs W4A4).
+  bool has_nvfp4_weights() const;
 
   // The device the forward runs on (the CPU until to_device).
   Device device() const { return device_; }

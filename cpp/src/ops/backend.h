@@ -17,6 +17,7 @@ namespace dflash2::ops {
   X(linear, (const Tensor& x, const Weight& w, Tensor& y, bool accumulate))                                         \
   X(linear_bf16, (const Tensor& x, const Weight& w, Tensor& y, bool accumulate))                                    \
   X(linear_fp8, (const Tensor& x, const Weight& w, Tensor& y, bool accumulate))                                     \
+  X(linear_nvfp4, (const Tensor& x, const Weight& w, Tensor& y, bool accumulate))                                   \
   X(fp8_quantize_act, (const Tensor& x, Tensor& out))                                                               \
   X(linear_heads, (const Tensor& x, const Tensor& w, Tensor& y))                                                     \
   X(rms_norm, (const Tensor& x, const Tensor& w, float eps, Tensor& out))                                           \

@@ -4,6 +4,7 @@
 
 #include <cmath>
 #include <initializer_list>
+#include <limits>
 #include <string>
 
 #include "dflash2/error.h"
@@ -135,11 +136,31 @@ bool linear_fp8_available(Device dev) {
   return false;
 }
 
+void linear_nvfp4(const Tensor& x, const Weight& w, Tensor& y, bool accumulate) {
+  check_linear("linear_nvfp4", x, w, y);
+  DFLASH2_CHECK_ARG(w.format == WeightFormat::NVFP4, "linear_nvfp4(", w.name, "): the weight must be NVFP4 (W4A4), ",
+                    "found ", weight_format_name(w.format), "; use linear or linear_bf16");
+  // >= FLT_MIN: 1 / input_scale must be finite (a subnormal scale would make it infinite)
+  DFLASH2_CHECK_ARG(std::isfinite(w.input_scale) && w.input_scale >= std::numeric_limits<float>::min(), "linear_nvfp4(",
+                    w.name, "): W4A4 needs the checkpoint's activation scale (a normal input_scale > 0), found ",
+                    w.input_scale);
+  DFLASH2_DISPATCH(linear_nvfp4, x, x, w, y, accumulate);
+}
+
+bool linear_nvfp4_available(Device dev) {
+  if (dev.is_cpu()) return true;
+#if defined(DFLASH2_WITH_CUDA) && defined(DFLASH2_WITH_CUTLASS)
+  if (dev.is_cuda()) return cuda::linear_nvfp4_supported(dev.index);
+#endif
+  return false;
+}
+
 const char* gemm_numerics_name(GemmNumerics g) {
   switch (g) {
     case GemmNumerics::Exact: return "exact";
     case GemmNumerics::BF16: return "bf16";
     case GemmNumerics::FP8: return "fp8";
+    case GemmNumerics::NVFP4: return "nvfp4";
   }
   return "?";
 }
@@ -150,6 +171,9 @@ void linear_as(GemmNumerics g, const Tensor& x, const Weight& w, Tensor& y, bool
     case GemmNumerics::BF16: return linear_bf16(x, w, y, accumulate);
     case GemmNumerics::FP8:
       if (w.format == WeightFormat::FP8Block128) return linear_fp8(x, w, y, accumulate);
+      return linear_bf16(x, w, y, accumulate);
+    case GemmNumerics::NVFP4:
+      if (w.format == WeightFormat::NVFP4 && w.input_scale > 0.0f) return linear_nvfp4(x, w, y, accumulate);
       return linear_bf16(x, w, y, accumulate);
   }
 }
@@ -454,8 +478,8 @@ void nvfp4_quantize_act(const Tensor& x, float input_scale, Tensor& out) {
                     " must have x's shape ", x.describe());
   DFLASH2_CHECK_ARG(x.shape(1) % 16 == 0, op, ": the row length ", x.shape(1),
                     " must be a multiple of 16 (NVFP4 quantizes blocks of 16 inputs)");
-  DFLASH2_CHECK_ARG(std::isfinite(input_scale) && input_scale > 0.0f, op,
-                    ": input_scale must be positive and finite, found ", input_scale);
+  DFLASH2_CHECK_ARG(std::isfinite(input_scale) && input_scale >= std::numeric_limits<float>::min(), op,
+                    ": input_scale must be positive, normal and finite, found ", input_scale);
   DFLASH2_DISPATCH(nvfp4_quantize_act, x, x, input_scale, out);
 }
 

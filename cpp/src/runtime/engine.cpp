@@ -79,7 +79,9 @@ namespace {
 // producing wrong prompt states.
 std::string tc_gemm_self_check(Device dev, ops::GemmNumerics g) {
   try {
-    const int64_t M = 130, K = 200, N = 150;
+    // K = 200: tails of 8 and 16 (the BF16 / FP8 padded paths); NVFP4 needs K % 16 == 0 and
+    // takes 208, not a multiple of 32 (its padded path)
+    const int64_t M = 130, K = g == ops::GemmNumerics::NVFP4 ? 208 : 200, N = 150;
     uint64_t s = 0x9e3779b97f4a7c15ull;
     auto next = [&s] {  // xorshift in [-1, 1)
       s ^= s << 13;
@@ -90,7 +92,13 @@ std::string tc_gemm_self_check(Device dev, ops::GemmNumerics g) {
     Tensor x = Tensor::empty(DType::F32, {M, K});
     for (int64_t i = 0; i < M * K; ++i) x.data_as<float>()[i] = next();
     ops::Weight wc;
-    if (g == ops::GemmNumerics::FP8) {
+    if (g == ops::GemmNumerics::NVFP4) {
+      // random E2M1 codes, E4M3 scales in [0.5, 1), a global scale and an activation scale
+      Tensor packed = Tensor::empty(DType::U8, {N, K / 2}), sc = Tensor::empty(DType::F8_E4M3, {N, K / 16});
+      for (int64_t i = 0; i < packed.numel(); ++i) static_cast<uint8_t*>(packed.data())[i] = uint8_t((next() + 1.0f) * 127.99f);
+      for (int64_t i = 0; i < sc.numel(); ++i) static_cast<uint8_t*>(sc.data())[i] = uint8_t(0x30 + int((next() + 1.0f) * 7.99f));
+      wc = ops::Weight::nvfp4(packed, sc, 0.01f, 8.0f / (6.0f * 448.0f), K, "self-check");
+    } else if (g == ops::GemmNumerics::FP8) {
       Tensor codes = Tensor::empty(DType::F8_E4M3, {N, K}), sc = Tensor::empty(DType::F32, {(N + 127) / 128, (K + 127) / 128});
       uint8_t* cp = static_cast<uint8_t*>(codes.data());
       for (int64_t i = 0; i < N * K; ++i) {
@@ -116,7 +124,7 @@ std::string tc_gemm_self_check(Device dev, ops::GemmNumerics g) {
       err += (gv - r) * (gv - r);
       nrm += r * r;
     }
-    const double tol = g == ops::GemmNumerics::FP8 ? 1e-6 : 1e-8;
+    const double tol = g == ops::GemmNumerics::FP8 ? 1e-6 : 1e-8;  // NVFP4: fp32 order only, as BF16
     if (!(err <= tol * nrm)) return "NMSE " + std::to_string(err / nrm) + " against the CPU emulation";
     return "";
   } catch (const std::exception& e) {
@@ -188,11 +196,13 @@ Engine::Engine(const EngineConfig& cfg) : impl_(std::make_unique<Impl>()) {
   I.core.target = std::make_unique<runtime::Target>(std::move(shards), to);
   // prompt tokens' GEMM numerics (the device is placed and checked by now)
   const std::string& pg = cfg.prefill_gemm;
-  DFLASH2_CHECK_ARG(pg == "auto" || pg == "exact" || pg == "bf16" || pg == "fp8", "Engine: prefill_gemm must be 'auto', ",
-                    "'exact', 'bf16' or 'fp8', found '", pg, "'");
+  DFLASH2_CHECK_ARG(pg == "auto" || pg == "exact" || pg == "bf16" || pg == "fp8" || pg == "nvfp4",
+                    "Engine: prefill_gemm must be 'auto', 'exact', 'bf16', 'fp8' or 'nvfp4', found '", pg, "'");
   const bool bf16_ok = ops::linear_bf16_available(device);
   const bool fp8_ok = bf16_ok && ops::linear_fp8_available(device);
+  const bool fp4_ok = bf16_ok && ops::linear_nvfp4_available(device);
   const bool fp8_ckpt = I.core.target->model().has_fp8_weights();
+  const bool fp4_ckpt = I.core.target->model().has_nvfp4_weights();
   DFLASH2_CHECK(pg != "bf16" || bf16_ok, ErrorKind::Unsupported, "Engine: prefill_gemm='bf16' needs the tensor-core GEMM ",
                 "(ops::linear_bf16), which this build has no kernel for on ", device.str(),
                 " (CUTLASS kernels: sm_90a, sm_100a / sm_103a); use 'exact' or 'auto'");
@@ -201,13 +211,26 @@ Engine::Engine(const EngineConfig& cfg) : impl_(std::make_unique<Impl>()) {
   DFLASH2_CHECK(pg != "fp8" || fp8_ok, ErrorKind::Unsupported, "Engine: prefill_gemm='fp8' needs the FP8 block-128 ",
                 "tensor-core GEMM (ops::linear_fp8), which this build has no kernel for on ", device.str(),
                 " (CUTLASS kernel: sm_90a); use 'bf16', 'exact' or 'auto'");
+  DFLASH2_CHECK(pg != "nvfp4" || fp4_ckpt, ErrorKind::Config, "Engine: prefill_gemm='nvfp4' (W4A4) needs a checkpoint ",
+                "whose prompt-path projections (attention, dense / shared-expert MLPs) are NVFP4 with an input_scale, "
+                "and ", cfg.target, " has none; use 'bf16', 'exact' or 'auto'");
+  DFLASH2_CHECK(pg != "nvfp4" || fp4_ok, ErrorKind::Unsupported, "Engine: prefill_gemm='nvfp4' needs the NVFP4 W4A4 ",
+                "tensor-core GEMM (ops::linear_nvfp4), which this build has no kernel for on ", device.str(),
+                " (CUTLASS kernel: sm_100a / sm_103a; Hopper has no FP4 MMA); use 'bf16', 'exact' or 'auto'");
   using ops::GemmNumerics;
-  GemmNumerics prefill = pg == "bf16" ? GemmNumerics::BF16 : pg == "fp8" ? GemmNumerics::FP8 : GemmNumerics::Exact;
+  GemmNumerics prefill = pg == "bf16"    ? GemmNumerics::BF16
+                         : pg == "fp8"   ? GemmNumerics::FP8
+                         : pg == "nvfp4" ? GemmNumerics::NVFP4
+                                         : GemmNumerics::Exact;
   if (pg == "auto" && device.is_cuda()) {
     // The default on a GPU: the tensor cores, each numerics only once it has proved itself
-    // here; FP8 checkpoints take their W8A8 GEMM where it exists (as their authors run them).
-    for (GemmNumerics g : {GemmNumerics::BF16, GemmNumerics::FP8}) {
-      if (g == GemmNumerics::BF16 ? !bf16_ok : (!fp8_ok || !fp8_ckpt || prefill != GemmNumerics::BF16)) continue;
+    // here; FP8 / NVFP4 checkpoints take their low-precision GEMM where it exists (as their
+    // authors run them).
+    for (GemmNumerics g : {GemmNumerics::BF16, GemmNumerics::FP8, GemmNumerics::NVFP4}) {
+      const bool want = g == GemmNumerics::BF16  ? bf16_ok
+                        : g == GemmNumerics::FP8 ? fp8_ok && fp8_ckpt && prefill == GemmNumerics::BF16
+                                                 : fp4_ok && fp4_ckpt && prefill == GemmNumerics::BF16;
+      if (!want) continue;
       const std::string why = tc_gemm_self_check(device, g);
       if (!why.empty()) {
         std::fprintf(stderr, "dflash2: the %s tensor-core GEMM failed its load-time check on %s (%s); prompt tokens "

@@ -364,6 +364,15 @@ void linear_fp8(const Tensor& x, const ops::Weight& w, Tensor& y, bool accumulat
     }
 }
 
+// The NVFP4 W4A4 numerics (ops.h linear_nvfp4), emulated: the activations quantized as the
+// Blackwell GEMM quantizes them (nvfp4_quantize_act, dequantized), then the exact GEMM over
+// the weight's own dequantization. Allocates the quantized copy: an oracle and CPU path.
+void linear_nvfp4(const Tensor& x, const ops::Weight& w, Tensor& y, bool accumulate) {
+  Tensor xq = Tensor::empty(DType::F32, {x.shape(0), x.shape(1)});
+  cpu::nvfp4_quantize_act(x, w.input_scale, xq);
+  cpu::linear(xq, w, y, accumulate);
+}
+
 void linear_heads(const Tensor& x, const Tensor& w, Tensor& y) {
   const int64_t G = x.shape(1);
   for (int64_t g = 0; g < G; ++g) {

@@ -138,8 +138,12 @@ bool linear_bf16_supported(int device);
 // gemm_tc.cu (built with CUTLASS only): ops::linear_fp8 (FP8 block-128 W8A8, sm_90a).
 void linear_fp8(const Tensor& x, const ops::Weight& w, Tensor& y, bool accumulate);
 bool linear_fp8_supported(int device);
+// gemm_tc.cu (built with CUTLASS only): ops::linear_nvfp4 (NVFP4 W4A4, sm_100a / sm_103a).
+void linear_nvfp4(const Tensor& x, const ops::Weight& w, Tensor& y, bool accumulate);
+bool linear_nvfp4_supported(int device);
 // quant.cu
 void fp8_quantize_act(const Tensor& x, Tensor& out);
+void nvfp4_quantize_act(const Tensor& x, float input_scale, Tensor& out);
 void linear_heads(const Tensor& x, const Tensor& w, Tensor& y);
 // index_rows.cu
 void embedding_shard(const Tensor& table, const Tensor& ids, int64_t first, Tensor& out);

@@ -34,8 +34,10 @@
 #include "backend/cuda/cuda_check.cuh"
 #include "backend/cuda/cutlass/bf16_gemm.h"
 #include "backend/cuda/cutlass/fp8_gemm.h"
+#include "backend/cuda/cutlass/nvfp4_gemm.h"
 #include "backend/cuda/device_attr.cuh"
 #include "backend/cuda/kernel_util.cuh"
+#include "backend/cuda/layout.h"
 #include "backend/cuda/quant.h"
 #include "backend/cuda/scratch.h"
 #include "backend/cuda/weight_view.cuh"
@@ -106,6 +108,32 @@ std::string fp8_gemm(int sm, const Fp8GemmArgs& a, void* workspace, CUstream_st*
   return "no FP8 block-128 tensor-core GEMM was built for sm_" + std::to_string(sm);
 }
 
+bool nvfp4_gemm_built_for(int sm) {
+#if defined(DFLASH2_CUTLASS_NVFP4SM100)
+  if (sm == 100 || sm == 103) return true;
+#endif
+  (void)sm;
+  return false;
+}
+
+size_t nvfp4_gemm_workspace(int sm, const Nvfp4GemmArgs& a) {
+#if defined(DFLASH2_CUTLASS_NVFP4SM100)
+  if (sm == 100 || sm == 103) return nvfp4_gemm_sm100_workspace(a);
+#endif
+  (void)a;
+  return 0;
+}
+
+std::string nvfp4_gemm(int sm, const Nvfp4GemmArgs& a, void* workspace, CUstream_st* stream) {
+#if defined(DFLASH2_CUTLASS_NVFP4SM100)
+  if (sm == 100 || sm == 103) return nvfp4_gemm_sm100(a, workspace, stream);
+#endif
+  (void)a;
+  (void)workspace;
+  (void)stream;
+  return "no NVFP4 W4A4 tensor-core GEMM was built for sm_" + std::to_string(sm);
+}
+
 }  // namespace tc
 
 namespace {
@@ -174,6 +202,42 @@ __global__ void pack_scales(const float* __restrict__ s, int64_t ld, int64_t row
   }
 }
 
+// y[m, n] = 0 (a GEMM over K = 0 inputs, which the CUTLASS kernels cannot take).
+__global__ void zero_rows(int64_t M, int64_t N, float* __restrict__ y, int64_t ldy) {
+  const int64_t n = M * N;
+  for (int64_t i = int64_t(blockIdx.x) * blockDim.x + threadIdx.x; i < n; i += int64_t(gridDim.x) * blockDim.x) {
+    const int64_t m = i / N;
+    y[m * ldy + (i - m * N)] = 0.0f;
+  }
+}
+
+// x @ W^T over K = 0 inputs: zeros, or y unchanged when accumulating.
+void empty_k(Tensor& y, int64_t M, int64_t N, bool accumulate, const char* op) {
+  if (accumulate) return;
+  zero_rows<<<grid_for(M * N), kThreads, 0, detail::stream()>>>(M, N, y.data_as<float>(), y.stride(0));
+  detail::check_launch(op, " (K = 0)");
+}
+
+// NVFP4 weight codes (packed bytes) into a padded copy [Np, Kp / 2].
+__global__ void pad_fp4_codes(WeightView w, int64_t Np, int64_t Kp, uint8_t* __restrict__ out) {
+  const int64_t kb = Kp / 2, n = Np * kb, wkb = w.K / 2;
+  for (int64_t i = int64_t(blockIdx.x) * blockDim.x + threadIdx.x; i < n; i += int64_t(gridDim.x) * blockDim.x) {
+    const int64_t r = i / kb, c = i - r * kb;
+    out[i] = (c < wkb && r < w.N) ? w.data[r * w.row_bytes + c] : uint8_t(0);
+  }
+}
+
+// The checkpoint's per-16 E4M3 weight scales [N, K / 16] (row stride w.scale_stride) into the
+// block-scaled layout of layout.h (the buffer zeroed before).
+__global__ void swizzle_fp4_scales(WeightView w, int64_t sf_cols, uint8_t* __restrict__ out) {
+  const int64_t nb = w.K / 16, n = w.N * nb;
+  const uint8_t* s = static_cast<const uint8_t*>(w.scale);
+  for (int64_t i = int64_t(blockIdx.x) * blockDim.x + threadIdx.x; i < n; i += int64_t(gridDim.x) * blockDim.x) {
+    const int64_t r = i / nb, c = i - r * nb;
+    out[layout::nvfp4_sf_offset(r, c, sf_cols)] = s[r * w.scale_stride + c];
+  }
+}
+
 void convert_weight(const WeightView& v, int64_t Np, int64_t Kp, __nv_bfloat16* out, cudaStream_t st) {
   const unsigned g = grid_for(Np * Kp);
   switch (v.fmt) {
@@ -218,6 +282,7 @@ void linear_bf16(const Tensor& x, const ops::Weight& w, Tensor& y, bool accumula
          device, " (CUTLASS kernels are built for sm_90a and sm_100a / sm_103a when those are in DFLASH2_CUDA_ARCHS "
          "and CUTLASS is found); use prefill_gemm='exact'");
   if (M == 0 || N == 0) return;
+  if (K == 0) return empty_k(y, M, N, accumulate, "linear_bf16");
 
   // The GEMM runs N padded to Np (a multiple of 4: the epilogue's 16-byte alignment of D's
   // rows is checked on the problem's N), over a padded weight copy when N % 4 != 0.
@@ -299,6 +364,7 @@ void linear_fp8(const Tensor& x, const ops::Weight& w, Tensor& y, bool accumulat
          " on cuda:", device, " (the CUTLASS kernel is built for sm_90a when it is in DFLASH2_CUDA_ARCHS and CUTLASS "
          "is found); use prefill_gemm='bf16' or 'exact'");
   if (M == 0 || N == 0) return;
+  if (K == 0) return empty_k(y, M, N, accumulate, "linear_fp8");
 
   const int64_t Mp = round_up(M, 4), Kp = round_up(K, 16), Np = round_up(N, 4);
   const int64_t nbk = (K + 127) / 128, nbn = (N + 127) / 128;
@@ -348,6 +414,94 @@ void linear_fp8(const Tensor& x, const ops::Weight& w, Tensor& y, bool accumulat
   if (!direct_y) {
     store_rows<<<grid_for(M * N), kThreads, 0, st>>>(dtmp, Np, M, N, y.data_as<float>(), y.stride(0), accumulate);
     detail::check_launch("linear_fp8 store", w.name, " -> ", y.describe());
+  }
+}
+
+bool linear_nvfp4_supported(int device) {
+  if (device < 0 || device >= device_count()) return false;
+  return tc::nvfp4_gemm_built_for(detail::compute_capability(device));
+}
+
+// ops::linear_nvfp4 (ops.h): the activation rows quantized to E2M1 with per-16 E4M3 scales
+// (quant.h, the swizzled scale layout), the weight's scales swizzled into the same layout
+// (per call: N x K / 16 bytes), its packed codes read in place when 16-byte aligned with K %
+// 32 == 0 and N % 4 == 0 (else a padded copy), then CUTLASS's block-scaled tcgen05 GEMM with
+// alpha = input_scale x weight_scale_2; the staged store as linear_bf16.
+void linear_nvfp4(const Tensor& x, const ops::Weight& w, Tensor& y, bool accumulate) {
+  DFLASH2_CHECK_ARG(x.defined() && y.defined(), "cuda::linear_nvfp4: undefined tensor argument");
+  DFLASH2_CHECK_ARG(x.device().is_cuda() && y.device() == x.device(), "cuda::linear_nvfp4: x and y must be on the ",
+                    "same CUDA device, found ", x.describe(), ", ", y.describe());
+  DFLASH2_CHECK_ARG(x.dtype() == DType::F32 && y.dtype() == DType::F32 && x.ndim() == 2 && y.ndim() == 2,
+                    "cuda::linear_nvfp4: x and y must be F32 2-D, found ", x.describe(), ", ", y.describe());
+  w.validate();
+  const int device = x.device().index;
+  const WeightView v = detail::weight_view(w, device, "cuda::linear_nvfp4");
+  DFLASH2_CHECK_ARG(v.fmt == WFmt::NVFP4, "cuda::linear_nvfp4(", w.name, "): the weight must be NVFP4");
+  const int64_t M = x.shape(0), K = v.K, N = v.N;
+  DFLASH2_CHECK_ARG(x.shape(1) == K && y.shape(0) == M && y.shape(1) == N, "cuda::linear_nvfp4(", w.name, "): x ",
+                    x.describe(), " and y ", y.describe(), " do not match the weight [", N, ", ", K, "]");
+  DFLASH2_CHECK_ARG((x.stride(1) == 1 || K <= 1) && (y.stride(1) == 1 || N <= 1),
+                    "cuda::linear_nvfp4: x and y must be contiguous in their last dimension, found strides ",
+                    shape_str(x.strides()), " and ", shape_str(y.strides()));
+  DFLASH2_CHECK_ARG(M <= int64_t(INT32_MAX) && N + 4 <= int64_t(INT32_MAX) && K + 32 <= int64_t(INT32_MAX),
+                    "cuda::linear_nvfp4: [", M, ", ", N, ", ", K, "] exceeds the GEMM's 32-bit extents");
+  DFLASH2_CHECK_ARG(M <= 1 || y.stride(0) >= N, "cuda::linear_nvfp4: the rows of 'y' overlap (row stride ",
+                    y.stride(0), " < ", N, ")");
+  detail::DeviceGuard guard(device);
+  const int sm = detail::compute_capability(device);
+  if (!tc::nvfp4_gemm_built_for(sm))
+    fail(ErrorKind::Unsupported, "cuda::linear_nvfp4: this build has no NVFP4 W4A4 tensor-core GEMM for sm_", sm,
+         " on cuda:", device, " (the CUTLASS kernel is built for sm_100a / sm_103a when they are in "
+         "DFLASH2_CUDA_ARCHS and CUTLASS is found; Hopper has no FP4 MMA); use prefill_gemm='bf16' or 'exact'");
+  if (M == 0 || N == 0) return;
+  if (K == 0) return empty_k(y, M, N, accumulate, "linear_nvfp4");
+
+  const int64_t Kp = round_up(K, 32), Np = round_up(N, 4), sf_cols = layout::nvfp4_sf_cols(Kp);
+  const bool direct_w = K % 32 == 0 && N == Np && detail::aligned(v.data, 16) && v.row_bytes % 16 == 0;
+  const bool direct_y = N == Np && detail::aligned(y.data(), 16) && (M == 1 || y.stride(0) % 4 == 0);
+  constexpr int64_t kAlign = 256;
+  const int64_t a_bytes = round_up(M * Kp / 2, kAlign);
+  const int64_t sfa_bytes = round_up(layout::nvfp4_sf_rows(M) * sf_cols, kAlign);
+  const int64_t w_bytes = direct_w ? 0 : round_up(Np * Kp / 2, kAlign);
+  const int64_t sfb_bytes = round_up(layout::nvfp4_sf_rows(Np) * sf_cols, kAlign);
+  const int64_t d_bytes = direct_y ? 0 : round_up(M * Np * 4, kAlign);
+
+  tc::Nvfp4GemmArgs g;
+  g.M = int(M);
+  g.N = int(Np);
+  g.K = int(Kp);
+  g.lda = Kp;
+  g.ldb = direct_w ? v.row_bytes * 2 : Kp;
+  g.alpha = w.input_scale * w.global_scale;
+  g.ldd = direct_y ? (M == 1 ? Np : y.stride(0)) : Np;
+  g.accumulate = direct_y && accumulate;
+  const size_t ws_bytes = size_t(round_up(int64_t(tc::nvfp4_gemm_workspace(sm, g)), kAlign));
+  uint8_t* base = static_cast<uint8_t*>(
+      detail::scratch(device, size_t(a_bytes + sfa_bytes + w_bytes + sfb_bytes + d_bytes) + ws_bytes));
+  uint8_t* a4 = base;
+  uint8_t* sfa = base + a_bytes;
+  uint8_t* w4 = direct_w ? nullptr : base + a_bytes + sfa_bytes;
+  uint8_t* sfb = base + a_bytes + sfa_bytes + w_bytes;
+  float* dtmp = direct_y ? nullptr : reinterpret_cast<float*>(base + a_bytes + sfa_bytes + w_bytes + sfb_bytes);
+  void* ws = ws_bytes ? static_cast<void*>(base + a_bytes + sfa_bytes + w_bytes + sfb_bytes + d_bytes) : nullptr;
+
+  cudaStream_t st = detail::stream();
+  DFLASH2_CUDA_CHECK(cudaMemsetAsync(sfa, 0, size_t(sfa_bytes + w_bytes + sfb_bytes), st));
+  detail::nvfp4_quantize_rows(x.data_as<const float>(), x.stride(0), M, K, Kp, w.input_scale, a4, sfa, nullptr, 0, st);
+  if (!direct_w) pad_fp4_codes<<<grid_for(Np * Kp / 2), kThreads, 0, st>>>(v, Np, Kp, w4);
+  swizzle_fp4_scales<<<grid_for(N * (K / 16)), kThreads, 0, st>>>(v, sf_cols, sfb);
+  detail::check_launch("linear_nvfp4 operand quantization", w.name, " ", x.describe());
+  g.a = a4;
+  g.sfa = sfa;
+  g.b = direct_w ? static_cast<const void*>(v.data) : static_cast<const void*>(w4);
+  g.sfb = sfb;
+  g.d = direct_y ? y.data_as<float>() : dtmp;
+  const std::string err = tc::nvfp4_gemm(sm, g, ws, st);
+  if (!err.empty()) fail(ErrorKind::Backend, "cuda::linear_nvfp4(", w.name, "): ", err);
+  detail::check_launch("linear_nvfp4 CUTLASS GEMM", w.name, " ", x.describe(), " -> ", y.describe());
+  if (!direct_y) {
+    store_rows<<<grid_for(M * N), kThreads, 0, st>>>(dtmp, Np, M, N, y.data_as<float>(), y.stride(0), accumulate);
+    detail::check_launch("linear_nvfp4 store", w.name, " -> ", y.describe());
   }
 }
 

@@ -212,4 +212,17 @@ DFLASH2_HD int64_t conv_group(int64_t c, int64_t gs) { return c / gs; }
 DFLASH2_HD int64_t fp8_act_scale_offset(int64_t m, int64_t kb, int64_t Mp) { return kb * Mp + m; }
 DFLASH2_HD int64_t fp8_weight_scale_offset(int64_t nb, int64_t kb, int64_t nbk) { return nb * nbk + kb; }
 
+// ------------------------------------------------------------------ NVFP4 W4A4 GEMM scales
+// ops::linear_nvfp4 on sm_100a / sm_103a (cutlass/nvfp4_gemm.h): the block-scaled tcgen05
+// MMA reads one E4M3 scale per 16 inputs in CUTLASS's Sm1xxBlockScaledConfig<16> layout
+// (cutlass/nvfp4_config.cuh): atoms of 128 rows x 4 scales (512 bytes), row r of an atom at
+// (r % 32) * 16 + (r / 32) * 4, scale c at c % 4; atoms K-fastest. A buffer for R rows and
+// K inputs (K % 16 == 0) holds nvfp4_sf_rows(R) x nvfp4_sf_cols(K) bytes; the padding must be
+// zero. tests/cpp/test_cutlass_layout.cu checks this against the CuTe layout.
+DFLASH2_HD int64_t nvfp4_sf_cols(int64_t K) { return (K / 16 + 3) / 4 * 4; }
+DFLASH2_HD int64_t nvfp4_sf_rows(int64_t R) { return (R + 127) / 128 * 128; }
+DFLASH2_HD int64_t nvfp4_sf_offset(int64_t r, int64_t c, int64_t sf_cols) {
+  return ((r / 128) * (sf_cols / 4) + c / 4) * 512 + (r % 32) * 16 + ((r % 128) / 32) * 4 + c % 4;
+}
+
 }  // namespace dflash2::cuda::layout

@@ -3,10 +3,12 @@
 // hardware's round-to-nearest-even saturating E4M3 conversion, one fp32 multiply).
 //
 // One warp per (row, 128-input block): each lane holds 4 inputs; the block's amax is a
-// warp max, and a non-finite input anywhere in the block (__any_sync) makes it NaN.
+// warp max, and a non-finite input anywhere in the block (__any_sync) makes it NaN. x and
+// deq may be the same rows (the ops run in place), so neither is __restrict__.
 //
 // Status: compiled for sm_90a / sm_100a / sm_103a, NOT yet run on a GPU.
 #include <cuda_fp16.h>
+#include <cuda_fp4.h>
 #include <cuda_fp8.h>
 #include <cuda_runtime.h>
 
@@ -32,9 +34,18 @@ __device__ __forceinline__ float e4m3_value(uint8_t code) {
   return __half2float(__half(h));
 }
 
+// E2M1 nibble -> f32, exact: exponent field e = bits 2..1, mantissa bit 0 (e > 0: 2^(e-1)
+// (1 + m/2); e = 0: m/2), sign bit 3.
+__device__ __forceinline__ float e2m1_value(uint32_t nib) {
+  const uint32_t e = (nib >> 1) & 3u, mb = nib & 1u;
+  uint32_t bits = e ? (((e + 126u) << 23) | (mb << 22)) : (mb ? 0x3f000000u : 0u);
+  bits |= (nib & 8u) << 28;
+  return __uint_as_float(bits);
+}
+
 __global__ void __launch_bounds__(kWarps * 32)
-    fp8_quant_rows_kernel(const float* __restrict__ x, int64_t ldx, int64_t M, int64_t K, int64_t Mp, int64_t Kp,
-                          int64_t nb, uint8_t* __restrict__ codes, float* __restrict__ sf, float* __restrict__ deq,
+    fp8_quant_rows_kernel(const float* x, int64_t ldx, int64_t M, int64_t K, int64_t Mp, int64_t Kp,
+                          int64_t nb, uint8_t* __restrict__ codes, float* __restrict__ sf, float* deq,
                           int64_t ldd) {
   const int lane = threadIdx.x & 31;
   const int64_t units = Mp * nb;
@@ -73,7 +84,71 @@ __global__ void __launch_bounds__(kWarps * 32)
   }
 }
 
+// One thread per (row, 16-input block).
+__global__ void nvfp4_quant_rows_kernel(const float* x, int64_t ldx, int64_t M, int64_t K, int64_t Kp,
+                                        float input_scale, float g, uint8_t* __restrict__ codes,
+                                        uint8_t* __restrict__ sf, float* deq, int64_t ldd) {
+  const int64_t nbk = Kp / 16, units = M * nbk, sf_cols = layout::nvfp4_sf_cols(Kp);
+  const float sixth = 1.0f / 6.0f;
+  for (int64_t u = int64_t(blockIdx.x) * blockDim.x + threadIdx.x; u < units; u += int64_t(gridDim.x) * blockDim.x) {
+    const int64_t m = u / nbk, j = u - m * nbk, k0 = j * 16;
+    float v[16];
+    float amax = 0.0f;
+    bool bad = false;
+#pragma unroll
+    for (int i = 0; i < 16; ++i) {
+      v[i] = k0 + i < K ? x[m * ldx + k0 + i] : 0.0f;
+      const float a = fabsf(v[i]);
+      bad = bad || !(a <= 3.4028235e38f);
+      amax = a > amax ? a : amax;
+    }
+    uint8_t sbyte = 0x7f;  // E4M3 NaN: a non-finite block
+    float sfv = 0.0f, inv = 0.0f;
+    if (!bad) {
+      sbyte = static_cast<uint8_t>(
+          __nv_cvt_float_to_fp8(__fmul_rn(g, __fmul_rn(amax, sixth)), __NV_SATFINITE, __NV_E4M3));
+      sfv = e4m3_value(sbyte);
+      if (sfv != 0.0f) inv = __fdiv_rn(1.0f, __fdiv_rn(sfv, g));
+    }
+    uint8_t packed[8];
+#pragma unroll
+    for (int i = 0; i < 16; i += 2) {
+      uint32_t lo = 0, hi = 0;
+      if (!bad && sfv != 0.0f) {
+        lo = uint32_t(__nv_cvt_float_to_fp4(__fmul_rn(v[i], inv), __NV_E2M1, cudaRoundNearest)) & 15u;
+        hi = uint32_t(__nv_cvt_float_to_fp4(__fmul_rn(v[i + 1], inv), __NV_E2M1, cudaRoundNearest)) & 15u;
+      }
+      packed[i / 2] = uint8_t(lo | (hi << 4));
+      if (deq) {
+        if (k0 + i < K)
+          deq[m * ldd + k0 + i] =
+              bad ? __int_as_float(0x7fc00000) : __fmul_rn(__fmul_rn(e2m1_value(lo), sfv), input_scale);
+        if (k0 + i + 1 < K)
+          deq[m * ldd + k0 + i + 1] =
+              bad ? __int_as_float(0x7fc00000) : __fmul_rn(__fmul_rn(e2m1_value(hi), sfv), input_scale);
+      }
+    }
+    if (codes) {
+      uint8_t* row = codes + m * (Kp / 2) + k0 / 2;
+#pragma unroll
+      for (int i = 0; i < 8; ++i) row[i] = packed[i];
+    }
+    if (sf) sf[layout::nvfp4_sf_offset(m, j, sf_cols)] = k0 < K ? sbyte : uint8_t(0);
+  }
+}
+
 }  // namespace
+
+void nvfp4_quantize_rows(const float* x, int64_t ldx, int64_t M, int64_t K, int64_t Kp, float input_scale,
+                         uint8_t* codes, uint8_t* sf, float* deq, int64_t ldd, cudaStream_t stream) {
+  const int64_t units = M * (Kp / 16);
+  if (units == 0) return;
+  constexpr int kThreads = 128;
+  const int64_t blocks = (units + kThreads - 1) / kThreads;
+  const unsigned grid = unsigned(blocks < kMaxRowBlocks ? blocks : kMaxRowBlocks);
+  nvfp4_quant_rows_kernel<<<grid, kThreads, 0, stream>>>(x, ldx, M, K, Kp, input_scale, 1.0f / input_scale, codes, sf,
+                                                         deq, ldd);
+}
 
 void fp8_quantize_rows(const float* x, int64_t ldx, int64_t M, int64_t K, int64_t Mp, int64_t Kp, uint8_t* codes,
                        float* sf, float* deq, int64_t ldd, cudaStream_t stream) {
@@ -97,6 +172,19 @@ void fp8_quantize_act(const Tensor& x, Tensor& out) {
   detail::fp8_quantize_rows(x.data_as<const float>(), x.stride(0), M, K, M, K, nullptr, nullptr, out.data_as<float>(),
                             out.stride(0), detail::stream());
   detail::check_launch("fp8_quantize_act", x.describe());
+}
+
+void nvfp4_quantize_act(const Tensor& x, float input_scale, Tensor& out) {
+  DFLASH2_CHECK_ARG(x.device().is_cuda() && out.device() == x.device(), "cuda::nvfp4_quantize_act: x and out must be ",
+                    "on the same CUDA device, found ", x.describe(), ", ", out.describe());
+  const int64_t M = x.shape(0), K = x.shape(1);
+  DFLASH2_CHECK_ARG((x.stride(1) == 1 || K <= 1) && (out.stride(1) == 1 || K <= 1),
+                    "cuda::nvfp4_quantize_act: x and out must be contiguous in their last dimension");
+  if (M == 0 || K == 0) return;
+  detail::DeviceGuard guard(x.device().index);
+  detail::nvfp4_quantize_rows(x.data_as<const float>(), x.stride(0), M, K, K, input_scale, nullptr, nullptr,
+                              out.data_as<float>(), out.stride(0), detail::stream());
+  detail::check_launch("nvfp4_quantize_act", x.describe());
 }
 
 }  // namespace dflash2::cuda

@@ -22,4 +22,17 @@ namespace dflash2::cuda::detail {
 void fp8_quantize_rows(const float* x, int64_t ldx, int64_t M, int64_t K, int64_t Mp, int64_t Kp, uint8_t* codes,
                        float* sf, float* deq, int64_t ldd, cudaStream_t stream);
 
+// NVFP4 (ops.h nvfp4_quantize_act / linear_nvfp4): per row m < M and block j of 16 inputs
+// (K % 16 == 0), with g = 1 / input_scale and amax the block's largest |x| (the CPU
+// reference's operations, bitwise):
+//   sf = e4m3(g * (amax * (1/6))),  q_i = e2m1(x_i * (1 / (sf / g)))  (round to nearest even,
+//   saturating; sf = 0: codes 0; a non-finite input: codes 0 and the scale byte 0x7f, E4M3's NaN)
+// Outputs (each optional):
+//   codes  E2M1 [M, Kp / 2] bytes (low nibble = even k); K <= k < Kp (Kp % 16 == 0) are 0
+//   sf     E4M3 bytes at layout.h nvfp4_sf_offset(m, j, nvfp4_sf_cols(Kp)); the caller zeroes
+//          the buffer first (its padding rows / columns must be 0)
+//   deq    F32 [M, K] with row stride ldd: q * sf * input_scale (NaN for a non-finite block)
+void nvfp4_quantize_rows(const float* x, int64_t ldx, int64_t M, int64_t K, int64_t Kp, float input_scale,
+                         uint8_t* codes, uint8_t* sf, float* deq, int64_t ldd, cudaStream_t stream);
+
 }  // namespace dflash2::cuda::detail

@@ -11,8 +11,10 @@ void register_cuda_ops(BackendTable& t) {
 #if defined(DFLASH2_WITH_CUTLASS)
   t.linear_bf16 = &cuda::linear_bf16;          // gemm_tc.cu + cutlass/
   t.linear_fp8 = &cuda::linear_fp8;            // gemm_tc.cu + cutlass/
+  t.linear_nvfp4 = &cuda::linear_nvfp4;        // gemm_tc.cu + cutlass/
 #endif
-  t.fp8_quantize_act = &cuda::fp8_quantize_act;  // quant.cu
+  t.fp8_quantize_act = &cuda::fp8_quantize_act;      // quant.cu
+  t.nvfp4_quantize_act = &cuda::nvfp4_quantize_act;  // quant.cu
   t.embedding_shard = &cuda::embedding_shard;  // index_rows.cu
   t.rms_norm = &cuda::rms_norm;        // rmsnorm.cu
   t.layer_norm = &cuda::layer_norm;    // row_reduce.cu
