@@ -26,7 +26,7 @@ DEVICES = ["cpu", "cuda"]
 CUDA_OPS = {"rms_norm", "layer_norm", "rope", "silu_mul", "softmax", "embedding", "copy", "add", "gather_rows",
             "argmax", "check_finite", "cache_write", "dyn_conv", "indexer_topk", "mla_attention", "block_attention",
             "moe_route", "moe_experts", "topk", "selector_walk", "linear", "linear_heads", "embedding_shard",
-            "linear_bf16", "linear_fp8", "fp8_quantize_act", "linear_nvfp4"}
+            "linear_bf16", "linear_fp8", "fp8_quantize_act", "linear_nvfp4", "moe_experts_fp8"}
 GUARD = 64
 SENTINEL = np.float32(-12345.678)
 ISENTINEL = np.int32(-777777)
@@ -87,6 +87,8 @@ def need_device(dev, op):
             pytest.skip("this build has no CUTLASS tensor-core GEMM for this GPU's architecture")
         if op == "linear_nvfp4" and not ops.linear_nvfp4_available("cuda:0"):
             pytest.skip("this build has no NVFP4 W4A4 CUTLASS GEMM for this GPU's architecture (sm_100a / sm_103a only)")
+        if op == "moe_experts_fp8" and not ops.linear_fp8_available("cuda:0"):
+            pytest.skip("this build has no FP8 grouped CUTLASS GEMM for this GPU's architecture (sm_90a only)")
         if op == "linear_fp8" and not ops.linear_fp8_available("cuda:0"):
             pytest.skip("this build has no FP8 block-128 CUTLASS GEMM for this GPU's architecture (sm_90a only)")
 
@@ -1426,6 +1428,62 @@ def test_moe_experts_same_expert_twice_in_a_row(ids, weights):
     ops.moe_experts(x, ids, weights, gate, up, down, out=out.view, workspace=ws.view)
     check("moe_experts", out.result(), refs.moe_experts(x, ids, weights, eref))
     ws.result()
+
+
+def _silu_mul32(g, u):
+    g, u = np.float32(g), np.float32(u)
+    with np.errstate(over="ignore"):  # exp(-g) = inf for g < -88: g / inf = -0, as in C
+        return ((g / (np.float32(1) + np.exp(-g))) * u).astype(np.float32)
+
+
+@pytest.mark.parametrize("dev", DEVICES)
+def test_moe_experts_fp8(dev):
+    """numerics='fp8' (prompt chunks of FP8 checkpoints): every projection W8A8 as linear_fp8,
+    against a float64 reference built from refs.linear_fp8 per slot (the fp32 intermediate
+    rounded as the op rounds it); on CUDA the grouped GEMM. Tails: H and F not multiples of
+    128, an expert with no token, one with most."""
+    need_device(dev, "moe_experts_fp8")
+    rng = rng_for("moe_fp8")
+    for (T, E, H, F, k) in [(5, 4, 208, 144, 2), (40, 6, 256, 128, 3)]:
+        ws_ = []
+        for _ in range(E):
+            ws_.append([fp8_weight(F, H, rng), fp8_weight(F, H, rng), fp8_weight(H, F, rng)])
+        gate = [w[0][0] for w in ws_]
+        up = [w[1][0] for w in ws_]
+        down = [w[2][0] for w in ws_]
+        x = fp8_inputs(T, H, rng)
+        ids = np.zeros((T, k), np.int32)
+        for t in range(T):  # expert E - 1 never used; expert 0 by most tokens
+            row = [0] if t % 4 else []
+            row += [int(e) for e in rng.permutation(np.arange(1, E - 1))[:k - len(row)]]
+            ids[t] = sorted(row)
+        weights = rng.uniform(0.05, 1.0, (T, k)).astype(np.float32)
+        ref = np.zeros((T, H), np.float64)
+        for t in range(T):
+            for j in range(k):
+                (_, qg, sg), (_, qu, su), (_, qd, sd) = ws_[ids[t, j]]
+                g = refs.linear_fp8(x[t:t + 1], qg, sg).astype(np.float32)
+                u = refs.linear_fp8(x[t:t + 1], qu, su).astype(np.float32)
+                h = _silu_mul32(g, u)
+                ref[t] += np.float64(weights[t, j]) * refs.linear_fp8(h, qd, sd)[0]
+        on = (lambda w: w) if dev == "cpu" else (lambda w: [v.to(dev) for v in w])
+        assert ops.moe_experts_fp8_available(dev if dev == "cpu" else "cuda:0", on(gate), on(up), on(down))
+        out = Guarded((T, H), dev)
+        ops.moe_experts(to_dev(x, dev), to_dev(ids, dev), to_dev(weights, dev), on(gate), on(up), on(down),
+                        out=out.view, numerics="fp8")
+        got = out.result()
+        # on the GPU an E4M3 rounding of h may flip where the tensor cores' block sums and the
+        # reference's differ: a few steps of 2^-4 in a handful of elements
+        # [CPU: 1.1e-14]
+        check("moe_experts", got, ref, 1e-5 if dev == "cuda" else 1e-10)
+        exact = to_np(ops.moe_experts(to_dev(x, dev), to_dev(ids, dev), to_dev(weights, dev), on(gate), on(up),
+                                      on(down)))
+        assert nmse(got, exact) > 1e-6, "fp8 numerics gave the exact result"
+    with pytest.raises(dflash2_rt.InvalidArgumentError, match="FP8 block-128 experts"):
+        g2, u2, d2, _ = make_experts(rng, 2, 16, 8, "f32")
+        ops.moe_experts(np.zeros((1, 16), np.float32), np.zeros((1, 1), np.int32), np.ones((1, 1), np.float32),
+                        g2, u2, d2, numerics="fp8")
+    assert not ops.moe_experts_fp8_available("cpu", g2, u2, d2)
 
 
 # ----------------------------------------------------------------------------- DFlash drafter

@@ -33,6 +33,8 @@
 // FP4 MMA); linear_heads: a strided-batched GEMM over the heads (F32 weights against
 // cuBLASLt's F32 GEMM). moe_experts has no cuBLASLt baseline (a grouped GEMM).
 //
+// moe_experts_fp8 (prompt chunks of FP8 checkpoints: the FP8 grouped GEMM, sm_90a) runs at
+// T = 256 and 1024 beside the exact SIMT expert kernels on the same routing ("speedup").
 // moe_experts: the experts that the (uniform random, top-8 of 256) routing of the case hits
 // are allocated (FP8: 37.7 MB each; all 256 = 9.7 GB once T >= 64); the experts that no
 // token names share one of the allocated ones (never read).
@@ -579,6 +581,7 @@ struct Baseline {
   std::function<void(int)> run;  // empty: none
   int variants = 1;
   std::string kind, note;
+  std::string name = "cublasLt";  // another name: our own slower path (JSON baseline_*, not the cuBLASLt goal)
 };
 
 struct Result {
@@ -640,7 +643,13 @@ struct Bench {
       j.emplace_back("TFLOPs", jnum(tflops));
       j.emplace_back("copy_fraction", jnum(frac));
       j.emplace_back("latency_bound", jbool(r.bytes < double(8 << 20)));
-      if (base.run || !base.note.empty()) {
+      if (base.name != "cublasLt" && base.run && base_us > 0) {
+        std::printf(" | %s %10.2f us speedup %.2f", base.name.c_str(), base_us, base_us / t.median_us);
+        j.emplace_back("baseline", jstr(base.name));
+        j.emplace_back("baseline_kind", jstr(base.kind));
+        j.emplace_back("baseline_us", jnum(base_us));
+        j.emplace_back("speedup_vs_baseline", jnum(base_us / t.median_us));
+      } else if (base.run || !base.note.empty()) {
         j.emplace_back("cublaslt_kind", jstr(base.kind));
         if (base_us > 0) {
           std::printf(" | cublasLt %10.2f us ratio %.2f", base_us, base_us / t.median_us);
@@ -1076,6 +1085,67 @@ std::vector<int32_t> random_routing(int64_t T, uint64_t seed) {
   return ids;
 }
 
+// The routed experts of one MoE layer for a routing (the experts it hits allocated, the
+// others sharing one of them), its inputs and outputs.
+struct MoeCase {
+  ops::ExpertWeights ew;
+  Tensor x, out, ids, w, ws;
+  void run(ops::GemmNumerics g) { ops::moe_experts(x, ids, w, ew, out, ws, g); }
+};
+
+int64_t moe_hits(const std::vector<int32_t>& ids) {
+  std::vector<int32_t> hit(ids.begin(), ids.end());
+  std::sort(hit.begin(), hit.end());
+  return int64_t(std::unique(hit.begin(), hit.end()) - hit.begin());
+}
+
+void moe_cost(Result& r, Fmt f, int64_t T, int64_t nhit) {
+  const int64_t H = G.hidden, F = G.moe_inter;
+  r.bytes = nhit * (2 * weight_bytes(f, F, H) + weight_bytes(f, H, F)) + 8.0 * T * H + 8.0 * T * G.top_k;
+  r.flops = 2.0 * T * G.top_k * 3 * F * H;
+}
+
+MoeCase make_moe_case(Fmt f, int64_t T, const std::vector<int32_t>& ids) {
+  std::vector<int32_t> hit(ids.begin(), ids.end());
+  std::sort(hit.begin(), hit.end());
+  hit.erase(std::unique(hit.begin(), hit.end()), hit.end());
+  const int64_t H = G.hidden, F = G.moe_inter, nhit = int64_t(hit.size());
+  // one buffer per projection for the hit experts; expert e is a view into it
+  auto bank = [&](int64_t n_out, int64_t n_in, uint64_t seed) {
+    std::vector<ops::Weight> w;
+    if (f == Fmt::FP8) {
+      Tensor d = dev_rand(DType::F8_E4M3, {nhit, n_out, n_in}, seed);
+      Tensor s = dev_rand(DType::F32, {nhit, cdiv(n_out, 128), cdiv(n_in, 128)}, seed + 1, Fill::Scales);
+      for (int64_t i = 0; i < nhit; ++i) w.push_back(ops::Weight::fp8_block128(d.select(0, i), s.select(0, i)));
+    } else {
+      Tensor d = dev_rand(DType::U8, {nhit, n_out, n_in / 2}, seed);
+      Tensor s = dev_rand(DType::F8_E4M3, {nhit, n_out, n_in / 16}, seed + 1, Fill::Scales);
+      for (int64_t i = 0; i < nhit; ++i)
+        w.push_back(ops::Weight::nvfp4(d.select(0, i), s.select(0, i), 1.0f / 2688.0f, 1.0f, n_in));
+    }
+    return w;
+  };
+  std::vector<ops::Weight> g = bank(F, H, 50), u = bank(F, H, 52), d = bank(H, F, 54);
+  MoeCase c;
+  c.ew.first = 0;
+  c.ew.num_global = G.experts;
+  std::map<int32_t, size_t> slot;
+  for (size_t i = 0; i < hit.size(); ++i) slot[hit[i]] = i;
+  for (int64_t e = 0; e < G.experts; ++e) {
+    auto it = slot.find(int32_t(e));
+    const size_t i = it == slot.end() ? 0 : it->second;  // never-named experts: any allocated one
+    c.ew.gate.push_back(g[i]);
+    c.ew.up.push_back(u[i]);
+    c.ew.down.push_back(d[i]);
+  }
+  c.x = dev_rand(DType::F32, {T, H}, 13);
+  c.out = dev_empty(DType::F32, {T, H});
+  c.ids = upload(ids, DType::I32, {T, G.top_k});
+  c.w = dev_rand(DType::F32, {T, G.top_k}, 14, Fill::Scales);
+  c.ws = dev_empty(DType::F32, {ops::moe_workspace_floats(T, G.top_k, H, F, G.experts)});
+  return c;
+}
+
 void bench_moe(Bench& b, const std::vector<int64_t>& Ts) {
   for (int64_t T : Ts) {
     Result r0{"moe_route", dims({T, G.experts}) + " top8", "f32", t_label(T), T};
@@ -1094,54 +1164,39 @@ void bench_moe(Bench& b, const std::vector<int64_t>& Ts) {
     if (b.opt.quick && f == Fmt::NVFP4) continue;
     for (int64_t T : Ts) {
       const std::vector<int32_t> ids = random_routing(T, 1234 + uint64_t(T));
-      std::vector<int32_t> hit(ids.begin(), ids.end());
-      std::sort(hit.begin(), hit.end());
-      hit.erase(std::unique(hit.begin(), hit.end()), hit.end());
-      const int64_t H = G.hidden, F = G.moe_inter, nhit = int64_t(hit.size());
-      const double per_expert = 2 * weight_bytes(f, F, H) + weight_bytes(f, H, F);
-      Result r{"moe_experts", "256 experts top8 " + dims({F, H}) + " hit " + std::to_string(nhit), fmt_name(f),
-               t_label(T), T};
-      r.bytes = nhit * per_expert + 8.0 * T * H + 8.0 * T * G.top_k;
-      r.flops = 2.0 * T * G.top_k * 3 * F * H;
+      const int64_t nhit = moe_hits(ids);
+      Result r{"moe_experts", "256 experts top8 " + dims({G.moe_inter, G.hidden}) + " hit " + std::to_string(nhit),
+               fmt_name(f), t_label(T), T};
+      moe_cost(r, f, T, nhit);
       b.run(r, [&](Baseline& base) {
         base.note = "none (grouped GEMM)";
         base.kind = "n/a";
-        // one buffer per projection for the hit experts; expert e is a view into it
-        auto bank = [&](int64_t n_out, int64_t n_in, uint64_t seed) {
-          std::vector<ops::Weight> w;
-          if (f == Fmt::FP8) {
-            Tensor d = dev_rand(DType::F8_E4M3, {nhit, n_out, n_in}, seed);
-            Tensor s = dev_rand(DType::F32, {nhit, cdiv(n_out, 128), cdiv(n_in, 128)}, seed + 1, Fill::Scales);
-            for (int64_t i = 0; i < nhit; ++i) w.push_back(ops::Weight::fp8_block128(d.select(0, i), s.select(0, i)));
-          } else {
-            Tensor d = dev_rand(DType::U8, {nhit, n_out, n_in / 2}, seed);
-            Tensor s = dev_rand(DType::F8_E4M3, {nhit, n_out, n_in / 16}, seed + 1, Fill::Scales);
-            for (int64_t i = 0; i < nhit; ++i)
-              w.push_back(ops::Weight::nvfp4(d.select(0, i), s.select(0, i), 1.0f / 2688.0f, 1.0f, n_in));
-          }
-          return w;
-        };
-        std::vector<ops::Weight> g = bank(F, H, 50), u = bank(F, H, 52), d = bank(H, F, 54);
-        ops::ExpertWeights ew;
-        ew.first = 0;
-        ew.num_global = G.experts;
-        std::map<int32_t, size_t> slot;
-        for (size_t i = 0; i < hit.size(); ++i) slot[hit[i]] = i;
-        for (int64_t e = 0; e < G.experts; ++e) {
-          auto it = slot.find(int32_t(e));
-          const size_t i = it == slot.end() ? 0 : it->second;  // never-named experts: any allocated one
-          ew.gate.push_back(g[i]);
-          ew.up.push_back(u[i]);
-          ew.down.push_back(d[i]);
-        }
-        Tensor x = dev_rand(DType::F32, {T, H}, 13), out = dev_empty(DType::F32, {T, H});
-        Tensor did = upload(ids, DType::I32, {T, G.top_k});
-        Tensor wt = dev_rand(DType::F32, {T, G.top_k}, 14, Fill::Scales);
-        Tensor ws = dev_empty(DType::F32, {ops::moe_workspace_floats(T, G.top_k, H, F, G.experts)});
-        return std::make_pair(std::function<void(int)>([=](int) mutable { ops::moe_experts(x, did, wt, ew, out, ws); }),
-                              1);
+        auto c = std::make_shared<MoeCase>(make_moe_case(f, T, ids));
+        return std::make_pair(std::function<void(int)>([c](int) { c->run(ops::GemmNumerics::Exact); }), 1);
       });
     }
+  }
+  // Prompt chunks of FP8 checkpoints (prefill_gemm="fp8"): the routed experts on the FP8
+  // grouped GEMM (sm_90a), beside the exact SIMT kernels on the same routing in the same run.
+  const std::vector<int64_t> prefill = b.opt.cpu_smoke ? std::vector<int64_t>{8}
+                                       : b.opt.quick   ? std::vector<int64_t>{256}
+                                                       : std::vector<int64_t>{256, 1024};
+  for (int64_t T : prefill) {
+    const std::vector<int32_t> ids = random_routing(T, 4321 + uint64_t(T));
+    const int64_t nhit = moe_hits(ids);
+    Result r{"moe_experts_fp8", "256 experts top8 " + dims({G.moe_inter, G.hidden}) + " hit " + std::to_string(nhit),
+             fmt_name(Fmt::FP8), "prefill chunk", T};
+    moe_cost(r, Fmt::FP8, T, nhit);
+    b.run(r, [&](Baseline& base) {
+      auto c = std::make_shared<MoeCase>(make_moe_case(Fmt::FP8, T, ids));
+      if (!ops::moe_experts_fp8_available(c->x.device(), c->ew))
+        throw std::runtime_error("moe_experts_fp8: the FP8 grouped GEMM does not run here (sm_90a only)");
+      base.name = "exact SIMT";
+      base.kind = "moe_experts numerics exact (the SIMT expert kernels)";
+      base.variants = 1;
+      base.run = [c](int) { c->run(ops::GemmNumerics::Exact); };
+      return std::make_pair(std::function<void(int)>([c](int) { c->run(ops::GemmNumerics::FP8); }), 1);
+    });
   }
 }
 

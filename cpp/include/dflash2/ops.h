@@ -284,8 +284,16 @@ int64_t moe_workspace_floats(int64_t T, int64_t top_k, int64_t H, int64_t F, int
 // expert runs once on the tokens routed to it (gather, grouped gated MLP, weighted
 // combine; a token may name an expert more than once). x, out F32 [T, H]; workspace F32
 // contiguous, >= moe_workspace_floats(...).
+// numerics: Exact (linear), or FP8 (prompt chunks of FP8 checkpoints: every expert weight FP8
+// block-128, each projection linear_fp8's W8A8 numerics: the activations, and silu(gate) *
+// up, quantized per 128 inputs): on the CPU an emulation (the oracle), on CUDA a CUTLASS
+// grouped GEMM over the experts (sm_90a) with the token counts on the device.
 void moe_experts(const Tensor& x, const Tensor& ids, const Tensor& weights, const ExpertWeights& experts,
-                 Tensor& out, Tensor& workspace);
+                 Tensor& out, Tensor& workspace, GemmNumerics numerics = GemmNumerics::Exact);
+// Whether moe_experts(..., GemmNumerics::FP8) runs these experts on `dev` (every weight FP8;
+// on CUDA the grouped kernel built for its architecture and the weights readable in place:
+// contiguous 16-byte aligned rows, K % 16 == 0, N % 4 == 0, contiguous block scales).
+bool moe_experts_fp8_available(Device dev, const ExpertWeights& experts);
 
 // ------------------------------------------------------------------ DFlash drafter
 // Two-tap dynamic conv over blocks of `block` rows (taps never cross a block):

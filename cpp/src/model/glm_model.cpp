@@ -429,6 +429,19 @@ bool any_prefill_weight(const std::vector<std::unique_ptr<Layer>>& layers, Pred 
 }
 }  // namespace
 
+void GlmModel::set_prefill(ops::GemmNumerics g) {
+  opt_.prefill = g;
+  experts_fp8_ = false;
+  if (g != ops::GemmNumerics::FP8) return;
+  bool any = false;
+  for (const auto& L : layers_) {
+    if (!L->mlp.moe) continue;
+    any = true;
+    if (!ops::moe_experts_fp8_available(device_, L->mlp.experts)) return;
+  }
+  experts_fp8_ = any;
+}
+
 bool GlmModel::has_fp8_weights() const {
   return any_prefill_weight(layers_, [](const Weight& w) { return w.format == ops::WeightFormat::FP8Block128; });
 }
@@ -512,7 +525,9 @@ void GlmModel::layer_forward(const Layer& L, const Tensor& latent, const Tensor&
     r.norm_topk_prob = c.norm_topk_prob;
     r.routed_scaling_factor = c.routed_scaling_factor;
     ops::moe_route(logits, m.bias, r, b.rids, b.rw);
-    ops::moe_experts(b.x, b.rids, b.rw, m.experts, b.mlp_out, b.moe_ws);
+    // prompt chunks of FP8 checkpoints: the routed experts on the FP8 grouped GEMM too
+    ops::moe_experts(b.x, b.rids, b.rw, m.experts, b.mlp_out, b.moe_ws,
+                     tc == ops::GemmNumerics::FP8 && experts_fp8_ ? ops::GemmNumerics::FP8 : ops::GemmNumerics::Exact);
     if (m.has_shared) {
       ops::gated_mlp(b.x, m.gate, m.up, m.down, b.shared_out, b.scratch, tc);
       ops::add(b.mlp_out, b.shared_out, b.mlp_out);

@@ -79,7 +79,11 @@ class GlmModel {
   // same forward at once, in its own thread).
   void set_comm(comm::Communicator* c) { comm_ = c; }
   // Options::prefill, decided once the device is known (Engine prefill_gemm).
-  void set_prefill(ops::GemmNumerics g) { opt_.prefill = g; }
+  // With FP8, the routed experts of prompt chunks take moe_experts' FP8 numerics too when
+  // every MoE layer's experts can (ops::moe_experts_fp8_available on this device: FP8
+  // experts, and on CUDA the grouped kernel); experts_fp8() says whether they do.
+  void set_prefill(ops::GemmNumerics g);
+  bool experts_fp8() const { return experts_fp8_; }
   // Whether any decoder-layer projection is stored as FP8 block-128 (an FP8 checkpoint:
   // what prefill_gemm="auto" takes W8A8 for).
   bool has_fp8_weights() const;
@@ -119,6 +123,7 @@ class GlmModel {
 
   GlmConfig cfg_;
   Options opt_;
+  bool experts_fp8_ = false;  // set_prefill
   Device device_ = Device::cpu();
   std::shared_ptr<Checkpoint> ckpt_;
   Tensor embed_;  // [V, H] (F32/BF16/F16 view into the checkpoint)

@@ -648,8 +648,10 @@ int64_t moe_workspace_floats(int64_t T, int64_t top_k, int64_t H, int64_t F, int
 }
 
 void moe_experts(const Tensor& x, const Tensor& ids, const Tensor& weights, const ExpertWeights& experts, Tensor& out,
-                 Tensor& workspace) {
+                 Tensor& workspace, GemmNumerics numerics) {
   const char* op = "moe_experts";
+  DFLASH2_CHECK_ARG(numerics == GemmNumerics::Exact || numerics == GemmNumerics::FP8, op, ": the routed experts run ",
+                    "with 'exact' or 'fp8' numerics, found '", gemm_numerics_name(numerics), "'");
   need_2d_rows(x, DType::F32, op, "x");
   need_2d_rows(out, DType::F32, op, "out");
   need_same_shape(x, out, op, "x", "out");
@@ -678,7 +680,26 @@ void moe_experts(const Tensor& x, const Tensor& ids, const Tensor& weights, cons
   DFLASH2_CHECK_ARG(workspace.is_contiguous() && workspace.numel() >= need_ws, op, ": workspace must hold ", need_ws,
                     " contiguous floats, found ", workspace.describe());
   for (const Tensor* t : std::initializer_list<const Tensor*>{&ids, &weights, &out, &workspace}) same_device(x, *t, op);
+  if (numerics == GemmNumerics::FP8) {
+    for (int64_t e = 0; e < E; ++e)
+      for (const Weight* w : {&experts.gate[size_t(e)], &experts.up[size_t(e)], &experts.down[size_t(e)]})
+        DFLASH2_CHECK_ARG(w->format == WeightFormat::FP8Block128, op, ": 'fp8' numerics need FP8 block-128 experts, ",
+                          "expert ", e, "'s '", w->name, "' is ", weight_format_name(w->format));
+    DFLASH2_DISPATCH(moe_experts_fp8, x, x, ids, weights, experts, out, workspace);
+  }
   DFLASH2_DISPATCH(moe_experts, x, x, ids, weights, experts, out, workspace);
+}
+
+bool moe_experts_fp8_available(Device dev, const ExpertWeights& experts) {
+  if (experts.gate.empty()) return false;
+  for (size_t e = 0; e < experts.gate.size(); ++e)
+    for (const Weight* w : {&experts.gate[e], &experts.up[e], &experts.down[e]})
+      if (w->format != WeightFormat::FP8Block128) return false;
+  if (dev.is_cpu()) return true;
+#if defined(DFLASH2_WITH_CUDA) && defined(DFLASH2_WITH_CUTLASS)
+  if (dev.is_cuda()) return cuda::moe_experts_fp8_supported(dev.index, experts);
+#endif
+  return false;
 }
 
 // ------------------------------------------------------------------ DFlash drafter

@@ -72,7 +72,8 @@ std::string method_of_drafter(const Checkpoint& dk) {
 namespace {
 // prefill_gemm="auto" on a GPU: one small tensor-core GEMM of numerics g (two 128-row
 // tiles, K and N tails: the padded paths) against the CPU's emulation of the same numerics.
-// BF16 runs a dequantized F32 weight, FP8 an FP8 block-128 one. "" when it agrees (NMSE
+// BF16 runs a dequantized F32 weight, FP8 an FP8 block-128 one (and, where the device runs
+// it, the routed experts' FP8 grouped GEMM: NMSE <= 1e-5). "" when it agrees (NMSE
 // <= 1e-8 for BF16, whose only difference is the fp32 summation order; <= 1e-6 for FP8,
 // whose tensor-core sums inside a 128-input block carry fewer bits), else what went wrong:
 // a GPU whose kernel misbehaves then prefills with the previous numerics instead of
@@ -95,11 +96,14 @@ std::string tc_gemm_self_check(Device dev, ops::GemmNumerics g) {
     if (g == ops::GemmNumerics::NVFP4) {
       // random E2M1 codes, E4M3 scales in [0.5, 1), a global scale and an activation scale
       Tensor packed = Tensor::empty(DType::U8, {N, K / 2}), sc = Tensor::empty(DType::F8_E4M3, {N, K / 16});
-      for (int64_t i = 0; i < packed.numel(); ++i) static_cast<uint8_t*>(packed.data())[i] = uint8_t((next() + 1.0f) * 127.99f);
-      for (int64_t i = 0; i < sc.numel(); ++i) static_cast<uint8_t*>(sc.data())[i] = uint8_t(0x30 + int((next() + 1.0f) * 7.99f));
+      uint8_t* pp = static_cast<uint8_t*>(packed.data());
+      uint8_t* sp = static_cast<uint8_t*>(sc.data());
+      for (int64_t i = 0; i < packed.numel(); ++i) pp[i] = uint8_t((next() + 1.0f) * 127.99f);
+      for (int64_t i = 0; i < sc.numel(); ++i) sp[i] = uint8_t(0x30 + int((next() + 1.0f) * 7.99f));
       wc = ops::Weight::nvfp4(packed, sc, 0.01f, 8.0f / (6.0f * 448.0f), K, "self-check");
     } else if (g == ops::GemmNumerics::FP8) {
-      Tensor codes = Tensor::empty(DType::F8_E4M3, {N, K}), sc = Tensor::empty(DType::F32, {(N + 127) / 128, (K + 127) / 128});
+      Tensor codes = Tensor::empty(DType::F8_E4M3, {N, K});
+      Tensor sc = Tensor::empty(DType::F32, {(N + 127) / 128, (K + 127) / 128});
       uint8_t* cp = static_cast<uint8_t*>(codes.data());
       for (int64_t i = 0; i < N * K; ++i) {
         const uint8_t c = uint8_t(uint64_t((next() + 1.0f) * 127.99f)) ^ uint8_t(next() < 0 ? 0x80 : 0);
@@ -116,16 +120,68 @@ std::string tc_gemm_self_check(Device dev, ops::GemmNumerics g) {
     ops::linear_as(g, x, wc, want);
     Tensor yd = Tensor::empty(DType::F32, {M, N}, dev);
     ops::linear_as(g, x.to(dev), wc.to(dev), yd);
-    const Tensor got = yd.to(Device::cpu());
-    double err = 0, nrm = 0;
-    for (int64_t i = 0; i < M * N; ++i) {
-      const double gv = got.data_as<float>()[i], r = want.data_as<float>()[i];
-      if (!std::isfinite(gv)) return "a non-finite output";
-      err += (gv - r) * (gv - r);
-      nrm += r * r;
+    // "" when the device's result is finite and within NMSE tol of the CPU's, else why not
+    auto compare = [](const Tensor& dev_out, const Tensor& cpu_out, double tol, const char* what) -> std::string {
+      const Tensor got = dev_out.to(Device::cpu());
+      double err = 0, nrm = 0;
+      for (int64_t i = 0; i < cpu_out.numel(); ++i) {
+        const double gv = got.data_as<float>()[i], r = cpu_out.data_as<float>()[i];
+        if (!std::isfinite(gv)) return std::string("a non-finite output of the ") + what;
+        err += (gv - r) * (gv - r);
+        nrm += r * r;
+      }
+      if (err <= tol * nrm) return "";
+      return std::string(what) + " NMSE " + std::to_string(err / nrm) + " against the CPU emulation";
+    };
+    // NVFP4: fp32 order only, as BF16
+    const std::string why = compare(yd, want, g == ops::GemmNumerics::FP8 ? 1e-6 : 1e-8, "GEMM");
+    if (!why.empty()) return why;
+    if (g == ops::GemmNumerics::FP8) {
+      // the routed experts' grouped GEMM (prompt chunks of FP8 checkpoints) where it runs:
+      // 3 experts (one unused), 5 tokens, top-2, K tails of 208 / 144 inputs
+      const int64_t T = 5, E = 3, H = 208, F = 144, k = 2;
+      ops::ExpertWeights ex;
+      auto fp8w = [&](int64_t n_out, int64_t n_in) {
+        Tensor c = Tensor::empty(DType::F8_E4M3, {n_out, n_in});
+        Tensor sc = Tensor::empty(DType::F32, {(n_out + 127) / 128, (n_in + 127) / 128});
+        uint8_t* cp = static_cast<uint8_t*>(c.data());
+        for (int64_t i = 0; i < c.numel(); ++i) {
+          const uint8_t v = uint8_t(uint64_t((next() + 1.0f) * 100.0f));  // |value| < 2^4: no overflow
+          cp[i] = uint8_t(v | (next() < 0 ? 0x80 : 0));
+        }
+        for (int64_t i = 0; i < sc.numel(); ++i) sc.data_as<float>()[i] = 1e-2f * (1.5f + next());
+        return ops::Weight::fp8_block128(c, sc, "self-check expert");
+      };
+      for (int64_t e = 0; e < E; ++e) {
+        ex.gate.push_back(fp8w(F, H));
+        ex.up.push_back(fp8w(F, H));
+        ex.down.push_back(fp8w(H, F));
+      }
+      ops::ExpertWeights exd;
+      for (int64_t e = 0; e < E; ++e) {
+        exd.gate.push_back(ex.gate[size_t(e)].to(dev));
+        exd.up.push_back(ex.up[size_t(e)].to(dev));
+        exd.down.push_back(ex.down[size_t(e)].to(dev));
+      }
+      if (ops::moe_experts_fp8_available(dev, exd)) {
+        Tensor xe = Tensor::empty(DType::F32, {T, H}), ids = Tensor::empty(DType::I32, {T, k}),
+               rw = Tensor::empty(DType::F32, {T, k});
+        for (int64_t i = 0; i < T * H; ++i) xe.data_as<float>()[i] = next();
+        for (int64_t t = 0; t < T; ++t) {
+          ids.data_as<int32_t>()[t * k] = 0;
+          ids.data_as<int32_t>()[t * k + 1] = int32_t(1 + (t % 2));
+          rw.data_as<float>()[t * k] = 0.5f;
+          rw.data_as<float>()[t * k + 1] = 0.25f;
+        }
+        const int64_t nws = ops::moe_workspace_floats(T, k, H, F, E);
+        Tensor ye = Tensor::empty(DType::F32, {T, H}), wse = Tensor::empty(DType::F32, {nws});
+        ops::moe_experts(xe, ids, rw, ex, ye, wse, g);
+        Tensor yg = Tensor::empty(DType::F32, {T, H}, dev), wsg = Tensor::empty(DType::F32, {nws}, dev);
+        ops::moe_experts(xe.to(dev), ids.to(dev), rw.to(dev), exd, yg, wsg, g);
+        const std::string why_experts = compare(yg, ye, 1e-5, "grouped expert GEMM");
+        if (!why_experts.empty()) return why_experts;
+      }
     }
-    const double tol = g == ops::GemmNumerics::FP8 ? 1e-6 : 1e-8;  // NVFP4: fp32 order only, as BF16
-    if (!(err <= tol * nrm)) return "NMSE " + std::to_string(err / nrm) + " against the CPU emulation";
     return "";
   } catch (const std::exception& e) {
     return e.what();

@@ -64,8 +64,11 @@ void moe_route(const Tensor& logits, const Tensor& bias, const ops::MoeRouting& 
   }
 }
 
-void moe_experts(const Tensor& x, const Tensor& ids, const Tensor& weights, const ops::ExpertWeights& ex, Tensor& out,
-                 Tensor& workspace) {
+namespace {
+// fp8: every projection with linear_fp8's W8A8 numerics (ops.h moe_experts, GemmNumerics::FP8)
+void experts_impl(const Tensor& x, const Tensor& ids, const Tensor& weights, const ops::ExpertWeights& ex, Tensor& out,
+                  Tensor& workspace, bool fp8) {
+  auto lin = fp8 ? &cpu::linear_fp8 : &cpu::linear;
   const int64_t T = x.shape(0), H = x.shape(1), K = ids.shape(1), E = int64_t(ex.gate.size());
   const int64_t first = ex.first, Eg = ex.num_global > 0 ? ex.num_global : E;
   const int64_t F = ex.gate.empty() ? 0 : ex.gate[0].out_features;
@@ -110,10 +113,10 @@ void moe_experts(const Tensor& x, const Tensor& ids, const Tensor& weights, cons
     Tensor xe = xe_all.slice(0, 0, n), ye = ye_all.slice(0, 0, n);
     Tensor g = Tensor::view(mlp_p, DType::F32, {n, F});
     Tensor u = Tensor::view(mlp_p + n * F, DType::F32, {n, F});
-    cpu::linear(xe, ex.gate[size_t(e)], g, false);
-    cpu::linear(xe, ex.up[size_t(e)], u, false);
+    lin(xe, ex.gate[size_t(e)], g, false);
+    lin(xe, ex.up[size_t(e)], u, false);
     cpu::silu_mul(g, u, g);
-    cpu::linear(g, ex.down[size_t(e)], ye, false);
+    lin(g, ex.down[size_t(e)], ye, false);
     for (int64_t r = 0; r < n; ++r) std::memcpy(slot_p + int64_t(sl[r]) * H, ye_p + r * H, size_t(H) * 4);
   }
   for (int64_t t = 0; t < T; ++t) {
@@ -126,6 +129,17 @@ void moe_experts(const Tensor& x, const Tensor& ids, const Tensor& weights, cons
       for (int64_t d = 0; d < H; ++d) o[d] += y[d] * wj;
     }
   }
+}
+}  // namespace
+
+void moe_experts(const Tensor& x, const Tensor& ids, const Tensor& weights, const ops::ExpertWeights& ex, Tensor& out,
+                 Tensor& workspace) {
+  experts_impl(x, ids, weights, ex, out, workspace, false);
+}
+
+void moe_experts_fp8(const Tensor& x, const Tensor& ids, const Tensor& weights, const ops::ExpertWeights& ex,
+                     Tensor& out, Tensor& workspace) {
+  experts_impl(x, ids, weights, ex, out, workspace, true);
 }
 
 }  // namespace dflash2::cpu

@@ -151,6 +151,11 @@ void embedding_shard(const Tensor& table, const Tensor& ids, int64_t first, Tens
 void moe_route(const Tensor& logits, const Tensor& bias, const ops::MoeRouting& r, Tensor& ids, Tensor& weights);
 void moe_experts(const Tensor& x, const Tensor& ids, const Tensor& weights, const ops::ExpertWeights& experts,
                  Tensor& out, Tensor& workspace);
+// The same with the FP8 block-128 W8A8 numerics (prompt chunks): the CUTLASS grouped GEMM
+// (sm_90a); whether it can run these experts on `device`.
+void moe_experts_fp8(const Tensor& x, const Tensor& ids, const Tensor& weights, const ops::ExpertWeights& experts,
+                     Tensor& out, Tensor& workspace);
+bool moe_experts_fp8_supported(int device, const ops::ExpertWeights& experts);
 // attention.cu
 void indexer_topk(const Tensor& q, const Tensor& w, const Tensor& key_cache, const ops::PagedTokens& tok,
                   int64_t topk, Tensor& sel, Tensor& sel_len);

@@ -34,6 +34,7 @@
 #include "backend/cuda/cuda_check.cuh"
 #include "backend/cuda/cutlass/bf16_gemm.h"
 #include "backend/cuda/cutlass/fp8_gemm.h"
+#include "backend/cuda/cutlass/fp8_grouped_gemm.h"
 #include "backend/cuda/cutlass/nvfp4_gemm.h"
 #include "backend/cuda/device_attr.cuh"
 #include "backend/cuda/kernel_util.cuh"
@@ -106,6 +107,41 @@ std::string fp8_gemm(int sm, const Fp8GemmArgs& a, void* workspace, CUstream_st*
   (void)workspace;
   (void)stream;
   return "no FP8 block-128 tensor-core GEMM was built for sm_" + std::to_string(sm);
+}
+
+bool fp8_grouped_built_for(int sm) {
+#if defined(DFLASH2_CUTLASS_FP8GRPSM90)
+  if (sm == 90) return true;
+#endif
+  (void)sm;
+  return false;
+}
+
+size_t fp8_grouped_params_bytes(int groups) {
+#if defined(DFLASH2_CUTLASS_FP8GRPSM90)
+  return fp8_grouped_sm90_params_bytes(groups);
+#else
+  (void)groups;
+  return 0;
+#endif
+}
+
+size_t fp8_grouped_workspace(int sm, const Fp8GroupedArgs& a) {
+#if defined(DFLASH2_CUTLASS_FP8GRPSM90)
+  if (sm == 90) return fp8_grouped_sm90_workspace(a);
+#endif
+  (void)a;
+  return 0;
+}
+
+std::string fp8_grouped_gemm(int sm, const Fp8GroupedArgs& a, void* workspace, CUstream_st* stream) {
+#if defined(DFLASH2_CUTLASS_FP8GRPSM90)
+  if (sm == 90) return fp8_grouped_sm90(a, workspace, stream);
+#endif
+  (void)a;
+  (void)workspace;
+  (void)stream;
+  return "no FP8 grouped tensor-core GEMM was built for sm_" + std::to_string(sm);
 }
 
 bool nvfp4_gemm_built_for(int sm) {

@@ -66,6 +66,16 @@
 //   freed (3 * E * 64 bytes per layer: 49 KB for 256 experts), so a captured graph can
 //   always read it; weights freed and reloaded at new addresses simply get a new entry.
 //
+// moe_experts_fp8 (ops.h moe_experts with GemmNumerics::FP8: prompt chunks of FP8
+//   checkpoints; the CPU's emulation in cpu/moe.cpp is its oracle): after the list kernel, the
+//   slots in the lists' order (position p = order[p]'s row) are the rows of three grouped
+//   GEMMs with one group per expert, [start[e], start[e + 1]) (cutlass/fp8_grouped_gemm.h):
+//   a warp per (p, 128 inputs) gathers x[order[p] / top_k] and quantizes it (quant_device.cuh:
+//   scale amax / 448, E4M3 codes; the group's scales MN-major at sfa + nbk * start[e]); gate
+//   and up grouped GEMMs -> G, U [n, F] F32; silu(G) * U (the CPU's formula) quantized the same
+//   way; the down grouped GEMM -> Y [n, H]; a scatter to slot order (y) and the combine above.
+//   The operand buffers come from the per-stream scratch; nothing waits for the host.
+//
 // Performance (decode, T * top_k small): each active expert's gate/up/down weights are
 // read once per chunk of 4 tokens, by warps streaming rows with 8-element vector loads; the
 // expert list costs one tiny single-block launch. Ideas, roughly in order of value:
@@ -89,6 +99,7 @@
 //     combine into the down kernel's epilogue when top_k slots of a token are in one CTA.
 #include <cuda_runtime.h>
 
+#include <algorithm>
 #include <cmath>
 #include <cstdint>
 #include <cstring>
@@ -102,8 +113,15 @@
 #include "backend/cuda/cuda_api.h"
 #include "backend/cuda/cuda_check.cuh"
 #include "backend/cuda/kernel_util.cuh"
+#include "backend/cuda/layout.h"
 #include "backend/cuda/moe_route.h"
+#include "backend/cuda/quant_device.cuh"
+#include "backend/cuda/scratch.h"
 #include "backend/cuda/weight_view.cuh"
+#if defined(DFLASH2_WITH_CUTLASS)
+#include "backend/cuda/cutlass/fp8_grouped_gemm.h"
+#include "backend/cuda/device_attr.cuh"
+#endif
 #include "dflash2/error.h"
 
 namespace dflash2::cuda {
@@ -566,6 +584,108 @@ void launch_gemv(WFmt f, bool wvec, dim3 grid, const GemvArgs& a) {
 // Rows of a 2-D tensor with a contiguous last dim: the row stride (one row: its length).
 int64_t row_stride_2d(const Tensor& t) { return t.shape(0) > 1 ? t.stride(0) : t.shape(1); }
 
+// ------------------------------------------------------------------ FP8 grouped experts
+// moe_experts(..., GemmNumerics::FP8) (prompt chunks of FP8 checkpoints): the slots in the
+// expert lists' order (order[], start[]) are the rows of a grouped GEMM whose group g is
+// expert g's slots [start[g], start[g + 1]) (cutlass/fp8_grouped_gemm.h).
+#if defined(DFLASH2_WITH_CUTLASS)
+// The expert whose list holds position p: the last g with start[g] <= p (start ascending).
+__device__ __forceinline__ int group_of(const int32_t* start, int E, int32_t p) {
+  int lo = 0, hi = E;  // start[lo] <= p < start[hi]
+  while (hi - lo > 1) {
+    const int mid = (lo + hi) / 2;
+    if (start[mid] <= p) lo = mid; else hi = mid;
+  }
+  return lo;
+}
+
+// Quantizes rows of the grouped GEMM's A (one warp per (position p, 128-input block)):
+// gathered == true: row p is x[order[p] / top_k] (the gate / up input); false: row p is
+// silu(g[p]) * u[p] with the CPU's (v / (1 + expf(-v))) * u (the down input). Codes go to
+// codes[p * K + k], the block scale to the group's MN-major scales (sfa + nbk * start[e],
+// [nbk][M_e]).
+template <bool gathered>
+__global__ void __launch_bounds__(256)
+    moe_fp8_rows(const float* __restrict__ in, int64_t in_stride, const float* __restrict__ up,
+                 const int32_t* __restrict__ start, const int32_t* __restrict__ order, int E, int top_k, int64_t n,
+                 int64_t K, uint8_t* __restrict__ codes, float* __restrict__ sfa) {
+  const int lane = threadIdx.x & 31;
+  const int64_t nbk = (K + 127) / 128, units = n * nbk;
+  const int32_t used = start[E];
+  for (int64_t u = int64_t(blockIdx.x) * 8 + (threadIdx.x >> 5); u < units; u += int64_t(gridDim.x) * 8) {
+    const int64_t p = u / nbk, b = u - p * nbk, k0 = b * 128;
+    if (p >= used) continue;  // the whole warp: p is the same in every lane
+    float v[4];
+    const float* row = gathered ? in + int64_t(order[p] / top_k) * in_stride : in + p * in_stride;
+#pragma unroll
+    for (int j = 0; j < 4; ++j) {
+      const int64_t k = k0 + lane + 32 * j;
+      float a = 0.0f;
+      if (k < K) {
+        a = row[k];
+        if (!gathered) {
+          const float gv = a;
+          a = __fmul_rn(__fdiv_rn(gv, __fadd_rn(1.0f, expf(-gv))), up[p * in_stride + k]);
+        }
+      }
+      v[j] = a;
+    }
+    uint8_t q[4];
+    const float sa = detail::fp8_warp_block(v, q);
+#pragma unroll
+    for (int j = 0; j < 4; ++j) {
+      const int64_t k = k0 + lane + 32 * j;
+      if (k < K) codes[p * K + k] = q[j];
+    }
+    if (lane == 0) {
+      const int e = group_of(start, E, int32_t(p));
+      const int64_t m_e = start[e + 1] - start[e];
+      sfa[nbk * start[e] + layout::fp8_act_scale_offset(p - start[e], b, m_e)] = sa;
+    }
+  }
+}
+
+// The experts' weight and scale pointers for the three grouped GEMMs.
+__global__ void moe_fp8_pointers(const ExpertView* __restrict__ views, int E, const void** b, const float** s) {
+  const int e = blockIdx.x * blockDim.x + threadIdx.x;
+  if (e >= E) return;
+  const WeightView* w[3] = {&views[e].gate, &views[e].up, &views[e].down};
+  for (int i = 0; i < 3; ++i) {
+    b[i * E + e] = w[i]->data;
+    s[i * E + e] = static_cast<const float*>(w[i]->scale);
+  }
+}
+
+// y[order[p], :] = Y[p, :] (back to slot order for the combine).
+__global__ void moe_fp8_scatter(const float* __restrict__ Y, const int32_t* __restrict__ start,
+                                const int32_t* __restrict__ order, int E, int64_t n, int64_t H, float* __restrict__ y) {
+  const int64_t used = start[E], total = n * H;
+  for (int64_t i = int64_t(blockIdx.x) * blockDim.x + threadIdx.x; i < total; i += int64_t(gridDim.x) * blockDim.x) {
+    const int64_t p = i / H;
+    if (p < used) y[int64_t(order[p]) * H + (i - p * H)] = Y[i];
+  }
+}
+
+// Whether every expert weight can be read in place by the grouped GEMM: FP8 block-128,
+// rows of exactly K bytes (contiguous) starting 16-byte aligned, K % 16 == 0, N % 4 == 0,
+// contiguous scales.
+bool fp8_grouped_views_ok(const std::vector<ExpertView>& host, std::string* why) {
+  for (size_t e = 0; e < host.size(); ++e)
+    for (const WeightView* w : {&host[e].gate, &host[e].up, &host[e].down}) {
+      const char* bad = nullptr;
+      if (w->fmt != WFmt::FP8) bad = "not FP8 block-128";
+      else if (w->K % 16 != 0 || w->N % 4 != 0) bad = "K % 16 != 0 or N % 4 != 0";
+      else if (w->row_bytes != w->K || !detail::aligned(w->data, 16)) bad = "rows not contiguous / 16-byte aligned";
+      else if (w->scale_stride != (w->K + 127) / 128) bad = "block scales not contiguous (a column slice)";
+      if (bad) {
+        if (why) *why = "expert " + std::to_string(e) + ": " + bad;
+        return false;
+      }
+    }
+  return true;
+}
+#endif  // DFLASH2_WITH_CUTLASS
+
 void need_rows(const Tensor& t, DType dt, int device, const char* op, const char* arg) {
   DFLASH2_CHECK_ARG(t.defined(), op, ": undefined tensor '", arg, "'");
   DFLASH2_CHECK_ARG(t.device().is_cuda() && t.device().index == device, op, ": '", arg, "' must be on cuda:", device,
@@ -616,9 +736,10 @@ void moe_route(const Tensor& logits, const Tensor& bias, const ops::MoeRouting& 
   detail::check_launch("moe_route kernel launch", logits.describe());
 }
 
-void moe_experts(const Tensor& x, const Tensor& ids, const Tensor& weights, const ops::ExpertWeights& experts,
-                 Tensor& out, Tensor& workspace) {
-  const char* op = "cuda::moe_experts";
+namespace {
+void moe_experts_impl(const Tensor& x, const Tensor& ids, const Tensor& weights, const ops::ExpertWeights& experts,
+                      Tensor& out, Tensor& workspace, bool fp8) {
+  const char* op = fp8 ? "cuda::moe_experts_fp8" : "cuda::moe_experts";
   DFLASH2_CHECK_ARG(x.defined() && x.device().is_cuda(), op, ": x must be a CUDA tensor, found ", x.describe());
   const int dev = x.device().index;
   need_rows(x, DType::F32, dev, op, "x");
@@ -660,10 +781,91 @@ void moe_experts(const Tensor& x, const Tensor& ids, const Tensor& weights, cons
   const int64_t i_stride = row_stride_2d(ids);
   cudaStream_t s = detail::stream();
 
+#if defined(DFLASH2_WITH_CUTLASS)
+  const int sm = detail::compute_capability(dev);
+  if (fp8) {
+    DFLASH2_CHECK(tc::fp8_grouped_built_for(sm), ErrorKind::Unsupported, op, ": this build has no FP8 grouped ",
+                  "tensor-core GEMM for sm_", sm, " (sm_90a only); run the experts exact");
+    std::string why;
+    DFLASH2_CHECK(fp8_grouped_views_ok(tab.host, &why), ErrorKind::Unsupported, op, ": the grouped FP8 GEMM cannot ",
+                  "read these expert weights in place (", why, "); run the experts exact");
+  }
+#else
+  DFLASH2_CHECK(!fp8, ErrorKind::Unsupported, op, ": this build has no CUTLASS (the FP8 grouped GEMM)");
+#endif
   if (n > 0 && F > 0) {
     moe_list_kernel<<<1, kListThreads, 0, s>>>(ip, i_stride, int(K), n, experts.first, int(E), start, cursor, active,
                                                order);
     detail::check_launch("moe_experts list kernel launch", ids.describe());
+  }
+#if defined(DFLASH2_WITH_CUTLASS)
+  if (fp8 && n > 0 && F > 0) {
+    // scratch: A codes [n, H] | sfa | G, U [n, F] F32 | h codes [n, F] | sfa_h | Y [n, H] F32 |
+    // 3 E weight and 3 E scale pointers | 3 parameter blocks | the GEMM workspace
+    auto up256 = [](int64_t v) { return (v + 255) / 256 * 256; };
+    const int64_t nbh = (H + 127) / 128, nbf = (F + 127) / 128;
+    const int64_t b_a = up256(n * H), b_sa = up256(n * nbh * 4), b_g = up256(n * F * 4), b_h = up256(n * F),
+                  b_sh = up256(n * nbf * 4), b_y = up256(n * H * 4), b_p = up256(6 * E * int64_t(sizeof(void*))),
+                  b_q = up256(int64_t(tc::fp8_grouped_params_bytes(int(E))));
+    tc::Fp8GroupedArgs g{};
+    g.groups = int(E);
+    g.offsets = start;
+    g.N = int(F);
+    g.K = int(H);
+    size_t ws = tc::fp8_grouped_workspace(sm, g);
+    g.N = int(H);
+    g.K = int(F);
+    ws = std::max({ws, tc::fp8_grouped_workspace(sm, g), size_t(256)});
+    uint8_t* base = static_cast<uint8_t*>(
+        detail::scratch(dev, size_t(b_a + b_sa + 2 * b_g + b_h + b_sh + b_y + b_p + 3 * b_q) + ws));
+    uint8_t* a8 = base;
+    float* sfa = reinterpret_cast<float*>(a8 + b_a);
+    float* G = reinterpret_cast<float*>(reinterpret_cast<uint8_t*>(sfa) + b_sa);
+    float* U = reinterpret_cast<float*>(reinterpret_cast<uint8_t*>(G) + b_g);
+    uint8_t* h8 = reinterpret_cast<uint8_t*>(U) + b_g;
+    float* sfh = reinterpret_cast<float*>(h8 + b_h);
+    float* Y = reinterpret_cast<float*>(reinterpret_cast<uint8_t*>(sfh) + b_sh);
+    const void** bptr = reinterpret_cast<const void**>(reinterpret_cast<uint8_t*>(Y) + b_y);
+    const float** sptr = reinterpret_cast<const float**>(bptr + 3 * E);
+    uint8_t* params = reinterpret_cast<uint8_t*>(bptr) + b_p;
+    void* gws = params + 3 * b_q;
+
+    moe_fp8_pointers<<<unsigned((E + 127) / 128), 128, 0, s>>>(tab.dev, int(E), bptr, sptr);
+    const int64_t units_h = n * nbh, units_f = n * nbf;
+    auto grid8 = [](int64_t units) {
+      const int64_t b = (units + 7) / 8;
+      return unsigned(b < detail::kMaxRowBlocks ? b : detail::kMaxRowBlocks);
+    };
+    moe_fp8_rows<true><<<grid8(units_h), 256, 0, s>>>(x.data_as<const float>(), row_stride_2d(x), nullptr, start,
+                                                        order, int(E), int(K), n, H, a8, sfa);
+    detail::check_launch("moe_experts_fp8 gather / quantize", x.describe());
+    auto grouped = [&](int which, const uint8_t* a, const float* sa, int64_t N, int64_t Kd, float* d, const char* what) {
+      tc::Fp8GroupedArgs ga{};
+      ga.groups = int(E);
+      ga.N = int(N);
+      ga.K = int(Kd);
+      ga.offsets = start;
+      ga.a = a;
+      ga.sfa = sa;
+      ga.b = bptr + which * E;
+      ga.sfb = sptr + which * E;
+      ga.d = d;
+      ga.params = params + which * b_q;
+      const std::string err = tc::fp8_grouped_gemm(sm, ga, gws, s);
+      if (!err.empty()) fail(ErrorKind::Backend, op, " (", what, "): ", err);
+      detail::check_launch("moe_experts_fp8 grouped GEMM", what);
+    };
+    grouped(0, a8, sfa, F, H, G, "gate");
+    grouped(1, a8, sfa, F, H, U, "up");
+    moe_fp8_rows<false><<<grid8(units_f), 256, 0, s>>>(G, F, U, start, order, int(E), int(K), n, F, h8, sfh);
+    detail::check_launch("moe_experts_fp8 silu * up / quantize", x.describe());
+    grouped(2, h8, sfh, H, F, Y, "down");
+    moe_fp8_scatter<<<detail::ceil_blocks(n * H, 256, detail::kMaxRowBlocks), 256, 0, s>>>(Y, start, order, int(E), n,
+                                                                                             H, y);
+    detail::check_launch("moe_experts_fp8 scatter", x.describe());
+  }
+#endif
+  if (!fp8 && n > 0 && F > 0) {
     const int max_active = int(E < n ? E : n);
     const unsigned gy = unsigned(max_active < detail::kMaxGridY ? max_active : detail::kMaxGridY);
 
@@ -704,6 +906,36 @@ void moe_experts(const Tensor& x, const Tensor& ids, const Tensor& weights, cons
                                           F > 0 ? int(K) : 0, experts.first, int(E), out.data_as<float>(),
                                           row_stride_2d(out), T, H);
   detail::check_launch("moe_experts combine kernel launch", x.describe());
+}
+}  // namespace
+
+void moe_experts(const Tensor& x, const Tensor& ids, const Tensor& weights, const ops::ExpertWeights& experts,
+                 Tensor& out, Tensor& workspace) {
+  moe_experts_impl(x, ids, weights, experts, out, workspace, false);
+}
+
+void moe_experts_fp8(const Tensor& x, const Tensor& ids, const Tensor& weights, const ops::ExpertWeights& experts,
+                     Tensor& out, Tensor& workspace) {
+  moe_experts_impl(x, ids, weights, experts, out, workspace, true);
+}
+
+bool moe_experts_fp8_supported(int device, const ops::ExpertWeights& experts) {
+#if defined(DFLASH2_WITH_CUTLASS)
+  if (device < 0 || device >= device_count() || !tc::fp8_grouped_built_for(detail::compute_capability(device)))
+    return false;
+  for (size_t e = 0; e < experts.gate.size(); ++e)
+    for (const ops::Weight* w : {&experts.gate[e], &experts.up[e], &experts.down[e]}) {
+      if (w->format != ops::WeightFormat::FP8Block128 || !w->data.defined() || w->data.ndim() != 2) return false;
+      const int64_t N = w->out_features, K = w->in_features;
+      if (K % 16 != 0 || N % 4 != 0 || w->data.stride(0) != K || !detail::aligned(w->data.data(), 16)) return false;
+      if (!w->scale.defined() || w->scale.ndim() != 2 || w->scale.stride(0) != (K + 127) / 128) return false;
+    }
+  return true;
+#else
+  (void)device;
+  (void)experts;
+  return false;
+#endif
 }
 
 }  // namespace dflash2::cuda

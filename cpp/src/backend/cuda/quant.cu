@@ -19,6 +19,7 @@
 #include "backend/cuda/kernel_util.cuh"
 #include "backend/cuda/layout.h"
 #include "backend/cuda/quant.h"
+#include "backend/cuda/quant_device.cuh"
 #include "dflash2/error.h"
 
 namespace dflash2::cuda {
@@ -27,12 +28,6 @@ namespace detail {
 namespace {
 
 constexpr int kWarps = 8;  // warps per thread block
-constexpr uint8_t kE4M3NaN = 0x7f;
-
-__device__ __forceinline__ float e4m3_value(uint8_t code) {
-  __half_raw h = __nv_cvt_fp8_to_halfraw(static_cast<__nv_fp8_storage_t>(code), __NV_E4M3);
-  return __half2float(__half(h));
-}
 
 // E2M1 nibble -> f32, exact: exponent field e = bits 2..1, mantissa bit 0 (e > 0: 2^(e-1)
 // (1 + m/2); e = 0: m/2), sign bit 3.
@@ -52,33 +47,19 @@ __global__ void __launch_bounds__(kWarps * 32)
   for (int64_t u = int64_t(blockIdx.x) * kWarps + (threadIdx.x >> 5); u < units; u += int64_t(gridDim.x) * kWarps) {
     const int64_t m = u / nb, b = u - m * nb, k0 = b * 128;
     float v[4];
-    bool bad = false;
-    float amax = 0.0f;
 #pragma unroll
     for (int j = 0; j < 4; ++j) {
       const int64_t k = k0 + lane + 32 * j;
       v[j] = (m < M && k < K) ? x[m * ldx + k] : 0.0f;
-      const float a = fabsf(v[j]);
-      bad = bad || !(a <= 3.4028235e38f);
-      amax = a > amax ? a : amax;
     }
-    bad = __any_sync(0xffffffffu, bad);
-#pragma unroll
-    for (int off = 16; off > 0; off >>= 1) {
-      const float o = __shfl_xor_sync(0xffffffffu, amax, off);
-      amax = o > amax ? o : amax;
-    }
-    const float sa = bad ? __int_as_float(0x7fc00000) : __fdiv_rn(amax, 448.0f);
+    uint8_t q[4];
+    const float sa = fp8_warp_block(v, q);
+    const bool bad = !(sa == sa);
 #pragma unroll
     for (int j = 0; j < 4; ++j) {
       const int64_t k = k0 + lane + 32 * j;
-      uint8_t q = 0;
-      if (bad)
-        q = kE4M3NaN;
-      else if (sa != 0.0f)
-        q = static_cast<uint8_t>(__nv_cvt_float_to_fp8(__fdiv_rn(v[j], sa), __NV_SATFINITE, __NV_E4M3));
-      if (codes && k < Kp) codes[m * Kp + k] = m < M ? q : uint8_t(0);
-      if (deq && m < M && k < K) deq[m * ldd + k] = bad ? sa : __fmul_rn(e4m3_value(q), sa);
+      if (codes && k < Kp) codes[m * Kp + k] = m < M ? q[j] : uint8_t(0);
+      if (deq && m < M && k < K) deq[m * ldd + k] = bad ? sa : __fmul_rn(e4m3_value(q[j]), sa);
     }
     if (sf && lane == 0) sf[layout::fp8_act_scale_offset(m, b, Mp)] = m < M ? sa : 0.0f;
   }

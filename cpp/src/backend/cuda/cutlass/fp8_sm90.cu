@@ -13,11 +13,11 @@
 namespace dflash2::cuda::tc {
 
 namespace {
-using TileShape = cute::Shape<cute::_128, cute::_128, cute::_128>;
-using ClusterShape = cute::Shape<cute::_1, cute::_1, cute::_1>;
+using TileShape = Fp8TileShape;
+using ClusterShape = Fp8ClusterShape;
 using ScaleConfig = Fp8ScaleConfig;
-using LayoutSFA = decltype(ScaleConfig::deduce_layoutSFA());
-using LayoutSFB = decltype(ScaleConfig::deduce_layoutSFB());
+using LayoutSFA = Fp8LayoutSFA;
+using LayoutSFB = Fp8LayoutSFB;
 using LayoutC = cutlass::layout::RowMajor;
 
 using Epilogue = typename cutlass::epilogue::collective::CollectiveBuilder<
