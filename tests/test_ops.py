@@ -1444,7 +1444,9 @@ def test_moe_experts_fp8(dev):
     128, an expert with no token, one with most."""
     need_device(dev, "moe_experts_fp8")
     rng = rng_for("moe_fp8")
-    for (T, E, H, F, k) in [(5, 4, 208, 144, 2), (40, 6, 256, 128, 3)]:
+    # case 1: expert 0 empty (ids shifted by one); case 2: the last expert and expert 2 (a
+    # middle one: its tokens moved to expert 3, which some then name twice) empty
+    for case, (T, E, H, F, k) in enumerate([(5, 4, 208, 144, 2), (40, 6, 256, 128, 3)]):
         ws_ = []
         for _ in range(E):
             ws_.append([fp8_weight(F, H, rng), fp8_weight(F, H, rng), fp8_weight(H, F, rng)])
@@ -1457,6 +1459,11 @@ def test_moe_experts_fp8(dev):
             row = [0] if t % 4 else []
             row += [int(e) for e in rng.permutation(np.arange(1, E - 1))[:k - len(row)]]
             ids[t] = sorted(row)
+        if case == 0:
+            ids += 1
+        else:
+            ids[ids == 2] = 3
+        assert not (ids == (0 if case == 0 else 2)).any()
         weights = rng.uniform(0.05, 1.0, (T, k)).astype(np.float32)
         ref = np.zeros((T, H), np.float64)
         for t in range(T):

@@ -138,8 +138,9 @@ std::string tc_gemm_self_check(Device dev, ops::GemmNumerics g) {
     if (!why.empty()) return why;
     if (g == ops::GemmNumerics::FP8) {
       // the routed experts' grouped GEMM (prompt chunks of FP8 checkpoints) where it runs:
-      // 3 experts (one unused), 5 tokens, top-2, K tails of 208 / 144 inputs
-      const int64_t T = 5, E = 3, H = 208, F = 144, k = 2;
+      // 4 experts (expert 2 unused: an empty group between others), 5 tokens, top-2, K tails
+      // of 208 / 144 inputs
+      const int64_t T = 5, E = 4, H = 208, F = 144, k = 2;
       ops::ExpertWeights ex;
       auto fp8w = [&](int64_t n_out, int64_t n_in) {
         Tensor c = Tensor::empty(DType::F8_E4M3, {n_out, n_in});
@@ -169,7 +170,7 @@ std::string tc_gemm_self_check(Device dev, ops::GemmNumerics g) {
         for (int64_t i = 0; i < T * H; ++i) xe.data_as<float>()[i] = next();
         for (int64_t t = 0; t < T; ++t) {
           ids.data_as<int32_t>()[t * k] = 0;
-          ids.data_as<int32_t>()[t * k + 1] = int32_t(1 + (t % 2));
+          ids.data_as<int32_t>()[t * k + 1] = int32_t(t % 2 ? 1 : 3);
           rw.data_as<float>()[t * k] = 0.5f;
           rw.data_as<float>()[t * k + 1] = 0.25f;
         }

@@ -812,12 +812,13 @@ void moe_experts_impl(const Tensor& x, const Tensor& ids, const Tensor& weights,
     g.offsets = start;
     g.N = int(F);
     g.K = int(H);
-    size_t ws = tc::fp8_grouped_workspace(sm, g);
+    size_t gws_bytes = tc::fp8_grouped_workspace(sm, g);
     g.N = int(H);
     g.K = int(F);
-    ws = std::max({ws, tc::fp8_grouped_workspace(sm, g), size_t(256)});
+    gws_bytes = std::max({gws_bytes, tc::fp8_grouped_workspace(sm, g), size_t(256)});
     uint8_t* base = static_cast<uint8_t*>(
-        detail::scratch(dev, size_t(b_a + b_sa + 2 * b_g + b_h + b_sh + b_y + b_p + 3 * b_q) + ws));
+        detail::scratch(dev, size_t(b_a + b_sa + 2 * b_g + b_h + b_sh + b_y + b_p + 3 * b_q) +
+                                 gws_bytes));
     uint8_t* a8 = base;
     float* sfa = reinterpret_cast<float*>(a8 + b_a);
     float* G = reinterpret_cast<float*>(reinterpret_cast<uint8_t*>(sfa) + b_sa);
@@ -839,7 +840,8 @@ void moe_experts_impl(const Tensor& x, const Tensor& ids, const Tensor& weights,
     moe_fp8_rows<true><<<grid8(units_h), 256, 0, s>>>(x.data_as<const float>(), row_stride_2d(x), nullptr, start,
                                                         order, int(E), int(K), n, H, a8, sfa);
     detail::check_launch("moe_experts_fp8 gather / quantize", x.describe());
-    auto grouped = [&](int which, const uint8_t* a, const float* sa, int64_t N, int64_t Kd, float* d, const char* what) {
+    auto grouped = [&](int which, const uint8_t* a, const float* sa, int64_t N, int64_t Kd, float* d,
+                       const char* what) {
       tc::Fp8GroupedArgs ga{};
       ga.groups = int(E);
       ga.N = int(N);
@@ -928,7 +930,9 @@ bool moe_experts_fp8_supported(int device, const ops::ExpertWeights& experts) {
       if (w->format != ops::WeightFormat::FP8Block128 || !w->data.defined() || w->data.ndim() != 2) return false;
       const int64_t N = w->out_features, K = w->in_features;
       if (K % 16 != 0 || N % 4 != 0 || w->data.stride(0) != K || !detail::aligned(w->data.data(), 16)) return false;
-      if (!w->scale.defined() || w->scale.ndim() != 2 || w->scale.stride(0) != (K + 127) / 128) return false;
+      if (!w->scale.defined() || w->scale.ndim() != 2 || w->scale.stride(0) != (K + 127) / 128 ||
+          w->scale.stride(1) != 1)
+        return false;
     }
   return true;
 #else

@@ -110,6 +110,8 @@ __global__ void setup_groups(Params q, int groups, int N, int K, const int32_t* 
   q.sb[g] = cutlass::make_cute_packed_stride(StrideB{}, cute::make_shape(N, K, 1));
   q.sc[g] = cutlass::make_cute_packed_stride(StrideC{}, cute::make_shape(M, N, 1));
   q.sd[g] = cutlass::make_cute_packed_stride(StrideD{}, cute::make_shape(M, N, 1));
+  // (the ptr-array collective rebuilds both scale layouts from the group's shape in the
+  // kernel; these copies are what its Arguments carry)
   q.lsfa[g] = ScaleConfig::tile_atom_to_shape_SFA(cute::make_shape(M, N, K, 1));
   q.lsfb[g] = ScaleConfig::tile_atom_to_shape_SFB(cute::make_shape(M, N, K, 1));
 }
@@ -150,7 +152,9 @@ std::string fp8_grouped_sm90(const Fp8GroupedArgs& a, void* workspace, CUstream_
   const Params q = carve_params(a.params, a.groups);
   setup_groups<<<(a.groups + 127) / 128, 128, 0, stream>>>(q, a.groups, a.N, a.K, a.offsets,
                                                             static_cast<const uint8_t*>(a.a), a.sfa, a.b, a.sfb, a.d);
-  if (cudaGetLastError() != cudaSuccess) return "fp8_grouped_sm90: the setup kernel did not launch";
+  const cudaError_t e = cudaGetLastError();
+  if (e != cudaSuccess)
+    return std::string("fp8_grouped_sm90: the setup kernel did not launch (") + cudaGetErrorString(e) + ")";
   return detail::launch<Gemm>(make_arguments(a, q), workspace, stream, "fp8_grouped_sm90", a.groups, a.N, a.K);
 }
 
