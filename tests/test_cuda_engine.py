@@ -242,51 +242,40 @@ def test_bf16_prefill_on_cuda(zoo):
         assert list(s.token_ids) == list(g.token_ids), f"mtp != ar on the GPU with bf16 prefill, prompt {i}"
 
 
-def test_fp8_prefill_on_cuda(zoo):
-    """prefill_gemm="fp8" on an FP8 block-128 checkpoint (sm_90a: the W8A8 CUTLASS kernel):
-    "auto" resolves to it, greedy tokens equal the CPU's emulation of the same numerics
-    (where the logit margin exceeds the FP8 tensor cores' in-block rounding), and MTP on
-    the GPU equals AR on the GPU exactly."""
-    if not dflash2_rt.ops.linear_fp8_available("cuda:0"):
-        pytest.skip("this build has no FP8 block-128 CUTLASS GEMM for this GPU's architecture (sm_90a only)")
-    quant = ("fp8", "all")
+def _quantized_prefill_on_cuda(zoo, quant, mode, seed):
+    """prefill_gemm=mode on zoo's tiny target quantized as `quant`: "auto" resolves to it,
+    greedy tokens equal the CPU's emulation of the same numerics (where the logit margin
+    exceeds the tensor cores' rounding), and MTP on the GPU equals AR on the GPU exactly."""
     path = zoo.path("tiny", quant=quant)
     assert dflash2_rt.Engine(target=path, method="ar", device="cuda", max_batch_size=1,
-                             max_seq_len=64).prefill_gemm == "fp8"
-    cpu = zoo.engine("tiny", "cpu", quant=quant, prefill_gemm="fp8")
-    gpu = zoo.engine("tiny", "cuda", quant=quant, prefill_gemm="fp8")
-    mtp = zoo.engine("tiny", "cuda", method="mtp", quant=quant, prefill_gemm="fp8")
-    prompts = [gf.prompt(890 + i, n) for i, n in enumerate((3, 11, 40, 130))]
+                             max_seq_len=64).prefill_gemm == mode
+    cpu = zoo.engine("tiny", "cpu", quant=quant, prefill_gemm=mode)
+    gpu = zoo.engine("tiny", "cuda", quant=quant, prefill_gemm=mode)
+    mtp = zoo.engine("tiny", "cuda", method="mtp", quant=quant, prefill_gemm=mode)
+    prompts = [gf.prompt(seed + i, n) for i, n in enumerate((3, 11, 40, 130))]
     want = cpu.generate(prompts, max_new_tokens=12, stop_token_ids=NO_STOP)
     got = gpu.generate(prompts, max_new_tokens=12, stop_token_ids=NO_STOP)
     for i, (g, w) in enumerate(zip(got, want)):
-        same_tokens(cpu, prompts[i], g.token_ids, w.token_ids, f"fp8 prefill prompt {i}", rel=REL_FP8)
+        same_tokens(cpu, prompts[i], g.token_ids, w.token_ids, f"{mode} prefill prompt {i}", rel=REL_FP8)
     spec = mtp.generate(prompts, max_new_tokens=12, stop_token_ids=NO_STOP)
     for i, (s, g) in enumerate(zip(spec, got)):
-        assert list(s.token_ids) == list(g.token_ids), f"mtp != ar on the GPU with fp8 prefill, prompt {i}"
+        assert list(s.token_ids) == list(g.token_ids), f"mtp != ar on the GPU with {mode} prefill, prompt {i}"
+
+
+def test_fp8_prefill_on_cuda(zoo):
+    """prefill_gemm="fp8" on an FP8 block-128 checkpoint (sm_90a: the W8A8 CUTLASS kernel
+    and the grouped expert GEMM)."""
+    if not dflash2_rt.ops.linear_fp8_available("cuda:0"):
+        pytest.skip("this build has no FP8 block-128 CUTLASS GEMM for this GPU's architecture (sm_90a only)")
+    _quantized_prefill_on_cuda(zoo, ("fp8", "all"), "fp8", 890)
 
 
 def test_nvfp4_prefill_on_cuda(zoo):
     """prefill_gemm="nvfp4" on a checkpoint with NVFP4 MLPs (sm_100a / sm_103a: the W4A4
-    CUTLASS kernel): "auto" resolves to it, greedy tokens equal the CPU's emulation, and MTP
-    on the GPU equals AR on the GPU exactly."""
+    CUTLASS kernel)."""
     if not dflash2_rt.ops.linear_nvfp4_available("cuda:0"):
         pytest.skip("this build has no NVFP4 W4A4 CUTLASS GEMM for this GPU's architecture (sm_100a / sm_103a only)")
-    quant = ("nvfp4", "mlp")
-    path = zoo.path("tiny", quant=quant)
-    assert dflash2_rt.Engine(target=path, method="ar", device="cuda", max_batch_size=1,
-                             max_seq_len=64).prefill_gemm == "nvfp4"
-    cpu = zoo.engine("tiny", "cpu", quant=quant, prefill_gemm="nvfp4")
-    gpu = zoo.engine("tiny", "cuda", quant=quant, prefill_gemm="nvfp4")
-    mtp = zoo.engine("tiny", "cuda", method="mtp", quant=quant, prefill_gemm="nvfp4")
-    prompts = [gf.prompt(895 + i, n) for i, n in enumerate((3, 11, 40, 130))]
-    want = cpu.generate(prompts, max_new_tokens=12, stop_token_ids=NO_STOP)
-    got = gpu.generate(prompts, max_new_tokens=12, stop_token_ids=NO_STOP)
-    for i, (g, w) in enumerate(zip(got, want)):
-        same_tokens(cpu, prompts[i], g.token_ids, w.token_ids, f"nvfp4 prefill prompt {i}", rel=REL_FP8)
-    spec = mtp.generate(prompts, max_new_tokens=12, stop_token_ids=NO_STOP)
-    for i, (s, g) in enumerate(zip(spec, got)):
-        assert list(s.token_ids) == list(g.token_ids), f"mtp != ar on the GPU with nvfp4 prefill, prompt {i}"
+    _quantized_prefill_on_cuda(zoo, ("nvfp4", "mlp"), "nvfp4", 895)
 
 
 def test_tensor_parallel_on_gpus(zoo):

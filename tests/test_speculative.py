@@ -304,17 +304,12 @@ def test_bf16_prefill_is_lossless(world, ar_greedy):
     assert same_first >= (3 * n) // 4, f"bf16 prefill changed the first token of {n - same_first} of {n} prompts"
 
 
-def test_fp8_prefill_is_lossless(world, tmp_path):
-    """prefill_gemm="fp8" on an FP8 block-128 checkpoint: the prompt tokens' FP8 projections
-    run W8A8 (activations quantized per 128 inputs: CUTLASS on sm_90a, here the CPU's
-    emulation), the others bf16. Generated tokens decode exact, so speculative == AR holds
-    at every batch size; and the prompt states really differ from exact prefill's."""
-    from dflash2_rt.tools.quantize import quantize_checkpoint
-    fp8 = str(tmp_path / "fp8")
-    quantize_checkpoint(os.fspath(world.target), fp8, "fp8", "all")
-    assert _engine(fp8).prefill_gemm == "exact"  # "auto" on the CPU
-    ar = _engine(fp8, prefill_gemm="fp8")
-    assert ar.prefill_gemm == "fp8"
+def _quantized_prefill_is_lossless(world, path, mode, other):
+    """Engines on `path` with prefill_gemm=mode: speculative (dflash2, and MTP when the
+    target has it) == AR token for token at batch sizes 1 and 3, and the greedy outputs
+    differ from prefill_gemm=other's for some prompt (the mode's numerics really apply)."""
+    ar = _engine(path, prefill_gemm=mode)
+    assert ar.prefill_gemm == mode
     n = len(GREEDY_PROMPTS)
 
     def greedy(e):
@@ -325,12 +320,12 @@ def test_fp8_prefill_is_lossless(world, tmp_path):
         return out
 
     want = greedy(ar)
-    exact = greedy(_engine(fp8, prefill_gemm="exact"))
-    assert any(w != e for w, e in zip(want, exact)), "fp8 prefill changed no continuation: is it really quantizing?"
+    base = greedy(_engine(path, prefill_gemm=other))
+    assert any(w != b for w, b in zip(want, base)), f"{mode} prefill changed no continuation: is it quantizing?"
     keys = ["d2"] + (["mtp"] if _has_mtp(world) else [])
     for key in keys:
-        eng = (_engine(fp8, None, "mtp", prefill_gemm="fp8") if key == "mtp"
-               else _engine(fp8, world.draft(key), "dflash2", prefill_gemm="fp8"))
+        eng = (_engine(path, None, "mtp", prefill_gemm=mode) if key == "mtp"
+               else _engine(path, world.draft(key), "dflash2", prefill_gemm=mode))
         for bs in (1, 3):
             order = [(i * 5 + bs) % n for i in range(n)]
             for j in range(0, n, bs):
@@ -338,7 +333,20 @@ def test_fp8_prefill_is_lossless(world, tmp_path):
                 res = eng.generate([GREEDY_PROMPTS[i] for i in idx], max_new_tokens=GREEDY_NEW,
                                    stop_token_ids=NO_STOP)
                 for i, r in zip(idx, res):
-                    assert list(r.token_ids) == want[i], f"{key}, fp8 prefill, batch size {bs}, prompt {i}"
+                    assert list(r.token_ids) == want[i], f"{key}, {mode} prefill, batch size {bs}, prompt {i}"
+
+
+def test_fp8_prefill_is_lossless(world, tmp_path):
+    """prefill_gemm="fp8" on an FP8 block-128 checkpoint: the prompt tokens' FP8 projections
+    and routed experts run W8A8 (activations quantized per 128 inputs: CUTLASS on sm_90a,
+    here the CPU's emulation), the others bf16. Generated tokens decode exact, so
+    speculative == AR holds at every batch size; and the prompt states really differ from
+    exact prefill's."""
+    from dflash2_rt.tools.quantize import quantize_checkpoint
+    fp8 = str(tmp_path / "fp8")
+    quantize_checkpoint(os.fspath(world.target), fp8, "fp8", "all")
+    assert _engine(fp8).prefill_gemm == "exact"  # "auto" on the CPU
+    _quantized_prefill_is_lossless(world, fp8, "fp8", "exact")
 
 
 def test_nvfp4_prefill_is_lossless(world, tmp_path):
@@ -350,32 +358,7 @@ def test_nvfp4_prefill_is_lossless(world, tmp_path):
     quantize_checkpoint(os.fspath(world.target), fp4, "nvfp4", "mlp")
     with pytest.raises(dflash2_rt.ConfigError, match="NVFP4 with an input_scale"):
         _engine(world.target, prefill_gemm="nvfp4")
-    ar = _engine(fp4, prefill_gemm="nvfp4")
-    assert ar.prefill_gemm == "nvfp4"
-    n = len(GREEDY_PROMPTS)
-
-    def greedy(e):
-        out = []
-        for i in range(0, n, MAXB):
-            out += [list(r.token_ids) for r in e.generate(GREEDY_PROMPTS[i:i + MAXB], max_new_tokens=GREEDY_NEW,
-                                                          stop_token_ids=NO_STOP)]
-        return out
-
-    want = greedy(ar)
-    exact = greedy(_engine(fp4, prefill_gemm="bf16"))
-    assert any(w != e for w, e in zip(want, exact)), "nvfp4 prefill changed no continuation: is it quantizing?"
-    keys = ["d2"] + (["mtp"] if _has_mtp(world) else [])
-    for key in keys:
-        eng = (_engine(fp4, None, "mtp", prefill_gemm="nvfp4") if key == "mtp"
-               else _engine(fp4, world.draft(key), "dflash2", prefill_gemm="nvfp4"))
-        for bs in (1, 3):
-            order = [(i * 3 + bs) % n for i in range(n)]
-            for j in range(0, n, bs):
-                idx = order[j:j + bs]
-                res = eng.generate([GREEDY_PROMPTS[i] for i in idx], max_new_tokens=GREEDY_NEW,
-                                   stop_token_ids=NO_STOP)
-                for i, r in zip(idx, res):
-                    assert list(r.token_ids) == want[i], f"{key}, nvfp4 prefill, batch size {bs}, prompt {i}"
+    _quantized_prefill_is_lossless(world, fp4, "nvfp4", "bf16")
 
 
 @pytest.mark.parametrize("key", ["d2", "d2_sw", "d1_causal", "mtp"])
