@@ -285,6 +285,32 @@ void convert_weight(const WeightView& v, int64_t Np, int64_t Kp, __nv_bfloat16* 
   }
 }
 
+// The arguments every tensor-core linear takes (x, y F32 2-D on one CUDA device, rows
+// contiguous and y's not overlapping, shapes matching the weight), and the 32-bit extents
+// of the GEMM it runs, whose M, N and K are padded by at most m_pad, 4 and k_pad: the
+// weight's view on x's device.
+WeightView check_tc_args(const Tensor& x, const ops::Weight& w, const Tensor& y, const char* op, int64_t m_pad,
+                         int64_t k_pad) {
+  DFLASH2_CHECK_ARG(x.defined() && y.defined(), op, ": undefined tensor argument");
+  DFLASH2_CHECK_ARG(x.device().is_cuda() && y.device() == x.device(), op, ": x and y must be on the same CUDA ",
+                    "device, found ", x.describe(), ", ", y.describe());
+  DFLASH2_CHECK_ARG(x.dtype() == DType::F32 && y.dtype() == DType::F32 && x.ndim() == 2 && y.ndim() == 2, op,
+                    ": x and y must be F32 2-D, found ", x.describe(), ", ", y.describe());
+  w.validate();
+  const WeightView v = detail::weight_view(w, x.device().index, op);
+  const int64_t M = x.shape(0), K = v.K, N = v.N;
+  DFLASH2_CHECK_ARG(x.shape(1) == K && y.shape(0) == M && y.shape(1) == N, op, "(", w.name, "): x ", x.describe(),
+                    " and y ", y.describe(), " do not match the weight [", N, ", ", K, "]");
+  DFLASH2_CHECK_ARG((x.stride(1) == 1 || K <= 1) && (y.stride(1) == 1 || N <= 1), op,
+                    ": x and y must be contiguous in their last dimension, found strides ", shape_str(x.strides()),
+                    " and ", shape_str(y.strides()));
+  DFLASH2_CHECK_ARG(M + m_pad <= int64_t(INT32_MAX) && N + 4 <= int64_t(INT32_MAX) && K + k_pad <= int64_t(INT32_MAX),
+                    op, ": [", M, ", ", N, ", ", K, "] exceeds the GEMM's 32-bit extents");
+  DFLASH2_CHECK_ARG(M <= 1 || y.stride(0) >= N, op, ": the rows of 'y' overlap (row stride ", y.stride(0), " < ", N,
+                    ")");
+  return v;
+}
+
 }  // namespace
 
 bool linear_bf16_supported(int device) {
@@ -293,24 +319,9 @@ bool linear_bf16_supported(int device) {
 }
 
 void linear_bf16(const Tensor& x, const ops::Weight& w, Tensor& y, bool accumulate) {
-  DFLASH2_CHECK_ARG(x.defined() && y.defined(), "cuda::linear_bf16: undefined tensor argument");
-  DFLASH2_CHECK_ARG(x.device().is_cuda() && y.device() == x.device(), "cuda::linear_bf16: x and y must be on the same ",
-                    "CUDA device, found ", x.describe(), ", ", y.describe());
-  DFLASH2_CHECK_ARG(x.dtype() == DType::F32 && y.dtype() == DType::F32 && x.ndim() == 2 && y.ndim() == 2,
-                    "cuda::linear_bf16: x and y must be F32 2-D, found ", x.describe(), ", ", y.describe());
-  w.validate();
+  const WeightView v = check_tc_args(x, w, y, "cuda::linear_bf16", 0, 8);
   const int device = x.device().index;
-  const WeightView v = detail::weight_view(w, device, "cuda::linear_bf16");
   const int64_t M = x.shape(0), K = v.K, N = v.N;
-  DFLASH2_CHECK_ARG(x.shape(1) == K && y.shape(0) == M && y.shape(1) == N, "cuda::linear_bf16(", w.name, "): x ",
-                    x.describe(), " and y ", y.describe(), " do not match the weight [", N, ", ", K, "]");
-  DFLASH2_CHECK_ARG((x.stride(1) == 1 || K <= 1) && (y.stride(1) == 1 || N <= 1),
-                    "cuda::linear_bf16: x and y must be contiguous in their last dimension, found strides ",
-                    shape_str(x.strides()), " and ", shape_str(y.strides()));
-  DFLASH2_CHECK_ARG(M <= int64_t(INT32_MAX) && N + 4 <= int64_t(INT32_MAX) && K + 8 <= int64_t(INT32_MAX),
-                    "cuda::linear_bf16: [", M, ", ", N, ", ", K, "] exceeds the GEMM's 32-bit extents");
-  DFLASH2_CHECK_ARG(M <= 1 || y.stride(0) >= N, "cuda::linear_bf16: the rows of 'y' overlap (row stride ",
-                    y.stride(0), " < ", N, ")");
   detail::DeviceGuard guard(device);
   const int sm = detail::compute_capability(device);
   if (!tc::bf16_gemm_built_for(sm))
@@ -374,25 +385,10 @@ bool linear_fp8_supported(int device) {
 // 0, N % 4 == 0, contiguous scales), else from padded copies in scratch. M is padded to a
 // multiple of 4 (the scales' TMA rows); the rows past M and the staged store as linear_bf16.
 void linear_fp8(const Tensor& x, const ops::Weight& w, Tensor& y, bool accumulate) {
-  DFLASH2_CHECK_ARG(x.defined() && y.defined(), "cuda::linear_fp8: undefined tensor argument");
-  DFLASH2_CHECK_ARG(x.device().is_cuda() && y.device() == x.device(), "cuda::linear_fp8: x and y must be on the same ",
-                    "CUDA device, found ", x.describe(), ", ", y.describe());
-  DFLASH2_CHECK_ARG(x.dtype() == DType::F32 && y.dtype() == DType::F32 && x.ndim() == 2 && y.ndim() == 2,
-                    "cuda::linear_fp8: x and y must be F32 2-D, found ", x.describe(), ", ", y.describe());
-  w.validate();
-  const int device = x.device().index;
-  const WeightView v = detail::weight_view(w, device, "cuda::linear_fp8");
+  const WeightView v = check_tc_args(x, w, y, "cuda::linear_fp8", 4, 16);
   DFLASH2_CHECK_ARG(v.fmt == WFmt::FP8, "cuda::linear_fp8(", w.name, "): the weight must be FP8 block-128");
+  const int device = x.device().index;
   const int64_t M = x.shape(0), K = v.K, N = v.N;
-  DFLASH2_CHECK_ARG(x.shape(1) == K && y.shape(0) == M && y.shape(1) == N, "cuda::linear_fp8(", w.name, "): x ",
-                    x.describe(), " and y ", y.describe(), " do not match the weight [", N, ", ", K, "]");
-  DFLASH2_CHECK_ARG((x.stride(1) == 1 || K <= 1) && (y.stride(1) == 1 || N <= 1),
-                    "cuda::linear_fp8: x and y must be contiguous in their last dimension, found strides ",
-                    shape_str(x.strides()), " and ", shape_str(y.strides()));
-  DFLASH2_CHECK_ARG(M + 4 <= int64_t(INT32_MAX) && N + 4 <= int64_t(INT32_MAX) && K + 16 <= int64_t(INT32_MAX),
-                    "cuda::linear_fp8: [", M, ", ", N, ", ", K, "] exceeds the GEMM's 32-bit extents");
-  DFLASH2_CHECK_ARG(M <= 1 || y.stride(0) >= N, "cuda::linear_fp8: the rows of 'y' overlap (row stride ", y.stride(0),
-                    " < ", N, ")");
   detail::DeviceGuard guard(device);
   const int sm = detail::compute_capability(device);
   if (!tc::fp8_gemm_built_for(sm))
@@ -464,25 +460,10 @@ bool linear_nvfp4_supported(int device) {
 // 32 == 0 and N % 4 == 0 (else a padded copy), then CUTLASS's block-scaled tcgen05 GEMM with
 // alpha = input_scale x weight_scale_2; the staged store as linear_bf16.
 void linear_nvfp4(const Tensor& x, const ops::Weight& w, Tensor& y, bool accumulate) {
-  DFLASH2_CHECK_ARG(x.defined() && y.defined(), "cuda::linear_nvfp4: undefined tensor argument");
-  DFLASH2_CHECK_ARG(x.device().is_cuda() && y.device() == x.device(), "cuda::linear_nvfp4: x and y must be on the ",
-                    "same CUDA device, found ", x.describe(), ", ", y.describe());
-  DFLASH2_CHECK_ARG(x.dtype() == DType::F32 && y.dtype() == DType::F32 && x.ndim() == 2 && y.ndim() == 2,
-                    "cuda::linear_nvfp4: x and y must be F32 2-D, found ", x.describe(), ", ", y.describe());
-  w.validate();
-  const int device = x.device().index;
-  const WeightView v = detail::weight_view(w, device, "cuda::linear_nvfp4");
+  const WeightView v = check_tc_args(x, w, y, "cuda::linear_nvfp4", 0, 32);
   DFLASH2_CHECK_ARG(v.fmt == WFmt::NVFP4, "cuda::linear_nvfp4(", w.name, "): the weight must be NVFP4");
+  const int device = x.device().index;
   const int64_t M = x.shape(0), K = v.K, N = v.N;
-  DFLASH2_CHECK_ARG(x.shape(1) == K && y.shape(0) == M && y.shape(1) == N, "cuda::linear_nvfp4(", w.name, "): x ",
-                    x.describe(), " and y ", y.describe(), " do not match the weight [", N, ", ", K, "]");
-  DFLASH2_CHECK_ARG((x.stride(1) == 1 || K <= 1) && (y.stride(1) == 1 || N <= 1),
-                    "cuda::linear_nvfp4: x and y must be contiguous in their last dimension, found strides ",
-                    shape_str(x.strides()), " and ", shape_str(y.strides()));
-  DFLASH2_CHECK_ARG(M <= int64_t(INT32_MAX) && N + 4 <= int64_t(INT32_MAX) && K + 32 <= int64_t(INT32_MAX),
-                    "cuda::linear_nvfp4: [", M, ", ", N, ", ", K, "] exceeds the GEMM's 32-bit extents");
-  DFLASH2_CHECK_ARG(M <= 1 || y.stride(0) >= N, "cuda::linear_nvfp4: the rows of 'y' overlap (row stride ",
-                    y.stride(0), " < ", N, ")");
   detail::DeviceGuard guard(device);
   const int sm = detail::compute_capability(device);
   if (!tc::nvfp4_gemm_built_for(sm))
