@@ -198,9 +198,10 @@ def test_real_dimension_slice(zoo):
 
 
 def test_cuda_graphs_equal_eager(tmp_path):
-    """The target's decode / verify chunks replayed from CUDA graphs give exactly what the
-    same kernels give eagerly (cuda_graphs=False): ar, mtp and dflash2, batch sizes 1..4,
-    greedy and seeded sampling; graphs were captured and replayed, none failed."""
+    """The target's decode / verify chunks replayed from CUDA graphs -- for ar and dflash2 the
+    whole step (draft, verify, acceptance) as one graph -- give exactly what the same kernels
+    give eagerly (cuda_graphs=False): ar, mtp and dflash2, batch sizes 1..4, greedy and seeded
+    sampling; graphs were captured and replayed, none failed."""
     cuda_or_skip()
     pair = F.make_self_drafting_pair(tmp_path)
     tiny = gf.build_model(str(tmp_path / "tiny"), "tiny")
@@ -218,6 +219,9 @@ def test_cuda_graphs_equal_eager(tmp_path):
         assert m["cuda_graphs_failed"] == 0, m["cuda_graphs_last_failure"]
         assert m["cuda_graphs_captured"] >= 1 and m["cuda_graphs_replayed"] >= 1, m
         assert engines[1].metrics()["cuda_graphs_replayed"] == 0
+        # ar / dflash2 steps ran as one graph each (the whole step); mtp's piece by piece
+        assert (m["steps_as_one_unit"] >= 1) == (method != "mtp"), (method, m)
+        assert engines[1].metrics()["steps_as_one_unit"] == 0
 
 
 def test_bf16_prefill_on_cuda(zoo):

@@ -193,3 +193,33 @@ def test_gpu_only_options_on_the_cpu():
         dflash2_rt.Engine(TARGET, DRAFT, cuda_graphs="yes")
     with pytest.raises(dflash2_rt.InvalidArgumentError, match="prefill_gemm"):
         dflash2_rt.Engine(TARGET, DRAFT, prefill_gemm="BF16")
+
+
+def test_steps_run_as_one_unit_where_they_can():
+    """A decode step's draft, verify pass and acceptance are queued and run together (one
+    CUDA graph on a GPU; in order here): every dflash2 / ar step of a small batch is one unit,
+    a step whose verify pass might need several chunks, and every MTP step (its chain plans
+    each position after the last), run piece by piece, and the tokens are the same either way
+    (greedy and seeded sampling)."""
+    prompts = [PROMPT, [3, 14, 15, 92, 65]]
+    for method in ("dflash2", "ar", "mtp"):
+        for temperature in (0.0, 0.8):
+            out, units = [], []
+            for step_tokens in (256, 8):  # 8 < 2 sequences x a verify block
+                eng = dflash2_rt.Engine(TARGET, DRAFT if method == "dflash2" else None, method=method,
+                                        max_batch_size=2, max_seq_len=96, max_step_tokens=step_tokens)
+                res = eng.generate(prompts, max_new_tokens=12, temperature=temperature, seed=5)
+                out.append([r.token_ids for r in res])
+                units.append((eng.metrics()["steps_as_one_unit"], max(r.stats["verify_steps"] for r in res)))
+                eng.close()
+            assert out[0] == out[1], (method, temperature)
+            (one, steps), (small, _) = units
+            assert steps >= 1, units
+            if method == "mtp":
+                assert one == small == 0, units
+            else:
+                assert one >= steps, (method, temperature, units)  # every step of the batch
+                if method == "dflash2":  # steps with both sequences are not queued (one alone fits)
+                    assert small < one, units
+                else:  # ar: 2 x 1 token <= 8
+                    assert small == one, units

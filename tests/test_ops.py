@@ -26,7 +26,7 @@ DEVICES = ["cpu", "cuda"]
 CUDA_OPS = {"rms_norm", "layer_norm", "rope", "silu_mul", "softmax", "embedding", "copy", "add", "gather_rows",
             "argmax", "check_finite", "cache_write", "dyn_conv", "indexer_topk", "mla_attention", "block_attention",
             "moe_route", "moe_experts", "topk", "selector_walk", "linear", "linear_heads", "embedding_shard",
-            "linear_bf16", "linear_fp8", "fp8_quantize_act", "linear_nvfp4", "moe_experts_fp8"}
+            "linear_bf16", "linear_fp8", "fp8_quantize_act", "linear_nvfp4", "moe_experts_fp8", "resolve_tokens"}
 GUARD = 64
 SENTINEL = np.float32(-12345.678)
 ISENTINEL = np.int32(-777777)
@@ -906,6 +906,41 @@ def test_gather_rows(dev, sdtype):
     for idx, bad, at in [([0, 6], 6, 1), ([-1], -1, 0), ([2, 7, 1], 7, 1)]:
         with pytest.raises(dflash2_rt.InvalidArgumentError, match=rf"gather_rows: index {bad} at position {at}"):
             ops.gather_rows(src, np.array(idx, np.int32))
+
+
+@pytest.mark.parametrize("dev", DEVICES)
+def test_resolve_tokens(dev):
+    """Verify passes planned with references to drafts on the device: t < 0 -> src.flat[-t - 1]."""
+    need_device(dev, "resolve_tokens")
+    rng = rng_for("resolve_tokens")
+    src = i32(rng.integers(0, 150000, (5, 7)))  # a drafter's [rows, K] drafts
+    for T in [0, 1, 9, 300, 5000]:  # 5000: more than one block of threads per grid pass
+        tok = i32(rng.integers(0, 1000, T))
+        if T:
+            refs_at = rng.random(T) < 0.6
+            flat = rng.integers(0, src.size, T)
+            tok[refs_at] = -(flat[refs_at] + 1)
+            want = np.where(refs_at, src.reshape(-1)[flat], tok)
+        else:
+            want = tok.copy()
+        t = to_dev(tok, dev)
+        ops.resolve_tokens(t, to_dev(src, dev))
+        np.testing.assert_array_equal(to_np(t), want)
+    # the first and the last element, and 0 (a real token id) is left alone
+    t = to_dev(i32([-1, 0, -35, 7]), dev)
+    ops.resolve_tokens(t, to_dev(src, dev))
+    np.testing.assert_array_equal(to_np(t), [src.flat[0], 0, src.flat[34], 7])
+    if dev == "cpu":
+        with pytest.raises(dflash2_rt.InvalidArgumentError, match=r"resolve_tokens: reference -36 at position 1"):
+            ops.resolve_tokens(i32([-1, -36]), src)
+    else:  # a reference past the source stays negative on the device
+        t = to_dev(i32([-1, -36, 3]), dev)
+        ops.resolve_tokens(t, to_dev(src, dev))
+        np.testing.assert_array_equal(to_np(t), [src.flat[0], -36, 3])
+    with pytest.raises(dflash2_rt.InvalidArgumentError, match=r"resolve_tokens: argument 'src' must be I32"):
+        ops.resolve_tokens(i32([1]), src.astype(np.int64))
+    with pytest.raises(dflash2_rt.InvalidArgumentError, match=r"resolve_tokens: src must be contiguous"):
+        ops.resolve_tokens(i32([1]), dflash2_rt.from_dlpack(src).slice(1, 0, 3))
 
 
 @pytest.mark.parametrize("dev", DEVICES)

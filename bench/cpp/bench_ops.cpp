@@ -14,7 +14,7 @@
 // the same shape and the ratio cuBLASLt time / our time (the goal: >= 0.90; for
 // memory-bound ops: >= 0.85 of the copy bandwidth). linear_bf16 (the prompt chunks'
 // tensor-core GEMM) runs at prefill sizes T in {256, 1024, 4096} ({256, 1024} with --quick)
-// against cuBLASLt's BF16 GEMM, and linear_fp8 (FP8 checkpoints' W8A8 prefill GEMM, sm_90a)
+// against cuBLASLt's BF16 GEMM, and linear_fp8 (FP8 checkpoints' W8A8 prefill GEMM, sm_90a / sm_100a / sm_103a)
 // at the same sizes against cuBLASLt's block-scaled FP8 GEMM, and linear_nvfp4 (W4A4,
 // sm_100a / sm_103a) on the MLP shapes against cuBLASLt's NVFP4 GEMM.
 //
@@ -33,7 +33,7 @@
 // FP4 MMA); linear_heads: a strided-batched GEMM over the heads (F32 weights against
 // cuBLASLt's F32 GEMM). moe_experts has no cuBLASLt baseline (a grouped GEMM).
 //
-// moe_experts_fp8 (prompt chunks of FP8 checkpoints: the FP8 grouped GEMM, sm_90a) runs at
+// moe_experts_fp8 (prompt chunks of FP8 checkpoints: the FP8 grouped GEMM, sm_90a / sm_100a / sm_103a) runs at
 // T = 256 and 1024 beside the exact SIMT expert kernels on the same routing ("speedup").
 // moe_experts: the experts that the (uniform random, top-8 of 256) routing of the case hits
 // are allocated (FP8: 37.7 MB each; all 256 = 9.7 GB once T >= 64); the experts that no
@@ -871,7 +871,7 @@ void bench_linear_tc(Bench& b, const std::vector<int64_t>& Ts, int major) {
       for (int64_t T : Ts)
         gemm_case(b, Result{"linear_bf16", p.name + " " + dims({p.N, p.K}), fmt_name(f), "prefill chunk", T}, p, f,
                   Fmt::BF16, T, major, &ops::linear_bf16);
-    // FP8 checkpoints' W8A8 GEMM (prefill_gemm="fp8"; sm_90a): the activation quantization
+    // FP8 checkpoints' W8A8 GEMM (prefill_gemm="fp8"; sm_90a, sm_100a / sm_103a): the activation quantization
     // is in our time; the baseline is cuBLASLt's block-scaled FP8 GEMM on the same shape
     // (per-tensor scales where it offers no block scaling: said in cublaslt_kind).
     if (fp8_ok)
@@ -1177,7 +1177,7 @@ void bench_moe(Bench& b, const std::vector<int64_t>& Ts) {
     }
   }
   // Prompt chunks of FP8 checkpoints (prefill_gemm="fp8"): the routed experts on the FP8
-  // grouped GEMM (sm_90a), beside the exact SIMT kernels on the same routing in the same run.
+  // grouped GEMM (sm_90a / sm_100a / sm_103a), beside the exact SIMT kernels on the same routing in the same run.
   const std::vector<int64_t> prefill = b.opt.cpu_smoke ? std::vector<int64_t>{8}
                                        : b.opt.quick   ? std::vector<int64_t>{256}
                                                        : std::vector<int64_t>{256, 1024};
@@ -1190,7 +1190,7 @@ void bench_moe(Bench& b, const std::vector<int64_t>& Ts) {
     b.run(r, [&](Baseline& base) {
       auto c = std::make_shared<MoeCase>(make_moe_case(Fmt::FP8, T, ids));
       if (!ops::moe_experts_fp8_available(c->x.device(), c->ew))
-        throw std::runtime_error("moe_experts_fp8: the FP8 grouped GEMM does not run here (sm_90a only)");
+        throw std::runtime_error("moe_experts_fp8: the FP8 grouped GEMM does not run here (sm_90a / sm_100a / sm_103a only)");
       base.name = "exact SIMT";
       base.kind = "moe_experts numerics exact (the SIMT expert kernels)";
       base.variants = 1;

@@ -269,6 +269,7 @@ void bind_engine(py::module_& m) {
              d["cuda_graphs_eager"] = m.cuda_graphs_eager;
              d["cuda_graphs_failed"] = m.cuda_graphs_failed;
              d["cuda_graphs_last_failure"] = m.cuda_graphs_last_failure;
+             d["steps_as_one_unit"] = m.steps_as_one_unit;
              return d;
            })
       .def(

@@ -325,6 +325,20 @@ void bind_ops(py::module_& m) {
       py::arg("x"), py::arg("out") = py::none(), "I32 [R]: the first maximum of each row of x F32 [R, V].");
 
   o.def(
+      "resolve_tokens",
+      [](py::handle tokens, py::handle src) {
+        Tensor tt = tensor_from_python(tokens, "tokens");
+        Tensor st = tensor_from_python(src, "src");
+        {
+          py::gil_scoped_release nogil;
+          ops::resolve_tokens(tt, st);
+        }
+        return tt;
+      },
+      py::arg("tokens"), py::arg("src"),
+      "In place: each entry t < 0 of tokens I32 [T] becomes src's flat element -t - 1 (src I32, contiguous).");
+
+  o.def(
       "check_finite",
       [](py::handle x, py::handle out) {
         Tensor xt = tensor_from_python(x, "x");
@@ -513,7 +527,7 @@ void bind_ops(py::module_& m) {
       py::arg("x"), py::arg("ids"), py::arg("weights"), py::arg("gate"), py::arg("up"), py::arg("down"),
       py::arg("out") = py::none(), py::arg("workspace") = py::none(), py::arg("numerics") = "exact",
       "out[t] = sum_j weights[t, j] * expert_{ids[t, j]}(x[t]); gate/up/down: lists of Weight, one per expert. "
-      "numerics='fp8': every projection W8A8 as linear_fp8 (FP8 experts; CUDA: the grouped GEMM, sm_90a).");
+      "numerics='fp8': every projection W8A8 as linear_fp8 (FP8 experts; CUDA: the grouped GEMM, sm_90a / sm_100a / sm_103a).");
   o.def(
       "moe_experts_fp8_available",
       [](const std::string& dev, std::vector<ops::Weight> gate, std::vector<ops::Weight> up,

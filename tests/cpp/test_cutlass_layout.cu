@@ -12,6 +12,7 @@
 #include "testing.h"
 
 namespace L = dflash2::cuda::layout;
+using dflash2::cuda::tc::Fp8GroupedKMajorScaleConfig;
 using dflash2::cuda::tc::Fp8ScaleConfig;
 using dflash2::cuda::tc::Nvfp4SfConfig;
 
@@ -49,6 +50,33 @@ TEST(fp8_weight_scales_are_the_checkpoints_row_major_blocks) {
       CHECK(int64_t(cute::cosize(cute::filter_zeros(sfb))) == int64_t((N + 127) / 128) * nbk);
     }
   std::printf("  %d (n, k) checked, %d misplaced\n", cases, bad);
+  CHECK(bad == 0);
+}
+
+TEST(fp8_grouped_blackwell_activation_scales_are_k_major) {
+  // a group of M_g rows starting at r0 reads its scales at sfa + r0 * nbk through this layout
+  int bad = 0, cases = 0;
+  for (int M : {1, 3, 4, 130})
+    for (int K : {16, 128, 208, 384}) {
+      const int N = 132, nbk = (K + 127) / 128;
+      const auto sfa = Fp8GroupedKMajorScaleConfig::tile_atom_to_shape_SFA(cute::make_shape(M, N, K, 1));
+      for (int m = 0; m < M; ++m)
+        for (int k = 0; k < K; ++k) {
+          const int64_t got = sfa(m, k, 0), want = L::fp8_act_scale_offset_kmajor(m, k / 128, nbk);
+          bad += got != want;
+          ++cases;
+        }
+      CHECK(int64_t(cute::cosize(cute::filter_zeros(sfa))) == int64_t(M) * nbk);
+      // the weights' scales stay the checkpoint's row-major blocks
+      const auto sfb = Fp8GroupedKMajorScaleConfig::tile_atom_to_shape_SFB(cute::make_shape(M, N, K, 1));
+      for (int n = 0; n < N; ++n)
+        for (int k = 0; k < K; k += 16) {
+          const int64_t got = sfb(n, k, 0), want = L::fp8_weight_scale_offset(n / 128, k / 128, nbk);
+          bad += got != want;
+          ++cases;
+        }
+    }
+  std::printf("  %d (m or n, k) checked, %d misplaced\n", cases, bad);
   CHECK(bad == 0);
 }
 

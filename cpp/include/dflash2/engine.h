@@ -116,6 +116,10 @@ struct EngineMetrics {
   // chunks), failed captures (then run eagerly) and the last failure's reason
   int64_t cuda_graphs_captured = 0, cuda_graphs_replayed = 0, cuda_graphs_eager = 0, cuda_graphs_failed = 0;
   std::string cuda_graphs_last_failure;
+  // decode steps run as one unit (draft, verify, acceptance queued, then run together: one
+  // CUDA graph with graphs on; in order on the CPU); the others ran piece by piece (MTP,
+  // tensor parallelism, a verify pass over several chunks, CUDA without graphs)
+  int64_t steps_as_one_unit = 0;
 };
 
 // Tensor-parallel collectives issued by rank 0 since the engine was loaded (every rank

@@ -104,7 +104,7 @@ bool linear_bf16_available(Device dev);
 // result never depends on M or the other rows. Shapes as linear.
 void linear_fp8(const Tensor& x, const Weight& w, Tensor& y, bool accumulate = false);
 // Whether linear_fp8 runs on `dev` in this build (the CPU always; a GPU when the CUTLASS
-// kernel for its architecture was built: sm_90a).
+// kernel for its architecture was built: sm_90a, sm_100a / sm_103a).
 bool linear_fp8_available(Device dev);
 // The activation side of linear_fp8, dequantized: per row of x F32 [M, K], per block of 128
 // inputs (the last block may be shorter), with amax the block's largest |x| (fp32):
@@ -198,6 +198,13 @@ void embedding_shard(const Tensor& table, const Tensor& ids, int64_t first, Tens
 void argmax(const Tensor& x, Tensor& out);
 // flags I32 [R]: 1 where row r of x F32 [R, V] holds a NaN or an infinity, else 0.
 void check_finite(const Tensor& x, Tensor& flags);
+// Token references resolved in place: each entry t = tokens[i] < 0 of tokens I32 [T] is
+// replaced by src's element -t - 1 (src I32, contiguous, any shape, read as flat), others
+// are left as they are. How a verify pass reads drafts the drafter left on the device: the
+// host plans the pass with references, the device fills them in (no copy back first). A
+// reference outside [0, src.numel()) is an InvalidArgument error on the CPU; on CUDA it is
+// left negative, so the embedding that reads it counts an index error (cuda::index_errors).
+void resolve_tokens(Tensor& tokens, const Tensor& src);
 
 // ------------------------------------------------------------------ paged caches
 // A paged cache layer is a 2-D F32 tensor [num_blocks * block_size, D]: the token at
@@ -287,7 +294,7 @@ int64_t moe_workspace_floats(int64_t T, int64_t top_k, int64_t H, int64_t F, int
 // numerics: Exact (linear), or FP8 (prompt chunks of FP8 checkpoints: every expert weight FP8
 // block-128, each projection linear_fp8's W8A8 numerics: the activations, and silu(gate) *
 // up, quantized per 128 inputs): on the CPU an emulation (the oracle), on CUDA a CUTLASS
-// grouped GEMM over the experts (sm_90a) with the token counts on the device.
+// grouped GEMM over the experts (sm_90a, sm_100a / sm_103a) with the token counts on the device.
 void moe_experts(const Tensor& x, const Tensor& ids, const Tensor& weights, const ExpertWeights& experts,
                  Tensor& out, Tensor& workspace, GemmNumerics numerics = GemmNumerics::Exact);
 // Whether moe_experts(..., GemmNumerics::FP8) runs these experts on `dev` (every weight FP8;

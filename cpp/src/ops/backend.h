@@ -33,6 +33,7 @@ namespace dflash2::ops {
   X(add, (const Tensor& a, const Tensor& b, Tensor& out))                                                           \
   X(argmax, (const Tensor& x, Tensor& out))                                                                         \
   X(check_finite, (const Tensor& x, Tensor& flags))                                                                 \
+  X(resolve_tokens, (Tensor & tokens, const Tensor& src))                                                           \
   X(cache_write, (const Tensor& src, const Tensor& slots, Tensor& cache))                                          \
   X(indexer_topk, (const Tensor& q, const Tensor& w, const Tensor& key_cache, const PagedTokens& tok, int64_t topk, \
                    Tensor& sel, Tensor& sel_len))                                                                   \

@@ -469,6 +469,17 @@ void check_finite(const Tensor& x, Tensor& flags) {
   DFLASH2_DISPATCH(check_finite, x, x, flags);
 }
 
+void resolve_tokens(Tensor& tokens, const Tensor& src) {
+  const char* op = "resolve_tokens";
+  need_i32_vec(tokens, -1, op, "tokens");
+  DFLASH2_CHECK_ARG(tokens.stride(0) == 1 || tokens.shape(0) <= 1, op, ": tokens must be contiguous, found ",
+                    tokens.describe());
+  need_dtype(src, DType::I32, op, "src");
+  DFLASH2_CHECK_ARG(src.is_contiguous(), op, ": src must be contiguous, found ", src.describe());
+  same_device(tokens, src, op);
+  DFLASH2_DISPATCH(resolve_tokens, tokens, tokens, src);
+}
+
 void nvfp4_quantize_act(const Tensor& x, float input_scale, Tensor& out) {
   const char* op = "nvfp4_quantize_act";
   need_2d_rows(x, DType::F32, op, "x");

@@ -4,6 +4,11 @@
 #include <cstring>
 #include <random>
 
+#include "dflash2/error.h"
+#ifdef DFLASH2_WITH_CUDA
+#include "backend/cuda/cuda_api.h"
+#endif
+
 namespace dflash2::runtime {
 
 uint64_t rng_key(int64_t seed, int64_t index) {
@@ -27,9 +32,17 @@ void Core::allocate_buffers() {
   if (!taps.empty()) taps_buf = Tensor::empty(DType::F32, {feat_rows, int64_t(taps.size()) * H}, fdev);
   if (want_final) fin = Tensor::empty(DType::F32, {feat_rows, H}, fdev);
   s_temp = Tensor::zeros(DType::F32, {B});
-  // flags, accepted, bonus and sampled tokens: views of one host buffer (h_res), which on
-  // CUDA is the copy of one device buffer (d_res)
-  h_res = Tensor::zeros(DType::I32, {verify_rows + 3 * B});
+  // flags, accepted, bonus and sampled tokens (and, for a drafter on the device, its
+  // drafts): views of one host buffer (h_res), which on CUDA is pinned memory and the copy
+  // of one device buffer (d_res)
+  const int64_t draft_words = (B + 1) * K;
+  const int64_t res_words = verify_rows + 3 * B + draft_words;
+  if (device.is_cuda()) {
+    res_pin = PinnedResults(device, res_words);
+    h_res = res_pin.host().slice(0, 0, res_words);
+  } else {
+    h_res = Tensor::zeros(DType::I32, {res_words});
+  }
   flags = h_res.slice(0, 0, verify_rows);
   s_topp = Tensor::zeros(DType::F32, {B});
   s_topk = Tensor::zeros(DType::I32, {B});
@@ -41,28 +54,29 @@ void Core::allocate_buffers() {
   a_accepted = h_res.slice(0, verify_rows, verify_rows + B);
   a_bonus = h_res.slice(0, verify_rows + B, verify_rows + 2 * B);
   no_drafts = Tensor::zeros(DType::I32, {B, 1});
+  marks = StepMarks(device, 4);
   if (device.is_cuda()) {
-    d_res = Tensor::zeros(DType::I32, {verify_rows + 3 * B}, device);
+    d_res = Tensor::zeros(DType::I32, {res_words}, device);
     d_flags = d_res.slice(0, 0, verify_rows);
     d_accepted = d_res.slice(0, verify_rows, verify_rows + B);
     d_bonus = d_res.slice(0, verify_rows + B, verify_rows + 2 * B);
     d_out = d_res.slice(0, verify_rows + 2 * B, verify_rows + 3 * B);
+    if (K > 0) {
+      d_step_drafts = d_res.slice(0, verify_rows + 3 * B, res_words).reshape({B + 1, K});
+      h_step_drafts = h_res.slice(0, verify_rows + 3 * B, res_words).reshape({B + 1, K});
+    }
     // packed inputs, fixed offsets (rng first: 8-byte aligned): rng I64 [B, 2], then temp,
     // top-p (F32), top-k, row0, draft_row, draft_len (I32), B each
     const int64_t words = 4 * B + 6 * B;  // in 4-byte words
-    d_in = Tensor::zeros(DType::I32, {words}, device);
-    h_in.assign(size_t(words) * 4, 0);
-    uint8_t* base = static_cast<uint8_t*>(d_in.data());
-    auto view = [&](int64_t word, DType dt, const Tensor::Shape& shape) {
-      return Tensor::view(base + word * 4, dt, shape, {}, device);
-    };
-    d_rng = view(0, DType::I64, {B, 2});
-    d_temp = view(4 * B, DType::F32, {B});
-    d_topp = view(5 * B, DType::F32, {B});
-    d_topk = view(6 * B, DType::I32, {B});
-    d_row0 = view(7 * B, DType::I32, {B});
-    d_draft_row = view(8 * B, DType::I32, {B});
-    d_draft_len = view(9 * B, DType::I32, {B});
+    in_up = StagedUpload(device, words);
+    d_in = in_up.device_buffer();
+    d_rng = in_up.view(0, DType::I64, {B, 2});
+    d_temp = in_up.view(4 * B, DType::F32, {B});
+    d_topp = in_up.view(5 * B, DType::F32, {B});
+    d_topk = in_up.view(6 * B, DType::I32, {B});
+    d_row0 = in_up.view(7 * B, DType::I32, {B});
+    d_draft_row = in_up.view(8 * B, DType::I32, {B});
+    d_draft_len = in_up.view(9 * B, DType::I32, {B});
   }
 }
 
@@ -81,7 +95,7 @@ Tensor upload_whole(const Tensor& like, Tensor& buf, Device dev) {
 
 void Core::upload_inputs(int64_t n, bool accept) {
   const int64_t B = s_temp.shape(0);
-  uint8_t* h = h_in.data();
+  uint8_t* h = reinterpret_cast<uint8_t*>(in_up.begin());
   auto put = [&](int64_t word, const Tensor& src, int64_t elem_bytes) {
     std::memcpy(h + word * 4, src.data(), size_t(n * elem_bytes));
   };
@@ -94,21 +108,31 @@ void Core::upload_inputs(int64_t n, bool accept) {
     put(8 * B, a_draft_row, 4);
     put(9 * B, a_draft_len, 4);
   }
-  d_in.copy_from(Tensor::view(h, DType::I32, {int64_t(h_in.size() / 4)}));  // one copy
+  in_up.send(accept ? 10 * B : 7 * B);  // one asynchronous copy
 }
 
-void Core::download_results() { h_res.copy_from(d_res); }  // one copy (synchronizes)
+void Core::download_results(int64_t draft_rows) {
+  // one asynchronous copy of the results (and the drafts that came with them), then the wait
+  const int64_t head = d_res.numel() - d_step_drafts.numel();
+  const int64_t words = head + (d_step_drafts.defined() ? draft_rows * d_step_drafts.shape(1) : 0);
+  res_pin.fetch(d_res.data(), size_t(words) * 4);
+  res_pin.wait();
+}
 
 void Core::check_rows(int64_t rows) {
   if (rows <= 0) return;
   Tensor lg = logits.slice(0, 0, rows);
-  if (!device.is_cuda()) {
-    Tensor fl = flags.slice(0, 0, rows);
-    ops::check_finite(lg, fl);
-  } else {
-    Tensor dfl = d_flags.slice(0, 0, rows);
-    ops::check_finite(lg, dfl);  // comes back with the step's results
+  // the flags go to the host buffer (CPU) or the device results (they come back with them)
+  Tensor fl = device.is_cuda() ? d_flags.slice(0, 0, rows) : flags.slice(0, 0, rows);
+  StepRecorder& rec = target->recorder();
+  if (rec.recording()) {  // a piece of the step's graph
+    std::string key = "check|";
+    ForwardGraphs::key_add(key, lg);
+    ForwardGraphs::key_add(key, fl);
+    rec.add(key, [lg, fl]() mutable { ops::check_finite(lg, fl); });
+    return;
   }
+  ops::check_finite(lg, fl);
 }
 
 void Core::sample_rows(int64_t R) {
@@ -140,10 +164,22 @@ void Core::argmax_row0() {
 
 void Core::accept_rows(int64_t rows, int64_t S, const Tensor& drafts, const Tensor& cand, const Tensor& q) {
   Tensor lg = logits.slice(0, 0, rows);
+  StepRecorder& rec = target->recorder();
   if (!device.is_cuda()) {
     Tensor rng = s_rng.slice(0, 0, S), acc = a_accepted.slice(0, 0, S), bon = a_bonus.slice(0, 0, S);
-    ops::accept(lg, a_row0.slice(0, 0, S), drafts, a_draft_row.slice(0, 0, S), a_draft_len.slice(0, 0, S), cand, q,
-                sampling_rows(S), rng, acc, bon);
+    auto work = [lg, r0 = a_row0.slice(0, 0, S), drafts, dr = a_draft_row.slice(0, 0, S),
+                 dl = a_draft_len.slice(0, 0, S), cand, q, sp = sampling_rows(S), rng, acc, bon]() mutable {
+      ops::accept(lg, r0, drafts, dr, dl, cand, q, sp, rng, acc, bon);
+    };
+    drafts_host = drafts;
+    if (rec.recording()) {  // the last piece of the step: run the queue (the draft, the verify pass, ...)
+      rec.add("", work);
+      rec.add("", marks.deferred(3));
+      target->flush_step();
+    } else {
+      work();
+      marks.mark(3);
+    }
     return;
   }
   upload_inputs(S, true);
@@ -151,9 +187,44 @@ void Core::accept_rows(int64_t rows, int64_t S, const Tensor& drafts, const Tens
   Tensor rng = d_rng.slice(0, 0, S), acc = d_accepted.slice(0, 0, S), bon = d_bonus.slice(0, 0, S);
   Tensor dd = upload_whole(drafts, d_drafts, device);
   Tensor dc = upload_whole(cand, d_cand, device), dq = upload_whole(q, d_q, device);
-  ops::accept(lg, d_row0.slice(0, 0, S), dd, d_draft_row.slice(0, 0, S), d_draft_len.slice(0, 0, S), dc, dq, sp, rng,
-              acc, bon);
-  download_results();  // accepted, bonus, and the flags of check_rows
+  // drafts the drafter left on this device come back with the results (the host plans the
+  // next step from them): the rows the plan refers to, copied beside the results
+  int64_t draft_rows = 0;
+  drafts_host = drafts;
+  if (drafts.device() == device && d_step_drafts.defined()) {
+    for (int64_t k = 0; k < S; ++k)
+      if (a_draft_len.data_as<const int32_t>()[k] > 0)
+        draft_rows = std::max<int64_t>(draft_rows, a_draft_row.data_as<const int32_t>()[k] + 1);
+    DFLASH2_INTERNAL(drafts.ndim() == 2 && drafts.is_contiguous() && drafts.shape(1) == d_step_drafts.shape(1) &&
+                         draft_rows <= std::min(drafts.shape(0), d_step_drafts.shape(0)),
+                     "device drafts ", drafts.describe(), " for ", draft_rows, " rows into ", d_step_drafts.describe());
+    drafts_host = h_step_drafts;
+  }
+  Tensor r0 = d_row0.slice(0, 0, S), drow = d_draft_row.slice(0, 0, S), dlen = d_draft_len.slice(0, 0, S);
+  Tensor to = d_step_drafts;
+  const int dev_index = device.index;
+  auto work = [lg, r0, dd, drow, dlen, dc, dq, sp, rng, acc, bon, draft_rows, to, dev_index]() mutable {
+    ops::accept(lg, r0, dd, drow, dlen, dc, dq, sp, rng, acc, bon);
+#ifdef DFLASH2_WITH_CUDA
+    if (draft_rows > 0) cuda::copy_async(to.data(), dd.data(), size_t(draft_rows * dd.shape(1)) * 4, dev_index);
+#else
+    (void)draft_rows, (void)to, (void)dev_index;
+#endif
+  };
+  if (rec.recording()) {  // the last piece of the step: run the queue as one graph
+    std::string key = "accept|";
+    for (const Tensor* t : {&lg, &r0, &dd, &drow, &dlen, &dc, &dq, &sp.temperature, &sp.top_p, &sp.top_k, &rng, &acc,
+                            &bon, &to})
+      ForwardGraphs::key_add(key, *t);
+    ForwardGraphs::key_add(key, draft_rows);
+    rec.add(key, work);
+    rec.add("mark3|", marks.deferred(3));
+    target->flush_step();
+  } else {
+    work();
+    marks.mark(3);
+  }
+  download_results(draft_rows);  // accepted, bonus, drafts, and the flags of check_rows
 }
 
 }  // namespace dflash2::runtime

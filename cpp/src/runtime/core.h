@@ -9,6 +9,7 @@
 
 #include "dflash2/ops.h"
 #include "runtime/drafter.h"
+#include "runtime/staging.h"
 #include "runtime/target.h"
 
 namespace dflash2::runtime {
@@ -31,16 +32,27 @@ struct Core {
 
   // CUDA target: `logits` lives on the target's (rank 0's) device and the decode loop's ops
   // run there on device copies of the plan rows below. The rows a step needs (sampling
-  // parameters, Philox states, acceptance rows) are packed on the host and go up in one
-  // copy (d_in views); the flags, accepted counts, bonus and sampled tokens are written into
-  // one device buffer (d_res views) that comes back in one copy: two small copies per step.
+  // parameters, Philox states, acceptance rows) are packed on the host into pinned staging
+  // and go up in one asynchronous copy (in_up; d_in views its device buffer); the flags,
+  // accepted counts, bonus and sampled tokens are written into one device buffer (d_res
+  // views), and a drafter on the device has its drafts copied beside them (device to
+  // device), so all of it comes back in one asynchronous copy into pinned memory (h_res),
+  // waited for by an event: the one host wait of a step.
   // The drafter's features (taps_buf, fin) live on the drafter's device
   // (Drafter::device(): the GPU for the DFlash drafter without tensor parallelism, else
   // the host).
   Device device = Device::cpu();
   Tensor d_in, d_res, h_res;  // d_in: packed inputs; d_res / h_res: packed results (device / host)
   Tensor d_flags, d_temp, d_topp, d_topk, d_rng, d_out, d_row0, d_draft_row, d_draft_len, d_accepted, d_bonus;
-  std::vector<uint8_t> h_in;  // the packed inputs on the host
+  StagedUpload in_up;     // CUDA: d_in's staging
+  PinnedResults res_pin;  // CUDA: h_res's pinned memory
+  Tensor d_step_drafts, h_step_drafts;  // I32 [max_batch_size + 1, K]: regions of d_res / h_res
+  // Marks of a decode step: 0 before the draft, 1 after it, 2 after the verify pass, 3
+  // after acceptance (recorded by accept_rows before the results are fetched).
+  StepMarks marks;
+  // After accept_rows: the host's view of the step's drafts (rows as the DraftResult's):
+  // the drafter's own host tensor, or the copy that came back with the results.
+  Tensor drafts_host;
   Tensor d_drafts, d_cand, d_q;  // grown to the drafter's shapes on first use
 
   // Allocates the step buffers for the target / drafter already set.
@@ -57,10 +69,12 @@ struct Core {
   // a_row0 / a_draft_row / a_draft_len and sampling rows [0, S); drafts I32 [N, K] and the
   // selector's cand / q (undefined: one-hot proposals) on the host or already on the device.
   void accept_rows(int64_t rows, int64_t S, const Tensor& drafts, const Tensor& cand, const Tensor& q);
-  // CUDA: packs the first n sampling rows (and with accept the acceptance rows) into h_in
-  // and uploads them into d_in in one copy; brings d_res back into h_res in one copy.
+  // CUDA: packs the first n sampling rows (and with accept the acceptance rows) into the
+  // staging and uploads them into d_in in one asynchronous copy; brings d_res back into
+  // h_res in one asynchronous copy (with the first draft_rows rows of the drafts region)
+  // and waits for it.
   void upload_inputs(int64_t n, bool accept);
-  void download_results();
+  void download_results(int64_t draft_rows = 0);
   // The plan buffers' first n sampling rows.
   ops::SamplingTensors sampling_rows(int64_t n) const {
     return {s_temp.slice(0, 0, n), s_topp.slice(0, 0, n), s_topk.slice(0, 0, n)};

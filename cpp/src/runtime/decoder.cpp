@@ -232,8 +232,25 @@ void Decoder::step() {
   const double t_step = now();
   // 0. how far to speculate this step (adaptive: from the batch size and the acceptance so far)
   const int64_t k_adapt = drafter ? policy_.choose(S) : 0;
-  // 1. draft
-  double t0 = now();
+  // The whole step as one unit when it can be (Target::recorder): the draft forward, the
+  // verify chunk, the non-finite check and acceptance are queued as they are planned and run
+  // together when acceptance is reached -- one CUDA graph on a GPU, in order on the CPU (so
+  // the CPU tests cover the queued path). Not with the MTP chain (each position is planned
+  // after the last), tensor parallelism, or a verify pass that might need several chunks.
+  StepRecorder& rec = tgt.recorder();
+  const bool record = tgt.can_record_steps() && (!drafter || drafter->records_steps()) &&
+                      S * (c_.K + 1) <= tgt.options().max_step_tokens;
+  struct CancelOnThrow {  // a step that fails before its flush leaves nothing queued
+    StepRecorder& r;
+    ~CancelOnThrow() {
+      if (r.recording()) r.cancel();
+    }
+  } cancel_on_throw{rec};
+  // 1. draft. The phases' times come from marks (Core::marks): on a GPU, events on the
+  // device's timeline read after the step's one wait; on the CPU, the host's clock.
+  c_.marks.reset();
+  c_.marks.mark(0);
+  if (record) rec.begin();
   const DraftResult* dr = nullptr;
   if (drafter) {
     jobs_.clear();
@@ -250,25 +267,36 @@ void Decoder::step() {
     }
     dr = &drafter->draft(jobs_);
   }
-  const double t_draft = now() - t0;
+  if (record)
+    rec.add("mark1|", c_.marks.deferred(1));
+  else
+    c_.marks.mark(1);
 
-  // 2. verify [anchor, d_1..d_k] in one target pass (chunked if it exceeds max_step_tokens)
-  t0 = now();
+  // 2. verify [anchor, d_1..d_k] in one target pass (chunked if it exceeds max_step_tokens).
+  // The drafts are not read here: the plan holds references to them (-1 - their index in
+  // the drafter's output, ops::resolve_tokens), filled in where the drafts are -- on the
+  // device for a drafter there, inside the verify chunk's graph -- so nothing waits for the
+  // draft to finish before the verify pass is queued. They come back with the results.
   streams_.clear();
   toks_.clear();
   counts_.clear();
+  // a drafter on the device left its outputs there too (dev_*): verify and acceptance read those
+  const bool on_dev = dr && dr->dev_tokens.defined();
+  const Tensor draft_src = dr ? (on_dev ? dr->dev_tokens : dr->tokens) : Tensor();
   for (int64_t k = 0; k < S; ++k) {
     Request& r = *act_[size_t(k)];
     r.verify.assign(1, r.anchor);
     if (dr && dr->len[size_t(k)] > 0) {
-      const int32_t* d = dr->tokens.data_as<const int32_t>() + dr->row[size_t(k)] * dr->tokens.stride(0);
-      r.verify.insert(r.verify.end(), d, d + dr->len[size_t(k)]);
+      const int64_t first = dr->row[size_t(k)] * draft_src.stride(0);
+      for (int64_t j = 0; j < dr->len[size_t(k)]; ++j) r.verify.push_back(int32_t(-1 - (first + j)));
     }
     streams_.push_back(&r.main);
     toks_.push_back(r.verify.data());
     counts_.push_back(int64_t(r.verify.size()));
   }
   make_chunks(streams_, toks_, counts_, tgt.options().max_step_tokens, c_.chunks);
+  DFLASH2_INTERNAL(!record || c_.chunks.size() == 1, "a recorded step's verify pass takes ", c_.chunks.size(),
+                   " chunks");
   int64_t row0 = 0;
   for (const auto& ch : c_.chunks) {
     int64_t T = 0;
@@ -279,12 +307,15 @@ void Decoder::step() {
     out.tap_layers = c_.taps;
     if (c_.taps_buf.defined()) out.taps = c_.taps_buf.slice(0, row0, row0 + T);
     if (c_.fin.defined()) out.final_hidden = c_.fin.slice(0, row0, row0 + T);
-    tgt.run_chunk(ch, out);
+    tgt.run_chunk(ch, out, draft_src);
     row0 += T;
   }
   c_.check_rows(row0);  // the flags come back with the acceptance results (CUDA: one copy)
   const int32_t* bad = c_.flags.data_as<const int32_t>();
-  const double t_verify = now() - t0;
+  if (record)
+    rec.add("mark2|", c_.marks.deferred(2));
+  else
+    c_.marks.mark(2);
 
   // 3. accept (greedy: longest matching prefix; sampling: lossless rejection sampling)
   const Tensor& drafts = dr ? dr->tokens : c_.no_drafts;
@@ -300,12 +331,12 @@ void Decoder::step() {
       row += kk + 1;
     }
     const bool with_q = dr && dr->has_q;
-    // a drafter on the device left its outputs there too (dev_*): acceptance reads those
-    const bool on_dev = dr && dr->dev_tokens.defined();
     c_.accept_rows(row, S, on_dev ? dr->dev_tokens : drafts,
                    with_q ? (on_dev ? dr->dev_cand : dr->cand) : Tensor(),
                    with_q ? (on_dev ? dr->dev_q : dr->q) : Tensor());
   }
+  // the results are back (the step's one wait): every mark is complete
+  const double t_draft = c_.marks.seconds(0, 1), t_verify = c_.marks.seconds(1, 3);
   // 4. commit anchor + the accepted tokens; roll back the rest of the verify pass
   commits_.clear();
   drafted_.clear();
@@ -336,7 +367,13 @@ void Decoder::step() {
     accepted_.push_back(a);
     for (int64_t j = 0; j < a && j < c_.K; ++j) r.accepted_at[size_t(j)] += 1;
     r.verify_steps += 1;
-    r.next.assign(r.verify.begin() + 1, r.verify.begin() + 1 + a);
+    // the accepted drafts: from the drafter's host tensor, or the copy that came back with
+    // the results (Core::drafts_host, same rows)
+    r.next.clear();
+    if (a > 0) {
+      const int32_t* d = c_.drafts_host.data_as<const int32_t>() + dr->row[size_t(k)] * c_.drafts_host.stride(0);
+      r.next.assign(d, d + a);
+    }
     r.next.push_back(bonus);
     emit(r, r.next.data(), int64_t(r.next.size()));
     r.anchor = bonus;

@@ -50,8 +50,8 @@ struct DraftResult {
   std::vector<int64_t> row;  // per job
   Tensor cand, q;            // I32 / F32 [rows, K, top_k]: the selector's candidates and proposal
   bool has_q = false;        // q holds the sampled proposal (else drafts are one-hot)
-  // A drafter on a CUDA device: the same tokens / cand / q on the device (acceptance reads
-  // them there); the host tensors above are copies for the decode loop.
+  // A drafter on a CUDA device: the tokens / cand / q on the device (verify and acceptance
+  // read them there); the host tensors above hold them only after Drafter::fetch_host().
   Tensor dev_tokens, dev_cand, dev_q;
 };
 
@@ -69,6 +69,15 @@ class Drafter {
   // Greedy drafts where a job's temperature is 0; DFlash 2's selector samples the others
   // and records q.
   virtual const DraftResult& draft(const std::vector<DraftJob>& jobs) = 0;
+  // A drafter on a device leaves the last draft()'s outputs there (DraftResult::dev_*) and
+  // does not wait for them: this copies them into the host tensors (tokens, cand, q) for a
+  // caller that reads them there (Engine::propose). The decode loop does not need it: its
+  // verify pass reads the drafts on the device and they come back with the step's results.
+  virtual void fetch_host() {}
+  // Whether draft() queues its forward in the target's StepRecorder while it records (the
+  // whole step in one graph): the DFlash drafters do; the MTP chain, which plans each
+  // position after the last, does not.
+  virtual bool records_steps() const { return false; }
   virtual void release(int slot) = 0;
   // Reserves the cache of `slot` for `tokens` positions up front (false: the pool lacks them).
   virtual bool reserve(int slot, int64_t tokens) = 0;

@@ -48,7 +48,10 @@ class DFlashRunner final : public Drafter {
     // A CUDA target without tensor parallelism: the drafter runs on its GPU too (weights,
     // draft cache, features, workspace), sharing the target's embedding and LM head; its
     // tokens / candidates / proposal come back to the host after each draft. With tensor
-    // parallelism (vocabulary-sharded target copies) it stays on the host.
+    // parallelism (vocabulary-sharded target copies) it stays on the host. On the device
+    // nothing of a draft waits on the host: the block's ids go up with its plan, the
+    // sampling rows and the appends' gather indices through pinned staging, and the
+    // outputs stay on the device (the verify pass reads them there; fetch_host copies them).
     if (o.device.is_cuda() && t.tp_size() == 1) {
       dev_ = t.model().device();
       check_memory(per_seq * maxB * bs, maxB, nt * H, plan_tokens_of(o, maxB, B));
@@ -62,15 +65,23 @@ class DFlashRunner final : public Drafter {
     append_ = [this](const std::vector<CommitRows>& rows, const Tensor& src) { append(rows, src); };
     const int64_t plan_tokens = plan_tokens_of(o, maxB, B);
     planner_ = StepPlanner(plan_tokens, maxB, per_seq);
-    if (dev_.is_cuda())
+    if (dev_.is_cuda()) {
       up_ = std::make_unique<PlanUploader>(dev_, PlanUploader::planned_words(plan_tokens, maxB, per_seq));
+      idx_up_ = StagedUpload(dev_, o.max_step_tokens);
+      rows_up_ = StagedUpload(dev_, 5 * maxB);  // rng I64 [maxB, 2], then temperature F32 [maxB]
+    }
     // the draft forward as CUDA graphs, on the target's graph stream (see draft())
     if (dev_.is_cuda() && t.cuda_graphs()) graphs_ = std::make_unique<ForwardGraphs>(dev_, t.graph_stream());
     taps_ = Tensor::zeros(DType::F32, {o.max_step_tokens, nt * H}, dev_);
     idx_ = Tensor::zeros(DType::I32, {o.max_step_tokens}, dev_);
     ids_ = Tensor::zeros(DType::I32, {maxB * B}, dev_);
-    rng_ = Tensor::zeros(DType::I64, {maxB, 2}, dev_);
-    temp_ = Tensor::zeros(DType::F32, {maxB}, dev_);
+    if (rows_up_.defined()) {
+      rng_ = rows_up_.view(0, DType::I64, {maxB, 2});
+      temp_ = rows_up_.view(4 * maxB, DType::F32, {maxB});
+    } else {
+      rng_ = Tensor::zeros(DType::I64, {maxB, 2}, dev_);
+      temp_ = Tensor::zeros(DType::F32, {maxB}, dev_);
+    }
     res_.tokens = Tensor::zeros(DType::I32, {maxB, B - 1});
     if (m_->use_selector()) {
       res_.cand = Tensor::zeros(DType::I32, {maxB, B - 1, c.selector_top_k});
@@ -89,6 +100,7 @@ class DFlashRunner final : public Drafter {
   GraphStats graph_stats() const override { return graphs_ ? graphs_->stats() : GraphStats{}; }
   bool reserve(int slot, int64_t tokens) override { return cache_.try_pin(streams_[size_t(slot)], tokens); }
   std::vector<int64_t> tap_layers() const override { return m_->config().target_layer_ids; }
+  bool records_steps() const override { return true; }
 
   // Committed rows wait per slot (PendingRows) and are appended to the draft context only
   // when the slot drafts next: while the speculation policy drafts nothing, this costs nothing.
@@ -118,7 +130,7 @@ class DFlashRunner final : public Drafter {
     make_chunks(streams, none, counts, t_.options().max_step_tokens, chunks_);
     for (const auto& ch : chunks_) {
       Tensor taps;
-      gather_rows_of_pieces(ch, first_row_, src, idx_, host_idx_, taps_, taps);
+      gather_rows_of_pieces(ch, first_row_, src, idx_, host_idx_, taps_, taps, &idx_up_);
       model::TokenBatch b = planner_.plan(ch, cache_);
       if (up_) b = up_->upload(b);
       m_->append_context(b, taps, kv_layers_);
@@ -159,6 +171,7 @@ class DFlashRunner final : public Drafter {
       sample = sample || s_j;
     }
     res_.has_q = sample;
+    last_rows_ = 0;
     const int64_t A = int64_t(streams.size());
     if (A == 0) return res_;
 #ifdef DFLASH2_WITH_CUDA
@@ -175,14 +188,26 @@ class DFlashRunner final : public Drafter {
       b.tokens = ids;
     }
     Tensor temp = temp_.slice(0, 0, A), rng = rng_.slice(0, 0, A);
-    temp.copy_from(Tensor::view(host_temp_.data(), DType::F32, {A}));
-    rng.copy_from(Tensor::view(host_rng_.data(), DType::I64, {A, 2}));
+    if (rows_up_.defined()) {  // one asynchronous copy of both
+      const int64_t maxB = rng_.shape(0);
+      int32_t* h = rows_up_.begin();
+      std::memcpy(h, host_rng_.data(), size_t(A) * 16);
+      std::memcpy(h + 4 * maxB, host_temp_.data(), size_t(A) * 4);
+      rows_up_.send(5 * maxB);
+    } else {
+      temp.copy_from(Tensor::view(host_temp_.data(), DType::F32, {A}));
+      rng.copy_from(Tensor::view(host_rng_.data(), DType::I64, {A, 2}));
+    }
     model::DraftOutputs out;
+    StepRecorder& rec = t_.recorder();
     if (!dev_.is_cuda()) {
       out.tokens = res_.tokens.slice(0, 0, A);
       if (res_.cand.defined()) out.cand = res_.cand.slice(0, 0, A);
       if (sample) out.q = res_.q.slice(0, 0, A);
-      m_->draft(b, kv_layers_, temp, rng, out);
+      if (rec.recording())  // queued with the step (the planner's buffers hold until the flush)
+        rec.add("", [this, b, temp, rng, out]() mutable { m_->draft(b, kv_layers_, temp, rng, out); });
+      else
+        m_->draft(b, kv_layers_, temp, rng, out);
       return res_;
     }
     // on the device: q is always passed (the device op cannot read the temperatures; rows
@@ -192,30 +217,40 @@ class DFlashRunner final : public Drafter {
       out.cand = d_cand_.slice(0, 0, A);
       out.q = d_q_.slice(0, 0, A);
     }
-    if (graphs_) {  // the launch shape: every size and buffer the draft's kernels take
-      std::string key;
+    if (graphs_ || rec.recording()) {  // the launch shape: every size and buffer the draft's kernels take
+      std::string key = "draft|";
       for (int64_t v : {A, b.T, b.S, b.paged.block_size}) ForwardGraphs::key_add(key, v);
       for (const Tensor* x : {&b.tokens, &b.paged.seq, &b.paged.pos, &b.paged.block_table, &b.slots, &b.logit_rows,
                               &b.ctx_len, &temp, &rng, &out.tokens, &out.cand, &out.q})
         ForwardGraphs::key_add(key, *x);
-      graphs_->run(key, [&] { m_->draft(b, kv_layers_, temp, rng, out); });
+      if (rec.recording())  // queued with the step: one graph with the verify pass and acceptance
+        rec.add(key, [this, b, temp, rng, out]() mutable { m_->draft(b, kv_layers_, temp, rng, out); });
+      else
+        graphs_->run(key, [&] { m_->draft(b, kv_layers_, temp, rng, out); });
     } else {
       m_->draft(b, kv_layers_, temp, rng, out);
     }
-    Tensor ht = res_.tokens.slice(0, 0, A);
-    ht.copy_from(out.tokens);
+    // the outputs stay on the device (no wait here): fetch_host() brings them back on demand
+    last_rows_ = A;
     res_.dev_tokens = d_tokens_;
-    if (d_cand_.defined()) {
-      Tensor hc = res_.cand.slice(0, 0, A);
-      hc.copy_from(out.cand);
-      res_.dev_cand = d_cand_;
-      if (sample) {
-        Tensor hq = res_.q.slice(0, 0, A);
-        hq.copy_from(out.q);
-        res_.dev_q = d_q_;
-      }
-    }
+    res_.dev_cand = d_cand_.defined() ? d_cand_ : Tensor();
+    res_.dev_q = d_cand_.defined() && sample ? d_q_ : Tensor();
     return res_;
+  }
+
+  void fetch_host() override {
+    if (!dev_.is_cuda() || last_rows_ == 0) return;
+    const int64_t A = last_rows_;
+    Tensor ht = res_.tokens.slice(0, 0, A);
+    ht.copy_from(d_tokens_.slice(0, 0, A));
+    if (res_.dev_cand.defined()) {
+      Tensor hc = res_.cand.slice(0, 0, A);
+      hc.copy_from(d_cand_.slice(0, 0, A));
+    }
+    if (res_.dev_q.defined()) {
+      Tensor hq = res_.q.slice(0, 0, A);
+      hq.copy_from(d_q_.slice(0, 0, A));
+    }
   }
 
   void release(int slot) override {
@@ -265,6 +300,9 @@ class DFlashRunner final : public Drafter {
   Tensor taps_, idx_, ids_, rng_, temp_;
   Device dev_ = Device::cpu();
   std::unique_ptr<PlanUploader> up_;  // CUDA: the planned batches' device copies
+  StagedUpload idx_up_;                 // CUDA: the appends' gather indices
+  StagedUpload rows_up_;                // CUDA: the draft's sampling rows (rng_, temp_ view it)
+  int64_t last_rows_ = 0;               // rows of the last draft() (fetch_host)
   Tensor d_tokens_, d_cand_, d_q_;      // CUDA: draft outputs on the device
   std::vector<std::vector<Piece>> chunks_;
   std::vector<int32_t> host_idx_, host_ids_;

@@ -5,14 +5,16 @@
 //
 // With a CUDA target and no tensor parallelism the chain stays on the GPU: the main model's
 // final hidden states are written there (device() is the GPU), the layer's logits and
-// hidden states, the per-slot state and the argmax run there, and only the drafted ids come
-// back (S ints per chained position, which the next position's plan needs) instead of the
-// logits (vocab-wide) per position.
+// hidden states, the per-slot state and the argmax run there, and nothing comes back
+// between positions: the next position's plan refers to the drafted ids on the device
+// (token references, ops::resolve_tokens), so the chain is queued without a host wait and
+// the drafts come back with the step's results.
 #include <algorithm>
 
 #include "dflash2/error.h"
 #include "runtime/drafter.h"
 #include "runtime/pending_rows.h"
+#include "runtime/staging.h"
 #include "runtime/target.h"
 
 namespace dflash2::runtime {
@@ -35,7 +37,10 @@ class MtpDrafter final : public Drafter {
     out_logits_ = Tensor::zeros(DType::F32, {rows, V}, dev_);
     out_hidden_ = Tensor::zeros(DType::F32, {rows, H}, dev_);
     res_.tokens = Tensor::zeros(DType::I32, {B, K});
-    if (dev_.is_cuda()) d_tokens_ = Tensor::zeros(DType::I32, {B, K}, dev_);
+    if (dev_.is_cuda()) {
+      d_tokens_ = Tensor::zeros(DType::I32, {B, K}, dev_);
+      idx_up_ = StagedUpload(dev_, rows);
+    }
     pending_ = PendingRows(B, kPending, H, /*with_next=*/true, dev_);
     run_ = [this](const std::vector<CommitRows>& rows, const Tensor& src) { run(rows, src); };
     base_len_.assign(size_t(B), 0);
@@ -79,7 +84,7 @@ class MtpDrafter final : public Drafter {
     for (const auto& ch : chunks_) {
       // h_main: the committed rows of the target's final hidden states, in chunk order
       Tensor hm;
-      gather_rows_of_pieces(ch, first_row_, h_src, idx_, host_idx_, hm_, hm);
+      gather_rows_of_pieces(ch, first_row_, h_src, idx_, host_idx_, hm_, hm, &idx_up_);
       int64_t R = 0;
       for (const Piece& p : ch) R += p.last ? 1 : 0;
       Tensor lg = out_logits_.slice(0, 0, R), hd = out_hidden_.slice(0, 0, R);
@@ -112,14 +117,13 @@ class MtpDrafter final : public Drafter {
       res_.len[size_t(i)] = std::max<int64_t>(0, std::min({K_, jobs[size_t(i)].max_tokens, jobs[size_t(i)].room}));
       longest = std::max(longest, res_.len[size_t(i)]);
     }
-    // the drafted ids: written where the logits are (device tokens on the GPU, brought back
-    // to res_.tokens after each position: the next position's plan reads them)
+    // the drafted ids: written where the logits are (device tokens on the GPU); the next
+    // position's plan refers to them there (refs_: -1 - index into toks_out)
     Tensor& toks_out = dev_.is_cuda() ? d_tokens_ : res_.tokens;
-    auto ids_back = [&] {
-      if (!dev_.is_cuda() || S == 0) return;
-      Tensor h = res_.tokens.slice(0, 0, S);
-      h.copy_from(d_tokens_.slice(0, 0, S));
-    };
+    last_rows_ = S;
+    refs_.resize(size_t(S * K_));
+    for (int64_t i = 0; i < S; ++i)
+      for (int64_t j = 0; j < K_; ++j) refs_[size_t(i * K_ + j)] = int32_t(-1 - (i * toks_out.stride(0) + j));
     // position 0: the layer's prediction kept at the last commit
     for (int64_t i = 0; i < S; ++i) {
       if (res_.len[size_t(i)] == 0) continue;
@@ -127,7 +131,6 @@ class MtpDrafter final : public Drafter {
       Tensor tok = toks_out.select(1, 0).slice(0, i, i + 1);
       ops::argmax(last_logits_.slice(0, slot, slot + 1), tok);
     }
-    ids_back();
     // positions 1..: feed the previous token and the layer's own hidden state back
     std::vector<CacheStream*>& streams = streams_tmp_;
     std::vector<const int32_t*>& toks = toks_tmp_;
@@ -140,7 +143,7 @@ class MtpDrafter final : public Drafter {
       for (int64_t i = 0; i < S; ++i) {
         if (res_.len[size_t(i)] <= j) continue;
         streams.push_back(&streams_[size_t(jobs[size_t(i)].slot)]);
-        toks.push_back(res_.tokens.data_as<int32_t>() + i * res_.tokens.stride(0) + (j - 1));
+        toks.push_back(refs_.data() + i * K_ + (j - 1));  // the token drafted at position j - 1
         counts.push_back(1);
         who.push_back(i);
       }
@@ -155,7 +158,7 @@ class MtpDrafter final : public Drafter {
           ops::copy(src, dst);
         }
         Tensor hm = hm_.slice(0, 0, T), lg = out_logits_.slice(0, 0, T), hd = out_hidden_.slice(0, 0, T);
-        t_.mtp_chunk(ch, hm, lg, hd);
+        t_.mtp_chunk(ch, hm, lg, hd, false, toks_out);
         for (int64_t a = 0; a < T; ++a) {
           const int64_t i = who[size_t(ch[size_t(a)].seq)];
           Tensor dst = chain_hidden_.slice(0, i, i + 1);
@@ -164,10 +167,15 @@ class MtpDrafter final : public Drafter {
           ops::argmax(lg.slice(0, a, a + 1), tok);
         }
       }
-      ids_back();
     }
-    if (dev_.is_cuda()) res_.dev_tokens = d_tokens_;  // acceptance reads them on the device
+    if (dev_.is_cuda()) res_.dev_tokens = d_tokens_;  // verify and acceptance read them on the device
     return res_;
+  }
+
+  void fetch_host() override {
+    if (!dev_.is_cuda() || last_rows_ == 0) return;
+    Tensor h = res_.tokens.slice(0, 0, last_rows_);
+    h.copy_from(d_tokens_.slice(0, 0, last_rows_));
   }
 
   void release(int slot) override {
@@ -187,6 +195,9 @@ class MtpDrafter final : public Drafter {
   Tensor hm_, idx_, out_logits_, out_hidden_;
   std::vector<std::vector<Piece>> chunks_;
   std::vector<int32_t> host_idx_;
+  StagedUpload idx_up_;          // CUDA: the gathers' row indices, uploaded without a host wait
+  std::vector<int32_t> refs_;    // the chain's token references into the drafted ids
+  int64_t last_rows_ = 0;        // rows of the last draft() (fetch_host)
   std::vector<int64_t> first_row_;
   std::vector<CacheStream*> streams_tmp_;
   std::vector<const int32_t*> toks_tmp_;

@@ -447,6 +447,7 @@ EngineMetrics Engine::metrics() const {
     m.cuda_graphs_eager = g.eager;
     m.cuda_graphs_failed = g.failed;
     m.cuda_graphs_last_failure = g.last_failure;
+    m.steps_as_one_unit = impl_->core.target->recorder().steps();
   }
   return m;
 }
@@ -515,6 +516,7 @@ Proposal Engine::propose(const std::vector<int32_t>& tokens) {
     j.room = tgt.options().max_seq_len - n - 1;
     j.rng_counter = &unused;
     const runtime::DraftResult& dr = I.core.drafter->draft({j});
+    I.core.drafter->fetch_host();  // a drafter on the device leaves its outputs there
     const int32_t* d = dr.tokens.data_as<const int32_t>() + dr.row[0] * dr.tokens.stride(0);
     out.tokens.assign(d, d + dr.len[0]);
     if (dr.cand.defined() && dr.len[0] > 0) {

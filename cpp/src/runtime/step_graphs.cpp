@@ -101,6 +101,47 @@ void ForwardGraphs::run(const std::string&, const std::function<void()>& fn) { f
 
 #endif
 
+void StepRecorder::begin() {
+  key_.clear();
+  fns_.clear();
+  on_ = true;
+}
+
+void StepRecorder::add(const std::string& key, std::function<void()> fn) {
+  DFLASH2_INTERNAL(on_, "StepRecorder::add while not recording");
+  key_ += key;
+  key_ += '#';
+  fns_.push_back(std::move(fn));
+}
+
+void StepRecorder::cancel() {
+  fns_.clear();
+  key_.clear();
+  on_ = false;
+}
+
+void StepRecorder::flush(ForwardGraphs* graphs, int device) {
+  DFLASH2_INTERNAL(on_, "StepRecorder::flush while not recording");
+  std::vector<std::function<void()>> fns;
+  fns.swap(fns_);
+  on_ = false;
+  ++steps_;
+  const auto run_all = [&] {
+    for (auto& f : fns) f();
+  };
+#ifdef DFLASH2_WITH_CUDA
+  if (graphs) {
+    cuda::OrderedStreamScope scope(graphs->stream(), device);
+    graphs->run("step#" + key_, run_all);
+    return;
+  }
+#else
+  (void)graphs;
+#endif
+  (void)device;
+  run_all();
+}
+
 GraphStats ForwardGraphs::stats() const {
   std::lock_guard<std::mutex> lk(stats_mu_);
   return stats_;

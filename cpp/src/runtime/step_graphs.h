@@ -22,11 +22,13 @@
 //
 // Status: compiled, NOT yet run on a GPU.
 #pragma once
+#include <atomic>
 #include <cstdint>
 #include <functional>
 #include <map>
 #include <mutex>
 #include <string>
+#include <vector>
 
 #include "dflash2/tensor.h"
 
@@ -85,6 +87,36 @@ class ForwardGraphs {
   GraphStats stats_;
   bool logged_ = false;
   void count(int64_t GraphStats::*field, const std::string* failure = nullptr);
+};
+
+// A decode step's device work as one unit (the whole step in one CUDA graph). While
+// recording, the step's pieces -- the drafter's draft forward, the verify chunk, the
+// non-finite check, acceptance, the timing marks between them -- are queued with their
+// launch keys instead of run; flush() runs them in order: as one CUDA graph keyed by all
+// their keys (ForwardGraphs::run: warm-up, capture, replay) on the graphs' stream, or, with
+// no graphs (the CPU), one after the other. A piece holds its arguments by value, and the
+// decode loop uploads every plan a piece reads before flush() into device buffers nothing
+// else writes before it (the drafter's and the target's plan buffers, the acceptance rows),
+// so what runs at flush() is what would have run at add(). Pieces that need a host wait or
+// reuse a buffer within the step (several verify chunks, the MTP chain, tensor
+// parallelism) are never recorded: the step runs as before.
+class StepRecorder {
+ public:
+  void begin();                          // starts recording a step
+  bool recording() const { return on_; }
+  void add(const std::string& key, std::function<void()> fn);
+  // Runs the queued pieces (graphs: as one graph on graphs->stream() in program order with
+  // the legacy stream, device `device`; null: eagerly) and stops recording. On an error the
+  // queue is dropped and recording stops, then the error propagates.
+  void flush(ForwardGraphs* graphs, int device);
+  void cancel();  // drops the queue and stops recording (a step that failed before its flush)
+  int64_t steps() const { return steps_.load(); }  // steps flushed so far (any thread)
+
+ private:
+  bool on_ = false;
+  std::string key_;
+  std::vector<std::function<void()>> fns_;
+  std::atomic<int64_t> steps_{0};
 };
 
 }  // namespace dflash2::runtime

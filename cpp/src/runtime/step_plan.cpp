@@ -69,13 +69,22 @@ model::TokenBatch StepPlanner::views(int64_t T, int64_t S, int64_t block_size) c
 }
 
 void gather_rows_of_pieces(const std::vector<Piece>& chunk, const std::vector<int64_t>& first_row, const Tensor& src,
-                           Tensor& idx_buf, std::vector<int32_t>& host, Tensor& dst_buf, Tensor& dst) {
+                           Tensor& idx_buf, std::vector<int32_t>& host, Tensor& dst_buf, Tensor& dst,
+                           StagedUpload* idx_up) {
   host.clear();
   for (const Piece& p : chunk)
     for (int64_t j = 0; j < p.n; ++j) host.push_back(int32_t(first_row[size_t(p.seq)] + p.offset + j));
   const int64_t T = int64_t(host.size());
-  Tensor ix = idx_buf.slice(0, 0, T);
-  ix.copy_from(Tensor::view(host.data(), DType::I32, {T}));
+  Tensor ix;
+  if (idx_up && idx_up->defined()) {  // pinned staging, one asynchronous copy
+    DFLASH2_INTERNAL(T <= idx_up->capacity(), "gather of ", T, " rows, staging for ", idx_up->capacity());
+    std::copy(host.begin(), host.end(), idx_up->begin());
+    idx_up->send(T);
+    ix = idx_up->device_buffer().slice(0, 0, T);
+  } else {
+    ix = idx_buf.slice(0, 0, T);
+    ix.copy_from(Tensor::view(host.data(), DType::I32, {T}));
+  }
   dst = dst_buf.slice(0, 0, T);
   ops::gather_rows(src, ix, dst);
 }
@@ -139,48 +148,22 @@ model::TokenBatch StepPlanner::plan_blocks(const std::vector<CacheStream*>& stre
 }
 
 // ------------------------------------------------------------------ PlanUploader
-struct PlanUploader::Staging {
-#ifdef DFLASH2_WITH_CUDA
-  std::shared_ptr<void> host[2];
-  cuda::Event done[2];
-#endif
-  int half = 0;
-};
-
-PlanUploader::PlanUploader(Device dev, int64_t words)
-    : device_(dev), capacity_(words), staging_(std::make_unique<Staging>()) {
-#ifdef DFLASH2_WITH_CUDA
-  DFLASH2_CHECK_ARG(dev.is_cuda(), "PlanUploader: a CUDA device is needed, found ", dev.str());
-  buf_ = Tensor::zeros(DType::I32, {words}, dev);
-  for (int k = 0; k < 2; ++k) {
-    staging_->host[k] = std::shared_ptr<void>(cuda::host_alloc_pinned(size_t(words) * 4), cuda::host_free_pinned);
-    staging_->done[k] = cuda::Event(dev.index);
-  }
-#else
-  fail(ErrorKind::Unsupported, "PlanUploader on ", dev.str(), ": dflash2 was built without CUDA");
-#endif
-}
+PlanUploader::PlanUploader(Device dev, int64_t words) : up_(dev, words) {}
 
 PlanUploader::~PlanUploader() = default;
 
 model::TokenBatch PlanUploader::upload(const model::TokenBatch& b) {
-#ifndef DFLASH2_WITH_CUDA
-  return b;
-#else
-  Staging& st = *staging_;
-  const int k = st.half;
-  st.half ^= 1;
-  st.done[k].wait();  // this half's previous copy has been executed
-  int32_t* h = static_cast<int32_t*>(st.host[k].get());
+  int32_t* h = up_.begin();
+  const int64_t capacity = up_.capacity();
   int64_t off = 0;
   auto put = [&](const Tensor& t) -> Tensor {
     if (!t.defined()) return Tensor();
     const int64_t n = t.numel();
-    DFLASH2_INTERNAL(t.dtype() == DType::I32 && off + n <= capacity_, "plan upload: ", t.describe(), " at ", off,
-                     " of ", capacity_);
+    DFLASH2_INTERNAL(t.dtype() == DType::I32 && off + n <= capacity, "plan upload: ", t.describe(), " at ", off,
+                     " of ", capacity);
     const Tensor c = t.contiguous();
     if (n > 0) std::memcpy(h + off, c.data(), size_t(n) * 4);
-    Tensor v = buf_.slice(0, off, off + n).reshape(t.shape());
+    Tensor v = up_.device_buffer().slice(0, off, off + n).reshape(t.shape());
     off += n;
     return v;
   };
@@ -192,10 +175,8 @@ model::TokenBatch PlanUploader::upload(const model::TokenBatch& b) {
   d.logit_rows = put(b.logit_rows);
   d.paged.block_table = put(b.paged.block_table);
   d.ctx_len = put(b.ctx_len);
-  cuda::copy_async(buf_.data(), h, size_t(off) * 4, device_.index);
-  st.done[k].record();
+  up_.send(off);
   return d;
-#endif
 }
 
 }  // namespace dflash2::runtime

@@ -9,6 +9,7 @@
 
 #include "model/token_batch.h"
 #include "runtime/kv_cache.h"
+#include "runtime/staging.h"
 
 namespace dflash2::runtime {
 
@@ -29,15 +30,16 @@ void make_chunks(const std::vector<CacheStream*>& streams, const std::vector<con
 
 // dst = the rows of src that a chunk's pieces stand for: piece p covers rows
 // first_row[p.seq] + p.offset ... (e.g. committed rows of the target's features), gathered
-// in chunk order into a prefix of dst_buf (idx_buf: an I32 plan buffer, host: scratch).
+// in chunk order into a prefix of dst_buf (idx_buf: an I32 plan buffer, host: scratch;
+// idx_up, for a device src: the indices go up through it without a host wait instead).
 void gather_rows_of_pieces(const std::vector<Piece>& chunk, const std::vector<int64_t>& first_row, const Tensor& src,
-                           Tensor& idx_buf, std::vector<int32_t>& host, Tensor& dst_buf, Tensor& dst);
+                           Tensor& idx_buf, std::vector<int32_t>& host, Tensor& dst_buf, Tensor& dst,
+                           StagedUpload* idx_up = nullptr);
 
-// A planned chunk on a CUDA device: the host packs the planner's I32 buffers into pinned
-// staging (two halves, alternating, so packing the next chunk never waits for more than the
-// copy of the chunk before the last), one asynchronous copy on the current stream moves
-// them into one device buffer allocated here, and the returned batch views it. Kernels of
-// the previous chunk that read the device buffer come before the copy in stream order.
+// A planned chunk on a CUDA device: the host packs the planner's I32 buffers into a
+// StagedUpload (pinned staging, one asynchronous copy on the current stream into one
+// device buffer), and the returned batch views the device buffer. Kernels of the previous
+// chunk that read the device buffer come before the copy in stream order.
 class PlanUploader {
  public:
   // words: the largest packed plan in I32 elements (planned_words below).
@@ -53,11 +55,7 @@ class PlanUploader {
   }
 
  private:
-  struct Staging;
-  Device device_;
-  int64_t capacity_;
-  Tensor buf_;  // I32 [capacity] on the device
-  std::unique_ptr<Staging> staging_;
+  StagedUpload up_;
 };
 
 class StepPlanner {

@@ -157,13 +157,20 @@ void Target::on_all_ranks(const std::function<void(int)>& job) {
   }
 }
 
-void Target::run_chunk(const std::vector<Piece>& pieces, const model::ForwardOutputs& out) {
+void Target::run_chunk(const std::vector<Piece>& pieces, const model::ForwardOutputs& out,
+                       const Tensor& token_src) {
   for (const Piece& p : pieces)
     DFLASH2_CHECK_ARG(p.stream->length + p.n <= opt_.max_seq_len, "sequence of ", p.stream->length + p.n,
                       " tokens exceeds max_seq_len ", opt_.max_seq_len);
   model::TokenBatch b = planner_.plan(pieces, cache_);
+  if (rec_.recording()) {  // queued: the drafts it refers to do not exist yet
+    record_chunk(b, out, token_src);
+    for (const Piece& p : pieces) p.stream->length += p.n;
+    return;
+  }
+  const Tensor dev_src = resolve_host_refs(b, token_src);
   if (opt_.device.is_cuda()) {
-    run_chunk_device(b, out);
+    run_chunk_device(b, out, dev_src);
     for (const Piece& p : pieces) p.stream->length += p.n;
     return;
   }
@@ -178,16 +185,79 @@ void Target::run_chunk(const std::vector<Piece>& pieces, const model::ForwardOut
   for (const Piece& p : pieces) p.stream->length += p.n;
 }
 
+void Target::flush_step() {
+#ifdef DFLASH2_WITH_CUDA
+  rec_.flush(graphs_.get(), models_[0]->device().index);
+#else
+  rec_.flush(nullptr, 0);
+#endif
+}
+
+void Target::record_chunk(const model::TokenBatch& b, const model::ForwardOutputs& out, const Tensor& token_src) {
+  DFLASH2_INTERNAL(tp_size() == 1 && !out.prompt, "a recorded step needs one rank and a decode chunk");
+  if (!opt_.device.is_cuda()) {
+    // the host plan (the planner's buffers, not reused before the flush) and the outputs as
+    // they are; the references are filled in when the piece runs, after the draft's
+    rec_.add("", [this, hb = b, o = out, src = token_src]() mutable {
+      if (src.defined()) ops::resolve_tokens(hb.tokens, src);
+      models_[0]->forward(hb, views_[0], o);
+    });
+    return;
+  }
+#ifdef DFLASH2_WITH_CUDA
+  const Device d0 = models_[0]->device();
+  DFLASH2_INTERNAL(!token_src.defined() || token_src.device() == d0, "a recorded verify chunk reads ",
+                   token_src.describe(), " (the drafts must be on ", d0.str(), ")");
+  DFLASH2_INTERNAL((!out.logits.defined() || out.logits.device() == d0) &&
+                       (!out.taps.defined() || out.taps.device() == d0) &&
+                       (!out.final_hidden.defined() || out.final_hidden.device() == d0),
+                   "a recorded chunk writes its outputs on ", d0.str());
+  model::TokenBatch db;
+  {
+    // the plan goes up now (on the graphs' stream, in order with the legacy stream) into the
+    // target's plan buffer, which nothing else writes before the flush
+    cuda::OrderedStreamScope stream_scope(graphs_ ? graphs_->stream() : nullptr, d0.index);
+    db = upload(b, 0);
+  }
+  std::string key;
+  for (int64_t v : {db.T, db.S, db.paged.block_size, int64_t(out.all_logits)}) ForwardGraphs::key_add(key, v);
+  for (const Tensor* t : std::initializer_list<const Tensor*>{&db.tokens, &db.paged.seq, &db.paged.pos,
+                                                              &db.paged.block_table, &db.slots, &db.logit_rows,
+                                                              &db.ctx_len, &out.logits, &out.taps, &out.final_hidden,
+                                                              &token_src})
+    ForwardGraphs::key_add(key, *t);
+  for (int64_t l : out.tap_layers) ForwardGraphs::key_add(key, l);
+  rec_.add(key, [this, db, o = out, src = token_src]() mutable {
+    if (src.defined()) ops::resolve_tokens(db.tokens, src);  // the drafts, in the graph
+    models_[0]->forward(db, views_[0], o);
+  });
+#endif
+}
+
+Tensor Target::resolve_host_refs(model::TokenBatch& b, const Tensor& token_src) {
+  // references into a host source are filled in on the host plan (every rank reads it);
+  // a device source is rank 0's (one rank: the device drafter), filled in after the upload
+  if (!token_src.defined()) return Tensor();
+  if (token_src.device().is_cpu()) {
+    ops::resolve_tokens(b.tokens, token_src);
+    return Tensor();
+  }
+  DFLASH2_INTERNAL(tp_size() == 1 && opt_.device.is_cuda() && token_src.device() == models_[0]->device(),
+                   "token references into ", token_src.describe(), " with ", tp_size(), " ranks");
+  return token_src;
+}
+
 void Target::mtp_chunk(const std::vector<Piece>& pieces, const Tensor& h_main, Tensor& logits, Tensor& hidden,
-                       bool all_rows) {
+                       bool all_rows, const Tensor& token_src) {
   DFLASH2_CHECK(model().has_mtp(), ErrorKind::Unsupported,
                 "this checkpoint has no MTP layer (num_nextn_predict_layers = 0)");
   for (const Piece& p : pieces)
     DFLASH2_CHECK_ARG(p.stream->length + p.n <= opt_.max_seq_len, "MTP sequence of ", p.stream->length + p.n,
                       " tokens exceeds max_seq_len ", opt_.max_seq_len);
   model::TokenBatch b = planner_.plan(pieces, mtp_cache_, all_rows);
+  const Tensor dev_src = resolve_host_refs(b, token_src);
   if (opt_.device.is_cuda()) {
-    mtp_chunk_device(b, h_main, logits, hidden);
+    mtp_chunk_device(b, h_main, logits, hidden, dev_src);
     for (const Piece& p : pieces) p.stream->length += p.n;
     return;
   }
@@ -272,7 +342,7 @@ Tensor Target::device_rows(std::vector<Tensor>& bufs, int r, int64_t rows, int64
 
 model::TokenBatch Target::upload(const model::TokenBatch& b, int r) { return dplan_[size_t(r)]->upload(b); }
 
-void Target::run_chunk_device(const model::TokenBatch& b, const model::ForwardOutputs& out) {
+void Target::run_chunk_device(const model::TokenBatch& b, const model::ForwardOutputs& out, const Tensor& token_src) {
   const int64_t H = config().hidden_size, V = config().vocab_size;
   on_all_ranks([&](int r) {
 #ifdef DFLASH2_WITH_CUDA
@@ -301,12 +371,16 @@ void Target::run_chunk_device(const model::TokenBatch& b, const model::ForwardOu
       // the launch shape: sizes, then every buffer the kernels are given (see step_graphs.h)
       std::string key;
       for (int64_t v : {db.T, db.S, db.paged.block_size, int64_t(o.all_logits)}) ForwardGraphs::key_add(key, v);
-      for (const Tensor* t : {&db.tokens, &db.paged.seq, &db.paged.pos, &db.paged.block_table, &db.slots,
-                              &db.logit_rows, &db.ctx_len, &o.logits, &o.taps, &o.final_hidden})
+      for (const Tensor* t : std::initializer_list<const Tensor*>{&db.tokens, &db.paged.seq, &db.paged.pos, &db.paged.block_table, &db.slots,
+                              &db.logit_rows, &db.ctx_len, &o.logits, &o.taps, &o.final_hidden, &token_src})
         ForwardGraphs::key_add(key, *t);
       for (int64_t l : o.tap_layers) ForwardGraphs::key_add(key, l);
-      graphs_->run(key, [&] { models_[0]->forward(db, views_[0], o); });
+      graphs_->run(key, [&] {
+        if (token_src.defined()) ops::resolve_tokens(db.tokens, token_src);  // the drafts, in the graph
+        models_[0]->forward(db, views_[0], o);
+      });
     } else {
+      if (token_src.defined()) ops::resolve_tokens(db.tokens, token_src);  // rank 0 only (checked above)
       models_[size_t(r)]->forward(db, views_[size_t(r)], o);
     }
     if (r != 0) return;
@@ -327,7 +401,8 @@ void Target::run_chunk_device(const model::TokenBatch& b, const model::ForwardOu
   });
 }
 
-void Target::mtp_chunk_device(const model::TokenBatch& b, const Tensor& h_main, Tensor& logits, Tensor& hidden) {
+void Target::mtp_chunk_device(const model::TokenBatch& b, const Tensor& h_main, Tensor& logits, Tensor& hidden,
+                              const Tensor& token_src) {
   const int64_t H = config().hidden_size;
   on_all_ranks([&](int r) {
 #ifdef DFLASH2_WITH_CUDA
@@ -350,11 +425,15 @@ void Target::mtp_chunk_device(const model::TokenBatch& b, const Tensor& h_main, 
     if (r == 0 && graphs_) {  // the MTP layer's chunks (commits, chained positions) as graphs too
       std::string key = "mtp|";
       for (int64_t v : {db.T, db.S, db.paged.block_size}) ForwardGraphs::key_add(key, v);
-      for (const Tensor* t : {&db.tokens, &db.paged.seq, &db.paged.pos, &db.paged.block_table, &db.slots,
-                              &db.logit_rows, &hm, &lg, &hid})
+      for (const Tensor* t : std::initializer_list<const Tensor*>{&db.tokens, &db.paged.seq, &db.paged.pos, &db.paged.block_table, &db.slots,
+                              &db.logit_rows, &hm, &lg, &hid, &token_src})
         ForwardGraphs::key_add(key, *t);
-      graphs_->run(key, [&] { models_[0]->mtp_forward(db, hm, mtp_views_[0], lg, hid); });
+      graphs_->run(key, [&] {
+        if (token_src.defined()) ops::resolve_tokens(db.tokens, token_src);  // the chain's ids, in the graph
+        models_[0]->mtp_forward(db, hm, mtp_views_[0], lg, hid);
+      });
     } else {
+      if (token_src.defined()) ops::resolve_tokens(db.tokens, token_src);  // rank 0 only (resolve_host_refs)
       models_[size_t(r)]->mtp_forward(db, hm, mtp_views_[size_t(r)], lg, hid);
     }
     if (r != 0) return;

@@ -60,17 +60,30 @@ class Target {
   // share it, so the target's and the drafter's chunks stay in order.
   CUstream_st* graph_stream() const { return graphs_ ? graphs_->stream() : nullptr; }
   KvCache& mtp_cache() { return mtp_cache_; }
+  // The whole decode step as one unit (step_graphs.h StepRecorder): while recording,
+  // run_chunk queues the chunk's forward instead of running it (the drafter's draft and the
+  // decode loop's acceptance join it), and flush_step() runs the queue: one CUDA graph with
+  // graphs on, else in order. Steps are recorded with one rank only, on the CPU or with
+  // CUDA graphs on.
+  bool can_record_steps() const { return tp_size() == 1 && (!opt_.device.is_cuda() || graphs_ != nullptr); }
+  StepRecorder& recorder() { return rec_; }
+  void flush_step();
 
   // One chunk of at most max_step_tokens tokens through the decoder (pieces from
   // make_chunks); each piece's stream advances by its tokens. Logit rows (when
   // out.logits is defined and not all_logits) are the pieces that end their sequence.
-  void run_chunk(const std::vector<Piece>& pieces, const model::ForwardOutputs& out);
+  // token_src (I32, contiguous; on the host or on rank 0's device): the pieces' negative
+  // token ids are references into it (ops::resolve_tokens), filled in where it lives --
+  // on the device inside the chunk's graph, so a verify pass reads the drafts the drafter
+  // left there without a copy back first.
+  void run_chunk(const std::vector<Piece>& pieces, const model::ForwardOutputs& out,
+                 const Tensor& token_src = Tensor());
   // The MTP layer over one chunk of pieces on MTP streams: tokens are the next tokens,
   // h_main F32 [T, H] the main model's final hidden states of the same positions; logits
   // [R, V] and hidden [R, H] (optional) for the pieces that end their sequence.
-  // all_rows: logits (and hidden) for every row instead.
+  // all_rows: logits (and hidden) for every row instead. token_src: as run_chunk's.
   void mtp_chunk(const std::vector<Piece>& pieces, const Tensor& h_main, Tensor& logits, Tensor& hidden,
-                 bool all_rows = false);
+                 bool all_rows = false, const Tensor& token_src = Tensor());
 
  private:
   // Runs job(rank) on every rank at once (rank 0 on the calling thread); rethrows the first
@@ -79,14 +92,21 @@ class Target {
   // CUDA: checks every rank's device (architecture, free memory for the weights, caches
   // and step buffers) before allocating anything, then copies the models' weights up.
   void place_on_devices(int64_t n_index, int64_t nblocks);
-  void run_chunk_device(const model::TokenBatch& b, const model::ForwardOutputs& out);
-  void mtp_chunk_device(const model::TokenBatch& b, const Tensor& h_main, Tensor& logits, Tensor& hidden);
+  void run_chunk_device(const model::TokenBatch& b, const model::ForwardOutputs& out, const Tensor& token_src);
+  // Queues a planned chunk's forward in rec_ (its plan uploaded now on a GPU).
+  void record_chunk(const model::TokenBatch& b, const model::ForwardOutputs& out, const Tensor& token_src);
+  void mtp_chunk_device(const model::TokenBatch& b, const Tensor& h_main, Tensor& logits, Tensor& hidden,
+                        const Tensor& token_src);
+  // Fills in b's token references into a host token_src; returns a device one (to fill in
+  // after the upload: one rank only), or an undefined tensor.
+  Tensor resolve_host_refs(model::TokenBatch& b, const Tensor& token_src);
   // CUDA: the device copy of a host-planned chunk on rank r's device.
   model::TokenBatch upload(const model::TokenBatch& b, int r);
   // CUDA: a device buffer of rank r with at least `rows` x `cols` floats (grown on first use).
   Tensor device_rows(std::vector<Tensor>& bufs, int r, int64_t rows, int64_t cols);
   void worker(int rank);
 
+  StepRecorder rec_;
   std::vector<std::unique_ptr<model::GlmModel>> models_;
   Options opt_;
   KvCache cache_, mtp_cache_;

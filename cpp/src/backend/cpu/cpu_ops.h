@@ -68,6 +68,7 @@ void copy(const Tensor& src, Tensor& dst);
 void add(const Tensor& a, const Tensor& b, Tensor& out);
 void argmax(const Tensor& x, Tensor& out);
 void check_finite(const Tensor& x, Tensor& flags);
+void resolve_tokens(Tensor& tokens, const Tensor& src);
 void nvfp4_quantize_act(const Tensor& x, float input_scale, Tensor& out);
 void cache_write(const Tensor& src, const Tensor& slots, Tensor& cache);
 void indexer_topk(const Tensor& q, const Tensor& w, const Tensor& key_cache, const ops::PagedTokens& tok,

@@ -295,6 +295,19 @@ void argmax(const Tensor& x, Tensor& out) {
   }
 }
 
+void resolve_tokens(Tensor& tokens, const Tensor& src) {
+  const int64_t T = tokens.shape(0), N = src.numel();
+  int32_t* t = tokens.data_as<int32_t>();
+  const int32_t* s = src.data_as<const int32_t>();
+  for (int64_t i = 0; i < T; ++i) {
+    if (t[i] >= 0) continue;
+    const int64_t j = -int64_t(t[i]) - 1;
+    DFLASH2_CHECK_ARG(j < N, "resolve_tokens: reference ", t[i], " at position ", i, " is element ", j,
+                      " of a source of ", N);
+    t[i] = s[j];
+  }
+}
+
 void check_finite(const Tensor& x, Tensor& flags) {
   Rows xr = rows_of(x);
   const int64_t V = xr.d;

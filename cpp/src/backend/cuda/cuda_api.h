@@ -33,7 +33,8 @@ void copy_async(void* dst, const void* src, size_t bytes, int device);
 class Event {
  public:
   Event() = default;
-  explicit Event(int device);
+  // timing: an event elapsed_s() can measure (cudaEventDisableTiming is not set)
+  explicit Event(int device, bool timing = false);
   ~Event();
   Event(Event&& o) noexcept : ev_(o.ev_), device_(o.device_), recorded_(o.recorded_) { o.ev_ = nullptr; }
   Event& operator=(Event&& o) noexcept;
@@ -41,6 +42,8 @@ class Event {
   Event& operator=(const Event&) = delete;
   void record();
   void wait();  // no-op if never recorded
+  // Seconds between two recorded timing events of one device, both completed.
+  static double elapsed_s(const Event& start, const Event& end);
  private:
   void* ev_ = nullptr;
   int device_ = 0;
@@ -126,6 +129,7 @@ void copy(const Tensor& src, Tensor& dst);
 void add(const Tensor& a, const Tensor& b, Tensor& out);
 void argmax(const Tensor& x, Tensor& out);
 void check_finite(const Tensor& x, Tensor& flags);
+void resolve_tokens(Tensor& tokens, const Tensor& src);  // index_rows.cu
 void cache_write(const Tensor& src, const Tensor& slots, Tensor& cache);
 void dyn_conv(const Tensor& x, const Tensor& base, const Tensor& dyn, int64_t block, Tensor& out);
 
@@ -135,7 +139,7 @@ void linear(const Tensor& x, const ops::Weight& w, Tensor& y, bool accumulate);
 // this build has its kernel for `device`'s architecture.
 void linear_bf16(const Tensor& x, const ops::Weight& w, Tensor& y, bool accumulate);
 bool linear_bf16_supported(int device);
-// gemm_tc.cu (built with CUTLASS only): ops::linear_fp8 (FP8 block-128 W8A8, sm_90a).
+// gemm_tc.cu (built with CUTLASS only): ops::linear_fp8 (FP8 block-128 W8A8, sm_90a / sm_100a / sm_103a).
 void linear_fp8(const Tensor& x, const ops::Weight& w, Tensor& y, bool accumulate);
 bool linear_fp8_supported(int device);
 // gemm_tc.cu (built with CUTLASS only): ops::linear_nvfp4 (NVFP4 W4A4, sm_100a / sm_103a).

@@ -181,11 +181,22 @@ void copy_async(void* dst, const void* src, size_t bytes, int device) {
                      " bytes on cuda:", device);
 }
 
-Event::Event(int device) : device_(device) {
+Event::Event(int device, bool timing) : device_(device) {
   DeviceGuard guard(device);
   cudaEvent_t e = nullptr;
-  DFLASH2_CUDA_CHECK(cudaEventCreateWithFlags(&e, cudaEventDisableTiming), "cuda:", device);
+  DFLASH2_CUDA_CHECK(cudaEventCreateWithFlags(&e, timing ? cudaEventDefault : cudaEventDisableTiming), "cuda:", device);
   ev_ = e;
+}
+
+double Event::elapsed_s(const Event& start, const Event& end) {
+  DFLASH2_CHECK_ARG(start.ev_ && end.ev_ && start.recorded_ && end.recorded_,
+                    "cuda::Event::elapsed_s needs two recorded events");
+  DeviceGuard guard(start.device_);
+  float ms = 0.0f;
+  DFLASH2_CUDA_CHECK(
+      cudaEventElapsedTime(&ms, static_cast<cudaEvent_t>(start.ev_), static_cast<cudaEvent_t>(end.ev_)),
+      "cuda:", start.device_);
+  return double(ms) * 1e-3;
 }
 
 Event::~Event() {
@@ -209,7 +220,15 @@ Event& Event::operator=(Event&& o) noexcept {
 void Event::record() {
   DFLASH2_CHECK_ARG(ev_ != nullptr, "cuda::Event::record on an empty event");
   DeviceGuard guard(device_);
-  DFLASH2_CUDA_CHECK(cudaEventRecord(static_cast<cudaEvent_t>(ev_), current_stream()), "cuda:", device_);
+  // inside a stream capture the record becomes an event record node of the graph (external:
+  // the event is recorded each time the graph runs, and the host can wait on / time it)
+  cudaStream_t s = current_stream();
+  cudaStreamCaptureStatus cap = cudaStreamCaptureStatusNone;
+  DFLASH2_CUDA_CHECK(cudaStreamIsCapturing(s, &cap), "cuda:", device_);
+  DFLASH2_CUDA_CHECK(cudaEventRecordWithFlags(static_cast<cudaEvent_t>(ev_), s,
+                                              cap == cudaStreamCaptureStatusActive ? cudaEventRecordExternal
+                                                                                   : cudaEventRecordDefault),
+                     "cuda:", device_);
   recorded_ = true;
 }
 

@@ -19,7 +19,7 @@
 // ops::linear_fp8 (FP8 block-128 W8A8, Engine prefill_gemm="fp8") is the same pattern over
 // FP8 operands: the activation rows quantized per 128 inputs (quant.cu), the checkpoint's
 // E4M3 codes and block scales read in place, CUTLASS's blockwise-scaled wgmma kernel
-// (cutlass/fp8_gemm.h, sm_90a). See linear_fp8 below.
+// (cutlass/fp8_gemm.h, sm_90a / sm_100a / sm_103a). See linear_fp8 below.
 // No host synchronization and no allocation beyond the per-stream scratch, so it can be
 // captured in a CUDA graph (the scratch refuses to grow during capture).
 //
@@ -87,6 +87,9 @@ bool fp8_gemm_built_for(int sm) {
 #if defined(DFLASH2_CUTLASS_FP8SM90)
   if (sm == 90) return true;
 #endif
+#if defined(DFLASH2_CUTLASS_FP8SM100)
+  if (sm == 100 || sm == 103) return true;
+#endif
   (void)sm;
   return false;
 }
@@ -95,6 +98,9 @@ size_t fp8_gemm_workspace(int sm, const Fp8GemmArgs& a) {
 #if defined(DFLASH2_CUTLASS_FP8SM90)
   if (sm == 90) return fp8_gemm_sm90_workspace(a);
 #endif
+#if defined(DFLASH2_CUTLASS_FP8SM100)
+  if (sm == 100 || sm == 103) return fp8_gemm_sm100_workspace(a);
+#endif
   (void)a;
   return 0;
 }
@@ -102,6 +108,9 @@ size_t fp8_gemm_workspace(int sm, const Fp8GemmArgs& a) {
 std::string fp8_gemm(int sm, const Fp8GemmArgs& a, void* workspace, CUstream_st* stream) {
 #if defined(DFLASH2_CUTLASS_FP8SM90)
   if (sm == 90) return fp8_gemm_sm90(a, workspace, stream);
+#endif
+#if defined(DFLASH2_CUTLASS_FP8SM100)
+  if (sm == 100 || sm == 103) return fp8_gemm_sm100(a, workspace, stream);
 #endif
   (void)a;
   (void)workspace;
@@ -113,22 +122,33 @@ bool fp8_grouped_built_for(int sm) {
 #if defined(DFLASH2_CUTLASS_FP8GRPSM90)
   if (sm == 90) return true;
 #endif
+#if defined(DFLASH2_CUTLASS_FP8GRPSM100)
+  if (sm == 100 || sm == 103) return true;
+#endif
   (void)sm;
   return false;
 }
 
-size_t fp8_grouped_params_bytes(int groups) {
+bool fp8_grouped_sfa_kmajor(int sm) { return sm == 100 || sm == 103; }
+
+size_t fp8_grouped_params_bytes(int sm, int groups) {
 #if defined(DFLASH2_CUTLASS_FP8GRPSM90)
-  return fp8_grouped_sm90_params_bytes(groups);
-#else
+  if (sm == 90) return fp8_grouped_sm90_params_bytes(groups);
+#endif
+#if defined(DFLASH2_CUTLASS_FP8GRPSM100)
+  if (sm == 100 || sm == 103) return fp8_grouped_sm100_params_bytes(groups);
+#endif
+  (void)sm;
   (void)groups;
   return 0;
-#endif
 }
 
 size_t fp8_grouped_workspace(int sm, const Fp8GroupedArgs& a) {
 #if defined(DFLASH2_CUTLASS_FP8GRPSM90)
   if (sm == 90) return fp8_grouped_sm90_workspace(a);
+#endif
+#if defined(DFLASH2_CUTLASS_FP8GRPSM100)
+  if (sm == 100 || sm == 103) return fp8_grouped_sm100_workspace(a);
 #endif
   (void)a;
   return 0;
@@ -137,6 +157,9 @@ size_t fp8_grouped_workspace(int sm, const Fp8GroupedArgs& a) {
 std::string fp8_grouped_gemm(int sm, const Fp8GroupedArgs& a, void* workspace, CUstream_st* stream) {
 #if defined(DFLASH2_CUTLASS_FP8GRPSM90)
   if (sm == 90) return fp8_grouped_sm90(a, workspace, stream);
+#endif
+#if defined(DFLASH2_CUTLASS_FP8GRPSM100)
+  if (sm == 100 || sm == 103) return fp8_grouped_sm100(a, workspace, stream);
 #endif
   (void)a;
   (void)workspace;
@@ -393,8 +416,8 @@ void linear_fp8(const Tensor& x, const ops::Weight& w, Tensor& y, bool accumulat
   const int sm = detail::compute_capability(device);
   if (!tc::fp8_gemm_built_for(sm))
     fail(ErrorKind::Unsupported, "cuda::linear_fp8: this build has no FP8 block-128 tensor-core GEMM for sm_", sm,
-         " on cuda:", device, " (the CUTLASS kernel is built for sm_90a when it is in DFLASH2_CUDA_ARCHS and CUTLASS "
-         "is found); use prefill_gemm='bf16' or 'exact'");
+         " on cuda:", device, " (the CUTLASS kernels are built for sm_90a / sm_100a / sm_103a when they are in "
+         "DFLASH2_CUDA_ARCHS and CUTLASS is found); use prefill_gemm='bf16' or 'exact'");
   if (M == 0 || N == 0) return;
   if (K == 0) return empty_k(y, M, N, accumulate, "linear_fp8");
 

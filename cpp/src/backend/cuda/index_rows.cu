@@ -15,6 +15,9 @@
 //                the other shards' ids, so not an index error. Same kernel as gather_rows
 //                (table F32 / BF16 / F16 [Vs, D], ids I32 / I64 [T], out F32 [T, D]);
 //                first >= 0. Bitwise the CPU's result.
+//   resolve_tokens  tokens[i] = src[-tokens[i] - 1] where tokens[i] < 0 (I32, in place; src
+//                I32 contiguous, read flat); a reference outside src stays negative (the
+//                embedding reading it then counts an index error). Bitwise the CPU's result.
 //   cache_write  cache[slots[t], :] = src[t, :]; src F32 [T, D], cache F32 [rows, D] (any
 //                row strides), slots I32 [T] (any stride). A negative slot skips its row
 //                (padding), as on the CPU. Bitwise the CPU's result.
@@ -36,6 +39,7 @@
 #include <cuda_fp16.h>
 #include <cuda_runtime.h>
 
+#include <algorithm>
 #include <cstdint>
 
 #include "backend/cuda/cuda_api.h"
@@ -198,6 +202,36 @@ void gather_rows(const Tensor& src, const Tensor& idx, Tensor& out) {
     default: fail(ErrorKind::InvalidArgument, "cuda::gather_rows: src must be F32, BF16 or F16, found ", src.describe());
   }
   detail::check_launch("gather_rows kernel launch", src.describe(), " by ", idx.describe());
+}
+
+namespace {
+__global__ void __launch_bounds__(kThreads) resolve_tokens_kernel(int32_t* tokens, int64_t T, const int32_t* src,
+                                                                   int64_t n) {
+  for (int64_t i = int64_t(blockIdx.x) * kThreads + threadIdx.x; i < T; i += int64_t(gridDim.x) * kThreads) {
+    const int32_t t = tokens[i];
+    if (t >= 0) continue;
+    const int64_t j = -int64_t(t) - 1;
+    if (j < n) tokens[i] = src[j];
+  }
+}
+}  // namespace
+
+void resolve_tokens(Tensor& tokens, const Tensor& src) {
+  DFLASH2_CHECK_ARG(tokens.defined() && src.defined(), "cuda::resolve_tokens: undefined tensor argument");
+  DFLASH2_CHECK_ARG(tokens.device().is_cuda() && src.device() == tokens.device(),
+                    "cuda::resolve_tokens: tokens and src must be on the same CUDA device, found ", tokens.describe(),
+                    " and ", src.describe());
+  DFLASH2_CHECK_ARG(tokens.dtype() == DType::I32 && tokens.ndim() == 1 && (tokens.stride(0) == 1 || tokens.shape(0) <= 1),
+                    "cuda::resolve_tokens: tokens must be contiguous I32 [T], found ", tokens.describe());
+  DFLASH2_CHECK_ARG(src.dtype() == DType::I32 && src.is_contiguous(),
+                    "cuda::resolve_tokens: src must be contiguous I32, found ", src.describe());
+  const int64_t T = tokens.shape(0);
+  if (T == 0) return;
+  detail::DeviceGuard guard(tokens.device().index);
+  const int blocks = int(std::min<int64_t>((T + kThreads - 1) / kThreads, 1024));
+  resolve_tokens_kernel<<<blocks, kThreads, 0, detail::stream()>>>(tokens.data_as<int32_t>(), T,
+                                                                    src.data_as<const int32_t>(), src.numel());
+  detail::check_launch("resolve_tokens kernel launch", tokens.describe(), " from ", src.describe());
 }
 
 void embedding_shard(const Tensor& table, const Tensor& ids, int64_t first, Tensor& out) {

@@ -204,13 +204,17 @@ DFLASH2_HD bool row_in_range(int64_t r, int64_t n) { return r >= 0 && r < n; }
 DFLASH2_HD int64_t conv_group(int64_t c, int64_t gs) { return c / gs; }
 
 // ------------------------------------------------------------------ FP8 block-128 GEMM scales
-// ops::linear_fp8 on sm_90a (cutlass/fp8_gemm.h): where CUTLASS's blockwise-scaled mainloop
-// (cutlass/fp8_config.cuh) reads the scale of activation row m, k-block kb (granularity
+// ops::linear_fp8 (cutlass/fp8_gemm.h, sm_90a and sm_100a / sm_103a): where CUTLASS's
+// blockwise-scaled mainloops (cutlass/fp8_config.cuh) read the scale of activation row m, k-block kb (granularity
 // 1 x 128, MN-major over Mp rows: what quant.cu writes) and of weight block (nb, kb)
 // (granularity 128 x 128, K-major: the checkpoint's weight_scale_inv [ceil(N/128), nbk]).
 // tests/cpp/test_cutlass_layout.cu checks both against the CuTe layouts the kernel uses.
 DFLASH2_HD int64_t fp8_act_scale_offset(int64_t m, int64_t kb, int64_t Mp) { return kb * Mp + m; }
 DFLASH2_HD int64_t fp8_weight_scale_offset(int64_t nb, int64_t kb, int64_t nbk) { return nb * nbk + kb; }
+// The Blackwell grouped GEMM's activation scales (cutlass/fp8_config.cuh
+// Fp8GroupedKMajorScaleConfig): K-major, row m's nbk scales contiguous, so a group whose
+// rows start at r0 has its scales at r0 * nbk, [M_g][nbk].
+DFLASH2_HD int64_t fp8_act_scale_offset_kmajor(int64_t m, int64_t kb, int64_t nbk) { return m * nbk + kb; }
 
 // ------------------------------------------------------------------ NVFP4 W4A4 GEMM scales
 // ops::linear_nvfp4 on sm_100a / sm_103a (cutlass/nvfp4_gemm.h): the block-scaled tcgen05

@@ -71,7 +71,8 @@
 //   slots in the lists' order (position p = order[p]'s row) are the rows of three grouped
 //   GEMMs with one group per expert, [start[e], start[e + 1]) (cutlass/fp8_grouped_gemm.h):
 //   a warp per (p, 128 inputs) gathers x[order[p] / top_k] and quantizes it (quant_device.cuh:
-//   scale amax / 448, E4M3 codes; the group's scales MN-major at sfa + nbk * start[e]); gate
+//   scale amax / 448, E4M3 codes; the group's scales MN-major at sfa + nbk * start[e], or
+//   K-major per row for the Blackwell kernel); gate
 //   and up grouped GEMMs -> G, U [n, F] F32; silu(G) * U (the CPU's formula) quantized the same
 //   way; the down grouped GEMM -> Y [n, H]; a scatter to slot order (y) and the combine above.
 //   The operand buffers come from the per-stream scratch; nothing waits for the host.
@@ -603,12 +604,12 @@ __device__ __forceinline__ int group_of(const int32_t* start, int E, int32_t p) 
 // gathered == true: row p is x[order[p] / top_k] (the gate / up input); false: row p is
 // silu(g[p]) * u[p] with the CPU's (v / (1 + expf(-v))) * u (the down input). Codes go to
 // codes[p * K + k], the block scale to the group's MN-major scales (sfa + nbk * start[e],
-// [nbk][M_e]).
+// [nbk][M_e]) or, kmajor (the Blackwell kernel), to row p's K-major scales (sfa + p * nbk).
 template <bool gathered>
 __global__ void __launch_bounds__(256)
     moe_fp8_rows(const float* __restrict__ in, int64_t in_stride, const float* __restrict__ up,
                  const int32_t* __restrict__ start, const int32_t* __restrict__ order, int E, int top_k, int64_t n,
-                 int64_t K, uint8_t* __restrict__ codes, float* __restrict__ sfa) {
+                 int64_t K, uint8_t* __restrict__ codes, float* __restrict__ sfa, bool kmajor) {
   const int lane = threadIdx.x & 31;
   const int64_t nbk = (K + 127) / 128, units = n * nbk;
   const int32_t used = start[E];
@@ -637,7 +638,9 @@ __global__ void __launch_bounds__(256)
       const int64_t k = k0 + lane + 32 * j;
       if (k < K) codes[p * K + k] = q[j];
     }
-    if (lane == 0) {
+    if (lane == 0 && kmajor) {
+      sfa[layout::fp8_act_scale_offset_kmajor(p, b, nbk)] = sa;
+    } else if (lane == 0) {
       const int e = group_of(start, E, int32_t(p));
       const int64_t m_e = start[e + 1] - start[e];
       sfa[nbk * start[e] + layout::fp8_act_scale_offset(p - start[e], b, m_e)] = sa;
@@ -785,7 +788,7 @@ void moe_experts_impl(const Tensor& x, const Tensor& ids, const Tensor& weights,
   const int sm = detail::compute_capability(dev);
   if (fp8) {
     DFLASH2_CHECK(tc::fp8_grouped_built_for(sm), ErrorKind::Unsupported, op, ": this build has no FP8 grouped ",
-                  "tensor-core GEMM for sm_", sm, " (sm_90a only); run the experts exact");
+                  "tensor-core GEMM for sm_", sm, " (sm_90a / sm_100a / sm_103a); run the experts exact");
     std::string why;
     DFLASH2_CHECK(fp8_grouped_views_ok(tab.host, &why), ErrorKind::Unsupported, op, ": the grouped FP8 GEMM cannot ",
                   "read these expert weights in place (", why, "); run the experts exact");
@@ -806,7 +809,8 @@ void moe_experts_impl(const Tensor& x, const Tensor& ids, const Tensor& weights,
     const int64_t nbh = (H + 127) / 128, nbf = (F + 127) / 128;
     const int64_t b_a = up256(n * H), b_sa = up256(n * nbh * 4), b_g = up256(n * F * 4), b_h = up256(n * F),
                   b_sh = up256(n * nbf * 4), b_y = up256(n * H * 4), b_p = up256(6 * E * int64_t(sizeof(void*))),
-                  b_q = up256(int64_t(tc::fp8_grouped_params_bytes(int(E))));
+                  b_q = up256(int64_t(tc::fp8_grouped_params_bytes(sm, int(E))));
+    const bool kmajor = tc::fp8_grouped_sfa_kmajor(sm);
     tc::Fp8GroupedArgs g{};
     g.groups = int(E);
     g.offsets = start;
@@ -838,7 +842,7 @@ void moe_experts_impl(const Tensor& x, const Tensor& ids, const Tensor& weights,
       return unsigned(b < detail::kMaxRowBlocks ? b : detail::kMaxRowBlocks);
     };
     moe_fp8_rows<true><<<grid8(units_h), 256, 0, s>>>(x.data_as<const float>(), row_stride_2d(x), nullptr, start,
-                                                        order, int(E), int(K), n, H, a8, sfa);
+                                                        order, int(E), int(K), n, H, a8, sfa, kmajor);
     detail::check_launch("moe_experts_fp8 gather / quantize", x.describe());
     auto grouped = [&](int which, const uint8_t* a, const float* sa, int64_t N, int64_t Kd, float* d,
                        const char* what) {
@@ -859,7 +863,8 @@ void moe_experts_impl(const Tensor& x, const Tensor& ids, const Tensor& weights,
     };
     grouped(0, a8, sfa, F, H, G, "gate");
     grouped(1, a8, sfa, F, H, U, "up");
-    moe_fp8_rows<false><<<grid8(units_f), 256, 0, s>>>(G, F, U, start, order, int(E), int(K), n, F, h8, sfh);
+    moe_fp8_rows<false><<<grid8(units_f), 256, 0, s>>>(G, F, U, start, order, int(E), int(K), n, F, h8, sfh,
+                                                         kmajor);
     detail::check_launch("moe_experts_fp8 silu * up / quantize", x.describe());
     grouped(2, h8, sfh, H, F, Y, "down");
     moe_fp8_scatter<<<detail::ceil_blocks(n * H, 256, detail::kMaxRowBlocks), 256, 0, s>>>(Y, start, order, int(E), n,

@@ -14,7 +14,13 @@ using Fp8ScaleConfig =
     cutlass::detail::Sm90BlockwiseScaleConfig<1, 128, 128, cute::GMMA::Major::MN, cute::GMMA::Major::K>;
 using Fp8LayoutSFA = decltype(Fp8ScaleConfig::deduce_layoutSFA());
 using Fp8LayoutSFB = decltype(Fp8ScaleConfig::deduce_layoutSFB());
-// Both FP8 kernels (fp8_sm90.cu, fp8_grouped_sm90.cu): 128x128x128 tiles (one k-tile per
+// The Blackwell grouped kernel (fp8_grouped_sm100.cu): the activation scales K-major
+// instead (row m's scales contiguous: [rows][nbk] over all the groups' rows), because the
+// sm100 mainloop loads MN-major activation scales in 16-byte vectors, which a group
+// starting at an arbitrary row would misalign; K-major ones are loaded one by one.
+using Fp8GroupedKMajorScaleConfig =
+    cutlass::detail::Sm100BlockwiseScaleConfig<1, 128, 128, cute::UMMA::Major::K, cute::UMMA::Major::K>;
+// Every FP8 kernel (fp8_sm90.cu, fp8_sm100.cu, fp8_grouped_*.cu): 128x128x128 tiles (one k-tile per
 // 128-input scale block), no clusters.
 using Fp8TileShape = cute::Shape<cute::_128, cute::_128, cute::_128>;
 using Fp8ClusterShape = cute::Shape<cute::_1, cute::_1, cute::_1>;

@@ -3,6 +3,8 @@
 //   fp8_sm90.cu  Hopper: TMA + wgmma FP8, warp-specialized cooperative kernel, 128x128x128
 //                tiles; after each 128-deep k-tile the partial sums are promoted into the
 //                fp32 accumulator: acc += P * (sfa * sfb).
+//   fp8_sm100.cu Blackwell (sm_100a / sm_103a): TMA + tcgen05 FP8, 1-SM 128x128x128 tiles,
+//                the same per-k-tile promotion (CUTLASS example 81), same scale layouts.
 //   D[M, N] (F32) = sum_b P_b(A, B) * SFA[b][m] * SFB[n / 128][b]   (+ D when accumulating)
 // A: E4M3 [M, K] row-major (the activation codes, quant.h), SFA: F32 per row and 128-input
 // block, MN-major (sfa[b * M + m]); B: E4M3 [N, K] row-major (the checkpoint's weight codes),
@@ -11,7 +13,7 @@
 // on K (batch invariance, as bf16_gemm.h).
 // Plain C++ (no CUTLASS types), included by gemm_tc.cu.
 //
-// Status: compiled for sm_90a, NOT yet run on a GPU.
+// Status: compiled for sm_90a / sm_100a / sm_103a, NOT yet run on a GPU.
 #pragma once
 #include <cstddef>
 #include <cstdint>
@@ -40,8 +42,10 @@ size_t fp8_gemm_workspace(int sm, const Fp8GemmArgs& a);
 // Launches on `stream`: "" on success, else why not.
 std::string fp8_gemm(int sm, const Fp8GemmArgs& a, void* workspace, CUstream_st* stream);
 
-// Defined in fp8_sm90.cu when built.
+// Defined in fp8_sm90.cu / fp8_sm100.cu when built.
 size_t fp8_gemm_sm90_workspace(const Fp8GemmArgs& a);
 std::string fp8_gemm_sm90(const Fp8GemmArgs& a, void* workspace, CUstream_st* stream);
+size_t fp8_gemm_sm100_workspace(const Fp8GemmArgs& a);
+std::string fp8_gemm_sm100(const Fp8GemmArgs& a, void* workspace, CUstream_st* stream);
 
 }  // namespace dflash2::cuda::tc

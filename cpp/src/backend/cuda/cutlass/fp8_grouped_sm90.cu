@@ -1,161 +1,24 @@
 // cuda/cutlass/fp8_grouped_sm90.cu: the Hopper (sm_90a) FP8 block-128 grouped GEMM of
-// fp8_grouped_gemm.h: CUTLASS's ptr-array blockwise-scaled wgmma mainloop
-// (KernelPtrArrayTmaWarpSpecializedCooperativeFP8Blockwise) with the ptr-array epilogue,
-// 128x128x128 tiles, cluster 1x1x1, the scale layouts of fp8_config.cuh (activations 1 x 128
-// MN-major per group, weights 128 x 128 K-major: the checkpoint's weight_scale_inv), F32 out
-// (beta = 0). A setup kernel writes every group's problem size, pointers, strides and scale
-// layouts from the device-side offsets; the GEMM reads them (no host synchronization).
-// Built for sm_90a only (the dflash2_cutlass_fp8grpsm90 object library).
+// fp8_grouped_gemm.h (fp8_grouped_kernel.cuh): CUTLASS's ptr-array blockwise-scaled wgmma
+// mainloop (KernelPtrArrayTmaWarpSpecializedCooperativeFP8Blockwise, CUTLASS example 68
+// style) with the cooperative ptr-array epilogue. Built for sm_90a only (the
+// dflash2_cutlass_fp8grpsm90 object library).
 //
 // Status: compiled, NOT yet run on a GPU.
-#include "backend/cuda/cutlass/fp8_config.cuh"
-#include "backend/cuda/cutlass/fp8_grouped_gemm.h"
-#include "backend/cuda/cutlass/gemm_runner.cuh"
-#include "cutlass/gemm/group_array_problem_shape.hpp"
+#include "backend/cuda/cutlass/fp8_grouped_kernel.cuh"
 
 namespace dflash2::cuda::tc {
 
 namespace {
-using ElementAB = cutlass::float_e4m3_t;
-using TileShape = Fp8TileShape;
-using ClusterShape = Fp8ClusterShape;
-using ScaleConfig = Fp8ScaleConfig;
-using LayoutSFA = Fp8LayoutSFA;
-using LayoutSFB = Fp8LayoutSFB;
-using LayoutA = cutlass::layout::RowMajor;
-using LayoutB = cutlass::layout::ColumnMajor;
-using LayoutC = cutlass::layout::RowMajor;
-using ProblemShape = cutlass::gemm::GroupProblemShape<cute::Shape<int, int, int>>;
-
-using Epilogue = typename cutlass::epilogue::collective::CollectiveBuilder<
-    cutlass::arch::Sm90, cutlass::arch::OpClassTensorOp, TileShape, ClusterShape,
-    cutlass::epilogue::collective::EpilogueTileAuto, float, float, float, LayoutC*, 4, float, LayoutC*, 4,
-    cutlass::epilogue::PtrArrayTmaWarpSpecializedCooperative,
-    cutlass::epilogue::fusion::LinearCombination<float, float>>::CollectiveOp;
-using Mainloop = typename cutlass::gemm::collective::CollectiveBuilder<
-    cutlass::arch::Sm90, cutlass::arch::OpClassTensorOp, ElementAB, cute::tuple<LayoutA*, LayoutSFA*>, 16, ElementAB,
-    cute::tuple<LayoutB*, LayoutSFB*>, 16, float, TileShape, ClusterShape,
-    cutlass::gemm::collective::StageCountAutoCarveout<static_cast<int>(sizeof(typename Epilogue::SharedStorage))>,
-    cutlass::gemm::KernelPtrArrayTmaWarpSpecializedCooperativeFP8Blockwise>::CollectiveOp;
-using Kernel = cutlass::gemm::kernel::GemmUniversal<ProblemShape, Mainloop, Epilogue>;
-using Gemm = cutlass::gemm::device::GemmUniversalAdapter<Kernel>;
-
-using StrideA = typename Kernel::InternalStrideA;
-using StrideB = typename Kernel::InternalStrideB;
-using StrideC = typename Kernel::InternalStrideC;
-using StrideD = typename Kernel::InternalStrideD;
-using Shape3 = typename ProblemShape::UnderlyingProblemShape;
-
-// The per-group arrays in params, each 256-byte aligned.
-struct Params {
-  Shape3* shapes;
-  const ElementAB** pa;
-  const ElementAB** pb;
-  const float** psfa;
-  const float** psfb;
-  const float** pc;
-  float** pd;
-  StrideA* sa;
-  StrideB* sb;
-  StrideC* sc;
-  StrideD* sd;
-  LayoutSFA* lsfa;
-  LayoutSFB* lsfb;
-};
-
-size_t align256(size_t v) { return (v + 255) / 256 * 256; }
-
-template <class T>
-void carve(uint8_t*& p, T*& out, int groups) {
-  out = reinterpret_cast<T*>(p);
-  p += align256(sizeof(T) * size_t(groups));
-}
-
-Params carve_params(void* base, int groups) {
-  Params q;
-  uint8_t* p = static_cast<uint8_t*>(base);
-  carve(p, q.shapes, groups);
-  carve(p, q.pa, groups);
-  carve(p, q.pb, groups);
-  carve(p, q.psfa, groups);
-  carve(p, q.psfb, groups);
-  carve(p, q.pc, groups);
-  carve(p, q.pd, groups);
-  carve(p, q.sa, groups);
-  carve(p, q.sb, groups);
-  carve(p, q.sc, groups);
-  carve(p, q.sd, groups);
-  carve(p, q.lsfa, groups);
-  carve(p, q.lsfb, groups);
-  return q;
-}
-
-__global__ void setup_groups(Params q, int groups, int N, int K, const int32_t* __restrict__ off,
-                             const uint8_t* __restrict__ a, const float* __restrict__ sfa,
-                             const void* const* __restrict__ b, const float* const* __restrict__ sfb,
-                             float* __restrict__ d) {
-  const int g = blockIdx.x * blockDim.x + threadIdx.x;
-  if (g >= groups) return;
-  const int64_t r0 = off[g];
-  const int M = int(off[g + 1] - r0);
-  const int nbk = (K + 127) / 128;
-  q.shapes[g] = Shape3{M, N, K};
-  q.pa[g] = reinterpret_cast<const ElementAB*>(a + r0 * K);
-  q.pb[g] = static_cast<const ElementAB*>(b[g]);
-  q.psfa[g] = sfa + int64_t(nbk) * r0;
-  q.psfb[g] = sfb[g];
-  q.pc[g] = d + r0 * N;
-  q.pd[g] = d + r0 * N;
-  q.sa[g] = cutlass::make_cute_packed_stride(StrideA{}, cute::make_shape(M, K, 1));
-  q.sb[g] = cutlass::make_cute_packed_stride(StrideB{}, cute::make_shape(N, K, 1));
-  q.sc[g] = cutlass::make_cute_packed_stride(StrideC{}, cute::make_shape(M, N, 1));
-  q.sd[g] = cutlass::make_cute_packed_stride(StrideD{}, cute::make_shape(M, N, 1));
-  // (the ptr-array collective rebuilds both scale layouts from the group's shape in the
-  // kernel; these copies are what its Arguments carry)
-  q.lsfa[g] = ScaleConfig::tile_atom_to_shape_SFA(cute::make_shape(M, N, K, 1));
-  q.lsfb[g] = ScaleConfig::tile_atom_to_shape_SFB(cute::make_shape(M, N, K, 1));
-}
-
-Gemm::Arguments make_arguments(const Fp8GroupedArgs& a, const Params& q) {
-  Gemm::Arguments args{cutlass::gemm::GemmUniversalMode::kGrouped,
-                       {a.groups, q.shapes, nullptr},
-                       {q.pa, q.sa, q.pb, q.sb, q.psfa, q.lsfa, q.psfb, q.lsfb},
-                       {{}, q.pc, q.sc, q.pd, q.sd},
-                       detail::hw_info()};
-  auto& f = args.epilogue.thread;
-  f.alpha = 1.0f;
-  f.beta = 0.0f;
-  f.alpha_ptr = nullptr;
-  f.beta_ptr = nullptr;
-  f.alpha_ptr_array = nullptr;
-  f.beta_ptr_array = nullptr;
-  f.dAlpha = {cute::_0{}, cute::_0{}, 0};
-  f.dBeta = {cute::_0{}, cute::_0{}, 0};
-  return args;
-}
+using G = grouped::Fp8GroupedGemm<cutlass::arch::Sm90, cutlass::epilogue::PtrArrayTmaWarpSpecializedCooperative,
+                                  cutlass::gemm::KernelPtrArrayTmaWarpSpecializedCooperativeFP8Blockwise,
+                                  Fp8ScaleConfig>;
 }  // namespace
 
-size_t fp8_grouped_sm90_params_bytes(int groups) {
-  const size_t g = size_t(groups);
-  return align256(sizeof(Shape3) * g) + 6 * align256(sizeof(void*) * g) + align256(sizeof(StrideA) * g) +
-         align256(sizeof(StrideB) * g) + align256(sizeof(StrideC) * g) + align256(sizeof(StrideD) * g) +
-         align256(sizeof(LayoutSFA) * g) + align256(sizeof(LayoutSFB) * g);
-}
-
-size_t fp8_grouped_sm90_workspace(const Fp8GroupedArgs& a) {
-  Params q{};
-  return Gemm::get_workspace_size(make_arguments(a, q));
-}
-
+size_t fp8_grouped_sm90_params_bytes(int groups) { return G::params_bytes(groups); }
+size_t fp8_grouped_sm90_workspace(const Fp8GroupedArgs& a) { return G::workspace(a); }
 std::string fp8_grouped_sm90(const Fp8GroupedArgs& a, void* workspace, CUstream_st* stream) {
-  if (a.groups <= 0) return "";
-  const Params q = carve_params(a.params, a.groups);
-  setup_groups<<<(a.groups + 127) / 128, 128, 0, stream>>>(q, a.groups, a.N, a.K, a.offsets,
-                                                            static_cast<const uint8_t*>(a.a), a.sfa, a.b, a.sfb, a.d);
-  const cudaError_t e = cudaGetLastError();
-  if (e != cudaSuccess)
-    return std::string("fp8_grouped_sm90: the setup kernel did not launch (") + cudaGetErrorString(e) + ")";
-  return detail::launch<Gemm>(make_arguments(a, q), workspace, stream, "fp8_grouped_sm90", a.groups, a.N, a.K);
+  return G::run(a, workspace, stream, "fp8_grouped_sm90");
 }
 
 }  // namespace dflash2::cuda::tc

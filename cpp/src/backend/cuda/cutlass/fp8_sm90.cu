@@ -33,27 +33,15 @@ using Mainloop = typename cutlass::gemm::collective::CollectiveBuilder<
 using Kernel = cutlass::gemm::kernel::GemmUniversal<cute::Shape<int, int, int, int>, Mainloop, Epilogue>;
 using Gemm = cutlass::gemm::device::GemmUniversalAdapter<Kernel>;
 
-Gemm::Arguments make_arguments(const Fp8GemmArgs& a) {
-  using ElementAB = cutlass::float_e4m3_t;
-  const auto shape = cute::make_shape(a.M, a.N, a.K, 1);
-  Gemm::Arguments args{
-      cutlass::gemm::GemmUniversalMode::kGemm,
-      {a.M, a.N, a.K, 1},
-      {static_cast<const ElementAB*>(a.a), detail::row_stride<Kernel::StrideA>(a.M, a.K, a.lda),
-       static_cast<const ElementAB*>(a.b), detail::row_stride<Kernel::StrideB>(a.N, a.K, a.ldb), a.sfa,
-       ScaleConfig::tile_atom_to_shape_SFA(shape), a.sfb, ScaleConfig::tile_atom_to_shape_SFB(shape)},
-      {{1.0f, a.accumulate ? 1.0f : 0.0f},
-       a.d, detail::row_stride<Kernel::StrideC>(a.M, a.N, a.ldd),
-       a.d, detail::row_stride<Kernel::StrideD>(a.M, a.N, a.ldd)},
-      detail::hw_info()};
-  return args;
-}
 }  // namespace
 
-size_t fp8_gemm_sm90_workspace(const Fp8GemmArgs& a) { return Gemm::get_workspace_size(make_arguments(a)); }
+size_t fp8_gemm_sm90_workspace(const Fp8GemmArgs& a) {
+  return Gemm::get_workspace_size(detail::fp8_arguments<Gemm, ScaleConfig>(a));
+}
 
 std::string fp8_gemm_sm90(const Fp8GemmArgs& a, void* workspace, CUstream_st* stream) {
-  return detail::launch<Gemm>(make_arguments(a), workspace, stream, "fp8_gemm_sm90", a.M, a.N, a.K);
+  return detail::launch<Gemm>(detail::fp8_arguments<Gemm, ScaleConfig>(a), workspace, stream, "fp8_gemm_sm90", a.M, a.N,
+                              a.K);
 }
 
 }  // namespace dflash2::cuda::tc

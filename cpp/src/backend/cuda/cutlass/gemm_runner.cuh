@@ -7,6 +7,7 @@
 #include <string>
 
 #include "backend/cuda/cutlass/bf16_gemm.h"
+#include "backend/cuda/cutlass/fp8_gemm.h"
 #include "backend/cuda/device_attr.cuh"
 #include "cute/tensor.hpp"
 #include "cutlass/cutlass.h"
@@ -59,6 +60,27 @@ Stride row_stride(int rows, int cols, int64_t ld) {
   Stride s = cutlass::make_cute_packed_stride(Stride{}, cute::make_shape(rows, cols, 1));
   cute::get<0>(s) = ld;
   return s;
+}
+
+// The FP8 block-128 GEMM's arguments (fp8_gemm.h) for a blockwise-scaled Gemm of either
+// architecture: E4M3 A / B with their real row strides, the scale layouts of ScaleConfig
+// over (M, N, K), F32 D (also C: beta = 1 when accumulating).
+template <class Gemm, class ScaleConfig>
+typename Gemm::Arguments fp8_arguments(const Fp8GemmArgs& a) {
+  using Kernel = typename Gemm::GemmKernel;
+  using ElementAB = cutlass::float_e4m3_t;
+  const auto shape = cute::make_shape(a.M, a.N, a.K, 1);
+  typename Gemm::Arguments args{
+      cutlass::gemm::GemmUniversalMode::kGemm,
+      {a.M, a.N, a.K, 1},
+      {static_cast<const ElementAB*>(a.a), row_stride<typename Kernel::StrideA>(a.M, a.K, a.lda),
+       static_cast<const ElementAB*>(a.b), row_stride<typename Kernel::StrideB>(a.N, a.K, a.ldb), a.sfa,
+       ScaleConfig::tile_atom_to_shape_SFA(shape), a.sfb, ScaleConfig::tile_atom_to_shape_SFB(shape)},
+      {{1.0f, a.accumulate ? 1.0f : 0.0f},
+       a.d, row_stride<typename Kernel::StrideC>(a.M, a.N, a.ldd),
+       a.d, row_stride<typename Kernel::StrideD>(a.M, a.N, a.ldd)},
+      hw_info()};
+  return args;
 }
 
 template <class Gemm>
