@@ -213,7 +213,7 @@ def test_steps_run_as_one_unit_where_they_can():
                 units.append((eng.metrics()["steps_as_one_unit"], max(r.stats["verify_steps"] for r in res)))
                 eng.close()
             assert out[0] == out[1], (method, temperature)
-            (one, steps), (small, _) = units
+            (one, steps), (small, steps_small) = units
             assert steps >= 1, units
             if method == "mtp":
                 assert one == small == 0, units
@@ -221,5 +221,5 @@ def test_steps_run_as_one_unit_where_they_can():
                 assert one >= steps, (method, temperature, units)  # every step of the batch
                 if method == "dflash2":  # steps with both sequences are not queued (one alone fits)
                     assert small < one, units
-                else:  # ar: 2 x 1 token <= 8
-                    assert small == one, units
+                else:  # ar: 2 x 1 token <= 8, every step still fits
+                    assert small >= steps_small, units

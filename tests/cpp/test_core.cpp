@@ -5,6 +5,7 @@
 
 #include "dflash2/dflash2.h"
 #include "ops/philox.h"
+#include "runtime/step_graphs.h"
 #include "testing.h"
 
 using namespace dflash2;
@@ -172,6 +173,38 @@ TEST(philox_known_answers) {
   }
   CHECK(lo < 0.001 && hi > 0.999 && std::fabs(sum / 20000 - 0.5) < 0.01);
   CHECK(dflash2::philox::uniform(1, 7) != dflash2::philox::uniform(2, 7));
+}
+
+// The whole-step queue (runtime/step_graphs.h): pieces run in the order they were queued,
+// only at the flush; a failing piece stops recording and propagates; cancel drops the queue.
+TEST(step_recorder_runs_the_queue_in_order_at_the_flush) {
+  dflash2::runtime::StepRecorder rec;
+  std::vector<int> ran;
+  CHECK(!rec.recording());
+  CHECK_THROWS(rec.add("x", [] {}), "while not recording");
+  rec.begin();
+  CHECK(rec.recording());
+  for (int i = 0; i < 3; ++i) rec.add("p" + std::to_string(i), [&ran, i] { ran.push_back(i); });
+  CHECK(ran.empty());  // queued, not run
+  rec.flush(nullptr, 0);
+  CHECK(!rec.recording() && rec.steps() == 1);
+  CHECK(ran == std::vector<int>({0, 1, 2}));
+  // a piece that throws: the error reaches the caller, recording is off, the step is not counted
+  rec.begin();
+  rec.add("a", [&ran] { ran.push_back(7); });
+  rec.add("b", [] { dflash2::fail(dflash2::ErrorKind::Backend, "piece failed"); });
+  rec.add("c", [&ran] { ran.push_back(8); });
+  CHECK_THROWS(rec.flush(nullptr, 0), "piece failed");
+  CHECK(!rec.recording() && rec.steps() == 1);
+  CHECK(ran == std::vector<int>({0, 1, 2, 7}));
+  // cancel: nothing runs, a later step starts empty
+  rec.begin();
+  rec.add("d", [&ran] { ran.push_back(9); });
+  rec.cancel();
+  CHECK(!rec.recording());
+  rec.begin();
+  rec.flush(nullptr, 0);
+  CHECK(rec.steps() == 2 && ran.size() == 4);
 }
 
 TEST_MAIN()

@@ -56,6 +56,7 @@ void Core::allocate_buffers() {
   no_drafts = Tensor::zeros(DType::I32, {B, 1});
   marks = StepMarks(device, 4);
   if (device.is_cuda()) {
+    d_no_drafts = Tensor::zeros(DType::I32, {B, 1}, device);
     d_res = Tensor::zeros(DType::I32, {res_words}, device);
     d_flags = d_res.slice(0, 0, verify_rows);
     d_accepted = d_res.slice(0, verify_rows, verify_rows + B);
@@ -113,7 +114,7 @@ void Core::upload_inputs(int64_t n, bool accept) {
 
 void Core::download_results(int64_t draft_rows) {
   // one asynchronous copy of the results (and the drafts that came with them), then the wait
-  const int64_t head = d_res.numel() - d_step_drafts.numel();
+  const int64_t head = d_res.numel() - (d_step_drafts.defined() ? d_step_drafts.numel() : 0);
   const int64_t words = head + (d_step_drafts.defined() ? draft_rows * d_step_drafts.shape(1) : 0);
   res_pin.fetch(d_res.data(), size_t(words) * 4);
   res_pin.wait();
@@ -185,7 +186,9 @@ void Core::accept_rows(int64_t rows, int64_t S, const Tensor& drafts, const Tens
   upload_inputs(S, true);
   ops::SamplingTensors sp{d_temp.slice(0, 0, S), d_topp.slice(0, 0, S), d_topk.slice(0, 0, S)};
   Tensor rng = d_rng.slice(0, 0, S), acc = d_accepted.slice(0, 0, S), bon = d_bonus.slice(0, 0, S);
-  Tensor dd = upload_whole(drafts, d_drafts, device);
+  // (ar passes no_drafts: its device copy, uploaded once, so the step does not wait here)
+  Tensor dd = drafts.data() == no_drafts.data() ? d_no_drafts.slice(0, 0, drafts.shape(0))
+                                                : upload_whole(drafts, d_drafts, device);
   Tensor dc = upload_whole(cand, d_cand, device), dq = upload_whole(q, d_q, device);
   // drafts the drafter left on this device come back with the results (the host plans the
   // next step from them): the rows the plan refers to, copied beside the results

@@ -54,6 +54,7 @@ struct Core {
   // the drafter's own host tensor, or the copy that came back with the results.
   Tensor drafts_host;
   Tensor d_drafts, d_cand, d_q;  // grown to the drafter's shapes on first use
+  Tensor d_no_drafts;            // CUDA: no_drafts on the device (ar), uploaded once
 
   // Allocates the step buffers for the target / drafter already set.
   void allocate_buffers();

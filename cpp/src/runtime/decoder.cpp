@@ -248,9 +248,15 @@ void Decoder::step() {
   } cancel_on_throw{rec};
   // 1. draft. The phases' times come from marks (Core::marks): on a GPU, events on the
   // device's timeline read after the step's one wait; on the CPU, the host's clock.
+  // In a recorded step every mark is a piece of the step's graph, so draft_s is the draft
+  // forward inside it; the drafter's context appends before the graph count as host_s.
   c_.marks.reset();
-  c_.marks.mark(0);
-  if (record) rec.begin();
+  if (record) {
+    rec.begin();
+    rec.add("mark0|", c_.marks.deferred(0));
+  } else {
+    c_.marks.mark(0);
+  }
   const DraftResult* dr = nullptr;
   if (drafter) {
     jobs_.clear();

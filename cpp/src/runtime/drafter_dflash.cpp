@@ -93,6 +93,10 @@ class DFlashRunner final : public Drafter {
         d_cand_ = Tensor::zeros(DType::I32, {maxB, B - 1, c.selector_top_k}, dev_);
         d_q_ = Tensor::zeros(DType::F32, {maxB, B - 1, c.selector_top_k}, dev_);
       }
+      // the outputs live on the device from the start (also after a draft of no rows: the
+      // decode loop's token references and acceptance always read them there)
+      res_.dev_tokens = d_tokens_;
+      res_.dev_cand = d_cand_;
     }
   }
   int64_t draft_len() const override { return m_->block_size() - 1; }
@@ -171,6 +175,7 @@ class DFlashRunner final : public Drafter {
       sample = sample || s_j;
     }
     res_.has_q = sample;
+    res_.dev_q = Tensor();
     last_rows_ = 0;
     const int64_t A = int64_t(streams.size());
     if (A == 0) return res_;
@@ -232,8 +237,6 @@ class DFlashRunner final : public Drafter {
     }
     // the outputs stay on the device (no wait here): fetch_host() brings them back on demand
     last_rows_ = A;
-    res_.dev_tokens = d_tokens_;
-    res_.dev_cand = d_cand_.defined() ? d_cand_ : Tensor();
     res_.dev_q = d_cand_.defined() && sample ? d_q_ : Tensor();
     return res_;
   }

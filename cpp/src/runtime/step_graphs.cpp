@@ -125,7 +125,6 @@ void StepRecorder::flush(ForwardGraphs* graphs, int device) {
   std::vector<std::function<void()>> fns;
   fns.swap(fns_);
   on_ = false;
-  ++steps_;
   const auto run_all = [&] {
     for (auto& f : fns) f();
   };
@@ -133,6 +132,7 @@ void StepRecorder::flush(ForwardGraphs* graphs, int device) {
   if (graphs) {
     cuda::OrderedStreamScope scope(graphs->stream(), device);
     graphs->run("step#" + key_, run_all);
+    ++steps_;
     return;
   }
 #else
@@ -140,6 +140,7 @@ void StepRecorder::flush(ForwardGraphs* graphs, int device) {
 #endif
   (void)device;
   run_all();
+  ++steps_;
 }
 
 GraphStats ForwardGraphs::stats() const {

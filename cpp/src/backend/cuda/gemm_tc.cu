@@ -106,6 +106,8 @@ size_t fp8_gemm_workspace(int sm, const Fp8GemmArgs& a) {
 }
 
 std::string fp8_gemm(int sm, const Fp8GemmArgs& a, void* workspace, CUstream_st* stream) {
+  // CUTLASS's can_implement checks M % 4 through the scale layout, not the scales' base
+  if (reinterpret_cast<uintptr_t>(a.sfa) % 16 != 0) return "the activation scales must be 16-byte aligned";
 #if defined(DFLASH2_CUTLASS_FP8SM90)
   if (sm == 90) return fp8_gemm_sm90(a, workspace, stream);
 #endif

@@ -23,6 +23,11 @@ using Fp8GroupedKMajorScaleConfig =
 // Every FP8 kernel (fp8_sm90.cu, fp8_sm100.cu, fp8_grouped_*.cu): 128x128x128 tiles (one k-tile per
 // 128-input scale block), no clusters.
 using Fp8TileShape = cute::Shape<cute::_128, cute::_128, cute::_128>;
+// One weight scale per tile (N and K tile = the 128 x 128 block): what the kernels' scale
+// loads assume (and what keeps CUTLASS 4.2's smem_atom_layoutSFB, which reads majorSFA
+// where it means majorSFB, harmless: a one-scale tile has no major).
+static_assert(cute::size<1>(Fp8TileShape{}) == 128 && cute::size<2>(Fp8TileShape{}) == 128,
+              "the FP8 kernels assume one 128 x 128 weight-scale block per tile");
 using Fp8ClusterShape = cute::Shape<cute::_1, cute::_1, cute::_1>;
 
 }  // namespace dflash2::cuda::tc

@@ -24,10 +24,10 @@ struct CUstream_st;
 namespace dflash2::cuda::tc {
 
 struct Fp8GemmArgs {
-  int M = 0, N = 0, K = 0;    // M % 4 == 0 (SFA rows are TMA-loaded), N % 4 == 0, K % 16 == 0
+  int M = 0, N = 0, K = 0;    // M % 4 == 0 (the SFA columns are loaded in 16-byte vectors), N % 4 == 0, K % 16 == 0
   const void* a = nullptr;    // E4M3 [M, K], row stride lda bytes (lda % 16 == 0, 16-byte aligned base)
   int64_t lda = 0;
-  const float* sfa = nullptr; // F32 [ceil(K / 128), M] (16-byte aligned)
+  const float* sfa = nullptr; // F32 [ceil(K / 128), M] (16-byte aligned: checked by fp8_gemm)
   const void* b = nullptr;    // E4M3 [N, K], row stride ldb bytes (ldb % 16 == 0, 16-byte aligned base)
   int64_t ldb = 0;
   const float* sfb = nullptr; // F32 [ceil(N / 128), ceil(K / 128)], contiguous

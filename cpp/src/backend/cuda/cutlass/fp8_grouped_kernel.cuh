@@ -12,6 +12,8 @@
 //
 // Status: compiled, NOT yet run on a GPU.
 #pragma once
+#include <cstdint>
+#include <string>
 #include <type_traits>
 
 #include "backend/cuda/cutlass/fp8_config.cuh"
@@ -153,8 +155,8 @@ __global__ void setup_groups(typename G::Params q, int groups, int N, int K, con
   q.sb[g] = cutlass::make_cute_packed_stride(typename G::StrideB{}, cute::make_shape(N, K, 1));
   q.sc[g] = cutlass::make_cute_packed_stride(typename G::StrideC{}, cute::make_shape(M, N, 1));
   q.sd[g] = cutlass::make_cute_packed_stride(typename G::StrideD{}, cute::make_shape(M, N, 1));
-  // (the ptr-array collectives rebuild both scale layouts from the group's shape in the
-  // kernel; these copies are what their Arguments carry)
+  // (the sm90 ptr-array collective rebuilds both scale layouts from the group's shape in
+  // the kernel, but the sm100 one reads these per group: they are required there)
   q.lsfa[g] = G::ScaleConfig::tile_atom_to_shape_SFA(cute::make_shape(M, N, K, 1));
   q.lsfb[g] = G::ScaleConfig::tile_atom_to_shape_SFB(cute::make_shape(M, N, K, 1));
 }
@@ -163,6 +165,12 @@ template <class Arch, class EpilogueSchedule, class MainloopSchedule, class Scal
 std::string Fp8GroupedGemm<Arch, EpilogueSchedule, MainloopSchedule, ScaleConfig_>::run(const Fp8GroupedArgs& a, void* workspace,
                                                                            CUstream_st* stream, const char* what) {
   if (a.groups <= 0) return "";
+  // with the group shapes on the device CUTLASS checks no group: what every group's TMA
+  // descriptors need is checked here (each group's A / D start r0 rows in: 16-byte rows)
+  if (a.K % 16 != 0 || a.N % 4 != 0 || reinterpret_cast<uintptr_t>(a.a) % 16 != 0 ||
+      reinterpret_cast<uintptr_t>(a.d) % 16 != 0 || reinterpret_cast<uintptr_t>(a.params) % 256 != 0)
+    return std::string(what) + ": K must be a multiple of 16, N of 4, A and D 16-byte aligned and params 256-byte "
+           "aligned (K " + std::to_string(a.K) + ", N " + std::to_string(a.N) + ")";
   const Params q = carve_params(a.params, a.groups);
   setup_groups<Fp8GroupedGemm><<<(a.groups + 127) / 128, 128, 0, stream>>>(
       q, a.groups, a.N, a.K, a.offsets, static_cast<const uint8_t*>(a.a), a.sfa, a.b, a.sfb, a.d);
