@@ -53,10 +53,9 @@ void Core::allocate_buffers() {
   a_draft_len = Tensor::zeros(DType::I32, {B});
   a_accepted = h_res.slice(0, verify_rows, verify_rows + B);
   a_bonus = h_res.slice(0, verify_rows + B, verify_rows + 2 * B);
-  no_drafts = Tensor::zeros(DType::I32, {B, 1});
+  no_drafts = Tensor::zeros(DType::I32, {B, 1}, device);
   marks = StepMarks(device, 4);
   if (device.is_cuda()) {
-    d_no_drafts = Tensor::zeros(DType::I32, {B, 1}, device);
     d_res = Tensor::zeros(DType::I32, {res_words}, device);
     d_flags = d_res.slice(0, 0, verify_rows);
     d_accepted = d_res.slice(0, verify_rows, verify_rows + B);
@@ -70,7 +69,6 @@ void Core::allocate_buffers() {
     // top-p (F32), top-k, row0, draft_row, draft_len (I32), B each
     const int64_t words = 4 * B + 6 * B;  // in 4-byte words
     in_up = StagedUpload(device, words);
-    d_in = in_up.device_buffer();
     d_rng = in_up.view(0, DType::I64, {B, 2});
     d_temp = in_up.view(4 * B, DType::F32, {B});
     d_topp = in_up.view(5 * B, DType::F32, {B});
@@ -186,9 +184,8 @@ void Core::accept_rows(int64_t rows, int64_t S, const Tensor& drafts, const Tens
   upload_inputs(S, true);
   ops::SamplingTensors sp{d_temp.slice(0, 0, S), d_topp.slice(0, 0, S), d_topk.slice(0, 0, S)};
   Tensor rng = d_rng.slice(0, 0, S), acc = d_accepted.slice(0, 0, S), bon = d_bonus.slice(0, 0, S);
-  // (ar passes no_drafts: its device copy, uploaded once, so the step does not wait here)
-  Tensor dd = drafts.data() == no_drafts.data() ? d_no_drafts.slice(0, 0, drafts.shape(0))
-                                                : upload_whole(drafts, d_drafts, device);
+  // a device drafter's drafts and ar's no_drafts are read in place; a host drafter's go up
+  Tensor dd = upload_whole(drafts, d_drafts, device);
   Tensor dc = upload_whole(cand, d_cand, device), dq = upload_whole(q, d_q, device);
   // drafts the drafter left on this device come back with the results (the host plans the
   // next step from them): the rows the plan refers to, copied beside the results

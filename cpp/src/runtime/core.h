@@ -26,14 +26,16 @@ struct Core {
   Tensor logits, taps_buf, fin, flags;
   // sampling / acceptance plan rows (one per sequence of a step), filled on the host
   Tensor s_temp, s_topp, s_topk, s_rng, s_out;
-  Tensor a_row0, a_draft_row, a_draft_len, a_accepted, a_bonus, no_drafts;
+  Tensor a_row0, a_draft_row, a_draft_len, a_accepted, a_bonus;
+  Tensor no_drafts;  // I32 [B, 1] zeros on `device` (ar's drafts: acceptance reads them there)
   // host bookkeeping reused across steps
   std::vector<std::vector<Piece>> chunks;
 
   // CUDA target: `logits` lives on the target's (rank 0's) device and the decode loop's ops
   // run there on device copies of the plan rows below. The rows a step needs (sampling
   // parameters, Philox states, acceptance rows) are packed on the host into pinned staging
-  // and go up in one asynchronous copy (in_up; d_in views its device buffer); the flags,
+  // and go up in one asynchronous copy (in_up; d_rng .. d_draft_len view its device
+  // buffer); the flags,
   // accepted counts, bonus and sampled tokens are written into one device buffer (d_res
   // views), and a drafter on the device has its drafts copied beside them (device to
   // device), so all of it comes back in one asynchronous copy into pinned memory (h_res),
@@ -42,9 +44,9 @@ struct Core {
   // (Drafter::device(): the GPU for the DFlash drafter without tensor parallelism, else
   // the host).
   Device device = Device::cpu();
-  Tensor d_in, d_res, h_res;  // d_in: packed inputs; d_res / h_res: packed results (device / host)
+  Tensor d_res, h_res;  // packed results (device / host)
   Tensor d_flags, d_temp, d_topp, d_topk, d_rng, d_out, d_row0, d_draft_row, d_draft_len, d_accepted, d_bonus;
-  StagedUpload in_up;     // CUDA: d_in's staging
+  StagedUpload in_up;     // CUDA: the packed inputs' staging and device buffer
   PinnedResults res_pin;  // CUDA: h_res's pinned memory
   Tensor d_step_drafts, h_step_drafts;  // I32 [max_batch_size + 1, K]: regions of d_res / h_res
   // Marks of a decode step: 0 before the draft, 1 after it, 2 after the verify pass, 3
@@ -54,7 +56,6 @@ struct Core {
   // the drafter's own host tensor, or the copy that came back with the results.
   Tensor drafts_host;
   Tensor d_drafts, d_cand, d_q;  // grown to the drafter's shapes on first use
-  Tensor d_no_drafts;            // CUDA: no_drafts on the device (ar), uploaded once
 
   // Allocates the step buffers for the target / drafter already set.
   void allocate_buffers();
@@ -71,7 +72,7 @@ struct Core {
   // selector's cand / q (undefined: one-hot proposals) on the host or already on the device.
   void accept_rows(int64_t rows, int64_t S, const Tensor& drafts, const Tensor& cand, const Tensor& q);
   // CUDA: packs the first n sampling rows (and with accept the acceptance rows) into the
-  // staging and uploads them into d_in in one asynchronous copy; brings d_res back into
+  // staging and uploads them in one asynchronous copy; brings d_res back into
   // h_res in one asynchronous copy (with the first draft_rows rows of the drafts region)
   // and waits for it.
   void upload_inputs(int64_t n, bool accept);

@@ -108,12 +108,12 @@ PinnedResults::~PinnedResults() = default;
 PinnedResults::PinnedResults(PinnedResults&&) noexcept = default;
 PinnedResults& PinnedResults::operator=(PinnedResults&&) noexcept = default;
 
-void PinnedResults::fetch(const void* src, size_t bytes, size_t byte_offset) {
-  DFLASH2_INTERNAL(state_ != nullptr && byte_offset + bytes <= state_->bytes, "PinnedResults::fetch of ", bytes,
-                   " bytes at ", byte_offset);
+void PinnedResults::fetch(const void* src, size_t bytes) {
+  DFLASH2_INTERNAL(state_ != nullptr && bytes <= state_->bytes, "PinnedResults::fetch of ", bytes, " bytes into ",
+                   state_ ? state_->bytes : 0);
 #ifdef DFLASH2_WITH_CUDA
   if (bytes > 0)
-    cuda::copy_async(static_cast<uint8_t*>(state_->mem.get()) + byte_offset, src, bytes, state_->dev.index);
+    cuda::copy_async(state_->mem.get(), src, bytes, state_->dev.index);
 #else
   (void)src;
 #endif

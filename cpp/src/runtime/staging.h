@@ -53,9 +53,9 @@ class PinnedResults {
   bool defined() const { return state_ != nullptr; }
   // I32 [words] over the pinned memory (the caller takes views of it).
   const Tensor& host() const { return host_; }
-  // Queues a copy of `bytes` from device memory `src` to host().data() + byte_offset on the
-  // current stream; fetches since the last wait() are waited for together.
-  void fetch(const void* src, size_t bytes, size_t byte_offset = 0);
+  // Queues a copy of `bytes` from device memory `src` to host().data() on the current
+  // stream; fetches since the last wait() are waited for together.
+  void fetch(const void* src, size_t bytes);
   // Records an event after the fetches and blocks until it has completed.
   void wait();
 
