@@ -60,7 +60,7 @@ def run_method(method, prompts, new, threads, temperature, top_p, seed, device="
         if r.stats.get("accepted_per_position"):
             pos.append(r.stats["accepted_per_position"])
     m = eng.metrics()
-    graphs = {k: m[k] for k in m if k.startswith("cuda_graphs_") or k == "steps_as_one_unit"}
+    graphs = {k: m[k] for k in m if k.startswith("cuda_graphs_") or k in ("steps_as_one_unit", "padding_rows", "drafter_appends_in_step")}
     return out, {"acceptance_length": float(np.mean(taus)), "tokens_per_second": toks / dec, "cuda_graphs": graphs,
                  "accepted_per_position": np.mean(pos, 0).tolist() if pos else [], "generated_tokens": toks,
                  "decode_s": dec, "decode_split": {k: v / dec for k, v in split.items()} if dec > 0 else {}}

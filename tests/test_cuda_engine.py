@@ -198,19 +198,22 @@ def test_real_dimension_slice(zoo):
 
 
 def test_cuda_graphs_equal_eager(tmp_path):
-    """The target's decode / verify chunks replayed from CUDA graphs -- for ar and dflash2 the
-    whole step (draft, verify, acceptance) as one graph -- give exactly what the same kernels
-    give eagerly (cuda_graphs=False): ar, mtp and dflash2, batch sizes 1..4, greedy and seeded
-    sampling; graphs were captured and replayed, none failed."""
+    """The target's decode / verify chunks replayed from CUDA graphs -- the whole step (draft
+    or MTP chain, verify, acceptance) as one graph -- give exactly what the same kernels
+    give eagerly (cuda_graphs=False): ar, mtp, dflash2 and dflash, batch sizes 1..4, greedy and seeded
+    sampling; graphs were captured and replayed, none failed. With graphs the steps are padded
+    to batch-size buckets (3 sequences run as 4), eagerly not: the tokens are the same."""
     cuda_or_skip()
     pair = F.make_self_drafting_pair(tmp_path)
     tiny = gf.build_model(str(tmp_path / "tiny"), "tiny")
     prompts = [[5, 5, 5], [40, 40, 40, 7], [9, 80, 3], [12]]
-    for target, draft, method in ((tiny, None, "ar"), (tiny, None, "mtp"), (pair.target_dir, pair.draft_dir, "dflash2")):
+    for target, draft, method in ((tiny, None, "ar"), (tiny, None, "mtp"), (pair.target_dir, pair.draft_dir, "dflash2"),
+                                  (pair.target_dir, pair.draft_dir, "dflash")):
         engines = [dflash2_rt.Engine(target=target, draft=draft, method=method, device="cuda", cuda_graphs=g, **KW)
                    for g in (True, False)]
         assert engines[0].cuda_graphs and not engines[1].cuda_graphs
-        for bs in (1, 2, 4):
+        assert engines[0].pad_to_buckets and not engines[1].pad_to_buckets
+        for bs in (1, 2, 3, 4):
             for kw in (dict(), dict(temperature=1.0, top_p=0.9, seed=11)):
                 a, b = [[list(r.token_ids) for r in e.generate(prompts[:bs], max_new_tokens=20, stop_token_ids=NO_STOP,
                                                                **kw)] for e in engines]
@@ -219,9 +222,11 @@ def test_cuda_graphs_equal_eager(tmp_path):
         assert m["cuda_graphs_failed"] == 0, m["cuda_graphs_last_failure"]
         assert m["cuda_graphs_captured"] >= 1 and m["cuda_graphs_replayed"] >= 1, m
         assert engines[1].metrics()["cuda_graphs_replayed"] == 0
-        # ar / dflash2 steps ran as one graph each (the whole step); mtp's piece by piece
-        assert (m["steps_as_one_unit"] >= 1) == (method != "mtp"), (method, m)
+        # the steps ran as one graph each (the whole step, the MTP chain included)
+        assert m["steps_as_one_unit"] >= 1, (method, m)
         assert engines[1].metrics()["steps_as_one_unit"] == 0
+        assert (m["padding_rows"] > 0) == (method != "mtp"), (method, m)
+        assert engines[1].metrics()["padding_rows"] == 0
 
 
 def test_bf16_prefill_on_cuda(zoo):
@@ -336,3 +341,57 @@ def test_dflash_paths_on_cuda(tmp_path):
     same_tokens(ar, prompts[0], res[0], want[0].token_ids, "greedy beside a sampled request")
     V = gpu.vocab_size
     assert len(res[1]) == 24 and all(0 <= t < V for t in res[1])
+
+
+@pytest.fixture(scope="module")
+def small_sampling(tmp_path_factory):
+    """test_speculative's 16-token target and drafters, with the exact distribution of its
+    sampled continuations (computed on the CPU)."""
+    cuda_or_skip()
+    import test_speculative as TS
+
+    return TS, TS.Small(tmp_path_factory.mktemp("small_cuda"))
+
+
+@pytest.mark.parametrize("method", ["ar", "dflash2", "dflash", "mtp"])
+def test_sampling_matches_target_distribution_on_cuda(small_sampling, method):
+    """The statistical losslessness test on the GPU: sampled continuations of every method,
+    with the step captured as one graph and padded to buckets (the defaults there), follow
+    the target's exact distribution (pairwise marginals within the TV bound)."""
+    TS, small = small_sampling
+    draft = {"dflash2": small.d2, "dflash": small.d1}.get(method)
+    kw = dict(mtp_draft_tokens=3) if method == "mtp" else {}
+    if method == "mtp" and not small.ar.has_mtp:
+        pytest.skip("the small target has no MTP layer")
+    eng = dflash2_rt.Engine(target=str(small.target), draft=None if draft is None else str(draft), method=method,
+                            device="cuda", max_batch_size=TS.MAXB, max_seq_len=TS.MAXLEN, **kw)
+    assert eng.cuda_graphs and eng.pad_to_buckets
+    TS.check_sampling_distribution(small, eng, method)
+    assert eng.metrics()["cuda_graphs_failed"] == 0, eng.metrics()["cuda_graphs_last_failure"]
+
+
+def test_stop_tokens_and_page_boundaries_on_cuda(tmp_path):
+    """On the GPU, with the step as one graph and 4-token KV pages (every verify block of 8
+    crosses a page, so each rollback lands inside or at the edge of one): stop tokens cut
+    inside a block exactly where plain greedy decoding would stop, and the rest of the batch
+    (3 sequences padded to 4) goes on equal to greedy, for dflash2 and dflash."""
+    cuda_or_skip()
+    pair = F.make_self_drafting_pair(tmp_path)
+    prompts = [[1, 40], [7, 7, 10], [60], [2, 49]]
+    stops = [50, 15]
+    for method in ("dflash2", "dflash"):
+        eng = dflash2_rt.Engine(target=pair.target_dir, draft=pair.draft_dir, method=method, device="cuda",
+                                max_batch_size=4, max_seq_len=128, kv_block_size=4)
+        for batch in (prompts, prompts[:3]):
+            res = eng.generate(batch, max_new_tokens=30, stop_token_ids=stops)
+            for pr, r in zip(batch, res):
+                full = pair.expected_greedy(pr, 30)["tokens"]
+                cut = next((i for i, t in enumerate(full) if t in stops), None)
+                want = full if cut is None else full[: cut + 1]
+                assert list(r.token_ids) == want, (method, pr, list(r.token_ids), want)
+                assert r.finish_reason == ("length" if cut is None else "stop")
+            assert list(res[0].token_ids) == list(range(41, 51))  # cut in the middle of a block
+        m = eng.metrics()
+        assert m["cuda_graphs_failed"] == 0, m["cuda_graphs_last_failure"]
+        assert m["steps_as_one_unit"] >= 1 and m["padding_rows"] >= 1, m
+        assert m["cache_pages_used"] == 0, m

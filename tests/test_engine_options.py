@@ -196,11 +196,12 @@ def test_gpu_only_options_on_the_cpu():
 
 
 def test_steps_run_as_one_unit_where_they_can():
-    """A decode step's draft, verify pass and acceptance are queued and run together (one
-    CUDA graph on a GPU; in order here): every dflash2 / ar step of a small batch is one unit,
-    a step whose verify pass might need several chunks, and every MTP step (its chain plans
-    each position after the last), run piece by piece, and the tokens are the same either way
-    (greedy and seeded sampling)."""
+    """A decode step's draft (the DFlash block, or the MTP chain position by position),
+    verify pass and acceptance are queued and run together (one CUDA graph on a GPU; in order
+    here): every dflash2 / mtp / ar step of a small batch is one unit, a step whose verify pass
+    might need several chunks runs piece by piece, and the tokens are the same either way
+    (greedy and seeded sampling). The DFlash drafter appends the verified rows to its context
+    inside the step (all of them; acceptance then sets the context's length)."""
     prompts = [PROMPT, [3, 14, 15, 92, 65]]
     for method in ("dflash2", "ar", "mtp"):
         for temperature in (0.0, 0.8):
@@ -210,16 +211,76 @@ def test_steps_run_as_one_unit_where_they_can():
                                         max_batch_size=2, max_seq_len=96, max_step_tokens=step_tokens)
                 res = eng.generate(prompts, max_new_tokens=12, temperature=temperature, seed=5)
                 out.append([r.token_ids for r in res])
-                units.append((eng.metrics()["steps_as_one_unit"], max(r.stats["verify_steps"] for r in res)))
+                m = eng.metrics()
+                units.append((m["steps_as_one_unit"], max(r.stats["verify_steps"] for r in res)))
+                # the DFlash drafter's context append ran inside every such step; MTP / ar have none
+                assert m["drafter_appends_in_step"] == (m["steps_as_one_unit"] if method == "dflash2" else 0), m
                 eng.close()
             assert out[0] == out[1], (method, temperature)
             (one, steps), (small, steps_small) = units
             assert steps >= 1, units
-            if method == "mtp":
-                assert one == small == 0, units
-            else:
-                assert one >= steps, (method, temperature, units)  # every step of the batch
-                if method == "dflash2":  # steps with both sequences are not queued (one alone fits)
-                    assert small < one, units
-                else:  # ar: 2 x 1 token <= 8, every step still fits
-                    assert small >= steps_small, units
+            assert one >= steps, (method, temperature, units)  # every step of the batch
+            if method != "ar":  # steps with both sequences (2 x 8 tokens) are not queued (one alone fits)
+                assert small < one, units
+            else:  # ar: 2 x 1 token <= 8, every step still fits
+                assert small >= steps_small, units
+
+
+def test_steps_padded_to_batch_buckets():
+    """pad_to_buckets pads a step run as one unit to the next batch-size bucket (3 sequences
+    run as 4, ...) with padding sequences whose output is dropped: the tokens equal the
+    unpadded engine's (greedy and seeded sampling, fixed and adaptive speculation, dflash2 /
+    ar), padding is counted, and the padding stream's pages are not the requests' pages. MTP
+    steps, whose chain writes each slot's MTP cache, are not padded."""
+    prompts = [PROMPT, [3, 14, 15, 92, 65], [2, 7, 1, 8, 2, 8, 1, 8], [5, 5, 5]]
+    cases = [("dflash2", 0.0, "fixed"), ("dflash2", 0.8, "fixed"), ("dflash2", 0.0, "adaptive"), ("ar", 0.7, "fixed"),
+             ("mtp", 0.0, "fixed")]
+    for method, temperature, spec in cases:
+        out, pads, pages = [], [], []
+        for pad in (False, True):
+            eng = dflash2_rt.Engine(TARGET, DRAFT if method == "dflash2" else None, method=method, max_batch_size=5,
+                                    max_seq_len=96, speculation=spec, pad_to_buckets=pad)
+            assert eng.pad_to_buckets is pad
+            # 3 sequences run as 4; then 4 (a bucket), shrinking as they end at different steps
+            res = eng.generate(prompts[:3], max_new_tokens=20, temperature=temperature, seed=11, stop_token_ids=[])
+            res += eng.generate(prompts, max_new_tokens=7, temperature=temperature, seed=12, stop_token_ids=[])
+            out.append([r.token_ids for r in res])
+            m = eng.metrics()
+            pads.append(m["padding_rows"])
+            pages.append((m["cache_pages_used"], m["cache_pages_total"]))
+            eng.close()
+        assert out[0] == out[1], (method, temperature, spec)
+        assert pads[0] == 0, pads
+        assert (pads[1] > 0) == (method != "mtp"), (method, pads)
+        assert pages[0] == pages[1] and pages[0][0] == 0, pages
+    with pytest.raises(dflash2_rt.InvalidArgumentError, match="pad_to_buckets"):
+        dflash2_rt.Engine(TARGET, DRAFT, pad_to_buckets="yes")
+    eng = dflash2_rt.Engine(TARGET, DRAFT, max_batch_size=1, max_seq_len=64)
+    assert eng.pad_to_buckets is False  # auto: on with CUDA graphs only
+    eng.close()
+
+
+def test_capture_at_load_leaves_no_trace():
+    """capture_at_load runs a few decode steps of dummy requests at every batch-size bucket while
+    loading (greedy and sampled; on a GPU they capture the step graphs): it leaves the requests'
+    state as a fresh engine's -- no pages used, no request counted, the same tokens (greedy and
+    seeded sampling) -- and only the step counters remember it. Off by default on the CPU."""
+    prompts = [PROMPT, [3, 14, 15, 92, 65], [2, 7, 1, 8]]
+    assert dflash2_rt.Engine(TARGET, DRAFT, max_batch_size=1, max_seq_len=64).capture_at_load is False
+    for method in ("dflash2", "mtp", "ar"):
+        out = []
+        for capture in (True, False):
+            eng = dflash2_rt.Engine(TARGET, DRAFT if method == "dflash2" else None, method=method, max_batch_size=3,
+                                    max_seq_len=96, pad_to_buckets=True, capture_at_load=capture)
+            assert eng.capture_at_load is capture
+            m = eng.metrics()
+            assert m["requests_total"] == 0 and m["running"] == 0 and m["cache_pages_used"] == 0, m
+            assert (m["steps_as_one_unit"] > 0) == capture, (method, m)
+            got = []
+            for kw in (dict(), dict(temperature=0.9, seed=4)):
+                got.append([r.token_ids for r in eng.generate(prompts, max_new_tokens=10, stop_token_ids=[], **kw)])
+            out.append(got)
+            eng.close()
+        assert out[0] == out[1], method
+    with pytest.raises(dflash2_rt.InvalidArgumentError, match="capture_at_load"):
+        dflash2_rt.Engine(TARGET, DRAFT, capture_at_load=1)

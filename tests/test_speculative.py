@@ -647,6 +647,13 @@ def test_sampling_matches_target_distribution(small, method):
             eng = _engine(small.target, None, "mtp")
     else:
         eng = _engine(small.target, small.d2 if method == "dflash2" else small.d1, method)
+    check_sampling_distribution(small, eng, method)
+
+
+def check_sampling_distribution(small, eng, method):
+    """4000 sampled 3-token continuations of SAMPLE_PROMPT from `eng` against the exact
+    distribution (pairwise marginals within the TV bound at 1000 and 4000 samples), and
+    enough first drafts accepted to exercise acceptance (test_cuda_engine runs it on a GPU)."""
     samples, acc0 = _sample(eng, 4000, seed0=1000)
     exact = _marginals(small.exact)
     for n in (1000, 4000):                       # the bound tightens with the sample size

@@ -253,6 +253,9 @@ def _serve_args(p: argparse.ArgumentParser) -> None:
                         "auto = fp8 / nvfp4 / bf16 on a supported GPU, else exact")
     p.add_argument("--no-cuda-graphs", dest="cuda_graphs", action="store_false",
                    help="CUDA: run every forward chunk eagerly instead of replaying captured CUDA graphs")
+    p.add_argument("--pad-to-buckets", choices=("auto", "on", "off"), default="auto",
+                   help="pad decode steps run as one CUDA graph to batch-size buckets (1, 2, 4, 8, 16, 32, ...) "
+                        "so each bucket has one graph; auto = on with CUDA graphs")
     p.add_argument("--threads", type=int, default=None, help="CPU threads (default: all cores)")
     p.add_argument("--model-name", default=None,
                    help="the model name clients must send (default: the target directory's name; 'default' for "
@@ -291,7 +294,8 @@ def _run_serve(args: argparse.Namespace) -> int:
           (f" (method {args.method})" if args.method else "") + " ...", file=sys.stderr, flush=True)
     kw = dict(max_batch_size=args.max_batch_size, max_seq_len=args.max_seq_len, speculation=args.speculation,
               tensor_parallel=args.tensor_parallel, expert_parallel=args.expert_parallel,
-              prefill_gemm=args.prefill_gemm, cuda_graphs=args.cuda_graphs)
+              prefill_gemm=args.prefill_gemm, cuda_graphs=args.cuda_graphs,
+              pad_to_buckets={"auto": None, "on": True, "off": False}[args.pad_to_buckets])
     if args.threads is not None:
         kw["num_threads"] = args.threads
     eng = Engine(target=args.target, draft=args.draft, method=args.method, device=args.device, **kw)

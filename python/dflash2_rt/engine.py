@@ -209,7 +209,8 @@ class Engine:
                  max_batch_size: int = 8, max_seq_len: Optional[int] = None, max_step_tokens: int = 256,
                  kv_block_size: int = 16, num_threads: Optional[int] = None, mtp_draft_tokens: int = 7,
                  speculation: str = "fixed", tensor_parallel: int = 1, expert_parallel: bool = False,
-                 prefill_gemm: str = "auto", cuda_graphs: bool = True):
+                 prefill_gemm: str = "auto", cuda_graphs: bool = True, pad_to_buckets: Optional[bool] = None,
+                 capture_at_load: Optional[bool] = None):
         """target: a glm_moe_dsa checkpoint directory (None: the bundled default pair).
         draft: a DFlash 2 / DFlash 1 drafter directory. method: "ar" | "mtp" | "dflash" |
         "dflash2"; None infers it: "ar" without a drafter, else from the drafter's
@@ -237,6 +238,15 @@ class Engine:
         cuda_graphs: on CUDA with tensor_parallel=1, capture the target's decode / verify
         chunks as CUDA graphs and replay them (False: every chunk eagerly, the same
         kernels); `engine.cuda_graphs` says whether it is in effect, metrics() counts them.
+        pad_to_buckets: pad a decode step that runs as one unit (one CUDA graph) to the next
+        batch-size bucket (1, 2, 4, 8, 16, 32, then multiples of 32, at most max_batch_size)
+        with padding sequences whose output is dropped, so the step's graphs are one per
+        bucket and draft length; None: on with CUDA graphs, off elsewhere (on the CPU it only
+        costs). `engine.pad_to_buckets` is what is in effect; metrics()["padding_rows"]
+        counts the padding sequences run.
+        capture_at_load: while loading, run a few decode steps of dummy requests at every
+        batch-size bucket (greedy and sampled) so the step graphs exist before the first
+        request; None: on with CUDA graphs. `engine.capture_at_load` is what is in effect.
 
         All generation runs on the engine's own scheduler thread: generate / stream / submit
         from any number of threads join one running batch (continuous batching). Close the
@@ -262,6 +272,12 @@ class Engine:
             raise _core.InvalidArgumentError(f"Engine: expert_parallel must be True or False, found {expert_parallel!r}")
         if not isinstance(cuda_graphs, (bool, np.bool_)):
             raise _core.InvalidArgumentError(f"Engine: cuda_graphs must be True or False, found {cuda_graphs!r}")
+        if pad_to_buckets is not None and not isinstance(pad_to_buckets, (bool, np.bool_)):
+            raise _core.InvalidArgumentError(
+                f"Engine: pad_to_buckets must be None, True or False, found {pad_to_buckets!r}")
+        if capture_at_load is not None and not isinstance(capture_at_load, (bool, np.bool_)):
+            raise _core.InvalidArgumentError(
+                f"Engine: capture_at_load must be None, True or False, found {capture_at_load!r}")
         if prefill_gemm not in ("auto", "exact", "bf16", "fp8", "nvfp4"):
             raise _core.InvalidArgumentError(
                 f"Engine: prefill_gemm must be 'auto', 'exact', 'bf16', 'fp8' or 'nvfp4', found {prefill_gemm!r}")
@@ -270,7 +286,9 @@ class Engine:
         self._e = _core.Engine(os.fspath(target), None if draft is None else os.fspath(draft), method or "", device,
                                max_batch_size, max_seq_len or 0, max_step_tokens, kv_block_size, num_threads or 0,
                                mtp_draft_tokens, speculation, tensor_parallel, bool(expert_parallel),
-                               prefill_gemm, bool(cuda_graphs))
+                               prefill_gemm, bool(cuda_graphs),
+                               -1 if pad_to_buckets is None else int(bool(pad_to_buckets)),
+                               -1 if capture_at_load is None else int(bool(capture_at_load)))
         _LIVE.add(self)
         self.speculation = speculation
         self._cancelled: set = set()
@@ -303,6 +321,16 @@ class Engine:
     def cuda_graphs(self) -> bool:
         """Whether the target's decode / verify chunks run as CUDA graphs (CUDA, one rank)."""
         return self._e.cuda_graphs
+
+    @property
+    def capture_at_load(self) -> bool:
+        """Whether the decode step's graphs were captured while loading (see __init__)."""
+        return self._e.capture_at_load
+
+    @property
+    def pad_to_buckets(self) -> bool:
+        """Whether steps run as one unit are padded to batch-size buckets (see __init__)."""
+        return self._e.pad_to_buckets
 
     @property
     def prefill_gemm(self) -> str:
@@ -402,7 +430,11 @@ class Engine:
         """Engine-wide counters: queue_length, running, requests_total / _finished / _cancelled,
         generated_tokens_total, steps_total, cache_pages_used / _total (the target's KV-cache
         blocks), and recent tokens_per_second, acceptance_length (committed tokens per
-        sequence per step), step_time_s, draft_len."""
+        sequence per step), step_time_s, draft_len; cuda_graphs_captured / _replayed / _eager /
+        _failed / _last_failure, steps_as_one_unit (decode steps run as one unit: one CUDA
+        graph on a GPU), padding_rows (padding sequences run by pad_to_buckets) and
+        drafter_appends_in_step (of those steps, the ones that appended the verified rows to
+        the DFlash drafter's context inside the step)."""
         return dict(self._e.metrics())
 
     def close(self) -> None:

@@ -42,6 +42,15 @@ struct EngineConfig {
                                       // Generated tokens always run exact (see README).
   bool cuda_graphs = true;  // CUDA, tensor_parallel = 1: decode / verify chunks of the target
                            // captured as CUDA graphs and replayed; false: every chunk eagerly
+  int pad_to_buckets = -1;  // a decode step run as one unit (one CUDA graph) is padded to the next
+                            // batch-size bucket (1, 2, 4, 8, 16, 32, then multiples of 32, at most
+                            // max_batch_size) with sequences whose output is dropped, so the graphs
+                            // are one per bucket and draft length; -1 = on with CUDA graphs, 0 = off,
+                            // 1 = on (also on the CPU, where it only costs: the padded plan's test)
+  int capture_at_load = -1;  // run a few decode steps of dummy requests at every batch-size bucket
+                             // while loading, greedy and sampled, so their step graphs are captured
+                             // before the first request; -1 = on with CUDA graphs, 0 = off (graphs
+                             // are then captured on first use), 1 = on (also on the CPU: a test)
   std::string speculation = "fixed";  // "fixed": every step drafts the full block; "adaptive": per
                                       // step the draft length (0..K) that maximises the measured
                                       // throughput of the running batch (see README)
@@ -116,10 +125,15 @@ struct EngineMetrics {
   // chunks), failed captures (then run eagerly) and the last failure's reason
   int64_t cuda_graphs_captured = 0, cuda_graphs_replayed = 0, cuda_graphs_eager = 0, cuda_graphs_failed = 0;
   std::string cuda_graphs_last_failure;
-  // decode steps run as one unit (draft, verify, acceptance queued, then run together: one
-  // CUDA graph with graphs on; in order on the CPU); the others ran piece by piece (MTP,
-  // tensor parallelism, a verify pass over several chunks, CUDA without graphs)
+  // decode steps run as one unit (draft or MTP chain, verify, acceptance queued, then run
+  // together: one CUDA graph with graphs on; in order on the CPU); the others ran piece by
+  // piece (tensor parallelism, a verify pass over several chunks, CUDA without graphs)
   int64_t steps_as_one_unit = 0;
+  // padding sequences run in those steps (pad_to_buckets): the work spent on fixed shapes
+  int64_t padding_rows = 0;
+  // of those steps, the ones whose drafter context append (the verified rows' K/V into the
+  // DFlash drafter's cache) ran inside the step instead of before the next draft
+  int64_t drafter_appends_in_step = 0;
 };
 
 // Tensor-parallel collectives issued by rank 0 since the engine was loaded (every rank

@@ -235,11 +235,22 @@ void Decoder::step() {
   // The whole step as one unit when it can be (Target::recorder): the draft forward, the
   // verify chunk, the non-finite check and acceptance are queued as they are planned and run
   // together when acceptance is reached -- one CUDA graph on a GPU, in order on the CPU (so
-  // the CPU tests cover the queued path). Not with the MTP chain (each position is planned
-  // after the last), tensor parallelism, or a verify pass that might need several chunks.
+  // the CPU tests cover the queued path). The MTP chain's positions are queued too (each with
+  // its plan in a buffer of its own). Not with tensor parallelism, or a verify pass that
+  // might need several chunks.
   StepRecorder& rec = tgt.recorder();
   const bool record = tgt.can_record_steps() && (!drafter || drafter->records_steps()) &&
                       S * (c_.K + 1) <= tgt.options().max_step_tokens;
+  // A recorded step is padded to the next batch-size bucket (Target::bucket) when that is
+  // on: P padding sequences after the real ones, each drafting greedily from a real slot's
+  // context and verified on the target's padding stream; nothing of them is read back, and
+  // the step's shapes -- so its graph -- are the bucket's whatever the batch size inside it.
+  int64_t P = 0;
+  if (record && tgt.options().pad_to_buckets && (!drafter || drafter->pads_steps())) {
+    const int64_t Sb = tgt.bucket(S);
+    if (Sb * (c_.K + 1) <= tgt.options().max_step_tokens) P = Sb - S;
+  }
+  if (int64_t(pad_tokens_.size()) < c_.K + 1) pad_tokens_.assign(size_t(c_.K + 1), 0);
   struct CancelOnThrow {  // a step that fails before its flush leaves nothing queued
     StepRecorder& r;
     ~CancelOnThrow() {
@@ -271,6 +282,19 @@ void Decoder::step() {
       j.rng_counter = &r->rng_counter;
       jobs_.push_back(j);
     }
+    if (P > 0) {  // padding: the first job that drafts (or job 0), greedily, taking no draws
+      DraftJob pad = jobs_[0];
+      for (const DraftJob& j : jobs_)
+        if (j.room >= c_.K && j.max_tokens >= 1) {
+          pad = j;
+          break;
+        }
+      pad.pad = true;
+      pad.temperature = 0.0f;
+      pad.rng_key = 0;
+      pad.rng_counter = &pad_counter_;
+      for (int64_t p = 0; p < P; ++p) jobs_.push_back(pad);
+    }
     dr = &drafter->draft(jobs_);
   }
   if (record)
@@ -300,9 +324,24 @@ void Decoder::step() {
     toks_.push_back(r.verify.data());
     counts_.push_back(int64_t(r.verify.size()));
   }
+  for (int64_t p = 0; p < P; ++p) {  // padding: the anchor and its draft's length, as plain ids 0
+    streams_.push_back(&tgt.pad_stream());
+    toks_.push_back(pad_tokens_.data());
+    counts_.push_back(1 + (dr ? dr->len[size_t(S + p)] : 0));
+  }
   make_chunks(streams_, toks_, counts_, tgt.options().max_step_tokens, c_.chunks);
   DFLASH2_INTERNAL(!record || c_.chunks.size() == 1, "a recorded step's verify pass takes ", c_.chunks.size(),
                    " chunks");
+  if (record && drafter) {  // the verify rows' positions, for a drafter appending them in the step
+    step_rows_.clear();
+    for (size_t k = 0; k < streams_.size(); ++k) {
+      Drafter::StepRows sr;
+      sr.slot = int64_t(k) < S ? act_[k]->slot : -1;
+      sr.pos0 = int64_t(k) < S ? act_[k]->main.length : 0;
+      sr.n = counts_[k];
+      step_rows_.push_back(sr);
+    }
+  }
   int64_t row0 = 0;
   for (const auto& ch : c_.chunks) {
     int64_t T = 0;
@@ -316,6 +355,10 @@ void Decoder::step() {
     tgt.run_chunk(ch, out, draft_src);
     row0 += T;
   }
+  // the padding stream starts at 0 again (its blocks stay pinned; what was planned holds)
+  if (P > 0) tgt.cache().truncate(tgt.pad_stream(), 0);
+  // the drafter's context: the verified rows appended inside the step when it can
+  if (record && drafter) drafter->append_in_step(step_rows_, Features{c_.taps_buf, c_.fin});
   c_.check_rows(row0);  // the flags come back with the acceptance results (CUDA: one copy)
   const int32_t* bad = c_.flags.data_as<const int32_t>();
   if (record)
@@ -336,12 +379,25 @@ void Decoder::step() {
       plan_row(k, r, uint64_t(drafts.shape(1) + 1));
       row += kk + 1;
     }
+    for (int64_t k = S; k < S + P; ++k) {  // padding rows: greedy, their results are dropped
+      const int64_t kk = counts_[size_t(k)] - 1;
+      c_.a_row0.data_as<int32_t>()[k] = int32_t(row);
+      c_.a_draft_row.data_as<int32_t>()[k] = dr ? int32_t(dr->row[size_t(k)]) : 0;
+      c_.a_draft_len.data_as<int32_t>()[k] = int32_t(kk);
+      c_.s_temp.data_as<float>()[k] = 0.0f;
+      c_.s_topp.data_as<float>()[k] = 1.0f;
+      c_.s_topk.data_as<int32_t>()[k] = 0;
+      c_.s_rng.data_as<int64_t>()[2 * k] = 0;
+      c_.s_rng.data_as<int64_t>()[2 * k + 1] = 0;
+      row += kk + 1;
+    }
     const bool with_q = dr && dr->has_q;
-    c_.accept_rows(row, S, on_dev ? dr->dev_tokens : drafts,
+    c_.accept_rows(row, S + P, on_dev ? dr->dev_tokens : drafts,
                    with_q ? (on_dev ? dr->dev_cand : dr->cand) : Tensor(),
                    with_q ? (on_dev ? dr->dev_q : dr->q) : Tensor());
   }
   // the results are back (the step's one wait): every mark is complete
+  if (P > 0) tgt.count_padding(P);
   const double t_draft = c_.marks.seconds(0, 1), t_verify = c_.marks.seconds(1, 3);
   // 4. commit anchor + the accepted tokens; roll back the rest of the verify pass
   commits_.clear();

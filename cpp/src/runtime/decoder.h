@@ -89,6 +89,9 @@ class Decoder {
   std::vector<int64_t> counts_, drafted_, accepted_;
   std::vector<CacheStream*> streams_;
   std::vector<const int32_t*> toks_;
+  std::vector<Drafter::StepRows> step_rows_;
+  std::vector<int32_t> pad_tokens_;  // a padding sequence's verify ids (zeros)
+  uint64_t pad_counter_ = 0;         // padding drafts take no draws; their counter lands here
 };
 
 }  // namespace dflash2::runtime

@@ -33,8 +33,14 @@ struct Features {
   Tensor final_hidden;  // F32 [rows, H] (MTP)
 };
 
+// A slot may appear in several jobs of one draft(): the decode loop's padding rows (`pad`)
+// repeat a real job greedily, with temperature 0 and a counter of their own. A block
+// drafter's draft reads the slot's context and writes nothing of it, so the rows are
+// independent; a drafter that writes the slot's state while drafting (the MTP chain) drafts
+// nothing for a padding row.
 struct DraftJob {
   int slot = 0;
+  bool pad = false;
   int32_t anchor = 0;        // the last committed token (at the slot's committed length)
   int64_t room = 0;          // positions left before max_seq_len after the anchor
   int64_t max_tokens = 0;    // draft at most this many (<= room; the speculation policy's length)
@@ -74,10 +80,29 @@ class Drafter {
   // caller that reads them there (Engine::propose). The decode loop does not need it: its
   // verify pass reads the drafts on the device and they come back with the step's results.
   virtual void fetch_host() {}
-  // Whether draft() queues its forward in the target's StepRecorder while it records (the
-  // whole step in one graph): the DFlash drafters do; the MTP chain, which plans each
-  // position after the last, does not.
+  // Whether draft() queues its device work in the target's StepRecorder while it records
+  // (the whole step in one graph): the DFlash drafters and the MTP chain do.
   virtual bool records_steps() const { return false; }
+  // Whether recorded steps are padded to batch-size buckets with it (its padding rows draft
+  // like real ones, so the step's shapes are the bucket's).
+  virtual bool pads_steps() const { return records_steps(); }
+  // The verify pass's rows of a recorded step, in the order of its features (Features rows
+  // 0..): slot -1 marks a padding sequence. A drafter whose context is built from those
+  // rows one row at a time (DFlash) may queue their append in the step, after the verify
+  // chunk (all of them: the rows past what acceptance commits sit beyond the slot's
+  // committed length, where nothing reads them and the next step's append overwrites
+  // them); then its commit() of those rows only sets the slot's length. Returns whether it
+  // did (false: the rows come through commit() as usual).
+  struct StepRows {
+    int slot = -1;
+    int64_t pos0 = 0, n = 0;  // the rows' positions: pos0 .. pos0 + n - 1
+  };
+  virtual bool append_in_step(const std::vector<StepRows>& rows, const Features& f) {
+    (void)rows, (void)f;
+    return false;
+  }
+  // Steps whose rows append_in_step queued (any thread).
+  virtual int64_t appends_in_step() const { return 0; }
   virtual void release(int slot) = 0;
   // Reserves the cache of `slot` for `tokens` positions up front (false: the pool lacks them).
   virtual bool reserve(int slot, int64_t tokens) = 0;

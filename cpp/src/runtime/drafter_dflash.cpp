@@ -2,6 +2,7 @@
 // cache (one KvCache), the planner for context appends and draft blocks, and the fixed
 // output buffers.
 #include <algorithm>
+#include <atomic>
 #include <cstdio>
 #include <cstring>
 
@@ -57,15 +58,24 @@ class DFlashRunner final : public Drafter {
       check_memory(per_seq * maxB * bs, maxB, nt * H, plan_tokens_of(o, maxB, B));
       m_->to_device(dev_, t.model().forward_embed(), t.model().forward_lm_head());
     }
-    cache_ = KvCache("draft KV cache", {{c.num_layers, 2 * m_->kv_dim()}}, bs, per_seq * maxB, dev_);
+    // + the padding sequences' pages (append_in_step): one block's worth of tokens, shared
+    const int64_t pad_blocks = (B + bs - 1) / bs;
+    cache_ = KvCache("draft KV cache", {{c.num_layers, 2 * m_->kv_dim()}}, bs, per_seq * maxB + pad_blocks, dev_);
     cache_.set_max_blocks_per_stream(per_seq);
+    DFLASH2_INTERNAL(cache_.try_pin(pad_stream_, B), "the draft cache's padding stream");
+    in_step_.assign(size_t(maxB), 0);
     for (int64_t l = 0; l < c.num_layers; ++l) kv_layers_.push_back(cache_.layer(0, l));
     streams_.resize(size_t(maxB));
     pending_ = PendingRows(maxB, kPending, nt * H, /*with_next=*/false, dev_);
     append_ = [this](const std::vector<CommitRows>& rows, const Tensor& src) { append(rows, src); };
     const int64_t plan_tokens = plan_tokens_of(o, maxB, B);
     planner_ = StepPlanner(plan_tokens, maxB, per_seq);
+    // the verified rows appended in a recorded step: a plan of their own (the draft's plan
+    // of the same step is still to run)
+    step_planner_ = StepPlanner(o.max_step_tokens, std::max(maxB, o.max_step_tokens), per_seq);
     if (dev_.is_cuda()) {
+      step_up_ = std::make_unique<PlanUploader>(
+          dev_, PlanUploader::planned_words(o.max_step_tokens, std::max(maxB, o.max_step_tokens), per_seq));
       up_ = std::make_unique<PlanUploader>(dev_, PlanUploader::planned_words(plan_tokens, maxB, per_seq));
       idx_up_ = StagedUpload(dev_, o.max_step_tokens);
       rows_up_ = StagedUpload(dev_, 5 * maxB);  // rng I64 [maxB, 2], then temperature F32 [maxB]
@@ -108,13 +118,72 @@ class DFlashRunner final : public Drafter {
 
   // Committed rows wait per slot (PendingRows) and are appended to the draft context only
   // when the slot drafts next: while the speculation policy drafts nothing, this costs nothing.
+  // Rows a recorded step appended already (append_in_step) only set the slot's length.
   void commit(const std::vector<CommitRows>& rows, const Features& f) override {
-    for (const CommitRows& r : rows)
-      DFLASH2_INTERNAL(streams_[size_t(r.slot)].length + pending_.count(r.slot) == r.pos0, "draft context of slot ",
-                       r.slot, " has ", streams_[size_t(r.slot)].length, " + ", pending_.count(r.slot),
-                       " pending tokens, commit starts at ", r.pos0);
-    pending_.stage(rows, f.taps, append_);
+    staged_.clear();
+    for (const CommitRows& r : rows) {
+      CacheStream& s = streams_[size_t(r.slot)];
+      if (in_step_[size_t(r.slot)]) {
+        DFLASH2_INTERNAL(pending_.count(r.slot) == 0 && s.length >= r.pos0 + r.n, "draft context of slot ", r.slot,
+                         " holds ", s.length, " positions appended in the step, commit ends at ", r.pos0 + r.n);
+        cache_.truncate(s, r.pos0 + r.n);  // the rows past it are overwritten by the next step's append
+        in_step_[size_t(r.slot)] = 0;
+        continue;
+      }
+      DFLASH2_INTERNAL(s.length + pending_.count(r.slot) == r.pos0, "draft context of slot ", r.slot, " has ",
+                       s.length, " + ", pending_.count(r.slot), " pending tokens, commit starts at ", r.pos0);
+      staged_.push_back(r);
+    }
+    if (!staged_.empty()) pending_.stage(staged_, f.taps, append_);
   }
+
+  // The verify pass's rows appended to the draft context inside the recorded step, after the
+  // verify chunk that writes their features (taps rows 0.., padding rows included so the
+  // step's shapes stay the bucket's; they go to the padding stream). draft() flushed every
+  // slot of the step's pending rows, so each slot's context ends where its rows begin.
+  bool append_in_step(const std::vector<StepRows>& rows, const Features& f) override {
+    StepRecorder& rec = t_.recorder();
+    if (!rec.recording() || !f.taps.defined() || rows.empty()) return false;
+    int64_t T = 0;
+    for (const StepRows& r : rows) {
+      T += r.n;
+      if (r.slot < 0) continue;
+      const CacheStream& s = streams_[size_t(r.slot)];
+      if (pending_.count(r.slot) != 0 || s.length != r.pos0 || in_step_[size_t(r.slot)]) return false;
+    }
+    if (T > step_planner_.max_tokens() || int64_t(rows.size()) > step_planner_.max_seqs()) return false;
+    std::vector<Piece>& pieces = step_pieces_;
+    pieces.clear();
+    for (size_t i = 0; i < rows.size(); ++i) {
+      Piece p;
+      p.stream = rows[i].slot >= 0 ? &streams_[size_t(rows[i].slot)] : &pad_stream_;
+      p.n = rows[i].n;
+      p.seq = int64_t(i);
+      p.last = true;
+      pieces.push_back(p);
+    }
+    model::TokenBatch b = step_planner_.plan(pieces, cache_);
+    for (const Piece& p : pieces) p.stream->length += p.n;
+    cache_.truncate(pad_stream_, 0);  // its blocks stay pinned; what was planned holds
+    for (const StepRows& r : rows)
+      if (r.slot >= 0) in_step_[size_t(r.slot)] = 1;
+    const Tensor taps = f.taps.slice(0, 0, T);
+    std::string key;
+    if (dev_.is_cuda()) {
+#ifdef DFLASH2_WITH_CUDA
+      cuda::OrderedStreamScope stream_scope(graphs_ ? graphs_->stream() : nullptr, dev_.index);
+#endif
+      b = step_up_->upload(b);  // its own buffer: nothing else writes it before the flush
+      key = "append|";
+      for (int64_t v : {b.T, b.S, b.paged.block_size}) ForwardGraphs::key_add(key, v);
+      for (const Tensor* x : std::initializer_list<const Tensor*>{&b.tokens, &b.paged.seq, &b.paged.pos, &b.paged.block_table, &b.slots, &taps})
+        ForwardGraphs::key_add(key, *x);
+    }
+    rec.add(key, [this, b, taps]() mutable { m_->append_context(b, taps, kv_layers_); });
+    ++appends_in_step_;
+    return true;
+  }
+  int64_t appends_in_step() const override { return appends_in_step_.load(); }
 
   // Appends rows of `src` (CommitRows::row0..) to the slots' draft context.
   void append(const std::vector<CommitRows>& rows, const Tensor& src) {
@@ -144,9 +213,12 @@ class DFlashRunner final : public Drafter {
 
   const DraftResult& draft(const std::vector<DraftJob>& jobs) override {
     const int64_t S = int64_t(jobs.size()), B = m_->block_size(), K = B - 1;
-    flush_.clear();  // the slots that draft now need their whole context
+    // the slots that draft now need their whole context; in a recorded step every slot's
+    // context is brought up to date (append_in_step appends its verified rows next)
+    const bool all = t_.recorder().recording();
+    flush_.clear();
     for (const DraftJob& j : jobs)
-      if (j.room >= K && j.max_tokens >= 1) flush_.push_back(j.slot);
+      if (all || (j.room >= K && j.max_tokens >= 1)) flush_.push_back(j.slot);
     pending_.flush(flush_, append_);
     res_.len.assign(size_t(S), 0);
     res_.row.assign(size_t(S), 0);
@@ -258,6 +330,7 @@ class DFlashRunner final : public Drafter {
 
   void release(int slot) override {
     pending_.clear(slot);
+    in_step_[size_t(slot)] = 0;
     cache_.release(streams_[size_t(slot)]);
   }
 
@@ -303,6 +376,15 @@ class DFlashRunner final : public Drafter {
   Tensor taps_, idx_, ids_, rng_, temp_;
   Device dev_ = Device::cpu();
   std::unique_ptr<PlanUploader> up_;  // CUDA: the planned batches' device copies
+  // append_in_step: its planner and upload, the padding rows' stream, the slots whose
+  // verified rows the step appended (their commit only sets the length)
+  StepPlanner step_planner_;
+  std::unique_ptr<PlanUploader> step_up_;
+  CacheStream pad_stream_;
+  std::vector<char> in_step_;
+  std::vector<Piece> step_pieces_;
+  std::vector<CommitRows> staged_;
+  std::atomic<int64_t> appends_in_step_{0};
   StagedUpload idx_up_;                 // CUDA: the appends' gather indices
   StagedUpload rows_up_;                // CUDA: the draft's sampling rows (rng_, temp_ view it)
   int64_t last_rows_ = 0;               // rows of the last draft() (fetch_host)

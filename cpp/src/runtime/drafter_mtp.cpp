@@ -10,6 +10,9 @@
 // (token references, ops::resolve_tokens), so the chain is queued without a host wait and
 // the drafts come back with the step's results.
 #include <algorithm>
+#include <functional>
+#include <initializer_list>
+#include <string>
 
 #include "dflash2/error.h"
 #include "runtime/drafter.h"
@@ -102,21 +105,48 @@ class MtpDrafter final : public Drafter {
     for (const CommitRows& r : rows) base_len_[size_t(r.slot)] = streams_[size_t(r.slot)].length;
   }
 
+  bool records_steps() const override { return true; }
+  // padding rows draft nothing here (the chain writes its slot's MTP cache), so a padded
+  // step's shapes would still follow the batch size: no padding
+  bool pads_steps() const override { return false; }
+
   const DraftResult& draft(const std::vector<DraftJob>& jobs) override {  // greedy at any temperature
     const int64_t S = int64_t(jobs.size());
+    // padding rows (DraftJob::pad) draft nothing: the chain writes its slot's MTP cache
+    auto len_of = [&](const DraftJob& j) -> int64_t {
+      return j.pad ? 0 : std::max<int64_t>(0, std::min({K_, j.max_tokens, j.room}));
+    };
     flush_.clear();  // the slots that draft now need their MTP state up to date
     for (const DraftJob& j : jobs)
-      if (std::min({K_, j.max_tokens, j.room}) > 0) flush_.push_back(j.slot);
-    pending_.flush(flush_, run_);
+      if (len_of(j) > 0) flush_.push_back(j.slot);
+    pending_.flush(flush_, run_);  // now: the committed rows come before the step
     res_.len.assign(size_t(S), 0);
     res_.row.resize(size_t(S));
     res_.has_q = false;
     int64_t longest = 0;
     for (int64_t i = 0; i < S; ++i) {
       res_.row[size_t(i)] = i;
-      res_.len[size_t(i)] = std::max<int64_t>(0, std::min({K_, jobs[size_t(i)].max_tokens, jobs[size_t(i)].room}));
+      res_.len[size_t(i)] = len_of(jobs[size_t(i)]);
       longest = std::max(longest, res_.len[size_t(i)]);
     }
+    // The chain's device work -- argmax, the hidden-state copies, the layer's chunks -- is
+    // queued in the step while it is recorded (one graph with the verify pass; each chunk's
+    // plan in a buffer of its own, Target::record_plan), else run now.
+    StepRecorder& rec = t_.recorder();
+    const bool queue = rec.recording();
+    auto op = [&](const char* name, std::initializer_list<const Tensor*> ts, std::function<void()> fn) {
+      if (!queue) return fn();
+      std::string key = name;
+      if (dev_.is_cuda())
+        for (const Tensor* t : ts) ForwardGraphs::key_add(key, *t);
+      rec.add(key, std::move(fn));
+    };
+    auto argmax = [&](const Tensor& lg, const Tensor& tok) {
+      op("mtp-argmax|", {&lg, &tok}, [lg = lg, tok = tok]() mutable { ops::argmax(lg, tok); });
+    };
+    auto copy = [&](const Tensor& src, const Tensor& dst) {
+      op("mtp-copy|", {&src, &dst}, [src = src, dst = dst]() mutable { ops::copy(src, dst); });
+    };
     // the drafted ids: written where the logits are (device tokens on the GPU); the next
     // position's plan refers to them there (refs_: -1 - index into toks_out)
     Tensor& toks_out = dev_.is_cuda() ? d_tokens_ : res_.tokens;
@@ -124,12 +154,16 @@ class MtpDrafter final : public Drafter {
     refs_.resize(size_t(S * K_));
     for (int64_t i = 0; i < S; ++i)
       for (int64_t j = 0; j < K_; ++j) refs_[size_t(i * K_ + j)] = int32_t(-1 - (i * toks_out.stride(0) + j));
-    // position 0: the layer's prediction kept at the last commit
+    // position 0: the layer's prediction kept at the last commit, and the chain's hidden
+    // state seeded from it -- now (eager work runs before a recorded step), so what is
+    // queued reads job-indexed rows only and the step's launch keys do not depend on which
+    // slots the jobs hold
     for (int64_t i = 0; i < S; ++i) {
       if (res_.len[size_t(i)] == 0) continue;
       const int64_t slot = jobs[size_t(i)].slot;
-      Tensor tok = toks_out.select(1, 0).slice(0, i, i + 1);
+      Tensor tok = toks_out.select(1, 0).slice(0, i, i + 1), ch = chain_hidden_.slice(0, i, i + 1);
       ops::argmax(last_logits_.slice(0, slot, slot + 1), tok);
+      if (res_.len[size_t(i)] > 1) ops::copy(last_hidden_.slice(0, slot, slot + 1), ch);
     }
     // positions 1..: feed the previous token and the layer's own hidden state back
     std::vector<CacheStream*>& streams = streams_tmp_;
@@ -152,19 +186,14 @@ class MtpDrafter final : public Drafter {
         const int64_t T = int64_t(ch.size());
         for (int64_t a = 0; a < T; ++a) {
           const int64_t i = who[size_t(ch[size_t(a)].seq)];
-          const int64_t slot = jobs[size_t(i)].slot;
-          Tensor src = j == 1 ? last_hidden_.slice(0, slot, slot + 1) : chain_hidden_.slice(0, i, i + 1);
-          Tensor dst = hm_.slice(0, a, a + 1);
-          ops::copy(src, dst);
+          copy(chain_hidden_.slice(0, i, i + 1), hm_.slice(0, a, a + 1));
         }
         Tensor hm = hm_.slice(0, 0, T), lg = out_logits_.slice(0, 0, T), hd = out_hidden_.slice(0, 0, T);
-        t_.mtp_chunk(ch, hm, lg, hd, false, toks_out);
+        t_.mtp_chunk(ch, hm, lg, hd, false, toks_out, queue);
         for (int64_t a = 0; a < T; ++a) {
           const int64_t i = who[size_t(ch[size_t(a)].seq)];
-          Tensor dst = chain_hidden_.slice(0, i, i + 1);
-          ops::copy(hd.slice(0, a, a + 1), dst);
-          Tensor tok = toks_out.select(1, j).slice(0, i, i + 1);
-          ops::argmax(lg.slice(0, a, a + 1), tok);
+          copy(hd.slice(0, a, a + 1), chain_hidden_.slice(0, i, i + 1));
+          argmax(lg.slice(0, a, a + 1), toks_out.select(1, j).slice(0, i, i + 1));
         }
       }
     }

@@ -16,6 +16,7 @@
 #include "model/glm_model.h"
 #include "runtime/drafter.h"
 #include "runtime/scheduler.h"
+#include "runtime/warm_up.h"
 #include "runtime/target.h"
 
 #ifdef DFLASH2_WITH_CUDA
@@ -250,6 +251,10 @@ Engine::Engine(const EngineConfig& cfg) : impl_(std::make_unique<Impl>()) {
   to.num_threads = cfg.num_threads;
   to.device = device;
   to.cuda_graphs = cfg.cuda_graphs;
+  DFLASH2_CHECK_ARG(cfg.pad_to_buckets >= -1 && cfg.pad_to_buckets <= 1,
+                    "Engine: pad_to_buckets must be -1 (auto), 0 (off) or 1 (on), found ", cfg.pad_to_buckets);
+  to.pad_to_buckets = cfg.pad_to_buckets == 1 ||
+                      (cfg.pad_to_buckets == -1 && device.is_cuda() && cfg.cuda_graphs && cfg.tensor_parallel == 1);
   I.core.target = std::make_unique<runtime::Target>(std::move(shards), to);
   // prompt tokens' GEMM numerics (the device is placed and checked by now)
   const std::string& pg = cfg.prefill_gemm;
@@ -301,6 +306,7 @@ Engine::Engine(const EngineConfig& cfg) : impl_(std::make_unique<Impl>()) {
   I.core.target->set_prefill(prefill);
   I.cfg.prefill_gemm = ops::gemm_numerics_name(prefill);
   I.cfg.cuda_graphs = I.core.target->cuda_graphs();  // what is in effect (CUDA, one rank)
+  I.cfg.pad_to_buckets = I.core.target->options().pad_to_buckets ? 1 : 0;  // what is in effect
   I.config_json = ck.config().root().dump();
   if (I.method == Method::DFlash || I.method == Method::DFlash2) {
     I.core.drafter = runtime::make_dflash_drafter(*dk, *I.core.target, I.method);
@@ -316,6 +322,21 @@ Engine::Engine(const EngineConfig& cfg) : impl_(std::make_unique<Impl>()) {
   I.core.allocate_buffers();
   DFLASH2_CHECK_ARG(cfg.speculation == "fixed" || cfg.speculation == "adaptive",
                     "Engine: speculation must be 'fixed' or 'adaptive', found '", cfg.speculation, "'");
+  DFLASH2_CHECK_ARG(cfg.capture_at_load >= -1 && cfg.capture_at_load <= 1,
+                    "Engine: capture_at_load must be -1 (auto), 0 (off) or 1 (on), found ", cfg.capture_at_load);
+  const bool capture = cfg.capture_at_load == 1 || (cfg.capture_at_load == -1 && I.core.target->cuda_graphs());
+  I.cfg.capture_at_load = capture ? 1 : 0;
+  if (capture) {  // before the scheduler exists: nothing else runs the model yet
+    const runtime::WarmUp w = runtime::warm_up_steps(I.core);
+    if (device.is_cuda()) {
+      std::string sizes;
+      for (int64_t b : w.buckets) sizes += (sizes.empty() ? "" : ", ") + std::to_string(b);
+      const runtime::GraphStats g = I.core.target->graph_stats();
+      std::fprintf(stderr, "dflash2: decode-step graphs captured at load for batch sizes %s (%lld steps, %.2f s; %lld "
+                   "graphs, %lld failed)\n", sizes.empty() ? "(none)" : sizes.c_str(), (long long)w.steps, w.seconds,
+                   (long long)g.captured, (long long)g.failed);
+    }
+  }
   I.scheduler = std::make_unique<runtime::Scheduler>(I.core, I.model_mu, cfg.speculation == "adaptive");
 }
 
@@ -448,6 +469,8 @@ EngineMetrics Engine::metrics() const {
     m.cuda_graphs_failed = g.failed;
     m.cuda_graphs_last_failure = g.last_failure;
     m.steps_as_one_unit = impl_->core.target->recorder().steps();
+    m.padding_rows = impl_->core.target->padding_rows();
+    m.drafter_appends_in_step = impl_->core.drafter ? impl_->core.drafter->appends_in_step() : 0;
   }
   return m;
 }

@@ -9,7 +9,7 @@ namespace dflash2::runtime {
 
 Scheduler::Scheduler(Core& core, std::mutex& model_mutex, bool adaptive)
     : core_(core), model_mu_(model_mutex), dec_(core, *this, adaptive) {
-  snap_.cache_pages_total = core.target->cache().num_blocks();
+  snap_.cache_pages_total = core.target->cache().num_blocks() - int64_t(core.target->pad_stream().blocks.size());
   snap_.cache_pages_used = snap_.cache_pages_total - core.target->cache().free_blocks();
   thread_ = std::thread([this] { loop(); });
 }
@@ -218,7 +218,7 @@ void Scheduler::loop() {
     snap_.acceptance_length = dec_.acceptance_length();
     snap_.step_time_s = dec_.step_time_s();
     snap_.draft_len = dec_.draft_len();
-    snap_.cache_pages_total = core_.target->cache().num_blocks();
+    snap_.cache_pages_total = core_.target->cache().num_blocks() - int64_t(core_.target->pad_stream().blocks.size());
     snap_.cache_pages_used = snap_.cache_pages_total - core_.target->cache().free_blocks();
   }
   // shutdown: what still runs ends as cancelled
@@ -230,7 +230,7 @@ void Scheduler::loop() {
   }
   std::lock_guard<std::mutex> lk(mu_);
   for (Request* r : ended) finish_locked(*r);
-  snap_.cache_pages_total = core_.target->cache().num_blocks();
+  snap_.cache_pages_total = core_.target->cache().num_blocks() - int64_t(core_.target->pad_stream().blocks.size());
   snap_.cache_pages_used = snap_.cache_pages_total - core_.target->cache().free_blocks();
 }
 

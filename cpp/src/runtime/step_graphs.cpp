@@ -102,6 +102,7 @@ void ForwardGraphs::run(const std::string&, const std::function<void()>& fn) { f
 #endif
 
 void StepRecorder::begin() {
+  ++begun_;
   key_.clear();
   fns_.clear();
   on_ = true;

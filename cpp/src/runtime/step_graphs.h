@@ -90,20 +90,25 @@ class ForwardGraphs {
 };
 
 // A decode step's device work as one unit (the whole step in one CUDA graph). While
-// recording, the step's pieces -- the drafter's draft forward, the verify chunk, the
-// non-finite check, acceptance, the timing marks between them -- are queued with their
-// launch keys instead of run; flush() runs them in order: as one CUDA graph keyed by all
-// their keys (ForwardGraphs::run: warm-up, capture, replay) on the graphs' stream, or, with
-// no graphs (the CPU), one after the other. A piece holds its arguments by value, and the
-// decode loop uploads every plan a piece reads before flush() into device buffers nothing
-// else writes before it (the drafter's and the target's plan buffers, the acceptance rows),
-// so what runs at flush() is what would have run at add(). Pieces that need a host wait or
-// reuse a buffer within the step (several verify chunks, the MTP chain, tensor
-// parallelism) are never recorded: the step runs as before.
+// recording, the step's pieces -- the drafter's draft forward (or the MTP chain's chunks,
+// argmaxes and copies), the verify chunk, the drafter's context append, the non-finite
+// check, acceptance, the timing marks between them -- are queued with their launch keys
+// instead of run; flush() runs them in order: as one CUDA graph keyed by all their keys
+// (ForwardGraphs::run: warm-up, capture, replay) on the graphs' stream, or, with no graphs
+// (the CPU), one after the other. A piece holds its arguments by value, and every plan a
+// piece reads is uploaded before flush() into a device buffer nothing else writes before it
+// (the drafter's block plan, its append plan, one buffer per recorded target chunk --
+// Target::record_plan --, the acceptance rows), so what runs at flush() is what would have
+// run at add(); eager work issued while recording (the drafter's pending commits) runs
+// before the flushed pieces. Steps that would need a host wait within them (several verify
+// chunks, tensor parallelism) are never recorded: the step runs as before.
 class StepRecorder {
  public:
   void begin();                          // starts recording a step
   bool recording() const { return on_; }
+  // Steps begun so far: who keeps per-step state (a recorded step's plan buffers) sees a
+  // new step by a new value.
+  int64_t begun() const { return begun_; }
   void add(const std::string& key, std::function<void()> fn);
   // Runs the queued pieces (graphs: as one graph on graphs->stream() in program order with
   // the legacy stream, device `device`; null: eagerly) and stops recording. On an error the
@@ -114,6 +119,7 @@ class StepRecorder {
 
  private:
   bool on_ = false;
+  int64_t begun_ = 0;
   std::string key_;
   std::vector<std::function<void()>> fns_;
   std::atomic<int64_t> steps_{0};

@@ -152,6 +152,14 @@ PlanUploader::PlanUploader(Device dev, int64_t words) : up_(dev, words) {}
 
 PlanUploader::~PlanUploader() = default;
 
+int64_t PlanUploader::words_of(const model::TokenBatch& b) {
+  int64_t n = 0;
+  for (const Tensor* t : {&b.tokens, &b.paged.seq, &b.paged.pos, &b.slots, &b.logit_rows, &b.paged.block_table,
+                          &b.ctx_len})
+    n += t->defined() ? t->numel() : 0;
+  return n;
+}
+
 model::TokenBatch PlanUploader::upload(const model::TokenBatch& b) {
   int32_t* h = up_.begin();
   const int64_t capacity = up_.capacity();

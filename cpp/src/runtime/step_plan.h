@@ -48,6 +48,9 @@ class PlanUploader {
   PlanUploader(const PlanUploader&) = delete;
   PlanUploader& operator=(const PlanUploader&) = delete;
   model::TokenBatch upload(const model::TokenBatch& host);
+  int64_t capacity() const { return up_.capacity(); }  // in I32 words
+  // The words a batch packs into.
+  static int64_t words_of(const model::TokenBatch& b);
   // The words a planner's largest batch packs into.
   static int64_t planned_words(int64_t max_tokens, int64_t max_seqs, int64_t max_blocks_per_seq) {
     return 4 * max_tokens + (max_tokens > max_seqs ? max_tokens : max_seqs) + max_seqs * max_blocks_per_seq +

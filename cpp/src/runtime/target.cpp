@@ -20,8 +20,11 @@ Target::Target(std::vector<std::unique_ptr<model::GlmModel>> models, const Optio
   DFLASH2_INTERNAL(n >= 1, "a target needs at least one model");
   const model::GlmConfig& c = models_[0]->config();
   const int64_t blocks_per_seq = (opt.max_seq_len + opt.kv_block_size - 1) / opt.kv_block_size;
-  // one sequence beyond the batch: the step-level API (Sequence, logits, propose) beside it
-  const int64_t nblocks = blocks_per_seq * (opt.max_batch_size + 1);
+  // one sequence beyond the batch: the step-level API (Sequence, logits, propose) beside it;
+  // and the padding sequences' blocks (pad_stream)
+  const int64_t pad_tokens = opt.pad_to_buckets ? std::min(opt.max_step_tokens, opt.max_seq_len) : 0;
+  const int64_t pad_blocks = (pad_tokens + opt.kv_block_size - 1) / opt.kv_block_size;
+  const int64_t nblocks = blocks_per_seq * (opt.max_batch_size + 1) + pad_blocks;
   int64_t n_index = 0;
   for (bool f : c.indexer_full) n_index += f ? 1 : 0;
   if (opt.device.is_cuda()) place_on_devices(n_index, nblocks);
@@ -31,6 +34,8 @@ Target::Target(std::vector<std::unique_ptr<model::GlmModel>> models, const Optio
   cache_ = KvCache("KV cache", {{c.num_layers, c.latent_dim()}, {n_index, c.index_head_dim}}, opt.kv_block_size,
                    nblocks, opt.device, n);
   cache_.set_max_blocks_per_stream(blocks_per_seq);
+  if (pad_tokens > 0)
+    DFLASH2_INTERNAL(cache_.try_pin(pad_stream_, pad_tokens), "the padding stream's ", pad_blocks, " blocks");
   views_.resize(size_t(n));
   mtp_views_.resize(size_t(n));
   for (int r = 0; r < n; ++r) {
@@ -185,6 +190,13 @@ void Target::run_chunk(const std::vector<Piece>& pieces, const model::ForwardOut
   for (const Piece& p : pieces) p.stream->length += p.n;
 }
 
+int64_t Target::bucket(int64_t S) const {
+  int64_t b = 1;
+  while (b < S && b < 32) b *= 2;
+  if (b < S) b = (S + 31) / 32 * 32;
+  return std::min(b, opt_.max_batch_size);
+}
+
 void Target::flush_step() {
 #ifdef DFLASH2_WITH_CUDA
   rec_.flush(graphs_.get(), models_[0]->device().index);
@@ -193,18 +205,47 @@ void Target::flush_step() {
 #endif
 }
 
-void Target::record_chunk(const model::TokenBatch& b, const model::ForwardOutputs& out, const Tensor& token_src) {
-  DFLASH2_INTERNAL(tp_size() == 1 && !out.prompt, "a recorded step needs one rank and a decode chunk");
-  if (!opt_.device.is_cuda()) {
-    // the host plan (the planner's buffers, not reused before the flush) and the outputs as
-    // they are; the references are filled in when the piece runs, after the draft's
-    rec_.add("", [this, hb = b, o = out, src = token_src]() mutable {
-      if (src.defined()) ops::resolve_tokens(hb.tokens, src);
-      models_[0]->forward(hb, views_[0], o);
-    });
-    return;
+model::TokenBatch Target::record_plan(const model::TokenBatch& b) {
+  if (!opt_.device.is_cuda()) {  // a copy: the planner's buffers serve the step's next chunk
+    model::TokenBatch c = b;
+    for (Tensor* t : {&c.tokens, &c.paged.seq, &c.paged.pos, &c.paged.block_table, &c.slots, &c.logit_rows,
+                      &c.ctx_len})
+      if (t->defined()) {
+        Tensor copy = Tensor::empty(t->dtype(), t->shape());
+        copy.copy_from(*t);
+        *t = copy;
+      }
+    return c;
   }
 #ifdef DFLASH2_WITH_CUDA
+  if (rec_.begun() != rec_step_) {  // a new step: its chunks take the buffers from the first
+    rec_step_ = rec_.begun();
+    rec_plans_used_ = 0;
+  }
+  const size_t i = rec_plans_used_++;
+  if (rec_plans_.size() <= i) rec_plans_.resize(i + 1);
+  const int64_t words = PlanUploader::words_of(b);
+  if (!rec_plans_[i] || rec_plans_[i]->capacity() < words) {
+    // two sizes, so a buffer moves (and the graphs keyed on it are captured again) at most
+    // once: a chunk of at most one token per sequence (the MTP chain), else the planner's
+    // largest chunk (a verify pass)
+    const int64_t seqs = opt_.max_batch_size + 1, bps = cache_.max_blocks_per_stream();
+    const int64_t small = PlanUploader::planned_words(seqs, seqs, bps);
+    const int64_t cap = words <= small ? small : PlanUploader::planned_words(planner_.max_tokens(), planner_.max_seqs(), bps);
+    DFLASH2_INTERNAL(words <= cap, "a recorded plan of ", words, " words");
+    rec_plans_[i] = std::make_unique<PlanUploader>(models_[0]->device(), cap);
+  }
+  // on the graphs' stream, in order with the legacy stream; nothing else writes this buffer
+  // before the flush
+  cuda::OrderedStreamScope stream_scope(graphs_ ? graphs_->stream() : nullptr, models_[0]->device().index);
+  return rec_plans_[i]->upload(b);
+#else
+  fail(ErrorKind::Unsupported, "a CUDA plan in a build without CUDA");
+#endif
+}
+
+void Target::record_chunk(const model::TokenBatch& b, const model::ForwardOutputs& out, const Tensor& token_src) {
+  DFLASH2_INTERNAL(tp_size() == 1 && !out.prompt, "a recorded step needs one rank and a decode chunk");
   const Device d0 = models_[0]->device();
   DFLASH2_INTERNAL(!token_src.defined() || token_src.device() == d0, "a recorded verify chunk reads ",
                    token_src.describe(), " (the drafts must be on ", d0.str(), ")");
@@ -212,26 +253,44 @@ void Target::record_chunk(const model::TokenBatch& b, const model::ForwardOutput
                        (!out.taps.defined() || out.taps.device() == d0) &&
                        (!out.final_hidden.defined() || out.final_hidden.device() == d0),
                    "a recorded chunk writes its outputs on ", d0.str());
-  model::TokenBatch db;
-  {
-    // the plan goes up now (on the graphs' stream, in order with the legacy stream) into the
-    // target's plan buffer, which nothing else writes before the flush
-    cuda::OrderedStreamScope stream_scope(graphs_ ? graphs_->stream() : nullptr, d0.index);
-    db = upload(b, 0);
-  }
+  model::TokenBatch db = record_plan(b);
   std::string key;
-  for (int64_t v : {db.T, db.S, db.paged.block_size, int64_t(out.all_logits)}) ForwardGraphs::key_add(key, v);
-  for (const Tensor* t : std::initializer_list<const Tensor*>{&db.tokens, &db.paged.seq, &db.paged.pos,
-                                                              &db.paged.block_table, &db.slots, &db.logit_rows,
-                                                              &db.ctx_len, &out.logits, &out.taps, &out.final_hidden,
-                                                              &token_src})
-    ForwardGraphs::key_add(key, *t);
-  for (int64_t l : out.tap_layers) ForwardGraphs::key_add(key, l);
+  if (opt_.device.is_cuda()) {  // the launch shape (see step_graphs.h)
+    for (int64_t v : {db.T, db.S, db.paged.block_size, int64_t(out.all_logits)}) ForwardGraphs::key_add(key, v);
+    for (const Tensor* t : std::initializer_list<const Tensor*>{&db.tokens, &db.paged.seq, &db.paged.pos,
+                                                                &db.paged.block_table, &db.slots, &db.logit_rows,
+                                                                &db.ctx_len, &out.logits, &out.taps,
+                                                                &out.final_hidden, &token_src})
+      ForwardGraphs::key_add(key, *t);
+    for (int64_t l : out.tap_layers) ForwardGraphs::key_add(key, l);
+  }
+  // the references are filled in when the piece runs, after the draft's (on a GPU: in the graph)
   rec_.add(key, [this, db, o = out, src = token_src]() mutable {
-    if (src.defined()) ops::resolve_tokens(db.tokens, src);  // the drafts, in the graph
+    if (src.defined()) ops::resolve_tokens(db.tokens, src);
     models_[0]->forward(db, views_[0], o);
   });
-#endif
+}
+
+void Target::record_mtp_chunk(const model::TokenBatch& b, const Tensor& h_main, const Tensor& logits,
+                              const Tensor& hidden, const Tensor& token_src) {
+  DFLASH2_INTERNAL(tp_size() == 1, "a recorded step needs one rank");
+  const Device d0 = models_[0]->device();
+  DFLASH2_INTERNAL(h_main.device() == d0 && logits.device() == d0 && (!hidden.defined() || hidden.device() == d0) &&
+                       (!token_src.defined() || token_src.device() == d0),
+                   "a recorded MTP chunk reads and writes on ", d0.str());
+  model::TokenBatch db = record_plan(b);
+  std::string key = "mtp|";
+  if (opt_.device.is_cuda()) {
+    for (int64_t v : {db.T, db.S, db.paged.block_size}) ForwardGraphs::key_add(key, v);
+    for (const Tensor* t : std::initializer_list<const Tensor*>{&db.tokens, &db.paged.seq, &db.paged.pos,
+                                                                &db.paged.block_table, &db.slots, &db.logit_rows,
+                                                                &h_main, &logits, &hidden, &token_src})
+      ForwardGraphs::key_add(key, *t);
+  }
+  rec_.add(key, [this, db, hm = h_main, lg = logits, hid = hidden, src = token_src]() mutable {
+    if (src.defined()) ops::resolve_tokens(db.tokens, src);  // the chain's ids, when the piece runs
+    models_[0]->mtp_forward(db, hm, mtp_views_[0], lg, hid);
+  });
 }
 
 Tensor Target::resolve_host_refs(model::TokenBatch& b, const Tensor& token_src) {
@@ -248,13 +307,18 @@ Tensor Target::resolve_host_refs(model::TokenBatch& b, const Tensor& token_src) 
 }
 
 void Target::mtp_chunk(const std::vector<Piece>& pieces, const Tensor& h_main, Tensor& logits, Tensor& hidden,
-                       bool all_rows, const Tensor& token_src) {
+                       bool all_rows, const Tensor& token_src, bool queue) {
   DFLASH2_CHECK(model().has_mtp(), ErrorKind::Unsupported,
                 "this checkpoint has no MTP layer (num_nextn_predict_layers = 0)");
   for (const Piece& p : pieces)
     DFLASH2_CHECK_ARG(p.stream->length + p.n <= opt_.max_seq_len, "MTP sequence of ", p.stream->length + p.n,
                       " tokens exceeds max_seq_len ", opt_.max_seq_len);
   model::TokenBatch b = planner_.plan(pieces, mtp_cache_, all_rows);
+  if (queue && rec_.recording()) {  // a piece of the step (the ids it refers to do not exist yet)
+    record_mtp_chunk(b, h_main, logits, hidden, token_src);
+    for (const Piece& p : pieces) p.stream->length += p.n;
+    return;
+  }
   const Tensor dev_src = resolve_host_refs(b, token_src);
   if (opt_.device.is_cuda()) {
     mtp_chunk_device(b, h_main, logits, hidden, dev_src);

@@ -4,6 +4,7 @@
 // set of block tables) and its own thread; a chunk is planned once and every rank runs it,
 // meeting in the collectives.
 #pragma once
+#include <atomic>
 #include <condition_variable>
 #include <functional>
 #include <memory>
@@ -37,6 +38,8 @@ class Target {
     // CUDA, one rank: capture decode / verify chunks as CUDA graphs and replay them
     // (runtime/step_graphs.h); false runs every chunk eagerly (the same kernels).
     bool cuda_graphs = true;
+    // Steps recorded as one unit are padded to batch-size buckets (bucket(), pad_stream()).
+    bool pad_to_buckets = false;
   };
   // models: one per rank (tensor parallelism: models[r] was loaded as rank r of size()).
   Target(std::vector<std::unique_ptr<model::GlmModel>> models, const Options& opt);
@@ -68,6 +71,17 @@ class Target {
   bool can_record_steps() const { return tp_size() == 1 && (!opt_.device.is_cuda() || graphs_ != nullptr); }
   StepRecorder& recorder() { return rec_; }
   void flush_step();
+  // Batch-size buckets of recorded steps (Options::pad_to_buckets): the smallest bucket
+  // holding S sequences -- 1, 2, 4, 8, 16, 32, then multiples of 32, at most max_batch_size.
+  int64_t bucket(int64_t S) const;
+  // The cache stream padding sequences write to: pinned blocks for max_step_tokens tokens
+  // beyond the batch's, so padding never takes a request's cache. Several padding pieces of
+  // one chunk share it (what they write is never read by a real sequence and their outputs
+  // are dropped); the decode loop rolls it back to 0 after planning each padded chunk.
+  CacheStream& pad_stream() { return pad_stream_; }
+  // Padding sequences run so far (the decode loop counts them; any thread reads).
+  void count_padding(int64_t n) { padding_rows_ += n; }
+  int64_t padding_rows() const { return padding_rows_.load(); }
 
   // One chunk of at most max_step_tokens tokens through the decoder (pieces from
   // make_chunks); each piece's stream advances by its tokens. Logit rows (when
@@ -82,8 +96,10 @@ class Target {
   // h_main F32 [T, H] the main model's final hidden states of the same positions; logits
   // [R, V] and hidden [R, H] (optional) for the pieces that end their sequence.
   // all_rows: logits (and hidden) for every row instead. token_src: as run_chunk's.
+  // queue: while recording a step, queue the chunk in it (the MTP chain) instead of running
+  // it now (the chain's commits, which come before the step).
   void mtp_chunk(const std::vector<Piece>& pieces, const Tensor& h_main, Tensor& logits, Tensor& hidden,
-                 bool all_rows = false, const Tensor& token_src = Tensor());
+                 bool all_rows = false, const Tensor& token_src = Tensor(), bool queue = false);
 
  private:
   // Runs job(rank) on every rank at once (rank 0 on the calling thread); rethrows the first
@@ -95,6 +111,13 @@ class Target {
   void run_chunk_device(const model::TokenBatch& b, const model::ForwardOutputs& out, const Tensor& token_src);
   // Queues a planned chunk's forward in rec_ (its plan uploaded now on a GPU).
   void record_chunk(const model::TokenBatch& b, const model::ForwardOutputs& out, const Tensor& token_src);
+  void record_mtp_chunk(const model::TokenBatch& b, const Tensor& h_main, const Tensor& logits, const Tensor& hidden,
+                        const Tensor& token_src);
+  // The plan of a chunk queued in the step being recorded, in a buffer of its own until the
+  // flush: on the CPU a copy of the planner's buffers; on CUDA uploaded now (on the graphs'
+  // stream) into the step's next plan buffer (the i-th chunk of every step takes the i-th
+  // buffer, so a bucket's addresses repeat).
+  model::TokenBatch record_plan(const model::TokenBatch& b);
   void mtp_chunk_device(const model::TokenBatch& b, const Tensor& h_main, Tensor& logits, Tensor& hidden,
                         const Tensor& token_src);
   // Fills in b's token references into a host token_src; returns a device one (to fill in
@@ -107,6 +130,8 @@ class Target {
   void worker(int rank);
 
   StepRecorder rec_;
+  CacheStream pad_stream_;
+  std::atomic<int64_t> padding_rows_{0};
   std::vector<std::unique_ptr<model::GlmModel>> models_;
   Options opt_;
   KvCache cache_, mtp_cache_;
@@ -119,6 +144,9 @@ class Target {
   std::vector<std::unique_ptr<PlanUploader>> dplan_;  // per rank
   std::vector<Tensor> d_logits_, d_taps_, d_fin_, d_hmain_, d_hidden_;
   std::unique_ptr<ForwardGraphs> graphs_;  // CUDA graphs of rank 0's chunks (tensor_parallel = 1)
+  std::vector<std::unique_ptr<PlanUploader>> rec_plans_;  // CUDA: a recorded step's chunk plans
+  size_t rec_plans_used_ = 0;
+  int64_t rec_step_ = -1;  // the recorder's step they were taken for
   int rank_threads_ = 0;
   std::vector<std::thread> workers_;
   std::mutex mu_;

@@ -1,0 +1,28 @@
+// Capturing the decode step's graphs at load (issue "CUDA backend, part 2": graphs per
+// batch-size bucket captured at load): a few steps of dummy requests at every bucket, so
+// that the first real steps of each bucket replay instead of warming up and capturing.
+#pragma once
+#include <cstdint>
+#include <vector>
+
+#include "runtime/core.h"
+
+namespace dflash2::runtime {
+
+struct WarmUp {
+  std::vector<int64_t> buckets;  // batch sizes run
+  int64_t steps = 0;             // decode steps run
+  double seconds = 0;
+};
+
+// For every batch-size bucket (Target::bucket; those whose verify pass fits one chunk), runs
+// that many one-token dummy requests greedily and then sampled (the sampled step's
+// acceptance reads the selector's proposal: another graph) for at least three decode steps
+// each -- the eager warm-up, the capture, a replay -- on a decoder of its own over `core`,
+// then releases everything: the caches, slots and counters of real requests are as before
+// (only the graphs, their counters and the step counters remember it). Stops early, without
+// an error, when the KV cache cannot hold a bucket's requests; a failure inside a step
+// propagates.
+WarmUp warm_up_steps(Core& core);
+
+}  // namespace dflash2::runtime
