@@ -1330,6 +1330,45 @@ def test_block_attention(dev, case, causal):
                 np.testing.assert_allclose(got[s * B], np.repeat(v[s * B], nh // kvh, axis=0), rtol=1e-6)
 
 
+@pytest.mark.parametrize("dev", DEVICES)
+@pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
+def test_block_attention_long_contexts(dev, causal):
+    """Contexts of several key segments (the CUDA kernel folds keys in segments of at least
+    256, and at a small batch gives each segment its own block, then combines them in order):
+    against the reference, and on CUDA the rows of a 2-block batch (split) bitwise equal to
+    the same rows inside a 64-block batch (one block walks every segment)."""
+    need_device(dev, "block_attention")
+    nh, kvh, hd, B, cbs = 4, 2, 32, 8, 16
+    rng = rng_for("block-attn-long", causal)
+    ctx = [1500, 700]
+    S = len(ctx)
+    kv_cache, bt = make_pages(rng, ctx, cbs, 2 * kvh * hd)
+    T = S * B
+    q = rng.standard_normal((T, nh, hd)).astype(np.float32)
+    k = rng.standard_normal((T, kvh, hd)).astype(np.float32)
+    v = rng.standard_normal((T, kvh, hd)).astype(np.float32)
+    ctx_len = i32(ctx)
+    scale = 1.0 / math.sqrt(hd)
+    for window in [0, 600]:
+        ref = refs.block_attention(q, k, v, kv_cache, ctx_len, bt, B, window, causal, scale, cbs)
+        out = Guarded(q.shape, dev)
+        ops.block_attention(*[to_dev(x, dev) for x in (q, k, v, kv_cache, ctx_len, bt)], B, cbs, window=window,
+                            causal=causal, scale=scale, out=out.view)
+        got = out.result()
+        check("block_attention", got, ref, tol=1e-10)
+        if dev != "cuda":
+            continue
+        # the same two blocks repeated 32 times: enough blocks that the kernel does not split
+        R = 32
+        qr, kr, vr = (np.concatenate([x] * R) for x in (q, k, v))
+        big = Guarded(qr.shape, dev)
+        ops.block_attention(*[to_dev(x, dev) for x in (qr, kr, vr, kv_cache, i32(ctx * R), np.concatenate([bt] * R))],
+                            B, cbs, window=window, causal=causal, scale=scale, out=big.view)
+        many = big.result()
+        for r in range(R):
+            assert np.array_equal(many[r * T:(r + 1) * T], got), f"window {window}: copy {r} differs from the split rows"
+
+
 # ----------------------------------------------------------------------------- MoE
 ROUTE_CASES = [  # (E, n_group, topk_group, top_k)
     (8, 1, 1, 1),

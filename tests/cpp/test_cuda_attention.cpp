@@ -150,6 +150,21 @@ TEST(paged_slot_walks_the_block_table) {
   CHECK(A::window_first_key(2, 0, 8) == 0);
 }
 
+TEST(block_attention_segments_cover_every_key) {
+  for (int64_t cap : {int64_t(1), int64_t(64), int64_t(4096), int64_t(4104), int64_t(131072), int64_t(1) << 20}) {
+    for (int64_t B : {int64_t(1), int64_t(8), int64_t(16)}) {
+      const int64_t seg = A::block_attn_segment(cap, B);
+      CHECK(seg >= 256 && seg % 32 == 0);
+      const int64_t nz = A::block_attn_segments(cap + B, seg);
+      CHECK(nz >= 1 && nz <= 33 && nz * seg >= cap + B && (nz - 1) * seg < cap + B);
+    }
+  }
+  CHECK(A::block_attn_segment(4096, 8) == 256);        // 4104 keys: 17 segments
+  CHECK(A::block_attn_segments(4104, 256) == 17);
+  CHECK(A::block_attn_segment(131072, 8) == 4128);     // 32 segments
+  CHECK(A::block_attn_segments(0, 256) == 0 && A::block_attn_segments(256, 256) == 1);
+}
+
 TEST(radix_select_matches_sorted_reference_with_ties) {
   const float inf = std::numeric_limits<float>::infinity();
   const float nan = std::numeric_limits<float>::quiet_NaN();

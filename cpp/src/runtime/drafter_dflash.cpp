@@ -55,7 +55,7 @@ class DFlashRunner final : public Drafter {
     // outputs stay on the device (the verify pass reads them there; fetch_host copies them).
     if (o.device.is_cuda() && t.tp_size() == 1) {
       dev_ = t.model().device();
-      check_memory(per_seq * maxB * bs, maxB, nt * H, plan_tokens_of(o, maxB, B));
+      check_memory((per_seq * maxB + (B + bs - 1) / bs) * bs, maxB, nt * H, plan_tokens_of(o, maxB, B));
       m_->to_device(dev_, t.model().forward_embed(), t.model().forward_lm_head());
     }
     // + the padding sequences' pages (append_in_step): one block's worth of tokens, shared

@@ -333,8 +333,9 @@ Engine::Engine(const EngineConfig& cfg) : impl_(std::make_unique<Impl>()) {
       for (int64_t b : w.buckets) sizes += (sizes.empty() ? "" : ", ") + std::to_string(b);
       const runtime::GraphStats g = I.core.target->graph_stats();
       std::fprintf(stderr, "dflash2: decode-step graphs captured at load for batch sizes %s (%lld steps, %.2f s; %lld "
-                   "graphs, %lld failed)\n", sizes.empty() ? "(none)" : sizes.c_str(), (long long)w.steps, w.seconds,
-                   (long long)g.captured, (long long)g.failed);
+                   "graphs, %lld failed)%s%s\n", sizes.empty() ? "(none)" : sizes.c_str(), (long long)w.steps, w.seconds,
+                   (long long)g.captured, (long long)g.failed, w.stopped.empty() ? "" : "; stopped early: ",
+                   w.stopped.c_str());
     }
   }
   I.scheduler = std::make_unique<runtime::Scheduler>(I.core, I.model_mu, cfg.speculation == "adaptive");

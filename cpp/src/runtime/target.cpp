@@ -205,7 +205,8 @@ void Target::flush_step() {
 #endif
 }
 
-model::TokenBatch Target::record_plan(const model::TokenBatch& b) {
+model::TokenBatch Target::record_plan(const model::TokenBatch& b, bool verify) {
+  (void)verify;  // (CUDA: which buffer)
   if (!opt_.device.is_cuda()) {  // a copy: the planner's buffers serve the step's next chunk
     model::TokenBatch c = b;
     for (Tensor* t : {&c.tokens, &c.paged.seq, &c.paged.pos, &c.paged.block_table, &c.slots, &c.logit_rows,
@@ -218,27 +219,31 @@ model::TokenBatch Target::record_plan(const model::TokenBatch& b) {
     return c;
   }
 #ifdef DFLASH2_WITH_CUDA
-  if (rec_.begun() != rec_step_) {  // a new step: its chunks take the buffers from the first
+  if (rec_.begun() != rec_step_) {  // a new step: its chain's chunks take the buffers from the first
     rec_step_ = rec_.begun();
     rec_plans_used_ = 0;
   }
-  const size_t i = rec_plans_used_++;
-  if (rec_plans_.size() <= i) rec_plans_.resize(i + 1);
-  const int64_t words = PlanUploader::words_of(b);
-  if (!rec_plans_[i] || rec_plans_[i]->capacity() < words) {
-    // two sizes, so a buffer moves (and the graphs keyed on it are captured again) at most
-    // once: a chunk of at most one token per sequence (the MTP chain), else the planner's
-    // largest chunk (a verify pass)
-    const int64_t seqs = opt_.max_batch_size + 1, bps = cache_.max_blocks_per_stream();
-    const int64_t small = PlanUploader::planned_words(seqs, seqs, bps);
-    const int64_t cap = words <= small ? small : PlanUploader::planned_words(planner_.max_tokens(), planner_.max_seqs(), bps);
-    DFLASH2_INTERNAL(words <= cap, "a recorded plan of ", words, " words");
-    rec_plans_[i] = std::make_unique<PlanUploader>(models_[0]->device(), cap);
+  const int64_t words = PlanUploader::words_of(b), bps = cache_.max_blocks_per_stream();
+  PlanUploader* up = nullptr;
+  if (verify) {  // one per step (a recorded step's verify pass is one chunk): the planner's largest
+    if (!rec_verify_)
+      rec_verify_ = std::make_unique<PlanUploader>(
+          models_[0]->device(), PlanUploader::planned_words(planner_.max_tokens(), planner_.max_seqs(), bps));
+    up = rec_verify_.get();
+  } else {  // the MTP chain: one token per sequence
+    const size_t i = rec_plans_used_++;
+    if (rec_plans_.size() <= i) rec_plans_.resize(i + 1);
+    if (!rec_plans_[i]) {
+      const int64_t seqs = opt_.max_batch_size + 1;
+      rec_plans_[i] = std::make_unique<PlanUploader>(models_[0]->device(), PlanUploader::planned_words(seqs, seqs, bps));
+    }
+    up = rec_plans_[i].get();
   }
+  DFLASH2_INTERNAL(words <= up->capacity(), "a recorded plan of ", words, " words in a buffer of ", up->capacity());
   // on the graphs' stream, in order with the legacy stream; nothing else writes this buffer
   // before the flush
   cuda::OrderedStreamScope stream_scope(graphs_ ? graphs_->stream() : nullptr, models_[0]->device().index);
-  return rec_plans_[i]->upload(b);
+  return up->upload(b);
 #else
   fail(ErrorKind::Unsupported, "a CUDA plan in a build without CUDA");
 #endif
@@ -253,7 +258,7 @@ void Target::record_chunk(const model::TokenBatch& b, const model::ForwardOutput
                        (!out.taps.defined() || out.taps.device() == d0) &&
                        (!out.final_hidden.defined() || out.final_hidden.device() == d0),
                    "a recorded chunk writes its outputs on ", d0.str());
-  model::TokenBatch db = record_plan(b);
+  model::TokenBatch db = record_plan(b, true);
   std::string key;
   if (opt_.device.is_cuda()) {  // the launch shape (see step_graphs.h)
     for (int64_t v : {db.T, db.S, db.paged.block_size, int64_t(out.all_logits)}) ForwardGraphs::key_add(key, v);
@@ -278,7 +283,7 @@ void Target::record_mtp_chunk(const model::TokenBatch& b, const Tensor& h_main, 
   DFLASH2_INTERNAL(h_main.device() == d0 && logits.device() == d0 && (!hidden.defined() || hidden.device() == d0) &&
                        (!token_src.defined() || token_src.device() == d0),
                    "a recorded MTP chunk reads and writes on ", d0.str());
-  model::TokenBatch db = record_plan(b);
+  model::TokenBatch db = record_plan(b, false);
   std::string key = "mtp|";
   if (opt_.device.is_cuda()) {
     for (int64_t v : {db.T, db.S, db.paged.block_size}) ForwardGraphs::key_add(key, v);

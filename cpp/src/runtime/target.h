@@ -115,9 +115,10 @@ class Target {
                         const Tensor& token_src);
   // The plan of a chunk queued in the step being recorded, in a buffer of its own until the
   // flush: on the CPU a copy of the planner's buffers; on CUDA uploaded now (on the graphs'
-  // stream) into the step's next plan buffer (the i-th chunk of every step takes the i-th
-  // buffer, so a bucket's addresses repeat).
-  model::TokenBatch record_plan(const model::TokenBatch& b);
+  // stream) into a buffer of its own: the step's one verify chunk into rec_verify_ (the
+  // planner's largest chunk), the MTP chain's i-th chunk into rec_plans_[i] (one token per
+  // sequence), so the addresses, and the graphs keyed on them, repeat.
+  model::TokenBatch record_plan(const model::TokenBatch& b, bool verify);
   void mtp_chunk_device(const model::TokenBatch& b, const Tensor& h_main, Tensor& logits, Tensor& hidden,
                         const Tensor& token_src);
   // Fills in b's token references into a host token_src; returns a device one (to fill in
@@ -144,7 +145,8 @@ class Target {
   std::vector<std::unique_ptr<PlanUploader>> dplan_;  // per rank
   std::vector<Tensor> d_logits_, d_taps_, d_fin_, d_hmain_, d_hidden_;
   std::unique_ptr<ForwardGraphs> graphs_;  // CUDA graphs of rank 0's chunks (tensor_parallel = 1)
-  std::vector<std::unique_ptr<PlanUploader>> rec_plans_;  // CUDA: a recorded step's chunk plans
+  std::vector<std::unique_ptr<PlanUploader>> rec_plans_;  // CUDA: a recorded step's MTP chunk plans
+  std::unique_ptr<PlanUploader> rec_verify_;              // CUDA: a recorded step's verify plan
   size_t rec_plans_used_ = 0;
   int64_t rec_step_ = -1;  // the recorder's step they were taken for
   int rank_threads_ = 0;

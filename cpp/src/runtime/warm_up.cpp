@@ -3,6 +3,7 @@
 #include <chrono>
 #include <exception>
 #include <memory>
+#include <string>
 
 #include "runtime/decoder.h"
 
@@ -62,10 +63,17 @@ WarmUp warm_up_steps(Core& core) {
         throw;
       }
       dec.retire_all();
-      if (sink.error) std::rethrow_exception(sink.error);
+      if (sink.error) {  // a dummy request failed (non-finite logits): real ones decide for themselves
+        try {
+          std::rethrow_exception(sink.error);
+        } catch (const std::exception& e) {
+          w.stopped = e.what();
+        }
+        break;
+      }
       if (!fits) break;
     }
-    if (!fits) break;
+    if (!fits || !w.stopped.empty()) break;
     w.buckets.push_back(b);
   }
   w.seconds = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();

@@ -13,6 +13,7 @@ struct WarmUp {
   std::vector<int64_t> buckets;  // batch sizes run
   int64_t steps = 0;             // decode steps run
   double seconds = 0;
+  std::string stopped;  // why it stopped early when a dummy request failed (non-finite logits)
 };
 
 // For every batch-size bucket (Target::bucket; those whose verify pass fits one chunk), runs
@@ -20,9 +21,11 @@ struct WarmUp {
 // acceptance reads the selector's proposal: another graph) for at least three decode steps
 // each -- the eager warm-up, the capture, a replay -- on a decoder of its own over `core`,
 // then releases everything: the caches, slots and counters of real requests are as before
-// (only the graphs, their counters and the step counters remember it). Stops early, without
-// an error, when the KV cache cannot hold a bucket's requests; a failure inside a step
-// propagates.
+// (only the graphs and the counters of steps -- steps_as_one_unit, padding_rows,
+// drafter_appends_in_step, the graph counts -- remember it). Stops early, without an error,
+// when the KV cache cannot hold a bucket's requests, or when a dummy request fails (its
+// logits are non-finite: `stopped` says so; real requests then fail or not on their own);
+// any other failure propagates.
 WarmUp warm_up_steps(Core& core);
 
 }  // namespace dflash2::runtime

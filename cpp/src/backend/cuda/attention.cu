@@ -80,6 +80,7 @@
 
 #include <algorithm>
 #include <cmath>
+#include <type_traits>
 #include <cstdint>
 #include <map>
 #include <mutex>
@@ -682,6 +683,13 @@ struct BaArgs {
   int64_t S, B, nh, kvh, hd, window;
   int causal;
   float scale;
+  int64_t seg;  // keys per segment (attn::block_attn_segment)
+  // split-KV (SPLIT = 1): nz segment slots per (query row, head), each block one segment;
+  // partial states [row][head][z] (l < 0: no such segment), folded by block_attention_combine
+  int64_t nz;
+  float* part_acc;  // [.., hd]
+  float* part_m;
+  double* part_l;
 };
 inline size_t ba_smem(int64_t hd) {
   const int64_t kstride = hd % 2 == 0 ? hd + 1 : hd;
@@ -689,7 +697,12 @@ inline size_t ba_smem(int64_t hd) {
          sizeof(int64_t) * kBaKC;
 }
 
-template <int DPL>
+// Each row's keys are folded in segments of a.seg keys (online softmax inside a segment,
+// then mla_fold_scalars / mla_fold_value into the row's totals). SPLIT = 0: a block walks all
+// its segments; SPLIT = 1: grid item (block, z) computes segment z alone and writes its
+// state, which block_attention_combine folds in the same order with the same operations --
+// bitwise what SPLIT = 0 writes, so the launch shape never changes a row.
+template <int DPL, int SPLIT>
 __global__ void __launch_bounds__(kBaThreads, 1) block_attention_kernel(const BaArgs a) {
   extern __shared__ __align__(16) unsigned char smem_raw[];
   const int hd = int(a.hd), kstride = hd % 2 == 0 ? hd + 1 : hd;
@@ -701,8 +714,10 @@ __global__ void __launch_bounds__(kBaThreads, 1) block_attention_kernel(const Ba
   const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
   const int64_t grp = a.nh / a.kvh, M = a.B * grp, RG = (M + kBaRows - 1) / kBaRows;
   const int64_t kvdim = a.kvh * a.hd, cap = a.nb * a.cbs;
-  const int64_t total = a.S * a.kvh * RG;
-  for (int64_t blk = blockIdx.x; blk < total; blk += gridDim.x) {
+  const int64_t nz = SPLIT ? a.nz : 1;
+  const int64_t total = a.S * a.kvh * RG * nz;
+  for (int64_t item = blockIdx.x; item < total; item += gridDim.x) {
+    const int64_t z = SPLIT ? item % nz : 0, blk = SPLIT ? item / nz : item;
     const int64_t rg = blk % RG, kh = (blk / RG) % a.kvh, s = blk / (RG * a.kvh);
     int64_t L = a.ctx_len[s * a.cl_stride];
     L = L < 0 ? 0 : (L < cap ? L : cap);
@@ -720,13 +735,36 @@ __global__ void __launch_bounds__(kBaThreads, 1) block_attention_kernel(const Ba
     const int64_t cmin = cmin0 < L ? cmin0 : L;
     const int64_t nctx = L - cmin, nv = nctx + a.B;
     const int64_t qrow = s * a.B + i;
+    // the keys this item walks: all of them, or segment z (SPLIT)
+    const int64_t v0 = SPLIT ? z * a.seg : 0;
+    const int64_t v1 = SPLIT ? (v0 + a.seg < nv ? v0 + a.seg : nv) : nv;
+    if (SPLIT && v0 >= nv) {  // no such segment for this block (block-uniform)
+      if (active && lane == 0) a.part_l[(qrow * a.nh + h) * nz + z] = -1.0;
+      continue;
+    }
     for (int e = lane; e < hd; e += 32) qs[warp * hd + e] = active ? a.q[qrow * a.q_s0 + h * a.q_s1 + e] : 0.0f;
-    float m = -INFINITY;
+    float m = -INFINITY;  // the segment's state
     double l = 0.0;
     float acc[DPL];
 #pragma unroll
     for (int d = 0; d < DPL; ++d) acc[d] = 0.0f;
-    for (int64_t c0 = 0; c0 < nv; c0 += kBaKC) {
+    float Mt = -INFINITY;  // the row's totals (SPLIT = 0)
+    double Lt = 0.0;
+    float tot[DPL];
+#pragma unroll
+    for (int d = 0; d < DPL; ++d) tot[d] = 0.0f;
+    for (int64_t c0 = v0; c0 < v1; c0 += kBaKC) {
+      if (!SPLIT && active && c0 > v0 && c0 % a.seg == 0) {  // a segment ends: fold it (warp-uniform)
+        float fa, fb;
+        mla_fold_scalars(Mt, Lt, m, l, fa, fb);
+#pragma unroll
+        for (int d = 0; d < DPL; ++d) {
+          tot[d] = mla_fold_value(tot[d], fa, acc[d], fb);
+          acc[d] = 0.0f;
+        }
+        m = -INFINITY;
+        l = 0.0;
+      }
       if (threadIdx.x < kBaKC) {
         const int64_t vi = c0 + threadIdx.x;
         slots[threadIdx.x] = vi < nctx ? attn::paged_slot(btr, a.nb, a.cbs, a.kv_rows, cmin + vi) : -1;
@@ -743,7 +781,7 @@ __global__ void __launch_bounds__(kBaThreads, 1) block_attention_kernel(const Ba
             kx = rowp[0];
             vx = rowp[kvdim];
           }
-        } else if (vi < nv) {
+        } else if (vi < v1) {
           const int64_t tr = s * a.B + (vi - nctx);
           kx = a.k[tr * a.k_s0 + kh * a.k_s1 + e];
           vx = a.v[tr * a.v_s0 + kh * a.v_s1 + e];
@@ -754,7 +792,7 @@ __global__ void __launch_bounds__(kBaThreads, 1) block_attention_kernel(const Ba
       __syncthreads();
       if (active) {  // warp-uniform
         const int64_t vi = c0 + lane;
-        const bool valid = vi < nctx ? (cmin + vi >= c0_row) : (vi < nv && vi - nctx < nblk_row);
+        const bool valid = vi < nctx ? (cmin + vi >= c0_row) : (vi < v1 && vi - nctx < nblk_row);
         const float* qh = qs + warp * hd;
         const float* kr = ks + lane * kstride;
         float dot = 0.0f;
@@ -765,7 +803,7 @@ __global__ void __launch_bounds__(kBaThreads, 1) block_attention_kernel(const Ba
         __syncwarp();
 #pragma unroll
         for (int d = 0; d < DPL; ++d) acc[d] *= alpha;
-        const int nc = nv - c0 < kBaKC ? int(nv - c0) : kBaKC;
+        const int nc = v1 - c0 < kBaKC ? int(v1 - c0) : kBaKC;
         for (int j = 0; j < nc; ++j) {
           const float pj = ps[warp * kBaKC + j];
           if (pj == 0.0f) continue;  // masked keys (uniform): as the CPU, they never touch out
@@ -778,15 +816,55 @@ __global__ void __launch_bounds__(kBaThreads, 1) block_attention_kernel(const Ba
       }
     }
     if (active) {
-      const float inv = l > 0.0 ? float(1.0 / l) : 0.0f;
-      float* o = a.out + qrow * a.o_s0 + h * a.o_s1;
+      if (SPLIT) {  // this segment's state
+        const int64_t at = (qrow * a.nh + h) * nz + z;
+        if (lane == 0) {
+          a.part_m[at] = m;
+          a.part_l[at] = l;
+        }
 #pragma unroll
-      for (int d = 0; d < DPL; ++d) {
-        const int e = lane + 32 * d;
-        if (e < hd) o[e] = acc[d] * inv;
+        for (int d = 0; d < DPL; ++d) {
+          const int e = lane + 32 * d;
+          if (e < hd) a.part_acc[at * a.hd + e] = acc[d];
+        }
+      } else {  // the last segment, then out
+        float fa, fb;
+        mla_fold_scalars(Mt, Lt, m, l, fa, fb);
+        float* o = a.out + qrow * a.o_s0 + h * a.o_s1;
+#pragma unroll
+        for (int d = 0; d < DPL; ++d) {
+          const int e = lane + 32 * d;
+          if (e < hd) o[e] = mla_finish(mla_fold_value(tot[d], fa, acc[d], fb), Lt);
+        }
       }
     }
     __syncthreads();  // qs / slots are rewritten for the next block
+  }
+}
+
+// Split-KV: one warp per (query row, head) folds the row's segment states in order, as
+// block_attention_kernel<.., 0> does (slots of segments the row's block does not have are
+// marked l < 0 and skipped).
+__global__ void __launch_bounds__(kBaThreads) block_attention_combine(const BaArgs a) {
+  const int lane = threadIdx.x & 31;
+  const int64_t rows = a.S * a.B * a.nh;
+  for (int64_t w = (int64_t(blockIdx.x) * blockDim.x + threadIdx.x) / 32; w < rows;
+       w += int64_t(gridDim.x) * (blockDim.x / 32)) {
+    const int64_t qrow = w / a.nh, h = w - qrow * a.nh;
+    const int64_t base = w * a.nz;
+    float* o = a.out + qrow * a.o_s0 + h * a.o_s1;
+    for (int64_t e = lane; e < a.hd; e += 32) {
+      float M = -INFINITY, tot = 0.0f;
+      double L = 0.0;
+      for (int64_t z = 0; z < a.nz; ++z) {
+        const double l_s = a.part_l[base + z];
+        if (l_s < 0.0) continue;
+        float fa, fb;
+        mla_fold_scalars(M, L, a.part_m[base + z], l_s, fa, fb);
+        tot = mla_fold_value(tot, fa, a.part_acc[(base + z) * a.hd + e], fb);
+      }
+      o[e] = mla_finish(tot, L);
+    }
   }
 }
 
@@ -1029,15 +1107,48 @@ void block_attention(const Tensor& q, const Tensor& k, const Tensor& v, const Te
   a.causal = p.causal ? 1 : 0;
   a.scale = p.scale;
   const int64_t M = p.block * (nh / kvh), blocks = S * kvh * ((M + kBaRows - 1) / kBaRows);
-  const unsigned grid = detail::row_blocks(blocks);
+  const int device = q.device().index;
+  detail::DeviceGuard guard(device);
+  // Split-KV when the (block, kv head, row group) blocks would leave most SMs idle (a small
+  // batch) and the segment states fit in 64 MiB of scratch: each of the (at most 33)
+  // segments of the block table's capacity gets its own block, then the in-order combine.
+  // Bitwise the unsplit result (see the kernel), so this choice never changes a row.
+  const int64_t cap = a.nb * a.cbs;
+  a.seg = attn::block_attn_segment(cap, p.block);
+  const int64_t nz = attn::block_attn_segments(cap + p.block, a.seg);
+  const int64_t part_bytes = T * nh * nz * (hd * 4 + 4 + 8);
+  const bool split = nz >= 2 && blocks < detail::sm_count(device) && part_bytes <= (int64_t(64) << 20);
+  a.nz = split ? nz : 1;
+  a.part_acc = nullptr;
+  a.part_m = nullptr;
+  a.part_l = nullptr;
+  if (split) {
+    const int64_t n = T * nh * nz;
+    uint8_t* base = static_cast<uint8_t*>(detail::scratch(device, size_t(n) * size_t(8 + 4 + 4 * hd) + 256));
+    a.part_l = reinterpret_cast<double*>(base);
+    a.part_m = reinterpret_cast<float*>(base + n * 8);
+    a.part_acc = reinterpret_cast<float*>(base + n * 12);
+  }
+  const unsigned grid = detail::row_blocks(split ? blocks * nz : blocks);
   const size_t smem = ba_smem(hd);
-  detail::DeviceGuard guard(q.device().index);
+  auto launch = [&](auto dpl) {
+    constexpr int D = decltype(dpl)::value;
+    if (split)
+      block_attention_kernel<D, 1><<<grid, kBaThreads, smem, detail::stream()>>>(a);
+    else
+      block_attention_kernel<D, 0><<<grid, kBaThreads, smem, detail::stream()>>>(a);
+  };
   if (hd <= 32)
-    block_attention_kernel<1><<<grid, kBaThreads, smem, detail::stream()>>>(a);
+    launch(std::integral_constant<int, 1>{});
   else if (hd <= 64)
-    block_attention_kernel<2><<<grid, kBaThreads, smem, detail::stream()>>>(a);
+    launch(std::integral_constant<int, 2>{});
   else
-    block_attention_kernel<4><<<grid, kBaThreads, smem, detail::stream()>>>(a);
+    launch(std::integral_constant<int, 4>{});
+  if (split) {
+    detail::check_launch("block_attention split kernel launch", q.describe());
+    const int64_t warps = T * nh;
+    block_attention_combine<<<detail::row_blocks((warps + kBaRows - 1) / kBaRows), kBaThreads, 0, detail::stream()>>>(a);
+  }
   detail::check_launch("block_attention kernel launch", q.describe());
 }
 

@@ -146,4 +146,18 @@ DFLASH2_HD int64_t window_first_key(int64_t L, int64_t i, int64_t window) {
   return c0 > 0 ? c0 : 0;
 }
 
+// block_attention's key segments (split-KV): a block's keys (its context keys from the
+// earliest window start of its rows, then its B own keys: at most cap + B) are folded in
+// segments of block_attn_segment(cap, B) keys -- a multiple of the kernel's 32-key chunk,
+// at least 256, and few enough that at most 33 segments cover cap + B keys -- whether one
+// block walks them all or each segment has a block of its own (then combined in order),
+// so the split never changes a row. cap: the block table's capacity (nb x cache block).
+DFLASH2_HD int64_t block_attn_segment(int64_t cap, int64_t B) {
+  const int64_t n = cap + B;
+  int64_t seg = (n + 31) / 32;        // 32 segments ...
+  seg = (seg + 31) / 32 * 32;         // ... of whole 32-key chunks
+  return seg < 256 ? 256 : seg;
+}
+DFLASH2_HD int64_t block_attn_segments(int64_t keys, int64_t seg) { return (keys + seg - 1) / seg; }
+
 }  // namespace dflash2::cuda::attn
