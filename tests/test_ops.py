@@ -26,7 +26,8 @@ DEVICES = ["cpu", "cuda"]
 CUDA_OPS = {"rms_norm", "layer_norm", "rope", "silu_mul", "softmax", "embedding", "copy", "add", "gather_rows",
             "argmax", "check_finite", "cache_write", "dyn_conv", "indexer_topk", "mla_attention", "block_attention",
             "moe_route", "moe_experts", "topk", "selector_walk", "linear", "linear_heads", "embedding_shard",
-            "linear_bf16", "linear_fp8", "fp8_quantize_act", "linear_nvfp4", "moe_experts_fp8", "resolve_tokens"}
+            "linear_bf16", "linear_fp8", "fp8_quantize_act", "linear_nvfp4", "moe_experts_fp8", "resolve_tokens",
+            "next_after_accept"}
 GUARD = 64
 SENTINEL = np.float32(-12345.678)
 ISENTINEL = np.int32(-777777)
@@ -944,6 +945,39 @@ def test_resolve_tokens(dev):
 
 
 @pytest.mark.parametrize("dev", DEVICES)
+def test_next_after_accept(dev):
+    """The token after each verify row once acceptance is known: accepted drafts, then the
+    bonus (also for the rows past the accepted ones), and each sequence's last committed row."""
+    need_device(dev, "next_after_accept")
+    rng = rng_for("next_after_accept")
+    K = 7
+    drafts = i32(rng.integers(0, 150000, (6, K)))
+    # sequences: all accepted, none, some, no drafts at all, a short draft (room), a later draft row
+    lens = [7, 7, 7, 0, 3, 7]
+    acc = [7, 0, 4, 0, 2, 5]
+    drow = [0, 1, 2, 0, 3, 5]
+    row0 = np.cumsum([0] + [n + 1 for n in lens[:-1]])
+    T = int(row0[-1] + lens[-1] + 1) + 3  # + rows of no sequence (padding): left alone
+    bonus = i32(rng.integers(0, 150000, len(lens)))
+    nxt = np.full(T, -5, np.int32)
+    want = nxt.copy()
+    for k, (n, a, d, r0) in enumerate(zip(lens, acc, drow, row0)):
+        for j in range(n + 1):
+            want[r0 + j] = drafts[d, j] if j < a else bonus[k]
+    want_last = (row0 + np.array(acc)).astype(np.int32)
+    t_next, t_last = to_dev(nxt, dev), to_dev(np.zeros(len(lens), np.int32), dev)
+    ops.next_after_accept(*[to_dev(x, dev) for x in (i32(row0), i32(drow), i32(lens), i32(acc), bonus, drafts)],
+                          t_next, t_last)
+    np.testing.assert_array_equal(to_np(t_next), want)
+    np.testing.assert_array_equal(to_np(t_last), want_last)
+    if dev == "cpu":
+        with pytest.raises(dflash2_rt.InvalidArgumentError, match=r"next_after_accept: sequence 0 has rows"):
+            ops.next_after_accept(i32([0]), i32([0]), i32([3]), i32([4]), i32([1]), drafts, i32([0] * 8), i32([0]))
+    with pytest.raises(dflash2_rt.InvalidArgumentError, match=r"next_after_accept: drafts must be I32 \[N, K\]"):
+        ops.next_after_accept(i32([0]), i32([0]), i32([3]), i32([1]), i32([1]), i32([1, 2]), i32([0] * 8), i32([0]))
+
+
+@pytest.mark.parametrize("dev", DEVICES)
 def test_argmax(dev):
     need_device(dev, "argmax")
     for (r, v) in [(1, 1), (3, 17), (5, 1000), (2, 154880 // 16), (9, 2)]:
@@ -1332,15 +1366,19 @@ def test_block_attention(dev, case, causal):
 
 @pytest.mark.parametrize("dev", DEVICES)
 @pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
-def test_block_attention_long_contexts(dev, causal):
+@pytest.mark.parametrize("case", [(4, 2, 32, 8), (3, 1, 48, 5), (2, 1, 100, 4)], ids=lambda c: "h%d-kv%d-d%d-B%d" % c)
+def test_block_attention_long_contexts(dev, causal, case):
     """Contexts of several key segments (the CUDA kernel folds keys in segments of at least
     256, and at a small batch gives each segment its own block, then combines them in order):
-    against the reference, and on CUDA the rows of a 2-block batch (split) bitwise equal to
-    the same rows inside a 64-block batch (one block walks every segment)."""
+    against the reference (head dims of 1, 2 and 4 registers per lane, GQA groups that leave
+    warps idle, windows, an empty context), and on CUDA the rows of a 3-block batch (split)
+    bitwise equal to the same rows inside a batch of 480 blocks (one block walks every
+    segment)."""
     need_device(dev, "block_attention")
-    nh, kvh, hd, B, cbs = 4, 2, 32, 8, 16
-    rng = rng_for("block-attn-long", causal)
-    ctx = [1500, 700]
+    nh, kvh, hd, B = case
+    cbs = 16
+    rng = rng_for("block-attn-long", causal, case)
+    ctx = [1500, 700, 0]
     S = len(ctx)
     kv_cache, bt = make_pages(rng, ctx, cbs, 2 * kvh * hd)
     T = S * B
@@ -1349,7 +1387,7 @@ def test_block_attention_long_contexts(dev, causal):
     v = rng.standard_normal((T, kvh, hd)).astype(np.float32)
     ctx_len = i32(ctx)
     scale = 1.0 / math.sqrt(hd)
-    for window in [0, 600]:
+    for window in [0, B - 1, 600]:  # B - 1: later rows' windows start past the context
         ref = refs.block_attention(q, k, v, kv_cache, ctx_len, bt, B, window, causal, scale, cbs)
         out = Guarded(q.shape, dev)
         ops.block_attention(*[to_dev(x, dev) for x in (q, k, v, kv_cache, ctx_len, bt)], B, cbs, window=window,
@@ -1358,8 +1396,8 @@ def test_block_attention_long_contexts(dev, causal):
         check("block_attention", got, ref, tol=1e-10)
         if dev != "cuda":
             continue
-        # the same two blocks repeated 32 times: enough blocks that the kernel does not split
-        R = 32
+        # the same blocks repeated 160 times: enough blocks (>= 160 x 2) that the kernel does not split
+        R = 160
         qr, kr, vr = (np.concatenate([x] * R) for x in (q, k, v))
         big = Guarded(qr.shape, dev)
         ops.block_attention(*[to_dev(x, dev) for x in (qr, kr, vr, kv_cache, i32(ctx * R), np.concatenate([bt] * R))],

@@ -339,6 +339,25 @@ void bind_ops(py::module_& m) {
       "In place: each entry t < 0 of tokens I32 [T] becomes src's flat element -t - 1 (src I32, contiguous).");
 
   o.def(
+      "next_after_accept",
+      [](py::handle row0, py::handle draft_row, py::handle draft_len, py::handle accepted, py::handle bonus,
+         py::handle drafts, py::handle next, py::handle last) {
+        Tensor r0 = tensor_from_python(row0, "row0"), dr = tensor_from_python(draft_row, "draft_row");
+        Tensor dl = tensor_from_python(draft_len, "draft_len"), ac = tensor_from_python(accepted, "accepted");
+        Tensor bo = tensor_from_python(bonus, "bonus"), dd = tensor_from_python(drafts, "drafts");
+        Tensor nx = tensor_from_python(next, "next"), ls = tensor_from_python(last, "last");
+        {
+          py::gil_scoped_release nogil;
+          ops::next_after_accept(r0, dr, dl, ac, bo, dd, nx, ls);
+        }
+        return py::make_tuple(nx, ls);
+      },
+      py::arg("row0"), py::arg("draft_row"), py::arg("draft_len"), py::arg("accepted"), py::arg("bonus"),
+      py::arg("drafts"), py::arg("next"), py::arg("last"),
+      "In place: next I32 [T] = the token after each verify row (accepted drafts, then the bonus), last I32 [S] = "
+      "row0 + accepted.");
+
+  o.def(
       "check_finite",
       [](py::handle x, py::handle out) {
         Tensor xt = tensor_from_python(x, "x");

@@ -205,6 +205,16 @@ void check_finite(const Tensor& x, Tensor& flags);
 // reference outside [0, src.numel()) is an InvalidArgument error on the CPU; on CUDA it is
 // left negative, so the embedding that reads it counts an index error (cuda::index_errors).
 void resolve_tokens(Tensor& tokens, const Tensor& src);
+// After acceptance, on the device that ran it: the token that follows each row of a verify
+// pass. Sequence k's rows are row0[k] .. row0[k] + draft_len[k] (its anchor and drafts); with
+// accepted[k] = a drafts accepted, row j is followed by drafts[draft_row[k], j] for j < a and
+// by bonus[k] for j >= a (the rows past a are not committed; the bonus fills them). next
+// I32 [T] (T >= every row), last I32 [S] = row0[k] + a: the sequence's last committed row.
+// All I32; row0 .. bonus [S], drafts [N, K] with contiguous rows. What the MTP layer reads to
+// extend its cache over a step's committed rows without the host (an out-of-range row or
+// draft: InvalidArgument on the CPU, skipped on CUDA).
+void next_after_accept(const Tensor& row0, const Tensor& draft_row, const Tensor& draft_len, const Tensor& accepted,
+                       const Tensor& bonus, const Tensor& drafts, Tensor& next, Tensor& last);
 
 // ------------------------------------------------------------------ paged caches
 // A paged cache layer is a 2-D F32 tensor [num_blocks * block_size, D]: the token at

@@ -34,6 +34,9 @@ namespace dflash2::ops {
   X(argmax, (const Tensor& x, Tensor& out))                                                                         \
   X(check_finite, (const Tensor& x, Tensor& flags))                                                                 \
   X(resolve_tokens, (Tensor & tokens, const Tensor& src))                                                           \
+  X(next_after_accept, (const Tensor& row0, const Tensor& draft_row, const Tensor& draft_len,                       \
+                        const Tensor& accepted, const Tensor& bonus, const Tensor& drafts, Tensor& next,           \
+                        Tensor& last))                                                                              \
   X(cache_write, (const Tensor& src, const Tensor& slots, Tensor& cache))                                          \
   X(indexer_topk, (const Tensor& q, const Tensor& w, const Tensor& key_cache, const PagedTokens& tok, int64_t topk, \
                    Tensor& sel, Tensor& sel_len))                                                                   \

@@ -480,6 +480,25 @@ void resolve_tokens(Tensor& tokens, const Tensor& src) {
   DFLASH2_DISPATCH(resolve_tokens, tokens, tokens, src);
 }
 
+void next_after_accept(const Tensor& row0, const Tensor& draft_row, const Tensor& draft_len, const Tensor& accepted,
+                       const Tensor& bonus, const Tensor& drafts, Tensor& next, Tensor& last) {
+  const char* op = "next_after_accept";
+  need_i32_vec(row0, -1, op, "row0");
+  const int64_t S = row0.shape(0);
+  need_i32_vec(draft_row, S, op, "draft_row");
+  need_i32_vec(draft_len, S, op, "draft_len");
+  need_i32_vec(accepted, S, op, "accepted");
+  need_i32_vec(bonus, S, op, "bonus");
+  need_i32_vec(last, S, op, "last");
+  need_i32_vec(next, -1, op, "next");
+  DFLASH2_CHECK_ARG(next.stride(0) == 1 || next.shape(0) <= 1, op, ": next must be contiguous, found ", next.describe());
+  need_dtype(drafts, DType::I32, op, "drafts");
+  DFLASH2_CHECK_ARG(drafts.ndim() == 2 && (drafts.stride(1) == 1 || drafts.shape(1) <= 1), op,
+                    ": drafts must be I32 [N, K] with contiguous rows, found ", drafts.describe());
+  for (const Tensor* t : std::initializer_list<const Tensor*>{&draft_row, &draft_len, &accepted, &bonus, &drafts, &next, &last}) same_device(row0, *t, op);
+  DFLASH2_DISPATCH(next_after_accept, row0, row0, draft_row, draft_len, accepted, bonus, drafts, next, last);
+}
+
 void nvfp4_quantize_act(const Tensor& x, float input_scale, Tensor& out) {
   const char* op = "nvfp4_quantize_act";
   need_2d_rows(x, DType::F32, op, "x");

@@ -161,7 +161,8 @@ void Core::argmax_row0() {
   download_results();
 }
 
-void Core::accept_rows(int64_t rows, int64_t S, const Tensor& drafts, const Tensor& cand, const Tensor& q) {
+void Core::accept_rows(int64_t rows, int64_t S, const Tensor& drafts, const Tensor& cand, const Tensor& q,
+                       const std::function<void(const Drafter::StepAcceptance&)>& in_step) {
   Tensor lg = logits.slice(0, 0, rows);
   StepRecorder& rec = target->recorder();
   if (!device.is_cuda()) {
@@ -173,6 +174,8 @@ void Core::accept_rows(int64_t rows, int64_t S, const Tensor& drafts, const Tens
     drafts_host = drafts;
     if (rec.recording()) {  // the last piece of the step: run the queue (the draft, the verify pass, ...)
       rec.add("", work);
+      if (in_step)
+        in_step({a_row0.slice(0, 0, S), a_draft_row.slice(0, 0, S), a_draft_len.slice(0, 0, S), acc, bon, drafts});
       rec.add("", marks.deferred(3));
       target->flush_step();
     } else {
@@ -218,6 +221,7 @@ void Core::accept_rows(int64_t rows, int64_t S, const Tensor& drafts, const Tens
       ForwardGraphs::key_add(key, *t);
     ForwardGraphs::key_add(key, draft_rows);
     rec.add(key, work);
+    if (in_step) in_step({r0, drow, dlen, acc, bon, dd});
     rec.add("mark3|", marks.deferred(3));
     target->flush_step();
   } else {

@@ -3,6 +3,7 @@
 // rows). Engine owns one; a Batch runs its requests on it.
 #pragma once
 #include <cstdint>
+#include <functional>
 #include <memory>
 #include <string>
 #include <vector>
@@ -70,7 +71,10 @@ struct Core {
   // a_accepted / a_bonus [0, S) = ops::accept over logits rows [0, rows) with plan rows
   // a_row0 / a_draft_row / a_draft_len and sampling rows [0, S); drafts I32 [N, K] and the
   // selector's cand / q (undefined: one-hot proposals) on the host or already on the device.
-  void accept_rows(int64_t rows, int64_t S, const Tensor& drafts, const Tensor& cand, const Tensor& q);
+  // in_step: in a recorded step, called after acceptance is queued (before the flush) with
+  // its tensors (Drafter::commit_in_step).
+  void accept_rows(int64_t rows, int64_t S, const Tensor& drafts, const Tensor& cand, const Tensor& q,
+                   const std::function<void(const Drafter::StepAcceptance&)>& in_step = nullptr);
   // CUDA: packs the first n sampling rows (and with accept the acceptance rows) into the
   // staging and uploads them in one asynchronous copy; brings d_res back into
   // h_res in one asynchronous copy (with the first draft_rows rows of the drafts region)

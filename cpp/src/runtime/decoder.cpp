@@ -392,9 +392,15 @@ void Decoder::step() {
       row += kk + 1;
     }
     const bool with_q = dr && dr->has_q;
+    // a drafter whose state follows from what is accepted (MTP) may update it inside the step
+    std::function<void(const Drafter::StepAcceptance&)> in_step;
+    if (record && drafter)
+      in_step = [&](const Drafter::StepAcceptance& a) {
+        drafter->commit_in_step(step_rows_, Features{c_.taps_buf, c_.fin}, a);
+      };
     c_.accept_rows(row, S + P, on_dev ? dr->dev_tokens : drafts,
                    with_q ? (on_dev ? dr->dev_cand : dr->cand) : Tensor(),
-                   with_q ? (on_dev ? dr->dev_q : dr->q) : Tensor());
+                   with_q ? (on_dev ? dr->dev_q : dr->q) : Tensor(), in_step);
   }
   // the results are back (the step's one wait): every mark is complete
   if (P > 0) tgt.count_padding(P);

@@ -103,6 +103,21 @@ class Drafter {
   }
   // Steps whose rows append_in_step queued (any thread).
   virtual int64_t appends_in_step() const { return 0; }
+  // Acceptance's tensors in a recorded step (where it ran: the device, or the host), I32:
+  // per sequence row0 / draft_row / draft_len (its verify rows and drafts), accepted and
+  // bonus (written when acceptance runs), and the drafts [N, K] it read.
+  struct StepAcceptance {
+    Tensor row0, draft_row, draft_len, accepted, bonus, drafts;
+  };
+  // Called in a recorded step after acceptance is queued: a drafter whose state after the
+  // step depends on what is accepted (the MTP layer: its cache over the committed rows, with
+  // the bonus as the last row's next token) may queue that work in the step (ops that read
+  // the acceptance's tensors on the device); then its commit() of those rows only sets the
+  // length. Returns whether it did.
+  virtual bool commit_in_step(const std::vector<StepRows>& rows, const Features& f, const StepAcceptance& acc) {
+    (void)rows, (void)f, (void)acc;
+    return false;
+  }
   virtual void release(int slot) = 0;
   // Reserves the cache of `slot` for `tokens` positions up front (false: the pool lacks them).
   virtual bool reserve(int slot, int64_t tokens) = 0;

@@ -144,6 +144,9 @@ class DFlashRunner final : public Drafter {
   bool append_in_step(const std::vector<StepRows>& rows, const Features& f) override {
     StepRecorder& rec = t_.recorder();
     if (!rec.recording() || !f.taps.defined() || rows.empty()) return false;
+    bool drafted = false;  // nothing drafted (the policy's k = 0): the rows wait as before
+    for (const StepRows& r : rows) drafted = drafted || r.n > 1;
+    if (!drafted) return false;
     int64_t T = 0;
     for (const StepRows& r : rows) {
       T += r.n;
@@ -215,7 +218,9 @@ class DFlashRunner final : public Drafter {
     const int64_t S = int64_t(jobs.size()), B = m_->block_size(), K = B - 1;
     // the slots that draft now need their whole context; in a recorded step every slot's
     // context is brought up to date (append_in_step appends its verified rows next)
-    const bool all = t_.recorder().recording();
+    bool any = false;
+    for (const DraftJob& j : jobs) any = any || (j.room >= K && j.max_tokens >= 1);
+    const bool all = any && t_.recorder().recording();
     flush_.clear();
     for (const DraftJob& j : jobs)
       if (all || (j.room >= K && j.max_tokens >= 1)) flush_.push_back(j.slot);

@@ -10,6 +10,7 @@
 // (token references, ops::resolve_tokens), so the chain is queued without a host wait and
 // the drafts come back with the step's results.
 #include <algorithm>
+#include <atomic>
 #include <functional>
 #include <initializer_list>
 #include <string>
@@ -47,6 +48,8 @@ class MtpDrafter final : public Drafter {
     pending_ = PendingRows(B, kPending, H, /*with_next=*/true, dev_);
     run_ = [this](const std::vector<CommitRows>& rows, const Tensor& src) { run(rows, src); };
     base_len_.assign(size_t(B), 0);
+    in_step_.assign(size_t(B), 0);
+    in_step_row_.assign(size_t(B), 0);
   }
   int64_t draft_len() const override { return K_; }
   Device device() const override { return dev_; }
@@ -57,15 +60,87 @@ class MtpDrafter final : public Drafter {
   // Committed rows (final hidden states + next tokens) wait per slot (PendingRows) and run
   // through the MTP layer only when the slot drafts next: while the speculation policy drafts
   // nothing, the MTP layer does not run.
+  // Rows a recorded step ran through the layer already (commit_in_step) only set the length.
   void commit(const std::vector<CommitRows>& rows, const Features& f) override {
+    staged_.clear();
     for (const CommitRows& r : rows) {
       CacheStream& s = streams_[size_t(r.slot)];
+      if (in_step_[size_t(r.slot)]) {
+        DFLASH2_INTERNAL(pending_.count(r.slot) == 0 && s.length >= r.pos0 + r.n, "MTP stream of slot ", r.slot,
+                         " holds ", s.length, " positions run in the step, commit ends at ", r.pos0 + r.n);
+        t_.mtp_cache().truncate(s, r.pos0 + r.n);
+        base_len_[size_t(r.slot)] = s.length;
+        in_step_[size_t(r.slot)] = 0;
+        // the step left the prediction for the slot's next position in its row of the
+        // outputs (job order, so the step's graph does not depend on the slots): kept now
+        const int64_t k = in_step_row_[size_t(r.slot)];
+        Tensor dl = last_logits_.slice(0, r.slot, r.slot + 1), dh = last_hidden_.slice(0, r.slot, r.slot + 1);
+        ops::copy(out_logits_.slice(0, k, k + 1), dl);
+        ops::copy(out_hidden_.slice(0, k, k + 1), dh);
+        continue;
+      }
       t_.mtp_cache().truncate(s, std::min(s.length, base_len_[size_t(r.slot)]));  // drop the chain's positions
       DFLASH2_INTERNAL(s.length + pending_.count(r.slot) == r.pos0, "MTP stream of slot ", r.slot, " has ", s.length,
                        " + ", pending_.count(r.slot), " pending tokens, commit starts at ", r.pos0);
+      staged_.push_back(r);
     }
-    pending_.stage(rows, f.final_hidden, run_);
+    if (!staged_.empty()) pending_.stage(staged_, f.final_hidden, run_);
   }
+
+  // After acceptance, inside the recorded step: the layer over the step's verify rows at
+  // their positions (replacing the chain's), each row's next token being the accepted draft
+  // after it or the bonus (ops::next_after_accept, on the device), with logits and hidden
+  // states kept for each sequence's last committed row (the plan's logit rows, rewritten by
+  // the same op) -- what the commit would have run before the next draft. Rows past the
+  // accepted ones sit beyond the committed length (the next step overwrites them).
+  bool commit_in_step(const std::vector<StepRows>& rows, const Features& f, const StepAcceptance& acc) override {
+    StepRecorder& rec = t_.recorder();
+    if (!rec.recording() || !f.final_hidden.defined() || rows.empty()) return false;
+    bool drafted = false;  // nothing drafted (the policy's k = 0): the rows wait as before
+    for (const StepRows& r : rows) drafted = drafted || r.n > 1;
+    if (!drafted) return false;
+    int64_t T = 0;
+    for (const StepRows& r : rows) {
+      if (r.slot < 0) return false;  // (MTP steps are not padded)
+      const CacheStream& s = streams_[size_t(r.slot)];
+      if (pending_.count(r.slot) != 0 || base_len_[size_t(r.slot)] != r.pos0 || s.length < r.pos0 ||
+          in_step_[size_t(r.slot)])
+        return false;
+      T += r.n;
+    }
+    const int64_t S = int64_t(rows.size());
+    if (T > t_.options().max_step_tokens || S > out_logits_.shape(0)) return false;
+    std::vector<Piece>& pieces = step_pieces_;
+    pieces.clear();
+    for (size_t i = 0; i < rows.size(); ++i) {
+      CacheStream& s = streams_[size_t(rows[i].slot)];
+      t_.mtp_cache().truncate(s, rows[i].pos0);  // the chain's positions: this run rewrites them
+      Piece p;
+      p.stream = &s;
+      p.n = rows[i].n;
+      p.seq = int64_t(i);
+      p.last = true;
+      pieces.push_back(p);
+    }
+    Target::ChunkPrep prep;
+    prep.key = "next|";
+    if (dev_.is_cuda())
+      for (const Tensor* x : {&acc.row0, &acc.draft_row, &acc.draft_len, &acc.accepted, &acc.bonus, &acc.drafts})
+        ForwardGraphs::key_add(prep.key, *x);
+    prep.fn = [acc](model::TokenBatch& b) mutable {
+      ops::next_after_accept(acc.row0, acc.draft_row, acc.draft_len, acc.accepted, acc.bonus, acc.drafts, b.tokens,
+                             b.logit_rows);
+    };
+    Tensor hm = f.final_hidden.slice(0, 0, T), lg = out_logits_.slice(0, 0, S), hd = out_hidden_.slice(0, 0, S);
+    t_.mtp_chunk(pieces, hm, lg, hd, false, Tensor(), true, prep);
+    for (int64_t k = 0; k < S; ++k) {  // row k of lg / hd predicts the slot's next position
+      in_step_[size_t(rows[size_t(k)].slot)] = 1;
+      in_step_row_[size_t(rows[size_t(k)].slot)] = k;
+    }
+    ++in_step_count_;
+    return true;
+  }
+  int64_t appends_in_step() const override { return in_step_count_.load(); }
 
   // Runs rows of h_src (CommitRows::row0..) with their next tokens through the MTP layer; the
   // last row of each keeps what predicts the slot's next position.
@@ -116,9 +191,14 @@ class MtpDrafter final : public Drafter {
     auto len_of = [&](const DraftJob& j) -> int64_t {
       return j.pad ? 0 : std::max<int64_t>(0, std::min({K_, j.max_tokens, j.room}));
     };
-    flush_.clear();  // the slots that draft now need their MTP state up to date
+    // the slots that draft now need their MTP state up to date; in a recorded step every
+    // slot's (commit_in_step runs its verified rows next)
+    bool any = false;
+    for (const DraftJob& j : jobs) any = any || len_of(j) > 0;
+    const bool all = any && t_.recorder().recording();
+    flush_.clear();
     for (const DraftJob& j : jobs)
-      if (len_of(j) > 0) flush_.push_back(j.slot);
+      if (!j.pad && (all || len_of(j) > 0)) flush_.push_back(j.slot);
     pending_.flush(flush_, run_);  // now: the committed rows come before the step
     res_.len.assign(size_t(S), 0);
     res_.row.resize(size_t(S));
@@ -209,6 +289,7 @@ class MtpDrafter final : public Drafter {
 
   void release(int slot) override {
     pending_.clear(slot);
+    in_step_[size_t(slot)] = 0;
     base_len_[size_t(slot)] = 0;
     t_.mtp_cache().release(streams_[size_t(slot)]);
   }
@@ -235,6 +316,11 @@ class MtpDrafter final : public Drafter {
   PendingRows pending_;
   PendingRows::Run run_;
   std::vector<int64_t> base_len_;  // per slot: the MTP stream's length after its last run
+  std::vector<char> in_step_;      // per slot: its verified rows ran in the step (commit_in_step) ...
+  std::vector<int64_t> in_step_row_;  // ... leaving its next prediction in this row of out_logits_ / out_hidden_
+  std::vector<Piece> step_pieces_;
+  std::vector<CommitRows> staged_;
+  std::atomic<int64_t> in_step_count_{0};
   std::vector<int> flush_;
   DraftResult res_;
 };

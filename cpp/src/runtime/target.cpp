@@ -205,8 +205,12 @@ void Target::flush_step() {
 #endif
 }
 
-model::TokenBatch Target::record_plan(const model::TokenBatch& b, bool verify) {
-  (void)verify;  // (CUDA: which buffer)
+model::TokenBatch Target::record_plan(const model::TokenBatch& b, PlanRole role) {
+  const int64_t words = PlanUploader::words_of(b), bps = cache_.max_blocks_per_stream();
+  const int64_t seqs = opt_.max_batch_size + 1;
+  const int64_t cap = role == PlanRole::Chain ? PlanUploader::planned_words(seqs, seqs, bps)
+                                              : PlanUploader::planned_words(planner_.max_tokens(), planner_.max_seqs(), bps);
+  DFLASH2_INTERNAL(words <= cap, "a recorded plan of ", words, " words for a buffer of ", cap);
   if (!opt_.device.is_cuda()) {  // a copy: the planner's buffers serve the step's next chunk
     model::TokenBatch c = b;
     for (Tensor* t : {&c.tokens, &c.paged.seq, &c.paged.pos, &c.paged.block_table, &c.slots, &c.logit_rows,
@@ -223,23 +227,18 @@ model::TokenBatch Target::record_plan(const model::TokenBatch& b, bool verify) {
     rec_step_ = rec_.begun();
     rec_plans_used_ = 0;
   }
-  const int64_t words = PlanUploader::words_of(b), bps = cache_.max_blocks_per_stream();
-  PlanUploader* up = nullptr;
-  if (verify) {  // one per step (a recorded step's verify pass is one chunk): the planner's largest
-    if (!rec_verify_)
-      rec_verify_ = std::make_unique<PlanUploader>(
-          models_[0]->device(), PlanUploader::planned_words(planner_.max_tokens(), planner_.max_seqs(), bps));
-    up = rec_verify_.get();
-  } else {  // the MTP chain: one token per sequence
+  std::unique_ptr<PlanUploader>* slot = nullptr;
+  if (role == PlanRole::Verify) {  // one per step (a recorded step's verify pass is one chunk)
+    slot = &rec_verify_;
+  } else if (role == PlanRole::AfterAccept) {  // one per step
+    slot = &rec_after_;
+  } else {  // the MTP chain's i-th position
     const size_t i = rec_plans_used_++;
     if (rec_plans_.size() <= i) rec_plans_.resize(i + 1);
-    if (!rec_plans_[i]) {
-      const int64_t seqs = opt_.max_batch_size + 1;
-      rec_plans_[i] = std::make_unique<PlanUploader>(models_[0]->device(), PlanUploader::planned_words(seqs, seqs, bps));
-    }
-    up = rec_plans_[i].get();
+    slot = &rec_plans_[i];
   }
-  DFLASH2_INTERNAL(words <= up->capacity(), "a recorded plan of ", words, " words in a buffer of ", up->capacity());
+  if (!*slot) *slot = std::make_unique<PlanUploader>(models_[0]->device(), cap);
+  PlanUploader* up = slot->get();
   // on the graphs' stream, in order with the legacy stream; nothing else writes this buffer
   // before the flush
   cuda::OrderedStreamScope stream_scope(graphs_ ? graphs_->stream() : nullptr, models_[0]->device().index);
@@ -258,7 +257,7 @@ void Target::record_chunk(const model::TokenBatch& b, const model::ForwardOutput
                        (!out.taps.defined() || out.taps.device() == d0) &&
                        (!out.final_hidden.defined() || out.final_hidden.device() == d0),
                    "a recorded chunk writes its outputs on ", d0.str());
-  model::TokenBatch db = record_plan(b, true);
+  model::TokenBatch db = record_plan(b, PlanRole::Verify);
   std::string key;
   if (opt_.device.is_cuda()) {  // the launch shape (see step_graphs.h)
     for (int64_t v : {db.T, db.S, db.paged.block_size, int64_t(out.all_logits)}) ForwardGraphs::key_add(key, v);
@@ -277,13 +276,13 @@ void Target::record_chunk(const model::TokenBatch& b, const model::ForwardOutput
 }
 
 void Target::record_mtp_chunk(const model::TokenBatch& b, const Tensor& h_main, const Tensor& logits,
-                              const Tensor& hidden, const Tensor& token_src) {
+                              const Tensor& hidden, const Tensor& token_src, const ChunkPrep& prep) {
   DFLASH2_INTERNAL(tp_size() == 1, "a recorded step needs one rank");
   const Device d0 = models_[0]->device();
   DFLASH2_INTERNAL(h_main.device() == d0 && logits.device() == d0 && (!hidden.defined() || hidden.device() == d0) &&
                        (!token_src.defined() || token_src.device() == d0),
                    "a recorded MTP chunk reads and writes on ", d0.str());
-  model::TokenBatch db = record_plan(b, false);
+  model::TokenBatch db = record_plan(b, prep.fn ? PlanRole::AfterAccept : PlanRole::Chain);
   std::string key = "mtp|";
   if (opt_.device.is_cuda()) {
     for (int64_t v : {db.T, db.S, db.paged.block_size}) ForwardGraphs::key_add(key, v);
@@ -292,8 +291,10 @@ void Target::record_mtp_chunk(const model::TokenBatch& b, const Tensor& h_main, 
                                                                 &h_main, &logits, &hidden, &token_src})
       ForwardGraphs::key_add(key, *t);
   }
-  rec_.add(key, [this, db, hm = h_main, lg = logits, hid = hidden, src = token_src]() mutable {
+  key += prep.key;
+  rec_.add(key, [this, db, hm = h_main, lg = logits, hid = hidden, src = token_src, fn = prep.fn]() mutable {
     if (src.defined()) ops::resolve_tokens(db.tokens, src);  // the chain's ids, when the piece runs
+    if (fn) fn(db);
     models_[0]->mtp_forward(db, hm, mtp_views_[0], lg, hid);
   });
 }
@@ -312,15 +313,16 @@ Tensor Target::resolve_host_refs(model::TokenBatch& b, const Tensor& token_src) 
 }
 
 void Target::mtp_chunk(const std::vector<Piece>& pieces, const Tensor& h_main, Tensor& logits, Tensor& hidden,
-                       bool all_rows, const Tensor& token_src, bool queue) {
+                       bool all_rows, const Tensor& token_src, bool queue, const ChunkPrep& prep) {
   DFLASH2_CHECK(model().has_mtp(), ErrorKind::Unsupported,
                 "this checkpoint has no MTP layer (num_nextn_predict_layers = 0)");
   for (const Piece& p : pieces)
     DFLASH2_CHECK_ARG(p.stream->length + p.n <= opt_.max_seq_len, "MTP sequence of ", p.stream->length + p.n,
                       " tokens exceeds max_seq_len ", opt_.max_seq_len);
   model::TokenBatch b = planner_.plan(pieces, mtp_cache_, all_rows);
+  DFLASH2_INTERNAL(!prep.fn || (queue && rec_.recording()), "a chunk preparation outside a recorded step");
   if (queue && rec_.recording()) {  // a piece of the step (the ids it refers to do not exist yet)
-    record_mtp_chunk(b, h_main, logits, hidden, token_src);
+    record_mtp_chunk(b, h_main, logits, hidden, token_src, prep);
     for (const Piece& p : pieces) p.stream->length += p.n;
     return;
   }

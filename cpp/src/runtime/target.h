@@ -9,6 +9,7 @@
 #include <functional>
 #include <memory>
 #include <mutex>
+#include <string>
 #include <thread>
 #include <vector>
 
@@ -97,9 +98,17 @@ class Target {
   // [R, V] and hidden [R, H] (optional) for the pieces that end their sequence.
   // all_rows: logits (and hidden) for every row instead. token_src: as run_chunk's.
   // queue: while recording a step, queue the chunk in it (the MTP chain) instead of running
-  // it now (the chain's commits, which come before the step).
+  // it now (the chain's commits, which come before the step). prep (queued chunks only):
+  // runs on the chunk's plan (on its device) just before the forward -- ops that fill in
+  // what the host could not plan (the tokens and logit rows of a step's committed rows);
+  // prep.key names its launches for the step's graph key.
+  struct ChunkPrep {
+    std::string key;
+    std::function<void(model::TokenBatch&)> fn;
+  };
   void mtp_chunk(const std::vector<Piece>& pieces, const Tensor& h_main, Tensor& logits, Tensor& hidden,
-                 bool all_rows = false, const Tensor& token_src = Tensor(), bool queue = false);
+                 bool all_rows = false, const Tensor& token_src = Tensor(), bool queue = false,
+                 const ChunkPrep& prep = {});
 
  private:
   // Runs job(rank) on every rank at once (rank 0 on the calling thread); rethrows the first
@@ -112,13 +121,15 @@ class Target {
   // Queues a planned chunk's forward in rec_ (its plan uploaded now on a GPU).
   void record_chunk(const model::TokenBatch& b, const model::ForwardOutputs& out, const Tensor& token_src);
   void record_mtp_chunk(const model::TokenBatch& b, const Tensor& h_main, const Tensor& logits, const Tensor& hidden,
-                        const Tensor& token_src);
+                        const Tensor& token_src, const ChunkPrep& prep);
   // The plan of a chunk queued in the step being recorded, in a buffer of its own until the
   // flush: on the CPU a copy of the planner's buffers; on CUDA uploaded now (on the graphs'
-  // stream) into a buffer of its own: the step's one verify chunk into rec_verify_ (the
-  // planner's largest chunk), the MTP chain's i-th chunk into rec_plans_[i] (one token per
-  // sequence), so the addresses, and the graphs keyed on them, repeat.
-  model::TokenBatch record_plan(const model::TokenBatch& b, bool verify);
+  // stream) into a buffer of its own, by role: the step's one verify chunk and its one chunk
+  // after acceptance (the MTP layer over the committed rows) each into one of the planner's
+  // largest size, the MTP chain's i-th chunk into rec_plans_[i] (one token per sequence), so
+  // the addresses, and the graphs keyed on them, repeat. Both check the plan fits its role.
+  enum class PlanRole { Verify, Chain, AfterAccept };
+  model::TokenBatch record_plan(const model::TokenBatch& b, PlanRole role);
   void mtp_chunk_device(const model::TokenBatch& b, const Tensor& h_main, Tensor& logits, Tensor& hidden,
                         const Tensor& token_src);
   // Fills in b's token references into a host token_src; returns a device one (to fill in
@@ -146,7 +157,7 @@ class Target {
   std::vector<Tensor> d_logits_, d_taps_, d_fin_, d_hmain_, d_hidden_;
   std::unique_ptr<ForwardGraphs> graphs_;  // CUDA graphs of rank 0's chunks (tensor_parallel = 1)
   std::vector<std::unique_ptr<PlanUploader>> rec_plans_;  // CUDA: a recorded step's MTP chunk plans
-  std::unique_ptr<PlanUploader> rec_verify_;              // CUDA: a recorded step's verify plan
+  std::unique_ptr<PlanUploader> rec_verify_, rec_after_;  // CUDA: a recorded step's verify / after-acceptance plans
   size_t rec_plans_used_ = 0;
   int64_t rec_step_ = -1;  // the recorder's step they were taken for
   int rank_threads_ = 0;

@@ -69,6 +69,8 @@ void add(const Tensor& a, const Tensor& b, Tensor& out);
 void argmax(const Tensor& x, Tensor& out);
 void check_finite(const Tensor& x, Tensor& flags);
 void resolve_tokens(Tensor& tokens, const Tensor& src);
+void next_after_accept(const Tensor& row0, const Tensor& draft_row, const Tensor& draft_len, const Tensor& accepted,
+                       const Tensor& bonus, const Tensor& drafts, Tensor& next, Tensor& last);
 void nvfp4_quantize_act(const Tensor& x, float input_scale, Tensor& out);
 void cache_write(const Tensor& src, const Tensor& slots, Tensor& cache);
 void indexer_topk(const Tensor& q, const Tensor& w, const Tensor& key_cache, const ops::PagedTokens& tok,

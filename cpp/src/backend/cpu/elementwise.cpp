@@ -308,6 +308,24 @@ void resolve_tokens(Tensor& tokens, const Tensor& src) {
   }
 }
 
+void next_after_accept(const Tensor& row0, const Tensor& draft_row, const Tensor& draft_len, const Tensor& accepted,
+                       const Tensor& bonus, const Tensor& drafts, Tensor& next, Tensor& last) {
+  const int64_t S = row0.shape(0), T = next.shape(0), N = drafts.shape(0), K = drafts.shape(1);
+  auto at = [](const Tensor& t, int64_t k) { return int64_t(t.data_as<const int32_t>()[k * t.stride(0)]); };
+  int32_t* nx = next.data_as<int32_t>();
+  int32_t* ls = last.data_as<int32_t>();
+  for (int64_t k = 0; k < S; ++k) {
+    const int64_t r0 = at(row0, k), n = at(draft_len, k), a = at(accepted, k), dr = at(draft_row, k);
+    DFLASH2_CHECK_ARG(r0 >= 0 && n >= 0 && r0 + n < T && a >= 0 && a <= n && n <= K && (n == 0 || (dr >= 0 && dr < N)),
+                      "next_after_accept: sequence ", k, " has rows ", r0, "..", r0 + n, " of ", T, ", ", a,
+                      " of ", n, " drafts accepted, draft row ", dr, " of ", N, " x ", K);
+    const int32_t* d = n > 0 ? drafts.data_as<const int32_t>() + dr * drafts.stride(0) : nullptr;
+    const int32_t b = int32_t(at(bonus, k));
+    for (int64_t j = 0; j <= n; ++j) nx[(r0 + j) * next.stride(0)] = j < a ? d[j] : b;
+    ls[k * last.stride(0)] = int32_t(r0 + a);
+  }
+}
+
 void check_finite(const Tensor& x, Tensor& flags) {
   Rows xr = rows_of(x);
   const int64_t V = xr.d;

@@ -697,6 +697,13 @@ inline size_t ba_smem(int64_t hd) {
          sizeof(int64_t) * kBaKC;
 }
 
+// The end of a block-attention row: tot / L as the single-pass kernel did it (a NaN L gives
+// NaN, as on the CPU; mla_finish would give 0).
+__device__ __forceinline__ float ba_finish(float tot, double L) {
+  const float inv = L > 0.0 ? float(1.0 / L) : 0.0f;
+  return __fmul_rn(tot, inv);
+}
+
 // Each row's keys are folded in segments of a.seg keys (online softmax inside a segment,
 // then mla_fold_scalars / mla_fold_value into the row's totals). SPLIT = 0: a block walks all
 // its segments; SPLIT = 1: grid item (block, z) computes segment z alone and writes its
@@ -834,7 +841,7 @@ __global__ void __launch_bounds__(kBaThreads, 1) block_attention_kernel(const Ba
 #pragma unroll
         for (int d = 0; d < DPL; ++d) {
           const int e = lane + 32 * d;
-          if (e < hd) o[e] = mla_finish(mla_fold_value(tot[d], fa, acc[d], fb), Lt);
+          if (e < hd) o[e] = ba_finish(mla_fold_value(tot[d], fa, acc[d], fb), Lt);
         }
       }
     }
@@ -863,7 +870,7 @@ __global__ void __launch_bounds__(kBaThreads) block_attention_combine(const BaAr
         mla_fold_scalars(M, L, a.part_m[base + z], l_s, fa, fb);
         tot = mla_fold_value(tot, fa, a.part_acc[(base + z) * a.hd + e], fb);
       }
-      o[e] = mla_finish(tot, L);
+      o[e] = ba_finish(tot, L);
     }
   }
 }

@@ -130,6 +130,8 @@ void add(const Tensor& a, const Tensor& b, Tensor& out);
 void argmax(const Tensor& x, Tensor& out);
 void check_finite(const Tensor& x, Tensor& flags);
 void resolve_tokens(Tensor& tokens, const Tensor& src);  // index_rows.cu
+void next_after_accept(const Tensor& row0, const Tensor& draft_row, const Tensor& draft_len, const Tensor& accepted,
+                       const Tensor& bonus, const Tensor& drafts, Tensor& next, Tensor& last);  // index_rows.cu
 void cache_write(const Tensor& src, const Tensor& slots, Tensor& cache);
 void dyn_conv(const Tensor& x, const Tensor& base, const Tensor& dyn, int64_t block, Tensor& out);
 

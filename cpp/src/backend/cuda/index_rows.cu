@@ -234,6 +234,45 @@ void resolve_tokens(Tensor& tokens, const Tensor& src) {
   detail::check_launch("resolve_tokens kernel launch", tokens.describe(), " from ", src.describe());
 }
 
+namespace {
+// One thread per (sequence, row j <= K): the rows of a sequence past its draft length and
+// out-of-range rows or drafts are skipped (the CPU op reports them).
+__global__ void __launch_bounds__(kThreads)
+    next_after_accept_kernel(const int32_t* row0, int64_t s0, const int32_t* draft_row, int64_t s1,
+                             const int32_t* draft_len, int64_t s2, const int32_t* accepted, int64_t s3,
+                             const int32_t* bonus, int64_t s4, const int32_t* drafts, int64_t N, int64_t K,
+                             int64_t ds, int32_t* next, int64_t T, int32_t* last, int64_t s5, int64_t S) {
+  const int64_t per = K + 1;
+  for (int64_t i = int64_t(blockIdx.x) * kThreads + threadIdx.x; i < S * per; i += int64_t(gridDim.x) * kThreads) {
+    const int64_t k = i / per, j = i - k * per;
+    const int64_t r0 = row0[k * s0], n = draft_len[k * s2], a = accepted[k * s3], dr = draft_row[k * s1];
+    if (j == 0 && r0 >= 0 && a >= 0 && a <= n && r0 + a < T) last[k * s5] = int32_t(r0 + a);
+    if (j > n || r0 < 0 || r0 + j >= T) continue;
+    int32_t t = bonus[k * s4];
+    if (j < a) {
+      if (dr < 0 || dr >= N || j >= K) continue;
+      t = drafts[dr * ds + j];
+    }
+    next[r0 + j] = t;
+  }
+}
+}  // namespace
+
+void next_after_accept(const Tensor& row0, const Tensor& draft_row, const Tensor& draft_len, const Tensor& accepted,
+                       const Tensor& bonus, const Tensor& drafts, Tensor& next, Tensor& last) {
+  const int64_t S = row0.shape(0);
+  if (S == 0) return;
+  const int64_t K = drafts.shape(1), total = S * (K + 1);
+  detail::DeviceGuard guard(row0.device().index);
+  const int blocks = int(std::min<int64_t>((total + kThreads - 1) / kThreads, 1024));
+  next_after_accept_kernel<<<blocks, kThreads, 0, detail::stream()>>>(
+      row0.data_as<const int32_t>(), row0.stride(0), draft_row.data_as<const int32_t>(), draft_row.stride(0),
+      draft_len.data_as<const int32_t>(), draft_len.stride(0), accepted.data_as<const int32_t>(), accepted.stride(0),
+      bonus.data_as<const int32_t>(), bonus.stride(0), drafts.data_as<const int32_t>(), drafts.shape(0), K,
+      drafts.stride(0), next.data_as<int32_t>(), next.shape(0), last.data_as<int32_t>(), last.stride(0), S);
+  detail::check_launch("next_after_accept kernel launch", row0.describe(), " ", drafts.describe());
+}
+
 void embedding_shard(const Tensor& table, const Tensor& ids, int64_t first, Tensor& out) {
   const layout::RowLayout lo = check_gather(table, ids, out, "embedding_shard");
   DFLASH2_CHECK_ARG(first >= 0, "cuda::embedding_shard: first must be >= 0, found ", first);

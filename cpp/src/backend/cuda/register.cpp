@@ -27,6 +27,7 @@ void register_cuda_ops(BackendTable& t) {
   t.copy = &cuda::copy;                // copy.cu
   t.gather_rows = &cuda::gather_rows;  // index_rows.cu
   t.resolve_tokens = &cuda::resolve_tokens;  // index_rows.cu
+  t.next_after_accept = &cuda::next_after_accept;  // index_rows.cu
   t.cache_write = &cuda::cache_write;  // index_rows.cu
   t.dyn_conv = &cuda::dyn_conv;        // drafter_ops.cu
   t.indexer_topk = &cuda::indexer_topk;        // attention.cu
