@@ -31,10 +31,16 @@ void ForwardGraphs::run(const std::string& key, const std::function<void()>& fn)
   auto it = graphs_.find(key);
   ++tick_;
   if (it == graphs_.end()) {  // first sight: warm up eagerly
-    if (graphs_.size() >= max_graphs_ && !graphs_.empty()) {  // full: the least recently used goes
-      auto lru = graphs_.begin();
+    if (graphs_.size() >= max_graphs_ && !graphs_.empty()) {
+      // full: the least recently used key without a graph goes, else the least recently used
+      auto lru = graphs_.end();
       for (auto e = graphs_.begin(); e != graphs_.end(); ++e)
-        if (e->second.last_use < lru->second.last_use) lru = e;
+        if (!e->second.exec && (lru == graphs_.end() || e->second.last_use < lru->second.last_use)) lru = e;
+      if (lru == graphs_.end()) {
+        lru = graphs_.begin();
+        for (auto e = graphs_.begin(); e != graphs_.end(); ++e)
+          if (e->second.last_use < lru->second.last_use) lru = e;
+      }
       cuda::graph_destroy(lru->second.exec);  // (a launched graph finishes first; the driver defers)
       graphs_.erase(lru);
     }

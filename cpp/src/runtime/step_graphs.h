@@ -15,8 +15,10 @@
 // and launched, later ones replay. A capture that fails (an op that needs to allocate or
 // synchronize, a driver refusal) runs the chunk eagerly instead, is logged once on stderr
 // with the reason, and is retried once; a key that fails twice stays eager. Prompt
-// chunks are never captured (their shapes rarely repeat); at most max_graphs keys are kept,
-// the least recently used one (and its graph) making room for a new key when full.
+// chunks are never captured (their shapes rarely repeat); at most max_graphs keys are kept:
+// when full, the least recently used key that was never captured (seen once, or failing)
+// makes room for a new one, else the least recently used captured one (and its graph), so a
+// stream of one-off shapes never evicts the step graphs captured at load.
 // run() must be called inside a cuda::OrderedStreamScope on stream(), which orders the
 // stream with the eager work on the legacy default stream.
 //
@@ -53,7 +55,7 @@ class ForwardGraphs {
  public:
   // stream: run on this stream (another ForwardGraphs' stream(), e.g. the drafter's graphs
   // on the target's stream, so the two stay in order); nullptr: a stream of its own.
-  explicit ForwardGraphs(Device dev, CUstream_st* stream = nullptr, size_t max_graphs = 64);
+  explicit ForwardGraphs(Device dev, CUstream_st* stream = nullptr, size_t max_graphs = 256);
   ~ForwardGraphs();
   ForwardGraphs(const ForwardGraphs&) = delete;
   ForwardGraphs& operator=(const ForwardGraphs&) = delete;

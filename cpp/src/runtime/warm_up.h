@@ -16,10 +16,14 @@ struct WarmUp {
   std::string stopped;  // why it stopped early when a dummy request failed (non-finite logits)
 };
 
-// For every batch-size bucket (Target::bucket; those whose verify pass fits one chunk), runs
-// that many one-token dummy requests greedily and then sampled (the sampled step's
-// acceptance reads the selector's proposal: another graph) for at least three decode steps
-// each -- the eager warm-up, the capture, a replay -- on a decoder of its own over `core`,
+// First one dummy request with a full prompt chunk (max_step_tokens tokens: the largest
+// prefill, so the per-stream scratch has grown before anything is captured); then for every
+// batch-size bucket (Target::bucket; every batch size when the drafter's steps are not
+// padded, MTP; those whose verify pass fits one chunk) that many one-token dummy requests,
+// greedily and then sampled (the sampled step's acceptance reads the selector's proposal:
+// another graph), for at least three decode steps each -- the eager warm-up, the capture, a
+// replay -- and again (at most three passes) while a pass grew the scratch, which
+// invalidates the graphs captured before; all on a decoder of its own over `core`,
 // then releases everything: the caches, slots and counters of real requests are as before
 // (only the graphs and the counters of steps -- steps_as_one_unit, padding_rows,
 // drafter_appends_in_step, the graph counts -- remember it). Stops early, without an error,
