@@ -1332,6 +1332,17 @@ BLOCK_ATTN_CASES = [  # (nh, kvh, hd, B, cache block size)
 ]
 
 
+def block_attn_inputs(rng, ctx, nh, kvh, hd, B, cbs):
+    """A block-attention batch: the paged context of each sequence (ctx[s] keys, pages of
+    cbs), q / k / v of its block of B rows, ctx_len and the softmax scale."""
+    kv_cache, bt = make_pages(rng, ctx, cbs, 2 * kvh * hd)
+    T = len(ctx) * B
+    q = rng.standard_normal((T, nh, hd)).astype(np.float32)
+    k = rng.standard_normal((T, kvh, hd)).astype(np.float32)
+    v = rng.standard_normal((T, kvh, hd)).astype(np.float32)
+    return q, k, v, kv_cache, bt, i32(ctx), 1.0 / math.sqrt(hd)
+
+
 @pytest.mark.parametrize("dev", DEVICES)
 @pytest.mark.parametrize("case", BLOCK_ATTN_CASES, ids=lambda c: "h%d-kv%d-d%d-B%d-cbs%d" % c)
 @pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
@@ -1342,13 +1353,7 @@ def test_block_attention(dev, case, causal):
     # contexts: empty, ending on a page boundary, one past it, shorter than the block, long
     ctx = [0, 2 * cbs, 2 * cbs + 1, max(1, B - 1), 3 * cbs + 7]
     S = len(ctx)
-    kv_cache, bt = make_pages(rng, ctx, cbs, 2 * kvh * hd)
-    T = S * B
-    q = rng.standard_normal((T, nh, hd)).astype(np.float32)
-    k = rng.standard_normal((T, kvh, hd)).astype(np.float32)
-    v = rng.standard_normal((T, kvh, hd)).astype(np.float32)
-    ctx_len = i32(ctx)
-    scale = 1.0 / math.sqrt(hd)
+    q, k, v, kv_cache, bt, ctx_len, scale = block_attn_inputs(rng, ctx, nh, kvh, hd, B, cbs)
     # window: full; 1 (no context key is visible to any query: j > L + i - 1 >= L - 1);
     # 2 (only the last context key, and only for i = 0); smaller than most contexts;
     # larger than every context
@@ -1380,13 +1385,7 @@ def test_block_attention_long_contexts(dev, causal, case):
     rng = rng_for("block-attn-long", causal, case)
     ctx = [1500, 700, 0]
     S = len(ctx)
-    kv_cache, bt = make_pages(rng, ctx, cbs, 2 * kvh * hd)
-    T = S * B
-    q = rng.standard_normal((T, nh, hd)).astype(np.float32)
-    k = rng.standard_normal((T, kvh, hd)).astype(np.float32)
-    v = rng.standard_normal((T, kvh, hd)).astype(np.float32)
-    ctx_len = i32(ctx)
-    scale = 1.0 / math.sqrt(hd)
+    q, k, v, kv_cache, bt, ctx_len, scale = block_attn_inputs(rng, ctx, nh, kvh, hd, B, cbs)
     for window in [0, B - 1, 600]:  # B - 1: later rows' windows start past the context
         ref = refs.block_attention(q, k, v, kv_cache, ctx_len, bt, B, window, causal, scale, cbs)
         out = Guarded(q.shape, dev)
@@ -1403,6 +1402,7 @@ def test_block_attention_long_contexts(dev, causal, case):
         ops.block_attention(*[to_dev(x, dev) for x in (qr, kr, vr, kv_cache, i32(ctx * R), np.concatenate([bt] * R))],
                             B, cbs, window=window, causal=causal, scale=scale, out=big.view)
         many = big.result()
+        T = S * B
         for r in range(R):
             assert np.array_equal(many[r * T:(r + 1) * T], got), f"window {window}: copy {r} differs from the split rows"
 

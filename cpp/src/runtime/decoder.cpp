@@ -260,7 +260,7 @@ void Decoder::step() {
   // 1. draft. The phases' times come from marks (Core::marks): on a GPU, events on the
   // device's timeline read after the step's one wait; on the CPU, the host's clock.
   // In a recorded step every mark is a piece of the step's graph, so draft_s is the draft
-  // forward inside it; the drafter's context appends before the graph count as host_s.
+  // forward inside it; eager work the drafter does before the graph counts as host_s.
   c_.marks.reset();
   if (record) {
     rec.begin();
@@ -332,7 +332,13 @@ void Decoder::step() {
   make_chunks(streams_, toks_, counts_, tgt.options().max_step_tokens, c_.chunks);
   DFLASH2_INTERNAL(!record || c_.chunks.size() == 1, "a recorded step's verify pass takes ", c_.chunks.size(),
                    " chunks");
-  if (record && drafter) {  // the verify rows' positions, for a drafter appending them in the step
+  // The verify rows' positions, for a drafter updating its state inside the step -- when
+  // something was drafted: at k = 0 the committed rows wait per slot as before (a drafter
+  // costs nothing while the policy drafts nothing).
+  bool drafted = false;
+  for (int64_t n : counts_) drafted = drafted || n > 1;
+  const bool update_in_step = record && drafter && drafted;
+  if (update_in_step) {
     step_rows_.clear();
     for (size_t k = 0; k < streams_.size(); ++k) {
       Drafter::StepRows sr;
@@ -358,7 +364,7 @@ void Decoder::step() {
   // the padding stream starts at 0 again (its blocks stay pinned; what was planned holds)
   if (P > 0) tgt.cache().truncate(tgt.pad_stream(), 0);
   // the drafter's context: the verified rows appended inside the step when it can
-  if (record && drafter) drafter->append_in_step(step_rows_, Features{c_.taps_buf, c_.fin});
+  if (update_in_step) drafter->append_in_step(step_rows_, Features{c_.taps_buf, c_.fin});
   c_.check_rows(row0);  // the flags come back with the acceptance results (CUDA: one copy)
   const int32_t* bad = c_.flags.data_as<const int32_t>();
   if (record)
@@ -394,7 +400,7 @@ void Decoder::step() {
     const bool with_q = dr && dr->has_q;
     // a drafter whose state follows from what is accepted (MTP) may update it inside the step
     std::function<void(const Drafter::StepAcceptance&)> in_step;
-    if (record && drafter)
+    if (update_in_step)
       in_step = [&](const Drafter::StepAcceptance& a) {
         drafter->commit_in_step(step_rows_, Features{c_.taps_buf, c_.fin}, a);
       };

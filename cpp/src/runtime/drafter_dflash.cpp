@@ -144,9 +144,6 @@ class DFlashRunner final : public Drafter {
   bool append_in_step(const std::vector<StepRows>& rows, const Features& f) override {
     StepRecorder& rec = t_.recorder();
     if (!rec.recording() || !f.taps.defined() || rows.empty()) return false;
-    bool drafted = false;  // nothing drafted (the policy's k = 0): the rows wait as before
-    for (const StepRows& r : rows) drafted = drafted || r.n > 1;
-    if (!drafted) return false;
     int64_t T = 0;
     for (const StepRows& r : rows) {
       T += r.n;

@@ -48,8 +48,7 @@ class MtpDrafter final : public Drafter {
     pending_ = PendingRows(B, kPending, H, /*with_next=*/true, dev_);
     run_ = [this](const std::vector<CommitRows>& rows, const Tensor& src) { run(rows, src); };
     base_len_.assign(size_t(B), 0);
-    in_step_.assign(size_t(B), 0);
-    in_step_row_.assign(size_t(B), 0);
+    in_step_row_.assign(size_t(B), -1);
   }
   int64_t draft_len() const override { return K_; }
   Device device() const override { return dev_; }
@@ -65,15 +64,15 @@ class MtpDrafter final : public Drafter {
     staged_.clear();
     for (const CommitRows& r : rows) {
       CacheStream& s = streams_[size_t(r.slot)];
-      if (in_step_[size_t(r.slot)]) {
+      const int64_t k = in_step_row_[size_t(r.slot)];
+      if (k >= 0) {
         DFLASH2_INTERNAL(pending_.count(r.slot) == 0 && s.length >= r.pos0 + r.n, "MTP stream of slot ", r.slot,
                          " holds ", s.length, " positions run in the step, commit ends at ", r.pos0 + r.n);
         t_.mtp_cache().truncate(s, r.pos0 + r.n);
         base_len_[size_t(r.slot)] = s.length;
-        in_step_[size_t(r.slot)] = 0;
-        // the step left the prediction for the slot's next position in its row of the
-        // outputs (job order, so the step's graph does not depend on the slots): kept now
-        const int64_t k = in_step_row_[size_t(r.slot)];
+        in_step_row_[size_t(r.slot)] = -1;
+        // the step left the prediction for the slot's next position in row k of the outputs
+        // (job order, so the step's graph does not depend on the slots): kept now
         Tensor dl = last_logits_.slice(0, r.slot, r.slot + 1), dh = last_hidden_.slice(0, r.slot, r.slot + 1);
         ops::copy(out_logits_.slice(0, k, k + 1), dl);
         ops::copy(out_hidden_.slice(0, k, k + 1), dh);
@@ -96,15 +95,12 @@ class MtpDrafter final : public Drafter {
   bool commit_in_step(const std::vector<StepRows>& rows, const Features& f, const StepAcceptance& acc) override {
     StepRecorder& rec = t_.recorder();
     if (!rec.recording() || !f.final_hidden.defined() || rows.empty()) return false;
-    bool drafted = false;  // nothing drafted (the policy's k = 0): the rows wait as before
-    for (const StepRows& r : rows) drafted = drafted || r.n > 1;
-    if (!drafted) return false;
     int64_t T = 0;
     for (const StepRows& r : rows) {
       if (r.slot < 0) return false;  // (MTP steps are not padded)
       const CacheStream& s = streams_[size_t(r.slot)];
       if (pending_.count(r.slot) != 0 || base_len_[size_t(r.slot)] != r.pos0 || s.length < r.pos0 ||
-          in_step_[size_t(r.slot)])
+          in_step_row_[size_t(r.slot)] >= 0)
         return false;
       T += r.n;
     }
@@ -133,10 +129,7 @@ class MtpDrafter final : public Drafter {
     };
     Tensor hm = f.final_hidden.slice(0, 0, T), lg = out_logits_.slice(0, 0, S), hd = out_hidden_.slice(0, 0, S);
     t_.mtp_chunk(pieces, hm, lg, hd, false, Tensor(), true, prep);
-    for (int64_t k = 0; k < S; ++k) {  // row k of lg / hd predicts the slot's next position
-      in_step_[size_t(rows[size_t(k)].slot)] = 1;
-      in_step_row_[size_t(rows[size_t(k)].slot)] = k;
-    }
+    for (int64_t k = 0; k < S; ++k) in_step_row_[size_t(rows[size_t(k)].slot)] = k;  // row k of lg / hd
     ++in_step_count_;
     return true;
   }
@@ -289,7 +282,7 @@ class MtpDrafter final : public Drafter {
 
   void release(int slot) override {
     pending_.clear(slot);
-    in_step_[size_t(slot)] = 0;
+    in_step_row_[size_t(slot)] = -1;
     base_len_[size_t(slot)] = 0;
     t_.mtp_cache().release(streams_[size_t(slot)]);
   }
@@ -316,8 +309,9 @@ class MtpDrafter final : public Drafter {
   PendingRows pending_;
   PendingRows::Run run_;
   std::vector<int64_t> base_len_;  // per slot: the MTP stream's length after its last run
-  std::vector<char> in_step_;      // per slot: its verified rows ran in the step (commit_in_step) ...
-  std::vector<int64_t> in_step_row_;  // ... leaving its next prediction in this row of out_logits_ / out_hidden_
+  // per slot: -1, or its verified rows ran in the step (commit_in_step), leaving its next
+  // prediction in this row of out_logits_ / out_hidden_
+  std::vector<int64_t> in_step_row_;
   std::vector<Piece> step_pieces_;
   std::vector<CommitRows> staged_;
   std::atomic<int64_t> in_step_count_{0};

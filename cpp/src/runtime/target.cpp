@@ -205,6 +205,33 @@ void Target::flush_step() {
 #endif
 }
 
+namespace {
+// The launch shape of a forward / MTP chunk on rank 0 (see step_graphs.h): its sizes, then
+// every buffer its kernels are given. One builder for the per-chunk graphs and the recorded
+// step, so the two keys cannot drift apart.
+std::string forward_key(const model::TokenBatch& db, const model::ForwardOutputs& o, const Tensor& token_src) {
+  std::string key;
+  for (int64_t v : {db.T, db.S, db.paged.block_size, int64_t(o.all_logits)}) ForwardGraphs::key_add(key, v);
+  for (const Tensor* t : std::initializer_list<const Tensor*>{&db.tokens, &db.paged.seq, &db.paged.pos,
+                                                              &db.paged.block_table, &db.slots, &db.logit_rows,
+                                                              &db.ctx_len, &o.logits, &o.taps, &o.final_hidden,
+                                                              &token_src})
+    ForwardGraphs::key_add(key, *t);
+  for (int64_t l : o.tap_layers) ForwardGraphs::key_add(key, l);
+  return key;
+}
+std::string mtp_key(const model::TokenBatch& db, const Tensor& hm, const Tensor& lg, const Tensor& hid,
+                    const Tensor& token_src) {
+  std::string key = "mtp|";
+  for (int64_t v : {db.T, db.S, db.paged.block_size}) ForwardGraphs::key_add(key, v);
+  for (const Tensor* t : std::initializer_list<const Tensor*>{&db.tokens, &db.paged.seq, &db.paged.pos,
+                                                              &db.paged.block_table, &db.slots, &db.logit_rows, &hm,
+                                                              &lg, &hid, &token_src})
+    ForwardGraphs::key_add(key, *t);
+  return key;
+}
+}  // namespace
+
 model::TokenBatch Target::record_plan(const model::TokenBatch& b, PlanRole role) {
   const int64_t words = PlanUploader::words_of(b), bps = cache_.max_blocks_per_stream();
   const int64_t seqs = opt_.max_batch_size + 1;
@@ -258,16 +285,7 @@ void Target::record_chunk(const model::TokenBatch& b, const model::ForwardOutput
                        (!out.final_hidden.defined() || out.final_hidden.device() == d0),
                    "a recorded chunk writes its outputs on ", d0.str());
   model::TokenBatch db = record_plan(b, PlanRole::Verify);
-  std::string key;
-  if (opt_.device.is_cuda()) {  // the launch shape (see step_graphs.h)
-    for (int64_t v : {db.T, db.S, db.paged.block_size, int64_t(out.all_logits)}) ForwardGraphs::key_add(key, v);
-    for (const Tensor* t : std::initializer_list<const Tensor*>{&db.tokens, &db.paged.seq, &db.paged.pos,
-                                                                &db.paged.block_table, &db.slots, &db.logit_rows,
-                                                                &db.ctx_len, &out.logits, &out.taps,
-                                                                &out.final_hidden, &token_src})
-      ForwardGraphs::key_add(key, *t);
-    for (int64_t l : out.tap_layers) ForwardGraphs::key_add(key, l);
-  }
+  const std::string key = opt_.device.is_cuda() ? forward_key(db, out, token_src) : std::string();
   // the references are filled in when the piece runs, after the draft's (on a GPU: in the graph)
   rec_.add(key, [this, db, o = out, src = token_src]() mutable {
     if (src.defined()) ops::resolve_tokens(db.tokens, src);
@@ -283,14 +301,7 @@ void Target::record_mtp_chunk(const model::TokenBatch& b, const Tensor& h_main, 
                        (!token_src.defined() || token_src.device() == d0),
                    "a recorded MTP chunk reads and writes on ", d0.str());
   model::TokenBatch db = record_plan(b, prep.fn ? PlanRole::AfterAccept : PlanRole::Chain);
-  std::string key = "mtp|";
-  if (opt_.device.is_cuda()) {
-    for (int64_t v : {db.T, db.S, db.paged.block_size}) ForwardGraphs::key_add(key, v);
-    for (const Tensor* t : std::initializer_list<const Tensor*>{&db.tokens, &db.paged.seq, &db.paged.pos,
-                                                                &db.paged.block_table, &db.slots, &db.logit_rows,
-                                                                &h_main, &logits, &hidden, &token_src})
-      ForwardGraphs::key_add(key, *t);
-  }
+  std::string key = opt_.device.is_cuda() ? mtp_key(db, h_main, logits, hidden, token_src) : std::string("mtp|");
   key += prep.key;
   rec_.add(key, [this, db, hm = h_main, lg = logits, hid = hidden, src = token_src, fn = prep.fn]() mutable {
     if (src.defined()) ops::resolve_tokens(db.tokens, src);  // the chain's ids, when the piece runs
@@ -440,13 +451,7 @@ void Target::run_chunk_device(const model::TokenBatch& b, const model::ForwardOu
     }
     if (r == 0 && graphs_ && !out.prompt) {
       // the launch shape: sizes, then every buffer the kernels are given (see step_graphs.h)
-      std::string key;
-      for (int64_t v : {db.T, db.S, db.paged.block_size, int64_t(o.all_logits)}) ForwardGraphs::key_add(key, v);
-      for (const Tensor* t : std::initializer_list<const Tensor*>{&db.tokens, &db.paged.seq, &db.paged.pos, &db.paged.block_table, &db.slots,
-                              &db.logit_rows, &db.ctx_len, &o.logits, &o.taps, &o.final_hidden, &token_src})
-        ForwardGraphs::key_add(key, *t);
-      for (int64_t l : o.tap_layers) ForwardGraphs::key_add(key, l);
-      graphs_->run(key, [&] {
+      graphs_->run(forward_key(db, o, token_src), [&] {
         if (token_src.defined()) ops::resolve_tokens(db.tokens, token_src);  // the drafts, in the graph
         models_[0]->forward(db, views_[0], o);
       });
@@ -494,12 +499,7 @@ void Target::mtp_chunk_device(const model::TokenBatch& b, const Tensor& h_main, 
     Tensor hid = hid_direct ? hidden
                             : (r == 0 && hidden.defined()) ? device_rows(d_hidden_, r, hidden.shape(0), H) : Tensor();
     if (r == 0 && graphs_) {  // the MTP layer's chunks (commits, chained positions) as graphs too
-      std::string key = "mtp|";
-      for (int64_t v : {db.T, db.S, db.paged.block_size}) ForwardGraphs::key_add(key, v);
-      for (const Tensor* t : std::initializer_list<const Tensor*>{&db.tokens, &db.paged.seq, &db.paged.pos, &db.paged.block_table, &db.slots,
-                              &db.logit_rows, &hm, &lg, &hid, &token_src})
-        ForwardGraphs::key_add(key, *t);
-      graphs_->run(key, [&] {
+      graphs_->run(mtp_key(db, hm, lg, hid, token_src), [&] {
         if (token_src.defined()) ops::resolve_tokens(db.tokens, token_src);  // the chain's ids, in the graph
         models_[0]->mtp_forward(db, hm, mtp_views_[0], lg, hid);
       });

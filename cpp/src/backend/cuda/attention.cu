@@ -431,6 +431,24 @@ __device__ __forceinline__ void mla_fold_scalars(float& M, double& L, float m_s,
 __device__ __forceinline__ float mla_fold_value(float tot, float a, float acc, float b) {
   return __fadd_rn(__fmul_rn(tot, a), __fmul_rn(acc, b));
 }
+// One output value of a split-KV row: the row's nseg segment states (l, m at base + z; acc
+// at (base + z) * width + d; l < 0: no such segment) folded in order, as the unsplit kernels
+// fold them; tot and L for the caller's finish. Shared by mla_combine_kernel and
+// block_attention_combine.
+__device__ __forceinline__ void fold_segments(const double* __restrict__ l, const float* __restrict__ m,
+                                              const float* __restrict__ acc, int64_t base, int64_t nseg,
+                                              int64_t width, int64_t d, float& tot, double& L) {
+  float M = -INFINITY;
+  tot = 0.0f;
+  L = 0.0;
+  for (int64_t z = 0; z < nseg; ++z) {
+    const double l_s = l[base + z];
+    if (l_s < 0.0) continue;
+    float a, b;
+    mla_fold_scalars(M, L, m[base + z], l_s, a, b);
+    tot = mla_fold_value(tot, a, acc[(base + z) * width + d], b);
+  }
+}
 __device__ __forceinline__ float mla_finish(float tot, double L) {
   return L > 0.0 ? __fmul_rn(tot, float(1.0 / L)) : 0.0f;
 }
@@ -646,15 +664,9 @@ __global__ void __launch_bounds__(kMlaThreads)
     const int64_t base = (t * nh + h) * int64_t(sp.nseg);
     float* o = out + t * o_s0 + int64_t(h) * o_s1;
     for (int d = threadIdx.x; d < kvl; d += kMlaThreads) {
-      float M = -INFINITY, tot = 0.0f;
-      double L = 0.0;
-      for (int z = 0; z < sp.nseg; ++z) {
-        const double l_s = sp.l[base + z];
-        if (l_s < 0.0) continue;
-        float a, b;
-        mla_fold_scalars(M, L, sp.m[base + z], l_s, a, b);
-        tot = mla_fold_value(tot, a, sp.acc[(base + z) * kvl + d], b);
-      }
+      float tot;
+      double L;
+      fold_segments(sp.l, sp.m, sp.acc, base, sp.nseg, kvl, d, tot, L);
       o[d] = mla_finish(tot, L);
     }
   }
@@ -861,15 +873,9 @@ __global__ void __launch_bounds__(kBaThreads) block_attention_combine(const BaAr
     const int64_t base = w * a.nz;
     float* o = a.out + qrow * a.o_s0 + h * a.o_s1;
     for (int64_t e = lane; e < a.hd; e += 32) {
-      float M = -INFINITY, tot = 0.0f;
-      double L = 0.0;
-      for (int64_t z = 0; z < a.nz; ++z) {
-        const double l_s = a.part_l[base + z];
-        if (l_s < 0.0) continue;
-        float fa, fb;
-        mla_fold_scalars(M, L, a.part_m[base + z], l_s, fa, fb);
-        tot = mla_fold_value(tot, fa, a.part_acc[(base + z) * a.hd + e], fb);
-      }
+      float tot;
+      double L;
+      fold_segments(a.part_l, a.part_m, a.part_acc, base, a.nz, a.hd, e, tot, L);
       o[e] = ba_finish(tot, L);
     }
   }
