@@ -287,6 +287,15 @@ def test_nvfp4_prefill_on_cuda(zoo):
     _quantized_prefill_on_cuda(zoo, ("nvfp4", "mlp"), "nvfp4", 895)
 
 
+def test_nvfp4_experts_bf16_prefill_on_cuda(zoo):
+    """NVFP4 routed experts under prefill_gemm="bf16" (what "auto" takes for a checkpoint
+    whose NVFP4 weights are the experts only): the grouped mainloop-dequantizing GEMM
+    (gemm_dq.cu, W4A16) against the CPU's emulation, and MTP == AR on the GPU."""
+    if not dflash2_rt.ops.linear_bf16_available("cuda:0"):
+        pytest.skip("this build has no CUTLASS tensor-core GEMM for this GPU's architecture")
+    _quantized_prefill_on_cuda(zoo, ("nvfp4", "experts"), "bf16", 897)
+
+
 def test_tensor_parallel_on_gpus(zoo):
     """TP=2 over NCCL (one rank per GPU) against the CPU engine: needs 2 GPUs (the project's
     lent machine has one, so this has never run)."""

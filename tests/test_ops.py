@@ -277,13 +277,14 @@ def test_linear_bf16(dev, fmt):
 
 
 @pytest.mark.parametrize("dev", DEVICES)
-def test_linear_bf16_rows_independent_of_batch(dev):
+@pytest.mark.parametrize("fmt", ["fp8", "nvfp4"])  # nvfp4 on Hopper: the mainloop-dequantizing kernel
+def test_linear_bf16_rows_independent_of_batch(dev, fmt):
     """A prompt token's projection must not depend on the chunk around it (the same
     contract as linear): every row alone, and in slices, bitwise equal to the full batch."""
     need_device(dev, "linear_bf16")
-    rng = rng_for("bf16rows")
-    n, k, m = 72, 200, 150
-    w, _ = make_weight("fp8", n, k, rng)
+    rng = rng_for("bf16rows", fmt)
+    n, k, m = 150, 208, 150
+    w, _ = make_weight(fmt, n, k, rng)
     w = w if dev == "cpu" else w.to(dev)
     x = rng.standard_normal((m, k)).astype(np.float32)
     full = to_np(ops.linear_bf16(to_dev(x, dev), w)).copy()
@@ -1603,6 +1604,60 @@ def test_moe_experts_fp8(dev):
         ops.moe_experts(np.zeros((1, 16), np.float32), np.zeros((1, 1), np.int32), np.ones((1, 1), np.float32),
                         g2, u2, d2, numerics="fp8")
     assert not ops.moe_experts_fp8_available("cpu", g2, u2, d2)
+
+
+@pytest.mark.parametrize("dev", DEVICES)
+@pytest.mark.parametrize("fmt", ["bf16", "nvfp4", "fp8", "f32"])
+def test_moe_experts_bf16(dev, fmt):
+    """numerics='bf16' (prompt chunks): every projection as linear_bf16 (x, silu(gate) * up
+    and the dequantized weights rounded to BF16, fp32 sums), against a float64 reference over
+    the same rounded operands; on CUDA the grouped GEMM that dequantizes in its main loop.
+    Cases: an empty expert between used ones, the last expert unused, experts with more
+    than one 64-row tile, N and K across 128-feature tiles, K tails (not multiples of 8 /
+    32 where the format allows)."""
+    need_device(dev, "moe_experts")
+    rng = rng_for("moe_bf16", fmt)
+    cases = [(6, 5, 208, 144, 2), (150, 4, 64, 48, 2), (40, 6, 256, 160, 3)]
+    if fmt in ("bf16", "f32"):
+        cases.append((9, 3, 40, 33, 2))
+    for case, (T, E, H, F, k) in enumerate(cases):
+        mats = [[make_weight(fmt, n, kk, rng) for (n, kk) in [(F, H), (F, H), (H, F)]] for _ in range(E)]
+        gate, up, down = ([m[i][0] for m in mats] for i in range(3))
+        rounded = [[refs.bf16_round(np.from_dlpack(w.dequantize())).double().numpy() for (w, _) in m] for m in mats]
+        x = rng.standard_normal((T, H)).astype(np.float32)
+        ids = np.zeros((T, k), np.int32)
+        for t in range(T):  # expert E - 1 never used; expert 0 by most tokens
+            row = [0] if t % 4 else []
+            row += [int(e) for e in rng.permutation(np.arange(1, E - 1))[:k - len(row)]]
+            ids[t] = sorted(row)
+        if case == 0:  # expert 2 empty, between used ones (its tokens moved to expert 3, which
+            ids[ids == 2] = 3  # some then name twice)
+            assert not (ids == 2).any() and (ids == 3).any() and (ids == 1).any()
+        weights = rng.uniform(0.05, 1.0, (T, k)).astype(np.float32)
+        xr = refs.bf16_round(x).double().numpy()
+        ref = np.zeros((T, H), np.float64)
+        for t in range(T):
+            for j in range(k):
+                wg, wu, wd = rounded[ids[t, j]]
+                g = (xr[t] @ wg.T).astype(np.float32)
+                u = (xr[t] @ wu.T).astype(np.float32)
+                h = refs.bf16_round(_silu_mul32(g, u)).double().numpy()
+                ref[t] += np.float64(weights[t, j]) * (h @ wd.T)
+        on = (lambda w: w) if dev == "cpu" else (lambda w: [v.to(dev) for v in w])
+        assert ops.moe_experts_bf16_available(dev if dev == "cpu" else "cuda:0", on(gate), on(up), on(down))
+        out = Guarded((T, H), dev)
+        ops.moe_experts(to_dev(x, dev), to_dev(ids, dev), to_dev(weights, dev), on(gate), on(up), on(down),
+                        out=out.view, numerics="bf16")
+        got = out.result()
+        # fp32 sums of BF16 products: a BF16 rounding of silu(gate) * up may flip where the
+        # fp32 and float64 sums straddle a rounding boundary (2^-8 in a rare element)
+        check("moe_experts", got, ref, 1e-8 if dev == "cuda" else 1e-10)  # [CPU: 6.0e-15]
+        exact = to_np(ops.moe_experts(to_dev(x, dev), to_dev(ids, dev), to_dev(weights, dev), on(gate), on(up),
+                                      on(down)))
+        assert nmse(got, exact) > 1e-9, "bf16 numerics gave the exact result"
+    with pytest.raises(dflash2_rt.InvalidArgumentError, match="'exact', 'bf16' or 'fp8'"):
+        ops.moe_experts(np.zeros((1, 16), np.float32), np.zeros((1, 1), np.int32), np.ones((1, 1), np.float32),
+                        gate, up, down, numerics="nvfp4")
 
 
 # ----------------------------------------------------------------------------- DFlash drafter

@@ -34,7 +34,8 @@
 // cuBLASLt's F32 GEMM). moe_experts has no cuBLASLt baseline (a grouped GEMM).
 //
 // moe_experts_fp8 (prompt chunks of FP8 checkpoints: the FP8 grouped GEMM, sm_90a / sm_100a / sm_103a) runs at
-// T = 256 and 1024 beside the exact SIMT expert kernels on the same routing ("speedup").
+// T = 256 and 1024 beside the exact SIMT expert kernels on the same routing ("speedup"), and
+// so does moe_experts_bf16 (NVFP4 experts on the grouped mainloop-dequantizing GEMM, W4A16).
 // moe_experts: the experts that the (uniform random, top-8 of 256) routing of the case hits
 // are allocated (FP8: 37.7 MB each; all 256 = 9.7 GB once T >= 64); the experts that no
 // token names share one of the allocated ones (never read).
@@ -849,6 +850,8 @@ void bench_linear(Bench& b, const std::vector<int64_t>& Ts, int major) {
 // Prompt chunks on the tensor cores (ops::linear_bf16: CUTLASS wgmma / tcgen05) at prefill
 // sizes, against cuBLASLt's BF16 GEMM on the same shape. FP8 weights take the same path
 // after a dequantize-to-BF16 pass (counted in our time), so their baseline is BF16 too.
+// NVFP4 weights: on sm_90a the mainloop-dequantizing kernel (gemm_dq.cu, W4A16: the weight
+// read once in its 4-bit format), elsewhere the dequantize pass; baseline BF16 as well.
 void bench_linear_tc(Bench& b, const std::vector<int64_t>& Ts, int major) {
   if (!ops::linear_bf16_available(on_gpu() ? Device::cuda(0) : Device::cpu())) {
     std::printf("linear_bf16: no tensor-core GEMM for this device in this build (skipped)\n");
@@ -867,7 +870,7 @@ void bench_linear_tc(Bench& b, const std::vector<int64_t>& Ts, int major) {
   };
   for (const Proj& p : ps) {
     if (b.opt.quick && !p.quick) continue;
-    for (Fmt f : {Fmt::BF16, Fmt::FP8})
+    for (Fmt f : {Fmt::BF16, Fmt::FP8, Fmt::NVFP4})
       for (int64_t T : Ts)
         gemm_case(b, Result{"linear_bf16", p.name + " " + dims({p.N, p.K}), fmt_name(f), "prefill chunk", T}, p, f,
                   Fmt::BF16, T, major, &ops::linear_bf16);
@@ -1196,6 +1199,26 @@ void bench_moe(Bench& b, const std::vector<int64_t>& Ts) {
       base.variants = 1;
       base.run = [c](int) { c->run(ops::GemmNumerics::Exact); };
       return std::make_pair(std::function<void(int)>([c](int) { c->run(ops::GemmNumerics::FP8); }), 1);
+    });
+  }
+  // Prompt chunks with the BF16 numerics (prefill_gemm="bf16"; NVFP4 experts under "nvfp4"
+  // too): the grouped mainloop-dequantizing GEMM (gemm_dq.cu; NVFP4 experts: W4A16) beside
+  // the exact SIMT kernels on the same routing in the same run.
+  for (int64_t T : prefill) {
+    const std::vector<int32_t> ids = random_routing(T, 5321 + uint64_t(T));
+    const int64_t nhit = moe_hits(ids);
+    Result r{"moe_experts_bf16", "256 experts top8 " + dims({G.moe_inter, G.hidden}) + " hit " + std::to_string(nhit),
+             fmt_name(Fmt::NVFP4), "prefill chunk", T};
+    moe_cost(r, Fmt::NVFP4, T, nhit);
+    b.run(r, [&](Baseline& base) {
+      auto c = std::make_shared<MoeCase>(make_moe_case(Fmt::NVFP4, T, ids));
+      if (!ops::moe_experts_bf16_available(c->x.device(), c->ew))
+        throw std::runtime_error("moe_experts_bf16: the grouped BF16 GEMM does not run here");
+      base.name = "exact SIMT";
+      base.kind = "moe_experts numerics exact (the SIMT expert kernels)";
+      base.variants = 1;
+      base.run = [c](int) { c->run(ops::GemmNumerics::Exact); };
+      return std::make_pair(std::function<void(int)>([c](int) { c->run(ops::GemmNumerics::BF16); }), 1);
     });
   }
 }

@@ -526,9 +526,11 @@ void bind_ops(py::module_& m) {
       "moe_experts",
       [](py::handle x, py::handle ids, py::handle weights, std::vector<ops::Weight> gate, std::vector<ops::Weight> up,
          std::vector<ops::Weight> down, py::handle out, py::handle workspace, const std::string& numerics) {
-        DFLASH2_CHECK_ARG(numerics == "exact" || numerics == "fp8", "moe_experts: numerics must be 'exact' or 'fp8', ",
-                          "found '", numerics, "'");
-        const ops::GemmNumerics g = numerics == "fp8" ? ops::GemmNumerics::FP8 : ops::GemmNumerics::Exact;
+        DFLASH2_CHECK_ARG(numerics == "exact" || numerics == "fp8" || numerics == "bf16",
+                          "moe_experts: numerics must be 'exact', 'bf16' or 'fp8', found '", numerics, "'");
+        const ops::GemmNumerics g = numerics == "fp8"    ? ops::GemmNumerics::FP8
+                                    : numerics == "bf16" ? ops::GemmNumerics::BF16
+                                                         : ops::GemmNumerics::Exact;
         Tensor xt = tensor_from_python(x, "x"), it = tensor_from_python(ids, "ids");
         Tensor wt = tensor_from_python(weights, "weights");
         ops::ExpertWeights ex{std::move(gate), std::move(up), std::move(down)};
@@ -546,7 +548,9 @@ void bind_ops(py::module_& m) {
       py::arg("x"), py::arg("ids"), py::arg("weights"), py::arg("gate"), py::arg("up"), py::arg("down"),
       py::arg("out") = py::none(), py::arg("workspace") = py::none(), py::arg("numerics") = "exact",
       "out[t] = sum_j weights[t, j] * expert_{ids[t, j]}(x[t]); gate/up/down: lists of Weight, one per expert. "
-      "numerics='fp8': every projection W8A8 as linear_fp8 (FP8 experts; CUDA: the grouped GEMM, sm_90a / sm_100a / sm_103a).");
+      "numerics='fp8': every projection W8A8 as linear_fp8 (FP8 experts; CUDA: the grouped GEMM, sm_90a / sm_100a / sm_103a). "
+      "numerics='bf16': every projection as linear_bf16 (any expert format; CUDA: the grouped GEMM dequantizing in its "
+      "main loop).");
   o.def(
       "moe_experts_fp8_available",
       [](const std::string& dev, std::vector<ops::Weight> gate, std::vector<ops::Weight> up,
@@ -556,6 +560,15 @@ void bind_ops(py::module_& m) {
       },
       py::arg("device"), py::arg("gate"), py::arg("up"), py::arg("down"),
       "Whether moe_experts(numerics='fp8') runs these experts on this device in this build.");
+  o.def(
+      "moe_experts_bf16_available",
+      [](const std::string& dev, std::vector<ops::Weight> gate, std::vector<ops::Weight> up,
+         std::vector<ops::Weight> down) {
+        ops::ExpertWeights ex{std::move(gate), std::move(up), std::move(down)};
+        return ops::moe_experts_bf16_available(Device::parse(dev), ex);
+      },
+      py::arg("device"), py::arg("gate"), py::arg("up"), py::arg("down"),
+      "Whether moe_experts(numerics='bf16') runs these experts on this device in this build.");
 
   // ---------------------------------------------------------------- DFlash drafter
   o.def(

@@ -311,4 +311,71 @@ TEST(index_helpers) {
   CHECK(L::argmax_finish(false, 17) == 17);
 }
 
+// gemm_dq.cu: the shared-memory swizzle is a permutation of each row's chunks and every
+// ldmatrix phase (8 consecutive rows, one logical chunk) hits 8 distinct groups of 4 banks.
+TEST(dq_swizzle_is_conflict_free) {
+  for (int row = 0; row < L::kDqBN; ++row) {
+    std::set<int> slots;
+    for (int c = 0; c < L::kDqChunks; ++c) slots.insert(L::dq_chunk(row, c));
+    CHECK(int(slots.size()) == L::kDqChunks && *slots.begin() == row * L::kDqChunks &&
+          *slots.rbegin() == row * L::kDqChunks + L::kDqChunks - 1);
+  }
+  for (int r0 = 0; r0 < L::kDqBN; r0 += 8)
+    for (int c = 0; c < L::kDqChunks; ++c) {
+      std::set<int> groups;
+      for (int r = r0; r < r0 + 8; ++r) groups.insert(L::dq_chunk(r, c) % 8);  // 16-byte chunk -> 4-bank group
+      CHECK(groups.size() == 8);
+    }
+}
+
+// The ldmatrix.x4 lane addresses give mma.m16n8k16's fragments. ldmatrix: matrix i's row j is
+// read from the address of lane 8 i + j, and thread l receives, in register i, elements
+// (row l / 4, columns 2 (l % 4) + 0, 1) of matrix i. The PTX fragments: A register i holds
+// row l / 4 + 8 (i & 1), inputs 8 (i >> 1) + 2 (l % 4) + 0, 1; B register b_j of 8 features
+// holds feature l / 4, inputs 8 j + 2 (l % 4) + 0, 1.
+TEST(dq_ldmatrix_lanes_give_mma_fragments) {
+  for (int l = 0; l < 32; ++l)
+    for (int i = 0; i < 4; ++i)
+      for (int e = 0; e < 2; ++e) {
+        const int src = 8 * i + l / 4;  // the lane whose address gave this matrix row
+        const int a_row = L::dq_a_lane_row(src), a_k = 8 * L::dq_a_lane_chunk(src) + 2 * (l % 4) + e;
+        CHECK(a_row == l / 4 + 8 * (i & 1) && a_k == 8 * (i >> 1) + 2 * (l % 4) + e);
+        // B: registers 0, 1 = b0, b1 of features 0-7; 2, 3 = b0, b1 of features 8-15
+        const int b_n = L::dq_b_lane_row(src), b_k = 8 * L::dq_b_lane_chunk(src) + 2 * (l % 4) + e;
+        CHECK(b_n == l / 4 + 8 * (i >> 1) && b_k == 8 * (i & 1) + 2 * (l % 4) + e);
+      }
+}
+
+// The grouped m-tiles: every row of every group in exactly one tile of its own group, at
+// most kDqBM rows a tile, no tile past the last, within the launch's upper bound.
+TEST(dq_grouped_tiles_cover_every_row_once) {
+  std::mt19937 gen(7);
+  for (int trial = 0; trial < 300; ++trial) {
+    const int G = 1 + int(gen() % 40);
+    std::vector<int32_t> start(size_t(G) + 1, 0), ts(size_t(G) + 1, -1);
+    for (int g = 0; g < G; ++g) {
+      const uint32_t kind = gen() % 4;  // empty, small, around a tile, several tiles
+      const int32_t m = kind == 0 ? 0 : kind == 1 ? int32_t(1 + gen() % 8)
+                        : kind == 2 ? int32_t(L::kDqBM - 1 + gen() % 3) : int32_t(gen() % 300);
+      start[size_t(g) + 1] = start[size_t(g)] + m;
+    }
+    const int64_t rows = start[size_t(G)] + int64_t(gen() % 5);  // M may exceed the rows used
+    L::dq_tile_starts(start.data(), G, ts.data());
+    const int64_t bound = L::dq_max_m_tiles(rows, G);
+    CHECK(ts[0] == 0 && ts[size_t(G)] <= bound);
+    std::vector<int> seen(static_cast<size_t>(start[size_t(G)]), 0);
+    for (int64_t t = 0; t < bound; ++t) {
+      const L::DqRows r = L::dq_tile_rows(start.data(), ts.data(), G, t);
+      if (t >= ts[size_t(G)]) {
+        CHECK(r.first >= r.end);
+        continue;
+      }
+      CHECK(r.first < r.end && r.end - r.first <= L::kDqBM);
+      CHECK(r.group >= 0 && r.group < G && r.first >= start[size_t(r.group)] && r.end <= start[size_t(r.group) + 1]);
+      for (int64_t p = r.first; p < r.end; ++p) ++seen[size_t(p)];
+    }
+    CHECK(std::all_of(seen.begin(), seen.end(), [](int c) { return c == 1; }));
+  }
+}
+
 TEST_MAIN()

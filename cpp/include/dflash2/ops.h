@@ -84,7 +84,8 @@ void linear(const Tensor& x, const Weight& w, Tensor& y, bool accumulate = false
 // where bf16() rounds to nearest even and W is first dequantized exactly as linear reads it
 // (F32 / F16 / FP8 block-128 / NVFP4 -> f32 -> bf16; BF16 weights as stored, exact). The CPU
 // backend emulates it (the rounded operands through its own fp32 GEMM: the oracle of the
-// CUDA path, which runs CUTLASS wgmma on sm_90a and tcgen05 on sm_100a / sm_103a). As with
+// CUDA path, which runs CUTLASS wgmma on sm_90a and tcgen05 on sm_100a / sm_103a, and for
+// NVFP4 weights on sm_90a a BF16 mma.sync kernel dequantizing them in its main loop). As with
 // linear, a row's result never depends on the other rows or on M. Shapes as linear.
 void linear_bf16(const Tensor& x, const Weight& w, Tensor& y, bool accumulate = false);
 // Whether linear_bf16 runs on `dev` in this build (the CPU always; a GPU when a CUTLASS
@@ -304,13 +305,19 @@ int64_t moe_workspace_floats(int64_t T, int64_t top_k, int64_t H, int64_t F, int
 // numerics: Exact (linear), or FP8 (prompt chunks of FP8 checkpoints: every expert weight FP8
 // block-128, each projection linear_fp8's W8A8 numerics: the activations, and silu(gate) *
 // up, quantized per 128 inputs): on the CPU an emulation (the oracle), on CUDA a CUTLASS
-// grouped GEMM over the experts (sm_90a, sm_100a / sm_103a) with the token counts on the device.
+// grouped GEMM over the experts (sm_90a, sm_100a / sm_103a) with the token counts on the device;
+// or BF16 (prompt chunks, any expert format: each projection linear_bf16's numerics, the
+// activations, silu(gate) * up and the dequantized weights rounded to BF16, fp32 sums): on
+// the CPU an emulation, on CUDA a grouped BF16 tensor-core GEMM that dequantizes the
+// weights in its main loop (W4A16 for NVFP4 experts), token counts on the device.
 void moe_experts(const Tensor& x, const Tensor& ids, const Tensor& weights, const ExpertWeights& experts,
                  Tensor& out, Tensor& workspace, GemmNumerics numerics = GemmNumerics::Exact);
 // Whether moe_experts(..., GemmNumerics::FP8) runs these experts on `dev` (every weight FP8;
 // on CUDA the grouped kernel built for its architecture and the weights readable in place:
 // contiguous 16-byte aligned rows, K % 16 == 0, N % 4 == 0, contiguous block scales).
 bool moe_experts_fp8_available(Device dev, const ExpertWeights& experts);
+// Whether moe_experts(..., GemmNumerics::BF16) runs on `dev` (the CPU; a GPU of this build).
+bool moe_experts_bf16_available(Device dev, const ExpertWeights& experts);
 
 // ------------------------------------------------------------------ DFlash drafter
 // Two-tap dynamic conv over blocks of `block` rows (taps never cross a block):

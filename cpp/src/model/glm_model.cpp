@@ -432,14 +432,18 @@ bool any_prefill_weight(const std::vector<std::unique_ptr<Layer>>& layers, Pred 
 void GlmModel::set_prefill(ops::GemmNumerics g) {
   opt_.prefill = g;
   experts_fp8_ = false;
-  if (g != ops::GemmNumerics::FP8) return;
-  bool any = false;
+  experts_prefill_ = ops::GemmNumerics::Exact;
+  if (g == ops::GemmNumerics::Exact) return;
+  bool any = false, fp8 = g == ops::GemmNumerics::FP8, bf16 = true;
   for (const auto& L : layers_) {
     if (!L->mlp.moe) continue;
     any = true;
-    if (!ops::moe_experts_fp8_available(device_, L->mlp.experts)) return;
+    fp8 = fp8 && ops::moe_experts_fp8_available(device_, L->mlp.experts);
+    bf16 = bf16 && ops::moe_experts_bf16_available(device_, L->mlp.experts);
   }
-  experts_fp8_ = any;
+  experts_fp8_ = any && fp8;
+  experts_prefill_ = experts_fp8_ ? ops::GemmNumerics::FP8 : any && bf16 ? ops::GemmNumerics::BF16
+                                                                        : ops::GemmNumerics::Exact;
 }
 
 bool GlmModel::has_fp8_weights() const {
@@ -525,9 +529,9 @@ void GlmModel::layer_forward(const Layer& L, const Tensor& latent, const Tensor&
     r.norm_topk_prob = c.norm_topk_prob;
     r.routed_scaling_factor = c.routed_scaling_factor;
     ops::moe_route(logits, m.bias, r, b.rids, b.rw);
-    // prompt chunks of FP8 checkpoints: the routed experts on the FP8 grouped GEMM too
+    // prompt chunks: the routed experts on a grouped tensor-core GEMM too (set_prefill)
     ops::moe_experts(b.x, b.rids, b.rw, m.experts, b.mlp_out, b.moe_ws,
-                     tc == ops::GemmNumerics::FP8 && experts_fp8_ ? ops::GemmNumerics::FP8 : ops::GemmNumerics::Exact);
+                     tc != ops::GemmNumerics::Exact ? experts_prefill_ : ops::GemmNumerics::Exact);
     if (m.has_shared) {
       ops::gated_mlp(b.x, m.gate, m.up, m.down, b.shared_out, b.scratch, tc);
       ops::add(b.mlp_out, b.shared_out, b.mlp_out);

@@ -81,9 +81,13 @@ class GlmModel {
   // Options::prefill, decided once the device is known (Engine prefill_gemm).
   // With FP8, the routed experts of prompt chunks take moe_experts' FP8 numerics too when
   // every MoE layer's experts can (ops::moe_experts_fp8_available on this device: FP8
-  // experts, and on CUDA the grouped kernel); experts_fp8() says whether they do.
+  // experts, and on CUDA the grouped kernel); experts_fp8() says whether they do. With any
+  // other tensor-core numerics (or FP8 where the experts cannot), they take moe_experts'
+  // BF16 numerics (the grouped mainloop-dequantizing GEMM on CUDA: W4A16 for NVFP4 experts).
+  // experts_prefill() is what the routed experts of prompt chunks run.
   void set_prefill(ops::GemmNumerics g);
   bool experts_fp8() const { return experts_fp8_; }
+  ops::GemmNumerics experts_prefill() const { return experts_prefill_; }
   // Whether any decoder-layer projection is stored as FP8 block-128 (an FP8 checkpoint:
   // what prefill_gemm="auto" takes W8A8 for).
   bool has_fp8_weights() const;
@@ -124,6 +128,7 @@ class GlmModel {
   GlmConfig cfg_;
   Options opt_;
   bool experts_fp8_ = false;  // set_prefill
+  ops::GemmNumerics experts_prefill_ = ops::GemmNumerics::Exact;  // set_prefill
   Device device_ = Device::cpu();
   std::shared_ptr<Checkpoint> ckpt_;
   Tensor embed_;  // [V, H] (F32/BF16/F16 view into the checkpoint)

@@ -680,8 +680,9 @@ int64_t moe_workspace_floats(int64_t T, int64_t top_k, int64_t H, int64_t F, int
 void moe_experts(const Tensor& x, const Tensor& ids, const Tensor& weights, const ExpertWeights& experts, Tensor& out,
                  Tensor& workspace, GemmNumerics numerics) {
   const char* op = "moe_experts";
-  DFLASH2_CHECK_ARG(numerics == GemmNumerics::Exact || numerics == GemmNumerics::FP8, op, ": the routed experts run ",
-                    "with 'exact' or 'fp8' numerics, found '", gemm_numerics_name(numerics), "'");
+  DFLASH2_CHECK_ARG(numerics == GemmNumerics::Exact || numerics == GemmNumerics::FP8 || numerics == GemmNumerics::BF16,
+                    op, ": the routed experts run with 'exact', 'bf16' or 'fp8' numerics, found '",
+                    gemm_numerics_name(numerics), "'");
   need_2d_rows(x, DType::F32, op, "x");
   need_2d_rows(out, DType::F32, op, "out");
   need_same_shape(x, out, op, "x", "out");
@@ -717,7 +718,17 @@ void moe_experts(const Tensor& x, const Tensor& ids, const Tensor& weights, cons
                           "expert ", e, "'s '", w->name, "' is ", weight_format_name(w->format));
     DFLASH2_DISPATCH(moe_experts_fp8, x, x, ids, weights, experts, out, workspace);
   }
+  if (numerics == GemmNumerics::BF16) DFLASH2_DISPATCH(moe_experts_bf16, x, x, ids, weights, experts, out, workspace);
   DFLASH2_DISPATCH(moe_experts, x, x, ids, weights, experts, out, workspace);
+}
+
+bool moe_experts_bf16_available(Device dev, const ExpertWeights& experts) {
+  if (experts.gate.empty()) return false;
+  if (dev.is_cpu()) return true;
+#if defined(DFLASH2_WITH_CUDA)
+  if (dev.is_cuda()) return cuda::moe_experts_bf16_supported(dev.index);
+#endif
+  return false;
 }
 
 bool moe_experts_fp8_available(Device dev, const ExpertWeights& experts) {

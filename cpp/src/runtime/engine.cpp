@@ -9,6 +9,7 @@
 #include <cstdio>
 #include <mutex>
 #include <unordered_map>
+#include <vector>
 
 #include "dflash2/error.h"
 #include "dflash2/ops.h"
@@ -73,8 +74,10 @@ std::string method_of_drafter(const Checkpoint& dk) {
 namespace {
 // prefill_gemm="auto" on a GPU: one small tensor-core GEMM of numerics g (two 128-row
 // tiles, K and N tails: the padded paths) against the CPU's emulation of the same numerics.
-// BF16 runs a dequantized F32 weight, FP8 an FP8 block-128 one (and, where the device runs
-// it, the routed experts' FP8 grouped GEMM: NMSE <= 1e-5). "" when it agrees (NMSE
+// BF16 runs a dequantized F32 weight and an NVFP4 one (on sm_90a the mainloop-dequantizing
+// kernel), then the routed experts' BF16 grouped GEMM over NVFP4 and BF16 experts; FP8 an
+// FP8 block-128 weight and, where the device runs it, the FP8 grouped GEMM (experts: NMSE
+// <= 1e-5). "" when it agrees (NMSE
 // <= 1e-8 for BF16, whose only difference is the fp32 summation order; <= 1e-6 for FP8,
 // whose tensor-core sums inside a 128-input block carry fewer bits), else what went wrong:
 // a GPU whose kernel misbehaves then prefills with the previous numerics instead of
@@ -137,12 +140,35 @@ std::string tc_gemm_self_check(Device dev, ops::GemmNumerics g) {
     // NVFP4: fp32 order only, as BF16
     const std::string why = compare(yd, want, g == ops::GemmNumerics::FP8 ? 1e-6 : 1e-8, "GEMM");
     if (!why.empty()) return why;
-    if (g == ops::GemmNumerics::FP8) {
-      // the routed experts' grouped GEMM (prompt chunks of FP8 checkpoints) where it runs:
-      // 4 experts (expert 2 unused: an empty group between others), 5 tokens, top-2, K tails
-      // of 208 / 144 inputs
+    auto fp4w = [&](int64_t n_out, int64_t n_in) {  // n_in % 16 == 0
+      Tensor packed = Tensor::empty(DType::U8, {n_out, n_in / 2}), sc = Tensor::empty(DType::F8_E4M3, {n_out, n_in / 16});
+      uint8_t* pp = static_cast<uint8_t*>(packed.data());
+      uint8_t* sp = static_cast<uint8_t*>(sc.data());
+      for (int64_t i = 0; i < packed.numel(); ++i) pp[i] = uint8_t((next() + 1.0f) * 127.99f);
+      for (int64_t i = 0; i < sc.numel(); ++i) sp[i] = uint8_t(0x30 + int((next() + 1.0f) * 7.99f));
+      return ops::Weight::nvfp4(packed, sc, 0.02f, 0.0f, n_in, "self-check");
+    };
+    if (g == ops::GemmNumerics::BF16) {
+      // an NVFP4 weight through linear_bf16 (on sm_90a the mainloop-dequantizing kernel)
+      const int64_t K4 = 208;
+      Tensor x4 = Tensor::empty(DType::F32, {M, K4});
+      for (int64_t i = 0; i < M * K4; ++i) x4.data_as<float>()[i] = next();
+      const ops::Weight w4 = fp4w(N, K4);
+      Tensor want4 = Tensor::empty(DType::F32, {M, N}), got4 = Tensor::empty(DType::F32, {M, N}, dev);
+      ops::linear_bf16(x4, w4, want4);
+      ops::linear_bf16(x4.to(dev), w4.to(dev), got4);
+      const std::string why4 = compare(got4, want4, 1e-8, "NVFP4-weight GEMM");
+      if (!why4.empty()) return why4;
+    }
+    // The routed experts' grouped GEMM of prompt chunks where it runs: FP8 experts with the
+    // FP8 numerics (the CUTLASS grouped kernel), NVFP4 and BF16 experts with the BF16 ones
+    // (the mainloop-dequantizing kernel: W4A16, and its cp.async path). 4 experts (expert 2
+    // unused: an empty group between others), 5 tokens, top-2, K tails of 208 / 144 inputs.
+    const std::vector<char> expert_fmts = g == ops::GemmNumerics::FP8    ? std::vector<char>{'8'}
+                                          : g == ops::GemmNumerics::BF16 ? std::vector<char>{'4', 'b'}
+                                                                         : std::vector<char>{};
+    for (const char fmt : expert_fmts) {
       const int64_t T = 5, E = 4, H = 208, F = 144, k = 2;
-      ops::ExpertWeights ex;
       auto fp8w = [&](int64_t n_out, int64_t n_in) {
         Tensor c = Tensor::empty(DType::F8_E4M3, {n_out, n_in});
         Tensor sc = Tensor::empty(DType::F32, {(n_out + 127) / 128, (n_in + 127) / 128});
@@ -154,18 +180,26 @@ std::string tc_gemm_self_check(Device dev, ops::GemmNumerics g) {
         for (int64_t i = 0; i < sc.numel(); ++i) sc.data_as<float>()[i] = 1e-2f * (1.5f + next());
         return ops::Weight::fp8_block128(c, sc, "self-check expert");
       };
+      auto bf16w = [&](int64_t n_out, int64_t n_in) {
+        Tensor w = Tensor::empty(DType::BF16, {n_out, n_in});
+        uint16_t* wp = static_cast<uint16_t*>(w.data());
+        for (int64_t i = 0; i < w.numel(); ++i) wp[i] = f32_to_bf16(0.1f * next());
+        return ops::Weight::dense(w, "self-check expert");
+      };
+      auto make = [&](int64_t n_out, int64_t n_in) {
+        return fmt == '8' ? fp8w(n_out, n_in) : fmt == '4' ? fp4w(n_out, n_in) : bf16w(n_out, n_in);
+      };
+      ops::ExpertWeights ex, exd;
       for (int64_t e = 0; e < E; ++e) {
-        ex.gate.push_back(fp8w(F, H));
-        ex.up.push_back(fp8w(F, H));
-        ex.down.push_back(fp8w(H, F));
-      }
-      ops::ExpertWeights exd;
-      for (int64_t e = 0; e < E; ++e) {
+        ex.gate.push_back(make(F, H));
+        ex.up.push_back(make(F, H));
+        ex.down.push_back(make(H, F));
         exd.gate.push_back(ex.gate[size_t(e)].to(dev));
         exd.up.push_back(ex.up[size_t(e)].to(dev));
         exd.down.push_back(ex.down[size_t(e)].to(dev));
       }
-      if (ops::moe_experts_fp8_available(dev, exd)) {
+      if (g == ops::GemmNumerics::FP8 ? ops::moe_experts_fp8_available(dev, exd)
+                                       : ops::moe_experts_bf16_available(dev, exd)) {
         Tensor xe = Tensor::empty(DType::F32, {T, H}), ids = Tensor::empty(DType::I32, {T, k}),
                rw = Tensor::empty(DType::F32, {T, k});
         for (int64_t i = 0; i < T * H; ++i) xe.data_as<float>()[i] = next();

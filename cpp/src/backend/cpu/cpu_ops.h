@@ -82,6 +82,8 @@ void block_attention(const Tensor& q, const Tensor& k, const Tensor& v, const Te
 void moe_route(const Tensor& logits, const Tensor& bias, const ops::MoeRouting& r, Tensor& ids, Tensor& weights);
 void moe_experts(const Tensor& x, const Tensor& ids, const Tensor& weights, const ops::ExpertWeights& experts,
                  Tensor& out, Tensor& workspace);
+void moe_experts_bf16(const Tensor& x, const Tensor& ids, const Tensor& weights, const ops::ExpertWeights& experts,
+                      Tensor& out, Tensor& workspace);
 void moe_experts_fp8(const Tensor& x, const Tensor& ids, const Tensor& weights, const ops::ExpertWeights& experts,
                      Tensor& out, Tensor& workspace);
 void dyn_conv(const Tensor& x, const Tensor& base, const Tensor& dyn, int64_t block, Tensor& out);

@@ -65,10 +65,11 @@ void moe_route(const Tensor& logits, const Tensor& bias, const ops::MoeRouting& 
 }
 
 namespace {
-// fp8: every projection with linear_fp8's W8A8 numerics (ops.h moe_experts, GemmNumerics::FP8)
+// lin: every projection as linear (Exact), linear_bf16 (BF16: x, silu(gate) * up and the
+// weights rounded to BF16) or linear_fp8 (FP8: W8A8) (ops.h moe_experts)
+using LinearFn = void (*)(const Tensor&, const ops::Weight&, Tensor&, bool);
 void experts_impl(const Tensor& x, const Tensor& ids, const Tensor& weights, const ops::ExpertWeights& ex, Tensor& out,
-                  Tensor& workspace, bool fp8) {
-  auto lin = fp8 ? &cpu::linear_fp8 : &cpu::linear;
+                  Tensor& workspace, LinearFn lin) {
   const int64_t T = x.shape(0), H = x.shape(1), K = ids.shape(1), E = int64_t(ex.gate.size());
   const int64_t first = ex.first, Eg = ex.num_global > 0 ? ex.num_global : E;
   const int64_t F = ex.gate.empty() ? 0 : ex.gate[0].out_features;
@@ -134,12 +135,17 @@ void experts_impl(const Tensor& x, const Tensor& ids, const Tensor& weights, con
 
 void moe_experts(const Tensor& x, const Tensor& ids, const Tensor& weights, const ops::ExpertWeights& ex, Tensor& out,
                  Tensor& workspace) {
-  experts_impl(x, ids, weights, ex, out, workspace, false);
+  experts_impl(x, ids, weights, ex, out, workspace, &cpu::linear);
+}
+
+void moe_experts_bf16(const Tensor& x, const Tensor& ids, const Tensor& weights, const ops::ExpertWeights& ex,
+                      Tensor& out, Tensor& workspace) {
+  experts_impl(x, ids, weights, ex, out, workspace, &cpu::linear_bf16);
 }
 
 void moe_experts_fp8(const Tensor& x, const Tensor& ids, const Tensor& weights, const ops::ExpertWeights& ex,
                      Tensor& out, Tensor& workspace) {
-  experts_impl(x, ids, weights, ex, out, workspace, true);
+  experts_impl(x, ids, weights, ex, out, workspace, &cpu::linear_fp8);
 }
 
 }  // namespace dflash2::cpu

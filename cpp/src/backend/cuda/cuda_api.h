@@ -162,6 +162,11 @@ void moe_experts(const Tensor& x, const Tensor& ids, const Tensor& weights, cons
 void moe_experts_fp8(const Tensor& x, const Tensor& ids, const Tensor& weights, const ops::ExpertWeights& experts,
                      Tensor& out, Tensor& workspace);
 bool moe_experts_fp8_supported(int device, const ops::ExpertWeights& experts);
+// The same with linear_bf16's numerics (prompt chunks, any expert format): the grouped
+// mainloop-dequantizing GEMM of gemm_dq.cu; whether `device` is a GPU this build runs on.
+void moe_experts_bf16(const Tensor& x, const Tensor& ids, const Tensor& weights, const ops::ExpertWeights& experts,
+                      Tensor& out, Tensor& workspace);
+bool moe_experts_bf16_supported(int device);
 // attention.cu
 void indexer_topk(const Tensor& q, const Tensor& w, const Tensor& key_cache, const ops::PagedTokens& tok,
                   int64_t topk, Tensor& sel, Tensor& sel_len);

@@ -7,7 +7,9 @@
 //
 // 1. x (F32) is rounded to BF16 (round to nearest even) into scratch, K padded with zeros to
 //    a multiple of 8 (TMA moves 16-byte rows).
-// 2. W: a dense BF16 weight whose rows are 16-byte aligned is read in place; any other
+// 2. W: a dense BF16 weight whose rows are 16-byte aligned is read in place; an NVFP4 weight
+//    on sm_90a (no FP4 MMA) goes to the mainloop-dequantizing kernel instead (gemm_dq.h:
+//    W4A16, the 4-bit weight read in place; the same operands, so the same oracle); any other
 //    format (F32 / F16 / FP8 block-128 / NVFP4, or misaligned BF16 rows) is dequantized with
 //    weight_view.cuh's w_at (bitwise the CPU's Weight::dequantize values) and rounded to
 //    BF16 into scratch. That is the numerics the CPU backend emulates
@@ -37,6 +39,7 @@
 #include "backend/cuda/cutlass/fp8_grouped_gemm.h"
 #include "backend/cuda/cutlass/nvfp4_gemm.h"
 #include "backend/cuda/device_attr.cuh"
+#include "backend/cuda/gemm_dq.h"
 #include "backend/cuda/kernel_util.cuh"
 #include "backend/cuda/layout.h"
 #include "backend/cuda/quant.h"
@@ -355,6 +358,30 @@ void linear_bf16(const Tensor& x, const ops::Weight& w, Tensor& y, bool accumula
          "and CUTLASS is found); use prefill_gemm='exact'");
   if (M == 0 || N == 0) return;
   if (K == 0) return empty_k(y, M, N, accumulate, "linear_bf16");
+  cudaStream_t st = detail::stream();
+  if (v.fmt == WFmt::NVFP4 && sm == 90) {
+    // Hopper has no FP4 MMA: W4A16 with the weight dequantized in the GEMM's main loop
+    // (gemm_dq.h), read once in its stored format instead of through a BF16 copy. Chosen by
+    // the weight and the architecture, never by M: a row's result does not depend on M.
+    const int64_t lda = round_up(K, 8);
+    __nv_bfloat16* a16 = static_cast<__nv_bfloat16*>(detail::scratch(device, size_t(M * lda * 2)));
+    dq::rows_bf16(dq::RowsFrom::Plain, x.data_as<const float>(), nullptr, x.stride(0), nullptr, 1, nullptr, M, K,
+                  lda, a16, st);
+    dq::GemmArgs g;
+    g.a = a16;
+    g.lda = lda;
+    g.one = v;
+    g.fmt = v.fmt;
+    g.vec = detail::weight_rows_vectorizable(v);
+    g.M = M;
+    g.N = N;
+    g.K = K;
+    g.d = y.data_as<float>();
+    g.ldd = M > 1 ? y.stride(0) : N;
+    g.accumulate = accumulate;
+    dq::gemm(g, st);
+    return;
+  }
 
   // The GEMM runs N padded to Np (a multiple of 4: the epilogue's 16-byte alignment of D's
   // rows is checked on the problem's N), over a padded weight copy when N % 4 != 0.
@@ -383,7 +410,6 @@ void linear_bf16(const Tensor& x, const ops::Weight& w, Tensor& y, bool accumula
   float* dtmp = direct_y ? nullptr : reinterpret_cast<float*>(base + a_bytes + w_bytes);
   void* ws = ws_bytes ? static_cast<void*>(base + a_bytes + w_bytes + d_bytes) : nullptr;
 
-  cudaStream_t st = detail::stream();
   rows_to_bf16<<<grid_for(M * Kp), kThreads, 0, st>>>(x.data_as<const float>(), x.stride(0), M, K, Kp, a16);
   if (!direct_w) convert_weight(v, Np, Kp, w16, st);
   detail::check_launch("linear_bf16 operand conversion", w.name, " ", x.describe());

@@ -229,4 +229,62 @@ DFLASH2_HD int64_t nvfp4_sf_offset(int64_t r, int64_t c, int64_t sf_cols) {
   return ((r / 128) * (sf_cols / 4) + c / 4) * 512 + (r % 32) * 16 + ((r % 128) / 32) * 4 + c % 4;
 }
 
+// ------------------------------------------------------------------ gemm_dq.cu
+// The mainloop-dequantizing tensor-core GEMM (gemm_dq.cu): CTA tiles of kDqBM rows x kDqBN
+// output features, kDqBK inputs per k-tile, in shared memory as rows of kDqBK BF16 (four
+// 16-byte chunks). A row's chunk c is stored at chunk c ^ ((row >> 1) & 3) of that row, so
+// the 8 row addresses of one ldmatrix phase (8 consecutive rows, one logical chunk) fall in 8
+// distinct groups of 4 banks (rows are 64 bytes: without the XOR, rows r and r + 2 collide).
+constexpr int kDqBM = 64, kDqBN = 128, kDqBK = 32, kDqChunks = kDqBK / 8;
+DFLASH2_HD int dq_chunk(int row, int chunk) { return row * kDqChunks + (chunk ^ ((row >> 1) & 3)); }
+// The row (relative to the fragment's first) and 16-byte chunk (relative to the k16 step's
+// first) whose address `lane` gives ldmatrix.x4: for an A fragment (16 rows x 16 inputs:
+// matrices rows 0-7 / 8-15 at inputs 0-7, then at 8-15 = registers a0..a3 of mma.m16n8k16)
+// and for two B fragments (features 0-7 at inputs 0-7 / 8-15, then features 8-15: b0, b1 of
+// the first 8 features, b0, b1 of the next 8).
+DFLASH2_HD int dq_a_lane_row(int lane) { return lane & 15; }
+DFLASH2_HD int dq_a_lane_chunk(int lane) { return lane >> 4; }
+DFLASH2_HD int dq_b_lane_row(int lane) { return (lane & 7) + ((lane >> 4) << 3); }
+DFLASH2_HD int dq_b_lane_chunk(int lane) { return (lane >> 3) & 1; }
+// The m-tiles of a group of m rows, and an upper bound of those of groups of `rows` rows in
+// all: every non-empty group adds at most one partial tile.
+DFLASH2_HD int64_t dq_m_tiles(int64_t m) { return (m + kDqBM - 1) / kDqBM; }
+DFLASH2_HD int64_t dq_max_m_tiles(int64_t rows, int64_t groups) {
+  return dq_m_tiles(rows) + (groups < rows ? groups : rows);
+}
+// tile_start[g] = the m-tiles of the groups before g, g = 0 .. G (one thread on the device:
+// groups are few).
+DFLASH2_HD void dq_tile_starts(const int32_t* start, int G, int32_t* tile_start) {
+  int32_t acc = 0;
+  tile_start[0] = 0;
+  for (int g = 0; g < G; ++g) {
+    acc += int32_t(dq_m_tiles(int64_t(start[g + 1]) - start[g]));
+    tile_start[g + 1] = acc;
+  }
+}
+// The group of m-tile t: tile_start[0 .. G] are the groups' first tiles (ascending,
+// tile_start[0] = 0), t < tile_start[G]; the last g with tile_start[g] <= t (an empty group
+// g has tile_start[g] == tile_start[g + 1] and is skipped).
+DFLASH2_HD int dq_group_of(const int32_t* tile_start, int G, int64_t t) {
+  int lo = 0, hi = G;  // tile_start[lo] <= t < tile_start[hi]
+  while (hi - lo > 1) {
+    const int mid = (lo + hi) / 2;
+    if (tile_start[mid] <= t) lo = mid; else hi = mid;
+  }
+  return lo;
+}
+// m-tile t's rows [first, end) of the grouped problem whose group g holds rows
+// [start[g], start[g + 1]) (start ascending), and its group; first >= end: no tile (t past
+// the last one).
+struct DqRows {
+  int64_t first, end;
+  int group;
+};
+DFLASH2_HD DqRows dq_tile_rows(const int32_t* start, const int32_t* tile_start, int G, int64_t t) {
+  if (t >= tile_start[G]) return {0, 0, 0};
+  const int g = dq_group_of(tile_start, G, t);
+  const int64_t first = start[g] + (t - tile_start[g]) * kDqBM, end = start[g + 1];
+  return {first, first + kDqBM < end ? first + kDqBM : end, g};
+}
+
 }  // namespace dflash2::cuda::layout

@@ -77,16 +77,22 @@
 //   way; the down grouped GEMM -> Y [n, H]; a scatter to slot order (y) and the combine above.
 //   The operand buffers come from the per-stream scratch; nothing waits for the host.
 //
+// moe_experts_bf16 (ops.h moe_experts with GemmNumerics::BF16: prompt chunks in the other
+//   tensor-core modes, any expert format; cpu/moe.cpp's emulation is its oracle): the same
+//   positions are the rows of three grouped launches of gemm_dq.h's mainloop-dequantizing
+//   BF16 GEMM (group g = expert g, weights from the expert table's views, NVFP4 / FP8
+//   dequantized in the k-loop): x[order[p] / top_k] rounded to BF16 by a gather pass; gate
+//   and up -> G, U [n, F] F32; silu(G) * U (the CPU's formula) rounded to BF16; down written
+//   straight to y's slot rows (row map order[p]); then the combine above.
+//
 // Performance (decode, T * top_k small): each active expert's gate/up/down weights are
 // read once per chunk of 4 tokens, by warps streaming rows with 8-element vector loads; the
 // expert list costs one tiny single-block launch. Ideas, roughly in order of value:
-//   - prefill (many tokens per expert): a grouped GEMM over the experts -- CUTLASS sm90
-//     grouped GEMM with TMA / WGMMA (FP8 block-scaled via the sm90 blockwise-scaling
-//     mainloop), and on sm100/sm103 the block-scaled grouped GEMM (tcgen05, NVFP4 / MXFP8
-//     scale factors in TMEM) -- fed by the same per-expert lists (a device-side problem
-//     size array, so still no host synchronization), with silu * up fused into the gate/up
-//     epilogue and the combine into the down epilogue (or kept separate, it is cheap). Here
-//     weights are re-read (from L2) once per 4 tokens and x rows once per output row.
+//   - prefill (many tokens per expert): done as grouped GEMMs for FP8 (CUTLASS) and BF16
+//     numerics (gemm_dq.cu); left: NVFP4 experts on Blackwell's block-scaled grouped GEMM
+//     (tcgen05, scale factors in TMEM), silu * up fused into the gate/up epilogue and the
+//     combine into the down epilogue. In exact mode weights are still re-read (from L2)
+//     once per 4 tokens and x rows once per output row.
 //   - decode: 16-byte weight loads for FP8 / NVFP4 (16 / 32 elements per lane), two rows
 //     per warp, split-K for the down projection (K = F is short), and a cooperative
 //     multi-warp list kernel for prefill-sized T (the fill is one warp, ~n / 32 steps);
@@ -102,6 +108,7 @@
 
 #include <algorithm>
 #include <cmath>
+#include <cstddef>
 #include <cstdint>
 #include <cstring>
 #include <map>
@@ -113,6 +120,7 @@
 
 #include "backend/cuda/cuda_api.h"
 #include "backend/cuda/cuda_check.cuh"
+#include "backend/cuda/gemm_dq.h"
 #include "backend/cuda/kernel_util.cuh"
 #include "backend/cuda/layout.h"
 #include "backend/cuda/moe_route.h"
@@ -740,9 +748,12 @@ void moe_route(const Tensor& logits, const Tensor& bias, const ops::MoeRouting& 
 }
 
 namespace {
+enum class ExpertsMode { Exact, FP8, BF16 };
+
 void moe_experts_impl(const Tensor& x, const Tensor& ids, const Tensor& weights, const ops::ExpertWeights& experts,
-                      Tensor& out, Tensor& workspace, bool fp8) {
-  const char* op = fp8 ? "cuda::moe_experts_fp8" : "cuda::moe_experts";
+                      Tensor& out, Tensor& workspace, ExpertsMode mode) {
+  const bool fp8 = mode == ExpertsMode::FP8, bf16 = mode == ExpertsMode::BF16;
+  const char* op = fp8 ? "cuda::moe_experts_fp8" : bf16 ? "cuda::moe_experts_bf16" : "cuda::moe_experts";
   DFLASH2_CHECK_ARG(x.defined() && x.device().is_cuda(), op, ": x must be a CUDA tensor, found ", x.describe());
   const int dev = x.device().index;
   need_rows(x, DType::F32, dev, op, "x");
@@ -872,7 +883,54 @@ void moe_experts_impl(const Tensor& x, const Tensor& ids, const Tensor& weights,
     detail::check_launch("moe_experts_fp8 scatter", x.describe());
   }
 #endif
-  if (!fp8 && n > 0 && F > 0) {
+  if (bf16 && n > 0 && F > 0) {
+    // The grouped mainloop-dequantizing GEMM (gemm_dq.h), group g = expert g's positions
+    // [start[g], start[g + 1]): gate and up over the gathered rows, silu(gate) * up rounded,
+    // down written straight to slot order (y row order[p]).
+    // scratch: A [n, Hp] BF16 | G, U [n, F] F32 | h [n, Fp] BF16 | tile starts [E + 1]
+    auto up256 = [](int64_t v) { return (v + 255) / 256 * 256; };
+    const int64_t Hp = (H + 7) / 8 * 8, Fp = (F + 7) / 8 * 8;
+    const int64_t b_a = up256(n * Hp * 2), b_g = up256(n * F * 4), b_h = up256(n * Fp * 2),
+                  b_t = up256((E + 1) * 4);
+    uint8_t* base = static_cast<uint8_t*>(detail::scratch(dev, size_t(b_a + 2 * b_g + b_h + b_t)));
+    __nv_bfloat16* a16 = reinterpret_cast<__nv_bfloat16*>(base);
+    float* G = reinterpret_cast<float*>(base + b_a);
+    float* U = reinterpret_cast<float*>(base + b_a + b_g);
+    __nv_bfloat16* h16 = reinterpret_cast<__nv_bfloat16*>(base + b_a + 2 * b_g);
+    int32_t* tiles = reinterpret_cast<int32_t*>(base + b_a + 2 * b_g + b_h);
+    static_assert(sizeof(ExpertView) == 3 * sizeof(WeightView) && offsetof(ExpertView, gate) == 0 &&
+                      offsetof(ExpertView, up) == sizeof(WeightView) &&
+                      offsetof(ExpertView, down) == 2 * sizeof(WeightView),
+                  "ExpertView: gate, up, down views back to back");
+    const WeightView* views = reinterpret_cast<const WeightView*>(tab.dev);
+    dq::rows_bf16(dq::RowsFrom::Gather, x.data_as<const float>(), nullptr, row_stride_2d(x), order, int(K),
+                  start + E, n, H, Hp, a16, s);
+    auto grouped = [&](int which, const __nv_bfloat16* a, int64_t lda, int64_t N, int64_t Kd, WFmt f, bool vec,
+                       float* d, int64_t ldd, const int32_t* d_rows) {
+      dq::GemmArgs g;
+      g.a = a;
+      g.lda = lda;
+      g.table = views + which;
+      g.table_stride = 3;
+      g.fmt = f;
+      g.vec = vec;
+      g.groups = int(E);
+      g.start = start;
+      g.tile_start = tiles;
+      g.M = n;
+      g.N = N;
+      g.K = Kd;
+      g.d = d;
+      g.ldd = ldd;
+      g.d_rows = d_rows;
+      dq::gemm(g, s);
+    };
+    grouped(0, a16, Hp, F, H, tab.gu_fmt, tab.gu_vec, G, F, nullptr);
+    grouped(1, a16, Hp, F, H, tab.gu_fmt, tab.gu_vec, U, F, nullptr);
+    dq::rows_bf16(dq::RowsFrom::SiluMul, G, U, F, nullptr, 1, start + E, n, F, Fp, h16, s);
+    grouped(2, h16, Fp, H, F, tab.down_fmt, tab.down_vec, y, H, order);
+  }
+  if (mode == ExpertsMode::Exact && n > 0 && F > 0) {
     const int max_active = int(E < n ? E : n);
     const unsigned gy = unsigned(max_active < detail::kMaxGridY ? max_active : detail::kMaxGridY);
 
@@ -918,12 +976,27 @@ void moe_experts_impl(const Tensor& x, const Tensor& ids, const Tensor& weights,
 
 void moe_experts(const Tensor& x, const Tensor& ids, const Tensor& weights, const ops::ExpertWeights& experts,
                  Tensor& out, Tensor& workspace) {
-  moe_experts_impl(x, ids, weights, experts, out, workspace, false);
+  moe_experts_impl(x, ids, weights, experts, out, workspace, ExpertsMode::Exact);
+}
+
+void moe_experts_bf16(const Tensor& x, const Tensor& ids, const Tensor& weights, const ops::ExpertWeights& experts,
+                      Tensor& out, Tensor& workspace) {
+  moe_experts_impl(x, ids, weights, experts, out, workspace, ExpertsMode::BF16);
+}
+
+bool moe_experts_bf16_supported(int device) {
+  if (device < 0 || device >= device_count()) return false;
+  try {
+    check_arch(device);  // the kernel exists only for the architectures the build targets
+    return true;
+  } catch (const Error&) {
+    return false;
+  }
 }
 
 void moe_experts_fp8(const Tensor& x, const Tensor& ids, const Tensor& weights, const ops::ExpertWeights& experts,
                      Tensor& out, Tensor& workspace) {
-  moe_experts_impl(x, ids, weights, experts, out, workspace, true);
+  moe_experts_impl(x, ids, weights, experts, out, workspace, ExpertsMode::FP8);
 }
 
 bool moe_experts_fp8_supported(int device, const ops::ExpertWeights& experts) {

@@ -1,0 +1,413 @@
+// cuda/gemm_dq.cu: the mainloop-dequantizing BF16 tensor-core GEMM (gemm_dq.h), the W4A16 /
+// W8A16 path of Hopper (which has no FP4 MMA) and the grouped GEMM of BF16 / NVFP4 / FP8
+// experts in prompt chunks on every architecture.
+//
+// One CTA (4 warps, 2 x 2) computes a tile of layout::kDqBM = 64 rows x kDqBN = 128 output
+// features of one group, in k-tiles of kDqBK = 32 inputs, double-buffered in shared memory:
+//   - A (BF16 rows) by cp.async, 16 bytes per copy, zero-filled past the group's rows;
+//   - W: a BF16 weight whose rows allow 16-byte copies (and K % 8 == 0) by cp.async as well;
+//     any other format in two halves around the math of the previous k-tile: its raw bytes
+//     (NVFP4: 4 bytes + an E4M3 scale per 8 inputs, FP8: 8 bytes + the block scale) are
+//     loaded into registers before the MMAs, and dequantized (weight_view.cuh's operations,
+//     bitwise the CPU's Weight::dequantize), rounded to BF16 and stored after them. Tails
+//     (rows >= N, k >= K) and formats without raw staging (F32 / F16 / misaligned rows) are
+//     dequantized at the load.
+// Each warp computes 32 x 64 with mma.sync.m16n8k16 (BF16 in, fp32 accumulators), operands
+// through ldmatrix from rows XOR-swizzled by layout::dq_chunk (conflict-free phases). The
+// k-tiles are summed in order, so a row's result does not depend on M, the group or the
+// other rows (a prompt chunk's rows equal the same rows of any other chunk).
+// Groups: a setup kernel turns the groups' row offsets (on the device: no host sync) into
+// their first m-tiles; grid.y covers an upper bound of the m-tiles (layout::dq_max_m_tiles)
+// and each CTA finds its group by binary search (layout::dq_tile_rows); CTAs past the last
+// tile exit.
+//
+// Status: compiled for sm_90a / sm_100a / sm_103a, NOT yet run on a GPU.
+#include "backend/cuda/gemm_dq.h"
+
+#include <cuda_bf16.h>
+#include <cuda_runtime.h>
+
+#include <cstdint>
+
+#include "backend/cuda/cuda_check.cuh"
+#include "backend/cuda/kernel_util.cuh"
+#include "backend/cuda/layout.h"
+#include "backend/cuda/weight_view.cuh"
+#include "dflash2/error.h"
+
+namespace dflash2::cuda::dq {
+
+namespace {
+
+using detail::WeightView;
+using detail::WFmt;
+using layout::kDqBK;
+using layout::kDqBM;
+using layout::kDqBN;
+using layout::kDqChunks;
+
+constexpr int kThreads = 128;  // 4 warps: 2 (rows) x 2 (features), 32 x 64 each
+constexpr int kAUnits = kDqBM * kDqChunks / kThreads;  // 16-byte A chunks per thread per k-tile (2)
+constexpr int kBUnits = kDqBN * kDqChunks / kThreads;  // 8-input W units per thread per k-tile (4)
+static_assert(kAUnits * kThreads == kDqBM * kDqChunks && kBUnits * kThreads == kDqBN * kDqChunks, "tile split");
+static_assert(kDqBK == 32 && kDqChunks == 4, "the swizzle and the fragment loops assume 4 chunks per row");
+
+// ------------------------------------------------------------------ PTX wrappers
+__device__ __forceinline__ uint32_t smem_u32(const void* p) {
+  return static_cast<uint32_t>(__cvta_generic_to_shared(p));
+}
+// 16 bytes global -> shared, or 16 zero bytes when !valid (src is then not read).
+__device__ __forceinline__ void cp_async16(uint32_t dst, const void* src, bool valid) {
+  const int n = valid ? 16 : 0;
+  asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;\n" ::"r"(dst), "l"(src), "r"(n) : "memory");
+}
+__device__ __forceinline__ void cp_async_commit() { asm volatile("cp.async.commit_group;\n" ::: "memory"); }
+__device__ __forceinline__ void cp_async_wait_all() { asm volatile("cp.async.wait_all;\n" ::: "memory"); }
+__device__ __forceinline__ void ldmatrix_x4(uint32_t addr, uint32_t (&r)[4]) {
+  asm volatile("ldmatrix.sync.aligned.m8n8.x4.shared.b16 {%0, %1, %2, %3}, [%4];\n"
+               : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3])
+               : "r"(addr)
+               : "memory");
+}
+// c += a (16 x 16, row) * b (16 x 8, col), BF16 in, fp32 accumulate.
+__device__ __forceinline__ void mma_bf16(float (&c)[4], const uint32_t (&a)[4], uint32_t b0, uint32_t b1) {
+  asm volatile(
+      "mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 {%0, %1, %2, %3}, {%4, %5, %6, %7}, {%8, %9}, "
+      "{%0, %1, %2, %3};\n"
+      : "+f"(c[0]), "+f"(c[1]), "+f"(c[2]), "+f"(c[3])
+      : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1));
+}
+
+__device__ __forceinline__ uint32_t pack_bf16(float lo, float hi) {
+  const __nv_bfloat162 v = __floats2bfloat162_rn(lo, hi);  // .x (lo) at the lower address
+  return *reinterpret_cast<const uint32_t*>(&v);
+}
+__device__ __forceinline__ uint4 pack8(const float (&f)[8]) {
+  return make_uint4(pack_bf16(f[0], f[1]), pack_bf16(f[2], f[3]), pack_bf16(f[4], f[5]), pack_bf16(f[6], f[7]));
+}
+
+struct Params {
+  const __nv_bfloat16* a;
+  int64_t lda;
+  WeightView one;
+  const WeightView* table;
+  int64_t table_stride;
+  bool vec, async_b;
+  int groups;
+  const int32_t* start;
+  const int32_t* tile_start;
+  int64_t M, N, K, m_tiles;  // m_tiles: grid.y's extent (an upper bound with groups)
+  float* d;
+  int64_t ldd;
+  const int32_t* d_rows;
+  bool accumulate;
+};
+
+// One unit of W: 8 inputs of one row, either final BF16 (ready) or the raw bytes and the
+// scale that make them (FP8 / NVFP4 with vector-aligned rows, inside the weight).
+struct WUnit {
+  uint4 v;
+  float s;
+  bool ready;
+};
+
+// 8 inputs of row r from k0 as BF16, element by element where the unit leaves the weight:
+// the edges, and the formats without raw staging. Not inlined: it would hold the registers
+// of every unit's slow path through the main loop.
+template <WFmt F>
+__device__ __noinline__ uint4 load_w_slow(const WeightView& w, bool vec, int64_t r, int64_t k0) {
+  float f[8];
+  if (r < w.N && k0 + 8 <= w.K) {
+    if (vec)
+      detail::w_load8<F, true>(w, r, k0, f);
+    else
+      detail::w_load8<F, false>(w, r, k0, f);
+  } else {
+#pragma unroll
+    for (int i = 0; i < 8; ++i) f[i] = (r < w.N && k0 + i < w.K) ? detail::w_at<F>(w, r, k0 + i) : 0.0f;
+  }
+  return pack8(f);
+}
+
+template <WFmt F>
+__device__ __forceinline__ void fetch_w(const WeightView& w, bool vec, int64_t r, int64_t k0, WUnit& u) {
+  const bool inside = r < w.N && k0 + 8 <= w.K;
+  if constexpr (F == WFmt::NVFP4) {
+    if (vec && inside) {
+      u.v.x = *reinterpret_cast<const uint32_t*>(w.data + r * w.row_bytes + k0 / 2);
+      u.s = detail::e4m3_to_f32(static_cast<const uint8_t*>(w.scale)[r * w.scale_stride + k0 / 16]);
+      u.ready = false;
+      return;
+    }
+  } else if constexpr (F == WFmt::FP8) {
+    if (vec && inside) {
+      const uint2 b = *reinterpret_cast<const uint2*>(w.data + r * w.row_bytes + k0);
+      u.v.x = b.x;
+      u.v.y = b.y;
+      u.s = static_cast<const float*>(w.scale)[(r / 128) * w.scale_stride + k0 / 128];
+      u.ready = false;
+      return;
+    }
+  }
+  u.v = load_w_slow<F>(w, vec, r, k0);
+  u.ready = true;
+}
+
+// The unit's 8 BF16 values (w_load8's operations on the raw bytes, then rounded).
+template <WFmt F>
+__device__ __forceinline__ uint4 finish_w(const WeightView& w, const WUnit& u) {
+  if constexpr (F == WFmt::NVFP4 || F == WFmt::FP8) {
+    if (!u.ready) {
+      float f[8];
+#pragma unroll
+      for (int i = 0; i < 8; ++i) {
+        if constexpr (F == WFmt::NVFP4)
+          f[i] = __fmul_rn(__fmul_rn(detail::e2m1_to_f32((u.v.x >> (4 * i)) & 15u), u.s), w.global_scale);
+        else
+          f[i] = __fmul_rn(detail::e4m3_to_f32(uint8_t((i < 4 ? u.v.x : u.v.y) >> (8 * (i & 3)))), u.s);
+      }
+      return pack8(f);
+    }
+  }
+  (void)w;
+  return u.v;
+}
+
+template <WFmt F>
+__global__ void __launch_bounds__(kThreads) dq_gemm_kernel(const Params p) {
+  __shared__ __align__(128) uint4 As[2][kDqBM * kDqChunks];
+  __shared__ __align__(128) uint4 Bs[2][kDqBN * kDqChunks];
+  const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
+  const int wm = warp >> 1, wn = warp & 1;  // the warp's 32 rows and 64 features
+  const int64_t n0 = int64_t(blockIdx.x) * kDqBN;
+  const int nk = int((p.K + kDqBK - 1) / kDqBK);
+  const int64_t kpad = (p.K + 7) / 8 * 8;  // A's zero-padded width
+
+  for (int64_t t = blockIdx.y; t < p.m_tiles; t += gridDim.y) {
+    int64_t r0, r1;
+    int g = 0;
+    if (p.start == nullptr) {
+      r0 = t * kDqBM;
+      r1 = r0 + kDqBM < p.M ? r0 + kDqBM : p.M;
+    } else {
+      const layout::DqRows rows = layout::dq_tile_rows(p.start, p.tile_start, p.groups, t);
+      r0 = rows.first;
+      r1 = rows.end;
+      g = rows.group;
+    }
+    if (r0 >= r1) continue;  // block-uniform: no barrier is skipped by part of the block
+    const WeightView w = p.table ? p.table[int64_t(g) * p.table_stride] : p.one;
+
+    auto load_a = [&](int kt, int st) {
+#pragma unroll
+      for (int i = 0; i < kAUnits; ++i) {
+        const int idx = tid + i * kThreads, row = idx / kDqChunks, ch = idx % kDqChunks;
+        const int64_t k = int64_t(kt) * kDqBK + ch * 8, pr = r0 + row;
+        const bool valid = pr < r1 && k < kpad;
+        const __nv_bfloat16* src = valid ? p.a + pr * p.lda + k : p.a;
+        cp_async16(smem_u32(&As[st][layout::dq_chunk(row, ch)]), src, valid);
+      }
+    };
+    auto load_b_async = [&](int kt, int st) {
+#pragma unroll
+      for (int i = 0; i < kBUnits; ++i) {
+        const int idx = tid + i * kThreads, row = idx / kDqChunks, ch = idx % kDqChunks;
+        const int64_t k = int64_t(kt) * kDqBK + ch * 8, r = n0 + row;
+        const bool valid = r < w.N && k < w.K;  // K % 8 == 0 on this path: a whole chunk
+        const uint8_t* src = valid ? w.data + r * w.row_bytes + 2 * k : w.data;
+        cp_async16(smem_u32(&Bs[st][layout::dq_chunk(row, ch)]), src, valid);
+      }
+    };
+    WUnit units[kBUnits];
+    auto fetch_b = [&](int kt) {
+#pragma unroll
+      for (int i = 0; i < kBUnits; ++i) {
+        const int idx = tid + i * kThreads;
+        fetch_w<F>(w, p.vec, n0 + idx / kDqChunks, int64_t(kt) * kDqBK + (idx % kDqChunks) * 8, units[i]);
+      }
+    };
+    auto store_b = [&](int st) {
+#pragma unroll
+      for (int i = 0; i < kBUnits; ++i) {
+        const int idx = tid + i * kThreads;
+        Bs[st][layout::dq_chunk(idx / kDqChunks, idx % kDqChunks)] = finish_w<F>(w, units[i]);
+      }
+    };
+    const bool async_b = F == WFmt::BF16 && p.async_b;
+
+    float acc[2][8][4];
+#pragma unroll
+    for (int mi = 0; mi < 2; ++mi)
+#pragma unroll
+      for (int ni = 0; ni < 8; ++ni)
+#pragma unroll
+        for (int j = 0; j < 4; ++j) acc[mi][ni][j] = 0.0f;
+
+    // k-tile 0 into stage 0
+    load_a(0, 0);
+    if (async_b) load_b_async(0, 0);
+    cp_async_commit();
+    if (!async_b) {
+      fetch_b(0);
+      store_b(0);
+    }
+    cp_async_wait_all();
+    __syncthreads();
+
+    for (int kt = 0; kt < nk; ++kt) {
+      const int cur = kt & 1, nxt = cur ^ 1;
+      const bool more = kt + 1 < nk;
+      // stage nxt was last read in iteration kt - 1, which ended with a barrier
+      if (more) {
+        load_a(kt + 1, nxt);
+        if (async_b) load_b_async(kt + 1, nxt);
+        cp_async_commit();
+        if (!async_b) fetch_b(kt + 1);
+      }
+#pragma unroll
+      for (int ks = 0; ks < 2; ++ks) {  // two k16 steps per k-tile
+        uint32_t af[2][4];
+#pragma unroll
+        for (int mi = 0; mi < 2; ++mi) {
+          const int row = wm * 32 + mi * 16 + layout::dq_a_lane_row(lane), ch = ks * 2 + layout::dq_a_lane_chunk(lane);
+          ldmatrix_x4(smem_u32(&As[cur][layout::dq_chunk(row, ch)]), af[mi]);
+        }
+#pragma unroll
+        for (int nj = 0; nj < 4; ++nj) {
+          uint32_t bf[4];  // (b0, b1) of features 16 nj + 0..7, then of 16 nj + 8..15
+          const int row = wn * 64 + nj * 16 + layout::dq_b_lane_row(lane), ch = ks * 2 + layout::dq_b_lane_chunk(lane);
+          ldmatrix_x4(smem_u32(&Bs[cur][layout::dq_chunk(row, ch)]), bf);
+#pragma unroll
+          for (int mi = 0; mi < 2; ++mi) {
+            mma_bf16(acc[mi][2 * nj], af[mi], bf[0], bf[1]);
+            mma_bf16(acc[mi][2 * nj + 1], af[mi], bf[2], bf[3]);
+          }
+        }
+      }
+      if (more && !async_b) store_b(nxt);
+      cp_async_wait_all();
+      __syncthreads();
+    }
+
+    // epilogue: c0, c1 at (row lane / 4, features 2 (lane % 4) + 0, 1); c2, c3 at row + 8
+#pragma unroll
+    for (int mi = 0; mi < 2; ++mi)
+#pragma unroll
+      for (int h = 0; h < 2; ++h) {
+        const int64_t pr = r0 + wm * 32 + mi * 16 + h * 8 + (lane >> 2);
+        if (pr >= r1) continue;
+        const int64_t drow = p.d_rows ? int64_t(p.d_rows[pr]) : pr;
+        float* out = p.d + drow * p.ldd;
+#pragma unroll
+        for (int ni = 0; ni < 8; ++ni)
+#pragma unroll
+          for (int j = 0; j < 2; ++j) {
+            const int64_t c = n0 + wn * 64 + ni * 8 + (lane & 3) * 2 + j;
+            if (c >= p.N) continue;
+            const float v = acc[mi][ni][2 * h + j];
+            out[c] = p.accumulate ? __fadd_rn(out[c], v) : v;
+          }
+      }
+  }
+}
+
+// The groups' first m-tiles (layout::dq_tile_starts), one thread.
+__global__ void dq_tile_starts(const int32_t* __restrict__ start, int groups, int32_t* __restrict__ tile_start) {
+  if (blockIdx.x == 0 && threadIdx.x == 0) layout::dq_tile_starts(start, groups, tile_start);
+}
+
+template <RowsFrom From>
+__global__ void rows_bf16_kernel(const float* __restrict__ x, const float* __restrict__ u, int64_t ldx,
+                                 const int32_t* __restrict__ order, int div, const int32_t* __restrict__ used,
+                                 int64_t rows, int64_t K, int64_t lda, __nv_bfloat16* __restrict__ a) {
+  const int64_t n = rows * lda, limit = used ? int64_t(*used) : rows;
+  for (int64_t i = int64_t(blockIdx.x) * blockDim.x + threadIdx.x; i < n; i += int64_t(gridDim.x) * blockDim.x) {
+    const int64_t pr = i / lda, k = i - pr * lda;
+    if (pr >= limit) continue;
+    float v = 0.0f;
+    if (k < K) {
+      if constexpr (From == RowsFrom::Plain) {
+        v = x[pr * ldx + k];
+      } else if constexpr (From == RowsFrom::Gather) {
+        v = x[int64_t(order[pr] / div) * ldx + k];
+      } else {
+        const float gv = x[pr * ldx + k];
+        v = __fmul_rn(__fdiv_rn(gv, __fadd_rn(1.0f, expf(-gv))), u[pr * ldx + k]);
+      }
+    }
+    a[i] = __float2bfloat16_rn(v);
+  }
+}
+
+template <WFmt F>
+void launch(const Params& p, dim3 grid, cudaStream_t s) {
+  dq_gemm_kernel<F><<<grid, kThreads, 0, s>>>(p);
+}
+
+}  // namespace
+
+void gemm(const GemmArgs& g, cudaStream_t s) {
+  const char* op = "cuda::dq::gemm";
+  DFLASH2_CHECK_ARG(g.a && g.d && g.K > 0 && g.N >= 0 && g.M >= 0, op, ": bad arguments (K = ", g.K, ")");
+  DFLASH2_CHECK_ARG(detail::aligned(g.a, 16) && g.lda % 8 == 0 && g.lda >= (g.K + 7) / 8 * 8, op,
+                    ": A must be 16-byte aligned with lda % 8 == 0 and lda >= round_up(K, 8), found lda ", g.lda);
+  DFLASH2_CHECK_ARG(g.groups >= 1 && (g.start != nullptr) == (g.tile_start != nullptr) &&
+                        (g.start != nullptr || g.groups == 1) && (g.table != nullptr || g.groups == 1),
+                    op, ": inconsistent groups (", g.groups, ")");
+  if (g.M == 0 || g.N == 0) return;
+  Params p{};
+  p.a = g.a;
+  p.lda = g.lda;
+  p.one = g.one;
+  p.table = g.table;
+  p.table_stride = g.table_stride;
+  p.vec = g.vec;
+  // BF16 rows copied as they are: 16-byte rows, whole 8-input chunks
+  p.async_b = g.fmt == WFmt::BF16 && g.vec && g.K % 8 == 0;
+  p.groups = g.groups;
+  p.start = g.start;
+  p.tile_start = g.tile_start;
+  p.M = g.M;
+  p.N = g.N;
+  p.K = g.K;
+  p.m_tiles = g.start ? layout::dq_max_m_tiles(g.M, g.groups) : layout::dq_m_tiles(g.M);
+  p.d = g.d;
+  p.ldd = g.ldd;
+  p.d_rows = g.d_rows;
+  p.accumulate = g.accumulate;
+  const int64_t nt = (g.N + kDqBN - 1) / kDqBN;
+  DFLASH2_CHECK_ARG(nt <= int64_t(INT32_MAX), op, ": N = ", g.N, " is too large");
+  if (g.start) {
+    dq_tile_starts<<<1, 32, 0, s>>>(g.start, g.groups, g.tile_start);
+    detail::check_launch("dq_gemm tile starts", "");
+  }
+  const dim3 grid(unsigned(nt), unsigned(p.m_tiles < detail::kMaxGridY ? p.m_tiles : detail::kMaxGridY));
+  switch (g.fmt) {
+    case WFmt::F32: launch<WFmt::F32>(p, grid, s); break;
+    case WFmt::BF16: launch<WFmt::BF16>(p, grid, s); break;
+    case WFmt::F16: launch<WFmt::F16>(p, grid, s); break;
+    case WFmt::FP8: launch<WFmt::FP8>(p, grid, s); break;
+    case WFmt::NVFP4: launch<WFmt::NVFP4>(p, grid, s); break;
+  }
+  detail::check_launch("dq_gemm kernel launch", "[", g.M, ", ", g.N, ", ", g.K, "]");
+}
+
+void rows_bf16(RowsFrom from, const float* x, const float* u, int64_t ldx, const int32_t* order, int div,
+               const int32_t* used, int64_t rows, int64_t K, int64_t lda, __nv_bfloat16* a, cudaStream_t s) {
+  if (rows == 0 || lda == 0) return;
+  const unsigned grid = detail::ceil_blocks(rows * lda, 256, detail::kMaxRowBlocks);
+  switch (from) {
+    case RowsFrom::Plain:
+      rows_bf16_kernel<RowsFrom::Plain><<<grid, 256, 0, s>>>(x, u, ldx, order, div, used, rows, K, lda, a);
+      break;
+    case RowsFrom::Gather:
+      rows_bf16_kernel<RowsFrom::Gather><<<grid, 256, 0, s>>>(x, u, ldx, order, div, used, rows, K, lda, a);
+      break;
+    case RowsFrom::SiluMul:
+      rows_bf16_kernel<RowsFrom::SiluMul><<<grid, 256, 0, s>>>(x, u, ldx, order, div, used, rows, K, lda, a);
+      break;
+  }
+  detail::check_launch("dq rows -> bf16", "");
+}
+
+}  // namespace dflash2::cuda::dq
