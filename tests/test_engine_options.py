@@ -283,5 +283,17 @@ def test_capture_at_load_leaves_no_trace():
             out.append(got)
             eng.close()
         assert out[0] == out[1], method
+    # adaptive speculation: every shorter draft length is warmed up too (more steps at load),
+    # and the engine still generates as a fresh one
+    loaded = {}
+    for spec in ("fixed", "adaptive"):
+        eng = dflash2_rt.Engine(TARGET, DRAFT, max_batch_size=3, max_seq_len=96, pad_to_buckets=True,
+                                capture_at_load=True, speculation=spec)
+        loaded[spec] = eng.metrics()["steps_as_one_unit"]
+        assert eng.metrics()["cache_pages_used"] == 0
+        got = [r.token_ids for r in eng.generate(prompts, max_new_tokens=10, stop_token_ids=[])]
+        assert got == out[1][0], spec  # out: the last method's (ar) greedy tokens; lossless
+        eng.close()
+    assert loaded["adaptive"] > loaded["fixed"] > 0, loaded
     with pytest.raises(dflash2_rt.InvalidArgumentError, match="capture_at_load"):
         dflash2_rt.Engine(TARGET, DRAFT, capture_at_load=1)

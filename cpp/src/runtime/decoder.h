@@ -68,6 +68,8 @@ class Decoder {
   double draft_len() const { return draft_len_; }
   int64_t steps() const { return steps_; }
   const SpecPolicy& policy() const { return policy_; }
+  // Every step drafts min(k, K) tokens for its adaptive requests (the load-time warm-up).
+  void force_draft_len(int64_t k) { policy_.force(k); }
 
  private:
   void plan_row(int64_t row, Request& q, uint64_t draws);

@@ -361,15 +361,16 @@ Engine::Engine(const EngineConfig& cfg) : impl_(std::make_unique<Impl>()) {
   const bool capture = cfg.capture_at_load == 1 || (cfg.capture_at_load == -1 && I.core.target->cuda_graphs());
   I.cfg.capture_at_load = capture ? 1 : 0;
   if (capture) {  // before the scheduler exists: nothing else runs the model yet
-    const runtime::WarmUp w = runtime::warm_up_steps(I.core);
+    const runtime::WarmUp w = runtime::warm_up_steps(I.core, cfg.speculation == "adaptive");
     if (device.is_cuda()) {
-      std::string sizes;
+      std::string sizes, lens;
       for (int64_t b : w.buckets) sizes += (sizes.empty() ? "" : ", ") + std::to_string(b);
+      for (int64_t k : w.draft_lens) lens += (lens.empty() ? "" : ", ") + std::to_string(k);
       const runtime::GraphStats g = I.core.target->graph_stats();
-      std::fprintf(stderr, "dflash2: decode-step graphs captured at load for batch sizes %s (%lld steps, %.2f s; %lld "
-                   "graphs, %lld failed)%s%s\n", sizes.empty() ? "(none)" : sizes.c_str(), (long long)w.steps, w.seconds,
-                   (long long)g.captured, (long long)g.failed, w.stopped.empty() ? "" : "; stopped early: ",
-                   w.stopped.c_str());
+      std::fprintf(stderr, "dflash2: decode-step graphs captured at load for batch sizes %s, draft lengths %s (%lld "
+                   "steps, %.2f s; %lld graphs, %lld failed)%s%s\n", sizes.empty() ? "(none)" : sizes.c_str(),
+                   lens.c_str(), (long long)w.steps, w.seconds, (long long)g.captured, (long long)g.failed,
+                   w.stopped.empty() ? "" : "; stopped early: ", w.stopped.c_str());
     }
   }
   I.scheduler = std::make_unique<runtime::Scheduler>(I.core, I.model_mu, cfg.speculation == "adaptive");

@@ -63,6 +63,7 @@ double SpecPolicy::predicted_time(int64_t S, int64_t k) const {
 
 int64_t SpecPolicy::choose(int64_t S) {
   ++steps_;
+  if (forced_ >= 0) return std::min(forced_, K_);
   if (!adaptive_ || S <= 0) return K_;
   if (!fitted()) return steps_ % 4 == 0 ? 0 : steps_ % 4 == 2 ? std::max<int64_t>(1, K_ / 2) : K_;  // warm-up
   int64_t best = K_;

@@ -23,6 +23,9 @@ class SpecPolicy {
   bool adaptive() const { return adaptive_; }
   // The draft length for a step with S adaptive sequences.
   int64_t choose(int64_t S);
+  // From now on choose() returns min(k, K) (k >= 0), adaptive or not; k < 0: as before.
+  // For the warm-up that captures the step graphs of every draft length at load.
+  void force(int64_t k) { forced_ = k; }
   // After the step: S sequences, draft length k, T tokens verified, step seconds, and for
   // each sequence the accepted count (drafted positions only: accepted <= drafted).
   void record(int64_t S, int64_t k, int64_t T, double seconds, const std::vector<int64_t>& drafted,
@@ -42,6 +45,7 @@ class SpecPolicy {
   double xtx_[kF][kF] = {}, xty_[kF] = {}, beta_[kF] = {};
   int64_t n_ = 0, steps_ = 0;
   bool seen_zero_ = false, seen_full_ = false;
+  int64_t forced_ = -1;
 };
 
 }  // namespace dflash2::runtime

@@ -34,10 +34,13 @@ uint64_t scratch_gen() {
 }
 
 // Runs n dummy requests (prompts of prompt_len tokens) to the end; false when the cache
-// cannot hold them or one failed (w.stopped says why).
-bool run_batch(Core& core, WarmUp& w, int64_t n, int64_t prompt_len, int64_t new_tokens, float temperature) {
+// cannot hold them or one failed (w.stopped says why). k >= 0: adaptive requests on a
+// decoder whose draft length is forced to k; k < 0: the full block.
+bool run_batch(Core& core, WarmUp& w, int64_t n, int64_t prompt_len, int64_t new_tokens, float temperature,
+               int64_t k = -1) {
   QuietSink sink;
-  Decoder dec(core, sink, /*adaptive=*/false);
+  Decoder dec(core, sink, /*adaptive=*/k >= 0);
+  if (k >= 0) dec.force_draft_len(k);
   std::vector<std::unique_ptr<Request>> reqs;
   bool fits = true;
   for (int64_t i = 0; i < n && fits; ++i) {
@@ -47,7 +50,7 @@ bool run_batch(Core& core, WarmUp& w, int64_t n, int64_t prompt_len, int64_t new
     r->p.max_new_tokens = new_tokens;
     r->p.temperature = temperature;
     r->rng_key = rng_key(0, i);
-    r->adaptive = false;
+    r->adaptive = k >= 0;
     fits = dec.admit(r.get());
     reqs.push_back(std::move(r));
   }
@@ -79,7 +82,7 @@ bool run_batch(Core& core, WarmUp& w, int64_t n, int64_t prompt_len, int64_t new
 }
 }  // namespace
 
-WarmUp warm_up_steps(Core& core) {
+WarmUp warm_up_steps(Core& core, bool adaptive) {
   WarmUp w;
   const auto t0 = std::chrono::steady_clock::now();
   Target& t = *core.target;
@@ -96,8 +99,13 @@ WarmUp warm_up_steps(Core& core) {
     w.seconds = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
     return w;
   }
-  // buckets when steps are padded to them; every batch size otherwise (MTP)
+  // buckets when steps are padded to them; every batch size otherwise (MTP); the full block,
+  // and with adaptive speculation every shorter draft length too (each step commits at most
+  // k + 1 tokens: 2 (k + 1) + 2 new tokens still make three steps)
   const bool pads = !core.drafter || core.drafter->pads_steps();
+  w.draft_lens.assign(1, core.K);
+  if (adaptive && core.drafter)
+    for (int64_t k = 0; k < core.K; ++k) w.draft_lens.push_back(k);
   for (int pass = 0; pass < 3; ++pass) {
     const uint64_t gen = scratch_gen();
     w.buckets.clear();
@@ -105,8 +113,10 @@ WarmUp warm_up_steps(Core& core) {
     for (int64_t s = 1; s <= o.max_batch_size && ok; s = (pads ? t.bucket(s) : s) + 1) {
       const int64_t b = pads ? t.bucket(s) : s;
       if (b * (core.K + 1) > o.max_step_tokens) break;  // not run as one unit: nothing to capture
-      for (const float temperature : {0.0f, 1.0f})
-        ok = ok && run_batch(core, w, b, 1, new_tokens, temperature);
+      for (const int64_t k : w.draft_lens)
+        for (const float temperature : {0.0f, 1.0f})
+          ok = ok && (k == core.K ? run_batch(core, w, b, 1, new_tokens, temperature)
+                                  : run_batch(core, w, b, 1, 2 * (k + 1) + 2, temperature, k));
       if (ok) w.buckets.push_back(b);
     }
     if (!ok || scratch_gen() == gen) break;

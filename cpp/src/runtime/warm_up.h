@@ -10,7 +10,8 @@
 namespace dflash2::runtime {
 
 struct WarmUp {
-  std::vector<int64_t> buckets;  // batch sizes run
+  std::vector<int64_t> buckets;     // batch sizes run
+  std::vector<int64_t> draft_lens;  // draft lengths run at each (K; 0 .. K with adaptive speculation)
   int64_t steps = 0;             // decode steps run
   double seconds = 0;
   std::string stopped;  // why it stopped early when a dummy request failed (non-finite logits)
@@ -29,7 +30,9 @@ struct WarmUp {
 // drafter_appends_in_step, the graph counts -- remember it). Stops early, without an error,
 // when the KV cache cannot hold a bucket's requests, or when a dummy request fails (its
 // logits are non-finite: `stopped` says so; real requests then fail or not on their own);
-// any other failure propagates.
-WarmUp warm_up_steps(Core& core);
+// any other failure propagates. With adaptive speculation (`adaptive`), every bucket also
+// runs each shorter draft length 0 .. K - 1 (adaptive requests, the decoder's draft length
+// forced), whose steps have shapes -- graphs -- of their own.
+WarmUp warm_up_steps(Core& core, bool adaptive);
 
 }  // namespace dflash2::runtime
