@@ -287,13 +287,16 @@ def test_nvfp4_prefill_on_cuda(zoo):
     _quantized_prefill_on_cuda(zoo, ("nvfp4", "mlp"), "nvfp4", 895)
 
 
-def test_nvfp4_experts_bf16_prefill_on_cuda(zoo):
-    """NVFP4 routed experts under prefill_gemm="bf16" (what "auto" takes for a checkpoint
-    whose NVFP4 weights are the experts only): the grouped mainloop-dequantizing GEMM
-    (gemm_dq.cu, W4A16) against the CPU's emulation, and MTP == AR on the GPU."""
+def test_nvfp4_experts_prefill_on_cuda(zoo):
+    """A checkpoint whose NVFP4 weights are the routed experts only (as GLM-5.3-NVFP4): "auto"
+    takes "nvfp4" where the W4A4 kernels exist (sm_100a / sm_103a: the experts on the grouped
+    block-scaled GEMM) and "bf16" elsewhere (Hopper: the experts on the grouped
+    mainloop-dequantizing GEMM, W4A16); either against the CPU's emulation, and MTP == AR on
+    the GPU."""
     if not dflash2_rt.ops.linear_bf16_available("cuda:0"):
         pytest.skip("this build has no CUTLASS tensor-core GEMM for this GPU's architecture")
-    _quantized_prefill_on_cuda(zoo, ("nvfp4", "experts"), "bf16", 897)
+    mode = "nvfp4" if dflash2_rt.ops.linear_nvfp4_available("cuda:0") else "bf16"
+    _quantized_prefill_on_cuda(zoo, ("nvfp4", "experts"), mode, 897)
 
 
 def test_tensor_parallel_on_gpus(zoo):

@@ -26,7 +26,8 @@ DEVICES = ["cpu", "cuda"]
 CUDA_OPS = {"rms_norm", "layer_norm", "rope", "silu_mul", "softmax", "embedding", "copy", "add", "gather_rows",
             "argmax", "check_finite", "cache_write", "dyn_conv", "indexer_topk", "mla_attention", "block_attention",
             "moe_route", "moe_experts", "topk", "selector_walk", "linear", "linear_heads", "embedding_shard",
-            "linear_bf16", "linear_fp8", "fp8_quantize_act", "linear_nvfp4", "moe_experts_fp8", "resolve_tokens",
+            "linear_bf16", "linear_fp8", "fp8_quantize_act", "linear_nvfp4", "moe_experts_fp8", "moe_experts_nvfp4",
+            "resolve_tokens",
             "next_after_accept"}
 GUARD = 64
 SENTINEL = np.float32(-12345.678)
@@ -88,6 +89,8 @@ def need_device(dev, op):
             pytest.skip("this build has no CUTLASS tensor-core GEMM for this GPU's architecture")
         if op == "linear_nvfp4" and not ops.linear_nvfp4_available("cuda:0"):
             pytest.skip("this build has no NVFP4 W4A4 CUTLASS GEMM for this GPU's architecture (sm_100a / sm_103a only)")
+        if op == "moe_experts_nvfp4" and not ops.linear_nvfp4_available("cuda:0"):
+            pytest.skip("this build has no NVFP4 grouped CUTLASS GEMM for this GPU's architecture (sm_100a / sm_103a only)")
         if op == "moe_experts_fp8" and not ops.linear_fp8_available("cuda:0"):
             pytest.skip("this build has no FP8 grouped CUTLASS GEMM for this GPU's architecture (sm_90a only)")
         if op == "linear_fp8" and not ops.linear_fp8_available("cuda:0"):
@@ -1649,15 +1652,71 @@ def test_moe_experts_bf16(dev, fmt):
         ops.moe_experts(to_dev(x, dev), to_dev(ids, dev), to_dev(weights, dev), on(gate), on(up), on(down),
                         out=out.view, numerics="bf16")
         got = out.result()
-        # fp32 sums of BF16 products: a BF16 rounding of silu(gate) * up may flip where the
-        # fp32 and float64 sums straddle a rounding boundary (2^-8 in a rare element)
-        check("moe_experts", got, ref, 1e-8 if dev == "cuda" else 1e-10)  # [CPU: 6.0e-15]
+        # fp32 sums of BF16 products: a BF16 rounding of silu(gate) * up flips where the fp32
+        # and float64 sums straddle a rounding boundary (2^-8 in a rare element)
+        check("moe_experts", got, ref, 1e-8)  # [CPU: 5e-15 without a flip, 4.3e-10 with one]
         exact = to_np(ops.moe_experts(to_dev(x, dev), to_dev(ids, dev), to_dev(weights, dev), on(gate), on(up),
                                       on(down)))
         assert nmse(got, exact) > 1e-9, "bf16 numerics gave the exact result"
-    with pytest.raises(dflash2_rt.InvalidArgumentError, match="'exact', 'bf16' or 'fp8'"):
+    with pytest.raises(dflash2_rt.InvalidArgumentError, match="'exact', 'bf16', 'fp8' or 'nvfp4'"):
         ops.moe_experts(np.zeros((1, 16), np.float32), np.zeros((1, 1), np.int32), np.ones((1, 1), np.float32),
-                        gate, up, down, numerics="nvfp4")
+                        gate, up, down, numerics="fp4")
+
+
+@pytest.mark.parametrize("dev", DEVICES)
+def test_moe_experts_nvfp4(dev):
+    """numerics='nvfp4' (prompt chunks of NVFP4 checkpoints): every projection W4A4 as
+    linear_nvfp4, each expert's activations quantized with its own input_scale (gate and up
+    differing on one expert). On the CPU bitwise the composition of the CPU ops per slot; on
+    CUDA the grouped block-scaled GEMM against it (the FP4 MMA's sums round differently, and
+    an E2M1 rounding of silu(gate) * up may flip where they differ). Tails: an empty expert
+    between used ones, the last expert unused, groups over 128 rows."""
+    need_device(dev, "moe_experts_nvfp4")
+    rng = rng_for("moe_nvfp4")
+    for case, (T, E, H, F, k) in enumerate([(6, 5, 256, 160, 2), (150, 3, 64, 96, 2), (40, 6, 128, 64, 3)]):
+        x = fp8_inputs(T, H, rng)
+        base = float(np.abs(x).max()) / (6 * 448)
+        gate, up, down = [], [], []
+        for e in range(E):
+            gs = base * (1.0 + 0.25 * e)
+            gate.append(nvfp4_weight(F, H, rng, gs)[0])
+            up.append(nvfp4_weight(F, H, rng, gs * (1.5 if e == 1 else 1.0))[0])
+            down.append(nvfp4_weight(H, F, rng, 0.02 * (1.0 + 0.5 * e))[0])
+        ids = np.zeros((T, k), np.int32)
+        for t in range(T):  # expert E - 1 never used; expert 0 by most tokens
+            row = [0] if t % 4 else []
+            row += [int(e) for e in rng.permutation(np.arange(1, E - 1))[:k - len(row)]]
+            ids[t] = sorted(row)
+        if case == 0:  # expert 2 empty, between used ones
+            ids[ids == 2] = 3
+            assert not (ids == 2).any() and (ids == 1).any()
+        weights = rng.uniform(0.05, 1.0, (T, k)).astype(np.float32)
+        ref = np.zeros((T, H), np.float32)
+        for t in range(T):
+            for j in range(k):
+                e = ids[t, j]
+                g = ops.linear_nvfp4(x[t:t + 1], gate[e])
+                u = ops.linear_nvfp4(x[t:t + 1], up[e])
+                y = to_np(ops.linear_nvfp4(ops.silu_mul(g, u), down[e]))[0]
+                ref[t] += y * weights[t, j]
+        on = (lambda w: w) if dev == "cpu" else (lambda w: [v.to(dev) for v in w])
+        assert ops.moe_experts_nvfp4_available(dev if dev == "cpu" else "cuda:0", on(gate), on(up), on(down))
+        out = Guarded((T, H), dev)
+        ops.moe_experts(to_dev(x, dev), to_dev(ids, dev), to_dev(weights, dev), on(gate), on(up), on(down),
+                        out=out.view, numerics="nvfp4")
+        got = out.result()
+        if dev == "cpu":
+            assert np.array_equal(got, ref), case
+        else:
+            check("moe_experts", got, ref, 1e-5)
+        exact = to_np(ops.moe_experts(to_dev(x, dev), to_dev(ids, dev), to_dev(weights, dev), on(gate), on(up),
+                                      on(down)))
+        assert nmse(got, exact) > 1e-6, "nvfp4 numerics gave the exact result"
+    w0 = nvfp4_weight(32, 32, rng, 0.0)[0]  # no input_scale: W4A16 only
+    assert not ops.moe_experts_nvfp4_available("cpu", [w0], [w0], [w0])
+    with pytest.raises(dflash2_rt.InvalidArgumentError, match="NVFP4 experts with an input_scale"):
+        ops.moe_experts(np.zeros((1, 32), np.float32), np.zeros((1, 1), np.int32), np.ones((1, 1), np.float32),
+                        [w0], [w0], [w0], numerics="nvfp4")
 
 
 # ----------------------------------------------------------------------------- DFlash drafter

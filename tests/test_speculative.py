@@ -361,15 +361,17 @@ def test_nvfp4_prefill_is_lossless(world, tmp_path):
     _quantized_prefill_is_lossless(world, fp4, "nvfp4", "bf16")
 
 
-def test_nvfp4_experts_bf16_prefill_is_lossless(world, tmp_path):
-    """prefill_gemm="bf16" on a checkpoint whose routed experts are NVFP4: the prompt
-    tokens' experts run moe_experts' BF16 numerics (the grouped mainloop-dequantizing GEMM
-    on a GPU, W4A16; here the CPU's emulation); speculative == AR at every batch size, and
-    the continuations differ from exact prefill's."""
+def test_nvfp4_experts_prefill_is_lossless(world, tmp_path):
+    """A checkpoint whose routed experts are NVFP4 (only those, as GLM-5.3-NVFP4): with
+    prefill_gemm="bf16" the prompt tokens' experts run moe_experts' BF16 numerics (W4A16: the
+    grouped mainloop-dequantizing GEMM on a GPU), with "nvfp4" its W4A4 numerics (the grouped
+    block-scaled GEMM on Blackwell), here the CPU's emulations; speculative == AR at every
+    batch size in both, and each changes continuations (against exact, against bf16)."""
     from dflash2_rt.tools.quantize import quantize_checkpoint
     fp4 = str(tmp_path / "nvfp4e")
     quantize_checkpoint(os.fspath(world.target), fp4, "nvfp4", "experts")
     _quantized_prefill_is_lossless(world, fp4, "bf16", "exact")
+    _quantized_prefill_is_lossless(world, fp4, "nvfp4", "bf16")
 
 
 @pytest.mark.parametrize("key", ["d2", "d2_sw", "d1_causal", "mtp"])

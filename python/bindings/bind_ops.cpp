@@ -526,11 +526,12 @@ void bind_ops(py::module_& m) {
       "moe_experts",
       [](py::handle x, py::handle ids, py::handle weights, std::vector<ops::Weight> gate, std::vector<ops::Weight> up,
          std::vector<ops::Weight> down, py::handle out, py::handle workspace, const std::string& numerics) {
-        DFLASH2_CHECK_ARG(numerics == "exact" || numerics == "fp8" || numerics == "bf16",
-                          "moe_experts: numerics must be 'exact', 'bf16' or 'fp8', found '", numerics, "'");
-        const ops::GemmNumerics g = numerics == "fp8"    ? ops::GemmNumerics::FP8
-                                    : numerics == "bf16" ? ops::GemmNumerics::BF16
-                                                         : ops::GemmNumerics::Exact;
+        DFLASH2_CHECK_ARG(numerics == "exact" || numerics == "fp8" || numerics == "bf16" || numerics == "nvfp4",
+                          "moe_experts: numerics must be 'exact', 'bf16', 'fp8' or 'nvfp4', found '", numerics, "'");
+        const ops::GemmNumerics g = numerics == "fp8"     ? ops::GemmNumerics::FP8
+                                    : numerics == "bf16"  ? ops::GemmNumerics::BF16
+                                    : numerics == "nvfp4" ? ops::GemmNumerics::NVFP4
+                                                          : ops::GemmNumerics::Exact;
         Tensor xt = tensor_from_python(x, "x"), it = tensor_from_python(ids, "ids");
         Tensor wt = tensor_from_python(weights, "weights");
         ops::ExpertWeights ex{std::move(gate), std::move(up), std::move(down)};
@@ -550,7 +551,8 @@ void bind_ops(py::module_& m) {
       "out[t] = sum_j weights[t, j] * expert_{ids[t, j]}(x[t]); gate/up/down: lists of Weight, one per expert. "
       "numerics='fp8': every projection W8A8 as linear_fp8 (FP8 experts; CUDA: the grouped GEMM, sm_90a / sm_100a / sm_103a). "
       "numerics='bf16': every projection as linear_bf16 (any expert format; CUDA: the grouped GEMM dequantizing in its "
-      "main loop).");
+      "main loop). numerics='nvfp4': every projection W4A4 as linear_nvfp4 with its expert's input_scale (NVFP4 "
+      "experts; CUDA: the grouped block-scaled GEMM, sm_100a / sm_103a).");
   o.def(
       "moe_experts_fp8_available",
       [](const std::string& dev, std::vector<ops::Weight> gate, std::vector<ops::Weight> up,
@@ -569,6 +571,15 @@ void bind_ops(py::module_& m) {
       },
       py::arg("device"), py::arg("gate"), py::arg("up"), py::arg("down"),
       "Whether moe_experts(numerics='bf16') runs these experts on this device in this build.");
+  o.def(
+      "moe_experts_nvfp4_available",
+      [](const std::string& dev, std::vector<ops::Weight> gate, std::vector<ops::Weight> up,
+         std::vector<ops::Weight> down) {
+        ops::ExpertWeights ex{std::move(gate), std::move(up), std::move(down)};
+        return ops::moe_experts_nvfp4_available(Device::parse(dev), ex);
+      },
+      py::arg("device"), py::arg("gate"), py::arg("up"), py::arg("down"),
+      "Whether moe_experts(numerics='nvfp4') runs these experts on this device in this build.");
 
   // ---------------------------------------------------------------- DFlash drafter
   o.def(

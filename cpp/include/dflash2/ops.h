@@ -309,7 +309,10 @@ int64_t moe_workspace_floats(int64_t T, int64_t top_k, int64_t H, int64_t F, int
 // or BF16 (prompt chunks, any expert format: each projection linear_bf16's numerics, the
 // activations, silu(gate) * up and the dequantized weights rounded to BF16, fp32 sums): on
 // the CPU an emulation, on CUDA a grouped BF16 tensor-core GEMM that dequantizes the
-// weights in its main loop (W4A16 for NVFP4 experts), token counts on the device.
+// weights in its main loop (W4A16 for NVFP4 experts), token counts on the device; or NVFP4
+// (prompt chunks of NVFP4 checkpoints: every expert weight NVFP4 with an input_scale, each
+// projection linear_nvfp4's W4A4 numerics with its expert's input_scale): on the CPU an
+// emulation, on CUDA a CUTLASS block-scaled grouped GEMM (sm_100a / sm_103a).
 void moe_experts(const Tensor& x, const Tensor& ids, const Tensor& weights, const ExpertWeights& experts,
                  Tensor& out, Tensor& workspace, GemmNumerics numerics = GemmNumerics::Exact);
 // Whether moe_experts(..., GemmNumerics::FP8) runs these experts on `dev` (every weight FP8;
@@ -318,6 +321,11 @@ void moe_experts(const Tensor& x, const Tensor& ids, const Tensor& weights, cons
 bool moe_experts_fp8_available(Device dev, const ExpertWeights& experts);
 // Whether moe_experts(..., GemmNumerics::BF16) runs on `dev` (the CPU; a GPU of this build).
 bool moe_experts_bf16_available(Device dev, const ExpertWeights& experts);
+// Whether moe_experts(..., GemmNumerics::NVFP4) runs these experts on `dev` (every weight
+// NVFP4 with an input_scale; on CUDA the grouped kernel built for its architecture, sm_100a /
+// sm_103a, and the weights readable in place: contiguous 16-byte aligned rows, K % 32 == 0,
+// N % 4 == 0).
+bool moe_experts_nvfp4_available(Device dev, const ExpertWeights& experts);
 
 // ------------------------------------------------------------------ DFlash drafter
 // Two-tap dynamic conv over blocks of `block` rows (taps never cross a block):

@@ -434,16 +434,19 @@ void GlmModel::set_prefill(ops::GemmNumerics g) {
   experts_fp8_ = false;
   experts_prefill_ = ops::GemmNumerics::Exact;
   if (g == ops::GemmNumerics::Exact) return;
-  bool any = false, fp8 = g == ops::GemmNumerics::FP8, bf16 = true;
+  bool any = false, fp8 = g == ops::GemmNumerics::FP8, fp4 = g == ops::GemmNumerics::NVFP4, bf16 = true;
   for (const auto& L : layers_) {
     if (!L->mlp.moe) continue;
     any = true;
     fp8 = fp8 && ops::moe_experts_fp8_available(device_, L->mlp.experts);
+    fp4 = fp4 && ops::moe_experts_nvfp4_available(device_, L->mlp.experts);
     bf16 = bf16 && ops::moe_experts_bf16_available(device_, L->mlp.experts);
   }
   experts_fp8_ = any && fp8;
-  experts_prefill_ = experts_fp8_ ? ops::GemmNumerics::FP8 : any && bf16 ? ops::GemmNumerics::BF16
-                                                                        : ops::GemmNumerics::Exact;
+  experts_prefill_ = experts_fp8_   ? ops::GemmNumerics::FP8
+                     : any && fp4  ? ops::GemmNumerics::NVFP4
+                     : any && bf16 ? ops::GemmNumerics::BF16
+                                   : ops::GemmNumerics::Exact;
 }
 
 bool GlmModel::has_fp8_weights() const {
@@ -451,8 +454,16 @@ bool GlmModel::has_fp8_weights() const {
 }
 
 bool GlmModel::has_nvfp4_weights() const {
-  return any_prefill_weight(layers_,
-                            [](const Weight& w) { return w.format == ops::WeightFormat::NVFP4 && w.input_scale > 0.0f; });
+  auto w4a4 = [](const Weight& w) { return w.format == ops::WeightFormat::NVFP4 && w.input_scale > 0.0f; };
+  if (any_prefill_weight(layers_, w4a4)) return true;
+  for (const auto& L : layers_) {  // the routed experts (GLM-5.3-NVFP4 quantizes only those)
+    const ops::ExpertWeights& ex = L->mlp.experts;
+    if (!L->mlp.moe || ex.gate.empty()) continue;
+    bool all = true;
+    for (size_t e = 0; e < ex.gate.size() && all; ++e) all = w4a4(ex.gate[e]) && w4a4(ex.up[e]) && w4a4(ex.down[e]);
+    if (all) return true;
+  }
+  return false;
 }
 
 // ------------------------------------------------------------------ one decoder layer

@@ -81,8 +81,10 @@ class GlmModel {
   // Options::prefill, decided once the device is known (Engine prefill_gemm).
   // With FP8, the routed experts of prompt chunks take moe_experts' FP8 numerics too when
   // every MoE layer's experts can (ops::moe_experts_fp8_available on this device: FP8
-  // experts, and on CUDA the grouped kernel); experts_fp8() says whether they do. With any
-  // other tensor-core numerics (or FP8 where the experts cannot), they take moe_experts'
+  // experts, and on CUDA the grouped kernel); experts_fp8() says whether they do. With NVFP4
+  // they take moe_experts' NVFP4 (W4A4) numerics when every MoE layer's experts can
+  // (ops::moe_experts_nvfp4_available: NVFP4 experts with an input_scale; on CUDA the grouped
+  // kernel, sm_100a / sm_103a). Otherwise, in every mode but Exact, they take moe_experts'
   // BF16 numerics (the grouped mainloop-dequantizing GEMM on CUDA: W4A16 for NVFP4 experts).
   // experts_prefill() is what the routed experts of prompt chunks run.
   void set_prefill(ops::GemmNumerics g);
@@ -91,8 +93,8 @@ class GlmModel {
   // Whether any decoder-layer projection is stored as FP8 block-128 (an FP8 checkpoint:
   // what prefill_gemm="auto" takes W8A8 for).
   bool has_fp8_weights() const;
-  // Whether any decoder-layer projection of the prompt path is NVFP4 with an input_scale
-  // (what prefill_gemm="nvfp4" runs W4A4).
+  // Whether any decoder-layer projection of the prompt path, or every routed expert of a
+  // MoE layer, is NVFP4 with an input_scale (what prefill_gemm="nvfp4" runs W4A4).
   bool has_nvfp4_weights() const;
 
   // The device the forward runs on (the CPU until to_device).

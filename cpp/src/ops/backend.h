@@ -51,6 +51,8 @@ namespace dflash2::ops {
                       Tensor& out, Tensor& workspace))                                                              \
   X(moe_experts_bf16, (const Tensor& x, const Tensor& ids, const Tensor& weights, const ExpertWeights& experts,     \
                        Tensor& out, Tensor& workspace))                                                             \
+  X(moe_experts_nvfp4, (const Tensor& x, const Tensor& ids, const Tensor& weights, const ExpertWeights& experts,    \
+                        Tensor& out, Tensor& workspace))                                                            \
   X(dyn_conv, (const Tensor& x, const Tensor& base, const Tensor& dyn, int64_t block, Tensor& out))                 \
   X(selector_walk, (const Tensor& vals, const Tensor& cand, const Tensor& g, const Tensor& pred_book,               \
                     const Tensor& succ_book, const Tensor& anchors, const Tensor& temperature, const Tensor& rng,   \

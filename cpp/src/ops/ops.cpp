@@ -680,9 +680,7 @@ int64_t moe_workspace_floats(int64_t T, int64_t top_k, int64_t H, int64_t F, int
 void moe_experts(const Tensor& x, const Tensor& ids, const Tensor& weights, const ExpertWeights& experts, Tensor& out,
                  Tensor& workspace, GemmNumerics numerics) {
   const char* op = "moe_experts";
-  DFLASH2_CHECK_ARG(numerics == GemmNumerics::Exact || numerics == GemmNumerics::FP8 || numerics == GemmNumerics::BF16,
-                    op, ": the routed experts run with 'exact', 'bf16' or 'fp8' numerics, found '",
-                    gemm_numerics_name(numerics), "'");
+  (void)numerics;  // every GemmNumerics is a mode of the experts
   need_2d_rows(x, DType::F32, op, "x");
   need_2d_rows(out, DType::F32, op, "out");
   need_same_shape(x, out, op, "x", "out");
@@ -718,8 +716,28 @@ void moe_experts(const Tensor& x, const Tensor& ids, const Tensor& weights, cons
                           "expert ", e, "'s '", w->name, "' is ", weight_format_name(w->format));
     DFLASH2_DISPATCH(moe_experts_fp8, x, x, ids, weights, experts, out, workspace);
   }
+  if (numerics == GemmNumerics::NVFP4) {
+    for (int64_t e = 0; e < E; ++e)
+      for (const Weight* w : {&experts.gate[size_t(e)], &experts.up[size_t(e)], &experts.down[size_t(e)]})
+        DFLASH2_CHECK_ARG(w->format == WeightFormat::NVFP4 && w->input_scale > 0.0f && std::isfinite(w->input_scale),
+                          op, ": 'nvfp4' numerics need NVFP4 experts with an input_scale, expert ", e, "'s '", w->name,
+                          "' is ", weight_format_name(w->format), w->format == WeightFormat::NVFP4 ? " without one" : "");
+    DFLASH2_DISPATCH(moe_experts_nvfp4, x, x, ids, weights, experts, out, workspace);
+  }
   if (numerics == GemmNumerics::BF16) DFLASH2_DISPATCH(moe_experts_bf16, x, x, ids, weights, experts, out, workspace);
   DFLASH2_DISPATCH(moe_experts, x, x, ids, weights, experts, out, workspace);
+}
+
+bool moe_experts_nvfp4_available(Device dev, const ExpertWeights& experts) {
+  if (experts.gate.empty()) return false;
+  for (size_t e = 0; e < experts.gate.size(); ++e)
+    for (const Weight* w : {&experts.gate[e], &experts.up[e], &experts.down[e]})
+      if (w->format != WeightFormat::NVFP4 || !(w->input_scale > 0.0f) || !std::isfinite(w->input_scale)) return false;
+  if (dev.is_cpu()) return true;
+#if defined(DFLASH2_WITH_CUDA) && defined(DFLASH2_WITH_CUTLASS)
+  if (dev.is_cuda()) return cuda::moe_experts_nvfp4_supported(dev.index, experts);
+#endif
+  return false;
 }
 
 bool moe_experts_bf16_available(Device dev, const ExpertWeights& experts) {

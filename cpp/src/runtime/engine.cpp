@@ -76,8 +76,9 @@ namespace {
 // tiles, K and N tails: the padded paths) against the CPU's emulation of the same numerics.
 // BF16 runs a dequantized F32 weight and an NVFP4 one (on sm_90a the mainloop-dequantizing
 // kernel), then the routed experts' BF16 grouped GEMM over NVFP4 and BF16 experts; FP8 an
-// FP8 block-128 weight and, where the device runs it, the FP8 grouped GEMM (experts: NMSE
-// <= 1e-5). "" when it agrees (NMSE
+// FP8 block-128 weight and, where the device runs it, the FP8 grouped GEMM; NVFP4 an NVFP4
+// weight and, where it runs, the W4A4 grouped GEMM (experts: NMSE <= 1e-5). "" when it
+// agrees (NMSE
 // <= 1e-8 for BF16, whose only difference is the fp32 summation order; <= 1e-6 for FP8,
 // whose tensor-core sums inside a 128-input block carry fewer bits), else what went wrong:
 // a GPU whose kernel misbehaves then prefills with the previous numerics instead of
@@ -140,13 +141,13 @@ std::string tc_gemm_self_check(Device dev, ops::GemmNumerics g) {
     // NVFP4: fp32 order only, as BF16
     const std::string why = compare(yd, want, g == ops::GemmNumerics::FP8 ? 1e-6 : 1e-8, "GEMM");
     if (!why.empty()) return why;
-    auto fp4w = [&](int64_t n_out, int64_t n_in) {  // n_in % 16 == 0
+    auto fp4w = [&](int64_t n_out, int64_t n_in, float input_scale = 0.0f) {  // n_in % 16 == 0
       Tensor packed = Tensor::empty(DType::U8, {n_out, n_in / 2}), sc = Tensor::empty(DType::F8_E4M3, {n_out, n_in / 16});
       uint8_t* pp = static_cast<uint8_t*>(packed.data());
       uint8_t* sp = static_cast<uint8_t*>(sc.data());
       for (int64_t i = 0; i < packed.numel(); ++i) pp[i] = uint8_t((next() + 1.0f) * 127.99f);
       for (int64_t i = 0; i < sc.numel(); ++i) sp[i] = uint8_t(0x30 + int((next() + 1.0f) * 7.99f));
-      return ops::Weight::nvfp4(packed, sc, 0.02f, 0.0f, n_in, "self-check");
+      return ops::Weight::nvfp4(packed, sc, 0.02f, input_scale, n_in, "self-check");
     };
     if (g == ops::GemmNumerics::BF16) {
       // an NVFP4 weight through linear_bf16 (on sm_90a the mainloop-dequantizing kernel)
@@ -164,11 +165,13 @@ std::string tc_gemm_self_check(Device dev, ops::GemmNumerics g) {
     // FP8 numerics (the CUTLASS grouped kernel), NVFP4 and BF16 experts with the BF16 ones
     // (the mainloop-dequantizing kernel: W4A16, and its cp.async path). 4 experts (expert 2
     // unused: an empty group between others), 5 tokens, top-2, K tails of 208 / 144 inputs.
-    const std::vector<char> expert_fmts = g == ops::GemmNumerics::FP8    ? std::vector<char>{'8'}
-                                          : g == ops::GemmNumerics::BF16 ? std::vector<char>{'4', 'b'}
-                                                                         : std::vector<char>{};
+    const std::vector<char> expert_fmts = g == ops::GemmNumerics::FP8     ? std::vector<char>{'8'}
+                                          : g == ops::GemmNumerics::BF16  ? std::vector<char>{'4', 'b'}
+                                          : g == ops::GemmNumerics::NVFP4 ? std::vector<char>{'a'}
+                                                                          : std::vector<char>{};
     for (const char fmt : expert_fmts) {
-      const int64_t T = 5, E = 4, H = 208, F = 144, k = 2;
+      // (W4A4: K % 32 == 0, not multiples of the 256-deep k-tile)
+      const int64_t T = 5, E = 4, H = fmt == 'a' ? 224 : 208, F = fmt == 'a' ? 160 : 144, k = 2;
       auto fp8w = [&](int64_t n_out, int64_t n_in) {
         Tensor c = Tensor::empty(DType::F8_E4M3, {n_out, n_in});
         Tensor sc = Tensor::empty(DType::F32, {(n_out + 127) / 128, (n_in + 127) / 128});
@@ -187,7 +190,11 @@ std::string tc_gemm_self_check(Device dev, ops::GemmNumerics g) {
         return ops::Weight::dense(w, "self-check expert");
       };
       auto make = [&](int64_t n_out, int64_t n_in) {
-        return fmt == '8' ? fp8w(n_out, n_in) : fmt == '4' ? fp4w(n_out, n_in) : bf16w(n_out, n_in);
+        // 'a': NVFP4 with an input_scale (the W4A4 experts; x in [-1, 1): amax / (6 x 448))
+        return fmt == '8'   ? fp8w(n_out, n_in)
+               : fmt == '4' ? fp4w(n_out, n_in)
+               : fmt == 'a' ? fp4w(n_out, n_in, 1.0f / 2688.0f)
+                            : bf16w(n_out, n_in);
       };
       ops::ExpertWeights ex, exd;
       for (int64_t e = 0; e < E; ++e) {
@@ -198,8 +205,10 @@ std::string tc_gemm_self_check(Device dev, ops::GemmNumerics g) {
         exd.up.push_back(ex.up[size_t(e)].to(dev));
         exd.down.push_back(ex.down[size_t(e)].to(dev));
       }
-      if (g == ops::GemmNumerics::FP8 ? ops::moe_experts_fp8_available(dev, exd)
-                                       : ops::moe_experts_bf16_available(dev, exd)) {
+      const bool runs = g == ops::GemmNumerics::FP8     ? ops::moe_experts_fp8_available(dev, exd)
+                        : g == ops::GemmNumerics::NVFP4 ? ops::moe_experts_nvfp4_available(dev, exd)
+                                                        : ops::moe_experts_bf16_available(dev, exd);
+      if (runs) {
         Tensor xe = Tensor::empty(DType::F32, {T, H}), ids = Tensor::empty(DType::I32, {T, k}),
                rw = Tensor::empty(DType::F32, {T, k});
         for (int64_t i = 0; i < T * H; ++i) xe.data_as<float>()[i] = next();
@@ -308,7 +317,8 @@ Engine::Engine(const EngineConfig& cfg) : impl_(std::make_unique<Impl>()) {
                 "tensor-core GEMM (ops::linear_fp8), which this build has no kernel for on ", device.str(),
                 " (CUTLASS kernel: sm_90a); use 'bf16', 'exact' or 'auto'");
   DFLASH2_CHECK(pg != "nvfp4" || fp4_ckpt, ErrorKind::Config, "Engine: prefill_gemm='nvfp4' (W4A4) needs a checkpoint ",
-                "whose prompt-path projections (attention, dense / shared-expert MLPs) are NVFP4 with an input_scale, "
+                "whose prompt-path projections (attention, dense / shared-expert MLPs) or routed experts are NVFP4 with an "
+                "input_scale, "
                 "and ", cfg.target, " has none; use 'bf16', 'exact' or 'auto'");
   DFLASH2_CHECK(pg != "nvfp4" || fp4_ok, ErrorKind::Unsupported, "Engine: prefill_gemm='nvfp4' needs the NVFP4 W4A4 ",
                 "tensor-core GEMM (ops::linear_nvfp4), which this build has no kernel for on ", device.str(),

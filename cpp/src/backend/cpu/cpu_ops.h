@@ -84,6 +84,8 @@ void moe_experts(const Tensor& x, const Tensor& ids, const Tensor& weights, cons
                  Tensor& out, Tensor& workspace);
 void moe_experts_bf16(const Tensor& x, const Tensor& ids, const Tensor& weights, const ops::ExpertWeights& experts,
                       Tensor& out, Tensor& workspace);
+void moe_experts_nvfp4(const Tensor& x, const Tensor& ids, const Tensor& weights, const ops::ExpertWeights& experts,
+                       Tensor& out, Tensor& workspace);
 void moe_experts_fp8(const Tensor& x, const Tensor& ids, const Tensor& weights, const ops::ExpertWeights& experts,
                      Tensor& out, Tensor& workspace);
 void dyn_conv(const Tensor& x, const Tensor& base, const Tensor& dyn, int64_t block, Tensor& out);

@@ -66,7 +66,8 @@ void moe_route(const Tensor& logits, const Tensor& bias, const ops::MoeRouting& 
 
 namespace {
 // lin: every projection as linear (Exact), linear_bf16 (BF16: x, silu(gate) * up and the
-// weights rounded to BF16) or linear_fp8 (FP8: W8A8) (ops.h moe_experts)
+// weights rounded to BF16), linear_fp8 (FP8: W8A8) or linear_nvfp4 (NVFP4: W4A4, each
+// expert's activations quantized with its own input_scale) (ops.h moe_experts)
 using LinearFn = void (*)(const Tensor&, const ops::Weight&, Tensor&, bool);
 void experts_impl(const Tensor& x, const Tensor& ids, const Tensor& weights, const ops::ExpertWeights& ex, Tensor& out,
                   Tensor& workspace, LinearFn lin) {
@@ -141,6 +142,11 @@ void moe_experts(const Tensor& x, const Tensor& ids, const Tensor& weights, cons
 void moe_experts_bf16(const Tensor& x, const Tensor& ids, const Tensor& weights, const ops::ExpertWeights& ex,
                       Tensor& out, Tensor& workspace) {
   experts_impl(x, ids, weights, ex, out, workspace, &cpu::linear_bf16);
+}
+
+void moe_experts_nvfp4(const Tensor& x, const Tensor& ids, const Tensor& weights, const ops::ExpertWeights& ex,
+                       Tensor& out, Tensor& workspace) {
+  experts_impl(x, ids, weights, ex, out, workspace, &cpu::linear_nvfp4);
 }
 
 void moe_experts_fp8(const Tensor& x, const Tensor& ids, const Tensor& weights, const ops::ExpertWeights& ex,

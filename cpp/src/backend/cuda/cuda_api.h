@@ -167,6 +167,11 @@ bool moe_experts_fp8_supported(int device, const ops::ExpertWeights& experts);
 void moe_experts_bf16(const Tensor& x, const Tensor& ids, const Tensor& weights, const ops::ExpertWeights& experts,
                       Tensor& out, Tensor& workspace);
 bool moe_experts_bf16_supported(int device);
+// The same with linear_nvfp4's W4A4 numerics (NVFP4 experts with an input_scale): the
+// CUTLASS grouped block-scaled GEMM (sm_100a / sm_103a); whether it runs these on `device`.
+void moe_experts_nvfp4(const Tensor& x, const Tensor& ids, const Tensor& weights, const ops::ExpertWeights& experts,
+                       Tensor& out, Tensor& workspace);
+bool moe_experts_nvfp4_supported(int device, const ops::ExpertWeights& experts);
 // attention.cu
 void indexer_topk(const Tensor& q, const Tensor& w, const Tensor& key_cache, const ops::PagedTokens& tok,
                   int64_t topk, Tensor& sel, Tensor& sel_len);

@@ -38,6 +38,7 @@
 #include "backend/cuda/cutlass/fp8_gemm.h"
 #include "backend/cuda/cutlass/fp8_grouped_gemm.h"
 #include "backend/cuda/cutlass/nvfp4_gemm.h"
+#include "backend/cuda/cutlass/nvfp4_grouped_gemm.h"
 #include "backend/cuda/device_attr.cuh"
 #include "backend/cuda/gemm_dq.h"
 #include "backend/cuda/kernel_util.cuh"
@@ -170,6 +171,42 @@ std::string fp8_grouped_gemm(int sm, const Fp8GroupedArgs& a, void* workspace, C
   (void)workspace;
   (void)stream;
   return "no FP8 grouped tensor-core GEMM was built for sm_" + std::to_string(sm);
+}
+
+bool nvfp4_grouped_built_for(int sm) {
+#if defined(DFLASH2_CUTLASS_NVFP4GRPSM100)
+  if (sm == 100 || sm == 103) return true;
+#endif
+  (void)sm;
+  return false;
+}
+
+size_t nvfp4_grouped_params_bytes(int sm, int groups) {
+#if defined(DFLASH2_CUTLASS_NVFP4GRPSM100)
+  if (sm == 100 || sm == 103) return nvfp4_grouped_sm100_params_bytes(groups);
+#endif
+  (void)sm;
+  (void)groups;
+  return 0;
+}
+
+size_t nvfp4_grouped_workspace(int sm, const Nvfp4GroupedArgs& a) {
+#if defined(DFLASH2_CUTLASS_NVFP4GRPSM100)
+  if (sm == 100 || sm == 103) return nvfp4_grouped_sm100_workspace(a);
+#endif
+  (void)sm;
+  (void)a;
+  return 0;
+}
+
+std::string nvfp4_grouped_gemm(int sm, const Nvfp4GroupedArgs& a, void* workspace, CUstream_st* stream) {
+#if defined(DFLASH2_CUTLASS_NVFP4GRPSM100)
+  if (sm == 100 || sm == 103) return nvfp4_grouped_sm100(a, workspace, stream);
+#endif
+  (void)a;
+  (void)workspace;
+  (void)stream;
+  return "no NVFP4 grouped tensor-core GEMM was built for sm_" + std::to_string(sm);
 }
 
 bool nvfp4_gemm_built_for(int sm) {

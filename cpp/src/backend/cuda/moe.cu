@@ -129,6 +129,8 @@
 #include "backend/cuda/weight_view.cuh"
 #if defined(DFLASH2_WITH_CUTLASS)
 #include "backend/cuda/cutlass/fp8_grouped_gemm.h"
+#include "backend/cuda/cutlass/nvfp4_grouped_gemm.h"
+#include "backend/cuda/quant.h"
 #include "backend/cuda/device_attr.cuh"
 #endif
 #include "dflash2/error.h"
@@ -695,6 +697,69 @@ bool fp8_grouped_views_ok(const std::vector<ExpertView>& host, std::string* why)
     }
   return true;
 }
+
+// ------------------------------------------------------------------ NVFP4 grouped experts
+// moe_experts(..., GemmNumerics::NVFP4) (prompt chunks of NVFP4 checkpoints on Blackwell):
+// W4A4 as linear_nvfp4 per expert (nvfp4_grouped_gemm.h).
+
+// Whether every expert weight can be read in place by the grouped W4A4 GEMM: NVFP4 with a
+// positive finite input_scale, rows of exactly K / 2 bytes starting 16-byte aligned, K % 32
+// == 0 (16-byte TMA rows), N % 4 == 0.
+bool nvfp4_grouped_views_ok(const std::vector<ExpertView>& host, std::string* why) {
+  for (size_t e = 0; e < host.size(); ++e)
+    for (const WeightView* w : {&host[e].gate, &host[e].up, &host[e].down}) {
+      const char* bad = nullptr;
+      if (w->fmt != WFmt::NVFP4) bad = "not NVFP4";
+      else if (!(w->input_scale > 0.0f) || !std::isfinite(w->input_scale)) bad = "no input_scale (W4A16 only)";
+      else if (w->K % 32 != 0 || w->N % 4 != 0) bad = "K % 32 != 0 or N % 4 != 0";
+      else if (w->row_bytes != w->K / 2 || !detail::aligned(w->data, 16)) bad = "rows not contiguous / 16-byte aligned";
+      if (bad) {
+        if (why) *why = "expert " + std::to_string(e) + ": " + bad;
+        return false;
+      }
+    }
+  return true;
+}
+
+// Per expert e: the group's first scale row (its rows padded to 128, the groups back to back)
+// as byte offsets into the gate / up input's scales (sfc_h columns) and the down input's
+// (sfc_f); per projection i (gate, up, down): alpha = input_scale x weight_scale_2, the input
+// scale, the weight's codes and its swizzled scales (sfb + i-th buffer + e * sfb_stride).
+__global__ void moe_nvfp4_setup(const ExpertView* __restrict__ views, int E, const int32_t* __restrict__ start,
+                                int64_t sfc_h, int64_t sfc_f, int64_t* __restrict__ off_h,
+                                int64_t* __restrict__ off_f, float* __restrict__ alpha, float* __restrict__ inscale,
+                                const void** bptr, const uint8_t** sfbptr, const uint8_t* sfb, int64_t sfb_stride) {
+  if (blockIdx.x == 0 && threadIdx.x == 0) {
+    int64_t rows = 0;
+    for (int e = 0; e < E; ++e) {
+      off_h[e] = rows * sfc_h;
+      off_f[e] = rows * sfc_f;
+      rows += layout::nvfp4_sf_rows(int64_t(start[e + 1]) - start[e]);
+    }
+  }
+  for (int e = blockIdx.x * blockDim.x + threadIdx.x; e < E; e += gridDim.x * blockDim.x) {
+    const WeightView* w[3] = {&views[e].gate, &views[e].up, &views[e].down};
+    for (int i = 0; i < 3; ++i) {
+      alpha[i * E + e] = __fmul_rn(w[i]->input_scale, w[i]->global_scale);
+      inscale[i * E + e] = w[i]->input_scale;
+      bptr[i * E + e] = w[i]->data;
+    }
+    sfbptr[e] = sfb + int64_t(e) * sfb_stride;
+  }
+}
+
+// Projection `which`'s per-16 E4M3 weight scales of every expert into the block-scaled
+// layout (layout.h nvfp4_sf_offset), expert e at out + e * stride (the buffer zeroed before).
+__global__ void moe_nvfp4_swizzle(const ExpertView* __restrict__ views, int which, int E, int64_t N, int64_t K,
+                                  int64_t sf_cols, int64_t stride, uint8_t* __restrict__ out) {
+  const int64_t nb = K / 16, per = N * nb, total = int64_t(E) * per;
+  for (int64_t i = int64_t(blockIdx.x) * blockDim.x + threadIdx.x; i < total; i += int64_t(gridDim.x) * blockDim.x) {
+    const int64_t e = i / per, rc = i - e * per, r = rc / nb, c = rc - r * nb;
+    const WeightView& w = which == 0 ? views[e].gate : which == 1 ? views[e].up : views[e].down;
+    out[e * stride + layout::nvfp4_sf_offset(r, c, sf_cols)] =
+        static_cast<const uint8_t*>(w.scale)[r * w.scale_stride + c];
+  }
+}
 #endif  // DFLASH2_WITH_CUTLASS
 
 void need_rows(const Tensor& t, DType dt, int device, const char* op, const char* arg) {
@@ -748,12 +813,15 @@ void moe_route(const Tensor& logits, const Tensor& bias, const ops::MoeRouting& 
 }
 
 namespace {
-enum class ExpertsMode { Exact, FP8, BF16 };
+enum class ExpertsMode { Exact, FP8, BF16, NVFP4 };
 
 void moe_experts_impl(const Tensor& x, const Tensor& ids, const Tensor& weights, const ops::ExpertWeights& experts,
                       Tensor& out, Tensor& workspace, ExpertsMode mode) {
-  const bool fp8 = mode == ExpertsMode::FP8, bf16 = mode == ExpertsMode::BF16;
-  const char* op = fp8 ? "cuda::moe_experts_fp8" : bf16 ? "cuda::moe_experts_bf16" : "cuda::moe_experts";
+  const bool fp8 = mode == ExpertsMode::FP8, bf16 = mode == ExpertsMode::BF16, nvfp4 = mode == ExpertsMode::NVFP4;
+  const char* op = fp8 ? "cuda::moe_experts_fp8"
+                   : bf16 ? "cuda::moe_experts_bf16"
+                   : nvfp4 ? "cuda::moe_experts_nvfp4"
+                           : "cuda::moe_experts";
   DFLASH2_CHECK_ARG(x.defined() && x.device().is_cuda(), op, ": x must be a CUDA tensor, found ", x.describe());
   const int dev = x.device().index;
   need_rows(x, DType::F32, dev, op, "x");
@@ -804,8 +872,15 @@ void moe_experts_impl(const Tensor& x, const Tensor& ids, const Tensor& weights,
     DFLASH2_CHECK(fp8_grouped_views_ok(tab.host, &why), ErrorKind::Unsupported, op, ": the grouped FP8 GEMM cannot ",
                   "read these expert weights in place (", why, "); run the experts exact");
   }
+  if (nvfp4) {
+    DFLASH2_CHECK(tc::nvfp4_grouped_built_for(sm), ErrorKind::Unsupported, op, ": this build has no NVFP4 grouped ",
+                  "tensor-core GEMM for sm_", sm, " (sm_100a / sm_103a); run the experts with 'bf16' numerics");
+    std::string why;
+    DFLASH2_CHECK(nvfp4_grouped_views_ok(tab.host, &why), ErrorKind::Unsupported, op, ": the grouped NVFP4 GEMM ",
+                  "cannot read these expert weights in place (", why, "); run the experts with 'bf16' numerics");
+  }
 #else
-  DFLASH2_CHECK(!fp8, ErrorKind::Unsupported, op, ": this build has no CUTLASS (the FP8 grouped GEMM)");
+  DFLASH2_CHECK(!fp8 && !nvfp4, ErrorKind::Unsupported, op, ": this build has no CUTLASS (the grouped GEMMs)");
 #endif
   if (n > 0 && F > 0) {
     moe_list_kernel<<<1, kListThreads, 0, s>>>(ip, i_stride, int(K), n, experts.first, int(E), start, cursor, active,
@@ -881,6 +956,112 @@ void moe_experts_impl(const Tensor& x, const Tensor& ids, const Tensor& weights,
     moe_fp8_scatter<<<detail::ceil_blocks(n * H, 256, detail::kMaxRowBlocks), 256, 0, s>>>(Y, start, order, int(E), n,
                                                                                              H, y);
     detail::check_launch("moe_experts_fp8 scatter", x.describe());
+  }
+  if (nvfp4 && n > 0 && F > 0) {
+    // scratch: A codes [n, H / 2] (x2 when gate and up quantize with different input scales)
+    // | SFA_h | G, U [n, F] F32 | h codes [n, F / 2] | SFA_f | Y [n, H] F32 | SFB (one
+    // projection's, every expert) | sfa offsets 2 x [E] | alpha, input scales 2 x [3 E] | 3 E
+    // weight and E scale pointers | 3 parameter blocks | the GEMM workspace
+    auto up256 = [](int64_t v) { return (v + 255) / 256 * 256; };
+    bool same_gu = true;
+    for (const ExpertView& v : tab.host)
+      same_gu = same_gu && std::memcmp(&v.gate.input_scale, &v.up.input_scale, sizeof(float)) == 0;
+    const int64_t sfc_h = layout::nvfp4_sf_cols(H), sfc_f = layout::nvfp4_sf_cols(F);
+    const int64_t sf_rows_max = n + 128 * (E < n ? E : n);  // every non-empty group padded by < 128 rows
+    const int64_t sfb_gu = layout::nvfp4_sf_rows(F) * sfc_h, sfb_d = layout::nvfp4_sf_rows(H) * sfc_f;
+    const int64_t sfb_stride = std::max(sfb_gu, sfb_d);
+    const int64_t b_a = up256(n * H / 2), b_sah = up256(sf_rows_max * sfc_h), b_g = up256(n * F * 4),
+                  b_h = up256(n * F / 2), b_saf = up256(sf_rows_max * sfc_f), b_y = up256(n * H * 4),
+                  b_sfb = up256(E * sfb_stride), b_off = up256(E * 8), b_s = up256(3 * E * 4),
+                  b_p = up256(4 * E * int64_t(sizeof(void*))),
+                  b_q = up256(int64_t(tc::nvfp4_grouped_params_bytes(sm, int(E))));
+    const int na = same_gu ? 1 : 2;
+    tc::Nvfp4GroupedArgs g{};
+    g.groups = int(E);
+    g.offsets = start;
+    g.N = int(F);
+    g.K = int(H);
+    size_t gws_bytes = tc::nvfp4_grouped_workspace(sm, g);
+    g.N = int(H);
+    g.K = int(F);
+    gws_bytes = std::max({gws_bytes, tc::nvfp4_grouped_workspace(sm, g), size_t(256)});
+    uint8_t* base = static_cast<uint8_t*>(detail::scratch(
+        dev, size_t(na * (b_a + b_sah) + 2 * b_g + b_h + b_saf + b_y + b_sfb + 2 * b_off + 2 * b_s + b_p + 3 * b_q) +
+                 gws_bytes));
+    uint8_t* p = base;
+    auto take = [&p](int64_t bytes) {
+      uint8_t* q = p;
+      p += bytes;
+      return q;
+    };
+    uint8_t* a4[2] = {take(b_a), nullptr};
+    uint8_t* sah[2] = {take(b_sah), nullptr};
+    if (!same_gu) {
+      a4[1] = take(b_a);
+      sah[1] = take(b_sah);
+    } else {
+      a4[1] = a4[0];
+      sah[1] = sah[0];
+    }
+    float* G = reinterpret_cast<float*>(take(b_g));
+    float* U = reinterpret_cast<float*>(take(b_g));
+    uint8_t* h4 = take(b_h);
+    uint8_t* saf = take(b_saf);
+    float* Y = reinterpret_cast<float*>(take(b_y));
+    uint8_t* sfb = take(b_sfb);
+    int64_t* off_h = reinterpret_cast<int64_t*>(take(b_off));
+    int64_t* off_f = reinterpret_cast<int64_t*>(take(b_off));
+    float* alpha = reinterpret_cast<float*>(take(b_s));
+    float* inscale = reinterpret_cast<float*>(take(b_s));
+    const void** bptr = reinterpret_cast<const void**>(p);
+    const uint8_t** sfbptr = reinterpret_cast<const uint8_t**>(bptr + 3 * E);
+    take(b_p);
+    uint8_t* params = take(3 * b_q);
+    void* gws = p;
+
+    moe_nvfp4_setup<<<unsigned((E + 255) / 256), 256, 0, s>>>(tab.dev, int(E), start, sfc_h, sfc_f, off_h, off_f,
+                                                               alpha, inscale, bptr, sfbptr, sfb, sfb_stride);
+    detail::check_launch("moe_experts_nvfp4 setup", x.describe());
+    // the scales' padding (rows past a group's, columns past K) must read as 0
+    for (int i = 0; i < na; ++i) DFLASH2_CUDA_CHECK(cudaMemsetAsync(sah[i], 0, size_t(b_sah), s), op, " SFA");
+    DFLASH2_CUDA_CHECK(cudaMemsetAsync(saf, 0, size_t(b_saf), s), op, " SFA");
+    for (int i = 0; i < na; ++i) {
+      detail::nvfp4_quantize_grouped_rows(true, x.data_as<const float>(), nullptr, row_stride_2d(x), order, int(K),
+                                          start, int(E), off_h, inscale + i * E, n, H, a4[i], sah[i], s);
+      detail::check_launch("moe_experts_nvfp4 gather / quantize", x.describe());
+    }
+    auto grouped = [&](int which, const uint8_t* a, const uint8_t* sa, const int64_t* off, int64_t N, int64_t Kd,
+                       float* d, const char* what) {
+      DFLASH2_CUDA_CHECK(cudaMemsetAsync(sfb, 0, size_t(b_sfb), s), op, " SFB");
+      moe_nvfp4_swizzle<<<detail::ceil_blocks(E * N * (Kd / 16), 256, detail::kMaxRowBlocks), 256, 0, s>>>(
+          tab.dev, which, int(E), N, Kd, layout::nvfp4_sf_cols(Kd), sfb_stride, sfb);
+      detail::check_launch("moe_experts_nvfp4 weight-scale swizzle", what);
+      tc::Nvfp4GroupedArgs ga{};
+      ga.groups = int(E);
+      ga.N = int(N);
+      ga.K = int(Kd);
+      ga.offsets = start;
+      ga.a = a;
+      ga.sfa = sa;
+      ga.sfa_off = off;
+      ga.b = bptr + which * E;
+      ga.sfb = sfbptr;
+      ga.alpha = alpha + which * E;
+      ga.d = d;
+      ga.params = params + which * b_q;
+      const std::string err = tc::nvfp4_grouped_gemm(sm, ga, gws, s);
+      if (!err.empty()) fail(ErrorKind::Backend, op, " (", what, "): ", err);
+      detail::check_launch("moe_experts_nvfp4 grouped GEMM", what);
+    };
+    grouped(0, a4[0], sah[0], off_h, F, H, G, "gate");
+    grouped(1, a4[1], sah[1], off_h, F, H, U, "up");
+    detail::nvfp4_quantize_grouped_rows(false, G, U, F, nullptr, 1, start, int(E), off_f, inscale + 2 * E, n, F, h4,
+                                        saf, s);
+    detail::check_launch("moe_experts_nvfp4 silu * up / quantize", x.describe());
+    grouped(2, h4, saf, off_f, H, F, Y, "down");
+    moe_fp8_scatter<<<detail::ceil_blocks(n * H, 256, detail::kMaxRowBlocks), 256, 0, s>>>(Y, start, order, int(E), n,
+                                                                                             H, y);
+    detail::check_launch("moe_experts_nvfp4 scatter", x.describe());
   }
 #endif
   if (bf16 && n > 0 && F > 0) {
@@ -982,6 +1163,31 @@ void moe_experts(const Tensor& x, const Tensor& ids, const Tensor& weights, cons
 void moe_experts_bf16(const Tensor& x, const Tensor& ids, const Tensor& weights, const ops::ExpertWeights& experts,
                       Tensor& out, Tensor& workspace) {
   moe_experts_impl(x, ids, weights, experts, out, workspace, ExpertsMode::BF16);
+}
+
+void moe_experts_nvfp4(const Tensor& x, const Tensor& ids, const Tensor& weights, const ops::ExpertWeights& experts,
+                       Tensor& out, Tensor& workspace) {
+  moe_experts_impl(x, ids, weights, experts, out, workspace, ExpertsMode::NVFP4);
+}
+
+bool moe_experts_nvfp4_supported(int device, const ops::ExpertWeights& experts) {
+#if defined(DFLASH2_WITH_CUTLASS)
+  if (device < 0 || device >= device_count() || !tc::nvfp4_grouped_built_for(detail::compute_capability(device)))
+    return false;
+  for (size_t e = 0; e < experts.gate.size(); ++e)
+    for (const ops::Weight* w : {&experts.gate[e], &experts.up[e], &experts.down[e]}) {
+      if (w->format != ops::WeightFormat::NVFP4 || !w->data.defined() || w->data.ndim() != 2) return false;
+      const int64_t N = w->out_features, K = w->in_features;
+      if (!(w->input_scale > 0.0f) || !std::isfinite(w->input_scale) || K % 32 != 0 || N % 4 != 0 ||
+          w->data.stride(0) != K / 2 || !detail::aligned(w->data.data(), 16))
+        return false;
+    }
+  return true;
+#else
+  (void)device;
+  (void)experts;
+  return false;
+#endif
 }
 
 bool moe_experts_bf16_supported(int device) {

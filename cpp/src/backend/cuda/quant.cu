@@ -65,48 +65,58 @@ __global__ void __launch_bounds__(kWarps * 32)
   }
 }
 
+// One 16-input block of a row (src[k0 .. k0 + 15], zeros at k >= K) with g = 1 / input_scale:
+// its 8 packed code bytes and its E4M3 scale byte (0x7f, E4M3's NaN -- never a saturated
+// scale, which is 0x7e -- for a non-finite block, whose codes are 0).
+__device__ __forceinline__ uint8_t nvfp4_block(const float* src, int64_t k0, int64_t K, float g, uint8_t (&packed)[8]) {
+  const float sixth = 1.0f / 6.0f;
+  float v[16];
+  float amax = 0.0f;
+  bool bad = false;
+#pragma unroll
+  for (int i = 0; i < 16; ++i) {
+    v[i] = k0 + i < K ? src[k0 + i] : 0.0f;
+    const float a = fabsf(v[i]);
+    bad = bad || !(a <= 3.4028235e38f);
+    amax = a > amax ? a : amax;
+  }
+  uint8_t sbyte = 0x7f;
+  float sfv = 0.0f, inv = 0.0f;
+  if (!bad) {
+    sbyte = static_cast<uint8_t>(__nv_cvt_float_to_fp8(__fmul_rn(g, __fmul_rn(amax, sixth)), __NV_SATFINITE, __NV_E4M3));
+    sfv = e4m3_value(sbyte);
+    if (sfv != 0.0f) inv = __fdiv_rn(1.0f, __fdiv_rn(sfv, g));
+  }
+#pragma unroll
+  for (int i = 0; i < 16; i += 2) {
+    uint32_t lo = 0, hi = 0;
+    if (!bad && sfv != 0.0f) {
+      lo = uint32_t(__nv_cvt_float_to_fp4(__fmul_rn(v[i], inv), __NV_E2M1, cudaRoundNearest)) & 15u;
+      hi = uint32_t(__nv_cvt_float_to_fp4(__fmul_rn(v[i + 1], inv), __NV_E2M1, cudaRoundNearest)) & 15u;
+    }
+    packed[i / 2] = uint8_t(lo | (hi << 4));
+  }
+  return sbyte;
+}
+
 // One thread per (row, 16-input block).
 __global__ void nvfp4_quant_rows_kernel(const float* x, int64_t ldx, int64_t M, int64_t K, int64_t Kp,
                                         float input_scale, float g, uint8_t* __restrict__ codes,
                                         uint8_t* __restrict__ sf, float* deq, int64_t ldd) {
   const int64_t nbk = Kp / 16, units = M * nbk, sf_cols = layout::nvfp4_sf_cols(Kp);
-  const float sixth = 1.0f / 6.0f;
   for (int64_t u = int64_t(blockIdx.x) * blockDim.x + threadIdx.x; u < units; u += int64_t(gridDim.x) * blockDim.x) {
     const int64_t m = u / nbk, j = u - m * nbk, k0 = j * 16;
-    float v[16];
-    float amax = 0.0f;
-    bool bad = false;
-#pragma unroll
-    for (int i = 0; i < 16; ++i) {
-      v[i] = k0 + i < K ? x[m * ldx + k0 + i] : 0.0f;
-      const float a = fabsf(v[i]);
-      bad = bad || !(a <= 3.4028235e38f);
-      amax = a > amax ? a : amax;
-    }
-    uint8_t sbyte = 0x7f;  // E4M3 NaN: a non-finite block
-    float sfv = 0.0f, inv = 0.0f;
-    if (!bad) {
-      sbyte = static_cast<uint8_t>(
-          __nv_cvt_float_to_fp8(__fmul_rn(g, __fmul_rn(amax, sixth)), __NV_SATFINITE, __NV_E4M3));
-      sfv = e4m3_value(sbyte);
-      if (sfv != 0.0f) inv = __fdiv_rn(1.0f, __fdiv_rn(sfv, g));
-    }
     uint8_t packed[8];
+    const uint8_t sbyte = nvfp4_block(x + m * ldx, k0, K, g, packed);
+    if (deq) {
+      const bool bad = sbyte == 0x7f;
+      const float sfv = e4m3_value(sbyte);
 #pragma unroll
-    for (int i = 0; i < 16; i += 2) {
-      uint32_t lo = 0, hi = 0;
-      if (!bad && sfv != 0.0f) {
-        lo = uint32_t(__nv_cvt_float_to_fp4(__fmul_rn(v[i], inv), __NV_E2M1, cudaRoundNearest)) & 15u;
-        hi = uint32_t(__nv_cvt_float_to_fp4(__fmul_rn(v[i + 1], inv), __NV_E2M1, cudaRoundNearest)) & 15u;
-      }
-      packed[i / 2] = uint8_t(lo | (hi << 4));
-      if (deq) {
+      for (int i = 0; i < 16; ++i) {
+        const uint32_t nib = (packed[i / 2] >> (4 * (i & 1))) & 15u;
         if (k0 + i < K)
           deq[m * ldd + k0 + i] =
-              bad ? __int_as_float(0x7fc00000) : __fmul_rn(__fmul_rn(e2m1_value(lo), sfv), input_scale);
-        if (k0 + i + 1 < K)
-          deq[m * ldd + k0 + i + 1] =
-              bad ? __int_as_float(0x7fc00000) : __fmul_rn(__fmul_rn(e2m1_value(hi), sfv), input_scale);
+              bad ? __int_as_float(0x7fc00000) : __fmul_rn(__fmul_rn(e2m1_value(nib), sfv), input_scale);
       }
     }
     if (codes) {
@@ -115,6 +125,44 @@ __global__ void nvfp4_quant_rows_kernel(const float* x, int64_t ldx, int64_t M, 
       for (int i = 0; i < 8; ++i) row[i] = packed[i];
     }
     if (sf) sf[layout::nvfp4_sf_offset(m, j, sf_cols)] = k0 < K ? sbyte : uint8_t(0);
+  }
+}
+
+// The grouped rows (nvfp4_quantize_grouped_rows in quant.h), one thread per (row, block).
+template <bool gathered>
+__global__ void nvfp4_quant_grouped_kernel(const float* __restrict__ x, const float* __restrict__ u, int64_t ldx,
+                                           const int32_t* __restrict__ order, int div,
+                                           const int32_t* __restrict__ start, int E,
+                                           const int64_t* __restrict__ sf_off, const float* __restrict__ scales,
+                                           int64_t rows, int64_t K, uint8_t* __restrict__ codes,
+                                           uint8_t* __restrict__ sf) {
+  const int64_t nbk = K / 16, units = rows * nbk, sf_cols = layout::nvfp4_sf_cols(K), used = start[E];
+  for (int64_t t = int64_t(blockIdx.x) * blockDim.x + threadIdx.x; t < units; t += int64_t(gridDim.x) * blockDim.x) {
+    const int64_t p = t / nbk, j = t - p * nbk, k0 = j * 16;
+    if (p >= used) continue;
+    int lo = 0, hi = E;  // the group holding p: start[lo] <= p < start[hi]
+    while (hi - lo > 1) {
+      const int mid = (lo + hi) / 2;
+      if (start[mid] <= p) lo = mid; else hi = mid;
+    }
+    const float g = __fdiv_rn(1.0f, scales[lo]);
+    uint8_t packed[8];
+    uint8_t sbyte;
+    if constexpr (gathered) {
+      sbyte = nvfp4_block(x + int64_t(order[p] / div) * ldx, k0, K, g, packed);
+    } else {
+      float h[16];
+#pragma unroll
+      for (int i = 0; i < 16; ++i) {
+        const float gv = x[p * ldx + k0 + i];
+        h[i] = __fmul_rn(__fdiv_rn(gv, __fadd_rn(1.0f, expf(-gv))), u[p * ldx + k0 + i]);
+      }
+      sbyte = nvfp4_block(h, 0, 16, g, packed);
+    }
+    uint8_t* row = codes + p * (K / 2) + k0 / 2;
+#pragma unroll
+    for (int i = 0; i < 8; ++i) row[i] = packed[i];
+    sf[sf_off[lo] + layout::nvfp4_sf_offset(p - start[lo], j, sf_cols)] = sbyte;
   }
 }
 
@@ -129,6 +177,22 @@ void nvfp4_quantize_rows(const float* x, int64_t ldx, int64_t M, int64_t K, int6
   const unsigned grid = unsigned(blocks < kMaxRowBlocks ? blocks : kMaxRowBlocks);
   nvfp4_quant_rows_kernel<<<grid, kThreads, 0, stream>>>(x, ldx, M, K, Kp, input_scale, 1.0f / input_scale, codes, sf,
                                                          deq, ldd);
+}
+
+void nvfp4_quantize_grouped_rows(bool gathered, const float* x, const float* u, int64_t ldx, const int32_t* order,
+                                 int div, const int32_t* start, int E, const int64_t* sf_off, const float* scales,
+                                 int64_t rows, int64_t K, uint8_t* codes, uint8_t* sf, cudaStream_t stream) {
+  const int64_t units = rows * (K / 16);
+  if (units == 0) return;
+  constexpr int kThreads = 128;
+  const int64_t blocks = (units + kThreads - 1) / kThreads;
+  const unsigned grid = unsigned(blocks < kMaxRowBlocks ? blocks : kMaxRowBlocks);
+  if (gathered)
+    nvfp4_quant_grouped_kernel<true><<<grid, kThreads, 0, stream>>>(x, u, ldx, order, div, start, E, sf_off, scales,
+                                                                     rows, K, codes, sf);
+  else
+    nvfp4_quant_grouped_kernel<false><<<grid, kThreads, 0, stream>>>(x, u, ldx, order, div, start, E, sf_off, scales,
+                                                                      rows, K, codes, sf);
 }
 
 void fp8_quantize_rows(const float* x, int64_t ldx, int64_t M, int64_t K, int64_t Mp, int64_t Kp, uint8_t* codes,

@@ -34,5 +34,15 @@ void fp8_quantize_rows(const float* x, int64_t ldx, int64_t M, int64_t K, int64_
 //   deq    F32 [M, K] with row stride ldd: q * sf * input_scale (NaN for a non-finite block)
 void nvfp4_quantize_rows(const float* x, int64_t ldx, int64_t M, int64_t K, int64_t Kp, float input_scale,
                          uint8_t* codes, uint8_t* sf, float* deq, int64_t ldd, cudaStream_t stream);
+// The same per block, for the A operand of the routed experts' grouped W4A4 GEMM (K % 16
+// == 0): row p < start[E] (device) is
+//   gathered:  x[(order[p] / div) * ldx + k]                 (the gate / up input)
+//   otherwise: silu(x[p ldx + k]) * u[p ldx + k]            (the CPU's silu_mul: the down input)
+// quantized with the input scale of its group e (start[e] <= p < start[e + 1]): scales[e];
+// codes at codes + p * K / 2, the scale byte at sf + sf_off[e] + nvfp4_sf_offset(p -
+// start[e], j, nvfp4_sf_cols(K)) (each group's rows padded to 128; the caller zeroes sf).
+void nvfp4_quantize_grouped_rows(bool gathered, const float* x, const float* u, int64_t ldx, const int32_t* order,
+                                 int div, const int32_t* start, int E, const int64_t* sf_off, const float* scales,
+                                 int64_t rows, int64_t K, uint8_t* codes, uint8_t* sf, cudaStream_t stream);
 
 }  // namespace dflash2::cuda::detail

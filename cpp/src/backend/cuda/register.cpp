@@ -37,6 +37,7 @@ void register_cuda_ops(BackendTable& t) {
   t.moe_experts = &cuda::moe_experts;  // moe.cu
   t.moe_experts_fp8 = &cuda::moe_experts_fp8;  // moe.cu + cutlass/fp8_grouped_sm90.cu
   t.moe_experts_bf16 = &cuda::moe_experts_bf16;  // moe.cu + gemm_dq.cu
+  t.moe_experts_nvfp4 = &cuda::moe_experts_nvfp4;  // moe.cu + cutlass/nvfp4_grouped_sm100.cu
   t.topk = &cuda::topk;                    // sampling.cu
   t.sample = &cuda::sample;                // sampling.cu
   t.accept = &cuda::accept;                // sampling.cu

@@ -30,6 +30,7 @@ struct WeightView {
                                   // NVFP4: E4M3 bytes [N, *] (row stride scale_stride)
   int64_t scale_stride = 0;       // in elements
   float global_scale = 1.0f;
+  float input_scale = 0.0f;       // NVFP4: the activations' per-tensor scale (W4A4), 0 if none
   int64_t N = 0, K = 0;
 };
 
@@ -46,6 +47,7 @@ inline WeightView weight_view(const ops::Weight& w, int device, const char* op) 
   v.N = w.out_features;
   v.K = w.in_features;
   v.global_scale = w.global_scale;
+  v.input_scale = w.input_scale;
   switch (w.format) {
     case ops::WeightFormat::Dense:
       switch (w.data.dtype()) {
