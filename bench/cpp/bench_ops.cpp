@@ -35,7 +35,9 @@
 //
 // moe_experts_fp8 (prompt chunks of FP8 checkpoints: the FP8 grouped GEMM, sm_90a / sm_100a / sm_103a) runs at
 // T = 256 and 1024 beside the exact SIMT expert kernels on the same routing ("speedup"), and
-// so does moe_experts_bf16 (NVFP4 experts on the grouped mainloop-dequantizing GEMM, W4A16).
+// so do moe_experts_bf16 (NVFP4 experts on the grouped mainloop-dequantizing GEMM, W4A16)
+// and moe_experts_nvfp4 (NVFP4 experts W4A4 on the block-scaled grouped GEMM, sm_100a /
+// sm_103a only).
 // moe_experts: the experts that the (uniform random, top-8 of 256) routing of the case hits
 // are allocated (FP8: 37.7 MB each; all 256 = 9.7 GB once T >= 64); the experts that no
 // token names share one of the allocated ones (never read).
@@ -1220,6 +1222,30 @@ void bench_moe(Bench& b, const std::vector<int64_t>& Ts) {
       base.run = [c](int) { c->run(ops::GemmNumerics::Exact); };
       return std::make_pair(std::function<void(int)>([c](int) { c->run(ops::GemmNumerics::BF16); }), 1);
     });
+  }
+  // Prompt chunks of NVFP4 checkpoints (prefill_gemm="nvfp4", sm_100a / sm_103a): the NVFP4
+  // experts W4A4 on the block-scaled grouped GEMM (the activation quantization and the
+  // weight-scale swizzle in our time), beside the exact SIMT kernels.
+  if (b.opt.cpu_smoke || ops::linear_nvfp4_available(on_gpu() ? Device::cuda(0) : Device::cpu())) {
+    for (int64_t T : prefill) {
+      const std::vector<int32_t> ids = random_routing(T, 6321 + uint64_t(T));
+      const int64_t nhit = moe_hits(ids);
+      Result r{"moe_experts_nvfp4", "256 experts top8 " + dims({G.moe_inter, G.hidden}) + " hit " + std::to_string(nhit),
+               fmt_name(Fmt::NVFP4), "prefill chunk", T};
+      moe_cost(r, Fmt::NVFP4, T, nhit);
+      b.run(r, [&](Baseline& base) {
+        auto c = std::make_shared<MoeCase>(make_moe_case(Fmt::NVFP4, T, ids));
+        if (!ops::moe_experts_nvfp4_available(c->x.device(), c->ew))
+          throw std::runtime_error("moe_experts_nvfp4: the NVFP4 grouped GEMM does not run here (sm_100a / sm_103a only)");
+        base.name = "exact SIMT";
+        base.kind = "moe_experts numerics exact (the SIMT expert kernels)";
+        base.variants = 1;
+        base.run = [c](int) { c->run(ops::GemmNumerics::Exact); };
+        return std::make_pair(std::function<void(int)>([c](int) { c->run(ops::GemmNumerics::NVFP4); }), 1);
+      });
+    }
+  } else {
+    std::printf("moe_experts_nvfp4: no NVFP4 grouped GEMM for this device in this build (sm_100a / sm_103a; skipped)\n");
   }
 }
 

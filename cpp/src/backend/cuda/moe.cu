@@ -85,6 +85,15 @@
 //   and up -> G, U [n, F] F32; silu(G) * U (the CPU's formula) rounded to BF16; down written
 //   straight to y's slot rows (row map order[p]); then the combine above.
 //
+// moe_experts_nvfp4 (ops.h moe_experts with GemmNumerics::NVFP4: prompt chunks of NVFP4
+//   checkpoints on sm_100a / sm_103a; cpu/moe.cpp's emulation is its oracle): the same
+//   positions are the rows of three CUTLASS block-scaled grouped GEMMs
+//   (cutlass/nvfp4_grouped_gemm.h): a setup kernel writes each group's first scale row
+//   (groups padded to 128 rows), alpha = input_scale x weight_scale_2 and the input scale per
+//   expert; quant.h's grouped quantizer writes E2M1 codes and E4M3 scales with each row's own
+//   expert's input scale; per projection every expert's weight scales are swizzled into the
+//   block-scaled layout in scratch; down -> Y, a scatter to slot order, the combine.
+//
 // Performance (decode, T * top_k small): each active expert's gate/up/down weights are
 // read once per chunk of 4 tokens, by warps streaming rows with 8-element vector loads; the
 // expert list costs one tiny single-block launch. Ideas, roughly in order of value:
