@@ -1707,8 +1707,8 @@ def test_moe_experts_nvfp4(dev):
         got = out.result()
         if dev == "cpu":
             assert np.array_equal(got, ref), case
-        else:
-            check("moe_experts", got, ref, 1e-5)
+        else:  # an E2M1 flip of silu(gate) * up costs ~1e-4 here; a wrong layout or scale ~1
+            check("moe_experts", got, ref, 1e-3)
         exact = to_np(ops.moe_experts(to_dev(x, dev), to_dev(ids, dev), to_dev(weights, dev), on(gate), on(up),
                                       on(down)))
         assert nmse(got, exact) > 1e-6, "nvfp4 numerics gave the exact result"

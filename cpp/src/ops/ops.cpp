@@ -719,9 +719,10 @@ void moe_experts(const Tensor& x, const Tensor& ids, const Tensor& weights, cons
   if (numerics == GemmNumerics::NVFP4) {
     for (int64_t e = 0; e < E; ++e)
       for (const Weight* w : {&experts.gate[size_t(e)], &experts.up[size_t(e)], &experts.down[size_t(e)]})
-        DFLASH2_CHECK_ARG(w->format == WeightFormat::NVFP4 && w->input_scale > 0.0f && std::isfinite(w->input_scale),
+        DFLASH2_CHECK_ARG(w->format == WeightFormat::NVFP4 && std::isfinite(w->input_scale) &&
+                              w->input_scale >= std::numeric_limits<float>::min(),
                           op, ": 'nvfp4' numerics need NVFP4 experts with an input_scale, expert ", e, "'s '", w->name,
-                          "' is ", weight_format_name(w->format), w->format == WeightFormat::NVFP4 ? " without one" : "");
+                          "' is ", weight_format_name(w->format), w->format == WeightFormat::NVFP4 ? " without a normal, finite one" : "");
     DFLASH2_DISPATCH(moe_experts_nvfp4, x, x, ids, weights, experts, out, workspace);
   }
   if (numerics == GemmNumerics::BF16) DFLASH2_DISPATCH(moe_experts_bf16, x, x, ids, weights, experts, out, workspace);
@@ -732,7 +733,9 @@ bool moe_experts_nvfp4_available(Device dev, const ExpertWeights& experts) {
   if (experts.gate.empty()) return false;
   for (size_t e = 0; e < experts.gate.size(); ++e)
     for (const Weight* w : {&experts.gate[e], &experts.up[e], &experts.down[e]})
-      if (w->format != WeightFormat::NVFP4 || !(w->input_scale > 0.0f) || !std::isfinite(w->input_scale)) return false;
+      if (w->format != WeightFormat::NVFP4 || !std::isfinite(w->input_scale) ||
+          !(w->input_scale >= std::numeric_limits<float>::min()))  // 1 / input_scale finite, as linear_nvfp4
+        return false;
   if (dev.is_cpu()) return true;
 #if defined(DFLASH2_WITH_CUDA) && defined(DFLASH2_WITH_CUTLASS)
   if (dev.is_cuda()) return cuda::moe_experts_nvfp4_supported(dev.index, experts);

@@ -223,7 +223,10 @@ std::string tc_gemm_self_check(Device dev, ops::GemmNumerics g) {
         ops::moe_experts(xe, ids, rw, ex, ye, wse, g);
         Tensor yg = Tensor::empty(DType::F32, {T, H}, dev), wsg = Tensor::empty(DType::F32, {nws}, dev);
         ops::moe_experts(xe.to(dev), ids.to(dev), rw.to(dev), exd, yg, wsg, g);
-        const std::string why_experts = compare(yg, ye, 1e-5, "grouped expert GEMM");
+        // W4A4: where the GPU's and the CPU's gate / up sums straddle an E2M1 rounding point of
+        // silu(gate) * up, one code flips (a step of up to 1/3 of its block's amax): ~1e-4
+        // each at this size; a wrong layout or scale gives ~1
+        const std::string why_experts = compare(yg, ye, fmt == 'a' ? 1e-3 : 1e-5, "grouped expert GEMM");
         if (!why_experts.empty()) return why_experts;
       }
     }

@@ -117,6 +117,7 @@
 
 #include <algorithm>
 #include <cmath>
+#include <cfloat>
 #include <cstddef>
 #include <cstdint>
 #include <cstring>
@@ -406,7 +407,7 @@ struct ExpertTable {
 bool same_view(const WeightView& a, const WeightView& b) {
   return a.fmt == b.fmt && a.data == b.data && a.row_bytes == b.row_bytes && a.scale == b.scale &&
          a.scale_stride == b.scale_stride && std::memcmp(&a.global_scale, &b.global_scale, sizeof(float)) == 0 &&
-         a.N == b.N && a.K == b.K;
+         std::memcmp(&a.input_scale, &b.input_scale, sizeof(float)) == 0 && a.N == b.N && a.K == b.K;
 }
 
 void mix(uint64_t& h, uint64_t v) {
@@ -417,8 +418,10 @@ uint64_t hash_views(int device, const std::vector<ExpertView>& v) {
   uint64_t h = uint64_t(device) * 0x100000001b3ull + v.size();
   for (const ExpertView& x : v)
     for (const WeightView* w : {&x.gate, &x.up, &x.down}) {
-      uint32_t gsb = 0;
+      uint32_t gsb = 0, isb = 0;
       std::memcpy(&gsb, &w->global_scale, sizeof(gsb));
+      std::memcpy(&isb, &w->input_scale, sizeof(isb));
+      mix(h, uint64_t(isb));
       mix(h, uint64_t(w->fmt));
       mix(h, uint64_t(reinterpret_cast<uintptr_t>(w->data)));
       mix(h, uint64_t(w->row_bytes));
@@ -517,13 +520,14 @@ const ExpertTable& build_expert_table(const ops::ExpertWeights& ex, int device, 
 // Fast lookup (the usual case: a layer passes the same ExpertWeights object every step).
 // Per (ExpertWeights address, device) the table found last time, with a signature of every
 // field weight_view() reads or checks, for every gate / up / down weight: data and scale
-// pointers, row strides, contiguity, ndims, dtypes, devices, format, global scale, shape.
+// pointers, row strides, contiguity, ndims, dtypes, devices, format, global and input scales,
+// shape.
 // weight_view() is a pure function of these, so an exactly equal signature (and H, F) gives
 // exactly the views, and the checks, of the call that stored it: the same table. Anything
 // else -- another object at a reused address, a weight replaced, re-sliced or moved --
-// takes build_expert_table(). Cost: 8 words gathered and compared per weight, instead of
+// takes build_expert_table(). Cost: 9 words gathered and compared per weight, instead of
 // building, hashing and comparing every view.
-constexpr int kSigWords = 8;
+constexpr int kSigWords = 9;
 
 void weight_sig(const ops::Weight& w, uint64_t* s) {
   const Tensor &d = w.data, &sc = w.scale;
@@ -539,6 +543,9 @@ void weight_sig(const ops::Weight& w, uint64_t* s) {
   s[6] = uint64_t(gsb) | uint64_t(w.format) << 32 | uint64_t(d.dtype()) << 40 | uint64_t(sc.dtype()) << 48 |
          uint64_t(d.defined()) << 56 | uint64_t(sc.defined()) << 57 | uint64_t(d2 && d.stride(1) == 1) << 58 |
          uint64_t(s2 && sc.stride(1) == 1) << 59;
+  uint32_t isb = 0;
+  std::memcpy(&isb, &w.input_scale, sizeof(isb));
+  s[8] = uint64_t(isb);
   s[7] = uint64_t(uint32_t(d.device().index)) | uint64_t(d.device().type) << 32 | uint64_t(d.ndim()) << 40 |
          uint64_t(sc.ndim()) << 44 | uint64_t(sc.device().type) << 48 |
          uint64_t(sc.device().index == d.device().index) << 56;
@@ -719,7 +726,7 @@ bool nvfp4_grouped_views_ok(const std::vector<ExpertView>& host, std::string* wh
     for (const WeightView* w : {&host[e].gate, &host[e].up, &host[e].down}) {
       const char* bad = nullptr;
       if (w->fmt != WFmt::NVFP4) bad = "not NVFP4";
-      else if (!(w->input_scale > 0.0f) || !std::isfinite(w->input_scale)) bad = "no input_scale (W4A16 only)";
+      else if (!(w->input_scale >= FLT_MIN) || !std::isfinite(w->input_scale)) bad = "no usable input_scale (W4A16 only)";
       else if (w->K % 32 != 0 || w->N % 4 != 0) bad = "K % 32 != 0 or N % 4 != 0";
       else if (w->row_bytes != w->K / 2 || !detail::aligned(w->data, 16)) bad = "rows not contiguous / 16-byte aligned";
       if (bad) {
@@ -757,16 +764,20 @@ __global__ void moe_nvfp4_setup(const ExpertView* __restrict__ views, int E, con
   }
 }
 
-// Projection `which`'s per-16 E4M3 weight scales of every expert into the block-scaled
-// layout (layout.h nvfp4_sf_offset), expert e at out + e * stride (the buffer zeroed before).
-__global__ void moe_nvfp4_swizzle(const ExpertView* __restrict__ views, int which, int E, int64_t N, int64_t K,
-                                  int64_t sf_cols, int64_t stride, uint8_t* __restrict__ out) {
-  const int64_t nb = K / 16, per = N * nb, total = int64_t(E) * per;
+// Projection `which`'s per-16 E4M3 weight scales into the block-scaled layout (layout.h
+// nvfp4_sf_offset), expert e at out + e * stride: every entry of the padded [nvfp4_sf_rows(N)
+// x nvfp4_sf_cols(K)] extent, the padding as 0, for the experts with tokens only (the
+// others' tiles do not exist).
+__global__ void moe_nvfp4_swizzle(const ExpertView* __restrict__ views, const int32_t* __restrict__ start, int which,
+                                  int E, int64_t N, int64_t K, int64_t stride, uint8_t* __restrict__ out) {
+  const int64_t nb = K / 16, rows = layout::nvfp4_sf_rows(N), cols = layout::nvfp4_sf_cols(K), per = rows * cols,
+                total = int64_t(E) * per;
   for (int64_t i = int64_t(blockIdx.x) * blockDim.x + threadIdx.x; i < total; i += int64_t(gridDim.x) * blockDim.x) {
-    const int64_t e = i / per, rc = i - e * per, r = rc / nb, c = rc - r * nb;
+    const int64_t e = i / per, rc = i - e * per, r = rc / cols, c = rc - r * cols;
+    if (start[e + 1] == start[e]) continue;
     const WeightView& w = which == 0 ? views[e].gate : which == 1 ? views[e].up : views[e].down;
-    out[e * stride + layout::nvfp4_sf_offset(r, c, sf_cols)] =
-        static_cast<const uint8_t*>(w.scale)[r * w.scale_stride + c];
+    out[e * stride + layout::nvfp4_sf_offset(r, c, cols)] =
+        r < N && c < nb ? static_cast<const uint8_t*>(w.scale)[r * w.scale_stride + c] : uint8_t(0);
   }
 }
 #endif  // DFLASH2_WITH_CUTLASS
@@ -1041,9 +1052,9 @@ void moe_experts_impl(const Tensor& x, const Tensor& ids, const Tensor& weights,
     }
     auto grouped = [&](int which, const uint8_t* a, const uint8_t* sa, const int64_t* off, int64_t N, int64_t Kd,
                        float* d, const char* what) {
-      DFLASH2_CUDA_CHECK(cudaMemsetAsync(sfb, 0, size_t(b_sfb), s), op, " SFB");
-      moe_nvfp4_swizzle<<<detail::ceil_blocks(E * N * (Kd / 16), 256, detail::kMaxRowBlocks), 256, 0, s>>>(
-          tab.dev, which, int(E), N, Kd, layout::nvfp4_sf_cols(Kd), sfb_stride, sfb);
+      moe_nvfp4_swizzle<<<detail::ceil_blocks(E * layout::nvfp4_sf_rows(N) * layout::nvfp4_sf_cols(Kd), 256,
+                                              detail::kMaxRowBlocks),
+                          256, 0, s>>>(tab.dev, start, which, int(E), N, Kd, sfb_stride, sfb);
       detail::check_launch("moe_experts_nvfp4 weight-scale swizzle", what);
       tc::Nvfp4GroupedArgs ga{};
       ga.groups = int(E);
@@ -1187,7 +1198,7 @@ bool moe_experts_nvfp4_supported(int device, const ops::ExpertWeights& experts) 
     for (const ops::Weight* w : {&experts.gate[e], &experts.up[e], &experts.down[e]}) {
       if (w->format != ops::WeightFormat::NVFP4 || !w->data.defined() || w->data.ndim() != 2) return false;
       const int64_t N = w->out_features, K = w->in_features;
-      if (!(w->input_scale > 0.0f) || !std::isfinite(w->input_scale) || K % 32 != 0 || N % 4 != 0 ||
+      if (!(w->input_scale >= FLT_MIN) || !std::isfinite(w->input_scale) || K % 32 != 0 || N % 4 != 0 ||
           w->data.stride(0) != K / 2 || !detail::aligned(w->data.data(), 16))
         return false;
     }
