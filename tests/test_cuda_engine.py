@@ -241,6 +241,7 @@ def test_bf16_prefill_on_cuda(zoo):
     cpu = zoo.engine("tiny", "cpu", prefill_gemm="bf16")
     gpu = zoo.engine("tiny", "cuda", prefill_gemm="bf16")
     mtp = zoo.engine("tiny", "cuda", method="mtp", prefill_gemm="bf16")
+    assert gpu.experts_prefill_gemm == cpu.experts_prefill_gemm == "bf16"  # the grouped BF16 experts
     prompts = [gf.prompt(880 + i, n) for i, n in enumerate((3, 11, 40, 130))]
     want = cpu.generate(prompts, max_new_tokens=12, stop_token_ids=NO_STOP)
     got = gpu.generate(prompts, max_new_tokens=12, stop_token_ids=NO_STOP)
@@ -251,7 +252,7 @@ def test_bf16_prefill_on_cuda(zoo):
         assert list(s.token_ids) == list(g.token_ids), f"mtp != ar on the GPU with bf16 prefill, prompt {i}"
 
 
-def _quantized_prefill_on_cuda(zoo, quant, mode, seed):
+def _quantized_prefill_on_cuda(zoo, quant, mode, seed, experts):
     """prefill_gemm=mode on zoo's tiny target quantized as `quant`: "auto" resolves to it,
     greedy tokens equal the CPU's emulation of the same numerics (where the logit margin
     exceeds the tensor cores' rounding), and MTP on the GPU equals AR on the GPU exactly."""
@@ -261,6 +262,8 @@ def _quantized_prefill_on_cuda(zoo, quant, mode, seed):
     cpu = zoo.engine("tiny", "cpu", quant=quant, prefill_gemm=mode)
     gpu = zoo.engine("tiny", "cuda", quant=quant, prefill_gemm=mode)
     mtp = zoo.engine("tiny", "cuda", method="mtp", quant=quant, prefill_gemm=mode)
+    # the routed experts' numerics: as expected, and the CPU (the oracle) chooses alike
+    assert gpu.experts_prefill_gemm == cpu.experts_prefill_gemm == experts, (gpu.experts_prefill_gemm, experts)
     prompts = [gf.prompt(seed + i, n) for i, n in enumerate((3, 11, 40, 130))]
     want = cpu.generate(prompts, max_new_tokens=12, stop_token_ids=NO_STOP)
     got = gpu.generate(prompts, max_new_tokens=12, stop_token_ids=NO_STOP)
@@ -276,7 +279,7 @@ def test_fp8_prefill_on_cuda(zoo):
     and the grouped expert GEMM)."""
     if not dflash2_rt.ops.linear_fp8_available("cuda:0"):
         pytest.skip("this build has no FP8 block-128 CUTLASS GEMM for this GPU's architecture (sm_90a only)")
-    _quantized_prefill_on_cuda(zoo, ("fp8", "all"), "fp8", 890)
+    _quantized_prefill_on_cuda(zoo, ("fp8", "all"), "fp8", 890, "fp8")
 
 
 def test_nvfp4_prefill_on_cuda(zoo):
@@ -284,7 +287,7 @@ def test_nvfp4_prefill_on_cuda(zoo):
     CUTLASS kernel)."""
     if not dflash2_rt.ops.linear_nvfp4_available("cuda:0"):
         pytest.skip("this build has no NVFP4 W4A4 CUTLASS GEMM for this GPU's architecture (sm_100a / sm_103a only)")
-    _quantized_prefill_on_cuda(zoo, ("nvfp4", "mlp"), "nvfp4", 895)
+    _quantized_prefill_on_cuda(zoo, ("nvfp4", "mlp"), "nvfp4", 895, "nvfp4")
 
 
 def test_nvfp4_experts_prefill_on_cuda(zoo):
@@ -296,7 +299,7 @@ def test_nvfp4_experts_prefill_on_cuda(zoo):
     if not dflash2_rt.ops.linear_bf16_available("cuda:0"):
         pytest.skip("this build has no CUTLASS tensor-core GEMM for this GPU's architecture")
     mode = "nvfp4" if dflash2_rt.ops.linear_nvfp4_available("cuda:0") else "bf16"
-    _quantized_prefill_on_cuda(zoo, ("nvfp4", "experts"), mode, 897)
+    _quantized_prefill_on_cuda(zoo, ("nvfp4", "experts"), mode, 897, mode)
 
 
 def test_tensor_parallel_on_gpus(zoo):

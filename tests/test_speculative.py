@@ -281,8 +281,9 @@ def test_bf16_prefill_is_lossless(world, ar_greedy):
         _engine(world.target, prefill_gemm="fp4")
     with pytest.raises(dflash2_rt.ConfigError, match="FP8 block-128 checkpoint"):
         _engine(world.target, prefill_gemm="fp8")
+    assert _engine(world.target).experts_prefill_gemm == "exact"
     ar = _engine(world.target, prefill_gemm="bf16")
-    assert ar.prefill_gemm == "bf16"
+    assert ar.prefill_gemm == "bf16" and ar.experts_prefill_gemm == "bf16"
     n = len(GREEDY_PROMPTS)
     want = []
     for i in range(0, n, MAXB):
@@ -304,12 +305,14 @@ def test_bf16_prefill_is_lossless(world, ar_greedy):
     assert same_first >= (3 * n) // 4, f"bf16 prefill changed the first token of {n - same_first} of {n} prompts"
 
 
-def _quantized_prefill_is_lossless(world, path, mode, other):
+def _quantized_prefill_is_lossless(world, path, mode, other, experts):
     """Engines on `path` with prefill_gemm=mode: speculative (dflash2, and MTP when the
     target has it) == AR token for token at batch sizes 1 and 3, and the greedy outputs
-    differ from prefill_gemm=other's for some prompt (the mode's numerics really apply)."""
+    differ from prefill_gemm=other's for some prompt (the mode's numerics really apply);
+    the routed experts take `experts` numerics."""
     ar = _engine(path, prefill_gemm=mode)
     assert ar.prefill_gemm == mode
+    assert ar.experts_prefill_gemm == experts, (mode, ar.experts_prefill_gemm)
     n = len(GREEDY_PROMPTS)
 
     def greedy(e):
@@ -346,7 +349,7 @@ def test_fp8_prefill_is_lossless(world, tmp_path):
     fp8 = str(tmp_path / "fp8")
     quantize_checkpoint(os.fspath(world.target), fp8, "fp8", "all")
     assert _engine(fp8).prefill_gemm == "exact"  # "auto" on the CPU
-    _quantized_prefill_is_lossless(world, fp8, "fp8", "exact")
+    _quantized_prefill_is_lossless(world, fp8, "fp8", "exact", "fp8")
 
 
 def test_nvfp4_prefill_is_lossless(world, tmp_path):
@@ -358,7 +361,7 @@ def test_nvfp4_prefill_is_lossless(world, tmp_path):
     quantize_checkpoint(os.fspath(world.target), fp4, "nvfp4", "mlp")
     with pytest.raises(dflash2_rt.ConfigError, match="NVFP4 with an input_scale"):
         _engine(world.target, prefill_gemm="nvfp4")
-    _quantized_prefill_is_lossless(world, fp4, "nvfp4", "bf16")
+    _quantized_prefill_is_lossless(world, fp4, "nvfp4", "bf16", "nvfp4")
 
 
 def test_nvfp4_experts_prefill_is_lossless(world, tmp_path):
@@ -370,8 +373,8 @@ def test_nvfp4_experts_prefill_is_lossless(world, tmp_path):
     from dflash2_rt.tools.quantize import quantize_checkpoint
     fp4 = str(tmp_path / "nvfp4e")
     quantize_checkpoint(os.fspath(world.target), fp4, "nvfp4", "experts")
-    _quantized_prefill_is_lossless(world, fp4, "bf16", "exact")
-    _quantized_prefill_is_lossless(world, fp4, "nvfp4", "bf16")
+    _quantized_prefill_is_lossless(world, fp4, "bf16", "exact", "bf16")
+    _quantized_prefill_is_lossless(world, fp4, "nvfp4", "bf16", "nvfp4")
 
 
 @pytest.mark.parametrize("key", ["d2", "d2_sw", "d1_causal", "mtp"])

@@ -292,6 +292,7 @@ void bind_engine(py::module_& m) {
       .def_property_readonly("tensor_parallel", [](const Engine& e) { return e.config().tensor_parallel; })
       .def_property_readonly("expert_parallel", [](const Engine& e) { return e.config().expert_parallel; })
       .def_property_readonly("prefill_gemm", [](const Engine& e) { return e.config().prefill_gemm; })
+      .def_property_readonly("experts_prefill_gemm", [](const Engine& e) { return e.config().experts_prefill_gemm; })
       .def_property_readonly("cuda_graphs", [](const Engine& e) { return e.config().cuda_graphs; })
       .def_property_readonly("pad_to_buckets", [](const Engine& e) { return e.config().pad_to_buckets == 1; })
       .def_property_readonly("capture_at_load", [](const Engine& e) { return e.config().capture_at_load == 1; })

@@ -334,8 +334,14 @@ class Engine:
 
     @property
     def prefill_gemm(self) -> str:
-        """The prompt tokens' GEMM numerics this engine resolved: "exact" or "bf16"."""
+        """The prompt tokens' GEMM numerics this engine resolved: "exact", "bf16", "fp8" or "nvfp4"."""
         return self._e.prefill_gemm
+
+    @property
+    def experts_prefill_gemm(self) -> str:
+        """The numerics the routed experts of prompt chunks take under `prefill_gemm`: "exact",
+        "bf16" (W4A16 for NVFP4 experts), "fp8" or "nvfp4" (see the README's "prefill_gemm")."""
+        return self._e.experts_prefill_gemm
 
     @property
     def expert_parallel(self) -> bool:

@@ -40,6 +40,9 @@ struct EngineConfig {
                                       // such a checkpoint (sm_90a / sm_100a) else "bf16", each after
                                       // a load-time check; else "exact".
                                       // Generated tokens always run exact (see README).
+  std::string experts_prefill_gemm;  // set by the engine (an output): the numerics the routed
+                                     // experts of prompt chunks take under prefill_gemm ("exact",
+                                     // "bf16", "fp8", "nvfp4"; "exact" without MoE layers)
   bool cuda_graphs = true;  // CUDA, tensor_parallel = 1: decode / verify chunks of the target
                            // captured as CUDA graphs and replayed; false: every chunk eagerly
   int pad_to_buckets = -1;  // a decode step run as one unit (one CUDA graph) is padded to the next

@@ -315,16 +315,17 @@ int64_t moe_workspace_floats(int64_t T, int64_t top_k, int64_t H, int64_t F, int
 // emulation, on CUDA a CUTLASS block-scaled grouped GEMM (sm_100a / sm_103a).
 void moe_experts(const Tensor& x, const Tensor& ids, const Tensor& weights, const ExpertWeights& experts,
                  Tensor& out, Tensor& workspace, GemmNumerics numerics = GemmNumerics::Exact);
-// Whether moe_experts(..., GemmNumerics::FP8) runs these experts on `dev` (every weight FP8;
-// on CUDA the grouped kernel built for its architecture and the weights readable in place:
-// contiguous 16-byte aligned rows, K % 16 == 0, N % 4 == 0, contiguous block scales).
+// Whether moe_experts(..., GemmNumerics::FP8) runs these experts on `dev` (every weight FP8
+// with K % 16 == 0 and N % 4 == 0 on every device; on CUDA the grouped kernel built for its
+// architecture and the weights readable in place: contiguous 16-byte aligned rows, contiguous
+// block scales).
 bool moe_experts_fp8_available(Device dev, const ExpertWeights& experts);
 // Whether moe_experts(..., GemmNumerics::BF16) runs on `dev` (the CPU; a GPU of this build).
 bool moe_experts_bf16_available(Device dev, const ExpertWeights& experts);
 // Whether moe_experts(..., GemmNumerics::NVFP4) runs these experts on `dev` (every weight
-// NVFP4 with an input_scale; on CUDA the grouped kernel built for its architecture, sm_100a /
-// sm_103a, and the weights readable in place: contiguous 16-byte aligned rows, K % 32 == 0,
-// N % 4 == 0).
+// NVFP4 with a normal finite input_scale, K % 32 == 0, N % 4 == 0 on every device, so the CPU
+// and a GPU choose alike; on CUDA the grouped kernel built for its architecture, sm_100a /
+// sm_103a, and contiguous 16-byte aligned rows).
 bool moe_experts_nvfp4_available(Device dev, const ExpertWeights& experts);
 
 // ------------------------------------------------------------------ DFlash drafter

@@ -2,6 +2,7 @@
 
 #include <algorithm>
 #include <cmath>
+#include <limits>
 #include <map>
 #include <set>
 #include <sstream>
@@ -429,12 +430,15 @@ bool any_prefill_weight(const std::vector<std::unique_ptr<Layer>>& layers, Pred 
 }
 }  // namespace
 
-void GlmModel::set_prefill(ops::GemmNumerics g) {
+void GlmModel::set_prefill(ops::GemmNumerics g, uint32_t experts_allowed) {
+  auto allowed = [experts_allowed](ops::GemmNumerics n) { return (experts_allowed >> unsigned(n)) & 1u; };
   opt_.prefill = g;
   experts_fp8_ = false;
   experts_prefill_ = ops::GemmNumerics::Exact;
   if (g == ops::GemmNumerics::Exact) return;
-  bool any = false, fp8 = g == ops::GemmNumerics::FP8, fp4 = g == ops::GemmNumerics::NVFP4, bf16 = true;
+  bool any = false, fp8 = g == ops::GemmNumerics::FP8 && allowed(ops::GemmNumerics::FP8),
+       fp4 = g == ops::GemmNumerics::NVFP4 && allowed(ops::GemmNumerics::NVFP4),
+       bf16 = allowed(ops::GemmNumerics::BF16);
   for (const auto& L : layers_) {
     if (!L->mlp.moe) continue;
     any = true;
@@ -454,7 +458,10 @@ bool GlmModel::has_fp8_weights() const {
 }
 
 bool GlmModel::has_nvfp4_weights() const {
-  auto w4a4 = [](const Weight& w) { return w.format == ops::WeightFormat::NVFP4 && w.input_scale > 0.0f; };
+  auto w4a4 = [](const Weight& w) {  // as linear_nvfp4 takes it: 1 / input_scale finite
+    return w.format == ops::WeightFormat::NVFP4 && std::isfinite(w.input_scale) &&
+           w.input_scale >= std::numeric_limits<float>::min();
+  };
   if (any_prefill_weight(layers_, w4a4)) return true;
   for (const auto& L : layers_) {  // the routed experts (GLM-5.3-NVFP4 quantizes only those)
     const ops::ExpertWeights& ex = L->mlp.experts;

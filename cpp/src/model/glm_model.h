@@ -87,7 +87,9 @@ class GlmModel {
   // kernel, sm_100a / sm_103a). Otherwise, in every mode but Exact, they take moe_experts'
   // BF16 numerics (the grouped mainloop-dequantizing GEMM on CUDA: W4A16 for NVFP4 experts).
   // experts_prefill() is what the routed experts of prompt chunks run.
-  void set_prefill(ops::GemmNumerics g);
+  // experts_allowed: bit n set = the experts may take numerics n (a failed load-time check
+  // clears one); they fall back FP8 / NVFP4 -> BF16 -> Exact.
+  void set_prefill(ops::GemmNumerics g, uint32_t experts_allowed = ~0u);
   bool experts_fp8() const { return experts_fp8_; }
   ops::GemmNumerics experts_prefill() const { return experts_prefill_; }
   // Whether any decoder-layer projection is stored as FP8 block-128 (an FP8 checkpoint:

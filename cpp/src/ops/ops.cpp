@@ -731,10 +731,13 @@ void moe_experts(const Tensor& x, const Tensor& ids, const Tensor& weights, cons
 
 bool moe_experts_nvfp4_available(Device dev, const ExpertWeights& experts) {
   if (experts.gate.empty()) return false;
+  // the shapes the grouped kernel takes, on every device (so the CPU and a GPU choose the same
+  // numerics for a checkpoint): K % 32 == 0 (16-byte rows of codes), N % 4 == 0
   for (size_t e = 0; e < experts.gate.size(); ++e)
     for (const Weight* w : {&experts.gate[e], &experts.up[e], &experts.down[e]})
       if (w->format != WeightFormat::NVFP4 || !std::isfinite(w->input_scale) ||
-          !(w->input_scale >= std::numeric_limits<float>::min()))  // 1 / input_scale finite, as linear_nvfp4
+          !(w->input_scale >= std::numeric_limits<float>::min()) ||  // 1 / input_scale finite, as linear_nvfp4
+          w->in_features % 32 != 0 || w->out_features % 4 != 0)
         return false;
   if (dev.is_cpu()) return true;
 #if defined(DFLASH2_WITH_CUDA) && defined(DFLASH2_WITH_CUTLASS)
@@ -754,9 +757,10 @@ bool moe_experts_bf16_available(Device dev, const ExpertWeights& experts) {
 
 bool moe_experts_fp8_available(Device dev, const ExpertWeights& experts) {
   if (experts.gate.empty()) return false;
+  // the shapes the grouped kernel takes, on every device (K % 16 == 0, N % 4 == 0)
   for (size_t e = 0; e < experts.gate.size(); ++e)
     for (const Weight* w : {&experts.gate[e], &experts.up[e], &experts.down[e]})
-      if (w->format != WeightFormat::FP8Block128) return false;
+      if (w->format != WeightFormat::FP8Block128 || w->in_features % 16 != 0 || w->out_features % 4 != 0) return false;
   if (dev.is_cpu()) return true;
 #if defined(DFLASH2_WITH_CUDA) && defined(DFLASH2_WITH_CUTLASS)
   if (dev.is_cuda()) return cuda::moe_experts_fp8_supported(dev.index, experts);

@@ -74,16 +74,18 @@ std::string method_of_drafter(const Checkpoint& dk) {
 namespace {
 // prefill_gemm="auto" on a GPU: one small tensor-core GEMM of numerics g (two 128-row
 // tiles, K and N tails: the padded paths) against the CPU's emulation of the same numerics.
-// BF16 runs a dequantized F32 weight and an NVFP4 one (on sm_90a the mainloop-dequantizing
-// kernel), then the routed experts' BF16 grouped GEMM over NVFP4 and BF16 experts; FP8 an
-// FP8 block-128 weight and, where the device runs it, the FP8 grouped GEMM; NVFP4 an NVFP4
-// weight and, where it runs, the W4A4 grouped GEMM (experts: NMSE <= 1e-5). "" when it
-// agrees (NMSE
-// <= 1e-8 for BF16, whose only difference is the fp32 summation order; <= 1e-6 for FP8,
-// whose tensor-core sums inside a 128-input block carry fewer bits), else what went wrong:
-// a GPU whose kernel misbehaves then prefills with the previous numerics instead of
-// producing wrong prompt states.
-std::string tc_gemm_self_check(Device dev, ops::GemmNumerics g) {
+// BF16 runs a dequantized F32 weight, then an NVFP4 one (on sm_90a the mainloop-dequantizing
+// kernel: if it fails, NVFP4 weights take the dequantize pass in this process and the check
+// is repeated); FP8 an FP8 block-128 weight; NVFP4 an NVFP4 one. "" when it agrees (NMSE
+// <= 1e-8 for BF16 and NVFP4, whose only difference is the fp32 summation order; <= 1e-6 for
+// FP8, whose tensor-core sums inside a 128-input block carry fewer bits), else what went
+// wrong: a GPU whose kernel misbehaves then prefills with the previous numerics instead of
+// producing wrong prompt states. Then the routed experts' grouped GEMM of the mode where it
+// runs (BF16: NVFP4, BF16 and FP8 experts on the mainloop-dequantizing kernel; FP8: FP8
+// experts; NVFP4: W4A4 NVFP4 experts; NMSE <= 1e-5, 1e-3 for W4A4, whose E2M1 rounding of
+// silu(gate) * up may flip): its failure only keeps the experts off this numerics
+// (*experts_why says why), not the projections.
+std::string tc_gemm_self_check(Device dev, ops::GemmNumerics g, std::string* experts_why) {
   try {
     // K = 200: tails of 8 and 16 (the BF16 / FP8 padded paths); NVFP4 needs K % 16 == 0 and
     // takes 208, not a multiple of 32 (its padded path)
@@ -158,7 +160,18 @@ std::string tc_gemm_self_check(Device dev, ops::GemmNumerics g) {
       Tensor want4 = Tensor::empty(DType::F32, {M, N}), got4 = Tensor::empty(DType::F32, {M, N}, dev);
       ops::linear_bf16(x4, w4, want4);
       ops::linear_bf16(x4.to(dev), w4.to(dev), got4);
-      const std::string why4 = compare(got4, want4, 1e-8, "NVFP4-weight GEMM");
+      std::string why4 = compare(got4, want4, 1e-8, "NVFP4-weight GEMM");
+#ifdef DFLASH2_WITH_CUDA
+      if (!why4.empty() && cuda::linear_dq_enabled()) {
+        // the mainloop-dequantizing kernel failed: NVFP4 weights take the dequantize-to-BF16
+        // pass and the CUTLASS GEMM instead (checked just before), in this process
+        std::fprintf(stderr, "dflash2: the mainloop-dequantizing GEMM failed its load-time check on %s (%s); NVFP4 "
+                     "weights are dequantized to BF16 before the GEMM instead\n", dev.str().c_str(), why4.c_str());
+        cuda::set_linear_dq_enabled(false);
+        ops::linear_bf16(x4.to(dev), w4.to(dev), got4);
+        why4 = compare(got4, want4, 1e-8, "NVFP4-weight GEMM");
+      }
+#endif
       if (!why4.empty()) return why4;
     }
     // The routed experts' grouped GEMM of prompt chunks where it runs: FP8 experts with the
@@ -166,7 +179,7 @@ std::string tc_gemm_self_check(Device dev, ops::GemmNumerics g) {
     // (the mainloop-dequantizing kernel: W4A16, and its cp.async path). 4 experts (expert 2
     // unused: an empty group between others), 5 tokens, top-2, K tails of 208 / 144 inputs.
     const std::vector<char> expert_fmts = g == ops::GemmNumerics::FP8     ? std::vector<char>{'8'}
-                                          : g == ops::GemmNumerics::BF16  ? std::vector<char>{'4', 'b'}
+                                          : g == ops::GemmNumerics::BF16  ? std::vector<char>{'4', 'b', '8'}
                                           : g == ops::GemmNumerics::NVFP4 ? std::vector<char>{'a'}
                                                                           : std::vector<char>{};
     for (const char fmt : expert_fmts) {
@@ -227,7 +240,10 @@ std::string tc_gemm_self_check(Device dev, ops::GemmNumerics g) {
         // silu(gate) * up, one code flips (a step of up to 1/3 of its block's amax): ~1e-4
         // each at this size; a wrong layout or scale gives ~1
         const std::string why_experts = compare(yg, ye, fmt == 'a' ? 1e-3 : 1e-5, "grouped expert GEMM");
-        if (!why_experts.empty()) return why_experts;
+        if (!why_experts.empty()) {  // the projections pass: only the routed experts stay off this numerics
+          if (experts_why) *experts_why = why_experts;
+          break;
+        }
       }
     }
     return "";
@@ -331,6 +347,7 @@ Engine::Engine(const EngineConfig& cfg) : impl_(std::make_unique<Impl>()) {
                          : pg == "fp8"   ? GemmNumerics::FP8
                          : pg == "nvfp4" ? GemmNumerics::NVFP4
                                          : GemmNumerics::Exact;
+  uint32_t experts_allowed = ~0u;  // bit g: the routed experts may take numerics g
   if (pg == "auto" && device.is_cuda()) {
     // The default on a GPU: the tensor cores, each numerics only once it has proved itself
     // here; FP8 / NVFP4 checkpoints take their low-precision GEMM where it exists (as their
@@ -340,17 +357,25 @@ Engine::Engine(const EngineConfig& cfg) : impl_(std::make_unique<Impl>()) {
                         : g == GemmNumerics::FP8 ? fp8_ok && fp8_ckpt && prefill == GemmNumerics::BF16
                                                  : fp4_ok && fp4_ckpt && prefill == GemmNumerics::BF16;
       if (!want) continue;
-      const std::string why = tc_gemm_self_check(device, g);
+      std::string experts_why;
+      const std::string why = tc_gemm_self_check(device, g, &experts_why);
       if (!why.empty()) {
         std::fprintf(stderr, "dflash2: the %s tensor-core GEMM failed its load-time check on %s (%s); prompt tokens "
                      "run with prefill_gemm='%s'\n", ops::gemm_numerics_name(g), device.str().c_str(), why.c_str(),
                      ops::gemm_numerics_name(prefill));
         break;
       }
+      if (!experts_why.empty()) {
+        std::fprintf(stderr, "dflash2: the routed experts' %s grouped GEMM failed its load-time check on %s (%s); "
+                     "the experts of prompt chunks do not take it\n", ops::gemm_numerics_name(g), device.str().c_str(),
+                     experts_why.c_str());
+        experts_allowed &= ~(1u << unsigned(g));
+      }
       prefill = g;
     }
   }
-  I.core.target->set_prefill(prefill);
+  I.core.target->set_prefill(prefill, experts_allowed);
+  I.cfg.experts_prefill_gemm = ops::gemm_numerics_name(I.core.target->model().experts_prefill());
   I.cfg.prefill_gemm = ops::gemm_numerics_name(prefill);
   I.cfg.cuda_graphs = I.core.target->cuda_graphs();  // what is in effect (CUDA, one rank)
   I.cfg.pad_to_buckets = I.core.target->options().pad_to_buckets ? 1 : 0;  // what is in effect

@@ -66,6 +66,11 @@ class ForwardGraphs {
   // eagerly, or captured and launched, or replayed (see above).
   void run(const std::string& key, const std::function<void()>& fn);
   GraphStats stats() const;  // a snapshot (any thread)
+  // Keeps at least n keys from now on (the load-time warm-up's, with room for the others);
+  // before any other thread runs graphs.
+  void reserve(size_t n) {
+    if (n > max_graphs_) max_graphs_ = n;
+  }
 
   // Key building: appends a tensor's identity for launches (address, dtype, shape, strides;
   // "-" when undefined) or an integer.

@@ -53,12 +53,16 @@ class Target {
   const model::GlmConfig& config() const { return models_[0]->config(); }
   const Options& options() const { return opt_; }
   // Every rank's GlmModel::Options::prefill (before the first step).
-  void set_prefill(ops::GemmNumerics g) {
-    for (auto& m : models_) m->set_prefill(g);
+  void set_prefill(ops::GemmNumerics g, uint32_t experts_allowed = ~0u) {
+    for (auto& m : models_) m->set_prefill(g, experts_allowed);
   }
   KvCache& cache() { return cache_; }
   // CUDA graph counters (all zero when graphs are off or not on CUDA).
   GraphStats graph_stats() const { return graphs_ ? graphs_->stats() : GraphStats{}; }
+  // The graph cache keeps at least n keys (ForwardGraphs::reserve); no-op without graphs.
+  void reserve_graphs(size_t n) {
+    if (graphs_) graphs_->reserve(n);
+  }
   bool cuda_graphs() const { return graphs_ != nullptr; }
   // The stream rank 0's graphs run on (null without graphs): the device drafter's graphs
   // share it, so the target's and the drafter's chunks stay in order.

@@ -106,6 +106,14 @@ WarmUp warm_up_steps(Core& core, bool adaptive) {
   w.draft_lens.assign(1, core.K);
   if (adaptive && core.drafter)
     for (int64_t k = 0; k < core.K; ++k) w.draft_lens.push_back(k);
+  // every key it captures stays in the graph cache (greedy and sampled steps are different
+  // keys), with the cache's default room left for the shapes real traffic adds
+  int64_t sizes = 0;
+  for (int64_t s = 1; s <= o.max_batch_size; s = (pads ? t.bucket(s) : s) + 1) {
+    if ((pads ? t.bucket(s) : s) * (core.K + 1) > o.max_step_tokens) break;
+    ++sizes;
+  }
+  t.reserve_graphs(size_t(256 + 2 * sizes * int64_t(w.draft_lens.size())));
   for (int pass = 0; pass < 3; ++pass) {
     const uint64_t gen = scratch_gen();
     w.buckets.clear();

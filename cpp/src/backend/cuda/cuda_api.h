@@ -167,6 +167,10 @@ bool moe_experts_fp8_supported(int device, const ops::ExpertWeights& experts);
 void moe_experts_bf16(const Tensor& x, const Tensor& ids, const Tensor& weights, const ops::ExpertWeights& experts,
                       Tensor& out, Tensor& workspace);
 bool moe_experts_bf16_supported(int device);
+// gemm_dq.cu: whether linear_bf16 runs NVFP4 weights on sm_90a through the mainloop-
+// dequantizing kernel (default) or the dequantize pass + CUTLASS (after a failed load check).
+bool linear_dq_enabled();
+void set_linear_dq_enabled(bool on);
 // The same with linear_nvfp4's W4A4 numerics (NVFP4 experts with an input_scale): the
 // CUTLASS grouped block-scaled GEMM (sm_100a / sm_103a); whether it runs these on `device`.
 void moe_experts_nvfp4(const Tensor& x, const Tensor& ids, const Tensor& weights, const ops::ExpertWeights& experts,

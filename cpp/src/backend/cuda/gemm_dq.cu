@@ -27,8 +27,10 @@
 #include <cuda_bf16.h>
 #include <cuda_runtime.h>
 
+#include <atomic>
 #include <cstdint>
 
+#include "backend/cuda/cuda_api.h"
 #include "backend/cuda/cuda_check.cuh"
 #include "backend/cuda/kernel_util.cuh"
 #include "backend/cuda/layout.h"
@@ -391,6 +393,21 @@ void gemm(const GemmArgs& g, cudaStream_t s) {
   }
   detail::check_launch("dq_gemm kernel launch", "[", g.M, ", ", g.N, ", ", g.K, "]");
 }
+
+namespace {
+std::atomic<bool> g_linear_enabled{true};
+}  // namespace
+
+bool linear_enabled() { return g_linear_enabled.load(std::memory_order_relaxed); }
+
+}  // namespace dflash2::cuda::dq
+
+namespace dflash2::cuda {
+bool linear_dq_enabled() { return dq::linear_enabled(); }
+void set_linear_dq_enabled(bool on) { dq::g_linear_enabled.store(on, std::memory_order_relaxed); }
+}  // namespace dflash2::cuda
+
+namespace dflash2::cuda::dq {
 
 void rows_bf16(RowsFrom from, const float* x, const float* u, int64_t ldx, const int32_t* order, int div,
                const int32_t* used, int64_t rows, int64_t K, int64_t lda, __nv_bfloat16* a, cudaStream_t s) {

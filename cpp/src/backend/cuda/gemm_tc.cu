@@ -396,7 +396,7 @@ void linear_bf16(const Tensor& x, const ops::Weight& w, Tensor& y, bool accumula
   if (M == 0 || N == 0) return;
   if (K == 0) return empty_k(y, M, N, accumulate, "linear_bf16");
   cudaStream_t st = detail::stream();
-  if (v.fmt == WFmt::NVFP4 && sm == 90) {
+  if (v.fmt == WFmt::NVFP4 && sm == 90 && dq::linear_enabled()) {
     // Hopper has no FP4 MMA: W4A16 with the weight dequantized in the GEMM's main loop
     // (gemm_dq.h), read once in its stored format instead of through a BF16 copy. Chosen by
     // the weight and the architecture, never by M: a row's result does not depend on M.

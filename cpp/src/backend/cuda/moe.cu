@@ -97,11 +97,11 @@
 // Performance (decode, T * top_k small): each active expert's gate/up/down weights are
 // read once per chunk of 4 tokens, by warps streaming rows with 8-element vector loads; the
 // expert list costs one tiny single-block launch. Ideas, roughly in order of value:
-//   - prefill (many tokens per expert): done as grouped GEMMs for FP8 (CUTLASS) and BF16
-//     numerics (gemm_dq.cu); left: NVFP4 experts on Blackwell's block-scaled grouped GEMM
-//     (tcgen05, scale factors in TMEM), silu * up fused into the gate/up epilogue and the
-//     combine into the down epilogue. In exact mode weights are still re-read (from L2)
-//     once per 4 tokens and x rows once per output row.
+//   - prefill (many tokens per expert): done as grouped GEMMs for FP8 and NVFP4 W4A4
+//     (CUTLASS) and BF16 numerics (gemm_dq.cu); left: the NVFP4 weight scales swizzled once
+//     at load (per call today), silu * up fused into the gate/up epilogue and the combine
+//     into the down epilogue. In exact mode weights are still re-read (from L2) once per 4
+//     tokens and x rows once per output row.
 //   - decode: 16-byte weight loads for FP8 / NVFP4 (16 / 32 elements per lane), two rows
 //     per warp, split-K for the down projection (K = F is short), and a cooperative
 //     multi-warp list kernel for prefill-sized T (the fill is one warp, ~n / 32 steps);
