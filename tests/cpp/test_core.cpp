@@ -5,6 +5,7 @@
 
 #include "dflash2/dflash2.h"
 #include "ops/philox.h"
+#include "runtime/spec_policy.h"
 #include "runtime/step_graphs.h"
 #include "testing.h"
 
@@ -205,6 +206,30 @@ TEST(step_recorder_runs_the_queue_in_order_at_the_flush) {
   rec.begin();
   rec.flush(nullptr, 0);
   CHECK(rec.steps() == 2 && ran.size() == 4);
+}
+
+// The load-time warm-up forces the draft length of its own decoder's policy
+// (SpecPolicy::force): forced lengths are clamped to K, apply adaptive or not, and -1
+// gives the policy back its own choice.
+TEST(spec_policy_force_overrides_and_releases) {
+  runtime::SpecPolicy adaptive(8, true, false), fixed(8, false, false);
+  for (int i = 0; i < 6; ++i) {
+    const int64_t k = adaptive.choose(4);
+    CHECK(k == 0 || k == 4 || k == 8);  // the adaptive warm-up cycle: K, K / 2, 0
+  }
+  adaptive.force(3);
+  CHECK(adaptive.choose(4) == 3 && adaptive.choose(1) == 3);
+  adaptive.force(20);
+  CHECK(adaptive.choose(2) == 8);
+  adaptive.force(-1);
+  bool cycled = false;
+  for (int i = 0; i < 4; ++i) cycled = cycled || adaptive.choose(4) != 8;
+  CHECK(cycled);  // its own choices again (0 and K / 2 come back)
+  CHECK(fixed.choose(3) == 8);
+  fixed.force(0);
+  CHECK(fixed.choose(3) == 0);
+  fixed.force(-1);
+  CHECK(fixed.choose(3) == 8);
 }
 
 TEST_MAIN()
