@@ -9,7 +9,7 @@
 
 #include "dflash2/error.h"
 #include "ops/backend.h"
-#if defined(DFLASH2_WITH_CUDA) && defined(DFLASH2_WITH_CUTLASS)
+#if defined(DFLASH2_WITH_CUDA)
 #include "backend/cuda/cuda_api.h"
 #endif
 
