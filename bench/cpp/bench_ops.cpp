@@ -1181,71 +1181,58 @@ void bench_moe(Bench& b, const std::vector<int64_t>& Ts) {
       });
     }
   }
-  // Prompt chunks of FP8 checkpoints (prefill_gemm="fp8"): the routed experts on the FP8
-  // grouped GEMM (sm_90a / sm_100a / sm_103a), beside the exact SIMT kernels on the same routing in the same run.
+  // Prompt chunks on a grouped tensor-core GEMM of the experts, each beside the exact SIMT
+  // kernels on the same routing in the same run (JSON baseline_* / speedup_vs_baseline):
+  //   moe_experts_fp8    FP8 checkpoints (prefill_gemm="fp8"): the CUTLASS FP8 grouped GEMM
+  //                      (sm_90a / sm_100a / sm_103a)
+  //   moe_experts_bf16   NVFP4 experts with the BF16 numerics (prefill_gemm="bf16", what NVFP4
+  //                      checkpoints take on Hopper): the grouped mainloop-dequantizing GEMM
+  //                      (gemm_dq.cu, W4A16)
+  //   moe_experts_nvfp4  NVFP4 experts W4A4 (prefill_gemm="nvfp4", sm_100a / sm_103a): the
+  //                      block-scaled grouped GEMM, the activation quantization and the
+  //                      weight-scale swizzle in our time
   const std::vector<int64_t> prefill = b.opt.cpu_smoke ? std::vector<int64_t>{8}
                                        : b.opt.quick   ? std::vector<int64_t>{256}
                                                        : std::vector<int64_t>{256, 1024};
-  for (int64_t T : prefill) {
-    const std::vector<int32_t> ids = random_routing(T, 4321 + uint64_t(T));
-    const int64_t nhit = moe_hits(ids);
-    Result r{"moe_experts_fp8", "256 experts top8 " + dims({G.moe_inter, G.hidden}) + " hit " + std::to_string(nhit),
-             fmt_name(Fmt::FP8), "prefill chunk", T};
-    moe_cost(r, Fmt::FP8, T, nhit);
-    b.run(r, [&](Baseline& base) {
-      auto c = std::make_shared<MoeCase>(make_moe_case(Fmt::FP8, T, ids));
-      if (!ops::moe_experts_fp8_available(c->x.device(), c->ew))
-        throw std::runtime_error("moe_experts_fp8: the FP8 grouped GEMM does not run here (sm_90a / sm_100a / sm_103a only)");
-      base.name = "exact SIMT";
-      base.kind = "moe_experts numerics exact (the SIMT expert kernels)";
-      base.variants = 1;
-      base.run = [c](int) { c->run(ops::GemmNumerics::Exact); };
-      return std::make_pair(std::function<void(int)>([c](int) { c->run(ops::GemmNumerics::FP8); }), 1);
-    });
-  }
-  // Prompt chunks with the BF16 numerics (prefill_gemm="bf16"; NVFP4 experts under "nvfp4"
-  // too): the grouped mainloop-dequantizing GEMM (gemm_dq.cu; NVFP4 experts: W4A16) beside
-  // the exact SIMT kernels on the same routing in the same run.
-  for (int64_t T : prefill) {
-    const std::vector<int32_t> ids = random_routing(T, 5321 + uint64_t(T));
-    const int64_t nhit = moe_hits(ids);
-    Result r{"moe_experts_bf16", "256 experts top8 " + dims({G.moe_inter, G.hidden}) + " hit " + std::to_string(nhit),
-             fmt_name(Fmt::NVFP4), "prefill chunk", T};
-    moe_cost(r, Fmt::NVFP4, T, nhit);
-    b.run(r, [&](Baseline& base) {
-      auto c = std::make_shared<MoeCase>(make_moe_case(Fmt::NVFP4, T, ids));
-      if (!ops::moe_experts_bf16_available(c->x.device(), c->ew))
-        throw std::runtime_error("moe_experts_bf16: the grouped BF16 GEMM does not run here");
-      base.name = "exact SIMT";
-      base.kind = "moe_experts numerics exact (the SIMT expert kernels)";
-      base.variants = 1;
-      base.run = [c](int) { c->run(ops::GemmNumerics::Exact); };
-      return std::make_pair(std::function<void(int)>([c](int) { c->run(ops::GemmNumerics::BF16); }), 1);
-    });
-  }
-  // Prompt chunks of NVFP4 checkpoints (prefill_gemm="nvfp4", sm_100a / sm_103a): the NVFP4
-  // experts W4A4 on the block-scaled grouped GEMM (the activation quantization and the
-  // weight-scale swizzle in our time), beside the exact SIMT kernels.
-  if (b.opt.cpu_smoke || ops::linear_nvfp4_available(on_gpu() ? Device::cuda(0) : Device::cpu())) {
+  struct Grouped {
+    const char* name;
+    Fmt fmt;
+    ops::GemmNumerics numerics;
+    uint64_t seed;
+    bool (*available)(Device, const ops::ExpertWeights&);
+    const char* where;
+  };
+  const Grouped grouped[] = {
+      {"moe_experts_fp8", Fmt::FP8, ops::GemmNumerics::FP8, 4321, &ops::moe_experts_fp8_available,
+       "the FP8 grouped GEMM does not run here (sm_90a / sm_100a / sm_103a only)"},
+      {"moe_experts_bf16", Fmt::NVFP4, ops::GemmNumerics::BF16, 5321, &ops::moe_experts_bf16_available,
+       "the grouped BF16 GEMM does not run here"},
+      {"moe_experts_nvfp4", Fmt::NVFP4, ops::GemmNumerics::NVFP4, 6321, &ops::moe_experts_nvfp4_available,
+       "the NVFP4 grouped GEMM does not run here (sm_100a / sm_103a only)"},
+  };
+  for (const Grouped& gc : grouped) {
+    if (gc.numerics == ops::GemmNumerics::NVFP4 && !b.opt.cpu_smoke &&
+        !ops::linear_nvfp4_available(on_gpu() ? Device::cuda(0) : Device::cpu())) {
+      std::printf("%s: no NVFP4 grouped GEMM for this device in this build (sm_100a / sm_103a; skipped)\n", gc.name);
+      continue;
+    }
     for (int64_t T : prefill) {
-      const std::vector<int32_t> ids = random_routing(T, 6321 + uint64_t(T));
+      const std::vector<int32_t> ids = random_routing(T, gc.seed + uint64_t(T));
       const int64_t nhit = moe_hits(ids);
-      Result r{"moe_experts_nvfp4", "256 experts top8 " + dims({G.moe_inter, G.hidden}) + " hit " + std::to_string(nhit),
-               fmt_name(Fmt::NVFP4), "prefill chunk", T};
-      moe_cost(r, Fmt::NVFP4, T, nhit);
+      Result r{gc.name, "256 experts top8 " + dims({G.moe_inter, G.hidden}) + " hit " + std::to_string(nhit),
+               fmt_name(gc.fmt), "prefill chunk", T};
+      moe_cost(r, gc.fmt, T, nhit);
       b.run(r, [&](Baseline& base) {
-        auto c = std::make_shared<MoeCase>(make_moe_case(Fmt::NVFP4, T, ids));
-        if (!ops::moe_experts_nvfp4_available(c->x.device(), c->ew))
-          throw std::runtime_error("moe_experts_nvfp4: the NVFP4 grouped GEMM does not run here (sm_100a / sm_103a only)");
+        auto c = std::make_shared<MoeCase>(make_moe_case(gc.fmt, T, ids));
+        if (!gc.available(c->x.device(), c->ew)) throw std::runtime_error(std::string(gc.name) + ": " + gc.where);
         base.name = "exact SIMT";
         base.kind = "moe_experts numerics exact (the SIMT expert kernels)";
         base.variants = 1;
         base.run = [c](int) { c->run(ops::GemmNumerics::Exact); };
-        return std::make_pair(std::function<void(int)>([c](int) { c->run(ops::GemmNumerics::NVFP4); }), 1);
+        const ops::GemmNumerics g = gc.numerics;
+        return std::make_pair(std::function<void(int)>([c, g](int) { c->run(g); }), 1);
       });
     }
-  } else {
-    std::printf("moe_experts_nvfp4: no NVFP4 grouped GEMM for this device in this build (sm_100a / sm_103a; skipped)\n");
   }
 }
 

@@ -553,33 +553,23 @@ void bind_ops(py::module_& m) {
       "numerics='bf16': every projection as linear_bf16 (any expert format; CUDA: the grouped GEMM dequantizing in its "
       "main loop). numerics='nvfp4': every projection W4A4 as linear_nvfp4 with its expert's input_scale (NVFP4 "
       "experts; CUDA: the grouped block-scaled GEMM, sm_100a / sm_103a).");
-  o.def(
-      "moe_experts_fp8_available",
-      [](const std::string& dev, std::vector<ops::Weight> gate, std::vector<ops::Weight> up,
-         std::vector<ops::Weight> down) {
-        ops::ExpertWeights ex{std::move(gate), std::move(up), std::move(down)};
-        return ops::moe_experts_fp8_available(Device::parse(dev), ex);
-      },
-      py::arg("device"), py::arg("gate"), py::arg("up"), py::arg("down"),
-      "Whether moe_experts(numerics='fp8') runs these experts on this device in this build.");
-  o.def(
-      "moe_experts_bf16_available",
-      [](const std::string& dev, std::vector<ops::Weight> gate, std::vector<ops::Weight> up,
-         std::vector<ops::Weight> down) {
-        ops::ExpertWeights ex{std::move(gate), std::move(up), std::move(down)};
-        return ops::moe_experts_bf16_available(Device::parse(dev), ex);
-      },
-      py::arg("device"), py::arg("gate"), py::arg("up"), py::arg("down"),
-      "Whether moe_experts(numerics='bf16') runs these experts on this device in this build.");
-  o.def(
-      "moe_experts_nvfp4_available",
-      [](const std::string& dev, std::vector<ops::Weight> gate, std::vector<ops::Weight> up,
-         std::vector<ops::Weight> down) {
-        ops::ExpertWeights ex{std::move(gate), std::move(up), std::move(down)};
-        return ops::moe_experts_nvfp4_available(Device::parse(dev), ex);
-      },
-      py::arg("device"), py::arg("gate"), py::arg("up"), py::arg("down"),
-      "Whether moe_experts(numerics='nvfp4') runs these experts on this device in this build.");
+  // moe_experts_<numerics>_available(device, gate, up, down)
+  auto def_available = [&o](const char* name, bool (*fn)(Device, const ops::ExpertWeights&), const char* doc) {
+    o.def(
+        name,
+        [fn](const std::string& dev, std::vector<ops::Weight> gate, std::vector<ops::Weight> up,
+             std::vector<ops::Weight> down) {
+          ops::ExpertWeights ex{std::move(gate), std::move(up), std::move(down)};
+          return fn(Device::parse(dev), ex);
+        },
+        py::arg("device"), py::arg("gate"), py::arg("up"), py::arg("down"), doc);
+  };
+  def_available("moe_experts_fp8_available", &ops::moe_experts_fp8_available,
+                "Whether moe_experts(numerics='fp8') runs these experts on this device in this build.");
+  def_available("moe_experts_bf16_available", &ops::moe_experts_bf16_available,
+                "Whether moe_experts(numerics='bf16') runs these experts on this device in this build.");
+  def_available("moe_experts_nvfp4_available", &ops::moe_experts_nvfp4_available,
+                "Whether moe_experts(numerics='nvfp4') runs these experts on this device in this build.");
 
   // ---------------------------------------------------------------- DFlash drafter
   o.def(

@@ -1190,19 +1190,28 @@ void moe_experts_nvfp4(const Tensor& x, const Tensor& ids, const Tensor& weights
   moe_experts_impl(x, ids, weights, experts, out, workspace, ExpertsMode::NVFP4);
 }
 
+#if defined(DFLASH2_WITH_CUTLASS)
+namespace {
+// Whether `device` exists and every gate / up / down weight of `ex` is a 2-D tensor that
+// `ok(weight, N, K)` accepts.
+template <class Ok>
+bool every_expert_weight(int device, const ops::ExpertWeights& ex, Ok ok) {
+  if (device < 0 || device >= device_count()) return false;
+  for (size_t e = 0; e < ex.gate.size(); ++e)
+    for (const ops::Weight* w : {&ex.gate[e], &ex.up[e], &ex.down[e]})
+      if (!w->data.defined() || w->data.ndim() != 2 || !ok(*w, w->out_features, w->in_features)) return false;
+  return true;
+}
+}  // namespace
+#endif
+
 bool moe_experts_nvfp4_supported(int device, const ops::ExpertWeights& experts) {
 #if defined(DFLASH2_WITH_CUTLASS)
-  if (device < 0 || device >= device_count() || !tc::nvfp4_grouped_built_for(detail::compute_capability(device)))
-    return false;
-  for (size_t e = 0; e < experts.gate.size(); ++e)
-    for (const ops::Weight* w : {&experts.gate[e], &experts.up[e], &experts.down[e]}) {
-      if (w->format != ops::WeightFormat::NVFP4 || !w->data.defined() || w->data.ndim() != 2) return false;
-      const int64_t N = w->out_features, K = w->in_features;
-      if (!(w->input_scale >= FLT_MIN) || !std::isfinite(w->input_scale) || K % 32 != 0 || N % 4 != 0 ||
-          w->data.stride(0) != K / 2 || !detail::aligned(w->data.data(), 16))
-        return false;
-    }
-  return true;
+  return every_expert_weight(device, experts, [&](const ops::Weight& w, int64_t N, int64_t K) {
+    return tc::nvfp4_grouped_built_for(detail::compute_capability(device)) && w.format == ops::WeightFormat::NVFP4 &&
+           w.input_scale >= FLT_MIN && std::isfinite(w.input_scale) && K % 32 == 0 && N % 4 == 0 &&
+           w.data.stride(0) == K / 2 && detail::aligned(w.data.data(), 16);
+  });
 #else
   (void)device;
   (void)experts;
@@ -1227,18 +1236,12 @@ void moe_experts_fp8(const Tensor& x, const Tensor& ids, const Tensor& weights, 
 
 bool moe_experts_fp8_supported(int device, const ops::ExpertWeights& experts) {
 #if defined(DFLASH2_WITH_CUTLASS)
-  if (device < 0 || device >= device_count() || !tc::fp8_grouped_built_for(detail::compute_capability(device)))
-    return false;
-  for (size_t e = 0; e < experts.gate.size(); ++e)
-    for (const ops::Weight* w : {&experts.gate[e], &experts.up[e], &experts.down[e]}) {
-      if (w->format != ops::WeightFormat::FP8Block128 || !w->data.defined() || w->data.ndim() != 2) return false;
-      const int64_t N = w->out_features, K = w->in_features;
-      if (K % 16 != 0 || N % 4 != 0 || w->data.stride(0) != K || !detail::aligned(w->data.data(), 16)) return false;
-      if (!w->scale.defined() || w->scale.ndim() != 2 || w->scale.stride(0) != (K + 127) / 128 ||
-          w->scale.stride(1) != 1)
-        return false;
-    }
-  return true;
+  return every_expert_weight(device, experts, [&](const ops::Weight& w, int64_t N, int64_t K) {
+    return tc::fp8_grouped_built_for(detail::compute_capability(device)) &&
+           w.format == ops::WeightFormat::FP8Block128 && K % 16 == 0 && N % 4 == 0 && w.data.stride(0) == K &&
+           detail::aligned(w.data.data(), 16) && w.scale.defined() && w.scale.ndim() == 2 &&
+           w.scale.stride(0) == (K + 127) / 128 && w.scale.stride(1) == 1;
+  });
 #else
   (void)device;
   (void)experts;
