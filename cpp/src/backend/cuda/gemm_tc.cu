@@ -251,16 +251,6 @@ unsigned grid_for(int64_t n) {
   return unsigned(blocks < detail::kMaxRowBlocks ? (blocks > 0 ? blocks : 1) : detail::kMaxRowBlocks);
 }
 
-// out[m, k] = bf16(x[m, k]) for k < K, 0 for K <= k < Kp.
-__global__ void rows_to_bf16(const float* __restrict__ x, int64_t ldx, int64_t M, int64_t K, int64_t Kp,
-                             __nv_bfloat16* __restrict__ out) {
-  const int64_t n = M * Kp;
-  for (int64_t i = int64_t(blockIdx.x) * blockDim.x + threadIdx.x; i < n; i += int64_t(gridDim.x) * blockDim.x) {
-    const int64_t m = i / Kp, k = i - m * Kp;
-    out[i] = k < K ? __float2bfloat16_rn(x[m * ldx + k]) : __float2bfloat16_rn(0.0f);
-  }
-}
-
 // out[r, k] = bf16(W[r, k]) (W dequantized as the CPU does) for r < N, k < K; 0 in the
 // padding (K <= k < Kp, N <= r < Np).
 template <WFmt F>
@@ -447,7 +437,8 @@ void linear_bf16(const Tensor& x, const ops::Weight& w, Tensor& y, bool accumula
   float* dtmp = direct_y ? nullptr : reinterpret_cast<float*>(base + a_bytes + w_bytes);
   void* ws = ws_bytes ? static_cast<void*>(base + a_bytes + w_bytes + d_bytes) : nullptr;
 
-  rows_to_bf16<<<grid_for(M * Kp), kThreads, 0, st>>>(x.data_as<const float>(), x.stride(0), M, K, Kp, a16);
+  dq::rows_bf16(dq::RowsFrom::Plain, x.data_as<const float>(), nullptr, x.stride(0), nullptr, 1, nullptr, M, K, Kp,
+                a16, st);
   if (!direct_w) convert_weight(v, Np, Kp, w16, st);
   detail::check_launch("linear_bf16 operand conversion", w.name, " ", x.describe());
   g.a = a16;

@@ -262,14 +262,15 @@ DFLASH2_HD void dq_tile_starts(const int32_t* start, int G, int32_t* tile_start)
     tile_start[g + 1] = acc;
   }
 }
-// The group of m-tile t: tile_start[0 .. G] are the groups' first tiles (ascending,
-// tile_start[0] = 0), t < tile_start[G]; the last g with tile_start[g] <= t (an empty group
-// g has tile_start[g] == tile_start[g + 1] and is skipped).
-DFLASH2_HD int dq_group_of(const int32_t* tile_start, int G, int64_t t) {
-  int lo = 0, hi = G;  // tile_start[lo] <= t < tile_start[hi]
+// The group holding item i of groups laid out back to back: first[0 .. G] are the groups'
+// first items (ascending, first[0] = 0), i < first[G]; the last g with first[g] <= i (an
+// empty group g has first[g] == first[g + 1] and is skipped). For m-tiles (tile_start) and
+// for the routed experts' positions (the lists' start[]).
+DFLASH2_HD int group_of(const int32_t* first, int G, int64_t i) {
+  int lo = 0, hi = G;  // first[lo] <= i < first[hi]
   while (hi - lo > 1) {
     const int mid = (lo + hi) / 2;
-    if (tile_start[mid] <= t) lo = mid; else hi = mid;
+    if (first[mid] <= i) lo = mid; else hi = mid;
   }
   return lo;
 }
@@ -282,7 +283,7 @@ struct DqRows {
 };
 DFLASH2_HD DqRows dq_tile_rows(const int32_t* start, const int32_t* tile_start, int G, int64_t t) {
   if (t >= tile_start[G]) return {0, 0, 0};
-  const int g = dq_group_of(tile_start, G, t);
+  const int g = group_of(tile_start, G, t);
   const int64_t first = start[g] + (t - tile_start[g]) * kDqBM, end = start[g + 1];
   return {first, first + kDqBM < end ? first + kDqBM : end, g};
 }

@@ -616,16 +616,6 @@ int64_t row_stride_2d(const Tensor& t) { return t.shape(0) > 1 ? t.stride(0) : t
 // expert lists' order (order[], start[]) are the rows of a grouped GEMM whose group g is
 // expert g's slots [start[g], start[g + 1]) (cutlass/fp8_grouped_gemm.h).
 #if defined(DFLASH2_WITH_CUTLASS)
-// The expert whose list holds position p: the last g with start[g] <= p (start ascending).
-__device__ __forceinline__ int group_of(const int32_t* start, int E, int32_t p) {
-  int lo = 0, hi = E;  // start[lo] <= p < start[hi]
-  while (hi - lo > 1) {
-    const int mid = (lo + hi) / 2;
-    if (start[mid] <= p) lo = mid; else hi = mid;
-  }
-  return lo;
-}
-
 // Quantizes rows of the grouped GEMM's A (one warp per (position p, 128-input block)):
 // gathered == true: row p is x[order[p] / top_k] (the gate / up input); false: row p is
 // silu(g[p]) * u[p] with the CPU's (v / (1 + expf(-v))) * u (the down input). Codes go to
@@ -667,7 +657,7 @@ __global__ void __launch_bounds__(256)
     if (lane == 0 && kmajor) {
       sfa[layout::fp8_act_scale_offset_kmajor(p, b, nbk)] = sa;
     } else if (lane == 0) {
-      const int e = group_of(start, E, int32_t(p));
+      const int e = layout::group_of(start, E, p);  // the expert whose list holds p
       const int64_t m_e = start[e + 1] - start[e];
       sfa[nbk * start[e] + layout::fp8_act_scale_offset(p - start[e], b, m_e)] = sa;
     }

@@ -140,11 +140,7 @@ __global__ void nvfp4_quant_grouped_kernel(const float* __restrict__ x, const fl
   for (int64_t t = int64_t(blockIdx.x) * blockDim.x + threadIdx.x; t < units; t += int64_t(gridDim.x) * blockDim.x) {
     const int64_t p = t / nbk, j = t - p * nbk, k0 = j * 16;
     if (p >= used) continue;
-    int lo = 0, hi = E;  // the group holding p: start[lo] <= p < start[hi]
-    while (hi - lo > 1) {
-      const int mid = (lo + hi) / 2;
-      if (start[mid] <= p) lo = mid; else hi = mid;
-    }
+    const int lo = layout::group_of(start, E, p);  // the group holding p
     const float g = __fdiv_rn(1.0f, scales[lo]);
     uint8_t packed[8];
     uint8_t sbyte;
