@@ -12,7 +12,9 @@ With --device cuda the target runs on the GPU (see the README's "The CUDA backen
 go to default_pair_cuda.*); each method's decode time is also split into draft / verify /
 host shares (the request stats' draft_s, verify_s, host_s), and in greedy mode each method
 runs once more with cuda_graphs=False in the same run: tok/s with and without CUDA graphs,
-their ratio, whether the outputs are equal, and the engine's graph counters.
+their ratio, whether the outputs are equal, and the engine's graph counters; dflash2
+also runs once more with draft_gemm="exact" when its drafter took the tensor
+cores ("auto"): tok/s of both, their ratio, and whether that run is lossless too.
 
 Held-out prompts: 128-token windows (seeded) of the held-out stdlib files (every 20th file,
 see dflash2_rt.train.corpus), tokenized with the pair's tokenizer.
@@ -42,9 +44,10 @@ def heldout_prompts(tok, n: int, length: int = 128, seed: int = 0) -> list:
     return [ids[s:s + length].tolist() for s in rng.integers(0, ids.size - length, n)]
 
 
-def run_method(method, prompts, new, threads, temperature, top_p, seed, device="cpu", cuda_graphs=True):
+def run_method(method, prompts, new, threads, temperature, top_p, seed, device="cpu", cuda_graphs=True,
+               draft_gemm="auto"):
     eng = dflash2_rt.Engine(method=method, num_threads=threads, max_batch_size=1, device=device,
-                            cuda_graphs=cuda_graphs)
+                            cuda_graphs=cuda_graphs, draft_gemm=draft_gemm if method.startswith("dflash") else "auto")
     eng.generate([prompts[0][:32]], max_new_tokens=8, stop_token_ids=[])  # warm-up
     out, toks, dec, taus, pos = [], 0, 0.0, [], []
     split = {"draft_s": 0.0, "verify_s": 0.0, "host_s": 0.0}
@@ -62,6 +65,7 @@ def run_method(method, prompts, new, threads, temperature, top_p, seed, device="
     m = eng.metrics()
     graphs = {k: m[k] for k in m if k.startswith("cuda_graphs_") or k in ("steps_as_one_unit", "padding_rows", "drafter_appends_in_step")}
     return out, {"acceptance_length": float(np.mean(taus)), "tokens_per_second": toks / dec, "cuda_graphs": graphs,
+                 "draft_gemm": eng.draft_gemm,
                  "accepted_per_position": np.mean(pos, 0).tolist() if pos else [], "generated_tokens": toks,
                  "decode_s": dec, "decode_split": {k: v / dec for k, v in split.items()} if dec > 0 else {}}
 
@@ -103,6 +107,16 @@ def main(argv=None):
                 st["graphs_equal_eager"] = eo == outs
                 print(f"{'':12s} {m:8s} eager {es['tokens_per_second']:.1f} tok/s: graphs x{st['graphs_speedup']:.2f}, "
                       f"equal {st['graphs_equal_eager']}, {st['cuda_graphs']}", flush=True)
+            if temp == 0 and a.device != "cpu" and m == "dflash2" and st["draft_gemm"] != "exact":
+                # the drafter's exact GEMMs (draft_gemm="exact"), same requests, same run
+                xo, xs = run_method(m, prompts, a.new, a.threads, temp, top_p, a.seed, a.device, draft_gemm="exact")
+                st["tokens_per_second_exact_draft"] = xs["tokens_per_second"]
+                st["draft_gemm_speedup"] = st["tokens_per_second"] / xs["tokens_per_second"]
+                st["draft_share_exact_draft"] = xs["decode_split"].get("draft_s")
+                st["exact_draft_lossless"] = xo == ref
+                print(f"{'':12s} {m:8s} draft_gemm exact {xs['tokens_per_second']:.1f} tok/s (tau "
+                      f"{xs['acceptance_length']:.2f}): draft_gemm {st['draft_gemm']} x{st['draft_gemm_speedup']:.2f}",
+                      flush=True)
             rows[m] = st
             sp = " ".join(f"{k[:-2]} {v:.0%}" for k, v in st["decode_split"].items())
             print(f"{mode:12s} {m:8s} tau {st['acceptance_length']:.2f} {st['tokens_per_second']:.1f} tok/s "

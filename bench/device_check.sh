@@ -144,7 +144,10 @@ if e2e:
             modes = json.load(f)["modes"]
         report["default_pair_cuda"] = {mode: {m: {k: st.get(k) for k in ("acceptance_length", "tokens_per_second",
                                                                          "speedup_vs_ar", "lossless_vs_ar",
-                                                                         "decode_split")}
+                                                                         "decode_split", "graphs_speedup",
+                                                                         "graphs_equal_eager", "draft_gemm",
+                                                                         "tokens_per_second_exact_draft",
+                                                                         "draft_gemm_speedup", "exact_draft_lossless")}
                                               for m, st in rows.items()} for mode, rows in modes.items()}
     except (OSError, ValueError, KeyError) as e:
         report["default_pair_cuda"] = {"json": e2e, "error": "no readable result: %s" % e}

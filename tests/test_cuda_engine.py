@@ -143,16 +143,22 @@ def test_seeded_sampling_equal_cpu(zoo):
 
 def test_dflash2_pair_on_cuda(tmp_path):
     """DFlash 2 with the target and the drafter on the GPU: the hand-built pair's exact
-    output and accepted counts."""
+    output and accepted counts with the drafter's exact GEMMs; with draft_gemm="auto" (the
+    tensor cores once they pass the load-time check) the same output (drafts only steer
+    acceptance)."""
     cuda_or_skip()
     pair = F.make_self_drafting_pair(tmp_path)
-    eng = dflash2_rt.Engine(target=pair.target_dir, draft=pair.draft_dir, method="dflash2", device="cuda", **KW)
     prompts = [[int(x)] * 3 for x in (5, 40, 77)]
-    got = eng.generate(prompts, max_new_tokens=41, stop_token_ids=NO_STOP)
-    for pr, r in zip(prompts, got):
-        exp = pair.expected_greedy(pr, 41)
-        assert list(r.token_ids) == exp["tokens"]
-        assert r.stats["verify_steps"] == exp["steps"]
+    for mode in ("exact", "auto"):
+        eng = dflash2_rt.Engine(target=pair.target_dir, draft=pair.draft_dir, method="dflash2", device="cuda",
+                                draft_gemm=mode, **KW)
+        print(f"draft_gemm={mode}: {eng.draft_gemm}")
+        got = eng.generate(prompts, max_new_tokens=41, stop_token_ids=NO_STOP)
+        for pr, r in zip(prompts, got):
+            exp = pair.expected_greedy(pr, 41)
+            assert list(r.token_ids) == exp["tokens"], mode
+            if mode == "exact":
+                assert r.stats["verify_steps"] == exp["steps"]
 
 
 def test_bad_devices(zoo):
@@ -331,7 +337,8 @@ def test_dflash_paths_on_cuda(tmp_path):
     kw = dict(KW, max_step_tokens=32)
     ar = dflash2_rt.Engine(target=pair.target_dir, method="ar", device="cpu", **kw)
     cpu = dflash2_rt.Engine(target=pair.target_dir, draft=pair.draft_dir, method="dflash2", device="cpu", **kw)
-    gpu = dflash2_rt.Engine(target=pair.target_dir, draft=pair.draft_dir, method="dflash2", device="cuda", **kw)
+    gpu = dflash2_rt.Engine(target=pair.target_dir, draft=pair.draft_dir, method="dflash2", device="cuda",
+                            draft_gemm="exact", **kw)  # propose() equal to the CPU's
     g1 = dflash2_rt.Engine(target=pair.target_dir, draft=pair.draft_dir, method="dflash", device="cuda", **kw)
     long_prompt = [int(x) % 100 + 2 for x in range(70)]  # > max_step_tokens = 32
     prompts = [[5, 5, 5], [40, 40, 40], long_prompt]

@@ -364,6 +364,46 @@ def test_nvfp4_prefill_is_lossless(world, tmp_path):
     _quantized_prefill_is_lossless(world, fp4, "nvfp4", "bf16", "nvfp4")
 
 
+def test_draft_gemm_is_lossless(world, ar_greedy, tmp_path):
+    """draft_gemm: the DFlash drafter's projections and its LM head over the block on the
+    tensor cores' numerics ("bf16"; "fp8" = W8A8 for a drafter stored in FP8 block-128; here
+    the CPU's emulations). Drafts only steer acceptance, so speculative == AR token for token
+    in every mode; "auto" is "exact" on the CPU; a mode the drafter's weights cannot take, or
+    one given to an engine without a DFlash drafter, is a clear error; W8A8 really changes
+    some drafts."""
+    from dflash2_rt.tools.quantize import quantize_checkpoint
+    d2 = world.draft("d2")
+    fp8 = tmp_path / "d2_fp8"
+    quantize_checkpoint(os.fspath(d2), os.fspath(fp8), "fp8")
+    assert _engine(world.target, d2, "dflash2").draft_gemm == "exact"  # "auto" on the CPU
+    assert _engine(world.target).draft_gemm == "exact"
+    with pytest.raises(dflash2_rt.InvalidArgumentError, match="draft_gemm"):
+        _engine(world.target, d2, "dflash2", draft_gemm="BF16")
+    with pytest.raises(dflash2_rt.InvalidArgumentError, match="DFlash drafters"):
+        _engine(world.target, None, "ar", draft_gemm="bf16")
+    with pytest.raises(dflash2_rt.ConfigError, match="FP8 block-128"):
+        _engine(world.target, d2, "dflash2", draft_gemm="fp8")
+    with pytest.raises(dflash2_rt.ConfigError, match="NVFP4"):
+        _engine(world.target, d2, "dflash2", draft_gemm="nvfp4")
+    n = len(GREEDY_PROMPTS)
+    cases = [(d2, "dflash2", "bf16"), (world.draft("d1"), "dflash", "bf16"), (fp8, "dflash2", "fp8")]
+    for draft, method, mode in cases:
+        eng = _engine(world.target, draft, method, draft_gemm=mode)
+        assert eng.draft_gemm == mode
+        for bs in (1, 3):
+            order = [(i * 7 + bs) % n for i in range(n)]
+            for j in range(0, n, bs):
+                idx = order[j:j + bs]
+                res = eng.generate([GREEDY_PROMPTS[i] for i in idx], max_new_tokens=GREEDY_NEW,
+                                   stop_token_ids=NO_STOP)
+                for i, r in zip(idx, res):
+                    assert list(r.token_ids) == ar_greedy[i], f"{method}, draft_gemm={mode}, batch {bs}, prompt {i}"
+    exact, w8a8 = _engine(world.target, fp8, "dflash2"), _engine(world.target, fp8, "dflash2", draft_gemm="fp8")
+    assert exact.draft_gemm == "exact"
+    assert any(list(exact.propose(p).tokens) != list(w8a8.propose(p).tokens) for p in GREEDY_PROMPTS), \
+        "draft_gemm='fp8' changed no draft: is it quantizing?"
+
+
 def test_nvfp4_experts_prefill_is_lossless(world, tmp_path):
     """A checkpoint whose routed experts are NVFP4 (only those, as GLM-5.3-NVFP4): with
     prefill_gemm="bf16" the prompt tokens' experts run moe_experts' BF16 numerics (W4A16: the
@@ -650,7 +690,7 @@ def _marginals(samples_or_p, V=V_SMALL):
     return {"t1,t2": p.sum(2), "t2,t3": p.sum(0), "t1,t3": p.sum(1)}
 
 
-@pytest.mark.parametrize("method", ["ar", "dflash2", "dflash", "mtp"])
+@pytest.mark.parametrize("method", ["ar", "dflash2", "dflash", "mtp", "dflash2_bf16_draft"])
 def test_sampling_matches_target_distribution(small, method):
     if method == "ar":
         eng = small.ar
@@ -661,6 +701,8 @@ def test_sampling_matches_target_distribution(small, method):
             eng = _engine(small.target, None, "mtp", mtp_draft_tokens=3)
         except TypeError:
             eng = _engine(small.target, None, "mtp")
+    elif method == "dflash2_bf16_draft":  # the drafter on the tensor cores' numerics (draft_gemm)
+        eng = _engine(small.target, small.d2, "dflash2", draft_gemm="bf16")
     else:
         eng = _engine(small.target, small.d2 if method == "dflash2" else small.d1, method)
     check_sampling_distribution(small, eng, method)

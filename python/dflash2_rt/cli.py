@@ -138,6 +138,14 @@ def _run_info(args: argparse.Namespace) -> int:
 
 
 # ---------------------------------------------------------------------------- generate
+def _add_gemm_args(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--prefill-gemm", choices=("auto", "exact", "bf16", "fp8", "nvfp4"), default="auto",
+                   help="prompt tokens' GEMM numerics: bf16 = tensor cores (CPU: emulated), fp8 = W8A8 for an "
+                        "FP8 block-128 checkpoint, nvfp4 = W4A4 for an NVFP4 one, exact = fp32 activations; "
+                        "auto = fp8 / nvfp4 / bf16 on a supported GPU, else exact")
+    p.add_argument("--draft-gemm", choices=("auto", "exact", "bf16", "fp8", "nvfp4"), default="auto",
+                   help="the DFlash drafter's GEMM numerics, as --prefill-gemm for the drafter's weights (lossless "
+                        "whichever: drafts only steer acceptance); auto = the tensor cores on a supported GPU")
 
 
 def _generate_args(p: argparse.ArgumentParser) -> None:
@@ -163,10 +171,7 @@ def _generate_args(p: argparse.ArgumentParser) -> None:
                    help="ranks the target is split across (on the CPU: threads of this process)")
     p.add_argument("--expert-parallel", action="store_true",
                    help="with --tensor-parallel > 1: whole routed experts per rank instead of a slice of each")
-    p.add_argument("--prefill-gemm", choices=("auto", "exact", "bf16", "fp8", "nvfp4"), default="auto",
-                   help="prompt tokens' GEMM numerics: bf16 = tensor cores (CPU: emulated), fp8 = W8A8 for an "
-                        "FP8 block-128 checkpoint, nvfp4 = W4A4 for an NVFP4 one, exact = fp32 activations; "
-                        "auto = fp8 / nvfp4 / bf16 on a supported GPU, else exact")
+    _add_gemm_args(p)
     p.add_argument("--no-cuda-graphs", dest="cuda_graphs", action="store_false",
                    help="CUDA: run every forward chunk eagerly instead of replaying captured CUDA graphs")
     p.add_argument("--threads", type=int, default=None, help="CPU threads (default: all cores)")
@@ -188,7 +193,7 @@ def _run_generate(args: argparse.Namespace) -> int:
     eng = Engine(target=args.target, draft=args.draft, method=args.method, device=args.device,
                  max_seq_len=args.max_seq_len, max_batch_size=1, num_threads=args.threads,
                  tensor_parallel=args.tensor_parallel, expert_parallel=args.expert_parallel,
-              prefill_gemm=args.prefill_gemm, cuda_graphs=args.cuda_graphs)
+              prefill_gemm=args.prefill_gemm, draft_gemm=args.draft_gemm, cuda_graphs=args.cuda_graphs)
     method = eng.method
     print(f"loaded in {time.perf_counter() - t0:.2f} s (method {method})", file=sys.stderr, flush=True)
     if args.prompt is not None:
@@ -247,10 +252,7 @@ def _serve_args(p: argparse.ArgumentParser) -> None:
                    help="ranks the target is split across (on the CPU: threads of this process)")
     p.add_argument("--expert-parallel", action="store_true",
                    help="with --tensor-parallel > 1: whole routed experts per rank instead of a slice of each")
-    p.add_argument("--prefill-gemm", choices=("auto", "exact", "bf16", "fp8", "nvfp4"), default="auto",
-                   help="prompt tokens' GEMM numerics: bf16 = tensor cores (CPU: emulated), fp8 = W8A8 for an "
-                        "FP8 block-128 checkpoint, nvfp4 = W4A4 for an NVFP4 one, exact = fp32 activations; "
-                        "auto = fp8 / nvfp4 / bf16 on a supported GPU, else exact")
+    _add_gemm_args(p)
     p.add_argument("--no-cuda-graphs", dest="cuda_graphs", action="store_false",
                    help="CUDA: run every forward chunk eagerly instead of replaying captured CUDA graphs")
     p.add_argument("--pad-to-buckets", choices=("auto", "on", "off"), default="auto",
@@ -294,7 +296,7 @@ def _run_serve(args: argparse.Namespace) -> int:
           (f" (method {args.method})" if args.method else "") + " ...", file=sys.stderr, flush=True)
     kw = dict(max_batch_size=args.max_batch_size, max_seq_len=args.max_seq_len, speculation=args.speculation,
               tensor_parallel=args.tensor_parallel, expert_parallel=args.expert_parallel,
-              prefill_gemm=args.prefill_gemm, cuda_graphs=args.cuda_graphs,
+              prefill_gemm=args.prefill_gemm, draft_gemm=args.draft_gemm, cuda_graphs=args.cuda_graphs,
               pad_to_buckets={"auto": None, "on": True, "off": False}[args.pad_to_buckets])
     if args.threads is not None:
         kw["num_threads"] = args.threads

@@ -209,7 +209,7 @@ class Engine:
                  max_batch_size: int = 8, max_seq_len: Optional[int] = None, max_step_tokens: int = 256,
                  kv_block_size: int = 16, num_threads: Optional[int] = None, mtp_draft_tokens: int = 7,
                  speculation: str = "fixed", tensor_parallel: int = 1, expert_parallel: bool = False,
-                 prefill_gemm: str = "auto", cuda_graphs: bool = True, pad_to_buckets: Optional[bool] = None,
+                 prefill_gemm: str = "auto", draft_gemm: str = "auto", cuda_graphs: bool = True, pad_to_buckets: Optional[bool] = None,
                  capture_at_load: Optional[bool] = None):
         """target: a glm_moe_dsa checkpoint directory (None: the bundled default pair).
         draft: a DFlash 2 / DFlash 1 drafter directory. method: "ar" | "mtp" | "dflash" |
@@ -235,6 +235,11 @@ class Engine:
         such a checkpoint where the kernel exists (sm_90a / sm_100a), else "bf16", each after
         a load-time check; "exact" elsewhere). Generated tokens always decode exact, so speculative == AR holds in
         every mode; the resolved mode is `engine.prefill_gemm`.
+        draft_gemm: the same choice for the DFlash drafter's projections and its LM head over
+        the block ("fp8" / "nvfp4" need a drafter with such weights); "auto" takes the tensor
+        cores where the drafter runs on a GPU this build has the kernels for (each numerics
+        after its load-time check), "exact" elsewhere. Drafts only steer acceptance, so every
+        choice is lossless; the resolved mode is `engine.draft_gemm` ("exact" for ar / mtp).
         cuda_graphs: on CUDA with tensor_parallel=1, capture the target's decode / verify
         chunks as CUDA graphs and replay them (False: every chunk eagerly, the same
         kernels); `engine.cuda_graphs` says whether it is in effect, metrics() counts them.
@@ -281,12 +286,15 @@ class Engine:
         if prefill_gemm not in ("auto", "exact", "bf16", "fp8", "nvfp4"):
             raise _core.InvalidArgumentError(
                 f"Engine: prefill_gemm must be 'auto', 'exact', 'bf16', 'fp8' or 'nvfp4', found {prefill_gemm!r}")
+        if draft_gemm not in ("auto", "exact", "bf16", "fp8", "nvfp4"):
+            raise _core.InvalidArgumentError(
+                f"Engine: draft_gemm must be 'auto', 'exact', 'bf16', 'fp8' or 'nvfp4', found {draft_gemm!r}")
         if speculation not in ("fixed", "adaptive"):
             raise _core.InvalidArgumentError(f"Engine: speculation must be 'fixed' or 'adaptive', found {speculation!r}")
         self._e = _core.Engine(os.fspath(target), None if draft is None else os.fspath(draft), method or "", device,
                                max_batch_size, max_seq_len or 0, max_step_tokens, kv_block_size, num_threads or 0,
                                mtp_draft_tokens, speculation, tensor_parallel, bool(expert_parallel),
-                               prefill_gemm, bool(cuda_graphs),
+                               prefill_gemm, draft_gemm, bool(cuda_graphs),
                                -1 if pad_to_buckets is None else int(bool(pad_to_buckets)),
                                -1 if capture_at_load is None else int(bool(capture_at_load)))
         _LIVE.add(self)
@@ -336,6 +344,12 @@ class Engine:
     def prefill_gemm(self) -> str:
         """The prompt tokens' GEMM numerics this engine resolved: "exact", "bf16", "fp8" or "nvfp4"."""
         return self._e.prefill_gemm
+
+    @property
+    def draft_gemm(self) -> str:
+        """The DFlash drafter's GEMM numerics this engine resolved: "exact", "bf16", "fp8" or
+        "nvfp4" ("exact" for ar / mtp)."""
+        return self._e.draft_gemm
 
     @property
     def experts_prefill_gemm(self) -> str:

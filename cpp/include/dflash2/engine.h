@@ -43,6 +43,14 @@ struct EngineConfig {
   std::string experts_prefill_gemm;  // set by the engine (an output): the numerics the routed
                                      // experts of prompt chunks take under prefill_gemm ("exact",
                                      // "bf16", "fp8", "nvfp4"; "exact" without MoE layers)
+  std::string draft_gemm = "auto";  // the DFlash drafter's projections and its LM head over the block:
+                                    // "exact" (ops::linear), "bf16", "fp8" (a drafter with FP8
+                                    // block-128 weights), "nvfp4" (NVFP4 weights with an
+                                    // input_scale), as prefill_gemm; "auto" = on a GPU the drafter
+                                    // runs on, "fp8" / "nvfp4" for such a drafter else "bf16",
+                                    // each after the load-time check; else "exact". Drafts only
+                                    // steer acceptance: every choice is lossless. Reads back as
+                                    // the numerics in effect ("exact" for ar / mtp).
   bool cuda_graphs = true;  // CUDA, tensor_parallel = 1: decode / verify chunks of the target
                            // captured as CUDA graphs and replayed; false: every chunk eagerly
   int pad_to_buckets = -1;  // a decode step run as one unit (one CUDA graph) is padded to the next

@@ -124,6 +124,8 @@ void fp8_quantize_act(const Tensor& x, Tensor& out);
 // alpha = input_scale x weight_scale_2, so the two agree to fp32 rounding, not bitwise. A
 // row's result never depends on M or the other rows. Shapes as linear.
 void linear_nvfp4(const Tensor& x, const Weight& w, Tensor& y, bool accumulate = false);
+// Whether linear_nvfp4 takes w: NVFP4 with a normal, finite input_scale (1 / input_scale finite).
+bool takes_w4a4(const Weight& w);
 // Whether linear_nvfp4 runs on `dev` in this build (the CPU always; a GPU when the CUTLASS
 // kernel for its architecture was built: sm_100a / sm_103a).
 bool linear_nvfp4_available(Device dev);

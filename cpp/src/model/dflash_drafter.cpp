@@ -133,18 +133,33 @@ std::unique_ptr<DFlashDrafter> DFlashDrafter::load(const Checkpoint& ck, const G
   return d;
 }
 
+std::vector<Weight*> DFlashDrafter::own_weights() {
+  std::vector<Weight*> w{&fc_, &sel_proj_};
+  for (auto& L : layers_)
+    for (Weight* x : {&L->q, &L->k, &L->v, &L->o, &L->gate, &L->up, &L->down, &L->att_proj, &L->mlp_proj}) w.push_back(x);
+  return w;
+}
+
+std::vector<const Weight*> DFlashDrafter::own_weights() const {
+  std::vector<const Weight*> out;
+  for (Weight* w : const_cast<DFlashDrafter*>(this)->own_weights()) out.push_back(w);
+  return out;
+}
+
+bool DFlashDrafter::any_weight(bool (*is)(const Weight&)) const {
+  for (const Weight* w : own_weights())
+    if (w->data.defined() && is(*w)) return true;
+  return false;
+}
+
 size_t DFlashDrafter::device_bytes() const {
   size_t n = ws_->capacity();
   auto T = [&](const Tensor& t) { n += t.defined() ? t.nbytes() : 0; };
-  auto W = [&](const Weight& w) { n += w.data.defined() ? w.bytes() : 0; };
-  W(fc_);
+  for (const Weight* w : own_weights()) n += w->data.defined() ? w->bytes() : 0;
   T(hidden_norm_);
   T(norm_);
-  for (const auto& L : layers_) {
-    for (const Weight* w : {&L->q, &L->k, &L->v, &L->o, &L->gate, &L->up, &L->down, &L->att_proj, &L->mlp_proj}) W(*w);
+  for (const auto& L : layers_)
     for (const Tensor* t : {&L->q_norm, &L->k_norm, &L->in_norm, &L->post_norm, &L->att_base, &L->mlp_base}) T(*t);
-  }
-  W(sel_proj_);
   T(pred_book_);
   T(succ_book_);
   T(logit_rows_);
@@ -163,17 +178,12 @@ void DFlashDrafter::to_device(Device dev, const Tensor& embed, const Weight& lm_
   auto T = [&](Tensor& t) {
     if (t.defined()) t = t.to(dev);
   };
-  auto W = [&](Weight& w) {
-    if (w.data.defined()) w = w.to(dev);
-  };
-  W(fc_);
+  for (Weight* w : own_weights())
+    if (w->data.defined()) *w = w->to(dev);
   T(hidden_norm_);
   T(norm_);
-  for (auto& L : layers_) {
-    for (Weight* w : {&L->q, &L->k, &L->v, &L->o, &L->gate, &L->up, &L->down, &L->att_proj, &L->mlp_proj}) W(*w);
+  for (auto& L : layers_)
     for (Tensor* t : {&L->q_norm, &L->k_norm, &L->in_norm, &L->post_norm, &L->att_base, &L->mlp_base}) T(*t);
-  }
-  W(sel_proj_);
   T(pred_book_);
   T(succ_book_);
   T(logit_rows_);
@@ -218,13 +228,13 @@ void DFlashDrafter::append_context(const TokenBatch& batch, const Tensor& taps, 
   DFLASH2_INTERNAL(n >= 1 && n <= max_ctx_, "append_context of ", n, " tokens (max ", max_ctx_, ")");
   ws_->reset();
   Bufs b = alloc_append(*ws_, n);
-  ops::linear(taps, fc_, b.f);
+  ops::linear_as(gemm_, taps, fc_, b.f);
   ops::rms_norm(b.f, hidden_norm_, c.rms_norm_eps, b.ctx);
   for (int64_t l = 0; l < c.num_layers; ++l) {
     const Layer& L = *layers_[size_t(l)];
     Tensor k2 = b.kk.reshape({n, kvd});
-    ops::linear(b.ctx, L.k, k2);
-    ops::linear(b.ctx, L.v, b.vv);
+    ops::linear_as(gemm_, b.ctx, L.k, k2);
+    ops::linear_as(gemm_, b.ctx, L.v, b.vv);
     ops::rms_norm(b.kk, L.k_norm, c.rms_norm_eps, b.kk);
     ops::rope(b.kk, batch.paged.pos, c.rope_theta, ops::RopeStyle::NeoX);
     Tensor kc = kv_layers[size_t(l)].slice(1, 0, kvd), vc = kv_layers[size_t(l)].slice(1, kvd, 2 * kvd);
@@ -256,29 +266,29 @@ void DFlashDrafter::draft(const TokenBatch& batch, const std::vector<Tensor>& kv
     // attention sublayer
     ops::rms_norm(x, L.in_norm, c.rms_norm_eps, y);
     if (c.v2) {
-      ops::linear(y, L.att_proj, dyn);
+      ops::linear_as(gemm_, y, L.att_proj, dyn);
       ops::dyn_conv(y, L.att_base.select(0, 0), dyn.slice(1, 0, 2 * G), B, y);
     }
     Tensor q2 = q.reshape({T, nh * hd}), k2 = kb.reshape({T, kvh * hd}), v2 = vb.reshape({T, kvh * hd});
-    ops::linear(y, L.q, q2);
-    ops::linear(y, L.k, k2);
-    ops::linear(y, L.v, v2);
+    ops::linear_as(gemm_, y, L.q, q2);
+    ops::linear_as(gemm_, y, L.k, k2);
+    ops::linear_as(gemm_, y, L.v, v2);
     ops::rms_norm(q, L.q_norm, c.rms_norm_eps, q);
     ops::rms_norm(kb, L.k_norm, c.rms_norm_eps, kb);
     ops::rope(q, batch.paged.pos, c.rope_theta, ops::RopeStyle::NeoX);
     ops::rope(kb, batch.paged.pos, c.rope_theta, ops::RopeStyle::NeoX);
     ba.window = c.window[size_t(l)];
     ops::block_attention(q, kb, vb, kv_layers[size_t(l)], batch.ctx_len, batch.paged.block_table, ba, att);
-    ops::linear(att.reshape({T, nh * hd}), L.o, ob);
+    ops::linear_as(gemm_, att.reshape({T, nh * hd}), L.o, ob);
     if (c.v2) ops::dyn_conv(ob, L.att_base.select(0, 1), dyn.slice(1, 2 * G, 4 * G), B, ob);
     ops::add(x, ob, x);
     // MLP sublayer
     ops::rms_norm(x, L.post_norm, c.rms_norm_eps, y);
     if (c.v2) {
-      ops::linear(y, L.mlp_proj, dyn);
+      ops::linear_as(gemm_, y, L.mlp_proj, dyn);
       ops::dyn_conv(y, L.mlp_base.select(0, 0), dyn.slice(1, 0, 2 * G), B, y);
     }
-    ops::gated_mlp(y, L.gate, L.up, L.down, ob, scratch);
+    ops::gated_mlp(y, L.gate, L.up, L.down, ob, scratch, gemm_);
     if (c.v2) ops::dyn_conv(ob, L.mlp_base.select(0, 1), dyn.slice(1, 2 * G, 4 * G), B, ob);
     ops::add(x, ob, x);
   }
@@ -286,7 +296,7 @@ void DFlashDrafter::draft(const TokenBatch& batch, const std::vector<Tensor>& kv
   // logits of block positions 1..B-1 (position i predicts the token at start + i)
   Tensor hrows = b.hrows.slice(0, 0, R), logits = b.logits.slice(0, 0, R);
   ops::gather_rows(y, logit_rows_.slice(0, 0, R), hrows);
-  ops::linear(hrows, lm_head_, logits);
+  ops::linear_as(gemm_, hrows, lm_head_, logits);
   if (!c.v2 || !use_selector_) {
     Tensor toks = out.tokens.reshape({R});
     ops::argmax(logits, toks);
@@ -295,7 +305,7 @@ void DFlashDrafter::draft(const TokenBatch& batch, const std::vector<Tensor>& kv
   const int64_t K = c.selector_top_k, Rk = c.selector_rank;
   Tensor vals = b.vals.slice(0, 0, R), cand = out.cand.reshape({R, K}), g = b.g.slice(0, 0, R);
   ops::topk(logits, K, vals, cand);
-  ops::linear(hrows, sel_proj_, g);
+  ops::linear_as(gemm_, hrows, sel_proj_, g);
   ops::selector_walk(vals.reshape({S, B - 1, K}), out.cand, g.reshape({S, B - 1, Rk}), pred_book_, succ_book_,
                      batch.tokens.reshape({S, B}).select(1, 0), temperature, rng, out.tokens, out.q);
 }

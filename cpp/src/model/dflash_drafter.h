@@ -42,6 +42,14 @@ class DFlashDrafter {
   // workspace.
   size_t device_bytes() const;
   Device device() const { return device_; }
+  // The numerics of the drafter's projections and of the LM head over the block (Engine
+  // draft_gemm): Exact runs ops::linear (fp32, the CPU's default), the others ops::linear_as
+  // (the tensor cores on a GPU). Drafts only steer acceptance, so decoding stays lossless
+  // whichever it is; the block attention and the selector keep their own numerics.
+  void set_gemm(ops::GemmNumerics g) { gemm_ = g; }
+  ops::GemmNumerics gemm() const { return gemm_; }
+  // Whether any of the drafter's own projections (not the target's LM head) satisfies `is`.
+  bool any_weight(bool (*is)(const ops::Weight&)) const;
   // DFlash 2 only: false drafts the argmax per position (convs still on), for ablations.
   void set_use_selector(bool on) { use_selector_ = on && cfg_.v2; }
   bool use_selector() const { return use_selector_; }
@@ -63,6 +71,8 @@ class DFlashDrafter {
   struct Bufs;
   Bufs alloc_append(Arena& a, int64_t n) const;
   Bufs alloc_draft(Arena& a, int64_t seqs) const;
+  std::vector<ops::Weight*> own_weights();  // the drafter's projections (defined or not)
+  std::vector<const ops::Weight*> own_weights() const;
 
   DraftConfig cfg_;
   std::shared_ptr<Checkpoint> ckpt_;
@@ -77,6 +87,7 @@ class DFlashDrafter {
   std::unique_ptr<Arena> ws_;
   Tensor logit_rows_;  // I32 [max_seqs * (B-1)]: rows s*B + 1 + t of a drafted batch
   bool use_selector_ = true;
+  ops::GemmNumerics gemm_ = ops::GemmNumerics::Exact;
   Device device_ = Device::cpu();
 };
 

@@ -458,10 +458,7 @@ bool GlmModel::has_fp8_weights() const {
 }
 
 bool GlmModel::has_nvfp4_weights() const {
-  auto w4a4 = [](const Weight& w) {  // as linear_nvfp4 takes it: 1 / input_scale finite
-    return w.format == ops::WeightFormat::NVFP4 && std::isfinite(w.input_scale) &&
-           w.input_scale >= std::numeric_limits<float>::min();
-  };
+  auto w4a4 = [](const Weight& w) { return ops::takes_w4a4(w); };
   if (any_prefill_weight(layers_, w4a4)) return true;
   for (const auto& L : layers_) {  // the routed experts (GLM-5.3-NVFP4 quantizes only those)
     const ops::ExpertWeights& ex = L->mlp.experts;

@@ -136,12 +136,17 @@ bool linear_fp8_available(Device dev) {
   return false;
 }
 
+// >= FLT_MIN: 1 / input_scale must be finite (a subnormal scale would make it infinite)
+bool takes_w4a4(const Weight& w) {
+  return w.format == WeightFormat::NVFP4 && std::isfinite(w.input_scale) &&
+         w.input_scale >= std::numeric_limits<float>::min();
+}
+
 void linear_nvfp4(const Tensor& x, const Weight& w, Tensor& y, bool accumulate) {
   check_linear("linear_nvfp4", x, w, y);
   DFLASH2_CHECK_ARG(w.format == WeightFormat::NVFP4, "linear_nvfp4(", w.name, "): the weight must be NVFP4 (W4A4), ",
                     "found ", weight_format_name(w.format), "; use linear or linear_bf16");
-  // >= FLT_MIN: 1 / input_scale must be finite (a subnormal scale would make it infinite)
-  DFLASH2_CHECK_ARG(std::isfinite(w.input_scale) && w.input_scale >= std::numeric_limits<float>::min(), "linear_nvfp4(",
+  DFLASH2_CHECK_ARG(takes_w4a4(w), "linear_nvfp4(",
                     w.name, "): W4A4 needs the checkpoint's activation scale (a normal input_scale > 0), found ",
                     w.input_scale);
   DFLASH2_DISPATCH(linear_nvfp4, x, x, w, y, accumulate);
@@ -173,7 +178,7 @@ void linear_as(GemmNumerics g, const Tensor& x, const Weight& w, Tensor& y, bool
       if (w.format == WeightFormat::FP8Block128) return linear_fp8(x, w, y, accumulate);
       return linear_bf16(x, w, y, accumulate);
     case GemmNumerics::NVFP4:
-      if (w.format == WeightFormat::NVFP4 && w.input_scale > 0.0f) return linear_nvfp4(x, w, y, accumulate);
+      if (takes_w4a4(w)) return linear_nvfp4(x, w, y, accumulate);
       return linear_bf16(x, w, y, accumulate);
   }
 }
@@ -719,9 +724,7 @@ void moe_experts(const Tensor& x, const Tensor& ids, const Tensor& weights, cons
   if (numerics == GemmNumerics::NVFP4) {
     for (int64_t e = 0; e < E; ++e)
       for (const Weight* w : {&experts.gate[size_t(e)], &experts.up[size_t(e)], &experts.down[size_t(e)]})
-        DFLASH2_CHECK_ARG(w->format == WeightFormat::NVFP4 && std::isfinite(w->input_scale) &&
-                              w->input_scale >= std::numeric_limits<float>::min(),
-                          op, ": 'nvfp4' numerics need NVFP4 experts with an input_scale, expert ", e, "'s '", w->name,
+        DFLASH2_CHECK_ARG(takes_w4a4(*w), op, ": 'nvfp4' numerics need NVFP4 experts with an input_scale, expert ", e, "'s '", w->name,
                           "' is ", weight_format_name(w->format), w->format == WeightFormat::NVFP4 ? " without a normal, finite one" : "");
     DFLASH2_DISPATCH(moe_experts_nvfp4, x, x, ids, weights, experts, out, workspace);
   }
@@ -735,9 +738,7 @@ bool moe_experts_nvfp4_available(Device dev, const ExpertWeights& experts) {
   // numerics for a checkpoint): K % 32 == 0 (16-byte rows of codes), N % 4 == 0
   for (size_t e = 0; e < experts.gate.size(); ++e)
     for (const Weight* w : {&experts.gate[e], &experts.up[e], &experts.down[e]})
-      if (w->format != WeightFormat::NVFP4 || !std::isfinite(w->input_scale) ||
-          !(w->input_scale >= std::numeric_limits<float>::min()) ||  // 1 / input_scale finite, as linear_nvfp4
-          w->in_features % 32 != 0 || w->out_features % 4 != 0)
+      if (!takes_w4a4(*w) || w->in_features % 32 != 0 || w->out_features % 4 != 0)
         return false;
   if (dev.is_cpu()) return true;
 #if defined(DFLASH2_WITH_CUDA) && defined(DFLASH2_WITH_CUTLASS)

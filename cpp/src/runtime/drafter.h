@@ -12,6 +12,10 @@
 #include "dflash2/tensor.h"
 #include "runtime/step_graphs.h"
 
+namespace dflash2::model {
+class DFlashDrafter;
+}
+
 namespace dflash2::runtime {
 
 enum class Method { AR, MTP, DFlash, DFlash2 };
@@ -71,6 +75,8 @@ class Drafter {
   virtual Device device() const { return Device::cpu(); }
   // CUDA graphs of its own forward (the device DFlash drafter), for Engine::metrics().
   virtual GraphStats graph_stats() const { return {}; }
+  // The DFlash drafters' model (Engine draft_gemm sets its GEMM numerics); none for MTP.
+  virtual model::DFlashDrafter* dflash_model() { return nullptr; }
   virtual void commit(const std::vector<CommitRows>& rows, const Features& f) = 0;
   // Greedy drafts where a job's temperature is 0; DFlash 2's selector samples the others
   // and records q.

@@ -112,6 +112,7 @@ class DFlashRunner final : public Drafter {
   int64_t draft_len() const override { return m_->block_size() - 1; }
   Device device() const override { return dev_; }
   GraphStats graph_stats() const override { return graphs_ ? graphs_->stats() : GraphStats{}; }
+  model::DFlashDrafter* dflash_model() override { return m_.get(); }
   bool reserve(int slot, int64_t tokens) override { return cache_.try_pin(streams_[size_t(slot)], tokens); }
   std::vector<int64_t> tap_layers() const override { return m_->config().target_layer_ids; }
   bool records_steps() const override { return true; }

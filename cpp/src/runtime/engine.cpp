@@ -14,6 +14,7 @@
 #include "dflash2/error.h"
 #include "dflash2/ops.h"
 #include "dflash2/safetensors.h"
+#include "model/dflash_drafter.h"
 #include "model/glm_model.h"
 #include "runtime/drafter.h"
 #include "runtime/scheduler.h"
@@ -251,6 +252,54 @@ std::string tc_gemm_self_check(Device dev, ops::GemmNumerics g, std::string* exp
     return e.what();
   }
 }
+
+// Engine draft_gemm: the numerics of the DFlash drafter's projections (model::DFlashDrafter::
+// set_gemm), set on the drafter; returns its name. `self_check(g)` is the load-time check of
+// tensor-core numerics g on the drafter's GPU ("" = passed).
+template <class Check>
+std::string resolve_draft_gemm(const EngineConfig& cfg, runtime::Drafter* drafter, Check&& self_check) {
+  using ops::GemmNumerics;
+  const std::string& dg = cfg.draft_gemm;
+  DFLASH2_CHECK_ARG(dg == "auto" || dg == "exact" || dg == "bf16" || dg == "fp8" || dg == "nvfp4",
+                    "Engine: draft_gemm must be 'auto', 'exact', 'bf16', 'fp8' or 'nvfp4', found '", dg, "'");
+  model::DFlashDrafter* m = drafter ? drafter->dflash_model() : nullptr;
+  if (!m) {
+    DFLASH2_CHECK_ARG(dg == "auto" || dg == "exact", "Engine: draft_gemm='", dg, "' applies to the DFlash drafters ",
+                      "(method 'dflash' / 'dflash2'); this engine has none");
+    return "exact";
+  }
+  const Device dev = m->device();
+  const bool fp8_w = m->any_weight([](const ops::Weight& w) { return w.format == ops::WeightFormat::FP8Block128; });
+  const bool fp4_w = m->any_weight([](const ops::Weight& w) { return ops::takes_w4a4(w); });
+  const bool bf16_ok = ops::linear_bf16_available(dev);
+  GemmNumerics g = GemmNumerics::Exact;
+  if (dg == "auto") {
+    if (dev.is_cuda() && bf16_ok && self_check(GemmNumerics::BF16).empty()) {
+      g = GemmNumerics::BF16;
+      if (fp8_w && ops::linear_fp8_available(dev) && self_check(GemmNumerics::FP8).empty()) g = GemmNumerics::FP8;
+      else if (fp4_w && ops::linear_nvfp4_available(dev) && self_check(GemmNumerics::NVFP4).empty())
+        g = GemmNumerics::NVFP4;
+    }
+  } else if (dg != "exact") {
+    g = dg == "bf16" ? GemmNumerics::BF16 : dg == "fp8" ? GemmNumerics::FP8 : GemmNumerics::NVFP4;
+    DFLASH2_CHECK(bf16_ok, ErrorKind::Unsupported, "Engine: draft_gemm='", dg, "' needs the tensor-core GEMM ",
+                  "(ops::linear_bf16), which this build has no kernel for on ", dev.str(), " (the drafter's device); ",
+                  "use 'exact' or 'auto'");
+    DFLASH2_CHECK(g != GemmNumerics::FP8 || fp8_w, ErrorKind::Config, "Engine: draft_gemm='fp8' (W8A8) needs a ",
+                  "drafter with FP8 block-128 projections, and ", cfg.draft, " has none; use 'bf16', 'exact' or 'auto'");
+    DFLASH2_CHECK(g != GemmNumerics::FP8 || ops::linear_fp8_available(dev), ErrorKind::Unsupported,
+                  "Engine: draft_gemm='fp8' needs ops::linear_fp8, which this build has no kernel for on ", dev.str(),
+                  "; use 'bf16', 'exact' or 'auto'");
+    DFLASH2_CHECK(g != GemmNumerics::NVFP4 || fp4_w, ErrorKind::Config, "Engine: draft_gemm='nvfp4' (W4A4) needs a ",
+                  "drafter with NVFP4 projections that have an input_scale, and ", cfg.draft,
+                  " has none; use 'bf16', 'exact' or 'auto'");
+    DFLASH2_CHECK(g != GemmNumerics::NVFP4 || ops::linear_nvfp4_available(dev), ErrorKind::Unsupported,
+                  "Engine: draft_gemm='nvfp4' needs ops::linear_nvfp4, which this build has no kernel for on ", dev.str(),
+                  " (sm_100a / sm_103a); use 'bf16', 'exact' or 'auto'");
+  }
+  m->set_gemm(g);
+  return ops::gemm_numerics_name(g);
+}
 }  // namespace
 
 Engine::Engine(const EngineConfig& cfg) : impl_(std::make_unique<Impl>()) {
@@ -348,6 +397,17 @@ Engine::Engine(const EngineConfig& cfg) : impl_(std::make_unique<Impl>()) {
                          : pg == "nvfp4" ? GemmNumerics::NVFP4
                                          : GemmNumerics::Exact;
   uint32_t experts_allowed = ~0u;  // bit g: the routed experts may take numerics g
+  // each tensor-core numerics' load-time check, run once (prefill_gemm and draft_gemm "auto")
+  std::string checked[4], experts_checked[4];
+  bool ran[4] = {false, false, false, false};
+  auto self_check = [&](GemmNumerics g) -> const std::string& {
+    const unsigned i = unsigned(g);
+    if (!ran[i]) {
+      checked[i] = tc_gemm_self_check(device, g, &experts_checked[i]);
+      ran[i] = true;
+    }
+    return checked[i];
+  };
   if (pg == "auto" && device.is_cuda()) {
     // The default on a GPU: the tensor cores, each numerics only once it has proved itself
     // here; FP8 / NVFP4 checkpoints take their low-precision GEMM where it exists (as their
@@ -357,8 +417,8 @@ Engine::Engine(const EngineConfig& cfg) : impl_(std::make_unique<Impl>()) {
                         : g == GemmNumerics::FP8 ? fp8_ok && fp8_ckpt && prefill == GemmNumerics::BF16
                                                  : fp4_ok && fp4_ckpt && prefill == GemmNumerics::BF16;
       if (!want) continue;
-      std::string experts_why;
-      const std::string why = tc_gemm_self_check(device, g, &experts_why);
+      const std::string& why = self_check(g);
+      const std::string& experts_why = experts_checked[unsigned(g)];
       if (!why.empty()) {
         std::fprintf(stderr, "dflash2: the %s tensor-core GEMM failed its load-time check on %s (%s); prompt tokens "
                      "run with prefill_gemm='%s'\n", ops::gemm_numerics_name(g), device.str().c_str(), why.c_str(),
@@ -385,6 +445,7 @@ Engine::Engine(const EngineConfig& cfg) : impl_(std::make_unique<Impl>()) {
   } else if (I.method == Method::MTP) {
     I.core.drafter = runtime::make_mtp_drafter(*I.core.target, cfg.mtp_draft_tokens);
   }
+  I.cfg.draft_gemm = resolve_draft_gemm(cfg, I.core.drafter.get(), self_check);
   I.core.num_threads = cfg.num_threads;
   if (I.core.drafter) {
     I.core.K = I.core.drafter->draft_len();
