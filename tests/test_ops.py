@@ -1411,6 +1411,50 @@ def test_block_attention_long_contexts(dev, causal, case):
             assert np.array_equal(many[r * T:(r + 1) * T], got), f"window {window}: copy {r} differs from the split rows"
 
 
+@pytest.mark.parametrize("dev", DEVICES)
+@pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
+@pytest.mark.parametrize("case", [(16, 2, 128, 8), (32, 2, 64, 8), (6, 2, 32, 5), (2, 2, 16, 3), (4, 1, 48, 4)],
+                         ids=lambda c: "h%d-kv%d-d%d-B%d" % c)
+def test_block_attention_tensor_cores(dev, causal, case):
+    """block_attention(tensor_cores=True), the drafter's under draft_gemm: on CUDA the BF16
+    tensor-core kernel where it applies (head_dim 16 / 32 / 64 / 128; 48 takes the exact
+    kernel), one 64-row tile per (block, kv head) or two (32 heads x 8 rows), contexts of
+    one and of several 256-key segments (folded by the combine), windows, causal: within BF16
+    rounding of the reference (NMSE <= 1e-4, and above 1e-9 where the kernel applies, so the
+    BF16 path really ran), and a 4-block batch's rows bitwise equal to the same blocks
+    inside a 40-block batch (the segmentation never depends on the batch). On the CPU the
+    flag changes nothing (exact)."""
+    need_device(dev, "block_attention")
+    nh, kvh, hd, B = case
+    cbs = 16
+    rng = rng_for("block-attn-tc", causal, case)
+    ctx = [1500, 700, 0, 33]
+    S = len(ctx)
+    q, k, v, kv_cache, bt, ctx_len, scale = block_attn_inputs(rng, ctx, nh, kvh, hd, B, cbs)
+    tc = dev == "cuda" and hd in (16, 32, 64, 128)
+    for window in [0, B - 1, 600]:
+        ref = refs.block_attention(q, k, v, kv_cache, ctx_len, bt, B, window, causal, scale, cbs)
+        out = Guarded(q.shape, dev)
+        ops.block_attention(*[to_dev(x, dev) for x in (q, k, v, kv_cache, ctx_len, bt)], B, cbs, window=window,
+                            causal=causal, scale=scale, out=out.view, tensor_cores=True)
+        got = out.result()
+        check("block_attention", got, ref, tol=1e-4 if tc else 1e-10)
+        if tc:
+            nmse = float(((got - ref) ** 2).sum() / (ref ** 2).sum())
+            assert nmse > 1e-9, f"window {window}: NMSE {nmse:.2e}: the BF16 kernel did not run"
+        if dev != "cuda":
+            continue
+        R = 10
+        qr, kr, vr = (np.concatenate([x] * R) for x in (q, k, v))
+        big = Guarded(qr.shape, dev)
+        ops.block_attention(*[to_dev(x, dev) for x in (qr, kr, vr, kv_cache, i32(ctx * R), np.concatenate([bt] * R))],
+                            B, cbs, window=window, causal=causal, scale=scale, out=big.view, tensor_cores=True)
+        many = big.result()
+        T = S * B
+        for r in range(R):
+            assert np.array_equal(many[r * T:(r + 1) * T], got), f"window {window}: copy {r} differs"
+
+
 # ----------------------------------------------------------------------------- MoE
 ROUTE_CASES = [  # (E, n_group, topk_group, top_k)
     (8, 1, 1, 1),

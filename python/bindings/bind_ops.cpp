@@ -473,7 +473,8 @@ void bind_ops(py::module_& m) {
   o.def(
       "block_attention",
       [](py::handle q, py::handle k, py::handle v, py::handle kv_cache, py::handle ctx_len, py::handle block_table,
-         int64_t block, int64_t cache_block_size, int64_t window, bool causal, float scale, py::handle out) {
+         int64_t block, int64_t cache_block_size, int64_t window, bool causal, float scale, py::handle out,
+         bool tensor_cores) {
         Tensor qt = tensor_from_python(q, "q"), kt = tensor_from_python(k, "k"), vt = tensor_from_python(v, "v");
         Tensor ct = tensor_from_python(kv_cache, "kv_cache"), lt = tensor_from_python(ctx_len, "ctx_len");
         Tensor bt = tensor_from_python(block_table, "block_table");
@@ -483,6 +484,7 @@ void bind_ops(py::module_& m) {
         p.causal = causal;
         p.scale = scale;
         p.cache_block_size = cache_block_size;
+        p.tensor_cores = tensor_cores;
         Tensor ot = out_or_new(out, DType::F32, qt.shape(), qt.device());
         {
           py::gil_scoped_release nogil;
@@ -492,7 +494,9 @@ void bind_ops(py::module_& m) {
       },
       py::arg("q"), py::arg("k"), py::arg("v"), py::arg("kv_cache"), py::arg("ctx_len"), py::arg("block_table"),
       py::arg("block"), py::arg("cache_block_size"), py::arg("window") = 0, py::arg("causal") = false,
-      py::arg("scale") = 1.0f, py::arg("out") = py::none(), "The DFlash drafter's block attention.");
+      py::arg("scale") = 1.0f, py::arg("out") = py::none(), py::arg("tensor_cores") = false,
+      "The DFlash drafter's block attention (tensor_cores: BF16 tensor cores on CUDA where they apply; exact "
+      "elsewhere).");
 
   // ---------------------------------------------------------------- MoE
   o.def(

@@ -165,6 +165,34 @@ TEST(block_attention_segments_cover_every_key) {
   CHECK(A::block_attn_segments(0, 256) == 0 && A::block_attn_segments(256, 256) == 1);
 }
 
+TEST(block_attention_tc_segments_cover_every_key) {
+  // the tensor-core kernel's segments: whole 64-key tiles, >= 256 keys, <= 64 segments, and
+  // every item's keys (its context from the earliest row's window start, then B) within
+  // block_attn_tc_keys, whatever the context length, row and window
+  for (int64_t cap : {int64_t(16), int64_t(4096), int64_t(131072), int64_t(1) << 20}) {
+    for (int64_t window : {int64_t(0), int64_t(1), int64_t(600), int64_t(2048), int64_t(1) << 22}) {
+      for (int64_t B : {int64_t(1), int64_t(8), int64_t(16)}) {
+        const int64_t keys = A::block_attn_tc_keys(cap, window, B);
+        CHECK(keys == (window > 0 && window < cap ? window : cap) + B);
+        const int64_t seg = A::block_attn_tc_segment(keys);
+        const int64_t nz = A::block_attn_segments(keys, seg);
+        CHECK(seg >= 256 && seg % 64 == 0 && nz >= 1 && nz <= 64 && nz * seg >= keys && (nz - 1) * seg < keys);
+        for (int64_t L : {int64_t(0), int64_t(1), window, cap - 1, cap}) {
+          if (L < 0 || L > cap) continue;
+          for (int64_t i0 = 0; i0 < B; ++i0) {
+            const int64_t c = A::window_first_key(L, i0, window);
+            const int64_t nctx = L - (c < L ? c : L);
+            CHECK(nctx + B <= keys);
+          }
+        }
+      }
+    }
+  }
+  CHECK(A::block_attn_tc_keys(4096, 2048, 8) == 2056);  // the GLM-5.3 drafter: 9 segments of 256
+  CHECK(A::block_attn_tc_segment(2056) == 256 && A::block_attn_segments(2056, 256) == 9);
+  CHECK(A::block_attn_tc_segment(131080) == 2112);     // 131072 + 8 keys: 63 segments
+}
+
 TEST(radix_select_matches_sorted_reference_with_ties) {
   const float inf = std::numeric_limits<float>::infinity();
   const float nan = std::numeric_limits<float>::quiet_NaN();

@@ -272,6 +272,12 @@ struct BlockAttention {
   bool causal = false;
   float scale = 1.0f;
   int64_t cache_block_size = 0;
+  // The CUDA backend may run the block on BF16 tensor cores (q, k, v and the softmax weights
+  // rounded to BF16, fp32 sums and softmax; head_dim 16 / 32 / 64 / 128 with 16-byte aligned
+  // rows): the result agrees with the exact one to BF16 rounding, not bitwise, and does not
+  // depend on the batch. The exact computation runs where it does not apply and on the CPU.
+  // For drafts (Engine draft_gemm): they only steer acceptance.
+  bool tensor_cores = false;
 };
 void block_attention(const Tensor& q, const Tensor& k, const Tensor& v, const Tensor& kv_cache,
                      const Tensor& ctx_len, const Tensor& block_table, const BlockAttention& p, Tensor& out);

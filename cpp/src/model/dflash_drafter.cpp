@@ -260,6 +260,7 @@ void DFlashDrafter::draft(const TokenBatch& batch, const std::vector<Tensor>& kv
   ba.causal = c.causal;
   ba.scale = 1.0f / std::sqrt(float(c.head_dim));
   ba.cache_block_size = batch.paged.block_size;
+  ba.tensor_cores = gemm_ != ops::GemmNumerics::Exact;  // draft_gemm: the drafter takes the tensor cores
   const int64_t nh = c.num_heads, kvh = c.num_kv_heads, hd = c.head_dim;
   for (int64_t l = 0; l < c.num_layers; ++l) {
     const Layer& L = *layers_[size_t(l)];

@@ -44,8 +44,9 @@ class DFlashDrafter {
   Device device() const { return device_; }
   // The numerics of the drafter's projections and of the LM head over the block (Engine
   // draft_gemm): Exact runs ops::linear (fp32, the CPU's default), the others ops::linear_as
-  // (the tensor cores on a GPU). Drafts only steer acceptance, so decoding stays lossless
-  // whichever it is; the block attention and the selector keep their own numerics.
+  // (the tensor cores on a GPU), and then the block attention may take the tensor cores too
+  // (BlockAttention::tensor_cores). Drafts only steer acceptance, so decoding stays lossless
+  // whichever it is.
   void set_gemm(ops::GemmNumerics g) { gemm_ = g; }
   ops::GemmNumerics gemm() const { return gemm_; }
   // Whether any of the drafter's own projections (not the target's LM head) satisfies `is`.

@@ -92,6 +92,7 @@
 #include "backend/cuda/cuda_check.cuh"
 #include "backend/cuda/device_attr.cuh"
 #include "backend/cuda/kernel_util.cuh"
+#include "backend/cuda/mma_sm80.cuh"
 #include "backend/cuda/scratch.h"
 #include "dflash2/error.h"
 
@@ -881,6 +882,219 @@ __global__ void __launch_bounds__(kBaThreads) block_attention_combine(const BaAr
   }
 }
 
+// ------------------------------------------------------------------ block attention, tensor cores
+// BlockAttention::tensor_cores (the drafter under Engine draft_gemm): FlashAttention-2 style
+// on mma.sync m16n8k16 (BF16 operands, fp32 accumulators; mma_sm80.cuh). A grid item is
+// (block s, kv head, 64 query rows of its B x grp, key segment z): its 4 warps own 16 rows
+// each; per 64-key tile the block's K and V rows (context rows through the block table, then
+// the block's own k / v) are read as fp32, rounded to BF16 into shared memory (rows padded
+// by 8 elements: conflict-free ldmatrix), S = Q K^T (ldmatrix A from Q, B from K rows),
+// scale, mask (window, causal, segment end), online softmax per row (running max over the
+// quad that shares a row, fp32), P rounded to BF16 as the A fragment of P V (ldmatrix.trans
+// of V), the row sums taken over the rounded P. One segment: out = O / l; several (keys past
+// block_attn_tc_segment): each item writes its segment's (m, l, O) and
+// block_attention_combine folds them in order. The segmentation depends on the capacity,
+// the window and B only, so a row does not depend on the batch.
+constexpr int kTcThreads = 128;
+constexpr int kTcRows = 64;  // query rows per item (4 warps x 16)
+constexpr int kTcKeys = 64;  // keys per tile
+template <int HD>
+constexpr size_t tc_smem() {
+  return sizeof(__nv_bfloat16) * size_t(kTcRows + 2 * kTcKeys) * size_t(HD + 8) + sizeof(int64_t) * kTcKeys;
+}
+__device__ __forceinline__ void tc_store4(__nv_bfloat16* dst, float4 x) {
+  *reinterpret_cast<uint2*>(dst) = make_uint2(mma::pack_bf16(x.x, x.y), mma::pack_bf16(x.z, x.w));
+}
+__device__ __forceinline__ float bf16_lo(uint32_t u) { return __uint_as_float(u << 16); }
+__device__ __forceinline__ float bf16_hi(uint32_t u) { return __uint_as_float(u & 0xffff0000u); }
+
+template <int HD>
+__global__ void __launch_bounds__(kTcThreads, 3) block_attention_tc_kernel(const BaArgs a) {
+  constexpr int LD = HD + 8, C4 = HD / 4, NT = kTcKeys / 8, DT = HD / 8;
+  static_assert(HD % 16 == 0 && HD <= 128, "head_dim: a multiple of 16, at most 128");
+  extern __shared__ __align__(16) unsigned char smem_raw[];
+  __nv_bfloat16* qs = reinterpret_cast<__nv_bfloat16*>(smem_raw);  // [64 rows][LD]
+  __nv_bfloat16* ks = qs + kTcRows * LD;                           // [64 keys][LD]
+  __nv_bfloat16* vs = ks + kTcKeys * LD;                           // [64 keys][LD]
+  int64_t* slots = reinterpret_cast<int64_t*>(vs + kTcKeys * LD);  // [64]
+  const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5, g = lane >> 2, t4 = lane & 3;
+  const int64_t grp = a.nh / a.kvh, M = a.B * grp, RT = (M + kTcRows - 1) / kTcRows;
+  const int64_t kvdim = a.kvh * HD, cap = a.nb * a.cbs, nz = a.nz;
+  const int64_t total = a.S * a.kvh * RT * nz;
+  const float4 zero4 = make_float4(0.0f, 0.0f, 0.0f, 0.0f);
+  for (int64_t item = blockIdx.x; item < total; item += gridDim.x) {
+    const int64_t z = item % nz, blk = item / nz;
+    const int64_t rt = blk % RT, kh = (blk / RT) % a.kvh, s = blk / (RT * a.kvh);
+    int64_t L = a.ctx_len[s * a.cl_stride];
+    L = L < 0 ? 0 : (L < cap ? L : cap);
+    const int32_t* btr = a.bt + s * a.bt_stride;
+    // the item's keys: the context from the earliest row's window start, then the B own keys
+    const int64_t cmin0 = attn::window_first_key(L, (rt * kTcRows) / grp, a.window);
+    const int64_t cmin = cmin0 < L ? cmin0 : L;
+    const int64_t nctx = L - cmin, nv = nctx + a.B;
+    const int64_t v0 = z * a.seg, v1 = v0 + a.seg < nv ? v0 + a.seg : nv;
+    // this thread's two query rows: g and g + 8 of its warp's 16
+    bool act[2];
+    int64_t qrow[2], head[2], cfirst[2], nblk[2];
+#pragma unroll
+    for (int h2 = 0; h2 < 2; ++h2) {
+      const int64_t r = rt * kTcRows + warp * 16 + g + 8 * h2;
+      act[h2] = r < M;
+      const int64_t i = act[h2] ? r / grp : 0;
+      head[h2] = kh * grp + (act[h2] ? r % grp : 0);
+      qrow[h2] = s * a.B + i;
+      cfirst[h2] = attn::window_first_key(L, i, a.window);
+      nblk[h2] = a.causal ? i + 1 : a.B;
+    }
+    if (v0 >= nv) {  // the segment holds none of the item's keys (item-uniform; nz > 1 only)
+#pragma unroll
+      for (int h2 = 0; h2 < 2; ++h2)
+        if (act[h2] && t4 == 0) a.part_l[(qrow[h2] * a.nh + head[h2]) * nz + z] = -1.0;
+      continue;
+    }
+    __syncthreads();  // the previous item is done with qs / ks / vs / slots
+    for (int idx = tid; idx < kTcRows * C4; idx += kTcThreads) {
+      const int rr = idx / C4, e4 = idx - rr * C4;
+      const int64_t r = rt * kTcRows + rr;
+      float4 x = zero4;
+      if (r < M)
+        x = *reinterpret_cast<const float4*>(a.q + (s * a.B + r / grp) * a.q_s0 + (kh * grp + r % grp) * a.q_s1 +
+                                             4 * e4);
+      tc_store4(qs + rr * LD + 4 * e4, x);
+    }
+    float m[2] = {-INFINITY, -INFINITY}, l[2] = {0.0f, 0.0f};
+    float o[DT][4];
+#pragma unroll
+    for (int d = 0; d < DT; ++d) o[d][0] = o[d][1] = o[d][2] = o[d][3] = 0.0f;
+    for (int64_t c0 = v0; c0 < v1; c0 += kTcKeys) {
+      if (c0 > v0) __syncthreads();  // every warp is done with the previous tile
+      if (tid < kTcKeys) {
+        const int64_t vi = c0 + tid;
+        slots[tid] = vi < nctx ? attn::paged_slot(btr, a.nb, a.cbs, a.kv_rows, cmin + vi) : -1;
+      }
+      __syncthreads();
+      for (int idx = tid; idx < kTcKeys * C4; idx += kTcThreads) {
+        const int jj = idx / C4, e4 = idx - jj * C4;
+        const int64_t vi = c0 + jj;
+        float4 kx = zero4, vx = zero4;
+        if (vi < nctx) {
+          const int64_t slot = slots[jj];
+          if (slot >= 0) {
+            const float* rowp = a.kv + slot * a.kv_stride + kh * HD + 4 * e4;
+            kx = *reinterpret_cast<const float4*>(rowp);
+            vx = *reinterpret_cast<const float4*>(rowp + kvdim);
+          }
+        } else if (vi < v1) {
+          const int64_t tr = s * a.B + (vi - nctx);
+          kx = *reinterpret_cast<const float4*>(a.k + tr * a.k_s0 + kh * a.k_s1 + 4 * e4);
+          vx = *reinterpret_cast<const float4*>(a.v + tr * a.v_s0 + kh * a.v_s1 + 4 * e4);
+        }
+        tc_store4(ks + jj * LD + 4 * e4, kx);
+        tc_store4(vs + jj * LD + 4 * e4, vx);
+      }
+      __syncthreads();
+      // S = Q K^T: the warp's 16 rows x the tile's 64 keys
+      float sc[NT][4];
+#pragma unroll
+      for (int nt = 0; nt < NT; ++nt) sc[nt][0] = sc[nt][1] = sc[nt][2] = sc[nt][3] = 0.0f;
+#pragma unroll
+      for (int kk = 0; kk < HD / 16; ++kk) {
+        uint32_t af[4];
+        mma::ldmatrix_x4(mma::smem_u32(qs + (warp * 16 + (lane & 15)) * LD + kk * 16 + (lane >> 4) * 8), af);
+#pragma unroll
+        for (int np = 0; np < NT / 2; ++np) {
+          uint32_t bf[4];
+          mma::ldmatrix_x4(
+              mma::smem_u32(ks + (np * 16 + (lane & 7) + ((lane >> 4) << 3)) * LD + kk * 16 + ((lane >> 3) & 1) * 8),
+              bf);
+          mma::mma_bf16(sc[2 * np], af, bf[0], bf[1]);
+          mma::mma_bf16(sc[2 * np + 1], af, bf[2], bf[3]);
+        }
+      }
+      // scale and mask; the tile's row maxima over the quad that shares a row
+      float tmax[2] = {-INFINITY, -INFINITY};
+#pragma unroll
+      for (int nt = 0; nt < NT; ++nt)
+#pragma unroll
+        for (int c = 0; c < 4; ++c) {
+          const int h2 = c >> 1;
+          const int64_t vi = c0 + nt * 8 + 2 * t4 + (c & 1);
+          const bool valid =
+              act[h2] && vi < v1 && (vi < nctx ? cmin + vi >= cfirst[h2] : vi - nctx < nblk[h2]);
+          const float x = valid ? sc[nt][c] * a.scale : -INFINITY;
+          sc[nt][c] = x;
+          tmax[h2] = fmaxf(tmax[h2], x);
+        }
+      float alpha[2];
+#pragma unroll
+      for (int h2 = 0; h2 < 2; ++h2) {
+        tmax[h2] = fmaxf(tmax[h2], __shfl_xor_sync(0xffffffffu, tmax[h2], 1));
+        tmax[h2] = fmaxf(tmax[h2], __shfl_xor_sync(0xffffffffu, tmax[h2], 2));
+        const float mn = fmaxf(m[h2], tmax[h2]);
+        alpha[h2] = mn == -INFINITY ? 1.0f : __expf(m[h2] - mn);  // m = -inf, mn finite: 0
+        m[h2] = mn;
+      }
+      // P in BF16, as the A fragments of P V (16-key chunk kc = n-tiles 2kc, 2kc + 1); the
+      // row sums over the rounded weights the MMA uses
+      uint32_t pa[NT / 2][4];
+      float psum[2] = {0.0f, 0.0f};
+#pragma unroll
+      for (int nt = 0; nt < NT; ++nt) {
+        float p[4];
+#pragma unroll
+        for (int c = 0; c < 4; ++c) p[c] = sc[nt][c] == -INFINITY ? 0.0f : __expf(sc[nt][c] - m[c >> 1]);
+        const uint32_t lo = mma::pack_bf16(p[0], p[1]), hi = mma::pack_bf16(p[2], p[3]);
+        psum[0] += bf16_lo(lo) + bf16_hi(lo);
+        psum[1] += bf16_lo(hi) + bf16_hi(hi);
+        pa[nt >> 1][(nt & 1) * 2] = lo;      // row g
+        pa[nt >> 1][(nt & 1) * 2 + 1] = hi;  // row g + 8
+      }
+#pragma unroll
+      for (int h2 = 0; h2 < 2; ++h2) l[h2] = l[h2] * alpha[h2] + psum[h2];
+#pragma unroll
+      for (int d = 0; d < DT; ++d)
+#pragma unroll
+        for (int c = 0; c < 4; ++c) o[d][c] *= alpha[c >> 1];
+      // O += P V
+#pragma unroll
+      for (int kc = 0; kc < NT / 2; ++kc)
+#pragma unroll
+        for (int dp = 0; dp < DT / 2; ++dp) {
+          uint32_t bf[4];
+          mma::ldmatrix_x4_trans(mma::smem_u32(vs + (kc * 16 + (lane & 15)) * LD + dp * 16 + (lane >> 4) * 8), bf);
+          mma::mma_bf16(o[2 * dp], pa[kc], bf[0], bf[1]);
+          mma::mma_bf16(o[2 * dp + 1], pa[kc], bf[2], bf[3]);
+        }
+    }
+#pragma unroll
+    for (int h2 = 0; h2 < 2; ++h2) {  // the row sums over the quad
+      l[h2] += __shfl_xor_sync(0xffffffffu, l[h2], 1);
+      l[h2] += __shfl_xor_sync(0xffffffffu, l[h2], 2);
+    }
+#pragma unroll
+    for (int h2 = 0; h2 < 2; ++h2) {
+      if (!act[h2]) continue;
+      if (nz == 1) {
+        const float inv = l[h2] > 0.0f ? 1.0f / l[h2] : 0.0f;
+        float* op = a.out + qrow[h2] * a.o_s0 + head[h2] * a.o_s1;
+#pragma unroll
+        for (int d = 0; d < DT; ++d)
+          *reinterpret_cast<float2*>(op + d * 8 + 2 * t4) = make_float2(o[d][2 * h2] * inv, o[d][2 * h2 + 1] * inv);
+      } else {
+        const int64_t at = (qrow[h2] * a.nh + head[h2]) * nz + z;
+        if (t4 == 0) {
+          a.part_m[at] = m[h2];
+          a.part_l[at] = double(l[h2]);
+        }
+        float* pp = a.part_acc + at * HD;
+#pragma unroll
+        for (int d = 0; d < DT; ++d)
+          *reinterpret_cast<float2*>(pp + d * 8 + 2 * t4) = make_float2(o[d][2 * h2], o[d][2 * h2 + 1]);
+      }
+    }
+  }
+}
+
 }  // namespace
 
 // ------------------------------------------------------------------ indexer_topk
@@ -1051,6 +1265,79 @@ void mla_attention(const Tensor& q_lat, const Tensor& q_pe, const Tensor& cache,
 }
 
 // ------------------------------------------------------------------ block_attention
+namespace {
+// Whether block_attention_tc_kernel takes these tensors: head_dim 16 / 32 / 64 / 128 and
+// every row it reads or writes 16-byte aligned (float4 loads, float2 stores).
+bool block_attention_tc_applies(const Tensor& q, const Tensor& k, const Tensor& v, const Tensor& kv_cache,
+                                const Tensor& out) {
+  const int64_t hd = q.shape(2);
+  if (hd != 16 && hd != 32 && hd != 64 && hd != 128) return false;
+  for (const Tensor* t : {&q, &k, &v, &kv_cache, &out})
+    if (!detail::aligned(t->data(), 16)) return false;
+  for (const Tensor* t : {&q, &k, &v, &out})
+    if (t->stride(0) % 4 != 0 || t->stride(1) % 4 != 0) return false;
+  return kv_cache.stride(0) % 4 == 0;
+}
+
+// The tensor-core block attention (a.* filled by block_attention, the device current): the
+// key segments of attn::block_attn_tc_segment; with several, each launch takes as many blocks
+// as keep their segment states within kTcPartBytes of scratch (then the in-order combine).
+constexpr int64_t kTcPartBytes = int64_t(256) << 20;
+void block_attention_tc(BaArgs a, int device) {
+  const int64_t S = a.S, B = a.B, hd = a.hd, nh = a.nh;
+  const int64_t max_keys = attn::block_attn_tc_keys(a.nb * a.cbs, a.window, B);
+  a.seg = attn::block_attn_tc_segment(max_keys);
+  a.nz = attn::block_attn_segments(max_keys, a.seg);
+  const int64_t M = B * (nh / a.kvh), RT = (M + kTcRows - 1) / kTcRows;
+  const int64_t state_bytes = 8 + 4 + 4 * hd;  // l (double), m, O per (row, head, segment)
+  const int64_t per_seq = a.nz > 1 ? B * nh * a.nz * state_bytes : 0;
+  const int64_t chunk = per_seq > 0 ? std::min<int64_t>(S, std::max<int64_t>(1, kTcPartBytes / per_seq)) : S;
+  a.part_l = nullptr;
+  a.part_m = nullptr;
+  a.part_acc = nullptr;
+  if (a.nz > 1) {
+    const int64_t n = chunk * B * nh * a.nz;
+    const int64_t acc_off = (n * 12 + 15) / 16 * 16;  // float2 stores: 16-byte aligned
+    uint8_t* base = static_cast<uint8_t*>(detail::scratch(device, size_t(acc_off + n * 4 * hd) + 256));
+    a.part_l = reinterpret_cast<double*>(base);
+    a.part_m = reinterpret_cast<float*>(base + n * 8);
+    a.part_acc = reinterpret_cast<float*>(base + acc_off);
+  }
+  auto launch = [&](auto hdc) {
+    constexpr int HD = decltype(hdc)::value;
+    constexpr size_t smem = tc_smem<HD>();
+    allow_smem(block_attention_tc_kernel<HD>, smem, device, "block_attention");
+    for (int64_t s0 = 0; s0 < S; s0 += chunk) {
+      BaArgs c = a;
+      c.S = std::min(chunk, S - s0);
+      c.q += s0 * B * a.q_s0;
+      c.k += s0 * B * a.k_s0;
+      c.v += s0 * B * a.v_s0;
+      c.out += s0 * B * a.o_s0;
+      c.ctx_len += s0 * a.cl_stride;
+      c.bt += s0 * a.bt_stride;
+      block_attention_tc_kernel<HD>
+          <<<detail::row_blocks(c.S * a.kvh * RT * a.nz), kTcThreads, smem, detail::stream()>>>(c);
+      detail::check_launch("block_attention tensor-core kernel launch", "");
+      if (a.nz > 1) {
+        const int64_t warps = c.S * B * nh;
+        block_attention_combine<<<detail::row_blocks((warps + kBaRows - 1) / kBaRows), kBaThreads, 0,
+                                  detail::stream()>>>(c);
+        detail::check_launch("block_attention combine launch", "");
+      }
+    }
+  };
+  if (hd == 16)
+    launch(std::integral_constant<int, 16>{});
+  else if (hd == 32)
+    launch(std::integral_constant<int, 32>{});
+  else if (hd == 64)
+    launch(std::integral_constant<int, 64>{});
+  else
+    launch(std::integral_constant<int, 128>{});
+}
+}  // namespace
+
 void block_attention(const Tensor& q, const Tensor& k, const Tensor& v, const Tensor& kv_cache, const Tensor& ctx_len,
                      const Tensor& block_table, const ops::BlockAttention& p, Tensor& out) {
   const char* op = "block_attention";
@@ -1122,6 +1409,10 @@ void block_attention(const Tensor& q, const Tensor& k, const Tensor& v, const Te
   const int64_t M = p.block * (nh / kvh), blocks = S * kvh * ((M + kBaRows - 1) / kBaRows);
   const int device = q.device().index;
   detail::DeviceGuard guard(device);
+  if (p.tensor_cores && block_attention_tc_applies(q, k, v, kv_cache, out)) {
+    block_attention_tc(a, device);
+    return;
+  }
   // Split-KV when the (block, kv head, row group) blocks would leave most SMs idle (a small
   // batch) and the segment states fit in 64 MiB of scratch: each of the (at most 33)
   // segments of the block table's capacity gets its own block, then the in-order combine.

@@ -160,4 +160,20 @@ DFLASH2_HD int64_t block_attn_segment(int64_t cap, int64_t B) {
 }
 DFLASH2_HD int64_t block_attn_segments(int64_t keys, int64_t seg) { return (keys + seg - 1) / seg; }
 
+// block_attention's tensor-core path (BlockAttention::tensor_cores): a block's keys are at
+// most block_attn_tc_keys = its context bound (the window when it is shorter than the block
+// table's capacity: the earliest row's window holds window - 1 context keys; else the
+// capacity) + B, walked in segments of block_attn_tc_segment keys -- whole 64-key tiles, at
+// least 256, at most 64 segments -- one grid item each, folded in order by the combine when
+// there are several. Functions of the capacity, the window and B only, never of the batch,
+// so a sequence's rows are the same whatever the batch around it.
+DFLASH2_HD int64_t block_attn_tc_keys(int64_t cap, int64_t window, int64_t B) {
+  return (window > 0 && window < cap ? window : cap) + B;
+}
+DFLASH2_HD int64_t block_attn_tc_segment(int64_t max_keys) {
+  int64_t seg = (max_keys + 63) / 64;  // 64 segments ...
+  seg = (seg + 63) / 64 * 64;          // ... of whole 64-key tiles
+  return seg < 256 ? 256 : seg;
+}
+
 }  // namespace dflash2::cuda::attn
