@@ -1049,6 +1049,48 @@ void bench_mla(Bench& b) {
   }
 }
 
+// The DFlash 2 drafter's block attention at GLM-5.3's drafter shapes (64 heads over 8 KV
+// heads, head_dim 128, block 8, sliding window 2048, a 4096-token context): the tensor-core
+// kernel (BlockAttention::tensor_cores, what draft_gemm="auto" runs on a GPU) against the
+// exact fp32 SIMT kernel in the same run. Bytes: each sequence's window of context K / V
+// (fp32) once, q and out; FLOPs: QK^T and PV over every row's keys.
+void bench_block_attention(Bench& b) {
+  const int64_t nh = 64, kvh = 8, hd = 128, B = 8, window = 2048, ctx = 4096;
+  for (int64_t batch : {int64_t(1), int64_t(8), int64_t(32)}) {
+    if (b.opt.quick && batch == 8) continue;
+    if (b.opt.cpu_smoke && batch != 1) continue;
+    const int64_t T = batch * B, per_seq = cdiv(ctx, kBlockSize), blocks = batch * per_seq;
+    Result r{"block_attention", "h64 kv8 d128 B8 w2048 ctx4096", "bf16tc", "draft b" + std::to_string(batch), T};
+    r.bytes = double(batch) * double(window + B) * kvh * hd * 2 * 4 + 2.0 * T * nh * hd * 4;
+    r.flops = double(T) * nh * double(window + B) * 4.0 * hd;
+    b.run(r, [&](Baseline& base) {
+      std::vector<int32_t> table(static_cast<size_t>(blocks)), lens(static_cast<size_t>(batch), int32_t(ctx));
+      for (int64_t i = 0; i < blocks; ++i) table[size_t(i)] = int32_t(i);
+      uint64_t rr = 5;
+      for (int64_t i = blocks - 1; i > 0; --i) std::swap(table[size_t(i)], table[size_t(splitmix(rr) % uint64_t(i + 1))]);
+      Tensor cache = dev_rand(DType::F32, {blocks * kBlockSize, 2 * kvh * hd}, 41);
+      Tensor bt = upload(table, DType::I32, {batch, per_seq}), cl = upload(lens, DType::I32, {batch});
+      Tensor q = dev_rand(DType::F32, {T, nh, hd}, 42), k = dev_rand(DType::F32, {T, kvh, hd}, 43);
+      Tensor v = dev_rand(DType::F32, {T, kvh, hd}, 44), out = dev_empty(DType::F32, {T, nh, hd});
+      ops::BlockAttention p;
+      p.block = B;
+      p.window = window;
+      p.scale = 1.0f / std::sqrt(float(hd));
+      p.cache_block_size = kBlockSize;
+      p.tensor_cores = true;
+      ops::BlockAttention exact = p;
+      exact.tensor_cores = false;
+      base.name = "simt_exact";
+      base.kind = "block_attention, tensor_cores=false (the exact fp32 SIMT kernel)";
+      base.run = [=](int) mutable { ops::block_attention(q, k, v, cache, cl, bt, exact, out); };
+      return std::make_pair(std::function<void(int)>([=](int) mutable {
+                              ops::block_attention(q, k, v, cache, cl, bt, p, out);
+                            }),
+                            1);
+    });
+  }
+}
+
 void bench_indexer(Bench& b) {
   for (const Step& s : steps_for(b, {4096, 32768})) {
     const int64_t T = s.T();
@@ -1462,6 +1504,7 @@ int main(int argc, char** argv) {
     bench_linear_tc(b, opt.cpu_smoke ? Ts : opt.quick ? std::vector<int64_t>{256, 1024}
                                                       : std::vector<int64_t>{256, 1024, 4096}, di.major);
     bench_mla(b);
+    bench_block_attention(b);
     bench_indexer(b);
     bench_moe(b, Ts);
     bench_small(b, Ts);
