@@ -894,7 +894,9 @@ __global__ void __launch_bounds__(kBaThreads) block_attention_combine(const BaAr
 // of V), the row sums taken over the rounded P. One segment: out = O / l; several (keys past
 // block_attn_tc_segment): each item writes its segment's (m, l, O) and
 // block_attention_combine folds them in order. The segmentation depends on the capacity,
-// the window and B only, so a row does not depend on the batch.
+// the window and B only, so a row does not depend on the batch. Unlike the exact kernel, a
+// key masked for one row but visible to another still enters that row's MMA with P = 0, so
+// an Inf / NaN in such a key's V makes the row NaN (the exact kernel skips it).
 constexpr int kTcThreads = 128;
 constexpr int kTcRows = 64;  // query rows per item (4 warps x 16)
 constexpr int kTcKeys = 64;  // keys per tile
@@ -993,6 +995,7 @@ __global__ void __launch_bounds__(kTcThreads, 3) block_attention_tc_kernel(const
         tc_store4(vs + jj * LD + 4 * e4, vx);
       }
       __syncthreads();
+      if (rt * kTcRows + warp * 16 >= M) continue;  // a warp without rows (warp-uniform; no barrier below)
       // S = Q K^T: the warp's 16 rows x the tile's 64 keys
       float sc[NT][4];
 #pragma unroll
@@ -1282,7 +1285,7 @@ bool block_attention_tc_applies(const Tensor& q, const Tensor& k, const Tensor& 
 // The tensor-core block attention (a.* filled by block_attention, the device current): the
 // key segments of attn::block_attn_tc_segment; with several, each launch takes as many blocks
 // as keep their segment states within kTcPartBytes of scratch (then the in-order combine).
-constexpr int64_t kTcPartBytes = int64_t(256) << 20;
+constexpr int64_t kTcPartBytes = int64_t(64) << 20;
 void block_attention_tc(BaArgs a, int device) {
   const int64_t S = a.S, B = a.B, hd = a.hd, nh = a.nh;
   const int64_t max_keys = attn::block_attn_tc_keys(a.nb * a.cbs, a.window, B);
