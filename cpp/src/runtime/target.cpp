@@ -185,6 +185,7 @@ void Target::run_chunk(const std::vector<Piece>& pieces, const model::ForwardOut
     model::ForwardOutputs o;
     if (out.logits.defined()) o.logits = scratch_logits_[size_t(r - 1)].slice(0, 0, out.logits.shape(0));
     o.all_logits = out.all_logits;
+    o.prompt = out.prompt;  // every rank runs the chunk's numerics
     models_[size_t(r)]->forward(b, views_[size_t(r)], o);
   });
   for (const Piece& p : pieces) p.stream->length += p.n;
@@ -436,6 +437,7 @@ void Target::run_chunk_device(const model::TokenBatch& b, const model::ForwardOu
     model::TokenBatch db = upload(b, r);
     model::ForwardOutputs o;
     o.all_logits = out.all_logits;
+    o.prompt = out.prompt;  // prompt chunks: Engine prefill_gemm's numerics
     // rank 0 writes logits straight into the caller's tensor when it is on its device
     const bool direct = r == 0 && out.logits.defined() && out.logits.device() == models_[0]->device();
     if (out.logits.defined()) o.logits = direct ? out.logits : d_logits_[size_t(r)].slice(0, 0, out.logits.shape(0));
