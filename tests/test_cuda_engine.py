@@ -258,6 +258,31 @@ def test_bf16_prefill_on_cuda(zoo):
         assert list(s.token_ids) == list(g.token_ids), f"mtp != ar on the GPU with bf16 prefill, prompt {i}"
 
 
+def test_decode_gemm_on_cuda(zoo):
+    """decode_gemm="auto" on the GPU: the generated tokens' projections and experts on the
+    tensor cores (as prefill_gemm's "auto": "bf16" on this BF16 fixture), greedy tokens equal
+    the CPU's emulation of the same numerics where the margin exceeds the rounding, MTP
+    speculation == AR on the GPU exactly, and the step graphs capture those kernels (none
+    failed)."""
+    if not dflash2_rt.ops.linear_bf16_available("cuda:0"):
+        pytest.skip("this build has no CUTLASS tensor-core GEMM for this GPU's architecture")
+    cpu = zoo.engine("tiny", "cpu", decode_gemm="bf16")
+    gpu = zoo.engine("tiny", "cuda", decode_gemm="auto")
+    mtp = zoo.engine("tiny", "cuda", method="mtp", decode_gemm="auto")
+    assert gpu.decode_gemm == "bf16" and gpu.experts_decode_gemm == cpu.experts_decode_gemm == "bf16"
+    prompts = [gf.prompt(870 + i, n) for i, n in enumerate((3, 11, 40, 130))]
+    want = cpu.generate(prompts, max_new_tokens=12, stop_token_ids=NO_STOP)
+    got = gpu.generate(prompts, max_new_tokens=12, stop_token_ids=NO_STOP)
+    for i, (g, w) in enumerate(zip(got, want)):
+        same_tokens(cpu, prompts[i], g.token_ids, w.token_ids, f"bf16 decode prompt {i}", rel=REL_BF16)
+    spec = mtp.generate(prompts, max_new_tokens=12, stop_token_ids=NO_STOP)
+    for i, (s_, g) in enumerate(zip(spec, got)):
+        assert list(s_.token_ids) == list(g.token_ids), f"mtp != ar on the GPU with bf16 decode, prompt {i}"
+    for e in (gpu, mtp):
+        m = e.metrics()
+        assert m["cuda_graphs_failed"] == 0, m["cuda_graphs_last_failure"]
+
+
 def _quantized_prefill_on_cuda(zoo, quant, mode, seed, experts):
     """prefill_gemm=mode on zoo's tiny target quantized as `quant`: "auto" resolves to it,
     greedy tokens equal the CPU's emulation of the same numerics (where the logit margin

@@ -305,14 +305,15 @@ def test_bf16_prefill_is_lossless(world, ar_greedy):
     assert same_first >= (3 * n) // 4, f"bf16 prefill changed the first token of {n - same_first} of {n} prompts"
 
 
-def _quantized_prefill_is_lossless(world, path, mode, other, experts):
-    """Engines on `path` with prefill_gemm=mode: speculative (dflash2, and MTP when the
-    target has it) == AR token for token at batch sizes 1 and 3, and the greedy outputs
-    differ from prefill_gemm=other's for some prompt (the mode's numerics really apply);
-    the routed experts take `experts` numerics."""
-    ar = _engine(path, prefill_gemm=mode)
-    assert ar.prefill_gemm == mode
-    assert ar.experts_prefill_gemm == experts, (mode, ar.experts_prefill_gemm)
+def _quantized_prefill_is_lossless(world, path, mode, other, experts, option="prefill_gemm"):
+    """Engines on `path` with option=mode (prefill_gemm or decode_gemm): speculative (dflash2,
+    and MTP when the target has it) == AR token for token at batch sizes 1 and 3, and the
+    greedy outputs differ from option=other's for some prompt (the mode's numerics really
+    apply); the routed experts take `experts` numerics."""
+    ar = _engine(path, **{option: mode})
+    assert getattr(ar, option) == mode
+    got_experts = getattr(ar, "experts_" + option)
+    assert got_experts == experts, (mode, got_experts)
     n = len(GREEDY_PROMPTS)
 
     def greedy(e):
@@ -323,12 +324,12 @@ def _quantized_prefill_is_lossless(world, path, mode, other, experts):
         return out
 
     want = greedy(ar)
-    base = greedy(_engine(path, prefill_gemm=other))
-    assert any(w != b for w, b in zip(want, base)), f"{mode} prefill changed no continuation: is it quantizing?"
+    base = greedy(_engine(path, **{option: other}))
+    assert any(w != b for w, b in zip(want, base)), f"{option}={mode} changed no continuation: is it quantizing?"
     keys = ["d2"] + (["mtp"] if _has_mtp(world) else [])
     for key in keys:
-        eng = (_engine(path, None, "mtp", prefill_gemm=mode) if key == "mtp"
-               else _engine(path, world.draft(key), "dflash2", prefill_gemm=mode))
+        eng = (_engine(path, None, "mtp", **{option: mode}) if key == "mtp"
+               else _engine(path, world.draft(key), "dflash2", **{option: mode}))
         for bs in (1, 3):
             order = [(i * 5 + bs) % n for i in range(n)]
             for j in range(0, n, bs):
@@ -336,7 +337,29 @@ def _quantized_prefill_is_lossless(world, path, mode, other, experts):
                 res = eng.generate([GREEDY_PROMPTS[i] for i in idx], max_new_tokens=GREEDY_NEW,
                                    stop_token_ids=NO_STOP)
                 for i, r in zip(idx, res):
-                    assert list(r.token_ids) == want[i], f"{key}, {mode} prefill, batch size {bs}, prompt {i}"
+                    assert list(r.token_ids) == want[i], f"{key}, {option}={mode}, batch size {bs}, prompt {i}"
+
+
+def test_decode_gemm_is_lossless(world, tmp_path):
+    """decode_gemm: the generated tokens' projections and routed experts (decode and verify
+    chunks) on the tensor cores' numerics ("bf16"; "fp8" = W8A8 on an FP8 block-128 copy;
+    here the CPU's emulations). Each row's result does not depend on the batch around it, so
+    AR decode and the verify blocks compute every token alike and speculative (dflash2, MTP)
+    == AR token for token at batch sizes 1 and 3; the modes really change the output; the
+    default and "auto" on the CPU are "exact"; logits() stays exact whatever the mode."""
+    from dflash2_rt.tools.quantize import quantize_checkpoint
+    assert _engine(world.target).decode_gemm == "exact"
+    assert _engine(world.target, decode_gemm="auto").decode_gemm == "exact"  # the CPU
+    with pytest.raises(dflash2_rt.InvalidArgumentError, match="decode_gemm"):
+        _engine(world.target, decode_gemm="fp16")
+    with pytest.raises(dflash2_rt.ConfigError, match="decode_gemm='fp8'"):
+        _engine(world.target, decode_gemm="fp8")
+    _quantized_prefill_is_lossless(world, world.target, "bf16", "exact", "bf16", option="decode_gemm")
+    ids = GREEDY_PROMPTS[3]
+    assert np.array_equal(_engine(world.target, decode_gemm="bf16").logits(ids), _engine(world.target).logits(ids))
+    fp8 = str(tmp_path / "fp8")
+    quantize_checkpoint(os.fspath(world.target), fp8, "fp8", "all")
+    _quantized_prefill_is_lossless(world, fp8, "fp8", "exact", "fp8", option="decode_gemm")
 
 
 def test_fp8_prefill_is_lossless(world, tmp_path):

@@ -114,22 +114,23 @@ def test_greedy_and_batch_equal_tp1(zoo, tp):
         assert g.finish_reason == "length"
 
 
-def test_bf16_prefill_at_tp(zoo):
-    """prefill_gemm="bf16" with tensor parallelism: every rank runs the prompt chunks'
-    projections on the BF16 numerics (the chunk's flag reaches each rank), so TP=2 gives
-    TP=1's bf16 tokens, not a mix of bf16 and exact shards."""
+@pytest.mark.parametrize("option", ["prefill_gemm", "decode_gemm"])
+def test_bf16_gemm_at_tp(zoo, option):
+    """prefill_gemm / decode_gemm = "bf16" with tensor parallelism: every rank runs the
+    chunks' projections on the BF16 numerics (the chunk's flags reach each rank), so TP=2 and
+    4 give TP=1's bf16 tokens, not a mix of bf16 and exact shards."""
     prompts = [gf.prompt(420 + i, n) for i, n in enumerate((3, 11, 6, 20, 9, 15, 4, 25))]
     kw = dict(max_new_tokens=24, stop_token_ids=NO_STOP)
-    one = zoo.engine("tiny", 1, prefill_gemm="bf16")
+    one = zoo.engine("tiny", 1, **{option: "bf16"})
     want = [list(r.token_ids) for p in (prompts[:4], prompts[4:]) for r in one.generate(p, **kw)]
     exact = [list(r.token_ids) for p in (prompts[:4], prompts[4:]) for r in zoo.engine("tiny", 1).generate(p, **kw)]
-    assert want != exact, "bf16 prefill changed no continuation: the test would not tell the numerics apart"
+    assert want != exact, f"{option}='bf16' changed no continuation: the test would not tell the numerics apart"
     for tp in (2, 4):
-        eng = zoo.engine("tiny", tp, prefill_gemm="bf16")
-        assert eng.prefill_gemm == "bf16"
+        eng = zoo.engine("tiny", tp, **{option: "bf16"})
+        assert getattr(eng, option) == "bf16"
         got = [list(r.token_ids) for p in (prompts[:4], prompts[4:]) for r in eng.generate(p, **kw)]
         for i, (g, w) in enumerate(zip(got, want)):
-            same_tokens(one, prompts[i], g, w, f"TP={tp} bf16 prefill, prompt {i}")
+            same_tokens(one, prompts[i], g, w, f"TP={tp} {option}=bf16, prompt {i}")
 
 
 def test_seeded_sampling_equal_tp1(zoo):

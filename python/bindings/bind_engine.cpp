@@ -128,7 +128,7 @@ void bind_engine(py::module_& m) {
                        int64_t max_batch_size, int64_t max_seq_len, int64_t max_step_tokens, int64_t kv_block_size,
                        int64_t num_threads, int64_t mtp_draft_tokens, const std::string& speculation,
                        int64_t tensor_parallel, bool expert_parallel, const std::string& prefill_gemm,
-                       const std::string& draft_gemm, bool cuda_graphs, int pad_to_buckets, int capture_at_load) {
+                       const std::string& draft_gemm, const std::string& decode_gemm, bool cuda_graphs, int pad_to_buckets, int capture_at_load) {
              DFLASH2_CHECK_ARG(num_threads >= 0 && num_threads <= ops::cpu_max_threads(),
                                "Engine: num_threads must be in [0, ", ops::cpu_max_threads(), "] (0 = all ",
                                ops::cpu_cores(), " cores), found ", num_threads);
@@ -148,6 +148,7 @@ void bind_engine(py::module_& m) {
              c.expert_parallel = expert_parallel;
              c.prefill_gemm = prefill_gemm;
              c.draft_gemm = draft_gemm;
+             c.decode_gemm = decode_gemm;
              c.cuda_graphs = cuda_graphs;
              c.pad_to_buckets = pad_to_buckets;
              c.capture_at_load = capture_at_load;
@@ -158,7 +159,8 @@ void bind_engine(py::module_& m) {
            py::arg("max_batch_size") = 8, py::arg("max_seq_len") = 0, py::arg("max_step_tokens") = 256,
            py::arg("kv_block_size") = 16, py::arg("num_threads") = 0, py::arg("mtp_draft_tokens") = 7,
            py::arg("speculation") = "fixed", py::arg("tensor_parallel") = 1, py::arg("expert_parallel") = false,
-           py::arg("prefill_gemm") = "auto", py::arg("draft_gemm") = "auto", py::arg("cuda_graphs") = true,
+           py::arg("prefill_gemm") = "auto", py::arg("draft_gemm") = "auto", py::arg("decode_gemm") = "exact",
+           py::arg("cuda_graphs") = true,
            py::arg("pad_to_buckets") = -1, py::arg("capture_at_load") = -1)
       .def(
           "logits",
@@ -294,6 +296,8 @@ void bind_engine(py::module_& m) {
       .def_property_readonly("expert_parallel", [](const Engine& e) { return e.config().expert_parallel; })
       .def_property_readonly("prefill_gemm", [](const Engine& e) { return e.config().prefill_gemm; })
       .def_property_readonly("draft_gemm", [](const Engine& e) { return e.config().draft_gemm; })
+      .def_property_readonly("decode_gemm", [](const Engine& e) { return e.config().decode_gemm; })
+      .def_property_readonly("experts_decode_gemm", [](const Engine& e) { return e.config().experts_decode_gemm; })
       .def_property_readonly("experts_prefill_gemm", [](const Engine& e) { return e.config().experts_prefill_gemm; })
       .def_property_readonly("cuda_graphs", [](const Engine& e) { return e.config().cuda_graphs; })
       .def_property_readonly("pad_to_buckets", [](const Engine& e) { return e.config().pad_to_buckets == 1; })

@@ -146,6 +146,9 @@ def _add_gemm_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--draft-gemm", choices=("auto", "exact", "bf16", "fp8", "nvfp4"), default="auto",
                    help="the DFlash drafter's GEMM numerics, as --prefill-gemm for the drafter's weights (lossless "
                         "whichever: drafts only steer acceptance); auto = the tensor cores on a supported GPU")
+    p.add_argument("--decode-gemm", choices=("auto", "exact", "bf16", "fp8", "nvfp4"), default="exact",
+                   help="generated tokens' GEMM numerics (decode and verify chunks), as --prefill-gemm; exact (the "
+                        "default) = fp32 as on the CPU; any mode keeps speculative == AR")
 
 
 def _generate_args(p: argparse.ArgumentParser) -> None:
@@ -193,7 +196,7 @@ def _run_generate(args: argparse.Namespace) -> int:
     eng = Engine(target=args.target, draft=args.draft, method=args.method, device=args.device,
                  max_seq_len=args.max_seq_len, max_batch_size=1, num_threads=args.threads,
                  tensor_parallel=args.tensor_parallel, expert_parallel=args.expert_parallel,
-              prefill_gemm=args.prefill_gemm, draft_gemm=args.draft_gemm, cuda_graphs=args.cuda_graphs)
+              prefill_gemm=args.prefill_gemm, draft_gemm=args.draft_gemm, decode_gemm=args.decode_gemm, cuda_graphs=args.cuda_graphs)
     method = eng.method
     print(f"loaded in {time.perf_counter() - t0:.2f} s (method {method})", file=sys.stderr, flush=True)
     if args.prompt is not None:
@@ -296,7 +299,7 @@ def _run_serve(args: argparse.Namespace) -> int:
           (f" (method {args.method})" if args.method else "") + " ...", file=sys.stderr, flush=True)
     kw = dict(max_batch_size=args.max_batch_size, max_seq_len=args.max_seq_len, speculation=args.speculation,
               tensor_parallel=args.tensor_parallel, expert_parallel=args.expert_parallel,
-              prefill_gemm=args.prefill_gemm, draft_gemm=args.draft_gemm, cuda_graphs=args.cuda_graphs,
+              prefill_gemm=args.prefill_gemm, draft_gemm=args.draft_gemm, decode_gemm=args.decode_gemm, cuda_graphs=args.cuda_graphs,
               pad_to_buckets={"auto": None, "on": True, "off": False}[args.pad_to_buckets])
     if args.threads is not None:
         kw["num_threads"] = args.threads

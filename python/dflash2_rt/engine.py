@@ -209,7 +209,8 @@ class Engine:
                  max_batch_size: int = 8, max_seq_len: Optional[int] = None, max_step_tokens: int = 256,
                  kv_block_size: int = 16, num_threads: Optional[int] = None, mtp_draft_tokens: int = 7,
                  speculation: str = "fixed", tensor_parallel: int = 1, expert_parallel: bool = False,
-                 prefill_gemm: str = "auto", draft_gemm: str = "auto", cuda_graphs: bool = True, pad_to_buckets: Optional[bool] = None,
+                 prefill_gemm: str = "auto", draft_gemm: str = "auto", decode_gemm: str = "exact",
+                 cuda_graphs: bool = True, pad_to_buckets: Optional[bool] = None,
                  capture_at_load: Optional[bool] = None):
         """target: a glm_moe_dsa checkpoint directory (None: the bundled default pair).
         draft: a DFlash 2 / DFlash 1 drafter directory. method: "ar" | "mtp" | "dflash" |
@@ -240,6 +241,13 @@ class Engine:
         cores where the drafter runs on a GPU this build has the kernels for (each numerics
         after its load-time check), "exact" elsewhere. Drafts only steer acceptance, so every
         choice is lossless; the resolved mode is `engine.draft_gemm` ("exact" for ar / mtp).
+        decode_gemm: the same choice for the generated tokens' projections and routed experts
+        (decode and verify chunks): "exact" (the default: fp32, as on the CPU) or a
+        tensor-core mode ("bf16", "fp8", "nvfp4", "auto" = the tensor cores on a GPU), which
+        makes verify batches at high concurrency tensor-core bound instead of SIMT bound. A
+        row's result never depends on the batch around it, so speculative == AR holds in
+        every mode; `engine.decode_gemm` / `engine.experts_decode_gemm` say what runs.
+        logits() and Sequence always run exact.
         cuda_graphs: on CUDA with tensor_parallel=1, capture the target's decode / verify
         chunks as CUDA graphs and replay them (False: every chunk eagerly, the same
         kernels); `engine.cuda_graphs` says whether it is in effect, metrics() counts them.
@@ -286,6 +294,9 @@ class Engine:
         if prefill_gemm not in ("auto", "exact", "bf16", "fp8", "nvfp4"):
             raise _core.InvalidArgumentError(
                 f"Engine: prefill_gemm must be 'auto', 'exact', 'bf16', 'fp8' or 'nvfp4', found {prefill_gemm!r}")
+        if decode_gemm not in ("auto", "exact", "bf16", "fp8", "nvfp4"):
+            raise _core.InvalidArgumentError(
+                f"Engine: decode_gemm must be 'auto', 'exact', 'bf16', 'fp8' or 'nvfp4', found {decode_gemm!r}")
         if draft_gemm not in ("auto", "exact", "bf16", "fp8", "nvfp4"):
             raise _core.InvalidArgumentError(
                 f"Engine: draft_gemm must be 'auto', 'exact', 'bf16', 'fp8' or 'nvfp4', found {draft_gemm!r}")
@@ -294,7 +305,7 @@ class Engine:
         self._e = _core.Engine(os.fspath(target), None if draft is None else os.fspath(draft), method or "", device,
                                max_batch_size, max_seq_len or 0, max_step_tokens, kv_block_size, num_threads or 0,
                                mtp_draft_tokens, speculation, tensor_parallel, bool(expert_parallel),
-                               prefill_gemm, draft_gemm, bool(cuda_graphs),
+                               prefill_gemm, draft_gemm, decode_gemm, bool(cuda_graphs),
                                -1 if pad_to_buckets is None else int(bool(pad_to_buckets)),
                                -1 if capture_at_load is None else int(bool(capture_at_load)))
         _LIVE.add(self)
@@ -344,6 +355,16 @@ class Engine:
     def prefill_gemm(self) -> str:
         """The prompt tokens' GEMM numerics this engine resolved: "exact", "bf16", "fp8" or "nvfp4"."""
         return self._e.prefill_gemm
+
+    @property
+    def decode_gemm(self) -> str:
+        """The generated tokens' GEMM numerics this engine resolved: "exact", "bf16", "fp8" or "nvfp4"."""
+        return self._e.decode_gemm
+
+    @property
+    def experts_decode_gemm(self) -> str:
+        """The numerics the routed experts of decode / verify chunks take under `decode_gemm`."""
+        return self._e.experts_decode_gemm
 
     @property
     def draft_gemm(self) -> str:

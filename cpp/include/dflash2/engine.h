@@ -40,6 +40,17 @@ struct EngineConfig {
                                       // such a checkpoint (sm_90a / sm_100a) else "bf16", each after
                                       // a load-time check; else "exact".
                                       // Generated tokens always run exact (see README).
+  std::string decode_gemm = "exact";  // generated tokens' projections and routed experts (decode and
+                                      // verify chunks), the same choices as prefill_gemm; "exact"
+                                      // (the default) keeps them fp32 as on the CPU, a tensor-core
+                                      // mode makes verify batches (block x concurrency rows)
+                                      // tensor-core bound instead of SIMT bound. Every mode computes
+                                      // a row independently of the batch around it, so speculative ==
+                                      // AR holds in each; "auto" = on a GPU the tensor cores (as
+                                      // prefill_gemm's "auto"), else "exact". Reads back as the
+                                      // numerics in effect.
+  std::string experts_decode_gemm;  // set by the engine (an output): what the routed experts of
+                                    // decode / verify chunks take under decode_gemm
   std::string experts_prefill_gemm;  // set by the engine (an output): the numerics the routed
                                      // experts of prompt chunks take under prefill_gemm ("exact",
                                      // "bf16", "fp8", "nvfp4"; "exact" without MoE layers)

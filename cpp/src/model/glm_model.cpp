@@ -430,12 +430,9 @@ bool any_prefill_weight(const std::vector<std::unique_ptr<Layer>>& layers, Pred 
 }
 }  // namespace
 
-void GlmModel::set_prefill(ops::GemmNumerics g, uint32_t experts_allowed) {
+ops::GemmNumerics GlmModel::experts_numerics(ops::GemmNumerics g, uint32_t experts_allowed) const {
   auto allowed = [experts_allowed](ops::GemmNumerics n) { return (experts_allowed >> unsigned(n)) & 1u; };
-  opt_.prefill = g;
-  experts_fp8_ = false;
-  experts_prefill_ = ops::GemmNumerics::Exact;
-  if (g == ops::GemmNumerics::Exact) return;
+  if (g == ops::GemmNumerics::Exact) return g;
   bool any = false, fp8 = g == ops::GemmNumerics::FP8 && allowed(ops::GemmNumerics::FP8),
        fp4 = g == ops::GemmNumerics::NVFP4 && allowed(ops::GemmNumerics::NVFP4),
        bf16 = allowed(ops::GemmNumerics::BF16);
@@ -446,11 +443,21 @@ void GlmModel::set_prefill(ops::GemmNumerics g, uint32_t experts_allowed) {
     fp4 = fp4 && ops::moe_experts_nvfp4_available(device_, L->mlp.experts);
     bf16 = bf16 && ops::moe_experts_bf16_available(device_, L->mlp.experts);
   }
-  experts_fp8_ = any && fp8;
-  experts_prefill_ = experts_fp8_   ? ops::GemmNumerics::FP8
-                     : any && fp4  ? ops::GemmNumerics::NVFP4
-                     : any && bf16 ? ops::GemmNumerics::BF16
-                                   : ops::GemmNumerics::Exact;
+  return any && fp8    ? ops::GemmNumerics::FP8
+         : any && fp4  ? ops::GemmNumerics::NVFP4
+         : any && bf16 ? ops::GemmNumerics::BF16
+                       : ops::GemmNumerics::Exact;
+}
+
+void GlmModel::set_prefill(ops::GemmNumerics g, uint32_t experts_allowed) {
+  opt_.prefill = g;
+  experts_prefill_ = experts_numerics(g, experts_allowed);
+  experts_fp8_ = experts_prefill_ == ops::GemmNumerics::FP8;
+}
+
+void GlmModel::set_decode(ops::GemmNumerics g, uint32_t experts_allowed) {
+  opt_.decode = g;
+  experts_decode_ = experts_numerics(g, experts_allowed);
 }
 
 bool GlmModel::has_fp8_weights() const {
@@ -472,14 +479,14 @@ bool GlmModel::has_nvfp4_weights() const {
 
 // ------------------------------------------------------------------ one decoder layer
 void GlmModel::layer_forward(const Layer& L, const Tensor& latent, const Tensor& index_keys, const TokenBatch& tb,
-                             Bufs& b, Tensor& h, bool& have_sel, ops::GemmNumerics tc) {
+                             Bufs& b, Tensor& h, bool& have_sel, ops::GemmNumerics tc, ops::GemmNumerics ex) {
   const GlmConfig& c = cfg_;
   const int64_t T = tb.T, nh = c.num_heads / opt_.tp_size, qk = c.qk_head_dim(), nope = c.qk_nope_head_dim,
                 rope = c.qk_rope_head_dim, kvl = c.kv_lora_rank, lat = c.latent_dim();
   const bool tp = opt_.tp_size > 1;
   const Attn& a = L.attn;
   const Tensor& positions = tb.paged.pos;
-  // prompt chunks with Options::prefill: the projections on the tensor-core numerics
+  // the chunk's projection numerics (Options::prefill / decode: the tensor cores when not Exact)
   auto lin = [tc](const Tensor& x, const ops::Weight& w, Tensor& y, bool acc = false) {
     ops::linear_as(tc, x, w, y, acc);
   };
@@ -544,9 +551,8 @@ void GlmModel::layer_forward(const Layer& L, const Tensor& latent, const Tensor&
     r.norm_topk_prob = c.norm_topk_prob;
     r.routed_scaling_factor = c.routed_scaling_factor;
     ops::moe_route(logits, m.bias, r, b.rids, b.rw);
-    // prompt chunks: the routed experts on a grouped tensor-core GEMM too (set_prefill)
-    ops::moe_experts(b.x, b.rids, b.rw, m.experts, b.mlp_out, b.moe_ws,
-                     tc != ops::GemmNumerics::Exact ? experts_prefill_ : ops::GemmNumerics::Exact);
+    // the routed experts on a grouped tensor-core GEMM too (set_prefill / set_decode)
+    ops::moe_experts(b.x, b.rids, b.rw, m.experts, b.mlp_out, b.moe_ws, ex);
     if (m.has_shared) {
       ops::gated_mlp(b.x, m.gate, m.up, m.down, b.shared_out, b.scratch, tc);
       ops::add(b.mlp_out, b.shared_out, b.mlp_out);
@@ -593,9 +599,11 @@ void GlmModel::forward(const TokenBatch& tb, const GlmCache& cache, const Forwar
   Tensor h = b.h;
   embed(embed_local_, tb, h);
   bool have_sel = false;
+  using G = ops::GemmNumerics;
+  const G tc = out.exact ? G::Exact : out.prompt ? opt_.prefill : opt_.decode;
+  const G ex = out.exact ? G::Exact : out.prompt ? experts_prefill_ : experts_decode_;
   for (int64_t l = 0; l < c.num_layers; ++l) {
-    layer_forward(*layers_[size_t(l)], cache.latent[size_t(l)], cache.index[size_t(l)], tb, b, h, have_sel,
-                  out.prompt ? opt_.prefill : ops::GemmNumerics::Exact);
+    layer_forward(*layers_[size_t(l)], cache.latent[size_t(l)], cache.index[size_t(l)], tb, b, h, have_sel, tc, ex);
     for (size_t j = 0; j < out.tap_layers.size(); ++j)
       if (out.tap_layers[j] == l) {
         Tensor dst = out.taps.slice(1, int64_t(j) * H, int64_t(j + 1) * H);

@@ -38,6 +38,8 @@ struct ForwardOutputs {
   Tensor final_hidden;               // F32 [T, H]: after model.norm (the MTP layer's input)
   bool prompt = false;               // every row is a prompt token: the decoder layers'
                                      // projections take Options::prefill's GEMM
+  bool exact = false;                // the comparison APIs (Engine::logits, Sequence): every
+                                     // projection exact, whatever Options::prefill / decode
 };
 
 struct Layer;  // weights of one decoder layer (glm_model.cpp)
@@ -59,6 +61,11 @@ class GlmModel {
     // exact. Decode / verify rows always run ops::linear, so every generated token's
     // numerics are independent of this flag's batching (speculative == AR still holds).
     ops::GemmNumerics prefill = ops::GemmNumerics::Exact;
+    // Decode / verify chunks (every other chunk but ForwardOutputs::exact ones): the same
+    // choice for generated tokens (Engine decode_gemm). Every numerics computes a row
+    // independently of the chunk around it (one tile shape, k in order), so AR decode and
+    // a verify block run each token identically and speculative == AR holds in every mode.
+    ops::GemmNumerics decode = ops::GemmNumerics::Exact;
   };
 
   static std::unique_ptr<GlmModel> load(const Checkpoint& ckpt, const Options& opt);
@@ -92,6 +99,10 @@ class GlmModel {
   void set_prefill(ops::GemmNumerics g, uint32_t experts_allowed = ~0u);
   bool experts_fp8() const { return experts_fp8_; }
   ops::GemmNumerics experts_prefill() const { return experts_prefill_; }
+  // Options::decode, the same way (experts_decode(): what the routed experts of decode /
+  // verify chunks run).
+  void set_decode(ops::GemmNumerics g, uint32_t experts_allowed = ~0u);
+  ops::GemmNumerics experts_decode() const { return experts_decode_; }
   // Whether any decoder-layer projection is stored as FP8 block-128 (an FP8 checkpoint:
   // what prefill_gemm="auto" takes W8A8 for).
   bool has_fp8_weights() const;
@@ -121,8 +132,12 @@ class GlmModel {
 
  private:
   GlmModel() = default;
+  // tc: the projections' GEMM numerics; ex: the routed experts' (moe_experts)
   void layer_forward(const Layer& L, const Tensor& latent, const Tensor& index_keys, const TokenBatch& tb, Bufs& b,
-                     Tensor& h, bool& have_sel, ops::GemmNumerics tc = ops::GemmNumerics::Exact);
+                     Tensor& h, bool& have_sel, ops::GemmNumerics tc = ops::GemmNumerics::Exact,
+                     ops::GemmNumerics ex = ops::GemmNumerics::Exact);
+  // The routed experts' numerics under projection numerics g (set_prefill's rule).
+  ops::GemmNumerics experts_numerics(ops::GemmNumerics g, uint32_t experts_allowed) const;
   void embed(const Tensor& table, const TokenBatch& tb, Tensor& out);
   void project(const Tensor& rows, const ops::Weight& head, Bufs& b, Tensor& logits);
   // Calls tensor(t) / weight(w) for every parameter the forward reads (not the views
@@ -133,6 +148,7 @@ class GlmModel {
   Options opt_;
   bool experts_fp8_ = false;  // set_prefill
   ops::GemmNumerics experts_prefill_ = ops::GemmNumerics::Exact;  // set_prefill
+  ops::GemmNumerics experts_decode_ = ops::GemmNumerics::Exact;   // set_decode
   Device device_ = Device::cpu();
   std::shared_ptr<Checkpoint> ckpt_;
   Tensor embed_;  // [V, H] (F32/BF16/F16 view into the checkpoint)

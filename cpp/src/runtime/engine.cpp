@@ -253,50 +253,62 @@ std::string tc_gemm_self_check(Device dev, ops::GemmNumerics g, std::string* exp
   }
 }
 
+// A GEMM-numerics option (Engine decode_gemm, draft_gemm) for weights on `dev`: "exact",
+// "bf16", "fp8" (needs FP8 block-128 weights: fp8_w), "nvfp4" (NVFP4 weights with an
+// input_scale: fp4_w), each checked against what this build runs on `dev`; "auto" = on a
+// GPU, BF16, then FP8 / NVFP4 for such weights, each once `self_check(g)` passed ("" =
+// passed; the load-time check of prefill_gemm, run once per numerics); "exact" elsewhere.
+// `who` names the weights' owner in errors.
+void check_gemm_value(const char* opt, const std::string& v) {
+  DFLASH2_CHECK_ARG(v == "auto" || v == "exact" || v == "bf16" || v == "fp8" || v == "nvfp4", "Engine: ", opt,
+                    " must be 'auto', 'exact', 'bf16', 'fp8' or 'nvfp4', found '", v, "'");
+}
+template <class Check>
+ops::GemmNumerics resolve_gemm(const char* opt, const std::string& v, Device dev, bool fp8_w, bool fp4_w,
+                               const std::string& who, Check&& self_check) {
+  using ops::GemmNumerics;
+  check_gemm_value(opt, v);
+  const bool bf16_ok = ops::linear_bf16_available(dev);
+  if (v == "auto") {
+    if (!dev.is_cuda() || !bf16_ok || !self_check(GemmNumerics::BF16).empty()) return GemmNumerics::Exact;
+    if (fp8_w && ops::linear_fp8_available(dev) && self_check(GemmNumerics::FP8).empty()) return GemmNumerics::FP8;
+    if (fp4_w && ops::linear_nvfp4_available(dev) && self_check(GemmNumerics::NVFP4).empty())
+      return GemmNumerics::NVFP4;
+    return GemmNumerics::BF16;
+  }
+  if (v == "exact") return GemmNumerics::Exact;
+  const GemmNumerics g = v == "bf16" ? GemmNumerics::BF16 : v == "fp8" ? GemmNumerics::FP8 : GemmNumerics::NVFP4;
+  DFLASH2_CHECK(bf16_ok, ErrorKind::Unsupported, "Engine: ", opt, "='", v, "' needs the tensor-core GEMM ",
+                "(ops::linear_bf16), which this build has no kernel for on ", dev.str(), "; use 'exact' or 'auto'");
+  DFLASH2_CHECK(g != GemmNumerics::FP8 || fp8_w, ErrorKind::Config, "Engine: ", opt, "='fp8' (W8A8) needs FP8 ",
+                "block-128 weights, and ", who, " has none; use 'bf16', 'exact' or 'auto'");
+  DFLASH2_CHECK(g != GemmNumerics::FP8 || ops::linear_fp8_available(dev), ErrorKind::Unsupported, "Engine: ", opt,
+                "='fp8' needs ops::linear_fp8, which this build has no kernel for on ", dev.str(),
+                "; use 'bf16', 'exact' or 'auto'");
+  DFLASH2_CHECK(g != GemmNumerics::NVFP4 || fp4_w, ErrorKind::Config, "Engine: ", opt, "='nvfp4' (W4A4) needs ",
+                "NVFP4 weights with an input_scale, and ", who, " has none; use 'bf16', 'exact' or 'auto'");
+  DFLASH2_CHECK(g != GemmNumerics::NVFP4 || ops::linear_nvfp4_available(dev), ErrorKind::Unsupported, "Engine: ",
+                opt, "='nvfp4' needs ops::linear_nvfp4, which this build has no kernel for on ", dev.str(),
+                " (sm_100a / sm_103a); use 'bf16', 'exact' or 'auto'");
+  return g;
+}
+
 // Engine draft_gemm: the numerics of the DFlash drafter's projections (model::DFlashDrafter::
-// set_gemm), set on the drafter; returns its name. `self_check(g)` is the load-time check of
-// tensor-core numerics g on the drafter's GPU ("" = passed).
+// set_gemm), resolved for the drafter's weights and device and set on it; returns its name.
 template <class Check>
 std::string resolve_draft_gemm(const EngineConfig& cfg, runtime::Drafter* drafter, Check&& self_check) {
-  using ops::GemmNumerics;
-  const std::string& dg = cfg.draft_gemm;
-  DFLASH2_CHECK_ARG(dg == "auto" || dg == "exact" || dg == "bf16" || dg == "fp8" || dg == "nvfp4",
-                    "Engine: draft_gemm must be 'auto', 'exact', 'bf16', 'fp8' or 'nvfp4', found '", dg, "'");
   model::DFlashDrafter* m = drafter ? drafter->dflash_model() : nullptr;
   if (!m) {
+    const std::string& dg = cfg.draft_gemm;
+    check_gemm_value("draft_gemm", dg);
     DFLASH2_CHECK_ARG(dg == "auto" || dg == "exact", "Engine: draft_gemm='", dg, "' applies to the DFlash drafters ",
                       "(method 'dflash' / 'dflash2'); this engine has none");
     return "exact";
   }
-  const Device dev = m->device();
   const bool fp8_w = m->any_weight([](const ops::Weight& w) { return w.format == ops::WeightFormat::FP8Block128; });
   const bool fp4_w = m->any_weight([](const ops::Weight& w) { return ops::takes_w4a4(w); });
-  const bool bf16_ok = ops::linear_bf16_available(dev);
-  GemmNumerics g = GemmNumerics::Exact;
-  if (dg == "auto") {
-    if (dev.is_cuda() && bf16_ok && self_check(GemmNumerics::BF16).empty()) {
-      g = GemmNumerics::BF16;
-      if (fp8_w && ops::linear_fp8_available(dev) && self_check(GemmNumerics::FP8).empty()) g = GemmNumerics::FP8;
-      else if (fp4_w && ops::linear_nvfp4_available(dev) && self_check(GemmNumerics::NVFP4).empty())
-        g = GemmNumerics::NVFP4;
-    }
-  } else if (dg != "exact") {
-    g = dg == "bf16" ? GemmNumerics::BF16 : dg == "fp8" ? GemmNumerics::FP8 : GemmNumerics::NVFP4;
-    DFLASH2_CHECK(bf16_ok, ErrorKind::Unsupported, "Engine: draft_gemm='", dg, "' needs the tensor-core GEMM ",
-                  "(ops::linear_bf16), which this build has no kernel for on ", dev.str(), " (the drafter's device); ",
-                  "use 'exact' or 'auto'");
-    DFLASH2_CHECK(g != GemmNumerics::FP8 || fp8_w, ErrorKind::Config, "Engine: draft_gemm='fp8' (W8A8) needs a ",
-                  "drafter with FP8 block-128 projections, and ", cfg.draft, " has none; use 'bf16', 'exact' or 'auto'");
-    DFLASH2_CHECK(g != GemmNumerics::FP8 || ops::linear_fp8_available(dev), ErrorKind::Unsupported,
-                  "Engine: draft_gemm='fp8' needs ops::linear_fp8, which this build has no kernel for on ", dev.str(),
-                  "; use 'bf16', 'exact' or 'auto'");
-    DFLASH2_CHECK(g != GemmNumerics::NVFP4 || fp4_w, ErrorKind::Config, "Engine: draft_gemm='nvfp4' (W4A4) needs a ",
-                  "drafter with NVFP4 projections that have an input_scale, and ", cfg.draft,
-                  " has none; use 'bf16', 'exact' or 'auto'");
-    DFLASH2_CHECK(g != GemmNumerics::NVFP4 || ops::linear_nvfp4_available(dev), ErrorKind::Unsupported,
-                  "Engine: draft_gemm='nvfp4' needs ops::linear_nvfp4, which this build has no kernel for on ", dev.str(),
-                  " (sm_100a / sm_103a); use 'bf16', 'exact' or 'auto'");
-  }
+  const ops::GemmNumerics g =
+      resolve_gemm("draft_gemm", cfg.draft_gemm, m->device(), fp8_w, fp4_w, "the drafter " + cfg.draft, self_check);
   m->set_gemm(g);
   return ops::gemm_numerics_name(g);
 }
@@ -369,8 +381,7 @@ Engine::Engine(const EngineConfig& cfg) : impl_(std::make_unique<Impl>()) {
   I.core.target = std::make_unique<runtime::Target>(std::move(shards), to);
   // prompt tokens' GEMM numerics (the device is placed and checked by now)
   const std::string& pg = cfg.prefill_gemm;
-  DFLASH2_CHECK_ARG(pg == "auto" || pg == "exact" || pg == "bf16" || pg == "fp8" || pg == "nvfp4",
-                    "Engine: prefill_gemm must be 'auto', 'exact', 'bf16', 'fp8' or 'nvfp4', found '", pg, "'");
+  check_gemm_value("prefill_gemm", pg);
   const bool bf16_ok = ops::linear_bf16_available(device);
   const bool fp8_ok = bf16_ok && ops::linear_fp8_available(device);
   const bool fp4_ok = bf16_ok && ops::linear_nvfp4_available(device);
@@ -435,6 +446,16 @@ Engine::Engine(const EngineConfig& cfg) : impl_(std::make_unique<Impl>()) {
     }
   }
   I.core.target->set_prefill(prefill, experts_allowed);
+  // generated tokens' GEMM numerics (decode / verify chunks): the same resolution, the same
+  // load-time checks (each run once)
+  const GemmNumerics decode = resolve_gemm("decode_gemm", cfg.decode_gemm, device, fp8_ckpt, fp4_ckpt,
+                                           "the target " + cfg.target, self_check);
+  uint32_t decode_experts = ~0u;  // a numerics whose experts' check failed here keeps the experts off it
+  for (unsigned g = 0; g < 4; ++g)
+    if (ran[g] && !experts_checked[g].empty()) decode_experts &= ~(1u << g);
+  I.core.target->set_decode(decode, decode_experts);
+  I.cfg.decode_gemm = ops::gemm_numerics_name(decode);
+  I.cfg.experts_decode_gemm = ops::gemm_numerics_name(I.core.target->model().experts_decode());
   I.cfg.experts_prefill_gemm = ops::gemm_numerics_name(I.core.target->model().experts_prefill());
   I.cfg.prefill_gemm = ops::gemm_numerics_name(prefill);
   I.cfg.cuda_graphs = I.core.target->cuda_graphs();  // what is in effect (CUDA, one rank)
@@ -729,6 +750,7 @@ Tensor Sequence::extend(const std::vector<int32_t>& tokens, const std::vector<in
   for (const auto& ch : chunks) {
     const int64_t T = ch[0].n;
     model::ForwardOutputs out;
+    out.exact = true;  // the comparison API: exact whatever prefill_gemm / decode_gemm
     out.logits = logits.slice(0, row0, row0 + T);
     out.all_logits = true;
     out.tap_layers = hidden_layers;

@@ -186,6 +186,7 @@ void Target::run_chunk(const std::vector<Piece>& pieces, const model::ForwardOut
     if (out.logits.defined()) o.logits = scratch_logits_[size_t(r - 1)].slice(0, 0, out.logits.shape(0));
     o.all_logits = out.all_logits;
     o.prompt = out.prompt;  // every rank runs the chunk's numerics
+    o.exact = out.exact;
     models_[size_t(r)]->forward(b, views_[size_t(r)], o);
   });
   for (const Piece& p : pieces) p.stream->length += p.n;
@@ -277,7 +278,7 @@ model::TokenBatch Target::record_plan(const model::TokenBatch& b, PlanRole role)
 }
 
 void Target::record_chunk(const model::TokenBatch& b, const model::ForwardOutputs& out, const Tensor& token_src) {
-  DFLASH2_INTERNAL(tp_size() == 1 && !out.prompt, "a recorded step needs one rank and a decode chunk");
+  DFLASH2_INTERNAL(tp_size() == 1 && !out.prompt && !out.exact, "a recorded step needs one rank and a decode chunk");
   const Device d0 = models_[0]->device();
   DFLASH2_INTERNAL(!token_src.defined() || token_src.device() == d0, "a recorded verify chunk reads ",
                    token_src.describe(), " (the drafts must be on ", d0.str(), ")");
@@ -438,6 +439,7 @@ void Target::run_chunk_device(const model::TokenBatch& b, const model::ForwardOu
     model::ForwardOutputs o;
     o.all_logits = out.all_logits;
     o.prompt = out.prompt;  // prompt chunks: Engine prefill_gemm's numerics
+    o.exact = out.exact;    // the comparison APIs: exact whatever decode_gemm
     // rank 0 writes logits straight into the caller's tensor when it is on its device
     const bool direct = r == 0 && out.logits.defined() && out.logits.device() == models_[0]->device();
     if (out.logits.defined()) o.logits = direct ? out.logits : d_logits_[size_t(r)].slice(0, 0, out.logits.shape(0));
@@ -451,7 +453,7 @@ void Target::run_chunk_device(const model::TokenBatch& b, const model::ForwardOu
       if (out.final_hidden.defined())
         o.final_hidden = fin_direct ? out.final_hidden : device_rows(d_fin_, r, b.T, H);
     }
-    if (r == 0 && graphs_ && !out.prompt) {
+    if (r == 0 && graphs_ && !out.prompt && !out.exact) {
       // the launch shape: sizes, then every buffer the kernels are given (see step_graphs.h)
       graphs_->run(forward_key(db, o, token_src), [&] {
         if (token_src.defined()) ops::resolve_tokens(db.tokens, token_src);  // the drafts, in the graph

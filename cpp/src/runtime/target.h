@@ -56,6 +56,9 @@ class Target {
   void set_prefill(ops::GemmNumerics g, uint32_t experts_allowed = ~0u) {
     for (auto& m : models_) m->set_prefill(g, experts_allowed);
   }
+  void set_decode(ops::GemmNumerics g, uint32_t experts_allowed = ~0u) {
+    for (auto& m : models_) m->set_decode(g, experts_allowed);
+  }
   KvCache& cache() { return cache_; }
   // CUDA graph counters (all zero when graphs are off or not on CUDA).
   GraphStats graph_stats() const { return graphs_ ? graphs_->stats() : GraphStats{}; }
