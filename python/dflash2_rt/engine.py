@@ -234,7 +234,7 @@ class Engine:
         shared-expert projections are NVFP4 with an input_scale: W4A4 for those, bf16 for
         the rest), "auto" (on a GPU this build has the kernels for: "fp8" / "nvfp4" for
         such a checkpoint where the kernel exists (sm_90a / sm_100a), else "bf16", each after
-        a load-time check; "exact" elsewhere). Generated tokens always decode exact, so speculative == AR holds in
+        a load-time check; "exact" elsewhere). Generated tokens take decode_gemm (default exact); speculative == AR holds in
         every mode; the resolved mode is `engine.prefill_gemm`.
         draft_gemm: the same choice for the DFlash drafter's projections and its LM head over
         the block ("fp8" / "nvfp4" need a drafter with such weights); "auto" takes the tensor

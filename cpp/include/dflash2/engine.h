@@ -39,7 +39,7 @@ struct EngineConfig {
                                       // this build has the CUTLASS kernels for, "fp8" / "nvfp4" for
                                       // such a checkpoint (sm_90a / sm_100a) else "bf16", each after
                                       // a load-time check; else "exact".
-                                      // Generated tokens always run exact (see README).
+                                      // Generated tokens take decode_gemm (see README).
   std::string decode_gemm = "exact";  // generated tokens' projections and routed experts (decode and
                                       // verify chunks), the same choices as prefill_gemm; "exact"
                                       // (the default) keeps them fp32 as on the CPU, a tensor-core
