@@ -194,6 +194,43 @@ def test_nvfp4_experts(zoo, tmp_path):
         dflash2_rt.Engine(target=dst, tensor_parallel=4, **kw)
 
 
+def test_expert_parallel_ranks_agree_on_experts_numerics(zoo, tmp_path):
+    """With expert parallelism each rank holds other experts, and the routed experts'
+    numerics must be one for all ranks: when one expert of the last rank's share cannot run
+    W4A4 (a subnormal input_scale), prefill_gemm / decode_gemm = "nvfp4" keep every rank's
+    experts off W4A4 (BF16, as TP=1 does), not rank 0's choice on rank 0 and BF16 elsewhere."""
+    import glob
+    import json
+    import re
+    import struct
+    dst = str(tmp_path / "nvfp4")
+    quantize_checkpoint(zoo.path("tiny"), dst, "nvfp4", "experts")
+    pat = re.compile(r"layers\.(\d+)\.mlp\.experts\.(\d+)\.gate_proj\.input_scale$")
+    hits = []  # (layer, expert, file, header size, header entry)
+    for f in sorted(glob.glob(os.path.join(dst, "*.safetensors"))):
+        with open(f, "rb") as fh:
+            n = struct.unpack("<Q", fh.read(8))[0]
+            hdr = json.loads(fh.read(n))
+        hits += [(int(m.group(1)), int(m.group(2)), f, n, hdr[k]) for k in hdr for m in [pat.search(k)] if m]
+    last_layer = max(h[0] for h in hits)
+    layer, expert, f, n, info = max((h for h in hits if h[0] == last_layer), key=lambda h: h[1])
+    assert info["dtype"] == "F32", info
+    a, b = info["data_offsets"]
+    with open(f, "r+b") as fh:  # the last expert of one layer: a subnormal input_scale, in place
+        fh.seek(8 + n + a)
+        fh.write(np.full((b - a) // 4, 1e-40, np.float32).tobytes())
+    kw = dict(method="ar", device="cpu", max_batch_size=2, max_seq_len=128, prefill_gemm="nvfp4", decode_gemm="nvfp4")
+    one = dflash2_rt.Engine(target=dst, tensor_parallel=1, **kw)
+    assert one.experts_prefill_gemm == one.experts_decode_gemm == "bf16"
+    ep = dflash2_rt.Engine(target=dst, tensor_parallel=2, expert_parallel=True, **kw)
+    assert ep.experts_prefill_gemm == ep.experts_decode_gemm == "bf16", (ep.experts_prefill_gemm, layer, expert)
+    prompts = [gf.prompt(710 + i, n) for i, n in enumerate((5, 17))]
+    want = one.generate(prompts, max_new_tokens=12, stop_token_ids=NO_STOP)
+    got = ep.generate(prompts, max_new_tokens=12, stop_token_ids=NO_STOP)
+    for i, (g, w) in enumerate(zip(got, want)):
+        same_tokens(one, prompts[i], g.token_ids, w.token_ids, f"EP=2 nvfp4 modes, prompt {i}")
+
+
 def test_fp8_tp2_with_block_aligned_slices(tmp_path):
     """FP8 block-128: a slice must start on a 128 boundary. 32 heads x (16 + 8) q rows and
     256-wide MLPs split in two keep every block whole."""

@@ -103,6 +103,9 @@ class GlmModel {
   // verify chunks run).
   void set_decode(ops::GemmNumerics g, uint32_t experts_allowed = ~0u);
   ops::GemmNumerics experts_decode() const { return experts_decode_; }
+  // The routed experts' numerics under projection numerics g (set_prefill's rule, over this
+  // model's experts: with expert parallelism, this rank's).
+  ops::GemmNumerics experts_numerics(ops::GemmNumerics g, uint32_t experts_allowed) const;
   // Whether any decoder-layer projection is stored as FP8 block-128 (an FP8 checkpoint:
   // what prefill_gemm="auto" takes W8A8 for).
   bool has_fp8_weights() const;
@@ -136,8 +139,6 @@ class GlmModel {
   void layer_forward(const Layer& L, const Tensor& latent, const Tensor& index_keys, const TokenBatch& tb, Bufs& b,
                      Tensor& h, bool& have_sel, ops::GemmNumerics tc = ops::GemmNumerics::Exact,
                      ops::GemmNumerics ex = ops::GemmNumerics::Exact);
-  // The routed experts' numerics under projection numerics g (set_prefill's rule).
-  ops::GemmNumerics experts_numerics(ops::GemmNumerics g, uint32_t experts_allowed) const;
   void embed(const Tensor& table, const TokenBatch& tb, Tensor& out);
   void project(const Tensor& rows, const ops::Weight& head, Bufs& b, Tensor& logits);
   // Calls tensor(t) / weight(w) for every parameter the forward reads (not the views

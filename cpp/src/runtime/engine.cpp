@@ -407,8 +407,9 @@ Engine::Engine(const EngineConfig& cfg) : impl_(std::make_unique<Impl>()) {
                          : pg == "fp8"   ? GemmNumerics::FP8
                          : pg == "nvfp4" ? GemmNumerics::NVFP4
                                          : GemmNumerics::Exact;
-  uint32_t experts_allowed = ~0u;  // bit g: the routed experts may take numerics g
-  // each tensor-core numerics' load-time check, run once (prefill_gemm and draft_gemm "auto")
+  // each tensor-core numerics' load-time check, run once (prefill_gemm / decode_gemm /
+  // draft_gemm "auto"); a failure is reported once and keeps that numerics off (a failed
+  // experts' part keeps only the routed experts off it)
   std::string checked[4], experts_checked[4];
   bool ran[4] = {false, false, false, false};
   auto self_check = [&](GemmNumerics g) -> const std::string& {
@@ -416,6 +417,13 @@ Engine::Engine(const EngineConfig& cfg) : impl_(std::make_unique<Impl>()) {
     if (!ran[i]) {
       checked[i] = tc_gemm_self_check(device, g, &experts_checked[i]);
       ran[i] = true;
+      if (!checked[i].empty())
+        std::fprintf(stderr, "dflash2: the %s tensor-core GEMM failed its load-time check on %s (%s); nothing "
+                     "runs on it\n", ops::gemm_numerics_name(g), device.str().c_str(), checked[i].c_str());
+      else if (!experts_checked[i].empty())
+        std::fprintf(stderr, "dflash2: the routed experts' %s grouped GEMM failed its load-time check on %s (%s); "
+                     "the routed experts do not take it\n", ops::gemm_numerics_name(g), device.str().c_str(),
+                     experts_checked[i].c_str());
     }
     return checked[i];
   };
@@ -428,32 +436,19 @@ Engine::Engine(const EngineConfig& cfg) : impl_(std::make_unique<Impl>()) {
                         : g == GemmNumerics::FP8 ? fp8_ok && fp8_ckpt && prefill == GemmNumerics::BF16
                                                  : fp4_ok && fp4_ckpt && prefill == GemmNumerics::BF16;
       if (!want) continue;
-      const std::string& why = self_check(g);
-      const std::string& experts_why = experts_checked[unsigned(g)];
-      if (!why.empty()) {
-        std::fprintf(stderr, "dflash2: the %s tensor-core GEMM failed its load-time check on %s (%s); prompt tokens "
-                     "run with prefill_gemm='%s'\n", ops::gemm_numerics_name(g), device.str().c_str(), why.c_str(),
-                     ops::gemm_numerics_name(prefill));
-        break;
-      }
-      if (!experts_why.empty()) {
-        std::fprintf(stderr, "dflash2: the routed experts' %s grouped GEMM failed its load-time check on %s (%s); "
-                     "the experts of prompt chunks do not take it\n", ops::gemm_numerics_name(g), device.str().c_str(),
-                     experts_why.c_str());
-        experts_allowed &= ~(1u << unsigned(g));
-      }
+      if (!self_check(g).empty()) break;
       prefill = g;
     }
   }
-  I.core.target->set_prefill(prefill, experts_allowed);
   // generated tokens' GEMM numerics (decode / verify chunks): the same resolution, the same
   // load-time checks (each run once)
   const GemmNumerics decode = resolve_gemm("decode_gemm", cfg.decode_gemm, device, fp8_ckpt, fp4_ckpt,
                                            "the target " + cfg.target, self_check);
-  uint32_t decode_experts = ~0u;  // a numerics whose experts' check failed here keeps the experts off it
+  uint32_t experts_allowed = ~0u;  // bit g: the routed experts may take numerics g (not a failed check's)
   for (unsigned g = 0; g < 4; ++g)
-    if (ran[g] && !experts_checked[g].empty()) decode_experts &= ~(1u << g);
-  I.core.target->set_decode(decode, decode_experts);
+    if (ran[g] && !experts_checked[g].empty()) experts_allowed &= ~(1u << g);
+  I.core.target->set_prefill(prefill, experts_allowed);
+  I.core.target->set_decode(decode, experts_allowed);
   I.cfg.decode_gemm = ops::gemm_numerics_name(decode);
   I.cfg.experts_decode_gemm = ops::gemm_numerics_name(I.core.target->model().experts_decode());
   I.cfg.experts_prefill_gemm = ops::gemm_numerics_name(I.core.target->model().experts_prefill());

@@ -192,6 +192,22 @@ void Target::run_chunk(const std::vector<Piece>& pieces, const model::ForwardOut
   for (const Piece& p : pieces) p.stream->length += p.n;
 }
 
+uint32_t Target::common_experts(ops::GemmNumerics g, uint32_t allowed) const {
+  using G = ops::GemmNumerics;
+  for (;;) {
+    const G first = models_[0]->experts_numerics(g, allowed);
+    bool same = true;
+    G best = G::Exact;  // the most preferred choice of any rank (FP8 / NVFP4, then BF16)
+    for (const auto& m : models_) {
+      const G e = m->experts_numerics(g, allowed);
+      same = same && e == first;
+      if (e != G::Exact && (best == G::Exact || (best == G::BF16 && e != G::BF16))) best = e;
+    }
+    if (same) return allowed;
+    allowed &= ~(1u << unsigned(best));  // some rank could not take it: none does
+  }
+}
+
 int64_t Target::bucket(int64_t S) const {
   int64_t b = 1;
   while (b < S && b < 32) b *= 2;

@@ -53,12 +53,19 @@ class Target {
   const model::GlmConfig& config() const { return models_[0]->config(); }
   const Options& options() const { return opt_; }
   // Every rank's GlmModel::Options::prefill (before the first step).
+  // GlmModel::set_prefill / set_decode on every rank, with one routed-experts numerics for
+  // all of them: with expert parallelism each rank holds other experts, and a numerics some
+  // rank's experts cannot take is kept off every rank (the ranks never mix numerics).
   void set_prefill(ops::GemmNumerics g, uint32_t experts_allowed = ~0u) {
+    experts_allowed = common_experts(g, experts_allowed);
     for (auto& m : models_) m->set_prefill(g, experts_allowed);
   }
   void set_decode(ops::GemmNumerics g, uint32_t experts_allowed = ~0u) {
+    experts_allowed = common_experts(g, experts_allowed);
     for (auto& m : models_) m->set_decode(g, experts_allowed);
   }
+  // experts_allowed narrowed until every rank's GlmModel::experts_numerics(g, .) agrees.
+  uint32_t common_experts(ops::GemmNumerics g, uint32_t experts_allowed) const;
   KvCache& cache() { return cache_; }
   // CUDA graph counters (all zero when graphs are off or not on CUDA).
   GraphStats graph_stats() const { return graphs_ ? graphs_->stats() : GraphStats{}; }
