@@ -454,7 +454,8 @@ Engine::Engine(const EngineConfig& cfg) : impl_(std::make_unique<Impl>()) {
   I.cfg.experts_prefill_gemm = ops::gemm_numerics_name(I.core.target->model().experts_prefill());
   I.cfg.prefill_gemm = ops::gemm_numerics_name(prefill);
   I.cfg.cuda_graphs = I.core.target->cuda_graphs();  // what is in effect (CUDA, one rank)
-  I.cfg.pad_to_buckets = I.core.target->options().pad_to_buckets ? 1 : 0;  // what is in effect
+  // what is in effect: only steps recorded as one unit are padded (one rank; on CUDA, with graphs)
+  I.cfg.pad_to_buckets = I.core.target->options().pad_to_buckets && I.core.target->can_record_steps() ? 1 : 0;
   I.config_json = ck.config().root().dump();
   if (I.method == Method::DFlash || I.method == Method::DFlash2) {
     I.core.drafter = runtime::make_dflash_drafter(*dk, *I.core.target, I.method);
