@@ -1455,6 +1455,63 @@ def test_block_attention_tensor_cores(dev, causal, case):
             assert np.array_equal(many[r * T:(r + 1) * T], got), f"window {window}: copy {r} differs"
 
 
+def _bf16_tensor(a, dev):
+    """A torch BF16 tensor of float32 array `a` on `dev` (the ops take it through DLPack)."""
+    t = torch.from_numpy(np.ascontiguousarray(a)).bfloat16()
+    return t if dev == "cpu" else t.cuda()
+
+
+@pytest.mark.parametrize("dev", DEVICES)
+def test_cache_write_bf16(dev):
+    """cache_write into a BF16 cache (the DFlash drafter's under draft_gemm): each value
+    rounded to nearest even as torch rounds float32 to bfloat16 (ties both ways, Inf, values
+    past BF16's range, subnormals, -0; NaN stays NaN), padding slots skipped, the other rows
+    untouched; D = 37 (the scalar kernel) and 64 (4 values per thread)."""
+    need_device(dev, "cache_write")
+    rng = rng_for("cache_write_bf16")
+    for d in (37, 64):
+        src = rng.standard_normal((6, d)).astype(np.float32)
+        src[0, :6] = [np.inf, -np.inf, np.nan, 3.4e38, 1e-40, -0.0]
+        src[1, :4] = np.array([1 + 2 ** -8, 1 + 3 * 2 ** -8, 1 + 2 ** -8 + 2 ** -20, -(1 + 2 ** -8)], np.float32)
+        slots = i32([3, 0, -1, 7, 5, -2])
+        init = rng.standard_normal((9, d)).astype(np.float32)
+        cache = _bf16_tensor(init, dev)
+        ops.cache_write(to_dev(src, dev), to_dev(slots, dev), cache)
+        got = cache.cpu()
+        want = torch.from_numpy(init).bfloat16()
+        for t, sl in enumerate(slots):
+            if sl >= 0:
+                want[sl] = torch.from_numpy(src[t]).bfloat16()
+        assert torch.equal(torch.isnan(got), torch.isnan(want)), f"D={d}: NaN positions"
+        keep = ~torch.isnan(want)
+        assert torch.equal(got[keep].view(torch.int16), want[keep].view(torch.int16)), f"D={d}: rounding"
+
+
+@pytest.mark.parametrize("dev", DEVICES)
+@pytest.mark.parametrize("tensor_cores", [False, True], ids=["exact", "tc"])
+@pytest.mark.parametrize("case", [(16, 2, 128, 8), (6, 2, 32, 5), (4, 1, 48, 4)], ids=lambda c: "h%d-kv%d-d%d-B%d" % c)
+def test_block_attention_bf16_cache(dev, tensor_cores, case):
+    """block_attention over a BF16 context cache (the drafter's under draft_gemm): against the
+    reference over the same cache values widened to float32, exact (NMSE <= 1e-10) or on the
+    tensor cores (head_dim 16 / 32 / 64 / 128 on CUDA: NMSE <= 1e-4), windows and causal
+    included, contexts of one and of several segments."""
+    need_device(dev, "block_attention")
+    nh, kvh, hd, B = case
+    cbs = 16
+    rng = rng_for("block-attn-bf16", tensor_cores, case)
+    ctx = [700, 0, 33]
+    q, k, v, kv_cache, bt, ctx_len, scale = block_attn_inputs(rng, ctx, nh, kvh, hd, B, cbs)
+    kv16 = _bf16_tensor(kv_cache, dev)
+    kv_ref = kv16.float().cpu().numpy()
+    tc = tensor_cores and dev == "cuda" and hd in (16, 32, 64, 128)
+    for causal, window in [(False, 0), (True, B - 1), (False, 600)]:
+        ref = refs.block_attention(q, k, v, kv_ref, ctx_len, bt, B, window, causal, scale, cbs)
+        out = Guarded(q.shape, dev)
+        ops.block_attention(*[to_dev(x, dev) for x in (q, k, v)], kv16, *[to_dev(x, dev) for x in (ctx_len, bt)],
+                            B, cbs, window=window, causal=causal, scale=scale, out=out.view, tensor_cores=tensor_cores)
+        check("block_attention", out.result(), ref, tol=1e-4 if tc else 1e-10)
+
+
 # ----------------------------------------------------------------------------- MoE
 ROUTE_CASES = [  # (E, n_group, topk_group, top_k)
     (8, 1, 1, 1),

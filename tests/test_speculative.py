@@ -410,9 +410,13 @@ def test_draft_gemm_is_lossless(world, ar_greedy, tmp_path):
         _engine(world.target, d2, "dflash2", draft_gemm="nvfp4")
     n = len(GREEDY_PROMPTS)
     cases = [(d2, "dflash2", "bf16"), (world.draft("d1"), "dflash", "bf16"), (fp8, "dflash2", "fp8")]
+    exact_bytes = _engine(world.target, d2, "dflash2").metrics()["draft_cache_bytes"]
+    assert exact_bytes > 0 and _engine(world.target).metrics()["draft_cache_bytes"] == 0
     for draft, method, mode in cases:
         eng = _engine(world.target, draft, method, draft_gemm=mode)
         assert eng.draft_gemm == mode
+        if draft == d2:  # the tensor-core modes keep the draft cache in BF16: half the bytes
+            assert eng.metrics()["draft_cache_bytes"] * 2 == exact_bytes
         for bs in (1, 3):
             order = [(i * 7 + bs) % n for i in range(n)]
             for j in range(0, n, bs):

@@ -270,6 +270,7 @@ void bind_engine(py::module_& m) {
              d["draft_len"] = m.draft_len;
              d["cache_pages_used"] = m.cache_pages_used;
              d["cache_pages_total"] = m.cache_pages_total;
+             d["draft_cache_bytes"] = m.draft_cache_bytes;
              d["cuda_graphs_captured"] = m.cuda_graphs_captured;
              d["cuda_graphs_replayed"] = m.cuda_graphs_replayed;
              d["cuda_graphs_eager"] = m.cuda_graphs_eager;

@@ -475,7 +475,8 @@ class Engine:
         _failed / _last_failure, steps_as_one_unit (decode steps run as one unit: one CUDA
         graph on a GPU), padding_rows (padding sequences run by pad_to_buckets) and
         drafter_appends_in_step (of those steps, the ones that appended the verified rows to
-        the DFlash drafter's context inside the step)."""
+        the DFlash drafter's context inside the step), draft_cache_bytes (the DFlash
+        drafter's context cache: F32, or BF16 under a tensor-core draft_gemm)."""
         return dict(self._e.metrics())
 
     def close(self) -> None:

@@ -143,6 +143,7 @@ struct EngineMetrics {
   double step_time_s = 0;         // recent mean
   double draft_len = 0;           // recent mean draft length (adaptive speculation)
   int64_t cache_pages_used = 0, cache_pages_total = 0;  // the target's KV-cache blocks
+  int64_t draft_cache_bytes = 0;  // the DFlash drafter's context cache (F32, or BF16 under draft_gemm)
   // CUDA graphs of the target's chunks: captured, replayed, run eagerly (warm-ups, prompt
   // chunks), failed captures (then run eagerly) and the last failure's reason
   int64_t cuda_graphs_captured = 0, cuda_graphs_replayed = 0, cuda_graphs_eager = 0, cuda_graphs_failed = 0;

@@ -229,8 +229,8 @@ struct PagedTokens {
   Tensor block_table;  // I32 [S, max_blocks]
   int64_t block_size = 0;
 };
-// cache[slots[t], :] = src[t, :] (src F32 [T, D], slots I32 [T]); a negative slot skips
-// the row (padding).
+// cache[slots[t], :] = src[t, :] (src F32 [T, D], slots I32 [T]; cache F32, or BF16: the
+// values rounded to nearest even); a negative slot skips the row (padding).
 void cache_write(const Tensor& src, const Tensor& slots, Tensor& cache);
 
 // ------------------------------------------------------------------ attention
@@ -261,7 +261,7 @@ void mla_attention(const Tensor& q_lat, const Tensor& q_pe, const Tensor& cache,
 
 // The DFlash drafter's block attention: queries are S blocks of B tokens (T = S * B,
 // block s at positions ctx_len[s] .. ctx_len[s] + B - 1). Query (s, i) attends to the
-// context keys j of sequence s in kv_cache ([slots, 2 * kvh * hd] F32, rows [k | v],
+// context keys j of sequence s in kv_cache ([slots, 2 * kvh * hd] F32 or BF16, rows [k | v],
 // paged by block_table / cache_block_size) with j > ctx_len[s] + i - window when window
 // > 0, and to the block's own keys k[s*B + j], v[s*B + j] for j < B (j <= i if causal).
 // q F32 [T, nh, hd], k, v F32 [T, kvh, hd] (GQA: head h uses kv head h / (nh / kvh)),

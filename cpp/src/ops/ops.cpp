@@ -532,7 +532,7 @@ void fp8_quantize_act(const Tensor& x, Tensor& out) {
 void cache_write(const Tensor& src, const Tensor& slots, Tensor& cache) {
   const char* op = "cache_write";
   need_2d_rows(src, DType::F32, op, "src");
-  need_2d_rows(cache, DType::F32, op, "cache");
+  need_2d_rows(cache, cache.defined() && cache.dtype() == DType::BF16 ? DType::BF16 : DType::F32, op, "cache");
   need_i32_vec(slots, src.shape(0), op, "slots");
   DFLASH2_CHECK_ARG(src.shape(1) == cache.shape(1), op, ": src rows have ", src.shape(1),
                     " values but cache rows have ", cache.shape(1));
@@ -631,7 +631,8 @@ void block_attention(const Tensor& q, const Tensor& k, const Tensor& v, const Te
                     " does not match q ", q.describe(), " (kv heads must divide the query heads)");
   need_same_shape(k, v, op, "k", "v");
   need_same_shape(q, out, op, "q", "out");
-  need_2d_rows(kv_cache, DType::F32, op, "kv_cache");
+  need_2d_rows(kv_cache, kv_cache.defined() && kv_cache.dtype() == DType::BF16 ? DType::BF16 : DType::F32, op,
+               "kv_cache");
   DFLASH2_CHECK_ARG(kv_cache.shape(1) == 2 * kvh * hd, op, ": kv_cache rows must hold [k | v] = ", 2 * kvh * hd,
                     " values, found ", kv_cache.describe());
   const int64_t S = T / p.block;

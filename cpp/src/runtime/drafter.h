@@ -9,6 +9,7 @@
 #include <string>
 #include <vector>
 
+#include "dflash2/ops.h"
 #include "dflash2/tensor.h"
 #include "runtime/step_graphs.h"
 
@@ -75,8 +76,13 @@ class Drafter {
   virtual Device device() const { return Device::cpu(); }
   // CUDA graphs of its own forward (the device DFlash drafter), for Engine::metrics().
   virtual GraphStats graph_stats() const { return {}; }
-  // The DFlash drafters' model (Engine draft_gemm sets its GEMM numerics); none for MTP.
+  // The DFlash drafters' model (Engine draft_gemm reads its weights); none for MTP.
   virtual model::DFlashDrafter* dflash_model() { return nullptr; }
+  // Engine draft_gemm, once at load before anything is drafted: the model's GEMM numerics
+  // and, with tensor-core numerics, a BF16 draft cache (the block attention's operands).
+  virtual void set_draft_gemm(ops::GemmNumerics) {}
+  // Bytes of the drafter's own context cache (the DFlash draft cache; 0 for MTP).
+  virtual int64_t cache_bytes() const { return 0; }
   virtual void commit(const std::vector<CommitRows>& rows, const Features& f) = 0;
   // Greedy drafts where a job's temperature is 0; DFlash 2's selector samples the others
   // and records q.

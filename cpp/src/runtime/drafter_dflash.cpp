@@ -58,13 +58,9 @@ class DFlashRunner final : public Drafter {
       check_memory((per_seq * maxB + (B + bs - 1) / bs) * bs, maxB, nt * H, plan_tokens_of(o, maxB, B));
       m_->to_device(dev_, t.model().forward_embed(), t.model().forward_lm_head());
     }
-    // + the padding sequences' pages (append_in_step): one block's worth of tokens, shared
-    const int64_t pad_blocks = (B + bs - 1) / bs;
-    cache_ = KvCache("draft KV cache", {{c.num_layers, 2 * m_->kv_dim()}}, bs, per_seq * maxB + pad_blocks, dev_);
-    cache_.set_max_blocks_per_stream(per_seq);
-    DFLASH2_INTERNAL(cache_.try_pin(pad_stream_, B), "the draft cache's padding stream");
+    per_seq_ = per_seq;
+    make_cache(DType::F32);
     in_step_.assign(size_t(maxB), 0);
-    for (int64_t l = 0; l < c.num_layers; ++l) kv_layers_.push_back(cache_.layer(0, l));
     streams_.resize(size_t(maxB));
     pending_ = PendingRows(maxB, kPending, nt * H, /*with_next=*/false, dev_);
     append_ = [this](const std::vector<CommitRows>& rows, const Tensor& src) { append(rows, src); };
@@ -113,6 +109,16 @@ class DFlashRunner final : public Drafter {
   Device device() const override { return dev_; }
   GraphStats graph_stats() const override { return graphs_ ? graphs_->stats() : GraphStats{}; }
   model::DFlashDrafter* dflash_model() override { return m_.get(); }
+  int64_t cache_bytes() const override {
+    int64_t n = 0;
+    for (const Tensor& t : kv_layers_) n += int64_t(t.nbytes());
+    return n;
+  }
+  void set_draft_gemm(ops::GemmNumerics g) override {
+    m_->set_gemm(g);
+    const DType want = g == ops::GemmNumerics::Exact ? DType::F32 : DType::BF16;
+    if (kv_layers_.empty() || kv_layers_[0].dtype() != want) make_cache(want);
+  }
   bool reserve(int slot, int64_t tokens) override { return cache_.try_pin(streams_[size_t(slot)], tokens); }
   std::vector<int64_t> tap_layers() const override { return m_->config().target_layer_ids; }
   bool records_steps() const override { return true; }
@@ -374,6 +380,22 @@ class DFlashRunner final : public Drafter {
   Target& t_;
   KvCache cache_;
   std::vector<Tensor> kv_layers_;
+  int64_t per_seq_ = 0;  // cache blocks per sequence
+  // The draft context cache (all of it, before anything is drafted): dtype F32, or BF16 with
+  // tensor-core numerics (half the bytes the block attention reads; it rounds K / V to BF16
+  // anyway). + the padding sequences' pages (append_in_step): one block's worth, shared.
+  void make_cache(DType dt) {
+    const auto& c = m_->config();
+    const int64_t B = c.block_size, bs = t_.options().kv_block_size, maxB = t_.options().max_batch_size + 1;
+    kv_layers_.clear();
+    pad_stream_ = CacheStream();
+    cache_ = KvCache();  // the old one's memory first
+    KvCache::Plane plane{c.num_layers, 2 * m_->kv_dim(), dt};
+    cache_ = KvCache("draft KV cache", {plane}, bs, per_seq_ * maxB + (B + bs - 1) / bs, dev_);
+    cache_.set_max_blocks_per_stream(per_seq_);
+    DFLASH2_INTERNAL(cache_.try_pin(pad_stream_, B), "the draft cache's padding stream");
+    for (int64_t l = 0; l < c.num_layers; ++l) kv_layers_.push_back(cache_.layer(0, l));
+  }
   std::vector<CacheStream> streams_;
   StepPlanner planner_;
   Tensor taps_, idx_, ids_, rng_, temp_;

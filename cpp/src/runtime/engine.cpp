@@ -309,7 +309,7 @@ std::string resolve_draft_gemm(const EngineConfig& cfg, runtime::Drafter* drafte
   const bool fp4_w = m->any_weight([](const ops::Weight& w) { return ops::takes_w4a4(w); });
   const ops::GemmNumerics g =
       resolve_gemm("draft_gemm", cfg.draft_gemm, m->device(), fp8_w, fp4_w, "the drafter " + cfg.draft, self_check);
-  m->set_gemm(g);
+  drafter->set_draft_gemm(g);
   return ops::gemm_numerics_name(g);
 }
 }  // namespace
@@ -623,6 +623,7 @@ EngineMetrics Engine::metrics() const {
     m.steps_as_one_unit = impl_->core.target->recorder().steps();
     m.padding_rows = impl_->core.target->padding_rows();
     m.drafter_appends_in_step = impl_->core.drafter ? impl_->core.drafter->appends_in_step() : 0;
+    m.draft_cache_bytes = impl_->core.drafter ? impl_->core.drafter->cache_bytes() : 0;
   }
   return m;
 }

@@ -16,7 +16,7 @@ KvCache::KvCache(std::string name, const std::vector<Plane>& planes, int64_t blo
     // tensor parallelism on CUDA: replica r lives on rank r's GPU (dev.index + r)
     const Device d = dev.is_cuda() ? Device::cuda(dev.index + r) : dev;
     for (const Plane& p : planes)
-      planes_.push_back(p.layers > 0 ? Tensor::zeros(DType::F32, {p.layers, num_blocks * block_size, p.dim}, d)
+      planes_.push_back(p.layers > 0 ? Tensor::zeros(p.dtype, {p.layers, num_blocks * block_size, p.dim}, d)
                                      : Tensor());
   }
   free_.reserve(size_t(num_blocks));

@@ -22,7 +22,8 @@ class KvCache {
  public:
   struct Plane {
     int64_t layers = 0;  // cache layers in this plane
-    int64_t dim = 0;     // floats per token per layer
+    int64_t dim = 0;     // values per token per layer
+    DType dtype = DType::F32;  // F32, or BF16 (the DFlash drafter's cache under draft_gemm)
   };
   KvCache() = default;
   // All memory is allocated here, once (zeroed); name is used in messages. `replicas` copies
@@ -37,7 +38,7 @@ class KvCache {
   int64_t free_blocks() const { return int64_t(free_.size()); }
   int64_t max_blocks_per_stream() const { return max_blocks_per_stream_; }
   void set_max_blocks_per_stream(int64_t n) { max_blocks_per_stream_ = n; }
-  // The cache rows of one layer of a plane: F32 [num_blocks * block_size, dim].
+  // The cache rows of one layer of a plane: [num_blocks * block_size, dim] of its dtype.
   Tensor layer(size_t plane, int64_t layer, int replica = 0) const;
   // Blocks for positions < new_len (OutOfMemory when the pool is exhausted: nothing is
   // taken then); the stream's length is not changed.

@@ -21,8 +21,13 @@ void cache_write(const Tensor& src, const Tensor& slots, Tensor& cache) {
     const int64_t s = sl[t * slots.stride(0)];
     DFLASH2_CHECK_ARG(s < rows, "cache_write: slot ", s, " of row ", t, " is outside the cache's ", rows, " rows");
     if (s < 0) continue;
-    std::memcpy(cache.data_as<float>() + s * cache.stride(0), src.data_as<const float>() + t * src.stride(0),
-                size_t(D) * 4);
+    const float* from = src.data_as<const float>() + t * src.stride(0);
+    if (cache.dtype() == DType::BF16) {
+      uint16_t* to = static_cast<uint16_t*>(cache.data()) + s * cache.stride(0);
+      for (int64_t d = 0; d < D; ++d) to[d] = f32_to_bf16(from[d]);
+    } else {
+      std::memcpy(cache.data_as<float>() + s * cache.stride(0), from, size_t(D) * 4);
+    }
   }
 }
 
@@ -109,9 +114,14 @@ void block_attention(const Tensor& q, const Tensor& k, const Tensor& v, const Te
   const int64_t T = q.shape(0), nh = q.shape(1), hd = q.shape(2), kvh = k.shape(1), grp = nh / kvh;
   const int64_t B = p.block, kvdim = kvh * hd, cbs = p.cache_block_size;
   const int32_t* clen = ctx_len.data_as<const int32_t>();
-  auto ctx_row = [&](int64_t s, int64_t j) {
+  // context row j of sequence s: its slot's [k | v] values (a BF16 cache widened to float)
+  const bool bf16 = kv_cache.dtype() == DType::BF16;
+  auto ctx_slot = [&](int64_t s, int64_t j) {
     const int32_t* bt = block_table.data_as<const int32_t>() + s * block_table.stride(0);
-    return kv_cache.data_as<const float>() + (int64_t(bt[j / cbs]) * cbs + j % cbs) * kv_cache.stride(0);
+    return (int64_t(bt[j / cbs]) * cbs + j % cbs) * kv_cache.stride(0);
+  };
+  auto ctx_val = [&](int64_t at) {
+    return bf16 ? bf16_to_f32(static_cast<const uint16_t*>(kv_cache.data())[at]) : kv_cache.data_as<const float>()[at];
   };
 #pragma omp parallel for schedule(dynamic, 1) collapse(2) num_threads(threads())
   for (int64_t r = 0; r < T; ++r) {
@@ -128,9 +138,9 @@ void block_attention(const Tensor& q, const Tensor& k, const Tensor& v, const Te
       float mx = -INFINITY;
       int64_t n = 0;
       for (int64_t j = c0; j < L; ++j, ++n) {
-        const float* kvp = ctx_row(s, j) + kh * hd;
+        const int64_t kat = ctx_slot(s, j) + kh * hd;
         float d = 0;
-        for (int64_t e = 0; e < hd; ++e) d += qv[e] * kvp[e];
+        for (int64_t e = 0; e < hd; ++e) d += qv[e] * ctx_val(kat + e);
         sc[n] = d * p.scale;
         mx = std::max(mx, sc[n]);
       }
@@ -150,9 +160,9 @@ void block_attention(const Tensor& q, const Tensor& k, const Tensor& v, const Te
       std::fill(o, o + hd, 0.0f);
       n = 0;
       for (int64_t j = c0; j < L; ++j, ++n) {
-        const float* vp = ctx_row(s, j) + kvdim + kh * hd;
+        const int64_t vat = ctx_slot(s, j) + kvdim + kh * hd;
         const float pj = float(sc[n] / sum);
-        for (int64_t e = 0; e < hd; ++e) o[e] += pj * vp[e];
+        for (int64_t e = 0; e < hd; ++e) o[e] += pj * ctx_val(vat + e);
       }
       for (int64_t j = 0; j < nblk; ++j, ++n) {
         const float* vp = v.data_as<const float>() + (s * B + j) * v.stride(0) + kh * v.stride(1);

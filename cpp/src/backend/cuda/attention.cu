@@ -685,7 +685,8 @@ struct BaArgs {
   int64_t k_s0, k_s1;
   const float* v;
   int64_t v_s0, v_s1;
-  const float* kv;
+  const float* kv;               // the context cache, F32 rows [k | v] ...
+  const __nv_bfloat16* kv16;     // ... or BF16 ones (then kv is null)
   int64_t kv_stride, kv_rows;
   const int32_t* ctx_len;
   int64_t cl_stride;
@@ -797,9 +798,9 @@ __global__ void __launch_bounds__(kBaThreads, 1) block_attention_kernel(const Ba
         if (vi < nctx) {
           const int64_t slot = slots[jj];
           if (slot >= 0) {
-            const float* rowp = a.kv + slot * a.kv_stride + kh * a.hd + e;
-            kx = rowp[0];
-            vx = rowp[kvdim];
+            const int64_t at = slot * a.kv_stride + kh * a.hd + e;
+            kx = a.kv16 ? __bfloat162float(a.kv16[at]) : a.kv[at];
+            vx = a.kv16 ? __bfloat162float(a.kv16[at + kvdim]) : a.kv[at + kvdim];
           }
         } else if (vi < v1) {
           const int64_t tr = s * a.B + (vi - nctx);
@@ -981,10 +982,15 @@ __global__ void __launch_bounds__(kTcThreads, 3) block_attention_tc_kernel(const
         float4 kx = zero4, vx = zero4;
         if (vi < nctx) {
           const int64_t slot = slots[jj];
+          const int64_t at = slot * a.kv_stride + kh * HD + 4 * e4;
+          if (slot >= 0 && a.kv16) {  // a BF16 cache: its bits as they are
+            *reinterpret_cast<uint2*>(ks + jj * LD + 4 * e4) = *reinterpret_cast<const uint2*>(a.kv16 + at);
+            *reinterpret_cast<uint2*>(vs + jj * LD + 4 * e4) = *reinterpret_cast<const uint2*>(a.kv16 + at + kvdim);
+            continue;
+          }
           if (slot >= 0) {
-            const float* rowp = a.kv + slot * a.kv_stride + kh * HD + 4 * e4;
-            kx = *reinterpret_cast<const float4*>(rowp);
-            vx = *reinterpret_cast<const float4*>(rowp + kvdim);
+            kx = *reinterpret_cast<const float4*>(a.kv + at);
+            vx = *reinterpret_cast<const float4*>(a.kv + at + kvdim);
           }
         } else if (vi < v1) {
           const int64_t tr = s * a.B + (vi - nctx);
@@ -1366,7 +1372,7 @@ void block_attention(const Tensor& q, const Tensor& k, const Tensor& v, const Te
   DFLASH2_CHECK_ARG(out.shape(0) == T && out.shape(1) == nh && out.shape(2) == hd, "cuda::block_attention: out ",
                     out.describe(), " must have q's shape ", q.describe());
   need_disjoint3(out, op, "out");
-  need_rows(kv_cache, DType::F32, 2, op, "kv_cache");
+  need_rows(kv_cache, kv_cache.dtype() == DType::BF16 ? DType::BF16 : DType::F32, 2, op, "kv_cache");
   DFLASH2_CHECK_ARG(kv_cache.shape(1) == 2 * kvh * hd, "cuda::block_attention: kv_cache rows must hold [k | v] = ",
                     2 * kvh * hd, " values, found ", kv_cache.describe());
   const int64_t S = T / p.block;
@@ -1389,7 +1395,9 @@ void block_attention(const Tensor& q, const Tensor& k, const Tensor& v, const Te
   a.v = v.data_as<const float>();
   a.v_s0 = v.stride(0);
   a.v_s1 = v.stride(1);
-  a.kv = kv_cache.data_as<const float>();
+  const bool kv_bf16 = kv_cache.dtype() == DType::BF16;
+  a.kv = kv_bf16 ? nullptr : kv_cache.data_as<const float>();
+  a.kv16 = kv_bf16 ? static_cast<const __nv_bfloat16*>(kv_cache.data()) : nullptr;
   a.kv_stride = kv_cache.stride(0);
   a.kv_rows = kv_cache.shape(0);
   a.ctx_len = ctx_len.data_as<const int32_t>();

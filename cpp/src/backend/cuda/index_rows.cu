@@ -104,6 +104,28 @@ __global__ void __launch_bounds__(kThreads)
   }
 }
 
+// The same into a BF16 cache: each value rounded to nearest even (as the CPU's f32_to_bf16).
+template <int G>
+__global__ void __launch_bounds__(kThreads)
+    cache_write_bf16_kernel(const float* __restrict__ src, int64_t src_stride, const int32_t* __restrict__ slots,
+                            int64_t slot_stride, __nv_bfloat16* __restrict__ cache, int64_t cache_stride, int64_t rows,
+                            int64_t T, int64_t nvec) {
+  const int64_t j = int64_t(blockIdx.x) * blockDim.x + threadIdx.x;
+  if (j >= nvec) return;
+  for (int64_t t = blockIdx.y; t < T; t += gridDim.y) {
+    const int64_t s = slots[t * slot_stride];
+    if (s < 0) continue;  // padding
+    if (!layout::row_in_range(s, rows)) {
+      if (j == 0) atomicAdd(&g_index_errors, 1ull);
+      continue;
+    }
+    const float* from = src + t * src_stride + j * G;
+    __nv_bfloat16* to = cache + s * cache_stride + j * G;
+#pragma unroll
+    for (int g = 0; g < G; ++g) to[g] = __float2bfloat16_rn(from[g]);
+  }
+}
+
 dim3 rows_grid(int64_t nvec, int64_t T, int threads) {
   return dim3(detail::ceil_blocks(nvec, threads, int64_t(INT32_MAX)),
               unsigned(T < detail::kMaxGridY ? T : detail::kMaxGridY));
@@ -291,9 +313,10 @@ void cache_write(const Tensor& src, const Tensor& slots, Tensor& cache) {
   DFLASH2_CHECK_ARG(src.device().is_cuda() && slots.device() == src.device() && cache.device() == src.device(),
                     "cuda::cache_write: src, slots and cache must be on the same CUDA device, found ", src.describe(),
                     ", ", slots.describe(), ", ", cache.describe());
-  DFLASH2_CHECK_ARG(src.dtype() == DType::F32 && cache.dtype() == DType::F32 && src.ndim() == 2 && cache.ndim() == 2,
-                    "cuda::cache_write: src and cache must be F32 [rows, D], found ", src.describe(), " and ",
-                    cache.describe());
+  DFLASH2_CHECK_ARG(src.dtype() == DType::F32 && (cache.dtype() == DType::F32 || cache.dtype() == DType::BF16) &&
+                        src.ndim() == 2 && cache.ndim() == 2,
+                    "cuda::cache_write: src must be F32 [rows, D] and cache F32 or BF16 [rows, D], found ",
+                    src.describe(), " and ", cache.describe());
   DFLASH2_CHECK_ARG(slots.dtype() == DType::I32 && slots.ndim() == 1 && slots.shape(0) == src.shape(0),
                     "cuda::cache_write: slots must be I32 [", src.shape(0), "], found ", slots.describe());
   DFLASH2_CHECK_ARG(src.shape(1) == cache.shape(1), "cuda::cache_write: src rows have ", src.shape(1),
@@ -305,6 +328,22 @@ void cache_write(const Tensor& src, const Tensor& slots, Tensor& cache) {
   if (T == 0 || D == 0) return;
   const int64_t src_stride = ls.stride, cache_stride = lc.stride;
   const float* sp = src.data_as<const float>();
+  if (cache.dtype() == DType::BF16) {
+    __nv_bfloat16* cp = static_cast<__nv_bfloat16*>(cache.data());
+    const bool vec = D % 4 == 0 && src_stride % 4 == 0 && detail::aligned(sp, 16);
+    const int64_t nvec = vec ? D / 4 : D;
+    const int threads = detail::pick_threads(nvec, kThreads);
+    const dim3 grid = rows_grid(nvec, T, threads);
+    detail::DeviceGuard guard(src.device().index);
+    if (vec)
+      cache_write_bf16_kernel<4><<<grid, threads, 0, detail::stream()>>>(
+          sp, src_stride, slots.data_as<const int32_t>(), slots.stride(0), cp, cache_stride, rows, T, nvec);
+    else
+      cache_write_bf16_kernel<1><<<grid, threads, 0, detail::stream()>>>(
+          sp, src_stride, slots.data_as<const int32_t>(), slots.stride(0), cp, cache_stride, rows, T, nvec);
+    detail::check_launch("cache_write (BF16) kernel launch", src.describe(), " into ", cache.describe());
+    return;
+  }
   float* cp = cache.data_as<float>();
   const bool vec = D % 4 == 0 && src_stride % 4 == 0 && cache_stride % 4 == 0 && detail::aligned(sp, 16) &&
                    detail::aligned(cp, 16);
