@@ -54,6 +54,19 @@ def _engine(target, draft=None, method="ar", **kw):
                              method=method, device="cpu", max_batch_size=MAXB, max_seq_len=MAXLEN, **kw)
 
 
+def _greedy_equal_in_batches(eng, want, stride, what):
+    """eng's greedy continuations of GREEDY_PROMPTS at batch sizes 1 and 3 (prompts grouped in
+    a `stride`-dependent order) equal want[i] token for token."""
+    n = len(GREEDY_PROMPTS)
+    for bs in (1, 3):
+        order = [(i * stride + bs) % n for i in range(n)]
+        for j in range(0, n, bs):
+            idx = order[j:j + bs]
+            res = eng.generate([GREEDY_PROMPTS[i] for i in idx], max_new_tokens=GREEDY_NEW, stop_token_ids=NO_STOP)
+            for i, r in zip(idx, res):
+                assert list(r.token_ids) == want[i], f"{what}, batch size {bs}, prompt {i}"
+
+
 def _prompt(seed: int, n: int, vocab: int = 256) -> list:
     return [int(x) for x in np.random.default_rng(500 + seed).integers(0, vocab - 1, n)]
 
@@ -293,14 +306,7 @@ def test_bf16_prefill_is_lossless(world, ar_greedy):
     for key in keys:
         eng = (_engine(world.target, None, "mtp", prefill_gemm="bf16") if key == "mtp"
                else _engine(world.target, world.draft(key), "dflash2", prefill_gemm="bf16"))
-        for bs in (1, 3):
-            order = [(i * 3 + bs) % n for i in range(n)]
-            for j in range(0, n, bs):
-                idx = order[j:j + bs]
-                res = eng.generate([GREEDY_PROMPTS[i] for i in idx], max_new_tokens=GREEDY_NEW,
-                                   stop_token_ids=NO_STOP)
-                for i, r in zip(idx, res):
-                    assert list(r.token_ids) == want[i], f"{key}, bf16 prefill, batch size {bs}, prompt {i}"
+        _greedy_equal_in_batches(eng, want, 3, f"{key}, bf16 prefill")
     same_first = sum(w[0] == e[0] for w, e in zip(want, ar_greedy))
     assert same_first >= (3 * n) // 4, f"bf16 prefill changed the first token of {n - same_first} of {n} prompts"
 
@@ -330,14 +336,7 @@ def _quantized_prefill_is_lossless(world, path, mode, other, experts, option="pr
     for key in keys:
         eng = (_engine(path, None, "mtp", **{option: mode}) if key == "mtp"
                else _engine(path, world.draft(key), "dflash2", **{option: mode}))
-        for bs in (1, 3):
-            order = [(i * 5 + bs) % n for i in range(n)]
-            for j in range(0, n, bs):
-                idx = order[j:j + bs]
-                res = eng.generate([GREEDY_PROMPTS[i] for i in idx], max_new_tokens=GREEDY_NEW,
-                                   stop_token_ids=NO_STOP)
-                for i, r in zip(idx, res):
-                    assert list(r.token_ids) == want[i], f"{key}, {option}={mode}, batch size {bs}, prompt {i}"
+        _greedy_equal_in_batches(eng, want, 5, f"{key}, {option}={mode}")
 
 
 def test_decode_gemm_is_lossless(world, tmp_path):
@@ -408,7 +407,6 @@ def test_draft_gemm_is_lossless(world, ar_greedy, tmp_path):
         _engine(world.target, d2, "dflash2", draft_gemm="fp8")
     with pytest.raises(dflash2_rt.ConfigError, match="NVFP4"):
         _engine(world.target, d2, "dflash2", draft_gemm="nvfp4")
-    n = len(GREEDY_PROMPTS)
     cases = [(d2, "dflash2", "bf16"), (world.draft("d1"), "dflash", "bf16"), (fp8, "dflash2", "fp8")]
     exact_bytes = _engine(world.target, d2, "dflash2").metrics()["draft_cache_bytes"]
     assert exact_bytes > 0 and _engine(world.target).metrics()["draft_cache_bytes"] == 0
@@ -417,14 +415,7 @@ def test_draft_gemm_is_lossless(world, ar_greedy, tmp_path):
         assert eng.draft_gemm == mode
         if draft == d2:  # the tensor-core modes keep the draft cache in BF16: half the bytes
             assert eng.metrics()["draft_cache_bytes"] * 2 == exact_bytes
-        for bs in (1, 3):
-            order = [(i * 7 + bs) % n for i in range(n)]
-            for j in range(0, n, bs):
-                idx = order[j:j + bs]
-                res = eng.generate([GREEDY_PROMPTS[i] for i in idx], max_new_tokens=GREEDY_NEW,
-                                   stop_token_ids=NO_STOP)
-                for i, r in zip(idx, res):
-                    assert list(r.token_ids) == ar_greedy[i], f"{method}, draft_gemm={mode}, batch {bs}, prompt {i}"
+        _greedy_equal_in_batches(eng, ar_greedy, 7, f"{method}, draft_gemm={mode}")
     exact, w8a8 = _engine(world.target, fp8, "dflash2"), _engine(world.target, fp8, "dflash2", draft_gemm="fp8")
     assert exact.draft_gemm == "exact"
     assert any(list(exact.propose(p).tokens) != list(w8a8.propose(p).tokens) for p in GREEDY_PROMPTS), \

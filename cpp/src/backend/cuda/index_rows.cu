@@ -41,6 +41,7 @@
 
 #include <algorithm>
 #include <cstdint>
+#include <type_traits>
 
 #include "backend/cuda/cuda_api.h"
 #include "backend/cuda/cuda_check.cuh"
@@ -85,10 +86,12 @@ __global__ void __launch_bounds__(kThreads)
   }
 }
 
-template <int G>
+// C = float: G values per thread copied as one vector; C = __nv_bfloat16 (a BF16 cache):
+// each value rounded to nearest even (as the CPU's f32_to_bf16).
+template <int G, class C>
 __global__ void __launch_bounds__(kThreads)
     cache_write_kernel(const float* __restrict__ src, int64_t src_stride, const int32_t* __restrict__ slots,
-                       int64_t slot_stride, float* __restrict__ cache, int64_t cache_stride, int64_t rows, int64_t T,
+                       int64_t slot_stride, C* __restrict__ cache, int64_t cache_stride, int64_t rows, int64_t T,
                        int64_t nvec) {
   const int64_t j = int64_t(blockIdx.x) * blockDim.x + threadIdx.x;
   if (j >= nvec) return;
@@ -99,30 +102,15 @@ __global__ void __launch_bounds__(kThreads)
       if (j == 0) atomicAdd(&g_index_errors, 1ull);
       continue;
     }
-    reinterpret_cast<Vec<float, G>*>(cache + s * cache_stride)[j] =
-        reinterpret_cast<const Vec<float, G>*>(src + t * src_stride)[j];
-  }
-}
-
-// The same into a BF16 cache: each value rounded to nearest even (as the CPU's f32_to_bf16).
-template <int G>
-__global__ void __launch_bounds__(kThreads)
-    cache_write_bf16_kernel(const float* __restrict__ src, int64_t src_stride, const int32_t* __restrict__ slots,
-                            int64_t slot_stride, __nv_bfloat16* __restrict__ cache, int64_t cache_stride, int64_t rows,
-                            int64_t T, int64_t nvec) {
-  const int64_t j = int64_t(blockIdx.x) * blockDim.x + threadIdx.x;
-  if (j >= nvec) return;
-  for (int64_t t = blockIdx.y; t < T; t += gridDim.y) {
-    const int64_t s = slots[t * slot_stride];
-    if (s < 0) continue;  // padding
-    if (!layout::row_in_range(s, rows)) {
-      if (j == 0) atomicAdd(&g_index_errors, 1ull);
-      continue;
-    }
-    const float* from = src + t * src_stride + j * G;
-    __nv_bfloat16* to = cache + s * cache_stride + j * G;
+    if constexpr (std::is_same_v<C, float>) {
+      reinterpret_cast<Vec<float, G>*>(cache + s * cache_stride)[j] =
+          reinterpret_cast<const Vec<float, G>*>(src + t * src_stride)[j];
+    } else {
+      const float* from = src + t * src_stride + j * G;
+      C* to = cache + s * cache_stride + j * G;
 #pragma unroll
-    for (int g = 0; g < G; ++g) to[g] = __float2bfloat16_rn(from[g]);
+      for (int g = 0; g < G; ++g) to[g] = __float2bfloat16_rn(from[g]);
+    }
   }
 }
 
@@ -328,35 +316,29 @@ void cache_write(const Tensor& src, const Tensor& slots, Tensor& cache) {
   if (T == 0 || D == 0) return;
   const int64_t src_stride = ls.stride, cache_stride = lc.stride;
   const float* sp = src.data_as<const float>();
-  if (cache.dtype() == DType::BF16) {
-    __nv_bfloat16* cp = static_cast<__nv_bfloat16*>(cache.data());
-    const bool vec = D % 4 == 0 && src_stride % 4 == 0 && detail::aligned(sp, 16);
-    const int64_t nvec = vec ? D / 4 : D;
-    const int threads = detail::pick_threads(nvec, kThreads);
-    const dim3 grid = rows_grid(nvec, T, threads);
-    detail::DeviceGuard guard(src.device().index);
-    if (vec)
-      cache_write_bf16_kernel<4><<<grid, threads, 0, detail::stream()>>>(
-          sp, src_stride, slots.data_as<const int32_t>(), slots.stride(0), cp, cache_stride, rows, T, nvec);
-    else
-      cache_write_bf16_kernel<1><<<grid, threads, 0, detail::stream()>>>(
-          sp, src_stride, slots.data_as<const int32_t>(), slots.stride(0), cp, cache_stride, rows, T, nvec);
-    detail::check_launch("cache_write (BF16) kernel launch", src.describe(), " into ", cache.describe());
-    return;
-  }
-  float* cp = cache.data_as<float>();
-  const bool vec = D % 4 == 0 && src_stride % 4 == 0 && cache_stride % 4 == 0 && detail::aligned(sp, 16) &&
-                   detail::aligned(cp, 16);
+  const bool bf16 = cache.dtype() == DType::BF16;
+  // 4 values per thread where the rows allow it (16-byte float vectors; a BF16 cache is
+  // written value by value)
+  const bool vec = D % 4 == 0 && src_stride % 4 == 0 && detail::aligned(sp, 16) &&
+                   (bf16 || (cache_stride % 4 == 0 && detail::aligned(cache.data(), 16)));
   const int64_t nvec = vec ? D / 4 : D;
   const int threads = detail::pick_threads(nvec, kThreads);
   const dim3 grid = rows_grid(nvec, T, threads);
   detail::DeviceGuard guard(src.device().index);
-  if (vec)
-    cache_write_kernel<4><<<grid, threads, 0, detail::stream()>>>(sp, src_stride, slots.data_as<const int32_t>(),
-                                                                   slots.stride(0), cp, cache_stride, rows, T, nvec);
+  auto launch = [&](auto* cp) {
+    using C = std::remove_pointer_t<decltype(cp)>;
+    const int32_t* sl = slots.data_as<const int32_t>();
+    if (vec)
+      cache_write_kernel<4, C><<<grid, threads, 0, detail::stream()>>>(sp, src_stride, sl, slots.stride(0), cp,
+                                                                       cache_stride, rows, T, nvec);
+    else
+      cache_write_kernel<1, C><<<grid, threads, 0, detail::stream()>>>(sp, src_stride, sl, slots.stride(0), cp,
+                                                                       cache_stride, rows, T, nvec);
+  };
+  if (bf16)
+    launch(static_cast<__nv_bfloat16*>(cache.data()));
   else
-    cache_write_kernel<1><<<grid, threads, 0, detail::stream()>>>(sp, src_stride, slots.data_as<const int32_t>(),
-                                                                   slots.stride(0), cp, cache_stride, rows, T, nvec);
+    launch(cache.data_as<float>());
   detail::check_launch("cache_write kernel launch", src.describe(), " into ", cache.describe());
 }
 
