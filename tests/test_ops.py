@@ -1485,6 +1485,16 @@ def test_cache_write_bf16(dev):
         assert torch.equal(torch.isnan(got), torch.isnan(want)), f"D={d}: NaN positions"
         keep = ~torch.isnan(want)
         assert torch.equal(got[keep].view(torch.int16), want[keep].view(torch.int16)), f"D={d}: rounding"
+    # into a column slice of a wider cache (the drafter writes K and V halves of [k | v] rows)
+    src = rng.standard_normal((4, 16)).astype(np.float32)
+    wide = _bf16_tensor(rng.standard_normal((6, 40)).astype(np.float32), dev)
+    before = wide.cpu().clone()
+    ops.cache_write(to_dev(src, dev), to_dev(i32([2, -1, 5, 0]), dev), wide[:, 16:32])
+    want = before.clone()
+    for t, sl in enumerate([2, -1, 5, 0]):
+        if sl >= 0:
+            want[sl, 16:32] = torch.from_numpy(src[t]).bfloat16()
+    assert torch.equal(wide.cpu().view(torch.int16), want.view(torch.int16)), "column slice"
 
 
 @pytest.mark.parametrize("dev", DEVICES)
@@ -1493,7 +1503,8 @@ def test_cache_write_bf16(dev):
 def test_block_attention_bf16_cache(dev, tensor_cores, case):
     """block_attention over a BF16 context cache (the drafter's under draft_gemm): against the
     reference over the same cache values widened to float32, exact (NMSE <= 1e-10) or on the
-    tensor cores (head_dim 16 / 32 / 64 / 128 on CUDA: NMSE <= 1e-4), windows and causal
+    tensor cores (head_dim 16 / 32 / 64 / 128 on CUDA: NMSE <= 1e-4 and > 1e-9, and bitwise
+    what the kernel gives over the F32 cache it rounds the same way), windows and causal
     included, contexts of one and of several segments."""
     need_device(dev, "block_attention")
     nh, kvh, hd, B = case
@@ -1509,7 +1520,14 @@ def test_block_attention_bf16_cache(dev, tensor_cores, case):
         out = Guarded(q.shape, dev)
         ops.block_attention(*[to_dev(x, dev) for x in (q, k, v)], kv16, *[to_dev(x, dev) for x in (ctx_len, bt)],
                             B, cbs, window=window, causal=causal, scale=scale, out=out.view, tensor_cores=tensor_cores)
-        check("block_attention", out.result(), ref, tol=1e-4 if tc else 1e-10)
+        got = out.result()
+        check("block_attention", got, ref, tol=1e-4 if tc else 1e-10)
+        if tc:
+            assert float(((got - ref) ** 2).sum() / (ref ** 2).sum()) > 1e-9, "the BF16 kernel did not run"
+            f32 = Guarded(q.shape, dev)
+            ops.block_attention(*[to_dev(x, dev) for x in (q, k, v, kv_cache, ctx_len, bt)], B, cbs, window=window,
+                                causal=causal, scale=scale, out=f32.view, tensor_cores=True)
+            assert np.array_equal(f32.result(), got), "BF16 cache != F32 cache rounded by the kernel"
 
 
 # ----------------------------------------------------------------------------- MoE

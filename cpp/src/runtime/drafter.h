@@ -5,6 +5,7 @@
 // identified by their slot (0 .. max_batch_size - 1).
 #pragma once
 #include <cstdint>
+#include <functional>
 #include <memory>
 #include <string>
 #include <vector>
@@ -76,11 +77,8 @@ class Drafter {
   virtual Device device() const { return Device::cpu(); }
   // CUDA graphs of its own forward (the device DFlash drafter), for Engine::metrics().
   virtual GraphStats graph_stats() const { return {}; }
-  // The DFlash drafters' model (Engine draft_gemm reads its weights); none for MTP.
+  // The DFlash drafters' model (its GEMM numerics: Engine draft_gemm); none for MTP.
   virtual model::DFlashDrafter* dflash_model() { return nullptr; }
-  // Engine draft_gemm, once at load before anything is drafted: the model's GEMM numerics
-  // and, with tensor-core numerics, a BF16 draft cache (the block attention's operands).
-  virtual void set_draft_gemm(ops::GemmNumerics) {}
   // Bytes of the drafter's own context cache (the DFlash draft cache; 0 for MTP).
   virtual int64_t cache_bytes() const { return 0; }
   virtual void commit(const std::vector<CommitRows>& rows, const Features& f) = 0;
@@ -151,6 +149,11 @@ class Target;
 std::unique_ptr<Drafter> make_mtp_drafter(Target& target, int64_t draft_tokens);
 // A DFlash 1 / DFlash 2 drafter checkpoint for method dflash2 (needs DFlash 2) or dflash
 // (DFlash 1, or DFlash 2 with the selector off: an ablation).
-std::unique_ptr<Drafter> make_dflash_drafter(const Checkpoint& ck, Target& target, Method method);
+// Engine draft_gemm: the numerics of a loaded DFlash drafter that will run on `dev`.
+using DraftGemmPicker = std::function<ops::GemmNumerics(const model::DFlashDrafter&, Device dev)>;
+// pick: set before the runner is made (it decides the draft cache's dtype: BF16 with
+// tensor-core numerics); empty = Exact.
+std::unique_ptr<Drafter> make_dflash_drafter(const Checkpoint& ck, Target& target, Method method,
+                                             const DraftGemmPicker& pick = {});
 
 }  // namespace dflash2::runtime

@@ -59,7 +59,7 @@ class DFlashRunner final : public Drafter {
       m_->to_device(dev_, t.model().forward_embed(), t.model().forward_lm_head());
     }
     per_seq_ = per_seq;
-    make_cache(DType::F32);
+    make_cache(cache_dtype());
     in_step_.assign(size_t(maxB), 0);
     streams_.resize(size_t(maxB));
     pending_ = PendingRows(maxB, kPending, nt * H, /*with_next=*/false, dev_);
@@ -113,11 +113,6 @@ class DFlashRunner final : public Drafter {
     int64_t n = 0;
     for (const Tensor& t : kv_layers_) n += int64_t(t.nbytes());
     return n;
-  }
-  void set_draft_gemm(ops::GemmNumerics g) override {
-    m_->set_gemm(g);
-    const DType want = g == ops::GemmNumerics::Exact ? DType::F32 : DType::BF16;
-    if (kv_layers_.empty() || kv_layers_[0].dtype() != want) make_cache(want);
   }
   bool reserve(int slot, int64_t tokens) override { return cache_.try_pin(streams_[size_t(slot)], tokens); }
   std::vector<int64_t> tap_layers() const override { return m_->config().target_layer_ids; }
@@ -354,7 +349,7 @@ class DFlashRunner final : public Drafter {
 #ifdef DFLASH2_WITH_CUDA
     const auto& c = m_->config();
     const size_t weights = m_->device_bytes();
-    const size_t cache = size_t(cache_rows) * size_t(c.num_layers) * size_t(2 * m_->kv_dim()) * 4;
+    const size_t cache = size_t(cache_rows) * size_t(c.num_layers) * size_t(2 * m_->kv_dim()) * dtype_size(cache_dtype());
     const size_t bufs = size_t(maxB) * size_t(kPending) * size_t(feat) * 4 +
                         size_t(t_.options().max_step_tokens) * size_t(feat) * 4 + size_t(plan_tokens) * 64 +
                         (size_t(16) << 20);
@@ -381,15 +376,15 @@ class DFlashRunner final : public Drafter {
   KvCache cache_;
   std::vector<Tensor> kv_layers_;
   int64_t per_seq_ = 0;  // cache blocks per sequence
-  // The draft context cache (all of it, before anything is drafted): dtype F32, or BF16 with
-  // tensor-core numerics (half the bytes the block attention reads; it rounds K / V to BF16
-  // anyway). + the padding sequences' pages (append_in_step): one block's worth, shared.
+  // The draft context cache's dtype: F32, or BF16 with the model's tensor-core numerics (set
+  // before the runner is made: half the bytes the block attention reads and the cache holds;
+  // the tensor-core attention rounds K / V to BF16 anyway).
+  DType cache_dtype() const { return m_->gemm() == ops::GemmNumerics::Exact ? DType::F32 : DType::BF16; }
+  // The draft context cache, allocated once in the constructor. + the padding sequences'
+  // pages (append_in_step): one block's worth of tokens, shared.
   void make_cache(DType dt) {
     const auto& c = m_->config();
     const int64_t B = c.block_size, bs = t_.options().kv_block_size, maxB = t_.options().max_batch_size + 1;
-    kv_layers_.clear();
-    pad_stream_ = CacheStream();
-    cache_ = KvCache();  // the old one's memory first
     KvCache::Plane plane{c.num_layers, 2 * m_->kv_dim(), dt};
     cache_ = KvCache("draft KV cache", {plane}, bs, per_seq_ * maxB + (B + bs - 1) / bs, dev_);
     cache_.set_max_blocks_per_stream(per_seq_);
@@ -431,10 +426,17 @@ class DFlashRunner final : public Drafter {
 
 }  // namespace
 
-std::unique_ptr<Drafter> make_dflash_drafter(const Checkpoint& ck, Target& target, Method method) {
+std::unique_ptr<Drafter> make_dflash_drafter(const Checkpoint& ck, Target& target, Method method,
+                                             const DraftGemmPicker& pick) {
   const auto& o = target.options();
   auto m = model::DFlashDrafter::load(ck, target.config(), target.model().embed_tokens(), target.model().lm_head(),
                                       o.max_step_tokens, o.max_batch_size + 1);
+  // the GEMM numerics first: they decide the draft cache's dtype (the runner allocates it);
+  // the drafter runs on the target's GPU without tensor parallelism, else on the host
+  if (pick) {
+    const Device dev = o.device.is_cuda() && target.tp_size() == 1 ? target.model().device() : Device::cpu();
+    m->set_gemm(pick(*m, dev));
+  }
   // dflash2 needs a DFlash 2 checkpoint; dflash runs DFlash 1 checkpoints, and DFlash 2
   // ones with their convs but the selector off (argmax per position: an ablation).
   DFLASH2_CHECK(m->config().v2 || method == Method::DFlash, ErrorKind::Config, "method 'dflash2' but the drafter ",

@@ -293,24 +293,14 @@ ops::GemmNumerics resolve_gemm(const char* opt, const std::string& v, Device dev
   return g;
 }
 
-// Engine draft_gemm: the numerics of the DFlash drafter's projections (model::DFlashDrafter::
-// set_gemm), resolved for the drafter's weights and device and set on it; returns its name.
+// Engine draft_gemm for a loaded DFlash drafter that will run on `dev`: resolve_gemm over its
+// own weights (not the target's LM head it shares).
 template <class Check>
-std::string resolve_draft_gemm(const EngineConfig& cfg, runtime::Drafter* drafter, Check&& self_check) {
-  model::DFlashDrafter* m = drafter ? drafter->dflash_model() : nullptr;
-  if (!m) {
-    const std::string& dg = cfg.draft_gemm;
-    check_gemm_value("draft_gemm", dg);
-    DFLASH2_CHECK_ARG(dg == "auto" || dg == "exact", "Engine: draft_gemm='", dg, "' applies to the DFlash drafters ",
-                      "(method 'dflash' / 'dflash2'); this engine has none");
-    return "exact";
-  }
-  const bool fp8_w = m->any_weight([](const ops::Weight& w) { return w.format == ops::WeightFormat::FP8Block128; });
-  const bool fp4_w = m->any_weight([](const ops::Weight& w) { return ops::takes_w4a4(w); });
-  const ops::GemmNumerics g =
-      resolve_gemm("draft_gemm", cfg.draft_gemm, m->device(), fp8_w, fp4_w, "the drafter " + cfg.draft, self_check);
-  drafter->set_draft_gemm(g);
-  return ops::gemm_numerics_name(g);
+ops::GemmNumerics draft_gemm_for(const EngineConfig& cfg, const model::DFlashDrafter& m, Device dev,
+                                 Check&& self_check) {
+  const bool fp8_w = m.any_weight([](const ops::Weight& w) { return w.format == ops::WeightFormat::FP8Block128; });
+  const bool fp4_w = m.any_weight([](const ops::Weight& w) { return ops::takes_w4a4(w); });
+  return resolve_gemm("draft_gemm", cfg.draft_gemm, dev, fp8_w, fp4_w, "the drafter " + cfg.draft, self_check);
 }
 }  // namespace
 
@@ -457,12 +447,18 @@ Engine::Engine(const EngineConfig& cfg) : impl_(std::make_unique<Impl>()) {
   // what is in effect: only steps recorded as one unit are padded (one rank; on CUDA, with graphs)
   I.cfg.pad_to_buckets = I.core.target->options().pad_to_buckets && I.core.target->can_record_steps() ? 1 : 0;
   I.config_json = ck.config().root().dump();
+  check_gemm_value("draft_gemm", cfg.draft_gemm);
   if (I.method == Method::DFlash || I.method == Method::DFlash2) {
-    I.core.drafter = runtime::make_dflash_drafter(*dk, *I.core.target, I.method);
-  } else if (I.method == Method::MTP) {
-    I.core.drafter = runtime::make_mtp_drafter(*I.core.target, cfg.mtp_draft_tokens);
+    I.core.drafter = runtime::make_dflash_drafter(
+        *dk, *I.core.target, I.method,
+        [&](const model::DFlashDrafter& m, Device dev) { return draft_gemm_for(cfg, m, dev, self_check); });
+    I.cfg.draft_gemm = ops::gemm_numerics_name(I.core.drafter->dflash_model()->gemm());
+  } else {
+    DFLASH2_CHECK_ARG(cfg.draft_gemm == "auto" || cfg.draft_gemm == "exact", "Engine: draft_gemm='", cfg.draft_gemm,
+                      "' applies to the DFlash drafters (method 'dflash' / 'dflash2'); this engine has none");
+    I.cfg.draft_gemm = "exact";
+    if (I.method == Method::MTP) I.core.drafter = runtime::make_mtp_drafter(*I.core.target, cfg.mtp_draft_tokens);
   }
-  I.cfg.draft_gemm = resolve_draft_gemm(cfg, I.core.drafter.get(), self_check);
   I.core.num_threads = cfg.num_threads;
   if (I.core.drafter) {
     I.core.K = I.core.drafter->draft_len();

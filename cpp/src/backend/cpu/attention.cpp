@@ -109,19 +109,20 @@ void mla_attention(const Tensor& q_lat, const Tensor& q_pe, const Tensor& cache,
   }
 }
 
-void block_attention(const Tensor& q, const Tensor& k, const Tensor& v, const Tensor& kv_cache,
-                     const Tensor& ctx_len, const Tensor& block_table, const ops::BlockAttention& p, Tensor& out) {
+namespace {
+inline float widen(float x) { return x; }
+inline float widen(uint16_t x) { return bf16_to_f32(x); }  // a BF16 cache value
+
+// block_attention over a cache of element type C (float, or uint16_t = BF16 widened exactly).
+template <class C>
+void block_attention_impl(const Tensor& q, const Tensor& k, const Tensor& v, const C* cache, int64_t cache_stride,
+                          const Tensor& ctx_len, const Tensor& block_table, const ops::BlockAttention& p, Tensor& out) {
   const int64_t T = q.shape(0), nh = q.shape(1), hd = q.shape(2), kvh = k.shape(1), grp = nh / kvh;
   const int64_t B = p.block, kvdim = kvh * hd, cbs = p.cache_block_size;
   const int32_t* clen = ctx_len.data_as<const int32_t>();
-  // context row j of sequence s: its slot's [k | v] values (a BF16 cache widened to float)
-  const bool bf16 = kv_cache.dtype() == DType::BF16;
-  auto ctx_slot = [&](int64_t s, int64_t j) {
+  auto ctx_row = [&](int64_t s, int64_t j) {  // context row j of sequence s: its slot's [k | v]
     const int32_t* bt = block_table.data_as<const int32_t>() + s * block_table.stride(0);
-    return (int64_t(bt[j / cbs]) * cbs + j % cbs) * kv_cache.stride(0);
-  };
-  auto ctx_val = [&](int64_t at) {
-    return bf16 ? bf16_to_f32(static_cast<const uint16_t*>(kv_cache.data())[at]) : kv_cache.data_as<const float>()[at];
+    return cache + (int64_t(bt[j / cbs]) * cbs + j % cbs) * cache_stride;
   };
 #pragma omp parallel for schedule(dynamic, 1) collapse(2) num_threads(threads())
   for (int64_t r = 0; r < T; ++r) {
@@ -138,9 +139,9 @@ void block_attention(const Tensor& q, const Tensor& k, const Tensor& v, const Te
       float mx = -INFINITY;
       int64_t n = 0;
       for (int64_t j = c0; j < L; ++j, ++n) {
-        const int64_t kat = ctx_slot(s, j) + kh * hd;
+        const C* kvp = ctx_row(s, j) + kh * hd;
         float d = 0;
-        for (int64_t e = 0; e < hd; ++e) d += qv[e] * ctx_val(kat + e);
+        for (int64_t e = 0; e < hd; ++e) d += qv[e] * widen(kvp[e]);
         sc[n] = d * p.scale;
         mx = std::max(mx, sc[n]);
       }
@@ -160,9 +161,9 @@ void block_attention(const Tensor& q, const Tensor& k, const Tensor& v, const Te
       std::fill(o, o + hd, 0.0f);
       n = 0;
       for (int64_t j = c0; j < L; ++j, ++n) {
-        const int64_t vat = ctx_slot(s, j) + kvdim + kh * hd;
+        const C* vp = ctx_row(s, j) + kvdim + kh * hd;
         const float pj = float(sc[n] / sum);
-        for (int64_t e = 0; e < hd; ++e) o[e] += pj * ctx_val(vat + e);
+        for (int64_t e = 0; e < hd; ++e) o[e] += pj * widen(vp[e]);
       }
       for (int64_t j = 0; j < nblk; ++j, ++n) {
         const float* vp = v.data_as<const float>() + (s * B + j) * v.stride(0) + kh * v.stride(1);
@@ -171,6 +172,15 @@ void block_attention(const Tensor& q, const Tensor& k, const Tensor& v, const Te
       }
     }
   }
+}
+}  // namespace
+
+void block_attention(const Tensor& q, const Tensor& k, const Tensor& v, const Tensor& kv_cache,
+                     const Tensor& ctx_len, const Tensor& block_table, const ops::BlockAttention& p, Tensor& out) {
+  if (kv_cache.dtype() == DType::BF16)
+    return block_attention_impl(q, k, v, static_cast<const uint16_t*>(kv_cache.data()), kv_cache.stride(0), ctx_len,
+                                block_table, p, out);
+  block_attention_impl(q, k, v, kv_cache.data_as<const float>(), kv_cache.stride(0), ctx_len, block_table, p, out);
 }
 
 }  // namespace dflash2::cpu
