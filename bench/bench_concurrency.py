@@ -1,34 +1,55 @@
-"""Throughput at concurrency 1, 4, 8, 16, 32 on one engine: ar vs dflash2 with the full
-block every step ("fixed") vs dflash2 with adaptive speculation, in the same run.
+"""Throughput at several concurrency levels on one engine per mode, every mode in the same
+run: by default ar vs dflash2 with the full block every step ("fixed") vs dflash2 with
+adaptive speculation, on the bundled pair, on the CPU.
 
 Each concurrency level runs C client threads in a closed loop (each submits a request,
-waits for it, submits the next) against one Engine per mode (max_batch_size 32), greedy,
-mixed prompt lengths; a warm-up round (not measured) lets the adaptive policy learn. The
-modes alternate within each level (--repeat rounds each, the best kept) so that machine
-noise hits all three alike. Prints a table and writes bench/results/concurrency.{json,md,png}.
+waits for it, submits the next) against one Engine per mode (max_batch_size = the largest
+level), greedy, mixed prompt lengths; a warm-up round (not measured) lets the adaptive
+policy learn and the CUDA graphs of that batch size be captured. The modes alternate within
+each level (--repeat rounds each, the best kept) so that machine noise hits all of them
+alike. Per mode and level: tokens/s (all requests), speedup over ar, committed tokens per
+sequence per step, draft length, and the decode time split into draft / verify / host
+(the requests' draft_s, verify_s, host_s). Prints a table and writes
+<out>/concurrency[_<device>].{json,md,png}; the JSON is rewritten after every level, so a
+run stopped by --budget or a timeout keeps what it measured.
 
     python bench/bench_concurrency.py [--levels 1 4 8 16 32] [--requests 3] [--new 64]
+        [--modes ar "dflash2 fixed" "dflash2 adaptive" mtp dflash] [--models pair slice]
+        [--device cpu|cuda|cuda:N] [--budget SECONDS]
+
+--models slice: a two-layer target with GLM-5.3's attention dimensions (tests/glm_fixtures.py
+REAL_DIMS, random weights, with an MTP layer) and a random DFlash 2 drafter with the GLM-5.3
+drafter's attention shape (64 heads over 8 KV heads, head_dim 128, block 8, window 2048):
+its acceptance is that of random weights, so it measures what the steps cost at real
+dimensions, not speedups (needs torch and transformers, as the tests do).
 """
 import argparse
 import json
 import os
+import sys
+import tempfile
 import threading
 import time
 
 import dflash2_rt
 
 HERE = os.path.dirname(os.path.abspath(__file__))
-MODES = [("ar", "ar", "fixed"), ("dflash2 fixed", "dflash2", "fixed"), ("dflash2 adaptive", "dflash2", "adaptive")]
+# name -> (method, speculation)
+MODES = {"ar": ("ar", "fixed"), "mtp": ("mtp", "fixed"), "dflash": ("dflash", "fixed"),
+         "dflash2 fixed": ("dflash2", "fixed"), "dflash2 adaptive": ("dflash2", "adaptive")}
+DEFAULT_MODES = ["ar", "dflash2 fixed", "dflash2 adaptive"]
 
 
-def prompts(n, seed):
-    return [[(seed * 977 + i * 31 + j * 17) % 4000 + 2 for j in range(16 + (i * 13) % 80)] for i in range(n)]
+def prompts(n, seed, vocab):
+    return [[(seed * 977 + i * 31 + j * 17) % (vocab - 2) + 2 for j in range(16 + (i * 13) % 80)] for i in range(n)]
 
 
-def run_level(eng, C, per_client, new, seed):
-    """C closed-loop clients, per_client requests each: (committed tokens, seconds)."""
-    ps = prompts(C * per_client, seed)
+def run_level(eng, C, per_client, new, seed, vocab):
+    """C closed-loop clients, per_client requests each: (committed tokens, seconds, summed
+    request stats draft_s / verify_s / host_s / decode_s)."""
+    ps = prompts(C * per_client, seed, vocab)
     tokens = [0] * C
+    split = [{"draft_s": 0.0, "verify_s": 0.0, "host_s": 0.0, "decode_s": 0.0} for _ in range(C)]
     errors = []
 
     def client(c):
@@ -36,6 +57,8 @@ def run_level(eng, C, per_client, new, seed):
             for k in range(per_client):
                 r = eng.generate([ps[c * per_client + k]], max_new_tokens=new, stop_token_ids=[])[0]
                 tokens[c] += len(r.token_ids)
+                for key in split[c]:
+                    split[c][key] += float(r.stats.get(key, 0.0))
         except BaseException as e:  # noqa: BLE001
             errors.append(e)
 
@@ -48,52 +71,111 @@ def run_level(eng, C, per_client, new, seed):
     dt = time.perf_counter() - t0
     if errors:
         raise errors[0]
-    return sum(tokens), dt
+    total = {key: sum(s[key] for s in split) for key in split[0]}
+    return sum(tokens), dt, total
 
 
-def main():
+def slice_pair(root):
+    """The real-dimension slice target (with an MTP layer) and a random DFlash 2 drafter for it."""
+    sys.path.insert(0, os.path.join(HERE, "..", "tests"))
+    import dflash_fixtures as F
+    import glm_fixtures as gf
+    target = gf.build_model(os.path.join(root, "slice_target"), "tiny", mtp=True, config=gf.REAL_DIMS)
+    draft = F.make_dflash2_drafter(target, os.path.join(root, "slice_draft"), num_layers=2, heads=64, kv_heads=8,
+                                   head_dim=128, intermediate=2048, sliding_window=2048, seed=3)
+    return target, draft
+
+
+def main(argv=None):
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--levels", type=int, nargs="+", default=[1, 4, 8, 16, 32])
     ap.add_argument("--requests", type=int, default=3, help="requests per client per measured round")
     ap.add_argument("--new", type=int, default=64, help="tokens per request")
     ap.add_argument("--repeat", type=int, default=3, help="measured rounds per mode and level (best kept)")
+    ap.add_argument("--modes", nargs="+", default=DEFAULT_MODES, choices=list(MODES))
+    ap.add_argument("--models", nargs="+", default=["pair"], choices=["pair", "slice"])
+    ap.add_argument("--device", default="cpu", help="cpu, cuda or cuda:N (where the target runs)")
+    ap.add_argument("--budget", type=float, default=0.0,
+                    help="seconds: no new level starts past it (0: no limit); what ran is kept")
     ap.add_argument("--out", default=os.path.join(HERE, "results"))
-    a = ap.parse_args()
-    engines = {name: dflash2_rt.Engine(method=m, max_batch_size=max(a.levels), max_seq_len=512, speculation=s)
-               for name, m, s in MODES}
-    rows = []
-    for C in a.levels:
-        res = {}
-        for name, _, _ in MODES:  # warm-up (the adaptive policy learns this batch size)
-            run_level(engines[name], C, 1, a.new, seed=C)
-        for rep in range(a.repeat):  # the modes alternate; each keeps its best round
-            for name, _, _ in MODES:
-                tok, dt = run_level(engines[name], C, a.requests, a.new, seed=1000 + C + 100 * rep)
-                m = engines[name].metrics()
-                if name not in res or tok / dt > res[name]["tok_s"]:
-                    res[name] = {"tok_s": tok / dt, "tokens": tok, "seconds": dt, "draft_len": m["draft_len"],
-                                 "acceptance_length": m["acceptance_length"]}
-        for name, _, _ in MODES:
-            r = res[name]
-            print(f"concurrency {C:3d}  {name:17s} {r['tok_s']:8.1f} tok/s  (draft len {r['draft_len']:.2f}, "
-                  f"committed/seq/step {r['acceptance_length']:.2f})", flush=True)
-        rows.append({"concurrency": C, **res})
-    for e in engines.values():
-        e.close()
-    lines = ["| concurrency | ar tok/s | dflash2 fixed tok/s (vs ar) | dflash2 adaptive tok/s (vs ar) | adaptive draft length |",
-             "| ---: | ---: | ---: | ---: | ---: |"]
-    for r in rows:
-        ar = r["ar"]["tok_s"]
-        fx, ad = r["dflash2 fixed"], r["dflash2 adaptive"]
-        lines.append(f"| {r['concurrency']} | {ar:.1f} | {fx['tok_s']:.1f} ({fx['tok_s'] / ar:.2f}x) | "
-                     f"{ad['tok_s']:.1f} ({ad['tok_s'] / ar:.2f}x) | {ad['draft_len']:.2f} |")
+    a = ap.parse_args(argv)
+    modes = ["ar"] + [m for m in a.modes if m != "ar"]  # ar first: the speedups' baseline
+    suffix = "" if a.device == "cpu" else "_" + a.device.split(":")[0]
+    os.makedirs(a.out, exist_ok=True)
+    t_start = time.perf_counter()
+    report = {"device": a.device, "levels": a.levels, "requests_per_client": a.requests, "new_tokens": a.new,
+              "modes": modes, "models": {}, "complete": False}
+
+    def save():
+        with open(os.path.join(a.out, f"concurrency{suffix}.json"), "w", encoding="utf-8") as f:
+            json.dump(report, f, indent=1)
+
+    tmp = tempfile.TemporaryDirectory(prefix="dflash2_bench_")
+    stopped = False
+    for model in a.models:
+        if model == "pair":
+            target, draft, vocab = None, None, None
+        else:
+            target, draft = slice_pair(tmp.name)
+            vocab = dflash2_rt.Engine(target=target, method="ar", max_batch_size=1, max_seq_len=64).vocab_size
+        engines = {}
+        for name in modes:
+            method, spec = MODES[name]
+            kw = dict(method=method, device=a.device, max_batch_size=max(a.levels), max_seq_len=512,
+                      speculation=spec)
+            if target is not None:
+                kw.update(target=target, draft=draft if method.startswith("dflash") else None)
+            engines[name] = dflash2_rt.Engine(**kw)
+        vocab = vocab or engines["ar"].vocab_size
+        rows = []
+        report["models"][model] = rows
+        for C in a.levels:
+            if a.budget and time.perf_counter() - t_start > a.budget:
+                stopped = True
+                break
+            res = {}
+            for name in modes:  # warm-up (the adaptive policy learns this batch size; graphs are captured)
+                run_level(engines[name], C, 1, a.new, C, vocab)
+            for rep in range(a.repeat):  # the modes alternate; each keeps its best round
+                for name in modes:
+                    tok, dt, split = run_level(engines[name], C, a.requests, a.new, 1000 + C + 100 * rep, vocab)
+                    m = engines[name].metrics()
+                    if name not in res or tok / dt > res[name]["tok_s"]:
+                        dec = split.pop("decode_s")
+                        res[name] = {"tok_s": tok / dt, "tokens": tok, "seconds": dt, "draft_len": m["draft_len"],
+                                     "acceptance_length": m["acceptance_length"],
+                                     "decode_split": {k[:-2]: v / dec for k, v in split.items()} if dec > 0 else {}}
+            for name in modes:
+                r = res[name]
+                r["speedup_vs_ar"] = r["tok_s"] / res["ar"]["tok_s"]
+                sp = " ".join(f"{k} {v:.0%}" for k, v in r["decode_split"].items())
+                print(f"{model:5s} concurrency {C:3d}  {name:17s} {r['tok_s']:9.1f} tok/s  x{r['speedup_vs_ar']:.2f}  "
+                      f"(draft len {r['draft_len']:.2f}, committed/seq/step {r['acceptance_length']:.2f}) [{sp}]",
+                      flush=True)
+            rows.append({"concurrency": C, **res})
+            save()
+        for e in engines.values():
+            e.close()
+        if stopped:
+            break
+    report["complete"] = not stopped
+    report["seconds"] = time.perf_counter() - t_start
+    save()
+    lines = []
+    for model, rows in report["models"].items():
+        lines += [f"**{model}** ({a.device})", "",
+                  "| concurrency | " + " | ".join(f"{n} tok/s" + ("" if n == "ar" else " (vs ar)") for n in modes) + " |",
+                  "| ---: |" + " ---: |" * len(modes)]
+        for r in rows:
+            cells = [f"{r[n]['tok_s']:.1f}" + ("" if n == "ar" else f" ({r[n]['speedup_vs_ar']:.2f}x)") for n in modes]
+            lines.append(f"| {r['concurrency']} | " + " | ".join(cells) + " |")
+        lines.append("")
+    if stopped:
+        lines.append(f"stopped by --budget {a.budget:g} s after the levels above")
     table = "\n".join(lines)
     print()
     print(table)
-    os.makedirs(a.out, exist_ok=True)
-    with open(os.path.join(a.out, "concurrency.json"), "w", encoding="utf-8") as f:
-        json.dump({"levels": a.levels, "requests_per_client": a.requests, "new_tokens": a.new, "rows": rows}, f, indent=1)
-    with open(os.path.join(a.out, "concurrency.md"), "w", encoding="utf-8") as f:
+    with open(os.path.join(a.out, f"concurrency{suffix}.md"), "w", encoding="utf-8") as f:
         f.write(table + "\n")
     try:
         import matplotlib
@@ -102,20 +184,24 @@ def main():
     except ImportError:
         print("matplotlib is not installed: no plot")
         return
+    rows = report["models"].get("pair") or next(iter(report["models"].values()), [])
+    if not rows:
+        return
     fig, ax = plt.subplots(figsize=(6.4, 4.0))
-    for name, _, _ in MODES:
-        ax.plot(a.levels, [r[name]["tok_s"] for r in rows], marker="o", label=name)
+    levels = [r["concurrency"] for r in rows]
+    for name in modes:
+        ax.plot(levels, [r[name]["tok_s"] for r in rows], marker="o", label=name)
     ax.set_xscale("log", base=2)
-    ax.set_xticks(a.levels)
-    ax.set_xticklabels([str(x) for x in a.levels])
+    ax.set_xticks(levels)
+    ax.set_xticklabels([str(x) for x in levels])
     ax.set_xlabel("concurrent requests")
     ax.set_ylabel("tokens / s (all requests)")
-    ax.set_title("bundled pair, greedy, 2-core CPU")
+    ax.set_title(f"{'bundled pair' if 'pair' in report['models'] else 'slice'}, greedy, {a.device}")
     ax.grid(alpha=0.3)
     ax.legend()
     fig.tight_layout()
-    fig.savefig(os.path.join(a.out, "concurrency.png"), dpi=100)
-    print("wrote", os.path.join(a.out, "concurrency.png"))
+    fig.savefig(os.path.join(a.out, f"concurrency{suffix}.png"), dpi=100)
+    print("wrote", os.path.join(a.out, f"concurrency{suffix}.png"))
 
 
 if __name__ == "__main__":

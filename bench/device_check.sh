@@ -10,14 +10,17 @@
 # memcheck) and, with a GPU, the op microbenchmarks (bench/cpp/bench_ops --quick, at most
 # 75 s, results in bench_ops.json) and the bundled pair end to end on the GPU
 # (bench/bench_default_pair.py --device cuda, at most 75 s: tokens/s, acceptance, speedup
-# over ar, draft / verify / host split), then writes ${OUT:-bench/results}/device_check.json:
+# over ar, draft / verify / host split), and tokens/s at concurrency 1, 8, 32 for ar / mtp /
+# dflash / dflash2 on the pair and on the real-dimension slice (bench/bench_concurrency.py),
+# then writes ${OUT:-bench/results}/device_check.json:
 # GPU name/driver, cuda_available() and its reason, build ok, test counts, the op
 # benchmark results, the failing step if any. Step logs go beside it in device_check_logs/.
 #
 # Environment: OUT (report folder), DFLASH2_CUDA_ARCHS (default 90a = H100/H200),
 # BUILD_DIR (default build-device), JOBS (default nproc), PYTHON (default python3),
 # DC_BENCH_TIMEOUT (seconds for bench_ops --quick, default 75), DC_E2E_TIMEOUT (seconds for
-# the end-to-end pair benchmark, default 75), DC_MEMCHECK_TIMEOUT (default 120),
+# the end-to-end pair benchmark, default 75), DC_CONC_TIMEOUT / DC_CONC_BUDGET (the
+# concurrency sweep: kill after 100 s, no new level after 70 s), DC_MEMCHECK_TIMEOUT (default 120),
 # DFLASH2_REQUIRE_GPU=1 (exit 3 when no GPU is usable; default: report and exit 0).
 #
 # Exit status: 0 all steps passed (without a GPU: the CUDA tests skipped, said in the
@@ -48,6 +51,7 @@ export DC_STEPS=""       # "name:rc:seconds;..."
 export DC_PYTHON_BINDING=0 DC_PYTEST_RAN=0 DC_CTEST_RAN=0 DC_SASS=""
 export DC_BENCH_OPS_JSON=""  # bench_ops --quick --json output, when it ran
 export DC_E2E_JSON=""        # bench_default_pair.py --device cuda output, when it ran
+export DC_CONC_JSON=""       # bench_concurrency.py --device cuda output, when it ran
 START=$(date +%s)
 
 note() { DC_NOTES+="$*"$'\n'; echo "note: $*"; }
@@ -151,6 +155,13 @@ if e2e:
                                               for m, st in rows.items()} for mode, rows in modes.items()}
     except (OSError, ValueError, KeyError) as e:
         report["default_pair_cuda"] = {"json": e2e, "error": "no readable result: %s" % e}
+conc = env.get("DC_CONC_JSON", "")
+if conc:
+    try:
+        with open(conc) as f:
+            report["concurrency_cuda"] = json.load(f)
+    except (OSError, ValueError) as e:
+        report["concurrency_cuda"] = {"json": conc, "error": "no readable result: %s" % e}
 with open(env["DC_REPORT"], "w") as f:
     json.dump(report, f, indent=2)
     f.write("\n")
@@ -327,6 +338,15 @@ if [ "$GPU_USABLE" = 1 ] && [ "$DC_PYTHON_BINDING" = 1 ]; then
     --new 64 --repeat 1 --threads 4 --out "$OUT_DIR" ||
     soft_fail e2e "bench/bench_default_pair.py --device cuda failed or timed out (see $LOGS/e2e.log)"
   if [ -f "$OUT_DIR/default_pair_cuda.json" ]; then DC_E2E_JSON=$OUT_DIR/default_pair_cuda.json; fi
+  # tokens/s at concurrency 1, 8 and 32 for ar / mtp / dflash / dflash2 on the bundled pair and
+  # on the real-dimension slice (random weights: step costs, not speedups), one run; levels
+  # stop at the budget, the JSON keeps what ran
+  rm -f "$OUT_DIR/concurrency_cuda.json"
+  run_step concurrency timeout "${DC_CONC_TIMEOUT:-100}" "$PY" "$ROOT/bench/bench_concurrency.py" --device cuda \
+    --levels 1 8 32 --requests 2 --new 32 --repeat 1 --modes ar mtp dflash "dflash2 fixed" --models pair slice \
+    --budget "${DC_CONC_BUDGET:-70}" --out "$OUT_DIR" ||
+    soft_fail concurrency "bench/bench_concurrency.py --device cuda failed or timed out (see $LOGS/concurrency.log)"
+  if [ -f "$OUT_DIR/concurrency_cuda.json" ]; then DC_CONC_JSON=$OUT_DIR/concurrency_cuda.json; fi
 fi
 
 # ---------------------------------------------------------------- verdict

@@ -286,6 +286,17 @@ def add_tensors(path, extra: dict, dtype: Optional[torch.dtype] = None) -> None:
             json.dump(index, f, indent=2)
 
 
+# A two-layer slice (dense + MoE) with GLM-5.3's attention dimensions (64 heads, q_lora 2048,
+# kv_lora 512, rope 64, nope 192, v 256, indexer 32 x 128, index_topk 2048), small vocabulary
+# and experts (config overrides of the "tiny" variant): tests/test_cuda_engine.py and
+# bench/bench_concurrency.py --models slice.
+REAL_DIMS = dict(num_hidden_layers=2, hidden_size=1024, num_attention_heads=64, num_key_value_heads=64,
+                 q_lora_rank=2048, kv_lora_rank=512, qk_rope_head_dim=64, qk_nope_head_dim=192, v_head_dim=256,
+                 index_n_heads=32, index_head_dim=128, index_topk=2048, vocab_size=512, intermediate_size=512,
+                 moe_intermediate_size=256, n_routed_experts=8, num_experts_per_tok=4,
+                 max_position_embeddings=4096, initializer_range=0.02)
+
+
 def build_model(path, variant: str = "tiny", seed: int = 0, **opts) -> str:
     """Writes the checkpoint of ``variant`` (see VARIANTS; ``opts`` override its build
     options: dtype 'f32'|'bf16', max_shard_size, mtp, mtp_own_head, strip_config,

@@ -172,11 +172,7 @@ def test_bad_devices(zoo):
 
 
 # ---------------------------------------------------------------------------- GLM-5.3's dimensions
-REAL = dict(num_hidden_layers=2, hidden_size=1024, num_attention_heads=64, num_key_value_heads=64,
-            q_lora_rank=2048, kv_lora_rank=512, qk_rope_head_dim=64, qk_nope_head_dim=192, v_head_dim=256,
-            index_n_heads=32, index_head_dim=128, index_topk=2048, vocab_size=512, intermediate_size=512,
-            moe_intermediate_size=256, n_routed_experts=8, num_experts_per_tok=4, max_position_embeddings=4096,
-            initializer_range=0.02)
+REAL = gf.REAL_DIMS
 
 
 def test_real_dimension_slice(zoo):
