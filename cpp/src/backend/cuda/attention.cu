@@ -888,8 +888,9 @@ __global__ void __launch_bounds__(kBaThreads) block_attention_combine(const BaAr
 // on mma.sync m16n8k16 (BF16 operands, fp32 accumulators; mma_sm80.cuh). A grid item is
 // (block s, kv head, 64 query rows of its B x grp, key segment z): its 4 warps own 16 rows
 // each; per 64-key tile the block's K and V rows (context rows through the block table, then
-// the block's own k / v) are read as fp32, rounded to BF16 into shared memory (rows padded
-// by 8 elements: conflict-free ldmatrix), S = Q K^T (ldmatrix A from Q, B from K rows),
+// the block's own k / v) land in shared memory as BF16 (rows padded by 8 elements:
+// conflict-free ldmatrix): a BF16 cache's rows by cp.async (the whole tile in flight, no
+// registers), fp32 rows through registers, rounded to nearest even; S = Q K^T (ldmatrix A from Q, B from K rows),
 // scale, mask (window, causal, segment end), online softmax per row (running max over the
 // quad that shares a row, fp32), P rounded to BF16 as the A fragment of P V (ldmatrix.trans
 // of V), the row sums taken over the rounded P. One segment: out = O / l; several (keys past
@@ -976,19 +977,30 @@ __global__ void __launch_bounds__(kTcThreads, 3) block_attention_tc_kernel(const
         slots[tid] = vi < nctx ? attn::paged_slot(btr, a.nb, a.cbs, a.kv_rows, cmin + vi) : -1;
       }
       __syncthreads();
+      if (a.kv16) {
+        // a BF16 cache: the context rows' bits straight into shared memory by cp.async (16
+        // bytes = 8 values per copy, all of the tile's in flight at once, no registers; a
+        // row without a slot is zero-filled); the rows past the context below
+        constexpr int C8 = HD / 8;
+        for (int idx = tid; idx < kTcKeys * C8; idx += kTcThreads) {
+          const int jj = idx / C8, e8 = idx - jj * C8;
+          if (c0 + jj >= nctx) continue;
+          const int64_t slot = slots[jj];
+          const __nv_bfloat16* src = slot >= 0 ? a.kv16 + slot * a.kv_stride + kh * HD + 8 * e8 : a.kv16;
+          mma::cp_async16(mma::smem_u32(ks + jj * LD + 8 * e8), src, slot >= 0);
+          mma::cp_async16(mma::smem_u32(vs + jj * LD + 8 * e8), slot >= 0 ? src + kvdim : a.kv16, slot >= 0);
+        }
+        mma::cp_async_commit();
+      }
       for (int idx = tid; idx < kTcKeys * C4; idx += kTcThreads) {
         const int jj = idx / C4, e4 = idx - jj * C4;
         const int64_t vi = c0 + jj;
+        if (a.kv16 && vi < nctx) continue;  // in flight (cp.async above)
         float4 kx = zero4, vx = zero4;
         if (vi < nctx) {
           const int64_t slot = slots[jj];
-          const int64_t at = slot * a.kv_stride + kh * HD + 4 * e4;
-          if (slot >= 0 && a.kv16) {  // a BF16 cache: its bits as they are
-            *reinterpret_cast<uint2*>(ks + jj * LD + 4 * e4) = *reinterpret_cast<const uint2*>(a.kv16 + at);
-            *reinterpret_cast<uint2*>(vs + jj * LD + 4 * e4) = *reinterpret_cast<const uint2*>(a.kv16 + at + kvdim);
-            continue;
-          }
           if (slot >= 0) {
+            const int64_t at = slot * a.kv_stride + kh * HD + 4 * e4;
             kx = *reinterpret_cast<const float4*>(a.kv + at);
             vx = *reinterpret_cast<const float4*>(a.kv + at + kvdim);
           }
@@ -1000,6 +1012,7 @@ __global__ void __launch_bounds__(kTcThreads, 3) block_attention_tc_kernel(const
         tc_store4(ks + jj * LD + 4 * e4, kx);
         tc_store4(vs + jj * LD + 4 * e4, vx);
       }
+      if (a.kv16) mma::cp_async_wait_all();  // this thread's copies; the barrier makes them everyone's
       __syncthreads();
       if (rt * kTcRows + warp * 16 >= M) continue;  // a warp without rows (warp-uniform; no barrier below)
       // S = Q K^T: the warp's 16 rows x the tile's 64 keys
@@ -1285,7 +1298,8 @@ bool block_attention_tc_applies(const Tensor& q, const Tensor& k, const Tensor& 
     if (!detail::aligned(t->data(), 16)) return false;
   for (const Tensor* t : {&q, &k, &v, &out})
     if (t->stride(0) % 4 != 0 || t->stride(1) % 4 != 0) return false;
-  return kv_cache.stride(0) % 4 == 0;
+  // F32 cache rows: float4 loads; BF16 ones: 16-byte cp.async chunks (8 values)
+  return kv_cache.stride(0) % (kv_cache.dtype() == DType::BF16 ? 8 : 4) == 0;
 }
 
 // The tensor-core block attention (a.* filled by block_attention, the device current): the

@@ -56,17 +56,13 @@ static_assert(kAUnits * kThreads == kDqBM * kDqChunks && kBUnits * kThreads == k
 static_assert(kDqBK == 32 && kDqChunks == 4, "the swizzle and the fragment loops assume 4 chunks per row");
 
 // ------------------------------------------------------------------ PTX wrappers
+using mma::cp_async16;
+using mma::cp_async_commit;
+using mma::cp_async_wait_all;
 using mma::ldmatrix_x4;
 using mma::mma_bf16;
 using mma::pack_bf16;
 using mma::smem_u32;
-// 16 bytes global -> shared, or 16 zero bytes when !valid (src is then not read).
-__device__ __forceinline__ void cp_async16(uint32_t dst, const void* src, bool valid) {
-  const int n = valid ? 16 : 0;
-  asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;\n" ::"r"(dst), "l"(src), "r"(n) : "memory");
-}
-__device__ __forceinline__ void cp_async_commit() { asm volatile("cp.async.commit_group;\n" ::: "memory"); }
-__device__ __forceinline__ void cp_async_wait_all() { asm volatile("cp.async.wait_all;\n" ::: "memory"); }
 __device__ __forceinline__ uint4 pack8(const float (&f)[8]) {
   return make_uint4(pack_bf16(f[0], f[1]), pack_bf16(f[2], f[3]), pack_bf16(f[4], f[5]), pack_bf16(f[6], f[7]));
 }

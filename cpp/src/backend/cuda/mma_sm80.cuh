@@ -1,6 +1,6 @@
 // cuda/mma_sm80.cuh: the warp-level tensor-core PTX the SIMT-scheduled kernels share
 // (gemm_dq.cu's mainloop-dequantizing GEMM, attention.cu's tensor-core block attention):
-// ldmatrix (plain and transposed) from shared memory, mma.sync m16n8k16 with BF16 operands
+// cp.async, ldmatrix (plain and transposed) from shared memory, mma.sync m16n8k16 with BF16 operands
 // and fp32 accumulators (every architecture the build targets: sm_90a, sm_100a, sm_103a),
 // and BF16 packing. Fragment layouts (PTX ISA, "Matrix fragments for mma.m16n8k16"), with
 // g = lane / 4 and t = lane % 4:
@@ -32,6 +32,14 @@ __device__ __forceinline__ void ldmatrix_x4_trans(uint32_t addr, uint32_t (&r)[4
                : "r"(addr)
                : "memory");
 }
+// 16 bytes global -> shared without registers (cp.async, L2 only), or 16 zero bytes when
+// !valid (src is then not read); commit closes a group, wait_all waits for every group.
+__device__ __forceinline__ void cp_async16(uint32_t dst, const void* src, bool valid) {
+  const int n = valid ? 16 : 0;
+  asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;\n" ::"r"(dst), "l"(src), "r"(n) : "memory");
+}
+__device__ __forceinline__ void cp_async_commit() { asm volatile("cp.async.commit_group;\n" ::: "memory"); }
+__device__ __forceinline__ void cp_async_wait_all() { asm volatile("cp.async.wait_all;\n" ::: "memory"); }
 // c += a (16 x 16, row) * b (16 x 8, col), BF16 in, fp32 accumulate.
 __device__ __forceinline__ void mma_bf16(float (&c)[4], const uint32_t (&a)[4], uint32_t b0, uint32_t b1) {
   asm volatile(
