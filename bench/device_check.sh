@@ -20,7 +20,7 @@
 # BUILD_DIR (default build-device), JOBS (default nproc), PYTHON (default python3),
 # DC_BENCH_TIMEOUT (seconds for bench_ops --quick, default 75), DC_E2E_TIMEOUT (seconds for
 # the end-to-end pair benchmark, default 75), DC_CONC_TIMEOUT / DC_CONC_BUDGET (the
-# concurrency sweep: kill after 100 s, no new level after 70 s), DC_MEMCHECK_TIMEOUT (default 120),
+# concurrency sweep: kill after 75 s, no new level after 45 s), DC_MEMCHECK_TIMEOUT (default 120),
 # DFLASH2_REQUIRE_GPU=1 (exit 3 when no GPU is usable; default: report and exit 0).
 #
 # Exit status: 0 all steps passed (without a GPU: the CUDA tests skipped, said in the
@@ -342,9 +342,9 @@ if [ "$GPU_USABLE" = 1 ] && [ "$DC_PYTHON_BINDING" = 1 ]; then
   # on the real-dimension slice (random weights: step costs, not speedups), one run; levels
   # stop at the budget, the JSON keeps what ran
   rm -f "$OUT_DIR/concurrency_cuda.json"
-  run_step concurrency timeout "${DC_CONC_TIMEOUT:-100}" "$PY" "$ROOT/bench/bench_concurrency.py" --device cuda \
+  run_step concurrency timeout "${DC_CONC_TIMEOUT:-75}" "$PY" "$ROOT/bench/bench_concurrency.py" --device cuda \
     --levels 1 8 32 --requests 2 --new 32 --repeat 1 --modes ar mtp dflash "dflash2 fixed" --models pair slice \
-    --budget "${DC_CONC_BUDGET:-70}" --out "$OUT_DIR" ||
+    --budget "${DC_CONC_BUDGET:-45}" --out "$OUT_DIR" ||
     soft_fail concurrency "bench/bench_concurrency.py --device cuda failed or timed out (see $LOGS/concurrency.log)"
   if [ -f "$OUT_DIR/concurrency_cuda.json" ]; then DC_CONC_JSON=$OUT_DIR/concurrency_cuda.json; fi
 fi
