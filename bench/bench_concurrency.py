@@ -96,7 +96,8 @@ def main(argv=None):
     ap.add_argument("--models", nargs="+", default=["pair"], choices=["pair", "slice"])
     ap.add_argument("--device", default="cpu", help="cpu, cuda or cuda:N (where the target runs)")
     ap.add_argument("--budget", type=float, default=0.0,
-                    help="seconds: no new level starts past it (0: no limit); what ran is kept")
+                    help="seconds: no new model or level starts that would likely end past it (0: no limit); "
+                         "what ran is kept")
     ap.add_argument("--out", default=os.path.join(HERE, "results"))
     a = ap.parse_args(argv)
     modes = ["ar"] + [m for m in a.modes if m != "ar"]  # ar first: the speedups' baseline
@@ -106,18 +107,24 @@ def main(argv=None):
     report = {"device": a.device, "levels": a.levels, "requests_per_client": a.requests, "new_tokens": a.new,
               "modes": modes, "models": {}, "complete": False}
 
-    def save():
-        with open(os.path.join(a.out, f"concurrency{suffix}.json"), "w", encoding="utf-8") as f:
+    def save():  # whole or not at all (a run killed by a time limit keeps the previous levels)
+        path = os.path.join(a.out, f"concurrency{suffix}.json")
+        with open(path + ".tmp", "w", encoding="utf-8") as f:
             json.dump(report, f, indent=1)
+        os.replace(path + ".tmp", path)
+
+    last_level_s = 0.0
+
+    def over_budget():  # no new model or level when it would likely end past the budget
+        return bool(a.budget) and time.perf_counter() - t_start + 1.5 * last_level_s > a.budget
 
     tmp = tempfile.TemporaryDirectory(prefix="dflash2_bench_")
     stopped = False
     for model in a.models:
-        if model == "pair":
-            target, draft, vocab = None, None, None
-        else:
-            target, draft = slice_pair(tmp.name)
-            vocab = dflash2_rt.Engine(target=target, method="ar", max_batch_size=1, max_seq_len=64).vocab_size
+        if over_budget():
+            stopped = True
+            break
+        target, draft = slice_pair(tmp.name) if model == "slice" else (None, None)
         engines = {}
         for name in modes:
             method, spec = MODES[name]
@@ -127,13 +134,14 @@ def main(argv=None):
             if target is not None:
                 kw.update(target=target, draft=draft if method.startswith("dflash") else None)
             engines[name] = dflash2_rt.Engine(**kw)
-        vocab = vocab or engines["ar"].vocab_size
+        vocab = engines["ar"].vocab_size
         rows = []
         report["models"][model] = rows
         for C in a.levels:
-            if a.budget and time.perf_counter() - t_start > a.budget:
+            if over_budget():
                 stopped = True
                 break
+            t_level = time.perf_counter()
             res = {}
             for name in modes:  # warm-up (the adaptive policy learns this batch size; graphs are captured)
                 run_level(engines[name], C, 1, a.new, C, vocab)
@@ -155,6 +163,7 @@ def main(argv=None):
                       flush=True)
             rows.append({"concurrency": C, **res})
             save()
+            last_level_s = time.perf_counter() - t_level
         for e in engines.values():
             e.close()
         if stopped:
