@@ -291,15 +291,10 @@ class Engine:
         if capture_at_load is not None and not isinstance(capture_at_load, (bool, np.bool_)):
             raise _core.InvalidArgumentError(
                 f"Engine: capture_at_load must be None, True or False, found {capture_at_load!r}")
-        if prefill_gemm not in ("auto", "exact", "bf16", "fp8", "nvfp4"):
-            raise _core.InvalidArgumentError(
-                f"Engine: prefill_gemm must be 'auto', 'exact', 'bf16', 'fp8' or 'nvfp4', found {prefill_gemm!r}")
-        if decode_gemm not in ("auto", "exact", "bf16", "fp8", "nvfp4"):
-            raise _core.InvalidArgumentError(
-                f"Engine: decode_gemm must be 'auto', 'exact', 'bf16', 'fp8' or 'nvfp4', found {decode_gemm!r}")
-        if draft_gemm not in ("auto", "exact", "bf16", "fp8", "nvfp4"):
-            raise _core.InvalidArgumentError(
-                f"Engine: draft_gemm must be 'auto', 'exact', 'bf16', 'fp8' or 'nvfp4', found {draft_gemm!r}")
+        for name, v in (("prefill_gemm", prefill_gemm), ("decode_gemm", decode_gemm), ("draft_gemm", draft_gemm)):
+            if v not in ("auto", "exact", "bf16", "fp8", "nvfp4"):
+                raise _core.InvalidArgumentError(
+                    f"Engine: {name} must be 'auto', 'exact', 'bf16', 'fp8' or 'nvfp4', found {v!r}")
         if speculation not in ("fixed", "adaptive"):
             raise _core.InvalidArgumentError(f"Engine: speculation must be 'fixed' or 'adaptive', found {speculation!r}")
         self._e = _core.Engine(os.fspath(target), None if draft is None else os.fspath(draft), method or "", device,

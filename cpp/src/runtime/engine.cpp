@@ -253,16 +253,16 @@ std::string tc_gemm_self_check(Device dev, ops::GemmNumerics g, std::string* exp
   }
 }
 
+void check_gemm_value(const char* opt, const std::string& v) {
+  DFLASH2_CHECK_ARG(v == "auto" || v == "exact" || v == "bf16" || v == "fp8" || v == "nvfp4", "Engine: ", opt,
+                    " must be 'auto', 'exact', 'bf16', 'fp8' or 'nvfp4', found '", v, "'");
+}
 // A GEMM-numerics option (Engine decode_gemm, draft_gemm) for weights on `dev`: "exact",
 // "bf16", "fp8" (needs FP8 block-128 weights: fp8_w), "nvfp4" (NVFP4 weights with an
 // input_scale: fp4_w), each checked against what this build runs on `dev`; "auto" = on a
 // GPU, BF16, then FP8 / NVFP4 for such weights, each once `self_check(g)` passed ("" =
 // passed; the load-time check of prefill_gemm, run once per numerics); "exact" elsewhere.
 // `who` names the weights' owner in errors.
-void check_gemm_value(const char* opt, const std::string& v) {
-  DFLASH2_CHECK_ARG(v == "auto" || v == "exact" || v == "bf16" || v == "fp8" || v == "nvfp4", "Engine: ", opt,
-                    " must be 'auto', 'exact', 'bf16', 'fp8' or 'nvfp4', found '", v, "'");
-}
 template <class Check>
 ops::GemmNumerics resolve_gemm(const char* opt, const std::string& v, Device dev, bool fp8_w, bool fp4_w,
                                const std::string& who, Check&& self_check) {
