@@ -211,14 +211,13 @@ TEST(rms_norm_matches_reference) {
   const DType weights[] = {DType::F32, DType::BF16, DType::F16};
   const int64_t dims[] = {1, 3, 8, 31, 128, 1000, 4096, 6144, 7168, 16383, 16384, 32768};
   int cases = 0, bad = 0;
-  for (DType xt : acts)
-    for (DType ot : acts)
-      for (DType wt : weights)
-        for (int64_t D : dims) {
-          Case c{xt, wt, ot, D >= 16384 ? 3 : 5, D};
-          bad += run_case(c, rng) ? 1 : 0;
-          ++cases;
-        }
+  for (DType xt : acts)  // out has x's dtype (ops::rms_norm refuses a mix)
+    for (DType wt : weights)
+      for (int64_t D : dims) {
+        Case c{xt, wt, xt, D >= 16384 ? 3 : 5, D};
+        bad += run_case(c, rng) ? 1 : 0;
+        ++cases;
+      }
   std::printf("  %d dtype/size cases, %d with mismatches\n", cases, bad);
   CHECK(bad == 0);
 }
@@ -475,6 +474,7 @@ TEST(copy_matches_cpu_on_strided_views) {
     const std::vector<uint8_t> got = b.device_bytes();
     CHECK(reinterpret_cast<const int32_t*>(got.data())[0] == 0);
     CHECK(reinterpret_cast<const int32_t*>(got.data())[1] == 1234567);
+    b.set_i(1, 1234567);  // the mirror follows the device
   }
   // empty: nothing happens
   Tensor ed = b.dv(0, {2, 0});

@@ -17,6 +17,17 @@
 
 namespace dflash2::cuda::mma {
 
+#if defined(DFLASH2_CUDA_EMULATED)
+// The CPU emulation (cpp/emu/cuda_emu.h): the same operations as warp collectives of the
+// emulator, which implements the PTX ISA's fragment tables itself.
+inline uint32_t smem_u32(const void* p) { return ::emu::smem_addr(p); }
+inline void ldmatrix_x4(uint32_t addr, uint32_t (&r)[4]) { ::emu::ldmatrix_x4(addr, r, false); }
+inline void ldmatrix_x4_trans(uint32_t addr, uint32_t (&r)[4]) { ::emu::ldmatrix_x4(addr, r, true); }
+inline void cp_async16(uint32_t dst, const void* src, bool valid) { ::emu::cp_async16(dst, src, valid); }
+inline void cp_async_commit() { ::emu::cp_async_commit(); }
+inline void cp_async_wait_all() { ::emu::cp_async_wait_all(); }
+inline void mma_bf16(float (&c)[4], const uint32_t (&a)[4], uint32_t b0, uint32_t b1) { ::emu::mma_bf16(c, a, b0, b1); }
+#else
 __device__ __forceinline__ uint32_t smem_u32(const void* p) {
   return static_cast<uint32_t>(__cvta_generic_to_shared(p));
 }
@@ -48,6 +59,7 @@ __device__ __forceinline__ void mma_bf16(float (&c)[4], const uint32_t (&a)[4], 
       : "+f"(c[0]), "+f"(c[1]), "+f"(c[2]), "+f"(c[3])
       : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1));
 }
+#endif  // DFLASH2_CUDA_EMULATED
 // Two floats rounded to BF16 (nearest even), lo at the lower address (column order).
 __device__ __forceinline__ uint32_t pack_bf16(float lo, float hi) {
   const __nv_bfloat162 v = __floats2bfloat162_rn(lo, hi);

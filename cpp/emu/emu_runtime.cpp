@@ -1,0 +1,775 @@
+// cpp/emu/emu_runtime.cpp: the CPU emulation's scheduler (CUDA threads as fibers) and the
+// part of the CUDA runtime API the backend calls, over host memory. See cuda_emu.h.
+//
+// Devices: EMU_DEVICES (default 1) devices "Emulated GPU (sm_90)", compute capability 9.0
+// (EMU_SM=100 for 10.0), 132 SMs, 227 KiB of opt-in shared memory per block,
+// EMU_DEVICE_MEM bytes (default 8 GiB) of which cudaMalloc'ed bytes are used.
+// Streams are in order by construction: every launch and copy completes before it returns,
+// except while a stream captures, when launches, copies and memsets are recorded into the
+// graph and run by cudaGraphLaunch. One process-wide lock serializes kernels (fibers of
+// one block at a time), so `__shared__` arrays can be plain statics.
+#define EMU_RUNTIME_IMPL 1
+#include "cuda_emu.h"
+
+#include <ucontext.h>
+
+#include <algorithm>
+#include <atomic>
+#include <chrono>
+#include <cstdio>
+#include <cstdlib>
+#include <functional>
+#include <map>
+#include <memory>
+#include <mutex>
+#include <string>
+#include <vector>
+
+namespace emu {
+
+ThreadCtx* g_thread = nullptr;
+uint3 g_block_idx;
+dim3 g_block_dim, g_grid_dim;
+unsigned char* g_dyn_smem = nullptr;
+
+namespace {
+
+constexpr size_t kSmemOptin = 232448;  // 227 KiB, as an H100 / H200
+constexpr size_t kSmemDefault = 49152;
+constexpr size_t kStack = 256 * 1024;
+alignas(128) unsigned char g_smem_buf[kSmemOptin + 128];
+
+std::recursive_mutex& kernel_lock() {
+  static std::recursive_mutex m;
+  return m;
+}
+
+enum class St { Run, Bar, Warp, Done };
+struct Copy {
+  void* dst;
+  const void* src;
+  bool valid;
+};
+struct Fiber {
+  ucontext_t ctx;
+  ThreadCtx t;
+  St st = St::Done;
+  int bar_pred = 0, bar_kind = 1, bar_out = 0;
+  WarpArgs* warp = nullptr;
+  std::vector<Copy> copies;
+  std::unique_ptr<char[]> stack;
+};
+
+struct BlockRun {
+  std::vector<Fiber> f;
+  ucontext_t sched;
+  Fiber* cur = nullptr;
+  void (*thunk)(void*) = nullptr;
+  void* payload = nullptr;
+  std::string error;
+};
+BlockRun* g_run = nullptr;
+
+void fiber_main() {
+  BlockRun* r = g_run;
+  r->thunk(r->payload);
+  r->cur->st = St::Done;
+  // uc_link returns to the scheduler
+}
+
+void suspend(St st) {
+  BlockRun* r = g_run;
+  Fiber* me = r->cur;
+  me->st = st;
+  swapcontext(&me->ctx, &r->sched);
+}
+
+bool reverse_order() {
+  static const bool rev = [] {
+    const char* e = std::getenv("EMU_ORDER");
+    return !(e && std::string(e) == "forward");
+  }();
+  return rev;
+}
+
+uint32_t b16_of(const uint32_t* regs, int idx) { return (regs[idx / 2] >> (16 * (idx % 2))) & 0xffffu; }
+float bf16_to_float(uint32_t b) {
+  const uint32_t u = b << 16;
+  float v;
+  std::memcpy(&v, &u, 4);
+  return v;
+}
+
+// Completes warp collective `op` for the lanes `lanes` (bit i: lane i of warp w), all waiting.
+void complete_warp(BlockRun& r, int base, unsigned lanes) {
+  Fiber* L[32] = {};
+  for (int i = 0; i < 32; ++i)
+    if (lanes >> i & 1u) L[i] = &r.f[base + i];
+  WarpArgs* any = nullptr;
+  for (int i = 0; i < 32; ++i)
+    if (L[i]) any = L[i]->warp;
+  const WarpOp op = any->op;
+  for (int i = 0; i < 32; ++i) {
+    if (!L[i]) continue;
+    WarpArgs& a = *L[i]->warp;
+    const int w = a.width;
+    switch (op) {
+      case WarpOp::Sync: break;
+      case WarpOp::ShflIdx:
+      case WarpOp::ShflXor:
+      case WarpOp::ShflUp:
+      case WarpOp::ShflDown: {
+        const int seg = i / w * w, li = i % w;
+        int src = i;
+        if (op == WarpOp::ShflIdx) src = seg + (a.param % w + w) % w;
+        if (op == WarpOp::ShflXor) src = seg + ((li ^ a.param) % w);
+        if (op == WarpOp::ShflUp) src = li >= a.param ? i - a.param : i;
+        if (op == WarpOp::ShflDown) src = li + a.param < w ? i + a.param : i;
+        a.out[0] = (src >= 0 && src < 32 && L[src]) ? L[src]->warp->in[0] : a.in[0];
+        break;
+      }
+      case WarpOp::Ballot:
+      case WarpOp::Any:
+      case WarpOp::All: {
+        unsigned bits = 0;
+        for (int j = 0; j < 32; ++j)
+          if (L[j] && L[j]->warp->in[0]) bits |= 1u << j;
+        a.out[0] = op == WarpOp::Ballot ? bits : op == WarpOp::Any ? (bits != 0) : (bits == lanes);
+        break;
+      }
+      case WarpOp::MatchAny: {
+        unsigned bits = 0;
+        for (int j = 0; j < 32; ++j)
+          if (L[j] && L[j]->warp->in[0] == a.in[0]) bits |= 1u << j;
+        a.out[0] = bits;
+        break;
+      }
+      case WarpOp::Ldsm:
+      case WarpOp::LdsmT: {
+        // ldmatrix .x4: lanes 8j..8j+7 hold the row addresses of matrix j; register j of
+        // lane l gets row l/4, elements 2(l%4), 2(l%4)+1 of matrix j (.trans: of its
+        // transpose, i.e. rows 2(l%4), 2(l%4)+1 of column l/4).
+        for (int j = 0; j < 4; ++j) {
+          uint32_t v = 0;
+          for (int h = 0; h < 2; ++h) {
+            int row, col;
+            if (op == WarpOp::Ldsm) {
+              row = i / 4;
+              col = 2 * (i % 4) + h;
+            } else {
+              row = 2 * (i % 4) + h;
+              col = i / 4;
+            }
+            Fiber* src = L[8 * j + row];
+            if (!src) {
+              r.error = "ldmatrix: a row address comes from a lane that is not in the collective";
+              return;
+            }
+            const uint16_t* p = static_cast<const uint16_t*>(smem_ptr(uint32_t(src->warp->in[0])));
+            v |= uint32_t(p[col]) << (16 * h);
+          }
+          a.out[j] = v;
+        }
+        break;
+      }
+      case WarpOp::Mma: {
+        // mma.sync.m16n8k16.row.col.f32.bf16.bf16.f32, fragments per the PTX ISA (g = lane/4,
+        // t = lane%4): A a0:(g, 2t..2t+1) a1:(g+8, 2t..) a2:(g, 2t+8..) a3:(g+8, 2t+8..);
+        // B b0:(k 2t..2t+1, n g) b1:(k 2t+8.., n g); C c0,c1:(g, 2t..2t+1) c2,c3:(g+8, 2t..).
+        // Gather A (16x16) and B (16x8) from all 32 lanes.
+        float A[16][16], B[16][8];
+        for (int l = 0; l < 32; ++l) {
+          if (!L[l]) {
+            r.error = "mma.sync: not all 32 lanes take part";
+            return;
+          }
+          const int g = l / 4, t = l % 4;
+          uint32_t ar[4], br[2];
+          for (int q = 0; q < 4; ++q) ar[q] = uint32_t(L[l]->warp->in[q]);
+          br[0] = uint32_t(L[l]->warp->in[4]);
+          br[1] = uint32_t(L[l]->warp->in[5]);
+          for (int h = 0; h < 2; ++h) {
+            A[g][2 * t + h] = bf16_to_float(b16_of(ar, 0 + h));
+            A[g + 8][2 * t + h] = bf16_to_float(b16_of(ar, 2 + h));
+            A[g][2 * t + 8 + h] = bf16_to_float(b16_of(ar, 4 + h));
+            A[g + 8][2 * t + 8 + h] = bf16_to_float(b16_of(ar, 6 + h));
+            B[2 * t + h][g] = bf16_to_float(b16_of(br, 0 + h));
+            B[2 * t + 8 + h][g] = bf16_to_float(b16_of(br, 2 + h));
+          }
+        }
+        const int g = i / 4, t = i % 4;
+        const int rows[4] = {g, g, g + 8, g + 8}, cols[4] = {2 * t, 2 * t + 1, 2 * t, 2 * t + 1};
+        for (int q = 0; q < 4; ++q) {
+          float c;
+          const uint32_t cb = uint32_t(a.in[6 + q]);
+          std::memcpy(&c, &cb, 4);
+          float s = 0.0f;
+          for (int k = 0; k < 16; ++k) s += A[rows[q]][k] * B[k][cols[q]];
+          const float d = c + s;
+          uint32_t db;
+          std::memcpy(&db, &d, 4);
+          a.out[q] = db;
+        }
+        break;
+      }
+    }
+  }
+}
+
+void describe(BlockRun& r, std::string& out) {
+  int counts[4] = {};
+  for (auto& f : r.f) counts[int(f.st)]++;
+  out += " (threads: " + std::to_string(counts[1]) + " at __syncthreads, " + std::to_string(counts[2]) +
+         " in warp collectives, " + std::to_string(counts[3]) + " exited";
+  for (size_t i = 0; i < r.f.size(); ++i)
+    if (r.f[i].st == St::Warp) {
+      out += "; first waiting lane: thread " + std::to_string(i) + " op " + std::to_string(int(r.f[i].warp->op)) +
+             " mask " + std::to_string(r.f[i].warp->mask);
+      break;
+    }
+  out += ")";
+}
+
+// Runs all threads of one block; returns false with r.error on a deadlock or a bad collective.
+bool run_block(BlockRun& r, int n) {
+  std::vector<std::unique_ptr<char[]>> keep;
+  for (int i = 0; i < n; ++i) {
+    Fiber& f = r.f[i];
+    f.st = St::Run;
+    f.copies.clear();
+    f.warp = nullptr;
+    const unsigned bx = g_block_dim.x, by = g_block_dim.y;
+    f.t.tid = make_uint3(unsigned(i) % bx, unsigned(i) / bx % by, unsigned(i) / (bx * by));
+    if (!f.stack) f.stack.reset(new char[kStack]);
+    getcontext(&f.ctx);
+    f.ctx.uc_stack.ss_sp = f.stack.get();
+    f.ctx.uc_stack.ss_size = kStack;
+    f.ctx.uc_link = &r.sched;
+    makecontext(&f.ctx, fiber_main, 0);
+  }
+  const bool rev = reverse_order();
+  for (;;) {
+    for (int k = 0; k < n; ++k) {
+      const int i = rev ? n - 1 - k : k;
+      Fiber& f = r.f[i];
+      if (f.st != St::Run) continue;
+      r.cur = &f;
+      g_thread = &f.t;
+      swapcontext(&r.sched, &f.ctx);
+      if (!r.error.empty()) return false;
+    }
+    int live = 0, at_bar = 0;
+    for (int i = 0; i < n; ++i) {
+      if (r.f[i].st != St::Done) ++live;
+      if (r.f[i].st == St::Bar) ++at_bar;
+    }
+    if (live == 0) return true;
+    bool released = false;
+    // Warp collectives whose lanes have all arrived.
+    for (int base = 0; base < n; base += 32) {
+      unsigned handled = 0;
+      for (int i = base; i < std::min(n, base + 32); ++i) {
+        Fiber& f = r.f[i];
+        if (f.st != St::Warp || (handled >> (i - base) & 1u)) continue;
+        const unsigned mask = f.warp->mask;
+        if (!(mask >> (i - base) & 1u)) {
+          r.error = "a warp collective's mask leaves out its own lane (thread " + std::to_string(i) + ")";
+          return false;
+        }
+        unsigned lanes = 0;
+        bool ready = true;
+        for (int j = 0; j < 32; ++j) {
+          if (!(mask >> j & 1u)) continue;
+          const int t = base + j;
+          if (t >= n) continue;  // a partial last warp
+          Fiber& o = r.f[t];
+          if (o.st == St::Done) {
+            r.error = "a warp collective (op " + std::to_string(int(f.warp->op)) + ") waits for lane " +
+                      std::to_string(j) + " of warp " + std::to_string(base / 32) + ", which has exited";
+            return false;
+          }
+          if (o.st != St::Warp) {
+            ready = false;
+            break;
+          }
+          if (o.warp->op != f.warp->op || o.warp->mask != mask) {
+            r.error = "lanes of warp " + std::to_string(base / 32) + " meet in different warp collectives (ops " +
+                      std::to_string(int(f.warp->op)) + " and " + std::to_string(int(o.warp->op)) + ", masks " +
+                      std::to_string(mask) + " and " + std::to_string(o.warp->mask) + ")";
+            return false;
+          }
+          lanes |= 1u << j;
+        }
+        if (!ready) continue;
+        complete_warp(r, base, lanes);
+        if (!r.error.empty()) return false;
+        for (int j = 0; j < 32; ++j)
+          if (lanes >> j & 1u) r.f[base + j].st = St::Run;
+        handled |= lanes;
+        released = true;
+      }
+    }
+    if (!released && at_bar == live) {
+      int any = 0, all = 1, count = 0;
+      for (int i = 0; i < n; ++i)
+        if (r.f[i].st == St::Bar) {
+          any |= r.f[i].bar_pred;
+          all &= r.f[i].bar_pred;
+          count += r.f[i].bar_pred;
+        }
+      for (int i = 0; i < n; ++i)
+        if (r.f[i].st == St::Bar) {
+          r.f[i].bar_out = r.f[i].bar_kind == 2 ? all : r.f[i].bar_kind == 3 ? count : any;
+          r.f[i].st = St::Run;
+        }
+      released = true;
+    }
+    if (!released) {
+      r.error = "deadlock: no barrier or warp collective can complete";
+      describe(r, r.error);
+      return false;
+    }
+  }
+}
+
+// kind 1: or, 2: and, 3: count, computed when the barrier releases.
+int sync_reduce(int pred, int kind) {
+  Fiber* me = g_run->cur;
+  me->bar_pred = pred != 0 ? 1 : 0;
+  me->bar_kind = kind;
+  suspend(St::Bar);
+  return me->bar_out;
+}
+
+}  // namespace
+
+// ------------------------------------------------------------------ device side
+void syncthreads() { sync_reduce(1, 1); }
+int syncthreads_or(int pred) { return sync_reduce(pred, 1); }
+int syncthreads_and(int pred) { return sync_reduce(pred, 2); }
+int syncthreads_count(int pred) { return sync_reduce(pred, 3); }
+
+void warp_collective(WarpArgs& a) {
+  BlockRun* r = g_run;
+  Fiber* me = r->cur;
+  me->warp = &a;
+  suspend(St::Warp);
+  me->warp = nullptr;
+}
+
+int lane_id() {
+  BlockRun* r = g_run;
+  return int((r->cur - r->f.data()) % 32);
+}
+
+uint32_t smem_addr(const void* p) {
+  return uint32_t(reinterpret_cast<uintptr_t>(p) - reinterpret_cast<uintptr_t>(g_smem_buf));
+}
+void* smem_ptr(uint32_t a) { return g_smem_buf + int64_t(int32_t(a)); }
+
+void cp_async16(uint32_t dst, const void* src, bool valid) { g_run->cur->copies.push_back({smem_ptr(dst), src, valid}); }
+void cp_async_commit() {}
+void cp_async_wait_all() {
+  Fiber* me = g_run->cur;
+  for (const Copy& c : me->copies) {
+    if (c.valid)
+      std::memcpy(c.dst, c.src, 16);
+    else
+      std::memset(c.dst, 0, 16);
+  }
+  me->copies.clear();
+}
+
+// ------------------------------------------------------------------ host side state
+namespace {
+
+struct DevState {
+  size_t used = 0;
+};
+struct Alloc {
+  size_t bytes;
+  int device;
+};
+struct Graph {
+  std::vector<std::function<void()>> ops;
+};
+struct StreamState {
+  bool capturing = false;
+  Graph* graph = nullptr;
+  int device = 0;
+};
+
+std::mutex& host_lock() {
+  static std::mutex m;
+  return m;
+}
+std::map<void*, Alloc>& allocs() {
+  static std::map<void*, Alloc> m;
+  return m;
+}
+std::map<const void*, int>& smem_attr() {
+  static std::map<const void*, int> m;
+  return m;
+}
+int n_devices() {
+  static const int n = [] {
+    const char* e = std::getenv("EMU_DEVICES");
+    return e ? std::max(0, std::atoi(e)) : 1;
+  }();
+  return n;
+}
+int sm_version() {
+  static const int v = [] {
+    const char* e = std::getenv("EMU_SM");
+    return e ? std::atoi(e) : 90;
+  }();
+  return v;
+}
+size_t device_mem() {
+  static const size_t v = [] {
+    const char* e = std::getenv("EMU_DEVICE_MEM");
+    return e ? size_t(std::strtoull(e, nullptr, 10)) : (size_t(8) << 30);
+  }();
+  return v;
+}
+std::vector<DevState>& devs() {
+  static std::vector<DevState> d(size_t(std::max(1, n_devices())));
+  return d;
+}
+thread_local int tl_device = 0;
+thread_local cudaError_t tl_error = cudaSuccess;
+StreamState g_legacy;
+std::map<cudaStream_t, StreamState*>& streams() {
+  static std::map<cudaStream_t, StreamState*> m;
+  return m;
+}
+// The stream the call names: nullptr / cudaStreamLegacy / cudaStreamPerThread = legacy.
+StreamState* stream_of(cudaStream_t s) {
+  std::lock_guard<std::mutex> g(host_lock());
+  auto it = streams().find(s);
+  return it == streams().end() ? &g_legacy : it->second;
+}
+cudaError_t set_error(cudaError_t e) {
+  if (e != cudaSuccess) tl_error = e;
+  return e;
+}
+// Runs `op` now, or records it when `s` captures.
+cudaError_t issue(cudaStream_t s, std::function<void()> op) {
+  StreamState* st = stream_of(s);
+  if (st->capturing) {
+    st->graph->ops.push_back(std::move(op));
+    return cudaSuccess;
+  }
+  op();
+  return cudaSuccess;
+}
+
+}  // namespace
+
+void launch(const LaunchCfg& cfg, void (*thunk)(void*), void* payload, void* (*clone)(void*), void (*drop)(void*)) {
+  const uint64_t threads = uint64_t(cfg.block.x) * cfg.block.y * cfg.block.z;
+  if (threads == 0 || threads > 1024 || cfg.block.z > 64 || cfg.grid.x == 0 || cfg.grid.y == 0 || cfg.grid.z == 0 ||
+      cfg.grid.y > 65535 || cfg.grid.z > 65535 || uint64_t(cfg.grid.x) > 0x7fffffffull) {
+    std::fprintf(stderr, "emu: invalid launch configuration grid (%u, %u, %u) block (%u, %u, %u)\n", cfg.grid.x,
+                 cfg.grid.y, cfg.grid.z, cfg.block.x, cfg.block.y, cfg.block.z);
+    set_error(cudaErrorInvalidConfiguration);
+    return;
+  }
+  if (cfg.smem > kSmemDefault) {
+    int allowed = 0;
+    {
+      std::lock_guard<std::mutex> g(host_lock());
+      auto it = smem_attr().find(cfg.func);
+      if (it != smem_attr().end()) allowed = it->second;
+    }
+    if (cfg.smem > size_t(allowed)) {
+      std::fprintf(stderr, "emu: a launch asks %zu bytes of dynamic shared memory; the kernel allows %d (set "
+                   "cudaFuncAttributeMaxDynamicSharedMemorySize)\n", cfg.smem, allowed);
+      set_error(cudaErrorInvalidValue);
+      return;
+    }
+  }
+  const LaunchCfg c = cfg;
+  void* owned = clone(payload);
+  auto run = [c, thunk, owned]() {
+    std::lock_guard<std::recursive_mutex> g(kernel_lock());
+    BlockRun r;
+    const int n = int(uint64_t(c.block.x) * c.block.y * c.block.z);
+    r.f.resize(size_t(n));
+    r.thunk = thunk;
+    r.payload = owned;
+    BlockRun* prev = g_run;
+    g_run = &r;
+    g_block_dim = c.block;
+    g_grid_dim = c.grid;
+    g_dyn_smem = g_smem_buf;
+    for (unsigned z = 0; z < c.grid.z; ++z)
+      for (unsigned y = 0; y < c.grid.y; ++y)
+        for (unsigned x = 0; x < c.grid.x; ++x) {
+          g_block_idx = make_uint3(x, y, z);
+          std::memset(g_smem_buf, 0xff, c.smem);  // uninitialized shared memory reads as NaN
+          if (!run_block(r, n)) {
+            std::fprintf(stderr, "emu: kernel failed in block (%u, %u, %u): %s\n", x, y, z, r.error.c_str());
+            set_error(cudaErrorLaunchFailure);
+            g_run = prev;
+            return;
+          }
+        }
+    g_run = prev;
+  };
+  std::shared_ptr<void> hold(owned, drop);
+  issue(cfg.stream, [run, hold]() { run(); });
+}
+
+}  // namespace emu
+
+// ------------------------------------------------------------------ the runtime API
+using emu::set_error;
+
+extern "C" {
+
+cudaError_t cudaGetDeviceCount(int* n) {
+  *n = emu::n_devices();
+  return cudaSuccess;
+}
+cudaError_t cudaGetDevice(int* d) {
+  *d = emu::tl_device;
+  return cudaSuccess;
+}
+cudaError_t cudaSetDevice(int d) {
+  if (d < 0 || d >= emu::n_devices()) return set_error(cudaErrorInvalidDevice);
+  emu::tl_device = d;
+  return cudaSuccess;
+}
+cudaError_t cudaDeviceSynchronize(void) { return cudaSuccess; }
+cudaError_t cudaDeviceReset(void) { return cudaSuccess; }
+cudaError_t cudaGetLastError(void) {
+  const cudaError_t e = emu::tl_error;
+  emu::tl_error = cudaSuccess;
+  return e;
+}
+cudaError_t cudaPeekAtLastError(void) { return emu::tl_error; }
+const char* cudaGetErrorName(cudaError_t e) {
+  switch (e) {
+    case cudaSuccess: return "cudaSuccess";
+    case cudaErrorMemoryAllocation: return "cudaErrorMemoryAllocation";
+    case cudaErrorInvalidValue: return "cudaErrorInvalidValue";
+    case cudaErrorInvalidConfiguration: return "cudaErrorInvalidConfiguration";
+    case cudaErrorInvalidDevice: return "cudaErrorInvalidDevice";
+    case cudaErrorLaunchFailure: return "cudaErrorLaunchFailure";
+    case cudaErrorStreamCaptureUnsupported: return "cudaErrorStreamCaptureUnsupported";
+    default: return "cudaErrorUnknown";
+  }
+}
+const char* cudaGetErrorString(cudaError_t e) {
+  switch (e) {
+    case cudaSuccess: return "no error";
+    case cudaErrorMemoryAllocation: return "out of memory (emulated device)";
+    case cudaErrorLaunchFailure: return "unspecified launch failure (emulator: see stderr)";
+    default: return "emulated CUDA error";
+  }
+}
+cudaError_t cudaDriverGetVersion(int* v) {
+  *v = CUDART_VERSION;
+  return cudaSuccess;
+}
+cudaError_t cudaRuntimeGetVersion(int* v) {
+  *v = CUDART_VERSION;
+  return cudaSuccess;
+}
+cudaError_t cudaDeviceGetAttribute(int* v, cudaDeviceAttr a, int d) {
+  if (d < 0 || d >= emu::n_devices()) return set_error(cudaErrorInvalidDevice);
+  switch (a) {
+    case cudaDevAttrComputeCapabilityMajor: *v = emu::sm_version() / 10; break;
+    case cudaDevAttrComputeCapabilityMinor: *v = emu::sm_version() % 10; break;
+    case cudaDevAttrMultiProcessorCount: *v = 132; break;
+    case cudaDevAttrMaxSharedMemoryPerBlockOptin: *v = int(emu::kSmemOptin); break;
+    case cudaDevAttrMaxSharedMemoryPerBlock: *v = int(emu::kSmemDefault); break;
+    case cudaDevAttrMaxThreadsPerBlock: *v = 1024; break;
+    case cudaDevAttrWarpSize: *v = 32; break;
+    case cudaDevAttrL2CacheSize: *v = 60 << 20; break;
+    default: *v = 0; break;
+  }
+  return cudaSuccess;
+}
+cudaError_t cudaGetDeviceProperties_v2(cudaDeviceProp* p, int d) {
+  if (d < 0 || d >= emu::n_devices()) return set_error(cudaErrorInvalidDevice);
+  std::memset(p, 0, sizeof(*p));
+  std::snprintf(p->name, sizeof(p->name), "Emulated GPU (sm_%d, dflash2 emu)", emu::sm_version());
+  p->major = emu::sm_version() / 10;
+  p->minor = emu::sm_version() % 10;
+  p->multiProcessorCount = 132;
+  p->totalGlobalMem = emu::device_mem();
+  p->sharedMemPerBlock = emu::kSmemDefault;
+  p->sharedMemPerBlockOptin = emu::kSmemOptin;
+  p->maxThreadsPerBlock = 1024;
+  p->warpSize = 32;
+  p->l2CacheSize = 60 << 20;
+  return cudaSuccess;
+}
+cudaError_t cudaGetDeviceProperties(cudaDeviceProp* p, int d) { return cudaGetDeviceProperties_v2(p, d); }
+cudaError_t cudaMemGetInfo(size_t* free_b, size_t* total_b) {
+  std::lock_guard<std::mutex> g(emu::host_lock());
+  const size_t used = emu::devs()[size_t(emu::tl_device)].used;
+  *total_b = emu::device_mem();
+  *free_b = used < *total_b ? *total_b - used : 0;
+  return cudaSuccess;
+}
+cudaError_t cudaMalloc(void** p, size_t bytes) {
+  *p = nullptr;
+  std::lock_guard<std::mutex> g(emu::host_lock());
+  auto& d = emu::devs()[size_t(emu::tl_device)];
+  if (d.used + bytes > emu::device_mem()) return set_error(cudaErrorMemoryAllocation);
+  void* q = std::aligned_alloc(256, std::max<size_t>(256, (bytes + 255) / 256 * 256));
+  if (!q) return set_error(cudaErrorMemoryAllocation);
+  std::memset(q, 0xa5, bytes);  // device memory starts as garbage
+  emu::allocs()[q] = {bytes, emu::tl_device};
+  d.used += bytes;
+  *p = q;
+  return cudaSuccess;
+}
+cudaError_t cudaFree(void* p) {
+  if (!p) return cudaSuccess;
+  std::lock_guard<std::mutex> g(emu::host_lock());
+  auto it = emu::allocs().find(p);
+  if (it == emu::allocs().end()) return set_error(cudaErrorInvalidValue);
+  emu::devs()[size_t(it->second.device)].used -= it->second.bytes;
+  emu::allocs().erase(it);
+  std::free(p);
+  return cudaSuccess;
+}
+cudaError_t cudaHostAlloc(void** p, size_t bytes, unsigned int) {
+  *p = std::aligned_alloc(256, std::max<size_t>(256, (bytes + 255) / 256 * 256));
+  return *p ? cudaSuccess : set_error(cudaErrorMemoryAllocation);
+}
+cudaError_t cudaMallocHost(void** p, size_t bytes) { return cudaHostAlloc(p, bytes, 0); }
+cudaError_t cudaFreeHost(void* p) {
+  std::free(p);
+  return cudaSuccess;
+}
+cudaError_t cudaMemcpy(void* dst, const void* src, size_t n, cudaMemcpyKind) {
+  if (n) std::memmove(dst, src, n);
+  return cudaSuccess;
+}
+cudaError_t cudaMemcpyAsync(void* dst, const void* src, size_t n, cudaMemcpyKind, cudaStream_t s) {
+  return emu::issue(s, [dst, src, n]() {
+    if (n) std::memmove(dst, src, n);
+  });
+}
+cudaError_t cudaMemcpyPeer(void* dst, int, const void* src, int, size_t n) {
+  if (n) std::memmove(dst, src, n);
+  return cudaSuccess;
+}
+cudaError_t cudaMemset(void* dst, int v, size_t n) {
+  std::memset(dst, v, n);
+  return cudaSuccess;
+}
+cudaError_t cudaMemsetAsync(void* dst, int v, size_t n, cudaStream_t s) {
+  return emu::issue(s, [dst, v, n]() { std::memset(dst, v, n); });
+}
+cudaError_t cudaMemcpyToSymbol(const void* sym, const void* src, size_t n, size_t off, cudaMemcpyKind) {
+  std::memcpy(static_cast<char*>(const_cast<void*>(sym)) + off, src, n);
+  return cudaSuccess;
+}
+cudaError_t cudaMemcpyFromSymbol(void* dst, const void* sym, size_t n, size_t off, cudaMemcpyKind) {
+  std::memcpy(dst, static_cast<const char*>(sym) + off, n);
+  return cudaSuccess;
+}
+cudaError_t cudaFuncSetAttribute(const void* f, cudaFuncAttribute a, int v) {
+  if (a == cudaFuncAttributeMaxDynamicSharedMemorySize) {
+    if (v < 0 || size_t(v) > emu::kSmemOptin) return set_error(cudaErrorInvalidValue);
+    std::lock_guard<std::mutex> g(emu::host_lock());
+    emu::smem_attr()[f] = v;
+  }
+  return cudaSuccess;
+}
+
+// Streams, events and graphs.
+cudaError_t cudaStreamCreateWithFlags(cudaStream_t* s, unsigned int) {
+  auto* st = new emu::StreamState();
+  st->device = emu::tl_device;
+  // A distinct handle: the state's own address.
+  *s = reinterpret_cast<cudaStream_t>(st);
+  std::lock_guard<std::mutex> g(emu::host_lock());
+  emu::streams()[*s] = st;
+  return cudaSuccess;
+}
+cudaError_t cudaStreamCreate(cudaStream_t* s) { return cudaStreamCreateWithFlags(s, 0); }
+cudaError_t cudaStreamDestroy(cudaStream_t s) {
+  std::lock_guard<std::mutex> g(emu::host_lock());
+  auto it = emu::streams().find(s);
+  if (it == emu::streams().end()) return set_error(cudaErrorInvalidValue);
+  delete it->second;
+  emu::streams().erase(it);
+  return cudaSuccess;
+}
+cudaError_t cudaStreamSynchronize(cudaStream_t s) {
+  if (emu::stream_of(s)->capturing) return set_error(cudaErrorStreamCaptureUnsupported);
+  return cudaSuccess;
+}
+cudaError_t cudaStreamWaitEvent(cudaStream_t, cudaEvent_t, unsigned int) { return cudaSuccess; }
+cudaError_t cudaStreamIsCapturing(cudaStream_t s, cudaStreamCaptureStatus* st) {
+  *st = emu::stream_of(s)->capturing ? cudaStreamCaptureStatusActive : cudaStreamCaptureStatusNone;
+  return cudaSuccess;
+}
+cudaError_t cudaStreamBeginCapture(cudaStream_t s, cudaStreamCaptureMode) {
+  emu::StreamState* st = emu::stream_of(s);
+  if (st == &emu::g_legacy || st->capturing) return set_error(cudaErrorStreamCaptureUnsupported);
+  st->capturing = true;
+  st->graph = new emu::Graph();
+  return cudaSuccess;
+}
+cudaError_t cudaStreamEndCapture(cudaStream_t s, cudaGraph_t* g) {
+  emu::StreamState* st = emu::stream_of(s);
+  if (!st->capturing) return set_error(cudaErrorIllegalState);
+  st->capturing = false;
+  *g = reinterpret_cast<cudaGraph_t>(st->graph);
+  st->graph = nullptr;
+  return cudaSuccess;
+}
+cudaError_t cudaGraphInstantiate(cudaGraphExec_t* e, cudaGraph_t g, unsigned long long) {
+  *e = reinterpret_cast<cudaGraphExec_t>(new emu::Graph(*reinterpret_cast<emu::Graph*>(g)));
+  return cudaSuccess;
+}
+cudaError_t cudaGraphLaunch(cudaGraphExec_t e, cudaStream_t s) {
+  auto* g = reinterpret_cast<emu::Graph*>(e);
+  for (auto& op : g->ops) {
+    const cudaError_t r = emu::issue(s, op);
+    if (r != cudaSuccess) return r;
+  }
+  return emu::tl_error;
+}
+cudaError_t cudaGraphDestroy(cudaGraph_t g) {
+  delete reinterpret_cast<emu::Graph*>(g);
+  return cudaSuccess;
+}
+cudaError_t cudaGraphExecDestroy(cudaGraphExec_t e) {
+  delete reinterpret_cast<emu::Graph*>(e);
+  return cudaSuccess;
+}
+struct EmuEvent {
+  std::chrono::steady_clock::time_point t;
+};
+cudaError_t cudaEventCreateWithFlags(cudaEvent_t* e, unsigned int) {
+  *e = reinterpret_cast<cudaEvent_t>(new EmuEvent());
+  return cudaSuccess;
+}
+cudaError_t cudaEventCreate(cudaEvent_t* e) { return cudaEventCreateWithFlags(e, 0); }
+cudaError_t cudaEventDestroy(cudaEvent_t e) {
+  delete reinterpret_cast<EmuEvent*>(e);
+  return cudaSuccess;
+}
+cudaError_t cudaEventRecord(cudaEvent_t e, cudaStream_t s) {
+  auto* ev = reinterpret_cast<EmuEvent*>(e);
+  return emu::issue(s, [ev]() { ev->t = std::chrono::steady_clock::now(); });
+}
+cudaError_t cudaEventRecordWithFlags(cudaEvent_t e, cudaStream_t s, unsigned int) { return cudaEventRecord(e, s); }
+cudaError_t cudaEventSynchronize(cudaEvent_t) { return cudaSuccess; }
+cudaError_t cudaEventQuery(cudaEvent_t) { return cudaSuccess; }
+cudaError_t cudaEventElapsedTime(float* ms, cudaEvent_t a, cudaEvent_t b) {
+  *ms = std::chrono::duration<float, std::milli>(reinterpret_cast<EmuEvent*>(b)->t - reinterpret_cast<EmuEvent*>(a)->t)
+            .count();
+  return cudaSuccess;
+}
+
+}  // extern "C"
