@@ -1229,13 +1229,14 @@ def test_mla_attention_dense(dev, case):
                       case[0], scale, out=out.view)  # no sel_len: every causal key
     got = out.result()
     check("mla_attention", got, ref)
-    # sel given but sel_len undefined: still dense; sel_len all -1: dense too
+    # sel given but sel_len undefined: still dense; sel_len all -1: dense too (on `dev`:
+    # bitwise the same as `got`)
     T = len(seq)
-    junk = i32(np.zeros((T, 3)))
-    got2 = np.from_dlpack(ops.mla_attention(q_lat, q_pe, cache, seq, pos, bt, case[0], scale, sel=junk))
+    junk = to_dev(i32(np.zeros((T, 3))), dev)
+    args = mla_args(dev, q_lat, q_pe, cache, seq, pos, bt)
+    got2 = to_np(ops.mla_attention(*args, case[0], scale, sel=junk))
     np.testing.assert_array_equal(got2, got)
-    got3 = np.from_dlpack(ops.mla_attention(q_lat, q_pe, cache, seq, pos, bt, case[0], scale, sel=junk,
-                                            sel_len=i32(np.full(T, -1))))
+    got3 = to_np(ops.mla_attention(*args, case[0], scale, sel=junk, sel_len=to_dev(i32(np.full(T, -1)), dev)))
     np.testing.assert_array_equal(got3, got)
 
 
@@ -1458,7 +1459,16 @@ def test_block_attention_tensor_cores(dev, causal, case):
 def _bf16_tensor(a, dev):
     """A torch BF16 tensor of float32 array `a` on `dev` (the ops take it through DLPack)."""
     t = torch.from_numpy(np.ascontiguousarray(a)).bfloat16()
-    return t if dev == "cpu" else t.cuda()
+    return t if dev == "cpu" else dflash2_rt.from_dlpack(t).to(dev)
+
+
+def _bf16_host(t):
+    """A torch CPU tensor of _bf16_tensor's result (a torch tensor or a device tensor)."""
+    return t.clone() if isinstance(t, torch.Tensor) else torch.from_dlpack(t.to("cpu")).clone()
+
+
+def _bf16_cols(t, a, b):
+    return t[:, a:b] if isinstance(t, torch.Tensor) else t.slice(1, a, b)
 
 
 @pytest.mark.parametrize("dev", DEVICES)
@@ -1477,7 +1487,7 @@ def test_cache_write_bf16(dev):
         init = rng.standard_normal((9, d)).astype(np.float32)
         cache = _bf16_tensor(init, dev)
         ops.cache_write(to_dev(src, dev), to_dev(slots, dev), cache)
-        got = cache.cpu()
+        got = _bf16_host(cache)
         want = torch.from_numpy(init).bfloat16()
         for t, sl in enumerate(slots):
             if sl >= 0:
@@ -1488,13 +1498,13 @@ def test_cache_write_bf16(dev):
     # into a column slice of a wider cache (the drafter writes K and V halves of [k | v] rows)
     src = rng.standard_normal((4, 16)).astype(np.float32)
     wide = _bf16_tensor(rng.standard_normal((6, 40)).astype(np.float32), dev)
-    before = wide.cpu().clone()
-    ops.cache_write(to_dev(src, dev), to_dev(i32([2, -1, 5, 0]), dev), wide[:, 16:32])
+    before = _bf16_host(wide)
+    ops.cache_write(to_dev(src, dev), to_dev(i32([2, -1, 5, 0]), dev), _bf16_cols(wide, 16, 32))
     want = before.clone()
     for t, sl in enumerate([2, -1, 5, 0]):
         if sl >= 0:
             want[sl, 16:32] = torch.from_numpy(src[t]).bfloat16()
-    assert torch.equal(wide.cpu().view(torch.int16), want.view(torch.int16)), "column slice"
+    assert torch.equal(_bf16_host(wide).view(torch.int16), want.view(torch.int16)), "column slice"
 
 
 @pytest.mark.parametrize("dev", DEVICES)
@@ -1513,7 +1523,7 @@ def test_block_attention_bf16_cache(dev, tensor_cores, case):
     ctx = [700, 0, 33]
     q, k, v, kv_cache, bt, ctx_len, scale = block_attn_inputs(rng, ctx, nh, kvh, hd, B, cbs)
     kv16 = _bf16_tensor(kv_cache, dev)
-    kv_ref = kv16.float().cpu().numpy()
+    kv_ref = _bf16_host(kv16).float().numpy()
     tc = tensor_cores and dev == "cuda" and hd in (16, 32, 64, 128)
     for causal, window in [(False, 0), (True, B - 1), (False, 600)]:
         ref = refs.block_attention(q, k, v, kv_ref, ctx_len, bt, B, window, causal, scale, cbs)
@@ -1906,7 +1916,10 @@ def test_selector_walk_greedy(dev, case, book_dtype):
         lambda a: selector_inputs(rng, case, book_dtype), lambda a: refs.selector_walk(*a, 0.0, None))
     tokens = Guarded((S, P), dev, np.int32)
     q = Guarded((S, P, K), dev)  # not written when greedy
-    ops.selector_walk(*[to_dev(a, dev) for a in inputs], temperature=0.0, tokens=tokens.view, q=q.view)
+    # On a device the op cannot read the temperatures, so q comes with an rng (q alone is refused)
+    rng_state = None if dev == "cpu" else to_dev(np.zeros((S, 2), np.int64), dev)
+    ops.selector_walk(*[to_dev(a, dev) for a in inputs], temperature=0.0, rng=rng_state, tokens=tokens.view,
+                      q=q.view)
     np.testing.assert_array_equal(tokens.result(), rtok)
     assert (q.result() == SENTINEL).all(), "greedy walk wrote q"
     t2, q2 = ops.selector_walk(*[to_dev(a, dev) for a in inputs], temperature=0)

@@ -11,7 +11,9 @@
 #define EMU_RUNTIME_IMPL 1
 #include "cuda_emu.h"
 
+#if !defined(__x86_64__)
 #include <ucontext.h>
+#endif
 
 #include <algorithm>
 #include <atomic>
@@ -44,6 +46,73 @@ std::recursive_mutex& kernel_lock() {
   return m;
 }
 
+// ------------------------------------------------------------------ fibers
+// x86-64: a minimal switch (callee-saved registers, MXCSR and the x87 control word on the
+// fiber's own stack; no signal-mask system call as swapcontext makes), elsewhere ucontext.
+#if defined(__x86_64__)
+extern "C" void emu_fiber_switch(void** save_sp, void* load_sp);
+asm(R"(
+.text
+.globl emu_fiber_switch
+.type emu_fiber_switch,@function
+emu_fiber_switch:
+  pushq %rbp
+  pushq %rbx
+  pushq %r12
+  pushq %r13
+  pushq %r14
+  pushq %r15
+  subq $8, %rsp
+  stmxcsr (%rsp)
+  fnstcw 4(%rsp)
+  movq %rsp, (%rdi)
+  movq %rsi, %rsp
+  ldmxcsr (%rsp)
+  fldcw 4(%rsp)
+  addq $8, %rsp
+  popq %r15
+  popq %r14
+  popq %r13
+  popq %r12
+  popq %rbx
+  popq %rbp
+  ret
+.size emu_fiber_switch,.-emu_fiber_switch
+.section .note.GNU-stack,"",@progbits
+.text
+)");
+struct Context {
+  void* sp = nullptr;
+};
+// A context that starts entry() on the stack [base, base + size).
+inline void make_context(Context& c, char* base, size_t size, void (*entry)()) {
+  uintptr_t top = (reinterpret_cast<uintptr_t>(base) + size) & ~uintptr_t(15);
+  auto* p = reinterpret_cast<uint64_t*>(top);
+  *--p = 0;                                   // entry's return address (never used); entry sees rsp % 16 == 8
+  *--p = reinterpret_cast<uint64_t>(entry);   // emu_fiber_switch's ret
+  for (int i = 0; i < 6; ++i) *--p = 0;       // rbp rbx r12 r13 r14 r15
+  uint32_t mxcsr;
+  uint16_t fpucw;
+  asm volatile("stmxcsr %0" : "=m"(mxcsr));
+  asm volatile("fnstcw %0" : "=m"(fpucw));
+  *--p = uint64_t(mxcsr) | (uint64_t(fpucw) << 32);
+  c.sp = p;
+}
+inline void switch_context(Context& from, Context& to) { emu_fiber_switch(&from.sp, to.sp); }
+#else
+struct Context {
+  ucontext_t uc;
+};
+inline void make_context(Context& c, char* base, size_t size, void (*entry)()) {
+  getcontext(&c.uc);
+  c.uc.uc_stack.ss_sp = base;
+  c.uc.uc_stack.ss_size = size;
+  c.uc.uc_link = nullptr;
+  makecontext(&c.uc, entry, 0);
+}
+inline void switch_context(Context& from, Context& to) { swapcontext(&from.uc, &to.uc); }
+#endif
+
 enum class St { Run, Bar, Warp, Done };
 struct Copy {
   void* dst;
@@ -51,7 +120,7 @@ struct Copy {
   bool valid;
 };
 struct Fiber {
-  ucontext_t ctx;
+  Context ctx;
   ThreadCtx t;
   St st = St::Done;
   int bar_pred = 0, bar_kind = 1, bar_out = 0;
@@ -62,7 +131,7 @@ struct Fiber {
 
 struct BlockRun {
   std::vector<Fiber> f;
-  ucontext_t sched;
+  Context sched;
   Fiber* cur = nullptr;
   void (*thunk)(void*) = nullptr;
   void* payload = nullptr;
@@ -73,15 +142,17 @@ BlockRun* g_run = nullptr;
 void fiber_main() {
   BlockRun* r = g_run;
   r->thunk(r->payload);
-  r->cur->st = St::Done;
-  // uc_link returns to the scheduler
+  Fiber* me = r->cur;
+  me->st = St::Done;
+  switch_context(me->ctx, r->sched);  // never resumed
+  std::abort();
 }
 
 void suspend(St st) {
   BlockRun* r = g_run;
   Fiber* me = r->cur;
   me->st = st;
-  swapcontext(&me->ctx, &r->sched);
+  switch_context(me->ctx, r->sched);
 }
 
 bool reverse_order() {
@@ -241,11 +312,7 @@ bool run_block(BlockRun& r, int n) {
     const unsigned bx = g_block_dim.x, by = g_block_dim.y;
     f.t.tid = make_uint3(unsigned(i) % bx, unsigned(i) / bx % by, unsigned(i) / (bx * by));
     if (!f.stack) f.stack.reset(new char[kStack]);
-    getcontext(&f.ctx);
-    f.ctx.uc_stack.ss_sp = f.stack.get();
-    f.ctx.uc_stack.ss_size = kStack;
-    f.ctx.uc_link = &r.sched;
-    makecontext(&f.ctx, fiber_main, 0);
+    make_context(f.ctx, f.stack.get(), kStack, fiber_main);
   }
   const bool rev = reverse_order();
   for (;;) {
@@ -255,7 +322,7 @@ bool run_block(BlockRun& r, int n) {
       if (f.st != St::Run) continue;
       r.cur = &f;
       g_thread = &f.t;
-      swapcontext(&r.sched, &f.ctx);
+      switch_context(r.sched, f.ctx);
       if (!r.error.empty()) return false;
     }
     int live = 0, at_bar = 0;
