@@ -7,18 +7,53 @@ cd "$(dirname "$0")/.."
 jobs=${DFLASH2_JOBS:-2}
 cuda=${DFLASH2_CUDA:-AUTO}
 
-# Without a GPU the C++ tests cannot run the CUTLASS GEMMs, and `pip install .` has just
-# compiled them (the heaviest translation units: minutes each): the ctest build leaves them
-# out (test_cutlass_layout still checks their scale layouts, from CUTLASS's headers).
-cutlass_kernels=ON
-if ! nvidia-smi -L >/dev/null 2>&1; then cutlass_kernels=OFF; fi
-cutlass_kernels=${DFLASH2_CUTLASS_KERNELS:-$cutlass_kernels}
+# With a GPU: the ctest build is a CUDA build (the CUTLASS GEMMs included). Without one, and
+# with the CUDA toolkit's headers present, it is the CPU emulation of the CUDA backend
+# (cpp/emu, DFLASH2_CUDA_EMULATE): `pip install .` has already compiled every .cu file with
+# nvcc, and the emulated build runs the same kernels' code on the CPU, so the CUDA tests
+# (C++ and, through the emulated Python module, the GPU cases of pytest) run here too.
+# DFLASH2_CUDA_EMULATE=ON / OFF overrides the choice.
+have_gpu=0
+if nvidia-smi -L >/dev/null 2>&1; then have_gpu=1; fi
+emulate=OFF
+if [ "$have_gpu" = 0 ] && [ "$cuda" != OFF ] && { command -v nvcc >/dev/null 2>&1 || [ -e /usr/local/cuda/include/cuda_runtime.h ]; }; then
+  emulate=ON
+fi
+emulate=${DFLASH2_CUDA_EMULATE:-$emulate}
 
-cmake -S . -B build/ctest -G Ninja -DDFLASH2_CUDA="$cuda" -DDFLASH2_BUILD_TESTS=ON -DDFLASH2_BUILD_PYTHON=OFF \
-  -DDFLASH2_CUTLASS_KERNELS="$cutlass_kernels" > build-ctest-configure.log 2>&1 \
-  || { cat build-ctest-configure.log; exit 1; }
-cmake --build build/ctest -j "$jobs"
-ctest --test-dir build/ctest --output-on-failure
+if [ "$emulate" = ON ]; then
+  tree=build/ctest-emu
+  cmake -S . -B "$tree" -G Ninja -DDFLASH2_CUDA=OFF -DDFLASH2_CUDA_EMULATE=ON -DDFLASH2_BUILD_TESTS=ON \
+    -DDFLASH2_BUILD_BENCH=OFF -DDFLASH2_BUILD_PYTHON=ON -Dpybind11_DIR="$(python -m pybind11 --cmakedir)" \
+    > build-ctest-configure.log 2>&1 || { cat build-ctest-configure.log; exit 1; }
+else
+  # Without a GPU the C++ tests cannot run the CUTLASS GEMMs, and `pip install .` has just
+  # compiled them (the heaviest translation units: minutes each): the ctest build leaves them
+  # out (test_cutlass_layout still checks their scale layouts, from CUTLASS's headers).
+  cutlass_kernels=ON
+  if [ "$have_gpu" = 0 ]; then cutlass_kernels=OFF; fi
+  cutlass_kernels=${DFLASH2_CUTLASS_KERNELS:-$cutlass_kernels}
+  tree=build/ctest
+  cmake -S . -B "$tree" -G Ninja -DDFLASH2_CUDA="$cuda" -DDFLASH2_BUILD_TESTS=ON -DDFLASH2_BUILD_PYTHON=OFF \
+    -DDFLASH2_CUTLASS_KERNELS="$cutlass_kernels" > build-ctest-configure.log 2>&1 \
+    || { cat build-ctest-configure.log; exit 1; }
+fi
+cmake --build "$tree" -j "$jobs"
+ctest --test-dir "$tree" --output-on-failure
 
 # pytest exits 5 when it collects no test: that fails here too (set -e).
 python -m pytest -q -ra tests
+
+if [ "$emulate" = ON ]; then
+  # The GPU cases of pytest against the emulated module (tests/conftest.py puts python/ first
+  # when DFLASH2_RT_CORE_DIR is set). Every op's CUDA rows; the end-to-end engine cases that
+  # fit the emulator's speed (see README, "Tests": the CPU emulation of the CUDA backend).
+  DFLASH2_RT_CORE_DIR="$PWD/$tree" python -m pytest -q -ra -p no:cacheprovider \
+    tests/test_ops.py tests/test_sampling.py tests/test_quantize.py tests/test_tensor.py -k cuda
+  # (the graph, MTP, real-dimension and sampling-distribution cases take 5-30 minutes each
+  # in the emulator: run them by hand with DFLASH2_EMU_ENGINE_TESTS="...", a pytest -k expression)
+  engine_cases="test_logits_equal_cpu or nvfp4-experts or greedy_and_batch or seeded_sampling_equal or dflash2_pair"
+  engine_cases="$engine_cases or bad_devices or stop_tokens or decode_gemm_on_cuda or dflash_paths"
+  DFLASH2_RT_CORE_DIR="$PWD/$tree" python -m pytest -q -ra -p no:cacheprovider tests/test_cuda_engine.py \
+    -k "${DFLASH2_EMU_ENGINE_TESTS:-$engine_cases}"
+fi

@@ -166,8 +166,9 @@ def test_bad_devices(zoo):
     with pytest.raises(dflash2_rt.InvalidArgumentError, match="visible"):
         dflash2_rt.Engine(target=path, method="ar", device="cuda:64", **KW)
     with pytest.raises(dflash2_rt.OutOfMemoryError, match="free"):
-        # a KV pool far beyond any GPU's memory: refused before anything is allocated
-        dflash2_rt.Engine(target=path, method="ar", device="cuda", max_batch_size=4096, max_seq_len=1024,
+        # a KV pool far beyond any GPU's memory (1120 GiB; 4096 sequences were only 4.4 GiB):
+        # refused before anything is allocated
+        dflash2_rt.Engine(target=path, method="ar", device="cuda", max_batch_size=1 << 20, max_seq_len=1024,
                           max_step_tokens=64)
 
 

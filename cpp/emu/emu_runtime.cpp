@@ -126,8 +126,15 @@ struct Fiber {
   int bar_pred = 0, bar_kind = 1, bar_out = 0;
   WarpArgs* warp = nullptr;
   std::vector<Copy> copies;
-  std::unique_ptr<char[]> stack;
+  char* stack = nullptr;
 };
+
+// Fiber stacks, kept for the next launches (under the kernel lock).
+char* stack_for(size_t i) {
+  static std::vector<std::unique_ptr<char[]>> pool;
+  while (pool.size() <= i) pool.emplace_back(new char[kStack]);
+  return pool[i].get();
+}
 
 struct BlockRun {
   std::vector<Fiber> f;
@@ -311,8 +318,8 @@ bool run_block(BlockRun& r, int n) {
     f.warp = nullptr;
     const unsigned bx = g_block_dim.x, by = g_block_dim.y;
     f.t.tid = make_uint3(unsigned(i) % bx, unsigned(i) / bx % by, unsigned(i) / (bx * by));
-    if (!f.stack) f.stack.reset(new char[kStack]);
-    make_context(f.ctx, f.stack.get(), kStack, fiber_main);
+    if (!f.stack) f.stack = stack_for(size_t(i));
+    make_context(f.ctx, f.stack, kStack, fiber_main);
   }
   const bool rev = reverse_order();
   for (;;) {
