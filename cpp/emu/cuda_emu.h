@@ -60,7 +60,6 @@ struct WarpArgs {
   uint64_t out[4];
 };
 void warp_collective(WarpArgs& a);
-int lane_id();
 
 // Shared memory as 32-bit addresses (__cvta_generic_to_shared): offsets from one anchor in
 // the emulator's static storage, where all __shared__ arrays and the dynamic buffer live.
@@ -108,7 +107,6 @@ struct LaunchCfg {
   size_t smem;
   cudaStream_t stream;
   const void* func;
-  const char* name;
 };
 // Runs body(block index) for each block; body runs the block's fibers through run_block.
 void launch(const LaunchCfg& cfg, void (*thunk)(void*), void* payload, void* (*clone)(void*), void (*drop)(void*));
@@ -133,8 +131,7 @@ void launch_kernel(const LaunchCfg& cfg, void (*fn)(P...), A&&... a) {
 
 struct Launcher {
   LaunchCfg cfg;
-  Launcher(dim3 g, dim3 b, size_t smem = 0, cudaStream_t s = nullptr, const char* name = "")
-      : cfg{g, b, smem, s, nullptr, name} {}
+  Launcher(dim3 g, dim3 b, size_t smem = 0, cudaStream_t s = nullptr) : cfg{g, b, smem, s, nullptr} {}
   template <class F, class... A>
   void run(F* fn, A&&... a) {
     launch_kernel(cfg, fn, std::forward<A>(a)...);

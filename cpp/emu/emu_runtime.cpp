@@ -431,11 +431,6 @@ void warp_collective(WarpArgs& a) {
   me->warp = nullptr;
 }
 
-int lane_id() {
-  BlockRun* r = g_run;
-  return int((r->cur - r->f.data()) % 32);
-}
-
 uint32_t smem_addr(const void* p) {
   return uint32_t(reinterpret_cast<uintptr_t>(p) - reinterpret_cast<uintptr_t>(g_smem_buf));
 }
