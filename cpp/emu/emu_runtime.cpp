@@ -10,6 +10,7 @@
 // one block at a time), so `__shared__` arrays can be plain statics.
 #define EMU_RUNTIME_IMPL 1
 #include "cuda_emu.h"
+#include "emu_host.h"
 
 #if !defined(__x86_64__)
 #include <ucontext.h>
@@ -589,6 +590,8 @@ void launch(const LaunchCfg& cfg, void (*thunk)(void*), void* payload, void* (*c
   std::shared_ptr<void> hold(owned, drop);
   issue(cfg.stream, [run, hold]() { run(); });
 }
+
+cudaError_t enqueue_host(cudaStream_t s, std::function<void()> op) { return issue(s, std::move(op)); }
 
 }  // namespace emu
 
