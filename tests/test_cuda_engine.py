@@ -330,22 +330,57 @@ def test_nvfp4_experts_prefill_on_cuda(zoo):
     _quantized_prefill_on_cuda(zoo, ("nvfp4", "experts"), mode, 897, mode)
 
 
-def test_tensor_parallel_on_gpus(zoo):
-    """TP=2 over NCCL (one rank per GPU) against the CPU engine: needs 2 GPUs (the project's
-    lent machine has one, so this has never run)."""
+def _tp_engine_or_skip(zoo, tp, **kw):
     try:
-        gpu = zoo.engine("tiny", "cuda", tensor_parallel=2)
+        return zoo.engine("tiny", "cuda", tensor_parallel=tp, **kw)
     except dflash2_rt.InvalidArgumentError as e:
         assert "visible" in str(e)
-        pytest.skip(f"needs 2 GPUs: {e}")
+        pytest.skip(f"needs {tp} GPUs: {e}")
+
+
+@pytest.mark.parametrize("tp", [2, 4])
+def test_tensor_parallel_on_gpus(zoo, tp):
+    """TP=2 / 4 over NCCL (one rank per GPU, one host thread per rank) against the CPU
+    engine: logits and greedy tokens. Needs tp GPUs: the project's lent machine has one, so
+    on hardware this has never run; the CPU emulator of the CUDA backend runs it over
+    EMU_DEVICES emulated GPUs and its in-process NCCL (cpp/emu/nccl_emu.cpp)."""
+    gpu = _tp_engine_or_skip(zoo, tp)
     cpu = zoo.engine("tiny", "cpu")
     for n in (1, 9, 40):
         ids = gf.prompt(860 + n, n)
-        close(gpu.logits(ids), cpu.logits(ids), f"TP=2 on GPUs n={n}")
-    p = gf.prompt(870, 7)
-    (want,) = cpu.generate([p], max_new_tokens=10, stop_token_ids=NO_STOP)
-    (got,) = gpu.generate([p], max_new_tokens=10, stop_token_ids=NO_STOP)
-    same_tokens(cpu, p, got.token_ids, want.token_ids, "TP=2 on GPUs greedy")
+        close(gpu.logits(ids), cpu.logits(ids), f"TP={tp} on GPUs n={n}")
+    prompts = [gf.prompt(870, 7), gf.prompt(871, 12)]
+    want = cpu.generate(prompts, max_new_tokens=10, stop_token_ids=NO_STOP)
+    got = gpu.generate(prompts, max_new_tokens=10, stop_token_ids=NO_STOP)
+    for i, (g, w) in enumerate(zip(got, want)):
+        same_tokens(cpu, prompts[i], g.token_ids, w.token_ids, f"TP={tp} on GPUs greedy, prompt {i}")
+
+
+def test_speculative_tensor_parallel_on_gpus(zoo, tmp_path):
+    """Speculation over a target sharded across 2 GPUs: greedy MTP equals AR on the same
+    GPUs token for token; seeded MTP sampling equals the CPU's seeded MTP (the uniforms
+    come from (seed, request, position) only; the logits differ by rounding, which moves a
+    draw only if a uniform lands within ~1e-7 of a bucket edge); the DFlash 2 pair (drafter
+    replicated, reading the gathered target features) gives its exact expected output."""
+    ar = _tp_engine_or_skip(zoo, 2)
+    mtp = zoo.engine("tiny", "cuda", method="mtp", tensor_parallel=2)
+    prompts = [gf.prompt(880 + i, n) for i, n in enumerate((3, 11, 6))]
+    kw = dict(max_new_tokens=14, stop_token_ids=NO_STOP)
+    a = [list(r.token_ids) for r in ar.generate(prompts, **kw)]
+    b = [list(r.token_ids) for r in mtp.generate(prompts, **kw)]
+    assert a == b, "greedy mtp != ar at TP=2 on GPUs"
+    sk = dict(kw, temperature=1.0, top_p=0.95, seed=5)
+    a = [list(r.token_ids) for r in zoo.engine("tiny", "cpu", method="mtp").generate(prompts, **sk)]
+    b = [list(r.token_ids) for r in mtp.generate(prompts, **sk)]
+    assert a == b, "seeded mtp sampling at TP=2 on GPUs != the CPU's"
+    pair = F.make_self_drafting_pair(tmp_path)
+    eng = dflash2_rt.Engine(target=pair.target_dir, draft=pair.draft_dir, method="dflash2", device="cuda",
+                            tensor_parallel=2, **KW)
+    prompts = [[int(x)] * 3 for x in (5, 40)]
+    for pr, r in zip(prompts, eng.generate(prompts, max_new_tokens=25, stop_token_ids=NO_STOP)):
+        exp = pair.expected_greedy(pr, 25)
+        assert list(r.token_ids) == exp["tokens"]
+        assert r.stats["verify_steps"] == exp["steps"]
 
 
 def test_dflash_paths_on_cuda(tmp_path):

@@ -107,6 +107,7 @@ struct LaunchCfg {
   size_t smem;
   cudaStream_t stream;
   const void* func;
+  const char* name;  // the kernel as the launch spells it (EMU_PROFILE, failure messages)
 };
 // Runs body(block index) for each block; body runs the block's fibers through run_block.
 void launch(const LaunchCfg& cfg, void (*thunk)(void*), void* payload, void* (*clone)(void*), void (*drop)(void*));
@@ -131,7 +132,11 @@ void launch_kernel(const LaunchCfg& cfg, void (*fn)(P...), A&&... a) {
 
 struct Launcher {
   LaunchCfg cfg;
-  Launcher(dim3 g, dim3 b, size_t smem = 0, cudaStream_t s = nullptr) : cfg{g, b, smem, s, nullptr} {}
+  Launcher(dim3 g, dim3 b, size_t smem = 0, cudaStream_t s = nullptr) : cfg{g, b, smem, s, nullptr, "?"} {}
+  Launcher& named(const char* n) {
+    cfg.name = n;
+    return *this;
+  }
   template <class F, class... A>
   void run(F* fn, A&&... a) {
     launch_kernel(cfg, fn, std::forward<A>(a)...);

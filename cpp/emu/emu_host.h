@@ -11,4 +11,7 @@ namespace emu {
 // (what a kernel launch does in the emulator). Returns cudaSuccess.
 cudaError_t enqueue_host(cudaStream_t s, std::function<void()> op);
 
+// Whether [p, p + bytes) lies inside one cudaMalloc'ed allocation; its device in *device.
+bool device_range(const void* p, size_t bytes, int* device);
+
 }  // namespace emu

@@ -523,6 +523,55 @@ cudaError_t set_error(cudaError_t e) {
   if (e != cudaSuccess) tl_error = e;
   return e;
 }
+// EMU_PROFILE=1: each kernel's launches, blocks, threads and wall time, printed (slowest
+// first) to stderr at exit: where the emulator spends its time.
+struct KernelStats {
+  uint64_t launches = 0, blocks = 0, threads = 0;
+  double seconds = 0;
+};
+bool profiling() {
+  static const bool on = [] {
+    const char* e = std::getenv("EMU_PROFILE");
+    return e && *e && *e != '0';
+  }();
+  return on;
+}
+std::map<std::string, KernelStats>& kernel_stats() {
+  static auto* m = new std::map<std::string, KernelStats>;  // never destroyed: read at exit
+  return *m;
+}
+void print_profile() {
+  std::vector<std::pair<std::string, KernelStats>> v(kernel_stats().begin(), kernel_stats().end());
+  std::sort(v.begin(), v.end(), [](const auto& a, const auto& b) { return a.second.seconds > b.second.seconds; });
+  double total = 0;
+  for (const auto& e : v) total += e.second.seconds;
+  std::fprintf(stderr, "emu: %.2f s in kernels; slowest first:\n", total);
+  for (size_t i = 0; i < v.size() && i < 25; ++i) {
+    const KernelStats& k = v[i].second;
+    std::fprintf(stderr, "emu: %8.3f s %7llu launches %9llu blocks %11llu threads  %.160s\n", k.seconds,
+                 (unsigned long long)k.launches, (unsigned long long)k.blocks, (unsigned long long)k.threads,
+                 v[i].first.c_str());
+  }
+}
+struct Profiled {
+  const LaunchCfg& c;
+  std::chrono::steady_clock::time_point t0;
+  explicit Profiled(const LaunchCfg& cfg) : c(cfg) {
+    if (profiling()) t0 = std::chrono::steady_clock::now();
+  }
+  ~Profiled() {
+    if (!profiling()) return;
+    static const bool registered = [] { return std::atexit(print_profile) == 0; }();
+    (void)registered;
+    KernelStats& k = kernel_stats()[c.name ? c.name : "?"];
+    const uint64_t blocks = uint64_t(c.grid.x) * c.grid.y * c.grid.z;
+    ++k.launches;
+    k.blocks += blocks;
+    k.threads += blocks * c.block.x * c.block.y * c.block.z;
+    k.seconds += std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
+  }
+};
+
 // Runs `op` now, or records it when `s` captures.
 cudaError_t issue(cudaStream_t s, std::function<void()> op) {
   StreamState* st = stream_of(s);
@@ -563,6 +612,7 @@ void launch(const LaunchCfg& cfg, void (*thunk)(void*), void* payload, void* (*c
   void* owned = clone(payload);
   auto run = [c, thunk, owned]() {
     std::lock_guard<std::recursive_mutex> g(kernel_lock());
+    Profiled prof(c);
     BlockRun r;
     const int n = int(uint64_t(c.block.x) * c.block.y * c.block.z);
     r.f.resize(size_t(n));
@@ -579,7 +629,8 @@ void launch(const LaunchCfg& cfg, void (*thunk)(void*), void* payload, void* (*c
           g_block_idx = make_uint3(x, y, z);
           std::memset(g_smem_buf, 0xff, c.smem);  // uninitialized shared memory reads as NaN
           if (!run_block(r, n)) {
-            std::fprintf(stderr, "emu: kernel failed in block (%u, %u, %u): %s\n", x, y, z, r.error.c_str());
+            std::fprintf(stderr, "emu: kernel %s failed in block (%u, %u, %u): %s\n", c.name ? c.name : "?", x, y, z,
+                         r.error.c_str());
             set_error(cudaErrorLaunchFailure);
             g_run = prev;
             return;
@@ -592,6 +643,18 @@ void launch(const LaunchCfg& cfg, void (*thunk)(void*), void* payload, void* (*c
 }
 
 cudaError_t enqueue_host(cudaStream_t s, std::function<void()> op) { return issue(s, std::move(op)); }
+
+bool device_range(const void* p, size_t bytes, int* device) {
+  std::lock_guard<std::mutex> g(host_lock());
+  auto it = allocs().upper_bound(const_cast<void*>(p));
+  if (it == allocs().begin()) return false;
+  --it;
+  const auto* base = static_cast<const unsigned char*>(it->first);
+  const auto* q = static_cast<const unsigned char*>(p);
+  if (q < base || q + bytes > base + it->second.bytes) return false;
+  *device = it->second.device;
+  return true;
+}
 
 }  // namespace emu
 

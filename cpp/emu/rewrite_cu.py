@@ -9,6 +9,7 @@
   shared memory.
 A `#line` directive keeps compiler messages and __FILE__ pointing at the original file.
 """
+import json
 import re
 import sys
 
@@ -69,7 +70,8 @@ def rewrite(src: str) -> str:
         q = _matching(src, p, "(", ")")
         args = src[p + 1:q]
         old = src[start:q + 1]
-        call = f"::emu::Launcher({cfg}).run({kernel}{', ' + args if args.strip() else ''})"
+        name = json.dumps(" ".join(kernel.split()))
+        call = f"::emu::Launcher({cfg}).named({name}).run({kernel}{', ' + args if args.strip() else ''})"
         call = call.replace("\n", " ") + "\n" * old.count("\n")
         out.append(src[pos:start])
         out.append(call)

@@ -6,6 +6,7 @@
 // reason is clear and make_nccl_group raises it instead of failing later.
 //
 // Status: compiled in CI; never run on a GPU yet.
+#include <cstdlib>
 #include <string>
 #include <thread>
 #include <vector>
@@ -157,6 +158,52 @@ TEST(collectives_on_gpus) {
   CHECK_THROWS(g[0]->all_reduce_sum(x), "was aborted");
   CHECK_THROWS(g[0]->reset(), "cannot be reset");
 }
+
+#if defined(DFLASH2_CUDA_EMULATED)
+// The emulator's NCCL (cpp/emu/nccl_emu.cpp) reports what real NCCL would hang or corrupt
+// memory on, through the asynchronous error the communicator checks on its next call.
+TEST(emulated_nccl_reports_misuse) {
+  if (cuda::device_count() < 2) {
+    std::printf("  skipped: needs EMU_DEVICES >= 2\n");
+    return;
+  }
+  // ranks meeting in different collectives
+  {
+    auto g = comm::make_nccl_group({0, 1});
+    std::vector<std::string> errors(2);
+    std::vector<std::thread> ts;
+    for (int r = 0; r < 2; ++r)
+      ts.emplace_back([&, r] {
+        try {
+          cudaSetDevice(r);
+          Tensor x = Tensor::zeros(DType::F32, {8}, Device::cuda(r));
+          if (r == 0)
+            g[0]->all_reduce_sum(x);
+          else
+            g[1]->broadcast(x, 0);
+          g[size_t(r)]->barrier();
+        } catch (const Error& e) {
+          errors[size_t(r)] = e.what();
+        }
+      });
+    for (auto& t : ts) t.join();
+    for (int r = 0; r < 2; ++r) {
+      std::printf("  rank %d: %s\n", r, errors[size_t(r)].c_str());
+      CHECK(errors[size_t(r)].find("asynchronous error") != std::string::npos);
+    }
+  }
+  // a rank that never reaches the collective: reported after EMU_NCCL_TIMEOUT seconds
+  {
+    setenv("EMU_NCCL_TIMEOUT", "1", 1);
+    auto g = comm::make_nccl_group({0, 1});
+    cudaSetDevice(0);
+    Tensor x = Tensor::zeros(DType::F32, {8}, Device::cuda(0));
+    g[0]->all_reduce_sum(x);  // rank 1 never calls
+    CHECK_THROWS(g[0]->all_reduce_sum(x), "asynchronous error");
+    unsetenv("EMU_NCCL_TIMEOUT");
+  }
+}
+#endif
 #endif
 
 TEST_MAIN()

@@ -25,6 +25,9 @@
 #include <mutex>
 
 #include "backend/cuda/cuda_api.h"
+#if defined(DFLASH2_CUDA_EMULATED)
+#include "cpp/emu/nccl_emu.h"
+#endif
 
 namespace dflash2::comm {
 namespace {
@@ -52,6 +55,22 @@ const Nccl& nccl() {
   static Nccl n;
   static std::once_flag once;
   std::call_once(once, [] {
+#if defined(DFLASH2_CUDA_EMULATED)
+    // the CPU emulator's build: its in-process NCCL over the emulated devices (cpp/emu)
+    n.GetVersion = &emu::nccl::GetVersion;
+    n.GetErrorString = &emu::nccl::GetErrorString;
+    n.CommInitAll = &emu::nccl::CommInitAll;
+    n.CommDestroy = &emu::nccl::CommDestroy;
+    n.CommAbort = &emu::nccl::CommAbort;
+    n.CommGetAsyncError = &emu::nccl::CommGetAsyncError;
+    n.AllReduce = &emu::nccl::AllReduce;
+    n.AllGather = &emu::nccl::AllGather;
+    n.ReduceScatter = &emu::nccl::ReduceScatter;
+    n.Broadcast = &emu::nccl::Broadcast;
+    n.handle = &n;  // not a library
+    n.path = "the CPU emulator (cpp/emu/nccl_emu.cpp)";
+    return;
+#endif
     std::vector<std::string> paths;
     if (const char* env = std::getenv("DFLASH2_NCCL_LIBRARY"); env && *env) paths.emplace_back(env);
 #ifdef DFLASH2_NCCL_LIBRARY_PATH
