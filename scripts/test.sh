@@ -48,7 +48,7 @@ if [ "$emulate" = ON ]; then
   # The GPU cases of pytest against the emulated module (tests/conftest.py puts python/ first
   # when DFLASH2_RT_CORE_DIR is set). Every op's CUDA rows; the end-to-end engine cases that
   # fit the emulator's speed (see README, "Tests": the CPU emulation of the CUDA backend).
-  # CI's 40 minutes leave room for about 8 minutes of emulation: left out here (run them by
+  # CI's 40 minutes leave room for about 12 minutes of emulation: left out here (run them by
   # hand, e.g. DFLASH2_EMU_OP_TESTS=cuda DFLASH2_EMU_ENGINE_TESTS="graphs or mtp"): the
   # block-attention long contexts (the multi-segment combine is also in the BF16-cache and
   # tensor-core cases), the GPU sampling-distribution tests (the GPU's draws equal the CPU's
@@ -58,8 +58,14 @@ if [ "$emulate" = ON ]; then
   DFLASH2_RT_CORE_DIR="$PWD/$tree" python -m pytest -q -ra -p no:cacheprovider \
     tests/test_ops.py tests/test_sampling.py tests/test_quantize.py tests/test_tensor.py \
     -k "${DFLASH2_EMU_OP_TESTS:-$op_cases}"
+  # The tensor-core GEMMs again as Blackwell (EMU_SM=100): the NVFP4 W4A4 paths and the FP8
+  # kernels' other scale layout (CUTLASS's kernels are host references in the emulator,
+  # cpp/emu/cutlass_ref.cpp; what runs is our code around them).
+  EMU_SM=100 DFLASH2_RT_CORE_DIR="$PWD/$tree" python -m pytest -q -ra -p no:cacheprovider tests/test_ops.py \
+    -k "cuda and (linear_bf16 or linear_fp8 or linear_nvfp4 or moe_experts)"
+  # 4 emulated GPUs, so tensor parallelism runs over the emulator's NCCL (cpp/emu/nccl_emu.cpp)
   engine_cases="test_logits_equal_cpu or nvfp4-experts or greedy_and_batch or seeded_sampling_equal or dflash2_pair"
-  engine_cases="$engine_cases or bad_devices or decode_gemm_on_cuda"
-  DFLASH2_RT_CORE_DIR="$PWD/$tree" python -m pytest -q -ra -p no:cacheprovider tests/test_cuda_engine.py \
-    -k "${DFLASH2_EMU_ENGINE_TESTS:-$engine_cases}"
+  engine_cases="$engine_cases or bad_devices or decode_gemm_on_cuda or tensor_parallel"
+  EMU_DEVICES=4 DFLASH2_RT_CORE_DIR="$PWD/$tree" python -m pytest -q -ra -p no:cacheprovider \
+    tests/test_cuda_engine.py -k "${DFLASH2_EMU_ENGINE_TESTS:-$engine_cases}"
 fi
