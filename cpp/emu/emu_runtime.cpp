@@ -3,7 +3,8 @@
 //
 // Devices: EMU_DEVICES (default 1) devices "Emulated GPU (sm_90)", compute capability 9.0
 // (EMU_SM=100 for 10.0), 132 SMs, 227 KiB of opt-in shared memory per block,
-// EMU_DEVICE_MEM bytes (default 8 GiB) of which cudaMalloc'ed bytes are used.
+// EMU_DEVICE_MEM bytes (default 8 GiB) of which cudaMalloc'ed bytes are used. EMU_PROFILE=1
+// prints the time per kernel at exit; EMU_ORDER=forward runs threads in ascending order.
 // Streams are in order by construction: every launch and copy completes before it returns,
 // except while a stream captures, when launches, copies and memsets are recorded into the
 // graph and run by cudaGraphLaunch. One process-wide lock serializes kernels (fibers of
@@ -141,26 +142,46 @@ struct BlockRun {
   std::vector<Fiber> f;
   Context sched;
   Fiber* cur = nullptr;
+  int pass_pos = 0;   // the running fiber's place in this pass's order
+  bool rev = true;    // the pass order: threads n-1 .. 0 (EMU_ORDER=forward: 0 .. n-1)
   void (*thunk)(void*) = nullptr;
   void* payload = nullptr;
   std::string error;
 };
 BlockRun* g_run = nullptr;
 
+// Leaves the running fiber (its state set): straight into the next fiber of this pass that
+// can run (one switch instead of two through the scheduler), or back to the scheduler when
+// the pass is over.
+void yield_from(Fiber* me) {
+  BlockRun* r = g_run;
+  const int n = int(r->f.size());
+  for (int k = r->pass_pos + 1; k < n; ++k) {
+    Fiber& f = r->f[size_t(r->rev ? n - 1 - k : k)];
+    if (f.st != St::Run) continue;
+    r->pass_pos = k;
+    r->cur = &f;
+    g_thread = &f.t;
+    switch_context(me->ctx, f.ctx);
+    return;
+  }
+  r->pass_pos = n;
+  switch_context(me->ctx, r->sched);
+}
+
 void fiber_main() {
   BlockRun* r = g_run;
   r->thunk(r->payload);
   Fiber* me = r->cur;
   me->st = St::Done;
-  switch_context(me->ctx, r->sched);  // never resumed
+  yield_from(me);  // never resumed
   std::abort();
 }
 
 void suspend(St st) {
-  BlockRun* r = g_run;
-  Fiber* me = r->cur;
+  Fiber* me = g_run->cur;
   me->st = st;
-  switch_context(me->ctx, r->sched);
+  yield_from(me);
 }
 
 bool reverse_order() {
@@ -188,6 +209,8 @@ void complete_warp(BlockRun& r, int base, unsigned lanes) {
   for (int i = 0; i < 32; ++i)
     if (L[i]) any = L[i]->warp;
   const WarpOp op = any->op;
+  float A[16][16], B[16][8];  // mma.sync's operands, gathered at the first lane
+  bool have_ab = false;
   for (int i = 0; i < 32; ++i) {
     if (!L[i]) continue;
     WarpArgs& a = *L[i]->warp;
@@ -255,8 +278,9 @@ void complete_warp(BlockRun& r, int base, unsigned lanes) {
         // mma.sync.m16n8k16.row.col.f32.bf16.bf16.f32, fragments per the PTX ISA (g = lane/4,
         // t = lane%4): A a0:(g, 2t..2t+1) a1:(g+8, 2t..) a2:(g, 2t+8..) a3:(g+8, 2t+8..);
         // B b0:(k 2t..2t+1, n g) b1:(k 2t+8.., n g); C c0,c1:(g, 2t..2t+1) c2,c3:(g+8, 2t..).
-        // Gather A (16x16) and B (16x8) from all 32 lanes.
-        float A[16][16], B[16][8];
+        // Gather A (16x16) and B (16x8) from all 32 lanes, once per collective.
+        if (!have_ab) {
+        have_ab = true;
         for (int l = 0; l < 32; ++l) {
           if (!L[l]) {
             r.error = "mma.sync: not all 32 lanes take part";
@@ -275,6 +299,7 @@ void complete_warp(BlockRun& r, int base, unsigned lanes) {
             B[2 * t + h][g] = bf16_to_float(b16_of(br, 0 + h));
             B[2 * t + 8 + h][g] = bf16_to_float(b16_of(br, 2 + h));
           }
+        }
         }
         const int g = i / 4, t = i % 4;
         const int rows[4] = {g, g, g + 8, g + 8}, cols[4] = {2 * t, 2 * t + 1, 2 * t, 2 * t + 1};
@@ -320,19 +345,24 @@ bool run_block(BlockRun& r, int n) {
     const unsigned bx = g_block_dim.x, by = g_block_dim.y;
     f.t.tid = make_uint3(unsigned(i) % bx, unsigned(i) / bx % by, unsigned(i) / (bx * by));
     if (!f.stack) f.stack = stack_for(size_t(i));
-    make_context(f.ctx, f.stack, kStack, fiber_main);
+    // each fiber's stack top at its own offset (0..255 cache lines down): the stacks are
+    // separate 256 KiB allocations, and tops at one offset mod 4 KiB would all fall in the
+    // same L1 set, every switch evicting the previous fibers' frames
+    make_context(f.ctx, f.stack, kStack - size_t(i * 37 % 256) * 64, fiber_main);
   }
-  const bool rev = reverse_order();
+  r.rev = reverse_order();
   for (;;) {
+    // one pass: the runnable fibers in order, each handing over to the next (yield_from)
     for (int k = 0; k < n; ++k) {
-      const int i = rev ? n - 1 - k : k;
-      Fiber& f = r.f[i];
+      Fiber& f = r.f[size_t(r.rev ? n - 1 - k : k)];
       if (f.st != St::Run) continue;
+      r.pass_pos = k;
       r.cur = &f;
       g_thread = &f.t;
       switch_context(r.sched, f.ctx);
-      if (!r.error.empty()) return false;
+      break;
     }
+    if (!r.error.empty()) return false;
     int live = 0, at_bar = 0;
     for (int i = 0; i < n; ++i) {
       if (r.f[i].st != St::Done) ++live;

@@ -25,8 +25,10 @@
 // share of K; the K loop walks 8-element chunks (one w_load8 per column: a 32 / 16 / 8 / 4
 // byte load per lane, consecutive lanes on consecutive chunks of the same weight row, so a
 // warp reads whole rows coalesced). KS = 1, 2 or 4 warps split one column group's K (KS
-// is chosen from K alone, larger for long rows so that each lane still has ~8+ chunks),
-// so a block covers 16 / KS columns and grid x covers N. Thread tk (0 <= tk < 32 * KS) of
+// is chosen from K, larger for long rows so that each lane still has ~8+ chunks, and raised
+// for a small N, whose 16 / KS-column blocks would leave most SMs idle, while each lane
+// keeps >= 4 chunks: N = 576, K = 6144 (kv_a) runs 144 blocks instead of 72), so a block
+// covers 16 / KS columns and grid x covers N. Thread tk (0 <= tk < 32 * KS) of
 // a column group takes chunks tk, tk + 32 KS, tk + 64 KS, ... and keeps fp32 accumulators
 // acc[RT][kNC] for a tile of RT activation rows: the 8 weights of a chunk are dequantized
 // once into registers and used for all RT rows (x rows are read from global through L1:
@@ -53,15 +55,17 @@
 // path), then the fixed butterfly over the 32 lanes (the same pairing tree for RT = 1 and
 // RT = 8: the transposing steps pair the same lanes as a plain butterfly, and fp32 addition
 // is commutative), then the KS warps in order, then y + s when accumulating. This is a
-// function of K only: not of M, the row tile, the row's position in the batch or N, so a
-// row computed inside a verify batch is bitwise equal to the same row decoded alone
-// (decode == verify), as on the CPU. Dequantization is weight_view.cuh's (bitwise the
+// function of K and N only (KS): not of M, the row tile or the row's position in the batch,
+// so a row computed inside a verify batch is bitwise equal to the same row decoded alone
+// (decode == verify), as on the CPU; linear_heads' heads take the KS of one head's (N, K),
+// so each head stays bitwise the dense linear of its slices. Dequantization is weight_view.cuh's (bitwise the
 // CPU's Weight::dequantize values).
 //
 // Performance notes (not measured yet): decode-shaped calls should run near HBM bandwidth
 // when N / (16 / KS) blocks fill the GPU (N >= ~4096 on an H200). Known weak spots, for
-// later: (1) small N (few blocks): a split-K over blocks with a fixed, K-only partition
-// (and a deterministic second pass) would add parallelism; (2) M >= ~16: x is re-read from
+// later: (1) small N (few blocks): KS = 4 gives N / 4 blocks at most; below that a split-K
+// over blocks with a fixed (N, K) partition (and a deterministic second pass, or a cluster
+// reduction in distributed shared memory) would add parallelism; (2) M >= ~16: x is re-read from
 // L2 by every block (x traffic ~ 4 M / (cols_per_block * weight bytes) times the weight
 // traffic) and FMA issue dominates for FP8 / NVFP4: stage an x tile in shared memory for
 // more columns per block, or hand over to the CUTLASS path; (3) NVFP4 / FP8 dequantize
@@ -93,12 +97,19 @@ constexpr int kThreads = 32 * kWarps;
 constexpr int kNC = 4;  // output columns per warp
 constexpr unsigned kFull = 0xffffffffu;
 
-// Warps splitting one column group's K: a function of K only (see Numerics).
-inline int k_split(int64_t K) {
+// Blocks that keep every SM of an H100 / H200 (132) busy twice over.
+constexpr int64_t kFillBlocks = 2 * 132;
+
+// Warps splitting one column group's K: a function of K and N only, never of M (see
+// Numerics). From K: each lane keeps ~8+ chunks; then, while N's blocks (16 / KS columns
+// each) would not fill the GPU, more warps share a column group as long as each lane keeps
+// >= 4 chunks.
+inline int k_split(int64_t K, int64_t N) {
   const int64_t chunks = K / 8;
-  if (chunks >= 4 * 32 * 8) return 4;  // K >= 8192
-  if (chunks >= 2 * 32 * 8) return 2;  // K >= 4096
-  return 1;
+  int ks = chunks >= 4 * 32 * 8 ? 4 : chunks >= 2 * 32 * 8 ? 2 : 1;  // K >= 8192 / 4096
+  auto blocks = [N](int k) { return (N + int64_t(kWarps / k) * kNC - 1) / (int64_t(kWarps / k) * kNC); };
+  while (ks < kWarps && blocks(ks) < kFillBlocks && chunks >= int64_t(2 * ks) * 32 * 4) ks *= 2;
+  return ks;
 }
 
 struct GemmArgs {
@@ -109,7 +120,7 @@ struct GemmArgs {
   float* y;
   int64_t ldy, y_head;
   int64_t M, G;          // rows (tokens), heads
-  int ks;                // k_split(K)
+  int ks;                // k_split(K, N)
   bool x_vec;            // x rows can be read as float4 at every 8-element chunk
   bool accumulate;
 };
@@ -294,7 +305,7 @@ void launch_fmt(const GemmArgs& a, bool wvec, dim3 grid) {
 // Fills the launch-shape fields of `a` (ks, x_vec), picks the instantiation and launches.
 void run(GemmArgs& a, int64_t N, const char* what) {
   const int64_t K = a.w.K;
-  a.ks = k_split(K);
+  a.ks = k_split(K, N);
   const int64_t cols_per_block = (kWarps / a.ks) * kNC;
   const int64_t bx = (N + cols_per_block - 1) / cols_per_block;
   DFLASH2_CHECK_ARG(bx <= int64_t(INT32_MAX), "cuda::", what, ": ", N, " output features are too many for one launch");
