@@ -46,15 +46,12 @@ python -m pytest -q -ra tests
 
 if [ "$emulate" = ON ]; then
   # The GPU cases of pytest against the emulated module (tests/conftest.py puts python/ first
-  # when DFLASH2_RT_CORE_DIR is set). Every op's CUDA rows; the end-to-end engine cases that
-  # fit the emulator's speed (see README, "Tests": the CPU emulation of the CUDA backend).
-  # CI's 40 minutes leave room for about 12 minutes of emulation: left out here (run them by
-  # hand, e.g. DFLASH2_EMU_OP_TESTS=cuda DFLASH2_EMU_ENGINE_TESTS="graphs or mtp"): the
-  # block-attention long contexts (the multi-segment combine is also in the BF16-cache and
-  # tensor-core cases), the GPU sampling-distribution tests (the GPU's draws equal the CPU's
-  # row for row in the cases kept), and the engine's graph, MTP, real-dimension, dflash-path,
-  # stop-token and sampling-distribution cases (1-30 minutes each in the emulator).
-  op_cases="cuda and not long_contexts and not exact_distribution and not keeps_the_target_distribution"
+  # when DFLASH2_RT_CORE_DIR is set): every op's CUDA rows, and the end-to-end engine cases
+  # that fit CI's 40 minutes (see README, "Tests": the CPU emulation of the CUDA backend).
+  # Left out (run them by hand, e.g. DFLASH2_EMU_ENGINE_TESTS="mtp or real_dimension"): the
+  # engine's MTP, real-dimension, prefill-numerics and sampling-distribution cases (2-30
+  # minutes each in the emulator).
+  op_cases="cuda"
   DFLASH2_RT_CORE_DIR="$PWD/$tree" python -m pytest -q -ra -p no:cacheprovider \
     tests/test_ops.py tests/test_sampling.py tests/test_quantize.py tests/test_tensor.py \
     -k "${DFLASH2_EMU_OP_TESTS:-$op_cases}"
@@ -65,7 +62,8 @@ if [ "$emulate" = ON ]; then
     -k "cuda and (linear_bf16 or linear_fp8 or linear_nvfp4 or moe_experts)"
   # 4 emulated GPUs, so tensor parallelism runs over the emulator's NCCL (cpp/emu/nccl_emu.cpp)
   engine_cases="test_logits_equal_cpu or nvfp4-experts or greedy_and_batch or seeded_sampling_equal or dflash2_pair"
-  engine_cases="$engine_cases or bad_devices or decode_gemm_on_cuda or tensor_parallel"
+  engine_cases="$engine_cases or bad_devices or decode_gemm_on_cuda or tensor_parallel or cuda_graphs_equal_eager"
+  engine_cases="$engine_cases or dflash_paths or stop_tokens"
   EMU_DEVICES=4 DFLASH2_RT_CORE_DIR="$PWD/$tree" python -m pytest -q -ra -p no:cacheprovider \
     tests/test_cuda_engine.py -k "${DFLASH2_EMU_ENGINE_TESTS:-$engine_cases}"
 fi

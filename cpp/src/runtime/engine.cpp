@@ -6,6 +6,7 @@
 
 #include <algorithm>
 #include <cmath>
+#include <cstring>
 #include <cstdio>
 #include <mutex>
 #include <unordered_map>
@@ -145,6 +146,21 @@ std::string tc_gemm_self_check(Device dev, ops::GemmNumerics g, std::string* exp
     // NVFP4: fp32 order only, as BF16
     const std::string why = compare(yd, want, g == ops::GemmNumerics::FP8 ? 1e-6 : 1e-8, "GEMM");
     if (!why.empty()) return why;
+    // decode sizes: an M = 1 and an M = 5 call give bitwise the same rows as the M = 130 one
+    // (a row must not depend on its batch: decode == verify, which lossless speculation and
+    // chunked prefill rely on)
+    {
+      const Tensor full = yd.to(Device::cpu());
+      const ops::Weight wd = wc.to(dev);
+      for (const int64_t m : {int64_t(1), int64_t(5)}) {
+        Tensor ys = Tensor::empty(DType::F32, {m, N}, dev);
+        ops::linear_as(g, x.slice(0, 0, m).to(dev), wd, ys);
+        const Tensor got = ys.to(Device::cpu());
+        if (std::memcmp(got.data(), full.data(), size_t(m * N) * sizeof(float)) != 0)
+          return "rows of an M = " + std::to_string(m) + " GEMM differ from the same rows of an M = " +
+                 std::to_string(M) + " one (not batch-invariant)";
+      }
+    }
     auto fp4w = [&](int64_t n_out, int64_t n_in, float input_scale = 0.0f) {  // n_in % 16 == 0
       Tensor packed = Tensor::empty(DType::U8, {n_out, n_in / 2}), sc = Tensor::empty(DType::F8_E4M3, {n_out, n_in / 16});
       uint8_t* pp = static_cast<uint8_t*>(packed.data());
