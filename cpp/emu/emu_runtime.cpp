@@ -280,26 +280,26 @@ void complete_warp(BlockRun& r, int base, unsigned lanes) {
         // B b0:(k 2t..2t+1, n g) b1:(k 2t+8.., n g); C c0,c1:(g, 2t..2t+1) c2,c3:(g+8, 2t..).
         // Gather A (16x16) and B (16x8) from all 32 lanes, once per collective.
         if (!have_ab) {
-        have_ab = true;
-        for (int l = 0; l < 32; ++l) {
-          if (!L[l]) {
-            r.error = "mma.sync: not all 32 lanes take part";
-            return;
+          have_ab = true;
+          for (int l = 0; l < 32; ++l) {
+            if (!L[l]) {
+              r.error = "mma.sync: not all 32 lanes take part";
+              return;
+            }
+            const int g = l / 4, t = l % 4;
+            uint32_t ar[4], br[2];
+            for (int q = 0; q < 4; ++q) ar[q] = uint32_t(L[l]->warp->in[q]);
+            br[0] = uint32_t(L[l]->warp->in[4]);
+            br[1] = uint32_t(L[l]->warp->in[5]);
+            for (int h = 0; h < 2; ++h) {
+              A[g][2 * t + h] = bf16_to_float(b16_of(ar, 0 + h));
+              A[g + 8][2 * t + h] = bf16_to_float(b16_of(ar, 2 + h));
+              A[g][2 * t + 8 + h] = bf16_to_float(b16_of(ar, 4 + h));
+              A[g + 8][2 * t + 8 + h] = bf16_to_float(b16_of(ar, 6 + h));
+              B[2 * t + h][g] = bf16_to_float(b16_of(br, 0 + h));
+              B[2 * t + 8 + h][g] = bf16_to_float(b16_of(br, 2 + h));
+            }
           }
-          const int g = l / 4, t = l % 4;
-          uint32_t ar[4], br[2];
-          for (int q = 0; q < 4; ++q) ar[q] = uint32_t(L[l]->warp->in[q]);
-          br[0] = uint32_t(L[l]->warp->in[4]);
-          br[1] = uint32_t(L[l]->warp->in[5]);
-          for (int h = 0; h < 2; ++h) {
-            A[g][2 * t + h] = bf16_to_float(b16_of(ar, 0 + h));
-            A[g + 8][2 * t + h] = bf16_to_float(b16_of(ar, 2 + h));
-            A[g][2 * t + 8 + h] = bf16_to_float(b16_of(ar, 4 + h));
-            A[g + 8][2 * t + 8 + h] = bf16_to_float(b16_of(ar, 6 + h));
-            B[2 * t + h][g] = bf16_to_float(b16_of(br, 0 + h));
-            B[2 * t + 8 + h][g] = bf16_to_float(b16_of(br, 2 + h));
-          }
-        }
         }
         const int g = i / 4, t = i % 4;
         const int rows[4] = {g, g, g + 8, g + 8}, cols[4] = {2 * t, 2 * t + 1, 2 * t, 2 * t + 1};

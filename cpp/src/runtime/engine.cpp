@@ -128,7 +128,8 @@ std::string tc_gemm_self_check(Device dev, ops::GemmNumerics g, std::string* exp
     Tensor want = Tensor::empty(DType::F32, {M, N});
     ops::linear_as(g, x, wc, want);
     Tensor yd = Tensor::empty(DType::F32, {M, N}, dev);
-    ops::linear_as(g, x.to(dev), wc.to(dev), yd);
+    const ops::Weight wd = wc.to(dev);
+    ops::linear_as(g, x.to(dev), wd, yd);
     // "" when the device's result is finite and within NMSE tol of the CPU's, else why not
     auto compare = [](const Tensor& dev_out, const Tensor& cpu_out, double tol, const char* what) -> std::string {
       const Tensor got = dev_out.to(Device::cpu());
@@ -151,7 +152,6 @@ std::string tc_gemm_self_check(Device dev, ops::GemmNumerics g, std::string* exp
     // chunked prefill rely on)
     {
       const Tensor full = yd.to(Device::cpu());
-      const ops::Weight wd = wc.to(dev);
       for (const int64_t m : {int64_t(1), int64_t(5)}) {
         Tensor ys = Tensor::empty(DType::F32, {m, N}, dev);
         ops::linear_as(g, x.slice(0, 0, m).to(dev), wd, ys);
