@@ -499,6 +499,31 @@ def test_linear_nvfp4_rows_independent_and_accumulate(dev, ypad):
     assert np.array_equal(got[:, n:], y0[:, n:]), "wrote outside y's columns"
 
 
+@pytest.mark.parametrize("dev", DEVICES)
+def test_linear_nvfp4_prepared_scales(dev):
+    """Weight.prepare_nvfp4_scales (what the engine does at load under NVFP4 numerics): on a
+    GPU with the W4A4 GEMM the scales are kept in the block-scaled layout and linear_nvfp4
+    gives bitwise the result of the per-call swizzle (padded N and K included); elsewhere it
+    does nothing and says so; slices and copies drop it."""
+    rng = rng_for("nvfp4prep")
+    for (m, k, n) in [(3, 64, 40), (5, 208, 72), (130, 96, 130)]:
+        x = fp8_inputs(m, k, rng)
+        wc, _ = nvfp4_weight(n, k, rng, float(np.abs(x).max()) / (6 * 448))
+        assert not wc.prepare_nvfp4_scales() and not wc.nvfp4_scales_prepared  # the CPU: nothing to do
+        if dev == "cpu":
+            continue
+        need_device(dev, "linear_nvfp4")
+        w = wc.to(dev)
+        want = to_np(ops.linear_nvfp4(to_dev(x, dev), w)).copy()
+        assert w.prepare_nvfp4_scales() and w.nvfp4_scales_prepared
+        got = to_np(ops.linear_nvfp4(to_dev(x, dev), w))
+        assert np.array_equal(got, want), (m, k, n)
+        assert not w.rows(0, 16).nvfp4_scales_prepared and not w.cols(0, 32).nvfp4_scales_prepared
+        assert not w.to(dev).nvfp4_scales_prepared
+    w0, _ = nvfp4_weight(8, 32, rng, 0.0)  # no input_scale: not W4A4, nothing to prepare
+    assert not w0.prepare_nvfp4_scales()
+
+
 def test_linear_nvfp4_errors_and_availability():
     rng = rng_for("nvfp4err")
     w0, _ = nvfp4_weight(4, 32, rng, 0.0)
@@ -1841,6 +1866,17 @@ def test_moe_experts_nvfp4(dev):
         exact = to_np(ops.moe_experts(to_dev(x, dev), to_dev(ids, dev), to_dev(weights, dev), on(gate), on(up),
                                       on(down)))
         assert nmse(got, exact) > 1e-6, "nvfp4 numerics gave the exact result"
+        if dev != "cpu":
+            # the scales prepared at load (Weight.prepare_nvfp4_scales: no per-call swizzle):
+            # bitwise the same; every expert's in cases 0 and 1, every other one's in case 2
+            # (a mix: those not prepared are swizzled per call)
+            pg, pu, pd = on(gate), on(up), on(down)
+            for i, w in enumerate(pg + pu + pd):
+                if case < 2 or i % 2 == 0:
+                    assert w.prepare_nvfp4_scales() and w.nvfp4_scales_prepared
+            prepared = to_np(ops.moe_experts(to_dev(x, dev), to_dev(ids, dev), to_dev(weights, dev), pg, pu, pd,
+                                             numerics="nvfp4"))
+            assert np.array_equal(prepared, got), case
     w0 = nvfp4_weight(32, 32, rng, 0.0)[0]  # no input_scale: W4A16 only
     assert not ops.moe_experts_nvfp4_available("cpu", [w0], [w0], [w0])
     with pytest.raises(dflash2_rt.InvalidArgumentError, match="NVFP4 experts with an input_scale"):

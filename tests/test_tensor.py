@@ -71,6 +71,10 @@ def test_build_info():
     if "cuda" in info["backends"]:
         assert info["cuda_archs"], "a CUDA build lists its archs"
         assert all(a.startswith("sm_") for a in info["cuda_archs"])
+    # an emulated CUDA build (cpp/emu) says so
+    assert info["cuda_emulated"] in (True, False)
+    if info["cuda_emulated"]:
+        assert "cuda" in info["backends"]
 
 
 def test_engine_without_target_is_a_clear_error(monkeypatch, tmp_path):

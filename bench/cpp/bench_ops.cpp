@@ -720,10 +720,13 @@ ops::Weight make_weight(Fmt f, int64_t N, int64_t K, uint64_t seed, const std::s
       return ops::Weight::fp8_block128(dev_rand(DType::F8_E4M3, {N, K}, seed),
                                        dev_rand(DType::F32, {cdiv(N, 128), cdiv(K, 128)}, seed + 1, Fill::Scales),
                                        name);
-    case Fmt::NVFP4:
-      return ops::Weight::nvfp4(dev_rand(DType::U8, {N, K / 2}, seed),
-                                dev_rand(DType::F8_E4M3, {N, K / 16}, seed + 1, Fill::Scales), 1.0f / 2688.0f, 1.0f,
-                                K, name);
+    case Fmt::NVFP4: {
+      ops::Weight w = ops::Weight::nvfp4(dev_rand(DType::U8, {N, K / 2}, seed),
+                                         dev_rand(DType::F8_E4M3, {N, K / 16}, seed + 1, Fill::Scales),
+                                         1.0f / 2688.0f, 1.0f, K, name);
+      ops::prepare_nvfp4_scales(w);  // as the engine at load (where the W4A4 GEMM runs)
+      return w;
+    }
   }
   throw std::runtime_error("bad format");
 }
@@ -1167,8 +1170,10 @@ MoeCase make_moe_case(Fmt f, int64_t T, const std::vector<int32_t>& ids) {
     } else {
       Tensor d = dev_rand(DType::U8, {nhit, n_out, n_in / 2}, seed);
       Tensor s = dev_rand(DType::F8_E4M3, {nhit, n_out, n_in / 16}, seed + 1, Fill::Scales);
-      for (int64_t i = 0; i < nhit; ++i)
+      for (int64_t i = 0; i < nhit; ++i) {
         w.push_back(ops::Weight::nvfp4(d.select(0, i), s.select(0, i), 1.0f / 2688.0f, 1.0f, n_in));
+        ops::prepare_nvfp4_scales(w.back());  // as the engine at load (where the W4A4 GEMM runs)
+      }
     }
     return w;
   };

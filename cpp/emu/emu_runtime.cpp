@@ -4,7 +4,15 @@
 // Devices: EMU_DEVICES (default 1) devices "Emulated GPU (sm_90)", compute capability 9.0
 // (EMU_SM=100 for 10.0), 132 SMs, 227 KiB of opt-in shared memory per block,
 // EMU_DEVICE_MEM bytes (default 8 GiB) of which cudaMalloc'ed bytes are used. EMU_PROFILE=1
-// prints the time per kernel at exit; EMU_ORDER=forward runs threads in ascending order.
+// prints the time per kernel at exit (the slowest 25; EMU_PROFILE=all: every kernel);
+// EMU_ORDER=forward runs threads in ascending order.
+// EMU_MEMCHECK=1: a memcheck in the manner of compute-sanitizer's, with guard pages: every
+// cudaMalloc gets its own mapping, its end (rounded up to 16 bytes) against an inaccessible
+// page; freed allocations stay inaccessible for a while (use after free); the launch's
+// dynamic shared memory ends against an inaccessible page; each fiber stack has one below
+// it. A kernel thread touching one fails its launch with a message (kernel, block, thread,
+// address, which allocation and how far past its end), as a GPU's illegal-address error
+// would, and the process goes on; copies and memsets past an allocation's end are refused.
 // Streams are in order by construction: every launch and copy completes before it returns,
 // except while a stream captures, when launches, copies and memsets are recorded into the
 // graph and run by cudaGraphLaunch. One process-wide lock serializes kernels (fibers of
@@ -13,9 +21,10 @@
 #include "cuda_emu.h"
 #include "emu_host.h"
 
-#if !defined(__x86_64__)
+#include <signal.h>
+#include <sys/mman.h>
 #include <ucontext.h>
-#endif
+#include <unistd.h>
 
 #include <algorithm>
 #include <atomic>
@@ -41,7 +50,19 @@ namespace {
 constexpr size_t kSmemOptin = 232448;  // 227 KiB, as an H100 / H200
 constexpr size_t kSmemDefault = 49152;
 constexpr size_t kStack = 256 * 1024;
-alignas(128) unsigned char g_smem_buf[kSmemOptin + 128];
+constexpr size_t kPage = 4096;
+constexpr size_t kSmemArea = (kSmemOptin + kPage - 1) / kPage * kPage;
+// Shared memory: the dynamic buffer at the start (or, under EMU_MEMCHECK, ending at
+// kSmemArea), then one page that EMU_MEMCHECK makes inaccessible.
+alignas(4096) unsigned char g_smem_buf[kSmemArea + kPage];
+
+bool memcheck() {
+  static const bool on = [] {
+    const char* e = std::getenv("EMU_MEMCHECK");
+    return e && *e && *e != '0';
+  }();
+  return on;
+}
 
 std::recursive_mutex& kernel_lock() {
   static std::recursive_mutex m;
@@ -132,10 +153,30 @@ struct Fiber {
 };
 
 // Fiber stacks, kept for the next launches (under the kernel lock).
+// Under EMU_MEMCHECK each stack is a mapping with an inaccessible page below it (an
+// overflow faults there; the fault handler runs on its own signal stack).
+std::vector<char*>& stack_pool() {
+  static std::vector<char*> pool;
+  return pool;
+}
 char* stack_for(size_t i) {
-  static std::vector<std::unique_ptr<char[]>> pool;
-  while (pool.size() <= i) pool.emplace_back(new char[kStack]);
-  return pool[i].get();
+  auto& pool = stack_pool();
+  while (pool.size() <= i) {
+    char* p = nullptr;
+    if (memcheck()) {
+      void* m = mmap(nullptr, kStack + kPage, PROT_READ | PROT_WRITE, MAP_PRIVATE | MAP_ANONYMOUS, -1, 0);
+      if (m == MAP_FAILED) {
+        std::fprintf(stderr, "emu: cannot map a fiber stack\n");
+        std::abort();
+      }
+      mprotect(m, kPage, PROT_NONE);
+      p = static_cast<char*>(m) + kPage;
+    } else {
+      p = new char[kStack];
+    }
+    pool.push_back(p);
+  }
+  return pool[i];
 }
 
 struct BlockRun {
@@ -576,7 +617,9 @@ void print_profile() {
   double total = 0;
   for (const auto& e : v) total += e.second.seconds;
   std::fprintf(stderr, "emu: %.2f s in kernels; slowest first:\n", total);
-  for (size_t i = 0; i < v.size() && i < 25; ++i) {
+  const char* e = std::getenv("EMU_PROFILE");
+  const size_t shown = e && std::string(e) == "all" ? v.size() : 25;  // EMU_PROFILE=all: every kernel
+  for (size_t i = 0; i < v.size() && i < shown; ++i) {
     const KernelStats& k = v[i].second;
     std::fprintf(stderr, "emu: %8.3f s %7llu launches %9llu blocks %11llu threads  %.160s\n", k.seconds,
                  (unsigned long long)k.launches, (unsigned long long)k.blocks, (unsigned long long)k.threads,
@@ -611,6 +654,180 @@ cudaError_t issue(cudaStream_t s, std::function<void()> op) {
   }
   op();
   return cudaSuccess;
+}
+
+// ------------------------------------------------------------------ EMU_MEMCHECK
+// Each device allocation is one mapping: an inaccessible page, the data pages (the data
+// ends 16-byte aligned against the next page), an inaccessible page. cudaFree makes the
+// pages inaccessible and keeps the mapping (the last kQuarantine frees), so a stale
+// pointer faults too.
+struct Region {
+  uintptr_t base = 0;  // the mapping
+  size_t len = 0;
+  uintptr_t data = 0;  // the allocation
+  size_t bytes = 0;
+  bool freed = false;
+};
+constexpr size_t kQuarantine = 4096;
+std::map<uintptr_t, Region>& regions() {  // by mapping start (under host_lock)
+  static auto* m = new std::map<uintptr_t, Region>;
+  return *m;
+}
+std::vector<uintptr_t>& quarantine() {
+  static auto* v = new std::vector<uintptr_t>;
+  return *v;
+}
+const char* g_kernel_name = nullptr;  // the launch now running (fault messages)
+
+size_t round16(size_t n) { return (std::max<size_t>(n, 1) + 15) / 16 * 16; }
+
+void* memcheck_alloc(size_t bytes) {
+  const size_t data_len = round16(bytes);
+  const size_t pages = (data_len + kPage - 1) / kPage;
+  const size_t len = (pages + 2) * kPage;
+  void* m = mmap(nullptr, len, PROT_NONE, MAP_PRIVATE | MAP_ANONYMOUS | MAP_NORESERVE, -1, 0);
+  if (m == MAP_FAILED) return nullptr;
+  const auto base = reinterpret_cast<uintptr_t>(m);
+  if (mprotect(reinterpret_cast<void*>(base + kPage), pages * kPage, PROT_READ | PROT_WRITE) != 0) {
+    munmap(m, len);
+    return nullptr;
+  }
+  Region r;
+  r.base = base;
+  r.len = len;
+  r.data = base + kPage + pages * kPage - data_len;
+  r.bytes = bytes;
+  regions()[base] = r;
+  return reinterpret_cast<void*>(r.data);
+}
+
+// Under host_lock. The allocation at `p` (from memcheck_alloc) becomes inaccessible.
+void memcheck_free(void* p) {
+  const auto a = reinterpret_cast<uintptr_t>(p);
+  auto it = regions().upper_bound(a);
+  if (it == regions().begin()) return;
+  --it;
+  Region& r = it->second;
+  if (r.data != a || r.freed) return;
+  // a fresh inaccessible mapping over the old one: its pages go back to the system
+  mmap(reinterpret_cast<void*>(r.base), r.len, PROT_NONE, MAP_PRIVATE | MAP_ANONYMOUS | MAP_NORESERVE | MAP_FIXED,
+       -1, 0);
+  r.freed = true;
+  quarantine().push_back(r.base);
+  if (quarantine().size() > kQuarantine) {
+    const uintptr_t old = quarantine().front();
+    quarantine().erase(quarantine().begin());
+    auto o = regions().find(old);
+    if (o != regions().end()) {
+      munmap(reinterpret_cast<void*>(o->second.base), o->second.len);
+      regions().erase(o);
+    }
+  }
+}
+
+// The region whose mapping holds `a`, or nullptr (no lock: also called from the fault
+// handler, where the kernel thread holds the kernel lock and no allocation is under way).
+const Region* region_of(uintptr_t a) {
+  auto it = regions().upper_bound(a);
+  if (it == regions().begin()) return nullptr;
+  --it;
+  return a < it->second.base + it->second.len ? &it->second : nullptr;
+}
+
+// Where `a` is, in words.
+std::string where(uintptr_t a) {
+  char buf[256];
+  if (const Region* r = region_of(a)) {
+    if (r->freed)
+      std::snprintf(buf, sizeof buf, "inside a freed %zu-byte allocation (used after cudaFree)", r->bytes);
+    else
+      std::snprintf(buf, sizeof buf, "offset %lld of a %zu-byte allocation at 0x%zx (%s)",
+                    (long long)(int64_t(a) - int64_t(r->data)), r->bytes, size_t(r->data),
+                    a >= r->data + r->bytes ? "past its end" : "before its start");
+    return buf;
+  }
+  const auto smem = reinterpret_cast<uintptr_t>(g_smem_buf);
+  if (a >= smem + kSmemArea && a < smem + kSmemArea + kPage) {
+    std::snprintf(buf, sizeof buf, "offset %zu of the launch's dynamic shared memory (%zu bytes with padding to 128: "
+                  "past its end)", size_t(a - reinterpret_cast<uintptr_t>(g_dyn_smem)),
+                  size_t(smem + kSmemArea - reinterpret_cast<uintptr_t>(g_dyn_smem)));
+    return buf;
+  }
+  for (char* st : stack_pool())
+    if (a >= reinterpret_cast<uintptr_t>(st) - kPage && a < reinterpret_cast<uintptr_t>(st))
+      return "the guard page below a thread's stack (a stack overflow: each thread has 256 KiB)";
+  return "an address in no device allocation";
+}
+
+struct sigaction g_prev_segv;
+
+void on_fault(int sig, siginfo_t* si, void* ucv) {
+  const auto a = reinterpret_cast<uintptr_t>(si->si_addr);
+  const char* access = "access";
+  uintptr_t sp = 0;
+#if defined(__x86_64__)
+  const auto* uc = static_cast<const ucontext_t*>(ucv);
+  access = (uc->uc_mcontext.gregs[REG_ERR] & 2) ? "write" : "read";
+  sp = uintptr_t(uc->uc_mcontext.gregs[REG_RSP]);
+#else
+  (void)ucv;
+#endif
+  BlockRun* r = g_run;
+  Fiber* me = r ? r->cur : nullptr;
+  const bool on_fiber = me && me->stack && sp >= reinterpret_cast<uintptr_t>(me->stack) - kPage &&
+                        sp < reinterpret_cast<uintptr_t>(me->stack) + kStack;
+  if (on_fiber) {
+    // a kernel thread: its launch fails with the reason (as a GPU reports an illegal
+    // address), the block's other threads are dropped, the process goes on
+    char buf[160];
+    std::snprintf(buf, sizeof buf, "invalid %s at 0x%zx by thread (%u, %u, %u): ", access, size_t(a), me->t.tid.x,
+                  me->t.tid.y, me->t.tid.z);
+    r->error = std::string("EMU_MEMCHECK: ") + buf + where(a);
+    me->st = St::Done;
+    switch_context(me->ctx, r->sched);  // never resumed
+  }
+  // elsewhere (host code, the emulator itself): say what it was, then the previous handler
+  char buf[200];
+  const int n = std::snprintf(buf, sizeof buf, "emu: EMU_MEMCHECK: invalid %s at 0x%zx outside a kernel thread%s%s\n",
+                              access, size_t(a), g_kernel_name ? " during kernel " : "",
+                              g_kernel_name ? g_kernel_name : "");
+  if (n > 0) (void)!write(2, buf, size_t(std::min(n, int(sizeof buf) - 1)));
+  sigaction(sig, &g_prev_segv, nullptr);  // the access faults again, under that handler
+}
+
+// Before a launch runs: the handler (once per process) and a signal stack (once per thread).
+void memcheck_arm() {
+  static const bool installed = [] {
+    mprotect(g_smem_buf + kSmemArea, kPage, PROT_NONE);
+    struct sigaction sa {};
+    sa.sa_sigaction = on_fault;
+    sa.sa_flags = SA_SIGINFO | SA_ONSTACK | SA_NODEFER;  // NODEFER: the handler never returns to a kernel thread
+    sigemptyset(&sa.sa_mask);
+    return sigaction(SIGSEGV, &sa, &g_prev_segv) == 0;
+  }();
+  (void)installed;
+  thread_local bool alt = false;
+  if (!alt) {
+    alt = true;
+    stack_t ss{};
+    ss.ss_size = 1 << 16;
+    ss.ss_sp = std::malloc(ss.ss_size);  // kept for the thread's life
+    ss.ss_flags = 0;
+    if (ss.ss_sp) sigaltstack(&ss, nullptr);
+  }
+}
+
+// Copies and memsets: [p, p + n) must lie inside one live allocation when p is in one.
+bool span_ok(const void* p, size_t n, const char* what) {
+  if (!memcheck() || n == 0) return true;
+  const auto a = reinterpret_cast<uintptr_t>(p);
+  std::lock_guard<std::mutex> g(host_lock());
+  const Region* r = region_of(a);
+  if (!r || (!r->freed && a >= r->data && a + n <= r->data + r->bytes)) return true;
+  const uintptr_t bad = r->freed || a < r->data ? a : std::max(a, r->data + r->bytes);  // the first byte outside
+  std::fprintf(stderr, "emu: EMU_MEMCHECK: %s of %zu bytes at 0x%zx reaches %s\n", what, n, size_t(a),
+               where(bad).c_str());
+  return false;
 }
 
 }  // namespace
@@ -652,21 +869,28 @@ void launch(const LaunchCfg& cfg, void (*thunk)(void*), void* payload, void* (*c
     g_run = &r;
     g_block_dim = c.block;
     g_grid_dim = c.grid;
-    g_dyn_smem = g_smem_buf;
+    // dynamic shared memory: under EMU_MEMCHECK its end (rounded up to 128 bytes) against
+    // the inaccessible page
+    g_dyn_smem = memcheck() ? g_smem_buf + kSmemArea - (c.smem + 127) / 128 * 128 : g_smem_buf;
+    const char* prev_name = g_kernel_name;
+    g_kernel_name = c.name ? c.name : "?";
+    if (memcheck()) memcheck_arm();
     for (unsigned z = 0; z < c.grid.z; ++z)
       for (unsigned y = 0; y < c.grid.y; ++y)
         for (unsigned x = 0; x < c.grid.x; ++x) {
           g_block_idx = make_uint3(x, y, z);
-          std::memset(g_smem_buf, 0xff, c.smem);  // uninitialized shared memory reads as NaN
+          std::memset(g_dyn_smem, 0xff, c.smem);  // uninitialized shared memory reads as NaN
           if (!run_block(r, n)) {
             std::fprintf(stderr, "emu: kernel %s failed in block (%u, %u, %u): %s\n", c.name ? c.name : "?", x, y, z,
                          r.error.c_str());
             set_error(cudaErrorLaunchFailure);
             g_run = prev;
+            g_kernel_name = prev_name;
             return;
           }
         }
     g_run = prev;
+    g_kernel_name = prev_name;
   };
   std::shared_ptr<void> hold(owned, drop);
   issue(cfg.stream, [run, hold]() { run(); });
@@ -785,7 +1009,8 @@ cudaError_t cudaMalloc(void** p, size_t bytes) {
   std::lock_guard<std::mutex> g(emu::host_lock());
   auto& d = emu::devs()[size_t(emu::tl_device)];
   if (d.used + bytes > emu::device_mem()) return set_error(cudaErrorMemoryAllocation);
-  void* q = std::aligned_alloc(256, std::max<size_t>(256, (bytes + 255) / 256 * 256));
+  void* q = emu::memcheck() ? emu::memcheck_alloc(bytes)
+                            : std::aligned_alloc(256, std::max<size_t>(256, (bytes + 255) / 256 * 256));
   if (!q) return set_error(cudaErrorMemoryAllocation);
   std::memset(q, 0xa5, bytes);  // device memory starts as garbage
   emu::allocs()[q] = {bytes, emu::tl_device};
@@ -800,7 +1025,10 @@ cudaError_t cudaFree(void* p) {
   if (it == emu::allocs().end()) return set_error(cudaErrorInvalidValue);
   emu::devs()[size_t(it->second.device)].used -= it->second.bytes;
   emu::allocs().erase(it);
-  std::free(p);
+  if (emu::memcheck())
+    emu::memcheck_free(p);
+  else
+    std::free(p);
   return cudaSuccess;
 }
 cudaError_t cudaHostAlloc(void** p, size_t bytes, unsigned int) {
@@ -813,23 +1041,31 @@ cudaError_t cudaFreeHost(void* p) {
   return cudaSuccess;
 }
 cudaError_t cudaMemcpy(void* dst, const void* src, size_t n, cudaMemcpyKind) {
+  if (!emu::span_ok(dst, n, "cudaMemcpy's destination") || !emu::span_ok(src, n, "cudaMemcpy's source"))
+    return set_error(cudaErrorInvalidValue);
   if (n) std::memmove(dst, src, n);
   return cudaSuccess;
 }
 cudaError_t cudaMemcpyAsync(void* dst, const void* src, size_t n, cudaMemcpyKind, cudaStream_t s) {
+  if (!emu::span_ok(dst, n, "cudaMemcpyAsync's destination") || !emu::span_ok(src, n, "cudaMemcpyAsync's source"))
+    return set_error(cudaErrorInvalidValue);
   return emu::issue(s, [dst, src, n]() {
     if (n) std::memmove(dst, src, n);
   });
 }
 cudaError_t cudaMemcpyPeer(void* dst, int, const void* src, int, size_t n) {
+  if (!emu::span_ok(dst, n, "cudaMemcpyPeer's destination") || !emu::span_ok(src, n, "cudaMemcpyPeer's source"))
+    return set_error(cudaErrorInvalidValue);
   if (n) std::memmove(dst, src, n);
   return cudaSuccess;
 }
 cudaError_t cudaMemset(void* dst, int v, size_t n) {
+  if (!emu::span_ok(dst, n, "cudaMemset")) return set_error(cudaErrorInvalidValue);
   std::memset(dst, v, n);
   return cudaSuccess;
 }
 cudaError_t cudaMemsetAsync(void* dst, int v, size_t n, cudaStream_t s) {
+  if (!emu::span_ok(dst, n, "cudaMemsetAsync")) return set_error(cudaErrorInvalidValue);
   return emu::issue(s, [dst, v, n]() { std::memset(dst, v, n); });
 }
 cudaError_t cudaMemcpyToSymbol(const void* sym, const void* src, size_t n, size_t off, cudaMemcpyKind) {

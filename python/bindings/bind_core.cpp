@@ -244,6 +244,7 @@ void bind_core(py::module_& m) {
     d["backends"] = b.backends;
     d["cuda_archs"] = b.cuda_archs;
     d["cuda_version"] = b.cuda_version;
+    d["cuda_emulated"] = b.cuda_emulated;
     d["nccl"] = b.nccl;
     d["nccl_version"] = b.nccl_version;
     d["cutlass"] = b.cutlass;

@@ -93,6 +93,13 @@ void bind_ops(py::module_& m) {
         return w.dequantize();
       })
       .def_property_readonly("device", [](const ops::Weight& w) { return w.data.device().str(); })
+      .def("prepare_nvfp4_scales", [](ops::Weight& w) {
+        py::gil_scoped_release nogil;
+        return ops::prepare_nvfp4_scales(w);
+      }, "On a GPU whose linear_nvfp4 reads it (sm_100a / sm_103a), stores this W4A4 weight's scales in the "
+         "tensor-core GEMMs' block-scaled layout once, so calls do not swizzle them; returns whether it did "
+         "(False on the CPU, on Hopper, for other formats). The engine does this at load.")
+      .def_property_readonly("nvfp4_scales_prepared", [](const ops::Weight& w) { return w.sf_blocked.defined(); })
       .def("rows", &ops::Weight::rows, py::arg("begin"), py::arg("end"),
            "A view of output rows [begin, end) (a quantization block may not be split).")
       .def("cols", &ops::Weight::cols, py::arg("begin"), py::arg("end"),

@@ -11,6 +11,9 @@ struct BuildInfo {
   std::vector<std::string> backends;    // "cpu", "cuda"
   std::vector<std::string> cuda_archs;  // e.g. "sm_90a", "sm_100a", "sm_103a"
   std::string cuda_version;             // toolkit version compiled against ("" without CUDA)
+  // the CUDA backend built for the CPU emulator (cpp/emu, DFLASH2_CUDA_EMULATE): a test
+  // harness whose "cuda" devices are the host; never a product build
+  bool cuda_emulated = false;
   bool nccl = false;
   std::string nccl_version;
   bool cutlass = false;

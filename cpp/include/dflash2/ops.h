@@ -35,6 +35,12 @@ struct Weight {
   float input_scale = 0.0f;
   int64_t out_features = 0, in_features = 0;
   std::string name;  // checkpoint name (for messages)
+  // NVFP4 on a GPU, optional: `scale` already in the W4A4 tensor-core GEMMs' block-scaled
+  // layout (U8, CUTLASS's 128-row x 4-scale atoms, rows padded to 128, scale columns to 4,
+  // the padding 0), made once by prepare_nvfp4_scales so that linear_nvfp4 and the NVFP4
+  // grouped experts read it instead of swizzling `scale` on every call. rows() / cols() /
+  // to() drop it (prepare the result again).
+  Tensor sf_blocked;
 
   static Weight dense(Tensor w, std::string name = "");
   static Weight fp8_block128(Tensor w, Tensor scale_inv, std::string name = "");
@@ -129,6 +135,12 @@ bool takes_w4a4(const Weight& w);
 // Whether linear_nvfp4 runs on `dev` in this build (the CPU always; a GPU when the CUTLASS
 // kernel for its architecture was built: sm_100a / sm_103a).
 bool linear_nvfp4_available(Device dev);
+// Sets w.sf_blocked when w takes W4A4 (takes_w4a4) and lives on a GPU whose linear_nvfp4
+// reads that layout (the CUTLASS kernels of sm_100a / sm_103a), from w.scale, on the device,
+// and waits for it; returns whether it did (false on the CPU, on Hopper, for other formats).
+// The engine calls it at load for every W4A4 weight once NVFP4 numerics are chosen; the
+// bytes it adds are 1 / 8 of the weight's codes.
+bool prepare_nvfp4_scales(Weight& w);
 
 // The GEMM numerics of prompt tokens (GlmModel::Options::prefill, Engine prefill_gemm).
 enum class GemmNumerics : uint8_t {

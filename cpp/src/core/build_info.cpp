@@ -46,6 +46,9 @@ BuildInfo build_info() {
   b.cuda_archs = split_archs(DFLASH2_CUDA_ARCHS_STR);
   b.cuda_version = cuda::toolkit_version();
 #endif
+#ifdef DFLASH2_CUDA_EMULATED
+  b.cuda_emulated = true;
+#endif
 #ifdef DFLASH2_WITH_NCCL
   b.nccl = true;
   b.nccl_version = std::to_string(NCCL_MAJOR) + "." + std::to_string(NCCL_MINOR) + "." + std::to_string(NCCL_PATCH);

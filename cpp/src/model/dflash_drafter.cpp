@@ -189,6 +189,15 @@ void DFlashDrafter::to_device(Device dev, const Tensor& embed, const Weight& lm_
   T(logit_rows_);
   ws_ = std::make_unique<Arena>(ws_->capacity(), dev);
   device_ = dev;
+  set_gemm(gemm_);  // NVFP4: prepare the scales where they now live
+}
+
+void DFlashDrafter::set_gemm(ops::GemmNumerics g) {
+  gemm_ = g;
+  if (g != ops::GemmNumerics::NVFP4 || !device_.is_cuda()) return;
+  for (Weight* w : own_weights())
+    if (w->data.defined() && !w->sf_blocked.defined() && ops::takes_w4a4(*w)) ops::prepare_nvfp4_scales(*w);
+  if (!lm_head_.sf_blocked.defined() && ops::takes_w4a4(lm_head_)) ops::prepare_nvfp4_scales(lm_head_);
 }
 
 DFlashDrafter::Bufs DFlashDrafter::alloc_append(Arena& a, int64_t n) const {

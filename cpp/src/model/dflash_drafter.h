@@ -47,7 +47,8 @@ class DFlashDrafter {
   // (the tensor cores on a GPU), and then the block attention may take the tensor cores too
   // (BlockAttention::tensor_cores). Drafts only steer acceptance, so decoding stays lossless
   // whichever it is.
-  void set_gemm(ops::GemmNumerics g) { gemm_ = g; }
+  // (NVFP4 on a GPU: its W4A4 weights' scales are prepared once, ops::prepare_nvfp4_scales.)
+  void set_gemm(ops::GemmNumerics g);
   ops::GemmNumerics gemm() const { return gemm_; }
   // Whether any of the drafter's own projections (not the target's LM head) satisfies `is`.
   bool any_weight(bool (*is)(const ops::Weight&)) const;

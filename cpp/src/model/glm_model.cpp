@@ -378,6 +378,7 @@ size_t GlmModel::device_bytes() const {
                                               [&](Weight& w) {
                                                 add(w.data);
                                                 if (w.scale.defined()) add(w.scale);
+                                                if (w.sf_blocked.defined()) add(w.sf_blocked);
                                               });
   return total + ws_->capacity();
 }
@@ -453,11 +454,24 @@ void GlmModel::set_prefill(ops::GemmNumerics g, uint32_t experts_allowed) {
   opt_.prefill = g;
   experts_prefill_ = experts_numerics(g, experts_allowed);
   experts_fp8_ = experts_prefill_ == ops::GemmNumerics::FP8;
+  prepare_w4a4_scales();
 }
 
 void GlmModel::set_decode(ops::GemmNumerics g, uint32_t experts_allowed) {
   opt_.decode = g;
   experts_decode_ = experts_numerics(g, experts_allowed);
+  prepare_w4a4_scales();
+}
+
+void GlmModel::prepare_w4a4_scales() {
+  using ops::GemmNumerics;
+  const bool w4a4 = opt_.prefill == GemmNumerics::NVFP4 || opt_.decode == GemmNumerics::NVFP4 ||
+                    experts_prefill_ == GemmNumerics::NVFP4 || experts_decode_ == GemmNumerics::NVFP4;
+  if (!w4a4 || !device_.is_cuda()) return;
+  for_each_param([](Tensor&) {},
+                 [](Weight& w) {
+                   if (!w.sf_blocked.defined() && ops::takes_w4a4(w)) ops::prepare_nvfp4_scales(w);
+                 });
 }
 
 bool GlmModel::has_fp8_weights() const {

@@ -102,6 +102,8 @@ class GlmModel {
   // Options::decode, the same way (experts_decode(): what the routed experts of decode /
   // verify chunks run).
   void set_decode(ops::GemmNumerics g, uint32_t experts_allowed = ~0u);
+  // (Both: once NVFP4 numerics are in effect on a GPU, every W4A4 weight gets its scales in
+  // the tensor-core GEMMs' block-scaled layout, once: ops::prepare_nvfp4_scales.)
   ops::GemmNumerics experts_decode() const { return experts_decode_; }
   // The routed experts' numerics under projection numerics g (set_prefill's rule, over this
   // model's experts: with expert parallelism, this rank's).
@@ -141,6 +143,9 @@ class GlmModel {
                      ops::GemmNumerics ex = ops::GemmNumerics::Exact);
   void embed(const Tensor& table, const TokenBatch& tb, Tensor& out);
   void project(const Tensor& rows, const ops::Weight& head, Bufs& b, Tensor& logits);
+  // set_prefill / set_decode: ops::prepare_nvfp4_scales for every W4A4 weight once NVFP4
+  // numerics are in effect on a GPU.
+  void prepare_w4a4_scales();
   // Calls tensor(t) / weight(w) for every parameter the forward reads (not the views
   // derived from others: Attn::wuv).
   void for_each_param(const std::function<void(Tensor&)>& tensor, const std::function<void(ops::Weight&)>& weight);

@@ -160,6 +160,17 @@ bool linear_nvfp4_available(Device dev) {
   return false;
 }
 
+bool prepare_nvfp4_scales(Weight& w) {
+  if (!takes_w4a4(w) || !w.data.defined() || !w.data.device().is_cuda()) return false;
+#if defined(DFLASH2_WITH_CUDA) && defined(DFLASH2_WITH_CUTLASS)
+  if (!cuda::linear_nvfp4_supported(w.data.device().index)) return false;
+  w.sf_blocked = cuda::nvfp4_blocked_scales(w);
+  return true;
+#else
+  return false;
+#endif
+}
+
 const char* gemm_numerics_name(GemmNumerics g) {
   switch (g) {
     case GemmNumerics::Exact: return "exact";

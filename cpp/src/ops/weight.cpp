@@ -183,6 +183,7 @@ Weight Weight::load(const Checkpoint& ck, const std::string& prefix, int64_t exp
 
 Weight Weight::to(Device dev) const {
   Weight w = *this;
+  w.sf_blocked = Tensor();  // a device's layout: prepare again where it lands
   if (data.defined()) w.data = data.to(dev);
   if (scale.defined()) w.scale = scale.to(dev);
   return w;
@@ -196,6 +197,7 @@ Weight Weight::rows(int64_t begin, int64_t end) const {
   DFLASH2_CHECK_ARG(0 <= begin && begin < end && end <= out_features, "weight '", name, "': rows [", begin, ", ", end,
                     ") outside [0, ", out_features, ")");
   Weight w = *this;
+  w.sf_blocked = Tensor();  // of the whole weight
   w.out_features = end - begin;
   w.data = data.slice(0, begin, end);
   if (format == WeightFormat::FP8Block128) {
@@ -215,6 +217,7 @@ Weight Weight::cols(int64_t begin, int64_t end) const {
   DFLASH2_CHECK_ARG(0 <= begin && begin < end && end <= in_features, "weight '", name, "': columns [", begin, ", ",
                     end, ") outside [0, ", in_features, ")");
   Weight w = *this;
+  w.sf_blocked = Tensor();  // of the whole weight
   w.in_features = end - begin;
   if (format == WeightFormat::Dense) {
     w.data = data.slice(1, begin, end);

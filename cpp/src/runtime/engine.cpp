@@ -76,9 +76,9 @@ std::string method_of_drafter(const Checkpoint& dk) {
 namespace {
 // prefill_gemm="auto" on a GPU: one small tensor-core GEMM of numerics g (two 128-row
 // tiles, K and N tails: the padded paths) against the CPU's emulation of the same numerics.
-// BF16 runs a dequantized F32 weight, then an NVFP4 one (on sm_90a the mainloop-dequantizing
-// kernel: if it fails, NVFP4 weights take the dequantize pass in this process and the check
-// is repeated); FP8 an FP8 block-128 weight; NVFP4 an NVFP4 one. "" when it agrees (NMSE
+// BF16 runs a dequantized F32 weight, then an NVFP4 and an FP8 one (on CUDA the
+// mainloop-dequantizing kernel: if it fails, those weights take the dequantize pass in this
+// process and the check is repeated); FP8 an FP8 block-128 weight; NVFP4 an NVFP4 one. "" when it agrees (NMSE
 // <= 1e-8 for BF16 and NVFP4, whose only difference is the fp32 summation order; <= 1e-6 for
 // FP8, whose tensor-core sums inside a 128-input block carry fewer bits), else what went
 // wrong: a GPU whose kernel misbehaves then prefills with the previous numerics instead of
@@ -170,24 +170,50 @@ std::string tc_gemm_self_check(Device dev, ops::GemmNumerics g, std::string* exp
       return ops::Weight::nvfp4(packed, sc, 0.02f, input_scale, n_in, "self-check");
     };
     if (g == ops::GemmNumerics::BF16) {
-      // an NVFP4 weight through linear_bf16 (on sm_90a the mainloop-dequantizing kernel)
+      // NVFP4 and FP8 weights through linear_bf16 (on CUDA the mainloop-dequantizing kernel),
+      // each against the CPU and its M = 1 / 5 rows against the M = 130 ones
       const int64_t K4 = 208;
       Tensor x4 = Tensor::empty(DType::F32, {M, K4});
       for (int64_t i = 0; i < M * K4; ++i) x4.data_as<float>()[i] = next();
       const ops::Weight w4 = fp4w(N, K4);
-      Tensor want4 = Tensor::empty(DType::F32, {M, N}), got4 = Tensor::empty(DType::F32, {M, N}, dev);
-      ops::linear_bf16(x4, w4, want4);
-      ops::linear_bf16(x4.to(dev), w4.to(dev), got4);
-      std::string why4 = compare(got4, want4, 1e-8, "NVFP4-weight GEMM");
+      Tensor c8 = Tensor::empty(DType::F8_E4M3, {N, K4}), s8 = Tensor::empty(DType::F32, {(N + 127) / 128, 2});
+      uint8_t* c8p = static_cast<uint8_t*>(c8.data());
+      for (int64_t i = 0; i < c8.numel(); ++i)  // magnitude codes below 0x58: never E4M3's NaN
+        c8p[i] = uint8_t(uint8_t(uint64_t((next() + 1.0f) * 43.99f)) | (next() < 0 ? 0x80 : 0));
+      for (int64_t i = 0; i < s8.numel(); ++i) s8.data_as<float>()[i] = 1e-2f * (1.5f + next());
+      const ops::Weight w8 = ops::Weight::fp8_block128(c8, s8, "self-check");
+      auto check_q = [&]() -> std::string {
+        for (const ops::Weight* wq : {&w4, &w8}) {
+          const char* what = wq == &w4 ? "NVFP4-weight GEMM" : "FP8-weight GEMM";
+          Tensor wantq = Tensor::empty(DType::F32, {M, N}), gotq = Tensor::empty(DType::F32, {M, N}, dev);
+          const ops::Weight wqd = wq->to(dev);
+          ops::linear_bf16(x4, *wq, wantq);
+          ops::linear_bf16(x4.to(dev), wqd, gotq);
+          std::string w_why = compare(gotq, wantq, 1e-8, what);
+          if (!w_why.empty()) return w_why;
+          const Tensor full = gotq.to(Device::cpu());
+          for (const int64_t m : {int64_t(1), int64_t(5)}) {
+            Tensor ys = Tensor::empty(DType::F32, {m, N}, dev);
+            ops::linear_bf16(x4.slice(0, 0, m).to(dev), wqd, ys);
+            const Tensor got = ys.to(Device::cpu());
+            if (std::memcmp(got.data(), full.data(), size_t(m * N) * sizeof(float)) != 0)
+              return std::string(what) + ": rows of an M = " + std::to_string(m) +
+                     " call differ from the same rows of an M = 130 one (not batch-invariant)";
+          }
+        }
+        return "";
+      };
+      std::string why4 = check_q();
 #ifdef DFLASH2_WITH_CUDA
       if (!why4.empty() && cuda::linear_dq_enabled()) {
-        // the mainloop-dequantizing kernel failed: NVFP4 weights take the dequantize-to-BF16
-        // pass and the CUTLASS GEMM instead (checked just before), in this process
+        // the mainloop-dequantizing kernel failed: NVFP4 and FP8 weights take the
+        // dequantize-to-BF16 pass and the CUTLASS GEMM instead (checked just before), in
+        // this process
         std::fprintf(stderr, "dflash2: the mainloop-dequantizing GEMM failed its load-time check on %s (%s); NVFP4 "
-                     "weights are dequantized to BF16 before the GEMM instead\n", dev.str().c_str(), why4.c_str());
+                     "and FP8 weights are dequantized to BF16 before the GEMM instead\n", dev.str().c_str(),
+                     why4.c_str());
         cuda::set_linear_dq_enabled(false);
-        ops::linear_bf16(x4.to(dev), w4.to(dev), got4);
-        why4 = compare(got4, want4, 1e-8, "NVFP4-weight GEMM");
+        why4 = check_q();
       }
 #endif
       if (!why4.empty()) return why4;

@@ -147,6 +147,9 @@ bool linear_fp8_supported(int device);
 // gemm_tc.cu (built with CUTLASS only): ops::linear_nvfp4 (NVFP4 W4A4, sm_100a / sm_103a).
 void linear_nvfp4(const Tensor& x, const ops::Weight& w, Tensor& y, bool accumulate);
 bool linear_nvfp4_supported(int device);
+// ops::prepare_nvfp4_scales: w's per-16 scales in the block-scaled layout linear_nvfp4 and the
+// grouped experts read (a new U8 device tensor; the stream is synchronized before returning).
+Tensor nvfp4_blocked_scales(const ops::Weight& w);
 // quant.cu
 void fp8_quantize_act(const Tensor& x, Tensor& out);
 void nvfp4_quantize_act(const Tensor& x, float input_scale, Tensor& out);

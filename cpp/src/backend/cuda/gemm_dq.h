@@ -9,9 +9,9 @@
 // (the CPU emulation is the oracle, up to fp32 summation order). BF16 tensor cores
 // (mma.sync m16n8k16, fp32 accumulators), which every architecture the build targets has.
 // Used for the routed experts' prompt chunks (moe_experts with GemmNumerics::BF16: one group
-// per expert, the groups' rows counted on the device) and for linear_bf16 over NVFP4 weights
-// on sm_90a, whatever M (the weight is read once, in its stored format, instead of being
-// dequantized into a BF16 copy first).
+// per expert, the groups' rows counted on the device) and for linear_bf16 over NVFP4 and FP8
+// weights on every architecture, whatever M (the weight is read once, in its stored format,
+// instead of being dequantized into a BF16 copy first).
 //
 // Status: compiled for sm_90a / sm_100a / sm_103a, NOT yet run on a GPU.
 #pragma once
@@ -54,8 +54,8 @@ struct GemmArgs {
 // extents, K > 0).
 void gemm(const GemmArgs& g, cudaStream_t s);
 
-// Whether linear_bf16 takes this kernel for NVFP4 weights on sm_90a (default on); the
-// engine's load-time check turns it off in the process if the kernel fails there.
+// Whether linear_bf16 takes this kernel for NVFP4 and FP8 weights (default on); the engine's
+// load-time check turns it off in the process if the kernel fails there.
 bool linear_enabled();
 
 // The A producers: a[p, k] for p < rows, k < lda (zeros for K <= k < lda), rounded to BF16

@@ -386,10 +386,12 @@ void linear_bf16(const Tensor& x, const ops::Weight& w, Tensor& y, bool accumula
   if (M == 0 || N == 0) return;
   if (K == 0) return empty_k(y, M, N, accumulate, "linear_bf16");
   cudaStream_t st = detail::stream();
-  if (v.fmt == WFmt::NVFP4 && sm == 90 && dq::linear_enabled()) {
-    // Hopper has no FP4 MMA: W4A16 with the weight dequantized in the GEMM's main loop
-    // (gemm_dq.h), read once in its stored format instead of through a BF16 copy. Chosen by
-    // the weight and the architecture, never by M: a row's result does not depend on M.
+  if ((v.fmt == WFmt::NVFP4 || v.fmt == WFmt::FP8) && dq::linear_enabled()) {
+    // A quantized weight (NVFP4: W4A16, Hopper has no FP4 MMA; FP8 block-128; on every
+    // architecture) is dequantized in the GEMM's main loop (gemm_dq.h) and so read once in
+    // its stored format, instead of dequantized into a BF16 copy (2x / 4x the weight's bytes
+    // written, then read again) on every call. Chosen by the weight's format, never by M: a
+    // row's result does not depend on M.
     const int64_t lda = round_up(K, 8);
     __nv_bfloat16* a16 = static_cast<__nv_bfloat16*>(detail::scratch(device, size_t(M * lda * 2)));
     dq::rows_bf16(dq::RowsFrom::Plain, x.data_as<const float>(), nullptr, x.stride(0), nullptr, 1, nullptr, M, K,
@@ -534,8 +536,8 @@ bool linear_nvfp4_supported(int device) {
 }
 
 // ops::linear_nvfp4 (ops.h): the activation rows quantized to E2M1 with per-16 E4M3 scales
-// (quant.h, the swizzled scale layout), the weight's scales swizzled into the same layout
-// (per call: N x K / 16 bytes), its packed codes read in place when 16-byte aligned with K %
+// (quant.h, the swizzled scale layout), the weight's scales in the same layout (prepared at
+// load: Weight::sf_blocked; else swizzled per call, N x K / 16 bytes), its packed codes read in place when 16-byte aligned with K %
 // 32 == 0 and N % 4 == 0 (else a padded copy), then CUTLASS's block-scaled tcgen05 GEMM with
 // alpha = input_scale x weight_scale_2; the staged store as linear_bf16.
 void linear_nvfp4(const Tensor& x, const ops::Weight& w, Tensor& y, bool accumulate) {
@@ -559,7 +561,10 @@ void linear_nvfp4(const Tensor& x, const ops::Weight& w, Tensor& y, bool accumul
   const int64_t a_bytes = round_up(M * Kp / 2, kAlign);
   const int64_t sfa_bytes = round_up(layout::nvfp4_sf_rows(M) * sf_cols, kAlign);
   const int64_t w_bytes = direct_w ? 0 : round_up(Np * Kp / 2, kAlign);
-  const int64_t sfb_bytes = round_up(layout::nvfp4_sf_rows(Np) * sf_cols, kAlign);
+  // the weight's scales in the block-scaled layout: prepared at load (Weight::sf_blocked; the
+  // same extent: nvfp4_sf_rows(Np) == _rows(N), nvfp4_sf_cols(Kp) == _cols(K)), else per call
+  const bool sfb_ready = v.sf_blocked != nullptr;
+  const int64_t sfb_bytes = sfb_ready ? 0 : round_up(layout::nvfp4_sf_rows(Np) * sf_cols, kAlign);
   const int64_t d_bytes = direct_y ? 0 : round_up(M * Np * 4, kAlign);
 
   tc::Nvfp4GemmArgs g;
@@ -585,12 +590,12 @@ void linear_nvfp4(const Tensor& x, const ops::Weight& w, Tensor& y, bool accumul
   DFLASH2_CUDA_CHECK(cudaMemsetAsync(sfa, 0, size_t(sfa_bytes + w_bytes + sfb_bytes), st));
   detail::nvfp4_quantize_rows(x.data_as<const float>(), x.stride(0), M, K, Kp, w.input_scale, a4, sfa, nullptr, 0, st);
   if (!direct_w) pad_fp4_codes<<<grid_for(Np * Kp / 2), kThreads, 0, st>>>(v, Np, Kp, w4);
-  swizzle_fp4_scales<<<grid_for(N * (K / 16)), kThreads, 0, st>>>(v, sf_cols, sfb);
+  if (!sfb_ready) swizzle_fp4_scales<<<grid_for(N * (K / 16)), kThreads, 0, st>>>(v, sf_cols, sfb);
   detail::check_launch("linear_nvfp4 operand quantization", w.name, " ", x.describe());
   g.a = a4;
   g.sfa = sfa;
   g.b = direct_w ? static_cast<const void*>(v.data) : static_cast<const void*>(w4);
-  g.sfb = sfb;
+  g.sfb = sfb_ready ? v.sf_blocked : sfb;
   g.d = direct_y ? y.data_as<float>() : dtmp;
   const std::string err = tc::nvfp4_gemm(sm, g, ws, st);
   if (!err.empty()) fail(ErrorKind::Backend, "cuda::linear_nvfp4(", w.name, "): ", err);
@@ -599,6 +604,28 @@ void linear_nvfp4(const Tensor& x, const ops::Weight& w, Tensor& y, bool accumul
     store_rows<<<grid_for(M * N), kThreads, 0, st>>>(dtmp, Np, M, N, y.data_as<float>(), y.stride(0), accumulate);
     detail::check_launch("linear_nvfp4 store", w.name, " -> ", y.describe());
   }
+}
+
+Tensor nvfp4_blocked_scales(const ops::Weight& w) {
+  DFLASH2_CHECK_ARG(w.data.defined() && w.data.device().is_cuda(), "cuda::nvfp4_blocked_scales(", w.name,
+                    "): the weight must be on a GPU, found ", w.data.describe());
+  const int device = w.data.device().index;
+  ops::Weight plain = w;
+  plain.sf_blocked = Tensor();
+  const WeightView v = detail::weight_view(plain, device, "cuda::nvfp4_blocked_scales");
+  DFLASH2_CHECK_ARG(v.fmt == WFmt::NVFP4 && v.K % 16 == 0, "cuda::nvfp4_blocked_scales(", w.name,
+                    "): the weight must be NVFP4");
+  detail::DeviceGuard guard(device);
+  const int64_t cols = layout::nvfp4_sf_cols(v.K);
+  Tensor out = Tensor::empty(DType::U8, {layout::nvfp4_sf_rows(v.N) * cols}, w.data.device());
+  cudaStream_t st = detail::stream();
+  DFLASH2_CUDA_CHECK(cudaMemsetAsync(out.data(), 0, size_t(out.numel()), st));
+  if (v.N > 0 && v.K > 0) {
+    swizzle_fp4_scales<<<grid_for(v.N * (v.K / 16)), kThreads, 0, st>>>(v, cols, out.data_as<uint8_t>());
+    detail::check_launch("nvfp4_blocked_scales", w.name);
+  }
+  DFLASH2_CUDA_CHECK(cudaStreamSynchronize(st));  // read by other threads' streams afterwards
+  return out;
 }
 
 }  // namespace dflash2::cuda

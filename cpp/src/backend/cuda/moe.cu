@@ -91,16 +91,16 @@
 //   (cutlass/nvfp4_grouped_gemm.h): a setup kernel writes each group's first scale row
 //   (groups padded to 128 rows), alpha = input_scale x weight_scale_2 and the input scale per
 //   expert; quant.h's grouped quantizer writes E2M1 codes and E4M3 scales with each row's own
-//   expert's input scale; per projection every expert's weight scales are swizzled into the
-//   block-scaled layout in scratch; down -> Y, a scatter to slot order, the combine.
+//   expert's input scale; the weight scales in the block-scaled layout, prepared at load
+//   (ops::prepare_nvfp4_scales; else swizzled into scratch per projection); down -> Y, a
+//   scatter to slot order, the combine.
 //
 // Performance (decode, T * top_k small): each active expert's gate/up/down weights are
 // read once per chunk of 4 tokens, by warps streaming rows with 8-element vector loads; the
 // expert list costs one tiny single-block launch. Ideas, roughly in order of value:
 //   - prefill (many tokens per expert): done as grouped GEMMs for FP8 and NVFP4 W4A4
-//     (CUTLASS) and BF16 numerics (gemm_dq.cu); left: the NVFP4 weight scales swizzled once
-//     at load (per call today), silu * up fused into the gate/up epilogue and the combine
-//     into the down epilogue. In exact mode weights are still re-read (from L2) once per 4
+//     (CUTLASS) and BF16 numerics (gemm_dq.cu); left: silu * up fused into the gate/up
+//     epilogue and the combine into the down epilogue. In exact mode weights are still re-read (from L2) once per 4
 //     tokens and x rows once per output row.
 //   - decode: 16-byte weight loads for FP8 / NVFP4 (16 / 32 elements per lane), two rows
 //     per warp, split-K for the down projection (K = F is short), and a cooperative
@@ -407,7 +407,8 @@ struct ExpertTable {
 bool same_view(const WeightView& a, const WeightView& b) {
   return a.fmt == b.fmt && a.data == b.data && a.row_bytes == b.row_bytes && a.scale == b.scale &&
          a.scale_stride == b.scale_stride && std::memcmp(&a.global_scale, &b.global_scale, sizeof(float)) == 0 &&
-         std::memcmp(&a.input_scale, &b.input_scale, sizeof(float)) == 0 && a.N == b.N && a.K == b.K;
+         std::memcmp(&a.input_scale, &b.input_scale, sizeof(float)) == 0 && a.N == b.N && a.K == b.K &&
+         a.sf_blocked == b.sf_blocked;
 }
 
 void mix(uint64_t& h, uint64_t v) {
@@ -429,6 +430,7 @@ uint64_t hash_views(int device, const std::vector<ExpertView>& v) {
       mix(h, uint64_t(w->scale_stride));
       mix(h, gsb);
       mix(h, uint64_t(w->N) * 0x10001ull + uint64_t(w->K));
+      mix(h, uint64_t(reinterpret_cast<uintptr_t>(w->sf_blocked)));
     }
   return h;
 }
@@ -730,7 +732,8 @@ bool nvfp4_grouped_views_ok(const std::vector<ExpertView>& host, std::string* wh
 // Per expert e: the group's first scale row (its rows padded to 128, the groups back to back)
 // as byte offsets into the gate / up input's scales (sfc_h columns) and the down input's
 // (sfc_f); per projection i (gate, up, down): alpha = input_scale x weight_scale_2, the input
-// scale, the weight's codes and its swizzled scales (sfb + i-th buffer + e * sfb_stride).
+// scale, the weight's codes and its block-scaled scales: prepared at load (the weight's
+// sf_blocked), else swizzled per call into sfb + e * sfb_stride (one projection at a time).
 __global__ void moe_nvfp4_setup(const ExpertView* __restrict__ views, int E, const int32_t* __restrict__ start,
                                 int64_t sfc_h, int64_t sfc_f, int64_t* __restrict__ off_h,
                                 int64_t* __restrict__ off_f, float* __restrict__ alpha, float* __restrict__ inscale,
@@ -749,15 +752,15 @@ __global__ void moe_nvfp4_setup(const ExpertView* __restrict__ views, int E, con
       alpha[i * E + e] = __fmul_rn(w[i]->input_scale, w[i]->global_scale);
       inscale[i * E + e] = w[i]->input_scale;
       bptr[i * E + e] = w[i]->data;
+      sfbptr[i * E + e] = w[i]->sf_blocked ? w[i]->sf_blocked : sfb + int64_t(e) * sfb_stride;
     }
-    sfbptr[e] = sfb + int64_t(e) * sfb_stride;
   }
 }
 
 // Projection `which`'s per-16 E4M3 weight scales into the block-scaled layout (layout.h
 // nvfp4_sf_offset), expert e at out + e * stride: every entry of the padded [nvfp4_sf_rows(N)
 // x nvfp4_sf_cols(K)] extent, the padding as 0, for the experts with tokens only (the
-// others' tiles do not exist).
+// others' tiles do not exist) whose scales were not prepared at load.
 __global__ void moe_nvfp4_swizzle(const ExpertView* __restrict__ views, const int32_t* __restrict__ start, int which,
                                   int E, int64_t N, int64_t K, int64_t stride, uint8_t* __restrict__ out) {
   const int64_t nb = K / 16, rows = layout::nvfp4_sf_rows(N), cols = layout::nvfp4_sf_cols(K), per = rows * cols,
@@ -766,6 +769,7 @@ __global__ void moe_nvfp4_swizzle(const ExpertView* __restrict__ views, const in
     const int64_t e = i / per, rc = i - e * per, r = rc / cols, c = rc - r * cols;
     if (start[e + 1] == start[e]) continue;
     const WeightView& w = which == 0 ? views[e].gate : which == 1 ? views[e].up : views[e].down;
+    if (w.sf_blocked) continue;
     out[e * stride + layout::nvfp4_sf_offset(r, c, cols)] =
         r < N && c < nb ? static_cast<const uint8_t*>(w.scale)[r * w.scale_stride + c] : uint8_t(0);
   }
@@ -970,8 +974,9 @@ void moe_experts_impl(const Tensor& x, const Tensor& ids, const Tensor& weights,
   if (nvfp4 && n > 0 && F > 0) {
     // scratch: A codes [n, H / 2] (x2 when gate and up quantize with different input scales)
     // | SFA_h | G, U [n, F] F32 | h codes [n, F / 2] | SFA_f | Y [n, H] F32 | SFB (one
-    // projection's, every expert) | sfa offsets 2 x [E] | alpha, input scales 2 x [3 E] | 3 E
-    // weight and E scale pointers | 3 parameter blocks | the GEMM workspace
+    // projection's, every expert; none when every expert's scales were prepared at load) |
+    // sfa offsets 2 x [E] | alpha, input scales 2 x [3 E] | 3 E weight and 3 E scale
+    // pointers | 3 parameter blocks | the GEMM workspace
     auto up256 = [](int64_t v) { return (v + 255) / 256 * 256; };
     bool same_gu = true;
     for (const ExpertView& v : tab.host)
@@ -979,11 +984,14 @@ void moe_experts_impl(const Tensor& x, const Tensor& ids, const Tensor& weights,
     const int64_t sfc_h = layout::nvfp4_sf_cols(H), sfc_f = layout::nvfp4_sf_cols(F);
     const int64_t sf_rows_max = n + 128 * (E < n ? E : n);  // every non-empty group padded by < 128 rows
     const int64_t sfb_gu = layout::nvfp4_sf_rows(F) * sfc_h, sfb_d = layout::nvfp4_sf_rows(H) * sfc_f;
-    const int64_t sfb_stride = std::max(sfb_gu, sfb_d);
+    bool all_ready = true;  // every expert's scales prepared (Weight::sf_blocked): no swizzle
+    for (const ExpertView& v : tab.host)
+      all_ready = all_ready && v.gate.sf_blocked && v.up.sf_blocked && v.down.sf_blocked;
+    const int64_t sfb_stride = all_ready ? 0 : std::max(sfb_gu, sfb_d);
     const int64_t b_a = up256(n * H / 2), b_sah = up256(sf_rows_max * sfc_h), b_g = up256(n * F * 4),
                   b_h = up256(n * F / 2), b_saf = up256(sf_rows_max * sfc_f), b_y = up256(n * H * 4),
                   b_sfb = up256(E * sfb_stride), b_off = up256(E * 8), b_s = up256(3 * E * 4),
-                  b_p = up256(4 * E * int64_t(sizeof(void*))),
+                  b_p = up256(6 * E * int64_t(sizeof(void*))),
                   b_q = up256(int64_t(tc::nvfp4_grouped_params_bytes(sm, int(E))));
     const int na = same_gu ? 1 : 2;
     tc::Nvfp4GroupedArgs g{};
@@ -1042,10 +1050,12 @@ void moe_experts_impl(const Tensor& x, const Tensor& ids, const Tensor& weights,
     }
     auto grouped = [&](int which, const uint8_t* a, const uint8_t* sa, const int64_t* off, int64_t N, int64_t Kd,
                        float* d, const char* what) {
-      moe_nvfp4_swizzle<<<detail::ceil_blocks(E * layout::nvfp4_sf_rows(N) * layout::nvfp4_sf_cols(Kd), 256,
-                                              detail::kMaxRowBlocks),
-                          256, 0, s>>>(tab.dev, start, which, int(E), N, Kd, sfb_stride, sfb);
-      detail::check_launch("moe_experts_nvfp4 weight-scale swizzle", what);
+      if (!all_ready) {
+        moe_nvfp4_swizzle<<<detail::ceil_blocks(E * layout::nvfp4_sf_rows(N) * layout::nvfp4_sf_cols(Kd), 256,
+                                                detail::kMaxRowBlocks),
+                            256, 0, s>>>(tab.dev, start, which, int(E), N, Kd, sfb_stride, sfb);
+        detail::check_launch("moe_experts_nvfp4 weight-scale swizzle", what);
+      }
       tc::Nvfp4GroupedArgs ga{};
       ga.groups = int(E);
       ga.N = int(N);
@@ -1055,7 +1065,7 @@ void moe_experts_impl(const Tensor& x, const Tensor& ids, const Tensor& weights,
       ga.sfa = sa;
       ga.sfa_off = off;
       ga.b = bptr + which * E;
-      ga.sfb = sfbptr;
+      ga.sfb = sfbptr + which * E;
       ga.alpha = alpha + which * E;
       ga.d = d;
       ga.params = params + which * b_q;

@@ -14,6 +14,7 @@
 #include <cstdint>
 
 #include "backend/cuda/kernel_util.cuh"
+#include "backend/cuda/layout.h"
 #include "dflash2/error.h"
 #include "dflash2/ops.h"
 
@@ -32,6 +33,9 @@ struct WeightView {
   float global_scale = 1.0f;
   float input_scale = 0.0f;       // NVFP4: the activations' per-tensor scale (W4A4), 0 if none
   int64_t N = 0, K = 0;
+  // NVFP4, optional: the scales in the block-scaled layout (ops::Weight::sf_blocked:
+  // layout.h nvfp4_sf_offset over nvfp4_sf_rows(N) x nvfp4_sf_cols(K)), or nullptr
+  const uint8_t* sf_blocked = nullptr;
 };
 
 // Host: the view of `w`, which must live on CUDA device `device` (data and scale).
@@ -69,6 +73,15 @@ inline WeightView weight_view(const ops::Weight& w, int device, const char* op) 
       v.scale = w.scale.data();
       v.scale_stride = w.scale.stride(0);
       break;
+  }
+  if (w.sf_blocked.defined()) {
+    const int64_t want = layout::nvfp4_sf_rows(v.N) * layout::nvfp4_sf_cols(v.K);
+    DFLASH2_CHECK_ARG(v.fmt == WFmt::NVFP4 && w.sf_blocked.device() == w.data.device() &&
+                          w.sf_blocked.dtype() == DType::U8 && w.sf_blocked.is_contiguous() &&
+                          w.sf_blocked.numel() == want,
+                      op, ": weight '", w.name, "': its block-scaled scales must be U8 [", want,
+                      "] (contiguous) on cuda:", device, " for an NVFP4 weight, found ", w.sf_blocked.describe());
+    v.sf_blocked = static_cast<const uint8_t*>(w.sf_blocked.data());
   }
   return v;
 }

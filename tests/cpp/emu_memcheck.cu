@@ -1,0 +1,159 @@
+// EMU_MEMCHECK (cpp/emu/emu_runtime.cpp), the emulator's memcheck: a kernel thread that
+// reads or writes past an allocation's end, before its start, after cudaFree or past the
+// launch's dynamic shared memory fails its launch with a message naming the kernel, the
+// thread and the allocation; the process goes on and the next launches run; copies past an
+// allocation's end are refused. Emulated build only (rewritten by rewrite_cu.py like the
+// backend's .cu files); ctest runs it with EMU_MEMCHECK=1.
+#include <cuda_runtime.h>
+
+#include <cstdio>
+#include <cstdlib>
+#include <string>
+#include <unistd.h>
+#include <vector>
+
+#include "testing.h"
+
+namespace {
+
+__global__ void scale_k(const float* a, float* out, int n, int shift) {
+  const int i = int(blockIdx.x * blockDim.x + threadIdx.x);
+  if (i < n) out[i] = 2.0f * a[i + shift];
+}
+
+__global__ void fill_k(float* a, int n) {
+  const int i = int(blockIdx.x * blockDim.x + threadIdx.x);
+  if (i < n) a[i] = float(i);
+}
+
+__global__ void smem_k(float* out, int reach) {
+  extern __shared__ float buf[];
+  buf[threadIdx.x] = float(threadIdx.x);
+  __syncthreads();
+  out[threadIdx.x] = buf[threadIdx.x + reach];
+}
+
+// stderr of `fn`, captured through a temporary file.
+template <class F>
+std::string stderr_of(F fn) {
+  std::fflush(stderr);
+  char path[] = "/tmp/emu_memcheck_XXXXXX";
+  const int fd = mkstemp(path);
+  const int saved = dup(2);
+  dup2(fd, 2);
+  fn();
+  std::fflush(stderr);
+  dup2(saved, 2);
+  close(saved);
+  std::string out;
+  lseek(fd, 0, SEEK_SET);
+  char buf[4096];
+  ssize_t k;
+  while ((k = read(fd, buf, sizeof buf)) > 0) out.append(buf, size_t(k));
+  close(fd);
+  unlink(path);
+  std::fputs(out.c_str(), stdout);  // in the test's log
+  return out;
+}
+
+bool has(const std::string& s, const char* sub) { return s.find(sub) != std::string::npos; }
+
+struct Buffers {
+  float* a = nullptr;
+  float* out = nullptr;
+  Buffers() {
+    cudaMalloc(reinterpret_cast<void**>(&a), 256 * sizeof(float));
+    cudaMalloc(reinterpret_cast<void**>(&out), 256 * sizeof(float));
+    fill_k<<<2, 128>>>(a, 256);
+  }
+  ~Buffers() {
+    cudaFree(a);
+    cudaFree(out);
+  }
+};
+
+}  // namespace
+
+TEST(memcheck_is_on) {
+  const char* e = std::getenv("EMU_MEMCHECK");
+  CHECK(e && std::string(e) == "1");
+}
+
+TEST(in_bounds_launch_runs) {
+  Buffers b;
+  scale_k<<<2, 128>>>(b.a, b.out, 256, 0);
+  CHECK(cudaGetLastError() == cudaSuccess);
+  std::vector<float> h(256);
+  CHECK(cudaMemcpy(h.data(), b.out, 1024, cudaMemcpyDeviceToHost) == cudaSuccess);
+  CHECK(h[0] == 0.0f && h[255] == 510.0f);
+}
+
+TEST(read_past_the_end_fails_the_launch) {
+  Buffers b;
+  const std::string err = stderr_of([&] { scale_k<<<2, 128>>>(b.a, b.out, 256, 1); });
+  CHECK(cudaGetLastError() == cudaErrorLaunchFailure);
+  CHECK(has(err, "scale_k"));
+  CHECK(has(err, "invalid read"));
+  CHECK(has(err, "thread (127, 0, 0)"));  // block 1's last thread reads a[256]
+  CHECK(has(err, "block (1, 0, 0)"));
+  CHECK(has(err, "offset 1024 of a 1024-byte allocation"));
+  CHECK(has(err, "past its end"));
+  // the process goes on: the next launch runs
+  scale_k<<<2, 128>>>(b.a, b.out, 256, 0);
+  CHECK(cudaGetLastError() == cudaSuccess);
+}
+
+TEST(read_before_the_start_fails_the_launch) {
+  Buffers b;
+  // 1024 floats (4096 bytes) before the start: the data (1024 bytes) ends its page, so
+  // this lands in the inaccessible page below that one
+  const std::string err = stderr_of([&] { scale_k<<<1, 32>>>(b.a, b.out, 32, -1024); });
+  CHECK(cudaGetLastError() == cudaErrorLaunchFailure);
+  CHECK(has(err, "before its start"));
+}
+
+TEST(write_past_the_end_fails_the_launch) {
+  Buffers b;
+  const std::string err = stderr_of([&] { fill_k<<<3, 128>>>(b.a, 300); });
+  CHECK(cudaGetLastError() == cudaErrorLaunchFailure);
+  CHECK(has(err, "fill_k"));
+  CHECK(has(err, "invalid write"));
+  CHECK(has(err, "past its end"));
+}
+
+TEST(use_after_free_fails_the_launch) {
+  float* a = nullptr;
+  float* out = nullptr;
+  cudaMalloc(reinterpret_cast<void**>(&a), 1024);
+  cudaMalloc(reinterpret_cast<void**>(&out), 1024);
+  cudaFree(a);
+  const std::string err = stderr_of([&] { scale_k<<<1, 64>>>(a, out, 64, 0); });
+  CHECK(cudaGetLastError() == cudaErrorLaunchFailure);
+  CHECK(has(err, "freed 1024-byte allocation"));
+  cudaFree(out);
+}
+
+TEST(shared_memory_past_the_end_fails_the_launch) {
+  Buffers b;
+  smem_k<<<1, 128, 128 * sizeof(float)>>>(b.out, 0);
+  CHECK(cudaGetLastError() == cudaSuccess);
+  const std::string err = stderr_of([&] { smem_k<<<1, 128, 128 * sizeof(float)>>>(b.out, 1); });
+  CHECK(cudaGetLastError() == cudaErrorLaunchFailure);
+  CHECK(has(err, "smem_k"));
+  CHECK(has(err, "offset 512 of the launch's dynamic shared memory"));
+}
+
+TEST(copies_past_the_end_are_refused) {
+  Buffers b;
+  std::vector<float> h(300, 1.0f);
+  std::string err = stderr_of([&] { CHECK(cudaMemcpy(b.a, h.data(), 1028, cudaMemcpyHostToDevice) == cudaErrorInvalidValue); });
+  CHECK(has(err, "cudaMemcpy's destination of 1028 bytes"));
+  CHECK(has(err, "offset 1024 of a 1024-byte allocation"));
+  cudaGetLastError();
+  err = stderr_of([&] { CHECK(cudaMemset(b.a + 1, 0, 1024) == cudaErrorInvalidValue); });
+  CHECK(has(err, "cudaMemset"));
+  cudaGetLastError();
+  CHECK(cudaMemcpy(b.a, h.data(), 1024, cudaMemcpyHostToDevice) == cudaSuccess);
+}
+
+TEST_MAIN()
