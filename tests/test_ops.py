@@ -1114,6 +1114,7 @@ INDEXER_CASES = [  # (block size, nI heads, dI, topk)
     (3, 2, 33, 8),
     (16, 5, 16, 16),
     (16, 4, 32, 7),
+    (64, 32, 128, 16),  # GLM-5.3's indexer: 32 heads x 128
 ]
 
 
@@ -1219,6 +1220,8 @@ MLA_CASES = [  # (block size, heads, kv_lora, rope)
     (16, 4, 64, 16),
     (16, 2, 128, 64),
     (64, 4, 512, 64),  # GLM-5's latent width
+    (64, 16, 512, 64),  # GLM-5.3 at TP4: 16 heads per rank (the kernel's 16-head groups)
+    (64, 64, 512, 64),  # GLM-5.3 at TP1: 64 heads
 ]
 
 

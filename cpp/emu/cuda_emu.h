@@ -19,7 +19,8 @@
 // What it does not: timing, occupancy, register limits, memory-model subtleties inside a
 // barrier interval beyond the one schedule, hardware transcendental approximations
 // (__expf is expf), the tensor cores' internal summation order (emulated in fp32, in k
-// order), CUTLASS (not built in this mode).
+// order), CUTLASS's kernels (host references in this mode: cutlass_ref.cpp). EMU_MEMCHECK=1
+// adds guard pages around allocations, shared memory and stacks (emu_runtime.cpp).
 #pragma once
 #include <cuda_bf16.h>
 #include <cuda_fp16.h>
@@ -42,6 +43,10 @@ extern ThreadCtx* g_thread;   // the running fiber's thread
 extern uint3 g_block_idx;
 extern dim3 g_block_dim, g_grid_dim;
 extern unsigned char* g_dyn_smem;  // the launch's dynamic shared memory
+
+// Whether EMU_MEMCHECK is on (the backend's own pools then place each request against the
+// end of their buffer, so the guard page after it catches an overflow past the request).
+bool memcheck_enabled();
 
 // Synchronization points (each suspends the calling fiber).
 void syncthreads();

@@ -13,6 +13,8 @@
 // it. A kernel thread touching one fails its launch with a message (kernel, block, thread,
 // address, which allocation and how far past its end), as a GPU's illegal-address error
 // would, and the process goes on; copies and memsets past an allocation's end are refused.
+// The backend's scratch and workspace arenas add their own checks on top (scratch.cu,
+// core/arena.cpp: red zones; EMU_MEMCHECK=2 checks those after every kernel).
 // Streams are in order by construction: every launch and copy completes before it returns,
 // except while a stream captures, when launches, copies and memsets are recorded into the
 // graph and run by cudaGraphLaunch. One process-wide lock serializes kernels (fibers of
@@ -63,6 +65,18 @@ bool memcheck() {
   }();
   return on;
 }
+// EMU_MEMCHECK=2: also the after-kernel hook (the workspace arenas' red zones checked after
+// every kernel, naming the one that wrote past a tensor).
+int memcheck_level() {
+  static const int v = [] {
+    const char* e = std::getenv("EMU_MEMCHECK");
+    return e && *e ? std::atoi(e) : 0;
+  }();
+  return v;
+}
+void (*g_after_kernel)(const char*) = nullptr;
+void (*g_graph_hook)(bool before) = nullptr;
+thread_local bool tl_replaying = false;  // in cudaGraphLaunch (the after-kernel hook waits for its end)
 
 std::recursive_mutex& kernel_lock() {
   static std::recursive_mutex m;
@@ -891,12 +905,23 @@ void launch(const LaunchCfg& cfg, void (*thunk)(void*), void* payload, void* (*c
         }
     g_run = prev;
     g_kernel_name = prev_name;
+    if (g_after_kernel && memcheck_level() >= 2 && !tl_replaying) g_after_kernel(c.name ? c.name : "?");
   };
   std::shared_ptr<void> hold(owned, drop);
   issue(cfg.stream, [run, hold]() { run(); });
 }
 
-cudaError_t enqueue_host(cudaStream_t s, std::function<void()> op) { return issue(s, std::move(op)); }
+cudaError_t enqueue_host(cudaStream_t s, std::function<void()> op) {
+  return issue(s, [op = std::move(op)]() {
+    op();
+    if (g_after_kernel && memcheck_level() >= 2 && !tl_replaying) g_after_kernel("a host reference (cutlass_ref.cpp)");
+  });
+}
+
+void set_after_kernel_hook(void (*hook)(const char* kernel)) { g_after_kernel = hook; }
+void set_graph_hook(void (*hook)(bool before)) { g_graph_hook = hook; }
+
+bool memcheck_enabled() { return memcheck(); }
 
 bool device_range(const void* p, size_t bytes, int* device) {
   std::lock_guard<std::mutex> g(host_lock());
@@ -1134,11 +1159,20 @@ cudaError_t cudaGraphInstantiate(cudaGraphExec_t* e, cudaGraph_t g, unsigned lon
 }
 cudaError_t cudaGraphLaunch(cudaGraphExec_t e, cudaStream_t s) {
   auto* g = reinterpret_cast<emu::Graph*>(e);
+  // EMU_MEMCHECK: a replay writes the buffers its capture saw, which an eager step may since
+  // have laid out otherwise (the arenas' red zones): the hook checks before and renews after
+  const bool hook = emu::g_graph_hook && emu::memcheck() && !emu::tl_replaying;
+  if (hook) emu::g_graph_hook(true);
+  const bool outer = !emu::tl_replaying;
+  emu::tl_replaying = true;
+  cudaError_t r = cudaSuccess;
   for (auto& op : g->ops) {
-    const cudaError_t r = emu::issue(s, op);
-    if (r != cudaSuccess) return r;
+    r = emu::issue(s, op);
+    if (r != cudaSuccess) break;
   }
-  return emu::tl_error;
+  if (outer) emu::tl_replaying = false;
+  if (hook) emu::g_graph_hook(false);
+  return r != cudaSuccess ? r : emu::tl_error;
 }
 cudaError_t cudaGraphDestroy(cudaGraph_t g) {
   delete reinterpret_cast<emu::Graph*>(g);

@@ -2,7 +2,8 @@
 // reads or writes past an allocation's end, before its start, after cudaFree or past the
 // launch's dynamic shared memory fails its launch with a message naming the kernel, the
 // thread and the allocation; the process goes on and the next launches run; copies past an
-// allocation's end are refused. Emulated build only (rewritten by rewrite_cu.py like the
+// allocation's end are refused; a workspace arena's tensors are followed by red zones, checked
+// when the arena resets (a write past a tensor inside the arena). Emulated build only (rewritten by rewrite_cu.py like the
 // backend's .cu files); ctest runs it with EMU_MEMCHECK=1.
 #include <cuda_runtime.h>
 
@@ -12,6 +13,7 @@
 #include <unistd.h>
 #include <vector>
 
+#include "dflash2/arena.h"
 #include "testing.h"
 
 namespace {
@@ -76,7 +78,7 @@ struct Buffers {
 
 TEST(memcheck_is_on) {
   const char* e = std::getenv("EMU_MEMCHECK");
-  CHECK(e && std::string(e) == "1");
+  CHECK(e && (std::string(e) == "1" || std::string(e) == "2"));
 }
 
 TEST(in_bounds_launch_runs) {
@@ -154,6 +156,26 @@ TEST(copies_past_the_end_are_refused) {
   CHECK(has(err, "cudaMemset"));
   cudaGetLastError();
   CHECK(cudaMemcpy(b.a, h.data(), 1024, cudaMemcpyHostToDevice) == cudaSuccess);
+}
+
+TEST(arena_red_zone_catches_a_write_past_a_tensor) {
+  using namespace dflash2;
+  // the planner reserves the red zones too, so a planned arena still fits
+  Arena plan = Arena::planner(Device::cuda(0));
+  plan.alloc(DType::F32, {256});
+  plan.alloc(DType::F32, {64});
+  Arena a(plan.high_water(), Device::cuda(0));
+  Tensor t = a.alloc(DType::F32, {256});
+  Tensor u = a.alloc(DType::F32, {64});
+  CHECK(a.used() == plan.high_water());
+  CHECK(u.data_as<float>() >= t.data_as<float>() + 256 + 64);  // 256 bytes of red zone between them
+  fill_k<<<1, 256>>>(t.data_as<float>(), 256);
+  CHECK(cudaGetLastError() == cudaSuccess);
+  a.reset();  // intact: no error
+  Tensor t2 = a.alloc(DType::F32, {256});
+  fill_k<<<1, 260>>>(t2.data_as<float>(), 260);  // 4 floats past its end: inside the arena, no fault
+  CHECK(cudaGetLastError() == cudaSuccess);
+  CHECK_THROWS(a.reset(), "wrote past the end of workspace arena tensor #0 (F32[256], 1024 bytes");
 }
 
 TEST_MAIN()

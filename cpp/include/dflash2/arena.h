@@ -5,6 +5,8 @@
 #pragma once
 #include <cstddef>
 #include <memory>
+#include <string>
+#include <vector>
 
 #include "dflash2/tensor.h"
 
@@ -15,6 +17,9 @@ class Arena {
   static constexpr size_t kDefaultAlignment = 256;
   // A real arena with `capacity` bytes on `dev`.
   Arena(size_t capacity, Device dev = Device::cpu(), size_t alignment = kDefaultAlignment);
+  ~Arena();
+  Arena(Arena&&) = default;
+  Arena& operator=(Arena&&) = default;
   // A planning arena: allocations return tensors without memory (data() == nullptr) and
   // only the high-water mark is recorded. Size a real arena with planner.high_water().
   static Arena planner(Device dev = Device::cpu(), size_t alignment = kDefaultAlignment);
@@ -37,6 +42,23 @@ class Arena {
   bool planning_ = false;
   std::shared_ptr<void> block_;
   char* base_ = nullptr;
+  // The CPU emulation of the CUDA backend under EMU_MEMCHECK (cpp/emu): each allocation is
+  // followed by a red zone of kRedZone canary bytes, checked when reset() frees it, so an op
+  // that writes past the end of its arena tensor is reported (planning arenas reserve the
+  // same bytes, so capacities still fit). Off in every other build.
+  static constexpr size_t kRedZone = 256;
+  struct Zone {
+    size_t off, bytes;
+    std::string what;
+    mutable bool reported = false;
+  };
+  bool red_ = false;
+  std::vector<Zone> zones_;
+  std::string pending_;  // a corruption seen before a graph replay: reset() reports it
+  // "" or what wrote past a zone of an allocation at offset >= from (once: skip and mark reported)
+  std::string bad_zone(size_t from, bool once) const;
+  static void after_kernel(const char* kernel);  // EMU_MEMCHECK=2 (emulated build only)
+  static void graph_hook(bool before);           // around each graph replay (emulated build only)
 };
 
 }  // namespace dflash2

@@ -329,7 +329,8 @@ void launch(const Params& p, dim3 grid, cudaStream_t s) {
 
 void gemm(const GemmArgs& g, cudaStream_t s) {
   const char* op = "cuda::dq::gemm";
-  DFLASH2_CHECK_ARG(g.a && g.d && g.K > 0 && g.N >= 0 && g.M >= 0, op, ": bad arguments (K = ", g.K, ")");
+  DFLASH2_CHECK_ARG(g.a && g.d && g.K > 0 && g.K <= int64_t(INT32_MAX) - 32 && g.N >= 0 && g.M >= 0, op,
+                    ": bad arguments (K = ", g.K, "; the k-tile count is an int)");
   DFLASH2_CHECK_ARG(detail::aligned(g.a, 16) && g.lda % 8 == 0 && g.lda >= (g.K + 7) / 8 * 8, op,
                     ": A must be 16-byte aligned with lda % 8 == 0 and lda >= round_up(K, 8), found lda ", g.lda);
   DFLASH2_CHECK_ARG(g.groups >= 1 && (g.start != nullptr) == (g.tile_start != nullptr) &&
