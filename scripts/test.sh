@@ -65,10 +65,6 @@ if [ "$emulate" = ON ]; then
   # cpp/emu/cutlass_ref.cpp; what runs is our code around them).
   EMU_SM=100 DFLASH2_RT_CORE_DIR="$PWD/$tree" python -m pytest -q -ra -p no:cacheprovider tests/test_ops.py \
     -k "cuda and (linear_bf16 or linear_fp8 or linear_nvfp4 or moe_experts)"
-  # ... and one engine as Blackwell: GLM-5.3-NVFP4's layout (NVFP4 routed experts) on the W4A4
-  # grouped GEMM, with the scales prepared at load (ops::prepare_nvfp4_scales)
-  EMU_SM=100 DFLASH2_RT_CORE_DIR="$PWD/$tree" python -m pytest -q -ra -p no:cacheprovider \
-    tests/test_cuda_engine.py -k "${DFLASH2_EMU_SM100_ENGINE_TESTS:-nvfp4_experts_prefill_on_cuda}"
   # 4 emulated GPUs, so tensor parallelism runs over the emulator's NCCL (cpp/emu/nccl_emu.cpp)
   engine_cases="test_logits_equal_cpu or nvfp4-experts or greedy_and_batch or seeded_sampling_equal or dflash2_pair"
   engine_cases="$engine_cases or bad_devices or decode_gemm_on_cuda or tensor_parallel or cuda_graphs_equal_eager"

@@ -241,7 +241,9 @@ def test_cuda_graphs_equal_eager(tmp_path):
                    for g in (True, False)]
         assert engines[0].cuda_graphs and not engines[1].cuda_graphs
         assert engines[0].pad_to_buckets and not engines[1].pad_to_buckets
-        for bs in (1, 2, 3, 4):
+        # in the CPU emulation of the CUDA backend (minutes per engine): batch sizes 1 and 3
+        # (3 runs padded to the bucket of 4)
+        for bs in (1, 3) if dflash2_rt.build_info()["cuda_emulated"] else (1, 2, 3, 4):
             for kw in (dict(), dict(temperature=1.0, top_p=0.9, seed=11)):
                 a, b = [[list(r.token_ids) for r in e.generate(prompts[:bs], max_new_tokens=20, stop_token_ids=NO_STOP,
                                                                **kw)] for e in engines]
