@@ -1,12 +1,11 @@
 #include "dflash2/arena.h"
 
-#include "dflash2/error.h"
-
-#include <cstring>
-
 #include <cstdio>
+#include <cstring>
 #include <mutex>
 #include <set>
+
+#include "dflash2/error.h"
 
 #ifdef DFLASH2_CUDA_EMULATED
 #include <cuda_runtime.h>
@@ -37,6 +36,7 @@ std::set<const Arena*>& live_arenas() {
 }  // namespace
 
 #ifdef DFLASH2_CUDA_EMULATED
+namespace {
 // Calls fn(arena) for the live arenas with red zones on this thread's device (another rank's
 // thread may be allocating in its own).
 template <class F>
@@ -47,6 +47,7 @@ void for_live_arenas(F fn) {
   for (const Arena* a : live_arenas())
     if (a->device().is_cuda() && a->device().index == dev) fn(const_cast<Arena&>(*a));
 }
+}  // namespace
 
 void Arena::after_kernel(const char* kernel) {
   for_live_arenas([kernel](Arena& a) {
