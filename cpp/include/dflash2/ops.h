@@ -137,7 +137,8 @@ bool takes_w4a4(const Weight& w);
 bool linear_nvfp4_available(Device dev);
 // Sets w.sf_blocked when w takes W4A4 (takes_w4a4) and lives on a GPU whose linear_nvfp4
 // reads that layout (the CUTLASS kernels of sm_100a / sm_103a), from w.scale, on the device,
-// and waits for it; returns whether it did (false on the CPU, on Hopper, for other formats).
+// and waits for it; returns whether w has them now (false on the CPU, on Hopper, for other
+// formats; true without work when w already has them).
 // The engine calls it at load for every W4A4 weight once NVFP4 numerics are chosen; the
 // bytes it adds are 1 / 8 of the weight's codes.
 bool prepare_nvfp4_scales(Weight& w);

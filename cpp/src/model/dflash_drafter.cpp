@@ -195,9 +195,8 @@ void DFlashDrafter::to_device(Device dev, const Tensor& embed, const Weight& lm_
 void DFlashDrafter::set_gemm(ops::GemmNumerics g) {
   gemm_ = g;
   if (g != ops::GemmNumerics::NVFP4 || !device_.is_cuda()) return;
-  for (Weight* w : own_weights())
-    if (w->data.defined() && !w->sf_blocked.defined() && ops::takes_w4a4(*w)) ops::prepare_nvfp4_scales(*w);
-  if (!lm_head_.sf_blocked.defined() && ops::takes_w4a4(lm_head_)) ops::prepare_nvfp4_scales(lm_head_);
+  for (Weight* w : own_weights()) ops::prepare_nvfp4_scales(*w);  // undefined / not W4A4: nothing
+  ops::prepare_nvfp4_scales(lm_head_);
 }
 
 DFlashDrafter::Bufs DFlashDrafter::alloc_append(Arena& a, int64_t n) const {

@@ -468,10 +468,7 @@ void GlmModel::prepare_w4a4_scales() {
   const bool w4a4 = opt_.prefill == GemmNumerics::NVFP4 || opt_.decode == GemmNumerics::NVFP4 ||
                     experts_prefill_ == GemmNumerics::NVFP4 || experts_decode_ == GemmNumerics::NVFP4;
   if (!w4a4 || !device_.is_cuda()) return;
-  for_each_param([](Tensor&) {},
-                 [](Weight& w) {
-                   if (!w.sf_blocked.defined() && ops::takes_w4a4(w)) ops::prepare_nvfp4_scales(w);
-                 });
+  for_each_param([](Tensor&) {}, [](Weight& w) { ops::prepare_nvfp4_scales(w); });
 }
 
 bool GlmModel::has_fp8_weights() const {

@@ -162,6 +162,7 @@ bool linear_nvfp4_available(Device dev) {
 
 bool prepare_nvfp4_scales(Weight& w) {
   if (!takes_w4a4(w) || !w.data.defined() || !w.data.device().is_cuda()) return false;
+  if (w.sf_blocked.defined()) return true;  // already prepared
 #if defined(DFLASH2_WITH_CUDA) && defined(DFLASH2_WITH_CUTLASS)
   if (!cuda::linear_nvfp4_supported(w.data.device().index)) return false;
   w.sf_blocked = cuda::nvfp4_blocked_scales(w);

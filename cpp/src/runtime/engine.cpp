@@ -8,6 +8,7 @@
 #include <cmath>
 #include <cstring>
 #include <cstdio>
+#include <functional>
 #include <mutex>
 #include <unordered_map>
 #include <vector>
@@ -149,18 +150,24 @@ std::string tc_gemm_self_check(Device dev, ops::GemmNumerics g, std::string* exp
     if (!why.empty()) return why;
     // decode sizes: an M = 1 and an M = 5 call give bitwise the same rows as the M = 130 one
     // (a row must not depend on its batch: decode == verify, which lossless speculation and
-    // chunked prefill rely on)
-    {
-      const Tensor full = yd.to(Device::cpu());
+    // chunked prefill rely on); gemm(x rows on the device, y) runs the GEMM under test
+    auto batch_invariant = [&](const Tensor& xh, const Tensor& full_dev, const std::string& what,
+                               const std::function<void(const Tensor&, Tensor&)>& gemm) -> std::string {
+      const Tensor full = full_dev.to(Device::cpu());
       for (const int64_t m : {int64_t(1), int64_t(5)}) {
         Tensor ys = Tensor::empty(DType::F32, {m, N}, dev);
-        ops::linear_as(g, x.slice(0, 0, m).to(dev), wd, ys);
+        gemm(xh.slice(0, 0, m).to(dev), ys);
         const Tensor got = ys.to(Device::cpu());
         if (std::memcmp(got.data(), full.data(), size_t(m * N) * sizeof(float)) != 0)
-          return "rows of an M = " + std::to_string(m) + " GEMM differ from the same rows of an M = " +
+          return what + ": rows of an M = " + std::to_string(m) + " call differ from the same rows of an M = " +
                  std::to_string(M) + " one (not batch-invariant)";
       }
-    }
+      return "";
+    };
+    const std::string why_rows = batch_invariant(x, yd, "GEMM", [&](const Tensor& xm, Tensor& ym) {
+      ops::linear_as(g, xm, wd, ym);
+    });
+    if (!why_rows.empty()) return why_rows;
     auto fp4w = [&](int64_t n_out, int64_t n_in, float input_scale = 0.0f) {  // n_in % 16 == 0
       Tensor packed = Tensor::empty(DType::U8, {n_out, n_in / 2}), sc = Tensor::empty(DType::F8_E4M3, {n_out, n_in / 16});
       uint8_t* pp = static_cast<uint8_t*>(packed.data());
@@ -169,19 +176,25 @@ std::string tc_gemm_self_check(Device dev, ops::GemmNumerics g, std::string* exp
       for (int64_t i = 0; i < sc.numel(); ++i) sp[i] = uint8_t(0x30 + int((next() + 1.0f) * 7.99f));
       return ops::Weight::nvfp4(packed, sc, 0.02f, input_scale, n_in, "self-check");
     };
+    auto fp8w = [&](int64_t n_out, int64_t n_in) {
+      Tensor c = Tensor::empty(DType::F8_E4M3, {n_out, n_in});
+      Tensor sc = Tensor::empty(DType::F32, {(n_out + 127) / 128, (n_in + 127) / 128});
+      uint8_t* cp = static_cast<uint8_t*>(c.data());
+      for (int64_t i = 0; i < c.numel(); ++i) {
+        // magnitude codes below 0x58 (|value| < 2^4: no overflow; never 0x7f, E4M3's NaN)
+        const uint8_t v = uint8_t(uint64_t((next() + 1.0f) * 43.99f));
+        cp[i] = uint8_t(v | (next() < 0 ? 0x80 : 0));
+      }
+      for (int64_t i = 0; i < sc.numel(); ++i) sc.data_as<float>()[i] = 1e-2f * (1.5f + next());
+      return ops::Weight::fp8_block128(c, sc, "self-check");
+    };
     if (g == ops::GemmNumerics::BF16) {
       // NVFP4 and FP8 weights through linear_bf16 (on CUDA the mainloop-dequantizing kernel),
       // each against the CPU and its M = 1 / 5 rows against the M = 130 ones
       const int64_t K4 = 208;
       Tensor x4 = Tensor::empty(DType::F32, {M, K4});
       for (int64_t i = 0; i < M * K4; ++i) x4.data_as<float>()[i] = next();
-      const ops::Weight w4 = fp4w(N, K4);
-      Tensor c8 = Tensor::empty(DType::F8_E4M3, {N, K4}), s8 = Tensor::empty(DType::F32, {(N + 127) / 128, 2});
-      uint8_t* c8p = static_cast<uint8_t*>(c8.data());
-      for (int64_t i = 0; i < c8.numel(); ++i)  // magnitude codes below 0x58: never E4M3's NaN
-        c8p[i] = uint8_t(uint8_t(uint64_t((next() + 1.0f) * 43.99f)) | (next() < 0 ? 0x80 : 0));
-      for (int64_t i = 0; i < s8.numel(); ++i) s8.data_as<float>()[i] = 1e-2f * (1.5f + next());
-      const ops::Weight w8 = ops::Weight::fp8_block128(c8, s8, "self-check");
+      const ops::Weight w4 = fp4w(N, K4), w8 = fp8w(N, K4);
       auto check_q = [&]() -> std::string {
         for (const ops::Weight* wq : {&w4, &w8}) {
           const char* what = wq == &w4 ? "NVFP4-weight GEMM" : "FP8-weight GEMM";
@@ -190,16 +203,9 @@ std::string tc_gemm_self_check(Device dev, ops::GemmNumerics g, std::string* exp
           ops::linear_bf16(x4, *wq, wantq);
           ops::linear_bf16(x4.to(dev), wqd, gotq);
           std::string w_why = compare(gotq, wantq, 1e-8, what);
+          if (w_why.empty())
+            w_why = batch_invariant(x4, gotq, what, [&](const Tensor& xm, Tensor& ym) { ops::linear_bf16(xm, wqd, ym); });
           if (!w_why.empty()) return w_why;
-          const Tensor full = gotq.to(Device::cpu());
-          for (const int64_t m : {int64_t(1), int64_t(5)}) {
-            Tensor ys = Tensor::empty(DType::F32, {m, N}, dev);
-            ops::linear_bf16(x4.slice(0, 0, m).to(dev), wqd, ys);
-            const Tensor got = ys.to(Device::cpu());
-            if (std::memcmp(got.data(), full.data(), size_t(m * N) * sizeof(float)) != 0)
-              return std::string(what) + ": rows of an M = " + std::to_string(m) +
-                     " call differ from the same rows of an M = 130 one (not batch-invariant)";
-          }
         }
         return "";
       };
@@ -229,18 +235,6 @@ std::string tc_gemm_self_check(Device dev, ops::GemmNumerics g, std::string* exp
     for (const char fmt : expert_fmts) {
       // (W4A4: K % 32 == 0, not multiples of the 256-deep k-tile)
       const int64_t T = 5, E = 4, H = fmt == 'a' ? 224 : 208, F = fmt == 'a' ? 160 : 144, k = 2;
-      auto fp8w = [&](int64_t n_out, int64_t n_in) {
-        Tensor c = Tensor::empty(DType::F8_E4M3, {n_out, n_in});
-        Tensor sc = Tensor::empty(DType::F32, {(n_out + 127) / 128, (n_in + 127) / 128});
-        uint8_t* cp = static_cast<uint8_t*>(c.data());
-        for (int64_t i = 0; i < c.numel(); ++i) {
-          // magnitude codes below 0x58 (|value| < 2^4: no overflow; never 0x7f, E4M3's NaN)
-          const uint8_t v = uint8_t(uint64_t((next() + 1.0f) * 43.99f));
-          cp[i] = uint8_t(v | (next() < 0 ? 0x80 : 0));
-        }
-        for (int64_t i = 0; i < sc.numel(); ++i) sc.data_as<float>()[i] = 1e-2f * (1.5f + next());
-        return ops::Weight::fp8_block128(c, sc, "self-check expert");
-      };
       auto bf16w = [&](int64_t n_out, int64_t n_in) {
         Tensor w = Tensor::empty(DType::BF16, {n_out, n_in});
         uint16_t* wp = static_cast<uint16_t*>(w.data());
