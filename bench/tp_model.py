@@ -14,9 +14,15 @@ What the engine issues (cpp/src/model/glm_model.cpp), per target forward of T to
     block (dense / shared-expert intermediate split, routed experts split by expert:
     routed and shared partial sums are added before the one all-reduce)
   1 all-gather of the logits [R, V] (vocabulary-parallel LM head; R = rows sampled: B for
-    AR, B x 8 for a DFlash 2 verify)
-The drafter is replicated on every rank and reads the (already reduced) target features:
-no collective. The MTP layer (method "mtp") adds 2 all-reduces + 1 all-gather per draft.
+    AR, B x 8 for a DFlash 2 verify); a step whose requests are all greedy gathers each
+    rank's (max, id) pairs [N, R, 2] instead ("argmax gather" below). The times below
+    count the logits gather (a sampled step: the worst case).
+The drafter runs on rank 0 only and reads the (already reduced) target features: no
+collective; on GPUs the other ranks copy its drafted ids peer to peer (7 I32 per sequence).
+The DFlash drafter's LM head over the block reads the full vocabulary on rank 0 (its own
+copy: the target's is sharded): printed as "draft head" beside the step, the part of the
+drafter that tensor parallelism leaves unsplit. The MTP layer (method "mtp") adds 2
+all-reduces + 1 all-gather per draft.
 
 Time of one collective on N ranks (ring/NVLS bus model of nccl-tests doc/PERFORMANCE.md):
   all-reduce  t = alpha + 2 (N - 1) / N * S / B
@@ -116,6 +122,9 @@ def model(c, context):
                              all_gathers=n_ag, logits_gather_bytes=ag_bytes,
                              argmax_gather_bytes=R * N * 8)
                 for name, m in MACHINES.items():
+                    # the DFlash drafter's LM head over the block, BF16, full vocabulary on rank 0
+                    draft_head = (c["vocab_size"] * c["hidden_size"] * 2 / (m["hbm_TBps"] * 1e6)
+                                  if per_seq > 1 else 0.0)
                     comm = sum(n * coll_time_us(k, S, N, m) for k, _, S, n in cs)
                     comm_bw_only = sum(n * (coll_time_us(k, S, N, m) - m["alpha_us"]) for k, _, S, n in cs)
                     weights = weights_bytes_per_rank(c, T, N)
@@ -124,6 +133,8 @@ def model(c, context):
                     entry[name] = dict(comm_us=round(comm, 1), comm_latency_us=round(comm - comm_bw_only, 1),
                                        comm_bandwidth_us=round(comm_bw_only, 1), compute_us=round(compute, 1),
                                        comm_share=round(comm / (comm + compute), 3),
+                                       draft_head_rank0_us=round(draft_head, 1),
+                                       draft_head_split_us=round(draft_head / N, 1),
                                        per_layer_comm_us=round(2 * coll_time_us("all_reduce", ar_bytes, N, m), 2))
                 rows.append(entry)
     return rows
@@ -202,6 +213,10 @@ def main():
     print("per layer: 2 all-reduces; e.g. dflash2 B=32 TP=4: "
           + ", ".join(f"{m} {next(e for e in rows if e['method'].startswith('dflash2') and e['tp'] == 4 and e['batch'] == 32)[m]['per_layer_comm_us']} us"
                       for m in MACHINES))
+    d = next(e for e in rows if e["method"].startswith("dflash2") and e["tp"] == 4)
+    print("draft head (the DFlash drafter's LM head over the block, full vocabulary on rank 0, BF16): "
+          + ", ".join(f"{m} {d[m]['draft_head_rank0_us']} us (vocabulary-parallel at TP 4: "
+                      f"{d[m]['draft_head_split_us']} us)" for m in MACHINES))
     bal = expert_balance(c)
     print("routed experts read by the slowest rank (expert-equivalents), uniform top-8 routing:")
     print(f"{'TP':>3s} {'tokens':>6s} {'split':>7s} {'EP':>7s} {'EP/split':>8s}")

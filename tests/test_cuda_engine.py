@@ -381,16 +381,23 @@ def test_tensor_parallel_on_gpus(zoo, tp):
     got = gpu.generate(prompts, max_new_tokens=10, stop_token_ids=NO_STOP)
     for i, (g, w) in enumerate(zip(got, want)):
         same_tokens(cpu, prompts[i], g.token_ids, w.token_ids, f"TP={tp} on GPUs greedy, prompt {i}")
+    # every rank's decode chunks ran as CUDA graphs (NCCL collectives inside), none failed
+    m = gpu.metrics()
+    assert gpu.cuda_graphs and m["cuda_graphs_replayed"] > 0 and m["cuda_graphs_failed"] == 0, m
+    assert m["argmax_gather_steps"] > 0, m  # greedy: (max, id) pairs gathered on the GPUs, not logits
 
 
 def test_speculative_tensor_parallel_on_gpus(zoo, tmp_path):
     """Speculation over a target sharded across 2 GPUs: greedy MTP equals AR on the same
     GPUs token for token; seeded MTP sampling equals the CPU's seeded MTP (the uniforms
     come from (seed, request, position) only; the logits differ by rounding, which moves a
-    draw only if a uniform lands within ~1e-7 of a bucket edge); the DFlash 2 pair (drafter
-    replicated, reading the gathered target features) gives its exact expected output."""
+    draw only if a uniform lands within ~1e-7 of a bucket edge); the DFlash 2 pair gives its
+    exact expected output and accepted counts. Both drafters run on rank 0's GPU (the DFlash
+    drafter with its own full embedding and LM head), and rank 1 copies their drafts (and
+    MTP's hidden states) peer to peer."""
     ar = _tp_engine_or_skip(zoo, 2)
     mtp = zoo.engine("tiny", "cuda", method="mtp", tensor_parallel=2)
+    assert mtp.draft_device == "cuda:0" and ar.draft_device is None
     prompts = [gf.prompt(880 + i, n) for i, n in enumerate((3, 11, 6))]
     kw = dict(max_new_tokens=14, stop_token_ids=NO_STOP)
     a = [list(r.token_ids) for r in ar.generate(prompts, **kw)]
@@ -400,14 +407,23 @@ def test_speculative_tensor_parallel_on_gpus(zoo, tmp_path):
     a = [list(r.token_ids) for r in zoo.engine("tiny", "cpu", method="mtp").generate(prompts, **sk)]
     b = [list(r.token_ids) for r in mtp.generate(prompts, **sk)]
     assert a == b, "seeded mtp sampling at TP=2 on GPUs != the CPU's"
+    m = mtp.metrics()  # the MTP layer's chunks and the verify chunks as graphs on both ranks
+    assert m["cuda_graphs_replayed"] > 0 and m["cuda_graphs_failed"] == 0, m
     pair = F.make_self_drafting_pair(tmp_path)
     eng = dflash2_rt.Engine(target=pair.target_dir, draft=pair.draft_dir, method="dflash2", device="cuda",
-                            tensor_parallel=2, **KW)
+                            tensor_parallel=2, draft_gemm="exact", **KW)
+    assert eng.draft_device == "cuda:0"
     prompts = [[int(x)] * 3 for x in (5, 40)]
     for pr, r in zip(prompts, eng.generate(prompts, max_new_tokens=25, stop_token_ids=NO_STOP)):
         exp = pair.expected_greedy(pr, 25)
         assert list(r.token_ids) == exp["tokens"]
         assert r.stats["verify_steps"] == exp["steps"]
+    m = eng.metrics()  # the drafter's draft forward and the verify chunks as graphs
+    assert m["cuda_graphs_replayed"] > 0 and m["cuda_graphs_failed"] == 0, m
+    # propose() reads the drafts back from rank 0's GPU: the CPU engine's proposal
+    cpu = dflash2_rt.Engine(target=pair.target_dir, draft=pair.draft_dir, method="dflash2", **KW)
+    want, got = cpu.propose(prompts[0]), eng.propose(prompts[0])
+    assert list(got.tokens) == list(want.tokens)
 
 
 def test_dflash_paths_on_cuda(tmp_path):

@@ -28,7 +28,7 @@ CUDA_OPS = {"rms_norm", "layer_norm", "rope", "silu_mul", "softmax", "embedding"
             "moe_route", "moe_experts", "topk", "selector_walk", "linear", "linear_heads", "embedding_shard",
             "linear_bf16", "linear_fp8", "fp8_quantize_act", "linear_nvfp4", "moe_experts_fp8", "moe_experts_nvfp4",
             "resolve_tokens",
-            "next_after_accept"}
+            "next_after_accept", "argmax_shard", "argmax_merge", "accept_greedy"}
 GUARD = 64
 SENTINEL = np.float32(-12345.678)
 ISENTINEL = np.int32(-777777)
@@ -1054,6 +1054,81 @@ def test_check_finite(dev):
     wide[1, 2] = np.nan  # outside the slice below
     wide[2, 12] = np.inf
     np.testing.assert_array_equal(to_np(ops.check_finite(to_dev(wide, dev).slice(1, 5, 15))), [0, 0, 1])
+
+
+@pytest.mark.parametrize("dev", DEVICES)
+def test_argmax_shard_and_merge_equal_argmax(dev):
+    """Greedy decoding over a vocabulary split in N shards without gathering the logits: each
+    shard's (max, id) pair, merged in shard order, is argmax over the whole row (the first
+    maximum, also across shard boundaries), and the merged flag is check_finite's."""
+    need_device(dev, "argmax_shard")
+    for (r, v, n) in [(1, 12, 2), (7, 64, 4), (5, 1000, 2), (3, 154880 // 64, 4), (9, 6, 3)]:
+        rng = rng_for("argmax_shard", r, v, n)
+        x = rng.integers(-4, 4, (r, v)).astype(np.float32)  # many ties, across shards too
+        x[0] = 2.0  # every id ties: 0
+        if r > 2:
+            x[1, :] = -np.inf
+            x[1, -1] = -1e30  # the only finite value is in the last shard
+            x[2, v // n + 1] = np.nan  # a non-finite row: flagged
+        if r > 4:
+            x[3, v - 1] = np.inf
+            x[4, :] = -3.0
+            x[4, v // n] = 5.0  # the first id of shard 1 wins
+            x[4, 2 * v // n - 1] = 5.0  # a tie later in the same row: the earlier id stays
+        vs = v // n
+        pairs = np.zeros((n, r, 2), np.float32)
+        for k in range(n):
+            out = Guarded((r, 2), dev, np.float32)
+            ops.argmax_shard(to_dev(np.ascontiguousarray(x[:, k * vs:(k + 1) * vs]), dev), k * vs, out=out.view)
+            pairs[k] = out.result()
+        finite = refs.check_finite(x) == 0
+        for i in range(r):
+            for k in range(n):
+                sh = x[i, k * vs:(k + 1) * vs]
+                if np.all(np.isfinite(sh)):
+                    assert pairs[k, i, 0] == sh.max() and pairs[k, i, 1] == k * vs + sh.argmax()
+                else:
+                    assert np.isnan(pairs[k, i, 0]) and pairs[k, i, 1] == k * vs
+        ids, flags = Guarded((r,), dev, np.int32), Guarded((r,), dev, np.int32)
+        ops.argmax_merge(to_dev(pairs, dev), ids=ids.view, flags=flags.view)
+        got_ids, got_flags = ids.result(), flags.result()
+        np.testing.assert_array_equal(got_flags, refs.check_finite(x))
+        np.testing.assert_array_equal(got_ids[finite], x.argmax(1)[finite])
+    with pytest.raises(dflash2_rt.InvalidArgumentError, match="exact in F32"):
+        ops.argmax_shard(to_dev(np.zeros((1, 4), np.float32), dev), (1 << 24) - 2)
+    with pytest.raises(dflash2_rt.InvalidArgumentError, match=r"argmax_merge: pairs must be F32 \[N >= 1, R, 2\]"):
+        ops.argmax_merge(to_dev(np.zeros((2, 3, 3), np.float32), dev))
+
+
+@pytest.mark.parametrize("dev", DEVICES)
+def test_accept_greedy_equals_accept(dev):
+    """Greedy acceptance from the target's argmax ids equals accept over the logits with every
+    temperature 0: accepted prefixes of every length, the bonus after them, ar rows (no draft)."""
+    need_device(dev, "accept_greedy")
+    rng = rng_for("accept_greedy")
+    S, K, V = 6, 5, 40
+    lens = np.array([5, 5, 3, 0, 1, 5], np.int32)
+    row0 = np.concatenate([[0], np.cumsum(lens + 1)[:-1]]).astype(np.int32)
+    M = int((lens + 1).sum())
+    logits = rng.standard_normal((M, V)).astype(np.float32)
+    ids = logits.argmax(1).astype(np.int32)
+    drafts = rng.integers(0, V, (S + 1, K)).astype(np.int32)
+    draft_row = np.array([2, 0, 1, 6, 3, 4], np.int32)
+    for s, keep in enumerate([5, 2, 3, 0, 0, 0]):  # accept this many: copy the target's ids
+        drafts[draft_row[s], :keep] = ids[row0[s]:row0[s] + keep]
+    drafts[draft_row[5], 0] = ids[row0[5]]
+    drafts[draft_row[5], 1] = (ids[row0[5] + 1] + 1) % V  # rejected at 1
+    got_a, got_b = ops.accept_greedy(to_dev(ids, dev), to_dev(row0, dev), to_dev(drafts, dev),
+                                     to_dev(draft_row, dev), to_dev(lens, dev))
+    zeros_f, ones_f = np.zeros(S, np.float32), np.ones(S, np.float32)
+    want_a, want_b = ops.accept(logits, row0, drafts, draft_row, lens, None, None, zeros_f, ones_f,
+                                np.zeros(S, np.int32), np.zeros((S, 2), np.int64))
+    np.testing.assert_array_equal(to_np(got_a), to_np(want_a))
+    np.testing.assert_array_equal(to_np(got_b), to_np(want_b))
+    np.testing.assert_array_equal(to_np(got_a), [5, 2, 3, 0, 0, 1])
+    if dev == "cpu":
+        with pytest.raises(dflash2_rt.InvalidArgumentError, match="accept_greedy: sequence 0 needs ids rows"):
+            ops.accept_greedy(ids[:3], row0, drafts, draft_row, lens)
 
 
 # ----------------------------------------------------------------------------- paged caches

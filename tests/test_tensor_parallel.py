@@ -112,6 +112,28 @@ def test_greedy_and_batch_equal_tp1(zoo, tp):
     for i, (g, w) in enumerate(zip(got, want)):
         same_tokens(one, prompts[i], g.token_ids, w.token_ids, f"TP={tp} prompt {i}")
         assert g.finish_reason == "length"
+    assert eng.metrics()["argmax_gather_steps"] > 0  # greedy: argmax pairs gathered, not logits
+
+
+def test_greedy_steps_gather_argmax_pairs_not_logits(zoo):
+    """Tensor parallelism with every request greedy: a decode step's verify pass gathers each
+    rank's (max, id) pair per row (N x R x 2 floats), not the logits (R x V); a step with a
+    sampled request gathers the logits. The tokens are TP=1's either way (above), and the
+    argmax over the shards' pairs is the argmax over the gathered logits exactly."""
+    V = gf.TINY_CONFIG["vocab_size"]
+    for tp in (2, 4):
+        eng = zoo.engine("tiny", tp)
+        p = gf.prompt(610, 5)
+        c0, m0 = eng.tp_collectives(), eng.metrics()["argmax_gather_steps"]
+        (r,) = eng.generate([p], max_new_tokens=9, stop_token_ids=NO_STOP)
+        c1, m1 = eng.tp_collectives(), eng.metrics()["argmax_gather_steps"]
+        assert len(r.token_ids) == 9 and m1 - m0 == 8  # the prompt's logits give token 1; 8 decode steps
+        assert c1["all_gather_calls"] - c0["all_gather_calls"] == 1 + 8
+        # the prompt chunk's one logits row (V floats), then 8 steps of tp pairs of one row
+        assert c1["all_gather_bytes"] - c0["all_gather_bytes"] == V * 4 + 8 * tp * 2 * 4
+        (s,) = eng.generate([p], max_new_tokens=9, temperature=1.0, seed=1, stop_token_ids=NO_STOP)
+        c2, m2 = eng.tp_collectives(), eng.metrics()["argmax_gather_steps"]
+        assert m2 == m1 and c2["all_gather_bytes"] - c1["all_gather_bytes"] == 9 * V * 4  # sampled: the logits
 
 
 @pytest.mark.parametrize("option", ["prefill_gemm", "decode_gemm"])
@@ -163,8 +185,9 @@ def pair(tmp_path_factory):
 
 @pytest.mark.parametrize("tp", [2, 4])
 def test_dflash2_pair_at_tp(pair, tp):
-    """DFlash 2 over a sharded target (the drafter is replicated and reads the gathered
-    target features): the hand-built pair's exact output and accepted counts."""
+    """DFlash 2 over a sharded target (the drafter runs on rank 0 and reads the reduced
+    target features): the hand-built pair's exact output and accepted counts; its greedy
+    steps gather argmax pairs, not logits."""
     eng = dflash2_rt.Engine(target=pair.target_dir, draft=pair.draft_dir, method="dflash2", device="cpu",
                             max_batch_size=4, max_seq_len=256, tensor_parallel=tp)
     prompts = [[int(x)] * 3 for x in (5, 40, 77)]
@@ -173,6 +196,7 @@ def test_dflash2_pair_at_tp(pair, tp):
         exp = pair.expected_greedy(pr, 41)
         assert list(r.token_ids) == exp["tokens"]
         assert r.stats["verify_steps"] == exp["steps"]
+    assert eng.metrics()["argmax_gather_steps"] > 0
 
 
 # ---------------------------------------------------------------------------- quantized

@@ -1084,6 +1084,14 @@ cudaError_t cudaMemcpyPeer(void* dst, int, const void* src, int, size_t n) {
   if (n) std::memmove(dst, src, n);
   return cudaSuccess;
 }
+cudaError_t cudaMemcpyPeerAsync(void* dst, int, const void* src, int, size_t n, cudaStream_t s) {
+  if (!emu::span_ok(dst, n, "cudaMemcpyPeerAsync's destination") ||
+      !emu::span_ok(src, n, "cudaMemcpyPeerAsync's source"))
+    return set_error(cudaErrorInvalidValue);
+  return emu::issue(s, [dst, src, n]() {
+    if (n) std::memmove(dst, src, n);
+  });
+}
 cudaError_t cudaMemset(void* dst, int v, size_t n) {
   if (!emu::span_ok(dst, n, "cudaMemset")) return set_error(cudaErrorInvalidValue);
   std::memset(dst, v, n);

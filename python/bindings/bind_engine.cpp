@@ -279,6 +279,7 @@ void bind_engine(py::module_& m) {
              d["steps_as_one_unit"] = m.steps_as_one_unit;
              d["padding_rows"] = m.padding_rows;
              d["drafter_appends_in_step"] = m.drafter_appends_in_step;
+             d["argmax_gather_steps"] = m.argmax_gather_steps;
              return d;
            })
       .def(
@@ -297,6 +298,7 @@ void bind_engine(py::module_& m) {
       .def_property_readonly("expert_parallel", [](const Engine& e) { return e.config().expert_parallel; })
       .def_property_readonly("prefill_gemm", [](const Engine& e) { return e.config().prefill_gemm; })
       .def_property_readonly("draft_gemm", [](const Engine& e) { return e.config().draft_gemm; })
+      .def_property_readonly("draft_device", [](const Engine& e) { return e.draft_device(); })
       .def_property_readonly("decode_gemm", [](const Engine& e) { return e.config().decode_gemm; })
       .def_property_readonly("experts_decode_gemm", [](const Engine& e) { return e.config().experts_decode_gemm; })
       .def_property_readonly("experts_prefill_gemm", [](const Engine& e) { return e.config().experts_prefill_gemm; })

@@ -378,6 +378,57 @@ void bind_ops(py::module_& m) {
       py::arg("x"), py::arg("out") = py::none(), "I32 [R]: 1 where row r of x holds a NaN or an infinity.");
 
   o.def(
+      "argmax_shard",
+      [](py::handle x, int64_t first, py::handle out) {
+        Tensor xt = tensor_from_python(x, "x");
+        Tensor ot = out_or_new(out, DType::F32, {dim_or0(xt, 0), 2}, xt.device());
+        {
+          py::gil_scoped_release nogil;
+          ops::argmax_shard(xt, first, ot);
+        }
+        return ot;
+      },
+      py::arg("x"), py::arg("first"), py::arg("out") = py::none(),
+      "F32 [R, 2]: (max, float(first + argmax)) per row of a vocabulary shard x F32 [R, Vs]; (NaN, first) for a "
+      "row holding a NaN or an infinity.");
+
+  o.def(
+      "argmax_merge",
+      [](py::handle pairs, py::handle ids, py::handle flags) {
+        Tensor pt = tensor_from_python(pairs, "pairs");
+        Tensor it = out_or_new(ids, DType::I32, {dim_or0(pt, 1)}, pt.device());
+        Tensor ft = out_or_new(flags, DType::I32, {dim_or0(pt, 1)}, pt.device());
+        {
+          py::gil_scoped_release nogil;
+          ops::argmax_merge(pt, it, ft);
+        }
+        return py::make_tuple(it, ft);
+      },
+      py::arg("pairs"), py::arg("ids") = py::none(), py::arg("flags") = py::none(),
+      "(ids, flags) I32 [R]: argmax_shard's pairs F32 [N, R, 2] of N shards in id order merged: the argmax over "
+      "the whole rows and their non-finite flags.");
+
+  o.def(
+      "accept_greedy",
+      [](py::handle ids, py::handle row0, py::handle draft, py::handle draft_row, py::handle draft_len,
+         py::handle accepted, py::handle bonus) {
+        Tensor it = tensor_from_python(ids, "ids"), r0 = tensor_from_python(row0, "row0");
+        Tensor dd = tensor_from_python(draft, "draft"), dr = tensor_from_python(draft_row, "draft_row");
+        Tensor dl = tensor_from_python(draft_len, "draft_len");
+        Tensor ac = out_or_new(accepted, DType::I32, {dim_or0(r0, 0)}, r0.device());
+        Tensor bo = out_or_new(bonus, DType::I32, {dim_or0(r0, 0)}, r0.device());
+        {
+          py::gil_scoped_release nogil;
+          ops::accept_greedy(it, r0, dd, dr, dl, ac, bo);
+        }
+        return py::make_tuple(ac, bo);
+      },
+      py::arg("ids"), py::arg("row0"), py::arg("draft"), py::arg("draft_row"), py::arg("draft_len"),
+      py::arg("accepted") = py::none(), py::arg("bonus") = py::none(),
+      "(accepted, bonus) I32 [S]: greedy acceptance from the target's argmax ids I32 [M] (accept with every "
+      "temperature 0, without the logits).");
+
+  o.def(
       "nvfp4_quantize_act",
       [](py::handle x, float input_scale, py::handle out) {
         Tensor xt = tensor_from_python(x, "x");

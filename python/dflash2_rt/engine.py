@@ -248,9 +248,10 @@ class Engine:
         row's result never depends on the batch around it, so speculative == AR holds in
         every mode; `engine.decode_gemm` / `engine.experts_decode_gemm` say what runs.
         logits() and Sequence always run exact.
-        cuda_graphs: on CUDA with tensor_parallel=1, capture the target's decode / verify
-        chunks as CUDA graphs and replay them (False: every chunk eagerly, the same
-        kernels); `engine.cuda_graphs` says whether it is in effect, metrics() counts them.
+        cuda_graphs: on CUDA, capture the target's decode / verify chunks as CUDA graphs and
+        replay them, on every rank with tensor_parallel > 1 (False: every chunk eagerly, the
+        same kernels); `engine.cuda_graphs` says whether it is in effect, metrics() counts
+        them (rank 0's, and every rank's failed captures).
         pad_to_buckets: pad a decode step that runs as one unit (one CUDA graph) to the next
         batch-size bucket (1, 2, 4, 8, 16, 32, then multiples of 32, at most max_batch_size)
         with padding sequences whose output is dropped, so the step's graphs are one per
@@ -259,7 +260,8 @@ class Engine:
         counts the padding sequences run.
         capture_at_load: while loading, run a few decode steps of dummy requests at every
         batch-size bucket (greedy and sampled) so the step graphs exist before the first
-        request; None: on with CUDA graphs. `engine.capture_at_load` is what is in effect.
+        request; None: on with CUDA graphs at tensor_parallel=1 (where whole steps are
+        graphs). `engine.capture_at_load` is what is in effect.
 
         All generation runs on the engine's own scheduler thread: generate / stream / submit
         from any number of threads join one running batch (continuous batching). Close the
@@ -368,6 +370,13 @@ class Engine:
         return self._e.draft_gemm
 
     @property
+    def draft_device(self):
+        """Where the drafter runs: "cpu", or "cuda:N" (the target's GPU; rank 0's under
+        tensor parallelism, where the DFlash drafter keeps its own full embedding and LM head);
+        None for method "ar"."""
+        return self._e.draft_device or None
+
+    @property
     def experts_prefill_gemm(self) -> str:
         """The numerics the routed experts of prompt chunks take under `prefill_gemm`: "exact",
         "bf16" (W4A16 for NVFP4 experts), "fp8" or "nvfp4" (see the README's "prefill_gemm")."""
@@ -471,7 +480,10 @@ class Engine:
         graph on a GPU), padding_rows (padding sequences run by pad_to_buckets) and
         drafter_appends_in_step (of those steps, the ones that appended the verified rows to
         the DFlash drafter's context inside the step), draft_cache_bytes (the DFlash
-        drafter's context cache: F32, or BF16 under a tensor-core draft_gemm)."""
+        drafter's context cache: F32, or BF16 under a tensor-core draft_gemm),
+        argmax_gather_steps (decode steps under tensor parallelism whose requests were all
+        greedy: the ranks gathered (max, id) pairs of their vocabulary shards instead of the
+        logits)."""
         return dict(self._e.metrics())
 
     def close(self) -> None:

@@ -62,8 +62,9 @@ struct EngineConfig {
                                     // each after the load-time check; else "exact". Drafts only
                                     // steer acceptance: every choice is lossless. Reads back as
                                     // the numerics in effect ("exact" for ar / mtp).
-  bool cuda_graphs = true;  // CUDA, tensor_parallel = 1: decode / verify chunks of the target
-                           // captured as CUDA graphs and replayed; false: every chunk eagerly
+  bool cuda_graphs = true;  // CUDA: decode / verify chunks of the target captured as CUDA graphs
+                           // and replayed (every rank under tensor parallelism); false: every
+                           // chunk eagerly
   int pad_to_buckets = -1;  // a decode step run as one unit (one CUDA graph) is padded to the next
                             // batch-size bucket (1, 2, 4, 8, 16, 32, then multiples of 32, at most
                             // max_batch_size) with sequences whose output is dropped, so the graphs
@@ -71,7 +72,8 @@ struct EngineConfig {
                             // 1 = on (also on the CPU, where it only costs: the padded plan's test)
   int capture_at_load = -1;  // run a few decode steps of dummy requests at every batch-size bucket
                              // while loading, greedy and sampled, so their step graphs are captured
-                             // before the first request; -1 = on with CUDA graphs, 0 = off (graphs
+                             // before the first request; -1 = on with CUDA graphs at
+                             // tensor_parallel = 1, 0 = off (graphs
                              // are then captured on first use), 1 = on (also on the CPU: a test)
   std::string speculation = "fixed";  // "fixed": every step drafts the full block; "adaptive": per
                                       // step the draft length (0..K) that maximises the measured
@@ -157,6 +159,9 @@ struct EngineMetrics {
   // of those steps, the ones whose drafter context append (the verified rows' K/V into the
   // DFlash drafter's cache) ran inside the step instead of before the next draft
   int64_t drafter_appends_in_step = 0;
+  // decode steps under tensor parallelism whose requests were all greedy, so the verify pass
+  // gathered each rank's (max, id) pairs instead of the logits (no R x V all-gather)
+  int64_t argmax_gather_steps = 0;
 };
 
 // Tensor-parallel collectives issued by rank 0 since the engine was loaded (every rank
@@ -233,6 +238,9 @@ class Engine {
   bool has_mtp() const;
   const EngineConfig& config() const;
   std::string model_config_json() const;  // the target's config.json as loaded
+  // Where the drafter (DFlash, or MTP's chain) runs: "cpu", or "cuda:N" (the target's GPU,
+  // rank 0's with tensor parallelism); "" for method ar.
+  std::string draft_device() const;
 
   struct Impl;
 

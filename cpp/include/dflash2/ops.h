@@ -214,6 +214,16 @@ void embedding_shard(const Tensor& table, const Tensor& ids, int64_t first, Tens
 void argmax(const Tensor& x, Tensor& out);
 // flags I32 [R]: 1 where row r of x F32 [R, V] holds a NaN or an infinity, else 0.
 void check_finite(const Tensor& x, Tensor& flags);
+// Greedy decoding over a vocabulary split across ranks, without gathering the logits.
+// argmax_shard: row i of x F32 [R, Vs] (the ids first .. first + Vs - 1) into out F32 [R, 2]
+// = (the row's maximum, float(first + its first position)), as argmax picks it; a row holding
+// a NaN or an infinity gets (NaN, float(first)). The ids must be exact in F32: first + Vs <=
+// 2^24. argmax_merge: pairs F32 [N, R, 2] (the N shards' outputs in id order, as an
+// all-gather leaves them) into ids I32 [R] (the first maximum over the shards: a later shard
+// wins only with a strictly larger value, so ids equal argmax over the whole row) and flags
+// I32 [R] (1 where any shard's value is NaN: check_finite over the whole row).
+void argmax_shard(const Tensor& x, int64_t first, Tensor& out);
+void argmax_merge(const Tensor& pairs, Tensor& ids, Tensor& flags);
 // Token references resolved in place: each entry t = tokens[i] < 0 of tokens I32 [T] is
 // replaced by src's element -t - 1 (src I32, contiguous, any shape, read as flat), others
 // are left as they are. How a verify pass reads drafts the drafter left on the device: the
@@ -396,6 +406,11 @@ void sample(const Tensor& logits, const SamplingTensors& sp, const Tensor& rng, 
 void accept(const Tensor& logits, const Tensor& row0, const Tensor& draft, const Tensor& draft_row,
             const Tensor& draft_len, const Tensor& cand, const Tensor& q, const SamplingTensors& sp, const Tensor& rng,
             Tensor& accepted, Tensor& bonus);
+// Greedy acceptance from the target's argmax ids I32 [M] (argmax_merge's, one per verify
+// row) instead of its logits: what accept does for rows with temperature 0 -- accepted[s] =
+// the longest prefix of the draft equal to ids[row0[s] ..], bonus[s] = the id after it.
+void accept_greedy(const Tensor& ids, const Tensor& row0, const Tensor& draft, const Tensor& draft_row,
+                   const Tensor& draft_len, Tensor& accepted, Tensor& bonus);
 
 }  // namespace ops
 }  // namespace dflash2

@@ -166,15 +166,42 @@ size_t DFlashDrafter::device_bytes() const {
   return n;
 }
 
+namespace {
+// A dense LM head that is the embedding table itself (tied word embeddings).
+bool head_is_embedding(const Weight& head, const Tensor& embed) {
+  return head.format == ops::WeightFormat::Dense && head.data.defined() && embed.defined() &&
+         head.data.data() == embed.data() && head.data.dtype() == embed.dtype() && head.data.shape() == embed.shape() &&
+         head.data.strides() == embed.strides();
+}
+}  // namespace
+
+size_t DFlashDrafter::vocab_bytes() const {
+  size_t n = embed_.defined() ? embed_.nbytes() : 0;
+  if (!head_is_embedding(lm_head_, embed_)) n += lm_head_.data.defined() ? lm_head_.bytes() : 0;
+  return n;
+}
+
 void DFlashDrafter::to_device(Device dev, const Tensor& embed, const Weight& lm_head) {
   DFLASH2_CHECK_ARG(device_.is_cpu(), "DFlashDrafter::to_device: already on ", device_.str());
-  DFLASH2_CHECK_ARG(embed.device() == dev && lm_head.data.device() == dev, "DFlashDrafter::to_device: the embedding (",
-                    embed.describe(), ") and the LM head must already be on ", dev.str());
-  DFLASH2_CHECK_ARG(embed.shape() == embed_.shape() && lm_head.out_features == lm_head_.out_features &&
-                        lm_head.in_features == lm_head_.in_features,
-                    "DFlashDrafter::to_device: the device embedding / LM head must be the full ones");
-  embed_ = embed;
-  lm_head_ = lm_head;
+  DFLASH2_CHECK_ARG(embed.defined() == lm_head.data.defined(), "DFlashDrafter::to_device: give both the embedding "
+                    "and the LM head on ", dev.str(), ", or neither (the drafter copies its own)");
+  if (embed.defined()) {
+    DFLASH2_CHECK_ARG(embed.device() == dev && lm_head.data.device() == dev, "DFlashDrafter::to_device: the embedding (",
+                      embed.describe(), ") and the LM head must already be on ", dev.str());
+    DFLASH2_CHECK_ARG(embed.shape() == embed_.shape() && lm_head.out_features == lm_head_.out_features &&
+                          lm_head.in_features == lm_head_.in_features,
+                      "DFlashDrafter::to_device: the device embedding / LM head must be the full ones");
+    embed_ = embed;
+    lm_head_ = lm_head;
+  } else {  // full copies of its own (a tied head shares the embedding's)
+    const bool tied = head_is_embedding(lm_head_, embed_);
+    embed_ = embed_.to(dev);
+    if (tied) {
+      lm_head_.data = embed_;
+    } else {
+      lm_head_ = lm_head_.to(dev);
+    }
+  }
   auto T = [&](Tensor& t) {
     if (t.defined()) t = t.to(dev);
   };

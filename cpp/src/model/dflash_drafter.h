@@ -36,11 +36,16 @@ class DFlashDrafter {
   int64_t block_size() const { return cfg_.block_size; }
   int64_t kv_dim() const { return cfg_.num_kv_heads * cfg_.head_dim; }  // K (and V) floats per token per layer
   // Copies the drafter's weights, constant buffers and workspace to `dev` (once, at load);
-  // embed / lm_head: the target's copies of them on that device (shared, not copied).
+  // embed / lm_head: the target's copies of them on that device (shared, not copied), or
+  // undefined (embed, lm_head.data) to copy the full ones given to load() -- a target split
+  // by tensor parallelism holds only its vocabulary shards on each GPU.
   void to_device(Device dev, const Tensor& embed, const ops::Weight& lm_head);
   // Bytes to_device allocates: its own weights (not the shared embedding / LM head) and the
   // workspace.
   size_t device_bytes() const;
+  // Bytes of the full embedding and LM head (a tied head once): what to_device adds when it
+  // copies them.
+  size_t vocab_bytes() const;
   Device device() const { return device_; }
   // The numerics of the drafter's projections and of the LM head over the block (Engine
   // draft_gemm): Exact runs ops::linear (fp32, the CPU's default), the others ops::linear_as

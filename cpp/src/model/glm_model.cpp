@@ -592,6 +592,26 @@ void GlmModel::project(const Tensor& rows, const ops::Weight& head, Bufs& b, Ten
   ops::copy(all, dst);
 }
 
+void GlmModel::project_argmax(const Tensor& rows, const ops::Weight& head, Bufs& b, const Tensor& ids,
+                              const Tensor& flags) {
+  DFLASH2_INTERNAL(opt_.tp_size > 1 && comm_ != nullptr, "argmax outputs without tensor parallelism");
+  const int64_t R = rows.shape(0), n = opt_.tp_size, Vl = head.out_features;
+  DFLASH2_INTERNAL(n * R * Vl >= (n + 1) * R * 2, "a vocabulary shard of ", Vl, " ids holds no argmax pairs");
+  Tensor local = b.lg_local.slice(0, 0, R);
+  ops::linear(rows, head, local);
+  // the pairs in the gathered logits' buffer (N x R x Vl floats, Vl >= 2): all N x R x 2
+  // first, then this rank's R x 2
+  const Device d = b.lg_all.device();
+  Tensor all = Tensor::view(b.lg_all.data(), DType::F32, {n, R, 2}, {}, d);
+  Tensor mine = Tensor::view(b.lg_all.data_as<float>() + n * R * 2, DType::F32, {R, 2}, {}, d);
+  ops::argmax_shard(local, opt_.tp_rank * Vl, mine);
+  comm_->all_gather(mine, all);
+  if (ids.defined()) {
+    Tensor i = ids, f = flags;
+    ops::argmax_merge(all, i, f);
+  }
+}
+
 // ------------------------------------------------------------------ forward
 namespace {
 // The chunk workspace cut to T rows (the arena is planned for max_step_tokens).
@@ -626,6 +646,14 @@ void GlmModel::forward(const TokenBatch& tb, const GlmCache& cache, const Forwar
   if (out.final_hidden.defined()) {
     Tensor fh = out.final_hidden;
     ops::copy(nrm, fh);
+  }
+  if (out.argmax_only) {  // tensor parallelism, greedy: no logits gather
+    Tensor rows = nrm;
+    if (!out.all_logits) {
+      rows = b.rows.slice(0, 0, tb.logit_rows.shape(0));
+      ops::gather_rows(nrm, tb.logit_rows, rows);
+    }
+    return project_argmax(rows, lm_head_local_, b, out.argmax, out.argmax_flags);
   }
   if (!out.logits.defined()) return;
   Tensor logits = out.logits;

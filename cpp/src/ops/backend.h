@@ -33,6 +33,10 @@ namespace dflash2::ops {
   X(add, (const Tensor& a, const Tensor& b, Tensor& out))                                                           \
   X(argmax, (const Tensor& x, Tensor& out))                                                                         \
   X(check_finite, (const Tensor& x, Tensor& flags))                                                                 \
+  X(argmax_shard, (const Tensor& x, int64_t first, Tensor& out))                                                    \
+  X(argmax_merge, (const Tensor& pairs, Tensor& ids, Tensor& flags))                                               \
+  X(accept_greedy, (const Tensor& ids, const Tensor& row0, const Tensor& draft, const Tensor& draft_row,            \
+                    const Tensor& draft_len, Tensor& accepted, Tensor& bonus))                                      \
   X(resolve_tokens, (Tensor & tokens, const Tensor& src))                                                           \
   X(next_after_accept, (const Tensor& row0, const Tensor& draft_row, const Tensor& draft_len,                       \
                         const Tensor& accepted, const Tensor& bonus, const Tensor& drafts, Tensor& next,           \

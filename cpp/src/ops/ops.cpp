@@ -486,6 +486,32 @@ void check_finite(const Tensor& x, Tensor& flags) {
   DFLASH2_DISPATCH(check_finite, x, x, flags);
 }
 
+void argmax_shard(const Tensor& x, int64_t first, Tensor& out) {
+  const char* op = "argmax_shard";
+  need_dtype(x, DType::F32, op, "x");
+  if (x.ndim() == 2) DFLASH2_CHECK_ARG(x.shape(1) >= 1, op, ": rows must not be empty, found ", x.describe());
+  need_2d_rows(x, DType::F32, op, "x");
+  DFLASH2_CHECK_ARG(first >= 0 && first + x.shape(1) <= (int64_t(1) << 24), op, ": ids ", first, "..",
+                    first + x.shape(1) - 1, " are not all exact in F32 (at most 2^24)");
+  need_2d_rows(out, DType::F32, op, "out");
+  DFLASH2_CHECK_ARG(out.shape(0) == x.shape(0) && out.shape(1) == 2, op, ": out must be F32 [", x.shape(0),
+                    ", 2], found ", out.describe());
+  same_device(x, out, op);
+  DFLASH2_DISPATCH(argmax_shard, x, x, first, out);
+}
+
+void argmax_merge(const Tensor& pairs, Tensor& ids, Tensor& flags) {
+  const char* op = "argmax_merge";
+  need_3d(pairs, DType::F32, op, "pairs");
+  DFLASH2_CHECK_ARG(pairs.shape(0) >= 1 && pairs.shape(2) == 2, op, ": pairs must be F32 [N >= 1, R, 2], found ",
+                    pairs.describe());
+  need_i32_vec(ids, pairs.shape(1), op, "ids");
+  need_i32_vec(flags, pairs.shape(1), op, "flags");
+  same_device(pairs, ids, op);
+  same_device(pairs, flags, op);
+  DFLASH2_DISPATCH(argmax_merge, pairs, pairs, ids, flags);
+}
+
 void resolve_tokens(Tensor& tokens, const Tensor& src) {
   const char* op = "resolve_tokens";
   need_i32_vec(tokens, -1, op, "tokens");
@@ -897,6 +923,29 @@ void sample(const Tensor& logits, const SamplingTensors& sp, const Tensor& rng, 
   DFLASH2_DISPATCH(sample, logits, logits, sp, rng, out);
 }
 
+namespace {
+// The host-side plan of an acceptance (CPU tensors): each sequence's draft length within [0,
+// K], its rows within the M target rows (`rows` names them), its draft row within the
+// drafts and, with V >= 0, its drafted tokens within [0, V).
+void check_accept_plan(const char* op, const char* rows, const Tensor& row0, const Tensor& draft,
+                       const Tensor& draft_row, const Tensor& draft_len, int64_t M, int64_t V) {
+  const int64_t S = row0.shape(0), N = draft.shape(0), K = draft.shape(1);
+  for (int64_t s = 0; s < S; ++s) {
+    const int64_t r0 = row0.data_as<const int32_t>()[s * row0.stride(0)];
+    const int64_t L = draft_len.data_as<const int32_t>()[s * draft_len.stride(0)];
+    const int64_t dr = draft_row.data_as<const int32_t>()[s * draft_row.stride(0)];
+    DFLASH2_CHECK_ARG(L >= 0 && L <= K, op, ": draft_len[", s, "] = ", L, " outside [0, ", K, "]");
+    DFLASH2_CHECK_ARG(r0 >= 0 && r0 + L < M, op, ": sequence ", s, " needs ", rows, " rows ", r0, "..", r0 + L, " of ",
+                      M);
+    DFLASH2_CHECK_ARG(L == 0 || (dr >= 0 && dr < N), op, ": draft_row[", s, "] = ", dr, " outside [0, ", N, ")");
+    for (int64_t j = 0; j < L && V >= 0; ++j) {
+      const int64_t t = draft.data_as<const int32_t>()[dr * draft.stride(0) + j];
+      DFLASH2_CHECK_ARG(t >= 0 && t < V, op, ": drafted token ", t, " of sequence ", s, " is outside [0, ", V, ")");
+    }
+  }
+}
+}  // namespace
+
 void accept(const Tensor& logits, const Tensor& row0, const Tensor& draft, const Tensor& draft_row,
             const Tensor& draft_len, const Tensor& cand, const Tensor& q, const SamplingTensors& sp, const Tensor& rng,
             Tensor& accepted, Tensor& bonus) {
@@ -925,21 +974,27 @@ void accept(const Tensor& logits, const Tensor& row0, const Tensor& draft, const
   for (const Tensor* t : std::initializer_list<const Tensor*>{&row0, &draft, &draft_row, &draft_len, &sp.temperature,
                                                               &sp.top_p, &sp.top_k, &rng, &accepted, &bonus})
     same_device(logits, *t, op);
-  if (row0.device().is_cpu())
-    for (int64_t s = 0; s < S; ++s) {
-      const int64_t r0 = row0.data_as<const int32_t>()[s * row0.stride(0)];
-      const int64_t L = draft_len.data_as<const int32_t>()[s * draft_len.stride(0)];
-      const int64_t dr = draft_row.data_as<const int32_t>()[s * draft_row.stride(0)];
-      DFLASH2_CHECK_ARG(L >= 0 && L <= K, op, ": draft_len[", s, "] = ", L, " outside [0, ", K, "]");
-      DFLASH2_CHECK_ARG(r0 >= 0 && r0 + L < M, op, ": sequence ", s, " needs logits rows ", r0, "..", r0 + L,
-                        " of ", M);
-      DFLASH2_CHECK_ARG(L == 0 || (dr >= 0 && dr < N), op, ": draft_row[", s, "] = ", dr, " outside [0, ", N, ")");
-      for (int64_t j = 0; j < L; ++j) {
-        const int64_t t = draft.data_as<const int32_t>()[dr * draft.stride(0) + j];
-        DFLASH2_CHECK_ARG(t >= 0 && t < V, op, ": drafted token ", t, " of sequence ", s, " is outside [0, ", V, ")");
-      }
-    }
+  if (row0.device().is_cpu()) check_accept_plan(op, "logits", row0, draft, draft_row, draft_len, M, V);
   DFLASH2_DISPATCH(accept, logits, logits, row0, draft, draft_row, draft_len, cand, q, sp, rng, accepted, bonus);
+}
+
+void accept_greedy(const Tensor& ids, const Tensor& row0, const Tensor& draft, const Tensor& draft_row,
+                   const Tensor& draft_len, Tensor& accepted, Tensor& bonus) {
+  const char* op = "accept_greedy";
+  need(row0, op, "row0");
+  need_i32_vec(ids, -1, op, "ids");
+  const int64_t S = row0.shape(0), M = ids.shape(0);
+  need_i32_vec(row0, S, op, "row0");
+  need_i32_vec(draft_row, S, op, "draft_row");
+  need_i32_vec(draft_len, S, op, "draft_len");
+  need_2d_rows(draft, DType::I32, op, "draft");
+  need_i32_vec(accepted, S, op, "accepted");
+  need_i32_vec(bonus, S, op, "bonus");
+  for (const Tensor* t :
+       std::initializer_list<const Tensor*>{&row0, &draft, &draft_row, &draft_len, &accepted, &bonus})
+    same_device(ids, *t, op);
+  if (row0.device().is_cpu()) check_accept_plan(op, "ids", row0, draft, draft_row, draft_len, M, -1);
+  DFLASH2_DISPATCH(accept_greedy, ids, ids, row0, draft, draft_row, draft_len, accepted, bonus);
 }
 
 }  // namespace dflash2::ops

@@ -54,6 +54,8 @@ void Core::allocate_buffers() {
   a_accepted = h_res.slice(0, verify_rows, verify_rows + B);
   a_bonus = h_res.slice(0, verify_rows + B, verify_rows + 2 * B);
   no_drafts = Tensor::zeros(DType::I32, {B, 1}, device);
+  const int tp = target->tp_size();
+  if (tp > 1 && V <= (int64_t(1) << 24) && V / tp >= 3) ids = Tensor::zeros(DType::I32, {verify_rows}, device);
   marks = StepMarks(device, 4);
   if (device.is_cuda()) {
     d_res = Tensor::zeros(DType::I32, {res_words}, device);
@@ -162,14 +164,20 @@ void Core::argmax_row0() {
 }
 
 void Core::accept_rows(int64_t rows, int64_t S, const Tensor& drafts, const Tensor& cand, const Tensor& q,
-                       const std::function<void(const Drafter::StepAcceptance&)>& in_step) {
+                       const std::function<void(const Drafter::StepAcceptance&)>& in_step, const Tensor& target_ids) {
   Tensor lg = logits.slice(0, 0, rows);
   StepRecorder& rec = target->recorder();
+  DFLASH2_INTERNAL(!target_ids.defined() || (!rec.recording() && !q.defined() && target_ids.shape(0) == rows),
+                   "acceptance from argmax ids in a recorded or sampled step");
   if (!device.is_cuda()) {
     Tensor rng = s_rng.slice(0, 0, S), acc = a_accepted.slice(0, 0, S), bon = a_bonus.slice(0, 0, S);
     auto work = [lg, r0 = a_row0.slice(0, 0, S), drafts, dr = a_draft_row.slice(0, 0, S),
-                 dl = a_draft_len.slice(0, 0, S), cand, q, sp = sampling_rows(S), rng, acc, bon]() mutable {
-      ops::accept(lg, r0, drafts, dr, dl, cand, q, sp, rng, acc, bon);
+                 dl = a_draft_len.slice(0, 0, S), cand, q, sp = sampling_rows(S), rng, acc, bon,
+                 target_ids]() mutable {
+      if (target_ids.defined())
+        ops::accept_greedy(target_ids, r0, drafts, dr, dl, acc, bon);
+      else
+        ops::accept(lg, r0, drafts, dr, dl, cand, q, sp, rng, acc, bon);
     };
     drafts_host = drafts;
     if (rec.recording()) {  // the last piece of the step: run the queue (the draft, the verify pass, ...)
@@ -206,8 +214,11 @@ void Core::accept_rows(int64_t rows, int64_t S, const Tensor& drafts, const Tens
   Tensor r0 = d_row0.slice(0, 0, S), drow = d_draft_row.slice(0, 0, S), dlen = d_draft_len.slice(0, 0, S);
   Tensor to = d_step_drafts;
   const int dev_index = device.index;
-  auto work = [lg, r0, dd, drow, dlen, dc, dq, sp, rng, acc, bon, draft_rows, to, dev_index]() mutable {
-    ops::accept(lg, r0, dd, drow, dlen, dc, dq, sp, rng, acc, bon);
+  auto work = [lg, r0, dd, drow, dlen, dc, dq, sp, rng, acc, bon, draft_rows, to, dev_index, target_ids]() mutable {
+    if (target_ids.defined())
+      ops::accept_greedy(target_ids, r0, dd, drow, dlen, acc, bon);
+    else
+      ops::accept(lg, r0, dd, drow, dlen, dc, dq, sp, rng, acc, bon);
 #ifdef DFLASH2_WITH_CUDA
     if (draft_rows > 0) cuda::copy_async(to.data(), dd.data(), size_t(draft_rows * dd.shape(1)) * 4, dev_index);
 #else

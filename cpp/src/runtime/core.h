@@ -29,6 +29,10 @@ struct Core {
   Tensor s_temp, s_topp, s_topk, s_rng, s_out;
   Tensor a_row0, a_draft_row, a_draft_len, a_accepted, a_bonus;
   Tensor no_drafts;  // I32 [B, 1] zeros on `device` (ar's drafts: acceptance reads them there)
+  // Tensor parallelism: the verify rows' argmax ids I32 [B (K + 1)] on `device`, for greedy
+  // steps that gather (max, id) pairs instead of logits (ForwardOutputs::argmax_only);
+  // undefined at one rank or where ids are not exact in F32 (vocabulary > 2^24).
+  Tensor ids;
   // host bookkeeping reused across steps
   std::vector<std::vector<Piece>> chunks;
 
@@ -73,8 +77,15 @@ struct Core {
   // selector's cand / q (undefined: one-hot proposals) on the host or already on the device.
   // in_step: in a recorded step, called after acceptance is queued (before the flush) with
   // its tensors (Drafter::commit_in_step).
+  // target_ids (a greedy step under tensor parallelism, rows of `ids`): acceptance from the
+  // target's argmax ids (ops::accept_greedy) instead of the logits; not in a recorded step.
   void accept_rows(int64_t rows, int64_t S, const Tensor& drafts, const Tensor& cand, const Tensor& q,
-                   const std::function<void(const Drafter::StepAcceptance&)>& in_step = nullptr);
+                   const std::function<void(const Drafter::StepAcceptance&)>& in_step = nullptr,
+                   const Tensor& target_ids = Tensor());
+  // The flags buffer the verify pass writes (the host's on the CPU, the device results' on CUDA).
+  Tensor flags_out(int64_t row0, int64_t row1) const {
+    return (device.is_cuda() ? d_flags : flags).slice(0, row0, row1);
+  }
   // CUDA: packs the first n sampling rows (and with accept the acceptance rows) into the
   // staging and uploads them in one asynchronous copy; brings d_res back into
   // h_res in one asynchronous copy (with the first draft_rows rows of the drafts region)

@@ -348,12 +348,24 @@ void Decoder::step() {
       step_rows_.push_back(sr);
     }
   }
+  // Tensor parallelism with every request greedy: the verify pass returns each row's argmax
+  // (each rank's vocabulary shard reduced to (max, id) pairs, gathered and merged on rank 0)
+  // and its non-finite flag instead of the full logits: N x R x 2 floats cross the link
+  // instead of R x V, and acceptance reads the ids (ops::accept_greedy).
+  bool argmax_only = !record && c_.ids.defined();
+  for (int64_t k = 0; k < S && argmax_only; ++k) argmax_only = act_[size_t(k)]->p.temperature <= 0.0f;
   int64_t row0 = 0;
   for (const auto& ch : c_.chunks) {
     int64_t T = 0;
     for (const auto& pc : ch) T += pc.n;
     model::ForwardOutputs out;
-    out.logits = c_.logits.slice(0, row0, row0 + T);
+    if (argmax_only) {
+      out.argmax_only = true;
+      out.argmax = c_.ids.slice(0, row0, row0 + T);
+      out.argmax_flags = c_.flags_out(row0, row0 + T);
+    } else {
+      out.logits = c_.logits.slice(0, row0, row0 + T);
+    }
     out.all_logits = true;
     out.tap_layers = c_.taps;
     if (c_.taps_buf.defined()) out.taps = c_.taps_buf.slice(0, row0, row0 + T);
@@ -365,7 +377,7 @@ void Decoder::step() {
   if (P > 0) tgt.cache().truncate(tgt.pad_stream(), 0);
   // the drafter's context: the verified rows appended inside the step when it can
   if (update_in_step) drafter->append_in_step(step_rows_, Features{c_.taps_buf, c_.fin});
-  c_.check_rows(row0);  // the flags come back with the acceptance results (CUDA: one copy)
+  if (!argmax_only) c_.check_rows(row0);  // the flags come back with the acceptance results (CUDA: one copy)
   const int32_t* bad = c_.flags.data_as<const int32_t>();
   if (record)
     rec.add("mark2|", c_.marks.deferred(2));
@@ -406,7 +418,9 @@ void Decoder::step() {
       };
     c_.accept_rows(row, S + P, on_dev ? dr->dev_tokens : drafts,
                    with_q ? (on_dev ? dr->dev_cand : dr->cand) : Tensor(),
-                   with_q ? (on_dev ? dr->dev_q : dr->q) : Tensor(), in_step);
+                   with_q ? (on_dev ? dr->dev_q : dr->q) : Tensor(), in_step,
+                   argmax_only ? c_.ids.slice(0, 0, row) : Tensor());
+    if (argmax_only) tgt.count_argmax_step();
   }
   // the results are back (the step's one wait): every mark is complete
   if (P > 0) tgt.count_padding(P);

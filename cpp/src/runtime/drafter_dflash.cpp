@@ -46,17 +46,21 @@ class DFlashRunner final : public Drafter {
     const int64_t B = c.block_size, maxB = o.max_batch_size + 1, H = c.hidden_size;  // + propose's slot
     const int64_t nt = int64_t(c.target_layer_ids.size());
     const int64_t bs = o.kv_block_size, per_seq = (o.max_seq_len + bs - 1) / bs;
-    // A CUDA target without tensor parallelism: the drafter runs on its GPU too (weights,
-    // draft cache, features, workspace), sharing the target's embedding and LM head; its
-    // tokens / candidates / proposal come back to the host after each draft. With tensor
-    // parallelism (vocabulary-sharded target copies) it stays on the host. On the device
-    // nothing of a draft waits on the host: the block's ids go up with its plan, the
+    // A CUDA target: the drafter runs on its (rank 0's) GPU too (weights, draft cache,
+    // features, workspace). Without tensor parallelism it shares the target's embedding and
+    // LM head; with it (the target holds vocabulary shards) it keeps full copies of its own
+    // there, and the other ranks copy its drafts peer to peer (Target::from_rank0). On the
+    // device nothing of a draft waits on the host: the block's ids go up with its plan, the
     // sampling rows and the appends' gather indices through pinned staging, and the
     // outputs stay on the device (the verify pass reads them there; fetch_host copies them).
-    if (o.device.is_cuda() && t.tp_size() == 1) {
+    if (o.device.is_cuda()) {
       dev_ = t.model().device();
-      check_memory((per_seq * maxB + (B + bs - 1) / bs) * bs, maxB, nt * H, plan_tokens_of(o, maxB, B));
-      m_->to_device(dev_, t.model().forward_embed(), t.model().forward_lm_head());
+      const bool share = t.tp_size() == 1;
+      check_memory((per_seq * maxB + (B + bs - 1) / bs) * bs, maxB, nt * H, plan_tokens_of(o, maxB, B), !share);
+      if (share)
+        m_->to_device(dev_, t.model().forward_embed(), t.model().forward_lm_head());
+      else
+        m_->to_device(dev_, Tensor(), ops::Weight());
     }
     per_seq_ = per_seq;
     make_cache(cache_dtype());
@@ -345,10 +349,11 @@ class DFlashRunner final : public Drafter {
   // Before the drafter allocates on the GPU (the target's weights and caches are there by
   // now): its weights + workspace, draft KV cache, pending features and step buffers against
   // the free memory, an OutOfMemoryError with the breakdown otherwise.
-  void check_memory(int64_t cache_rows, int64_t maxB, int64_t feat, int64_t plan_tokens) const {
+  // own_vocab: the full embedding and LM head are copied too (tensor parallelism).
+  void check_memory(int64_t cache_rows, int64_t maxB, int64_t feat, int64_t plan_tokens, bool own_vocab) const {
 #ifdef DFLASH2_WITH_CUDA
     const auto& c = m_->config();
-    const size_t weights = m_->device_bytes();
+    const size_t weights = m_->device_bytes() + (own_vocab ? m_->vocab_bytes() : 0);
     const size_t cache = size_t(cache_rows) * size_t(c.num_layers) * size_t(2 * m_->kv_dim()) * dtype_size(cache_dtype());
     const size_t bufs = size_t(maxB) * size_t(kPending) * size_t(feat) * 4 +
                         size_t(t_.options().max_step_tokens) * size_t(feat) * 4 + size_t(plan_tokens) * 64 +
@@ -362,11 +367,13 @@ class DFlashRunner final : public Drafter {
       return std::string(buf);
     };
     DFLASH2_CHECK(need <= free_b, ErrorKind::OutOfMemory, "the drafter does not fit ", dev_.str(), " beside the target: ",
-                  "it needs ", gib(need), " (weights + workspace ", gib(weights), ", draft KV cache ", gib(cache),
+                  "it needs ", gib(need), " (weights + workspace ", gib(weights),
+                  own_vocab ? " including its own copy of the full embedding and LM head, " : "",
+                  own_vocab ? gib(m_->vocab_bytes()) : "", ", draft KV cache ", gib(cache),
                   ", features and step buffers ", gib(bufs), ") but ", gib(free_b), " of ", gib(total_b),
                   " are free; lower max_batch_size or max_seq_len");
 #else
-    (void)cache_rows, (void)maxB, (void)feat, (void)plan_tokens;
+    (void)cache_rows, (void)maxB, (void)feat, (void)plan_tokens, (void)own_vocab;
 #endif
   }
 
@@ -432,9 +439,9 @@ std::unique_ptr<Drafter> make_dflash_drafter(const Checkpoint& ck, Target& targe
   auto m = model::DFlashDrafter::load(ck, target.config(), target.model().embed_tokens(), target.model().lm_head(),
                                       o.max_step_tokens, o.max_batch_size + 1);
   // the GEMM numerics first: they decide the draft cache's dtype (the runner allocates it);
-  // the drafter runs on the target's GPU without tensor parallelism, else on the host
+  // the drafter runs on the target's (rank 0's) GPU, or on the host with a CPU target
   if (pick) {
-    const Device dev = o.device.is_cuda() && target.tp_size() == 1 ? target.model().device() : Device::cpu();
+    const Device dev = o.device.is_cuda() ? target.model().device() : Device::cpu();
     m->set_gemm(pick(*m, dev));
   }
   // dflash2 needs a DFlash 2 checkpoint; dflash runs DFlash 1 checkpoints, and DFlash 2

@@ -3,7 +3,8 @@
 // is fed back to draft further tokens. After each verify step the layer's cache is rolled
 // back to the committed length and re-extended over the committed tokens.
 //
-// With a CUDA target and no tensor parallelism the chain stays on the GPU: the main model's
+// With a CUDA target the chain stays on the GPU (rank 0's with tensor parallelism, the other
+// ranks copying its ids and hidden states peer to peer, Target::from_rank0): the main model's
 // final hidden states are written there (device() is the GPU), the layer's logits and
 // hidden states, the per-slot state and the argmax run there, and nothing comes back
 // between positions: the next position's plan refers to the drafted ids on the device
@@ -31,7 +32,7 @@ class MtpDrafter final : public Drafter {
     const auto& o = t.options();
     const int64_t V = t.config().vocab_size, H = t.config().hidden_size, B = o.max_batch_size + 1;
     const int64_t rows = o.max_step_tokens;
-    if (o.device.is_cuda() && t.tp_size() == 1) dev_ = t.model().device();
+    if (o.device.is_cuda()) dev_ = t.model().device();  // rank 0's GPU (the others copy from it)
     streams_.resize(size_t(B));
     last_logits_ = Tensor::zeros(DType::F32, {B, V}, dev_);
     last_hidden_ = Tensor::zeros(DType::F32, {B, H}, dev_);

@@ -481,7 +481,7 @@ Engine::Engine(const EngineConfig& cfg) : impl_(std::make_unique<Impl>()) {
   I.cfg.experts_decode_gemm = ops::gemm_numerics_name(I.core.target->model().experts_decode());
   I.cfg.experts_prefill_gemm = ops::gemm_numerics_name(I.core.target->model().experts_prefill());
   I.cfg.prefill_gemm = ops::gemm_numerics_name(prefill);
-  I.cfg.cuda_graphs = I.core.target->cuda_graphs();  // what is in effect (CUDA, one rank)
+  I.cfg.cuda_graphs = I.core.target->cuda_graphs();  // what is in effect (CUDA)
   // what is in effect: only steps recorded as one unit are padded (one rank; on CUDA, with graphs)
   I.cfg.pad_to_buckets = I.core.target->options().pad_to_buckets && I.core.target->can_record_steps() ? 1 : 0;
   I.config_json = ck.config().root().dump();
@@ -508,7 +508,10 @@ Engine::Engine(const EngineConfig& cfg) : impl_(std::make_unique<Impl>()) {
                     "Engine: speculation must be 'fixed' or 'adaptive', found '", cfg.speculation, "'");
   DFLASH2_CHECK_ARG(cfg.capture_at_load >= -1 && cfg.capture_at_load <= 1,
                     "Engine: capture_at_load must be -1 (auto), 0 (off) or 1 (on), found ", cfg.capture_at_load);
-  const bool capture = cfg.capture_at_load == 1 || (cfg.capture_at_load == -1 && I.core.target->cuda_graphs());
+  // "auto": where decode steps are recorded as one graph (one rank); under tensor parallelism
+  // the per-chunk graphs are captured as shapes recur (no padding to buckets there)
+  const bool capture = cfg.capture_at_load == 1 ||
+                       (cfg.capture_at_load == -1 && I.core.target->cuda_graphs() && I.core.target->can_record_steps());
   I.cfg.capture_at_load = capture ? 1 : 0;
   if (capture) {  // before the scheduler exists: nothing else runs the model yet
     const runtime::WarmUp w = runtime::warm_up_steps(I.core, cfg.speculation == "adaptive");
@@ -534,6 +537,9 @@ int64_t Engine::num_layers() const { return impl_->core.target->config().num_lay
 bool Engine::has_mtp() const { return impl_->core.target->model().has_mtp(); }
 const EngineConfig& Engine::config() const { return impl_->cfg; }
 std::string Engine::model_config_json() const { return impl_->config_json; }
+std::string Engine::draft_device() const {
+  return impl_->core.drafter ? impl_->core.drafter->device().str() : std::string();
+}
 int64_t Engine::block_size() const { return impl_->core.K + 1; }
 const std::string& Engine::method() const { return impl_->method_str; }
 
@@ -656,6 +662,7 @@ EngineMetrics Engine::metrics() const {
     m.cuda_graphs_last_failure = g.last_failure;
     m.steps_as_one_unit = impl_->core.target->recorder().steps();
     m.padding_rows = impl_->core.target->padding_rows();
+    m.argmax_gather_steps = impl_->core.target->argmax_steps();
     m.drafter_appends_in_step = impl_->core.drafter ? impl_->core.drafter->appends_in_step() : 0;
     m.draft_cache_bytes = impl_->core.drafter ? impl_->core.drafter->cache_bytes() : 0;
   }

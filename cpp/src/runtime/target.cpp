@@ -14,6 +14,13 @@
 
 namespace dflash2::runtime {
 
+struct Target::Rank0Event {
+#ifdef DFLASH2_WITH_CUDA
+  explicit Rank0Event(int device) : ev(device) {}
+  cuda::Event ev;
+#endif
+};
+
 Target::Target(std::vector<std::unique_ptr<model::GlmModel>> models, const Options& opt)
     : models_(std::move(models)), opt_(opt) {
   const int n = int(models_.size());
@@ -28,7 +35,11 @@ Target::Target(std::vector<std::unique_ptr<model::GlmModel>> models, const Optio
   int64_t n_index = 0;
   for (bool f : c.indexer_full) n_index += f ? 1 : 0;
   if (opt.device.is_cuda()) place_on_devices(n_index, nblocks);
-  if (opt.device.is_cuda() && opt.cuda_graphs && n == 1) graphs_ = std::make_unique<ForwardGraphs>(opt.device);
+  if (opt.device.is_cuda() && opt.cuda_graphs) {  // every rank's chunks on its own graphs' stream
+    graphs_ = std::make_unique<ForwardGraphs>(opt.device);
+    for (int r = 1; r < n; ++r)
+      rank_graphs_.push_back(std::make_unique<ForwardGraphs>(Device::cuda(opt.device.index + r)));
+  }
   // planes: 0 = MLA latent per layer, 1 = indexer keys per indexer layer; the latent and the
   // indexer are replicated on every rank (MLA shares one latent across heads)
   cache_ = KvCache("KV cache", {{c.num_layers, c.latent_dim()}, {n_index, c.index_head_dim}}, opt.kv_block_size,
@@ -65,6 +76,10 @@ Target::Target(std::vector<std::unique_ptr<model::GlmModel>> models, const Optio
     d_fin_.resize(size_t(n));
     d_hmain_.resize(size_t(n));
     d_hidden_.resize(size_t(n));
+    d_src_.resize(size_t(n));
+#ifdef DFLASH2_WITH_CUDA
+    if (n > 1) rank0_event_ = std::make_unique<Rank0Event>(models_[0]->device().index);
+#endif
     const int64_t rows = planner_.max_tokens(), seqs = planner_.max_seqs();
     const int64_t words = PlanUploader::planned_words(rows, seqs, blocks_per_seq);
     for (int r = 0; r < n; ++r) {
@@ -184,6 +199,7 @@ void Target::run_chunk(const std::vector<Piece>& pieces, const model::ForwardOut
     // the other ranks: the same step; only the gathered logits are needed (as scratch)
     model::ForwardOutputs o;
     if (out.logits.defined()) o.logits = scratch_logits_[size_t(r - 1)].slice(0, 0, out.logits.shape(0));
+    o.argmax_only = out.argmax_only;  // rank 0 merges the gathered pairs
     o.all_logits = out.all_logits;
     o.prompt = out.prompt;  // every rank runs the chunk's numerics
     o.exact = out.exact;
@@ -208,6 +224,16 @@ uint32_t Target::common_experts(ops::GemmNumerics g, uint32_t allowed) const {
   }
 }
 
+GraphStats Target::graph_stats() const {
+  GraphStats g = graphs_ ? graphs_->stats() : GraphStats{};
+  for (const auto& rg : rank_graphs_) {
+    const GraphStats o = rg->stats();
+    g.failed += o.failed;
+    if (!o.last_failure.empty()) g.last_failure = o.last_failure;
+  }
+  return g;
+}
+
 int64_t Target::bucket(int64_t S) const {
   int64_t b = 1;
   while (b < S && b < 32) b *= 2;
@@ -229,11 +255,12 @@ namespace {
 // step, so the two keys cannot drift apart.
 std::string forward_key(const model::TokenBatch& db, const model::ForwardOutputs& o, const Tensor& token_src) {
   std::string key;
-  for (int64_t v : {db.T, db.S, db.paged.block_size, int64_t(o.all_logits)}) ForwardGraphs::key_add(key, v);
+  for (int64_t v : {db.T, db.S, db.paged.block_size, int64_t(o.all_logits), int64_t(o.argmax_only)})
+    ForwardGraphs::key_add(key, v);
   for (const Tensor* t : std::initializer_list<const Tensor*>{&db.tokens, &db.paged.seq, &db.paged.pos,
                                                               &db.paged.block_table, &db.slots, &db.logit_rows,
                                                               &db.ctx_len, &o.logits, &o.taps, &o.final_hidden,
-                                                              &token_src})
+                                                              &o.argmax, &o.argmax_flags, &token_src})
     ForwardGraphs::key_add(key, *t);
   for (int64_t l : o.tap_layers) ForwardGraphs::key_add(key, l);
   return key;
@@ -336,9 +363,34 @@ Tensor Target::resolve_host_refs(model::TokenBatch& b, const Tensor& token_src) 
     ops::resolve_tokens(b.tokens, token_src);
     return Tensor();
   }
-  DFLASH2_INTERNAL(tp_size() == 1 && opt_.device.is_cuda() && token_src.device() == models_[0]->device(),
+  DFLASH2_INTERNAL(opt_.device.is_cuda() && token_src.device() == models_[0]->device() && token_src.is_contiguous(),
                    "token references into ", token_src.describe(), " with ", tp_size(), " ranks");
   return token_src;
+}
+
+void Target::mark_rank0_inputs() {
+#ifdef DFLASH2_WITH_CUDA
+  DFLASH2_INTERNAL(rank0_event_ != nullptr, "rank 0's input event without tensor parallelism on CUDA");
+  rank0_event_->ev.record();  // this thread's stream of rank 0's device: after the producers
+#endif
+}
+
+Tensor Target::from_rank0(int r, const Tensor& src, std::vector<Tensor>& bufs) {
+  if (r == 0 || !src.defined()) return src;
+#ifdef DFLASH2_WITH_CUDA
+  const Device d0 = models_[0]->device(), d = models_[size_t(r)]->device();
+  DFLASH2_INTERNAL(src.device() == d0 && src.is_contiguous(), "rank ", r, " copies ", src.describe(),
+                   " from rank 0's ", d0.str());
+  Tensor& b = bufs[size_t(r)];
+  if (!b.defined() || b.dtype() != src.dtype() || b.numel() < src.numel())
+    b = Tensor::empty(src.dtype(), {std::max<int64_t>(src.numel(), 1)}, d);
+  Tensor out = b.slice(0, 0, src.numel()).reshape(src.shape());
+  rank0_event_->ev.stream_wait(d.index);  // this rank's stream: after rank 0's producers
+  cuda::copy_peer_async(out.data(), d.index, src.data(), d0.index, src.nbytes());
+  return out;
+#else
+  fail(ErrorKind::Unsupported, "rank ", r, " reads ", src.describe(), " in a build without CUDA");
+#endif
 }
 
 void Target::mtp_chunk(const std::vector<Piece>& pieces, const Tensor& h_main, Tensor& logits, Tensor& hidden,
@@ -444,18 +496,28 @@ model::TokenBatch Target::upload(const model::TokenBatch& b, int r) { return dpl
 
 void Target::run_chunk_device(const model::TokenBatch& b, const model::ForwardOutputs& out, const Tensor& token_src) {
   const int64_t H = config().hidden_size, V = config().vocab_size;
+  if (token_src.defined() && tp_size() > 1) mark_rank0_inputs();  // the drafts, for the other ranks' copies
   on_all_ranks([&](int r) {
 #ifdef DFLASH2_WITH_CUDA
-    // rank 0 with graphs: everything on the graphs' stream, in order with the eager work on
+    // with graphs: everything on the rank's graphs' stream, in order with the eager work on
     // the legacy default stream before and after (OrderedStreamScope)
-    cuda::OrderedStreamScope stream_scope(r == 0 && graphs_ ? graphs_->stream() : nullptr,
-                                          models_[size_t(r)]->device().index);
+    ForwardGraphs* g = graphs_of(r);
+    cuda::OrderedStreamScope stream_scope(g ? g->stream() : nullptr, models_[size_t(r)]->device().index);
+#else
+    ForwardGraphs* g = nullptr;
 #endif
     model::TokenBatch db = upload(b, r);
     model::ForwardOutputs o;
     o.all_logits = out.all_logits;
     o.prompt = out.prompt;  // prompt chunks: Engine prefill_gemm's numerics
     o.exact = out.exact;    // the comparison APIs: exact whatever decode_gemm
+    o.argmax_only = out.argmax_only;  // greedy under tensor parallelism: (max, id) pairs, merged on rank 0
+    if (r == 0 && out.argmax_only) {
+      DFLASH2_INTERNAL(out.argmax.device() == models_[0]->device() && out.argmax_flags.device() == out.argmax.device(),
+                       "argmax outputs ", out.argmax.describe(), " must be on rank 0's ", models_[0]->device().str());
+      o.argmax = out.argmax;
+      o.argmax_flags = out.argmax_flags;
+    }
     // rank 0 writes logits straight into the caller's tensor when it is on its device
     const bool direct = r == 0 && out.logits.defined() && out.logits.device() == models_[0]->device();
     if (out.logits.defined()) o.logits = direct ? out.logits : d_logits_[size_t(r)].slice(0, 0, out.logits.shape(0));
@@ -469,15 +531,21 @@ void Target::run_chunk_device(const model::TokenBatch& b, const model::ForwardOu
       if (out.final_hidden.defined())
         o.final_hidden = fin_direct ? out.final_hidden : device_rows(d_fin_, r, b.T, H);
     }
-    if (r == 0 && graphs_ && !out.prompt && !out.exact) {
+    if (r == 0 && g && !out.prompt && !out.exact) {
       // the launch shape: sizes, then every buffer the kernels are given (see step_graphs.h)
-      graphs_->run(forward_key(db, o, token_src), [&] {
+      g->run(forward_key(db, o, token_src), [&] {
         if (token_src.defined()) ops::resolve_tokens(db.tokens, token_src);  // the drafts, in the graph
         models_[0]->forward(db, views_[0], o);
       });
     } else {
-      if (token_src.defined()) ops::resolve_tokens(db.tokens, token_src);  // rank 0 only (checked above)
-      models_[size_t(r)]->forward(db, views_[size_t(r)], o);
+      // the drafts on rank 0's device: the other ranks resolve from their copies, before
+      // their graph (the peer copy waits for rank 0's event: kept out of the capture)
+      const Tensor src = from_rank0(r, token_src, d_src_);
+      if (src.defined()) ops::resolve_tokens(db.tokens, src);
+      if (g && !out.prompt && !out.exact)  // every rank captures / replays the same chunks
+        g->run(forward_key(db, o, Tensor()), [&] { models_[size_t(r)]->forward(db, views_[size_t(r)], o); });
+      else
+        models_[size_t(r)]->forward(db, views_[size_t(r)], o);
     }
     if (r != 0) return;
     // the outputs the caller asked for, back to its host tensors (synchronizes)
@@ -500,17 +568,25 @@ void Target::run_chunk_device(const model::TokenBatch& b, const model::ForwardOu
 void Target::mtp_chunk_device(const model::TokenBatch& b, const Tensor& h_main, Tensor& logits, Tensor& hidden,
                               const Tensor& token_src) {
   const int64_t H = config().hidden_size;
+  const Device d0 = models_[0]->device();
+  // the MTP drafter's chain on rank 0's GPU: its ids and hidden states, for the other ranks' copies
+  const bool from0 = tp_size() > 1 && h_main.device() == d0 && h_main.is_contiguous();
+  if (tp_size() > 1 && (token_src.defined() || from0)) mark_rank0_inputs();
   on_all_ranks([&](int r) {
 #ifdef DFLASH2_WITH_CUDA
-    cuda::OrderedStreamScope stream_scope(r == 0 && graphs_ ? graphs_->stream() : nullptr,
-                                          models_[size_t(r)]->device().index);
+    ForwardGraphs* g = graphs_of(r);
+    cuda::OrderedStreamScope stream_scope(g ? g->stream() : nullptr, models_[size_t(r)]->device().index);
+#else
+    ForwardGraphs* g = nullptr;
 #endif
     model::TokenBatch db = upload(b, r);
     // inputs / outputs already on this rank's device (the MTP drafter's chain on the GPU) are
-    // used in place; host ones go through device buffers
+    // used in place, rank 0's are copied peer to peer, host ones go through device buffers
     const Device d = models_[size_t(r)]->device();
     Tensor hm = h_main;
-    if (h_main.device() != d) {
+    if (from0) {
+      hm = from_rank0(r, h_main, d_hmain_);
+    } else if (h_main.device() != d) {
       hm = device_rows(d_hmain_, r, h_main.shape(0), H);
       hm.copy_from(h_main.contiguous());
     }
@@ -518,14 +594,18 @@ void Target::mtp_chunk_device(const model::TokenBatch& b, const Tensor& h_main, 
     Tensor lg = lg_direct ? logits : d_logits_[size_t(r)].slice(0, 0, logits.shape(0));
     Tensor hid = hid_direct ? hidden
                             : (r == 0 && hidden.defined()) ? device_rows(d_hidden_, r, hidden.shape(0), H) : Tensor();
-    if (r == 0 && graphs_) {  // the MTP layer's chunks (commits, chained positions) as graphs too
-      graphs_->run(mtp_key(db, hm, lg, hid, token_src), [&] {
+    if (r == 0 && g) {  // the MTP layer's chunks (commits, chained positions) as graphs too
+      g->run(mtp_key(db, hm, lg, hid, token_src), [&] {
         if (token_src.defined()) ops::resolve_tokens(db.tokens, token_src);  // the chain's ids, in the graph
         models_[0]->mtp_forward(db, hm, mtp_views_[0], lg, hid);
       });
     } else {
-      if (token_src.defined()) ops::resolve_tokens(db.tokens, token_src);  // rank 0 only (resolve_host_refs)
-      models_[size_t(r)]->mtp_forward(db, hm, mtp_views_[size_t(r)], lg, hid);
+      const Tensor src = from_rank0(r, token_src, d_src_);  // rank 0's ids: the others' copies
+      if (src.defined()) ops::resolve_tokens(db.tokens, src);
+      if (g)
+        g->run(mtp_key(db, hm, lg, hid, Tensor()), [&] { models_[size_t(r)]->mtp_forward(db, hm, mtp_views_[size_t(r)], lg, hid); });
+      else
+        models_[size_t(r)]->mtp_forward(db, hm, mtp_views_[size_t(r)], lg, hid);
     }
     if (r != 0) return;
     if (!lg_direct && logits.shape(0) > 0) logits.copy_from(lg);

@@ -36,7 +36,7 @@ class Target {
     // the caller asked for (logits, taps, final hidden states) are copied back to the
     // caller's host tensors after each chunk.
     Device device = Device::cpu();
-    // CUDA, one rank: capture decode / verify chunks as CUDA graphs and replay them
+    // CUDA: capture decode / verify chunks as CUDA graphs and replay them, on every rank
     // (runtime/step_graphs.h); false runs every chunk eagerly (the same kernels).
     bool cuda_graphs = true;
     // Steps recorded as one unit are padded to batch-size buckets (bucket(), pad_stream()).
@@ -67,11 +67,13 @@ class Target {
   // experts_allowed narrowed until every rank's GlmModel::experts_numerics(g, .) agrees.
   uint32_t common_experts(ops::GemmNumerics g, uint32_t experts_allowed) const;
   KvCache& cache() { return cache_; }
-  // CUDA graph counters (all zero when graphs are off or not on CUDA).
-  GraphStats graph_stats() const { return graphs_ ? graphs_->stats() : GraphStats{}; }
+  // CUDA graph counters (all zero when graphs are off or not on CUDA): rank 0's, plus the
+  // failed captures of the other ranks (tensor parallelism).
+  GraphStats graph_stats() const;
   // The graph cache keeps at least n keys (ForwardGraphs::reserve); no-op without graphs.
   void reserve_graphs(size_t n) {
     if (graphs_) graphs_->reserve(n);
+    for (auto& g : rank_graphs_) g->reserve(n);
   }
   bool cuda_graphs() const { return graphs_ != nullptr; }
   // The stream rank 0's graphs run on (null without graphs): the device drafter's graphs
@@ -97,6 +99,10 @@ class Target {
   // Padding sequences run so far (the decode loop counts them; any thread reads).
   void count_padding(int64_t n) { padding_rows_ += n; }
   int64_t padding_rows() const { return padding_rows_.load(); }
+  // Decode steps whose verify pass gathered argmax pairs instead of logits (greedy, tensor
+  // parallelism; the decode loop counts them; any thread reads).
+  void count_argmax_step() { ++argmax_steps_; }
+  int64_t argmax_steps() const { return argmax_steps_.load(); }
 
   // One chunk of at most max_step_tokens tokens through the decoder (pieces from
   // make_chunks); each piece's stream advances by its tokens. Logit rows (when
@@ -146,9 +152,19 @@ class Target {
   model::TokenBatch record_plan(const model::TokenBatch& b, PlanRole role);
   void mtp_chunk_device(const model::TokenBatch& b, const Tensor& h_main, Tensor& logits, Tensor& hidden,
                         const Tensor& token_src);
-  // Fills in b's token references into a host token_src; returns a device one (to fill in
-  // after the upload: one rank only), or an undefined tensor.
+  // Fills in b's token references into a host token_src; returns a device one (rank 0's:
+  // filled in after the upload, by every rank from its copy, from_rank0), or an undefined tensor.
   Tensor resolve_host_refs(model::TokenBatch& b, const Tensor& token_src);
+  // Tensor parallelism with inputs a device drafter left on rank 0's GPU (its drafts, the
+  // MTP chain's ids and hidden states): mark_rank0_inputs() records an event on the calling
+  // thread's stream of rank 0 (after their producers, before the chunk's ranks start);
+  // from_rank0(r, src, bufs) gives rank r a copy of src (contiguous, on rank 0's device) in
+  // bufs[r] on its own GPU: rank r's stream waits for that event, then copies peer to peer,
+  // no host wait. Rank 0 reads src in place. The source is not overwritten before rank r's
+  // copy has run: rank 0's next writes to it come after the chunk's first collective (the
+  // vocabulary-sharded embedding's all-reduce), which rank r reaches only after the copy.
+  void mark_rank0_inputs();
+  Tensor from_rank0(int r, const Tensor& src, std::vector<Tensor>& bufs);
   // CUDA: the device copy of a host-planned chunk on rank r's device.
   model::TokenBatch upload(const model::TokenBatch& b, int r);
   // CUDA: a device buffer of rank r with at least `rows` x `cols` floats (grown on first use).
@@ -158,6 +174,7 @@ class Target {
   StepRecorder rec_;
   CacheStream pad_stream_;
   std::atomic<int64_t> padding_rows_{0};
+  std::atomic<int64_t> argmax_steps_{0};
   std::vector<std::unique_ptr<model::GlmModel>> models_;
   Options opt_;
   KvCache cache_, mtp_cache_;
@@ -169,7 +186,13 @@ class Target {
   // CUDA (per rank): the plan buffers' device copies and the forward's device outputs
   std::vector<std::unique_ptr<PlanUploader>> dplan_;  // per rank
   std::vector<Tensor> d_logits_, d_taps_, d_fin_, d_hmain_, d_hidden_;
-  std::unique_ptr<ForwardGraphs> graphs_;  // CUDA graphs of rank 0's chunks (tensor_parallel = 1)
+  std::vector<Tensor> d_src_;     // ranks > 0: their copies of a token source on rank 0's device
+  struct Rank0Event;              // CUDA, tensor parallelism: mark_rank0_inputs' event
+  std::unique_ptr<Rank0Event> rank0_event_;
+  std::unique_ptr<ForwardGraphs> graphs_;  // CUDA graphs of rank 0's chunks
+  std::vector<std::unique_ptr<ForwardGraphs>> rank_graphs_;  // ranks 1.. (tensor parallelism)
+  // rank r's graphs (null without graphs)
+  ForwardGraphs* graphs_of(int r) const { return r == 0 ? graphs_.get() : rank_graphs_.empty() ? nullptr : rank_graphs_[size_t(r - 1)].get(); }
   std::vector<std::unique_ptr<PlanUploader>> rec_plans_;  // CUDA: a recorded step's MTP chunk plans
   std::unique_ptr<PlanUploader> rec_verify_, rec_after_;  // CUDA: a recorded step's verify / after-acceptance plans
   size_t rec_plans_used_ = 0;

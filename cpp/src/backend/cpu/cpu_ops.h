@@ -68,6 +68,10 @@ void copy(const Tensor& src, Tensor& dst);
 void add(const Tensor& a, const Tensor& b, Tensor& out);
 void argmax(const Tensor& x, Tensor& out);
 void check_finite(const Tensor& x, Tensor& flags);
+void argmax_shard(const Tensor& x, int64_t first, Tensor& out);
+void argmax_merge(const Tensor& pairs, Tensor& ids, Tensor& flags);
+void accept_greedy(const Tensor& ids, const Tensor& row0, const Tensor& draft, const Tensor& draft_row,
+                   const Tensor& draft_len, Tensor& accepted, Tensor& bonus);
 void resolve_tokens(Tensor& tokens, const Tensor& src);
 void next_after_accept(const Tensor& row0, const Tensor& draft_row, const Tensor& draft_len, const Tensor& accepted,
                        const Tensor& bonus, const Tensor& drafts, Tensor& next, Tensor& last);

@@ -340,6 +340,50 @@ void check_finite(const Tensor& x, Tensor& flags) {
   }
 }
 
+void argmax_shard(const Tensor& x, int64_t first, Tensor& out) {
+  Rows xr = rows_of(x);
+  const int64_t V = xr.d;
+#pragma omp parallel for schedule(static) num_threads(threads()) if (parallel_worth(xr.n * V))
+  for (int64_t r = 0; r < xr.n; ++r) {
+    const float* xi = xr.row<const float>(r);
+    int64_t best = 0;
+    float acc = 0.0f;  // x * 0 is NaN exactly for NaN and +-inf (check_finite)
+    for (int64_t i = 0; i < V; ++i) {
+      acc += xi[i] * 0.0f;
+      if (xi[i] > xi[best]) best = i;
+    }
+    float* o = out.data_as<float>() + r * out.stride(0);
+    const bool finite = acc == acc;
+    o[0] = finite ? xi[best] : std::numeric_limits<float>::quiet_NaN();
+    o[out.stride(1)] = float(first + (finite ? best : 0));
+  }
+}
+
+void argmax_merge(const Tensor& pairs, Tensor& ids, Tensor& flags) {
+  const int64_t N = pairs.shape(0), R = pairs.shape(1);
+  const float* p = pairs.data_as<const float>();
+  for (int64_t r = 0; r < R; ++r) {
+    bool bad = false;
+    float best = 0.0f, id = 0.0f;
+    bool have = false;
+    for (int64_t n = 0; n < N; ++n) {
+      const float* e = p + n * pairs.stride(0) + r * pairs.stride(1);
+      const float v = e[0];
+      if (v != v) {
+        bad = true;
+        continue;
+      }
+      if (!have || v > best) {  // a later shard (higher ids) wins only when strictly larger
+        best = v;
+        id = e[pairs.stride(2)];
+        have = true;
+      }
+    }
+    ids.data_as<int32_t>()[r * ids.stride(0)] = int32_t(id);
+    flags.data_as<int32_t>()[r * flags.stride(0)] = bad ? 1 : 0;
+  }
+}
+
 namespace {
 // f32 -> OCP E4M3 ("fn") value, round to nearest even, saturating at +-448 (what the
 // hardware's cvt.rn.satfinite.e4m3x2.f32 gives); returned as the exact f32 it encodes.

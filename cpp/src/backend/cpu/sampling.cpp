@@ -158,6 +158,20 @@ void sample(const Tensor& logits, const ops::SamplingTensors& sp, const Tensor& 
   }
 }
 
+void accept_greedy(const Tensor& ids, const Tensor& row0, const Tensor& draft, const Tensor& draft_row,
+                   const Tensor& draft_len, Tensor& accepted, Tensor& bonus) {
+  const int64_t S = row0.shape(0);
+  auto at = [](const Tensor& t, int64_t k) { return int64_t(t.data_as<const int32_t>()[k * t.stride(0)]); };
+  for (int64_t s = 0; s < S; ++s) {
+    const int64_t base = at(row0, s), L = at(draft_len, s), dr = at(draft_row, s);
+    const int32_t* d = L > 0 ? draft.data_as<const int32_t>() + dr * draft.stride(0) : nullptr;
+    int64_t a = 0;
+    while (a < L && d[a] == at(ids, base + a)) ++a;
+    accepted.data_as<int32_t>()[s * accepted.stride(0)] = int32_t(a);
+    bonus.data_as<int32_t>()[s * bonus.stride(0)] = int32_t(at(ids, base + a));
+  }
+}
+
 void accept(const Tensor& logits, const Tensor& row0, const Tensor& draft, const Tensor& draft_row,
             const Tensor& draft_len, const Tensor& cand, const Tensor& q, const ops::SamplingTensors& sp,
             const Tensor& rng, Tensor& accepted, Tensor& bonus) {

@@ -28,6 +28,10 @@ void host_free_pinned(void* p) noexcept;
 // Copies `bytes` from src to dst asynchronously on the current stream (current_stream());
 // one side must be device memory of `device`, the other pinned host memory (or device).
 void copy_async(void* dst, const void* src, size_t bytes, int device);
+// Copies `bytes` from device memory of src_dev to device memory of dst_dev asynchronously,
+// on the calling thread's current stream for dst_dev (cudaMemcpyPeerAsync: ordered after
+// that stream's earlier work only; wait for the source's producer first, Event::stream_wait).
+void copy_peer_async(void* dst, int dst_dev, const void* src, int src_dev, size_t bytes);
 // A CUDA event (timing disabled) on `device`: record() on the current stream, wait() blocks
 // the host until the work recorded before it has finished. Movable, not copyable.
 class Event {
@@ -42,6 +46,10 @@ class Event {
   Event& operator=(const Event&) = delete;
   void record();
   void wait();  // no-op if never recorded
+  // The calling thread's current stream on `device` (which may be another device than the
+  // event's) waits, on the GPU, for the work recorded before the event: no host wait.
+  // No-op if never recorded.
+  void stream_wait(int device) const;
   // Seconds between two recorded timing events of one device, both completed.
   static double elapsed_s(const Event& start, const Event& end);
  private:
@@ -129,6 +137,10 @@ void copy(const Tensor& src, Tensor& dst);
 void add(const Tensor& a, const Tensor& b, Tensor& out);
 void argmax(const Tensor& x, Tensor& out);
 void check_finite(const Tensor& x, Tensor& flags);
+void argmax_shard(const Tensor& x, int64_t first, Tensor& out);  // row_reduce.cu
+void argmax_merge(const Tensor& pairs, Tensor& ids, Tensor& flags);
+void accept_greedy(const Tensor& ids, const Tensor& row0, const Tensor& draft, const Tensor& draft_row,
+                   const Tensor& draft_len, Tensor& accepted, Tensor& bonus);  // index_rows.cu
 void resolve_tokens(Tensor& tokens, const Tensor& src);  // index_rows.cu
 void next_after_accept(const Tensor& row0, const Tensor& draft_row, const Tensor& draft_len, const Tensor& accepted,
                        const Tensor& bonus, const Tensor& drafts, Tensor& next, Tensor& last);  // index_rows.cu

@@ -237,6 +237,20 @@ void Event::wait() {
   DFLASH2_CUDA_CHECK(cudaEventSynchronize(static_cast<cudaEvent_t>(ev_)), "cuda:", device_);
 }
 
+void Event::stream_wait(int device) const {
+  if (!ev_ || !recorded_) return;
+  DeviceGuard guard(device);  // the legacy default stream (nullptr) is the current device's
+  DFLASH2_CUDA_CHECK(cudaStreamWaitEvent(current_stream(), static_cast<cudaEvent_t>(ev_), 0), "cuda:", device,
+                     " waiting for an event of cuda:", device_);
+}
+
+void copy_peer_async(void* dst, int dst_dev, const void* src, int src_dev, size_t bytes) {
+  if (bytes == 0) return;
+  DeviceGuard guard(dst_dev);
+  DFLASH2_CUDA_CHECK(cudaMemcpyPeerAsync(dst, dst_dev, src, src_dev, bytes, current_stream()), bytes, " bytes from cuda:",
+                     src_dev, " to cuda:", dst_dev);
+}
+
 void mem_info(int device, size_t* free_bytes, size_t* total_bytes) {
   check_index(device, "mem_info");
   DeviceGuard guard(device);

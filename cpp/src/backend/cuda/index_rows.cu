@@ -41,6 +41,8 @@
 
 #include <algorithm>
 #include <cstdint>
+#include <initializer_list>
+#include <string>
 #include <type_traits>
 
 #include "backend/cuda/cuda_api.h"
@@ -281,6 +283,56 @@ void next_after_accept(const Tensor& row0, const Tensor& draft_row, const Tensor
       bonus.data_as<const int32_t>(), bonus.stride(0), drafts.data_as<const int32_t>(), drafts.shape(0), K,
       drafts.stride(0), next.data_as<int32_t>(), next.shape(0), last.data_as<int32_t>(), last.stride(0), S);
   detail::check_launch("next_after_accept kernel launch", row0.describe(), " ", drafts.describe());
+}
+
+namespace {
+// One thread per sequence: the greedy prefix against the target's ids (rows clamped into
+// [0, M), the draft row into [0, N), the length into [0, K]: device data cannot raise).
+__global__ void __launch_bounds__(kThreads)
+    accept_greedy_kernel(const int32_t* ids, int64_t is, int64_t M, const int32_t* row0, int64_t s0,
+                         const int32_t* draft, int64_t N, int64_t K, int64_t ds, const int32_t* draft_row, int64_t s1,
+                         const int32_t* draft_len, int64_t s2, int32_t* accepted, int64_t s3, int32_t* bonus,
+                         int64_t s4, int64_t S) {
+  for (int64_t s = int64_t(blockIdx.x) * kThreads + threadIdx.x; s < S; s += int64_t(gridDim.x) * kThreads) {
+    const int64_t base = row0[s * s0];
+    int64_t L = draft_len[s * s2];
+    L = L < 0 ? 0 : L > K ? K : L;
+    int64_t dr = draft_row[s * s1];
+    dr = dr < 0 ? 0 : dr >= N ? N - 1 : dr;
+    auto id = [&](int64_t j) {
+      int64_t row = base + j;
+      row = row < 0 ? 0 : row >= M ? M - 1 : row;
+      return ids[row * is];
+    };
+    int64_t a = 0;
+    while (a < L && draft[dr * ds + a] == id(a)) ++a;
+    accepted[s * s3] = int32_t(a);
+    bonus[s * s4] = id(a);
+  }
+}
+}  // namespace
+
+void accept_greedy(const Tensor& ids, const Tensor& row0, const Tensor& draft, const Tensor& draft_row,
+                   const Tensor& draft_len, Tensor& accepted, Tensor& bonus) {
+  for (const Tensor* t :
+       std::initializer_list<const Tensor*>{&ids, &row0, &draft, &draft_row, &draft_len, &accepted, &bonus})
+    DFLASH2_CHECK_ARG(t->defined() && t->device().is_cuda() && t->device() == ids.device() && t->dtype() == DType::I32,
+                      "cuda::accept_greedy: every argument must be I32 on the same CUDA device, found ",
+                      t->defined() ? t->describe() : std::string("<undefined>"));
+  DFLASH2_CHECK_ARG(draft.ndim() == 2 && (draft.stride(1) == 1 || draft.shape(1) <= 1),
+                    "cuda::accept_greedy: draft must be I32 [N, K] with contiguous rows, found ", draft.describe());
+  const int64_t S = row0.shape(0), M = ids.shape(0);
+  if (S == 0) return;
+  DFLASH2_CHECK_ARG(M >= 1 && (draft.shape(0) >= 1 || draft.shape(1) == 0),
+                    "cuda::accept_greedy: no target rows (", ids.describe(), ") or drafts (", draft.describe(), ")");
+  detail::DeviceGuard guard(ids.device().index);
+  const int blocks = int(std::min<int64_t>((S + kThreads - 1) / kThreads, 1024));
+  accept_greedy_kernel<<<blocks, kThreads, 0, detail::stream()>>>(
+      ids.data_as<const int32_t>(), ids.stride(0), M, row0.data_as<const int32_t>(), row0.stride(0),
+      draft.data_as<const int32_t>(), std::max<int64_t>(draft.shape(0), 1), draft.shape(1), draft.stride(0),
+      draft_row.data_as<const int32_t>(), draft_row.stride(0), draft_len.data_as<const int32_t>(), draft_len.stride(0),
+      accepted.data_as<int32_t>(), accepted.stride(0), bonus.data_as<int32_t>(), bonus.stride(0), S);
+  detail::check_launch("accept_greedy kernel launch", ids.describe(), " ", draft.describe());
 }
 
 void embedding_shard(const Tensor& table, const Tensor& ids, int64_t first, Tensor& out) {

@@ -21,6 +21,9 @@ void register_cuda_ops(BackendTable& t) {
   t.softmax = &cuda::softmax;          // row_reduce.cu
   t.argmax = &cuda::argmax;            // row_reduce.cu
   t.check_finite = &cuda::check_finite;  // row_reduce.cu
+  t.argmax_shard = &cuda::argmax_shard;  // row_reduce.cu
+  t.argmax_merge = &cuda::argmax_merge;  // row_reduce.cu
+  t.accept_greedy = &cuda::accept_greedy;  // index_rows.cu
   t.rope = &cuda::rope;                // elementwise.cu
   t.silu_mul = &cuda::silu_mul;        // elementwise.cu
   t.add = &cuda::add;                  // elementwise.cu

@@ -1,5 +1,6 @@
 // cuda/row_reduce.cu: the row reductions of the CUDA backend: layer_norm, softmax,
-// argmax, check_finite (F32 rows, as ops.cpp accepts them).
+// argmax, check_finite, argmax_shard (F32 rows, as ops.cpp accepts them) and
+// argmax_merge.
 //
 // Status: compiled for sm_90a/sm_100a/sm_103a, NOT yet run on a GPU. The argmax
 // candidate order (layout.h) is unit-tested on the CPU against the CPU backend's sequential
@@ -33,9 +34,15 @@
 //               beats it on the CPU), else the winner. Exactly the CPU's index, always.
 //   check_finite  1 where the row holds a NaN or an infinity (isfinite per element, OR over
 //               the row with __syncthreads_or): the CPU's answer, always.
+//   argmax_shard  argmax's reduction and check_finite's OR in one pass over the row: (the
+//               winner's value, float(first + winner)), or (NaN, float(first)) for a row with
+//               a non-finite element: the CPU's answer, always.
+//   argmax_merge  one thread per row walks the N shards in order (strictly larger wins, a
+//               NaN value sets the flag): the CPU's loop, so its answer, always.
 // Row lengths up to INT32_MAX - 1024 elements.
 #include <cuda_runtime.h>
 
+#include <algorithm>
 #include <cmath>
 #include <cstdint>
 
@@ -124,6 +131,58 @@ __global__ void __launch_bounds__(kMaxThreads)
     detail::block_argmax_merge(bv, bi, sval, sidx);
     if (threadIdx.x == 0) out[r * out_stride] = layout::argmax_finish(isnan(xr[0]), bi);
     __syncthreads();  // sval / sidx are reused by the next row
+  }
+}
+
+// ------------------------------------------------------------------ argmax_shard / merge
+__global__ void __launch_bounds__(kMaxThreads)
+    argmax_shard_kernel(const float* x, int64_t x_stride, float* out, int64_t out_stride, int64_t out_col,
+                        int64_t rows, int32_t V, int64_t first) {
+  __shared__ float sval[32];
+  __shared__ int32_t sidx[32];
+  for (int64_t r = blockIdx.x; r < rows; r += gridDim.x) {
+    const float* xr = x + r * x_stride;
+    float bv = -INFINITY;
+    int32_t bi = layout::kArgmaxNone;
+    int bad = 0;
+    for (int32_t i = threadIdx.x; i < V; i += blockDim.x) {
+      const float v = xr[i];
+      bad |= isfinite(v) ? 0 : 1;
+      detail::argmax_take(v, i, bv, bi);
+    }
+    bad = __syncthreads_or(bad);
+    detail::block_argmax_merge(bv, bi, sval, sidx);
+    if (threadIdx.x == 0) {
+      const int32_t best = layout::argmax_finish(isnan(xr[0]), bi);
+      float* o = out + r * out_stride;
+      o[0] = bad ? __int_as_float(0x7fc00000) : xr[best];
+      o[out_col] = float(first + (bad ? 0 : best));
+    }
+    __syncthreads();  // sval / sidx are reused by the next row
+  }
+}
+
+__global__ void __launch_bounds__(kMaxThreads)
+    argmax_merge_kernel(const float* pairs, int64_t ps0, int64_t ps1, int64_t ps2, int64_t N, int64_t R,
+                        int32_t* ids, int64_t ids_stride, int32_t* flags, int64_t flags_stride) {
+  for (int64_t r = int64_t(blockIdx.x) * blockDim.x + threadIdx.x; r < R; r += int64_t(gridDim.x) * blockDim.x) {
+    bool bad = false, have = false;
+    float best = 0.0f, id = 0.0f;
+    for (int64_t n = 0; n < N; ++n) {
+      const float* e = pairs + n * ps0 + r * ps1;
+      const float v = e[0];
+      if (isnan(v)) {
+        bad = true;
+        continue;
+      }
+      if (!have || v > best) {  // a later shard (higher ids) wins only when strictly larger
+        best = v;
+        id = e[ps2];
+        have = true;
+      }
+    }
+    ids[r * ids_stride] = int32_t(id);
+    flags[r * flags_stride] = bad ? 1 : 0;
   }
 }
 
@@ -231,6 +290,48 @@ void argmax(const Tensor& x, Tensor& out) {
   argmax_kernel<<<detail::row_blocks(L.rows), detail::pick_threads(L.cols), 0, detail::stream()>>>(
       x.data_as<const float>(), L.stride, out.data_as<int32_t>(), out.stride(0), L.rows, int32_t(L.cols));
   detail::check_launch("argmax kernel launch", x.describe());
+}
+
+void argmax_shard(const Tensor& x, int64_t first, Tensor& out) {
+  const char* op = "argmax_shard";
+  need_f32(op, x, "x");
+  need_f32(op, out, "out");
+  same_cuda_device(op, x, out);
+  DFLASH2_CHECK_ARG(x.ndim() == 2 && out.ndim() == 2 && out.shape(0) == x.shape(0) && out.shape(1) == 2,
+                    "cuda::argmax_shard: x must be [rows, cols] and out [rows, 2], found ", x.describe(), " and ",
+                    out.describe());
+  const layout::RowLayout L = layout::row_layout(x, op, "x");
+  need_row_len(op, L.cols);
+  DFLASH2_CHECK_ARG(first >= 0 && first + L.cols <= (int64_t(1) << 24), "cuda::argmax_shard: ids ", first, " + ",
+                    L.cols, " are not exact in F32");
+  if (L.rows == 0) return;
+  DFLASH2_CHECK_ARG(L.cols >= 1, "cuda::argmax_shard: rows must not be empty, found ", x.describe());
+  detail::DeviceGuard guard(x.device().index);
+  argmax_shard_kernel<<<detail::row_blocks(L.rows), detail::pick_threads(L.cols), 0, detail::stream()>>>(
+      x.data_as<const float>(), L.stride, out.data_as<float>(), out.stride(0), out.stride(1), L.rows,
+      int32_t(L.cols), first);
+  detail::check_launch("argmax_shard kernel launch", x.describe());
+}
+
+void argmax_merge(const Tensor& pairs, Tensor& ids, Tensor& flags) {
+  const char* op = "argmax_merge";
+  need_f32(op, pairs, "pairs");
+  same_cuda_device(op, pairs, ids);
+  same_cuda_device(op, pairs, flags);
+  DFLASH2_CHECK_ARG(pairs.ndim() == 3 && pairs.shape(2) == 2 && ids.dtype() == DType::I32 &&
+                        flags.dtype() == DType::I32 && ids.ndim() == 1 && flags.ndim() == 1 &&
+                        ids.shape(0) == pairs.shape(1) && flags.shape(0) == pairs.shape(1),
+                    "cuda::argmax_merge: pairs must be F32 [N, R, 2] and ids / flags I32 [R], found ",
+                    pairs.describe(), ", ", ids.describe(), ", ", flags.describe());
+  const int64_t R = pairs.shape(1);
+  if (R == 0) return;
+  detail::DeviceGuard guard(pairs.device().index);
+  const int threads = 128;
+  const int blocks = int(std::min<int64_t>((R + threads - 1) / threads, 1024));
+  argmax_merge_kernel<<<blocks, threads, 0, detail::stream()>>>(
+      pairs.data_as<const float>(), pairs.stride(0), pairs.stride(1), pairs.stride(2), pairs.shape(0), R,
+      ids.data_as<int32_t>(), ids.stride(0), flags.data_as<int32_t>(), flags.stride(0));
+  detail::check_launch("argmax_merge kernel launch", pairs.describe());
 }
 
 void check_finite(const Tensor& x, Tensor& flags) {
