@@ -78,7 +78,12 @@ Target::Target(std::vector<std::unique_ptr<model::GlmModel>> models, const Optio
     d_hidden_.resize(size_t(n));
     d_src_.resize(size_t(n));
 #ifdef DFLASH2_WITH_CUDA
-    if (n > 1) rank0_event_ = std::make_unique<Rank0Event>(models_[0]->device().index);
+    if (n > 1) {
+      rank0_event_ = std::make_unique<Rank0Event>(models_[0]->device().index);
+      // the ranks' copies of the drafter's outputs read rank 0's memory: directly where the
+      // pair allows it (else the copies are staged by the driver)
+      for (int r = 1; r < n; ++r) cuda::enable_peer_access(models_[size_t(r)]->device().index, models_[0]->device().index);
+    }
 #endif
     const int64_t rows = planner_.max_tokens(), seqs = planner_.max_seqs();
     const int64_t words = PlanUploader::planned_words(rows, seqs, blocks_per_seq);

@@ -32,6 +32,11 @@ void copy_async(void* dst, const void* src, size_t bytes, int device);
 // on the calling thread's current stream for dst_dev (cudaMemcpyPeerAsync: ordered after
 // that stream's earlier work only; wait for the source's producer first, Event::stream_wait).
 void copy_peer_async(void* dst, int dst_dev, const void* src, int src_dev, size_t bytes);
+// Lets `device` read / write `peer`'s memory directly (cudaDeviceEnablePeerAccess: peer
+// copies then go over NVLink / PCIe without staging through the host). Returns false, with
+// nothing changed, where the pair cannot (copies still work, staged); already enabled: true.
+// Never throws.
+bool enable_peer_access(int device, int peer);
 // A CUDA event (timing disabled) on `device`: record() on the current stream, wait() blocks
 // the host until the work recorded before it has finished. Movable, not copyable.
 class Event {

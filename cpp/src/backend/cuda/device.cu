@@ -244,6 +244,19 @@ void Event::stream_wait(int device) const {
                      " waiting for an event of cuda:", device_);
 }
 
+bool enable_peer_access(int device, int peer) {
+  if (device == peer) return true;
+  int can = 0;
+  if (cudaDeviceCanAccessPeer(&can, device, peer) != cudaSuccess || !can) {
+    cudaGetLastError();  // not sticky; nothing to report: the copies are staged instead
+    return false;
+  }
+  DeviceGuard guard(device);
+  const cudaError_t e = cudaDeviceEnablePeerAccess(peer, 0);
+  if (e != cudaSuccess) cudaGetLastError();  // already enabled (true), or too many peers (false)
+  return e == cudaSuccess || e == cudaErrorPeerAccessAlreadyEnabled;
+}
+
 void copy_peer_async(void* dst, int dst_dev, const void* src, int src_dev, size_t bytes) {
   if (bytes == 0) return;
   DeviceGuard guard(dst_dev);
