@@ -381,10 +381,19 @@ def test_tensor_parallel_on_gpus(zoo, tp):
     got = gpu.generate(prompts, max_new_tokens=10, stop_token_ids=NO_STOP)
     for i, (g, w) in enumerate(zip(got, want)):
         same_tokens(cpu, prompts[i], g.token_ids, w.token_ids, f"TP={tp} on GPUs greedy, prompt {i}")
-    # every rank's decode chunks ran as CUDA graphs (NCCL collectives inside), none failed
+    # every rank's decode chunks ran as CUDA graphs (NCCL collectives inside, one decision for
+    # all ranks per chunk), none failed
     m = gpu.metrics()
     assert gpu.cuda_graphs and m["cuda_graphs_replayed"] > 0 and m["cuda_graphs_failed"] == 0, m
     assert m["argmax_gather_steps"] > 0, m  # greedy: (max, id) pairs gathered on the GPUs, not logits
+    # the collectives a replayed graph ran are counted as if issued: the same totals as eagerly
+    eager = _tp_engine_or_skip(zoo, tp, cuda_graphs=False)
+    counts = []
+    for e in (gpu, eager):
+        before = e.tp_collectives()
+        e.generate(prompts, max_new_tokens=10, stop_token_ids=NO_STOP)
+        counts.append({k: v - before[k] for k, v in e.tp_collectives().items()})
+    assert counts[0] == counts[1] and counts[0]["all_reduce_calls"] > 0, counts
 
 
 def test_speculative_tensor_parallel_on_gpus(zoo, tmp_path):

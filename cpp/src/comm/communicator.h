@@ -30,6 +30,32 @@ class Communicator {
   virtual ~Communicator() = default;
   // Counters of this rank (updated by the calling rank's thread only).
   const CommStats& stats() const { return stats_; }
+  // A CUDA graph's replay runs the collectives its capture issued without calling them
+  // again: its owner adds what they counted at the capture (diff of two stats()).
+  void count_replay(const CommStats& captured) {
+    stats_.all_reduce_calls += captured.all_reduce_calls;
+    stats_.all_reduce_bytes += captured.all_reduce_bytes;
+    stats_.all_gather_calls += captured.all_gather_calls;
+    stats_.all_gather_bytes += captured.all_gather_bytes;
+    stats_.reduce_scatter_calls += captured.reduce_scatter_calls;
+    stats_.reduce_scatter_bytes += captured.reduce_scatter_bytes;
+    stats_.broadcast_calls += captured.broadcast_calls;
+    stats_.broadcast_bytes += captured.broadcast_bytes;
+    stats_.barrier_calls += captured.barrier_calls;
+  }
+  static CommStats diff(const CommStats& after, const CommStats& before) {
+    CommStats d;
+    d.all_reduce_calls = after.all_reduce_calls - before.all_reduce_calls;
+    d.all_reduce_bytes = after.all_reduce_bytes - before.all_reduce_bytes;
+    d.all_gather_calls = after.all_gather_calls - before.all_gather_calls;
+    d.all_gather_bytes = after.all_gather_bytes - before.all_gather_bytes;
+    d.reduce_scatter_calls = after.reduce_scatter_calls - before.reduce_scatter_calls;
+    d.reduce_scatter_bytes = after.reduce_scatter_bytes - before.reduce_scatter_bytes;
+    d.broadcast_calls = after.broadcast_calls - before.broadcast_calls;
+    d.broadcast_bytes = after.broadcast_bytes - before.broadcast_bytes;
+    d.barrier_calls = after.barrier_calls - before.barrier_calls;
+    return d;
+  }
   virtual int rank() const = 0;
   virtual int size() const = 0;
   virtual const char* backend() const = 0;

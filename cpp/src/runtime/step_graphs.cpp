@@ -10,6 +10,25 @@
 
 namespace dflash2::runtime {
 
+namespace {
+// Makes room for one more key in a graph cache of at most max keys: the least recently used
+// key without a graph goes, else the least recently used one (drop releases its graphs).
+template <class Map, class HasGraph, class Drop>
+void make_room(Map& m, size_t max, HasGraph has_graph, Drop drop) {
+  if (m.size() < max || m.empty()) return;
+  auto lru = m.end();
+  for (auto e = m.begin(); e != m.end(); ++e)
+    if (!has_graph(e->second) && (lru == m.end() || e->second.last_use < lru->second.last_use)) lru = e;
+  if (lru == m.end()) {
+    lru = m.begin();
+    for (auto e = m.begin(); e != m.end(); ++e)
+      if (e->second.last_use < lru->second.last_use) lru = e;
+  }
+  drop(lru->second);  // (a launched graph finishes first; the driver defers)
+  m.erase(lru);
+}
+}  // namespace
+
 #ifdef DFLASH2_WITH_CUDA
 
 ForwardGraphs::ForwardGraphs(Device dev, CUstream_st* stream, size_t max_graphs)
@@ -31,19 +50,8 @@ void ForwardGraphs::run(const std::string& key, const std::function<void()>& fn)
   auto it = graphs_.find(key);
   ++tick_;
   if (it == graphs_.end()) {  // first sight: warm up eagerly
-    if (graphs_.size() >= max_graphs_ && !graphs_.empty()) {
-      // full: the least recently used key without a graph goes, else the least recently used
-      auto lru = graphs_.end();
-      for (auto e = graphs_.begin(); e != graphs_.end(); ++e)
-        if (!e->second.exec && (lru == graphs_.end() || e->second.last_use < lru->second.last_use)) lru = e;
-      if (lru == graphs_.end()) {
-        lru = graphs_.begin();
-        for (auto e = graphs_.begin(); e != graphs_.end(); ++e)
-          if (e->second.last_use < lru->second.last_use) lru = e;
-      }
-      cuda::graph_destroy(lru->second.exec);  // (a launched graph finishes first; the driver defers)
-      graphs_.erase(lru);
-    }
+    make_room(graphs_, max_graphs_, [](const Entry& e) { return e.exec != nullptr; },
+              [](Entry& e) { cuda::graph_destroy(e.exec); });
     Entry fresh;
     fresh.last_use = tick_;
     graphs_.emplace(key, fresh);
@@ -96,6 +104,113 @@ void ForwardGraphs::run(const std::string& key, const std::function<void()>& fn)
   cuda::graph_launch(exec, stream_);  // a capture records without running
 }
 
+GroupGraphs::GroupGraphs(std::vector<Device> devs, std::vector<CUstream_st*> streams, size_t max_graphs)
+    : devs_(std::move(devs)), streams_(std::move(streams)), max_graphs_(max_graphs) {
+  DFLASH2_INTERNAL(streams_.size() == devs_.size() && !devs_.empty(), "GroupGraphs over ", devs_.size(), " devices");
+  own_.assign(devs_.size(), false);
+  for (size_t r = 0; r < devs_.size(); ++r)
+    if (!streams_[r]) {
+      streams_[r] = cuda::stream_create(devs_[r].index);
+      own_[r] = true;
+    }
+}
+
+GroupGraphs::~GroupGraphs() {
+  for (auto& kv : graphs_) drop(kv.second);
+  for (size_t r = 0; r < devs_.size(); ++r)
+    if (own_[r]) cuda::stream_destroy(streams_[r], devs_[r].index);
+}
+
+void GroupGraphs::drop(Entry& e) {
+  for (void* x : e.exec) cuda::graph_destroy(x);
+  e.exec.clear();
+}
+
+void GroupGraphs::run(const std::string& key, const All& all, const std::function<void(int)>& prep,
+                      const std::function<void(int)>& fn, comm::Communicator* comm0) {
+  const int n = int(devs_.size());
+  // every round: each rank on its graphs' stream, in order with its legacy stream
+  auto round = [&](const std::function<void(int)>& job) {
+    all([&](int r) {
+      cuda::OrderedStreamScope scope(streams_[size_t(r)], devs_[size_t(r)].index);
+      job(r);
+    });
+  };
+  auto eager = [&] {
+    round([&](int r) {
+      prep(r);
+      fn(r);
+    });
+  };
+  auto it = graphs_.find(key);
+  ++tick_;
+  if (it == graphs_.end()) {  // first sight: every rank warms up eagerly
+    make_room(graphs_, max_graphs_, [](const Entry& e) { return !e.exec.empty(); }, [this](Entry& e) { drop(e); });
+    Entry fresh;
+    fresh.last_use = tick_;
+    graphs_.emplace(key, fresh);
+    count(&GraphStats::eager);
+    return eager();
+  }
+  Entry& e = it->second;
+  e.last_use = tick_;
+  const uint64_t gen = cuda::scratch_generation();
+  if (!e.exec.empty() && e.generation == gen) {  // every rank replays
+    round([&](int r) {
+      prep(r);
+      cuda::graph_launch(e.exec[size_t(r)], streams_[size_t(r)]);
+    });
+    if (comm0) comm0->count_replay(e.collectives);
+    count(&GraphStats::replayed);
+    return;
+  }
+  drop(e);  // none yet, or captured before the scratch moved
+  if (e.failures >= 2) {
+    count(&GraphStats::eager);
+    return eager();
+  }
+  // every rank captures; launched only if all succeeded
+  std::vector<void*> exec(size_t(n), nullptr);
+  std::vector<std::string> why(static_cast<size_t>(n));
+  const comm::CommStats before = comm0 ? comm0->stats() : comm::CommStats{};
+  round([&](int r) {
+    prep(r);
+    CUstream_st* s = streams_[size_t(r)];
+    cuda::graph_begin_capture(s);
+    try {
+      fn(r);
+    } catch (const std::exception& ex) {
+      why[size_t(r)] = ex.what();
+    } catch (...) {
+      why[size_t(r)] = "an unknown exception";
+    }
+    std::string end_why;
+    exec[size_t(r)] = cuda::graph_end_capture(s, &end_why);
+    if (why[size_t(r)].empty() && !exec[size_t(r)]) why[size_t(r)] = end_why;
+  });
+  std::string failure;
+  for (int r = 0; r < n && failure.empty(); ++r)
+    if (!why[size_t(r)].empty()) failure = "rank " + std::to_string(r) + ": " + why[size_t(r)];
+  if (!failure.empty()) {
+    for (void* x : exec) cuda::graph_destroy(x);
+    ++e.failures;
+    count(&GraphStats::failed, &failure);
+    if (!logged_) {
+      std::fprintf(stderr, "dflash2: capturing a forward chunk as CUDA graphs on every rank failed; running it "
+                   "eagerly on every rank: %s\n", failure.c_str());
+      logged_ = true;
+    }
+    count(&GraphStats::eager);
+    round(fn);  // nothing of the failed captures ran: every rank runs the chunk now (prep ran)
+    return;
+  }
+  e.exec = exec;
+  e.generation = cuda::scratch_generation();
+  if (comm0) e.collectives = comm::Communicator::diff(comm0->stats(), before);
+  count(&GraphStats::captured);
+  round([&](int r) { cuda::graph_launch(e.exec[size_t(r)], streams_[size_t(r)]); });
+}
+
 #else
 
 ForwardGraphs::ForwardGraphs(Device dev, CUstream_st* stream, size_t max_graphs)
@@ -105,7 +220,32 @@ ForwardGraphs::ForwardGraphs(Device dev, CUstream_st* stream, size_t max_graphs)
 ForwardGraphs::~ForwardGraphs() = default;
 void ForwardGraphs::run(const std::string&, const std::function<void()>& fn) { fn(); }
 
+GroupGraphs::GroupGraphs(std::vector<Device> devs, std::vector<CUstream_st*> streams, size_t max_graphs)
+    : devs_(std::move(devs)), streams_(std::move(streams)), max_graphs_(max_graphs) {
+  fail(ErrorKind::Unsupported, "CUDA graphs need the CUDA backend, which this build does not have");
+}
+GroupGraphs::~GroupGraphs() = default;
+void GroupGraphs::drop(Entry&) {}
+void GroupGraphs::run(const std::string&, const All& all, const std::function<void(int)>& prep,
+                      const std::function<void(int)>& fn, comm::Communicator*) {
+  all([&](int r) {
+    prep(r);
+    fn(r);
+  });
+}
+
 #endif
+
+GraphStats GroupGraphs::stats() const {
+  std::lock_guard<std::mutex> lk(stats_mu_);
+  return stats_;
+}
+
+void GroupGraphs::count(int64_t GraphStats::*field, const std::string* failure) {
+  std::lock_guard<std::mutex> lk(stats_mu_);
+  ++(stats_.*field);
+  if (failure) stats_.last_failure = *failure;
+}
 
 void StepRecorder::begin() {
   ++begun_;

@@ -32,6 +32,7 @@
 #include <string>
 #include <vector>
 
+#include "comm/communicator.h"
 #include "dflash2/tensor.h"
 
 struct CUstream_st;
@@ -93,6 +94,57 @@ class ForwardGraphs {
   mutable std::mutex stats_mu_;
   GraphStats stats_;
   bool logged_ = false;
+  void count(int64_t GraphStats::*field, const std::string* failure = nullptr);
+};
+
+// CUDA graphs of a chunk on every rank of a tensor-parallel group, under one decision per
+// chunk: the NCCL collectives inside must be captured, replayed or run eagerly by all the
+// ranks together, so one entry, keyed by rank 0's launch shape, holds every rank's graph,
+// and ForwardGraphs' policy (warm-up, capture, replay, capture again after the scratch
+// moved, eager after two failures, least recently used out) applies to all ranks at once.
+// A capture is made on every rank and launched only if every rank's succeeded; otherwise
+// every rank runs the chunk eagerly. The ranks' other inputs must follow from rank 0's key
+// (their plans are uploaded in lockstep; their own buffers are fixed at load).
+class GroupGraphs {
+ public:
+  // streams: rank r's graphs' stream (a stream of devs[r]); rank 0's may be shared (the
+  // drafter's graphs run on it), the others are made here when null.
+  GroupGraphs(std::vector<Device> devs, std::vector<CUstream_st*> streams, size_t max_graphs = 256);
+  ~GroupGraphs();
+  GroupGraphs(const GroupGraphs&) = delete;
+  GroupGraphs& operator=(const GroupGraphs&) = delete;
+  CUstream_st* stream(int r) const { return streams_[size_t(r)]; }
+  // all(job) runs job(r) on every rank at once and returns when all have (rethrowing a
+  // failure: Target::on_all_ranks); each job runs in an OrderedStreamScope on stream(r).
+  // prep(r): rank r's eager work before its chunk (once per call, before its graph or its
+  // eager run); fn(r): the chunk's device work (what a capture records). comm0: rank 0's
+  // communicator: a replay adds the collectives its capture counted.
+  using All = std::function<void(const std::function<void(int)>&)>;
+  void run(const std::string& key, const All& all, const std::function<void(int)>& prep,
+           const std::function<void(int)>& fn, comm::Communicator* comm0);
+  GraphStats stats() const;
+  void reserve(size_t n) {
+    if (n > max_graphs_) max_graphs_ = n;
+  }
+
+ private:
+  struct Entry {
+    std::vector<void*> exec;  // one per rank, or empty
+    uint64_t generation = 0;
+    int failures = 0;
+    uint64_t last_use = 0;
+    comm::CommStats collectives;  // what rank 0's capture issued
+  };
+  std::vector<Device> devs_;
+  std::vector<CUstream_st*> streams_;
+  std::vector<bool> own_;
+  size_t max_graphs_;
+  uint64_t tick_ = 0;
+  std::map<std::string, Entry> graphs_;
+  mutable std::mutex stats_mu_;
+  GraphStats stats_;
+  bool logged_ = false;
+  void drop(Entry& e);
   void count(int64_t GraphStats::*field, const std::string* failure = nullptr);
 };
 

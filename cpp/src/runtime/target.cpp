@@ -35,10 +35,17 @@ Target::Target(std::vector<std::unique_ptr<model::GlmModel>> models, const Optio
   int64_t n_index = 0;
   for (bool f : c.indexer_full) n_index += f ? 1 : 0;
   if (opt.device.is_cuda()) place_on_devices(n_index, nblocks);
-  if (opt.device.is_cuda() && opt.cuda_graphs) {  // every rank's chunks on its own graphs' stream
-    graphs_ = std::make_unique<ForwardGraphs>(opt.device);
-    for (int r = 1; r < n; ++r)
-      rank_graphs_.push_back(std::make_unique<ForwardGraphs>(Device::cuda(opt.device.index + r)));
+  if (opt.device.is_cuda() && opt.cuda_graphs) {
+    graphs_ = std::make_unique<ForwardGraphs>(opt.device);  // rank 0's stream (the drafter's graphs too)
+    if (n > 1) {  // every rank's chunks, one decision per chunk
+      std::vector<Device> devs;
+      std::vector<CUstream_st*> streams;
+      for (int r = 0; r < n; ++r) {
+        devs.push_back(Device::cuda(opt.device.index + r));
+        streams.push_back(r == 0 ? graphs_->stream() : nullptr);
+      }
+      group_ = std::make_unique<GroupGraphs>(devs, streams);
+    }
   }
   // planes: 0 = MLA latent per layer, 1 = indexer keys per indexer layer; the latent and the
   // indexer are replicated on every rank (MLA shares one latent across heads)
@@ -77,6 +84,10 @@ Target::Target(std::vector<std::unique_ptr<model::GlmModel>> models, const Optio
     d_hmain_.resize(size_t(n));
     d_hidden_.resize(size_t(n));
     d_src_.resize(size_t(n));
+    // the MTP layer's hidden-state inputs of each rank at their largest (a graph holds their
+    // address; rank 0's key does not name the other ranks' buffers)
+    for (int r = 0; r < n && n > 1; ++r)
+      d_hmain_[size_t(r)] = Tensor::empty(DType::F32, {opt.max_step_tokens * c.hidden_size}, models_[size_t(r)]->device());
 #ifdef DFLASH2_WITH_CUDA
     if (n > 1) {
       rank0_event_ = std::make_unique<Rank0Event>(models_[0]->device().index);
@@ -231,11 +242,7 @@ uint32_t Target::common_experts(ops::GemmNumerics g, uint32_t allowed) const {
 
 GraphStats Target::graph_stats() const {
   GraphStats g = graphs_ ? graphs_->stats() : GraphStats{};
-  for (const auto& rg : rank_graphs_) {
-    const GraphStats o = rg->stats();
-    g.failed += o.failed;
-    if (!o.last_failure.empty()) g.last_failure = o.last_failure;
-  }
+  if (group_) g += group_->stats();  // one count per chunk of the group
   return g;
 }
 
@@ -499,90 +506,126 @@ Tensor Target::device_rows(std::vector<Tensor>& bufs, int r, int64_t rows, int64
 
 model::TokenBatch Target::upload(const model::TokenBatch& b, int r) { return dplan_[size_t(r)]->upload(b); }
 
+model::ForwardOutputs Target::rank_outputs(int r, const model::TokenBatch& b, const model::ForwardOutputs& out) {
+  const int64_t H = config().hidden_size;
+  const Device d0 = models_[0]->device();
+  model::ForwardOutputs o;
+  o.all_logits = out.all_logits;
+  o.prompt = out.prompt;  // prompt chunks: Engine prefill_gemm's numerics
+  o.exact = out.exact;    // the comparison APIs: exact whatever decode_gemm
+  o.argmax_only = out.argmax_only;  // greedy under tensor parallelism: (max, id) pairs, merged on rank 0
+  if (r == 0 && out.argmax_only) {
+    DFLASH2_INTERNAL(out.argmax.device() == d0 && out.argmax_flags.device() == d0, "argmax outputs ",
+                     out.argmax.describe(), " must be on rank 0's ", d0.str());
+    o.argmax = out.argmax;
+    o.argmax_flags = out.argmax_flags;
+  }
+  // rank 0 writes logits straight into the caller's tensor when it is on its device,
+  // likewise the features when the drafter reading them is there
+  if (out.logits.defined())
+    o.logits = r == 0 && out.logits.device() == d0 ? out.logits : d_logits_[size_t(r)].slice(0, 0, out.logits.shape(0));
+  if (r == 0) {
+    o.tap_layers = out.tap_layers;
+    if (out.taps.defined())
+      o.taps = out.taps.device() == d0 ? out.taps : device_rows(d_taps_, r, b.T, out.taps.shape(1));
+    if (out.final_hidden.defined())
+      o.final_hidden = out.final_hidden.device() == d0 ? out.final_hidden : device_rows(d_fin_, r, b.T, H);
+  }
+  return o;
+}
+
+void Target::copy_back(const model::ForwardOutputs& out, const model::ForwardOutputs& o0) {
+  // the outputs the caller asked for, back to its host tensors (synchronizes)
+  if (out.logits.defined() && out.logits.shape(0) > 0 && o0.logits.data() != out.logits.data()) {
+    DFLASH2_INTERNAL(out.logits.shape(1) == config().vocab_size, "logits width");
+    Tensor dst = out.logits;
+    dst.copy_from(o0.logits);
+  }
+  if (out.taps.defined() && o0.taps.data() != out.taps.data()) {
+    Tensor dst = out.taps;
+    dst.copy_from(o0.taps);
+  }
+  if (out.final_hidden.defined() && o0.final_hidden.data() != out.final_hidden.data()) {
+    Tensor dst = out.final_hidden;
+    dst.copy_from(o0.final_hidden);
+  }
+}
+
 void Target::run_chunk_device(const model::TokenBatch& b, const model::ForwardOutputs& out, const Tensor& token_src) {
-  const int64_t H = config().hidden_size, V = config().vocab_size;
+  if (group_ && !out.prompt && !out.exact) return run_chunk_group(b, out, token_src);
   if (token_src.defined() && tp_size() > 1) mark_rank0_inputs();  // the drafts, for the other ranks' copies
+  // one rank with graphs: rank 0's decode / verify chunks as CUDA graphs; tensor parallelism
+  // without graphs, and prompt / comparison chunks: eagerly
+  ForwardGraphs* g = tp_size() == 1 && !out.prompt && !out.exact ? graphs_.get() : nullptr;
   on_all_ranks([&](int r) {
 #ifdef DFLASH2_WITH_CUDA
-    // with graphs: everything on the rank's graphs' stream, in order with the eager work on
-    // the legacy default stream before and after (OrderedStreamScope)
-    ForwardGraphs* g = graphs_of(r);
+    // with graphs: everything on the graphs' stream, in order with the eager work on the
+    // legacy default stream before and after (OrderedStreamScope)
     cuda::OrderedStreamScope stream_scope(g ? g->stream() : nullptr, models_[size_t(r)]->device().index);
-#else
-    ForwardGraphs* g = nullptr;
 #endif
     model::TokenBatch db = upload(b, r);
-    model::ForwardOutputs o;
-    o.all_logits = out.all_logits;
-    o.prompt = out.prompt;  // prompt chunks: Engine prefill_gemm's numerics
-    o.exact = out.exact;    // the comparison APIs: exact whatever decode_gemm
-    o.argmax_only = out.argmax_only;  // greedy under tensor parallelism: (max, id) pairs, merged on rank 0
-    if (r == 0 && out.argmax_only) {
-      DFLASH2_INTERNAL(out.argmax.device() == models_[0]->device() && out.argmax_flags.device() == out.argmax.device(),
-                       "argmax outputs ", out.argmax.describe(), " must be on rank 0's ", models_[0]->device().str());
-      o.argmax = out.argmax;
-      o.argmax_flags = out.argmax_flags;
-    }
-    // rank 0 writes logits straight into the caller's tensor when it is on its device
-    const bool direct = r == 0 && out.logits.defined() && out.logits.device() == models_[0]->device();
-    if (out.logits.defined()) o.logits = direct ? out.logits : d_logits_[size_t(r)].slice(0, 0, out.logits.shape(0));
-    // likewise the features when the drafter reading them is on this device
-    const Device d0 = models_[0]->device();
-    const bool taps_direct = r == 0 && out.taps.defined() && out.taps.device() == d0;
-    const bool fin_direct = r == 0 && out.final_hidden.defined() && out.final_hidden.device() == d0;
-    if (r == 0) {
-      o.tap_layers = out.tap_layers;
-      if (out.taps.defined()) o.taps = taps_direct ? out.taps : device_rows(d_taps_, r, b.T, out.taps.shape(1));
-      if (out.final_hidden.defined())
-        o.final_hidden = fin_direct ? out.final_hidden : device_rows(d_fin_, r, b.T, H);
-    }
-    if (r == 0 && g && !out.prompt && !out.exact) {
+    model::ForwardOutputs o = rank_outputs(r, b, out);
+    if (g) {
       // the launch shape: sizes, then every buffer the kernels are given (see step_graphs.h)
       g->run(forward_key(db, o, token_src), [&] {
         if (token_src.defined()) ops::resolve_tokens(db.tokens, token_src);  // the drafts, in the graph
         models_[0]->forward(db, views_[0], o);
       });
     } else {
-      // the drafts on rank 0's device: the other ranks resolve from their copies, before
-      // their graph (the peer copy waits for rank 0's event: kept out of the capture)
-      const Tensor src = from_rank0(r, token_src, d_src_);
+      const Tensor src = from_rank0(r, token_src, d_src_);  // the drafts: the other ranks' copies
       if (src.defined()) ops::resolve_tokens(db.tokens, src);
-      if (g && !out.prompt && !out.exact)  // every rank captures / replays the same chunks
-        g->run(forward_key(db, o, Tensor()), [&] { models_[size_t(r)]->forward(db, views_[size_t(r)], o); });
-      else
-        models_[size_t(r)]->forward(db, views_[size_t(r)], o);
+      models_[size_t(r)]->forward(db, views_[size_t(r)], o);
     }
-    if (r != 0) return;
-    // the outputs the caller asked for, back to its host tensors (synchronizes)
-    if (!direct && out.logits.defined() && out.logits.shape(0) > 0) {
-      DFLASH2_INTERNAL(out.logits.shape(1) == V, "logits width");
-      Tensor dst = out.logits;
-      dst.copy_from(o.logits);
-    }
-    if (out.taps.defined() && !taps_direct) {
-      Tensor dst = out.taps;
-      dst.copy_from(o.taps);
-    }
-    if (out.final_hidden.defined() && !fin_direct) {
-      Tensor dst = out.final_hidden;
-      dst.copy_from(o.final_hidden);
-    }
+    if (r == 0) copy_back(out, o);
   });
+}
+
+void Target::run_chunk_group(const model::TokenBatch& b, const model::ForwardOutputs& out, const Tensor& token_src) {
+#ifdef DFLASH2_WITH_CUDA
+  const int n = tp_size();
+  const Device d0 = models_[0]->device();
+  if (token_src.defined()) mark_rank0_inputs();  // the drafts, for the other ranks' copies
+  std::vector<model::TokenBatch> db(static_cast<size_t>(n));
+  std::vector<model::ForwardOutputs> o(static_cast<size_t>(n));
+  {  // rank 0's plan first: its device buffers are part of the key
+    cuda::OrderedStreamScope scope(group_->stream(0), d0.index);
+    db[0] = upload(b, 0);
+  }
+  for (int r = 0; r < n; ++r) o[size_t(r)] = rank_outputs(r, b, out);
+  group_->run(
+      forward_key(db[0], o[0], token_src), [this](const std::function<void(int)>& job) { on_all_ranks(job); },
+      [&](int r) {  // the other ranks' plans, and their copies of the drafts, before their graphs
+        if (r == 0) return;
+        db[size_t(r)] = upload(b, r);
+        const Tensor src = from_rank0(r, token_src, d_src_);
+        if (src.defined()) ops::resolve_tokens(db[size_t(r)].tokens, src);
+      },
+      [&](int r) {
+        if (r == 0 && token_src.defined()) ops::resolve_tokens(db[0].tokens, token_src);  // in rank 0's graph
+        models_[size_t(r)]->forward(db[size_t(r)], views_[size_t(r)], o[size_t(r)]);
+      },
+      comms_[0].get());
+  copy_back(out, o[0]);
+#else
+  (void)b, (void)out, (void)token_src;
+  fail(ErrorKind::Unsupported, "CUDA graphs in a build without CUDA");
+#endif
 }
 
 void Target::mtp_chunk_device(const model::TokenBatch& b, const Tensor& h_main, Tensor& logits, Tensor& hidden,
                               const Tensor& token_src) {
+  if (group_) return mtp_chunk_group(b, h_main, logits, hidden, token_src);
   const int64_t H = config().hidden_size;
   const Device d0 = models_[0]->device();
   // the MTP drafter's chain on rank 0's GPU: its ids and hidden states, for the other ranks' copies
-  const bool from0 = tp_size() > 1 && h_main.device() == d0 && h_main.is_contiguous();
+  const bool from0 = tp_size() > 1 && h_main.device() == d0;
+  DFLASH2_INTERNAL(!from0 || h_main.is_contiguous(), "the MTP layer's input ", h_main.describe(),
+                   " on rank 0's device must be contiguous (the other ranks copy it)");
   if (tp_size() > 1 && (token_src.defined() || from0)) mark_rank0_inputs();
+  ForwardGraphs* g = tp_size() == 1 ? graphs_.get() : nullptr;
   on_all_ranks([&](int r) {
 #ifdef DFLASH2_WITH_CUDA
-    ForwardGraphs* g = graphs_of(r);
     cuda::OrderedStreamScope stream_scope(g ? g->stream() : nullptr, models_[size_t(r)]->device().index);
-#else
-    ForwardGraphs* g = nullptr;
 #endif
     model::TokenBatch db = upload(b, r);
     // inputs / outputs already on this rank's device (the MTP drafter's chain on the GPU) are
@@ -599,7 +642,7 @@ void Target::mtp_chunk_device(const model::TokenBatch& b, const Tensor& h_main, 
     Tensor lg = lg_direct ? logits : d_logits_[size_t(r)].slice(0, 0, logits.shape(0));
     Tensor hid = hid_direct ? hidden
                             : (r == 0 && hidden.defined()) ? device_rows(d_hidden_, r, hidden.shape(0), H) : Tensor();
-    if (r == 0 && g) {  // the MTP layer's chunks (commits, chained positions) as graphs too
+    if (g) {  // the MTP layer's chunks (commits, chained positions) as graphs too
       g->run(mtp_key(db, hm, lg, hid, token_src), [&] {
         if (token_src.defined()) ops::resolve_tokens(db.tokens, token_src);  // the chain's ids, in the graph
         models_[0]->mtp_forward(db, hm, mtp_views_[0], lg, hid);
@@ -607,15 +650,66 @@ void Target::mtp_chunk_device(const model::TokenBatch& b, const Tensor& h_main, 
     } else {
       const Tensor src = from_rank0(r, token_src, d_src_);  // rank 0's ids: the others' copies
       if (src.defined()) ops::resolve_tokens(db.tokens, src);
-      if (g)
-        g->run(mtp_key(db, hm, lg, hid, Tensor()), [&] { models_[size_t(r)]->mtp_forward(db, hm, mtp_views_[size_t(r)], lg, hid); });
-      else
-        models_[size_t(r)]->mtp_forward(db, hm, mtp_views_[size_t(r)], lg, hid);
+      models_[size_t(r)]->mtp_forward(db, hm, mtp_views_[size_t(r)], lg, hid);
     }
     if (r != 0) return;
     if (!lg_direct && logits.shape(0) > 0) logits.copy_from(lg);
     if (hidden.defined() && !hid_direct) hidden.copy_from(hid);
   });
+}
+
+void Target::mtp_chunk_group(const model::TokenBatch& b, const Tensor& h_main, Tensor& logits, Tensor& hidden,
+                             const Tensor& token_src) {
+#ifdef DFLASH2_WITH_CUDA
+  const int n = tp_size();
+  const int64_t H = config().hidden_size;
+  const Device d0 = models_[0]->device();
+  const bool from0 = h_main.device() == d0;
+  DFLASH2_INTERNAL(!from0 || h_main.is_contiguous(), "the MTP layer's input ", h_main.describe(),
+                   " on rank 0's device must be contiguous (the other ranks copy it)");
+  if (token_src.defined() || from0) mark_rank0_inputs();  // the chain's ids and hidden states
+  std::vector<model::TokenBatch> db(static_cast<size_t>(n));
+  std::vector<Tensor> hm(static_cast<size_t>(n)), lg(static_cast<size_t>(n)), hid(static_cast<size_t>(n));
+  {  // rank 0's plan and inputs first: their device buffers are part of the key
+    cuda::OrderedStreamScope scope(group_->stream(0), d0.index);
+    db[0] = upload(b, 0);
+    hm[0] = h_main;
+    if (!from0) {  // the host's rows (a fixed buffer: d_hmain_ is allocated at its largest)
+      hm[0] = device_rows(d_hmain_, 0, h_main.shape(0), H);
+      hm[0].copy_from(h_main.contiguous());
+    }
+  }
+  const bool lg_direct = logits.device() == d0, hid_direct = hidden.defined() && hidden.device() == d0;
+  lg[0] = lg_direct ? logits : d_logits_[0].slice(0, 0, logits.shape(0));
+  hid[0] = hid_direct ? hidden : hidden.defined() ? device_rows(d_hidden_, 0, hidden.shape(0), H) : Tensor();
+  for (int r = 1; r < n; ++r) lg[size_t(r)] = d_logits_[size_t(r)].slice(0, 0, logits.shape(0));
+  group_->run(
+      mtp_key(db[0], hm[0], lg[0], hid[0], token_src),
+      [this](const std::function<void(int)>& job) { on_all_ranks(job); },
+      [&](int r) {  // the other ranks' plans and inputs (fixed buffers), before their graphs
+        if (r == 0) return;
+        db[size_t(r)] = upload(b, r);
+        if (from0) {
+          hm[size_t(r)] = from_rank0(r, h_main, d_hmain_);
+        } else {
+          hm[size_t(r)] = device_rows(d_hmain_, r, h_main.shape(0), H);
+          hm[size_t(r)].copy_from(h_main.contiguous());
+        }
+        const Tensor src = from_rank0(r, token_src, d_src_);
+        if (src.defined()) ops::resolve_tokens(db[size_t(r)].tokens, src);
+      },
+      [&](int r) {
+        if (r == 0 && token_src.defined()) ops::resolve_tokens(db[0].tokens, token_src);  // in rank 0's graph
+        models_[size_t(r)]->mtp_forward(db[size_t(r)], hm[size_t(r)], mtp_views_[size_t(r)], lg[size_t(r)],
+                                        hid[size_t(r)]);
+      },
+      comms_[0].get());
+  if (!lg_direct && logits.shape(0) > 0) logits.copy_from(lg[0]);
+  if (hidden.defined() && !hid_direct) hidden.copy_from(hid[0]);
+#else
+  (void)b, (void)h_main, (void)logits, (void)hidden, (void)token_src;
+  fail(ErrorKind::Unsupported, "CUDA graphs in a build without CUDA");
+#endif
 }
 
 }  // namespace dflash2::runtime

@@ -73,7 +73,7 @@ class Target {
   // The graph cache keeps at least n keys (ForwardGraphs::reserve); no-op without graphs.
   void reserve_graphs(size_t n) {
     if (graphs_) graphs_->reserve(n);
-    for (auto& g : rank_graphs_) g->reserve(n);
+    if (group_) group_->reserve(n);
   }
   bool cuda_graphs() const { return graphs_ != nullptr; }
   // The stream rank 0's graphs run on (null without graphs): the device drafter's graphs
@@ -152,6 +152,17 @@ class Target {
   model::TokenBatch record_plan(const model::TokenBatch& b, PlanRole role);
   void mtp_chunk_device(const model::TokenBatch& b, const Tensor& h_main, Tensor& logits, Tensor& hidden,
                         const Tensor& token_src);
+  // The same under tensor parallelism with graphs (group_): every rank's chunk as one
+  // GroupGraphs entry keyed by rank 0's launch shape.
+  void run_chunk_group(const model::TokenBatch& b, const model::ForwardOutputs& out, const Tensor& token_src);
+  void mtp_chunk_group(const model::TokenBatch& b, const Tensor& h_main, Tensor& logits, Tensor& hidden,
+                       const Tensor& token_src);
+  // Rank r's forward outputs of a chunk (rank 0: the caller's tensors where they are on its
+  // device, else its device buffers; the others: their logits scratch), and whether rank
+  // 0's logits / taps / final hidden states are the caller's (no copy back).
+  model::ForwardOutputs rank_outputs(int r, const model::TokenBatch& b, const model::ForwardOutputs& out);
+  // Rank 0's device outputs back into the caller's host tensors (synchronous).
+  void copy_back(const model::ForwardOutputs& out, const model::ForwardOutputs& o0);
   // Fills in b's token references into a host token_src; returns a device one (rank 0's:
   // filled in after the upload, by every rank from its copy, from_rank0), or an undefined tensor.
   Tensor resolve_host_refs(model::TokenBatch& b, const Tensor& token_src);
@@ -190,9 +201,8 @@ class Target {
   struct Rank0Event;              // CUDA, tensor parallelism: mark_rank0_inputs' event
   std::unique_ptr<Rank0Event> rank0_event_;
   std::unique_ptr<ForwardGraphs> graphs_;  // CUDA graphs of rank 0's chunks
-  std::vector<std::unique_ptr<ForwardGraphs>> rank_graphs_;  // ranks 1.. (tensor parallelism)
-  // rank r's graphs (null without graphs)
-  ForwardGraphs* graphs_of(int r) const { return r == 0 ? graphs_.get() : rank_graphs_.empty() ? nullptr : rank_graphs_[size_t(r - 1)].get(); }
+  // tensor parallelism: every rank's decode / verify / MTP chunks under one decision
+  std::unique_ptr<GroupGraphs> group_;
   std::vector<std::unique_ptr<PlanUploader>> rec_plans_;  // CUDA: a recorded step's MTP chunk plans
   std::unique_ptr<PlanUploader> rec_verify_, rec_after_;  // CUDA: a recorded step's verify / after-acceptance plans
   size_t rec_plans_used_ = 0;
