@@ -251,7 +251,7 @@ class Engine:
         cuda_graphs: on CUDA, capture the target's decode / verify chunks as CUDA graphs and
         replay them, on every rank with tensor_parallel > 1 (False: every chunk eagerly, the
         same kernels); `engine.cuda_graphs` says whether it is in effect, metrics() counts
-        them (rank 0's, and every rank's failed captures).
+        them (under tensor parallelism once per chunk for all ranks).
         pad_to_buckets: pad a decode step that runs as one unit (one CUDA graph) to the next
         batch-size bucket (1, 2, 4, 8, 16, 32, then multiples of 32, at most max_batch_size)
         with padding sequences whose output is dropped, so the step's graphs are one per

@@ -67,8 +67,8 @@ class Target {
   // experts_allowed narrowed until every rank's GlmModel::experts_numerics(g, .) agrees.
   uint32_t common_experts(ops::GemmNumerics g, uint32_t experts_allowed) const;
   KvCache& cache() { return cache_; }
-  // CUDA graph counters (all zero when graphs are off or not on CUDA): rank 0's, plus the
-  // failed captures of the other ranks (tensor parallelism).
+  // CUDA graph counters (all zero when graphs are off or not on CUDA); under tensor
+  // parallelism one count per chunk for the whole group (GroupGraphs).
   GraphStats graph_stats() const;
   // The graph cache keeps at least n keys (ForwardGraphs::reserve); no-op without graphs.
   void reserve_graphs(size_t n) {
