@@ -387,11 +387,12 @@ def test_tensor_parallel_on_gpus(zoo, tp):
     assert gpu.cuda_graphs and m["cuda_graphs_replayed"] > 0 and m["cuda_graphs_failed"] == 0, m
     assert m["argmax_gather_steps"] > 0, m  # greedy: (max, id) pairs gathered on the GPUs, not logits
     # the collectives a replayed graph ran are counted as if issued: the same totals as eagerly
+    # (one request: how requests join a batch depends on timing, and so do the call counts)
     eager = _tp_engine_or_skip(zoo, tp, cuda_graphs=False)
     counts = []
     for e in (gpu, eager):
         before = e.tp_collectives()
-        e.generate(prompts, max_new_tokens=10, stop_token_ids=NO_STOP)
+        e.generate(prompts[1:], max_new_tokens=10, stop_token_ids=NO_STOP)
         counts.append({k: v - before[k] for k, v in e.tp_collectives().items()})
     assert counts[0] == counts[1] and counts[0]["all_reduce_calls"] > 0, counts
 
