@@ -19,10 +19,10 @@ What the engine issues (cpp/src/model/glm_model.cpp), per target forward of T to
     count the logits gather (a sampled step: the worst case).
 The drafter runs on rank 0 only and reads the (already reduced) target features: no
 collective; on GPUs the other ranks copy its drafted ids peer to peer (7 I32 per sequence).
-The DFlash drafter's LM head over the block reads the full vocabulary on rank 0 (its own
-copy: the target's is sharded): printed as "draft head" beside the step, the part of the
-drafter that tensor parallelism leaves unsplit. The MTP layer (method "mtp") adds 2
-all-reduces + 1 all-gather per draft.
+The DFlash drafter's LM head over the block runs on the target's vocabulary shards (each
+rank its V / N rows, then one all-gather of every rank's top 16 (value, id) per row):
+printed as "draft head" -- per rank, the gather, and what the full head on rank 0 alone
+would take. The MTP layer (method "mtp") adds 2 all-reduces + 1 all-gather per draft.
 
 Time of one collective on N ranks (ring/NVLS bus model of nccl-tests doc/PERFORMANCE.md):
   all-reduce  t = alpha + 2 (N - 1) / N * S / B
@@ -135,6 +135,9 @@ def model(c, context):
                                        comm_share=round(comm / (comm + compute), 3),
                                        draft_head_rank0_us=round(draft_head, 1),
                                        draft_head_split_us=round(draft_head / N, 1),
+                                       # the shards' top 16 (value, id) per drafted row, all-gathered
+                                       draft_head_gather_us=round(coll_time_us("all_gather", N * B * 7 * 16 * 8, N, m)
+                                                                  if per_seq > 1 else 0.0, 1),
                                        per_layer_comm_us=round(2 * coll_time_us("all_reduce", ar_bytes, N, m), 2))
                 rows.append(entry)
     return rows
@@ -166,7 +169,8 @@ def expert_balance(c, trials=300, seed=0):
 
 def check_counts():
     """The bundled default pair at TP 2 on the CPU: collectives counted by the engine vs the
-    formula (1 + 2 L all-reduces and 1 all-gather per target forward)."""
+    formula (1 + 2 L all-reduces and 1 all-gather per target forward; plus 1 all-gather per
+    draft, its LM head on the vocabulary shards)."""
     import dflash2_rt
 
     out = {}
@@ -175,11 +179,12 @@ def check_counts():
         L = eng.config["num_hidden_layers"]
         H = eng.config["hidden_size"]
         prompt = list(range(2, 40))
-        before = eng.tp_collectives()
+        before, head0 = eng.tp_collectives(), eng.metrics()["draft_head_gathers"]
         (r,) = eng.generate([prompt], max_new_tokens=24, stop_token_ids=[])
         after = eng.tp_collectives()
         d = {k: after[k] - before[k] for k in after}
-        forwards = d["all_gather_calls"]  # one logits gather per target forward
+        # one logits gather per target forward, one top-k gather per draft (its head on the shards)
+        forwards = d["all_gather_calls"] - (eng.metrics()["draft_head_gathers"] - head0)
         ok = d["all_reduce_calls"] == forwards * (1 + 2 * L)
         steps = r.stats.get("verify_steps", len(r.token_ids))
         out[method] = dict(target_forwards=forwards, steps=steps, all_reduce_calls=d["all_reduce_calls"],
@@ -214,9 +219,10 @@ def main():
           + ", ".join(f"{m} {next(e for e in rows if e['method'].startswith('dflash2') and e['tp'] == 4 and e['batch'] == 32)[m]['per_layer_comm_us']} us"
                       for m in MACHINES))
     d = next(e for e in rows if e["method"].startswith("dflash2") and e["tp"] == 4)
-    print("draft head (the DFlash drafter's LM head over the block, full vocabulary on rank 0, BF16): "
-          + ", ".join(f"{m} {d[m]['draft_head_rank0_us']} us (vocabulary-parallel at TP 4: "
-                      f"{d[m]['draft_head_split_us']} us)" for m in MACHINES))
+    print("draft head (the DFlash drafter's LM head over the block, BF16, batch 1) on the vocabulary shards at TP 4: "
+          + ", ".join(f"{m} {d[m]['draft_head_split_us']} us per rank + {d[m]['draft_head_gather_us']} us "
+                      f"top-k gather (full vocabulary on rank 0 alone: {d[m]['draft_head_rank0_us']} us)"
+                      for m in MACHINES))
     bal = expert_balance(c)
     print("routed experts read by the slowest rank (expert-equivalents), uniform top-8 routing:")
     print(f"{'TP':>3s} {'tokens':>6s} {'split':>7s} {'EP':>7s} {'EP/split':>8s}")

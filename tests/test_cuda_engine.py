@@ -403,8 +403,9 @@ def test_speculative_tensor_parallel_on_gpus(zoo, tmp_path):
     come from (seed, request, position) only; the logits differ by rounding, which moves a
     draw only if a uniform lands within ~1e-7 of a bucket edge); the DFlash 2 pair gives its
     exact expected output and accepted counts. Both drafters run on rank 0's GPU (the DFlash
-    drafter with its own full embedding and LM head), and rank 1 copies their drafts (and
-    MTP's hidden states) peer to peer."""
+    drafter with its own full embedding; its LM head runs on both ranks' vocabulary shards,
+    each rank's top k gathered and merged on rank 0), and rank 1 copies their drafts (and
+    MTP's hidden states, and the DFlash head's input rows) peer to peer."""
     ar = _tp_engine_or_skip(zoo, 2)
     mtp = zoo.engine("tiny", "cuda", method="mtp", tensor_parallel=2)
     assert mtp.draft_device == "cuda:0" and ar.draft_device is None
@@ -432,8 +433,14 @@ def test_speculative_tensor_parallel_on_gpus(zoo, tmp_path):
     assert m["cuda_graphs_replayed"] > 0 and m["cuda_graphs_failed"] == 0, m
     # propose() reads the drafts back from rank 0's GPU: the CPU engine's proposal
     cpu = dflash2_rt.Engine(target=pair.target_dir, draft=pair.draft_dir, method="dflash2", **KW)
+    c0 = eng.tp_collectives()
     want, got = cpu.propose(prompts[0]), eng.propose(prompts[0])
+    c1 = eng.tp_collectives()
     assert list(got.tokens) == list(want.tokens)
+    assert np.array_equal(np.asarray(got.candidates), np.asarray(want.candidates))
+    # the prompt's last row of logits, then the draft head's shards' top k (never its logits)
+    k, V = np.asarray(got.candidates).shape[1], 256
+    assert c1["all_gather_bytes"] - c0["all_gather_bytes"] == V * 4 + 2 * len(got.tokens) * 2 * k * 4, (c0, c1)
 
 
 def test_dflash_paths_on_cuda(tmp_path):

@@ -28,7 +28,7 @@ CUDA_OPS = {"rms_norm", "layer_norm", "rope", "silu_mul", "softmax", "embedding"
             "moe_route", "moe_experts", "topk", "selector_walk", "linear", "linear_heads", "embedding_shard",
             "linear_bf16", "linear_fp8", "fp8_quantize_act", "linear_nvfp4", "moe_experts_fp8", "moe_experts_nvfp4",
             "resolve_tokens",
-            "next_after_accept", "argmax_shard", "argmax_merge", "accept_greedy"}
+            "next_after_accept", "argmax_shard", "argmax_merge", "accept_greedy", "topk_merge"}
 GUARD = 64
 SENTINEL = np.float32(-12345.678)
 ISENTINEL = np.int32(-777777)
@@ -1098,6 +1098,50 @@ def test_argmax_shard_and_merge_equal_argmax(dev):
         ops.argmax_shard(to_dev(np.zeros((1, 4), np.float32), dev), (1 << 24) - 2)
     with pytest.raises(dflash2_rt.InvalidArgumentError, match=r"argmax_merge: pairs must be F32 \[N >= 1, R, 2\]"):
         ops.argmax_merge(to_dev(np.zeros((2, 3, 3), np.float32), dev))
+
+
+@pytest.mark.parametrize("dev", DEVICES)
+def test_topk_shard_and_merge_equal_topk(dev):
+    """The drafter's LM head split by vocabulary: each shard's topk (positions in the shard),
+    all-gathered and merged, is topk over the whole row -- values, ids and their order, with
+    ties (within and across shards, +0 / -0 too) to the lower id and NaN last -- also for a
+    merged k below the shards' k, and read from the packed layout the engine gathers (the
+    shard's values and ids side by side in one F32 buffer, the ids as I32 bits)."""
+    need_device(dev, "topk_merge")
+    for (r, v, n, kin, k) in [(1, 12, 2, 3, 3), (6, 64, 4, 16, 16), (5, 1000, 2, 16, 9), (3, 154880 // 64, 4, 16, 16),
+                              (4, 9, 3, 3, 2)]:
+        rng = rng_for("topk_merge", r, v, n, kin)
+        x = rng.integers(-3, 3, (r, v)).astype(np.float32)  # many ties, across shards too
+        x[0] = 1.0  # every id ties: 0 .. k-1
+        if r > 2:
+            x[1, :] = -0.0
+            x[1, ::3] = 0.0  # +0 == -0: the lower ids first, whichever sign
+            x[2, : v // 2] = np.nan  # NaN last
+        if r > 3:
+            x[3, v - 1] = np.inf  # the last id of the last shard first
+        vs = v // n
+        packed = np.zeros((n, r, 2 * kin), np.float32)  # [values | ids as I32 bits] per shard row
+        for s in range(n):
+            sv, si = ops.topk(to_dev(np.ascontiguousarray(x[:, s * vs:(s + 1) * vs]), dev), kin)
+            packed[s, :, :kin] = to_np(sv)
+            packed[s, :, kin:] = to_np(si).view(np.float32)
+        vals = packed[:, :, :kin]
+        idx = packed.view(np.int32)[:, :, kin:]
+        out_v, out_i = Guarded((r, k), dev), Guarded((r, k), dev, np.int32)
+        ops.topk_merge(to_dev(vals, dev), to_dev(idx, dev), vs, values=out_v.view, indices=out_i.view)
+        rv, ri = ops.topk(x, k)  # the CPU topk over the whole rows
+        got_v, got_i = out_v.result(), out_i.result()
+        np.testing.assert_array_equal(got_i, to_np(ri))
+        np.testing.assert_array_equal(got_v.view(np.int32), to_np(rv).view(np.int32))  # bitwise: -0 stays -0
+        np.testing.assert_array_equal(got_i[0], np.arange(k))
+    with pytest.raises(dflash2_rt.InvalidArgumentError, match=r"values and indices must be \[2, k <= 3\]"):
+        ops.topk_merge(to_dev(np.zeros((2, 2, 3), np.float32), dev), to_dev(np.zeros((2, 2, 3), np.int32), dev), 4,
+                       values=to_dev(np.zeros((2, 4), np.float32), dev), indices=to_dev(np.zeros((2, 4), np.int32), dev))
+    with pytest.raises(dflash2_rt.InvalidArgumentError, match="shard_size 2 must be >= k"):
+        ops.topk_merge(to_dev(np.zeros((2, 2, 3), np.float32), dev), to_dev(np.zeros((2, 2, 3), np.int32), dev), 2)
+    if dev == "cpu":
+        with pytest.raises(dflash2_rt.InvalidArgumentError, match="outside the shard's 4 positions"):
+            ops.topk_merge(np.zeros((2, 2, 3), np.float32), np.full((2, 2, 3), 4, np.int32), 4)
 
 
 @pytest.mark.parametrize("dev", DEVICES)

@@ -199,6 +199,44 @@ def test_dflash2_pair_at_tp(pair, tp):
     assert eng.metrics()["argmax_gather_steps"] > 0
 
 
+@pytest.fixture(scope="module")
+def drafters(zoo, tmp_path_factory):
+    root = tmp_path_factory.mktemp("drafters")
+    d2 = F.make_dflash2_drafter(zoo.path("tiny"), str(root / "d2"))
+    return {"dflash2": d2, "dflash": F.dflash1_from_dflash2(d2, str(root / "d1"))}
+
+
+@pytest.mark.parametrize("tp", [2, 4])
+def test_drafter_head_on_vocabulary_shards(zoo, drafters, tp):
+    """Under tensor parallelism the DFlash drafter's LM head runs on the target's vocabulary
+    shards (Target::vocab_head): each rank's top 16 of its shard (DFlash 1: its argmax pair),
+    gathered and merged on rank 0, is the full head's top 16 (argmax) -- so propose() gives
+    TP=1's anchor, drafts and candidates in their order, and a draft gathers N x 7 rows x 2k
+    floats, never the block's logits. Seeded sampling through the selector equals TP=1's."""
+    V = 256
+    for method, k in (("dflash2", 16), ("dflash", 1)):
+        kw = dict(target=zoo.path("tiny"), draft=drafters[method], method=method, device="cpu", max_batch_size=4,
+                  max_seq_len=256)
+        one, eng = dflash2_rt.Engine(**kw), dflash2_rt.Engine(tensor_parallel=tp, **kw)
+        for n in (3, 9):
+            ids = gf.prompt(910 + n, n)
+            want = one.propose(ids)
+            c0 = eng.tp_collectives()
+            got = eng.propose(ids)
+            c1 = eng.tp_collectives()
+            assert got.anchor == want.anchor and list(got.tokens) == list(want.tokens), (method, tp, n)
+            assert np.array_equal(np.asarray(got.candidates), np.asarray(want.candidates)), (method, tp, n)
+            # the prompt's last row of logits (the anchor), then the draft's shards' pairs
+            assert c1["all_gather_calls"] - c0["all_gather_calls"] == 2, (c0, c1)
+            assert c1["all_gather_bytes"] - c0["all_gather_bytes"] == V * 4 + tp * 7 * 2 * k * 4, (c0, c1)
+        assert eng.metrics()["draft_head_gathers"] == 2 and one.metrics()["draft_head_gathers"] == 0
+        prompts = [gf.prompt(930 + i, 4 + 3 * i) for i in range(3)]
+        sk = dict(max_new_tokens=20, temperature=1.0, top_p=0.95, seed=4, stop_token_ids=NO_STOP)
+        a = [list(r.token_ids) for r in one.generate(prompts, **sk)]
+        b = [list(r.token_ids) for r in eng.generate(prompts, **sk)]
+        assert a == b, (method, tp)
+
+
 # ---------------------------------------------------------------------------- quantized
 
 

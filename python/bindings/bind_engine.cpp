@@ -280,6 +280,7 @@ void bind_engine(py::module_& m) {
              d["padding_rows"] = m.padding_rows;
              d["drafter_appends_in_step"] = m.drafter_appends_in_step;
              d["argmax_gather_steps"] = m.argmax_gather_steps;
+             d["draft_head_gathers"] = m.draft_head_gathers;
              return d;
            })
       .def(

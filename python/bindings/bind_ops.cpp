@@ -409,6 +409,25 @@ void bind_ops(py::module_& m) {
       "the whole rows and their non-finite flags.");
 
   o.def(
+      "topk_merge",
+      [](py::handle vals, py::handle idx, int64_t shard_size, py::handle values, py::handle indices) {
+        Tensor vt = tensor_from_python(vals, "vals");
+        Tensor it = tensor_from_python(idx, "idx");
+        const int64_t R = dim_or0(vt, 1), k = vt.ndim() == 3 ? vt.shape(2) : 0;
+        Tensor ot = out_or_new(values, DType::F32, {R, k}, vt.device());
+        Tensor jt = out_or_new(indices, DType::I32, {R, k}, vt.device());
+        {
+          py::gil_scoped_release nogil;
+          ops::topk_merge(vt, it, shard_size, ot, jt);
+        }
+        return py::make_tuple(ot, jt);
+      },
+      py::arg("vals"), py::arg("idx"), py::arg("shard_size"), py::arg("values") = py::none(),
+      py::arg("indices") = py::none(),
+      "(values F32, indices I32) [R, k]: topk over whole rows from the N vocabulary shards' topk outputs vals F32 / "
+      "idx I32 [N, R, k'] (shard s holds ids s * shard_size ..; idx are positions in the shard).");
+
+  o.def(
       "accept_greedy",
       [](py::handle ids, py::handle row0, py::handle draft, py::handle draft_row, py::handle draft_len,
          py::handle accepted, py::handle bonus) {

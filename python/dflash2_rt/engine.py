@@ -483,7 +483,8 @@ class Engine:
         drafter's context cache: F32, or BF16 under a tensor-core draft_gemm),
         argmax_gather_steps (decode steps under tensor parallelism whose requests were all
         greedy: the ranks gathered (max, id) pairs of their vocabulary shards instead of the
-        logits)."""
+        logits), draft_head_gathers (DFlash drafts under tensor parallelism whose LM head ran
+        on the target's vocabulary shards: each rank's top k gathered and merged on rank 0)."""
         return dict(self._e.metrics())
 
     def close(self) -> None:

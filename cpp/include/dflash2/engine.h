@@ -162,6 +162,9 @@ struct EngineMetrics {
   // decode steps under tensor parallelism whose requests were all greedy, so the verify pass
   // gathered each rank's (max, id) pairs instead of the logits (no R x V all-gather)
   int64_t argmax_gather_steps = 0;
+  // DFlash drafts under tensor parallelism whose LM head ran on the target's vocabulary
+  // shards (each rank's top k gathered and merged on rank 0; one all-gather each)
+  int64_t draft_head_gathers = 0;
 };
 
 // Tensor-parallel collectives issued by rank 0 since the engine was loaded (every rank

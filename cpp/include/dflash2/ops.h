@@ -224,6 +224,14 @@ void check_finite(const Tensor& x, Tensor& flags);
 // I32 [R] (1 where any shard's value is NaN: check_finite over the whole row).
 void argmax_shard(const Tensor& x, int64_t first, Tensor& out);
 void argmax_merge(const Tensor& pairs, Tensor& ids, Tensor& flags);
+// Top-k over a vocabulary split across ranks, without gathering the logits: vals F32
+// [N, R, k'] and idx I32 [N, R, k'] are the N shards' ops::topk outputs (shard s holds the ids
+// s * shard_size .. (s + 1) * shard_size - 1, idx its positions in the shard; each list
+// sorted as topk leaves it), as an all-gather leaves them; values F32 [R, k] and indices I32
+// [R, k] (k <= k') get ops::topk over the whole rows: the k best of the N k' candidates,
+// larger first, NaN last, ties (+0 == -0 too) to the lower id. Exactly topk's answer, since
+// every element of the rows' top k is in its shard's top k'.
+void topk_merge(const Tensor& vals, const Tensor& idx, int64_t shard_size, Tensor& values, Tensor& indices);
 // Token references resolved in place: each entry t = tokens[i] < 0 of tokens I32 [T] is
 // replaced by src's element -t - 1 (src I32, contiguous, any shape, read as flat), others
 // are left as they are. How a verify pass reads drafts the drafter left on the device: the

@@ -175,14 +175,16 @@ bool head_is_embedding(const Weight& head, const Tensor& embed) {
 }
 }  // namespace
 
-size_t DFlashDrafter::vocab_bytes() const {
+size_t DFlashDrafter::vocab_bytes(bool with_head) const {
   size_t n = embed_.defined() ? embed_.nbytes() : 0;
-  if (!head_is_embedding(lm_head_, embed_)) n += lm_head_.data.defined() ? lm_head_.bytes() : 0;
+  if (with_head && !head_is_embedding(lm_head_, embed_)) n += lm_head_.data.defined() ? lm_head_.bytes() : 0;
   return n;
 }
 
-void DFlashDrafter::to_device(Device dev, const Tensor& embed, const Weight& lm_head) {
+void DFlashDrafter::to_device(Device dev, const Tensor& embed, const Weight& lm_head, bool with_head) {
   DFLASH2_CHECK_ARG(device_.is_cpu(), "DFlashDrafter::to_device: already on ", device_.str());
+  DFLASH2_CHECK_ARG(with_head || !embed.defined(), "DFlashDrafter::to_device: without the LM head the drafter "
+                    "copies its own embedding");
   DFLASH2_CHECK_ARG(embed.defined() == lm_head.data.defined(), "DFlashDrafter::to_device: give both the embedding "
                     "and the LM head on ", dev.str(), ", or neither (the drafter copies its own)");
   if (embed.defined()) {
@@ -196,7 +198,10 @@ void DFlashDrafter::to_device(Device dev, const Tensor& embed, const Weight& lm_
   } else {  // full copies of its own (a tied head shares the embedding's)
     const bool tied = head_is_embedding(lm_head_, embed_);
     embed_ = embed_.to(dev);
-    if (tied) {
+    if (!with_head) {
+      lm_head_ = Weight();  // the head runs elsewhere: draft_rows, then draft_select
+      head_here_ = false;
+    } else if (tied) {
       lm_head_.data = embed_;
     } else {
       lm_head_ = lm_head_.to(dev);
@@ -214,7 +219,15 @@ void DFlashDrafter::to_device(Device dev, const Tensor& embed, const Weight& lm_
   T(pred_book_);
   T(succ_book_);
   T(logit_rows_);
-  ws_ = std::make_unique<Arena>(ws_->capacity(), dev);
+  size_t cap = ws_->capacity();
+  if (!head_here_) {  // no block logits: the workspace planned again without them
+    Arena plan = Arena::planner();
+    alloc_append(plan, max_ctx_);
+    plan.reset();
+    alloc_draft(plan, max_seqs_);
+    cap = plan.high_water();
+  }
+  ws_ = std::make_unique<Arena>(cap, dev);
   device_ = dev;
   set_gemm(gemm_);  // NVFP4: prepare the scales where they now live
 }
@@ -223,7 +236,7 @@ void DFlashDrafter::set_gemm(ops::GemmNumerics g) {
   gemm_ = g;
   if (g != ops::GemmNumerics::NVFP4 || !device_.is_cuda()) return;
   for (Weight* w : own_weights()) ops::prepare_nvfp4_scales(*w);  // undefined / not W4A4: nothing
-  ops::prepare_nvfp4_scales(lm_head_);
+  if (head_here_) ops::prepare_nvfp4_scales(lm_head_);
 }
 
 DFlashDrafter::Bufs DFlashDrafter::alloc_append(Arena& a, int64_t n) const {
@@ -251,9 +264,9 @@ DFlashDrafter::Bufs DFlashDrafter::alloc_draft(Arena& a, int64_t S) const {
   b.ob = a.alloc(DType::F32, {T, H});
   b.scratch = a.alloc(DType::F32, {2 * T * c.intermediate_size});
   b.hrows = a.alloc(DType::F32, {R, H});
-  b.logits = a.alloc(DType::F32, {R, c.vocab_size});
   b.vals = a.alloc(DType::F32, {R, c.v2 ? c.selector_top_k : 1});
   b.g = a.alloc(DType::F32, {R, c.v2 ? c.selector_rank : 1});
+  b.logits = a.alloc(DType::F32, {head_here_ ? R : 0, c.vocab_size});  // last: none when the head is elsewhere
   return b;
 }
 
@@ -280,6 +293,29 @@ void DFlashDrafter::append_context(const TokenBatch& batch, const Tensor& taps, 
 
 void DFlashDrafter::draft(const TokenBatch& batch, const std::vector<Tensor>& kv_layers, const Tensor& temperature,
                           const Tensor& rng, DraftOutputs& out) {
+  draft_rows(batch, kv_layers);
+  draft_head(batch.S, out);
+  draft_select(batch, temperature, rng, out);
+}
+
+DFlashDrafter::Bufs DFlashDrafter::draft_bufs(int64_t S) {
+  DFLASH2_INTERNAL(S >= 1 && S <= max_seqs_, "draft batch of ", S, " sequences (max ", max_seqs_, ")");
+  ws_->reset();
+  return alloc_draft(*ws_, S);  // the same tensors draft_rows allocated (the arena is deterministic)
+}
+
+Tensor DFlashDrafter::head_rows(int64_t S) {
+  const int64_t R = S * (cfg_.block_size - 1);
+  return draft_bufs(S).hrows.slice(0, 0, R);
+}
+
+Tensor DFlashDrafter::head_values(int64_t S) {
+  DFLASH2_INTERNAL(head_topk() > 0, "head_values without the selector");
+  const int64_t R = S * (cfg_.block_size - 1);
+  return draft_bufs(S).vals.slice(0, 0, R);
+}
+
+void DFlashDrafter::draft_rows(const TokenBatch& batch, const std::vector<Tensor>& kv_layers) {
   const DraftConfig& c = cfg_;
   const int64_t B = c.block_size, T = batch.T, S = batch.S, H = c.hidden_size, G = H / c.conv_group_size;
   const int64_t R = S * (B - 1);
@@ -329,19 +365,37 @@ void DFlashDrafter::draft(const TokenBatch& batch, const std::vector<Tensor>& kv
     ops::add(x, ob, x);
   }
   ops::rms_norm(x, norm_, c.rms_norm_eps, y);
-  // logits of block positions 1..B-1 (position i predicts the token at start + i)
-  Tensor hrows = b.hrows.slice(0, 0, R), logits = b.logits.slice(0, 0, R);
+  // the head's rows: block positions 1..B-1 (position i predicts the token at start + i)
+  Tensor hrows = b.hrows.slice(0, 0, R);
   ops::gather_rows(y, logit_rows_.slice(0, 0, R), hrows);
-  ops::linear_as(gemm_, hrows, lm_head_, logits);
-  if (!c.v2 || !use_selector_) {
-    Tensor toks = out.tokens.reshape({R});
-    ops::argmax(logits, toks);
-    return;
+  if (head_topk() > 0) {  // the selector's low-rank factors of the same rows
+    Tensor g = b.g.slice(0, 0, R);
+    ops::linear_as(gemm_, hrows, sel_proj_, g);
   }
-  const int64_t K = c.selector_top_k, Rk = c.selector_rank;
-  Tensor vals = b.vals.slice(0, 0, R), cand = out.cand.reshape({R, K}), g = b.g.slice(0, 0, R);
+}
+
+void DFlashDrafter::draft_head(int64_t S, DraftOutputs& out) {
+  DFLASH2_INTERNAL(head_here_, "the drafter's LM head runs elsewhere (tensor parallelism): draft_head on ",
+                   device_.str());
+  const int64_t R = S * (cfg_.block_size - 1), K = head_topk();
+  Bufs b = draft_bufs(S);
+  Tensor hrows = b.hrows.slice(0, 0, R), logits = b.logits.slice(0, 0, R);
+  ops::linear_as(gemm_, hrows, lm_head_, logits);
+  if (K == 0) {
+    Tensor toks = out.tokens.reshape({R});
+    return ops::argmax(logits, toks);
+  }
+  Tensor vals = b.vals.slice(0, 0, R), cand = out.cand.reshape({R, K});
   ops::topk(logits, K, vals, cand);
-  ops::linear_as(gemm_, hrows, sel_proj_, g);
+}
+
+void DFlashDrafter::draft_select(const TokenBatch& batch, const Tensor& temperature, const Tensor& rng,
+                                 DraftOutputs& out) {
+  const int64_t K = head_topk();
+  if (K == 0) return;  // the argmax per position is the draft
+  const int64_t S = batch.S, B = cfg_.block_size, R = S * (B - 1), Rk = cfg_.selector_rank;
+  Bufs b = draft_bufs(S);
+  Tensor vals = b.vals.slice(0, 0, R), g = b.g.slice(0, 0, R);
   ops::selector_walk(vals.reshape({S, B - 1, K}), out.cand, g.reshape({S, B - 1, Rk}), pred_book_, succ_book_,
                      batch.tokens.reshape({S, B}).select(1, 0), temperature, rng, out.tokens, out.q);
 }

@@ -38,14 +38,19 @@ class DFlashDrafter {
   // Copies the drafter's weights, constant buffers and workspace to `dev` (once, at load);
   // embed / lm_head: the target's copies of them on that device (shared, not copied), or
   // undefined (embed, lm_head.data) to copy the full ones given to load() -- a target split
-  // by tensor parallelism holds only its vocabulary shards on each GPU.
-  void to_device(Device dev, const Tensor& embed, const ops::Weight& lm_head);
+  // by tensor parallelism holds only its vocabulary shards on each GPU. with_head = false
+  // (with embed undefined): the LM head over the block runs elsewhere -- tensor parallelism:
+  // on every rank's vocabulary shard of the target's head (runtime Target::vocab_topk) -- so
+  // only the embedding is copied, and draft() is draft_rows, that head, then draft_select.
+  void to_device(Device dev, const Tensor& embed, const ops::Weight& lm_head, bool with_head = true);
   // Bytes to_device allocates: its own weights (not the shared embedding / LM head) and the
   // workspace.
   size_t device_bytes() const;
   // Bytes of the full embedding and LM head (a tied head once): what to_device adds when it
-  // copies them.
-  size_t vocab_bytes() const;
+  // copies them (with_head = false: the embedding only).
+  size_t vocab_bytes(bool with_head = true) const;
+  // Whether the LM head runs here (to_device's with_head).
+  bool head_here() const { return head_here_; }
   Device device() const { return device_; }
   // The numerics of the drafter's projections and of the LM head over the block (Engine
   // draft_gemm): Exact runs ops::linear (fp32, the CPU's default), the others ops::linear_as
@@ -71,6 +76,21 @@ class DFlashDrafter {
   // I64 [S, 2], see ops::selector_walk) and writes q. DFlash 1 (and dflash) take the argmax.
   void draft(const TokenBatch& batch, const std::vector<Tensor>& kv_layers, const Tensor& temperature,
              const Tensor& rng, DraftOutputs& out);
+  // draft() in its three parts, for a head that runs elsewhere (to_device's with_head):
+  //   draft_rows    the block through the layers and the final norm: the head's input rows
+  //                 head_rows(S) F32 [S (B-1), H] (and the selector's factors of them);
+  //   the head      draft_head here: the LM head over those rows, then, with the selector,
+  //                 ops::topk of head_topk() into head_values(S) F32 [S (B-1), K] and out.cand
+  //                 (its ids), else ops::argmax into out.tokens;
+  //   draft_select  the selector's walk over them (nothing without the selector).
+  // The rows and values live in the workspace until the next draft_rows or append_context.
+  void draft_rows(const TokenBatch& batch, const std::vector<Tensor>& kv_layers);
+  void draft_head(int64_t S, DraftOutputs& out);
+  void draft_select(const TokenBatch& batch, const Tensor& temperature, const Tensor& rng, DraftOutputs& out);
+  // K of the head's top-k (the selector's candidates), or 0 when the head's argmax is the draft.
+  int64_t head_topk() const { return cfg_.v2 && use_selector_ ? cfg_.selector_top_k : 0; }
+  Tensor head_rows(int64_t S);
+  Tensor head_values(int64_t S);
 
  private:
   DFlashDrafter() = default;
@@ -78,6 +98,7 @@ class DFlashDrafter {
   struct Bufs;
   Bufs alloc_append(Arena& a, int64_t n) const;
   Bufs alloc_draft(Arena& a, int64_t seqs) const;
+  Bufs draft_bufs(int64_t seqs);  // draft_rows' tensors again (after it ran)
   std::vector<ops::Weight*> own_weights();  // the drafter's projections (defined or not)
   std::vector<const ops::Weight*> own_weights() const;
 
@@ -94,6 +115,7 @@ class DFlashDrafter {
   std::unique_ptr<Arena> ws_;
   Tensor logit_rows_;  // I32 [max_seqs * (B-1)]: rows s*B + 1 + t of a drafted batch
   bool use_selector_ = true;
+  bool head_here_ = true;  // to_device's with_head
   ops::GemmNumerics gemm_ = ops::GemmNumerics::Exact;
   Device device_ = Device::cpu();
 };

@@ -612,6 +612,39 @@ void GlmModel::project_argmax(const Tensor& rows, const ops::Weight& head, Bufs&
   }
 }
 
+void GlmModel::vocab_head(const Tensor& rows, ops::GemmNumerics g, int64_t k, Tensor& local, Tensor& packed,
+                          Tensor& gathered, Tensor& vals, Tensor& ids, Tensor& flags) {
+  DFLASH2_INTERNAL(opt_.tp_size > 1 && comm_ != nullptr, "a vocabulary-parallel head without tensor parallelism");
+  const int64_t R = rows.shape(0), w = k > 0 ? 2 * k : 2, Vl = lm_head_local_.out_features;
+  const Device d = local.device();
+  DFLASH2_INTERNAL(local.shape(0) == R && local.shape(1) == Vl && packed.shape(0) == R && packed.shape(1) == w &&
+                       gathered.shape(0) == opt_.tp_size && gathered.shape(1) == R && gathered.shape(2) == w,
+                   "vocabulary-parallel head buffers ", local.describe(), ", ", packed.describe(), ", ",
+                   gathered.describe(), " for ", R, " rows, k = ", k);
+  ops::linear_as(g, rows, lm_head_local_, local);
+  if (k > 0) {  // [values | ids] per row, the ids as I32 bits in the same floats
+    Tensor v = packed.slice(1, 0, k);
+    Tensor i = Tensor::view(packed.data(), DType::I32, {R, w}, {}, d).slice(1, k, w);
+    ops::topk(local, k, v, i);
+  } else {
+    ops::argmax_shard(local, opt_.tp_rank * Vl, packed);
+  }
+  comm_->all_gather(packed, gathered);
+  if (!ids.defined()) return;
+  if (k > 0) {
+    const int64_t n = opt_.tp_size;
+    Tensor gv = gathered.slice(2, 0, k);
+    Tensor gi = Tensor::view(gathered.data(), DType::I32, {n, R, w}, {}, d).slice(2, k, w);
+    ops::topk_merge(gv, gi, Vl, vals, ids);
+  } else {
+    ops::argmax_merge(gathered, ids, flags);
+  }
+}
+
+void GlmModel::prepare_head(ops::GemmNumerics g) {
+  if (g == ops::GemmNumerics::NVFP4 && device_.is_cuda()) ops::prepare_nvfp4_scales(lm_head_local_);
+}
+
 // ------------------------------------------------------------------ forward
 namespace {
 // The chunk workspace cut to T rows (the arena is planned for max_step_tokens).

@@ -141,6 +141,18 @@ class GlmModel {
   // output hidden state before shared_head.norm (what chained drafting feeds back).
   void mtp_forward(const TokenBatch& batch, const Tensor& h_main, const GlmCache& cache, Tensor& logits,
                    Tensor& hidden);
+  // Tensor parallelism (runtime Target::vocab_head): rows F32 [R, H] through this rank's
+  // vocabulary shard of the LM head (ops::linear_as(g)) into local F32 [R, Vl], reduced to
+  // its top k into packed F32 [R, 2k] (values, then the ids' I32 bits: positions in the
+  // shard) -- k = 0: its argmax pair (ops::argmax_shard) into packed F32 [R, 2] -- and
+  // all-gathered into gathered F32 [N, R, 2k or 2]; where ids is defined (rank 0) merged into
+  // vals F32 [R, k] / ids I32 [R, k] (ops::topk_merge), or ids / flags I32 [R]
+  // (ops::argmax_merge). Every rank calls it with the same R, g and k.
+  void vocab_head(const Tensor& rows, ops::GemmNumerics g, int64_t k, Tensor& local, Tensor& packed,
+                  Tensor& gathered, Tensor& vals, Tensor& ids, Tensor& flags);
+  // This rank's vocabulary shard of the LM head ready for numerics g (NVFP4 on a GPU: its
+  // W4A4 scales in the tensor-core layout, once).
+  void prepare_head(ops::GemmNumerics g);
 
  private:
   GlmModel() = default;

@@ -35,6 +35,7 @@ namespace dflash2::ops {
   X(check_finite, (const Tensor& x, Tensor& flags))                                                                 \
   X(argmax_shard, (const Tensor& x, int64_t first, Tensor& out))                                                    \
   X(argmax_merge, (const Tensor& pairs, Tensor& ids, Tensor& flags))                                               \
+  X(topk_merge, (const Tensor& vals, const Tensor& idx, int64_t shard_size, Tensor& values, Tensor& indices))     \
   X(accept_greedy, (const Tensor& ids, const Tensor& row0, const Tensor& draft, const Tensor& draft_row,            \
                     const Tensor& draft_len, Tensor& accepted, Tensor& bonus))                                      \
   X(resolve_tokens, (Tensor & tokens, const Tensor& src))                                                           \

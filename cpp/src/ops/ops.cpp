@@ -512,6 +512,28 @@ void argmax_merge(const Tensor& pairs, Tensor& ids, Tensor& flags) {
   DFLASH2_DISPATCH(argmax_merge, pairs, pairs, ids, flags);
 }
 
+void topk_merge(const Tensor& vals, const Tensor& idx, int64_t shard_size, Tensor& values, Tensor& indices) {
+  const char* op = "topk_merge";
+  need_3d(vals, DType::F32, op, "vals");
+  need_3d(idx, DType::I32, op, "idx");
+  DFLASH2_CHECK_ARG(vals.shape() == idx.shape() && vals.shape(0) >= 1 && vals.shape(2) >= 1, op,
+                    ": vals and idx must be [N >= 1, R, k >= 1] alike, found ", vals.describe(), " and ",
+                    idx.describe());
+  const int64_t N = vals.shape(0), R = vals.shape(1), kin = vals.shape(2);
+  DFLASH2_CHECK_ARG(shard_size >= kin && shard_size * N <= (int64_t(1) << 31) - 1, op, ": shard_size ", shard_size,
+                    " must be >= k (", kin, ") and N x shard_size ids must fit I32");
+  need_2d_rows(values, DType::F32, op, "values");
+  need_2d_rows(indices, DType::I32, op, "indices");
+  DFLASH2_CHECK_ARG(values.shape() == indices.shape() && values.shape(0) == R && values.shape(1) >= 1 &&
+                        values.shape(1) <= kin,
+                    op, ": values and indices must be [", R, ", k <= ", kin, "] alike, found ", values.describe(),
+                    " and ", indices.describe());
+  same_device(vals, idx, op);
+  same_device(vals, values, op);
+  same_device(vals, indices, op);
+  DFLASH2_DISPATCH(topk_merge, vals, vals, idx, shard_size, values, indices);
+}
+
 void resolve_tokens(Tensor& tokens, const Tensor& src) {
   const char* op = "resolve_tokens";
   need_i32_vec(tokens, -1, op, "tokens");

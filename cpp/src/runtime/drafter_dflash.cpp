@@ -46,13 +46,21 @@ class DFlashRunner final : public Drafter {
     const int64_t B = c.block_size, maxB = o.max_batch_size + 1, H = c.hidden_size;  // + propose's slot
     const int64_t nt = int64_t(c.target_layer_ids.size());
     const int64_t bs = o.kv_block_size, per_seq = (o.max_seq_len + bs - 1) / bs;
+    // Tensor parallelism: the LM head over the block runs on the target's vocabulary shards,
+    // every rank its own (Target::vocab_head: each rank's top k -- or argmax pair -- gathered
+    // and merged on rank 0), not as a full head on one rank: a quarter of the head's weight
+    // reads per rank at TP 4, and no copy of the head. (Where the shards cannot take it --
+    // fewer ids per shard than the selector's candidates -- the full head stays.)
+    const int64_t hk = m_->head_topk();
+    split_head_ = t.tp_size() > 1 && t.vocab_head_ok(hk);
     // A CUDA target: the drafter runs on its (rank 0's) GPU too (weights, draft cache,
     // features, workspace). Without tensor parallelism it shares the target's embedding and
-    // LM head; with it (the target holds vocabulary shards) it keeps full copies of its own
-    // there, and the other ranks copy its drafts peer to peer (Target::from_rank0). On the
-    // device nothing of a draft waits on the host: the block's ids go up with its plan, the
-    // sampling rows and the appends' gather indices through pinned staging, and the
-    // outputs stay on the device (the verify pass reads them there; fetch_host copies them).
+    // LM head; with it (the target holds vocabulary shards) it keeps a full copy of the
+    // embedding there (and of the LM head where it is not split), and the other ranks copy
+    // its drafts peer to peer (Target::from_rank0). On the device nothing of a draft waits on
+    // the host: the block's ids go up with its plan, the sampling rows and the appends'
+    // gather indices through pinned staging, and the outputs stay on the device (the verify
+    // pass reads them there; fetch_host copies them).
     if (o.device.is_cuda()) {
       dev_ = t.model().device();
       const bool share = t.tp_size() == 1;
@@ -60,8 +68,9 @@ class DFlashRunner final : public Drafter {
       if (share)
         m_->to_device(dev_, t.model().forward_embed(), t.model().forward_lm_head());
       else
-        m_->to_device(dev_, Tensor(), ops::Weight());
+        m_->to_device(dev_, Tensor(), ops::Weight(), /*with_head=*/!split_head_);
     }
+    if (split_head_) t.reserve_vocab_head(maxB * (B - 1), hk, m_->gemm());
     per_seq_ = per_seq;
     make_cache(cache_dtype());
     in_step_.assign(size_t(maxB), 0);
@@ -285,14 +294,18 @@ class DFlashRunner final : public Drafter {
     }
     model::DraftOutputs out;
     StepRecorder& rec = t_.recorder();
+    DFLASH2_INTERNAL(!split_head_ || !rec.recording(), "a recorded step with the drafter's head split across ranks");
     if (!dev_.is_cuda()) {
       out.tokens = res_.tokens.slice(0, 0, A);
       if (res_.cand.defined()) out.cand = res_.cand.slice(0, 0, A);
       if (sample) out.q = res_.q.slice(0, 0, A);
-      if (rec.recording())  // queued with the step (the planner's buffers hold until the flush)
+      if (rec.recording()) {  // queued with the step (the planner's buffers hold until the flush)
         rec.add("", [this, b, temp, rng, out]() mutable { m_->draft(b, kv_layers_, temp, rng, out); });
-      else
+      } else if (split_head_) {
+        draft_split(b, temp, rng, out, "");
+      } else {
         m_->draft(b, kv_layers_, temp, rng, out);
+      }
       return res_;
     }
     // on the device: q is always passed (the device op cannot read the temperatures; rows
@@ -308,10 +321,15 @@ class DFlashRunner final : public Drafter {
       for (const Tensor* x : {&b.tokens, &b.paged.seq, &b.paged.pos, &b.paged.block_table, &b.slots, &b.logit_rows,
                               &b.ctx_len, &temp, &rng, &out.tokens, &out.cand, &out.q})
         ForwardGraphs::key_add(key, *x);
-      if (rec.recording())  // queued with the step: one graph with the verify pass and acceptance
+      if (rec.recording()) {  // queued with the step: one graph with the verify pass and acceptance
         rec.add(key, [this, b, temp, rng, out]() mutable { m_->draft(b, kv_layers_, temp, rng, out); });
-      else
+      } else if (split_head_) {
+        draft_split(b, temp, rng, out, key);
+      } else {
         graphs_->run(key, [&] { m_->draft(b, kv_layers_, temp, rng, out); });
+      }
+    } else if (split_head_) {
+      draft_split(b, temp, rng, out, "");
     } else {
       m_->draft(b, kv_layers_, temp, rng, out);
     }
@@ -343,6 +361,31 @@ class DFlashRunner final : public Drafter {
   }
 
  private:
+  // A draft with the LM head over the block on the target's vocabulary shards (split_head_):
+  // the block's rows on rank 0, the head on every rank -- the top k of the selector's
+  // candidates merged into the drafter's values and out.cand, or the argmax per position into
+  // out.tokens -- then the selector's walk on rank 0. With a graph key (CUDA graphs) the two
+  // parts on rank 0 run as two graphs and the head between them eagerly.
+  void draft_split(const model::TokenBatch& b, const Tensor& temp, const Tensor& rng, model::DraftOutputs& out,
+                   const std::string& key) {
+    auto part = [&](const char* name, const std::function<void()>& fn) {
+      if (key.empty())
+        fn();
+      else
+        graphs_->run(key + name, fn);
+    };
+    part("rows|", [&] { m_->draft_rows(b, kv_layers_); });
+    const int64_t A = b.S, K = m_->head_topk(), R = A * (m_->block_size() - 1);
+    Tensor rows = m_->head_rows(A);
+    if (K > 0) {
+      Tensor vals = m_->head_values(A), ids = out.cand.reshape({R, K});
+      t_.vocab_head(rows, m_->gemm(), K, vals, ids);
+      part("select|", [&] { m_->draft_select(b, temp, rng, out); });
+    } else {
+      Tensor none, ids = out.tokens.reshape({R});
+      t_.vocab_head(rows, m_->gemm(), 0, none, ids);
+    }
+  }
   static int64_t plan_tokens_of(const Target::Options& o, int64_t maxB, int64_t B) {
     return std::max(o.max_step_tokens, maxB * B);
   }
@@ -353,7 +396,7 @@ class DFlashRunner final : public Drafter {
   void check_memory(int64_t cache_rows, int64_t maxB, int64_t feat, int64_t plan_tokens, bool own_vocab) const {
 #ifdef DFLASH2_WITH_CUDA
     const auto& c = m_->config();
-    const size_t weights = m_->device_bytes() + (own_vocab ? m_->vocab_bytes() : 0);
+    const size_t weights = m_->device_bytes() + (own_vocab ? m_->vocab_bytes(!split_head_) : 0);
     const size_t cache = size_t(cache_rows) * size_t(c.num_layers) * size_t(2 * m_->kv_dim()) * dtype_size(cache_dtype());
     const size_t bufs = size_t(maxB) * size_t(kPending) * size_t(feat) * 4 +
                         size_t(t_.options().max_step_tokens) * size_t(feat) * 4 + size_t(plan_tokens) * 64 +
@@ -368,8 +411,10 @@ class DFlashRunner final : public Drafter {
     };
     DFLASH2_CHECK(need <= free_b, ErrorKind::OutOfMemory, "the drafter does not fit ", dev_.str(), " beside the target: ",
                   "it needs ", gib(need), " (weights + workspace ", gib(weights),
-                  own_vocab ? " including its own copy of the full embedding and LM head, " : "",
-                  own_vocab ? gib(m_->vocab_bytes()) : "", ", draft KV cache ", gib(cache),
+                  own_vocab ? (split_head_ ? " including its own copy of the full embedding, "
+                                           : " including its own copy of the full embedding and LM head, ")
+                            : "",
+                  own_vocab ? gib(m_->vocab_bytes(!split_head_)) : "", ", draft KV cache ", gib(cache),
                   ", features and step buffers ", gib(bufs), ") but ", gib(free_b), " of ", gib(total_b),
                   " are free; lower max_batch_size or max_seq_len");
 #else
@@ -378,6 +423,7 @@ class DFlashRunner final : public Drafter {
   }
 
   std::unique_ptr<model::DFlashDrafter> m_;
+  bool split_head_ = false;  // tensor parallelism: the head on the target's vocabulary shards
   std::unique_ptr<ForwardGraphs> graphs_;  // CUDA graphs of draft()
   Target& t_;
   KvCache cache_;

@@ -663,6 +663,7 @@ EngineMetrics Engine::metrics() const {
     m.steps_as_one_unit = impl_->core.target->recorder().steps();
     m.padding_rows = impl_->core.target->padding_rows();
     m.argmax_gather_steps = impl_->core.target->argmax_steps();
+    m.draft_head_gathers = impl_->core.target->vocab_head_calls();
     m.drafter_appends_in_step = impl_->core.drafter ? impl_->core.drafter->appends_in_step() : 0;
     m.draft_cache_bytes = impl_->core.drafter ? impl_->core.drafter->cache_bytes() : 0;
   }

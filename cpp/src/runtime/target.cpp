@@ -405,6 +405,62 @@ Tensor Target::from_rank0(int r, const Tensor& src, std::vector<Tensor>& bufs) {
 #endif
 }
 
+bool Target::vocab_head_ok(int64_t k) const {
+  const int64_t n = tp_size(), V = config().vocab_size;
+  return n > 1 && V % n == 0 && V / n >= std::max<int64_t>(k, 3) && V <= (int64_t(1) << 24);
+}
+
+void Target::reserve_vocab_head(int64_t rows, int64_t k, ops::GemmNumerics g) {
+  DFLASH2_INTERNAL(vocab_head_ok(k) && rows >= 1, "a vocabulary-parallel head of k = ", k, " over ", tp_size(),
+                   " ranks");
+  const int n = tp_size();
+  const int64_t V = config().vocab_size, Vl = V / n, w = k > 0 ? 2 * k : 2;
+  vh_.assign(size_t(n), VocabHeadBufs{});
+  d_vrows_.assign(size_t(n), Tensor());
+  for (int r = 0; r < n; ++r) {
+    const Device d = models_[size_t(r)]->device();
+    VocabHeadBufs& b = vh_[size_t(r)];
+    b.local = Tensor::empty(DType::F32, {rows, Vl}, d);
+    b.packed = Tensor::empty(DType::F32, {rows * w}, d);
+    b.gathered = Tensor::empty(DType::F32, {n * rows * w}, d);
+    if (r == 0) b.flags = Tensor::empty(DType::I32, {rows}, d);
+    if (r > 0 && d.is_cuda()) d_vrows_[size_t(r)] = Tensor::empty(DType::F32, {rows * config().hidden_size}, d);
+    models_[size_t(r)]->prepare_head(g);
+  }
+  vh_rows_ = rows;
+  vh_k_ = k;
+}
+
+void Target::vocab_head(const Tensor& rows, ops::GemmNumerics g, int64_t k, Tensor& vals, Tensor& ids) {
+  const int n = tp_size();
+  const int64_t R = rows.shape(0), w = k > 0 ? 2 * k : 2;
+  DFLASH2_INTERNAL(n > 1 && k == vh_k_ && R >= 1 && R <= vh_rows_ && rows.ndim() == 2 &&
+                       rows.shape(1) == config().hidden_size,
+                   "vocabulary-parallel head of ", rows.describe(), ", k = ", k, " (reserved: ", vh_rows_,
+                   " rows, k = ", vh_k_, ")");
+  const bool cuda = opt_.device.is_cuda();
+  if (cuda) mark_rank0_inputs();  // the rows, for the other ranks' copies
+  on_all_ranks([&](int r) {
+    const Device d = models_[size_t(r)]->device();
+#ifdef DFLASH2_WITH_CUDA
+    // rank 0 stays on the caller's stream (the drafter's); the others take the stream their
+    // chunks run on, in order with the legacy stream
+    std::unique_ptr<cuda::OrderedStreamScope> scope;
+    if (r > 0 && cuda)
+      scope = std::make_unique<cuda::OrderedStreamScope>(group_ ? group_->stream(r) : nullptr, d.index);
+#endif
+    VocabHeadBufs& b = vh_[size_t(r)];
+    const Tensor x = cuda ? from_rank0(r, rows, d_vrows_) : rows;  // the CPU ranks share the host's rows
+    Tensor local = b.local.slice(0, 0, R);
+    Tensor packed = Tensor::view(b.packed.data(), DType::F32, {R, w}, {}, d);
+    Tensor gathered = Tensor::view(b.gathered.data(), DType::F32, {int64_t(n), R, w}, {}, d);
+    Tensor v = r == 0 ? vals : Tensor(), i = r == 0 ? ids : Tensor();
+    Tensor f = r == 0 && k == 0 ? b.flags.slice(0, 0, R) : Tensor();
+    models_[size_t(r)]->vocab_head(x, g, k, local, packed, gathered, v, i, f);
+  });
+  ++vocab_head_calls_;
+}
+
 void Target::mtp_chunk(const std::vector<Piece>& pieces, const Tensor& h_main, Tensor& logits, Tensor& hidden,
                        bool all_rows, const Tensor& token_src, bool queue, const ChunkPrep& prep) {
   DFLASH2_CHECK(model().has_mtp(), ErrorKind::Unsupported,

@@ -130,6 +130,25 @@ class Target {
                  bool all_rows = false, const Tensor& token_src = Tensor(), bool queue = false,
                  const ChunkPrep& prep = {});
 
+  // Tensor parallelism: an LM head over rows without gathering its logits -- the DFlash
+  // drafter's head over its block, on the target's vocabulary shards. rows F32 [R, H] (rank
+  // 0's device, or the host with a CPU target) go through every rank's shard of the target's
+  // LM head (ops::linear_as(g)); each rank reduces its logits to its top k (ops::topk; k = 0:
+  // its argmax pair, ops::argmax_shard), the ranks all-gather those (N x R x 2k floats
+  // instead of R x V), and rank 0 merges them (ops::topk_merge / ops::argmax_merge) into vals
+  // F32 [R, k] and ids I32 [R, k] on its device (k = 0: ids I32 [R], vals unused): what
+  // ops::topk / ops::argmax over the full head's logits give (argmax: for finite rows). On
+  // CUDA the other ranks copy the rows peer to peer after an event on the calling thread's
+  // stream (mark_rank0_inputs / from_rank0): no host wait. Eager (never in a graph).
+  // vocab_head_ok(k): whether the shards allow it (each shard holds >= max(k, 3) ids, the
+  // ids are exact in F32); reserve_vocab_head allocates the buffers of up to `rows` rows on
+  // every rank once (before the first call), and readies the heads for numerics g.
+  bool vocab_head_ok(int64_t k) const;
+  void reserve_vocab_head(int64_t rows, int64_t k, ops::GemmNumerics g);
+  void vocab_head(const Tensor& rows, ops::GemmNumerics g, int64_t k, Tensor& vals, Tensor& ids);
+  // vocab_head calls so far (any thread reads)
+  int64_t vocab_head_calls() const { return vocab_head_calls_.load(); }
+
  private:
   // Runs job(rank) on every rank at once (rank 0 on the calling thread); rethrows the first
   // failure after all ranks have returned.
@@ -186,6 +205,7 @@ class Target {
   CacheStream pad_stream_;
   std::atomic<int64_t> padding_rows_{0};
   std::atomic<int64_t> argmax_steps_{0};
+  std::atomic<int64_t> vocab_head_calls_{0};
   std::vector<std::unique_ptr<model::GlmModel>> models_;
   Options opt_;
   KvCache cache_, mtp_cache_;
@@ -198,6 +218,14 @@ class Target {
   std::vector<std::unique_ptr<PlanUploader>> dplan_;  // per rank
   std::vector<Tensor> d_logits_, d_taps_, d_fin_, d_hmain_, d_hidden_;
   std::vector<Tensor> d_src_;     // ranks > 0: their copies of a token source on rank 0's device
+  // vocab_head's buffers per rank: the rows' copy (ranks > 0 on CUDA), the shard's logits,
+  // its packed top k / argmax pair, the gathered ones; rank 0's merged flags
+  struct VocabHeadBufs {
+    Tensor local, packed, gathered, flags;
+  };
+  std::vector<VocabHeadBufs> vh_;
+  std::vector<Tensor> d_vrows_;
+  int64_t vh_rows_ = 0, vh_k_ = -1;
   struct Rank0Event;              // CUDA, tensor parallelism: mark_rank0_inputs' event
   std::unique_ptr<Rank0Event> rank0_event_;
   std::unique_ptr<ForwardGraphs> graphs_;  // CUDA graphs of rank 0's chunks

@@ -384,6 +384,38 @@ void argmax_merge(const Tensor& pairs, Tensor& ids, Tensor& flags) {
   }
 }
 
+void topk_merge(const Tensor& vals, const Tensor& idx, int64_t shard_size, Tensor& values, Tensor& indices) {
+  const int64_t N = vals.shape(0), R = vals.shape(1), kin = vals.shape(2), k = values.shape(1);
+  struct Cand {
+    float v;
+    int64_t id;
+  };
+  std::vector<Cand> c(size_t(N * kin));
+  // topk's order: larger first, NaN last, ties (+0 == -0) to the lower id
+  auto better = [](const Cand& a, const Cand& b) {
+    const bool na = std::isnan(a.v), nb = std::isnan(b.v);
+    if (na != nb) return nb;
+    if (!na && a.v != b.v) return a.v > b.v;
+    return a.id < b.id;
+  };
+  for (int64_t r = 0; r < R; ++r) {
+    for (int64_t n = 0; n < N; ++n)
+      for (int64_t j = 0; j < kin; ++j) {
+        const int64_t i = idx.data_as<const int32_t>()[n * idx.stride(0) + r * idx.stride(1) + j * idx.stride(2)];
+        DFLASH2_CHECK_ARG(i >= 0 && i < shard_size, "topk_merge: idx[", n, ", ", r, ", ", j, "] = ", i,
+                          " is outside the shard's ", shard_size, " positions");
+        c[size_t(n * kin + j)] =
+            Cand{vals.data_as<const float>()[n * vals.stride(0) + r * vals.stride(1) + j * vals.stride(2)],
+                 n * shard_size + i};
+      }
+    std::partial_sort(c.begin(), c.begin() + k, c.end(), better);
+    for (int64_t j = 0; j < k; ++j) {
+      values.data_as<float>()[r * values.stride(0) + j * values.stride(1)] = c[size_t(j)].v;
+      indices.data_as<int32_t>()[r * indices.stride(0) + j * indices.stride(1)] = int32_t(c[size_t(j)].id);
+    }
+  }
+}
+
 namespace {
 // f32 -> OCP E4M3 ("fn") value, round to nearest even, saturating at +-448 (what the
 // hardware's cvt.rn.satfinite.e4m3x2.f32 gives); returned as the exact f32 it encodes.

@@ -144,6 +144,7 @@ void argmax(const Tensor& x, Tensor& out);
 void check_finite(const Tensor& x, Tensor& flags);
 void argmax_shard(const Tensor& x, int64_t first, Tensor& out);  // row_reduce.cu
 void argmax_merge(const Tensor& pairs, Tensor& ids, Tensor& flags);
+void topk_merge(const Tensor& vals, const Tensor& idx, int64_t shard_size, Tensor& values, Tensor& indices);
 void accept_greedy(const Tensor& ids, const Tensor& row0, const Tensor& draft, const Tensor& draft_row,
                    const Tensor& draft_len, Tensor& accepted, Tensor& bonus);  // index_rows.cu
 void resolve_tokens(Tensor& tokens, const Tensor& src);  // index_rows.cu

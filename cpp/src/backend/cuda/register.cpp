@@ -23,6 +23,7 @@ void register_cuda_ops(BackendTable& t) {
   t.check_finite = &cuda::check_finite;  // row_reduce.cu
   t.argmax_shard = &cuda::argmax_shard;  // row_reduce.cu
   t.argmax_merge = &cuda::argmax_merge;  // row_reduce.cu
+  t.topk_merge = &cuda::topk_merge;      // row_reduce.cu
   t.accept_greedy = &cuda::accept_greedy;  // index_rows.cu
   t.rope = &cuda::rope;                // elementwise.cu
   t.silu_mul = &cuda::silu_mul;        // elementwise.cu

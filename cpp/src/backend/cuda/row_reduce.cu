@@ -1,6 +1,6 @@
 // cuda/row_reduce.cu: the row reductions of the CUDA backend: layer_norm, softmax,
-// argmax, check_finite, argmax_shard (F32 rows, as ops.cpp accepts them) and
-// argmax_merge.
+// argmax, check_finite, argmax_shard (F32 rows, as ops.cpp accepts them), argmax_merge and
+// topk_merge.
 //
 // Status: compiled for sm_90a/sm_100a/sm_103a, NOT yet run on a GPU. The argmax
 // candidate order (layout.h) is unit-tested on the CPU against the CPU backend's sequential
@@ -39,6 +39,11 @@
 //               a non-finite element: the CPU's answer, always.
 //   argmax_merge  one thread per row walks the N shards in order (strictly larger wins, a
 //               NaN value sets the flag): the CPU's loop, so its answer, always.
+//   topk_merge  one thread per row: output j is the best of the N x k' candidates that
+//               rank after output j - 1 in topk's total order (value descending, NaN last,
+//               then the global id; ids are distinct, so the order is strict), k N k'
+//               comparisons: the CPU's partial sort's answer, always, whether or not the
+//               shards' lists are sorted.
 // Row lengths up to INT32_MAX - 1024 elements.
 #include <cuda_runtime.h>
 
@@ -183,6 +188,42 @@ __global__ void __launch_bounds__(kMaxThreads)
     }
     ids[r * ids_stride] = int32_t(id);
     flags[r * flags_stride] = bad ? 1 : 0;
+  }
+}
+
+// topk's order: a ranks before b (larger value, NaN last, ties -- +0 == -0 too -- to the lower id)
+__device__ __forceinline__ bool topk_before(float va, int64_t ia, float vb, int64_t ib) {
+  const bool na = isnan(va), nb = isnan(vb);
+  if (na != nb) return nb;
+  if (!na && va != vb) return va > vb;
+  return ia < ib;
+}
+
+__global__ void __launch_bounds__(kMaxThreads)
+    topk_merge_kernel(const float* vals, int64_t vs0, int64_t vs1, int64_t vs2, const int32_t* idx, int64_t is0,
+                      int64_t is1, int64_t is2, int64_t N, int64_t R, int64_t kin, int64_t shard_size, float* values,
+                      int64_t os0, int64_t os1, int32_t* indices, int64_t js0, int64_t js1, int64_t k) {
+  for (int64_t r = int64_t(blockIdx.x) * blockDim.x + threadIdx.x; r < R; r += int64_t(gridDim.x) * blockDim.x) {
+    float prev_v = 0.0f;
+    int64_t prev_id = -1;  // none yet
+    for (int64_t j = 0; j < k; ++j) {
+      float best_v = 0.0f;
+      int64_t best_id = -1;
+      for (int64_t n = 0; n < N; ++n)
+        for (int64_t c = 0; c < kin; ++c) {
+          const float v = vals[n * vs0 + r * vs1 + c * vs2];
+          const int64_t id = n * shard_size + idx[n * is0 + r * is1 + c * is2];
+          if (prev_id >= 0 && !topk_before(prev_v, prev_id, v, id)) continue;  // taken already
+          if (best_id < 0 || topk_before(v, id, best_v, best_id)) {
+            best_v = v;
+            best_id = id;
+          }
+        }
+      values[r * os0 + j * os1] = best_v;
+      indices[r * js0 + j * js1] = int32_t(best_id);
+      prev_v = best_v;
+      prev_id = best_id;
+    }
   }
 }
 
@@ -332,6 +373,31 @@ void argmax_merge(const Tensor& pairs, Tensor& ids, Tensor& flags) {
       pairs.data_as<const float>(), pairs.stride(0), pairs.stride(1), pairs.stride(2), pairs.shape(0), R,
       ids.data_as<int32_t>(), ids.stride(0), flags.data_as<int32_t>(), flags.stride(0));
   detail::check_launch("argmax_merge kernel launch", pairs.describe());
+}
+
+void topk_merge(const Tensor& vals, const Tensor& idx, int64_t shard_size, Tensor& values, Tensor& indices) {
+  const char* op = "topk_merge";
+  need_f32(op, vals, "vals");
+  need_f32(op, values, "values");
+  same_cuda_device(op, vals, idx);
+  same_cuda_device(op, vals, values);
+  same_cuda_device(op, vals, indices);
+  DFLASH2_CHECK_ARG(vals.ndim() == 3 && idx.dtype() == DType::I32 && idx.shape() == vals.shape() &&
+                        indices.dtype() == DType::I32 && values.ndim() == 2 && indices.shape() == values.shape() &&
+                        values.shape(0) == vals.shape(1) && values.shape(1) <= vals.shape(2),
+                    "cuda::topk_merge: vals / idx must be [N, R, k'] and values / indices [R, k <= k'], found ",
+                    vals.describe(), ", ", idx.describe(), ", ", values.describe(), ", ", indices.describe());
+  const int64_t R = vals.shape(1), k = values.shape(1);
+  if (R == 0 || k == 0) return;
+  detail::DeviceGuard guard(vals.device().index);
+  const int threads = 128;
+  const int blocks = int(std::min<int64_t>((R + threads - 1) / threads, 1024));
+  topk_merge_kernel<<<blocks, threads, 0, detail::stream()>>>(
+      vals.data_as<const float>(), vals.stride(0), vals.stride(1), vals.stride(2), idx.data_as<const int32_t>(),
+      idx.stride(0), idx.stride(1), idx.stride(2), vals.shape(0), R, vals.shape(2), shard_size,
+      values.data_as<float>(), values.stride(0), values.stride(1), indices.data_as<int32_t>(), indices.stride(0),
+      indices.stride(1), k);
+  detail::check_launch("topk_merge kernel launch", vals.describe());
 }
 
 void check_finite(const Tensor& x, Tensor& flags) {
