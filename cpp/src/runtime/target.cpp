@@ -671,7 +671,6 @@ void Target::run_chunk_group(const model::TokenBatch& b, const model::ForwardOut
 void Target::mtp_chunk_device(const model::TokenBatch& b, const Tensor& h_main, Tensor& logits, Tensor& hidden,
                               const Tensor& token_src) {
   if (group_) return mtp_chunk_group(b, h_main, logits, hidden, token_src);
-  const int64_t H = config().hidden_size;
   const Device d0 = models_[0]->device();
   // the MTP drafter's chain on rank 0's GPU: its ids and hidden states, for the other ranks' copies
   const bool from0 = tp_size() > 1 && h_main.device() == d0;
@@ -684,84 +683,84 @@ void Target::mtp_chunk_device(const model::TokenBatch& b, const Tensor& h_main, 
     cuda::OrderedStreamScope stream_scope(g ? g->stream() : nullptr, models_[size_t(r)]->device().index);
 #endif
     model::TokenBatch db = upload(b, r);
-    // inputs / outputs already on this rank's device (the MTP drafter's chain on the GPU) are
-    // used in place, rank 0's are copied peer to peer, host ones go through device buffers
-    const Device d = models_[size_t(r)]->device();
-    Tensor hm = h_main;
-    if (from0) {
-      hm = from_rank0(r, h_main, d_hmain_);
-    } else if (h_main.device() != d) {
-      hm = device_rows(d_hmain_, r, h_main.shape(0), H);
-      hm.copy_from(h_main.contiguous());
-    }
-    const bool lg_direct = r == 0 && logits.device() == d, hid_direct = r == 0 && hidden.defined() && hidden.device() == d;
-    Tensor lg = lg_direct ? logits : d_logits_[size_t(r)].slice(0, 0, logits.shape(0));
-    Tensor hid = hid_direct ? hidden
-                            : (r == 0 && hidden.defined()) ? device_rows(d_hidden_, r, hidden.shape(0), H) : Tensor();
+    const Tensor hm = mtp_input(r, h_main, from0);
+    MtpOutputs o = mtp_outputs(r, logits, hidden);
     if (g) {  // the MTP layer's chunks (commits, chained positions) as graphs too
-      g->run(mtp_key(db, hm, lg, hid, token_src), [&] {
+      g->run(mtp_key(db, hm, o.logits, o.hidden, token_src), [&] {
         if (token_src.defined()) ops::resolve_tokens(db.tokens, token_src);  // the chain's ids, in the graph
-        models_[0]->mtp_forward(db, hm, mtp_views_[0], lg, hid);
+        models_[0]->mtp_forward(db, hm, mtp_views_[0], o.logits, o.hidden);
       });
     } else {
       const Tensor src = from_rank0(r, token_src, d_src_);  // rank 0's ids: the others' copies
       if (src.defined()) ops::resolve_tokens(db.tokens, src);
-      models_[size_t(r)]->mtp_forward(db, hm, mtp_views_[size_t(r)], lg, hid);
+      models_[size_t(r)]->mtp_forward(db, hm, mtp_views_[size_t(r)], o.logits, o.hidden);
     }
-    if (r != 0) return;
-    if (!lg_direct && logits.shape(0) > 0) logits.copy_from(lg);
-    if (hidden.defined() && !hid_direct) hidden.copy_from(hid);
+    if (r == 0) mtp_copy_back(o, logits, hidden);
   });
+}
+
+Tensor Target::mtp_input(int r, const Tensor& h_main, bool from0) {
+  if (from0) return from_rank0(r, h_main, d_hmain_);  // rank 0: in place
+  if (h_main.device() == models_[size_t(r)]->device()) return h_main;
+  Tensor hm = device_rows(d_hmain_, r, h_main.shape(0), config().hidden_size);
+  hm.copy_from(h_main.contiguous());
+  return hm;
+}
+
+Target::MtpOutputs Target::mtp_outputs(int r, const Tensor& logits, const Tensor& hidden) {
+  const Device d = models_[size_t(r)]->device();
+  MtpOutputs o;
+  o.logits_direct = r == 0 && logits.device() == d;
+  o.hidden_direct = r == 0 && hidden.defined() && hidden.device() == d;
+  o.logits = o.logits_direct ? logits : d_logits_[size_t(r)].slice(0, 0, logits.shape(0));
+  if (o.hidden_direct)
+    o.hidden = hidden;
+  else if (r == 0 && hidden.defined())
+    o.hidden = device_rows(d_hidden_, r, hidden.shape(0), config().hidden_size);
+  return o;
+}
+
+void Target::mtp_copy_back(const MtpOutputs& o, Tensor& logits, Tensor& hidden) {
+  if (!o.logits_direct && logits.shape(0) > 0) logits.copy_from(o.logits);
+  if (hidden.defined() && !o.hidden_direct) hidden.copy_from(o.hidden);
 }
 
 void Target::mtp_chunk_group(const model::TokenBatch& b, const Tensor& h_main, Tensor& logits, Tensor& hidden,
                              const Tensor& token_src) {
 #ifdef DFLASH2_WITH_CUDA
   const int n = tp_size();
-  const int64_t H = config().hidden_size;
   const Device d0 = models_[0]->device();
   const bool from0 = h_main.device() == d0;
   DFLASH2_INTERNAL(!from0 || h_main.is_contiguous(), "the MTP layer's input ", h_main.describe(),
                    " on rank 0's device must be contiguous (the other ranks copy it)");
   if (token_src.defined() || from0) mark_rank0_inputs();  // the chain's ids and hidden states
   std::vector<model::TokenBatch> db(static_cast<size_t>(n));
-  std::vector<Tensor> hm(static_cast<size_t>(n)), lg(static_cast<size_t>(n)), hid(static_cast<size_t>(n));
-  {  // rank 0's plan and inputs first: their device buffers are part of the key
+  std::vector<Tensor> hm(static_cast<size_t>(n));
+  std::vector<MtpOutputs> o(static_cast<size_t>(n));
+  {  // rank 0's plan and inputs first: their device buffers are part of the key (the host's
+     // rows go to a fixed buffer: d_hmain_ is allocated at its largest)
     cuda::OrderedStreamScope scope(group_->stream(0), d0.index);
     db[0] = upload(b, 0);
-    hm[0] = h_main;
-    if (!from0) {  // the host's rows (a fixed buffer: d_hmain_ is allocated at its largest)
-      hm[0] = device_rows(d_hmain_, 0, h_main.shape(0), H);
-      hm[0].copy_from(h_main.contiguous());
-    }
+    hm[0] = mtp_input(0, h_main, from0);
   }
-  const bool lg_direct = logits.device() == d0, hid_direct = hidden.defined() && hidden.device() == d0;
-  lg[0] = lg_direct ? logits : d_logits_[0].slice(0, 0, logits.shape(0));
-  hid[0] = hid_direct ? hidden : hidden.defined() ? device_rows(d_hidden_, 0, hidden.shape(0), H) : Tensor();
-  for (int r = 1; r < n; ++r) lg[size_t(r)] = d_logits_[size_t(r)].slice(0, 0, logits.shape(0));
+  for (int r = 0; r < n; ++r) o[size_t(r)] = mtp_outputs(r, logits, hidden);
   group_->run(
-      mtp_key(db[0], hm[0], lg[0], hid[0], token_src),
+      mtp_key(db[0], hm[0], o[0].logits, o[0].hidden, token_src),
       [this](const std::function<void(int)>& job) { on_all_ranks(job); },
       [&](int r) {  // the other ranks' plans and inputs (fixed buffers), before their graphs
         if (r == 0) return;
         db[size_t(r)] = upload(b, r);
-        if (from0) {
-          hm[size_t(r)] = from_rank0(r, h_main, d_hmain_);
-        } else {
-          hm[size_t(r)] = device_rows(d_hmain_, r, h_main.shape(0), H);
-          hm[size_t(r)].copy_from(h_main.contiguous());
-        }
+        hm[size_t(r)] = mtp_input(r, h_main, from0);
         const Tensor src = from_rank0(r, token_src, d_src_);
         if (src.defined()) ops::resolve_tokens(db[size_t(r)].tokens, src);
       },
       [&](int r) {
         if (r == 0 && token_src.defined()) ops::resolve_tokens(db[0].tokens, token_src);  // in rank 0's graph
-        models_[size_t(r)]->mtp_forward(db[size_t(r)], hm[size_t(r)], mtp_views_[size_t(r)], lg[size_t(r)],
-                                        hid[size_t(r)]);
+        models_[size_t(r)]->mtp_forward(db[size_t(r)], hm[size_t(r)], mtp_views_[size_t(r)], o[size_t(r)].logits,
+                                        o[size_t(r)].hidden);
       },
       comms_[0].get());
-  if (!lg_direct && logits.shape(0) > 0) logits.copy_from(lg[0]);
-  if (hidden.defined() && !hid_direct) hidden.copy_from(hid[0]);
+  mtp_copy_back(o[0], logits, hidden);
 #else
   (void)b, (void)h_main, (void)logits, (void)hidden, (void)token_src;
   fail(ErrorKind::Unsupported, "CUDA graphs in a build without CUDA");

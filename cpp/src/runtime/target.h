@@ -182,6 +182,17 @@ class Target {
   model::ForwardOutputs rank_outputs(int r, const model::TokenBatch& b, const model::ForwardOutputs& out);
   // Rank 0's device outputs back into the caller's host tensors (synchronous).
   void copy_back(const model::ForwardOutputs& out, const model::ForwardOutputs& o0);
+  // The MTP layer's chunk on rank r (both CUDA paths): its input rows -- rank 0's copied
+  // peer to peer (from0), rows already on its device in place, host rows through its device
+  // buffer -- and its outputs: rank 0's the caller's where they are on its device, else device
+  // buffers (mtp_copy_back: into the caller's, synchronous); the others' logits scratch.
+  struct MtpOutputs {
+    Tensor logits, hidden;
+    bool logits_direct = false, hidden_direct = false;
+  };
+  Tensor mtp_input(int r, const Tensor& h_main, bool from0);
+  MtpOutputs mtp_outputs(int r, const Tensor& logits, const Tensor& hidden);
+  void mtp_copy_back(const MtpOutputs& o, Tensor& logits, Tensor& hidden);
   // Fills in b's token references into a host token_src; returns a device one (rank 0's:
   // filled in after the upload, by every rank from its copy, from_rank0), or an undefined tensor.
   Tensor resolve_host_refs(model::TokenBatch& b, const Tensor& token_src);
