@@ -175,16 +175,29 @@ bool head_is_embedding(const Weight& head, const Tensor& embed) {
 }
 }  // namespace
 
-size_t DFlashDrafter::vocab_bytes(bool with_head) const {
+size_t DFlashDrafter::vocab_bytes() const {
   size_t n = embed_.defined() ? embed_.nbytes() : 0;
-  if (with_head && !head_is_embedding(lm_head_, embed_)) n += lm_head_.data.defined() ? lm_head_.bytes() : 0;
+  if (!head_is_embedding(lm_head_, embed_)) n += lm_head_.data.defined() ? lm_head_.bytes() : 0;
   return n;
 }
 
-void DFlashDrafter::to_device(Device dev, const Tensor& embed, const Weight& lm_head, bool with_head) {
+void DFlashDrafter::drop_head() {
+  DFLASH2_CHECK_ARG(device_.is_cpu(), "DFlashDrafter::drop_head: call it before to_device");
+  if (!head_here_) return;
+  lm_head_ = Weight();
+  head_here_ = false;
+  // the workspace planned again without the block's logits
+  Arena plan = Arena::planner();
+  alloc_append(plan, max_ctx_);
+  plan.reset();
+  alloc_draft(plan, max_seqs_);
+  ws_ = std::make_unique<Arena>(plan.high_water());
+}
+
+void DFlashDrafter::to_device(Device dev, const Tensor& embed, const Weight& lm_head) {
   DFLASH2_CHECK_ARG(device_.is_cpu(), "DFlashDrafter::to_device: already on ", device_.str());
-  DFLASH2_CHECK_ARG(with_head || !embed.defined(), "DFlashDrafter::to_device: without the LM head the drafter "
-                    "copies its own embedding");
+  DFLASH2_CHECK_ARG(head_here_ || !embed.defined(), "DFlashDrafter::to_device: without its LM head (drop_head) the "
+                    "drafter copies its own embedding");
   DFLASH2_CHECK_ARG(embed.defined() == lm_head.data.defined(), "DFlashDrafter::to_device: give both the embedding "
                     "and the LM head on ", dev.str(), ", or neither (the drafter copies its own)");
   if (embed.defined()) {
@@ -198,9 +211,8 @@ void DFlashDrafter::to_device(Device dev, const Tensor& embed, const Weight& lm_
   } else {  // full copies of its own (a tied head shares the embedding's)
     const bool tied = head_is_embedding(lm_head_, embed_);
     embed_ = embed_.to(dev);
-    if (!with_head) {
-      lm_head_ = Weight();  // the head runs elsewhere: draft_rows, then draft_select
-      head_here_ = false;
+    if (!head_here_) {
+      // the head runs elsewhere (drop_head): draft_rows, the head, then draft_select
     } else if (tied) {
       lm_head_.data = embed_;
     } else {
@@ -219,15 +231,7 @@ void DFlashDrafter::to_device(Device dev, const Tensor& embed, const Weight& lm_
   T(pred_book_);
   T(succ_book_);
   T(logit_rows_);
-  size_t cap = ws_->capacity();
-  if (!head_here_) {  // no block logits: the workspace planned again without them
-    Arena plan = Arena::planner();
-    alloc_append(plan, max_ctx_);
-    plan.reset();
-    alloc_draft(plan, max_seqs_);
-    cap = plan.high_water();
-  }
-  ws_ = std::make_unique<Arena>(cap, dev);
+  ws_ = std::make_unique<Arena>(ws_->capacity(), dev);
   device_ = dev;
   set_gemm(gemm_);  // NVFP4: prepare the scales where they now live
 }

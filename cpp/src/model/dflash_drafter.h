@@ -38,18 +38,21 @@ class DFlashDrafter {
   // Copies the drafter's weights, constant buffers and workspace to `dev` (once, at load);
   // embed / lm_head: the target's copies of them on that device (shared, not copied), or
   // undefined (embed, lm_head.data) to copy the full ones given to load() -- a target split
-  // by tensor parallelism holds only its vocabulary shards on each GPU. with_head = false
-  // (with embed undefined): the LM head over the block runs elsewhere -- tensor parallelism:
-  // on every rank's vocabulary shard of the target's head (runtime Target::vocab_topk) -- so
-  // only the embedding is copied, and draft() is draft_rows, that head, then draft_select.
-  void to_device(Device dev, const Tensor& embed, const ops::Weight& lm_head, bool with_head = true);
+  // by tensor parallelism holds only its vocabulary shards on each GPU. After drop_head()
+  // only the embedding is copied (embed undefined).
+  void to_device(Device dev, const Tensor& embed, const ops::Weight& lm_head);
+  // The LM head over the block runs elsewhere -- tensor parallelism: on every rank's
+  // vocabulary shard of the target's head (runtime Target::vocab_head) -- so the drafter
+  // lets go of its head and of the block's logits in its workspace (on the host, before
+  // to_device); a draft is then draft_rows, that head, then draft_select.
+  void drop_head();
   // Bytes to_device allocates: its own weights (not the shared embedding / LM head) and the
   // workspace.
   size_t device_bytes() const;
   // Bytes of the full embedding and LM head (a tied head once): what to_device adds when it
-  // copies them (with_head = false: the embedding only).
-  size_t vocab_bytes(bool with_head = true) const;
-  // Whether the LM head runs here (to_device's with_head).
+  // copies them (after drop_head: the embedding only).
+  size_t vocab_bytes() const;
+  // Whether the LM head runs here (not after drop_head).
   bool head_here() const { return head_here_; }
   Device device() const { return device_; }
   // The numerics of the drafter's projections and of the LM head over the block (Engine
@@ -76,7 +79,7 @@ class DFlashDrafter {
   // I64 [S, 2], see ops::selector_walk) and writes q. DFlash 1 (and dflash) take the argmax.
   void draft(const TokenBatch& batch, const std::vector<Tensor>& kv_layers, const Tensor& temperature,
              const Tensor& rng, DraftOutputs& out);
-  // draft() in its three parts, for a head that runs elsewhere (to_device's with_head):
+  // draft() in its three parts, for a head that runs elsewhere (drop_head):
   //   draft_rows    the block through the layers and the final norm: the head's input rows
   //                 head_rows(S) F32 [S (B-1), H] (and the selector's factors of them);
   //   the head      draft_head here: the LM head over those rows, then, with the selector,
@@ -115,7 +118,7 @@ class DFlashDrafter {
   std::unique_ptr<Arena> ws_;
   Tensor logit_rows_;  // I32 [max_seqs * (B-1)]: rows s*B + 1 + t of a drafted batch
   bool use_selector_ = true;
-  bool head_here_ = true;  // to_device's with_head
+  bool head_here_ = true;  // false after drop_head
   ops::GemmNumerics gemm_ = ops::GemmNumerics::Exact;
   Device device_ = Device::cpu();
 };

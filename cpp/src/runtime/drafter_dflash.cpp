@@ -53,6 +53,7 @@ class DFlashRunner final : public Drafter {
     // fewer ids per shard than the selector's candidates -- the full head stays.)
     const int64_t hk = m_->head_topk();
     split_head_ = t.tp_size() > 1 && t.vocab_head_ok(hk);
+    if (split_head_) m_->drop_head();
     // A CUDA target: the drafter runs on its (rank 0's) GPU too (weights, draft cache,
     // features, workspace). Without tensor parallelism it shares the target's embedding and
     // LM head; with it (the target holds vocabulary shards) it keeps a full copy of the
@@ -68,7 +69,7 @@ class DFlashRunner final : public Drafter {
       if (share)
         m_->to_device(dev_, t.model().forward_embed(), t.model().forward_lm_head());
       else
-        m_->to_device(dev_, Tensor(), ops::Weight(), /*with_head=*/!split_head_);
+        m_->to_device(dev_, Tensor(), ops::Weight());
     }
     if (split_head_) t.reserve_vocab_head(maxB * (B - 1), hk, m_->gemm());
     per_seq_ = per_seq;
@@ -396,7 +397,7 @@ class DFlashRunner final : public Drafter {
   void check_memory(int64_t cache_rows, int64_t maxB, int64_t feat, int64_t plan_tokens, bool own_vocab) const {
 #ifdef DFLASH2_WITH_CUDA
     const auto& c = m_->config();
-    const size_t weights = m_->device_bytes() + (own_vocab ? m_->vocab_bytes(!split_head_) : 0);
+    const size_t weights = m_->device_bytes() + (own_vocab ? m_->vocab_bytes() : 0);
     const size_t cache = size_t(cache_rows) * size_t(c.num_layers) * size_t(2 * m_->kv_dim()) * dtype_size(cache_dtype());
     const size_t bufs = size_t(maxB) * size_t(kPending) * size_t(feat) * 4 +
                         size_t(t_.options().max_step_tokens) * size_t(feat) * 4 + size_t(plan_tokens) * 64 +
@@ -414,7 +415,7 @@ class DFlashRunner final : public Drafter {
                   own_vocab ? (split_head_ ? " including its own copy of the full embedding, "
                                            : " including its own copy of the full embedding and LM head, ")
                             : "",
-                  own_vocab ? gib(m_->vocab_bytes(!split_head_)) : "", ", draft KV cache ", gib(cache),
+                  own_vocab ? gib(m_->vocab_bytes()) : "", ", draft KV cache ", gib(cache),
                   ", features and step buffers ", gib(bufs), ") but ", gib(free_b), " of ", gib(total_b),
                   " are free; lower max_batch_size or max_seq_len");
 #else

@@ -39,11 +39,12 @@
 //               a non-finite element: the CPU's answer, always.
 //   argmax_merge  one thread per row walks the N shards in order (strictly larger wins, a
 //               NaN value sets the flag): the CPU's loop, so its answer, always.
-//   topk_merge  one thread per row: output j is the best of the N x k' candidates that
+//   topk_merge  one warp per row: output j is the best of the N x k' candidates that
 //               rank after output j - 1 in topk's total order (value descending, NaN last,
-//               then the global id; ids are distinct, so the order is strict), k N k'
-//               comparisons: the CPU's partial sort's answer, always, whether or not the
-//               shards' lists are sorted.
+//               then the global id; ids are distinct, so the order is strict): each lane
+//               scans every 32nd candidate, then a butterfly of shuffles leaves the best on
+//               every lane (a strict total order has one minimum). The CPU's partial sort's
+//               answer, always, whether or not the shards' lists are sorted.
 // Row lengths up to INT32_MAX - 1024 elements.
 #include <cuda_runtime.h>
 
@@ -199,28 +200,42 @@ __device__ __forceinline__ bool topk_before(float va, int64_t ia, float vb, int6
   return ia < ib;
 }
 
-__global__ void __launch_bounds__(kMaxThreads)
+constexpr int kMergeThreads = 128;  // 4 warps, a row each
+
+__global__ void __launch_bounds__(kMergeThreads)
     topk_merge_kernel(const float* vals, int64_t vs0, int64_t vs1, int64_t vs2, const int32_t* idx, int64_t is0,
                       int64_t is1, int64_t is2, int64_t N, int64_t R, int64_t kin, int64_t shard_size, float* values,
                       int64_t os0, int64_t os1, int32_t* indices, int64_t js0, int64_t js1, int64_t k) {
-  for (int64_t r = int64_t(blockIdx.x) * blockDim.x + threadIdx.x; r < R; r += int64_t(gridDim.x) * blockDim.x) {
+  const int lane = int(threadIdx.x) & 31, wpb = int(blockDim.x) / 32;
+  const int64_t C = N * kin;
+  for (int64_t r = int64_t(blockIdx.x) * wpb + int(threadIdx.x) / 32; r < R; r += int64_t(gridDim.x) * wpb) {
     float prev_v = 0.0f;
     int64_t prev_id = -1;  // none yet
     for (int64_t j = 0; j < k; ++j) {
       float best_v = 0.0f;
       int64_t best_id = -1;
-      for (int64_t n = 0; n < N; ++n)
-        for (int64_t c = 0; c < kin; ++c) {
-          const float v = vals[n * vs0 + r * vs1 + c * vs2];
-          const int64_t id = n * shard_size + idx[n * is0 + r * is1 + c * is2];
-          if (prev_id >= 0 && !topk_before(prev_v, prev_id, v, id)) continue;  // taken already
-          if (best_id < 0 || topk_before(v, id, best_v, best_id)) {
-            best_v = v;
-            best_id = id;
-          }
+      for (int64_t c = lane; c < C; c += 32) {
+        const int64_t n = c / kin, cc = c - n * kin;
+        const float v = vals[n * vs0 + r * vs1 + cc * vs2];
+        const int64_t id = n * shard_size + idx[n * is0 + r * is1 + cc * is2];
+        if (prev_id >= 0 && !topk_before(prev_v, prev_id, v, id)) continue;  // taken already
+        if (best_id < 0 || topk_before(v, id, best_v, best_id)) {
+          best_v = v;
+          best_id = id;
         }
-      values[r * os0 + j * os1] = best_v;
-      indices[r * js0 + j * js1] = int32_t(best_id);
+      }
+      for (int off = 16; off > 0; off >>= 1) {  // every lane ends with the warp's best
+        const float ov = __shfl_xor_sync(0xffffffffu, best_v, off);
+        const long long oid = __shfl_xor_sync(0xffffffffu, static_cast<long long>(best_id), off);
+        if (oid >= 0 && (best_id < 0 || topk_before(ov, oid, best_v, best_id))) {
+          best_v = ov;
+          best_id = oid;
+        }
+      }
+      if (lane == 0) {
+        values[r * os0 + j * os1] = best_v;
+        indices[r * js0 + j * js1] = int32_t(best_id);
+      }
       prev_v = best_v;
       prev_id = best_id;
     }
@@ -390,9 +405,9 @@ void topk_merge(const Tensor& vals, const Tensor& idx, int64_t shard_size, Tenso
   const int64_t R = vals.shape(1), k = values.shape(1);
   if (R == 0 || k == 0) return;
   detail::DeviceGuard guard(vals.device().index);
-  const int threads = 128;
-  const int blocks = int(std::min<int64_t>((R + threads - 1) / threads, 1024));
-  topk_merge_kernel<<<blocks, threads, 0, detail::stream()>>>(
+  const int rows_per_block = kMergeThreads / 32;
+  const int blocks = int(std::min<int64_t>((R + rows_per_block - 1) / rows_per_block, 4096));
+  topk_merge_kernel<<<blocks, kMergeThreads, 0, detail::stream()>>>(
       vals.data_as<const float>(), vals.stride(0), vals.stride(1), vals.stride(2), idx.data_as<const int32_t>(),
       idx.stride(0), idx.stride(1), idx.stride(2), vals.shape(0), R, vals.shape(2), shard_size,
       values.data_as<float>(), values.stride(0), values.stride(1), indices.data_as<int32_t>(), indices.stride(0),
