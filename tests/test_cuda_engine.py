@@ -429,8 +429,19 @@ def test_speculative_tensor_parallel_on_gpus(zoo, tmp_path):
         exp = pair.expected_greedy(pr, 25)
         assert list(r.token_ids) == exp["tokens"]
         assert r.stats["verify_steps"] == exp["steps"]
-    m = eng.metrics()  # the drafter's draft forward and the verify chunks as graphs
+    m = eng.metrics()  # the drafter's draft forward, its head on the shards and the verify chunks as graphs
     assert m["cuda_graphs_replayed"] > 0 and m["cuda_graphs_failed"] == 0, m
+    assert m["draft_head_gathers"] > 0, m
+    # the replayed graphs' collectives (the head's all-gather among them) are counted as if
+    # issued: the same totals as an eager engine's on the same request
+    eager = dflash2_rt.Engine(target=pair.target_dir, draft=pair.draft_dir, method="dflash2", device="cuda",
+                              tensor_parallel=2, draft_gemm="exact", cuda_graphs=False, **KW)
+    counts = []
+    for e in (eng, eager):
+        before = e.tp_collectives()
+        e.generate(prompts[1:], max_new_tokens=25, stop_token_ids=NO_STOP)
+        counts.append({k: v - before[k] for k, v in e.tp_collectives().items()})
+    assert counts[0] == counts[1] and counts[0]["all_gather_calls"] > 0, counts
     # propose() reads the drafts back from rank 0's GPU: the CPU engine's proposal
     cpu = dflash2_rt.Engine(target=pair.target_dir, draft=pair.draft_dir, method="dflash2", **KW)
     c0 = eng.tp_collectives()

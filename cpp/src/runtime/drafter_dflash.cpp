@@ -366,7 +366,8 @@ class DFlashRunner final : public Drafter {
   // the block's rows on rank 0, the head on every rank -- the top k of the selector's
   // candidates merged into the drafter's values and out.cand, or the argmax per position into
   // out.tokens -- then the selector's walk on rank 0. With a graph key (CUDA graphs) the two
-  // parts on rank 0 run as two graphs and the head between them eagerly.
+  // parts on rank 0 run as two graphs and the head between them as a group graph of every rank
+  // (Target::vocab_head).
   void draft_split(const model::TokenBatch& b, const Tensor& temp, const Tensor& rng, model::DraftOutputs& out,
                    const std::string& key) {
     auto part = [&](const char* name, const std::function<void()>& fn) {

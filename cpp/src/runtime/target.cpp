@@ -421,8 +421,8 @@ void Target::reserve_vocab_head(int64_t rows, int64_t k, ops::GemmNumerics g) {
   for (int r = 0; r < n; ++r) {
     const Device d = models_[size_t(r)]->device();
     if (!d.is_cuda()) continue;
-    const size_t need = size_t(rows) * size_t(Vl + w + n * w + (r == 0 ? 1 : config().hidden_size)) * 4;
 #ifdef DFLASH2_WITH_CUDA
+    const size_t need = size_t(rows) * size_t(Vl + w + n * w + (r == 0 ? 1 : config().hidden_size)) * 4;
     size_t free_b = 0, total_b = 0;
     cuda::mem_info(d.index, &free_b, &total_b);
     DFLASH2_CHECK(need <= free_b, ErrorKind::OutOfMemory, "the drafter's LM head on the vocabulary shards does not fit ",
@@ -454,24 +454,36 @@ void Target::vocab_head(const Tensor& rows, ops::GemmNumerics g, int64_t k, Tens
                    " rows, k = ", vh_k_, ")");
   const bool cuda = opt_.device.is_cuda();
   if (cuda) mark_rank0_inputs();  // the rows, for the other ranks' copies
-  on_all_ranks([&](int r) {
+  // rank r's part: its shard of the head over x (its copy of the rows), rank 0 merging
+  auto part = [&](int r, const Tensor& x) {
     const Device d = models_[size_t(r)]->device();
-#ifdef DFLASH2_WITH_CUDA
-    // rank 0 stays on the caller's stream (the drafter's); the others take the stream their
-    // chunks run on, in order with the legacy stream
-    std::unique_ptr<cuda::OrderedStreamScope> scope;
-    if (r > 0 && cuda)
-      scope = std::make_unique<cuda::OrderedStreamScope>(group_ ? group_->stream(r) : nullptr, d.index);
-#endif
     VocabHeadBufs& b = vh_[size_t(r)];
-    const Tensor x = cuda ? from_rank0(r, rows, d_vrows_) : rows;  // the CPU ranks share the host's rows
     Tensor local = b.local.slice(0, 0, R);
     Tensor packed = Tensor::view(b.packed.data(), DType::F32, {R, w}, {}, d);
     Tensor gathered = Tensor::view(b.gathered.data(), DType::F32, {int64_t(n), R, w}, {}, d);
     Tensor v = r == 0 ? vals : Tensor(), i = r == 0 ? ids : Tensor();
     Tensor f = r == 0 && k == 0 ? b.flags.slice(0, 0, R) : Tensor();
     models_[size_t(r)]->vocab_head(x, g, k, local, packed, gathered, v, i, f);
-  });
+  };
+  if (group_) {
+    // CUDA graphs: one GroupGraphs entry for every rank's part (the all-gather inside), keyed
+    // by rank 0's launch shape; the other ranks' buffers are fixed (reserve_vocab_head). The
+    // event wait and the peer copy of the rows stay before each rank's graph.
+    std::string key = "vocab_head|";
+    for (int64_t v : {R, k, int64_t(g)}) ForwardGraphs::key_add(key, v);
+    for (const Tensor* t : std::initializer_list<const Tensor*>{&rows, &vals, &ids}) ForwardGraphs::key_add(key, *t);
+    std::vector<Tensor> x(static_cast<size_t>(n));
+    group_->run(
+        key, [this](const std::function<void(int)>& job) { on_all_ranks(job); },
+        [&](int r) { x[size_t(r)] = from_rank0(r, rows, d_vrows_); },  // rank 0: rows itself
+        [&](int r) { part(r, x[size_t(r)]); }, comms_[0].get());
+  } else {
+    // eagerly: rank 0 on the caller's stream (the drafter's), the others on their current one
+    // (the legacy stream, where their chunks run without graphs)
+    on_all_ranks([&](int r) {
+      part(r, cuda ? from_rank0(r, rows, d_vrows_) : rows);  // the CPU ranks share the host's rows
+    });
+  }
   ++vocab_head_calls_;
 }
 

@@ -139,7 +139,8 @@ class Target {
   // F32 [R, k] and ids I32 [R, k] on its device (k = 0: ids I32 [R], vals unused): what
   // ops::topk / ops::argmax over the full head's logits give (argmax: for finite rows). On
   // CUDA the other ranks copy the rows peer to peer after an event on the calling thread's
-  // stream (mark_rank0_inputs / from_rank0): no host wait. Eager (never in a graph).
+  // stream (mark_rank0_inputs / from_rank0): no host wait. With CUDA graphs every rank's
+  // part is one GroupGraphs entry (keyed by rank 0's launch shape), the copies before it.
   // vocab_head_ok(k): whether the shards allow it (each shard holds >= max(k, 3) ids, the
   // ids are exact in F32); reserve_vocab_head allocates the buffers of up to `rows` rows on
   // every rank once (before the first call), and readies the heads for numerics g.
