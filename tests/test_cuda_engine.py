@@ -454,6 +454,45 @@ def test_speculative_tensor_parallel_on_gpus(zoo, tmp_path):
     assert c1["all_gather_bytes"] - c0["all_gather_bytes"] == V * 4 + 2 * len(got.tokens) * 2 * k * 4, (c0, c1)
 
 
+def test_failed_captures_fall_back_to_eager(tmp_path, monkeypatch):
+    """A CUDA graph capture that fails falls back to eager runs with the reason recorded,
+    never to wrong output: with every instantiation failing (the CPU emulator's
+    EMU_FAIL_GRAPHS=1), the DFlash 2 pair gives its exact output and accepted counts at TP 1
+    (the recorded step, ForwardGraphs) and at TP 2 (GroupGraphs: the verify chunks and the
+    draft head on the vocabulary shards, one decision for both ranks), and at TP 2 the
+    collectives are counted as an eager engine's (what a failed capture issued is taken back,
+    not counted twice)."""
+    cuda_or_skip()
+    if not dflash2_rt.build_info()["cuda_emulated"]:
+        pytest.skip("the failure injection is the CPU emulator's (EMU_FAIL_GRAPHS)")
+    pair = F.make_self_drafting_pair(tmp_path)
+    monkeypatch.setenv("EMU_FAIL_GRAPHS", "1")
+    prompts = [[int(x)] * 3 for x in (5, 40)]
+    for tp in (1, 2):
+        kw = dict(target=pair.target_dir, draft=pair.draft_dir, method="dflash2", device="cuda", tensor_parallel=tp,
+                  draft_gemm="exact", **KW)
+        try:
+            eng = dflash2_rt.Engine(**kw)
+        except dflash2_rt.InvalidArgumentError as e:
+            assert "visible" in str(e)
+            pytest.skip(f"needs {tp} GPUs: {e}")
+        for pr, r in zip(prompts, eng.generate(prompts, max_new_tokens=25, stop_token_ids=NO_STOP)):
+            exp = pair.expected_greedy(pr, 25)
+            assert list(r.token_ids) == exp["tokens"], tp
+            assert r.stats["verify_steps"] == exp["steps"], tp
+        m = eng.metrics()
+        assert m["cuda_graphs_failed"] > 0 and m["cuda_graphs_replayed"] == 0, (tp, m)
+        assert "cudaGraphInstantiate" in m["cuda_graphs_last_failure"], m["cuda_graphs_last_failure"]
+        if tp == 2:
+            eager = dflash2_rt.Engine(cuda_graphs=False, **kw)
+            counts = []
+            for e in (eng, eager):
+                before = e.tp_collectives()
+                e.generate(prompts[1:], max_new_tokens=25, stop_token_ids=NO_STOP)
+                counts.append({k: v - before[k] for k, v in e.tp_collectives().items()})
+            assert counts[0] == counts[1], counts
+
+
 def test_dflash_paths_on_cuda(tmp_path):
     """The device drafter beyond greedy dflash2: dflash (argmax, no candidates) lossless,
     propose() equal to the CPU's, a prompt longer than max_step_tokens (several context

@@ -5,7 +5,9 @@
 // (EMU_SM=100 for 10.0), 132 SMs, 227 KiB of opt-in shared memory per block,
 // EMU_DEVICE_MEM bytes (default 8 GiB) of which cudaMalloc'ed bytes are used. EMU_PROFILE=1
 // prints the time per kernel at exit (the slowest 25; EMU_PROFILE=all: every kernel);
-// EMU_ORDER=forward runs threads in ascending order.
+// EMU_ORDER=forward runs threads in ascending order. EMU_FAIL_GRAPHS=1 (read at each call):
+// every cudaGraphInstantiate fails with cudaErrorNotSupported, so tests can check the
+// backend's fallback from a failed capture to eager runs.
 // EMU_MEMCHECK=1: a memcheck in the manner of compute-sanitizer's, with guard pages: every
 // cudaMalloc gets its own mapping, its end (rounded up to 16 bytes) against an inaccessible
 // page; freed allocations stay inaccessible for a while (use after free); the launch's
@@ -972,6 +974,7 @@ const char* cudaGetErrorName(cudaError_t e) {
     case cudaErrorInvalidDevice: return "cudaErrorInvalidDevice";
     case cudaErrorLaunchFailure: return "cudaErrorLaunchFailure";
     case cudaErrorStreamCaptureUnsupported: return "cudaErrorStreamCaptureUnsupported";
+    case cudaErrorNotSupported: return "cudaErrorNotSupported";
     default: return "cudaErrorUnknown";
   }
 }
@@ -980,6 +983,7 @@ const char* cudaGetErrorString(cudaError_t e) {
     case cudaSuccess: return "no error";
     case cudaErrorMemoryAllocation: return "out of memory (emulated device)";
     case cudaErrorLaunchFailure: return "unspecified launch failure (emulator: see stderr)";
+    case cudaErrorNotSupported: return "operation not supported (emulator: EMU_FAIL_GRAPHS=1)";
     default: return "emulated CUDA error";
   }
 }
@@ -1167,6 +1171,11 @@ cudaError_t cudaStreamEndCapture(cudaStream_t s, cudaGraph_t* g) {
   return cudaSuccess;
 }
 cudaError_t cudaGraphInstantiate(cudaGraphExec_t* e, cudaGraph_t g, unsigned long long) {
+  const char* fail = std::getenv("EMU_FAIL_GRAPHS");
+  if (fail && std::string(fail) == "1") {  // tests of the fallback to eager runs
+    *e = nullptr;
+    return set_error(cudaErrorNotSupported);
+  }
   *e = reinterpret_cast<cudaGraphExec_t>(new emu::Graph(*reinterpret_cast<emu::Graph*>(g)));
   return cudaSuccess;
 }

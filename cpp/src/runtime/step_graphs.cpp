@@ -173,21 +173,26 @@ void GroupGraphs::run(const std::string& key, const All& all, const std::functio
   std::vector<void*> exec(size_t(n), nullptr);
   std::vector<std::string> why(static_cast<size_t>(n));
   const comm::CommStats before = comm0 ? comm0->stats() : comm::CommStats{};
-  round([&](int r) {
-    prep(r);
-    CUstream_st* s = streams_[size_t(r)];
-    cuda::graph_begin_capture(s);
-    try {
-      fn(r);
-    } catch (const std::exception& ex) {
-      why[size_t(r)] = ex.what();
-    } catch (...) {
-      why[size_t(r)] = "an unknown exception";
-    }
-    std::string end_why;
-    exec[size_t(r)] = cuda::graph_end_capture(s, &end_why);
-    if (why[size_t(r)].empty() && !exec[size_t(r)]) why[size_t(r)] = end_why;
-  });
+  try {
+    round([&](int r) {
+      prep(r);
+      CUstream_st* s = streams_[size_t(r)];
+      cuda::graph_begin_capture(s);
+      try {
+        fn(r);
+      } catch (const std::exception& ex) {
+        why[size_t(r)] = ex.what();
+      } catch (...) {
+        why[size_t(r)] = "an unknown exception";
+      }
+      std::string end_why;
+      exec[size_t(r)] = cuda::graph_end_capture(s, &end_why);
+      if (why[size_t(r)].empty() && !exec[size_t(r)]) why[size_t(r)] = end_why;
+    });
+  } catch (...) {  // a rank's prep failed: the others' captures are never launched
+    for (void* x : exec) cuda::graph_destroy(x);
+    throw;
+  }
   std::string failure;
   for (int r = 0; r < n && failure.empty(); ++r)
     if (!why[size_t(r)].empty()) failure = "rank " + std::to_string(r) + ": " + why[size_t(r)];
@@ -201,7 +206,10 @@ void GroupGraphs::run(const std::string& key, const All& all, const std::functio
       logged_ = true;
     }
     count(&GraphStats::eager);
-    round(fn);  // nothing of the failed captures ran: every rank runs the chunk now (prep ran)
+    // nothing of the failed captures ran: what they counted is taken back, and every rank
+    // runs the chunk now (prep ran), counting its collectives once
+    if (comm0) comm0->count_replay(comm::Communicator::diff(before, comm0->stats()));
+    round(fn);
     return;
   }
   e.exec = exec;

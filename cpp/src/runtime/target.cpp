@@ -411,8 +411,8 @@ bool Target::vocab_head_ok(int64_t k) const {
 }
 
 void Target::reserve_vocab_head(int64_t rows, int64_t k, ops::GemmNumerics g) {
-  DFLASH2_INTERNAL(vocab_head_ok(k) && rows >= 1, "a vocabulary-parallel head of k = ", k, " over ", tp_size(),
-                   " ranks");
+  DFLASH2_INTERNAL(vocab_head_ok(k) && rows >= 1 && vh_.empty(), "a vocabulary-parallel head of k = ", k, " over ",
+                   tp_size(), " ranks (reserved once: group graphs hold its buffers)");
   const int n = tp_size();
   const int64_t V = config().vocab_size, Vl = V / n, w = k > 0 ? 2 * k : 2;
   vh_.assign(size_t(n), VocabHeadBufs{});
