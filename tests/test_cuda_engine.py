@@ -357,6 +357,17 @@ def test_nvfp4_experts_prefill_on_cuda(zoo):
     _quantized_prefill_on_cuda(zoo, ("nvfp4", "experts"), mode, 897, mode)
 
 
+def _collectives_of(engines, prompts, n):
+    """The collectives each engine issues generating the same prompts greedily (n tokens):
+    give one request -- how requests join a batch depends on timing, and so do the counts."""
+    counts = []
+    for e in engines:
+        before = e.tp_collectives()
+        e.generate(prompts, max_new_tokens=n, stop_token_ids=NO_STOP)
+        counts.append({k: v - before[k] for k, v in e.tp_collectives().items()})
+    return counts
+
+
 def _tp_engine_or_skip(zoo, tp, **kw):
     try:
         return zoo.engine("tiny", "cuda", tensor_parallel=tp, **kw)
@@ -389,11 +400,7 @@ def test_tensor_parallel_on_gpus(zoo, tp):
     # the collectives a replayed graph ran are counted as if issued: the same totals as eagerly
     # (one request: how requests join a batch depends on timing, and so do the call counts)
     eager = _tp_engine_or_skip(zoo, tp, cuda_graphs=False)
-    counts = []
-    for e in (gpu, eager):
-        before = e.tp_collectives()
-        e.generate(prompts[1:], max_new_tokens=10, stop_token_ids=NO_STOP)
-        counts.append({k: v - before[k] for k, v in e.tp_collectives().items()})
+    counts = _collectives_of((gpu, eager), prompts[1:], 10)
     assert counts[0] == counts[1] and counts[0]["all_reduce_calls"] > 0, counts
 
 
@@ -436,11 +443,7 @@ def test_speculative_tensor_parallel_on_gpus(zoo, tmp_path):
     # issued: the same totals as an eager engine's on the same request
     eager = dflash2_rt.Engine(target=pair.target_dir, draft=pair.draft_dir, method="dflash2", device="cuda",
                               tensor_parallel=2, draft_gemm="exact", cuda_graphs=False, **KW)
-    counts = []
-    for e in (eng, eager):
-        before = e.tp_collectives()
-        e.generate(prompts[1:], max_new_tokens=25, stop_token_ids=NO_STOP)
-        counts.append({k: v - before[k] for k, v in e.tp_collectives().items()})
+    counts = _collectives_of((eng, eager), prompts[1:], 25)
     assert counts[0] == counts[1] and counts[0]["all_gather_calls"] > 0, counts
     # propose() reads the drafts back from rank 0's GPU: the CPU engine's proposal
     cpu = dflash2_rt.Engine(target=pair.target_dir, draft=pair.draft_dir, method="dflash2", **KW)
@@ -485,11 +488,7 @@ def test_failed_captures_fall_back_to_eager(tmp_path, monkeypatch):
         assert "cudaGraphInstantiate" in m["cuda_graphs_last_failure"], m["cuda_graphs_last_failure"]
         if tp == 2:
             eager = dflash2_rt.Engine(cuda_graphs=False, **kw)
-            counts = []
-            for e in (eng, eager):
-                before = e.tp_collectives()
-                e.generate(prompts[1:], max_new_tokens=25, stop_token_ids=NO_STOP)
-                counts.append({k: v - before[k] for k, v in e.tp_collectives().items()})
+            counts = _collectives_of((eng, eager), prompts[1:], 25)
             assert counts[0] == counts[1], counts
 
 
