@@ -211,11 +211,9 @@ void DFlashDrafter::to_device(Device dev, const Tensor& embed, const Weight& lm_
   } else {  // full copies of its own (a tied head shares the embedding's)
     const bool tied = head_is_embedding(lm_head_, embed_);
     embed_ = embed_.to(dev);
-    if (!head_here_) {
-      // the head runs elsewhere (drop_head): draft_rows, the head, then draft_select
-    } else if (tied) {
+    if (head_here_ && tied) {  // (after drop_head the head runs elsewhere: nothing to copy)
       lm_head_.data = embed_;
-    } else {
+    } else if (head_here_) {
       lm_head_ = lm_head_.to(dev);
     }
   }
@@ -324,8 +322,7 @@ void DFlashDrafter::draft_rows(const TokenBatch& batch, const std::vector<Tensor
   const int64_t B = c.block_size, T = batch.T, S = batch.S, H = c.hidden_size, G = H / c.conv_group_size;
   const int64_t R = S * (B - 1);
   DFLASH2_INTERNAL(S >= 1 && S <= max_seqs_ && T == S * B, "draft batch of ", S, " sequences / ", T, " tokens");
-  ws_->reset();
-  Bufs b = alloc_draft(*ws_, S);
+  Bufs b = draft_bufs(S);
   Tensor x = b.x.slice(0, 0, T), y = b.y.slice(0, 0, T), dyn = b.dyn.slice(0, 0, T), q = b.q.slice(0, 0, T),
          kb = b.kb.slice(0, 0, T), vb = b.vb.slice(0, 0, T), att = b.att.slice(0, 0, T), ob = b.ob.slice(0, 0, T);
   Tensor scratch = b.scratch.slice(0, 0, 2 * T * c.intermediate_size);

@@ -425,9 +425,10 @@ void Target::reserve_vocab_head(int64_t rows, int64_t k, ops::GemmNumerics g) {
     const size_t need = size_t(rows) * size_t(Vl + w + n * w + (r == 0 ? 1 : config().hidden_size)) * 4;
     size_t free_b = 0, total_b = 0;
     cuda::mem_info(d.index, &free_b, &total_b);
+    const std::string what = k > 0 ? "their top " + std::to_string(k) : std::string("their argmax pairs");
     DFLASH2_CHECK(need <= free_b, ErrorKind::OutOfMemory, "the drafter's LM head on the vocabulary shards does not fit ",
-                  d.str(), ": it needs ", need >> 20, " MiB (the shard's logits of ", rows, " rows, ",
-                  k > 0 ? "their top " + std::to_string(k) : std::string("their argmax pairs"), ", the gathered ones", r > 0 ? ", a copy of the rows" : "", ") but ", free_b >> 20, " MiB of ",
+                  d.str(), ": it needs ", need >> 20, " MiB (the shard's logits of ", rows, " rows, ", what,
+                  ", the gathered ones", r > 0 ? ", a copy of the rows" : "", ") but ", free_b >> 20, " MiB of ",
                   total_b >> 20, " are free; lower max_batch_size or max_seq_len");
 #endif
   }
