@@ -18,7 +18,10 @@ What the engine issues (cpp/src/model/glm_model.cpp), per target forward of T to
     rank's (max, id) pairs [N, R, 2] instead ("argmax gather" below). The times below
     count the logits gather (a sampled step: the worst case).
 The drafter runs on rank 0 only and reads the (already reduced) target features: no
-collective; on GPUs the other ranks copy its drafted ids peer to peer (7 I32 per sequence).
+collective. A decode step runs as one unit of every rank (one CUDA graph per rank), so rank
+0's drafted ids reach the others by a broadcast inside it ([max_batch_size + 1, 7] I32),
+and the DFlash head's input rows too ([7 B, H] F32, before the head): "draft bcast" below
+(outside such steps -- MTP, propose -- they are event-ordered peer copies instead).
 The DFlash drafter's LM head over the block runs on the target's vocabulary shards (each
 rank its V / N rows, then one all-gather of every rank's top 16 (value, id) per row):
 printed as "draft head" -- per rank, the gather, and what the full head on rank 0 alone
@@ -27,6 +30,7 @@ would take. The MTP layer (method "mtp") adds 2 all-reduces + 1 all-gather per d
 Time of one collective on N ranks (ring/NVLS bus model of nccl-tests doc/PERFORMANCE.md):
   all-reduce  t = alpha + 2 (N - 1) / N * S / B
   all-gather  t = alpha + (N - 1) / N * S / B      (S: the gathered output's bytes)
+  broadcast   t = alpha + S / B                    (nccl-tests: bus bandwidth = algorithm bandwidth)
 B is the application-level bandwidth per direction and alpha the small-message latency:
   H200 (NVLink 4): 900 GB/s is both directions at wire speed; NCCL reaches about 370 GB/s
     per direction (NCCL maintainer, github.com/NVIDIA/nccl/issues/1442); HBM3e 4.8 TB/s
@@ -72,7 +76,7 @@ def collectives(c, T, R, N):
 
 
 def coll_time_us(kind, S, N, m):
-    f = 2 * (N - 1) / N if kind == "all_reduce" else (N - 1) / N
+    f = {"all_reduce": 2 * (N - 1) / N, "all_gather": (N - 1) / N, "broadcast": 1.0}[kind]
     return m["alpha_us"] + f * S / (m["link_GBps"] * 1e3)  # GB/s = 1e3 bytes/us
 
 
@@ -138,6 +142,10 @@ def model(c, context):
                                        # the shards' top 16 (value, id) per drafted row, all-gathered
                                        draft_head_gather_us=round(coll_time_us("all_gather", N * B * 7 * 16 * 8, N, m)
                                                                   if per_seq > 1 else 0.0, 1),
+                                       # rank 0's head input rows (F32) and drafted ids, broadcast in the step
+                                       draft_bcast_us=round(coll_time_us("broadcast", B * 7 * c["hidden_size"] * 4, N, m)
+                                                            + coll_time_us("broadcast", (B + 1) * 7 * 4, N, m)
+                                                            if per_seq > 1 else 0.0, 1),
                                        per_layer_comm_us=round(2 * coll_time_us("all_reduce", ar_bytes, N, m), 2))
                 rows.append(entry)
     return rows
@@ -170,7 +178,7 @@ def expert_balance(c, trials=300, seed=0):
 def check_counts():
     """The bundled default pair at TP 2 on the CPU: collectives counted by the engine vs the
     formula (1 + 2 L all-reduces and 1 all-gather per target forward; plus 1 all-gather per
-    draft, its LM head on the vocabulary shards)."""
+    draft, its LM head on the vocabulary shards; 2 broadcasts per DFlash step run as one unit)."""
     import dflash2_rt
 
     out = {}
@@ -179,17 +187,22 @@ def check_counts():
         L = eng.config["num_hidden_layers"]
         H = eng.config["hidden_size"]
         prompt = list(range(2, 40))
-        before, head0 = eng.tp_collectives(), eng.metrics()["draft_head_gathers"]
+        m0 = eng.metrics()
+        before, head0 = eng.tp_collectives(), m0["draft_head_gathers"]
         (r,) = eng.generate([prompt], max_new_tokens=24, stop_token_ids=[])
         after = eng.tp_collectives()
         d = {k: after[k] - before[k] for k in after}
+        units = eng.metrics()["steps_as_one_unit"] - m0["steps_as_one_unit"]
         # one logits gather per target forward, one top-k gather per draft (its head on the shards)
         forwards = d["all_gather_calls"] - (eng.metrics()["draft_head_gathers"] - head0)
-        ok = d["all_reduce_calls"] == forwards * (1 + 2 * L)
+        bcasts = 2 * units if method == "dflash2" else 0
+        ok = d["all_reduce_calls"] == forwards * (1 + 2 * L) and d["broadcast_calls"] == bcasts
         steps = r.stats.get("verify_steps", len(r.token_ids))
         out[method] = dict(target_forwards=forwards, steps=steps, all_reduce_calls=d["all_reduce_calls"],
                            all_reduce_bytes=d["all_reduce_bytes"], all_gather_bytes=d["all_gather_bytes"],
-                           formula_all_reduces=forwards * (1 + 2 * L), matches=ok, hidden_size=H, layers=L)
+                           formula_all_reduces=forwards * (1 + 2 * L), steps_as_one_unit=units,
+                           broadcast_calls=d["broadcast_calls"], formula_broadcasts=bcasts, matches=ok, hidden_size=H,
+                           layers=L)
         eng.close()
     return out
 
@@ -223,6 +236,10 @@ def main():
           + ", ".join(f"{m} {d[m]['draft_head_split_us']} us per rank + {d[m]['draft_head_gather_us']} us "
                       f"top-k gather (full vocabulary on rank 0 alone: {d[m]['draft_head_rank0_us']} us)"
                       for m in MACHINES))
+    print("draft bcast (a DFlash 2 step: rank 0's head input rows and drafted ids, two broadcasts) at TP 4: "
+          + ", ".join(f"{m} " + " / ".join(f"B={e['batch']} {e[m]['draft_bcast_us']} us" for e in rows
+                                            if e["method"].startswith("dflash2") and e["tp"] == 4)
+                      for m in MACHINES))
     bal = expert_balance(c)
     print("routed experts read by the slowest rank (expert-equivalents), uniform top-8 routing:")
     print(f"{'TP':>3s} {'tokens':>6s} {'split':>7s} {'EP':>7s} {'EP/split':>8s}")
@@ -236,7 +253,9 @@ def main():
         result["cpu_engine_check"] = chk
         for m, v in chk.items():
             print(f"CPU engine TP=2 {m}: {v['target_forwards']} target forwards, {v['all_reduce_calls']} all-reduces "
-                  f"(formula {v['formula_all_reduces']}): {'match' if v['matches'] else 'MISMATCH'}")
+                  f"(formula {v['formula_all_reduces']}), {v['steps_as_one_unit']} steps as one unit, "
+                  f"{v['broadcast_calls']} broadcasts (formula {v['formula_broadcasts']}): "
+                  f"{'match' if v['matches'] else 'MISMATCH'}")
     os.makedirs(os.path.dirname(os.path.abspath(args.json)), exist_ok=True)
     with open(args.json, "w") as f:
         json.dump(result, f, indent=1)

@@ -237,6 +237,53 @@ def test_drafter_head_on_vocabulary_shards(zoo, drafters, tp):
         assert a == b, (method, tp)
 
 
+@pytest.mark.parametrize("tp", [2, 4])
+def test_tp_steps_run_as_one_unit(zoo, drafters, tp):
+    """Under tensor parallelism a decode step runs as one unit of every rank (on GPUs: every
+    rank's step one CUDA graph; here: every rank's part queued and run together on its
+    thread). Rank 0 runs the draft forward, the selector, the check and acceptance; every
+    rank its shard of the drafter's LM head and its part of the verify chunk; nothing but
+    collectives orders the ranks within the step, so rank 0's head input rows [7 A, H] and
+    its drafts [max_batch_size + 1, 7] reach the others by two broadcasts per step (AR: none).
+    Tokens equal TP 1's -- greedy, seeded sampling, padded to batch-size buckets or not --
+    and the drafter's context append ran inside every such step."""
+    H = gf.TINY_CONFIG["hidden_size"]
+    prompts = [gf.prompt(950 + i, 3 + 4 * i) for i in range(3)]
+    for method in ("dflash2", "ar"):
+        kw = dict(target=zoo.path("tiny"), draft=drafters.get(method), method=method, device="cpu", max_batch_size=4,
+                  max_seq_len=256)
+        one = dflash2_rt.Engine(**kw)
+        for pad in (False, True):
+            eng = dflash2_rt.Engine(tensor_parallel=tp, pad_to_buckets=pad, **kw)
+            assert eng.pad_to_buckets is pad
+            for sk in (dict(), dict(temperature=1.0, top_p=0.95, seed=8)):
+                want = one.generate(prompts, max_new_tokens=15, stop_token_ids=NO_STOP, **sk)
+                c0, m0 = eng.tp_collectives(), eng.metrics()
+                got = eng.generate(prompts, max_new_tokens=15, stop_token_ids=NO_STOP, **sk)
+                c1, m1 = eng.tp_collectives(), eng.metrics()
+                for i, (g, w) in enumerate(zip(got, want)):
+                    if sk:
+                        assert list(g.token_ids) == list(w.token_ids), (method, tp, pad, i)
+                    else:
+                        same_tokens(one, prompts[i], g.token_ids, w.token_ids, f"{method} TP={tp} pad={pad} {i}")
+                units = m1["steps_as_one_unit"] - m0["steps_as_one_unit"]
+                # the three requests decode together: every step of the batch is one unit
+                assert units >= max(r.stats["verify_steps"] for r in got) > 0, (method, tp, units)
+                calls = c1["broadcast_calls"] - c0["broadcast_calls"]
+                if method == "ar":
+                    assert calls == 0, (c0, c1)
+                    continue
+                assert calls == 2 * units, (units, c0, c1)
+                assert m1["drafter_appends_in_step"] - m0["drafter_appends_in_step"] == units
+                # the drafts' buffer every step, the rows of the sequences drafting (7 each)
+                drafts = units * (4 + 1) * 7 * 4
+                rows = c1["broadcast_bytes"] - c0["broadcast_bytes"] - drafts
+                assert rows > 0 and rows % (7 * H * 4) == 0, (units, c0, c1)
+                assert (m1["padding_rows"] > m0["padding_rows"]) == pad, (m0, m1)
+            eng.close()
+        one.close()
+
+
 # ---------------------------------------------------------------------------- quantized
 
 

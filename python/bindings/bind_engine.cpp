@@ -251,6 +251,8 @@ void bind_engine(py::module_& m) {
              d["all_reduce_bytes"] = t.all_reduce_bytes;
              d["all_gather_calls"] = t.all_gather_calls;
              d["all_gather_bytes"] = t.all_gather_bytes;
+             d["broadcast_calls"] = t.broadcast_calls;
+             d["broadcast_bytes"] = t.broadcast_bytes;
              return d;
            })
       .def("metrics",

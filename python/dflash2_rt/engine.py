@@ -252,7 +252,7 @@ class Engine:
         replay them, on every rank with tensor_parallel > 1 (False: every chunk eagerly, the
         same kernels); `engine.cuda_graphs` says whether it is in effect, metrics() counts
         them (under tensor parallelism once per chunk for all ranks).
-        pad_to_buckets: pad a decode step that runs as one unit (one CUDA graph) to the next
+                pad_to_buckets: pad a decode step that runs as one unit (one CUDA graph per rank) to the next
         batch-size bucket (1, 2, 4, 8, 16, 32, then multiples of 32, at most max_batch_size)
         with padding sequences whose output is dropped, so the step's graphs are one per
         bucket and draft length; None: on with CUDA graphs, off elsewhere (on the CPU it only
@@ -260,8 +260,8 @@ class Engine:
         counts the padding sequences run.
         capture_at_load: while loading, run a few decode steps of dummy requests at every
         batch-size bucket (greedy and sampled) so the step graphs exist before the first
-        request; None: on with CUDA graphs at tensor_parallel=1 (where whole steps are
-        graphs). `engine.capture_at_load` is what is in effect.
+        request; None: on with CUDA graphs where whole steps are graphs (every method at
+        tensor_parallel=1; ar, dflash, dflash2 under tensor parallelism). `engine.capture_at_load` is what is in effect.
 
         All generation runs on the engine's own scheduler thread: generate / stream / submit
         from any number of threads join one running batch (continuous batching). Close the
@@ -389,8 +389,10 @@ class Engine:
 
     def tp_collectives(self) -> dict:
         """Collectives rank 0 has issued since load (every rank issues the same):
-        {all_reduce_calls, all_reduce_bytes, all_gather_calls, all_gather_bytes}; zeros at
-        tensor_parallel = 1. bench/tp_model.py compares them with its per-step model."""
+        {all_reduce_calls, all_reduce_bytes, all_gather_calls, all_gather_bytes, broadcast_calls,
+        broadcast_bytes}; zeros at tensor_parallel = 1. Broadcasts: a decode step run as one
+        unit sends rank 0's drafted ids (and the DFlash head's input rows) to the other ranks.
+        bench/tp_model.py compares them with its per-step model."""
         return dict(self._e.tp_collectives())
 
     def logits(self, token_ids) -> np.ndarray:

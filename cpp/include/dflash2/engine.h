@@ -169,9 +169,12 @@ struct EngineMetrics {
 
 // Tensor-parallel collectives issued by rank 0 since the engine was loaded (every rank
 // issues the same ones): calls and payload bytes. All zero at tensor_parallel = 1.
+// Broadcasts: a decode step run as one unit sends rank 0's drafted ids (and the DFlash
+// head's input rows) to the other ranks inside the step (README "Tensor parallelism").
 struct TpCollectives {
   int64_t all_reduce_calls = 0, all_reduce_bytes = 0;
   int64_t all_gather_calls = 0, all_gather_bytes = 0;
+  int64_t broadcast_calls = 0, broadcast_bytes = 0;
 };
 
 class Engine;

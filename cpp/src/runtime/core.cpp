@@ -167,8 +167,8 @@ void Core::accept_rows(int64_t rows, int64_t S, const Tensor& drafts, const Tens
                        const std::function<void(const Drafter::StepAcceptance&)>& in_step, const Tensor& target_ids) {
   Tensor lg = logits.slice(0, 0, rows);
   StepRecorder& rec = target->recorder();
-  DFLASH2_INTERNAL(!target_ids.defined() || (!rec.recording() && !q.defined() && target_ids.shape(0) == rows),
-                   "acceptance from argmax ids in a recorded or sampled step");
+  DFLASH2_INTERNAL(!target_ids.defined() || (!q.defined() && target_ids.shape(0) == rows),
+                   "acceptance from argmax ids in a sampled step");
   if (!device.is_cuda()) {
     Tensor rng = s_rng.slice(0, 0, S), acc = a_accepted.slice(0, 0, S), bon = a_bonus.slice(0, 0, S);
     auto work = [lg, r0 = a_row0.slice(0, 0, S), drafts, dr = a_draft_row.slice(0, 0, S),
@@ -227,8 +227,8 @@ void Core::accept_rows(int64_t rows, int64_t S, const Tensor& drafts, const Tens
   };
   if (rec.recording()) {  // the last piece of the step: run the queue as one graph
     std::string key = "accept|";
-    for (const Tensor* t : {&lg, &r0, &dd, &drow, &dlen, &dc, &dq, &sp.temperature, &sp.top_p, &sp.top_k, &rng, &acc,
-                            &bon, &to})
+    for (const Tensor* t : std::initializer_list<const Tensor*>{&lg, &r0, &dd, &drow, &dlen, &dc, &dq, &sp.temperature,
+                                                                &sp.top_p, &sp.top_k, &rng, &acc, &bon, &to, &target_ids})
       ForwardGraphs::key_add(key, *t);
     ForwardGraphs::key_add(key, draft_rows);
     rec.add(key, work);

@@ -236,8 +236,9 @@ void Decoder::step() {
   // verify chunk, the non-finite check and acceptance are queued as they are planned and run
   // together when acceptance is reached -- one CUDA graph on a GPU, in order on the CPU (so
   // the CPU tests cover the queued path). The MTP chain's positions are queued too (each with
-  // its plan in a buffer of its own). Not with tensor parallelism, or a verify pass that
-  // might need several chunks.
+  // its plan in a buffer of its own). Under tensor parallelism every rank's part of the step
+  // is one unit of that rank (Target::flush_step; MTP's chain is not recorded there). Not a
+  // verify pass that might need several chunks.
   StepRecorder& rec = tgt.recorder();
   const bool record = tgt.can_record_steps() && (!drafter || drafter->records_steps()) &&
                       S * (c_.K + 1) <= tgt.options().max_step_tokens;
@@ -352,7 +353,7 @@ void Decoder::step() {
   // (each rank's vocabulary shard reduced to (max, id) pairs, gathered and merged on rank 0)
   // and its non-finite flag instead of the full logits: N x R x 2 floats cross the link
   // instead of R x V, and acceptance reads the ids (ops::accept_greedy).
-  bool argmax_only = !record && c_.ids.defined();
+  bool argmax_only = c_.ids.defined();
   for (int64_t k = 0; k < S && argmax_only; ++k) argmax_only = act_[size_t(k)]->p.temperature <= 0.0f;
   int64_t row0 = 0;
   for (const auto& ch : c_.chunks) {

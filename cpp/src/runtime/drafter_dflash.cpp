@@ -295,15 +295,14 @@ class DFlashRunner final : public Drafter {
     }
     model::DraftOutputs out;
     StepRecorder& rec = t_.recorder();
-    DFLASH2_INTERNAL(!split_head_ || !rec.recording(), "a recorded step with the drafter's head split across ranks");
     if (!dev_.is_cuda()) {
       out.tokens = res_.tokens.slice(0, 0, A);
       if (res_.cand.defined()) out.cand = res_.cand.slice(0, 0, A);
       if (sample) out.q = res_.q.slice(0, 0, A);
-      if (rec.recording()) {  // queued with the step (the planner's buffers hold until the flush)
-        rec.add("", [this, b, temp, rng, out]() mutable { m_->draft(b, kv_layers_, temp, rng, out); });
-      } else if (split_head_) {
+      if (split_head_) {  // queued with the step when it is recorded
         draft_split(b, temp, rng, out, "");
+      } else if (rec.recording()) {  // queued with the step (the planner's buffers hold until the flush)
+        rec.add("", [this, b, temp, rng, out]() mutable { m_->draft(b, kv_layers_, temp, rng, out); });
       } else {
         m_->draft(b, kv_layers_, temp, rng, out);
       }
@@ -322,10 +321,10 @@ class DFlashRunner final : public Drafter {
       for (const Tensor* x : {&b.tokens, &b.paged.seq, &b.paged.pos, &b.paged.block_table, &b.slots, &b.logit_rows,
                               &b.ctx_len, &temp, &rng, &out.tokens, &out.cand, &out.q})
         ForwardGraphs::key_add(key, *x);
-      if (rec.recording()) {  // queued with the step: one graph with the verify pass and acceptance
-        rec.add(key, [this, b, temp, rng, out]() mutable { m_->draft(b, kv_layers_, temp, rng, out); });
-      } else if (split_head_) {
+      if (split_head_) {  // queued with the step when it is recorded
         draft_split(b, temp, rng, out, key);
+      } else if (rec.recording()) {  // queued with the step: one graph with the verify pass and acceptance
+        rec.add(key, [this, b, temp, rng, out]() mutable { m_->draft(b, kv_layers_, temp, rng, out); });
       } else {
         graphs_->run(key, [&] { m_->draft(b, kv_layers_, temp, rng, out); });
       }
@@ -367,22 +366,26 @@ class DFlashRunner final : public Drafter {
   // candidates merged into the drafter's values and out.cand, or the argmax per position into
   // out.tokens -- then the selector's walk on rank 0. With a graph key (CUDA graphs) the two
   // parts on rank 0 run as two graphs and the head between them as a group graph of every rank
-  // (Target::vocab_head).
-  void draft_split(const model::TokenBatch& b, const Tensor& temp, const Tensor& rng, model::DraftOutputs& out,
+  // (Target::vocab_head). In a recorded step all three are queued: rank 0's pieces, and the
+  // head as an every-rank piece (its rows broadcast inside it).
+  void draft_split(const model::TokenBatch& b, const Tensor& temp, const Tensor& rng, const model::DraftOutputs& out,
                    const std::string& key) {
-    auto part = [&](const char* name, const std::function<void()>& fn) {
-      if (key.empty())
+    StepRecorder& rec = t_.recorder();
+    auto part = [&](const char* name, std::function<void()> fn) {
+      if (rec.recording())
+        rec.add(key.empty() ? std::string() : key + name, std::move(fn));
+      else if (key.empty())
         fn();
       else
         graphs_->run(key + name, fn);
     };
-    part("rows|", [&] { m_->draft_rows(b, kv_layers_); });
+    part("rows|", [this, b] { m_->draft_rows(b, kv_layers_); });
     const int64_t A = b.S, K = m_->head_topk(), R = A * (m_->block_size() - 1);
     Tensor rows = m_->head_rows(A);
     if (K > 0) {
       Tensor vals = m_->head_values(A), ids = out.cand.reshape({R, K});
       t_.vocab_head(rows, m_->gemm(), K, vals, ids);
-      part("select|", [&] { m_->draft_select(b, temp, rng, out); });
+      part("select|", [this, b, temp, rng, o = out]() mutable { m_->draft_select(b, temp, rng, o); });
     } else {
       Tensor none, ids = out.tokens.reshape({R});
       t_.vocab_head(rows, m_->gemm(), 0, none, ids);

@@ -174,7 +174,9 @@ class MtpDrafter final : public Drafter {
     for (const CommitRows& r : rows) base_len_[size_t(r.slot)] = streams_[size_t(r.slot)].length;
   }
 
-  bool records_steps() const override { return true; }
+  // not under tensor parallelism: the chain's ids and hidden states reach the other ranks by
+  // peer copies ordered by an event, outside the ranks' graphs (Target::from_rank0)
+  bool records_steps() const override { return t_.tp_size() == 1; }
   // padding rows draft nothing here (the chain writes its slot's MTP cache), so a padded
   // step's shapes would still follow the batch size: no padding
   bool pads_steps() const override { return false; }

@@ -405,7 +405,7 @@ Engine::Engine(const EngineConfig& cfg) : impl_(std::make_unique<Impl>()) {
   DFLASH2_CHECK_ARG(cfg.pad_to_buckets >= -1 && cfg.pad_to_buckets <= 1,
                     "Engine: pad_to_buckets must be -1 (auto), 0 (off) or 1 (on), found ", cfg.pad_to_buckets);
   to.pad_to_buckets = cfg.pad_to_buckets == 1 ||
-                      (cfg.pad_to_buckets == -1 && device.is_cuda() && cfg.cuda_graphs && cfg.tensor_parallel == 1);
+                      (cfg.pad_to_buckets == -1 && device.is_cuda() && cfg.cuda_graphs);
   I.core.target = std::make_unique<runtime::Target>(std::move(shards), to);
   // prompt tokens' GEMM numerics (the device is placed and checked by now)
   const std::string& pg = cfg.prefill_gemm;
@@ -482,7 +482,7 @@ Engine::Engine(const EngineConfig& cfg) : impl_(std::make_unique<Impl>()) {
   I.cfg.experts_prefill_gemm = ops::gemm_numerics_name(I.core.target->model().experts_prefill());
   I.cfg.prefill_gemm = ops::gemm_numerics_name(prefill);
   I.cfg.cuda_graphs = I.core.target->cuda_graphs();  // what is in effect (CUDA)
-  // what is in effect: only steps recorded as one unit are padded (one rank; on CUDA, with graphs)
+  // what is in effect: only steps recorded as one unit are padded (on CUDA, with graphs)
   I.cfg.pad_to_buckets = I.core.target->options().pad_to_buckets && I.core.target->can_record_steps() ? 1 : 0;
   I.config_json = ck.config().root().dump();
   check_gemm_value("draft_gemm", cfg.draft_gemm);
@@ -508,10 +508,10 @@ Engine::Engine(const EngineConfig& cfg) : impl_(std::make_unique<Impl>()) {
                     "Engine: speculation must be 'fixed' or 'adaptive', found '", cfg.speculation, "'");
   DFLASH2_CHECK_ARG(cfg.capture_at_load >= -1 && cfg.capture_at_load <= 1,
                     "Engine: capture_at_load must be -1 (auto), 0 (off) or 1 (on), found ", cfg.capture_at_load);
-  // "auto": where decode steps are recorded as one graph (one rank); under tensor parallelism
-  // the per-chunk graphs are captured as shapes recur (no padding to buckets there)
-  const bool capture = cfg.capture_at_load == 1 ||
-                       (cfg.capture_at_load == -1 && I.core.target->cuda_graphs() && I.core.target->can_record_steps());
+  // "auto": where decode steps are recorded as one graph (every rank's part one graph under
+  // tensor parallelism; not MTP's there, whose per-chunk graphs are captured as shapes recur)
+  const bool records = I.core.target->can_record_steps() && (!I.core.drafter || I.core.drafter->records_steps());
+  const bool capture = cfg.capture_at_load == 1 || (cfg.capture_at_load == -1 && I.core.target->cuda_graphs() && records);
   I.cfg.capture_at_load = capture ? 1 : 0;
   if (capture) {  // before the scheduler exists: nothing else runs the model yet
     const runtime::WarmUp w = runtime::warm_up_steps(I.core, cfg.speculation == "adaptive");
@@ -678,6 +678,8 @@ TpCollectives Engine::tp_collectives() const {
   t.all_reduce_bytes = s.all_reduce_bytes;
   t.all_gather_calls = s.all_gather_calls;
   t.all_gather_bytes = s.all_gather_bytes;
+  t.broadcast_calls = s.broadcast_calls;
+  t.broadcast_bytes = s.broadcast_bytes;
   return t;
 }
 

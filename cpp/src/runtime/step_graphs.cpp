@@ -266,7 +266,15 @@ void StepRecorder::add(const std::string& key, std::function<void()> fn) {
   DFLASH2_INTERNAL(on_, "StepRecorder::add while not recording");
   key_ += key;
   key_ += '#';
-  fns_.push_back(std::move(fn));
+  fns_.push_back({false, [f = std::move(fn)](int) { f(); }});
+}
+
+void StepRecorder::add_ranks(const std::string& key, std::function<void(int)> fn) {
+  DFLASH2_INTERNAL(on_, "StepRecorder::add_ranks while not recording");
+  key_ += "all:";
+  key_ += key;
+  key_ += '#';
+  fns_.push_back({true, std::move(fn)});
 }
 
 void StepRecorder::cancel() {
@@ -275,13 +283,18 @@ void StepRecorder::cancel() {
   on_ = false;
 }
 
-void StepRecorder::flush(ForwardGraphs* graphs, int device) {
-  DFLASH2_INTERNAL(on_, "StepRecorder::flush while not recording");
-  std::vector<std::function<void()>> fns;
+std::vector<StepRecorder::Queued> StepRecorder::take() {
+  std::vector<Queued> fns;
   fns.swap(fns_);
   on_ = false;
+  return fns;
+}
+
+void StepRecorder::flush(ForwardGraphs* graphs, int device) {
+  DFLASH2_INTERNAL(on_, "StepRecorder::flush while not recording");
+  const std::vector<Queued> fns = take();
   const auto run_all = [&] {
-    for (auto& f : fns) f();
+    for (auto& f : fns) f.fn(0);
   };
 #ifdef DFLASH2_WITH_CUDA
   if (graphs) {
@@ -295,6 +308,21 @@ void StepRecorder::flush(ForwardGraphs* graphs, int device) {
 #endif
   (void)device;
   run_all();
+  ++steps_;
+}
+
+void StepRecorder::flush_group(GroupGraphs* group, const GroupGraphs::All& all, comm::Communicator* comm0) {
+  DFLASH2_INTERNAL(on_, "StepRecorder::flush_group while not recording");
+  const std::vector<Queued> fns = take();
+  // rank r's part of the step: rank 0 runs every piece, the others the every-rank ones
+  const std::function<void(int)> rank_part = [&](int r) {
+    for (auto& f : fns)
+      if (r == 0 || f.every_rank) f.fn(r);
+  };
+  if (group)
+    group->run("step#" + key_, all, [](int) {}, rank_part, comm0);
+  else
+    all(rank_part);
   ++steps_;
 }
 

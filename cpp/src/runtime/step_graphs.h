@@ -160,7 +160,16 @@ class GroupGraphs {
 // Target::record_plan --, the acceptance rows), so what runs at flush() is what would have
 // run at add(); eager work issued while recording (the drafter's pending commits) runs
 // before the flushed pieces. Steps that would need a host wait within them (several verify
-// chunks, tensor parallelism) are never recorded: the step runs as before.
+// chunks) are never recorded: the step runs as before.
+//
+// Tensor parallelism: a piece is rank 0's (add: the drafter's forward and selector, the
+// check, acceptance, the marks) or every rank's (add_ranks: the verify chunk, the drafter's
+// LM head on the vocabulary shards). flush_group() runs on every rank at once (one thread
+// per rank) the pieces that rank takes part in, in order: with CUDA graphs as one
+// GroupGraphs entry (every rank's step one graph, NCCL collectives inside, one decision for
+// all ranks), else eagerly (the CPU). Nothing but collectives orders the ranks within the
+// step, so a rank reads what rank 0 produced in the step only through one (the drafted ids
+// and the head's input rows are broadcast inside the every-rank pieces).
 class StepRecorder {
  public:
   void begin();                          // starts recording a step
@@ -168,20 +177,33 @@ class StepRecorder {
   // Steps begun so far: who keeps per-step state (a recorded step's plan buffers) sees a
   // new step by a new value.
   int64_t begun() const { return begun_; }
-  void add(const std::string& key, std::function<void()> fn);
+  void add(const std::string& key, std::function<void()> fn);  // rank 0's piece
+  // A piece every rank runs (fn(rank)); its key is rank 0's launch shape (the other ranks'
+  // buffers are fixed at load).
+  void add_ranks(const std::string& key, std::function<void(int)> fn);
   // Runs the queued pieces (graphs: as one graph on graphs->stream() in program order with
   // the legacy stream, device `device`; null: eagerly) and stops recording. On an error the
-  // queue is dropped and recording stops, then the error propagates.
+  // queue is dropped and recording stops, then the error propagates. One rank (an every-rank
+  // piece runs as rank 0).
   void flush(ForwardGraphs* graphs, int device);
+  // The same for a tensor-parallel group: all(job) runs job(r) on every rank at once
+  // (Target::on_all_ranks); group: every rank's pieces as one GroupGraphs entry (null:
+  // eagerly); comm0: rank 0's communicator (replays count their collectives).
+  void flush_group(GroupGraphs* group, const GroupGraphs::All& all, comm::Communicator* comm0);
   void cancel();  // drops the queue and stops recording (a step that failed before its flush)
   int64_t steps() const { return steps_.load(); }  // steps flushed so far (any thread)
 
  private:
+  struct Queued {
+    bool every_rank = false;
+    std::function<void(int)> fn;
+  };
   bool on_ = false;
   int64_t begun_ = 0;
   std::string key_;
-  std::vector<std::function<void()>> fns_;
+  std::vector<Queued> fns_;
   std::atomic<int64_t> steps_{0};
+  std::vector<Queued> take();  // the queue, recording stopped
 };
 
 }  // namespace dflash2::runtime

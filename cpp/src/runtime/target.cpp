@@ -210,18 +210,20 @@ void Target::run_chunk(const std::vector<Piece>& pieces, const model::ForwardOut
     for (const Piece& p : pieces) p.stream->length += p.n;
     return;
   }
-  on_all_ranks([&](int r) {
-    if (r == 0) return models_[0]->forward(b, views_[0], out);
-    // the other ranks: the same step; only the gathered logits are needed (as scratch)
-    model::ForwardOutputs o;
-    if (out.logits.defined()) o.logits = scratch_logits_[size_t(r - 1)].slice(0, 0, out.logits.shape(0));
-    o.argmax_only = out.argmax_only;  // rank 0 merges the gathered pairs
-    o.all_logits = out.all_logits;
-    o.prompt = out.prompt;  // every rank runs the chunk's numerics
-    o.exact = out.exact;
-    models_[size_t(r)]->forward(b, views_[size_t(r)], o);
-  });
+  on_all_ranks([&](int r) { models_[size_t(r)]->forward(b, views_[size_t(r)], cpu_rank_outputs(r, out)); });
   for (const Piece& p : pieces) p.stream->length += p.n;
+}
+
+model::ForwardOutputs Target::cpu_rank_outputs(int r, const model::ForwardOutputs& out) const {
+  if (r == 0) return out;
+  // the other ranks: the same step; only the gathered logits are needed (as scratch)
+  model::ForwardOutputs o;
+  if (out.logits.defined()) o.logits = scratch_logits_[size_t(r - 1)].slice(0, 0, out.logits.shape(0));
+  o.argmax_only = out.argmax_only;  // rank 0 merges the gathered pairs
+  o.all_logits = out.all_logits;
+  o.prompt = out.prompt;  // every rank runs the chunk's numerics
+  o.exact = out.exact;
+  return o;
 }
 
 uint32_t Target::common_experts(ops::GemmNumerics g, uint32_t allowed) const {
@@ -254,6 +256,9 @@ int64_t Target::bucket(int64_t S) const {
 }
 
 void Target::flush_step() {
+  if (tp_size() > 1)  // every rank's part at once (GroupGraphs with graphs, else eagerly)
+    return rec_.flush_group(group_.get(), [this](const std::function<void(int)>& job) { on_all_ranks(job); },
+                            comms_[0].get());
 #ifdef DFLASH2_WITH_CUDA
   rec_.flush(graphs_.get(), models_[0]->device().index);
 #else
@@ -289,12 +294,13 @@ std::string mtp_key(const model::TokenBatch& db, const Tensor& hm, const Tensor&
 }
 }  // namespace
 
-model::TokenBatch Target::record_plan(const model::TokenBatch& b, PlanRole role) {
+model::TokenBatch Target::record_plan(const model::TokenBatch& b, PlanRole role, int rank) {
   const int64_t words = PlanUploader::words_of(b), bps = cache_.max_blocks_per_stream();
   const int64_t seqs = opt_.max_batch_size + 1;
   const int64_t cap = role == PlanRole::Chain ? PlanUploader::planned_words(seqs, seqs, bps)
                                               : PlanUploader::planned_words(planner_.max_tokens(), planner_.max_seqs(), bps);
   DFLASH2_INTERNAL(words <= cap, "a recorded plan of ", words, " words for a buffer of ", cap);
+  DFLASH2_INTERNAL(rank == 0 || role == PlanRole::Verify, "rank ", rank, "'s copy of a recorded MTP plan");
   if (!opt_.device.is_cuda()) {  // a copy: the planner's buffers serve the step's next chunk
     model::TokenBatch c = b;
     for (Tensor* t : {&c.tokens, &c.paged.seq, &c.paged.pos, &c.paged.block_table, &c.slots, &c.logit_rows,
@@ -312,8 +318,9 @@ model::TokenBatch Target::record_plan(const model::TokenBatch& b, PlanRole role)
     rec_plans_used_ = 0;
   }
   std::unique_ptr<PlanUploader>* slot = nullptr;
-  if (role == PlanRole::Verify) {  // one per step (a recorded step's verify pass is one chunk)
-    slot = &rec_verify_;
+  if (role == PlanRole::Verify) {  // one per step and rank (a recorded step's verify pass is one chunk)
+    if (rec_verify_.size() < size_t(tp_size())) rec_verify_.resize(size_t(tp_size()));
+    slot = &rec_verify_[size_t(rank)];
   } else if (role == PlanRole::AfterAccept) {  // one per step
     slot = &rec_after_;
   } else {  // the MTP chain's i-th position
@@ -321,11 +328,13 @@ model::TokenBatch Target::record_plan(const model::TokenBatch& b, PlanRole role)
     if (rec_plans_.size() <= i) rec_plans_.resize(i + 1);
     slot = &rec_plans_[i];
   }
-  if (!*slot) *slot = std::make_unique<PlanUploader>(models_[0]->device(), cap);
+  const Device d = models_[size_t(rank)]->device();
+  if (!*slot) *slot = std::make_unique<PlanUploader>(d, cap);
   PlanUploader* up = slot->get();
-  // on the graphs' stream, in order with the legacy stream; nothing else writes this buffer
-  // before the flush
-  cuda::OrderedStreamScope stream_scope(graphs_ ? graphs_->stream() : nullptr, models_[0]->device().index);
+  // on the rank's graphs' stream (rank 0's is graphs_'), in order with its legacy stream;
+  // nothing else writes this buffer before the flush
+  CUstream_st* s = group_ ? group_->stream(rank) : graphs_ ? graphs_->stream() : nullptr;
+  cuda::OrderedStreamScope stream_scope(s, d.index);
   return up->upload(b);
 #else
   fail(ErrorKind::Unsupported, "a CUDA plan in a build without CUDA");
@@ -333,7 +342,7 @@ model::TokenBatch Target::record_plan(const model::TokenBatch& b, PlanRole role)
 }
 
 void Target::record_chunk(const model::TokenBatch& b, const model::ForwardOutputs& out, const Tensor& token_src) {
-  DFLASH2_INTERNAL(tp_size() == 1 && !out.prompt && !out.exact, "a recorded step needs one rank and a decode chunk");
+  DFLASH2_INTERNAL(!out.prompt && !out.exact, "a recorded step needs a decode chunk");
   const Device d0 = models_[0]->device();
   DFLASH2_INTERNAL(!token_src.defined() || token_src.device() == d0, "a recorded verify chunk reads ",
                    token_src.describe(), " (the drafts must be on ", d0.str(), ")");
@@ -341,12 +350,56 @@ void Target::record_chunk(const model::TokenBatch& b, const model::ForwardOutput
                        (!out.taps.defined() || out.taps.device() == d0) &&
                        (!out.final_hidden.defined() || out.final_hidden.device() == d0),
                    "a recorded chunk writes its outputs on ", d0.str());
+  DFLASH2_INTERNAL(!out.argmax_only || (out.argmax.device() == d0 && out.argmax_flags.device() == d0),
+                   "a recorded chunk's argmax outputs on ", d0.str());
+  if (tp_size() > 1) return record_chunk_ranks(b, out, token_src);
   model::TokenBatch db = record_plan(b, PlanRole::Verify);
   const std::string key = opt_.device.is_cuda() ? forward_key(db, out, token_src) : std::string();
   // the references are filled in when the piece runs, after the draft's (on a GPU: in the graph)
   rec_.add(key, [this, db, o = out, src = token_src]() mutable {
     if (src.defined()) ops::resolve_tokens(db.tokens, src);
     models_[0]->forward(db, views_[0], o);
+  });
+}
+
+void Target::record_chunk_ranks(const model::TokenBatch& b, const model::ForwardOutputs& out,
+                                const Tensor& token_src) {
+  const int n = tp_size();
+  const bool cuda = opt_.device.is_cuda();
+  std::vector<model::TokenBatch> db(static_cast<size_t>(n));
+  std::vector<model::ForwardOutputs> o(static_cast<size_t>(n));
+  std::vector<Tensor> src(static_cast<size_t>(n));
+  if (rec_src_.empty()) rec_src_.resize(size_t(n));
+  for (int r = 0; r < n; ++r) {
+    db[size_t(r)] = record_plan(b, PlanRole::Verify, r);
+    o[size_t(r)] = cuda ? rank_outputs(r, b, out) : cpu_rank_outputs(r, out);
+    if (!token_src.defined()) continue;
+    if (r == 0) {
+      DFLASH2_INTERNAL(token_src.is_contiguous(), "a recorded verify chunk's drafts ", token_src.describe(),
+                       " must be contiguous (the other ranks receive them by broadcast)");
+      src[0] = token_src;
+      continue;
+    }
+    // the other ranks' copies: one fixed buffer each (their graphs hold its address), sized
+    // by the first source -- the drafter's output buffer, the same every step
+    Tensor& buf = rec_src_[size_t(r)];
+    if (!buf.defined()) buf = Tensor::empty(token_src.dtype(), {token_src.numel()}, models_[size_t(r)]->device());
+    DFLASH2_INTERNAL(buf.dtype() == token_src.dtype() && token_src.numel() <= buf.numel(), "rank ", r,
+                     "'s copy of the drafts ", token_src.describe(), " in ", buf.describe());
+    src[size_t(r)] = buf.slice(0, 0, token_src.numel()).reshape(token_src.shape());
+  }
+  // keyed by rank 0's launch shape: the other ranks' buffers are fixed (plans, drafts' copies,
+  // logits scratch)
+  const std::string key = cuda ? forward_key(db[0], o[0], token_src) : std::string();
+  rec_.add_ranks(key, [this, db, o, src](int r) {
+    const model::TokenBatch& d = db[size_t(r)];
+    Tensor x = src[size_t(r)];
+    if (x.defined()) {  // rank 0's drafts to every rank, then the references filled in from them
+      comms_[size_t(r)]->broadcast(x, 0);
+      Tensor tokens = d.tokens;  // (a handle: the rank's own plan buffer)
+      ops::resolve_tokens(tokens, x);
+    }
+    models_[size_t(r)]->forward(d, views_[size_t(r)], o[size_t(r)]);
   });
 }
 
@@ -439,7 +492,8 @@ void Target::reserve_vocab_head(int64_t rows, int64_t k, ops::GemmNumerics g) {
     b.packed = Tensor::empty(DType::F32, {rows * w}, d);
     b.gathered = Tensor::empty(DType::F32, {n * rows * w}, d);
     if (r == 0) b.flags = Tensor::empty(DType::I32, {rows}, d);
-    if (r > 0 && d.is_cuda()) d_vrows_[size_t(r)] = Tensor::empty(DType::F32, {rows * config().hidden_size}, d);
+    // the other ranks' copies of the rows (on the CPU too: a recorded step broadcasts them)
+    if (r > 0) d_vrows_[size_t(r)] = Tensor::empty(DType::F32, {rows * config().hidden_size}, d);
     models_[size_t(r)]->prepare_head(g);
   }
   vh_rows_ = rows;
@@ -448,31 +502,38 @@ void Target::reserve_vocab_head(int64_t rows, int64_t k, ops::GemmNumerics g) {
 
 void Target::vocab_head(const Tensor& rows, ops::GemmNumerics g, int64_t k, Tensor& vals, Tensor& ids) {
   const int n = tp_size();
-  const int64_t R = rows.shape(0), w = k > 0 ? 2 * k : 2;
+  const int64_t R = rows.shape(0);
   DFLASH2_INTERNAL(n > 1 && k == vh_k_ && R >= 1 && R <= vh_rows_ && rows.ndim() == 2 &&
                        rows.shape(1) == config().hidden_size,
                    "vocabulary-parallel head of ", rows.describe(), ", k = ", k, " (reserved: ", vh_rows_,
                    " rows, k = ", vh_k_, ")");
   const bool cuda = opt_.device.is_cuda();
+  std::string key;
+  if (group_ || rec_.recording()) {  // the launch shape (rank 0's; the other ranks' buffers are fixed)
+    key = "vocab_head|";
+    for (int64_t v : {R, k, int64_t(g)}) ForwardGraphs::key_add(key, v);
+    for (const Tensor* t : std::initializer_list<const Tensor*>{&rows, &vals, &ids}) ForwardGraphs::key_add(key, *t);
+  }
+  if (rec_.recording()) {
+    // a piece of every rank in the recorded step: rank 0's rows broadcast to the others (the
+    // collective, inside every rank's graph, orders them after rank 0's draft forward)
+    DFLASH2_INTERNAL(rows.is_contiguous() && (!cuda || rows.device() == models_[0]->device()), "the head's rows ",
+                     rows.describe(), " of a recorded step (contiguous, on rank 0's device)");
+    const int64_t H = config().hidden_size;
+    rec_.add_ranks(cuda ? key : std::string(), [this, rows, g, k, vals, ids, R, H](int r) {
+      Tensor x = r == 0 ? rows : d_vrows_[size_t(r)].slice(0, 0, R * H).reshape({R, H});
+      comms_[size_t(r)]->broadcast(x, 0);
+      vocab_head_part(r, x, g, k, vals, ids);
+    });
+    ++vocab_head_calls_;
+    return;
+  }
   if (cuda) mark_rank0_inputs();  // the rows, for the other ranks' copies
-  // rank r's part: its shard of the head over x (its copy of the rows), rank 0 merging
-  auto part = [&](int r, const Tensor& x) {
-    const Device d = models_[size_t(r)]->device();
-    VocabHeadBufs& b = vh_[size_t(r)];
-    Tensor local = b.local.slice(0, 0, R);
-    Tensor packed = Tensor::view(b.packed.data(), DType::F32, {R, w}, {}, d);
-    Tensor gathered = Tensor::view(b.gathered.data(), DType::F32, {int64_t(n), R, w}, {}, d);
-    Tensor v = r == 0 ? vals : Tensor(), i = r == 0 ? ids : Tensor();
-    Tensor f = r == 0 && k == 0 ? b.flags.slice(0, 0, R) : Tensor();
-    models_[size_t(r)]->vocab_head(x, g, k, local, packed, gathered, v, i, f);
-  };
+  auto part = [&](int r, const Tensor& x) { vocab_head_part(r, x, g, k, vals, ids); };
   if (group_) {
     // CUDA graphs: one GroupGraphs entry for every rank's part (the all-gather inside), keyed
     // by rank 0's launch shape; the other ranks' buffers are fixed (reserve_vocab_head). The
     // event wait and the peer copy of the rows stay before each rank's graph.
-    std::string key = "vocab_head|";
-    for (int64_t v : {R, k, int64_t(g)}) ForwardGraphs::key_add(key, v);
-    for (const Tensor* t : std::initializer_list<const Tensor*>{&rows, &vals, &ids}) ForwardGraphs::key_add(key, *t);
     std::vector<Tensor> x(static_cast<size_t>(n));
     group_->run(
         key, [this](const std::function<void(int)>& job) { on_all_ranks(job); },
@@ -486,6 +547,20 @@ void Target::vocab_head(const Tensor& rows, ops::GemmNumerics g, int64_t k, Tens
     });
   }
   ++vocab_head_calls_;
+}
+
+void Target::vocab_head_part(int r, const Tensor& x, ops::GemmNumerics g, int64_t k, const Tensor& vals,
+                             const Tensor& ids) {
+  const int n = tp_size();
+  const int64_t R = x.shape(0), w = k > 0 ? 2 * k : 2;
+  const Device d = models_[size_t(r)]->device();
+  VocabHeadBufs& b = vh_[size_t(r)];
+  Tensor local = b.local.slice(0, 0, R);
+  Tensor packed = Tensor::view(b.packed.data(), DType::F32, {R, w}, {}, d);
+  Tensor gathered = Tensor::view(b.gathered.data(), DType::F32, {int64_t(n), R, w}, {}, d);
+  Tensor v = r == 0 ? vals : Tensor(), i = r == 0 ? ids : Tensor();
+  Tensor f = r == 0 && k == 0 ? b.flags.slice(0, 0, R) : Tensor();
+  models_[size_t(r)]->vocab_head(x, g, k, local, packed, gathered, v, i, f);
 }
 
 void Target::mtp_chunk(const std::vector<Piece>& pieces, const Tensor& h_main, Tensor& logits, Tensor& hidden,

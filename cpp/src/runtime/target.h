@@ -83,9 +83,12 @@ class Target {
   // The whole decode step as one unit (step_graphs.h StepRecorder): while recording,
   // run_chunk queues the chunk's forward instead of running it (the drafter's draft and the
   // decode loop's acceptance join it), and flush_step() runs the queue: one CUDA graph with
-  // graphs on, else in order. Steps are recorded with one rank only, on the CPU or with
-  // CUDA graphs on.
-  bool can_record_steps() const { return tp_size() == 1 && (!opt_.device.is_cuda() || graphs_ != nullptr); }
+  // graphs on, else in order. Steps are recorded on the CPU, and on CUDA with graphs on;
+  // under tensor parallelism every rank's part of the step is one graph of that rank
+  // (StepRecorder::flush_group: one GroupGraphs entry).
+  bool can_record_steps() const {
+    return !opt_.device.is_cuda() || (tp_size() == 1 ? graphs_ != nullptr : group_ != nullptr);
+  }
   StepRecorder& recorder() { return rec_; }
   void flush_step();
   // Batch-size buckets of recorded steps (Options::pad_to_buckets): the smallest bucket
@@ -141,6 +144,9 @@ class Target {
   // CUDA the other ranks copy the rows peer to peer after an event on the calling thread's
   // stream (mark_rank0_inputs / from_rank0): no host wait. With CUDA graphs every rank's
   // part is one GroupGraphs entry (keyed by rank 0's launch shape), the copies before it.
+  // In a recorded step (recorder()) it is queued as an every-rank piece instead: rank 0
+  // broadcasts the rows (the collective orders the others after rank 0's draft forward,
+  // inside the step's graphs), then each rank runs its part.
   // vocab_head_ok(k): whether the shards allow it (each shard holds >= max(k, 3) ids, the
   // ids are exact in F32); reserve_vocab_head allocates the buffers of up to `rows` rows on
   // every rank once (before the first call), and readies the heads for numerics g.
@@ -160,6 +166,14 @@ class Target {
   void run_chunk_device(const model::TokenBatch& b, const model::ForwardOutputs& out, const Tensor& token_src);
   // Queues a planned chunk's forward in rec_ (its plan uploaded now on a GPU).
   void record_chunk(const model::TokenBatch& b, const model::ForwardOutputs& out, const Tensor& token_src);
+  // The same under tensor parallelism: every rank's forward as one every-rank piece, each
+  // rank's plan in a buffer of its own; the drafts (token_src on rank 0) broadcast to the
+  // other ranks inside the piece (into rec_src_), then each rank fills in its references.
+  void record_chunk_ranks(const model::TokenBatch& b, const model::ForwardOutputs& out, const Tensor& token_src);
+  // Rank r's outputs of a chunk on the CPU (ranks > 0: the gathered logits into scratch).
+  model::ForwardOutputs cpu_rank_outputs(int r, const model::ForwardOutputs& out) const;
+  // Rank r's part of vocab_head over x (its copy of the rows; rank 0 merges into vals / ids).
+  void vocab_head_part(int r, const Tensor& x, ops::GemmNumerics g, int64_t k, const Tensor& vals, const Tensor& ids);
   void record_mtp_chunk(const model::TokenBatch& b, const Tensor& h_main, const Tensor& logits, const Tensor& hidden,
                         const Tensor& token_src, const ChunkPrep& prep);
   // The plan of a chunk queued in the step being recorded, in a buffer of its own until the
@@ -168,8 +182,10 @@ class Target {
   // after acceptance (the MTP layer over the committed rows) each into one of the planner's
   // largest size, the MTP chain's i-th chunk into rec_plans_[i] (one token per sequence), so
   // the addresses, and the graphs keyed on them, repeat. Both check the plan fits its role.
+  // rank: whose copy (tensor parallelism: each rank's verify plan on its own device, uploaded
+  // on its group stream; on the CPU each rank's own copy).
   enum class PlanRole { Verify, Chain, AfterAccept };
-  model::TokenBatch record_plan(const model::TokenBatch& b, PlanRole role);
+  model::TokenBatch record_plan(const model::TokenBatch& b, PlanRole role, int rank = 0);
   void mtp_chunk_device(const model::TokenBatch& b, const Tensor& h_main, Tensor& logits, Tensor& hidden,
                         const Tensor& token_src);
   // The same under tensor parallelism with graphs (group_): every rank's chunk as one
@@ -244,7 +260,9 @@ class Target {
   // tensor parallelism: every rank's decode / verify / MTP chunks under one decision
   std::unique_ptr<GroupGraphs> group_;
   std::vector<std::unique_ptr<PlanUploader>> rec_plans_;  // CUDA: a recorded step's MTP chunk plans
-  std::unique_ptr<PlanUploader> rec_verify_, rec_after_;  // CUDA: a recorded step's verify / after-acceptance plans
+  std::vector<std::unique_ptr<PlanUploader>> rec_verify_;  // CUDA: a recorded step's verify plan, per rank
+  std::unique_ptr<PlanUploader> rec_after_;                // CUDA: its after-acceptance plan
+  std::vector<Tensor> rec_src_;  // ranks > 0: a recorded step's broadcast copy of the drafts (fixed)
   size_t rec_plans_used_ = 0;
   int64_t rec_step_ = -1;  // the recorder's step they were taken for
   int rank_threads_ = 0;
