@@ -58,6 +58,10 @@ GLM53 = dict(vocab_size=154880, hidden_size=6144, num_hidden_layers=78, intermed
              num_experts_per_tok=8, n_shared_experts=1, moe_intermediate_size=2048, first_k_dense_replace=3,
              full_indexer_layers=21)  # GLM-5.2/5.3 IndexShare (freq 4, offset 3): 21 of 78 layers run the indexer
 
+# incoai/GLM-5.3-DFlash2 (shared/reference/dflash2-drafter.md): 6 Qwen3 layers with dynamic convs
+DRAFT53 = dict(hidden_size=6144, intermediate_size=12288, num_layers=6, num_heads=64, num_kv_heads=8, head_dim=128,
+               n_taps=6, conv_group_size=16, sliding_window=2048, block_size=8)
+
 MACHINES = {
     "GB300": dict(link_GBps=740.0, wire_GBps=900.0, hbm_TBps=8.0, alpha_us=6.0),
     "H200": dict(link_GBps=370.0, wire_GBps=450.0, hbm_TBps=4.8, alpha_us=6.0),
@@ -101,6 +105,20 @@ def weights_bytes_per_rank(c, T, N):
     return L * per_layer_attn + c["full_indexer_layers"] * indexer * bf16 + dense + routed + shared + router + head
 
 
+def draft_bytes(d, B, context, N=1):
+    """Bytes one DFlash 2 draft step reads on one rank with the drafter split N ways (N = 1:
+    the whole drafter on rank 0, as the engine runs it): every layer's projections and
+    convs (BF16; q / k / v / o and the MLP split by heads / intermediate, the convs
+    replicated), fc over the step's appended context rows (8 per sequence), and the
+    context K / V in the sliding window (BF16 draft cache, its kv heads split)."""
+    H, I, hd = d["hidden_size"], d["intermediate_size"], d["head_dim"]
+    proj = (d["num_heads"] * hd * H * 2 + 2 * d["num_kv_heads"] * hd * H + 3 * H * I) / N
+    convs = 2 * 4 * (H // d["conv_group_size"]) * H
+    fc = H * d["n_taps"] * H
+    kv = B * min(context, d["sliding_window"]) * 2 * d["num_kv_heads"] * hd / N
+    return (d["num_layers"] * (proj + convs + kv) + fc) * 2
+
+
 def cache_bytes_per_rank(c, B, context):
     # latent [c 512 | k_pe 64] BF16 per token per layer, read for min(context, top-k) keys;
     # indexer keys (FP8, 128) read in full by every indexer layer's scoring
@@ -142,6 +160,15 @@ def model(c, context):
                                        # the shards' top 16 (value, id) per drafted row, all-gathered
                                        draft_head_gather_us=round(coll_time_us("all_gather", N * B * 7 * 16 * 8, N, m)
                                                                   if per_seq > 1 else 0.0, 1),
+                                       # the draft forward (without its LM head): on rank 0 alone as the engine
+                                       # runs it, and an estimate split over the N ranks (2 all-reduces of
+                                       # [8 B, H] BF16 per layer and one for the embedding added)
+                                       draft_rank0_us=round(draft_bytes(DRAFT53, B, context) / (m["hbm_TBps"] * 1e6), 1)
+                                       if per_seq > 1 else 0.0,
+                                       draft_split_us=round(draft_bytes(DRAFT53, B, context, N) / (m["hbm_TBps"] * 1e6)
+                                                            + (2 * DRAFT53["num_layers"] + 1)
+                                                            * coll_time_us("all_reduce", T * c["hidden_size"] * ACT_BYTES,
+                                                                           N, m), 1) if per_seq > 1 else 0.0,
                                        # rank 0's head input rows (F32) and drafted ids, broadcast in the step
                                        draft_bcast_us=round(coll_time_us("broadcast", B * 7 * c["hidden_size"] * 4, N, m)
                                                             + coll_time_us("broadcast", (B + 1) * 7 * 4, N, m)
@@ -235,6 +262,12 @@ def main():
     print("draft head (the DFlash drafter's LM head over the block, BF16, batch 1) on the vocabulary shards at TP 4: "
           + ", ".join(f"{m} {d[m]['draft_head_split_us']} us per rank + {d[m]['draft_head_gather_us']} us "
                       f"top-k gather (full vocabulary on rank 0 alone: {d[m]['draft_head_rank0_us']} us)"
+                      for m in MACHINES))
+    print("draft forward (the DFlash 2 drafter without its head, BF16) at TP 4, on rank 0 alone (as the engine runs it) "
+          "-> split over the ranks (an estimate; not implemented): "
+          + ", ".join(f"{m} " + " / ".join(f"B={e['batch']} {e[m]['draft_rank0_us']} -> {e[m]['draft_split_us']} us "
+                                            f"(step {e[m]['compute_us'] + e[m]['comm_us']:.0f} us)" for e in rows
+                                            if e["method"].startswith("dflash2") and e["tp"] == 4)
                       for m in MACHINES))
     print("draft bcast (a DFlash 2 step: rank 0's head input rows and drafted ids, two broadcasts) at TP 4: "
           + ", ".join(f"{m} " + " / ".join(f"B={e['batch']} {e[m]['draft_bcast_us']} us" for e in rows
