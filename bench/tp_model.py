@@ -17,11 +17,14 @@ What the engine issues (cpp/src/model/glm_model.cpp), per target forward of T to
     AR, B x 8 for a DFlash 2 verify); a step whose requests are all greedy gathers each
     rank's (max, id) pairs [N, R, 2] instead ("argmax gather" below). The times below
     count the logits gather (a sampled step: the worst case).
-The drafter runs on rank 0 only and reads the (already reduced) target features: no
-collective. A decode step runs as one unit of every rank (one CUDA graph per rank), so rank
-0's drafted ids reach the others by a broadcast inside it ([max_batch_size + 1, 7] I32),
-and the DFlash head's input rows too ([7 B, H] F32, before the head): "draft bcast" below
-(outside such steps -- MTP, propose -- they are event-ordered peer copies instead).
+The DFlash drafter is split across the ranks like the target (heads, MLP intermediate):
+1 + 2 x its layers all-reduces of [8 B, H] per draft, and one broadcast of rank 0's context
+features [rows, H] per append ("draft forward" below: its time split, and on rank 0 alone,
+where it stays whole when its heads do not divide). A decode step runs as one unit of every
+rank (one CUDA graph per rank), so rank 0's drafted ids reach the others by a broadcast
+inside it ([max_batch_size + 1, 7] I32) besides the append's features ([8 B, H] F32):
+"draft bcast" below (outside such steps -- MTP, propose -- the ids are event-ordered peer
+copies instead).
 The DFlash drafter's LM head over the block runs on the target's vocabulary shards (each
 rank its V / N rows, then one all-gather of every rank's top 16 (value, id) per row):
 printed as "draft head" -- per rank, the gather, and what the full head on rank 0 alone
@@ -160,17 +163,18 @@ def model(c, context):
                                        # the shards' top 16 (value, id) per drafted row, all-gathered
                                        draft_head_gather_us=round(coll_time_us("all_gather", N * B * 7 * 16 * 8, N, m)
                                                                   if per_seq > 1 else 0.0, 1),
-                                       # the draft forward (without its LM head): on rank 0 alone as the engine
-                                       # runs it, and an estimate split over the N ranks (2 all-reduces of
-                                       # [8 B, H] BF16 per layer and one for the embedding added)
+                                       # the draft forward (without its LM head): on rank 0 alone (a drafter
+                                       # that does not split), and split over the N ranks as the engine runs
+                                       # it (2 all-reduces of [8 B, H] BF16 per layer and one for the embedding)
                                        draft_rank0_us=round(draft_bytes(DRAFT53, B, context) / (m["hbm_TBps"] * 1e6), 1)
                                        if per_seq > 1 else 0.0,
                                        draft_split_us=round(draft_bytes(DRAFT53, B, context, N) / (m["hbm_TBps"] * 1e6)
                                                             + (2 * DRAFT53["num_layers"] + 1)
                                                             * coll_time_us("all_reduce", T * c["hidden_size"] * ACT_BYTES,
                                                                            N, m), 1) if per_seq > 1 else 0.0,
-                                       # rank 0's head input rows (F32) and drafted ids, broadcast in the step
-                                       draft_bcast_us=round(coll_time_us("broadcast", B * 7 * c["hidden_size"] * 4, N, m)
+                                       # rank 0's context features of the step's append (F32) and drafted ids,
+                                       # broadcast in the step
+                                       draft_bcast_us=round(coll_time_us("broadcast", B * 8 * c["hidden_size"] * 4, N, m)
                                                             + coll_time_us("broadcast", (B + 1) * 7 * 4, N, m)
                                                             if per_seq > 1 else 0.0, 1),
                                        per_layer_comm_us=round(2 * coll_time_us("all_reduce", ar_bytes, N, m), 2))
@@ -204,14 +208,18 @@ def expert_balance(c, trials=300, seed=0):
 
 def check_counts():
     """The bundled default pair at TP 2 on the CPU: collectives counted by the engine vs the
-    formula (1 + 2 L all-reduces and 1 all-gather per target forward; plus 1 all-gather per
-    draft, its LM head on the vocabulary shards; 2 broadcasts per DFlash step run as one unit)."""
+    formula (1 + 2 L all-reduces and 1 all-gather per target forward; per draft 1 all-gather,
+    its LM head on the vocabulary shards, and 1 + 2 Ld all-reduces, the drafter split across
+    the ranks; at least 2 broadcasts per DFlash step run as one unit)."""
     import dflash2_rt
+
 
     out = {}
     for method in ("ar", "dflash2"):
         eng = dflash2_rt.Engine(method=method, tensor_parallel=2, max_batch_size=1)
         L = eng.config["num_hidden_layers"]
+        with open(os.path.join(dflash2_rt.engine.default_pair()[1], "config.json")) as f:
+            Ld = json.load(f)["num_hidden_layers"] if eng.draft_ranks > 1 else 0
         H = eng.config["hidden_size"]
         prompt = list(range(2, 40))
         m0 = eng.metrics()
@@ -221,13 +229,16 @@ def check_counts():
         d = {k: after[k] - before[k] for k in after}
         units = eng.metrics()["steps_as_one_unit"] - m0["steps_as_one_unit"]
         # one logits gather per target forward, one top-k gather per draft (its head on the shards)
-        forwards = d["all_gather_calls"] - (eng.metrics()["draft_head_gathers"] - head0)
+        drafts = eng.metrics()["draft_head_gathers"] - head0
+        forwards = d["all_gather_calls"] - drafts
         bcasts = 2 * units if method == "dflash2" else 0
-        ok = d["all_reduce_calls"] == forwards * (1 + 2 * L) and d["broadcast_calls"] == bcasts
+        formula = forwards * (1 + 2 * L) + drafts * (1 + 2 * Ld)
+        ok = d["all_reduce_calls"] == formula and (d["broadcast_calls"] >= bcasts if bcasts else d["broadcast_calls"] == 0)
         steps = r.stats.get("verify_steps", len(r.token_ids))
         out[method] = dict(target_forwards=forwards, steps=steps, all_reduce_calls=d["all_reduce_calls"],
                            all_reduce_bytes=d["all_reduce_bytes"], all_gather_bytes=d["all_gather_bytes"],
-                           formula_all_reduces=forwards * (1 + 2 * L), steps_as_one_unit=units,
+                           drafts=drafts, draft_ranks=eng.draft_ranks, formula_all_reduces=formula,
+                           steps_as_one_unit=units,
                            broadcast_calls=d["broadcast_calls"], formula_broadcasts=bcasts, matches=ok, hidden_size=H,
                            layers=L)
         eng.close()
@@ -263,13 +274,13 @@ def main():
           + ", ".join(f"{m} {d[m]['draft_head_split_us']} us per rank + {d[m]['draft_head_gather_us']} us "
                       f"top-k gather (full vocabulary on rank 0 alone: {d[m]['draft_head_rank0_us']} us)"
                       for m in MACHINES))
-    print("draft forward (the DFlash 2 drafter without its head, BF16) at TP 4, on rank 0 alone (as the engine runs it) "
-          "-> split over the ranks (an estimate; not implemented): "
+    print("draft forward (the DFlash 2 drafter without its head, BF16) at TP 4, on rank 0 alone "
+          "-> split over the ranks (as the engine runs it; estimates): "
           + ", ".join(f"{m} " + " / ".join(f"B={e['batch']} {e[m]['draft_rank0_us']} -> {e[m]['draft_split_us']} us "
                                             f"(step {e[m]['compute_us'] + e[m]['comm_us']:.0f} us)" for e in rows
                                             if e["method"].startswith("dflash2") and e["tp"] == 4)
                       for m in MACHINES))
-    print("draft bcast (a DFlash 2 step: rank 0's head input rows and drafted ids, two broadcasts) at TP 4: "
+    print("draft bcast (a DFlash 2 step: rank 0's context features and drafted ids, two broadcasts) at TP 4: "
           + ", ".join(f"{m} " + " / ".join(f"B={e['batch']} {e[m]['draft_bcast_us']} us" for e in rows
                                             if e["method"].startswith("dflash2") and e["tp"] == 4)
                       for m in MACHINES))
@@ -285,9 +296,10 @@ def main():
         chk = check_counts()
         result["cpu_engine_check"] = chk
         for m, v in chk.items():
-            print(f"CPU engine TP=2 {m}: {v['target_forwards']} target forwards, {v['all_reduce_calls']} all-reduces "
-                  f"(formula {v['formula_all_reduces']}), {v['steps_as_one_unit']} steps as one unit, "
-                  f"{v['broadcast_calls']} broadcasts (formula {v['formula_broadcasts']}): "
+            print(f"CPU engine TP=2 {m}: {v['target_forwards']} target forwards, {v['drafts']} drafts (drafter on "
+                  f"{v['draft_ranks']} ranks), {v['all_reduce_calls']} all-reduces (formula {v['formula_all_reduces']}), "
+                  f"{v['steps_as_one_unit']} steps as one unit, {v['broadcast_calls']} broadcasts (at least "
+                  f"{v['formula_broadcasts']}): "
                   f"{'match' if v['matches'] else 'MISMATCH'}")
     os.makedirs(os.path.dirname(os.path.abspath(args.json)), exist_ok=True)
     with open(args.json, "w") as f:

@@ -372,11 +372,14 @@ def _collectives_of(engines, prompts, n):
 
 def _same_collectives(graphs, eager, per_unit):
     """A graphs engine's collectives (replays counted as issued) against an eager engine's on
-    the same request: the same all-reduces and all-gathers; its steps run as one unit add
-    `per_unit` broadcasts each (rank 0's drafts -- and the DFlash head's input rows -- sent
-    to the other ranks inside the step), where the eager engine copies peer to peer."""
+    the same request: the same all-reduces and all-gathers (the split drafter's among them);
+    its steps run as one unit broadcast at least `per_unit` times each (rank 0's drafts, where
+    the eager engine copies them peer to peer, and the context features of the append inside
+    the step; both engines also broadcast the features of their appends outside steps)."""
     assert graphs["units"] > 0 and eager["units"] == 0, (graphs, eager)
-    assert graphs["broadcast_calls"] == per_unit * graphs["units"] and eager["broadcast_calls"] == 0, (graphs, eager)
+    assert graphs["broadcast_calls"] >= per_unit * graphs["units"], (graphs, eager)
+    if per_unit == 0:
+        assert graphs["broadcast_calls"] == eager["broadcast_calls"] == 0, (graphs, eager)
     drop = ("units", "broadcast_calls", "broadcast_bytes")
     g = {k: v for k, v in graphs.items() if k not in drop}
     assert g == {k: v for k, v in eager.items() if k not in drop}, (graphs, eager)
@@ -425,10 +428,11 @@ def test_speculative_tensor_parallel_on_gpus(zoo, tmp_path):
     GPUs token for token; seeded MTP sampling equals the CPU's seeded MTP (the uniforms
     come from (seed, request, position) only; the logits differ by rounding, which moves a
     draw only if a uniform lands within ~1e-7 of a bucket edge); the DFlash 2 pair gives its
-    exact expected output and accepted counts. Both drafters run on rank 0's GPU (the DFlash
-    drafter with its own full embedding; its LM head runs on both ranks' vocabulary shards,
-    each rank's top k gathered and merged on rank 0), and rank 1 copies their drafts (and
-    MTP's hidden states, and the DFlash head's input rows) peer to peer."""
+    exact expected output and accepted counts. The MTP chain runs on rank 0's GPU (rank 1
+    copies its drafts and hidden states peer to peer); the DFlash drafter is split across both
+    GPUs (each rank its heads and MLP slice, reading its shard of the target's embedding, its
+    LM head on its vocabulary shard, each rank's top k gathered and merged on rank 0, the
+    selector on rank 0)."""
     ar = _tp_engine_or_skip(zoo, 2)
     mtp = zoo.engine("tiny", "cuda", method="mtp", tensor_parallel=2)
     assert mtp.draft_device == "cuda:0" and ar.draft_device is None
@@ -446,7 +450,7 @@ def test_speculative_tensor_parallel_on_gpus(zoo, tmp_path):
     pair = F.make_self_drafting_pair(tmp_path)
     eng = dflash2_rt.Engine(target=pair.target_dir, draft=pair.draft_dir, method="dflash2", device="cuda",
                             tensor_parallel=2, draft_gemm="exact", **KW)
-    assert eng.draft_device == "cuda:0"
+    assert eng.draft_device == "cuda:0" and eng.draft_ranks == 2 and mtp.draft_ranks == 1
     prompts = [[int(x)] * 3 for x in (5, 40)]
     for pr, r in zip(prompts, eng.generate(prompts, max_new_tokens=25, stop_token_ids=NO_STOP)):
         exp = pair.expected_greedy(pr, 25)

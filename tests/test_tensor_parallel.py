@@ -241,13 +241,16 @@ def test_drafter_head_on_vocabulary_shards(zoo, drafters, tp):
 def test_tp_steps_run_as_one_unit(zoo, drafters, tp):
     """Under tensor parallelism a decode step runs as one unit of every rank (on GPUs: every
     rank's step one CUDA graph; here: every rank's part queued and run together on its
-    thread). Rank 0 runs the draft forward, the selector, the check and acceptance; every
-    rank its shard of the drafter's LM head and its part of the verify chunk; nothing but
-    collectives orders the ranks within the step, so rank 0's head input rows [7 A, H] and
-    its drafts [max_batch_size + 1, 7] reach the others by two broadcasts per step (AR: none).
-    Tokens equal TP 1's -- greedy, seeded sampling, padded to batch-size buckets or not --
-    and the drafter's context append ran inside every such step."""
-    H = gf.TINY_CONFIG["hidden_size"]
+    thread), and the DFlash drafter is split across the ranks: every rank runs its share of
+    the draft forward (its heads and MLP slice; 1 + 2 x layers all-reduces), its vocabulary
+    shard of the LM head and its part of the verify chunk and of the context append; rank 0
+    the selector, the check and acceptance. Nothing but collectives orders the ranks within
+    the step, so rank 0's context features [rows, H] and drafts [max_batch_size + 1, 7] reach
+    the others by two broadcasts per step (AR: none). Tokens equal TP 1's -- greedy, seeded
+    sampling, padded to batch-size buckets or not -- and the context append ran inside every
+    such step."""
+    H, L = gf.TINY_CONFIG["hidden_size"], gf.TINY_CONFIG["num_hidden_layers"]
+    Ld = 2  # the fixture drafters' layers
     prompts = [gf.prompt(950 + i, 3 + 4 * i) for i in range(3)]
     for method in ("dflash2", "ar"):
         kw = dict(target=zoo.path("tiny"), draft=drafters.get(method), method=method, device="cpu", max_batch_size=4,
@@ -255,7 +258,7 @@ def test_tp_steps_run_as_one_unit(zoo, drafters, tp):
         one = dflash2_rt.Engine(**kw)
         for pad in (False, True):
             eng = dflash2_rt.Engine(tensor_parallel=tp, pad_to_buckets=pad, **kw)
-            assert eng.pad_to_buckets is pad
+            assert eng.pad_to_buckets is pad and eng.draft_ranks == (tp if method == "dflash2" else 0)
             for sk in (dict(), dict(temperature=1.0, top_p=0.95, seed=8)):
                 want = one.generate(prompts, max_new_tokens=15, stop_token_ids=NO_STOP, **sk)
                 c0, m0 = eng.tp_collectives(), eng.metrics()
@@ -273,18 +276,53 @@ def test_tp_steps_run_as_one_unit(zoo, drafters, tp):
                 if method == "ar":
                     assert calls == 0, (c0, c1)
                     continue
-                assert calls == 2 * units, (units, c0, c1)
+                # per step the drafts' buffer and the in-step append's features; before the first
+                # step the prompts' rows were appended eagerly (one broadcast per chunk)
+                assert 0 <= calls - 2 * units <= len(prompts), (units, c0, c1)
                 assert m1["drafter_appends_in_step"] - m0["drafter_appends_in_step"] == units
-                # the drafts' buffer every step, the rows of the sequences drafting (7 each)
                 drafts = units * (4 + 1) * 7 * 4
-                rows = c1["broadcast_bytes"] - c0["broadcast_bytes"] - drafts
-                assert rows > 0 and rows % (7 * H * 4) == 0, (units, c0, c1)
+                feats = c1["broadcast_bytes"] - c0["broadcast_bytes"] - drafts
+                assert feats > 0 and feats % (H * 4) == 0, (units, c0, c1)
+                # every target forward 1 + 2 L all-reduces, every draft 1 + 2 Ld (split drafter)
+                d = m1["draft_head_gathers"] - m0["draft_head_gathers"]
+                fwd = c1["all_gather_calls"] - c0["all_gather_calls"] - d
+                assert d >= units and c1["all_reduce_calls"] - c0["all_reduce_calls"] == fwd * (1 + 2 * L) + d * (1 + 2 * Ld)
                 assert (m1["padding_rows"] > m0["padding_rows"]) == pad, (m0, m1)
             eng.close()
         one.close()
 
 
+def test_drafter_split_or_whole(zoo, tmp_path):
+    """The DFlash drafter is split across the ranks where its heads divide (each rank's query
+    heads reading whole key / value heads: 6 heads over 2 key / value heads split 2 ways, one
+    shared key / value head per rank) and stays whole on rank 0 where they do not (6 heads
+    over 4 ranks); either way propose() gives TP 1's drafts and candidates and generation
+    TP 1's tokens (greedy and seeded sampling)."""
+    d = F.make_dflash2_drafter(zoo.path("tiny"), str(tmp_path / "d6"), heads=6, kv_heads=2)
+    kw = dict(target=zoo.path("tiny"), draft=d, method="dflash2", device="cpu", max_batch_size=4, max_seq_len=256)
+    one = dflash2_rt.Engine(**kw)
+    prompts = [gf.prompt(970 + i, 4 + 5 * i) for i in range(2)]
+    for tp, ranks in ((2, 2), (4, 1)):
+        eng = dflash2_rt.Engine(tensor_parallel=tp, **kw)
+        assert eng.draft_ranks == ranks, (tp, eng.draft_ranks)
+        ids = gf.prompt(975, 7)
+        want, got = one.propose(ids), eng.propose(ids)
+        assert list(got.tokens) == list(want.tokens), tp
+        assert np.array_equal(np.asarray(got.candidates), np.asarray(want.candidates)), tp
+        for sk in (dict(), dict(temperature=1.0, top_p=0.95, seed=6)):
+            a = one.generate(prompts, max_new_tokens=12, stop_token_ids=NO_STOP, **sk)
+            b = eng.generate(prompts, max_new_tokens=12, stop_token_ids=NO_STOP, **sk)
+            for i, (x, y) in enumerate(zip(b, a)):
+                if sk:
+                    assert list(x.token_ids) == list(y.token_ids), (tp, i)
+                else:
+                    same_tokens(one, prompts[i], x.token_ids, y.token_ids, f"heads 6 TP={tp} {i}")
+        eng.close()
+    one.close()
+
+
 # ---------------------------------------------------------------------------- quantized
+
 
 
 def test_nvfp4_experts(zoo, tmp_path):

@@ -302,6 +302,7 @@ void bind_engine(py::module_& m) {
       .def_property_readonly("prefill_gemm", [](const Engine& e) { return e.config().prefill_gemm; })
       .def_property_readonly("draft_gemm", [](const Engine& e) { return e.config().draft_gemm; })
       .def_property_readonly("draft_device", [](const Engine& e) { return e.draft_device(); })
+      .def_property_readonly("draft_ranks", [](const Engine& e) { return e.draft_ranks(); })
       .def_property_readonly("decode_gemm", [](const Engine& e) { return e.config().decode_gemm; })
       .def_property_readonly("experts_decode_gemm", [](const Engine& e) { return e.config().experts_decode_gemm; })
       .def_property_readonly("experts_prefill_gemm", [](const Engine& e) { return e.config().experts_prefill_gemm; })

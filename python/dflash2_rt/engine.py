@@ -372,9 +372,16 @@ class Engine:
     @property
     def draft_device(self):
         """Where the drafter runs: "cpu", or "cuda:N" (the target's GPU; rank 0's under
-        tensor parallelism, where the DFlash drafter keeps its own full embedding and LM head);
-        None for method "ar"."""
+        tensor parallelism -- the whole drafter there, or rank 0's share when it is split,
+        see draft_ranks); None for method "ar"."""
         return self._e.draft_device or None
+
+    @property
+    def draft_ranks(self) -> int:
+        """The ranks the drafter runs on: tensor_parallel when the DFlash drafter is split
+        across them (each rank its share of heads and MLP intermediate), else 1 (whole, on
+        rank 0); 0 for method "ar"."""
+        return self._e.draft_ranks
 
     @property
     def experts_prefill_gemm(self) -> str:

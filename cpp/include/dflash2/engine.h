@@ -247,6 +247,10 @@ class Engine {
   // Where the drafter (DFlash, or MTP's chain) runs: "cpu", or "cuda:N" (the target's GPU,
   // rank 0's with tensor parallelism); "" for method ar.
   std::string draft_device() const;
+  // The ranks the drafter runs on: tensor_parallel when the DFlash drafter is split across
+  // them (each rank its share of heads and MLP), else 1; 0 for method ar.
+  int draft_ranks() const;
+
 
   struct Impl;
 

@@ -24,9 +24,28 @@ struct DFlashDrafter::Layer {
 
 DFlashDrafter::~DFlashDrafter() = default;
 
+bool DFlashDrafter::split_ok(const DraftConfig& c, int64_t n, std::string* why) {
+  auto no = [&](const std::string& w) {
+    if (why) *why = w;
+    return false;
+  };
+  if (n <= 1) return true;
+  const int64_t nh = c.num_heads, kvh = c.num_kv_heads, ns = n;
+  if (nh % ns) return no("num_attention_heads = " + std::to_string(nh) + " is not divisible by " + std::to_string(ns));
+  if (c.intermediate_size % ns)
+    return no("intermediate_size = " + std::to_string(c.intermediate_size) + " is not divisible by " + std::to_string(ns));
+  if (kvh < 1 || nh % kvh) return no("num_key_value_heads = " + std::to_string(kvh) + " does not divide the heads");
+  // each rank's query heads read whole key / value heads: kvh / n of them, or (n > kvh) one
+  // shared head, when a rank's heads all fall in one head's group
+  if (kvh % ns && (nh / kvh) % (nh / ns))
+    return no("the " + std::to_string(nh / ns) + " query heads of a rank would span key / value heads (" +
+              std::to_string(kvh) + " of them)");
+  return true;
+}
+
 std::unique_ptr<DFlashDrafter> DFlashDrafter::load(const Checkpoint& ck, const GlmConfig& tgt, const Tensor& embed,
                                                    const ops::Weight& lm_head, int64_t max_context_tokens,
-                                                   int64_t max_seqs) {
+                                                   int64_t max_seqs, int64_t tp_rank, int64_t tp_size) {
   DFLASH2_CHECK(ck.has_config(), ErrorKind::Config, "drafter checkpoint ", ck.path(), ": config.json is missing");
   std::unique_ptr<DFlashDrafter> d(new DFlashDrafter());
   d->cfg_ = DraftConfig::from_config(ck.config(), tgt);
@@ -36,6 +55,20 @@ std::unique_ptr<DFlashDrafter> DFlashDrafter::load(const Checkpoint& ck, const G
   d->embed_ = embed;
   d->lm_head_ = lm_head;
   const int64_t H = c.hidden_size, hd = c.head_dim, nh = c.num_heads, kvh = c.num_kv_heads, I = c.intermediate_size;
+  DFLASH2_INTERNAL(tp_size >= 1 && tp_rank >= 0 && tp_rank < tp_size, "drafter rank ", tp_rank, " of ", tp_size);
+  std::string why;
+  DFLASH2_CHECK(split_ok(c, tp_size, &why), ErrorKind::Config, "drafter checkpoint ", k.path(), " cannot be split across ",
+                tp_size, " ranks: ", why);
+  // this rank's share (tensor parallelism; everything at one rank)
+  const int64_t n = tp_size, r = tp_rank, nhl = nh / n, h0 = r * nhl, group = nh / kvh;
+  const int64_t kvhl = kvh % n == 0 ? kvh / n : 1, kv0 = kvh % n == 0 ? r * kvhl : h0 / group, Il = I / n;
+  d->rank_ = r;
+  d->size_ = n;
+  d->nh_ = nhl;
+  d->kvh_ = kvhl;
+  d->inter_ = Il;
+  auto rows_of = [&](const Weight& w, int64_t b, int64_t e) { return w.data.defined() && n > 1 ? w.rows(b, e) : w; };
+  auto cols_of = [&](const Weight& w, int64_t b, int64_t e) { return w.data.defined() && n > 1 ? w.cols(b, e) : w; };
   std::vector<std::string> missing;
   auto lin = [&](const std::string& p, int64_t o, int64_t i) {
     if (!k.has(p + ".weight")) {
@@ -54,24 +87,26 @@ std::unique_ptr<DFlashDrafter> DFlashDrafter::load(const Checkpoint& ck, const G
                   "drafter checkpoint ", k.path(), ": tensor '", n, "' should hold ", len, " floats, found ", t.describe());
     return t;
   };
-  d->fc_ = lin("fc", H, int64_t(c.target_layer_ids.size()) * H);
-  d->hidden_norm_ = vec("hidden_norm.weight", H);
+  if (r == 0) {  // the context features are rank 0's (append_context broadcasts them)
+    d->fc_ = lin("fc", H, int64_t(c.target_layer_ids.size()) * H);
+    d->hidden_norm_ = vec("hidden_norm.weight", H);
+  }
   d->norm_ = vec("norm.weight", H);
   const int64_t G = H / c.conv_group_size;
   for (int64_t l = 0; l < c.num_layers; ++l) {
     auto L = std::make_unique<Layer>();
     const std::string p = "layers." + std::to_string(l);
-    L->q = lin(p + ".self_attn.q_proj", nh * hd, H);
-    L->k = lin(p + ".self_attn.k_proj", kvh * hd, H);
-    L->v = lin(p + ".self_attn.v_proj", kvh * hd, H);
-    L->o = lin(p + ".self_attn.o_proj", H, nh * hd);
+    L->q = rows_of(lin(p + ".self_attn.q_proj", nh * hd, H), h0 * hd, (h0 + nhl) * hd);
+    L->k = rows_of(lin(p + ".self_attn.k_proj", kvh * hd, H), kv0 * hd, (kv0 + kvhl) * hd);
+    L->v = rows_of(lin(p + ".self_attn.v_proj", kvh * hd, H), kv0 * hd, (kv0 + kvhl) * hd);
+    L->o = cols_of(lin(p + ".self_attn.o_proj", H, nh * hd), h0 * hd, (h0 + nhl) * hd);
     L->q_norm = vec(p + ".self_attn.q_norm.weight", hd);
     L->k_norm = vec(p + ".self_attn.k_norm.weight", hd);
     L->in_norm = vec(p + ".input_layernorm.weight", H);
     L->post_norm = vec(p + ".post_attention_layernorm.weight", H);
-    L->gate = lin(p + ".mlp.gate_proj", I, H);
-    L->up = lin(p + ".mlp.up_proj", I, H);
-    L->down = lin(p + ".mlp.down_proj", H, I);
+    L->gate = rows_of(lin(p + ".mlp.gate_proj", I, H), r * Il, (r + 1) * Il);
+    L->up = rows_of(lin(p + ".mlp.up_proj", I, H), r * Il, (r + 1) * Il);
+    L->down = cols_of(lin(p + ".mlp.down_proj", H, I), r * Il, (r + 1) * Il);
     if (c.v2) {
       for (const char* which : {"attention_conv", "mlp_conv"}) {
         Tensor b = vec(p + "." + which + ".base_kernel", 4 * H);
@@ -92,7 +127,7 @@ std::unique_ptr<DFlashDrafter> DFlashDrafter::load(const Checkpoint& ck, const G
     }
     d->layers_.push_back(std::move(L));
   }
-  if (c.v2) {
+  if (c.v2 && r == 0) {  // the selector walks on rank 0
     d->sel_proj_ = lin("candidate_selector.hidden_projection", c.selector_rank, H);
     for (const char* n : {"candidate_selector.predecessor_codebook", "candidate_selector.successor_codebook"}) {
       if (!k.has(n)) {
@@ -176,6 +211,7 @@ bool head_is_embedding(const Weight& head, const Tensor& embed) {
 }  // namespace
 
 size_t DFlashDrafter::vocab_bytes() const {
+  if (size_ > 1) return 0;  // split: the target's own vocabulary shards
   size_t n = embed_.defined() ? embed_.nbytes() : 0;
   if (!head_is_embedding(lm_head_, embed_)) n += lm_head_.data.defined() ? lm_head_.bytes() : 0;
   return n;
@@ -196,11 +232,19 @@ void DFlashDrafter::drop_head() {
 
 void DFlashDrafter::to_device(Device dev, const Tensor& embed, const Weight& lm_head) {
   DFLASH2_CHECK_ARG(device_.is_cpu(), "DFlashDrafter::to_device: already on ", device_.str());
-  DFLASH2_CHECK_ARG(head_here_ || !embed.defined(), "DFlashDrafter::to_device: without its LM head (drop_head) the "
+  if (size_ > 1) {  // split: this rank's vocabulary shard of the target's embedding, already there
+    DFLASH2_CHECK_ARG(!head_here_ && embed.defined() && !lm_head.data.defined() && embed.device() == dev &&
+                          embed.shape() == embed_.shape(),
+                      "DFlashDrafter::to_device: a split drafter reads the target's embedding shard on ", dev.str(),
+                      " and has no LM head (drop_head)");
+  }
+  DFLASH2_CHECK_ARG(size_ > 1 || head_here_ || !embed.defined(), "DFlashDrafter::to_device: without its LM head (drop_head) the "
                     "drafter copies its own embedding");
-  DFLASH2_CHECK_ARG(embed.defined() == lm_head.data.defined(), "DFlashDrafter::to_device: give both the embedding "
-                    "and the LM head on ", dev.str(), ", or neither (the drafter copies its own)");
-  if (embed.defined()) {
+  DFLASH2_CHECK_ARG(size_ > 1 || embed.defined() == lm_head.data.defined(), "DFlashDrafter::to_device: give both "
+                    "the embedding and the LM head on ", dev.str(), ", or neither (the drafter copies its own)");
+  if (size_ > 1) {
+    embed_ = embed;
+  } else if (embed.defined()) {
     DFLASH2_CHECK_ARG(embed.device() == dev && lm_head.data.device() == dev, "DFlashDrafter::to_device: the embedding (",
                       embed.describe(), ") and the LM head must already be on ", dev.str());
     DFLASH2_CHECK_ARG(embed.shape() == embed_.shape() && lm_head.out_features == lm_head_.out_features &&
@@ -246,15 +290,15 @@ DFlashDrafter::Bufs DFlashDrafter::alloc_append(Arena& a, int64_t n) const {
   Bufs b;
   b.f = a.alloc(DType::F32, {n, c.hidden_size});
   b.ctx = a.alloc(DType::F32, {n, c.hidden_size});
-  b.kk = a.alloc(DType::F32, {n, c.num_kv_heads, c.head_dim});
-  b.vv = a.alloc(DType::F32, {n, c.num_kv_heads * c.head_dim});
+  b.kk = a.alloc(DType::F32, {n, kvh_, c.head_dim});
+  b.vv = a.alloc(DType::F32, {n, kvh_ * c.head_dim});
   return b;
 }
 
 DFlashDrafter::Bufs DFlashDrafter::alloc_draft(Arena& a, int64_t S) const {
   const DraftConfig& c = cfg_;
   const int64_t B = c.block_size, T = S * B, H = c.hidden_size, R = S * (B - 1);
-  const int64_t G = H / c.conv_group_size, nh = c.num_heads, kvh = c.num_kv_heads, hd = c.head_dim;
+  const int64_t G = H / c.conv_group_size, nh = nh_, kvh = kvh_, hd = c.head_dim;
   Bufs b;
   b.x = a.alloc(DType::F32, {T, H});
   b.y = a.alloc(DType::F32, {T, H});
@@ -264,7 +308,7 @@ DFlashDrafter::Bufs DFlashDrafter::alloc_draft(Arena& a, int64_t S) const {
   b.vb = a.alloc(DType::F32, {T, kvh, hd});
   b.att = a.alloc(DType::F32, {T, nh, hd});
   b.ob = a.alloc(DType::F32, {T, H});
-  b.scratch = a.alloc(DType::F32, {2 * T * c.intermediate_size});
+  b.scratch = a.alloc(DType::F32, {2 * T * inter_});
   b.hrows = a.alloc(DType::F32, {R, H});
   b.vals = a.alloc(DType::F32, {R, c.v2 ? c.selector_top_k : 1});
   b.g = a.alloc(DType::F32, {R, c.v2 ? c.selector_rank : 1});
@@ -278,8 +322,14 @@ void DFlashDrafter::append_context(const TokenBatch& batch, const Tensor& taps, 
   DFLASH2_INTERNAL(n >= 1 && n <= max_ctx_, "append_context of ", n, " tokens (max ", max_ctx_, ")");
   ws_->reset();
   Bufs b = alloc_append(*ws_, n);
-  ops::linear_as(gemm_, taps, fc_, b.f);
-  ops::rms_norm(b.f, hidden_norm_, c.rms_norm_eps, b.ctx);
+  if (rank_ == 0) {
+    ops::linear_as(gemm_, taps, fc_, b.f);
+    ops::rms_norm(b.f, hidden_norm_, c.rms_norm_eps, b.ctx);
+  }
+  if (size_ > 1) {  // rank 0's features to every rank (each writes its key / value heads)
+    DFLASH2_INTERNAL(comm_ != nullptr, "a split drafter without its communicator");
+    comm_->broadcast(b.ctx, 0);
+  }
   for (int64_t l = 0; l < c.num_layers; ++l) {
     const Layer& L = *layers_[size_t(l)];
     Tensor k2 = b.kk.reshape({n, kvd});
@@ -325,15 +375,20 @@ void DFlashDrafter::draft_rows(const TokenBatch& batch, const std::vector<Tensor
   Bufs b = draft_bufs(S);
   Tensor x = b.x.slice(0, 0, T), y = b.y.slice(0, 0, T), dyn = b.dyn.slice(0, 0, T), q = b.q.slice(0, 0, T),
          kb = b.kb.slice(0, 0, T), vb = b.vb.slice(0, 0, T), att = b.att.slice(0, 0, T), ob = b.ob.slice(0, 0, T);
-  Tensor scratch = b.scratch.slice(0, 0, 2 * T * c.intermediate_size);
-  ops::embedding(embed_, batch.tokens, x);
+  Tensor scratch = b.scratch.slice(0, 0, 2 * T * inter_);
+  if (size_ > 1) {  // this rank's vocabulary shard: its rows, zeros elsewhere; summed over the ranks
+    ops::embedding_shard(embed_, batch.tokens, rank_ * embed_.shape(0), x);
+    all_reduce(x);
+  } else {
+    ops::embedding(embed_, batch.tokens, x);
+  }
   ops::BlockAttention ba;
   ba.block = B;
   ba.causal = c.causal;
   ba.scale = 1.0f / std::sqrt(float(c.head_dim));
   ba.cache_block_size = batch.paged.block_size;
   ba.tensor_cores = gemm_ != ops::GemmNumerics::Exact;  // draft_gemm: the drafter takes the tensor cores
-  const int64_t nh = c.num_heads, kvh = c.num_kv_heads, hd = c.head_dim;
+  const int64_t nh = nh_, kvh = kvh_, hd = c.head_dim;
   for (int64_t l = 0; l < c.num_layers; ++l) {
     const Layer& L = *layers_[size_t(l)];
     // attention sublayer
@@ -353,6 +408,7 @@ void DFlashDrafter::draft_rows(const TokenBatch& batch, const std::vector<Tensor
     ba.window = c.window[size_t(l)];
     ops::block_attention(q, kb, vb, kv_layers[size_t(l)], batch.ctx_len, batch.paged.block_table, ba, att);
     ops::linear_as(gemm_, att.reshape({T, nh * hd}), L.o, ob);
+    all_reduce(ob);  // split: the ranks' heads
     if (c.v2) ops::dyn_conv(ob, L.att_base.select(0, 1), dyn.slice(1, 2 * G, 4 * G), B, ob);
     ops::add(x, ob, x);
     // MLP sublayer
@@ -362,6 +418,7 @@ void DFlashDrafter::draft_rows(const TokenBatch& batch, const std::vector<Tensor
       ops::dyn_conv(y, L.mlp_base.select(0, 0), dyn.slice(1, 0, 2 * G), B, y);
     }
     ops::gated_mlp(y, L.gate, L.up, L.down, ob, scratch, gemm_);
+    all_reduce(ob);  // split: the ranks' intermediate slices
     if (c.v2) ops::dyn_conv(ob, L.mlp_base.select(0, 1), dyn.slice(1, 2 * G, 4 * G), B, ob);
     ops::add(x, ob, x);
   }
@@ -369,10 +426,16 @@ void DFlashDrafter::draft_rows(const TokenBatch& batch, const std::vector<Tensor
   // the head's rows: block positions 1..B-1 (position i predicts the token at start + i)
   Tensor hrows = b.hrows.slice(0, 0, R);
   ops::gather_rows(y, logit_rows_.slice(0, 0, R), hrows);
-  if (head_topk() > 0) {  // the selector's low-rank factors of the same rows
+  if (head_topk() > 0 && rank_ == 0) {  // the selector's low-rank factors of the same rows (it walks on rank 0)
     Tensor g = b.g.slice(0, 0, R);
     ops::linear_as(gemm_, hrows, sel_proj_, g);
   }
+}
+
+void DFlashDrafter::all_reduce(Tensor& x) const {
+  if (size_ == 1) return;
+  DFLASH2_INTERNAL(comm_ != nullptr, "a split drafter without its communicator");
+  comm_->all_reduce_sum(x);
 }
 
 void DFlashDrafter::draft_head(int64_t S, DraftOutputs& out) {
@@ -394,6 +457,7 @@ void DFlashDrafter::draft_select(const TokenBatch& batch, const Tensor& temperat
                                  DraftOutputs& out) {
   const int64_t K = head_topk();
   if (K == 0) return;  // the argmax per position is the draft
+  DFLASH2_INTERNAL(rank_ == 0, "the selector walks on rank 0, not ", rank_);
   const int64_t S = batch.S, B = cfg_.block_size, R = S * (B - 1), Rk = cfg_.selector_rank;
   Bufs b = draft_bufs(S);
   Tensor vals = b.vals.slice(0, 0, R), g = b.g.slice(0, 0, R);

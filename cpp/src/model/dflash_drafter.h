@@ -10,6 +10,7 @@
 #include <string>
 #include <vector>
 
+#include "comm/communicator.h"
 #include "dflash2/arena.h"
 #include "dflash2/ops.h"
 #include "dflash2/safetensors.h"
@@ -28,13 +29,30 @@ struct DraftOutputs {
 class DFlashDrafter {
  public:
   // max_context_tokens: the largest append_context chunk; max_seqs: the largest draft batch.
+  // Tensor parallelism (tp_size > 1: the drafter split across the target's ranks, rank
+  // tp_rank of them; split_ok says when it can be): this rank holds query heads [r nh/N,
+  // (r+1) nh/N) -- their q_proj rows and o_proj columns --, the key / value heads they read
+  // (k / v rows: kvh/N of them, or the one shared head when N > kvh), a 1/N slice of the MLP
+  // intermediate (gate / up rows, down columns); norms and convs are replicated; fc and
+  // hidden_norm (the context features) and the selector live on rank 0 only. `embed` is
+  // then this rank's vocabulary shard of the target's embedding (the block's embedding is a
+  // sum of shards), and there is no LM head (drop_head: it runs on the target's shards).
+  // set_comm gives the group's communicator: the forward all-reduces after o_proj and after
+  // the MLP, like the target's.
   static std::unique_ptr<DFlashDrafter> load(const Checkpoint& ck, const GlmConfig& target, const Tensor& embed,
                                              const ops::Weight& lm_head, int64_t max_context_tokens,
-                                             int64_t max_seqs);
+                                             int64_t max_seqs, int64_t tp_rank = 0, int64_t tp_size = 1);
+  // Whether the drafter of config c splits across n ranks (its query heads, MLP intermediate
+  // and the key / value heads' groups divide evenly); else why not.
+  static bool split_ok(const DraftConfig& c, int64_t n, std::string* why);
+  void set_comm(comm::Communicator* c) { comm_ = c; }
+  int64_t tp_rank() const { return rank_; }
+  int64_t tp_size() const { return size_; }
   ~DFlashDrafter();
   const DraftConfig& config() const { return cfg_; }
   int64_t block_size() const { return cfg_.block_size; }
-  int64_t kv_dim() const { return cfg_.num_kv_heads * cfg_.head_dim; }  // K (and V) floats per token per layer
+  // K (and V) floats per token per layer in this rank's draft cache (its key / value heads)
+  int64_t kv_dim() const { return kvh_ * cfg_.head_dim; }
   // Copies the drafter's weights, constant buffers and workspace to `dev` (once, at load);
   // embed / lm_head: the target's copies of them on that device (shared, not copied), or
   // undefined (embed, lm_head.data) to copy the full ones given to load() -- a target split
@@ -72,6 +90,8 @@ class DFlashDrafter {
   // Context features of newly committed tokens: taps F32 [T, n_taps * H] (the target's
   // hidden states after target_layer_ids, in that order) -> fc -> hidden_norm -> per layer
   // K (k_norm, NeoX RoPE at batch.paged.pos) and V, written to kv_layers[l] at batch.slots.
+  // Split (tp_size > 1): rank 0 computes the normed features from its taps (the others'
+  // taps are not read) and broadcasts them; every rank writes its key / value heads.
   void append_context(const TokenBatch& batch, const Tensor& taps, const std::vector<Tensor>& kv_layers);
   // Drafts one block per sequence: batch.tokens = [anchor, MASK...] per sequence (T = S*B),
   // positions ctx_len[s] + j, context in kv_layers (paged by batch.paged.block_table).
@@ -104,6 +124,8 @@ class DFlashDrafter {
   Bufs draft_bufs(int64_t seqs);  // draft_rows' tensors again (after it ran)
   std::vector<ops::Weight*> own_weights();  // the drafter's projections (defined or not)
   std::vector<const ops::Weight*> own_weights() const;
+  void all_reduce(Tensor& x) const;  // split: the ranks' partial sums
+
 
   DraftConfig cfg_;
   std::shared_ptr<Checkpoint> ckpt_;
@@ -121,6 +143,9 @@ class DFlashDrafter {
   bool head_here_ = true;  // false after drop_head
   ops::GemmNumerics gemm_ = ops::GemmNumerics::Exact;
   Device device_ = Device::cpu();
+  // tensor parallelism: this rank, its query / key-value heads and MLP intermediate
+  int64_t rank_ = 0, size_ = 1, nh_ = 0, kvh_ = 0, inter_ = 0;
+  comm::Communicator* comm_ = nullptr;
 };
 
 }  // namespace dflash2::model

@@ -75,6 +75,8 @@ class Drafter {
   virtual bool wants_final_hidden() const { return false; }
   // Where the drafter runs and wants its features (Features::taps / final) to be.
   virtual Device device() const { return Device::cpu(); }
+  // The tensor-parallel ranks it runs on (a drafter split across them), else 1.
+  virtual int tp_ranks() const { return 1; }
   // CUDA graphs of its own forward (the device DFlash drafter), for Engine::metrics().
   virtual GraphStats graph_stats() const { return {}; }
   // The DFlash drafters' model (its GEMM numerics: Engine draft_gemm); none for MTP.

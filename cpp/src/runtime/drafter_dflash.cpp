@@ -40,7 +40,13 @@ namespace {
 
 class DFlashRunner final : public Drafter {
  public:
-  DFlashRunner(std::unique_ptr<model::DFlashDrafter> m, Target& t) : m_(std::move(m)), t_(t) {
+  // ms: the drafter whole (one model: on rank 0 under tensor parallelism), or split across the
+  // target's ranks (one model per rank, DFlashDrafter::load's tp_rank / tp_size).
+  DFlashRunner(std::vector<std::unique_ptr<model::DFlashDrafter>> ms, Target& t) : m_(std::move(ms[0])), t_(t) {
+    for (size_t r = 1; r < ms.size(); ++r) others_.push_back(std::move(ms[r]));
+    split_ = !others_.empty();
+    DFLASH2_INTERNAL(!split_ || int(ms.size()) == t.tp_size(), "a drafter split ", ms.size(), " ways over ",
+                     t.tp_size(), " ranks");
     const auto& o = t.options();
     const auto& c = m_->config();
     const int64_t B = c.block_size, maxB = o.max_batch_size + 1, H = c.hidden_size;  // + propose's slot
@@ -53,7 +59,11 @@ class DFlashRunner final : public Drafter {
     // fewer ids per shard than the selector's candidates -- the full head stays.)
     const int64_t hk = m_->head_topk();
     split_head_ = t.tp_size() > 1 && t.vocab_head_ok(hk);
-    if (split_head_) m_->drop_head();
+    DFLASH2_INTERNAL(!split_ || split_head_, "a split drafter whose head the vocabulary shards cannot take");
+    for (int r = 0; r < ranks(); ++r) {
+      if (split_head_) rank_model(r).drop_head();
+      if (split_) rank_model(r).set_comm(t.comm(r));
+    }
     // A CUDA target: the drafter runs on its (rank 0's) GPU too (weights, draft cache,
     // features, workspace). Without tensor parallelism it shares the target's embedding and
     // LM head; with it (the target holds vocabulary shards) it keeps a full copy of the
@@ -62,14 +72,24 @@ class DFlashRunner final : public Drafter {
     // the host: the block's ids go up with its plan, the sampling rows and the appends'
     // gather indices through pinned staging, and the outputs stay on the device (the verify
     // pass reads them there; fetch_host copies them).
+    // Split across the ranks (split_), each rank's part runs on its GPU beside its target
+    // shard, reading that shard's embedding (no copy), its draft cache holding its key /
+    // value heads; rank 0 keeps the context features, the selector and the outputs.
     if (o.device.is_cuda()) {
       dev_ = t.model().device();
       const bool share = t.tp_size() == 1;
-      check_memory((per_seq * maxB + (B + bs - 1) / bs) * bs, maxB, nt * H, plan_tokens_of(o, maxB, B), !share);
-      if (share)
+      const int64_t cache_rows = (per_seq * maxB + (B + bs - 1) / bs) * bs;
+      for (int r = 0; r < ranks(); ++r)  // every rank checked before anything is allocated
+        check_memory(rank_model(r), device_of(r), cache_rows, maxB, nt * H, plan_tokens_of(o, maxB, B),
+                     !share && !split_, r == 0);
+      if (split_) {
+        for (int r = 0; r < ranks(); ++r)
+          rank_model(r).to_device(device_of(r), t.rank_model(r).forward_embed(), ops::Weight());
+      } else if (share) {
         m_->to_device(dev_, t.model().forward_embed(), t.model().forward_lm_head());
-      else
+      } else {
         m_->to_device(dev_, Tensor(), ops::Weight());
+      }
     }
     if (split_head_) t.reserve_vocab_head(maxB * (B - 1), hk, m_->gemm());
     per_seq_ = per_seq;
@@ -84,9 +104,14 @@ class DFlashRunner final : public Drafter {
     // of the same step is still to run)
     step_planner_ = StepPlanner(o.max_step_tokens, std::max(maxB, o.max_step_tokens), per_seq);
     if (dev_.is_cuda()) {
-      step_up_ = std::make_unique<PlanUploader>(
-          dev_, PlanUploader::planned_words(o.max_step_tokens, std::max(maxB, o.max_step_tokens), per_seq));
-      up_ = std::make_unique<PlanUploader>(dev_, PlanUploader::planned_words(plan_tokens, maxB, per_seq));
+      const int64_t step_words = PlanUploader::planned_words(o.max_step_tokens, std::max(maxB, o.max_step_tokens), per_seq);
+      const int64_t draft_words = PlanUploader::planned_words(plan_tokens, maxB, per_seq);
+      step_up_ = std::make_unique<PlanUploader>(dev_, step_words);
+      up_ = std::make_unique<PlanUploader>(dev_, draft_words);
+      for (int r = 1; r < ranks(); ++r) {  // the other ranks' copies of the plans (split)
+        rank_step_up_.push_back(std::make_unique<PlanUploader>(device_of(r), step_words));
+        rank_up_.push_back(std::make_unique<PlanUploader>(device_of(r), draft_words));
+      }
       idx_up_ = StagedUpload(dev_, o.max_step_tokens);
       rows_up_ = StagedUpload(dev_, 5 * maxB);  // rng I64 [maxB, 2], then temperature F32 [maxB]
     }
@@ -121,11 +146,13 @@ class DFlashRunner final : public Drafter {
   }
   int64_t draft_len() const override { return m_->block_size() - 1; }
   Device device() const override { return dev_; }
+  int tp_ranks() const override { return ranks(); }
   GraphStats graph_stats() const override { return graphs_ ? graphs_->stats() : GraphStats{}; }
   model::DFlashDrafter* dflash_model() override { return m_.get(); }
-  int64_t cache_bytes() const override {
+  int64_t cache_bytes() const override {  // (split: every rank's share)
     int64_t n = 0;
-    for (const Tensor& t : kv_layers_) n += int64_t(t.nbytes());
+    for (const auto& layers : kv_ranks_)
+      for (const Tensor& t : layers) n += int64_t(t.nbytes());
     return n;
   }
   bool reserve(int slot, int64_t tokens) override { return cache_.try_pin(streams_[size_t(slot)], tokens); }
@@ -185,6 +212,7 @@ class DFlashRunner final : public Drafter {
       if (r.slot >= 0) in_step_[size_t(r.slot)] = 1;
     const Tensor taps = f.taps.slice(0, 0, T);
     std::string key;
+    const model::TokenBatch hb = b;  // the host plan (a split drafter's other ranks take copies)
     if (dev_.is_cuda()) {
 #ifdef DFLASH2_WITH_CUDA
       cuda::OrderedStreamScope stream_scope(graphs_ ? graphs_->stream() : nullptr, dev_.index);
@@ -195,7 +223,16 @@ class DFlashRunner final : public Drafter {
       for (const Tensor* x : std::initializer_list<const Tensor*>{&b.tokens, &b.paged.seq, &b.paged.pos, &b.paged.block_table, &b.slots, &taps})
         ForwardGraphs::key_add(key, *x);
     }
-    rec.add(key, [this, b, taps]() mutable { m_->append_context(b, taps, kv_layers_); });
+    if (split_) {  // every rank's key / value heads (rank 0's features broadcast inside)
+      std::vector<model::TokenBatch> bs(size_t(ranks()), b);
+      for (int r = 1; r < ranks() && dev_.is_cuda(); ++r)
+        bs[size_t(r)] = rank_plan(*rank_step_up_[size_t(r - 1)], r, hb, graphs_ != nullptr);
+      rec.add_ranks(key, [this, bs, taps](int r) {
+        rank_model(r).append_context(bs[size_t(r)], taps, kv_ranks_[size_t(r)]);
+      });
+    } else {
+      rec.add(key, [this, b, taps]() mutable { m_->append_context(b, taps, kv_layers_); });
+    }
     ++appends_in_step_;
     return true;
   }
@@ -221,8 +258,15 @@ class DFlashRunner final : public Drafter {
       Tensor taps;
       gather_rows_of_pieces(ch, first_row_, src, idx_, host_idx_, taps_, taps, &idx_up_);
       model::TokenBatch b = planner_.plan(ch, cache_);
-      if (up_) b = up_->upload(b);
-      m_->append_context(b, taps, kv_layers_);
+      if (split_) {  // on every rank at once (eagerly, on their current streams)
+        std::vector<model::TokenBatch> bs(size_t(ranks()), b);
+        if (up_) bs[0] = up_->upload(b);
+        for (int r = 1; r < ranks() && dev_.is_cuda(); ++r) bs[size_t(r)] = rank_plan(*rank_up_[size_t(r - 1)], r, b, false);
+        t_.run_on_ranks([&](int r) { rank_model(r).append_context(bs[size_t(r)], taps, kv_ranks_[size_t(r)]); });
+      } else {
+        if (up_) b = up_->upload(b);
+        m_->append_context(b, taps, kv_layers_);
+      }
       for (const Piece& p : ch) p.stream->length += p.n;
     }
   }
@@ -274,13 +318,16 @@ class DFlashRunner final : public Drafter {
     cuda::OrderedStreamScope stream_scope(graphs_ ? graphs_->stream() : nullptr, dev_.index);
 #endif
     model::TokenBatch b = planner_.plan_blocks(streams, B, cache_);
+    model::TokenBatch hb;  // the host plan (a split drafter's other ranks upload it too)
     if (up_) {  // the block's ids travel in the plan's one asynchronous copy
       b.tokens = Tensor::view(host_ids_.data(), DType::I32, {A * B});
+      hb = b;
       b = up_->upload(b);
     } else {
       Tensor ids = ids_.slice(0, 0, A * B);
       ids.copy_from(Tensor::view(host_ids_.data(), DType::I32, {A * B}));
       b.tokens = ids;
+      hb = b;
     }
     Tensor temp = temp_.slice(0, 0, A), rng = rng_.slice(0, 0, A);
     if (rows_up_.defined()) {  // one asynchronous copy of both
@@ -299,7 +346,9 @@ class DFlashRunner final : public Drafter {
       out.tokens = res_.tokens.slice(0, 0, A);
       if (res_.cand.defined()) out.cand = res_.cand.slice(0, 0, A);
       if (sample) out.q = res_.q.slice(0, 0, A);
-      if (split_head_) {  // queued with the step when it is recorded
+      if (split_) {  // every rank's part (queued with the step when it is recorded)
+        draft_ranks(hb, b, temp, rng, out, "");
+      } else if (split_head_) {  // queued with the step when it is recorded
         draft_split(b, temp, rng, out, "");
       } else if (rec.recording()) {  // queued with the step (the planner's buffers hold until the flush)
         rec.add("", [this, b, temp, rng, out]() mutable { m_->draft(b, kv_layers_, temp, rng, out); });
@@ -321,13 +370,17 @@ class DFlashRunner final : public Drafter {
       for (const Tensor* x : {&b.tokens, &b.paged.seq, &b.paged.pos, &b.paged.block_table, &b.slots, &b.logit_rows,
                               &b.ctx_len, &temp, &rng, &out.tokens, &out.cand, &out.q})
         ForwardGraphs::key_add(key, *x);
-      if (split_head_) {  // queued with the step when it is recorded
+      if (split_) {  // every rank's part (queued with the step when it is recorded)
+        draft_ranks(hb, b, temp, rng, out, key);
+      } else if (split_head_) {  // queued with the step when it is recorded
         draft_split(b, temp, rng, out, key);
       } else if (rec.recording()) {  // queued with the step: one graph with the verify pass and acceptance
         rec.add(key, [this, b, temp, rng, out]() mutable { m_->draft(b, kv_layers_, temp, rng, out); });
       } else {
         graphs_->run(key, [&] { m_->draft(b, kv_layers_, temp, rng, out); });
       }
+    } else if (split_) {
+      draft_ranks(hb, b, temp, rng, out, "");
     } else if (split_head_) {
       draft_split(b, temp, rng, out, "");
     } else {
@@ -391,6 +444,58 @@ class DFlashRunner final : public Drafter {
       t_.vocab_head(rows, m_->gemm(), 0, none, ids);
     }
   }
+  // A draft with the drafter split across the ranks (split_): every rank runs the block
+  // through its share of the layers (the all-reduces inside) and its vocabulary shard of the
+  // head over its own copy of the rows (the top k -- or argmax pair -- gathered and merged
+  // on rank 0); then rank 0's selector walks. Recorded: an every-rank piece and a rank-0
+  // piece of the step; with CUDA graphs otherwise: a group graph and a graph on rank 0;
+  // else eagerly. hb: the host plan, b: rank 0's (uploaded).
+  void draft_ranks(const model::TokenBatch& hb, const model::TokenBatch& b, const Tensor& temp, const Tensor& rng,
+                   const model::DraftOutputs& out, const std::string& key) {
+    StepRecorder& rec = t_.recorder();
+    std::vector<model::TokenBatch> bs(size_t(ranks()), b);
+    for (int r = 1; r < ranks() && dev_.is_cuda(); ++r)
+      bs[size_t(r)] = rank_plan(*rank_up_[size_t(r - 1)], r, hb, graphs_ != nullptr);
+    const int64_t A = b.S, K = m_->head_topk(), R = A * (m_->block_size() - 1);
+    const Tensor vals = K > 0 ? m_->head_values(A) : Tensor();
+    const Tensor ids = K > 0 ? out.cand.reshape({R, K}) : out.tokens.reshape({R});
+    const ops::GemmNumerics g = m_->gemm();
+    const std::function<void(int)> part = [this, bs, A, K, vals, ids, g](int r) {
+      model::DFlashDrafter& m = rank_model(r);
+      m.draft_rows(bs[size_t(r)], kv_ranks_[size_t(r)]);
+      t_.vocab_head_part(r, m.head_rows(A), g, K, vals, ids);
+    };
+    const std::function<void()> select = [this, b, temp, rng, o = out]() mutable {
+      m_->draft_select(b, temp, rng, o);
+    };
+    if (rec.recording()) {
+      rec.add_ranks(key.empty() ? std::string() : key + "split|", part);
+      if (K > 0) rec.add(key.empty() ? std::string() : key + "select|", select);
+    } else if (graphs_) {
+      t_.group_graphs()->run(
+          key + "split|", [this](const std::function<void(int)>& job) { t_.run_on_ranks(job); }, [](int) {}, part,
+          t_.comm(0));
+      if (K > 0) graphs_->run(key + "select|", select);
+    } else {
+      t_.run_on_ranks(part);
+      if (K > 0) select();
+    }
+    t_.count_vocab_head();
+  }
+  int ranks() const { return 1 + int(others_.size()); }
+  model::DFlashDrafter& rank_model(int r) { return r == 0 ? *m_ : *others_[size_t(r - 1)]; }
+  Device device_of(int r) { return t_.rank_model(r).device(); }
+  // Rank r's copy of a host plan (CUDA, split): uploaded on the stream its work runs on --
+  // its group graphs' (on_group: recorded steps and graphs), else its current one.
+  model::TokenBatch rank_plan(PlanUploader& up, int r, const model::TokenBatch& hb, bool on_group) {
+#ifdef DFLASH2_WITH_CUDA
+    GroupGraphs* g = on_group ? t_.group_graphs() : nullptr;
+    cuda::OrderedStreamScope scope(g ? g->stream(r) : nullptr, device_of(r).index);
+#else
+    (void)r, (void)on_group;
+#endif
+    return up.upload(hb);
+  }
   static int64_t plan_tokens_of(const Target::Options& o, int64_t maxB, int64_t B) {
     return std::max(o.max_step_tokens, maxB * B);
   }
@@ -398,36 +503,48 @@ class DFlashRunner final : public Drafter {
   // now): its weights + workspace, draft KV cache, pending features and step buffers against
   // the free memory, an OutOfMemoryError with the breakdown otherwise.
   // own_vocab: the full embedding and LM head are copied too (tensor parallelism).
-  void check_memory(int64_t cache_rows, int64_t maxB, int64_t feat, int64_t plan_tokens, bool own_vocab) const {
+  // m / dev: a rank's share of a split drafter, with_bufs: the features and step buffers
+  // (rank 0's).
+  void check_memory(const model::DFlashDrafter& m, Device dev, int64_t cache_rows, int64_t maxB, int64_t feat,
+                    int64_t plan_tokens, bool own_vocab, bool with_bufs) const {
 #ifdef DFLASH2_WITH_CUDA
-    const auto& c = m_->config();
-    const size_t weights = m_->device_bytes() + (own_vocab ? m_->vocab_bytes() : 0);
-    const size_t cache = size_t(cache_rows) * size_t(c.num_layers) * size_t(2 * m_->kv_dim()) * dtype_size(cache_dtype());
-    const size_t bufs = size_t(maxB) * size_t(kPending) * size_t(feat) * 4 +
-                        size_t(t_.options().max_step_tokens) * size_t(feat) * 4 + size_t(plan_tokens) * 64 +
-                        (size_t(16) << 20);
+    const auto& c = m.config();
+    const size_t weights = m.device_bytes() + (own_vocab ? m.vocab_bytes() : 0);
+    const size_t cache = size_t(cache_rows) * size_t(c.num_layers) * size_t(2 * m.kv_dim()) * dtype_size(cache_dtype());
+    const size_t bufs = (with_bufs ? size_t(maxB) * size_t(kPending) * size_t(feat) * 4 +
+                                         size_t(t_.options().max_step_tokens) * size_t(feat) * 4
+                                   : 0) +
+                        size_t(plan_tokens) * 64 + (size_t(16) << 20);
     const size_t need = weights + cache + bufs;
     size_t free_b = 0, total_b = 0;
-    cuda::mem_info(dev_.index, &free_b, &total_b);
+    cuda::mem_info(dev.index, &free_b, &total_b);
     auto gib = [](size_t b) {
       char buf[32];
       std::snprintf(buf, sizeof buf, "%.2f GiB", double(b) / double(size_t(1) << 30));
       return std::string(buf);
     };
-    DFLASH2_CHECK(need <= free_b, ErrorKind::OutOfMemory, "the drafter does not fit ", dev_.str(), " beside the target: ",
+    DFLASH2_CHECK(need <= free_b, ErrorKind::OutOfMemory, "the drafter",
+                  m.tp_size() > 1 ? " (rank " + std::to_string(m.tp_rank()) + "'s share)" : std::string(), " does not fit ", dev.str(),
+                  " beside the target: ",
                   "it needs ", gib(need), " (weights + workspace ", gib(weights),
                   own_vocab ? (split_head_ ? " including its own copy of the full embedding, "
                                            : " including its own copy of the full embedding and LM head, ")
                             : "",
-                  own_vocab ? gib(m_->vocab_bytes()) : "", ", draft KV cache ", gib(cache),
+                  own_vocab ? gib(m.vocab_bytes()) : "", ", draft KV cache ", gib(cache),
                   ", features and step buffers ", gib(bufs), ") but ", gib(free_b), " of ", gib(total_b),
                   " are free; lower max_batch_size or max_seq_len");
 #else
-    (void)cache_rows, (void)maxB, (void)feat, (void)plan_tokens, (void)own_vocab;
+    (void)m, (void)dev, (void)cache_rows, (void)maxB, (void)feat, (void)plan_tokens, (void)own_vocab, (void)with_bufs;
 #endif
   }
 
-  std::unique_ptr<model::DFlashDrafter> m_;
+  std::unique_ptr<model::DFlashDrafter> m_;  // rank 0's (the whole drafter unless split_)
+  // split_: the drafter split across the target's ranks (tensor parallelism): rank r's share
+  // others_[r - 1], its draft cache kv_ranks_[r], its plans' device copies rank_*up_[r - 1]
+  bool split_ = false;
+  std::vector<std::unique_ptr<model::DFlashDrafter>> others_;
+  std::vector<std::vector<Tensor>> kv_ranks_;
+  std::vector<std::unique_ptr<PlanUploader>> rank_up_, rank_step_up_;
   bool split_head_ = false;  // tensor parallelism: the head on the target's vocabulary shards
   std::unique_ptr<ForwardGraphs> graphs_;  // CUDA graphs of draft()
   Target& t_;
@@ -444,10 +561,14 @@ class DFlashRunner final : public Drafter {
     const auto& c = m_->config();
     const int64_t B = c.block_size, bs = t_.options().kv_block_size, maxB = t_.options().max_batch_size + 1;
     KvCache::Plane plane{c.num_layers, 2 * m_->kv_dim(), dt};
-    cache_ = KvCache("draft KV cache", {plane}, bs, per_seq_ * maxB + (B + bs - 1) / bs, dev_);
+    // split: one replica per rank (its key / value heads), one set of block tables
+    cache_ = KvCache("draft KV cache", {plane}, bs, per_seq_ * maxB + (B + bs - 1) / bs, dev_, ranks());
     cache_.set_max_blocks_per_stream(per_seq_);
     DFLASH2_INTERNAL(cache_.try_pin(pad_stream_, B), "the draft cache's padding stream");
-    for (int64_t l = 0; l < c.num_layers; ++l) kv_layers_.push_back(cache_.layer(0, l));
+    kv_ranks_.assign(size_t(ranks()), {});
+    for (int r = 0; r < ranks(); ++r)
+      for (int64_t l = 0; l < c.num_layers; ++l) kv_ranks_[size_t(r)].push_back(cache_.layer(0, l, r));
+    kv_layers_ = kv_ranks_[0];
   }
   std::vector<CacheStream> streams_;
   StepPlanner planner_;
@@ -487,20 +608,43 @@ class DFlashRunner final : public Drafter {
 std::unique_ptr<Drafter> make_dflash_drafter(const Checkpoint& ck, Target& target, Method method,
                                              const DraftGemmPicker& pick) {
   const auto& o = target.options();
-  auto m = model::DFlashDrafter::load(ck, target.config(), target.model().embed_tokens(), target.model().lm_head(),
-                                      o.max_step_tokens, o.max_batch_size + 1);
+  const int n = target.tp_size();
+  std::vector<std::unique_ptr<model::DFlashDrafter>> ms;
+  // Tensor parallelism: the drafter split across the ranks where it can be -- its heads and
+  // MLP intermediate divide, its head runs on the vocabulary shards, no quantization block
+  // is cut (a ConfigError from slicing) --, else whole on rank 0.
+  if (n > 1) {
+    const model::DraftConfig dc = model::DraftConfig::from_config(ck.config(), target.config());
+    const int64_t k = dc.v2 && method == Method::DFlash2 ? dc.selector_top_k : 0;
+    if (model::DFlashDrafter::split_ok(dc, n, nullptr) && target.vocab_head_ok(k)) {
+      try {
+        for (int r = 0; r < n; ++r)
+          ms.push_back(model::DFlashDrafter::load(ck, target.config(), target.rank_model(r).forward_embed(),
+                                                  ops::Weight(), o.max_step_tokens, o.max_batch_size + 1, r, n));
+      } catch (const Error& e) {
+        if (e.kind() != ErrorKind::Config) throw;
+        ms.clear();
+      }
+    }
+  }
+  if (ms.empty())
+    ms.push_back(model::DFlashDrafter::load(ck, target.config(), target.model().embed_tokens(),
+                                            target.model().lm_head(), o.max_step_tokens, o.max_batch_size + 1));
+  model::DFlashDrafter& m = *ms[0];
   // the GEMM numerics first: they decide the draft cache's dtype (the runner allocates it);
-  // the drafter runs on the target's (rank 0's) GPU, or on the host with a CPU target
+  // the drafter runs on the target's (rank 0's) GPU -- split, each rank's share on its GPU,
+  // with rank 0's choice -- or on the host with a CPU target
   if (pick) {
     const Device dev = o.device.is_cuda() ? target.model().device() : Device::cpu();
-    m->set_gemm(pick(*m, dev));
+    const ops::GemmNumerics g = pick(m, dev);
+    for (auto& x : ms) x->set_gemm(g);
   }
   // dflash2 needs a DFlash 2 checkpoint; dflash runs DFlash 1 checkpoints, and DFlash 2
   // ones with their convs but the selector off (argmax per position: an ablation).
-  DFLASH2_CHECK(m->config().v2 || method == Method::DFlash, ErrorKind::Config, "method 'dflash2' but the drafter ",
+  DFLASH2_CHECK(m.config().v2 || method == Method::DFlash, ErrorKind::Config, "method 'dflash2' but the drafter ",
                 ck.path(), " is a DFlashDraftModel (no convs, no candidate selector): use method='dflash'");
-  m->set_use_selector(method == Method::DFlash2);
-  return std::make_unique<DFlashRunner>(std::move(m), target);
+  for (auto& x : ms) x->set_use_selector(method == Method::DFlash2);
+  return std::make_unique<DFlashRunner>(std::move(ms), target);
 }
 
 }  // namespace dflash2::runtime

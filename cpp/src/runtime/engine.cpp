@@ -540,6 +540,7 @@ std::string Engine::model_config_json() const { return impl_->config_json; }
 std::string Engine::draft_device() const {
   return impl_->core.drafter ? impl_->core.drafter->device().str() : std::string();
 }
+int Engine::draft_ranks() const { return impl_->core.drafter ? impl_->core.drafter->tp_ranks() : 0; }
 int64_t Engine::block_size() const { return impl_->core.K + 1; }
 const std::string& Engine::method() const { return impl_->method_str; }
 

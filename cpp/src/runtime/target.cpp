@@ -554,6 +554,10 @@ void Target::vocab_head_part(int r, const Tensor& x, ops::GemmNumerics g, int64_
   const int n = tp_size();
   const int64_t R = x.shape(0), w = k > 0 ? 2 * k : 2;
   const Device d = models_[size_t(r)]->device();
+  DFLASH2_INTERNAL(n > 1 && k == vh_k_ && R >= 1 && R <= vh_rows_ && x.ndim() == 2 && x.shape(1) == config().hidden_size &&
+                       x.device() == d,
+                   "rank ", r, "'s vocabulary-parallel head of ", x.describe(), ", k = ", k, " (reserved: ", vh_rows_,
+                   " rows, k = ", vh_k_, ")");
   VocabHeadBufs& b = vh_[size_t(r)];
   Tensor local = b.local.slice(0, 0, R);
   Tensor packed = Tensor::view(b.packed.data(), DType::F32, {R, w}, {}, d);

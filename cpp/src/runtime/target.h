@@ -48,6 +48,15 @@ class Target {
 
   model::GlmModel& model() { return *models_[0]; }
   int tp_size() const { return int(models_.size()); }
+  // Tensor parallelism: rank r's model shard and communicator (null at one rank); the group
+  // graphs of every rank (CUDA graphs under tensor parallelism, else null); run_on_ranks(job)
+  // runs job(r) on every rank at once, each on its own thread (rank 0 on the caller's), and
+  // rethrows the first failure after all have returned -- what a split drafter runs its
+  // every-rank work with.
+  model::GlmModel& rank_model(int r) { return *models_[size_t(r)]; }
+  comm::Communicator* comm(int r) { return comms_.empty() ? nullptr : comms_[size_t(r)].get(); }
+  GroupGraphs* group_graphs() { return group_.get(); }
+  void run_on_ranks(const std::function<void(int)>& job) { on_all_ranks(job); }
   // rank 0's collective counters (call with the model idle: rank 0 runs on the caller's thread)
   comm::CommStats comm_stats() const { return comms_.empty() ? comm::CommStats{} : comms_[0]->stats(); }
   const model::GlmConfig& config() const { return models_[0]->config(); }
@@ -155,6 +164,11 @@ class Target {
   void vocab_head(const Tensor& rows, ops::GemmNumerics g, int64_t k, Tensor& vals, Tensor& ids);
   // vocab_head calls so far (any thread reads)
   int64_t vocab_head_calls() const { return vocab_head_calls_.load(); }
+  // Rank r's part of vocab_head over its own copy of the rows x (a drafter split across the
+  // ranks has them on every rank: nothing to copy from rank 0), rank 0 merging into vals /
+  // ids; run it on every rank at once (it all-gathers), then count_vocab_head() once.
+  void vocab_head_part(int r, const Tensor& x, ops::GemmNumerics g, int64_t k, const Tensor& vals, const Tensor& ids);
+  void count_vocab_head() { ++vocab_head_calls_; }
 
  private:
   // Runs job(rank) on every rank at once (rank 0 on the calling thread); rethrows the first
@@ -172,8 +186,6 @@ class Target {
   void record_chunk_ranks(const model::TokenBatch& b, const model::ForwardOutputs& out, const Tensor& token_src);
   // Rank r's outputs of a chunk on the CPU (ranks > 0: the gathered logits into scratch).
   model::ForwardOutputs cpu_rank_outputs(int r, const model::ForwardOutputs& out) const;
-  // Rank r's part of vocab_head over x (its copy of the rows; rank 0 merges into vals / ids).
-  void vocab_head_part(int r, const Tensor& x, ops::GemmNumerics g, int64_t k, const Tensor& vals, const Tensor& ids);
   void record_mtp_chunk(const model::TokenBatch& b, const Tensor& h_main, const Tensor& logits, const Tensor& hidden,
                         const Tensor& token_src, const ChunkPrep& prep);
   // The plan of a chunk queued in the step being recorded, in a buffer of its own until the
