@@ -151,6 +151,7 @@ std::unique_ptr<DFlashDrafter> DFlashDrafter::load(const Checkpoint& ck, const G
          c.v2 ? " (a DFlash2DraftModel needs its convs and candidate selector)" : "");
   }
   d->use_selector_ = c.v2;
+  d->head_here_ = lm_head.data.defined();  // split: none (the workspace then holds no block logits)
   d->max_ctx_ = max_context_tokens;
   d->max_seqs_ = max_seqs;
   Arena plan = Arena::planner();

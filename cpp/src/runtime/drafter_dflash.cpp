@@ -91,7 +91,7 @@ class DFlashRunner final : public Drafter {
         m_->to_device(dev_, Tensor(), ops::Weight());
       }
     }
-    if (split_head_) t.reserve_vocab_head(maxB * (B - 1), hk, m_->gemm());
+    if (split_head_) t.reserve_vocab_head(maxB * (B - 1), hk, m_->gemm(), /*rows_copies=*/!split_);
     per_seq_ = per_seq;
     make_cache(cache_dtype());
     in_step_.assign(size_t(maxB), 0);

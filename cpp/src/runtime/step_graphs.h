@@ -162,9 +162,10 @@ class GroupGraphs {
 // before the flushed pieces. Steps that would need a host wait within them (several verify
 // chunks) are never recorded: the step runs as before.
 //
-// Tensor parallelism: a piece is rank 0's (add: the drafter's forward and selector, the
-// check, acceptance, the marks) or every rank's (add_ranks: the verify chunk, the drafter's
-// LM head on the vocabulary shards). flush_group() runs on every rank at once (one thread
+// Tensor parallelism: a piece is rank 0's (add: the selector, the check, acceptance, the
+// marks; a whole drafter's forward and context append) or every rank's (add_ranks: the
+// verify chunk, the drafter's LM head on the vocabulary shards; a split drafter's forward
+// and context append). flush_group() runs on every rank at once (one thread
 // per rank) the pieces that rank takes part in, in order: with CUDA graphs as one
 // GroupGraphs entry (every rank's step one graph, NCCL collectives inside, one decision for
 // all ranks), else eagerly (the CPU). Nothing but collectives orders the ranks within the

@@ -188,7 +188,16 @@ void Target::on_all_ranks(const std::function<void(int)>& job) {
     }
   }
   if (any) {
-    comms_[0]->reset();  // every rank has left the step: the group is usable again
+    // Every rank's communicator is aborted, not only the failed one's: a rank whose collective
+    // the failed rank never joined is released (on a GPU its NCCL kernels would otherwise wait
+    // forever). Every rank has left the step: the CPU group is usable again after reset(); an
+    // aborted NCCL group is not (its later collectives fail saying so), and that refusal must
+    // not hide the cause.
+    for (auto& c : comms_) c->abort();
+    try {
+      comms_[0]->reset();
+    } catch (const Error&) {
+    }
     std::rethrow_exception(cause ? cause : any);
   }
 }
@@ -463,7 +472,7 @@ bool Target::vocab_head_ok(int64_t k) const {
   return n > 1 && V % n == 0 && V / n >= std::max<int64_t>(k, 3) && V <= (int64_t(1) << 24);
 }
 
-void Target::reserve_vocab_head(int64_t rows, int64_t k, ops::GemmNumerics g) {
+void Target::reserve_vocab_head(int64_t rows, int64_t k, ops::GemmNumerics g, bool rows_copies) {
   DFLASH2_INTERNAL(vocab_head_ok(k) && rows >= 1 && vh_.empty(), "a vocabulary-parallel head of k = ", k, " over ",
                    tp_size(), " ranks (reserved once: group graphs hold its buffers)");
   const int n = tp_size();
@@ -475,13 +484,14 @@ void Target::reserve_vocab_head(int64_t rows, int64_t k, ops::GemmNumerics g) {
     const Device d = models_[size_t(r)]->device();
     if (!d.is_cuda()) continue;
 #ifdef DFLASH2_WITH_CUDA
-    const size_t need = size_t(rows) * size_t(Vl + w + n * w + (r == 0 ? 1 : config().hidden_size)) * 4;
+    const size_t need = size_t(rows) * size_t(Vl + w + n * w + (r == 0 ? 1 : rows_copies ? config().hidden_size : 0)) * 4;
     size_t free_b = 0, total_b = 0;
     cuda::mem_info(d.index, &free_b, &total_b);
     const std::string what = k > 0 ? "their top " + std::to_string(k) : std::string("their argmax pairs");
     DFLASH2_CHECK(need <= free_b, ErrorKind::OutOfMemory, "the drafter's LM head on the vocabulary shards does not fit ",
                   d.str(), ": it needs ", need >> 20, " MiB (the shard's logits of ", rows, " rows, ", what,
-                  ", the gathered ones", r > 0 ? ", a copy of the rows" : "", ") but ", free_b >> 20, " MiB of ",
+                  ", the gathered ones", r > 0 && rows_copies ? ", a copy of the rows" : "", ") but ", free_b >> 20,
+                  " MiB of ",
                   total_b >> 20, " are free; lower max_batch_size or max_seq_len");
 #endif
   }
@@ -493,7 +503,7 @@ void Target::reserve_vocab_head(int64_t rows, int64_t k, ops::GemmNumerics g) {
     b.gathered = Tensor::empty(DType::F32, {n * rows * w}, d);
     if (r == 0) b.flags = Tensor::empty(DType::I32, {rows}, d);
     // the other ranks' copies of the rows (on the CPU too: a recorded step broadcasts them)
-    if (r > 0) d_vrows_[size_t(r)] = Tensor::empty(DType::F32, {rows * config().hidden_size}, d);
+    if (r > 0 && rows_copies) d_vrows_[size_t(r)] = Tensor::empty(DType::F32, {rows * config().hidden_size}, d);
     models_[size_t(r)]->prepare_head(g);
   }
   vh_rows_ = rows;

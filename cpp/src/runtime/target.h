@@ -160,7 +160,9 @@ class Target {
   // ids are exact in F32); reserve_vocab_head allocates the buffers of up to `rows` rows on
   // every rank once (before the first call), and readies the heads for numerics g.
   bool vocab_head_ok(int64_t k) const;
-  void reserve_vocab_head(int64_t rows, int64_t k, ops::GemmNumerics g);
+  // rows_copies: the other ranks get buffers for copies of rank 0's rows (not needed when
+  // every rank computes its own rows: a drafter split across the ranks).
+  void reserve_vocab_head(int64_t rows, int64_t k, ops::GemmNumerics g, bool rows_copies = true);
   void vocab_head(const Tensor& rows, ops::GemmNumerics g, int64_t k, Tensor& vals, Tensor& ids);
   // vocab_head calls so far (any thread reads)
   int64_t vocab_head_calls() const { return vocab_head_calls_.load(); }
