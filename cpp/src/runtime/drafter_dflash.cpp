@@ -262,7 +262,7 @@ class DFlashRunner final : public Drafter {
         std::vector<model::TokenBatch> bs(size_t(ranks()), b);
         if (up_) bs[0] = up_->upload(b);
         for (int r = 1; r < ranks() && dev_.is_cuda(); ++r) bs[size_t(r)] = rank_plan(*rank_up_[size_t(r - 1)], r, b, false);
-        t_.run_on_ranks([&](int r) { rank_model(r).append_context(bs[size_t(r)], taps, kv_ranks_[size_t(r)]); });
+        t_.on_all_ranks([&](int r) { rank_model(r).append_context(bs[size_t(r)], taps, kv_ranks_[size_t(r)]); });
       } else {
         if (up_) b = up_->upload(b);
         m_->append_context(b, taps, kv_layers_);
@@ -473,11 +473,11 @@ class DFlashRunner final : public Drafter {
       if (K > 0) rec.add(key.empty() ? std::string() : key + "select|", select);
     } else if (graphs_) {
       t_.group_graphs()->run(
-          key + "split|", [this](const std::function<void(int)>& job) { t_.run_on_ranks(job); }, [](int) {}, part,
+          key + "split|", [this](const std::function<void(int)>& job) { t_.on_all_ranks(job); }, [](int) {}, part,
           t_.comm(0));
       if (K > 0) graphs_->run(key + "select|", select);
     } else {
-      t_.run_on_ranks(part);
+      t_.on_all_ranks(part);
       if (K > 0) select();
     }
     t_.count_vocab_head();

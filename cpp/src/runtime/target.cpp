@@ -491,8 +491,7 @@ void Target::reserve_vocab_head(int64_t rows, int64_t k, ops::GemmNumerics g, bo
     DFLASH2_CHECK(need <= free_b, ErrorKind::OutOfMemory, "the drafter's LM head on the vocabulary shards does not fit ",
                   d.str(), ": it needs ", need >> 20, " MiB (the shard's logits of ", rows, " rows, ", what,
                   ", the gathered ones", r > 0 && rows_copies ? ", a copy of the rows" : "", ") but ", free_b >> 20,
-                  " MiB of ",
-                  total_b >> 20, " are free; lower max_batch_size or max_seq_len");
+                  " MiB of ", total_b >> 20, " are free; lower max_batch_size or max_seq_len");
 #endif
   }
   for (int r = 0; r < n; ++r) {

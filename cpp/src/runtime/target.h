@@ -49,14 +49,14 @@ class Target {
   model::GlmModel& model() { return *models_[0]; }
   int tp_size() const { return int(models_.size()); }
   // Tensor parallelism: rank r's model shard and communicator (null at one rank); the group
-  // graphs of every rank (CUDA graphs under tensor parallelism, else null); run_on_ranks(job)
-  // runs job(r) on every rank at once, each on its own thread (rank 0 on the caller's), and
-  // rethrows the first failure after all have returned -- what a split drafter runs its
-  // every-rank work with.
+  // graphs of every rank (CUDA graphs under tensor parallelism, else null); on_all_ranks (below)
+  // is what a split drafter runs its every-rank work with.
   model::GlmModel& rank_model(int r) { return *models_[size_t(r)]; }
   comm::Communicator* comm(int r) { return comms_.empty() ? nullptr : comms_[size_t(r)].get(); }
   GroupGraphs* group_graphs() { return group_.get(); }
-  void run_on_ranks(const std::function<void(int)>& job) { on_all_ranks(job); }
+  // Runs job(rank) on every rank at once (rank 0 on the calling thread); rethrows the first
+  // failure after all ranks have returned (every rank's communicator aborted then).
+  void on_all_ranks(const std::function<void(int)>& job);
   // rank 0's collective counters (call with the model idle: rank 0 runs on the caller's thread)
   comm::CommStats comm_stats() const { return comms_.empty() ? comm::CommStats{} : comms_[0]->stats(); }
   const model::GlmConfig& config() const { return models_[0]->config(); }
@@ -173,9 +173,6 @@ class Target {
   void count_vocab_head() { ++vocab_head_calls_; }
 
  private:
-  // Runs job(rank) on every rank at once (rank 0 on the calling thread); rethrows the first
-  // failure after all ranks have returned.
-  void on_all_ranks(const std::function<void(int)>& job);
   // CUDA: checks every rank's device (architecture, free memory for the weights, caches
   // and step buffers) before allocating anything, then copies the models' weights up.
   void place_on_devices(int64_t n_index, int64_t nblocks);
