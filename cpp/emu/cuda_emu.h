@@ -15,7 +15,11 @@
 // reader scheduled before its writer sees stale data), cp.async groups (copies land at
 // the wait, not at the issue), warp collectives waiting for lanes that exited (reported as
 // a deadlock), launch configurations (block size, grid limits, dynamic shared memory above
-// 48 KiB without the opt-in attribute).
+// 48 KiB without the opt-in attribute), and CUDA's stream-capture rules (an allocation, a
+// free or a synchronizing call on the capturing thread -- any thread in global mode --, a
+// capturing stream's wait on an event recorded outside its capture, a host query of an event
+// recorded inside one, or an end of capture on another thread fail as on a GPU, and the
+// broken capture ends with cudaErrorStreamCaptureInvalidated).
 // What it does not: timing, occupancy, register limits, memory-model subtleties inside a
 // barrier interval beyond the one schedule, hardware transcendental approximations
 // (__expf is expf), the tensor cores' internal summation order (emulated in fp32, in k

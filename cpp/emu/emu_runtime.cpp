@@ -40,6 +40,7 @@
 #include <memory>
 #include <mutex>
 #include <string>
+#include <thread>
 #include <vector>
 
 namespace emu {
@@ -554,6 +555,12 @@ struct StreamState {
   bool capturing = false;
   Graph* graph = nullptr;
   int device = 0;
+  // the capture in progress: its id (events recorded in it carry it), the thread and mode
+  // it began with, and whether a call broke CUDA's stream-capture rules (with the call)
+  uint64_t capture_id = 0;
+  std::thread::id capture_thread;
+  cudaStreamCaptureMode mode = cudaStreamCaptureModeGlobal;
+  std::string invalidated;
 };
 
 std::mutex& host_lock() {
@@ -609,6 +616,39 @@ StreamState* stream_of(cudaStream_t s) {
 cudaError_t set_error(cudaError_t e) {
   if (e != cudaSuccess) tl_error = e;
   return e;
+}
+// CUDA's stream-capture rules (the programming guide's "Prohibited and Unhandled
+// Operations"; cudaThreadExchangeStreamCaptureMode): while a capture that is not in relaxed
+// mode is in progress, a potentially unsafe call (one that allocates, frees or synchronizes
+// outside the stream order: cudaMalloc, cudaFree, synchronous copies and memsets, the
+// synchronize calls) from its thread -- from any thread for a capture in global mode --
+// fails with cudaErrorStreamCaptureUnsupported and invalidates that capture, whose
+// cudaStreamEndCapture then returns cudaErrorStreamCaptureInvalidated. Returns whether
+// `call` broke a capture (said on stderr, as the first violation is what a GPU reports).
+bool unsafe_during_capture(const char* call) {
+  std::lock_guard<std::mutex> g(host_lock());
+  bool broke = false;
+  for (auto& kv : streams()) {
+    StreamState* st = kv.second;
+    if (!st->capturing || st->mode == cudaStreamCaptureModeRelaxed) continue;
+    if (st->mode == cudaStreamCaptureModeThreadLocal && st->capture_thread != std::this_thread::get_id()) continue;
+    if (st->invalidated.empty()) {
+      st->invalidated = std::string(call) + " during the capture (cudaErrorStreamCaptureUnsupported)";
+      std::fprintf(stderr, "emu: %s while a stream capture is in progress: the capture is invalidated, as on a GPU\n",
+                   call);
+    }
+    broke = true;
+  }
+  return broke;
+}
+// A capture that broke a rule: the call's error, the capture invalidated (see above).
+cudaError_t break_capture(StreamState* st, cudaError_t e, const std::string& why) {
+  std::lock_guard<std::mutex> g(host_lock());
+  if (st->capturing && st->invalidated.empty()) {
+    st->invalidated = why;
+    std::fprintf(stderr, "emu: %s: the capture is invalidated, as on a GPU\n", why.c_str());
+  }
+  return set_error(e);
 }
 // EMU_PROFILE=1: each kernel's launches, blocks, threads and wall time, printed (slowest
 // first) to stderr at exit: where the emulator spends its time.
@@ -957,7 +997,10 @@ cudaError_t cudaSetDevice(int d) {
   emu::tl_device = d;
   return cudaSuccess;
 }
-cudaError_t cudaDeviceSynchronize(void) { return cudaSuccess; }
+cudaError_t cudaDeviceSynchronize(void) {
+  if (emu::unsafe_during_capture("cudaDeviceSynchronize")) return set_error(cudaErrorStreamCaptureUnsupported);
+  return cudaSuccess;
+}
 cudaError_t cudaDeviceReset(void) { return cudaSuccess; }
 cudaError_t cudaGetLastError(void) {
   const cudaError_t e = emu::tl_error;
@@ -975,6 +1018,11 @@ const char* cudaGetErrorName(cudaError_t e) {
     case cudaErrorLaunchFailure: return "cudaErrorLaunchFailure";
     case cudaErrorStreamCaptureUnsupported: return "cudaErrorStreamCaptureUnsupported";
     case cudaErrorNotSupported: return "cudaErrorNotSupported";
+    case cudaErrorStreamCaptureInvalidated: return "cudaErrorStreamCaptureInvalidated";
+    case cudaErrorStreamCaptureIsolation: return "cudaErrorStreamCaptureIsolation";
+    case cudaErrorStreamCaptureWrongThread: return "cudaErrorStreamCaptureWrongThread";
+    case cudaErrorCapturedEvent: return "cudaErrorCapturedEvent";
+    case cudaErrorIllegalState: return "cudaErrorIllegalState";
     default: return "cudaErrorUnknown";
   }
 }
@@ -984,6 +1032,10 @@ const char* cudaGetErrorString(cudaError_t e) {
     case cudaErrorMemoryAllocation: return "out of memory (emulated device)";
     case cudaErrorLaunchFailure: return "unspecified launch failure (emulator: see stderr)";
     case cudaErrorNotSupported: return "operation not supported (emulator: EMU_FAIL_GRAPHS=1)";
+    case cudaErrorStreamCaptureInvalidated: return "operation failed due to a previous error during capture";
+    case cudaErrorStreamCaptureIsolation: return "dependency created on uncaptured work in another stream";
+    case cudaErrorStreamCaptureWrongThread: return "attempt to terminate a thread-local capture sequence from another thread";
+    case cudaErrorCapturedEvent: return "operation not permitted on an event last recorded in a capturing stream";
     default: return "emulated CUDA error";
   }
 }
@@ -1035,6 +1087,7 @@ cudaError_t cudaMemGetInfo(size_t* free_b, size_t* total_b) {
 }
 cudaError_t cudaMalloc(void** p, size_t bytes) {
   *p = nullptr;
+  if (emu::unsafe_during_capture("cudaMalloc")) return set_error(cudaErrorStreamCaptureUnsupported);
   std::lock_guard<std::mutex> g(emu::host_lock());
   auto& d = emu::devs()[size_t(emu::tl_device)];
   if (d.used + bytes > emu::device_mem()) return set_error(cudaErrorMemoryAllocation);
@@ -1049,6 +1102,7 @@ cudaError_t cudaMalloc(void** p, size_t bytes) {
 }
 cudaError_t cudaFree(void* p) {
   if (!p) return cudaSuccess;
+  if (emu::unsafe_during_capture("cudaFree")) return set_error(cudaErrorStreamCaptureUnsupported);
   std::lock_guard<std::mutex> g(emu::host_lock());
   auto it = emu::allocs().find(p);
   if (it == emu::allocs().end()) return set_error(cudaErrorInvalidValue);
@@ -1061,15 +1115,19 @@ cudaError_t cudaFree(void* p) {
   return cudaSuccess;
 }
 cudaError_t cudaHostAlloc(void** p, size_t bytes, unsigned int) {
+  *p = nullptr;
+  if (emu::unsafe_during_capture("cudaHostAlloc / cudaMallocHost")) return set_error(cudaErrorStreamCaptureUnsupported);
   *p = std::aligned_alloc(256, std::max<size_t>(256, (bytes + 255) / 256 * 256));
   return *p ? cudaSuccess : set_error(cudaErrorMemoryAllocation);
 }
 cudaError_t cudaMallocHost(void** p, size_t bytes) { return cudaHostAlloc(p, bytes, 0); }
 cudaError_t cudaFreeHost(void* p) {
+  if (p && emu::unsafe_during_capture("cudaFreeHost")) return set_error(cudaErrorStreamCaptureUnsupported);
   std::free(p);
   return cudaSuccess;
 }
 cudaError_t cudaMemcpy(void* dst, const void* src, size_t n, cudaMemcpyKind) {
+  if (emu::unsafe_during_capture("cudaMemcpy (synchronous)")) return set_error(cudaErrorStreamCaptureUnsupported);
   if (!emu::span_ok(dst, n, "cudaMemcpy's destination") || !emu::span_ok(src, n, "cudaMemcpy's source"))
     return set_error(cudaErrorInvalidValue);
   if (n) std::memmove(dst, src, n);
@@ -1083,6 +1141,7 @@ cudaError_t cudaMemcpyAsync(void* dst, const void* src, size_t n, cudaMemcpyKind
   });
 }
 cudaError_t cudaMemcpyPeer(void* dst, int, const void* src, int, size_t n) {
+  if (emu::unsafe_during_capture("cudaMemcpyPeer (synchronous)")) return set_error(cudaErrorStreamCaptureUnsupported);
   if (!emu::span_ok(dst, n, "cudaMemcpyPeer's destination") || !emu::span_ok(src, n, "cudaMemcpyPeer's source"))
     return set_error(cudaErrorInvalidValue);
   if (n) std::memmove(dst, src, n);
@@ -1102,6 +1161,7 @@ cudaError_t cudaMemcpyPeerAsync(void* dst, int, const void* src, int, size_t n, 
   });
 }
 cudaError_t cudaMemset(void* dst, int v, size_t n) {
+  if (emu::unsafe_during_capture("cudaMemset (synchronous)")) return set_error(cudaErrorStreamCaptureUnsupported);
   if (!emu::span_ok(dst, n, "cudaMemset")) return set_error(cudaErrorInvalidValue);
   std::memset(dst, v, n);
   return cudaSuccess;
@@ -1147,25 +1207,44 @@ cudaError_t cudaStreamDestroy(cudaStream_t s) {
   return cudaSuccess;
 }
 cudaError_t cudaStreamSynchronize(cudaStream_t s) {
-  if (emu::stream_of(s)->capturing) return set_error(cudaErrorStreamCaptureUnsupported);
+  emu::StreamState* st = emu::stream_of(s);
+  if (st->capturing)
+    return emu::break_capture(st, cudaErrorStreamCaptureUnsupported, "cudaStreamSynchronize on the capturing stream");
+  if (emu::unsafe_during_capture("cudaStreamSynchronize")) return set_error(cudaErrorStreamCaptureUnsupported);
   return cudaSuccess;
 }
-cudaError_t cudaStreamWaitEvent(cudaStream_t, cudaEvent_t, unsigned int) { return cudaSuccess; }
 cudaError_t cudaStreamIsCapturing(cudaStream_t s, cudaStreamCaptureStatus* st) {
   *st = emu::stream_of(s)->capturing ? cudaStreamCaptureStatusActive : cudaStreamCaptureStatusNone;
   return cudaSuccess;
 }
-cudaError_t cudaStreamBeginCapture(cudaStream_t s, cudaStreamCaptureMode) {
+cudaError_t cudaStreamBeginCapture(cudaStream_t s, cudaStreamCaptureMode mode) {
   emu::StreamState* st = emu::stream_of(s);
   if (st == &emu::g_legacy || st->capturing) return set_error(cudaErrorStreamCaptureUnsupported);
+  static std::atomic<uint64_t> next_id{0};
+  std::lock_guard<std::mutex> g(emu::host_lock());
   st->capturing = true;
   st->graph = new emu::Graph();
+  st->capture_id = ++next_id;
+  st->capture_thread = std::this_thread::get_id();
+  st->mode = mode;
+  st->invalidated.clear();
   return cudaSuccess;
 }
 cudaError_t cudaStreamEndCapture(cudaStream_t s, cudaGraph_t* g) {
+  *g = nullptr;
   emu::StreamState* st = emu::stream_of(s);
   if (!st->capturing) return set_error(cudaErrorIllegalState);
+  // not relaxed: the thread that began the capture ends it
+  if (st->mode != cudaStreamCaptureModeRelaxed && st->capture_thread != std::this_thread::get_id())
+    return set_error(cudaErrorStreamCaptureWrongThread);
+  std::lock_guard<std::mutex> lock(emu::host_lock());
   st->capturing = false;
+  st->capture_id = 0;
+  if (!st->invalidated.empty()) {  // a rule was broken during the capture: no graph
+    delete st->graph;
+    st->graph = nullptr;
+    return set_error(cudaErrorStreamCaptureInvalidated);
+  }
   *g = reinterpret_cast<cudaGraph_t>(st->graph);
   st->graph = nullptr;
   return cudaSuccess;
@@ -1206,6 +1285,10 @@ cudaError_t cudaGraphExecDestroy(cudaGraphExec_t e) {
 }
 struct EmuEvent {
   std::chrono::steady_clock::time_point t;
+  // last recorded inside a capture (its id; 0: by eager work or a graph's replay), and
+  // whether as an external event record node (cudaEventRecordExternal)
+  uint64_t capture = 0;
+  bool external = false;
 };
 cudaError_t cudaEventCreateWithFlags(cudaEvent_t* e, unsigned int) {
   *e = reinterpret_cast<cudaEvent_t>(new EmuEvent());
@@ -1216,14 +1299,70 @@ cudaError_t cudaEventDestroy(cudaEvent_t e) {
   delete reinterpret_cast<EmuEvent*>(e);
   return cudaSuccess;
 }
-cudaError_t cudaEventRecord(cudaEvent_t e, cudaStream_t s) {
+cudaError_t cudaEventRecordWithFlags(cudaEvent_t e, cudaStream_t s, unsigned int flags) {
   auto* ev = reinterpret_cast<EmuEvent*>(e);
-  return emu::issue(s, [ev]() { ev->t = std::chrono::steady_clock::now(); });
+  emu::StreamState* st = emu::stream_of(s);
+  {
+    std::lock_guard<std::mutex> g(emu::host_lock());
+    ev->capture = st->capturing ? st->capture_id : 0;
+    ev->external = st->capturing && (flags & cudaEventRecordExternal) != 0;
+  }
+  // run now, or when a graph replays its record node: then the event holds eager work
+  return emu::issue(s, [ev]() {
+    ev->t = std::chrono::steady_clock::now();
+    ev->capture = 0;
+    ev->external = false;
+  });
 }
-cudaError_t cudaEventRecordWithFlags(cudaEvent_t e, cudaStream_t s, unsigned int) { return cudaEventRecord(e, s); }
-cudaError_t cudaEventSynchronize(cudaEvent_t) { return cudaSuccess; }
-cudaError_t cudaEventQuery(cudaEvent_t) { return cudaSuccess; }
+cudaError_t cudaEventRecord(cudaEvent_t e, cudaStream_t s) { return cudaEventRecordWithFlags(e, s, 0); }
+// An event last recorded inside a capture (as an internal node) stands for no eager work:
+// querying, waiting on or timing it from the host is cudaErrorCapturedEvent on a GPU.
+bool captured_event(cudaEvent_t e) {
+  auto* ev = reinterpret_cast<EmuEvent*>(e);
+  std::lock_guard<std::mutex> g(emu::host_lock());
+  return ev->capture != 0 && !ev->external;
+}
+cudaError_t cudaStreamWaitEvent(cudaStream_t s, cudaEvent_t e, unsigned int flags) {
+  auto* ev = reinterpret_cast<EmuEvent*>(e);
+  emu::StreamState* st = emu::stream_of(s);
+  uint64_t ev_capture = 0, st_capture = 0;
+  bool capturing = false, ev_external = false;
+  {
+    std::lock_guard<std::mutex> g(emu::host_lock());
+    ev_capture = ev->capture;
+    ev_external = ev->external;
+    capturing = st->capturing;
+    st_capture = st->capture_id;
+  }
+  if (capturing) {
+    // a capturing stream may wait on an event recorded in the same capture (a join), or on
+    // any event as an external wait node; anything else would cross the capture's boundary
+    if ((flags & cudaEventWaitExternal) || (ev_capture == st_capture && !ev_external)) return cudaSuccess;
+    return emu::break_capture(st, cudaErrorStreamCaptureIsolation,
+                              ev_capture ? "cudaStreamWaitEvent on an event recorded in another capture "
+                                           "(cudaErrorStreamCaptureIsolation)"
+                                         : "cudaStreamWaitEvent on an event recorded outside the capture "
+                                           "(cudaErrorStreamCaptureIsolation; cudaEventWaitExternal makes it a node)");
+  }
+  if (ev_capture != 0 && !ev_external) {
+    // a GPU would fork this stream into that capture; nothing in the backend does that
+    std::fprintf(stderr, "emu: cudaStreamWaitEvent from a stream outside any capture on an event recorded inside "
+                         "one (a capture fork): not emulated\n");
+    return set_error(cudaErrorStreamCaptureUnsupported);
+  }
+  return cudaSuccess;
+}
+cudaError_t cudaEventSynchronize(cudaEvent_t e) {
+  if (captured_event(e)) return set_error(cudaErrorCapturedEvent);
+  if (emu::unsafe_during_capture("cudaEventSynchronize")) return set_error(cudaErrorStreamCaptureUnsupported);
+  return cudaSuccess;
+}
+cudaError_t cudaEventQuery(cudaEvent_t e) {
+  if (captured_event(e)) return set_error(cudaErrorCapturedEvent);
+  return cudaSuccess;
+}
 cudaError_t cudaEventElapsedTime(float* ms, cudaEvent_t a, cudaEvent_t b) {
+  if (captured_event(a) || captured_event(b)) return set_error(cudaErrorCapturedEvent);
   *ms = std::chrono::duration<float, std::milli>(reinterpret_cast<EmuEvent*>(b)->t - reinterpret_cast<EmuEvent*>(a)->t)
             .count();
   return cudaSuccess;

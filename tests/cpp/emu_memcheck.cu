@@ -3,13 +3,16 @@
 // launch's dynamic shared memory fails its launch with a message naming the kernel, the
 // thread and the allocation; the process goes on and the next launches run; copies past an
 // allocation's end are refused; a workspace arena's tensors are followed by red zones, checked
-// when the arena resets (a write past a tensor inside the arena). Emulated build only (rewritten by rewrite_cu.py like the
-// backend's .cu files); ctest runs it with EMU_MEMCHECK=1.
+// when the arena resets (a write past a tensor inside the arena). Also CUDA's stream-capture
+// rules as the emulator enforces them (allocations, synchronizing calls and waits on
+// uncaptured events invalidate a capture; thread-local mode; captured events). Emulated build
+// only (rewritten by rewrite_cu.py like the backend's .cu files); ctest runs it with EMU_MEMCHECK=1.
 #include <cuda_runtime.h>
 
 #include <cstdio>
 #include <cstdlib>
 #include <string>
+#include <thread>
 #include <unistd.h>
 #include <vector>
 
@@ -176,6 +179,142 @@ TEST(arena_red_zone_catches_a_write_past_a_tensor) {
   fill_k<<<1, 260>>>(t2.data_as<float>(), 260);  // 4 floats past its end: inside the arena, no fault
   CHECK(cudaGetLastError() == cudaSuccess);
   CHECK_THROWS(a.reset(), "wrote past the end of workspace arena tensor #0 (F32[256], 1024 bytes");
+}
+
+// ---- CUDA's stream-capture rules, as the emulator enforces them (emu_runtime.cpp): what
+// breaks a capture on a GPU breaks it here, so the engine's graph tests catch it without one.
+namespace {
+struct Capture {  // a non-blocking stream (as the backend's graph streams) and a capture on it
+  cudaStream_t s = nullptr;
+  cudaGraph_t g = nullptr;
+  Capture() { cudaStreamCreateWithFlags(&s, cudaStreamNonBlocking); }
+  ~Capture() {
+    if (g) cudaGraphDestroy(g);
+    cudaStreamDestroy(s);
+  }
+};
+}  // namespace
+
+TEST(capture_allocation_on_the_capturing_thread_invalidates_it) {
+  Capture c;
+  float* a = nullptr;
+  CHECK(cudaMalloc(reinterpret_cast<void**>(&a), 256 * sizeof(float)) == cudaSuccess);
+  CHECK(cudaStreamBeginCapture(c.s, cudaStreamCaptureModeThreadLocal) == cudaSuccess);
+  fill_k<<<1, 256, 0, c.s>>>(a, 256);
+  void* p = nullptr;
+  std::string err = stderr_of([&] { CHECK(cudaMalloc(&p, 64) == cudaErrorStreamCaptureUnsupported); });
+  CHECK(has(err, "cudaMalloc while a stream capture is in progress"));
+  CHECK(cudaFree(a) == cudaErrorStreamCaptureUnsupported);  // a free synchronizes too
+  CHECK(cudaStreamEndCapture(c.s, &c.g) == cudaErrorStreamCaptureInvalidated);
+  CHECK(c.g == nullptr);
+  cudaGetLastError();
+  CHECK(cudaMalloc(&p, 64) == cudaSuccess);  // no capture: allowed again
+  CHECK(cudaFree(p) == cudaSuccess);
+  CHECK(cudaFree(a) == cudaSuccess);
+}
+
+TEST(capture_thread_local_mode_leaves_other_threads_free) {
+  for (cudaStreamCaptureMode mode : {cudaStreamCaptureModeThreadLocal, cudaStreamCaptureModeGlobal}) {
+    Capture c;
+    CHECK(cudaStreamBeginCapture(c.s, mode) == cudaSuccess);
+    cudaError_t other = cudaSuccess;
+    std::string err = stderr_of([&] {
+      std::thread t([&] {
+        void* p = nullptr;
+        other = cudaMalloc(&p, 64);
+        if (other == cudaSuccess) cudaFree(p);
+      });
+      t.join();
+    });
+    const bool global = mode == cudaStreamCaptureModeGlobal;
+    CHECK(other == (global ? cudaErrorStreamCaptureUnsupported : cudaSuccess));
+    CHECK(cudaStreamEndCapture(c.s, &c.g) == (global ? cudaErrorStreamCaptureInvalidated : cudaSuccess));
+    CHECK((c.g != nullptr) == !global);
+    cudaGetLastError();
+  }
+}
+
+TEST(capture_synchronizing_calls_invalidate_it) {
+  Capture c;
+  CHECK(cudaStreamBeginCapture(c.s, cudaStreamCaptureModeThreadLocal) == cudaSuccess);
+  CHECK(cudaStreamSynchronize(c.s) == cudaErrorStreamCaptureUnsupported);
+  CHECK(cudaStreamEndCapture(c.s, &c.g) == cudaErrorStreamCaptureInvalidated);
+  cudaGetLastError();
+  std::vector<float> h(4);
+  float* a = nullptr;
+  CHECK(cudaMalloc(reinterpret_cast<void**>(&a), 16) == cudaSuccess);
+  CHECK(cudaStreamBeginCapture(c.s, cudaStreamCaptureModeThreadLocal) == cudaSuccess);
+  CHECK(cudaMemcpy(h.data(), a, 16, cudaMemcpyDeviceToHost) == cudaErrorStreamCaptureUnsupported);
+  CHECK(cudaStreamEndCapture(c.s, &c.g) == cudaErrorStreamCaptureInvalidated);
+  cudaGetLastError();
+  CHECK(cudaStreamBeginCapture(c.s, cudaStreamCaptureModeThreadLocal) == cudaSuccess);
+  CHECK(cudaMemcpyAsync(h.data(), a, 16, cudaMemcpyDeviceToHost, c.s) == cudaSuccess);  // a node: fine
+  CHECK(cudaStreamEndCapture(c.s, &c.g) == cudaSuccess && c.g != nullptr);
+  CHECK(cudaFree(a) == cudaSuccess);
+}
+
+TEST(capture_waits_only_on_its_own_or_external_events) {
+  cudaEvent_t e = nullptr;
+  CHECK(cudaEventCreateWithFlags(&e, cudaEventDisableTiming) == cudaSuccess);
+  CHECK(cudaEventRecord(e, cudaStreamLegacy) == cudaSuccess);  // eager work
+  {
+    Capture c;
+    CHECK(cudaStreamBeginCapture(c.s, cudaStreamCaptureModeThreadLocal) == cudaSuccess);
+    std::string err = stderr_of([&] { CHECK(cudaStreamWaitEvent(c.s, e, 0) == cudaErrorStreamCaptureIsolation); });
+    CHECK(has(err, "recorded outside the capture"));
+    CHECK(cudaStreamEndCapture(c.s, &c.g) == cudaErrorStreamCaptureInvalidated);
+    cudaGetLastError();
+  }
+  {
+    Capture c;  // as an external wait node
+    CHECK(cudaStreamBeginCapture(c.s, cudaStreamCaptureModeThreadLocal) == cudaSuccess);
+    CHECK(cudaStreamWaitEvent(c.s, e, cudaEventWaitExternal) == cudaSuccess);
+    CHECK(cudaStreamEndCapture(c.s, &c.g) == cudaSuccess && c.g != nullptr);
+  }
+  {
+    Capture c;  // recorded in the same capture: a join
+    CHECK(cudaStreamBeginCapture(c.s, cudaStreamCaptureModeThreadLocal) == cudaSuccess);
+    CHECK(cudaEventRecord(e, c.s) == cudaSuccess);
+    CHECK(cudaStreamWaitEvent(c.s, e, 0) == cudaSuccess);
+    CHECK(cudaStreamEndCapture(c.s, &c.g) == cudaSuccess && c.g != nullptr);
+    // ... but the host cannot wait on or query an event last recorded inside a capture
+    CHECK(cudaEventQuery(e) == cudaErrorCapturedEvent);
+    CHECK(cudaEventSynchronize(e) == cudaErrorCapturedEvent);
+    cudaGetLastError();
+  }
+  CHECK(cudaEventDestroy(e) == cudaSuccess);
+}
+
+TEST(capture_external_event_records_time_the_replays) {
+  Capture c;
+  cudaEvent_t e0 = nullptr, e1 = nullptr;
+  CHECK(cudaEventCreate(&e0) == cudaSuccess && cudaEventCreate(&e1) == cudaSuccess);
+  float* a = nullptr;
+  CHECK(cudaMalloc(reinterpret_cast<void**>(&a), 1024) == cudaSuccess);
+  CHECK(cudaStreamBeginCapture(c.s, cudaStreamCaptureModeThreadLocal) == cudaSuccess);
+  CHECK(cudaEventRecordWithFlags(e0, c.s, cudaEventRecordExternal) == cudaSuccess);
+  fill_k<<<1, 256, 0, c.s>>>(a, 256);
+  CHECK(cudaEventRecordWithFlags(e1, c.s, cudaEventRecordExternal) == cudaSuccess);
+  CHECK(cudaStreamEndCapture(c.s, &c.g) == cudaSuccess && c.g != nullptr);
+  cudaGraphExec_t x = nullptr;
+  CHECK(cudaGraphInstantiate(&x, c.g, 0) == cudaSuccess);
+  CHECK(cudaGraphLaunch(x, c.s) == cudaSuccess);
+  CHECK(cudaStreamSynchronize(c.s) == cudaSuccess);
+  float ms = -1.0f;
+  CHECK(cudaEventElapsedTime(&ms, e0, e1) == cudaSuccess && ms >= 0.0f);
+  CHECK(cudaGraphExecDestroy(x) == cudaSuccess);
+  CHECK(cudaEventDestroy(e0) == cudaSuccess && cudaEventDestroy(e1) == cudaSuccess);
+  CHECK(cudaFree(a) == cudaSuccess);
+}
+
+TEST(capture_ends_on_the_thread_that_began_it) {
+  Capture c;
+  CHECK(cudaStreamBeginCapture(c.s, cudaStreamCaptureModeThreadLocal) == cudaSuccess);
+  cudaError_t other = cudaSuccess;
+  std::thread t([&] { other = cudaStreamEndCapture(c.s, &c.g); });
+  t.join();
+  CHECK(other == cudaErrorStreamCaptureWrongThread);
+  CHECK(cudaStreamEndCapture(c.s, &c.g) == cudaSuccess && c.g != nullptr);
 }
 
 TEST_MAIN()

@@ -64,6 +64,12 @@ struct Core {
 
   // Allocates the step buffers for the target / drafter already set.
   void allocate_buffers();
+  // Whether decode steps (that fit max_step_tokens) are recorded as one unit: the target
+  // can record them (Target::can_record_steps) and so can the drafter, if any (MTP under
+  // tensor parallelism cannot). The decoder records by it; capture_at_load "auto" follows it.
+  bool records_steps() const {
+    return target->can_record_steps() && (!drafter || drafter->records_steps());
+  }
   // Flags (1 = NaN or Inf present) of the first `rows` logits rows, into `flags`: at once on
   // the CPU; on CUDA they come back with the next sample_rows / accept_rows (one copy for
   // the whole step), and `flags` is valid after that.

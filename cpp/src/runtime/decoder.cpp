@@ -240,8 +240,7 @@ void Decoder::step() {
   // is one unit of that rank (Target::flush_step; MTP's chain is not recorded there). Not a
   // verify pass that might need several chunks.
   StepRecorder& rec = tgt.recorder();
-  const bool record = tgt.can_record_steps() && (!drafter || drafter->records_steps()) &&
-                      S * (c_.K + 1) <= tgt.options().max_step_tokens;
+  const bool record = c_.records_steps() && S * (c_.K + 1) <= tgt.options().max_step_tokens;
   // A recorded step is padded to the next batch-size bucket (Target::bucket) when that is
   // on: P padding sequences after the real ones, each drafting greedily from a real slot's
   // context and verified on the target's padding stream; nothing of them is read back, and

@@ -510,8 +510,8 @@ Engine::Engine(const EngineConfig& cfg) : impl_(std::make_unique<Impl>()) {
                     "Engine: capture_at_load must be -1 (auto), 0 (off) or 1 (on), found ", cfg.capture_at_load);
   // "auto": where decode steps are recorded as one graph (every rank's part one graph under
   // tensor parallelism; not MTP's there, whose per-chunk graphs are captured as shapes recur)
-  const bool records = I.core.target->can_record_steps() && (!I.core.drafter || I.core.drafter->records_steps());
-  const bool capture = cfg.capture_at_load == 1 || (cfg.capture_at_load == -1 && I.core.target->cuda_graphs() && records);
+  const bool capture = cfg.capture_at_load == 1 ||
+                       (cfg.capture_at_load == -1 && I.core.target->cuda_graphs() && I.core.records_steps());
   I.cfg.capture_at_load = capture ? 1 : 0;
   if (capture) {  // before the scheduler exists: nothing else runs the model yet
     const runtime::WarmUp w = runtime::warm_up_steps(I.core, cfg.speculation == "adaptive");
