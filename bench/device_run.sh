@@ -58,5 +58,31 @@ for f in device_check.json bench_ops.json default_pair_cuda.json concurrency_cud
 done
 (cd "$REPORT_DIR" && tar czf "$OUT/logs.tar.gz" --exclude='*.json' .) ||
   echo "device_run: could not pack the logs" >&2
+# the gist on stdout too (the device tool returns the output's tail even if files do not)
+if [ -f "$REPORT_DIR/device_check.json" ]; then
+  python3 - "$REPORT_DIR/device_check.json" <<'PYEOF' || true
+import json, sys
+r = json.load(open(sys.argv[1]))
+print("summary: ok=%s failed_step=%s gpu=%s seconds=%s skipped=%s" % (
+    r.get("ok"), r.get("failed_step"), [g.get("name") for g in r.get("gpus", [])], r.get("seconds"),
+    r.get("skipped_steps")))
+print("steps:", {k: (v["exit_code"], v["seconds"]) for k, v in r.get("steps", {}).items()})
+for k in ("ctest", "pytest", "pytest_cuda"):
+    if k in r:
+        print(k + ":", {x: r[k][x] for x in ("tests", "passed", "failed", "skipped")},
+              "failed:", r[k].get("failed_tests", [])[:20])
+if "bench_ops" in r:
+    print("bench_ops:", r["bench_ops"].get("summary", r["bench_ops"].get("error")))
+for mode, rows in (r.get("default_pair_cuda") or {}).items():
+    if isinstance(rows, dict):
+        for m, st in rows.items():
+            if isinstance(st, dict):
+                print("e2e %s %s: tau %s tok/s %s speedup %s lossless %s graphs x%s" % (
+                    mode, m, st.get("acceptance_length"), st.get("tokens_per_second"), st.get("speedup_vs_ar"),
+                    st.get("lossless_vs_ar"), st.get("graphs_speedup")))
+for n in r.get("notes", []):
+    print("note:", n)
+PYEOF
+fi
 echo "device_run: device_check exited $rc; results in $OUT: $(cd "$OUT" && ls | tr '\n' ' ')"
 exit "$rc"

@@ -12,6 +12,7 @@
 #include <cstdio>
 #include <cstdlib>
 #include <string>
+#include <sys/wait.h>
 #include <thread>
 #include <unistd.h>
 #include <vector>
@@ -29,6 +30,11 @@ __global__ void scale_k(const float* a, float* out, int n, int shift) {
 __global__ void fill_k(float* a, int n) {
   const int i = int(blockIdx.x * blockDim.x + threadIdx.x);
   if (i < n) a[i] = float(i);
+}
+
+__global__ void vec4_k(const float* a, float* out) {  // a float4 load: a must be 16-byte aligned
+  const float4 v = *reinterpret_cast<const float4*>(a);
+  out[threadIdx.x] = v.x + v.y + v.z + v.w;
 }
 
 __global__ void smem_k(float* out, int reach) {
@@ -179,6 +185,42 @@ TEST(arena_red_zone_catches_a_write_past_a_tensor) {
   fill_k<<<1, 260>>>(t2.data_as<float>(), 260);  // 4 floats past its end: inside the arena, no fault
   CHECK(cudaGetLastError() == cudaSuccess);
   CHECK_THROWS(a.reset(), "wrote past the end of workspace arena tensor #0 (F32[256], 1024 bytes");
+}
+
+// A misaligned float4 load (an illegal-address error on a GPU, fine on x86-64) aborts the
+// emulated run where the kernels are built with the alignment check (UBSan's): in a child
+// process, whose stderr names the access.
+TEST(misaligned_vector_load_aborts_the_run) {
+#ifdef DFLASH2_EMU_ALIGNMENT_CHECK
+  Buffers b;
+  vec4_k<<<1, 32>>>(b.a + 4, b.out);  // 16-byte aligned: runs
+  CHECK(cudaGetLastError() == cudaSuccess);
+  int fds[2];
+  CHECK(pipe(fds) == 0);
+  std::fflush(stdout);
+  std::fflush(stderr);
+  const pid_t pid = fork();
+  if (pid == 0) {
+    dup2(fds[1], 2);
+    close(fds[0]);
+    vec4_k<<<1, 32>>>(b.a + 1, b.out);  // 4 bytes past an aligned address
+    std::_Exit(0);                      // not reached with the check on
+  }
+  close(fds[1]);
+  std::string err;
+  char buf[4096];
+  ssize_t k;
+  while ((k = read(fds[0], buf, sizeof buf)) > 0) err.append(buf, size_t(k));
+  close(fds[0]);
+  int status = 0;
+  CHECK(waitpid(pid, &status, 0) == pid);
+  std::fputs(err.c_str(), stdout);
+  CHECK(!(WIFEXITED(status) && WEXITSTATUS(status) == 0));
+  CHECK(has(err, "misaligned address"));
+  CHECK(has(err, "emu_memcheck.cu"));  // the kernel's own file and line
+#else
+  std::printf("  (built without the alignment check: nothing to test)\n");
+#endif
 }
 
 // ---- CUDA's stream-capture rules, as the emulator enforces them (emu_runtime.cpp): what
