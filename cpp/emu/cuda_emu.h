@@ -281,6 +281,10 @@ template <class T>
 inline T __ldg(const T* p) {
   return *p;
 }
+template <class T>
+inline T __ldcg(const T* p) {  // cache-global load (past L1): host memory has no L1
+  return *p;
+}
 inline float __uint_as_float(unsigned u) { return ::emu::from_bits<float>(u); }
 inline unsigned __float_as_uint(float v) { return unsigned(::emu::to_bits(v)); }
 inline float __int_as_float(int u) { return ::emu::from_bits<float>(uint32_t(u)); }

@@ -1044,7 +1044,7 @@ TEST(linear_matches_cpu_on_all_formats) {
   };
   const LinCase dense_cases[] = {{1, 64, 32},  {3, 100, 17},  {8, 256, 96},  {17, 48, 50}, {1, 1000, 7},
                                  {4, 8, 1},    {2, 1, 3},     {1, 7, 5},     {9, 300, 70}, {13, 4100, 20},
-                                 {2, 8200, 9}, {64, 512, 33}, {1, 7168, 64}};
+                                 {2, 8200, 9}, {64, 512, 33}, {1, 7168, 64}, {260, 6144, 40}};
   const LinCase nvfp4_cases[] = {{1, 64, 32},    {3, 160, 17}, {7, 256, 40},   {9, 48, 5},
                                  {1, 2048, 13},  {2, 4096, 20}, {1, 8192, 30}, {40, 512, 24}};
   int bad = 0, n = 0;
@@ -1084,8 +1084,9 @@ TEST(linear_matches_cpu_on_all_formats) {
       }
     }
     // decode == verify on the device: a row computed alone is bitwise the row in a batch
-    for (int64_t K : {int64_t(272), int64_t(4112)}) {
-      const int64_t M = 13, N = 37;
+    // (K = 4112 and 6144 split each column group's K over 4 blocks; M = 260: two launches)
+    for (const auto& [K, M] : {std::pair<int64_t, int64_t>{272, 13}, {4112, 13}, {6144, 260}}) {
+      const int64_t N = 37;
       GemmWeight w(fmt, N, K, 0, K, dev);
       Mirror x(DType::F32, M * K, dev);
       x.fill_normal();

@@ -28,7 +28,10 @@
 // is chosen from K, larger for long rows so that each lane still has ~8+ chunks, and raised
 // for a small N, whose 16 / KS-column blocks would leave most SMs idle, while each lane
 // keeps >= 4 chunks: N = 576, K = 6144 (kv_a) runs 144 blocks instead of 72), so a block
-// covers 16 / KS columns and grid x covers N. Thread tk (0 <= tk < 32 * KS) of
+// covers 16 / KS columns and grid x covers N. Where even KS = 4 leaves SMs idle (N below ~2000 at
+// K >= 1024: GLM-5.3's kv_a, router and indexer projections), S blocks (grid z, block_split:
+// 2, 4 or 8) share a column group's K, each taking a contiguous 1/S of its chunks, and the
+// column group's last block to finish adds their partial sums (below). Thread tk (0 <= tk < 32 * KS) of
 // a column group takes chunks tk, tk + 32 KS, tk + 64 KS, ... and keeps fp32 accumulators
 // acc[RT][kNC] for a tile of RT activation rows: the 8 weights of a chunk are dequantized
 // once into registers and used for all RT rows (x rows are read from global through L1:
@@ -54,18 +57,26 @@
 // K % 8 tail element k = 8 * (K / 8) + tk if tk < K % 8 (dequantized by w_at, the reference
 // path), then the fixed butterfly over the 32 lanes (the same pairing tree for RT = 1 and
 // RT = 8: the transposing steps pair the same lanes as a plain butterfly, and fp32 addition
-// is commutative), then the KS warps in order, then y + s when accumulating. This is a
-// function of K and N only (KS): not of M, the row tile or the row's position in the batch,
+// is commutative), then the KS warps in order, then (with S > 1 blocks: each block's sum of
+// its split of the chunks, the tail in the last split's) the S partial sums in split order,
+// read back from scratch by the last block, then y + s when accumulating. This is a
+// function of K and N only (KS, S): not of M, the row tile or the row's position in the batch,
 // so a row computed inside a verify batch is bitwise equal to the same row decoded alone
-// (decode == verify), as on the CPU; linear_heads' heads take the KS of one head's (N, K),
-// so each head stays bitwise the dense linear of its slices. Dequantization is weight_view.cuh's (bitwise the
+// (decode == verify), as on the CPU; linear_heads' heads take the KS of one head's (N, K)
+// and no block split (S = 1; the model's heads have K <= 512, which never splits), so each
+// head is bitwise the dense linear of its slices where that (N, K) does not split either.
+// The block split's last block: every block fences its partial sums and counts itself in on
+// a per-column-block arrival counter (atomicAdd, detail::zeroed_counters: zero before and
+// after each launch, the last block resets it); the block that brings it to S reads the
+// partials back past L1 (__ldcg). Its scratch holds 256 rows: a larger M is several launches. Dequantization is weight_view.cuh's (bitwise the
 // CPU's Weight::dequantize values).
 //
 // Performance notes (not measured yet): decode-shaped calls should run near HBM bandwidth
-// when N / (16 / KS) blocks fill the GPU (N >= ~4096 on an H200). Known weak spots, for
-// later: (1) small N (few blocks): KS = 4 gives N / 4 blocks at most; below that a split-K
-// over blocks with a fixed (N, K) partition (and a deterministic second pass, or a cluster
-// reduction in distributed shared memory) would add parallelism; (2) M >= ~16: x is re-read from
+// when N / (16 / KS) blocks fill the GPU (N >= ~4096 on an H200), and for smaller N by the
+// block split (4 blocks per SM where K allows; its cost: the partials' round trip through L2
+// and one extra pass by the last block, a few percent of a small GEMV). Known weak spots, for
+// later: (1) small N at small K (a split keeps >= 1 chunk per lane, so K = 2048 splits at
+// most 2 ways); (2) M >= ~16: x is re-read from
 // L2 by every block (x traffic ~ 4 M / (cols_per_block * weight bytes) times the weight
 // traffic) and FMA issue dominates for FP8 / NVFP4: stage an x tile in shared memory for
 // more columns per block, or hand over to the CUTLASS path; (3) NVFP4 / FP8 dequantize
@@ -82,6 +93,7 @@
 #include "backend/cuda/cuda_check.cuh"
 #include "backend/cuda/kernel_util.cuh"
 #include "backend/cuda/layout.h"
+#include "backend/cuda/scratch.h"
 #include "backend/cuda/weight_view.cuh"
 #include "dflash2/error.h"
 
@@ -99,6 +111,13 @@ constexpr unsigned kFull = 0xffffffffu;
 
 // Blocks that keep every SM of an H100 / H200 (132) busy twice over.
 constexpr int64_t kFillBlocks = 2 * 132;
+// The block split's target: the 4 blocks per SM the launch bounds allow (memory-bound
+// decode shapes want every SM's loads in flight), at most kMaxSplits blocks per column group,
+// and rows of at most kSplitRows per launch (a verify step of 32 x 8 rows is one launch; the
+// partial sums' scratch, S x 256 x N floats, stays under 4.3 MB since S N < 4 x 528).
+constexpr int64_t kSplitFillBlocks = 4 * 132;
+constexpr int kMaxSplits = 8;
+constexpr int64_t kSplitRows = 256;
 
 // Warps splitting one column group's K: a function of K and N only, never of M (see
 // Numerics). From K: each lane keeps ~8+ chunks; then, while N's blocks (16 / KS columns
@@ -112,6 +131,20 @@ inline int k_split(int64_t K, int64_t N) {
   return ks;
 }
 
+// Blocks splitting one column group's K after the warps have (KS = 4: the block holds one
+// column group of kNC columns): a function of K and N only (see Numerics). While the grid
+// would leave SMs short of kSplitFillBlocks, the split doubles as long as every lane of
+// every split keeps at least one 8-element chunk. GLM-5.3's small-N decode projections at
+// K = 6144: kv_a (N = 576) 144 -> 576 blocks, the router (256) 64 -> 256, the indexer's wk
+// (128) 32 -> 128 and weights_proj (32) 8 -> 32.
+inline int block_split(int64_t K, int64_t N, int ks) {
+  if (ks < kWarps) return 1;
+  const int64_t chunks = K / 8, bx = (N + kNC - 1) / kNC;
+  int s = 1;
+  while (s < kMaxSplits && bx * s < kSplitFillBlocks && chunks >= int64_t(2 * s) * 32 * kWarps) s *= 2;
+  return s;
+}
+
 struct GemmArgs {
   WeightView w;          // head 0's weight; N, K
   int64_t w_head_bytes;  // byte step between heads' weights (linear: 0)
@@ -121,6 +154,10 @@ struct GemmArgs {
   int64_t ldy, y_head;
   int64_t M, G;          // rows (tokens), heads
   int ks;                // k_split(K, N)
+  int splits;            // block_split(K, N, ks) (heads: 1); grid z
+  int64_t split_chunks;  // 8-element chunks per split (the last split takes what is left)
+  float* part;           // splits > 1: the splits' partial sums [splits, M, N] (scratch)
+  uint32_t* arrivals;    // splits > 1: per column block, its splits done so far (zeroed_counters)
   bool x_vec;            // x rows can be read as float4 at every 8-element chunk
   bool accumulate;
 };
@@ -203,6 +240,11 @@ __global__ void __launch_bounds__(kThreads, min_blocks<F, kVec>()) linear_kernel
   const int tk = kp * 32 + lane, T = 32 * ks;
   const int64_t N = a.w.N, K = a.w.K, C = K / 8;
   const int tail = int(K - 8 * C);
+  // this block's split of the chunks (one split: all of them); the K % 8 tail goes to the last
+  const int z = int(blockIdx.z);
+  const int64_t c_begin = int64_t(z) * a.split_chunks;
+  const int64_t c_end = c_begin + a.split_chunks < C ? c_begin + a.split_chunks : C;
+  const bool tail_here = z == a.splits - 1;
   const int64_t n_base = int64_t(blockIdx.x) * (groups * kNC) + int64_t(cg) * kNC;
   const bool active = n_base < N;  // warp-uniform; inactive warps still join the barriers
   int64_t ncol[kNC];               // clamped for loads
@@ -227,18 +269,18 @@ __global__ void __launch_bounds__(kThreads, min_blocks<F, kVec>()) linear_kernel
 
       if (active) {
         float wn[kNC][8];
-        int64_t c = tk;
-        if (c < C) {
+        int64_t c = c_begin + tk;
+        if (c < c_end) {
 #pragma unroll
           for (int j = 0; j < kNC; ++j) detail::w_load8<F, kVec>(w, ncol[j], 8 * c, wn[j]);
         }
-        for (; c < C; c += T) {
+        for (; c < c_end; c += T) {
           float wc[kNC][8];
 #pragma unroll
           for (int j = 0; j < kNC; ++j)
 #pragma unroll
             for (int e = 0; e < 8; ++e) wc[j][e] = wn[j][e];
-          if (c + T < C) {
+          if (c + T < c_end) {
 #pragma unroll
             for (int j = 0; j < kNC; ++j) detail::w_load8<F, kVec>(w, ncol[j], 8 * (c + T), wn[j]);
           }
@@ -254,7 +296,7 @@ __global__ void __launch_bounds__(kThreads, min_blocks<F, kVec>()) linear_kernel
             }
           }
         }
-        if (tk < tail) {
+        if (tail_here && tk < tail) {
           const int64_t k = 8 * C + tk;
           float wt[kNC];
 #pragma unroll
@@ -282,10 +324,36 @@ __global__ void __launch_bounds__(kThreads, min_blocks<F, kVec>()) linear_kernel
         __syncthreads();  // part is rewritten by the next tile
       }
       if (kp == 0 && writer && r < rows && n < N) {
-        float* out = yg + (m0 + r) * a.ldy + n;
-        *out = a.accumulate ? __fadd_rn(*out, s) : s;
+        if (a.splits == 1) {
+          float* out = yg + (m0 + r) * a.ldy + n;
+          *out = a.accumulate ? __fadd_rn(*out, s) : s;
+        } else {
+          a.part[(int64_t(z) * a.M + m0 + r) * N + n] = s;  // G == 1 with splits
+        }
       }
     }
+  }
+  if (a.splits > 1) {
+    // The block of a column group that finishes last adds the splits' partial sums in split
+    // order (so the result is the same whichever block that is) and writes y; the others'
+    // writes are visible to it: each block fences them before it counts itself in.
+    __shared__ bool last;
+    __threadfence();
+    __syncthreads();
+    if (threadIdx.x == 0) last = atomicAdd(&a.arrivals[blockIdx.x], 1u) == uint32_t(a.splits - 1);
+    __syncthreads();
+    if (!last) return;
+    __threadfence();
+    const int64_t n0 = int64_t(blockIdx.x) * kNC;  // splits > 1 only with KS = kWarps: one column group
+    for (int64_t i = threadIdx.x; i < a.M * kNC; i += kThreads) {
+      const int64_t m = i / kNC, n = n0 + i % kNC;
+      if (n >= N) continue;
+      float s = __ldcg(a.part + m * N + n);
+      for (int q = 1; q < a.splits; ++q) s = __fadd_rn(s, __ldcg(a.part + (int64_t(q) * a.M + m) * N + n));
+      float* out = a.y + m * a.ldy + n;
+      *out = a.accumulate ? __fadd_rn(*out, s) : s;
+    }
+    if (threadIdx.x == 0) a.arrivals[blockIdx.x] = 0u;  // zero again for the next launch on this stream
   }
 }
 
@@ -302,13 +370,24 @@ void launch_fmt(const GemmArgs& a, bool wvec, dim3 grid) {
   }
 }
 
-// Fills the launch-shape fields of `a` (ks, x_vec), picks the instantiation and launches.
+// Fills the launch-shape fields of `a` (ks, splits, x_vec), picks the instantiation and
+// launches (with splits, one launch per kSplitRows rows: each row's sums are the same in any).
 void run(GemmArgs& a, int64_t N, const char* what) {
   const int64_t K = a.w.K;
   a.ks = k_split(K, N);
+  a.splits = a.G == 1 ? block_split(K, N, a.ks) : 1;
+  a.split_chunks = (K / 8 + a.splits - 1) / a.splits;
   const int64_t cols_per_block = (kWarps / a.ks) * kNC;
   const int64_t bx = (N + cols_per_block - 1) / cols_per_block;
   DFLASH2_CHECK_ARG(bx <= int64_t(INT32_MAX), "cuda::", what, ": ", N, " output features are too many for one launch");
+  if (a.splits > 1) {
+    DFLASH2_INTERNAL(bx <= detail::kCounterWords, "cuda::", what, ": ", bx, " column blocks split");
+    int device = 0;
+    DFLASH2_CUDA_CHECK(cudaGetDevice(&device), "cuda::", what);
+    const int64_t rows = a.M < kSplitRows ? a.M : kSplitRows;
+    a.part = static_cast<float*>(detail::scratch(device, size_t(a.splits) * size_t(rows) * size_t(N) * 4));
+    a.arrivals = detail::zeroed_counters(device);
+  }
   a.x_vec = detail::aligned(a.x, 16) && (a.M == 1 || a.ldx % 4 == 0) && (a.G == 1 || a.x_head % 4 == 0);
   // every head's rows must take the vector load: check head 0 and the head step
   bool wvec = detail::weight_rows_vectorizable(a.w);
@@ -317,13 +396,23 @@ void run(GemmArgs& a, int64_t N, const char* what) {
     next.data += a.w_head_bytes;
     wvec = detail::weight_rows_vectorizable(next);
   }
-  const dim3 grid(unsigned(bx), unsigned(a.G < detail::kMaxGridY ? a.G : detail::kMaxGridY));
-  switch (a.w.fmt) {
-    case WFmt::F32: launch_fmt<WFmt::F32>(a, wvec, grid); break;
-    case WFmt::BF16: launch_fmt<WFmt::BF16>(a, wvec, grid); break;
-    case WFmt::F16: launch_fmt<WFmt::F16>(a, wvec, grid); break;
-    case WFmt::FP8: launch_fmt<WFmt::FP8>(a, wvec, grid); break;
-    case WFmt::NVFP4: launch_fmt<WFmt::NVFP4>(a, wvec, grid); break;
+  const dim3 grid(unsigned(bx), unsigned(a.G < detail::kMaxGridY ? a.G : detail::kMaxGridY), unsigned(a.splits));
+  auto launch = [&](const GemmArgs& b) {
+    switch (b.w.fmt) {
+      case WFmt::F32: launch_fmt<WFmt::F32>(b, wvec, grid); break;
+      case WFmt::BF16: launch_fmt<WFmt::BF16>(b, wvec, grid); break;
+      case WFmt::F16: launch_fmt<WFmt::F16>(b, wvec, grid); break;
+      case WFmt::FP8: launch_fmt<WFmt::FP8>(b, wvec, grid); break;
+      case WFmt::NVFP4: launch_fmt<WFmt::NVFP4>(b, wvec, grid); break;
+    }
+  };
+  if (a.splits == 1) return launch(a);
+  for (int64_t m0 = 0; m0 < a.M; m0 += kSplitRows) {  // the scratch holds kSplitRows rows' partials
+    GemmArgs b = a;
+    b.M = a.M - m0 < kSplitRows ? a.M - m0 : kSplitRows;
+    b.x = a.x + m0 * a.ldx;
+    b.y = a.y + m0 * a.ldy;
+    launch(b);
   }
 }
 

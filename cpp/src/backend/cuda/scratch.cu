@@ -69,6 +69,28 @@ void* scratch(int device, size_t bytes) {
   return b.p;
 }
 
+
+uint32_t* zeroed_counters(int device) {
+  static auto* counters = new std::map<std::pair<int, CUstream_st*>, void*>();  // never freed: process exit
+  CUstream_st* s = current_stream();
+  std::lock_guard<std::mutex> lock(g_mu);
+  void*& p = (*counters)[{device, s}];
+  if (p) return static_cast<uint32_t*>(p);
+  DeviceGuard guard(device);
+  cudaStreamCaptureStatus cap = cudaStreamCaptureStatusNone;
+  DFLASH2_CUDA_CHECK(cudaStreamIsCapturing(s, &cap), "zeroed_counters: cuda:", device);
+  DFLASH2_CHECK(cap == cudaStreamCaptureStatusNone, ErrorKind::Backend, "cuda counters: an op needs its counters on cuda:",
+                device, " first while its stream is being captured into a CUDA graph; run one eager step of the same "
+                "shapes before capturing");
+  void* q = device_malloc(size_t(kCounterWords) * 4, device);
+  const cudaError_t e = cudaMemsetAsync(q, 0, size_t(kCounterWords) * 4, s);  // before this stream's kernels
+  if (e != cudaSuccess) {
+    device_free(q, device);
+    detail::raise(e, "zeroing the counters", " cuda:", device);
+  }
+  p = q;
+  return static_cast<uint32_t*>(p);
+}
 }  // namespace dflash2::cuda::detail
 
 namespace dflash2::cuda {
