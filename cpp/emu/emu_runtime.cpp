@@ -617,6 +617,13 @@ cudaError_t set_error(cudaError_t e) {
   if (e != cudaSuccess) tl_error = e;
   return e;
 }
+// Marks `st`'s capture broken by `why` (the first violation is the one reported, as a GPU
+// reports the first). Under host_lock.
+void invalidate_locked(StreamState* st, const std::string& why) {
+  if (!st->capturing || !st->invalidated.empty()) return;
+  st->invalidated = why;
+  std::fprintf(stderr, "emu: %s: the capture is invalidated, as on a GPU\n", why.c_str());
+}
 // CUDA's stream-capture rules (the programming guide's "Prohibited and Unhandled
 // Operations"; cudaThreadExchangeStreamCaptureMode): while a capture that is not in relaxed
 // mode is in progress, a potentially unsafe call (one that allocates, frees or synchronizes
@@ -632,21 +639,16 @@ bool unsafe_during_capture(const char* call) {
     StreamState* st = kv.second;
     if (!st->capturing || st->mode == cudaStreamCaptureModeRelaxed) continue;
     if (st->mode == cudaStreamCaptureModeThreadLocal && st->capture_thread != std::this_thread::get_id()) continue;
-    if (st->invalidated.empty()) {
-      st->invalidated = std::string(call) + " during the capture (cudaErrorStreamCaptureUnsupported)";
-      std::fprintf(stderr, "emu: %s while a stream capture is in progress: the capture is invalidated, as on a GPU\n",
-                   call);
-    }
+    invalidate_locked(st, std::string(call) + " while a stream capture is in progress (cudaErrorStreamCaptureUnsupported)");
     broke = true;
   }
   return broke;
 }
 // A capture that broke a rule: the call's error, the capture invalidated (see above).
 cudaError_t break_capture(StreamState* st, cudaError_t e, const std::string& why) {
-  std::lock_guard<std::mutex> g(host_lock());
-  if (st->capturing && st->invalidated.empty()) {
-    st->invalidated = why;
-    std::fprintf(stderr, "emu: %s: the capture is invalidated, as on a GPU\n", why.c_str());
+  {
+    std::lock_guard<std::mutex> g(host_lock());
+    invalidate_locked(st, why);
   }
   return set_error(e);
 }

@@ -372,7 +372,7 @@ void launch_fmt(const GemmArgs& a, bool wvec, dim3 grid) {
 
 // Fills the launch-shape fields of `a` (ks, splits, x_vec), picks the instantiation and
 // launches (with splits, one launch per kSplitRows rows: each row's sums are the same in any).
-void run(GemmArgs& a, int64_t N, const char* what) {
+void run(GemmArgs& a, int64_t N, int device, const char* what) {
   const int64_t K = a.w.K;
   a.ks = k_split(K, N);
   a.splits = a.G == 1 ? block_split(K, N, a.ks) : 1;
@@ -382,8 +382,6 @@ void run(GemmArgs& a, int64_t N, const char* what) {
   DFLASH2_CHECK_ARG(bx <= int64_t(INT32_MAX), "cuda::", what, ": ", N, " output features are too many for one launch");
   if (a.splits > 1) {
     DFLASH2_INTERNAL(bx <= detail::kCounterWords, "cuda::", what, ": ", bx, " column blocks split");
-    int device = 0;
-    DFLASH2_CUDA_CHECK(cudaGetDevice(&device), "cuda::", what);
     const int64_t rows = a.M < kSplitRows ? a.M : kSplitRows;
     a.part = static_cast<float*>(detail::scratch(device, size_t(a.splits) * size_t(rows) * size_t(N) * 4));
     a.arrivals = detail::zeroed_counters(device);
@@ -468,7 +466,7 @@ void linear(const Tensor& x, const ops::Weight& w, Tensor& y, bool accumulate) {
   a.G = 1;
   a.accumulate = accumulate;
   detail::DeviceGuard guard(device);
-  run(a, N, "linear");
+  run(a, N, device, "linear");
   detail::check_launch("linear kernel launch", w.name, " ", x.describe(), " -> ", y.describe());
 }
 
@@ -516,8 +514,9 @@ void linear_heads(const Tensor& x, const Tensor& w, Tensor& y) {
   a.M = T;
   a.G = G;
   a.accumulate = false;
-  detail::DeviceGuard guard(x.device().index);
-  run(a, N, "linear_heads");
+  const int device = x.device().index;
+  detail::DeviceGuard guard(device);
+  run(a, N, device, "linear_heads");
   detail::check_launch("linear_heads kernel launch", x.describe(), " by ", w.describe());
 }
 

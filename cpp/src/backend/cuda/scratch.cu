@@ -36,6 +36,16 @@ std::map<std::pair<int, CUstream_st*>, Buf>& buffers() {
   static auto* m = new std::map<std::pair<int, CUstream_st*>, Buf>();  // never destroyed: freed by process exit
   return *m;
 }
+// Growing a stream's buffer while that stream is being captured would bake a pointer the
+// next growth frees into the graph: refused (the warm-up before a capture sizes them).
+void refuse_in_capture(CUstream_st* s, int device, const char* what, size_t bytes, size_t held) {
+  cudaStreamCaptureStatus cap = cudaStreamCaptureStatusNone;
+  DFLASH2_CUDA_CHECK(cudaStreamIsCapturing(s, &cap), what, ": cuda:", device);
+  DFLASH2_CHECK(cap == cudaStreamCaptureStatusNone, ErrorKind::Backend, "cuda ", what, ": an op needs ", bytes,
+                " bytes of ", what, " on cuda:", device, " (", held,
+                " held) while its stream is being captured into a CUDA graph; run one eager step of the same "
+                "shapes before capturing");
+}
 }  // namespace
 
 void* scratch(int device, size_t bytes) {
@@ -51,12 +61,7 @@ void* scratch(int device, size_t bytes) {
 #endif
   if (b.bytes >= bytes) return b.p;
   DeviceGuard guard(device);
-  cudaStreamCaptureStatus cap = cudaStreamCaptureStatusNone;
-  DFLASH2_CUDA_CHECK(cudaStreamIsCapturing(s, &cap), "scratch: cuda:", device);
-  DFLASH2_CHECK(cap == cudaStreamCaptureStatusNone, ErrorKind::Backend, "cuda scratch: an op needs ", bytes,
-                " bytes of scratch on cuda:", device, " (", b.bytes,
-                " held) while its stream is being captured into a CUDA graph; run one eager step of the same "
-                "shapes before capturing");
+  refuse_in_capture(s, device, "scratch", bytes, b.bytes);
   if (b.p) {
     DFLASH2_CUDA_CHECK(cudaStreamSynchronize(s), "scratch: cuda:", device);
     device_free(b.p, device);
@@ -69,7 +74,6 @@ void* scratch(int device, size_t bytes) {
   return b.p;
 }
 
-
 uint32_t* zeroed_counters(int device) {
   static auto* counters = new std::map<std::pair<int, CUstream_st*>, void*>();  // never freed: process exit
   CUstream_st* s = current_stream();
@@ -77,11 +81,7 @@ uint32_t* zeroed_counters(int device) {
   void*& p = (*counters)[{device, s}];
   if (p) return static_cast<uint32_t*>(p);
   DeviceGuard guard(device);
-  cudaStreamCaptureStatus cap = cudaStreamCaptureStatusNone;
-  DFLASH2_CUDA_CHECK(cudaStreamIsCapturing(s, &cap), "zeroed_counters: cuda:", device);
-  DFLASH2_CHECK(cap == cudaStreamCaptureStatusNone, ErrorKind::Backend, "cuda counters: an op needs its counters on cuda:",
-                device, " first while its stream is being captured into a CUDA graph; run one eager step of the same "
-                "shapes before capturing");
+  refuse_in_capture(s, device, "counters", size_t(kCounterWords) * 4, 0);
   void* q = device_malloc(size_t(kCounterWords) * 4, device);
   const cudaError_t e = cudaMemsetAsync(q, 0, size_t(kCounterWords) * 4, s);  // before this stream's kernels
   if (e != cudaSuccess) {
