@@ -263,17 +263,28 @@ def bf16_operands(x, w):
     return xr, wr
 
 
+# decode=True (the skinny kernel of generated tokens, gemm_sk.cu): K split over CTAs where N
+# is small (20 x 2048: 16 splits, 7 x 4096: 32), token tiles of 32 (M 33, 130), two launches
+# of 256 rows (M 260), N across 64-feature blocks and 16-feature warps (150, 70, 17).
+SK_SHAPES = [(1, 2048, 20), (33, 4096, 7), (260, 160, 70), (8, 512, 150)]
+
+
 @pytest.mark.parametrize("dev", DEVICES)
 @pytest.mark.parametrize("fmt", ["f32", "bf16", "f16", "fp8", "nvfp4"])
-def test_linear_bf16(dev, fmt):
+@pytest.mark.parametrize("decode", [False, True])
+def test_linear_bf16(dev, fmt, decode):
     need_device(dev, "linear_bf16")
+    if decode and dev == "cpu":
+        pytest.skip("the CPU has one kernel for both (decode is a CUDA kernel choice)")
     shapes = NVFP4_SHAPES if fmt == "nvfp4" else TC_SHAPES
+    if decode:
+        shapes = shapes + SK_SHAPES
     for (m, k, n) in shapes:
         rng = rng_for("linear_bf16", fmt, m, k, n)
         w, wref = make_weight(fmt, n, k, rng)
         x = rng.standard_normal((m, k)).astype(np.float32)
         out = Guarded((m, n), dev)
-        ops.linear_bf16(to_dev(x, dev), w if dev == "cpu" else w.to(dev), out=out.view)
+        ops.linear_bf16(to_dev(x, dev), w if dev == "cpu" else w.to(dev), out=out.view, decode=decode)
         got = out.result()
         xr, wr = bf16_operands(x, w)
         check("linear_bf16", got, xr @ wr.T)
@@ -282,29 +293,37 @@ def test_linear_bf16(dev, fmt):
 
 
 @pytest.mark.parametrize("dev", DEVICES)
-@pytest.mark.parametrize("fmt", ["fp8", "nvfp4"])  # nvfp4 on Hopper: the mainloop-dequantizing kernel
-def test_linear_bf16_rows_independent_of_batch(dev, fmt):
+@pytest.mark.parametrize("fmt,decode", [("fp8", False), ("nvfp4", False),  # nvfp4 on Hopper: the mainloop-dequantizing kernel
+                                        ("bf16", True), ("fp8", True), ("nvfp4", True)])
+def test_linear_bf16_rows_independent_of_batch(dev, fmt, decode):
     """A prompt token's projection must not depend on the chunk around it (the same
-    contract as linear): every row alone, and in slices, bitwise equal to the full batch."""
+    contract as linear): every row alone, and in slices, bitwise equal to the full batch.
+    decode=True: a generated token's, the same in a decode step and in a verify block (K
+    split over CTAs here: 2048 inputs for 40 features; rows past 256 in a second launch)."""
     need_device(dev, "linear_bf16")
-    rng = rng_for("bf16rows", fmt)
-    n, k, m = 150, 208, 150
+    if decode and dev == "cpu":
+        pytest.skip("the CPU has one kernel for both (decode is a CUDA kernel choice)")
+    rng = rng_for("bf16rows", fmt, decode)
+    n, k, m = (40, 2048, 300) if decode else (150, 208, 150)
     w, _ = make_weight(fmt, n, k, rng)
     w = w if dev == "cpu" else w.to(dev)
     x = rng.standard_normal((m, k)).astype(np.float32)
-    full = to_np(ops.linear_bf16(to_dev(x, dev), w)).copy()
-    for i in (0, 1, 63, 64, 127, 128, 149):
-        one = to_np(ops.linear_bf16(to_dev(x[i:i + 1], dev), w))
+    full = to_np(ops.linear_bf16(to_dev(x, dev), w, decode=decode)).copy()
+    for i in (0, 1, 31, 32, 63, 64, 127, 128, 149) + ((255, 256, 299) if decode else ()):
+        one = to_np(ops.linear_bf16(to_dev(x[i:i + 1], dev), w, decode=decode))
         assert np.array_equal(one[0], full[i]), f"row {i} differs when computed alone"
-    for j in (0, 5, 120):
-        part = to_np(ops.linear_bf16(to_dev(x[j:j + 17], dev), w))
+    for j in (0, 5, 120) + ((250,) if decode else ()):
+        part = to_np(ops.linear_bf16(to_dev(x[j:j + 17], dev), w, decode=decode))
         assert np.array_equal(part, full[j:j + 17]), f"rows {j}..{j + 16}"
 
 
 @pytest.mark.parametrize("dev", DEVICES)
 @pytest.mark.parametrize("ypad", [0, 1])  # row stride N (aligned) or N + 1 (the staged store)
-def test_linear_bf16_accumulate_and_strided_rows(dev, ypad):
+@pytest.mark.parametrize("decode", [False, True])
+def test_linear_bf16_accumulate_and_strided_rows(dev, ypad, decode):
     need_device(dev, "linear_bf16")
+    if decode and dev == "cpu":
+        pytest.skip("the CPU has one kernel for both (decode is a CUDA kernel choice)")
     rng = rng_for("bf16acc", ypad)
     wc, _ = make_weight("bf16", 20, 40, rng)
     w = wc if dev == "cpu" else wc.to(dev)
@@ -313,11 +332,32 @@ def test_linear_bf16_accumulate_and_strided_rows(dev, ypad):
     y0 = rng.standard_normal((6, 20 + ypad)).astype(np.float32)
     ybuf = to_dev(y0.copy(), dev)  # (the CPU view shares memory)
     y = ybuf.slice(1, 0, 20)
-    ops.linear_bf16(to_dev(np.ascontiguousarray(xbig), dev).slice(1, 8, 48), w, out=y, accumulate=True)
+    ops.linear_bf16(to_dev(np.ascontiguousarray(xbig), dev).slice(1, 8, 48), w, out=y, accumulate=True,
+                    decode=decode)
     xr, wr = bf16_operands(x, wc)
     got = to_np(ybuf)
     check("linear_bf16", got[:, :20], y0[:, :20] + xr @ wr.T)
     assert np.array_equal(got[:, 20:], y0[:, 20:]), "wrote outside y's columns"
+
+
+@pytest.mark.parametrize("fmt,lo", [("bf16", 4), ("f16", 4), ("nvfp4", 16), ("fp8", 128)])
+def test_linear_bf16_decode_column_views_cuda(fmt, lo):
+    """decode=True over a weight's column view (ops.Weight.cols): rows that start 8 bytes
+    past a 16-byte boundary (BF16 / F16 from column 4, NVFP4 from 16: the element-wise
+    loads) or aligned (FP8 from 128), a split K (2048 inputs, 24 features: 16 CTAs) with
+    accumulate (the split reduction adds y), against the CPU on the same view."""
+    need_device("cuda", "linear_bf16")
+    rng = rng_for("bf16sk-cols", fmt)
+    n, k, m = 24, 2048, 9
+    wfull, _ = make_weight(fmt, n, k + 2 * lo, rng)
+    wc = wfull.cols(lo, lo + k)
+    xs = rng.standard_normal((m, k)).astype(np.float32)
+    y0 = rng.standard_normal((m, n)).astype(np.float32)
+    want = y0.copy()
+    ops.linear_bf16(xs, wc, out=want, accumulate=True)
+    yd = to_dev(y0.copy(), "cuda")
+    ops.linear_bf16(to_dev(xs, "cuda"), wfull.to("cuda").cols(lo, lo + k), out=yd, accumulate=True, decode=True)
+    check("linear_bf16", to_np(yd), want, tol=1e-10)
 
 
 def test_linear_bf16_errors_and_availability():

@@ -16,7 +16,9 @@
 // tensor-core GEMM) runs at prefill sizes T in {256, 1024, 4096} ({256, 1024} with --quick)
 // against cuBLASLt's BF16 GEMM, and linear_fp8 (FP8 checkpoints' W8A8 prefill GEMM, sm_90a / sm_100a / sm_103a)
 // at the same sizes against cuBLASLt's block-scaled FP8 GEMM, and linear_nvfp4 (W4A4,
-// sm_100a / sm_103a) on the MLP shapes against cuBLASLt's NVFP4 GEMM.
+// sm_100a / sm_103a) on the MLP shapes against cuBLASLt's NVFP4 GEMM. linear_bf16_decode (the
+// tensor-core GEMM of generated tokens, decode_gemm="bf16": gemm_sk.cu) runs at the decode
+// sizes T above, BF16 / FP8 / NVFP4 weights read in place, against cuBLASLt's BF16 GEMM.
 //
 // L2: a weight that fits in L2 would be re-read from L2 by back-to-back calls, unlike in a
 // model step, where every layer has its own weights. Cases whose operands are small keep
@@ -852,6 +854,43 @@ void bench_linear(Bench& b, const std::vector<int64_t>& Ts, int major) {
   }
 }
 
+void linear_bf16_prompt(const Tensor& x, const ops::Weight& w, Tensor& y, bool acc) {
+  ops::linear_bf16(x, w, y, acc, /*decode=*/false);
+}
+void linear_bf16_decode(const Tensor& x, const ops::Weight& w, Tensor& y, bool acc) {
+  ops::linear_bf16(x, w, y, acc, /*decode=*/true);
+}
+
+// Generated tokens on the tensor cores (decode_gemm="bf16": ops::linear_bf16(..., decode =
+// true), the skinny split-K kernel of gemm_sk.cu) at the decode / verify sizes of
+// bench_linear, every weight format read in place (BF16, FP8 as W8A16, NVFP4 as W4A16),
+// against cuBLASLt's BF16 GEMM on the same shape (a BF16 weight: for FP8 / NVFP4 weights it
+// reads 2x / 3.6x the bytes, so the fraction of copy bandwidth is the fairer figure there);
+// the exact SIMT GEMV (bench_linear's "linear" rows) is the other baseline in the same run.
+void bench_linear_sk(Bench& b, const std::vector<int64_t>& Ts, int major) {
+  if (!ops::linear_bf16_available(on_gpu() ? Device::cuda(0) : Device::cpu())) {
+    std::printf("linear_bf16 decode: no tensor-core GEMM for this device in this build (skipped)\n");
+    return;
+  }
+  const std::vector<Proj> ps = {
+      {"q_a_proj", G.q_lora, G.hidden, false, false},
+      {"q_b_proj h16", 16 * G.qk(), G.q_lora, false, false},
+      {"kv_a_proj", G.latent(), G.hidden, true, false},
+      {"o_proj h16", G.hidden, 16 * G.v, false, false},
+      {"idx.wk", G.idx_dim, G.hidden, false, false},
+      {"shared gate|up", G.moe_inter, G.hidden, true, false},
+      {"shared down", G.hidden, G.moe_inter, false, false},
+      {"lm_head tp4", G.vocab / 4, G.hidden, false, false},
+  };
+  for (const Proj& p : ps) {
+    if (b.opt.quick && !p.quick) continue;
+    for (Fmt f : {Fmt::BF16, Fmt::FP8, Fmt::NVFP4})
+      for (int64_t T : Ts)
+        gemm_case(b, Result{"linear_bf16_decode", p.name + " " + dims({p.N, p.K}), fmt_name(f), t_label(T), T}, p,
+                  f, Fmt::BF16, T, major, &linear_bf16_decode);
+  }
+}
+
 // Prompt chunks on the tensor cores (ops::linear_bf16: CUTLASS wgmma / tcgen05) at prefill
 // sizes, against cuBLASLt's BF16 GEMM on the same shape. FP8 weights take the same path
 // after a dequantize-to-BF16 pass (counted in our time), so their baseline is BF16 too.
@@ -878,7 +917,7 @@ void bench_linear_tc(Bench& b, const std::vector<int64_t>& Ts, int major) {
     for (Fmt f : {Fmt::BF16, Fmt::FP8, Fmt::NVFP4})
       for (int64_t T : Ts)
         gemm_case(b, Result{"linear_bf16", p.name + " " + dims({p.N, p.K}), fmt_name(f), "prefill chunk", T}, p, f,
-                  Fmt::BF16, T, major, &ops::linear_bf16);
+                  Fmt::BF16, T, major, &linear_bf16_prompt);
     // FP8 checkpoints' W8A8 GEMM (prefill_gemm="fp8"; sm_90a, sm_100a / sm_103a): the activation quantization
     // is in our time; the baseline is cuBLASLt's block-scaled FP8 GEMM on the same shape
     // (per-tensor scales where it offers no block scaling: said in cublaslt_kind).
@@ -1506,6 +1545,7 @@ int main(int argc, char** argv) {
     if (opt.cpu_smoke) Ts = {1, 8};
     bench_linear(b, Ts, di.major);
     bench_linear_heads(b, Ts, di.major);
+    bench_linear_sk(b, Ts, di.major);
     bench_linear_tc(b, opt.cpu_smoke ? Ts : opt.quick ? std::vector<int64_t>{256, 1024}
                                                       : std::vector<int64_t>{256, 1024, 4096}, di.major);
     bench_mla(b);

@@ -127,9 +127,22 @@ void bind_ops(py::module_& m) {
         py::arg("x"), py::arg("weight"), py::arg("out") = py::none(), py::arg("accumulate") = false, doc);
   };
   bind_linear("linear", &ops::linear, "y[M, N] = x[M, K] @ W^T (fp32 accumulation; W dequantized in registers).");
-  bind_linear("linear_bf16", &ops::linear_bf16,
-              "y = bf16(x) @ bf16(W)^T, fp32 accumulation: the tensor-core numerics of prompt tokens (CUTLASS on "
-              "sm_90a / sm_100a / sm_103a, emulated on the CPU).");
+  o.def(
+      "linear_bf16",
+      [](py::handle x, const ops::Weight& w, py::handle out, bool accumulate, bool decode) {
+        Tensor xt = tensor_from_python(x, "x");
+        Tensor y = out_or_new(out, DType::F32, {xt.ndim() == 2 ? xt.shape(0) : 0, w.out_features}, xt.device());
+        {
+          py::gil_scoped_release nogil;
+          ops::linear_bf16(xt, w, y, accumulate, decode);
+        }
+        return y;
+      },
+      py::arg("x"), py::arg("weight"), py::arg("out") = py::none(), py::arg("accumulate") = false,
+      py::arg("decode") = false,
+      "y = bf16(x) @ bf16(W)^T, fp32 accumulation: the tensor-core numerics of prompt tokens (CUTLASS on sm_90a / "
+      "sm_100a / sm_103a, emulated on the CPU); decode=True: the kernel of generated tokens' few rows (CUDA: the "
+      "skinny split-K GEMM, same numerics; the CPU has one kernel).");
   o.def("linear_bf16_available", [](const std::string& dev) { return ops::linear_bf16_available(Device::parse(dev)); },
         py::arg("device"), "Whether linear_bf16 runs on this device in this build.");
   bind_linear("linear_fp8", &ops::linear_fp8,

@@ -378,4 +378,59 @@ TEST(dq_grouped_tiles_cover_every_row_once) {
   }
 }
 
+// gemm_sk.cu: every lane's segments cover each input of a stage once (per row), the x tile's
+// swizzle is a bijection within each row, and each 8-lane phase of a B-fragment load
+// touches 8 distinct 16-byte bank groups.
+TEST(sk_stage_mapping_and_swizzle) {
+  for (const int E : {8, 16, 32}) {
+    const int64_t SK = L::sk_stage_k(E);
+    CHECK(SK == 4 * L::sk_segs(E) * E && SK % 128 == 0);
+    std::vector<int> seen(size_t(SK), 0);
+    for (int t = 0; t < 4; ++t)
+      for (int i = 0; i < L::sk_segs(E); ++i)
+        for (int e = 0; e < E; ++e) {
+          const int64_t k = L::sk_k(E, t, i, e);
+          CHECK(k >= 0 && k < SK);
+          ++seen[size_t(k)];
+          // the chunk a group reads is the one holding these inputs
+          CHECK(L::sk_lane_chunk(E, t, i, e / 8) == int(k / 8));
+        }
+    CHECK(std::all_of(seen.begin(), seen.end(), [](int c) { return c == 1; }));
+    const int chunks = int(SK / 8);
+    for (int r = 0; r < L::kSkTok; ++r) {
+      std::vector<int> hit(size_t(chunks), 0);
+      for (int c = 0; c < chunks; ++c) {
+        const int at = L::sk_x_chunk(r, c, E);
+        CHECK(at >= r * chunks && at < (r + 1) * chunks);
+        ++hit[size_t(at - r * chunks)];
+      }
+      CHECK(std::all_of(hit.begin(), hit.end(), [](int c) { return c == 1; }));
+    }
+    for (int p = 0; p < 16; ++p)  // phase p: lanes 8p .. 8p + 7 (rows 2p, 2p + 1 of one n-tile... mod 8)
+      for (int i = 0; i < L::sk_segs(E); ++i)
+        for (int h = 0; h < E / 8; ++h) {
+          std::vector<int> bank(8, 0);
+          for (int l = 0; l < 8; ++l) {
+            const int row = (2 * p + l / 4) % L::kSkTok, t = l % 4;
+            ++bank[size_t(L::sk_x_chunk(row, L::sk_lane_chunk(E, t, i, h), E) % 8)];
+          }
+          CHECK(std::all_of(bank.begin(), bank.end(), [](int c) { return c == 1; }));
+        }
+  }
+}
+
+TEST(sk_splits_depend_on_n_k_only_and_cover_k) {
+  for (const int E : {8, 16, 32})
+    for (const int64_t N : {1, 8, 64, 150, 576, 2048, 6144, 16384, 154880})
+      for (const int64_t K : {1, 16, 200, 512, 2048, 6144, 16384}) {
+        const int S = L::sk_splits(N, K, E);
+        const int64_t stages = (K + L::sk_stage_k(E) - 1) / L::sk_stage_k(E);
+        CHECK(S >= 1 && S <= L::kSkMaxSplits && (S & (S - 1)) == 0 && S <= std::max<int64_t>(stages, 1));
+        CHECK(L::sk_split_begin(stages, S, 0) == 0 && L::sk_split_begin(stages, S, S) == stages);
+        for (int z = 0; z < S; ++z) CHECK(L::sk_split_begin(stages, S, z + 1) > L::sk_split_begin(stages, S, z));
+      }
+  // GLM-5.3's small-N projections split; the wide ones do not need to
+  CHECK(L::sk_splits(576, 6144, 8) == 32 && L::sk_splits(6144, 6144, 8) == 8 && L::sk_splits(154880, 6144, 8) == 1);
+}
+
 TEST_MAIN()

@@ -93,7 +93,13 @@ void linear(const Tensor& x, const Weight& w, Tensor& y, bool accumulate = false
 // CUDA path, which runs CUTLASS wgmma on sm_90a and tcgen05 on sm_100a / sm_103a, and for
 // NVFP4 weights on sm_90a a BF16 mma.sync kernel dequantizing them in its main loop). As with
 // linear, a row's result never depends on the other rows or on M. Shapes as linear.
-void linear_bf16(const Tensor& x, const Weight& w, Tensor& y, bool accumulate = false);
+// decode = true picks the kernel for the few rows of generated tokens (decode and verify
+// chunks, small draft batches): on CUDA the skinny GEMM (gemm_sk.cu: the weight as the MMA's
+// A operand, K split over CTAs as N and K say, never M), the same numerics and the same
+// oracle; the CPU has one kernel for both. A row's result is the same for every M under
+// either value, but may differ between them (different summation orders): a caller keeps
+// one value per kind of chunk (the engine: prompt chunks false, decode / verify chunks true).
+void linear_bf16(const Tensor& x, const Weight& w, Tensor& y, bool accumulate = false, bool decode = false);
 // Whether linear_bf16 runs on `dev` in this build (the CPU always; a GPU when a CUTLASS
 // kernel for its architecture was built).
 bool linear_bf16_available(Device dev);
@@ -151,8 +157,10 @@ enum class GemmNumerics : uint8_t {
   NVFP4,  // linear_nvfp4 for NVFP4 weights with an input_scale, linear_bf16 for the others
 };
 const char* gemm_numerics_name(GemmNumerics g);  // "exact", "bf16", "fp8", "nvfp4"
-// linear / linear_bf16 / linear_fp8 / linear_nvfp4 as `g` says for this weight.
-void linear_as(GemmNumerics g, const Tensor& x, const Weight& w, Tensor& y, bool accumulate = false);
+// linear / linear_bf16 / linear_fp8 / linear_nvfp4 as `g` says for this weight; `decode` is
+// linear_bf16's (the other GEMMs have one kernel for every M).
+void linear_as(GemmNumerics g, const Tensor& x, const Weight& w, Tensor& y, bool accumulate = false,
+               bool decode = false);
 
 // NVFP4 activation quantization as a Blackwell W4A4 GEMM applies it (the CPU emulation that
 // gives the NVFP4 tensor-core path its reference: W4A4 = linear(nvfp4_quantize_act(x), w)).
@@ -183,9 +191,9 @@ void rope(Tensor& x, const Tensor& positions, double theta, RopeStyle style);
 void silu_mul(const Tensor& gate, const Tensor& up, Tensor& out);
 // out[M, D] = down(silu(gate x) * up x); scratch must hold 2*M*F floats (F = gate.out_features).
 // The three projections run as linear_as(numerics, ...) (prompt tokens may take the
-// tensor-core numerics; decode / verify rows always run Exact).
+// tensor-core numerics, decode / verify rows decode_gemm's, with decode = true).
 void gated_mlp(const Tensor& x, const Weight& gate, const Weight& up, const Weight& down,
-               Tensor& out, Tensor& scratch, GemmNumerics numerics = GemmNumerics::Exact);
+               Tensor& out, Tensor& scratch, GemmNumerics numerics = GemmNumerics::Exact, bool decode = false);
 
 // Row-wise softmax of scale * x over the last dim (F32).
 void softmax(const Tensor& x, Tensor& out, float scale = 1.0f);

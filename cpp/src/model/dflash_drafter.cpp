@@ -395,30 +395,30 @@ void DFlashDrafter::draft_rows(const TokenBatch& batch, const std::vector<Tensor
     // attention sublayer
     ops::rms_norm(x, L.in_norm, c.rms_norm_eps, y);
     if (c.v2) {
-      ops::linear_as(gemm_, y, L.att_proj, dyn);
+      ops::linear_as(gemm_, y, L.att_proj, dyn, false, /*decode=*/true);
       ops::dyn_conv(y, L.att_base.select(0, 0), dyn.slice(1, 0, 2 * G), B, y);
     }
     Tensor q2 = q.reshape({T, nh * hd}), k2 = kb.reshape({T, kvh * hd}), v2 = vb.reshape({T, kvh * hd});
-    ops::linear_as(gemm_, y, L.q, q2);
-    ops::linear_as(gemm_, y, L.k, k2);
-    ops::linear_as(gemm_, y, L.v, v2);
+    ops::linear_as(gemm_, y, L.q, q2, false, /*decode=*/true);
+    ops::linear_as(gemm_, y, L.k, k2, false, /*decode=*/true);
+    ops::linear_as(gemm_, y, L.v, v2, false, /*decode=*/true);
     ops::rms_norm(q, L.q_norm, c.rms_norm_eps, q);
     ops::rms_norm(kb, L.k_norm, c.rms_norm_eps, kb);
     ops::rope(q, batch.paged.pos, c.rope_theta, ops::RopeStyle::NeoX);
     ops::rope(kb, batch.paged.pos, c.rope_theta, ops::RopeStyle::NeoX);
     ba.window = c.window[size_t(l)];
     ops::block_attention(q, kb, vb, kv_layers[size_t(l)], batch.ctx_len, batch.paged.block_table, ba, att);
-    ops::linear_as(gemm_, att.reshape({T, nh * hd}), L.o, ob);
+    ops::linear_as(gemm_, att.reshape({T, nh * hd}), L.o, ob, false, /*decode=*/true);
     all_reduce(ob);  // split: the ranks' heads
     if (c.v2) ops::dyn_conv(ob, L.att_base.select(0, 1), dyn.slice(1, 2 * G, 4 * G), B, ob);
     ops::add(x, ob, x);
     // MLP sublayer
     ops::rms_norm(x, L.post_norm, c.rms_norm_eps, y);
     if (c.v2) {
-      ops::linear_as(gemm_, y, L.mlp_proj, dyn);
+      ops::linear_as(gemm_, y, L.mlp_proj, dyn, false, /*decode=*/true);
       ops::dyn_conv(y, L.mlp_base.select(0, 0), dyn.slice(1, 0, 2 * G), B, y);
     }
-    ops::gated_mlp(y, L.gate, L.up, L.down, ob, scratch, gemm_);
+    ops::gated_mlp(y, L.gate, L.up, L.down, ob, scratch, gemm_, /*decode=*/true);
     all_reduce(ob);  // split: the ranks' intermediate slices
     if (c.v2) ops::dyn_conv(ob, L.mlp_base.select(0, 1), dyn.slice(1, 2 * G, 4 * G), B, ob);
     ops::add(x, ob, x);
@@ -429,7 +429,7 @@ void DFlashDrafter::draft_rows(const TokenBatch& batch, const std::vector<Tensor
   ops::gather_rows(y, logit_rows_.slice(0, 0, R), hrows);
   if (head_topk() > 0 && rank_ == 0) {  // the selector's low-rank factors of the same rows (it walks on rank 0)
     Tensor g = b.g.slice(0, 0, R);
-    ops::linear_as(gemm_, hrows, sel_proj_, g);
+    ops::linear_as(gemm_, hrows, sel_proj_, g, false, /*decode=*/true);
   }
 }
 
@@ -445,7 +445,7 @@ void DFlashDrafter::draft_head(int64_t S, DraftOutputs& out) {
   const int64_t R = S * (cfg_.block_size - 1), K = head_topk();
   Bufs b = draft_bufs(S);
   Tensor hrows = b.hrows.slice(0, 0, R), logits = b.logits.slice(0, 0, R);
-  ops::linear_as(gemm_, hrows, lm_head_, logits);
+  ops::linear_as(gemm_, hrows, lm_head_, logits, false, /*decode=*/true);
   if (K == 0) {
     Tensor toks = out.tokens.reshape({R});
     return ops::argmax(logits, toks);

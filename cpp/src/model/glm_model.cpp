@@ -490,7 +490,8 @@ bool GlmModel::has_nvfp4_weights() const {
 
 // ------------------------------------------------------------------ one decoder layer
 void GlmModel::layer_forward(const Layer& L, const Tensor& latent, const Tensor& index_keys, const TokenBatch& tb,
-                             Bufs& b, Tensor& h, bool& have_sel, ops::GemmNumerics tc, ops::GemmNumerics ex) {
+                             Bufs& b, Tensor& h, bool& have_sel, ops::GemmNumerics tc, ops::GemmNumerics ex,
+                             bool decode) {
   const GlmConfig& c = cfg_;
   const int64_t T = tb.T, nh = c.num_heads / opt_.tp_size, qk = c.qk_head_dim(), nope = c.qk_nope_head_dim,
                 rope = c.qk_rope_head_dim, kvl = c.kv_lora_rank, lat = c.latent_dim();
@@ -498,8 +499,8 @@ void GlmModel::layer_forward(const Layer& L, const Tensor& latent, const Tensor&
   const Attn& a = L.attn;
   const Tensor& positions = tb.paged.pos;
   // the chunk's projection numerics (Options::prefill / decode: the tensor cores when not Exact)
-  auto lin = [tc](const Tensor& x, const ops::Weight& w, Tensor& y, bool acc = false) {
-    ops::linear_as(tc, x, w, y, acc);
+  auto lin = [tc, decode](const Tensor& x, const ops::Weight& w, Tensor& y, bool acc = false) {
+    ops::linear_as(tc, x, w, y, acc, decode);
   };
   // --- MLA projections (q_a_layernorm / kv_a_layernorm use eps 1e-6, as transformers does)
   ops::rms_norm(h, L.in_norm, c.rms_norm_eps, b.x);
@@ -551,7 +552,7 @@ void GlmModel::layer_forward(const Layer& L, const Tensor& latent, const Tensor&
   ops::rms_norm(h, L.post_norm, c.rms_norm_eps, b.x);
   const Mlp& m = L.mlp;
   if (!m.moe) {
-    ops::gated_mlp(b.x, m.gate, m.up, m.down, b.mlp_out, b.scratch, tc);
+    ops::gated_mlp(b.x, m.gate, m.up, m.down, b.mlp_out, b.scratch, tc, decode);
   } else {
     Tensor logits = b.router.slice(0, 0, T);
     ops::linear(b.x, m.router, logits);  // exact: routing decisions
@@ -565,7 +566,7 @@ void GlmModel::layer_forward(const Layer& L, const Tensor& latent, const Tensor&
     // the routed experts on a grouped tensor-core GEMM too (set_prefill / set_decode)
     ops::moe_experts(b.x, b.rids, b.rw, m.experts, b.mlp_out, b.moe_ws, ex);
     if (m.has_shared) {
-      ops::gated_mlp(b.x, m.gate, m.up, m.down, b.shared_out, b.scratch, tc);
+      ops::gated_mlp(b.x, m.gate, m.up, m.down, b.shared_out, b.scratch, tc, decode);
       ops::add(b.mlp_out, b.shared_out, b.mlp_out);
     }
   }
@@ -621,7 +622,7 @@ void GlmModel::vocab_head(const Tensor& rows, ops::GemmNumerics g, int64_t k, Te
                        gathered.shape(0) == opt_.tp_size && gathered.shape(1) == R && gathered.shape(2) == w,
                    "vocabulary-parallel head buffers ", local.describe(), ", ", packed.describe(), ", ",
                    gathered.describe(), " for ", R, " rows, k = ", k);
-  ops::linear_as(g, rows, lm_head_local_, local);
+  ops::linear_as(g, rows, lm_head_local_, local, false, /*decode=*/true);  // the drafter's few rows
   if (k > 0) {  // [values | ids] per row, the ids as I32 bits in the same floats
     Tensor v = packed.slice(1, 0, k);
     Tensor i = Tensor::view(packed.data(), DType::I32, {R, w}, {}, d).slice(1, k, w);
@@ -667,7 +668,8 @@ void GlmModel::forward(const TokenBatch& tb, const GlmCache& cache, const Forwar
   const G tc = out.exact ? G::Exact : out.prompt ? opt_.prefill : opt_.decode;
   const G ex = out.exact ? G::Exact : out.prompt ? experts_prefill_ : experts_decode_;
   for (int64_t l = 0; l < c.num_layers; ++l) {
-    layer_forward(*layers_[size_t(l)], cache.latent[size_t(l)], cache.index[size_t(l)], tb, b, h, have_sel, tc, ex);
+    layer_forward(*layers_[size_t(l)], cache.latent[size_t(l)], cache.index[size_t(l)], tb, b, h, have_sel, tc, ex,
+                  !out.prompt);
     for (size_t j = 0; j < out.tap_layers.size(); ++j)
       if (out.tap_layers[j] == l) {
         Tensor dst = out.taps.slice(1, int64_t(j) * H, int64_t(j + 1) * H);

@@ -156,10 +156,11 @@ class GlmModel {
 
  private:
   GlmModel() = default;
-  // tc: the projections' GEMM numerics; ex: the routed experts' (moe_experts)
+  // tc: the projections' GEMM numerics; ex: the routed experts' (moe_experts); decode: a
+  // decode / verify chunk (linear_bf16's kernel of generated tokens)
   void layer_forward(const Layer& L, const Tensor& latent, const Tensor& index_keys, const TokenBatch& tb, Bufs& b,
                      Tensor& h, bool& have_sel, ops::GemmNumerics tc = ops::GemmNumerics::Exact,
-                     ops::GemmNumerics ex = ops::GemmNumerics::Exact);
+                     ops::GemmNumerics ex = ops::GemmNumerics::Exact, bool decode = false);
   void embed(const Tensor& table, const TokenBatch& tb, Tensor& out);
   void project(const Tensor& rows, const ops::Weight& head, Bufs& b, Tensor& logits);
   // ForwardOutputs::argmax_only: this rank's (max, id) pairs gathered, merged into ids /

@@ -15,7 +15,7 @@ namespace dflash2::ops {
 
 #define DFLASH2_BACKEND_OPS(X)                                                                                      \
   X(linear, (const Tensor& x, const Weight& w, Tensor& y, bool accumulate))                                         \
-  X(linear_bf16, (const Tensor& x, const Weight& w, Tensor& y, bool accumulate))                                    \
+  X(linear_bf16, (const Tensor& x, const Weight& w, Tensor& y, bool accumulate, bool decode))                       \
   X(linear_fp8, (const Tensor& x, const Weight& w, Tensor& y, bool accumulate))                                     \
   X(linear_nvfp4, (const Tensor& x, const Weight& w, Tensor& y, bool accumulate))                                   \
   X(fp8_quantize_act, (const Tensor& x, Tensor& out))                                                               \

@@ -108,9 +108,9 @@ void linear(const Tensor& x, const Weight& w, Tensor& y, bool accumulate) {
   DFLASH2_DISPATCH(linear, x, x, w, y, accumulate);
 }
 
-void linear_bf16(const Tensor& x, const Weight& w, Tensor& y, bool accumulate) {
+void linear_bf16(const Tensor& x, const Weight& w, Tensor& y, bool accumulate, bool decode) {
   check_linear("linear_bf16", x, w, y);
-  DFLASH2_DISPATCH(linear_bf16, x, x, w, y, accumulate);
+  DFLASH2_DISPATCH(linear_bf16, x, x, w, y, accumulate, decode);
 }
 
 bool linear_bf16_available(Device dev) {
@@ -182,16 +182,16 @@ const char* gemm_numerics_name(GemmNumerics g) {
   return "?";
 }
 
-void linear_as(GemmNumerics g, const Tensor& x, const Weight& w, Tensor& y, bool accumulate) {
+void linear_as(GemmNumerics g, const Tensor& x, const Weight& w, Tensor& y, bool accumulate, bool decode) {
   switch (g) {
     case GemmNumerics::Exact: return linear(x, w, y, accumulate);
-    case GemmNumerics::BF16: return linear_bf16(x, w, y, accumulate);
+    case GemmNumerics::BF16: return linear_bf16(x, w, y, accumulate, decode);
     case GemmNumerics::FP8:
       if (w.format == WeightFormat::FP8Block128) return linear_fp8(x, w, y, accumulate);
-      return linear_bf16(x, w, y, accumulate);
+      return linear_bf16(x, w, y, accumulate, decode);
     case GemmNumerics::NVFP4:
       if (takes_w4a4(w)) return linear_nvfp4(x, w, y, accumulate);
-      return linear_bf16(x, w, y, accumulate);
+      return linear_bf16(x, w, y, accumulate, decode);
   }
 }
 
@@ -276,7 +276,7 @@ void silu_mul(const Tensor& gate, const Tensor& up, Tensor& out) {
 }
 
 void gated_mlp(const Tensor& x, const Weight& gate, const Weight& up, const Weight& down, Tensor& out,
-               Tensor& scratch, GemmNumerics numerics) {
+               Tensor& scratch, GemmNumerics numerics, bool decode) {
   const char* op = "gated_mlp";
   need_dtype(x, DType::F32, op, "x");
   DFLASH2_CHECK_ARG(x.ndim() == 2, op, ": x must be 2-D, found ", x.describe());
@@ -291,10 +291,10 @@ void gated_mlp(const Tensor& x, const Weight& gate, const Weight& up, const Weig
   Tensor flat = scratch.reshape({scratch.numel()});
   Tensor g = flat.slice(0, 0, M * F).reshape({M, F});
   Tensor u = flat.slice(0, M * F, 2 * M * F).reshape({M, F});
-  linear_as(numerics, x, gate, g, false);
-  linear_as(numerics, x, up, u, false);
+  linear_as(numerics, x, gate, g, false, decode);
+  linear_as(numerics, x, up, u, false, decode);
   silu_mul(g, u, g);
-  linear_as(numerics, g, down, out, false);
+  linear_as(numerics, g, down, out, false, decode);
 }
 
 void softmax(const Tensor& x, Tensor& out, float scale) {

@@ -223,6 +223,39 @@ std::string tc_gemm_self_check(Device dev, ops::GemmNumerics g, std::string* exp
       }
 #endif
       if (!why4.empty()) return why4;
+      // the kernel of generated tokens (linear_bf16 decode = true; on CUDA gemm_sk.cu, K split
+      // over 2 CTAs here) over the same three weights: against the CPU, and batch-invariant
+      auto check_sk = [&]() -> std::string {
+        for (const ops::Weight* wq : std::initializer_list<const ops::Weight*>{&wc, &w4, &w8}) {
+          const char* what = wq == &wc   ? "decode GEMM (F32 weight)"
+                             : wq == &w4 ? "decode GEMM (NVFP4 weight)"
+                                         : "decode GEMM (FP8 weight)";
+          const Tensor& xq = wq == &wc ? x : x4;
+          Tensor wantq = Tensor::empty(DType::F32, {M, N}), gotq = Tensor::empty(DType::F32, {M, N}, dev);
+          const ops::Weight wqd = wq->to(dev);
+          ops::linear_bf16(xq, *wq, wantq);
+          ops::linear_bf16(xq.to(dev), wqd, gotq, false, /*decode=*/true);
+          std::string s_why = compare(gotq, wantq, 1e-8, what);
+          if (s_why.empty())
+            s_why = batch_invariant(xq, gotq, what, [&](const Tensor& xm, Tensor& ym) {
+              ops::linear_bf16(xm, wqd, ym, false, /*decode=*/true);
+            });
+          if (!s_why.empty()) return s_why;
+        }
+        return "";
+      };
+      std::string why_sk = check_sk();
+#ifdef DFLASH2_WITH_CUDA
+      if (!why_sk.empty() && cuda::linear_sk_enabled()) {
+        // the skinny kernel failed: generated tokens take the prompt chunks' kernels (checked
+        // above; their rows are batch-invariant too) in this process
+        std::fprintf(stderr, "dflash2: the skinny decode GEMM failed its load-time check on %s (%s); generated "
+                     "tokens take the prompt chunks' tensor-core kernels instead\n", dev.str().c_str(), why_sk.c_str());
+        cuda::set_linear_sk_enabled(false);
+        why_sk = check_sk();
+      }
+#endif
+      if (!why_sk.empty()) return why_sk;
     }
     // The routed experts' grouped GEMM of prompt chunks where it runs: FP8 experts with the
     // FP8 numerics (the CUTLASS grouped kernel), NVFP4 and BF16 experts with the BF16 ones

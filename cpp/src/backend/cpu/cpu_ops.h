@@ -48,7 +48,7 @@ inline const float* paged_row(const Tensor& cache, const ops::PagedTokens& tok, 
 }
 
 void linear(const Tensor& x, const ops::Weight& w, Tensor& y, bool accumulate);
-void linear_bf16(const Tensor& x, const ops::Weight& w, Tensor& y, bool accumulate);
+void linear_bf16(const Tensor& x, const ops::Weight& w, Tensor& y, bool accumulate, bool decode);
 void linear_fp8(const Tensor& x, const ops::Weight& w, Tensor& y, bool accumulate);
 void linear_nvfp4(const Tensor& x, const ops::Weight& w, Tensor& y, bool accumulate);
 void fp8_quantize_act(const Tensor& x, Tensor& out);

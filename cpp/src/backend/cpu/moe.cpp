@@ -141,7 +141,9 @@ void moe_experts(const Tensor& x, const Tensor& ids, const Tensor& weights, cons
 
 void moe_experts_bf16(const Tensor& x, const Tensor& ids, const Tensor& weights, const ops::ExpertWeights& ex,
                       Tensor& out, Tensor& workspace) {
-  experts_impl(x, ids, weights, ex, out, workspace, &cpu::linear_bf16);
+  experts_impl(x, ids, weights, ex, out, workspace, [](const Tensor& xs, const ops::Weight& w, Tensor& y, bool acc) {
+    cpu::linear_bf16(xs, w, y, acc, false);
+  });
 }
 
 void moe_experts_nvfp4(const Tensor& x, const Tensor& ids, const Tensor& weights, const ops::ExpertWeights& ex,

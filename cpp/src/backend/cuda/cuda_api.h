@@ -155,9 +155,10 @@ void dyn_conv(const Tensor& x, const Tensor& base, const Tensor& dyn, int64_t bl
 
 // gemm.cu
 void linear(const Tensor& x, const ops::Weight& w, Tensor& y, bool accumulate);
-// gemm_tc.cu (built with CUTLASS only): ops::linear_bf16 on the tensor cores, and whether
-// this build has its kernel for `device`'s architecture.
-void linear_bf16(const Tensor& x, const ops::Weight& w, Tensor& y, bool accumulate);
+// gemm_tc.cu (built with CUTLASS only): ops::linear_bf16 on the tensor cores (decode: the
+// skinny kernel of gemm_sk.cu), and whether this build has its kernels for `device`'s
+// architecture.
+void linear_bf16(const Tensor& x, const ops::Weight& w, Tensor& y, bool accumulate, bool decode);
 bool linear_bf16_supported(int device);
 // gemm_tc.cu (built with CUTLASS only): ops::linear_fp8 (FP8 block-128 W8A8, sm_90a / sm_100a / sm_103a).
 void linear_fp8(const Tensor& x, const ops::Weight& w, Tensor& y, bool accumulate);
@@ -192,6 +193,10 @@ bool moe_experts_bf16_supported(int device);
 // dequantizing kernel (default) or the dequantize pass + CUTLASS (after a failed load check).
 bool linear_dq_enabled();
 void set_linear_dq_enabled(bool on);
+// gemm_sk.cu: whether linear_bf16(..., decode = true) takes the skinny kernel (the load-time
+// check may turn it off in the process).
+bool linear_sk_enabled();
+void set_linear_sk_enabled(bool on);
 // The same with linear_nvfp4's W4A4 numerics (NVFP4 experts with an input_scale): the
 // CUTLASS grouped block-scaled GEMM (sm_100a / sm_103a); whether it runs these on `device`.
 void moe_experts_nvfp4(const Tensor& x, const Tensor& ids, const Tensor& weights, const ops::ExpertWeights& experts,

@@ -41,6 +41,7 @@
 #include "backend/cuda/cutlass/nvfp4_grouped_gemm.h"
 #include "backend/cuda/device_attr.cuh"
 #include "backend/cuda/gemm_dq.h"
+#include "backend/cuda/gemm_sk.h"
 #include "backend/cuda/kernel_util.cuh"
 #include "backend/cuda/layout.h"
 #include "backend/cuda/quant.h"
@@ -373,7 +374,7 @@ bool linear_bf16_supported(int device) {
   return tc::bf16_gemm_built_for(detail::compute_capability(device));
 }
 
-void linear_bf16(const Tensor& x, const ops::Weight& w, Tensor& y, bool accumulate) {
+void linear_bf16(const Tensor& x, const ops::Weight& w, Tensor& y, bool accumulate, bool decode) {
   const WeightView v = check_tc_args(x, w, y, "cuda::linear_bf16", 0, 8);
   const int device = x.device().index;
   const int64_t M = x.shape(0), K = v.K, N = v.N;
@@ -386,6 +387,30 @@ void linear_bf16(const Tensor& x, const ops::Weight& w, Tensor& y, bool accumula
   if (M == 0 || N == 0) return;
   if (K == 0) return empty_k(y, M, N, accumulate, "linear_bf16");
   cudaStream_t st = detail::stream();
+  if (decode && sk::enabled()) {
+    // Generated tokens (few rows): the skinny kernel, any weight format read in place, K
+    // split over CTAs by (N, K, format) only (gemm_sk.h). Chosen by the caller's chunk kind,
+    // never by M.
+    const int64_t lda = sk::a_width(v.fmt, K);
+    const int64_t a_bytes = round_up(M * lda * 2, 256);
+    const int64_t p_floats = sk::partial_floats(v, M);
+    uint8_t* base = static_cast<uint8_t*>(detail::scratch(device, size_t(a_bytes + p_floats * 4)));
+    __nv_bfloat16* a16 = reinterpret_cast<__nv_bfloat16*>(base);
+    dq::rows_bf16(dq::RowsFrom::Plain, x.data_as<const float>(), nullptr, x.stride(0), nullptr, 1, nullptr, M, K,
+                  lda, a16, st);
+    sk::GemmArgs g;
+    g.a = a16;
+    g.lda = lda;
+    g.w = v;
+    g.vec = detail::aligned(v.data, 16) && v.row_bytes % 16 == 0;
+    g.M = M;
+    g.d = y.data_as<float>();
+    g.ldd = M > 1 ? y.stride(0) : N;
+    g.accumulate = accumulate;
+    g.partial = p_floats ? reinterpret_cast<float*>(base + a_bytes) : nullptr;
+    sk::gemm(g, st);
+    return;
+  }
   if ((v.fmt == WFmt::NVFP4 || v.fmt == WFmt::FP8) && dq::linear_enabled()) {
     // A quantized weight (NVFP4: W4A16, Hopper has no FP4 MMA; FP8 block-128; on every
     // architecture) is dequantized in the GEMM's main loop (gemm_dq.h) and so read once in

@@ -288,4 +288,51 @@ DFLASH2_HD DqRows dq_tile_rows(const int32_t* start, const int32_t* tile_start, 
   return {first, first + kDqBM < end ? first + kDqBM : end, g};
 }
 
+// ------------------------------------------------------------------ gemm_sk.cu
+// The skinny tensor-core GEMM of generated tokens (gemm_sk.cu): y^T = W x^T on mma.m16n8k16
+// with the weight as the A operand (16 output features per warp, read straight from global
+// memory into registers and dequantized there) and the tokens as B (n = 8 per MMA, up to
+// kSkTok per CTA, staged in shared memory). A lane (g = lane / 4, t = lane % 4) loads 16-byte
+// segments of its two rows (features g and g + 8): in each k-stage, segment i of lane t holds
+// the stage's inputs sk_k(E, t, i, e), e < E (E inputs per 16 bytes: 8 for BF16 / F16 / F32
+// (F32 converted on load), 16 for FP8, 32 for NVFP4), so the four lanes of a row read
+// 4 x 16 consecutive bytes per segment index (coalesced). An MMA sums over its 16 k-slots,
+// so which physical input sits in which slot is free as long as A and B agree: lane t's
+// group of 8 inputs (e = 8h .. 8h + 7 of a segment) feeds two MMAs, inputs 0-1 / 2-3 in
+// slots 2t, 2t+1 / 2t+8, 2t+9 of the first, 4-5 / 6-7 of the second, and the B fragment
+// reads the same 8 inputs of the token's row.
+constexpr int kSkWarps = 4, kSkFeat = 16, kSkTok = 32;
+constexpr int kSkFeatPerCta = kSkWarps * kSkFeat;  // 64
+constexpr int kSkFill = 528;                       // CTAs the split aims for (4 per SM of an H100 / H200)
+constexpr int kSkMaxSplits = 32;
+// 16-byte segments per lane per stage: 4 (E = 8, 16), 2 (NVFP4: the stage's x tile stays
+// at 256 inputs, 16 KiB per buffer).
+DFLASH2_HD constexpr int sk_segs(int E) { return E >= 32 ? 2 : 4; }
+DFLASH2_HD constexpr int64_t sk_stage_k(int E) { return int64_t(4) * sk_segs(E) * E; }  // 128 / 256 / 256
+DFLASH2_HD int64_t sk_k(int E, int t, int i, int e) { return int64_t(i * 4 + t) * E + e; }
+// The split of K over S CTAs (grid z), a function of (N, K, E) only (never of M: a token's
+// sums must not depend on its batch): doubled while the CTAs of one token tile stay under
+// kSkFill and every split keeps at least one stage.
+DFLASH2_HD int sk_splits(int64_t N, int64_t K, int E) {
+  const int64_t stages = (K + sk_stage_k(E) - 1) / sk_stage_k(E);
+  const int64_t blocks = (N + kSkFeatPerCta - 1) / kSkFeatPerCta;
+  int s = 1;
+  while (s * 2 <= kSkMaxSplits && s * 2 <= stages && blocks * s < kSkFill) s *= 2;
+  return s;
+}
+// Split z's stages [sk_split_begin(z), sk_split_begin(z + 1)).
+DFLASH2_HD int64_t sk_split_begin(int64_t stages, int S, int z) { return stages * z / S; }
+// x's stage tile in shared memory: kSkTok rows of sk_stage_k(E) BF16 inputs, as 16-byte
+// chunks (8 inputs); chunk c of row r sits at slot (c & 7) ^ sw within its aligned group of
+// 8, where sw flips bit 2 (E = 8) or bit 0 (E = 16, 32) on odd rows and, for NVFP4, bit 1
+// with bit 3 of c. So each phase of a B-fragment load (8 lanes: rows 2p, 2p + 1 x t = 0..3,
+// one segment and group) touches 8 distinct 16-byte bank groups (test_cuda_layout).
+DFLASH2_HD int sk_x_chunk(int row, int c, int E) {
+  const int chunks = int(sk_stage_k(E) / 8);
+  const int sw = ((row & 1) ? (E == 8 ? 4 : 1) : 0) ^ (E == 32 ? ((c >> 3) & 1) << 1 : 0);
+  return row * chunks + (c & ~7) + ((c & 7) ^ sw);
+}
+// The chunk of segment i, group h (8 inputs) of lane t: (i * 4 + t) * (E / 8) + h.
+DFLASH2_HD int sk_lane_chunk(int E, int t, int i, int h) { return (i * 4 + t) * (E / 8) + h; }
+
 }  // namespace dflash2::cuda::layout

@@ -1,0 +1,393 @@
+// cuda/gemm_sk.cu: the skinny tensor-core GEMM of generated tokens (gemm_sk.h).
+//
+// Why: a decode step's projections have M = 1 .. 256 rows (batch x block) against weights of
+// megabytes to gigabytes, so they are bound by reading the weight once. The prompt kernels
+// (CUTLASS 128 x 128 tiles, gemm_dq.cu's 64 x 128) put the tokens on the MMA's M side: at
+// M = 8 they use 1/16 .. 1/8 of each MMA, launch N / 128 CTAs (48 for N = 6144, 5 for
+// GLM-5.3's kv_a) and cannot split K without making a row depend on its batch. Here the
+// roles swap (y^T = W x^T, the classic "swap AB" of skinny GEMMs):
+//   - A = the weight: 16 output features per warp, 4 warps per CTA (64 features). Each lane
+//     loads 16-byte segments of its two rows (features g and g + 8, g = lane / 4) straight
+//     into registers, one k-stage ahead of the MMAs (layout::sk_k: the four lanes of a row
+//     read consecutive 16-byte pieces), and dequantizes them there exactly as the CPU does
+//     (weight_view.cuh: E4M3 x block scale, E2M1 x E4M3 x global scale; F16 / F32 widened),
+//     rounded to BF16 -- the operands of ops::linear_bf16, the CPU emulation its oracle.
+//   - B = the tokens: up to kSkTok = 32 rows of bf16(x) per CTA (4 MMAs of n = 8), staged per
+//     k-stage in shared memory by cp.async (double-buffered, swizzled: layout::sk_x_chunk),
+//     read by each lane as the 8 inputs its weight group holds (the MMA sums over its 16
+//     k-slots; which input fills which slot only has to agree between A and B).
+//   - K is split over S = layout::sk_splits(N, K, E) CTAs (grid z, up to 32, contiguous runs
+//     of k-stages) so that small-N projections still fill the GPU; with S > 1 each split
+//     writes its partial sums and sk_reduce adds them in split order (+ y). S depends on N,
+//     K and the format only, the k-stages run in order, and an MMA's column n depends on
+//     token n alone: a token's result is the same in any batch (decode == verify, bitwise).
+// Grid: x = token tiles of this launch (fastest, so the CTAs reading one weight slice run
+// together and share it through L2), y = 64-feature blocks, z = splits; at most 256 rows per
+// launch (the partial buffer's size), more rows are more launches.
+//
+// Cost model (not measured): weight bytes once per 32 tokens; x from shared memory, 2 bytes
+// per input per token per warp; per weight element one dequantization (BF16: none; FP8:
+// convert + multiply; NVFP4: ~8 integer / fp32 operations, which on Hopper is close to the
+// FP32 issue rate at HBM speed -- a table-free bf16-bit construction of E2M1 would halve it)
+// and M / 8 MMAs per 16 x 16 block. Known weak spots: (1) NVFP4's dequantization cost above;
+// (2) at M > 32 the weight is re-read per token tile (from L2 when the tiles run together);
+// (3) one k-stage of prefetch in registers: fewer bytes in flight per warp than a TMA
+// pipeline would keep.
+//
+// Status: compiled for sm_90a / sm_100a / sm_103a, NOT yet run on a GPU.
+#include "backend/cuda/gemm_sk.h"
+
+#include <cuda_bf16.h>
+#include <cuda_fp16.h>
+#include <cuda_runtime.h>
+
+#include <atomic>
+#include <cstdint>
+
+#include "backend/cuda/cuda_check.cuh"
+#include "backend/cuda/kernel_util.cuh"
+#include "backend/cuda/layout.h"
+#include "backend/cuda/mma_sm80.cuh"
+#include "backend/cuda/weight_view.cuh"
+#include "dflash2/error.h"
+
+namespace dflash2::cuda::sk {
+
+namespace {
+
+using detail::WeightView;
+using detail::WFmt;
+using layout::kSkFeat;
+using layout::kSkFeatPerCta;
+using layout::kSkTok;
+using mma::cp_async16;
+using mma::cp_async_commit;
+using mma::cp_async_wait_all;
+using mma::mma_bf16;
+using mma::pack_bf16;
+using mma::smem_u32;
+
+constexpr int kThreads = 32 * layout::kSkWarps;
+// 3 CTAs (12 warps) per SM: <= 170 registers, ~48 KiB of weight loads in flight per SM
+constexpr int kMinCtas = 3;
+constexpr int64_t kRowsPerLaunch = 256;
+
+template <WFmt F>
+constexpr int kE = F == WFmt::FP8 ? 16 : F == WFmt::NVFP4 ? 32 : 8;
+
+struct Params {
+  const __nv_bfloat16* a;
+  int64_t lda;
+  WeightView w;
+  bool vec;
+  int64_t M, N, K;  // M: this launch's rows
+  float* d;
+  int64_t ldd;
+  bool accumulate;
+  float* partial;  // S > 1: [S][M][N]
+  int S;
+};
+
+// Segment k0 (E inputs from k0) of a weight row as 16 raw bytes (F32: 8 inputs already
+// rounded to BF16), element by element: zeros for k >= K and for no row (row == nullptr:
+// past N). Not inlined: the edges and misaligned weights only (arguments by value, so the
+// kernel's parameters stay in the constant bank).
+template <WFmt F>
+__device__ __noinline__ uint4 seg_slow(const uint8_t* row, int64_t K, int64_t k0) {
+  uint32_t v[4] = {0u, 0u, 0u, 0u};
+  if (row != nullptr) {
+    if constexpr (F == WFmt::FP8) {
+      for (int e = 0; e < 16; ++e)
+        if (k0 + e < K) v[e / 4] |= uint32_t(row[k0 + e]) << (8 * (e % 4));
+    } else if constexpr (F == WFmt::NVFP4) {
+      for (int b = 0; b < 16; ++b)  // byte b: inputs k0 + 2b (low nibble), k0 + 2b + 1
+        if (k0 + 2 * b < K) v[b / 4] |= uint32_t(row[(k0 + 2 * b) / 2]) << (8 * (b % 4));
+    } else if constexpr (F == WFmt::F32) {
+      float f[8];
+      for (int e = 0; e < 8; ++e) f[e] = k0 + e < K ? reinterpret_cast<const float*>(row)[k0 + e] : 0.0f;
+      for (int j = 0; j < 4; ++j) v[j] = pack_bf16(f[2 * j], f[2 * j + 1]);
+    } else {  // BF16 / F16: the 16-bit patterns
+      const uint16_t* h = reinterpret_cast<const uint16_t*>(row);
+      for (int e = 0; e < 8; ++e)
+        if (k0 + e < K) v[e / 2] |= uint32_t(h[k0 + e]) << (16 * (e % 2));
+    }
+  }
+  return make_uint4(v[0], v[1], v[2], v[3]);
+}
+
+template <WFmt F>
+__device__ __forceinline__ uint4 seg_load(const WeightView& w, bool vec, int64_t r, int64_t k0) {
+  constexpr int E = kE<F>;
+  if (vec && r < w.N && k0 + E <= w.K) {
+    const uint8_t* row = w.data + r * w.row_bytes;
+    if constexpr (F == WFmt::F32) {
+      const float4* p = reinterpret_cast<const float4*>(row + 4 * k0);
+      const float4 x = p[0], y = p[1];
+      return make_uint4(pack_bf16(x.x, x.y), pack_bf16(x.z, x.w), pack_bf16(y.x, y.y), pack_bf16(y.z, y.w));
+    } else if constexpr (F == WFmt::NVFP4) {
+      return *reinterpret_cast<const uint4*>(row + k0 / 2);
+    } else if constexpr (F == WFmt::FP8) {
+      return *reinterpret_cast<const uint4*>(row + k0);
+    } else {
+      return *reinterpret_cast<const uint4*>(row + 2 * k0);
+    }
+  }
+  return seg_slow<F>(r < w.N ? w.data + r * w.row_bytes : nullptr, w.K, k0);
+}
+
+// A segment's scale(s): FP8 the block scale of (rows f0.., k0) as float bits (one 128-row
+// block holds all 16 features of a warp); NVFP4 the E4M3 bytes of inputs k0 .. k0 + 15 and
+// k0 + 16 .. k0 + 31 of rows r_lo (bytes 0, 1) and r_hi (bytes 2, 3); zeros past the weight.
+template <WFmt F>
+__device__ __forceinline__ uint32_t seg_scale(const WeightView& w, int64_t f0, int64_t r_lo, int64_t r_hi,
+                                              int64_t k0) {
+  if constexpr (F == WFmt::FP8) {
+    if (k0 >= w.K) return 0u;
+    return __float_as_uint(static_cast<const float*>(w.scale)[(f0 / 128) * w.scale_stride + k0 / 128]);
+  } else if constexpr (F == WFmt::NVFP4) {
+    const uint8_t* s = static_cast<const uint8_t*>(w.scale);
+    uint32_t v = 0;
+#pragma unroll
+    for (int j = 0; j < 2; ++j) {
+      if (k0 + 16 * j >= w.K) continue;
+      if (r_lo < w.N) v |= uint32_t(s[r_lo * w.scale_stride + k0 / 16 + j]) << (8 * j);
+      if (r_hi < w.N) v |= uint32_t(s[r_hi * w.scale_stride + k0 / 16 + j]) << (8 * (j + 2));
+    }
+    return v;
+  } else {
+    (void)w, (void)f0, (void)r_lo, (void)r_hi, (void)k0;
+    return 0u;
+  }
+}
+
+// Group h (inputs 8h .. 8h + 7) of a segment as 8 BF16 (4 words, lower input in the lower
+// half): w_at's operations on the raw bytes, then rounded. `hi` picks the row's scale bytes.
+template <WFmt F>
+__device__ __forceinline__ uint4 dequant8(const WeightView& w, const uint4& raw, uint32_t scale, int h, bool hi) {
+  if constexpr (F == WFmt::BF16 || F == WFmt::F32) {
+    (void)w, (void)scale, (void)h, (void)hi;
+    return raw;
+  } else {
+    const uint32_t words[4] = {raw.x, raw.y, raw.z, raw.w};
+    float f[8];
+    if constexpr (F == WFmt::F16) {
+#pragma unroll
+      for (int i = 0; i < 8; ++i)
+        f[i] = __half2float(__ushort_as_half(uint16_t(words[i / 2] >> (16 * (i % 2)))));
+    } else if constexpr (F == WFmt::FP8) {
+      const float s = __uint_as_float(scale);
+#pragma unroll
+      for (int i = 0; i < 8; ++i)
+        f[i] = __fmul_rn(detail::e4m3_to_f32(uint8_t(words[2 * h + i / 4] >> (8 * (i % 4)))), s);
+    } else {  // NVFP4: group h is word h; its scale is byte h / 2 of the row's pair
+      const float s = detail::e4m3_to_f32(uint8_t(scale >> (8 * ((hi ? 2 : 0) + h / 2))));
+      const uint32_t word = words[h];
+#pragma unroll
+      for (int i = 0; i < 8; ++i)
+        f[i] = __fmul_rn(__fmul_rn(detail::e2m1_to_f32((word >> (4 * i)) & 15u), s), w.global_scale);
+    }
+    return make_uint4(pack_bf16(f[0], f[1]), pack_bf16(f[2], f[3]), pack_bf16(f[4], f[5]), pack_bf16(f[6], f[7]));
+  }
+}
+
+template <WFmt F>
+struct Stage {
+  static constexpr int kSegs = layout::sk_segs(kE<F>);
+  uint4 lo[kSegs], hi[kSegs];
+  uint32_t sc[kSegs];
+};
+
+template <WFmt F>
+__global__ void __launch_bounds__(kThreads, kMinCtas) sk_kernel(const Params p) {
+  constexpr int E = kE<F>, G8 = E / 8, kSegs = layout::sk_segs(E);
+  constexpr int64_t SK = layout::sk_stage_k(E);
+  constexpr int kChunks = int(SK / 8);                  // 16-byte x chunks per token row per stage
+  constexpr int kCopies = kSkTok * kChunks / kThreads;  // cp.async per thread per stage
+  static_assert(kCopies * kThreads == kSkTok * kChunks, "stage copy split");
+  __shared__ __align__(128) uint4 xs[2][kSkTok * kChunks];
+
+  const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5, g = lane >> 2, t = lane & 3;
+  const int64_t m0 = int64_t(blockIdx.x) * kSkTok;
+  const int64_t f0 = int64_t(blockIdx.y) * kSkFeatPerCta + int64_t(warp) * kSkFeat;
+  const int64_t r_lo = f0 + g, r_hi = f0 + g + 8;
+  const bool active = f0 < p.N;  // warp-uniform: warps past N only stage x and meet the barriers
+  const int64_t rows = p.M - m0 < kSkTok ? p.M - m0 : kSkTok;
+  const int ntiles = int((rows + 7) / 8);  // block-uniform
+  const int64_t stages = (p.K + SK - 1) / SK;
+  const int64_t s0 = layout::sk_split_begin(stages, p.S, int(blockIdx.z)),
+                s1 = layout::sk_split_begin(stages, p.S, int(blockIdx.z) + 1);
+
+  auto stage_x = [&](int64_t s, int buf) {
+#pragma unroll
+    for (int i = 0; i < kCopies; ++i) {
+      const int idx = tid + i * kThreads, row = idx / kChunks, c = idx % kChunks;
+      const bool valid = row < rows;
+      const __nv_bfloat16* src = valid ? p.a + (m0 + row) * p.lda + s * SK + c * 8 : p.a;
+      cp_async16(smem_u32(&xs[buf][layout::sk_x_chunk(row, c, E)]), src, valid);
+    }
+    cp_async_commit();
+  };
+  auto load_w = [&](int64_t s, Stage<F>& st) {
+#pragma unroll
+    for (int i = 0; i < kSegs; ++i) {
+      const int64_t k0 = s * SK + layout::sk_k(E, t, i, 0);
+      st.lo[i] = seg_load<F>(p.w, p.vec, r_lo, k0);
+      st.hi[i] = seg_load<F>(p.w, p.vec, r_hi, k0);
+      st.sc[i] = seg_scale<F>(p.w, f0, r_lo, r_hi, k0);
+    }
+  };
+
+  float acc[4][4];
+#pragma unroll
+  for (int n = 0; n < 4; ++n)
+#pragma unroll
+    for (int j = 0; j < 4; ++j) acc[n][j] = 0.0f;
+
+  Stage<F> cur, nxt;
+  if (s0 < s1) {
+    stage_x(s0, 0);
+    if (active) load_w(s0, cur);
+  }
+  for (int64_t s = s0; s < s1; ++s) {
+    const int buf = int((s - s0) & 1);
+    cp_async_wait_all();
+    __syncthreads();  // stage s's x tile is in; the other buffer's readers (stage s - 1) are done
+    const bool more = s + 1 < s1;
+    if (more) {
+      stage_x(s + 1, buf ^ 1);
+      if (active) load_w(s + 1, nxt);
+    }
+    if (active) {
+#pragma unroll
+      for (int i = 0; i < kSegs; ++i)
+#pragma unroll
+        for (int h = 0; h < G8; ++h) {
+          const uint4 wl = dequant8<F>(p.w, cur.lo[i], cur.sc[i], h, false);
+          const uint4 wh = dequant8<F>(p.w, cur.hi[i], cur.sc[i], h, true);
+          const uint32_t a0[4] = {wl.x, wh.x, wl.y, wh.y}, a1[4] = {wl.z, wh.z, wl.w, wh.w};
+          const int c = layout::sk_lane_chunk(E, t, i, h);
+#pragma unroll
+          for (int n = 0; n < 4; ++n) {
+            if (n >= ntiles) break;
+            const uint4 xv = xs[buf][layout::sk_x_chunk(n * 8 + g, c, E)];
+            mma_bf16(acc[n], a0, xv.x, xv.y);
+            mma_bf16(acc[n], a1, xv.z, xv.w);
+          }
+        }
+    }
+    if (more && active) cur = nxt;
+  }
+  if (!active) return;
+
+  // c0, c1: feature g, tokens 2t, 2t + 1 of n-tile n; c2, c3: feature g + 8
+  const bool split = p.S > 1;
+#pragma unroll
+  for (int n = 0; n < 4; ++n) {
+    if (n >= ntiles) break;
+#pragma unroll
+    for (int j = 0; j < 4; ++j) {
+      const int64_t m = m0 + n * 8 + 2 * t + (j & 1), f = (j < 2) ? r_lo : r_hi;
+      if (m >= p.M || f >= p.N) continue;
+      const float v = acc[n][j];
+      if (split) {
+        p.partial[(int64_t(blockIdx.z) * p.M + m) * p.N + f] = v;
+      } else {
+        float* out = p.d + m * p.ldd + f;
+        *out = p.accumulate ? __fadd_rn(*out, v) : v;
+      }
+    }
+  }
+}
+
+// y[m, n] (+)= the S partial sums, added in split order.
+__global__ void __launch_bounds__(256) sk_reduce(const float* __restrict__ partial, int S, int64_t M, int64_t N,
+                                                  float* __restrict__ d, int64_t ldd, bool accumulate) {
+  const int64_t total = M * N;
+  for (int64_t i = int64_t(blockIdx.x) * blockDim.x + threadIdx.x; i < total; i += int64_t(gridDim.x) * blockDim.x) {
+    float v = partial[i];
+    for (int z = 1; z < S; ++z) v = __fadd_rn(v, partial[int64_t(z) * total + i]);
+    const int64_t m = i / N, n = i - m * N;
+    float* out = d + m * ldd + n;
+    *out = accumulate ? __fadd_rn(*out, v) : v;
+  }
+}
+
+template <WFmt F>
+void launch(const Params& p, dim3 grid, cudaStream_t s) {
+  sk_kernel<F><<<grid, kThreads, 0, s>>>(p);
+}
+
+std::atomic<bool> g_enabled{true};
+
+}  // namespace
+
+int seg_elems(WFmt f) { return f == WFmt::FP8 ? 16 : f == WFmt::NVFP4 ? 32 : 8; }
+
+int64_t a_width(WFmt f, int64_t K) {
+  const int64_t sk = layout::sk_stage_k(seg_elems(f));
+  return (K + sk - 1) / sk * sk;
+}
+
+int splits(const WeightView& w) { return layout::sk_splits(w.N, w.K, seg_elems(w.fmt)); }
+
+int64_t partial_floats(const WeightView& w, int64_t M) {
+  const int S = splits(w);
+  return S > 1 ? int64_t(S) * (M < kRowsPerLaunch ? M : kRowsPerLaunch) * w.N : 0;
+}
+
+void gemm(const GemmArgs& g, cudaStream_t s) {
+  const char* op = "cuda::sk::gemm";
+  const WeightView& w = g.w;
+  DFLASH2_CHECK_ARG(g.a && g.d && w.K > 0 && w.N >= 0 && g.M >= 0, op, ": bad arguments");
+  DFLASH2_CHECK_ARG(detail::aligned(g.a, 16) && g.lda % 8 == 0 && g.lda >= a_width(w.fmt, w.K), op,
+                    ": A must be 16-byte aligned with lda % 8 == 0 and lda >= ", a_width(w.fmt, w.K), ", found lda ",
+                    g.lda);
+  DFLASH2_CHECK_ARG(!g.vec || (detail::aligned(w.data, 16) && w.row_bytes % 16 == 0), op,
+                    ": vector loads need 16-byte aligned weight rows");
+  const int S = splits(w);
+  DFLASH2_CHECK_ARG(S == 1 || (g.partial != nullptr && detail::aligned(g.partial, 16)), op,
+                    ": a split GEMM needs its partial-sum scratch");
+  DFLASH2_CHECK_ARG(w.N <= int64_t(kSkFeatPerCta) * detail::kMaxGridY, op, ": N = ", w.N, " is too large");
+  if (g.M == 0 || w.N == 0) return;
+  Params p{};
+  p.lda = g.lda;
+  p.w = w;
+  p.vec = g.vec;
+  p.N = w.N;
+  p.K = w.K;
+  p.ldd = g.ldd;
+  p.accumulate = g.accumulate;
+  p.partial = g.partial;
+  p.S = S;
+  const unsigned fblocks = unsigned((w.N + kSkFeatPerCta - 1) / kSkFeatPerCta);
+  for (int64_t r0 = 0; r0 < g.M; r0 += kRowsPerLaunch) {
+    const int64_t m = g.M - r0 < kRowsPerLaunch ? g.M - r0 : kRowsPerLaunch;
+    p.a = g.a + r0 * g.lda;
+    p.d = g.d + r0 * g.ldd;
+    p.M = m;
+    const dim3 grid(unsigned((m + kSkTok - 1) / kSkTok), fblocks, unsigned(S));
+    switch (w.fmt) {
+      case WFmt::F32: launch<WFmt::F32>(p, grid, s); break;
+      case WFmt::BF16: launch<WFmt::BF16>(p, grid, s); break;
+      case WFmt::F16: launch<WFmt::F16>(p, grid, s); break;
+      case WFmt::FP8: launch<WFmt::FP8>(p, grid, s); break;
+      case WFmt::NVFP4: launch<WFmt::NVFP4>(p, grid, s); break;
+    }
+    detail::check_launch("sk_gemm kernel launch", "[", m, ", ", w.N, ", ", w.K, "]");
+    if (S > 1) {
+      const unsigned blocks = detail::ceil_blocks(m * w.N, 256, detail::kMaxRowBlocks);
+      sk_reduce<<<blocks, 256, 0, s>>>(g.partial, S, m, w.N, p.d, g.ldd, g.accumulate);
+      detail::check_launch("sk_gemm split reduction", "[", m, ", ", w.N, "]");
+    }
+  }
+}
+
+bool enabled() { return g_enabled.load(std::memory_order_relaxed); }
+void set_enabled(bool on) { g_enabled.store(on, std::memory_order_relaxed); }
+
+}  // namespace dflash2::cuda::sk
+
+namespace dflash2::cuda {
+bool linear_sk_enabled() { return sk::enabled(); }
+void set_linear_sk_enabled(bool on) { sk::set_enabled(on); }
+}  // namespace dflash2::cuda
