@@ -193,11 +193,17 @@ sys.exit(0)
 
 
 def test_interpreter_exits_cleanly_with_requests_in_flight():
-    r = subprocess.run([sys.executable, "-c", SCRIPT_EXIT], capture_output=True, text=True, timeout=120,
-                       env=child_env())
-    assert "in flight" in r.stdout, r.stderr[-2000:]
-    assert r.returncode == 0, (r.returncode, r.stderr[-2000:])
-    assert "terminate called" not in r.stderr and "Abort" not in r.stderr
+    # Several exits, two at a time: a daemon thread taking the GIL back while the interpreter
+    # finalizes used to abort the process ("terminate called without an active exception",
+    # a few percent of exits on a loaded machine: bindings.h ReleaseGil)
+    for _ in range(4):
+        ps = [subprocess.Popen([sys.executable, "-c", SCRIPT_EXIT], stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                               text=True, env=child_env()) for _ in range(2)]
+        for p in ps:
+            out, err = p.communicate(timeout=120)
+            assert "in flight" in out, err[-2000:]
+            assert p.returncode == 0, (p.returncode, err[-2000:])
+            assert "terminate called" not in err and "Abort" not in err
 
 
 def test_ctrl_c_on_cli_stream_exits_cleanly():

@@ -96,7 +96,7 @@ void bind_engine(py::module_& m) {
             Tensor fh;
             Tensor lg;
             {
-              py::gil_scoped_release nogil;
+              ReleaseGil nogil;
               lg = s.extend(t, hidden_layers, &hs, final_hidden ? &fh : nullptr);
             }
             py::dict hd;
@@ -115,7 +115,7 @@ void bind_engine(py::module_& m) {
             Tensor hm = tensor_from_python(hidden_main, "hidden_main");
             Tensor lg;
             {
-              py::gil_scoped_release nogil;
+              ReleaseGil nogil;
               lg = s.mtp_extend(t, hm);
             }
             return as_numpy(lg);
@@ -152,7 +152,7 @@ void bind_engine(py::module_& m) {
              c.cuda_graphs = cuda_graphs;
              c.pad_to_buckets = pad_to_buckets;
              c.capture_at_load = capture_at_load;
-             py::gil_scoped_release nogil;
+             ReleaseGil nogil;
              return std::make_unique<Engine>(c);
            }),
            py::arg("target"), py::arg("draft") = py::none(), py::arg("method") = "", py::arg("device") = "cpu",
@@ -168,7 +168,7 @@ void bind_engine(py::module_& m) {
             std::vector<int32_t> t = to_tokens(tokens, "token_ids");
             Tensor lg;
             {
-              py::gil_scoped_release nogil;
+              ReleaseGil nogil;
               lg = e.logits(t);
             }
             return as_numpy(lg);
@@ -190,7 +190,7 @@ void bind_engine(py::module_& m) {
                 sampling_params(max_new_tokens, temperature, top_p, top_k, seed, stop_token_ids, "generate");
             TokenCallback cb;
             if (!on_tokens.is_none()) cb = on_tokens.cast<TokenCallback>();
-            py::gil_scoped_release nogil;
+            ReleaseGil nogil;
             return e.generate(ps, sp, cb);
           },
           py::arg("prompts"), py::arg("max_new_tokens") = 16, py::arg("temperature") = 0.0f, py::arg("top_p") = 1.0f,
@@ -204,7 +204,7 @@ void bind_engine(py::module_& m) {
             SamplingParams sp =
                 sampling_params(max_new_tokens, temperature, top_p, top_k, seed, stop_token_ids, "submit");
             sp.stream_index = stream_index;
-            py::gil_scoped_release nogil;
+            ReleaseGil nogil;
             return e.submit(t, sp);
           },
           py::arg("prompt"), py::arg("max_new_tokens") = 16, py::arg("temperature") = 0.0f, py::arg("top_p") = 1.0f,
@@ -215,7 +215,7 @@ void bind_engine(py::module_& m) {
           [](Engine& e, const std::vector<RequestId>& ids, double timeout) {
             std::vector<RequestUpdate> ups;
             {
-              py::gil_scoped_release nogil;
+              ReleaseGil nogil;
               ups = e.poll(ids, timeout);
             }
             py::list out;
@@ -230,20 +230,20 @@ void bind_engine(py::module_& m) {
       .def(
           "cancel",
           [](Engine& e, RequestId id) {
-            py::gil_scoped_release nogil;
+            ReleaseGil nogil;
             e.cancel(id);
           },
           py::arg("id"))
       .def("close",
            [](Engine& e) {
-             py::gil_scoped_release nogil;
+             ReleaseGil nogil;
              e.close();
            })
       .def("tp_collectives",
            [](const Engine& e) {
              TpCollectives t;
              {
-               py::gil_scoped_release nogil;
+               ReleaseGil nogil;
                t = e.tp_collectives();
              }
              py::dict d;
@@ -289,7 +289,7 @@ void bind_engine(py::module_& m) {
           "propose",
           [](Engine& e, py::handle tokens) {
             std::vector<int32_t> t = to_tokens(tokens, "token_ids");
-            py::gil_scoped_release nogil;
+            ReleaseGil nogil;
             return e.propose(t);
           },
           py::arg("token_ids"))

@@ -58,7 +58,7 @@ py::dict info_dict(const TensorInfo& t, bool with_file) {
 
 std::shared_ptr<Checkpoint> open_checkpoint(const py::handle& path) {
   std::string p = fspath(path);
-  py::gil_scoped_release nogil;
+  ReleaseGil nogil;
   return std::make_shared<Checkpoint>(Checkpoint::open(p));
 }
 
@@ -91,7 +91,7 @@ void bind_io(py::module_& m) {
         size_t size = size_t(buf.size) * size_t(buf.itemsize);
         std::vector<TensorInfo> infos;
         {
-          py::gil_scoped_release nogil;
+          ReleaseGil nogil;
           infos = parse_safetensors(p, size, name);
         }
         py::dict out;
@@ -107,7 +107,7 @@ void bind_io(py::module_& m) {
         std::string s = text.cast<std::string>();  // str (as UTF-8), bytes or bytearray
         Json j;
         {
-          py::gil_scoped_release nogil;
+          ReleaseGil nogil;
           j = Json::parse(s, "<json>", ErrorKind::InvalidArgument, max_depth);
         }
         return json_to_python(j);
@@ -121,7 +121,7 @@ void bind_io(py::module_& m) {
         std::string p = fspath(path);
         Config c;
         {
-          py::gil_scoped_release nogil;
+          ReleaseGil nogil;
           std::error_code ec;
           if (std::filesystem::is_directory(p, ec)) p = (std::filesystem::path(p) / "config.json").string();
           c = Config::load(p);

@@ -89,12 +89,12 @@ void bind_ops(py::module_& m) {
       .def_readonly("input_scale", &ops::Weight::input_scale)
       .def_readonly("name", &ops::Weight::name)
       .def("dequantize", [](const ops::Weight& w) {
-        py::gil_scoped_release nogil;
+        ReleaseGil nogil;
         return w.dequantize();
       })
       .def_property_readonly("device", [](const ops::Weight& w) { return w.data.device().str(); })
       .def("prepare_nvfp4_scales", [](ops::Weight& w) {
-        py::gil_scoped_release nogil;
+        ReleaseGil nogil;
         return ops::prepare_nvfp4_scales(w);
       }, "On a GPU whose linear_nvfp4 reads it (sm_100a / sm_103a), stores this W4A4 weight's scales in the "
          "tensor-core GEMMs' block-scaled layout once, so calls do not swizzle them; returns whether it did "
@@ -106,7 +106,7 @@ void bind_ops(py::module_& m) {
            "A view of input columns [begin, end) (a quantization block may not be split).")
       .def("to", [](const ops::Weight& w, const std::string& device) {
         const Device d = parse_device(device);
-        py::gil_scoped_release nogil;
+        ReleaseGil nogil;
         return w.to(d);
       }, py::arg("device"), "The weight with its data and scales copied (contiguous) to device ('cpu', 'cuda:N').");
 
@@ -119,7 +119,7 @@ void bind_ops(py::module_& m) {
           Tensor xt = tensor_from_python(x, "x");
           Tensor y = out_or_new(out, DType::F32, {xt.ndim() == 2 ? xt.shape(0) : 0, w.out_features}, xt.device());
           {
-            py::gil_scoped_release nogil;
+            ReleaseGil nogil;
             fn(xt, w, y, accumulate);
           }
           return y;
@@ -133,7 +133,7 @@ void bind_ops(py::module_& m) {
         Tensor xt = tensor_from_python(x, "x");
         Tensor y = out_or_new(out, DType::F32, {xt.ndim() == 2 ? xt.shape(0) : 0, w.out_features}, xt.device());
         {
-          py::gil_scoped_release nogil;
+          ReleaseGil nogil;
           ops::linear_bf16(xt, w, y, accumulate, decode);
         }
         return y;
@@ -165,7 +165,7 @@ void bind_ops(py::module_& m) {
         Tensor xt = tensor_from_python(x, "x"), wt = tensor_from_python(w, "w");
         Tensor ot = out_or_new(out, xt.dtype(), xt.shape(), xt.device());
         {
-          py::gil_scoped_release nogil;
+          ReleaseGil nogil;
           ops::rms_norm(xt, wt, eps, ot);
         }
         return ot;
@@ -178,7 +178,7 @@ void bind_ops(py::module_& m) {
         Tensor xt = tensor_from_python(x, "x"), wt = tensor_from_python(w, "w"), bt = opt_tensor(b, "b");
         Tensor ot = out_or_new(out, DType::F32, xt.shape(), xt.device());
         {
-          py::gil_scoped_release nogil;
+          ReleaseGil nogil;
           ops::layer_norm(xt, wt, bt, eps, ot);
         }
         return ot;
@@ -191,7 +191,7 @@ void bind_ops(py::module_& m) {
         Tensor xt = tensor_from_python(x, "x"), pt = tensor_from_python(positions, "positions");
         ops::RopeStyle st = parse_style(style);
         {
-          py::gil_scoped_release nogil;
+          ReleaseGil nogil;
           ops::rope(xt, pt, theta, st);
         }
         return xt;
@@ -205,7 +205,7 @@ void bind_ops(py::module_& m) {
         Tensor gt = tensor_from_python(g, "gate"), ut = tensor_from_python(u, "up");
         Tensor ot = out_or_new(out, DType::F32, gt.shape(), gt.device());
         {
-          py::gil_scoped_release nogil;
+          ReleaseGil nogil;
           ops::silu_mul(gt, ut, ot);
         }
         return ot;
@@ -220,7 +220,7 @@ void bind_ops(py::module_& m) {
         Tensor ot = out_or_new(out, DType::F32, {xt.shape(0), d.out_features}, xt.device());
         Tensor scratch = Tensor::empty(DType::F32, {2 * xt.shape(0) * g.out_features}, xt.device());
         {
-          py::gil_scoped_release nogil;
+          ReleaseGil nogil;
           ops::gated_mlp(xt, g, u, d, ot, scratch);
         }
         return ot;
@@ -233,7 +233,7 @@ void bind_ops(py::module_& m) {
         Tensor xt = tensor_from_python(x, "x");
         Tensor ot = out_or_new(out, DType::F32, xt.shape(), xt.device());
         {
-          py::gil_scoped_release nogil;
+          ReleaseGil nogil;
           ops::softmax(xt, ot, scale);
         }
         return ot;
@@ -250,7 +250,7 @@ void bind_ops(py::module_& m) {
         DFLASH2_CHECK_ARG(k >= 1, "topk: k must be >= 1, found ", k);
         Tensor v = Tensor::empty(DType::F32, s, xt.device()), i = Tensor::empty(DType::I32, s, xt.device());
         {
-          py::gil_scoped_release nogil;
+          ReleaseGil nogil;
           ops::topk(xt, k, v, i);
         }
         return py::make_tuple(v, i);
@@ -265,7 +265,7 @@ void bind_ops(py::module_& m) {
                           tt.describe(), " and ", it.describe());
         Tensor ot = out_or_new(out, DType::F32, {it.shape(0), tt.shape(1)}, tt.device());
         {
-          py::gil_scoped_release nogil;
+          ReleaseGil nogil;
           ops::embedding(tt, it, ot);
         }
         return ot;
@@ -280,7 +280,7 @@ void bind_ops(py::module_& m) {
                           tt.describe(), " and ", it.describe());
         Tensor ot = out_or_new(out, DType::F32, {it.shape(0), tt.shape(1)}, tt.device());
         {
-          py::gil_scoped_release nogil;
+          ReleaseGil nogil;
           ops::embedding_shard(tt, it, first, ot);
         }
         return ot;
@@ -297,7 +297,7 @@ void bind_ops(py::module_& m) {
         Tensor st = tensor_from_python(src, "src");
         Tensor dt = out_or_new(out, st.dtype(), st.shape(), st.device());
         {
-          py::gil_scoped_release nogil;
+          ReleaseGil nogil;
           ops::copy(st, dt);
         }
         return dt;
@@ -311,7 +311,7 @@ void bind_ops(py::module_& m) {
         Tensor at = tensor_from_python(a, "a"), bt = tensor_from_python(b, "b");
         Tensor ot = out_or_new(out, DType::F32, at.shape(), at.device());
         {
-          py::gil_scoped_release nogil;
+          ReleaseGil nogil;
           ops::add(at, bt, ot);
         }
         return ot;
@@ -324,7 +324,7 @@ void bind_ops(py::module_& m) {
         Tensor st = tensor_from_python(src, "src"), it = tensor_from_python(idx, "idx");
         Tensor ot = out_or_new(out, DType::F32, {dim_or0(it, 0), dim_or0(st, 1)}, st.device());
         {
-          py::gil_scoped_release nogil;
+          ReleaseGil nogil;
           ops::gather_rows(st, it, ot);
         }
         return ot;
@@ -337,7 +337,7 @@ void bind_ops(py::module_& m) {
         Tensor xt = tensor_from_python(x, "x");
         Tensor ot = out_or_new(out, DType::I32, {dim_or0(xt, 0)}, xt.device());
         {
-          py::gil_scoped_release nogil;
+          ReleaseGil nogil;
           ops::argmax(xt, ot);
         }
         return ot;
@@ -350,7 +350,7 @@ void bind_ops(py::module_& m) {
         Tensor tt = tensor_from_python(tokens, "tokens");
         Tensor st = tensor_from_python(src, "src");
         {
-          py::gil_scoped_release nogil;
+          ReleaseGil nogil;
           ops::resolve_tokens(tt, st);
         }
         return tt;
@@ -367,7 +367,7 @@ void bind_ops(py::module_& m) {
         Tensor bo = tensor_from_python(bonus, "bonus"), dd = tensor_from_python(drafts, "drafts");
         Tensor nx = tensor_from_python(next, "next"), ls = tensor_from_python(last, "last");
         {
-          py::gil_scoped_release nogil;
+          ReleaseGil nogil;
           ops::next_after_accept(r0, dr, dl, ac, bo, dd, nx, ls);
         }
         return py::make_tuple(nx, ls);
@@ -383,7 +383,7 @@ void bind_ops(py::module_& m) {
         Tensor xt = tensor_from_python(x, "x");
         Tensor ot = out_or_new(out, DType::I32, {dim_or0(xt, 0)}, xt.device());
         {
-          py::gil_scoped_release nogil;
+          ReleaseGil nogil;
           ops::check_finite(xt, ot);
         }
         return ot;
@@ -396,7 +396,7 @@ void bind_ops(py::module_& m) {
         Tensor xt = tensor_from_python(x, "x");
         Tensor ot = out_or_new(out, DType::F32, {dim_or0(xt, 0), 2}, xt.device());
         {
-          py::gil_scoped_release nogil;
+          ReleaseGil nogil;
           ops::argmax_shard(xt, first, ot);
         }
         return ot;
@@ -412,7 +412,7 @@ void bind_ops(py::module_& m) {
         Tensor it = out_or_new(ids, DType::I32, {dim_or0(pt, 1)}, pt.device());
         Tensor ft = out_or_new(flags, DType::I32, {dim_or0(pt, 1)}, pt.device());
         {
-          py::gil_scoped_release nogil;
+          ReleaseGil nogil;
           ops::argmax_merge(pt, it, ft);
         }
         return py::make_tuple(it, ft);
@@ -430,7 +430,7 @@ void bind_ops(py::module_& m) {
         Tensor ot = out_or_new(values, DType::F32, {R, k}, vt.device());
         Tensor jt = out_or_new(indices, DType::I32, {R, k}, vt.device());
         {
-          py::gil_scoped_release nogil;
+          ReleaseGil nogil;
           ops::topk_merge(vt, it, shard_size, ot, jt);
         }
         return py::make_tuple(ot, jt);
@@ -450,7 +450,7 @@ void bind_ops(py::module_& m) {
         Tensor ac = out_or_new(accepted, DType::I32, {dim_or0(r0, 0)}, r0.device());
         Tensor bo = out_or_new(bonus, DType::I32, {dim_or0(r0, 0)}, r0.device());
         {
-          py::gil_scoped_release nogil;
+          ReleaseGil nogil;
           ops::accept_greedy(it, r0, dd, dr, dl, ac, bo);
         }
         return py::make_tuple(ac, bo);
@@ -466,7 +466,7 @@ void bind_ops(py::module_& m) {
         Tensor xt = tensor_from_python(x, "x");
         Tensor ot = out_or_new(out, DType::F32, {dim_or0(xt, 0), dim_or0(xt, 1)}, xt.device());
         {
-          py::gil_scoped_release nogil;
+          ReleaseGil nogil;
           ops::nvfp4_quantize_act(xt, input_scale, ot);
         }
         return ot;
@@ -481,7 +481,7 @@ void bind_ops(py::module_& m) {
         Tensor xt = tensor_from_python(x, "x");
         Tensor ot = out_or_new(out, DType::F32, {dim_or0(xt, 0), dim_or0(xt, 1)}, xt.device());
         {
-          py::gil_scoped_release nogil;
+          ReleaseGil nogil;
           ops::fp8_quantize_act(xt, ot);
         }
         return ot;
@@ -497,7 +497,7 @@ void bind_ops(py::module_& m) {
         Tensor st = tensor_from_python(src, "src"), sl = tensor_from_python(slots, "slots");
         Tensor ct = tensor_from_python(cache, "cache");
         {
-          py::gil_scoped_release nogil;
+          ReleaseGil nogil;
           ops::cache_write(st, sl, ct);
         }
         return ct;
@@ -511,7 +511,7 @@ void bind_ops(py::module_& m) {
         Tensor xt = tensor_from_python(x, "x"), wt = tensor_from_python(w, "w");
         Tensor ot = out_or_new(out, DType::F32, {dim_or0(xt, 0), dim_or0(xt, 1), dim_or0(wt, 1)}, xt.device());
         {
-          py::gil_scoped_release nogil;
+          ReleaseGil nogil;
           ops::linear_heads(xt, wt, ot);
         }
         return ot;
@@ -531,7 +531,7 @@ void bind_ops(py::module_& m) {
                                   : tensor_from_python(sel, "sel");
         Tensor lt = out_or_new(sel_len, DType::I32, {T}, qt.device(), "sel_len");
         {
-          py::gil_scoped_release nogil;
+          ReleaseGil nogil;
           ops::indexer_topk(qt, wt, kt, tok, topk, st, lt);
         }
         return py::make_tuple(st, lt);
@@ -550,7 +550,7 @@ void bind_ops(py::module_& m) {
         Tensor st = opt_tensor(sel, "sel"), lt = opt_tensor(sel_len, "sel_len");
         Tensor ot = out_or_new(out, DType::F32, ql.shape(), ql.device());
         {
-          py::gil_scoped_release nogil;
+          ReleaseGil nogil;
           ops::mla_attention(ql, qp, ct, tok, st, lt, scale, ot);
         }
         return ot;
@@ -577,7 +577,7 @@ void bind_ops(py::module_& m) {
         p.tensor_cores = tensor_cores;
         Tensor ot = out_or_new(out, DType::F32, qt.shape(), qt.device());
         {
-          py::gil_scoped_release nogil;
+          ReleaseGil nogil;
           ops::block_attention(qt, kt, vt, ct, lt, bt, p, ot);
         }
         return ot;
@@ -604,7 +604,7 @@ void bind_ops(py::module_& m) {
         Tensor it = out_or_new(ids, DType::I32, s, lt.device(), "ids");
         Tensor wt = out_or_new(weights, DType::F32, s, lt.device(), "weights");
         {
-          py::gil_scoped_release nogil;
+          ReleaseGil nogil;
           ops::moe_route(lt, bt, r, it, wt);
         }
         return py::make_tuple(it, wt);
@@ -635,7 +635,7 @@ void bind_ops(py::module_& m) {
                                                     int64_t(ex.gate.size()));
         Tensor ws = out_or_new(workspace, DType::F32, {n}, xt.device(), "workspace");
         {
-          py::gil_scoped_release nogil;
+          ReleaseGil nogil;
           ops::moe_experts(xt, it, wt, ex, ot, ws, g);
         }
         return ot;
@@ -673,7 +673,7 @@ void bind_ops(py::module_& m) {
         Tensor dt = tensor_from_python(dyn, "dyn");
         Tensor ot = out_or_new(out, DType::F32, xt.shape(), xt.device());
         {
-          py::gil_scoped_release nogil;
+          ReleaseGil nogil;
           ops::dyn_conv(xt, bt, dt, block, ot);
         }
         return ot;
@@ -711,7 +711,7 @@ void bind_ops(py::module_& m) {
                     : sampled ? Tensor::empty(DType::F32, vt.shape(), vt.device())
                               : Tensor();
         {
-          py::gil_scoped_release nogil;
+          ReleaseGil nogil;
           ops::selector_walk(vt, ct, gt, pb, sb, at, temp, rt, tt, qt);
         }
         return py::make_tuple(tt, none_or(qt));

@@ -24,7 +24,7 @@ void bind_sampling(py::module_& m) {
         DFLASH2_CHECK_ARG(lg.ndim() == 2, "sample: logits must be 2-D, found ", lg.describe());
         Tensor out = Tensor::empty(DType::I32, {lg.shape(0)}, lg.device());
         {
-          py::gil_scoped_release nogil;
+          ReleaseGil nogil;
           ops::sample(lg, sp, r, out);
         }
         return out;
@@ -46,7 +46,7 @@ void bind_sampling(py::module_& m) {
                dl = tensor_from_python(draft_len, "draft_len"), c = opt(cand, "cand"), qq = opt(q, "q"),
                r = tensor_from_python(rng, "rng");
         {
-          py::gil_scoped_release nogil;
+          ReleaseGil nogil;
           ops::accept(lg, r0, d, dr, dl, c, qq, sp, r, acc, bon);
         }
         return py::make_tuple(acc, bon);

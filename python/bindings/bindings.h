@@ -2,6 +2,10 @@
 #pragma once
 #include <pybind11/pybind11.h>
 
+#include <chrono>
+#include <exception>
+#include <thread>
+
 #include "dflash2/tensor.h"
 
 namespace py = pybind11;
@@ -21,5 +25,38 @@ Tensor tensor_from_python(py::handle obj, const char* arg);
 Device parse_device(const std::string& s);
 // Wraps a Tensor as a dflash2_rt._core.Tensor (which supports __dlpack__, .numpy()).
 py::object tensor_to_python(const Tensor& t);
+
+// The GIL released for the scope, as py::gil_scoped_release, but safe in a daemon thread at
+// interpreter exit. While the interpreter finalizes, CPython before 3.14 ends a thread that
+// takes the GIL back by pthread_exit, a forced unwind from inside PyEval_RestoreThread.
+// py::gil_scoped_release takes it back in its destructor, which is noexcept: the unwind
+// then calls std::terminate ("terminate called without an active exception") and the whole
+// process aborts at exit (seen with a daemon thread polling a stream). This destructor is
+// noexcept(false), so the unwind leaves through it and pybind11's dispatcher (which rethrows
+// abi::__forced_unwind) and ends only that thread. Taking the GIL back while another
+// exception unwinds would terminate just the same, so then, if the interpreter is
+// finalizing, the thread parks instead (it is a daemon thread of a process that is exiting).
+class ReleaseGil {
+ public:
+  ReleaseGil() : ts_(PyEval_SaveThread()), uncaught_(std::uncaught_exceptions()) {}
+  ReleaseGil(const ReleaseGil&) = delete;
+  ReleaseGil& operator=(const ReleaseGil&) = delete;
+  ~ReleaseGil() noexcept(false) {
+    if (std::uncaught_exceptions() > uncaught_ && finalizing())
+      for (;;) std::this_thread::sleep_for(std::chrono::hours(1));
+    PyEval_RestoreThread(ts_);
+  }
+
+ private:
+  static bool finalizing() {
+#if PY_VERSION_HEX >= 0x030D0000
+    return Py_IsFinalizing() != 0;
+#else
+    return _Py_IsFinalizing() != 0;
+#endif
+  }
+  PyThreadState* ts_;
+  int uncaught_;
+};
 
 }  // namespace dflash2::py_bind
