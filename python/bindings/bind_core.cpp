@@ -149,7 +149,9 @@ Tensor tensor_from_python(py::handle obj, const char* arg) {
   std::shared_ptr<void> owner(mt, [](void* p) {
     auto* m = static_cast<DLManagedTensor*>(p);
     if (!m->deleter) return;
-    if (!Py_IsInitialized()) return;  // interpreter gone: leak rather than crash
+    // interpreter gone, or finalizing while this is another thread (which PyGILState_Ensure
+    // would end by pthread_exit inside this noexcept deleter: an abort): leak rather than crash
+    if (!Py_IsInitialized() || finalizing_off_main_thread()) return;
     PyGILState_STATE st = PyGILState_Ensure();
     m->deleter(m);
     PyGILState_Release(st);

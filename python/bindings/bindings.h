@@ -26,37 +26,36 @@ Device parse_device(const std::string& s);
 // Wraps a Tensor as a dflash2_rt._core.Tensor (which supports __dlpack__, .numpy()).
 py::object tensor_to_python(const Tensor& t);
 
+// Whether the interpreter is finalizing and this is not its main thread (the one that
+// finalizes): a thread that takes the GIL then is ended by pthread_exit (CPython < 3.14).
+// The main thread's ident is read once at import (module.cpp).
+void set_main_thread_ident(unsigned long ident);
+bool finalizing_off_main_thread();
+
 // The GIL released for the scope, as py::gil_scoped_release, but safe in a daemon thread at
 // interpreter exit. While the interpreter finalizes, CPython before 3.14 ends a thread that
-// takes the GIL back by pthread_exit, a forced unwind from inside PyEval_RestoreThread.
-// py::gil_scoped_release takes it back in its destructor, which is noexcept: the unwind
-// then calls std::terminate ("terminate called without an active exception") and the whole
-// process aborts at exit (seen with a daemon thread polling a stream). This destructor is
-// noexcept(false), so the unwind leaves through it and pybind11's dispatcher (which rethrows
-// abi::__forced_unwind) and ends only that thread. Taking the GIL back while another
-// exception unwinds would terminate just the same, so then, if the interpreter is
-// finalizing, the thread parks instead (it is a daemon thread of a process that is exiting).
+// takes the GIL back by pthread_exit, a forced unwind from inside PyEval_RestoreThread;
+// py::gil_scoped_release takes it back in its destructor, which is noexcept, so the unwind
+// called std::terminate ("terminate called without an active exception") and the whole
+// process aborted at exit (seen with a daemon thread polling a stream, a few exits in a
+// hundred on a loaded machine). Here a thread other than the main one that finds the
+// interpreter finalizing does not take the GIL back: it parks (a daemon thread of a process
+// that is exiting). If finalization starts between that check and the call, the unwind
+// leaves through this noexcept(false) destructor and pybind11's dispatcher (which rethrows
+// abi::__forced_unwind) and ends only that thread.
 class ReleaseGil {
  public:
-  ReleaseGil() : ts_(PyEval_SaveThread()), uncaught_(std::uncaught_exceptions()) {}
+  ReleaseGil() : ts_(PyEval_SaveThread()) {}
   ReleaseGil(const ReleaseGil&) = delete;
   ReleaseGil& operator=(const ReleaseGil&) = delete;
   ~ReleaseGil() noexcept(false) {
-    if (std::uncaught_exceptions() > uncaught_ && finalizing())
+    if (finalizing_off_main_thread())
       for (;;) std::this_thread::sleep_for(std::chrono::hours(1));
     PyEval_RestoreThread(ts_);
   }
 
  private:
-  static bool finalizing() {
-#if PY_VERSION_HEX >= 0x030D0000
-    return Py_IsFinalizing() != 0;
-#else
-    return _Py_IsFinalizing() != 0;
-#endif
-  }
   PyThreadState* ts_;
-  int uncaught_;
 };
 
 }  // namespace dflash2::py_bind

@@ -3,6 +3,7 @@
 // (ValueError, NotImplementedError, RuntimeError, MemoryError).
 #include <pybind11/pybind11.h>
 
+#include <atomic>
 #include <new>
 
 #include "bindings.h"
@@ -24,8 +25,25 @@ PyObject* make_exc(py::module_& m, const char* name, PyObject* base1, PyObject* 
 }
 }  // namespace
 
+namespace dflash2::py_bind {
+namespace {
+std::atomic<unsigned long> g_main_ident{0};
+}  // namespace
+void set_main_thread_ident(unsigned long ident) { g_main_ident.store(ident); }
+bool finalizing_off_main_thread() {
+#if PY_VERSION_HEX >= 0x030D0000
+  const bool fin = Py_IsFinalizing() != 0;
+#else
+  const bool fin = _Py_IsFinalizing() != 0;
+#endif
+  return fin && PyThread_get_thread_ident() != g_main_ident.load();
+}
+}  // namespace dflash2::py_bind
+
 PYBIND11_MODULE(_core, m) {
   m.doc() = "dflash2_rt native core";
+  dflash2::py_bind::set_main_thread_ident(
+      py::module_::import("threading").attr("main_thread")().attr("ident").cast<unsigned long>());
   PyObject* base = make_exc(m, "DFlash2Error", PyExc_Exception, nullptr, "Base class of dflash2_rt errors.");
   using dflash2::ErrorKind;
   g_exc[int(ErrorKind::InvalidArgument)] =
