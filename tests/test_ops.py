@@ -360,6 +360,35 @@ def test_linear_bf16_decode_column_views_cuda(fmt, lo):
     check("linear_bf16", to_np(yd), want, tol=1e-10)
 
 
+@pytest.mark.parametrize("fmt,g", [("nvfp4", 1 / 2688), ("nvfp4", 1e-30), ("nvfp4", 3.99), ("nvfp4", 4.0),
+                                   ("nvfp4", 1e4), ("fp8", None), ("bf16", None), ("f16", None)])
+def test_linear_bf16_decode_dequantizes_bitwise_cuda(fmt, g):
+    """decode=True with x = the identity gives y = bf16(W)^T (one nonzero product per
+    output): bitwise the CPU's dequantization and rounding, over every E2M1 / E4M3 code,
+    subnormal and largest scales, and NVFP4 global scales from 1e-30 to 1e4."""
+    need_device("cuda", "linear_bf16")
+    rng = rng_for("bf16sk-bitwise", fmt, g)
+    n, k = 40, 96
+    if fmt == "nvfp4":
+        codes = rng.integers(0, 256, (n, k // 2), dtype=np.uint8)
+        sc = rng.integers(0, 0x7f, (n, k // 16), dtype=np.uint8)  # every E4M3 scale but NaN
+        sc[0, :] = [0x01, 0x07, 0x08, 0x7e, 0x00, 0x38][: k // 16]
+        w = ops.Weight.nvfp4(codes, torch.from_numpy(sc).view(torch.float8_e4m3fn), float(g))
+    elif fmt == "fp8":
+        codes = rng.integers(0, 256, (n, k), dtype=np.uint8)
+        codes[(codes & 0x7f) == 0x7f] = 0x7e
+        scales = (rng.random(((n + 127) // 128, (k + 127) // 128)) * 1e-2 + 1e-30).astype(np.float32)
+        w = ops.Weight.fp8_block128(torch.from_numpy(codes).view(torch.float8_e4m3fn), scales)
+    else:
+        w, _ = make_weight(fmt, n, k, rng)
+    eye = np.eye(k, dtype=np.float32)
+    want = to_np(ops.linear_bf16(eye, w))
+    got = to_np(ops.linear_bf16(to_dev(eye, "cuda"), w.to("cuda"), decode=True))
+    assert np.isfinite(want).all()
+    assert np.array_equal(got.view(np.uint32), want.view(np.uint32)), \
+        f"{int((got != want).sum())} of {got.size} weights differ"
+
+
 def test_linear_bf16_errors_and_availability():
     w = ops.Weight.dense(np.zeros((4, 8), np.float32), "blk.w")
     with pytest.raises(dflash2_rt.InvalidArgumentError, match=r"linear_bf16\(blk.w\): x has 7 features"):
