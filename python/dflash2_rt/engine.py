@@ -244,9 +244,10 @@ class Engine:
         decode_gemm: the same choice for the generated tokens' projections and routed experts
         (decode and verify chunks): "exact" (the default: fp32, as on the CPU) or a
         tensor-core mode ("bf16", "fp8", "nvfp4", "auto" = the tensor cores on a GPU), which
-        makes verify batches at high concurrency tensor-core bound instead of SIMT bound. A
-        row's result never depends on the batch around it, so speculative == AR holds in
-        every mode; `engine.decode_gemm` / `engine.experts_decode_gemm` say what runs.
+        makes verify batches at high concurrency tensor-core bound instead of SIMT bound (under
+        "bf16" on the skinny split-K kernel of generated tokens, ops.linear_bf16(decode=True),
+        any weight format read in place). A row's result never depends on the batch around
+        it, so speculative == AR holds in every mode; `engine.decode_gemm` / `engine.experts_decode_gemm` say what runs.
         logits() and Sequence always run exact.
         cuda_graphs: on CUDA, capture the target's decode / verify chunks as CUDA graphs and
         replay them, on every rank with tensor_parallel > 1 (False: every chunk eagerly, the

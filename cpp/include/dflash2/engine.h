@@ -47,8 +47,10 @@ struct EngineConfig {
                                       // tensor-core bound instead of SIMT bound. Every mode computes
                                       // a row independently of the batch around it, so speculative ==
                                       // AR holds in each; "auto" = on a GPU the tensor cores (as
-                                      // prefill_gemm's "auto"), else "exact". Reads back as the
-                                      // numerics in effect.
+                                      // prefill_gemm's "auto"), else "exact". Under "bf16" the
+                                      // projections run the skinny split-K kernel of generated
+                                      // tokens (ops::linear_bf16 decode = true: any weight format
+                                      // read in place). Reads back as the numerics in effect.
   std::string experts_decode_gemm;  // set by the engine (an output): what the routed experts of
                                     // decode / verify chunks take under decode_gemm
   std::string experts_prefill_gemm;  // set by the engine (an output): the numerics the routed
