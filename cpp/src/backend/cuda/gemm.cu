@@ -396,13 +396,7 @@ void run(GemmArgs& a, int64_t N, int device, const char* what) {
   }
   const dim3 grid(unsigned(bx), unsigned(a.G < detail::kMaxGridY ? a.G : detail::kMaxGridY), unsigned(a.splits));
   auto launch = [&](const GemmArgs& b) {
-    switch (b.w.fmt) {
-      case WFmt::F32: launch_fmt<WFmt::F32>(b, wvec, grid); break;
-      case WFmt::BF16: launch_fmt<WFmt::BF16>(b, wvec, grid); break;
-      case WFmt::F16: launch_fmt<WFmt::F16>(b, wvec, grid); break;
-      case WFmt::FP8: launch_fmt<WFmt::FP8>(b, wvec, grid); break;
-      case WFmt::NVFP4: launch_fmt<WFmt::NVFP4>(b, wvec, grid); break;
-    }
+    detail::with_format(b.w.fmt, [&](auto f) { launch_fmt<decltype(f)::value>(b, wvec, grid); });
   };
   if (a.splits == 1) return launch(a);
   for (int64_t m0 = 0; m0 < a.M; m0 += kSplitRows) {  // the scratch holds kSplitRows rows' partials

@@ -364,13 +364,7 @@ void gemm(const GemmArgs& g, cudaStream_t s) {
     detail::check_launch("dq_gemm tile starts", "");
   }
   const dim3 grid(unsigned(nt), unsigned(p.m_tiles < detail::kMaxGridY ? p.m_tiles : detail::kMaxGridY));
-  switch (g.fmt) {
-    case WFmt::F32: launch<WFmt::F32>(p, grid, s); break;
-    case WFmt::BF16: launch<WFmt::BF16>(p, grid, s); break;
-    case WFmt::F16: launch<WFmt::F16>(p, grid, s); break;
-    case WFmt::FP8: launch<WFmt::FP8>(p, grid, s); break;
-    case WFmt::NVFP4: launch<WFmt::NVFP4>(p, grid, s); break;
-  }
+  detail::with_format(g.fmt, [&](auto f) { launch<decltype(f)::value>(p, grid, s); });
   detail::check_launch("dq_gemm kernel launch", "[", g.M, ", ", g.N, ", ", g.K, "]");
 }
 

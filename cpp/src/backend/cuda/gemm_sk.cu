@@ -74,8 +74,10 @@ constexpr int kThreads = 32 * layout::kSkWarps;
 constexpr int kMinCtas = 3;
 constexpr int64_t kRowsPerLaunch = 256;
 
+// Inputs per 16-byte weight segment (F32 is converted to BF16 on load: 8).
+constexpr int seg_elems_of(WFmt f) { return f == WFmt::FP8 ? 16 : f == WFmt::NVFP4 ? 32 : 8; }
 template <WFmt F>
-constexpr int kE = F == WFmt::FP8 ? 16 : F == WFmt::NVFP4 ? 32 : 8;
+constexpr int kE = seg_elems_of(F);
 
 struct Params {
   const __nv_bfloat16* a;
@@ -341,7 +343,7 @@ std::atomic<bool> g_enabled{true};
 
 }  // namespace
 
-int seg_elems(WFmt f) { return f == WFmt::FP8 ? 16 : f == WFmt::NVFP4 ? 32 : 8; }
+int seg_elems(WFmt f) { return seg_elems_of(f); }
 
 int64_t a_width(WFmt f, int64_t K) {
   const int64_t sk = layout::sk_stage_k(seg_elems(f));
@@ -388,13 +390,7 @@ void gemm(const GemmArgs& g, cudaStream_t s) {
     p.d = g.d + r0 * g.ldd;
     p.M = m;
     const dim3 grid(unsigned((m + kSkTok - 1) / kSkTok), fblocks, unsigned(S));
-    switch (w.fmt) {
-      case WFmt::F32: launch<WFmt::F32>(p, grid, s); break;
-      case WFmt::BF16: launch<WFmt::BF16>(p, grid, s); break;
-      case WFmt::F16: launch<WFmt::F16>(p, grid, s); break;
-      case WFmt::FP8: launch<WFmt::FP8>(p, grid, s); break;
-      case WFmt::NVFP4: launch<WFmt::NVFP4>(p, grid, s); break;
-    }
+    detail::with_format(w.fmt, [&](auto f) { launch<decltype(f)::value>(p, grid, s); });
     detail::check_launch("sk_gemm kernel launch", "[", m, ", ", w.N, ", ", w.K, "]");
     if (S > 1) {
       const unsigned blocks = detail::ceil_blocks(m * w.N, 256, detail::kMaxRowBlocks);

@@ -601,13 +601,7 @@ void launch_gemv_fmt(bool wvec, dim3 grid, const GemvArgs& a) {
 
 template <bool gated>
 void launch_gemv(WFmt f, bool wvec, dim3 grid, const GemvArgs& a) {
-  switch (f) {
-    case WFmt::F32: launch_gemv_fmt<WFmt::F32, gated>(wvec, grid, a); break;
-    case WFmt::BF16: launch_gemv_fmt<WFmt::BF16, gated>(wvec, grid, a); break;
-    case WFmt::F16: launch_gemv_fmt<WFmt::F16, gated>(wvec, grid, a); break;
-    case WFmt::FP8: launch_gemv_fmt<WFmt::FP8, gated>(wvec, grid, a); break;
-    case WFmt::NVFP4: launch_gemv_fmt<WFmt::NVFP4, gated>(wvec, grid, a); break;
-  }
+  detail::with_format(f, [&](auto tag) { launch_gemv_fmt<decltype(tag)::value, gated>(wvec, grid, a); });
 }
 
 // Rows of a 2-D tensor with a contiguous last dim: the row stride (one row: its length).

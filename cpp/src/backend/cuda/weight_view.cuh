@@ -12,6 +12,7 @@
 #include <cuda_fp8.h>
 
 #include <cstdint>
+#include <type_traits>
 
 #include "backend/cuda/kernel_util.cuh"
 #include "backend/cuda/layout.h"
@@ -21,6 +22,19 @@
 namespace dflash2::cuda::detail {
 
 enum class WFmt : int { F32 = 0, BF16 = 1, F16 = 2, FP8 = 3, NVFP4 = 4 };
+
+// Host: f(std::integral_constant<WFmt, F>{}) for the runtime format `fmt`, the one switch
+// from a weight's format to the kernel instantiated for it (use decltype(tag)::value).
+template <class Fn>
+void with_format(WFmt fmt, Fn&& f) {
+  switch (fmt) {
+    case WFmt::F32: return f(std::integral_constant<WFmt, WFmt::F32>{});
+    case WFmt::BF16: return f(std::integral_constant<WFmt, WFmt::BF16>{});
+    case WFmt::F16: return f(std::integral_constant<WFmt, WFmt::F16>{});
+    case WFmt::FP8: return f(std::integral_constant<WFmt, WFmt::FP8>{});
+    case WFmt::NVFP4: return f(std::integral_constant<WFmt, WFmt::NVFP4>{});
+  }
+}
 
 // Plain data: passed to kernels by value.
 struct WeightView {
