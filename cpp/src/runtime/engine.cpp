@@ -195,20 +195,28 @@ std::string tc_gemm_self_check(Device dev, ops::GemmNumerics g, std::string* exp
       Tensor x4 = Tensor::empty(DType::F32, {M, K4});
       for (int64_t i = 0; i < M * K4; ++i) x4.data_as<float>()[i] = next();
       const ops::Weight w4 = fp4w(N, K4), w8 = fp8w(N, K4);
-      auto check_q = [&]() -> std::string {
-        for (const ops::Weight* wq : {&w4, &w8}) {
-          const char* what = wq == &w4 ? "NVFP4-weight GEMM" : "FP8-weight GEMM";
+      // each weight's linear_bf16 (decode: the kernel of generated tokens) against the CPU,
+      // and its M = 1 / 5 rows against the M = 130 ones; x for the F32 weight wc, x4 otherwise
+      auto check_weights = [&](std::initializer_list<const ops::Weight*> ws, bool decode) -> std::string {
+        for (const ops::Weight* wq : ws) {
+          const char* what = wq == &wc   ? "decode GEMM (F32 weight)"
+                             : wq == &w4 ? (decode ? "decode GEMM (NVFP4 weight)" : "NVFP4-weight GEMM")
+                                         : (decode ? "decode GEMM (FP8 weight)" : "FP8-weight GEMM");
+          const Tensor& xq = wq == &wc ? x : x4;
           Tensor wantq = Tensor::empty(DType::F32, {M, N}), gotq = Tensor::empty(DType::F32, {M, N}, dev);
           const ops::Weight wqd = wq->to(dev);
-          ops::linear_bf16(x4, *wq, wantq);
-          ops::linear_bf16(x4.to(dev), wqd, gotq);
+          ops::linear_bf16(xq, *wq, wantq);
+          ops::linear_bf16(xq.to(dev), wqd, gotq, false, decode);
           std::string w_why = compare(gotq, wantq, 1e-8, what);
           if (w_why.empty())
-            w_why = batch_invariant(x4, gotq, what, [&](const Tensor& xm, Tensor& ym) { ops::linear_bf16(xm, wqd, ym); });
+            w_why = batch_invariant(xq, gotq, what, [&](const Tensor& xm, Tensor& ym) {
+              ops::linear_bf16(xm, wqd, ym, false, decode);
+            });
           if (!w_why.empty()) return w_why;
         }
         return "";
       };
+      auto check_q = [&] { return check_weights({&w4, &w8}, false); };
       std::string why4 = check_q();
 #ifdef DFLASH2_WITH_CUDA
       if (!why4.empty() && cuda::linear_dq_enabled()) {
@@ -224,26 +232,8 @@ std::string tc_gemm_self_check(Device dev, ops::GemmNumerics g, std::string* exp
 #endif
       if (!why4.empty()) return why4;
       // the kernel of generated tokens (linear_bf16 decode = true; on CUDA gemm_sk.cu, K split
-      // over 2 CTAs here) over the same three weights: against the CPU, and batch-invariant
-      auto check_sk = [&]() -> std::string {
-        for (const ops::Weight* wq : std::initializer_list<const ops::Weight*>{&wc, &w4, &w8}) {
-          const char* what = wq == &wc   ? "decode GEMM (F32 weight)"
-                             : wq == &w4 ? "decode GEMM (NVFP4 weight)"
-                                         : "decode GEMM (FP8 weight)";
-          const Tensor& xq = wq == &wc ? x : x4;
-          Tensor wantq = Tensor::empty(DType::F32, {M, N}), gotq = Tensor::empty(DType::F32, {M, N}, dev);
-          const ops::Weight wqd = wq->to(dev);
-          ops::linear_bf16(xq, *wq, wantq);
-          ops::linear_bf16(xq.to(dev), wqd, gotq, false, /*decode=*/true);
-          std::string s_why = compare(gotq, wantq, 1e-8, what);
-          if (s_why.empty())
-            s_why = batch_invariant(xq, gotq, what, [&](const Tensor& xm, Tensor& ym) {
-              ops::linear_bf16(xm, wqd, ym, false, /*decode=*/true);
-            });
-          if (!s_why.empty()) return s_why;
-        }
-        return "";
-      };
+      // over 2 CTAs for the F32 weight) over the same weights and the F32 one
+      auto check_sk = [&] { return check_weights({&wc, &w4, &w8}, true); };
       std::string why_sk = check_sk();
 #ifdef DFLASH2_WITH_CUDA
       if (!why_sk.empty() && cuda::linear_sk_enabled()) {
