@@ -1958,16 +1958,20 @@ def test_moe_experts_fp8(dev):
 
 @pytest.mark.parametrize("dev", DEVICES)
 @pytest.mark.parametrize("fmt", ["bf16", "nvfp4", "fp8", "f32"])
-def test_moe_experts_bf16(dev, fmt):
-    """numerics='bf16' (prompt chunks): every projection as linear_bf16 (x, silu(gate) * up
-    and the dequantized weights rounded to BF16, fp32 sums), against a float64 reference over
-    the same rounded operands; on CUDA the grouped GEMM that dequantizes in its main loop.
-    Cases: an empty expert between used ones, the last expert unused, experts with more
-    than one 64-row tile, N and K across 128-feature tiles, K tails (not multiples of 8 /
-    32 where the format allows)."""
+@pytest.mark.parametrize("decode", [False, True], ids=["prompt", "decode"])
+def test_moe_experts_bf16(dev, fmt, decode):
+    """numerics='bf16': every projection as linear_bf16 (x, silu(gate) * up and the
+    dequantized weights rounded to BF16, fp32 sums), against a float64 reference over the same
+    rounded operands; on CUDA prompt chunks take the grouped GEMM that dequantizes in its main
+    loop, decode chunks (decode=True) the skinny grouped GEMM of generated tokens, whose rows
+    must also be bitwise the same for a token alone as in its batch. Cases: an empty expert
+    between used ones, the last expert unused, experts with more than one 64-row (prompt) /
+    32-token (decode) tile, N and K across 128-feature tiles, K tails (not multiples of 8 /
+    32 where the format allows), K split over 2 (BF16 / F32 gate and up) and 4 (every
+    format's gate and up at H = 1024) CTAs in the decode kernel."""
     need_device(dev, "moe_experts")
     rng = rng_for("moe_bf16", fmt)
-    cases = [(6, 5, 208, 144, 2), (150, 4, 64, 48, 2), (40, 6, 256, 160, 3)]
+    cases = [(6, 5, 208, 144, 2), (150, 4, 64, 48, 2), (40, 6, 256, 160, 3), (7, 5, 1024, 64, 2)]
     if fmt in ("bf16", "f32"):
         cases.append((9, 3, 40, 33, 2))
     for case, (T, E, H, F, k) in enumerate(cases):
@@ -1997,11 +2001,17 @@ def test_moe_experts_bf16(dev, fmt):
         assert ops.moe_experts_bf16_available(dev if dev == "cpu" else "cuda:0", on(gate), on(up), on(down))
         out = Guarded((T, H), dev)
         ops.moe_experts(to_dev(x, dev), to_dev(ids, dev), to_dev(weights, dev), on(gate), on(up), on(down),
-                        out=out.view, numerics="bf16")
+                        out=out.view, numerics="bf16", decode=decode)
         got = out.result()
         # fp32 sums of BF16 products: a BF16 rounding of silu(gate) * up flips where the fp32
         # and float64 sums straddle a rounding boundary (2^-8 in a rare element)
         check("moe_experts", got, ref, 1e-8)  # [CPU: 5e-15 without a flip, 4.3e-10 with one]
+        if decode:  # a token's row alone == its row in the batch, bitwise (decode == verify)
+            for t in sorted({0, T // 2, T - 1}):
+                one = to_np(ops.moe_experts(to_dev(x[t:t + 1], dev), to_dev(ids[t:t + 1], dev),
+                                            to_dev(weights[t:t + 1], dev), on(gate), on(up), on(down),
+                                            numerics="bf16", decode=True))
+                assert np.array_equal(one[0].view(np.uint32), got[t].view(np.uint32)), (case, t)
         exact = to_np(ops.moe_experts(to_dev(x, dev), to_dev(ids, dev), to_dev(weights, dev), on(gate), on(up),
                                       on(down)))
         assert nmse(got, exact) > 1e-9, "bf16 numerics gave the exact result"

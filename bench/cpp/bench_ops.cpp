@@ -1179,7 +1179,7 @@ std::vector<int32_t> random_routing(int64_t T, uint64_t seed) {
 struct MoeCase {
   ops::ExpertWeights ew;
   Tensor x, out, ids, w, ws;
-  void run(ops::GemmNumerics g) { ops::moe_experts(x, ids, w, ew, out, ws, g); }
+  void run(ops::GemmNumerics g, bool decode = false) { ops::moe_experts(x, ids, w, ew, out, ws, g, decode); }
 };
 
 int64_t moe_hits(const std::vector<int32_t>& ids) {
@@ -1317,6 +1317,33 @@ void bench_moe(Bench& b, const std::vector<int64_t>& Ts) {
         base.run = [c](int) { c->run(ops::GemmNumerics::Exact); };
         const ops::GemmNumerics g = gc.numerics;
         return std::make_pair(std::function<void(int)>([c, g](int) { c->run(g); }), 1);
+      });
+    }
+  }
+}
+
+// The routed experts of decode chunks under decode_gemm="bf16" (moe_experts with BF16 numerics
+// and decode: gemm_sk.cu's skinny grouped GEMM, W4A16 / W8A16) at the decode / verify sizes,
+// beside the exact SIMT expert kernels (decode_gemm="exact", the default) on the same routing
+// in the same run.
+void bench_moe_decode(Bench& b, const std::vector<int64_t>& Ts) {
+  for (Fmt f : {Fmt::NVFP4, Fmt::FP8}) {
+    if (b.opt.quick && f != Fmt::NVFP4) continue;
+    for (int64_t T : Ts) {
+      const std::vector<int32_t> ids = random_routing(T, 7321 + uint64_t(T));
+      const int64_t nhit = moe_hits(ids);
+      Result r{"moe_experts_bf16_decode", "256 experts top8 " + dims({G.moe_inter, G.hidden}) + " hit " +
+               std::to_string(nhit), fmt_name(f), t_label(T), T};
+      moe_cost(r, f, T, nhit);
+      b.run(r, [&](Baseline& base) {
+        auto c = std::make_shared<MoeCase>(make_moe_case(f, T, ids));
+        if (!ops::moe_experts_bf16_available(c->x.device(), c->ew))
+          throw std::runtime_error("moe_experts_bf16_decode: the grouped BF16 GEMM does not run here");
+        base.name = "exact SIMT";
+        base.kind = "moe_experts numerics exact (the SIMT expert kernels, decode_gemm='exact')";
+        base.variants = 1;
+        base.run = [c](int) { c->run(ops::GemmNumerics::Exact); };
+        return std::make_pair(std::function<void(int)>([c](int) { c->run(ops::GemmNumerics::BF16, true); }), 1);
       });
     }
   }
@@ -1552,7 +1579,8 @@ int main(int argc, char** argv) {
     bench_indexer(b);
     bench_moe(b, Ts);
     bench_small(b, Ts);
-    bench_linear_sk(b, Ts, di.major);  // last: new in device_check's --quick, it cannot crowd out the others
+    bench_linear_sk(b, Ts, di.major);  // last: new in device_check's --quick, they cannot crowd out the others
+    bench_moe_decode(b, Ts);
     if (!b.fatal) {
       const double again = copy_bandwidth_GBps(b.trials());
       std::printf("copy bandwidth at the end: %.1f GB/s\n", again);

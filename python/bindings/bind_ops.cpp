@@ -619,7 +619,8 @@ void bind_ops(py::module_& m) {
   o.def(
       "moe_experts",
       [](py::handle x, py::handle ids, py::handle weights, std::vector<ops::Weight> gate, std::vector<ops::Weight> up,
-         std::vector<ops::Weight> down, py::handle out, py::handle workspace, const std::string& numerics) {
+         std::vector<ops::Weight> down, py::handle out, py::handle workspace, const std::string& numerics,
+         bool decode) {
         DFLASH2_CHECK_ARG(numerics == "exact" || numerics == "fp8" || numerics == "bf16" || numerics == "nvfp4",
                           "moe_experts: numerics must be 'exact', 'bf16', 'fp8' or 'nvfp4', found '", numerics, "'");
         const ops::GemmNumerics g = numerics == "fp8"     ? ops::GemmNumerics::FP8
@@ -636,16 +637,18 @@ void bind_ops(py::module_& m) {
         Tensor ws = out_or_new(workspace, DType::F32, {n}, xt.device(), "workspace");
         {
           ReleaseGil nogil;
-          ops::moe_experts(xt, it, wt, ex, ot, ws, g);
+          ops::moe_experts(xt, it, wt, ex, ot, ws, g, decode);
         }
         return ot;
       },
       py::arg("x"), py::arg("ids"), py::arg("weights"), py::arg("gate"), py::arg("up"), py::arg("down"),
       py::arg("out") = py::none(), py::arg("workspace") = py::none(), py::arg("numerics") = "exact",
+      py::arg("decode") = false,
       "out[t] = sum_j weights[t, j] * expert_{ids[t, j]}(x[t]); gate/up/down: lists of Weight, one per expert. "
       "numerics='fp8': every projection W8A8 as linear_fp8 (FP8 experts; CUDA: the grouped GEMM, sm_90a / sm_100a / sm_103a). "
       "numerics='bf16': every projection as linear_bf16 (any expert format; CUDA: the grouped GEMM dequantizing in its "
-      "main loop). numerics='nvfp4': every projection W4A4 as linear_nvfp4 with its expert's input_scale (NVFP4 "
+      "main loop; with decode=True, the tokens of a decode / verify chunk: the skinny grouped GEMM of generated "
+      "tokens). numerics='nvfp4': every projection W4A4 as linear_nvfp4 with its expert's input_scale (NVFP4 "
       "experts; CUDA: the grouped block-scaled GEMM, sm_100a / sm_103a).");
   // moe_experts_<numerics>_available(device, gate, up, down)
   auto def_available = [&o](const char* name, bool (*fn)(Device, const ops::ExpertWeights&), const char* doc) {

@@ -360,8 +360,12 @@ int64_t moe_workspace_floats(int64_t T, int64_t top_k, int64_t H, int64_t F, int
 // (prompt chunks of NVFP4 checkpoints: every expert weight NVFP4 with an input_scale, each
 // projection linear_nvfp4's W4A4 numerics with its expert's input_scale): on the CPU an
 // emulation, on CUDA a CUTLASS block-scaled grouped GEMM (sm_100a / sm_103a).
+// decode (BF16 numerics only; the others ignore it): the tokens of a decode / verify chunk, on
+// CUDA the skinny grouped GEMM of generated tokens (the weight as the MMA's A operand, K split
+// by the weight's shape alone) instead of the prompt chunks' kernel: the same numerics up to
+// fp32 summation order, and a token's result independent of the other tokens either way.
 void moe_experts(const Tensor& x, const Tensor& ids, const Tensor& weights, const ExpertWeights& experts,
-                 Tensor& out, Tensor& workspace, GemmNumerics numerics = GemmNumerics::Exact);
+                 Tensor& out, Tensor& workspace, GemmNumerics numerics = GemmNumerics::Exact, bool decode = false);
 // Whether moe_experts(..., GemmNumerics::FP8) runs these experts on `dev` (every weight FP8
 // with K % 16 == 0 and N % 4 == 0 on every device; on CUDA the grouped kernel built for its
 // architecture and the weights readable in place: contiguous 16-byte aligned rows, contiguous

@@ -564,7 +564,7 @@ void GlmModel::layer_forward(const Layer& L, const Tensor& latent, const Tensor&
     r.routed_scaling_factor = c.routed_scaling_factor;
     ops::moe_route(logits, m.bias, r, b.rids, b.rw);
     // the routed experts on a grouped tensor-core GEMM too (set_prefill / set_decode)
-    ops::moe_experts(b.x, b.rids, b.rw, m.experts, b.mlp_out, b.moe_ws, ex);
+    ops::moe_experts(b.x, b.rids, b.rw, m.experts, b.mlp_out, b.moe_ws, ex, decode);
     if (m.has_shared) {
       ops::gated_mlp(b.x, m.gate, m.up, m.down, b.shared_out, b.scratch, tc, decode);
       ops::add(b.mlp_out, b.shared_out, b.mlp_out);

@@ -55,7 +55,7 @@ namespace dflash2::ops {
   X(moe_experts_fp8, (const Tensor& x, const Tensor& ids, const Tensor& weights, const ExpertWeights& experts,      \
                       Tensor& out, Tensor& workspace))                                                              \
   X(moe_experts_bf16, (const Tensor& x, const Tensor& ids, const Tensor& weights, const ExpertWeights& experts,     \
-                       Tensor& out, Tensor& workspace))                                                             \
+                       Tensor& out, Tensor& workspace, bool decode))                                                \
   X(moe_experts_nvfp4, (const Tensor& x, const Tensor& ids, const Tensor& weights, const ExpertWeights& experts,    \
                         Tensor& out, Tensor& workspace))                                                            \
   X(dyn_conv, (const Tensor& x, const Tensor& base, const Tensor& dyn, int64_t block, Tensor& out))                 \

@@ -744,7 +744,7 @@ int64_t moe_workspace_floats(int64_t T, int64_t top_k, int64_t H, int64_t F, int
 }
 
 void moe_experts(const Tensor& x, const Tensor& ids, const Tensor& weights, const ExpertWeights& experts, Tensor& out,
-                 Tensor& workspace, GemmNumerics numerics) {
+                 Tensor& workspace, GemmNumerics numerics, bool decode) {
   const char* op = "moe_experts";
   (void)numerics;  // every GemmNumerics is a mode of the experts
   need_2d_rows(x, DType::F32, op, "x");
@@ -789,7 +789,8 @@ void moe_experts(const Tensor& x, const Tensor& ids, const Tensor& weights, cons
                           "' is ", weight_format_name(w->format), w->format == WeightFormat::NVFP4 ? " without a normal, finite one" : "");
     DFLASH2_DISPATCH(moe_experts_nvfp4, x, x, ids, weights, experts, out, workspace);
   }
-  if (numerics == GemmNumerics::BF16) DFLASH2_DISPATCH(moe_experts_bf16, x, x, ids, weights, experts, out, workspace);
+  if (numerics == GemmNumerics::BF16)
+    DFLASH2_DISPATCH(moe_experts_bf16, x, x, ids, weights, experts, out, workspace, decode);
   DFLASH2_DISPATCH(moe_experts, x, x, ids, weights, experts, out, workspace);
 }
 

@@ -306,6 +306,42 @@ std::string tc_gemm_self_check(Device dev, ops::GemmNumerics g, std::string* exp
           if (experts_why) *experts_why = why_experts;
           break;
         }
+        if (g == ops::GemmNumerics::BF16) {
+          // the routed experts of decode chunks (decode = true; on CUDA gemm_sk.cu's grouped
+          // kernel; K split in 2 for the BF16 experts) against the CPU, and token 0 alone bitwise
+          // its row among all T (a token's result must not depend on its batch)
+          auto check_decode = [&]() -> std::string {
+            const char* what = "grouped expert GEMM of generated tokens";
+            Tensor yd = Tensor::empty(DType::F32, {T, H}, dev);
+            ops::moe_experts(xe.to(dev), ids.to(dev), rw.to(dev), exd, yd, wsg, g, true);
+            std::string why = compare(yd, ye, 1e-5, what);
+            if (!why.empty()) return why;
+            Tensor y1 = Tensor::empty(DType::F32, {1, H}, dev);
+            ops::moe_experts(xe.slice(0, 0, 1).to(dev), ids.slice(0, 0, 1).to(dev), rw.slice(0, 0, 1).to(dev), exd,
+                             y1, wsg, g, true);
+            const Tensor all = yd.to(Device::cpu()), one = y1.to(Device::cpu());
+            if (std::memcmp(all.data(), one.data(), size_t(H) * sizeof(float)) != 0)
+              return std::string(what) + ": a token's row alone differs from its row among " + std::to_string(T) +
+                     " tokens (not batch-invariant)";
+            return "";
+          };
+          std::string why_decode = check_decode();
+#ifdef DFLASH2_WITH_CUDA
+          if (!why_decode.empty() && cuda::linear_sk_enabled()) {
+            // generated tokens take the prompt chunks' kernels (projections and experts,
+            // checked above) in this process
+            std::fprintf(stderr, "dflash2: the skinny grouped decode GEMM failed its load-time check on %s (%s); "
+                         "generated tokens take the prompt chunks' tensor-core kernels instead\n", dev.str().c_str(),
+                         why_decode.c_str());
+            cuda::set_linear_sk_enabled(false);
+            why_decode = check_decode();
+          }
+#endif
+          if (!why_decode.empty()) {
+            if (experts_why) *experts_why = why_decode;
+            break;
+          }
+        }
       }
     }
     return "";

@@ -88,7 +88,7 @@ void moe_route(const Tensor& logits, const Tensor& bias, const ops::MoeRouting& 
 void moe_experts(const Tensor& x, const Tensor& ids, const Tensor& weights, const ops::ExpertWeights& experts,
                  Tensor& out, Tensor& workspace);
 void moe_experts_bf16(const Tensor& x, const Tensor& ids, const Tensor& weights, const ops::ExpertWeights& experts,
-                      Tensor& out, Tensor& workspace);
+                      Tensor& out, Tensor& workspace, bool decode);
 void moe_experts_nvfp4(const Tensor& x, const Tensor& ids, const Tensor& weights, const ops::ExpertWeights& experts,
                        Tensor& out, Tensor& workspace);
 void moe_experts_fp8(const Tensor& x, const Tensor& ids, const Tensor& weights, const ops::ExpertWeights& experts,

@@ -140,7 +140,7 @@ void moe_experts(const Tensor& x, const Tensor& ids, const Tensor& weights, cons
 }
 
 void moe_experts_bf16(const Tensor& x, const Tensor& ids, const Tensor& weights, const ops::ExpertWeights& ex,
-                      Tensor& out, Tensor& workspace) {
+                      Tensor& out, Tensor& workspace, bool /*decode: one kernel on the CPU*/) {
   experts_impl(x, ids, weights, ex, out, workspace, [](const Tensor& xs, const ops::Weight& w, Tensor& y, bool acc) {
     cpu::linear_bf16(xs, w, y, acc, false);
   });

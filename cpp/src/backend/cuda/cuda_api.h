@@ -184,10 +184,11 @@ void moe_experts(const Tensor& x, const Tensor& ids, const Tensor& weights, cons
 void moe_experts_fp8(const Tensor& x, const Tensor& ids, const Tensor& weights, const ops::ExpertWeights& experts,
                      Tensor& out, Tensor& workspace);
 bool moe_experts_fp8_supported(int device, const ops::ExpertWeights& experts);
-// The same with linear_bf16's numerics (prompt chunks, any expert format): the grouped
-// mainloop-dequantizing GEMM of gemm_dq.cu; whether `device` is a GPU this build runs on.
+// The same with linear_bf16's numerics (any expert format): prompt chunks on the grouped
+// mainloop-dequantizing GEMM of gemm_dq.cu, decode chunks (decode) on gemm_sk.cu's skinny
+// grouped GEMM; whether `device` is a GPU this build runs on.
 void moe_experts_bf16(const Tensor& x, const Tensor& ids, const Tensor& weights, const ops::ExpertWeights& experts,
-                      Tensor& out, Tensor& workspace);
+                      Tensor& out, Tensor& workspace, bool decode);
 bool moe_experts_bf16_supported(int device);
 // gemm_dq.cu: whether linear_bf16 runs NVFP4 weights on sm_90a through the mainloop-
 // dequantizing kernel (default) or the dequantize pass + CUTLASS (after a failed load check).

@@ -24,6 +24,10 @@
 // Grid: x = token tiles of this launch (fastest, so the CTAs reading one weight slice run
 // together and share it through L2), y = 64-feature blocks, z = splits; at most 256 rows per
 // launch (the partial buffer's size), more rows are more launches.
+// Grouped (sk_grouped_kernel: the routed experts of decode chunks): x = 64-feature blocks,
+// y = splits (layout::sk_splits with 8 groups: as many CTAs for a decode token's 8 experts as
+// one weight gets alone), z = the active experts, each CTA running its expert's rows 32 at a
+// time with the expert's view from the device table; the same tile code and numerics.
 //
 // Cost model (not measured): weight bytes once per 32 tokens; x from shared memory, 2 bytes
 // per input per token per warp; per weight element one dequantization (BF16: none; FP8:
@@ -79,19 +83,38 @@ constexpr int seg_elems_of(WFmt f) { return f == WFmt::FP8 ? 16 : f == WFmt::NVF
 template <WFmt F>
 constexpr int kE = seg_elems_of(F);
 
+// NVFP4's fast pair decode (dequant8): g * 2^126 finite (global scales below 4).
+struct Fp4Global {
+  bool fast;
+  float g_scaled;  // g * 2^126
+  float g;
+};
+__host__ __device__ inline Fp4Global fp4_global(const WeightView& w) {
+  const float gs = w.global_scale * 0x1p126f;  // exact unless it overflows
+  return {w.fmt == WFmt::NVFP4 && w.global_scale > 0.0f && gs <= 0x1.fffffep127f, gs, w.global_scale};
+}
+
 struct Params {
   const __nv_bfloat16* a;
   int64_t lda;
-  WeightView w;
+  WeightView w;  // one weight; grouped: every group's N, K and format
   bool vec;
-  int64_t M, N, K;  // M: this launch's rows
+  int64_t M, N, K;  // M: this launch's rows (grouped: the rows of all groups, a bound)
   float* d;
   int64_t ldd;
   bool accumulate;
   float* partial;  // S > 1: [S][M][N]
   int S;
-  bool fp4_fast;   // NVFP4: g * 2^126 is finite (dequant8)
-  float g_scaled;  // g * 2^126
+  Fp4Global fp4;
+  // grouped (table != nullptr): group e's weight is table[e * table_stride], its rows
+  // [start[e], start[e + 1]); CTAs take the active groups active[1 ..] (active[0] of them,
+  // at most max_active) by grid z; row p of the product goes to d row d_rows ? d_rows[p] : p
+  const WeightView* table;
+  int64_t table_stride;
+  const int32_t* start;
+  const int32_t* active;
+  int max_active;
+  const int32_t* d_rows;
 };
 
 // Segment k0 (E inputs from k0) of a weight row as 16 raw bytes (F32: 8 inputs already
@@ -174,10 +197,9 @@ __device__ __forceinline__ uint32_t seg_scale(const WeightView& w, int64_t f0, i
 // significant bits, >= 2^-136), and times g' is one rounding of the same real v s g: bitwise
 // w_at's fl(fl(v s) g), in ~half the operations of decoding each nibble's fields.
 template <WFmt F>
-__device__ __forceinline__ uint4 dequant8(const Params& p, const uint4& raw, uint32_t scale, int h, bool hi) {
-  const WeightView& w = p.w;
+__device__ __forceinline__ uint4 dequant8(const Fp4Global& q, const uint4& raw, uint32_t scale, int h, bool hi) {
   if constexpr (F == WFmt::BF16 || F == WFmt::F32) {
-    (void)w, (void)scale, (void)h, (void)hi;
+    (void)q, (void)scale, (void)h, (void)hi;
     return raw;
   } else {
     const uint32_t words[4] = {raw.x, raw.y, raw.z, raw.w};
@@ -194,18 +216,18 @@ __device__ __forceinline__ uint4 dequant8(const Params& p, const uint4& raw, uin
     } else {  // NVFP4: group h is word h; its scale is byte h / 2 of the row's pair
       const float s = detail::e4m3_to_f32(uint8_t(scale >> (8 * ((hi ? 2 : 0) + h / 2))));
       const uint32_t word = words[h];
-      if (p.fp4_fast) {
+      if (q.fast) {
 #pragma unroll
         for (int j = 0; j < 4; ++j) {  // byte j: inputs 2j (low nibble), 2j + 1 (high nibble)
           const uint32_t b = (word >> (8 * j)) & 0xffu;
           const uint32_t pair = ((b & 0x7u) << 6) | ((b & 0x8u) << 12) | ((b & 0x70u) << 18) | ((b & 0x80u) << 24);
-          f[2 * j] = __fmul_rn(__fmul_rn(__uint_as_float(pair << 16), s), p.g_scaled);
-          f[2 * j + 1] = __fmul_rn(__fmul_rn(__uint_as_float(pair & 0xffff0000u), s), p.g_scaled);
+          f[2 * j] = __fmul_rn(__fmul_rn(__uint_as_float(pair << 16), s), q.g_scaled);
+          f[2 * j + 1] = __fmul_rn(__fmul_rn(__uint_as_float(pair & 0xffff0000u), s), q.g_scaled);
         }
       } else {
 #pragma unroll
         for (int i = 0; i < 8; ++i)
-          f[i] = __fmul_rn(__fmul_rn(detail::e2m1_to_f32((word >> (4 * i)) & 15u), s), w.global_scale);
+          f[i] = __fmul_rn(__fmul_rn(detail::e2m1_to_f32((word >> (4 * i)) & 15u), s), q.g);
       }
     }
     return make_uint4(pack_bf16(f[0], f[1]), pack_bf16(f[2], f[3]), pack_bf16(f[4], f[5]), pack_bf16(f[6], f[7]));
@@ -219,33 +241,30 @@ struct Stage {
   uint32_t sc[kSegs];
 };
 
+// One tile: rows [m0, m0 + rows) of A (rows <= kSkTok) times the 16 features of this warp
+// from f0 of weight w, over the k-stages [s0, s1), into acc (n-tile n: tokens 8n .. 8n + 7).
+// Every thread of the CTA calls it (the barriers); warps with !active only stage x.
 template <WFmt F>
-__global__ void __launch_bounds__(kThreads, kMinCtas) sk_kernel(const Params p) {
+__device__ __forceinline__ void tile_mma(const WeightView& w, bool vec, const Fp4Global& q, const __nv_bfloat16* a,
+                                         int64_t lda, int64_t m0, int64_t rows, int64_t f0, bool active, int64_t s0,
+                                         int64_t s1, uint4* xs, float (&acc)[4][4]) {
   constexpr int E = kE<F>, G8 = E / 8, kSegs = layout::sk_segs(E);
   constexpr int64_t SK = layout::sk_stage_k(E);
   constexpr int kChunks = int(SK / 8);                  // 16-byte x chunks per token row per stage
   constexpr int kCopies = kSkTok * kChunks / kThreads;  // cp.async per thread per stage
+  constexpr int kBuf = kSkTok * kChunks;                // chunks per buffer
   static_assert(kCopies * kThreads == kSkTok * kChunks, "stage copy split");
-  __shared__ __align__(128) uint4 xs[2][kSkTok * kChunks];
-
-  const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5, g = lane >> 2, t = lane & 3;
-  const int64_t m0 = int64_t(blockIdx.x) * kSkTok;
-  const int64_t f0 = int64_t(blockIdx.y) * kSkFeatPerCta + int64_t(warp) * kSkFeat;
+  const int tid = threadIdx.x, lane = tid & 31, g = lane >> 2, t = lane & 3;
   const int64_t r_lo = f0 + g, r_hi = f0 + g + 8;
-  const bool active = f0 < p.N;  // warp-uniform: warps past N only stage x and meet the barriers
-  const int64_t rows = p.M - m0 < kSkTok ? p.M - m0 : kSkTok;
   const int ntiles = int((rows + 7) / 8);  // block-uniform
-  const int64_t stages = (p.K + SK - 1) / SK;
-  const int64_t s0 = layout::sk_split_begin(stages, p.S, int(blockIdx.z)),
-                s1 = layout::sk_split_begin(stages, p.S, int(blockIdx.z) + 1);
 
   auto stage_x = [&](int64_t s, int buf) {
 #pragma unroll
     for (int i = 0; i < kCopies; ++i) {
       const int idx = tid + i * kThreads, row = idx / kChunks, c = idx % kChunks;
       const bool valid = row < rows;
-      const __nv_bfloat16* src = valid ? p.a + (m0 + row) * p.lda + s * SK + c * 8 : p.a;
-      cp_async16(smem_u32(&xs[buf][layout::sk_x_chunk(row, c, E)]), src, valid);
+      const __nv_bfloat16* src = valid ? a + (m0 + row) * lda + s * SK + c * 8 : a;
+      cp_async16(smem_u32(&xs[buf * kBuf + layout::sk_x_chunk(row, c, E)]), src, valid);
     }
     cp_async_commit();
   };
@@ -253,13 +272,12 @@ __global__ void __launch_bounds__(kThreads, kMinCtas) sk_kernel(const Params p) 
 #pragma unroll
     for (int i = 0; i < kSegs; ++i) {
       const int64_t k0 = s * SK + layout::sk_k(E, t, i, 0);
-      st.lo[i] = seg_load<F>(p.w, p.vec, r_lo, k0);
-      st.hi[i] = seg_load<F>(p.w, p.vec, r_hi, k0);
-      st.sc[i] = seg_scale<F>(p.w, f0, r_lo, r_hi, k0);
+      st.lo[i] = seg_load<F>(w, vec, r_lo, k0);
+      st.hi[i] = seg_load<F>(w, vec, r_hi, k0);
+      st.sc[i] = seg_scale<F>(w, f0, r_lo, r_hi, k0);
     }
   };
 
-  float acc[4][4];
 #pragma unroll
   for (int n = 0; n < 4; ++n)
 #pragma unroll
@@ -284,14 +302,14 @@ __global__ void __launch_bounds__(kThreads, kMinCtas) sk_kernel(const Params p) 
       for (int i = 0; i < kSegs; ++i)
 #pragma unroll
         for (int h = 0; h < G8; ++h) {
-          const uint4 wl = dequant8<F>(p, cur.lo[i], cur.sc[i], h, false);
-          const uint4 wh = dequant8<F>(p, cur.hi[i], cur.sc[i], h, true);
+          const uint4 wl = dequant8<F>(q, cur.lo[i], cur.sc[i], h, false);
+          const uint4 wh = dequant8<F>(q, cur.hi[i], cur.sc[i], h, true);
           const uint32_t a0[4] = {wl.x, wh.x, wl.y, wh.y}, a1[4] = {wl.z, wh.z, wl.w, wh.w};
           const int c = layout::sk_lane_chunk(E, t, i, h);
 #pragma unroll
           for (int n = 0; n < 4; ++n) {
             if (n >= ntiles) break;
-            const uint4 xv = xs[buf][layout::sk_x_chunk(n * 8 + g, c, E)];
+            const uint4 xv = xs[buf * kBuf + layout::sk_x_chunk(n * 8 + g, c, E)];
             mma_bf16(acc[n], a0, xv.x, xv.y);
             mma_bf16(acc[n], a1, xv.z, xv.w);
           }
@@ -299,44 +317,109 @@ __global__ void __launch_bounds__(kThreads, kMinCtas) sk_kernel(const Params p) 
     }
     if (more && active) cur = nxt;
   }
-  if (!active) return;
+}
 
-  // c0, c1: feature g, tokens 2t, 2t + 1 of n-tile n; c2, c3: feature g + 8
-  const bool split = p.S > 1;
+// The tile's results: row m0 + i (i < rows) of feature f of this warp; S > 1: the split's
+// partial sums (partial[z][row][f], M rows); else d's row (d_rows ? d_rows[row] : row).
+// c0, c1: feature g, tokens 2t, 2t + 1 of n-tile n; c2, c3: feature g + 8.
+__device__ __forceinline__ void tile_store(const Params& p, const float (&acc)[4][4], int64_t m0, int64_t rows,
+                                           int64_t f0, int z) {
+  const int lane = threadIdx.x & 31, g = lane >> 2, t = lane & 3;
+  const int ntiles = int((rows + 7) / 8);
 #pragma unroll
   for (int n = 0; n < 4; ++n) {
     if (n >= ntiles) break;
 #pragma unroll
     for (int j = 0; j < 4; ++j) {
-      const int64_t m = m0 + n * 8 + 2 * t + (j & 1), f = (j < 2) ? r_lo : r_hi;
-      if (m >= p.M || f >= p.N) continue;
+      const int64_t i = n * 8 + 2 * t + (j & 1), f = f0 + g + ((j < 2) ? 0 : 8);
+      if (i >= rows || f >= p.N) continue;
+      const int64_t m = m0 + i;
       const float v = acc[n][j];
-      if (split) {
-        p.partial[(int64_t(blockIdx.z) * p.M + m) * p.N + f] = v;
+      if (p.S > 1) {
+        p.partial[(int64_t(z) * p.M + m) * p.N + f] = v;
       } else {
-        float* out = p.d + m * p.ldd + f;
+        float* out = p.d + (p.d_rows ? int64_t(p.d_rows[m]) : m) * p.ldd + f;
         *out = p.accumulate ? __fadd_rn(*out, v) : v;
       }
     }
   }
 }
 
-// y[m, n] (+)= the S partial sums, added in split order.
+// One weight: grid x = token tiles of this launch (fastest, so the CTAs reading one weight
+// slice run together and share it through L2), y = 64-feature blocks, z = splits.
+template <WFmt F>
+__global__ void __launch_bounds__(kThreads, kMinCtas) sk_kernel(const Params p) {
+  __shared__ __align__(128) uint4 xs[2 * kSkTok * int(layout::sk_stage_k(kE<F>) / 8)];
+  const int64_t m0 = int64_t(blockIdx.x) * kSkTok;
+  const int64_t f0 = int64_t(blockIdx.y) * kSkFeatPerCta + int64_t(threadIdx.x >> 5) * kSkFeat;
+  const bool active = f0 < p.N;  // warp-uniform: warps past N only stage x and meet the barriers
+  const int64_t rows = p.M - m0 < kSkTok ? p.M - m0 : kSkTok;
+  const int64_t stages = (p.K + layout::sk_stage_k(kE<F>) - 1) / layout::sk_stage_k(kE<F>);
+  const int z = int(blockIdx.z);
+  float acc[4][4];
+  tile_mma<F>(p.w, p.vec, p.fp4, p.a, p.lda, m0, rows, f0, active, layout::sk_split_begin(stages, p.S, z),
+              layout::sk_split_begin(stages, p.S, z + 1), xs, acc);
+  if (active) tile_store(p, acc, m0, rows, f0, z);
+}
+
+// Groups (the routed experts of decode chunks): grid x = 64-feature blocks, y = splits,
+// z = the active groups (grid-stride over active[1 ..], whose length is device data); a CTA
+// runs its group's rows 32 at a time. A row's sums depend on its group's weight and its own
+// x only (the split is a function of N, K and the format), never on the other rows.
+template <WFmt F>
+__global__ void __launch_bounds__(kThreads, kMinCtas) sk_grouped_kernel(const Params p) {
+  __shared__ __align__(128) uint4 xs[2 * kSkTok * int(layout::sk_stage_k(kE<F>) / 8)];
+  const int64_t f0 = int64_t(blockIdx.x) * kSkFeatPerCta + int64_t(threadIdx.x >> 5) * kSkFeat;
+  const bool active = f0 < p.N;
+  const int64_t stages = (p.K + layout::sk_stage_k(kE<F>) - 1) / layout::sk_stage_k(kE<F>);
+  const int z = int(blockIdx.y);
+  const int64_t s0 = layout::sk_split_begin(stages, p.S, z), s1 = layout::sk_split_begin(stages, p.S, z + 1);
+  // the group's view and NVFP4 global scale in shared memory: registers stay with the k-loop
+  __shared__ WeightView w;
+  __shared__ Fp4Global q;
+  int nact = p.active[0];
+  if (nact > p.max_active) nact = p.max_active;
+  for (int ai = int(blockIdx.z); ai < nact; ai += int(gridDim.z)) {
+    const int e = p.active[1 + ai];
+    __syncthreads();  // the previous group's tiles are done: x buffers, w and q are free
+    if (threadIdx.x == 0) {
+      w = p.table[int64_t(e) * p.table_stride];
+      q = fp4_global(w);
+    }
+    __syncthreads();
+    const int first = p.start[e], end = p.start[e + 1];  // rows < 2^31 (checked on the host)
+    for (int m0 = first; m0 < end; m0 += kSkTok) {
+      if (m0 > first) __syncthreads();  // the previous tile's readers of both x buffers are done
+      const int rows = end - m0 < kSkTok ? end - m0 : kSkTok;
+      float acc[4][4];
+      tile_mma<F>(w, p.vec, q, p.a, p.lda, m0, rows, f0, active, s0, s1, xs, acc);
+      if (active) tile_store(p, acc, m0, rows, f0, z);
+    }
+  }
+}
+
+// y[row(m), n] (+)= the S partial sums of row m, added in split order; rows m < *used when
+// used != nullptr (device: the grouped kernel's row count), row(m) = d_rows ? d_rows[m] : m.
 __global__ void __launch_bounds__(256) sk_reduce(const float* __restrict__ partial, int S, int64_t M, int64_t N,
-                                                  float* __restrict__ d, int64_t ldd, bool accumulate) {
+                                                  float* __restrict__ d, int64_t ldd, bool accumulate,
+                                                  const int32_t* __restrict__ used, const int32_t* __restrict__ d_rows) {
   const int64_t total = M * N;
-  for (int64_t i = int64_t(blockIdx.x) * blockDim.x + threadIdx.x; i < total; i += int64_t(gridDim.x) * blockDim.x) {
+  const int64_t limit = used ? (int64_t(*used) < M ? int64_t(*used) : M) * N : total;
+  for (int64_t i = int64_t(blockIdx.x) * blockDim.x + threadIdx.x; i < limit; i += int64_t(gridDim.x) * blockDim.x) {
     float v = partial[i];
     for (int z = 1; z < S; ++z) v = __fadd_rn(v, partial[int64_t(z) * total + i]);
     const int64_t m = i / N, n = i - m * N;
-    float* out = d + m * ldd + n;
+    float* out = d + (d_rows ? int64_t(d_rows[m]) : m) * ldd + n;
     *out = accumulate ? __fadd_rn(*out, v) : v;
   }
 }
 
 template <WFmt F>
-void launch(const Params& p, dim3 grid, cudaStream_t s) {
-  sk_kernel<F><<<grid, kThreads, 0, s>>>(p);
+void launch(const Params& p, dim3 grid, bool grouped, cudaStream_t s) {
+  if (grouped)
+    sk_grouped_kernel<F><<<grid, kThreads, 0, s>>>(p);
+  else
+    sk_kernel<F><<<grid, kThreads, 0, s>>>(p);
 }
 
 std::atomic<bool> g_enabled{true};
@@ -381,8 +464,7 @@ void gemm(const GemmArgs& g, cudaStream_t s) {
   p.accumulate = g.accumulate;
   p.partial = g.partial;
   p.S = S;
-  p.g_scaled = std::ldexp(w.global_scale, 126);
-  p.fp4_fast = w.fmt == WFmt::NVFP4 && std::isfinite(p.g_scaled) && w.global_scale > 0.0f;
+  p.fp4 = fp4_global(w);
   const unsigned fblocks = unsigned((w.N + kSkFeatPerCta - 1) / kSkFeatPerCta);
   for (int64_t r0 = 0; r0 < g.M; r0 += kRowsPerLaunch) {
     const int64_t m = g.M - r0 < kRowsPerLaunch ? g.M - r0 : kRowsPerLaunch;
@@ -390,13 +472,64 @@ void gemm(const GemmArgs& g, cudaStream_t s) {
     p.d = g.d + r0 * g.ldd;
     p.M = m;
     const dim3 grid(unsigned((m + kSkTok - 1) / kSkTok), fblocks, unsigned(S));
-    detail::with_format(w.fmt, [&](auto f) { launch<decltype(f)::value>(p, grid, s); });
+    detail::with_format(w.fmt, [&](auto f) { launch<decltype(f)::value>(p, grid, false, s); });
     detail::check_launch("sk_gemm kernel launch", "[", m, ", ", w.N, ", ", w.K, "]");
     if (S > 1) {
       const unsigned blocks = detail::ceil_blocks(m * w.N, 256, detail::kMaxRowBlocks);
-      sk_reduce<<<blocks, 256, 0, s>>>(g.partial, S, m, w.N, p.d, g.ldd, g.accumulate);
+      sk_reduce<<<blocks, 256, 0, s>>>(g.partial, S, m, w.N, p.d, g.ldd, g.accumulate, nullptr, nullptr);
       detail::check_launch("sk_gemm split reduction", "[", m, ", ", w.N, "]");
     }
+  }
+}
+
+int group_splits(WFmt f, int64_t N, int64_t K) { return layout::sk_splits(N, K, seg_elems(f), layout::kSkGroups); }
+
+int64_t grouped_partial_floats(WFmt f, int64_t N, int64_t K, int64_t M) {
+  const int S = group_splits(f, N, K);
+  return S > 1 ? int64_t(S) * M * N : 0;
+}
+
+void grouped_gemm(const GroupedArgs& g, cudaStream_t s) {
+  const char* op = "cuda::sk::grouped_gemm";
+  DFLASH2_CHECK_ARG(g.a && g.d && g.table && g.start && g.active && g.K > 0 && g.N >= 0 && g.M >= 0 &&
+                        g.groups >= 1 && g.table_stride >= 1 && g.max_active >= 0,
+                    op, ": bad arguments");
+  DFLASH2_CHECK_ARG(detail::aligned(g.a, 16) && g.lda % 8 == 0 && g.lda >= a_width(g.fmt, g.K), op,
+                    ": A must be 16-byte aligned with lda % 8 == 0 and lda >= ", a_width(g.fmt, g.K), ", found lda ",
+                    g.lda);
+  const int S = group_splits(g.fmt, g.N, g.K);
+  DFLASH2_CHECK_ARG(S == 1 || (g.partial != nullptr && detail::aligned(g.partial, 16)), op,
+                    ": a split GEMM needs its partial-sum scratch");
+  DFLASH2_CHECK_ARG(g.N <= int64_t(kSkFeatPerCta) * int64_t(INT32_MAX), op, ": N = ", g.N, " is too large");
+  if (g.M == 0 || g.N == 0 || g.max_active == 0) return;
+  Params p{};
+  p.a = g.a;
+  p.lda = g.lda;
+  p.w.fmt = g.fmt;  // the shape and format the host knows; each group's view comes from the table
+  p.w.N = g.N;
+  p.w.K = g.K;
+  p.vec = g.vec;
+  p.M = g.M;
+  p.N = g.N;
+  p.K = g.K;
+  p.d = g.d;
+  p.ldd = g.ldd;
+  p.partial = g.partial;
+  p.S = S;
+  p.table = g.table;
+  p.table_stride = g.table_stride;
+  p.start = g.start;
+  p.active = g.active;
+  p.max_active = g.max_active < g.groups ? g.max_active : g.groups;
+  p.d_rows = g.d_rows;
+  const unsigned fblocks = unsigned((g.N + kSkFeatPerCta - 1) / kSkFeatPerCta);
+  const dim3 grid(fblocks, unsigned(S), unsigned(p.max_active < detail::kMaxGridY ? p.max_active : detail::kMaxGridY));
+  detail::with_format(g.fmt, [&](auto f) { launch<decltype(f)::value>(p, grid, true, s); });
+  detail::check_launch("sk_gemm grouped kernel launch", "[", g.M, ", ", g.N, ", ", g.K, "] x ", g.groups);
+  if (S > 1) {
+    const unsigned blocks = detail::ceil_blocks(g.M * g.N, 256, detail::kMaxRowBlocks);
+    sk_reduce<<<blocks, 256, 0, s>>>(g.partial, S, g.M, g.N, g.d, g.ldd, false, g.start + g.groups, g.d_rows);
+    detail::check_launch("sk_gemm grouped split reduction", "[", g.M, ", ", g.N, "]");
   }
 }
 

@@ -51,9 +51,40 @@ int64_t partial_floats(const detail::WeightView& w, int64_t M);
 // InvalidArgument on arguments the kernel cannot take.
 void gemm(const GemmArgs& g, cudaStream_t s);
 
-// Whether linear_bf16(..., decode = true) takes this kernel (default on); the engine's
-// load-time check turns it off in the process if the kernel fails there (decode chunks then
-// take the prompt chunks' kernels, whose rows are batch-invariant too).
+// Grouped (the routed experts of decode chunks, moe_experts with BF16 numerics and decode):
+//   d[row(p), n] = sum_k a[p, k] * bf16(W_e[n, k])   for p in group e's rows [start[e], start[e + 1])
+// over the active groups active[1 .. active[0]] (device data: the expert lists of moe.cu),
+// every group's weight [N, K] in format `fmt` at table[e * table_stride] (device). One CTA
+// per (64 features, split, active group) runs its group's rows 32 at a time; the split over
+// K is group_splits(fmt, N, K) (aimed at layout::kSkGroups groups of one token tile: a
+// function of N, K and the format, never of the batch), its partial sums added in split order
+// by a second kernel (rows p < start[groups]). Graph-safe, no host synchronization.
+struct GroupedArgs {
+  const __nv_bfloat16* a = nullptr;  // row p at a + p * lda, as GemmArgs::a
+  int64_t lda = 0;
+  const detail::WeightView* table = nullptr;
+  int64_t table_stride = 1;
+  detail::WFmt fmt = detail::WFmt::BF16;
+  bool vec = false;  // every group's rows allow the vector loads
+  int64_t N = 0, K = 0;
+  int groups = 0;
+  const int32_t* start = nullptr;   // [groups + 1], ascending
+  const int32_t* active = nullptr;  // [1 + groups]: count, then the active groups
+  int max_active = 0;               // a bound on active[0] the host knows (min(groups, M))
+  int64_t M = 0;                    // >= start[groups]: the rows of all groups
+  float* d = nullptr;
+  int64_t ldd = 0;
+  const int32_t* d_rows = nullptr;  // nullptr: row p of d
+  float* partial = nullptr;         // grouped_partial_floats(fmt, N, K, M) floats, 16-byte aligned
+};
+int group_splits(detail::WFmt f, int64_t N, int64_t K);
+int64_t grouped_partial_floats(detail::WFmt f, int64_t N, int64_t K, int64_t M);
+void grouped_gemm(const GroupedArgs& g, cudaStream_t s);
+
+// Whether linear_bf16(..., decode = true) and moe_experts' decode chunks (BF16 numerics) take
+// these kernels (default on); the engine's load-time check turns them off in the process if
+// either fails there (decode chunks then take the prompt chunks' kernels, whose rows are
+// batch-invariant too).
 bool enabled();
 void set_enabled(bool on);
 

@@ -310,12 +310,15 @@ constexpr int kSkMaxSplits = 32;
 DFLASH2_HD constexpr int sk_segs(int E) { return E >= 32 ? 2 : 4; }
 DFLASH2_HD constexpr int64_t sk_stage_k(int E) { return int64_t(4) * sk_segs(E) * E; }  // 128 / 256 / 256
 DFLASH2_HD int64_t sk_k(int E, int t, int i, int e) { return int64_t(i * 4 + t) * E + e; }
-// The split of K over S CTAs (grid z), a function of (N, K, E) only (never of M: a token's
-// sums must not depend on its batch): doubled while the CTAs of one token tile stay under
-// kSkFill and every split keeps at least one stage.
-DFLASH2_HD int sk_splits(int64_t N, int64_t K, int E) {
+// The split of K over S CTAs, a function of (N, K, E) only (never of M: a token's sums must
+// not depend on its batch): doubled while the CTAs of one token tile stay under kSkFill and
+// every split keeps at least one stage. The grouped kernel (the routed experts of decode
+// chunks) aims at kSkGroups groups of one token tile (a decode token's top-8 experts): a
+// function of (N, K, E) too, never of how many experts a batch happens to hit.
+constexpr int kSkGroups = 8;
+DFLASH2_HD int sk_splits(int64_t N, int64_t K, int E, int groups = 1) {
   const int64_t stages = (K + sk_stage_k(E) - 1) / sk_stage_k(E);
-  const int64_t blocks = (N + kSkFeatPerCta - 1) / kSkFeatPerCta;
+  const int64_t blocks = (N + kSkFeatPerCta - 1) / kSkFeatPerCta * groups;
   int s = 1;
   while (s * 2 <= kSkMaxSplits && s * 2 <= stages && blocks * s < kSkFill) s *= 2;
   return s;

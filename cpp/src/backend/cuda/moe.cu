@@ -83,7 +83,9 @@
 //   BF16 GEMM (group g = expert g, weights from the expert table's views, NVFP4 / FP8
 //   dequantized in the k-loop): x[order[p] / top_k] rounded to BF16 by a gather pass; gate
 //   and up -> G, U [n, F] F32; silu(G) * U (the CPU's formula) rounded to BF16; down written
-//   straight to y's slot rows (row map order[p]); then the combine above.
+//   straight to y's slot rows (row map order[p]); then the combine above. Decode chunks
+//   (decode = true, while sk::enabled()) run the three GEMMs on gemm_sk.h's skinny grouped
+//   kernel instead (CTAs over the active list, 32-token tiles, K split by N and K only).
 //
 // moe_experts_nvfp4 (ops.h moe_experts with GemmNumerics::NVFP4: prompt chunks of NVFP4
 //   checkpoints on sm_100a / sm_103a; cpu/moe.cpp's emulation is its oracle): the same
@@ -131,6 +133,7 @@
 #include "backend/cuda/cuda_api.h"
 #include "backend/cuda/cuda_check.cuh"
 #include "backend/cuda/gemm_dq.h"
+#include "backend/cuda/gemm_sk.h"
 #include "backend/cuda/kernel_util.cuh"
 #include "backend/cuda/layout.h"
 #include "backend/cuda/moe_route.h"
@@ -401,7 +404,8 @@ struct ExpertTable {
   std::vector<ExpertView> host;
   ExpertView* dev = nullptr;
   WFmt gu_fmt = WFmt::F32, down_fmt = WFmt::F32;
-  bool gu_vec = false, down_vec = false;
+  bool gu_vec = false, down_vec = false;      // detail::weight_rows_vectorizable, every expert
+  bool gu_vec16 = false, down_vec16 = false;  // 16-byte aligned rows (gemm_sk.h's vector loads)
 };
 
 bool same_view(const WeightView& a, const WeightView& b) {
@@ -499,10 +503,13 @@ const ExpertTable& build_expert_table(const ops::ExpertWeights& ex, int device, 
   t->host = std::move(host);
   t->gu_fmt = t->host[0].gate.fmt;
   t->down_fmt = t->host[0].down.fmt;
-  t->gu_vec = t->down_vec = true;
+  t->gu_vec = t->down_vec = t->gu_vec16 = t->down_vec16 = true;
+  auto rows16 = [](const WeightView& v) { return detail::aligned(v.data, 16) && v.row_bytes % 16 == 0; };
   for (const ExpertView& v : t->host) {
     t->gu_vec = t->gu_vec && detail::weight_rows_vectorizable(v.gate) && detail::weight_rows_vectorizable(v.up);
     t->down_vec = t->down_vec && detail::weight_rows_vectorizable(v.down);
+    t->gu_vec16 = t->gu_vec16 && rows16(v.gate) && rows16(v.up);
+    t->down_vec16 = t->down_vec16 && rows16(v.down);
   }
   const size_t bytes = E * sizeof(ExpertView);
   t->dev = static_cast<ExpertView*>(device_malloc(bytes, device));
@@ -824,7 +831,7 @@ namespace {
 enum class ExpertsMode { Exact, FP8, BF16, NVFP4 };
 
 void moe_experts_impl(const Tensor& x, const Tensor& ids, const Tensor& weights, const ops::ExpertWeights& experts,
-                      Tensor& out, Tensor& workspace, ExpertsMode mode) {
+                      Tensor& out, Tensor& workspace, ExpertsMode mode, bool decode = false) {
   const bool fp8 = mode == ExpertsMode::FP8, bf16 = mode == ExpertsMode::BF16, nvfp4 = mode == ExpertsMode::NVFP4;
   const char* op = fp8 ? "cuda::moe_experts_fp8"
                    : bf16 ? "cuda::moe_experts_bf16"
@@ -1079,20 +1086,33 @@ void moe_experts_impl(const Tensor& x, const Tensor& ids, const Tensor& weights,
   }
 #endif
   if (bf16 && n > 0 && F > 0) {
-    // The grouped mainloop-dequantizing GEMM (gemm_dq.h), group g = expert g's positions
-    // [start[g], start[g + 1]): gate and up over the gathered rows, silu(gate) * up rounded,
-    // down written straight to slot order (y row order[p]).
+    // The grouped BF16 tensor-core GEMMs, group g = expert g's positions [start[g],
+    // start[g + 1]): gate and up over the gathered rows, silu(gate) * up rounded, down
+    // written straight to slot order (y row order[p]). Prompt chunks: gemm_dq.h's
+    // mainloop-dequantizing GEMM (64-row tiles); decode chunks: gemm_sk.h's skinny grouped
+    // GEMM (the weight as the MMA's A operand, 32-token tiles, K split by N and K only), off
+    // in the process if the load-time check turned the skinny kernels off.
     // scratch: A [n, Hp] BF16 | G, U [n, F] F32 | h [n, Fp] BF16 | tile starts [E + 1]
+    //          | skinny split partials
+    const bool skinny = decode && sk::enabled();
     auto up256 = [](int64_t v) { return (v + 255) / 256 * 256; };
-    const int64_t Hp = (H + 7) / 8 * 8, Fp = (F + 7) / 8 * 8;
+    auto width = [&](int64_t k, WFmt f) {
+      const int64_t w8 = (k + 7) / 8 * 8;
+      return skinny ? std::max(w8, sk::a_width(f, k)) : w8;
+    };
+    const int64_t Hp = width(H, tab.gu_fmt), Fp = width(F, tab.down_fmt);
+    const int64_t pf = skinny ? std::max(sk::grouped_partial_floats(tab.gu_fmt, F, H, n),
+                                         sk::grouped_partial_floats(tab.down_fmt, H, F, n))
+                              : 0;
     const int64_t b_a = up256(n * Hp * 2), b_g = up256(n * F * 4), b_h = up256(n * Fp * 2),
-                  b_t = up256((E + 1) * 4);
-    uint8_t* base = static_cast<uint8_t*>(detail::scratch(dev, size_t(b_a + 2 * b_g + b_h + b_t)));
+                  b_t = up256((E + 1) * 4), b_p = up256(pf * 4);
+    uint8_t* base = static_cast<uint8_t*>(detail::scratch(dev, size_t(b_a + 2 * b_g + b_h + b_t + b_p)));
     __nv_bfloat16* a16 = reinterpret_cast<__nv_bfloat16*>(base);
     float* G = reinterpret_cast<float*>(base + b_a);
     float* U = reinterpret_cast<float*>(base + b_a + b_g);
     __nv_bfloat16* h16 = reinterpret_cast<__nv_bfloat16*>(base + b_a + 2 * b_g);
     int32_t* tiles = reinterpret_cast<int32_t*>(base + b_a + 2 * b_g + b_h);
+    float* partial = pf > 0 ? reinterpret_cast<float*>(base + b_a + 2 * b_g + b_h + b_t) : nullptr;
     static_assert(sizeof(ExpertView) == 3 * sizeof(WeightView) && offsetof(ExpertView, gate) == 0 &&
                       offsetof(ExpertView, up) == sizeof(WeightView) &&
                       offsetof(ExpertView, down) == 2 * sizeof(WeightView),
@@ -1101,7 +1121,29 @@ void moe_experts_impl(const Tensor& x, const Tensor& ids, const Tensor& weights,
     dq::rows_bf16(dq::RowsFrom::Gather, x.data_as<const float>(), nullptr, row_stride_2d(x), order, int(K),
                   start + E, n, H, Hp, a16, s);
     auto grouped = [&](int which, const __nv_bfloat16* a, int64_t lda, int64_t N, int64_t Kd, WFmt f, bool vec,
-                       float* d, int64_t ldd, const int32_t* d_rows) {
+                       bool vec16, float* d, int64_t ldd, const int32_t* d_rows) {
+      if (skinny) {
+        sk::GroupedArgs g;
+        g.a = a;
+        g.lda = lda;
+        g.table = views + which;
+        g.table_stride = 3;
+        g.fmt = f;
+        g.vec = vec16;
+        g.N = N;
+        g.K = Kd;
+        g.groups = int(E);
+        g.start = start;
+        g.active = active;
+        g.max_active = int(E < n ? E : n);
+        g.M = n;
+        g.d = d;
+        g.ldd = ldd;
+        g.d_rows = d_rows;
+        g.partial = partial;
+        sk::grouped_gemm(g, s);
+        return;
+      }
       dq::GemmArgs g;
       g.a = a;
       g.lda = lda;
@@ -1120,10 +1162,10 @@ void moe_experts_impl(const Tensor& x, const Tensor& ids, const Tensor& weights,
       g.d_rows = d_rows;
       dq::gemm(g, s);
     };
-    grouped(0, a16, Hp, F, H, tab.gu_fmt, tab.gu_vec, G, F, nullptr);
-    grouped(1, a16, Hp, F, H, tab.gu_fmt, tab.gu_vec, U, F, nullptr);
+    grouped(0, a16, Hp, F, H, tab.gu_fmt, tab.gu_vec, tab.gu_vec16, G, F, nullptr);
+    grouped(1, a16, Hp, F, H, tab.gu_fmt, tab.gu_vec, tab.gu_vec16, U, F, nullptr);
     dq::rows_bf16(dq::RowsFrom::SiluMul, G, U, F, nullptr, 1, start + E, n, F, Fp, h16, s);
-    grouped(2, h16, Fp, H, F, tab.down_fmt, tab.down_vec, y, H, order);
+    grouped(2, h16, Fp, H, F, tab.down_fmt, tab.down_vec, tab.down_vec16, y, H, order);
   }
   if (mode == ExpertsMode::Exact && n > 0 && F > 0) {
     const int max_active = int(E < n ? E : n);
@@ -1175,8 +1217,8 @@ void moe_experts(const Tensor& x, const Tensor& ids, const Tensor& weights, cons
 }
 
 void moe_experts_bf16(const Tensor& x, const Tensor& ids, const Tensor& weights, const ops::ExpertWeights& experts,
-                      Tensor& out, Tensor& workspace) {
-  moe_experts_impl(x, ids, weights, experts, out, workspace, ExpertsMode::BF16);
+                      Tensor& out, Tensor& workspace, bool decode) {
+  moe_experts_impl(x, ids, weights, experts, out, workspace, ExpertsMode::BF16, decode);
 }
 
 void moe_experts_nvfp4(const Tensor& x, const Tensor& ids, const Tensor& weights, const ops::ExpertWeights& experts,
