@@ -307,6 +307,27 @@ def test_decode_gemm_on_cuda(zoo):
         assert m["cuda_graphs_failed"] == 0, m["cuda_graphs_last_failure"]
 
 
+def test_decode_gemm_expert_parallel_on_gpus(zoo):
+    """decode_gemm="bf16" over 2 GPUs with whole experts per rank (expert_parallel): each
+    rank's decode chunks run its own experts (ids offset by the rank's first expert) on the
+    skinny grouped GEMM, and the greedy tokens equal the CPU's emulation of the same numerics
+    at TP 1 (where the margin exceeds the rounding). Needs 2 GPUs (the CPU emulator of the CUDA
+    backend runs it over EMU_DEVICES emulated GPUs)."""
+    if not dflash2_rt.ops.linear_bf16_available("cuda:0"):
+        pytest.skip("this build has no CUTLASS tensor-core GEMM for this GPU's architecture")
+    gpu = _tp_engine_or_skip(zoo, 2, expert_parallel=True, decode_gemm="bf16")
+    cpu = zoo.engine("tiny", "cpu", decode_gemm="bf16")
+    assert gpu.experts_decode_gemm == cpu.experts_decode_gemm == "bf16"
+    prompts = [gf.prompt(890 + i, n) for i, n in enumerate((5, 23))]
+    want = cpu.generate(prompts, max_new_tokens=10, stop_token_ids=NO_STOP)
+    got = gpu.generate(prompts, max_new_tokens=10, stop_token_ids=NO_STOP)
+    for i, (g, w) in enumerate(zip(got, want)):
+        same_tokens(cpu, prompts[i], g.token_ids, w.token_ids, f"bf16 decode, expert parallel, prompt {i}",
+                    rel=REL_BF16)
+    m = gpu.metrics()
+    assert m["cuda_graphs_failed"] == 0, m["cuda_graphs_last_failure"]
+
+
 def _quantized_prefill_on_cuda(zoo, quant, mode, seed, experts):
     """prefill_gemm=mode on zoo's tiny target quantized as `quant`: "auto" resolves to it,
     greedy tokens equal the CPU's emulation of the same numerics (where the logit margin

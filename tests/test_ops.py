@@ -1967,7 +1967,7 @@ def test_moe_experts_bf16(dev, fmt, decode):
     must also be bitwise the same for a token alone as in its batch. Cases: an empty expert
     between used ones, the last expert unused, experts with more than one 64-row (prompt) /
     32-token (decode) tile, N and K across 128-feature tiles, K tails (not multiples of 8 /
-    32 where the format allows), K split over 2 (BF16 / F32 gate and up) and 4 (every
+    32 where the format allows), K split over 2 (BF16 / F32 experts) and 4 - 8 (every
     format's gate and up at H = 1024) CTAs in the decode kernel."""
     need_device(dev, "moe_experts")
     rng = rng_for("moe_bf16", fmt)

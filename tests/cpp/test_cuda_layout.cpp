@@ -422,15 +422,23 @@ TEST(sk_stage_mapping_and_swizzle) {
 TEST(sk_splits_depend_on_n_k_only_and_cover_k) {
   for (const int E : {8, 16, 32})
     for (const int64_t N : {1, 8, 64, 150, 576, 2048, 6144, 16384, 154880})
-      for (const int64_t K : {1, 16, 200, 512, 2048, 6144, 16384}) {
-        const int S = L::sk_splits(N, K, E);
-        const int64_t stages = (K + L::sk_stage_k(E) - 1) / L::sk_stage_k(E);
-        CHECK(S >= 1 && S <= L::kSkMaxSplits && (S & (S - 1)) == 0 && S <= std::max<int64_t>(stages, 1));
-        CHECK(L::sk_split_begin(stages, S, 0) == 0 && L::sk_split_begin(stages, S, S) == stages);
-        for (int z = 0; z < S; ++z) CHECK(L::sk_split_begin(stages, S, z + 1) > L::sk_split_begin(stages, S, z));
-      }
+      for (const int64_t K : {1, 16, 200, 512, 2048, 6144, 16384})
+        for (const int groups : {1, L::kSkGroups, 2 * L::kSkGroups}) {  // one weight; the grouped experts' kernel
+          const int S = L::sk_splits(N, K, E, groups);
+          const int64_t stages = (K + L::sk_stage_k(E) - 1) / L::sk_stage_k(E);
+          CHECK(S >= 1 && S <= L::kSkMaxSplits && (S & (S - 1)) == 0 && S <= std::max<int64_t>(stages, 1));
+          CHECK(L::sk_split_begin(stages, S, 0) == 0 && L::sk_split_begin(stages, S, S) == stages);
+          for (int z = 0; z < S; ++z) CHECK(L::sk_split_begin(stages, S, z + 1) > L::sk_split_begin(stages, S, z));
+          // more groups never split more: the CTAs of all of them already fill the GPU
+          CHECK(L::sk_splits(N, K, E, groups) <= L::sk_splits(N, K, E));
+        }
   // GLM-5.3's small-N projections split; the wide ones do not need to
   CHECK(L::sk_splits(576, 6144, 8) == 32 && L::sk_splits(6144, 6144, 8) == 8 && L::sk_splits(154880, 6144, 8) == 1);
+  // its routed experts (NVFP4, the grouped kernel: 8 experts of a decode token): gate and up
+  // (one launch: 2 x 8 groups) 2048 x 6144 in 2 (1024 CTAs), down 6144 x 2048 whole (768);
+  // at TP 4 (gate and up 512 x 6144) in 8
+  CHECK(L::sk_splits(2048, 6144, 32, 2 * L::kSkGroups) == 2 && L::sk_splits(6144, 2048, 32, L::kSkGroups) == 1 &&
+        L::sk_splits(512, 6144, 32, 2 * L::kSkGroups) == 8);
 }
 
 TEST_MAIN()

@@ -115,6 +115,12 @@ struct Params {
   const int32_t* active;
   int max_active;
   const int32_t* d_rows;
+  // grouped, P == 2: two projections of the same rows in one launch (the experts' gate and
+  // up): projection j's weight is table[e * table_stride + j * proj_stride], its product goes
+  // to d (j = 0) or d2 (j = 1); partial sums [S][M][P][N]
+  int P;
+  int64_t proj_stride;
+  float* d2;
 };
 
 // Segment k0 (E inputs from k0) of a weight row as 16 raw bytes (F32: 8 inputs already
@@ -319,26 +325,28 @@ __device__ __forceinline__ void tile_mma(const WeightView& w, bool vec, const Fp
   }
 }
 
-// The tile's results: row m0 + i (i < rows) of feature f of this warp; S > 1: the split's
-// partial sums (partial[z][row][f], M rows); else d's row (d_rows ? d_rows[row] : row).
+// The tile's results: row m0 + i (i < rows) of feature f of this warp, projection j; S > 1:
+// the split's partial sums (partial[z][row][j][f], M rows, P projections); else the row of d
+// (j = 0) or d2 (j = 1): d_rows ? d_rows[row] : row.
 // c0, c1: feature g, tokens 2t, 2t + 1 of n-tile n; c2, c3: feature g + 8.
 __device__ __forceinline__ void tile_store(const Params& p, const float (&acc)[4][4], int64_t m0, int64_t rows,
-                                           int64_t f0, int z) {
+                                           int64_t f0, int z, int j) {
   const int lane = threadIdx.x & 31, g = lane >> 2, t = lane & 3;
   const int ntiles = int((rows + 7) / 8);
+  float* const dj = j ? p.d2 : p.d;
 #pragma unroll
   for (int n = 0; n < 4; ++n) {
     if (n >= ntiles) break;
 #pragma unroll
-    for (int j = 0; j < 4; ++j) {
-      const int64_t i = n * 8 + 2 * t + (j & 1), f = f0 + g + ((j < 2) ? 0 : 8);
+    for (int c = 0; c < 4; ++c) {
+      const int64_t i = n * 8 + 2 * t + (c & 1), f = f0 + g + ((c < 2) ? 0 : 8);
       if (i >= rows || f >= p.N) continue;
       const int64_t m = m0 + i;
-      const float v = acc[n][j];
+      const float v = acc[n][c];
       if (p.S > 1) {
-        p.partial[(int64_t(z) * p.M + m) * p.N + f] = v;
+        p.partial[((int64_t(z) * p.M + m) * p.P + j) * p.N + f] = v;
       } else {
-        float* out = p.d + (p.d_rows ? int64_t(p.d_rows[m]) : m) * p.ldd + f;
+        float* out = dj + (p.d_rows ? int64_t(p.d_rows[m]) : m) * p.ldd + f;
         *out = p.accumulate ? __fadd_rn(*out, v) : v;
       }
     }
@@ -359,17 +367,19 @@ __global__ void __launch_bounds__(kThreads, kMinCtas) sk_kernel(const Params p) 
   float acc[4][4];
   tile_mma<F>(p.w, p.vec, p.fp4, p.a, p.lda, m0, rows, f0, active, layout::sk_split_begin(stages, p.S, z),
               layout::sk_split_begin(stages, p.S, z + 1), xs, acc);
-  if (active) tile_store(p, acc, m0, rows, f0, z);
+  if (active) tile_store(p, acc, m0, rows, f0, z, 0);
 }
 
-// Groups (the routed experts of decode chunks): grid x = 64-feature blocks, y = splits,
-// z = the active groups (grid-stride over active[1 ..], whose length is device data); a CTA
-// runs its group's rows 32 at a time. A row's sums depend on its group's weight and its own
-// x only (the split is a function of N, K and the format), never on the other rows.
+// Groups (the routed experts of decode chunks): grid x = P x 64-feature blocks (projection
+// j = x / blocks), y = splits, z = the active groups (grid-stride over active[1 ..], whose
+// length is device data); a CTA runs its group's rows 32 at a time. A row's sums depend on
+// its group's weight and its own x only (the split is a function of N, K, the format and P),
+// never on the other rows.
 template <WFmt F>
 __global__ void __launch_bounds__(kThreads, kMinCtas) sk_grouped_kernel(const Params p) {
   __shared__ __align__(128) uint4 xs[2 * kSkTok * int(layout::sk_stage_k(kE<F>) / 8)];
-  const int64_t f0 = int64_t(blockIdx.x) * kSkFeatPerCta + int64_t(threadIdx.x >> 5) * kSkFeat;
+  const int fblocks = int(gridDim.x) / p.P, j = int(blockIdx.x) / fblocks;
+  const int64_t f0 = int64_t(int(blockIdx.x) - j * fblocks) * kSkFeatPerCta + int64_t(threadIdx.x >> 5) * kSkFeat;
   const bool active = f0 < p.N;
   const int64_t stages = (p.K + layout::sk_stage_k(kE<F>) - 1) / layout::sk_stage_k(kE<F>);
   const int z = int(blockIdx.y);
@@ -383,7 +393,7 @@ __global__ void __launch_bounds__(kThreads, kMinCtas) sk_grouped_kernel(const Pa
     const int e = p.active[1 + ai];
     __syncthreads();  // the previous group's tiles are done: x buffers, w and q are free
     if (threadIdx.x == 0) {
-      w = p.table[int64_t(e) * p.table_stride];
+      w = p.table[int64_t(e) * p.table_stride + j * p.proj_stride];
       q = fp4_global(w);
     }
     __syncthreads();
@@ -393,23 +403,25 @@ __global__ void __launch_bounds__(kThreads, kMinCtas) sk_grouped_kernel(const Pa
       const int rows = end - m0 < kSkTok ? end - m0 : kSkTok;
       float acc[4][4];
       tile_mma<F>(w, p.vec, q, p.a, p.lda, m0, rows, f0, active, s0, s1, xs, acc);
-      if (active) tile_store(p, acc, m0, rows, f0, z);
+      if (active) tile_store(p, acc, m0, rows, f0, z, j);
     }
   }
 }
 
-// y[row(m), n] (+)= the S partial sums of row m, added in split order; rows m < *used when
-// used != nullptr (device: the grouped kernel's row count), row(m) = d_rows ? d_rows[m] : m.
-__global__ void __launch_bounds__(256) sk_reduce(const float* __restrict__ partial, int S, int64_t M, int64_t N,
-                                                  float* __restrict__ d, int64_t ldd, bool accumulate,
-                                                  const int32_t* __restrict__ used, const int32_t* __restrict__ d_rows) {
-  const int64_t total = M * N;
-  const int64_t limit = used ? (int64_t(*used) < M ? int64_t(*used) : M) * N : total;
+// d_j[row(m), n] (+)= the S partial sums of row m, projection j (partial [S][M][P][N]),
+// added in split order; rows m < *used when used != nullptr (device: the grouped kernel's
+// row count), row(m) = d_rows ? d_rows[m] : m; d_0 = d, d_1 = d2.
+__global__ void __launch_bounds__(256) sk_reduce(const float* __restrict__ partial, int S, int64_t M, int P, int64_t N,
+                                                  float* __restrict__ d, float* __restrict__ d2, int64_t ldd,
+                                                  bool accumulate, const int32_t* __restrict__ used,
+                                                  const int32_t* __restrict__ d_rows) {
+  const int64_t row = int64_t(P) * N, total = M * row;
+  const int64_t limit = used ? (int64_t(*used) < M ? int64_t(*used) : M) * row : total;
   for (int64_t i = int64_t(blockIdx.x) * blockDim.x + threadIdx.x; i < limit; i += int64_t(gridDim.x) * blockDim.x) {
     float v = partial[i];
     for (int z = 1; z < S; ++z) v = __fadd_rn(v, partial[int64_t(z) * total + i]);
-    const int64_t m = i / N, n = i - m * N;
-    float* out = d + (d_rows ? int64_t(d_rows[m]) : m) * ldd + n;
+    const int64_t m = i / row, jn = i - m * row, j = jn / N, n = jn - j * N;
+    float* out = (j ? d2 : d) + (d_rows ? int64_t(d_rows[m]) : m) * ldd + n;
     *out = accumulate ? __fadd_rn(*out, v) : v;
   }
 }
@@ -465,6 +477,7 @@ void gemm(const GemmArgs& g, cudaStream_t s) {
   p.partial = g.partial;
   p.S = S;
   p.fp4 = fp4_global(w);
+  p.P = 1;
   const unsigned fblocks = unsigned((w.N + kSkFeatPerCta - 1) / kSkFeatPerCta);
   for (int64_t r0 = 0; r0 < g.M; r0 += kRowsPerLaunch) {
     const int64_t m = g.M - r0 < kRowsPerLaunch ? g.M - r0 : kRowsPerLaunch;
@@ -476,31 +489,35 @@ void gemm(const GemmArgs& g, cudaStream_t s) {
     detail::check_launch("sk_gemm kernel launch", "[", m, ", ", w.N, ", ", w.K, "]");
     if (S > 1) {
       const unsigned blocks = detail::ceil_blocks(m * w.N, 256, detail::kMaxRowBlocks);
-      sk_reduce<<<blocks, 256, 0, s>>>(g.partial, S, m, w.N, p.d, g.ldd, g.accumulate, nullptr, nullptr);
+      sk_reduce<<<blocks, 256, 0, s>>>(g.partial, S, m, 1, w.N, p.d, nullptr, g.ldd, g.accumulate, nullptr, nullptr);
       detail::check_launch("sk_gemm split reduction", "[", m, ", ", w.N, "]");
     }
   }
 }
 
-int group_splits(WFmt f, int64_t N, int64_t K) { return layout::sk_splits(N, K, seg_elems(f), layout::kSkGroups); }
+int group_splits(WFmt f, int64_t N, int64_t K, int P) {
+  return layout::sk_splits(N, K, seg_elems(f), layout::kSkGroups * P);
+}
 
-int64_t grouped_partial_floats(WFmt f, int64_t N, int64_t K, int64_t M) {
-  const int S = group_splits(f, N, K);
-  return S > 1 ? int64_t(S) * M * N : 0;
+int64_t grouped_partial_floats(WFmt f, int64_t N, int64_t K, int64_t M, int P) {
+  const int S = group_splits(f, N, K, P);
+  return S > 1 ? int64_t(S) * M * P * N : 0;
 }
 
 void grouped_gemm(const GroupedArgs& g, cudaStream_t s) {
   const char* op = "cuda::sk::grouped_gemm";
   DFLASH2_CHECK_ARG(g.a && g.d && g.table && g.start && g.active && g.K > 0 && g.N >= 0 && g.M >= 0 &&
-                        g.groups >= 1 && g.table_stride >= 1 && g.max_active >= 0,
+                        g.M <= int64_t(INT32_MAX) && g.groups >= 1 && g.table_stride >= 1 && g.max_active >= 0 &&
+                        (g.projections == 1 || (g.projections == 2 && g.d2 != nullptr)),
                     op, ": bad arguments");
   DFLASH2_CHECK_ARG(detail::aligned(g.a, 16) && g.lda % 8 == 0 && g.lda >= a_width(g.fmt, g.K), op,
                     ": A must be 16-byte aligned with lda % 8 == 0 and lda >= ", a_width(g.fmt, g.K), ", found lda ",
                     g.lda);
-  const int S = group_splits(g.fmt, g.N, g.K);
+  const int P = g.projections, S = group_splits(g.fmt, g.N, g.K, P);
   DFLASH2_CHECK_ARG(S == 1 || (g.partial != nullptr && detail::aligned(g.partial, 16)), op,
                     ": a split GEMM needs its partial-sum scratch");
-  DFLASH2_CHECK_ARG(g.N <= int64_t(kSkFeatPerCta) * int64_t(INT32_MAX), op, ": N = ", g.N, " is too large");
+  const int64_t fblocks = (g.N + kSkFeatPerCta - 1) / kSkFeatPerCta;
+  DFLASH2_CHECK_ARG(fblocks * P <= int64_t(INT32_MAX), op, ": N = ", g.N, " is too large");
   if (g.M == 0 || g.N == 0 || g.max_active == 0) return;
   Params p{};
   p.a = g.a;
@@ -513,23 +530,27 @@ void grouped_gemm(const GroupedArgs& g, cudaStream_t s) {
   p.N = g.N;
   p.K = g.K;
   p.d = g.d;
+  p.d2 = g.d2;
   p.ldd = g.ldd;
   p.partial = g.partial;
   p.S = S;
+  p.P = P;
+  p.proj_stride = g.proj_stride;
   p.table = g.table;
   p.table_stride = g.table_stride;
   p.start = g.start;
   p.active = g.active;
   p.max_active = g.max_active < g.groups ? g.max_active : g.groups;
   p.d_rows = g.d_rows;
-  const unsigned fblocks = unsigned((g.N + kSkFeatPerCta - 1) / kSkFeatPerCta);
-  const dim3 grid(fblocks, unsigned(S), unsigned(p.max_active < detail::kMaxGridY ? p.max_active : detail::kMaxGridY));
+  const dim3 grid(unsigned(fblocks * P), unsigned(S),
+                  unsigned(p.max_active < detail::kMaxGridY ? p.max_active : detail::kMaxGridY));
   detail::with_format(g.fmt, [&](auto f) { launch<decltype(f)::value>(p, grid, true, s); });
-  detail::check_launch("sk_gemm grouped kernel launch", "[", g.M, ", ", g.N, ", ", g.K, "] x ", g.groups);
+  detail::check_launch("sk_gemm grouped kernel launch", "[", g.M, ", ", P, " x ", g.N, ", ", g.K, "] x ", g.groups);
   if (S > 1) {
-    const unsigned blocks = detail::ceil_blocks(g.M * g.N, 256, detail::kMaxRowBlocks);
-    sk_reduce<<<blocks, 256, 0, s>>>(g.partial, S, g.M, g.N, g.d, g.ldd, false, g.start + g.groups, g.d_rows);
-    detail::check_launch("sk_gemm grouped split reduction", "[", g.M, ", ", g.N, "]");
+    const unsigned blocks = detail::ceil_blocks(g.M * P * g.N, 256, detail::kMaxRowBlocks);
+    sk_reduce<<<blocks, 256, 0, s>>>(g.partial, S, g.M, P, g.N, g.d, g.d2, g.ldd, false, g.start + g.groups,
+                                     g.d_rows);
+    detail::check_launch("sk_gemm grouped split reduction", "[", g.M, ", ", P, " x ", g.N, "]");
   }
 }
 

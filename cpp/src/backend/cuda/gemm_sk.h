@@ -52,13 +52,15 @@ int64_t partial_floats(const detail::WeightView& w, int64_t M);
 void gemm(const GemmArgs& g, cudaStream_t s);
 
 // Grouped (the routed experts of decode chunks, moe_experts with BF16 numerics and decode):
-//   d[row(p), n] = sum_k a[p, k] * bf16(W_e[n, k])   for p in group e's rows [start[e], start[e + 1])
-// over the active groups active[1 .. active[0]] (device data: the expert lists of moe.cu),
-// every group's weight [N, K] in format `fmt` at table[e * table_stride] (device). One CTA
-// per (64 features, split, active group) runs its group's rows 32 at a time; the split over
-// K is group_splits(fmt, N, K) (aimed at layout::kSkGroups groups of one token tile: a
-// function of N, K and the format, never of the batch), its partial sums added in split order
-// by a second kernel (rows p < start[groups]). Graph-safe, no host synchronization.
+//   d_j[row(p), n] = sum_k a[p, k] * bf16(W_e,j[n, k])   for p in group e's rows [start[e], start[e + 1])
+// over the active groups active[1 .. active[0]] (device data: the expert lists of moe.cu) and
+// the projections j < P (1, or 2: the experts' gate and up over the same rows in one launch),
+// every weight [N, K] in format `fmt`, W_e,j at table[e * table_stride + j * proj_stride]
+// (device), d_0 = d, d_1 = d2. One CTA per (projection, 64 features, split, active group)
+// runs its group's rows 32 at a time; the split over K is group_splits(fmt, N, K, P) (aimed
+// at layout::kSkGroups groups of one token tile: a function of N, K, the format and P, never
+// of the batch), its partial sums added in split order by a second kernel (rows p <
+// start[groups]). Graph-safe, no host synchronization.
 struct GroupedArgs {
   const __nv_bfloat16* a = nullptr;  // row p at a + p * lda, as GemmArgs::a
   int64_t lda = 0;
@@ -75,10 +77,13 @@ struct GroupedArgs {
   float* d = nullptr;
   int64_t ldd = 0;
   const int32_t* d_rows = nullptr;  // nullptr: row p of d
-  float* partial = nullptr;         // grouped_partial_floats(fmt, N, K, M) floats, 16-byte aligned
+  int projections = 1;              // P: 1 or 2
+  int64_t proj_stride = 0;          // P = 2: projection 1's views at table + proj_stride
+  float* d2 = nullptr;              // P = 2: projection 1's product (same ldd and rows as d)
+  float* partial = nullptr;         // grouped_partial_floats(fmt, N, K, M, P) floats, 16-byte aligned
 };
-int group_splits(detail::WFmt f, int64_t N, int64_t K);
-int64_t grouped_partial_floats(detail::WFmt f, int64_t N, int64_t K, int64_t M);
+int group_splits(detail::WFmt f, int64_t N, int64_t K, int P);
+int64_t grouped_partial_floats(detail::WFmt f, int64_t N, int64_t K, int64_t M, int P);
 void grouped_gemm(const GroupedArgs& g, cudaStream_t s);
 
 // Whether linear_bf16(..., decode = true) and moe_experts' decode chunks (BF16 numerics) take

@@ -313,8 +313,9 @@ DFLASH2_HD int64_t sk_k(int E, int t, int i, int e) { return int64_t(i * 4 + t) 
 // The split of K over S CTAs, a function of (N, K, E) only (never of M: a token's sums must
 // not depend on its batch): doubled while the CTAs of one token tile stay under kSkFill and
 // every split keeps at least one stage. The grouped kernel (the routed experts of decode
-// chunks) aims at kSkGroups groups of one token tile (a decode token's top-8 experts): a
-// function of (N, K, E) too, never of how many experts a batch happens to hit.
+// chunks) aims at kSkGroups groups of one token tile (a decode token's top-8 experts) times
+// its projections per launch (2: gate and up together): a function of (N, K, E) and that
+// launch's shape too, never of how many experts a batch happens to hit.
 constexpr int kSkGroups = 8;
 DFLASH2_HD int sk_splits(int64_t N, int64_t K, int E, int groups = 1) {
   const int64_t stages = (K + sk_stage_k(E) - 1) / sk_stage_k(E);

@@ -84,8 +84,9 @@
 //   dequantized in the k-loop): x[order[p] / top_k] rounded to BF16 by a gather pass; gate
 //   and up -> G, U [n, F] F32; silu(G) * U (the CPU's formula) rounded to BF16; down written
 //   straight to y's slot rows (row map order[p]); then the combine above. Decode chunks
-//   (decode = true, while sk::enabled()) run the three GEMMs on gemm_sk.h's skinny grouped
-//   kernel instead (CTAs over the active list, 32-token tiles, K split by N and K only).
+//   (decode = true, while sk::enabled()) run them on gemm_sk.h's skinny grouped kernel
+//   instead (CTAs over the active list, 32-token tiles, K split by N and K only; gate and
+//   up in one launch).
 //
 // moe_experts_nvfp4 (ops.h moe_experts with GemmNumerics::NVFP4: prompt chunks of NVFP4
 //   checkpoints on sm_100a / sm_103a; cpu/moe.cpp's emulation is its oracle): the same
@@ -1101,8 +1102,8 @@ void moe_experts_impl(const Tensor& x, const Tensor& ids, const Tensor& weights,
       return skinny ? std::max(w8, sk::a_width(f, k)) : w8;
     };
     const int64_t Hp = width(H, tab.gu_fmt), Fp = width(F, tab.down_fmt);
-    const int64_t pf = skinny ? std::max(sk::grouped_partial_floats(tab.gu_fmt, F, H, n),
-                                         sk::grouped_partial_floats(tab.down_fmt, H, F, n))
+    const int64_t pf = skinny ? std::max(sk::grouped_partial_floats(tab.gu_fmt, F, H, n, 2),
+                                         sk::grouped_partial_floats(tab.down_fmt, H, F, n, 1))
                               : 0;
     const int64_t b_a = up256(n * Hp * 2), b_g = up256(n * F * 4), b_h = up256(n * Fp * 2),
                   b_t = up256((E + 1) * 4), b_p = up256(pf * 4);
@@ -1120,8 +1121,9 @@ void moe_experts_impl(const Tensor& x, const Tensor& ids, const Tensor& weights,
     const WeightView* views = reinterpret_cast<const WeightView*>(tab.dev);
     dq::rows_bf16(dq::RowsFrom::Gather, x.data_as<const float>(), nullptr, row_stride_2d(x), order, int(K),
                   start + E, n, H, Hp, a16, s);
+    // which: the projection (0 gate, 1 up, 2 down); d2 != nullptr: gate and up together (d = G, d2 = U)
     auto grouped = [&](int which, const __nv_bfloat16* a, int64_t lda, int64_t N, int64_t Kd, WFmt f, bool vec,
-                       bool vec16, float* d, int64_t ldd, const int32_t* d_rows) {
+                       bool vec16, float* d, float* d2, int64_t ldd, const int32_t* d_rows) {
       if (skinny) {
         sk::GroupedArgs g;
         g.a = a;
@@ -1140,6 +1142,9 @@ void moe_experts_impl(const Tensor& x, const Tensor& ids, const Tensor& weights,
         g.d = d;
         g.ldd = ldd;
         g.d_rows = d_rows;
+        g.projections = d2 ? 2 : 1;
+        g.proj_stride = 1;  // ExpertView: gate, up, down back to back
+        g.d2 = d2;
         g.partial = partial;
         sk::grouped_gemm(g, s);
         return;
@@ -1162,10 +1167,14 @@ void moe_experts_impl(const Tensor& x, const Tensor& ids, const Tensor& weights,
       g.d_rows = d_rows;
       dq::gemm(g, s);
     };
-    grouped(0, a16, Hp, F, H, tab.gu_fmt, tab.gu_vec, tab.gu_vec16, G, F, nullptr);
-    grouped(1, a16, Hp, F, H, tab.gu_fmt, tab.gu_vec, tab.gu_vec16, U, F, nullptr);
+    if (skinny) {  // gate and up in one launch
+      grouped(0, a16, Hp, F, H, tab.gu_fmt, tab.gu_vec, tab.gu_vec16, G, U, F, nullptr);
+    } else {
+      grouped(0, a16, Hp, F, H, tab.gu_fmt, tab.gu_vec, tab.gu_vec16, G, nullptr, F, nullptr);
+      grouped(1, a16, Hp, F, H, tab.gu_fmt, tab.gu_vec, tab.gu_vec16, U, nullptr, F, nullptr);
+    }
     dq::rows_bf16(dq::RowsFrom::SiluMul, G, U, F, nullptr, 1, start + E, n, F, Fp, h16, s);
-    grouped(2, h16, Fp, H, F, tab.down_fmt, tab.down_vec, tab.down_vec16, y, H, order);
+    grouped(2, h16, Fp, H, F, tab.down_fmt, tab.down_vec, tab.down_vec16, y, nullptr, H, order);
   }
   if (mode == ExpertsMode::Exact && n > 0 && F > 0) {
     const int max_active = int(E < n ? E : n);
