@@ -56,7 +56,7 @@ struct AddOp {
 };
 struct SiluMulOp {
   __device__ __forceinline__ float operator()(float g, float u) const {
-    return __fmul_rn(__fdiv_rn(g, __fadd_rn(1.0f, expf(-g))), u);
+    return detail::silu_mul(g, u);
   }
 };
 

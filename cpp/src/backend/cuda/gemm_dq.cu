@@ -312,8 +312,7 @@ __global__ void rows_bf16_kernel(const float* __restrict__ x, const float* __res
       } else if constexpr (From == RowsFrom::Gather) {
         v = x[int64_t(order[pr] / div) * ldx + k];
       } else {
-        const float gv = x[pr * ldx + k];
-        v = __fmul_rn(__fdiv_rn(gv, __fadd_rn(1.0f, expf(-gv))), u[pr * ldx + k]);
+        v = detail::silu_mul(x[pr * ldx + k], u[pr * ldx + k]);
       }
     }
     a[i] = __float2bfloat16_rn(v);

@@ -116,11 +116,11 @@ struct Params {
   int max_active;
   const int32_t* d_rows;
   // grouped, P == 2: two projections of the same rows in one launch (the experts' gate and
-  // up): projection j's weight is table[e * table_stride + j * proj_stride], its product goes
-  // to d (j = 0) or d2 (j = 1); partial sums [S][M][P][N]
+  // up, for sk_reduce_silu): projection j's weight is table[e * table_stride + j *
+  // proj_stride]; partial sums [S][M][P][N]
   int P;
   int64_t proj_stride;
-  float* d2;
+  bool to_partial;  // S > 1 or P == 2: write the partial sums (else d)
 };
 
 // Segment k0 (E inputs from k0) of a weight row as 16 raw bytes (F32: 8 inputs already
@@ -325,15 +325,14 @@ __device__ __forceinline__ void tile_mma(const WeightView& w, bool vec, const Fp
   }
 }
 
-// The tile's results: row m0 + i (i < rows) of feature f of this warp, projection j; S > 1:
-// the split's partial sums (partial[z][row][j][f], M rows, P projections); else the row of d
-// (j = 0) or d2 (j = 1): d_rows ? d_rows[row] : row.
+// The tile's results: row m0 + i (i < rows) of feature f of this warp, projection j;
+// to_partial: the split's partial sums (partial[z][row][j][f], M rows, P projections); else
+// d's row d_rows ? d_rows[row] : row.
 // c0, c1: feature g, tokens 2t, 2t + 1 of n-tile n; c2, c3: feature g + 8.
 __device__ __forceinline__ void tile_store(const Params& p, const float (&acc)[4][4], int64_t m0, int64_t rows,
                                            int64_t f0, int z, int j) {
   const int lane = threadIdx.x & 31, g = lane >> 2, t = lane & 3;
   const int ntiles = int((rows + 7) / 8);
-  float* const dj = j ? p.d2 : p.d;
 #pragma unroll
   for (int n = 0; n < 4; ++n) {
     if (n >= ntiles) break;
@@ -343,10 +342,10 @@ __device__ __forceinline__ void tile_store(const Params& p, const float (&acc)[4
       if (i >= rows || f >= p.N) continue;
       const int64_t m = m0 + i;
       const float v = acc[n][c];
-      if (p.S > 1) {
+      if (p.to_partial) {
         p.partial[((int64_t(z) * p.M + m) * p.P + j) * p.N + f] = v;
       } else {
-        float* out = dj + (p.d_rows ? int64_t(p.d_rows[m]) : m) * p.ldd + f;
+        float* out = p.d + (p.d_rows ? int64_t(p.d_rows[m]) : m) * p.ldd + f;
         *out = p.accumulate ? __fadd_rn(*out, v) : v;
       }
     }
@@ -408,21 +407,42 @@ __global__ void __launch_bounds__(kThreads, kMinCtas) sk_grouped_kernel(const Pa
   }
 }
 
-// d_j[row(m), n] (+)= the S partial sums of row m, projection j (partial [S][M][P][N]),
-// added in split order; rows m < *used when used != nullptr (device: the grouped kernel's
-// row count), row(m) = d_rows ? d_rows[m] : m; d_0 = d, d_1 = d2.
-__global__ void __launch_bounds__(256) sk_reduce(const float* __restrict__ partial, int S, int64_t M, int P, int64_t N,
-                                                  float* __restrict__ d, float* __restrict__ d2, int64_t ldd,
-                                                  bool accumulate, const int32_t* __restrict__ used,
-                                                  const int32_t* __restrict__ d_rows) {
-  const int64_t row = int64_t(P) * N, total = M * row;
-  const int64_t limit = used ? (int64_t(*used) < M ? int64_t(*used) : M) * row : total;
+// d[row(m), n] (+)= the S partial sums of row m, added in split order; rows m < *used when
+// used != nullptr (device: the grouped kernel's row count), row(m) = d_rows ? d_rows[m] : m.
+__global__ void __launch_bounds__(256) sk_reduce(const float* __restrict__ partial, int S, int64_t M, int64_t N,
+                                                  float* __restrict__ d, int64_t ldd, bool accumulate,
+                                                  const int32_t* __restrict__ used, const int32_t* __restrict__ d_rows) {
+  const int64_t total = M * N;
+  const int64_t limit = used ? (int64_t(*used) < M ? int64_t(*used) : M) * N : total;
   for (int64_t i = int64_t(blockIdx.x) * blockDim.x + threadIdx.x; i < limit; i += int64_t(gridDim.x) * blockDim.x) {
     float v = partial[i];
     for (int z = 1; z < S; ++z) v = __fadd_rn(v, partial[int64_t(z) * total + i]);
-    const int64_t m = i / row, jn = i - m * row, j = jn / N, n = jn - j * N;
-    float* out = (j ? d2 : d) + (d_rows ? int64_t(d_rows[m]) : m) * ldd + n;
+    const int64_t m = i / N, n = i - m * N;
+    float* out = d + (d_rows ? int64_t(d_rows[m]) : m) * ldd + n;
     *out = accumulate ? __fadd_rn(*out, v) : v;
+  }
+}
+
+// h[m, f] = bf16(silu(gate) * up) of row m < *used, gate / up = projection 0 / 1's sums
+// (partial [S][M][2][N], added in split order), zeros for N <= f < ldh: the experts' down
+// projection input, as dq::rows_bf16(SiluMul) makes it from the summed gate and up.
+__global__ void __launch_bounds__(256) sk_reduce_silu(const float* __restrict__ partial, int S, int64_t M, int64_t N,
+                                                       const int32_t* __restrict__ used, __nv_bfloat16* __restrict__ h,
+                                                       int64_t ldh) {
+  const int64_t total = M * 2 * N, rows = int64_t(*used) < M ? int64_t(*used) : M, limit = rows * ldh;
+  for (int64_t i = int64_t(blockIdx.x) * blockDim.x + threadIdx.x; i < limit; i += int64_t(gridDim.x) * blockDim.x) {
+    const int64_t m = i / ldh, f = i - m * ldh;
+    float v = 0.0f;
+    if (f < N) {
+      const int64_t ig = m * 2 * N + f, iu = ig + N;
+      float g = partial[ig], u = partial[iu];
+      for (int z = 1; z < S; ++z) {
+        g = __fadd_rn(g, partial[int64_t(z) * total + ig]);
+        u = __fadd_rn(u, partial[int64_t(z) * total + iu]);
+      }
+      v = detail::silu_mul(g, u);
+    }
+    h[i] = __float2bfloat16_rn(v);
   }
 }
 
@@ -478,6 +498,7 @@ void gemm(const GemmArgs& g, cudaStream_t s) {
   p.S = S;
   p.fp4 = fp4_global(w);
   p.P = 1;
+  p.to_partial = S > 1;
   const unsigned fblocks = unsigned((w.N + kSkFeatPerCta - 1) / kSkFeatPerCta);
   for (int64_t r0 = 0; r0 < g.M; r0 += kRowsPerLaunch) {
     const int64_t m = g.M - r0 < kRowsPerLaunch ? g.M - r0 : kRowsPerLaunch;
@@ -489,7 +510,7 @@ void gemm(const GemmArgs& g, cudaStream_t s) {
     detail::check_launch("sk_gemm kernel launch", "[", m, ", ", w.N, ", ", w.K, "]");
     if (S > 1) {
       const unsigned blocks = detail::ceil_blocks(m * w.N, 256, detail::kMaxRowBlocks);
-      sk_reduce<<<blocks, 256, 0, s>>>(g.partial, S, m, 1, w.N, p.d, nullptr, g.ldd, g.accumulate, nullptr, nullptr);
+      sk_reduce<<<blocks, 256, 0, s>>>(g.partial, S, m, w.N, p.d, g.ldd, g.accumulate, nullptr, nullptr);
       detail::check_launch("sk_gemm split reduction", "[", m, ", ", w.N, "]");
     }
   }
@@ -501,21 +522,22 @@ int group_splits(WFmt f, int64_t N, int64_t K, int P) {
 
 int64_t grouped_partial_floats(WFmt f, int64_t N, int64_t K, int64_t M, int P) {
   const int S = group_splits(f, N, K, P);
-  return S > 1 ? int64_t(S) * M * P * N : 0;
+  return S > 1 || P > 1 ? int64_t(S) * M * P * N : 0;
 }
 
 void grouped_gemm(const GroupedArgs& g, cudaStream_t s) {
   const char* op = "cuda::sk::grouped_gemm";
-  DFLASH2_CHECK_ARG(g.a && g.d && g.table && g.start && g.active && g.K > 0 && g.N >= 0 && g.M >= 0 &&
+  DFLASH2_CHECK_ARG(g.a && g.table && g.start && g.active && g.K > 0 && g.N >= 0 && g.M >= 0 &&
                         g.M <= int64_t(INT32_MAX) && g.groups >= 1 && g.table_stride >= 1 && g.max_active >= 0 &&
-                        (g.projections == 1 || (g.projections == 2 && g.d2 != nullptr)),
+                        (g.projections == 1 ? g.d != nullptr
+                                            : g.projections == 2 && g.silu && g.ld_silu >= g.N && !g.d_rows),
                     op, ": bad arguments");
   DFLASH2_CHECK_ARG(detail::aligned(g.a, 16) && g.lda % 8 == 0 && g.lda >= a_width(g.fmt, g.K), op,
                     ": A must be 16-byte aligned with lda % 8 == 0 and lda >= ", a_width(g.fmt, g.K), ", found lda ",
                     g.lda);
   const int P = g.projections, S = group_splits(g.fmt, g.N, g.K, P);
-  DFLASH2_CHECK_ARG(S == 1 || (g.partial != nullptr && detail::aligned(g.partial, 16)), op,
-                    ": a split GEMM needs its partial-sum scratch");
+  DFLASH2_CHECK_ARG((S == 1 && P == 1) || (g.partial != nullptr && detail::aligned(g.partial, 16)), op,
+                    ": a split GEMM (or gate and up together) needs its partial-sum scratch");
   const int64_t fblocks = (g.N + kSkFeatPerCta - 1) / kSkFeatPerCta;
   DFLASH2_CHECK_ARG(fblocks * P <= int64_t(INT32_MAX), op, ": N = ", g.N, " is too large");
   if (g.M == 0 || g.N == 0 || g.max_active == 0) return;
@@ -530,11 +552,11 @@ void grouped_gemm(const GroupedArgs& g, cudaStream_t s) {
   p.N = g.N;
   p.K = g.K;
   p.d = g.d;
-  p.d2 = g.d2;
   p.ldd = g.ldd;
   p.partial = g.partial;
   p.S = S;
   p.P = P;
+  p.to_partial = S > 1 || P > 1;
   p.proj_stride = g.proj_stride;
   p.table = g.table;
   p.table_stride = g.table_stride;
@@ -546,11 +568,14 @@ void grouped_gemm(const GroupedArgs& g, cudaStream_t s) {
                   unsigned(p.max_active < detail::kMaxGridY ? p.max_active : detail::kMaxGridY));
   detail::with_format(g.fmt, [&](auto f) { launch<decltype(f)::value>(p, grid, true, s); });
   detail::check_launch("sk_gemm grouped kernel launch", "[", g.M, ", ", P, " x ", g.N, ", ", g.K, "] x ", g.groups);
-  if (S > 1) {
-    const unsigned blocks = detail::ceil_blocks(g.M * P * g.N, 256, detail::kMaxRowBlocks);
-    sk_reduce<<<blocks, 256, 0, s>>>(g.partial, S, g.M, P, g.N, g.d, g.d2, g.ldd, false, g.start + g.groups,
-                                     g.d_rows);
-    detail::check_launch("sk_gemm grouped split reduction", "[", g.M, ", ", P, " x ", g.N, "]");
+  if (P == 2) {
+    const unsigned blocks = detail::ceil_blocks(g.M * g.ld_silu, 256, detail::kMaxRowBlocks);
+    sk_reduce_silu<<<blocks, 256, 0, s>>>(g.partial, S, g.M, g.N, g.start + g.groups, g.silu, g.ld_silu);
+    detail::check_launch("sk_gemm grouped split reduction (silu * up)", "[", g.M, ", ", g.N, "]");
+  } else if (S > 1) {
+    const unsigned blocks = detail::ceil_blocks(g.M * g.N, 256, detail::kMaxRowBlocks);
+    sk_reduce<<<blocks, 256, 0, s>>>(g.partial, S, g.M, g.N, g.d, g.ldd, false, g.start + g.groups, g.d_rows);
+    detail::check_launch("sk_gemm grouped split reduction", "[", g.M, ", ", g.N, "]");
   }
 }
 

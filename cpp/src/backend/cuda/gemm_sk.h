@@ -52,15 +52,18 @@ int64_t partial_floats(const detail::WeightView& w, int64_t M);
 void gemm(const GemmArgs& g, cudaStream_t s);
 
 // Grouped (the routed experts of decode chunks, moe_experts with BF16 numerics and decode):
-//   d_j[row(p), n] = sum_k a[p, k] * bf16(W_e,j[n, k])   for p in group e's rows [start[e], start[e + 1])
-// over the active groups active[1 .. active[0]] (device data: the expert lists of moe.cu) and
-// the projections j < P (1, or 2: the experts' gate and up over the same rows in one launch),
-// every weight [N, K] in format `fmt`, W_e,j at table[e * table_stride + j * proj_stride]
-// (device), d_0 = d, d_1 = d2. One CTA per (projection, 64 features, split, active group)
-// runs its group's rows 32 at a time; the split over K is group_splits(fmt, N, K, P) (aimed
-// at layout::kSkGroups groups of one token tile: a function of N, K, the format and P, never
-// of the batch), its partial sums added in split order by a second kernel (rows p <
-// start[groups]). Graph-safe, no host synchronization.
+//   P = 1: d[row(p), n] = sum_k a[p, k] * bf16(W_e[n, k])
+//   P = 2: silu[p, n] = bf16(silu(sum_k a[p, k] bf16(W_e,0[n, k])) * sum_k a[p, k] bf16(W_e,1[n, k]))
+//          (the experts' gate and up in one launch, reduced straight into the down input:
+//          detail::silu_mul, as dq::rows_bf16(SiluMul) makes it from the two sums; zeros for
+//          N <= n < ld_silu)
+// for p in group e's rows [start[e], start[e + 1]), over the active groups active[1 ..
+// active[0]] (device data: the expert lists of moe.cu), every weight [N, K] in format `fmt`,
+// W_e,j at table[e * table_stride + j * proj_stride] (device). One CTA per (projection, 64
+// features, split, active group) runs its group's rows 32 at a time; the split over K is
+// group_splits(fmt, N, K, P) (aimed at layout::kSkGroups groups of one token tile: a
+// function of N, K, the format and P, never of the batch), the partial sums added in split
+// order by a second kernel (rows p < start[groups]). Graph-safe, no host synchronization.
 struct GroupedArgs {
   const __nv_bfloat16* a = nullptr;  // row p at a + p * lda, as GemmArgs::a
   int64_t lda = 0;
@@ -74,12 +77,13 @@ struct GroupedArgs {
   const int32_t* active = nullptr;  // [1 + groups]: count, then the active groups
   int max_active = 0;               // a bound on active[0] the host knows (min(groups, M))
   int64_t M = 0;                    // >= start[groups]: the rows of all groups
-  float* d = nullptr;
+  int projections = 1;              // P: 1 (d), or 2 (silu)
+  float* d = nullptr;               // P = 1
   int64_t ldd = 0;
-  const int32_t* d_rows = nullptr;  // nullptr: row p of d
-  int projections = 1;              // P: 1 or 2
+  const int32_t* d_rows = nullptr;  // P = 1; nullptr: row p of d
   int64_t proj_stride = 0;          // P = 2: projection 1's views at table + proj_stride
-  float* d2 = nullptr;              // P = 2: projection 1's product (same ldd and rows as d)
+  __nv_bfloat16* silu = nullptr;    // P = 2: row p at silu + p * ld_silu, ld_silu >= N
+  int64_t ld_silu = 0;
   float* partial = nullptr;         // grouped_partial_floats(fmt, N, K, M, P) floats, 16-byte aligned
 };
 int group_splits(detail::WFmt f, int64_t N, int64_t K, int P);

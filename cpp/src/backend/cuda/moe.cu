@@ -86,7 +86,7 @@
 //   straight to y's slot rows (row map order[p]); then the combine above. Decode chunks
 //   (decode = true, while sk::enabled()) run them on gemm_sk.h's skinny grouped kernel
 //   instead (CTAs over the active list, 32-token tiles, K split by N and K only; gate and
-//   up in one launch).
+//   up in one launch, whose reduction writes bf16(silu(gate) * up) straight).
 //
 // moe_experts_nvfp4 (ops.h moe_experts with GemmNumerics::NVFP4: prompt chunks of NVFP4
 //   checkpoints on sm_100a / sm_103a; cpu/moe.cpp's emulation is its oracle): the same
@@ -373,7 +373,7 @@ __global__ void __launch_bounds__(kGemvThreads) moe_gemv_kernel(GemvArgs a) {
           float v = g;
           if constexpr (gated) {
             const float u = warp_sum(acc_b[j]);
-            v = __fmul_rn(__fdiv_rn(g, __fadd_rn(1.0f, expf(-g))), u);
+            v = detail::silu_mul(g, u);
           }
           if (lane == j) a.out[int64_t(slot[j]) * a.out_stride + r] = v;
         }
@@ -645,8 +645,7 @@ __global__ void __launch_bounds__(256)
       if (k < K) {
         a = row[k];
         if (!gathered) {
-          const float gv = a;
-          a = __fmul_rn(__fdiv_rn(gv, __fadd_rn(1.0f, expf(-gv))), up[p * in_stride + k]);
+          a = detail::silu_mul(a, up[p * in_stride + k]);
         }
       }
       v[j] = a;
@@ -1105,7 +1104,8 @@ void moe_experts_impl(const Tensor& x, const Tensor& ids, const Tensor& weights,
     const int64_t pf = skinny ? std::max(sk::grouped_partial_floats(tab.gu_fmt, F, H, n, 2),
                                          sk::grouped_partial_floats(tab.down_fmt, H, F, n, 1))
                               : 0;
-    const int64_t b_a = up256(n * Hp * 2), b_g = up256(n * F * 4), b_h = up256(n * Fp * 2),
+    // (G, U: the prompt kernels only; the skinny one reduces gate and up straight into h)
+    const int64_t b_a = up256(n * Hp * 2), b_g = skinny ? 0 : up256(n * F * 4), b_h = up256(n * Fp * 2),
                   b_t = up256((E + 1) * 4), b_p = up256(pf * 4);
     uint8_t* base = static_cast<uint8_t*>(detail::scratch(dev, size_t(b_a + 2 * b_g + b_h + b_t + b_p)));
     __nv_bfloat16* a16 = reinterpret_cast<__nv_bfloat16*>(base);
@@ -1121,9 +1121,9 @@ void moe_experts_impl(const Tensor& x, const Tensor& ids, const Tensor& weights,
     const WeightView* views = reinterpret_cast<const WeightView*>(tab.dev);
     dq::rows_bf16(dq::RowsFrom::Gather, x.data_as<const float>(), nullptr, row_stride_2d(x), order, int(K),
                   start + E, n, H, Hp, a16, s);
-    // which: the projection (0 gate, 1 up, 2 down); d2 != nullptr: gate and up together (d = G, d2 = U)
+    // which: the projection (0 gate, 1 up, 2 down)
     auto grouped = [&](int which, const __nv_bfloat16* a, int64_t lda, int64_t N, int64_t Kd, WFmt f, bool vec,
-                       bool vec16, float* d, float* d2, int64_t ldd, const int32_t* d_rows) {
+                       bool vec16, float* d, int64_t ldd, const int32_t* d_rows) {
       if (skinny) {
         sk::GroupedArgs g;
         g.a = a;
@@ -1142,9 +1142,12 @@ void moe_experts_impl(const Tensor& x, const Tensor& ids, const Tensor& weights,
         g.d = d;
         g.ldd = ldd;
         g.d_rows = d_rows;
-        g.projections = d2 ? 2 : 1;
-        g.proj_stride = 1;  // ExpertView: gate, up, down back to back
-        g.d2 = d2;
+        if (which == 0) {  // gate and up in one launch, reduced straight into h = bf16(silu(gate) * up)
+          g.projections = 2;
+          g.proj_stride = 1;  // ExpertView: gate, up, down back to back
+          g.silu = h16;
+          g.ld_silu = Fp;
+        }
         g.partial = partial;
         sk::grouped_gemm(g, s);
         return;
@@ -1167,14 +1170,14 @@ void moe_experts_impl(const Tensor& x, const Tensor& ids, const Tensor& weights,
       g.d_rows = d_rows;
       dq::gemm(g, s);
     };
-    if (skinny) {  // gate and up in one launch
-      grouped(0, a16, Hp, F, H, tab.gu_fmt, tab.gu_vec, tab.gu_vec16, G, U, F, nullptr);
+    if (skinny) {  // gate and up, then h (the down input), in one launch and its reduction
+      grouped(0, a16, Hp, F, H, tab.gu_fmt, tab.gu_vec, tab.gu_vec16, nullptr, F, nullptr);
     } else {
-      grouped(0, a16, Hp, F, H, tab.gu_fmt, tab.gu_vec, tab.gu_vec16, G, nullptr, F, nullptr);
-      grouped(1, a16, Hp, F, H, tab.gu_fmt, tab.gu_vec, tab.gu_vec16, U, nullptr, F, nullptr);
+      grouped(0, a16, Hp, F, H, tab.gu_fmt, tab.gu_vec, tab.gu_vec16, G, F, nullptr);
+      grouped(1, a16, Hp, F, H, tab.gu_fmt, tab.gu_vec, tab.gu_vec16, U, F, nullptr);
+      dq::rows_bf16(dq::RowsFrom::SiluMul, G, U, F, nullptr, 1, start + E, n, F, Fp, h16, s);
     }
-    dq::rows_bf16(dq::RowsFrom::SiluMul, G, U, F, nullptr, 1, start + E, n, F, Fp, h16, s);
-    grouped(2, h16, Fp, H, F, tab.down_fmt, tab.down_vec, tab.down_vec16, y, nullptr, H, order);
+    grouped(2, h16, Fp, H, F, tab.down_fmt, tab.down_vec, tab.down_vec16, y, H, order);
   }
   if (mode == ExpertsMode::Exact && n > 0 && F > 0) {
     const int max_active = int(E < n ? E : n);

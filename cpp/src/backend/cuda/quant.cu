@@ -150,8 +150,7 @@ __global__ void nvfp4_quant_grouped_kernel(const float* __restrict__ x, const fl
       float h[16];
 #pragma unroll
       for (int i = 0; i < 16; ++i) {
-        const float gv = x[p * ldx + k0 + i];
-        h[i] = __fmul_rn(__fdiv_rn(gv, __fadd_rn(1.0f, expf(-gv))), u[p * ldx + k0 + i]);
+        h[i] = detail::silu_mul(x[p * ldx + k0 + i], u[p * ldx + k0 + i]);
       }
       sbyte = nvfp4_block(h, 0, 16, g, packed);
     }
