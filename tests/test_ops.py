@@ -804,6 +804,39 @@ def test_gated_mlp():
         ops.gated_mlp(x, wg, wu, wg)
 
 
+@pytest.mark.parametrize("dev", DEVICES)
+@pytest.mark.parametrize("fmts", [("bf16", "bf16", "bf16"), ("nvfp4", "nvfp4", "fp8"), ("fp8", "fp8", "nvfp4"),
+                                  ("bf16", "fp8", "f32")], ids=lambda f: "-".join(f))
+def test_gated_mlp_bf16_decode(dev, fmts):
+    """numerics='bf16', decode=True (the shared expert and dense MLPs of decode / verify
+    chunks): bitwise the three linear_bf16(decode=True) and silu_mul it stands for (on CUDA
+    one unit: x rounded once, gate and up reduced straight into bf16(silu(gate) * up), down;
+    gate and up of different formats take the steps one by one), and within fp32 summation
+    order of a float64 reference over the rounded operands. K split over CTAs (2048 inputs),
+    feature tails, more than 256 rows (two row chunks)."""
+    need_device(dev, "linear_bf16")
+    rng = rng_for("mlp-bf16-decode", *fmts)
+    d, f = 2048, 144
+    wg, rg = make_weight(fmts[0], f, d, rng)
+    wu, ru = make_weight(fmts[1], f, d, rng)
+    wd, rd = make_weight(fmts[2], 96, f, rng)
+    on = (lambda w: w) if dev == "cpu" else (lambda w: w.to(dev))
+    for m in (1, 9, 300):
+        x = rng.standard_normal((m, d)).astype(np.float32)
+        xd = to_dev(x, dev)
+        got = to_np(ops.gated_mlp(xd, on(wg), on(wu), on(wd), numerics="bf16", decode=True))
+        g = ops.linear_bf16(xd, on(wg), decode=True)
+        u = ops.linear_bf16(xd, on(wu), decode=True)
+        h = ops.silu_mul(g, u)
+        steps = to_np(ops.linear_bf16(h, on(wd), decode=True))
+        assert np.array_equal(got.view(np.uint32), steps.view(np.uint32)), (m, np.abs(got - steps).max())
+        xr = refs.bf16_round(x).double().numpy()
+        rb = [refs.bf16_round(np.from_dlpack(w.dequantize())).double().numpy() for w in (wg, wu, wd)]
+        hr = refs.bf16_round(_silu_mul32((xr @ rb[0].T).astype(np.float32),
+                                         (xr @ rb[1].T).astype(np.float32))).double().numpy()
+        check("linear_bf16", got, hr @ rb[2].T, 1e-8)
+
+
 def test_op_errors_are_clear():
     x = np.zeros((2, 8), np.float32)
     with pytest.raises(ValueError, match=r"w must be \[8\]"):

@@ -26,6 +26,15 @@ Tensor out_or_new(py::handle out, DType dt, const Tensor::Shape& shape, Device d
   return tensor_from_python(out, arg);
 }
 
+// A GEMM numerics name (moe_experts, gated_mlp: numerics=...).
+ops::GemmNumerics gemm_numerics(const char* op, const std::string& s) {
+  if (s == "exact") return ops::GemmNumerics::Exact;
+  if (s == "bf16") return ops::GemmNumerics::BF16;
+  if (s == "fp8") return ops::GemmNumerics::FP8;
+  if (s == "nvfp4") return ops::GemmNumerics::NVFP4;
+  fail(ErrorKind::InvalidArgument, op, ": numerics must be 'exact', 'bf16', 'fp8' or 'nvfp4', found '", s, "'");
+}
+
 ops::RopeStyle parse_style(const std::string& s) {
   if (s == "interleaved" || s == "gptj") return ops::RopeStyle::Interleaved;
   if (s == "neox" || s == "half") return ops::RopeStyle::NeoX;
@@ -214,18 +223,24 @@ void bind_ops(py::module_& m) {
 
   o.def(
       "gated_mlp",
-      [](py::handle x, const ops::Weight& g, const ops::Weight& u, const ops::Weight& d, py::handle out) {
+      [](py::handle x, const ops::Weight& g, const ops::Weight& u, const ops::Weight& d, py::handle out,
+         const std::string& numerics, bool decode) {
+        const ops::GemmNumerics gn = gemm_numerics("gated_mlp", numerics);
         Tensor xt = tensor_from_python(x, "x");
         DFLASH2_CHECK_ARG(xt.ndim() == 2, "gated_mlp: x must be 2-D, found ", xt.describe());
         Tensor ot = out_or_new(out, DType::F32, {xt.shape(0), d.out_features}, xt.device());
         Tensor scratch = Tensor::empty(DType::F32, {2 * xt.shape(0) * g.out_features}, xt.device());
         {
           ReleaseGil nogil;
-          ops::gated_mlp(xt, g, u, d, ot, scratch);
+          ops::gated_mlp(xt, g, u, d, ot, scratch, gn, decode);
         }
         return ot;
       },
-      py::arg("x"), py::arg("gate"), py::arg("up"), py::arg("down"), py::arg("out") = py::none());
+      py::arg("x"), py::arg("gate"), py::arg("up"), py::arg("down"), py::arg("out") = py::none(),
+      py::arg("numerics") = "exact", py::arg("decode") = false,
+      "down(silu(gate(x)) * up(x)); numerics as moe_experts' (each projection linear_bf16 / linear_fp8 / "
+      "linear_nvfp4); decode=True: the tokens of a decode / verify chunk (BF16 on CUDA: the three projections as "
+      "one unit on the skinny kernels of generated tokens).");
 
   o.def(
       "softmax",
@@ -621,12 +636,7 @@ void bind_ops(py::module_& m) {
       [](py::handle x, py::handle ids, py::handle weights, std::vector<ops::Weight> gate, std::vector<ops::Weight> up,
          std::vector<ops::Weight> down, py::handle out, py::handle workspace, const std::string& numerics,
          bool decode) {
-        DFLASH2_CHECK_ARG(numerics == "exact" || numerics == "fp8" || numerics == "bf16" || numerics == "nvfp4",
-                          "moe_experts: numerics must be 'exact', 'bf16', 'fp8' or 'nvfp4', found '", numerics, "'");
-        const ops::GemmNumerics g = numerics == "fp8"     ? ops::GemmNumerics::FP8
-                                    : numerics == "bf16"  ? ops::GemmNumerics::BF16
-                                    : numerics == "nvfp4" ? ops::GemmNumerics::NVFP4
-                                                          : ops::GemmNumerics::Exact;
+        const ops::GemmNumerics g = gemm_numerics("moe_experts", numerics);
         Tensor xt = tensor_from_python(x, "x"), it = tensor_from_python(ids, "ids");
         Tensor wt = tensor_from_python(weights, "weights");
         ops::ExpertWeights ex{std::move(gate), std::move(up), std::move(down)};

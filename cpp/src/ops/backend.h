@@ -16,6 +16,9 @@ namespace dflash2::ops {
 #define DFLASH2_BACKEND_OPS(X)                                                                                      \
   X(linear, (const Tensor& x, const Weight& w, Tensor& y, bool accumulate))                                         \
   X(linear_bf16, (const Tensor& x, const Weight& w, Tensor& y, bool accumulate, bool decode))                       \
+  /* optional (CUDA): gated_mlp of generated tokens with BF16 numerics as one unit; done = false: not taken */     \
+  X(gated_mlp_decode, (const Tensor& x, const Weight& gate, const Weight& up, const Weight& down, Tensor& out,       \
+                       bool& done))                                                                                 \
   X(linear_fp8, (const Tensor& x, const Weight& w, Tensor& y, bool accumulate))                                     \
   X(linear_nvfp4, (const Tensor& x, const Weight& w, Tensor& y, bool accumulate))                                   \
   X(fp8_quantize_act, (const Tensor& x, Tensor& out))                                                               \

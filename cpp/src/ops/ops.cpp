@@ -291,6 +291,18 @@ void gated_mlp(const Tensor& x, const Weight& gate, const Weight& up, const Weig
   Tensor flat = scratch.reshape({scratch.numel()});
   Tensor g = flat.slice(0, 0, M * F).reshape({M, F});
   Tensor u = flat.slice(0, M * F, 2 * M * F).reshape({M, F});
+  if (numerics == GemmNumerics::BF16 && decode) {
+    // generated tokens: a backend may run the three projections as one unit (CUDA: x rounded
+    // once, gate and up reduced straight into the down input), bitwise the steps below
+    if (auto fn = backend_table(x.device()).gated_mlp_decode) {
+      check_linear(op, x, gate, g);
+      check_linear(op, x, up, u);
+      check_linear(op, g, down, out);
+      bool done = false;
+      fn(x, gate, up, down, out, done);
+      if (done) return;
+    }
+  }
   linear_as(numerics, x, gate, g, false, decode);
   linear_as(numerics, x, up, u, false, decode);
   silu_mul(g, u, g);

@@ -49,6 +49,9 @@ inline const float* paged_row(const Tensor& cache, const ops::PagedTokens& tok, 
 
 void linear(const Tensor& x, const ops::Weight& w, Tensor& y, bool accumulate);
 void linear_bf16(const Tensor& x, const ops::Weight& w, Tensor& y, bool accumulate, bool decode);
+// ops::gated_mlp runs the CPU's steps one by one: done = false.
+void gated_mlp_decode(const Tensor& x, const ops::Weight& gate, const ops::Weight& up, const ops::Weight& down,
+                      Tensor& out, bool& done);
 void linear_fp8(const Tensor& x, const ops::Weight& w, Tensor& y, bool accumulate);
 void linear_nvfp4(const Tensor& x, const ops::Weight& w, Tensor& y, bool accumulate);
 void fp8_quantize_act(const Tensor& x, Tensor& out);

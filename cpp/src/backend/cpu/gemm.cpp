@@ -291,6 +291,10 @@ void linear(const Tensor& x, const ops::Weight& w, Tensor& y, bool accumulate) {
 // as F32 / BF16 tensors, exact), then this backend's fp32 GEMM. BF16 weights are used as
 // stored; any other format is dequantized (Weight::dequantize) and rounded per element.
 // Allocates its rounded copies: an oracle and CPU-prefill path, not a decode hot path.
+void gated_mlp_decode(const Tensor&, const ops::Weight&, const ops::Weight&, const ops::Weight&, Tensor&, bool& done) {
+  done = false;
+}
+
 void linear_bf16(const Tensor& x, const ops::Weight& w, Tensor& y, bool accumulate, bool /*decode: one kernel*/) {
   const int64_t M = x.shape(0), K = w.in_features;
   Tensor xr = Tensor::empty(DType::F32, {M, K});

@@ -160,6 +160,13 @@ void linear(const Tensor& x, const ops::Weight& w, Tensor& y, bool accumulate);
 // architecture.
 void linear_bf16(const Tensor& x, const ops::Weight& w, Tensor& y, bool accumulate, bool decode);
 bool linear_bf16_supported(int device);
+// gemm_tc.cu (built with CUTLASS only): ops::gated_mlp with BF16 numerics for generated tokens
+// as one unit on gemm_sk.cu's kernels (x rounded once, gate and up reduced straight into
+// bf16(silu(gate) * up), down): bitwise linear_bf16(decode) x 3 and silu_mul. done = false
+// (nothing queued) where it does not apply: the skinny kernels off, no kernels for this
+// architecture, gate and up of different formats, an empty dimension.
+void gated_mlp_decode(const Tensor& x, const ops::Weight& gate, const ops::Weight& up, const ops::Weight& down,
+                      Tensor& out, bool& done);
 // gemm_tc.cu (built with CUTLASS only): ops::linear_fp8 (FP8 block-128 W8A8, sm_90a / sm_100a / sm_103a).
 void linear_fp8(const Tensor& x, const ops::Weight& w, Tensor& y, bool accumulate);
 bool linear_fp8_supported(int device);

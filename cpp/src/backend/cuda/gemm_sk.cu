@@ -119,6 +119,7 @@ struct Params {
   // up, for sk_reduce_silu): projection j's weight is table[e * table_stride + j *
   // proj_stride]; partial sums [S][M][P][N]
   int P;
+  int proj;  // one weight: the projection this launch writes (sk::gated: 0 gate, 1 up)
   int64_t proj_stride;
   bool to_partial;  // S > 1 or P == 2: write the partial sums (else d)
 };
@@ -366,7 +367,7 @@ __global__ void __launch_bounds__(kThreads, kMinCtas) sk_kernel(const Params p) 
   float acc[4][4];
   tile_mma<F>(p.w, p.vec, p.fp4, p.a, p.lda, m0, rows, f0, active, layout::sk_split_begin(stages, p.S, z),
               layout::sk_split_begin(stages, p.S, z + 1), xs, acc);
-  if (active) tile_store(p, acc, m0, rows, f0, z, 0);
+  if (active) tile_store(p, acc, m0, rows, f0, z, p.proj);
 }
 
 // Groups (the routed experts of decode chunks): grid x = P x 64-feature blocks (projection
@@ -423,13 +424,13 @@ __global__ void __launch_bounds__(256) sk_reduce(const float* __restrict__ parti
   }
 }
 
-// h[m, f] = bf16(silu(gate) * up) of row m < *used, gate / up = projection 0 / 1's sums
+// h[m, f] = bf16(silu(gate) * up) of row m < *used (used == nullptr: every row), gate / up = projection 0 / 1's sums
 // (partial [S][M][2][N], added in split order), zeros for N <= f < ldh: the experts' down
 // projection input, as dq::rows_bf16(SiluMul) makes it from the summed gate and up.
 __global__ void __launch_bounds__(256) sk_reduce_silu(const float* __restrict__ partial, int S, int64_t M, int64_t N,
                                                        const int32_t* __restrict__ used, __nv_bfloat16* __restrict__ h,
                                                        int64_t ldh) {
-  const int64_t total = M * 2 * N, rows = int64_t(*used) < M ? int64_t(*used) : M, limit = rows * ldh;
+  const int64_t total = M * 2 * N, rows = used && int64_t(*used) < M ? int64_t(*used) : M, limit = rows * ldh;
   for (int64_t i = int64_t(blockIdx.x) * blockDim.x + threadIdx.x; i < limit; i += int64_t(gridDim.x) * blockDim.x) {
     const int64_t m = i / ldh, f = i - m * ldh;
     float v = 0.0f;
@@ -513,6 +514,53 @@ void gemm(const GemmArgs& g, cudaStream_t s) {
       sk_reduce<<<blocks, 256, 0, s>>>(g.partial, S, m, w.N, p.d, g.ldd, g.accumulate, nullptr, nullptr);
       detail::check_launch("sk_gemm split reduction", "[", m, ", ", w.N, "]");
     }
+  }
+}
+
+int64_t gated_partial_floats(const WeightView& gate, int64_t M) {
+  return int64_t(splits(gate)) * (M < kRowsPerLaunch ? M : kRowsPerLaunch) * 2 * gate.N;
+}
+
+void gated(const GatedArgs& g, cudaStream_t s) {
+  const char* op = "cuda::sk::gated";
+  const WeightView &wg = g.gate, &wu = g.up;
+  DFLASH2_CHECK_ARG(g.a && g.h && g.partial && wg.K > 0 && wg.N >= 0 && g.M >= 0 && wu.fmt == wg.fmt &&
+                        wu.N == wg.N && wu.K == wg.K && g.ldh >= wg.N && detail::aligned(g.partial, 16),
+                    op, ": bad arguments (gate and up must share format and shape)");
+  DFLASH2_CHECK_ARG(detail::aligned(g.a, 16) && g.lda % 8 == 0 && g.lda >= a_width(wg.fmt, wg.K), op,
+                    ": A must be 16-byte aligned with lda % 8 == 0 and lda >= ", a_width(wg.fmt, wg.K), ", found lda ",
+                    g.lda);
+  auto rows16 = [](const WeightView& w) { return detail::aligned(w.data, 16) && w.row_bytes % 16 == 0; };
+  DFLASH2_CHECK_ARG((!g.vec_gate || rows16(wg)) && (!g.vec_up || rows16(wu)), op,
+                    ": vector loads need 16-byte aligned weight rows");
+  DFLASH2_CHECK_ARG(wg.N <= int64_t(kSkFeatPerCta) * detail::kMaxGridY, op, ": N = ", wg.N, " is too large");
+  if (g.M == 0 || wg.N == 0) return;
+  const int S = splits(wg);
+  Params p{};
+  p.lda = g.lda;
+  p.N = wg.N;
+  p.K = wg.K;
+  p.partial = g.partial;
+  p.S = S;
+  p.P = 2;
+  p.to_partial = true;
+  const unsigned fblocks = unsigned((wg.N + kSkFeatPerCta - 1) / kSkFeatPerCta);
+  for (int64_t r0 = 0; r0 < g.M; r0 += kRowsPerLaunch) {
+    const int64_t m = g.M - r0 < kRowsPerLaunch ? g.M - r0 : kRowsPerLaunch;
+    p.a = g.a + r0 * g.lda;
+    p.M = m;
+    const dim3 grid(unsigned((m + kSkTok - 1) / kSkTok), fblocks, unsigned(S));
+    for (int j = 0; j < 2; ++j) {  // gate, then up: partial [S][m][2][N]
+      p.w = j ? wu : wg;
+      p.vec = j ? g.vec_up : g.vec_gate;
+      p.fp4 = fp4_global(p.w);
+      p.proj = j;
+      detail::with_format(wg.fmt, [&](auto f) { launch<decltype(f)::value>(p, grid, false, s); });
+      detail::check_launch("sk_gemm gated kernel launch", j ? "up" : "gate", " [", m, ", ", wg.N, ", ", wg.K, "]");
+    }
+    const unsigned blocks = detail::ceil_blocks(m * g.ldh, 256, detail::kMaxRowBlocks);
+    sk_reduce_silu<<<blocks, 256, 0, s>>>(g.partial, S, m, wg.N, nullptr, g.h + r0 * g.ldh, g.ldh);
+    detail::check_launch("sk_gemm gated reduction (silu * up)", "[", m, ", ", wg.N, "]");
   }
 }
 

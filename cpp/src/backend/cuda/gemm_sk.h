@@ -51,6 +51,25 @@ int64_t partial_floats(const detail::WeightView& w, int64_t M);
 // InvalidArgument on arguments the kernel cannot take.
 void gemm(const GemmArgs& g, cudaStream_t s);
 
+// A gated MLP's first half for generated tokens (ops::gated_mlp with BF16 numerics, decode):
+//   h[m, n] = bf16(silu(sum_k a[m, k] bf16(W_gate[n, k])) * sum_k a[m, k] bf16(W_up[n, k]))
+// (detail::silu_mul; zeros for N <= n < ldh): the gate and up products exactly as gemm()
+// computes them (same split, same order), added and combined by one reduction, so h is
+// bitwise what linear_bf16(decode) x 2, silu_mul and the down projection's BF16 rounding make.
+// gate and up share format and shape [N, K]. Rows 256 at a time (the partial buffer's size).
+struct GatedArgs {
+  const __nv_bfloat16* a = nullptr;  // as GemmArgs::a
+  int64_t lda = 0;
+  detail::WeightView gate{}, up{};
+  bool vec_gate = false, vec_up = false;
+  int64_t M = 0;
+  __nv_bfloat16* h = nullptr;  // row m at h + m * ldh, ldh >= N
+  int64_t ldh = 0;
+  float* partial = nullptr;    // gated_partial_floats(gate, M) floats, 16-byte aligned
+};
+int64_t gated_partial_floats(const detail::WeightView& gate, int64_t M);
+void gated(const GatedArgs& g, cudaStream_t s);
+
 // Grouped (the routed experts of decode chunks, moe_experts with BF16 numerics and decode):
 //   P = 1: d[row(p), n] = sum_k a[p, k] * bf16(W_e[n, k])
 //   P = 2: silu[p, n] = bf16(silu(sum_k a[p, k] bf16(W_e,0[n, k])) * sum_k a[p, k] bf16(W_e,1[n, k]))

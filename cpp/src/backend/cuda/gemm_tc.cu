@@ -29,6 +29,7 @@
 #include <cuda_bf16.h>
 #include <cuda_runtime.h>
 
+#include <algorithm>
 #include <cstdint>
 #include <string>
 
@@ -478,6 +479,65 @@ void linear_bf16(const Tensor& x, const ops::Weight& w, Tensor& y, bool accumula
     store_rows<<<grid_for(M * N), kThreads, 0, st>>>(dtmp, Np, M, N, y.data_as<float>(), y.stride(0), accumulate);
     detail::check_launch("linear_bf16 store", w.name, " -> ", y.describe());
   }
+}
+
+void gated_mlp_decode(const Tensor& x, const ops::Weight& gate, const ops::Weight& up, const ops::Weight& down,
+                      Tensor& out, bool& done) {
+  done = false;
+  const char* op = "cuda::gated_mlp_decode";
+  DFLASH2_CHECK_ARG(x.defined() && out.defined() && x.device().is_cuda() && out.device() == x.device() &&
+                        x.dtype() == DType::F32 && out.dtype() == DType::F32 && x.ndim() == 2 && out.ndim() == 2,
+                    op, ": x and out must be F32 2-D on one CUDA device, found ", x.describe(), ", ", out.describe());
+  const int device = x.device().index;
+  if (!sk::enabled()) return;
+  detail::DeviceGuard guard(device);
+  if (!tc::bf16_gemm_built_for(detail::compute_capability(device))) return;  // linear_bf16 says why
+  const WeightView vg = detail::weight_view(gate, device, op), vu = detail::weight_view(up, device, op),
+                   vd = detail::weight_view(down, device, op);
+  const int64_t M = x.shape(0), K = vg.K, F = vg.N, H = vd.N;
+  if (vu.fmt != vg.fmt || M == 0 || K == 0 || F == 0 || H == 0) return;  // the steps one by one
+  DFLASH2_CHECK_ARG(vu.N == F && vu.K == K && vd.K == F && x.shape(1) == K && out.shape(0) == M &&
+                        out.shape(1) == H,
+                    op, ": x ", x.describe(), ", gate / up [", F, ", ", K, "], down [", H, ", ", vd.K, "] and out ",
+                    out.describe(), " do not match");
+  DFLASH2_CHECK_ARG((x.stride(1) == 1 || K <= 1) && (out.stride(1) == 1 || H <= 1) && (M <= 1 || out.stride(0) >= H),
+                    op, ": x and out must be contiguous in their last dimension (out's rows apart), found strides ",
+                    shape_str(x.strides()), " and ", shape_str(out.strides()));
+  cudaStream_t st = detail::stream();
+  // scratch: x rounded [M, lda] BF16 | h [M, ldh] BF16 | partial sums (gate and up, then down)
+  const int64_t lda = sk::a_width(vg.fmt, K), ldh = sk::a_width(vd.fmt, F);
+  const int64_t a_bytes = round_up(M * lda * 2, 256), h_bytes = round_up(M * ldh * 2, 256);
+  const int64_t p_floats = std::max(sk::gated_partial_floats(vg, M), sk::partial_floats(vd, M));
+  uint8_t* base = static_cast<uint8_t*>(detail::scratch(device, size_t(a_bytes + h_bytes + p_floats * 4)));
+  __nv_bfloat16* a16 = reinterpret_cast<__nv_bfloat16*>(base);
+  __nv_bfloat16* h16 = reinterpret_cast<__nv_bfloat16*>(base + a_bytes);
+  float* partial = reinterpret_cast<float*>(base + a_bytes + h_bytes);
+  auto rows16 = [](const WeightView& w) { return detail::aligned(w.data, 16) && w.row_bytes % 16 == 0; };
+  dq::rows_bf16(dq::RowsFrom::Plain, x.data_as<const float>(), nullptr, x.stride(0), nullptr, 1, nullptr, M, K, lda,
+                a16, st);
+  sk::GatedArgs ga;
+  ga.a = a16;
+  ga.lda = lda;
+  ga.gate = vg;
+  ga.up = vu;
+  ga.vec_gate = rows16(vg);
+  ga.vec_up = rows16(vu);
+  ga.M = M;
+  ga.h = h16;
+  ga.ldh = ldh;
+  ga.partial = partial;
+  sk::gated(ga, st);
+  sk::GemmArgs gd;
+  gd.a = h16;
+  gd.lda = ldh;
+  gd.w = vd;
+  gd.vec = rows16(vd);
+  gd.M = M;
+  gd.d = out.data_as<float>();
+  gd.ldd = M > 1 ? out.stride(0) : H;
+  gd.partial = sk::partial_floats(vd, M) ? partial : nullptr;
+  sk::gemm(gd, st);
+  done = true;
 }
 
 bool linear_fp8_supported(int device) {
