@@ -1322,6 +1322,56 @@ void bench_moe(Bench& b, const std::vector<int64_t>& Ts) {
   }
 }
 
+// The shared expert of decode chunks under decode_gemm="bf16" (ops::gated_mlp with BF16
+// numerics and decode: on CUDA one unit, x rounded once, gate and up reduced straight into
+// bf16(silu(gate) * up), down) beside the same three linear_bf16(decode) calls and silu_mul
+// issued one by one (what it replaces; bitwise the same result) in the same run.
+void bench_gated_decode(Bench& b, const std::vector<int64_t>& Ts) {
+  const int64_t H = G.hidden, F = G.moe_inter;
+  for (Fmt f : {Fmt::BF16, Fmt::NVFP4}) {
+    if (b.opt.quick && f != Fmt::BF16) continue;
+    const double wb = 2 * weight_bytes(f, F, H) + weight_bytes(f, H, F);
+    for (int64_t T : Ts) {
+      Result r{"gated_mlp_decode", "shared expert " + dims({F, H}) + " x2, " + dims({H, F}), fmt_name(f), t_label(T),
+               T};
+      r.bytes = wb + 8.0 * T * H;
+      r.flops = 2.0 * T * 3 * F * H;
+      b.run(r, [&](Baseline& base) {
+        struct Mlp {
+          std::vector<ops::Weight> gate, up, down;
+          Tensor x, out, scratch, g, u;
+        };
+        auto m = std::make_shared<Mlp>();
+        const int vars = rotations(int64_t(wb));
+        for (int v = 0; v < vars; ++v) {
+          m->gate.push_back(make_weight(f, F, H, 20 + 3 * v, "shared gate"));
+          m->up.push_back(make_weight(f, F, H, 21 + 3 * v, "shared up"));
+          m->down.push_back(make_weight(f, H, F, 22 + 3 * v, "shared down"));
+        }
+        m->x = dev_rand(DType::F32, {T, H}, 3);
+        m->out = dev_empty(DType::F32, {T, H});
+        m->scratch = dev_empty(DType::F32, {2 * T * F});
+        m->g = dev_empty(DType::F32, {T, F});
+        m->u = dev_empty(DType::F32, {T, F});
+        base.name = "steps";
+        base.kind = "linear_bf16(decode) gate, up, silu_mul, linear_bf16(decode) down, one by one";
+        base.variants = vars;
+        base.run = [m](int v) {
+          ops::linear_bf16(m->x, m->gate[size_t(v)], m->g, false, true);
+          ops::linear_bf16(m->x, m->up[size_t(v)], m->u, false, true);
+          ops::silu_mul(m->g, m->u, m->g);
+          ops::linear_bf16(m->g, m->down[size_t(v)], m->out, false, true);
+        };
+        return std::make_pair(std::function<void(int)>([m](int v) {
+                                ops::gated_mlp(m->x, m->gate[size_t(v)], m->up[size_t(v)], m->down[size_t(v)], m->out,
+                                               m->scratch, ops::GemmNumerics::BF16, true);
+                              }),
+                              vars);
+      });
+    }
+  }
+}
+
 // The routed experts of decode chunks under decode_gemm="bf16" (moe_experts with BF16 numerics
 // and decode: gemm_sk.cu's skinny grouped GEMM, W4A16 / W8A16) at the decode / verify sizes,
 // beside the exact SIMT expert kernels (decode_gemm="exact", the default) on the same routing
@@ -1581,6 +1631,7 @@ int main(int argc, char** argv) {
     bench_small(b, Ts);
     bench_linear_sk(b, Ts, di.major);  // last: new in device_check's --quick, they cannot crowd out the others
     bench_moe_decode(b, Ts);
+    bench_gated_decode(b, Ts);
     if (!b.fatal) {
       const double again = copy_bandwidth_GBps(b.trials());
       std::printf("copy bandwidth at the end: %.1f GB/s\n", again);
