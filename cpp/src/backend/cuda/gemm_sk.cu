@@ -18,7 +18,9 @@
 //     k-slots; which input fills which slot only has to agree between A and B).
 //   - K is split over S = layout::sk_splits(N, K, E) CTAs (grid z, up to 32, contiguous runs
 //     of k-stages) so that small-N projections still fill the GPU; with S > 1 each split
-//     writes its partial sums and sk_reduce adds them in split order (+ y). S depends on N,
+//     writes its partial sums and the last CTA of the tile to finish adds them in split
+//     order (+ y; an arrival counter per tile, detail::zeroed_counters), or sk_reduce after
+//     the launch where the counters do not cover the grid. S depends on N,
 //     K and the format only, the k-stages run in order, and an MMA's column n depends on
 //     token n alone: a token's result is the same in any batch (decode == verify, bitwise).
 // Grid: x = token tiles of this launch (fastest, so the CTAs reading one weight slice run
@@ -54,6 +56,7 @@
 #include "backend/cuda/kernel_util.cuh"
 #include "backend/cuda/layout.h"
 #include "backend/cuda/mma_sm80.cuh"
+#include "backend/cuda/scratch.h"
 #include "backend/cuda/weight_view.cuh"
 #include "dflash2/error.h"
 
@@ -122,6 +125,14 @@ struct Params {
   int proj;  // one weight: the projection this launch writes (sk::gated: 0 gate, 1 up)
   int64_t proj_stride;
   bool to_partial;  // S > 1 or P == 2: write the partial sums (else d)
+  // One weight with to_partial: the last CTA of each (token tile, feature block) to finish
+  // adds the partial sums in split order itself (arrivals: detail::zeroed_counters, one per
+  // CTA of a split, left zero again); nullptr: a separate reduction kernel does. silu: the
+  // sums are up's, and the last CTA writes silu[m, n] = bf16(silu(gate) * up) (partial
+  // [S][M][2][N], gate's from the previous launch; zeros for N <= n < ld_silu) instead of d.
+  uint32_t* arrivals;
+  __nv_bfloat16* silu;
+  int64_t ld_silu;
 };
 
 // Segment k0 (E inputs from k0) of a weight row as 16 raw bytes (F32: 8 inputs already
@@ -368,6 +379,44 @@ __global__ void __launch_bounds__(kThreads, kMinCtas) sk_kernel(const Params p) 
   tile_mma<F>(p.w, p.vec, p.fp4, p.a, p.lda, m0, rows, f0, active, layout::sk_split_begin(stages, p.S, z),
               layout::sk_split_begin(stages, p.S, z + 1), xs, acc);
   if (active) tile_store(p, acc, m0, rows, f0, z, p.proj);
+  if (p.arrivals == nullptr) return;
+  // The CTA of this tile's splits that finishes last adds their partial sums in split order
+  // (the same result whichever CTA that is, and the same as sk_reduce / sk_reduce_silu);
+  // every CTA fences its partial sums before it counts itself in.
+  __shared__ bool last;
+  const uint32_t slot = blockIdx.y * gridDim.x + blockIdx.x;
+  __threadfence();
+  __syncthreads();
+  if (threadIdx.x == 0) last = p.S == 1 || atomicAdd(&p.arrivals[slot], 1u) == uint32_t(p.S - 1);
+  __syncthreads();
+  if (!last) return;
+  __threadfence();
+  const int64_t n0 = int64_t(blockIdx.y) * kSkFeatPerCta, total = p.M * p.P * p.N;
+  const bool tail = n0 + kSkFeatPerCta >= p.N;  // the last feature block also writes silu's zero padding
+  const int64_t width = p.silu && tail ? p.ld_silu - n0 : kSkFeatPerCta;
+  for (int64_t i = threadIdx.x; i < rows * width; i += kThreads) {
+    const int64_t m = m0 + i / width, n = n0 + i % width;
+    if (p.silu) {
+      float v = 0.0f;
+      if (n < p.N) {
+        const int64_t ig = (m * 2) * p.N + n, iu = ig + p.N;
+        float g = __ldcg(p.partial + ig), u = __ldcg(p.partial + iu);
+        for (int q = 1; q < p.S; ++q) {
+          g = __fadd_rn(g, __ldcg(p.partial + int64_t(q) * total + ig));
+          u = __fadd_rn(u, __ldcg(p.partial + int64_t(q) * total + iu));
+        }
+        v = detail::silu_mul(g, u);
+      }
+      p.silu[m * p.ld_silu + n] = __float2bfloat16_rn(v);
+    } else if (n < p.N) {
+      const int64_t i0 = m * p.N + n;
+      float v = __ldcg(p.partial + i0);
+      for (int q = 1; q < p.S; ++q) v = __fadd_rn(v, __ldcg(p.partial + int64_t(q) * total + i0));
+      float* out = p.d + m * p.ldd + n;
+      *out = p.accumulate ? __fadd_rn(*out, v) : v;
+    }
+  }
+  if (threadIdx.x == 0 && p.S > 1) p.arrivals[slot] = 0u;  // zero again for the next launch on this stream
 }
 
 // Groups (the routed experts of decode chunks): grid x = P x 64-feature blocks (projection
@@ -468,6 +517,13 @@ int64_t a_width(WFmt f, int64_t K) {
 
 int splits(const WeightView& w) { return layout::sk_splits(w.N, w.K, seg_elems(w.fmt)); }
 
+namespace {
+// Whether one arrival counter per (token tile, feature block) of `grid` fits the counters.
+bool counters_cover(dim3 grid, const uint32_t* arrivals) {
+  return arrivals != nullptr && int64_t(grid.x) * grid.y <= detail::kCounterWords;
+}
+}  // namespace
+
 int64_t partial_floats(const WeightView& w, int64_t M) {
   const int S = splits(w);
   return S > 1 ? int64_t(S) * (M < kRowsPerLaunch ? M : kRowsPerLaunch) * w.N : 0;
@@ -507,9 +563,11 @@ void gemm(const GemmArgs& g, cudaStream_t s) {
     p.d = g.d + r0 * g.ldd;
     p.M = m;
     const dim3 grid(unsigned((m + kSkTok - 1) / kSkTok), fblocks, unsigned(S));
+    // the split's sums added by its last CTA where the counters cover the grid's tiles
+    p.arrivals = S > 1 && counters_cover(grid, g.arrivals) ? g.arrivals : nullptr;
     detail::with_format(w.fmt, [&](auto f) { launch<decltype(f)::value>(p, grid, false, s); });
     detail::check_launch("sk_gemm kernel launch", "[", m, ", ", w.N, ", ", w.K, "]");
-    if (S > 1) {
+    if (S > 1 && !p.arrivals) {
       const unsigned blocks = detail::ceil_blocks(m * w.N, 256, detail::kMaxRowBlocks);
       sk_reduce<<<blocks, 256, 0, s>>>(g.partial, S, m, w.N, p.d, g.ldd, g.accumulate, nullptr, nullptr);
       detail::check_launch("sk_gemm split reduction", "[", m, ", ", w.N, "]");
@@ -550,17 +608,25 @@ void gated(const GatedArgs& g, cudaStream_t s) {
     p.a = g.a + r0 * g.lda;
     p.M = m;
     const dim3 grid(unsigned((m + kSkTok - 1) / kSkTok), fblocks, unsigned(S));
+    // up's last CTAs write h (gate's partial sums are in: the launch before) where the
+    // counters cover the grid; else a reduction kernel after both
+    const bool fused = counters_cover(grid, g.arrivals);
     for (int j = 0; j < 2; ++j) {  // gate, then up: partial [S][m][2][N]
       p.w = j ? wu : wg;
       p.vec = j ? g.vec_up : g.vec_gate;
       p.fp4 = fp4_global(p.w);
       p.proj = j;
+      p.arrivals = j == 1 && fused ? g.arrivals : nullptr;
+      p.silu = j == 1 && fused ? g.h + r0 * g.ldh : nullptr;
+      p.ld_silu = g.ldh;
       detail::with_format(wg.fmt, [&](auto f) { launch<decltype(f)::value>(p, grid, false, s); });
       detail::check_launch("sk_gemm gated kernel launch", j ? "up" : "gate", " [", m, ", ", wg.N, ", ", wg.K, "]");
     }
-    const unsigned blocks = detail::ceil_blocks(m * g.ldh, 256, detail::kMaxRowBlocks);
-    sk_reduce_silu<<<blocks, 256, 0, s>>>(g.partial, S, m, wg.N, nullptr, g.h + r0 * g.ldh, g.ldh);
-    detail::check_launch("sk_gemm gated reduction (silu * up)", "[", m, ", ", wg.N, "]");
+    if (!fused) {
+      const unsigned blocks = detail::ceil_blocks(m * g.ldh, 256, detail::kMaxRowBlocks);
+      sk_reduce_silu<<<blocks, 256, 0, s>>>(g.partial, S, m, wg.N, nullptr, g.h + r0 * g.ldh, g.ldh);
+      detail::check_launch("sk_gemm gated reduction (silu * up)", "[", m, ", ", wg.N, "]");
+    }
   }
 }
 

@@ -38,6 +38,9 @@ struct GemmArgs {
   bool accumulate = false;
   // splits(w) > 1: scratch of partial_floats(w, M) floats (16-byte aligned)
   float* partial = nullptr;
+  // detail::zeroed_counters of the launching stream's device: each split's last CTA adds the
+  // partial sums (no second kernel) where they cover the grid; nullptr: a reduction kernel
+  uint32_t* arrivals = nullptr;
 };
 
 // Inputs per 16-byte segment of the weight's format (8 / 16 / 32), and the A width the
@@ -54,8 +57,8 @@ void gemm(const GemmArgs& g, cudaStream_t s);
 // A gated MLP's first half for generated tokens (ops::gated_mlp with BF16 numerics, decode):
 //   h[m, n] = bf16(silu(sum_k a[m, k] bf16(W_gate[n, k])) * sum_k a[m, k] bf16(W_up[n, k]))
 // (detail::silu_mul; zeros for N <= n < ldh): the gate and up products exactly as gemm()
-// computes them (same split, same order), added and combined by one reduction, so h is
-// bitwise what linear_bf16(decode) x 2, silu_mul and the down projection's BF16 rounding make.
+// computes them (same split, same order), added and combined by up's last CTAs (or a reduction
+// kernel), so h is bitwise what linear_bf16(decode) x 2, silu_mul and the down projection's BF16 rounding make.
 // gate and up share format and shape [N, K]. Rows 256 at a time (the partial buffer's size).
 struct GatedArgs {
   const __nv_bfloat16* a = nullptr;  // as GemmArgs::a
@@ -66,6 +69,7 @@ struct GatedArgs {
   __nv_bfloat16* h = nullptr;  // row m at h + m * ldh, ldh >= N
   int64_t ldh = 0;
   float* partial = nullptr;    // gated_partial_floats(gate, M) floats, 16-byte aligned
+  uint32_t* arrivals = nullptr;  // as GemmArgs::arrivals: up's last CTAs write h
 };
 int64_t gated_partial_floats(const detail::WeightView& gate, int64_t M);
 void gated(const GatedArgs& g, cudaStream_t s);

@@ -409,6 +409,7 @@ void linear_bf16(const Tensor& x, const ops::Weight& w, Tensor& y, bool accumula
     g.ldd = M > 1 ? y.stride(0) : N;
     g.accumulate = accumulate;
     g.partial = p_floats ? reinterpret_cast<float*>(base + a_bytes) : nullptr;
+    g.arrivals = p_floats ? detail::zeroed_counters(device) : nullptr;
     sk::gemm(g, st);
     return;
   }
@@ -526,6 +527,7 @@ void gated_mlp_decode(const Tensor& x, const ops::Weight& gate, const ops::Weigh
   ga.h = h16;
   ga.ldh = ldh;
   ga.partial = partial;
+  ga.arrivals = detail::zeroed_counters(device);
   sk::gated(ga, st);
   sk::GemmArgs gd;
   gd.a = h16;
@@ -536,6 +538,7 @@ void gated_mlp_decode(const Tensor& x, const ops::Weight& gate, const ops::Weigh
   gd.d = out.data_as<float>();
   gd.ldd = M > 1 ? out.stride(0) : H;
   gd.partial = sk::partial_floats(vd, M) ? partial : nullptr;
+  gd.arrivals = ga.arrivals;
   sk::gemm(gd, st);
   done = true;
 }
