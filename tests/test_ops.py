@@ -837,6 +837,35 @@ def test_gated_mlp_bf16_decode(dev, fmts):
         check("linear_bf16", got, hr @ rb[2].T, 1e-8)
 
 
+@pytest.mark.parametrize("dev", DEVICES)
+@pytest.mark.parametrize("numerics", ["exact", "bf16", "fp8"])
+def test_linear_many(dev, numerics):
+    """linear_many: several projections of one x (GLM-5.3's q_a / kv_a / indexer wk /
+    weights_proj), each bitwise the single linear_as call it stands for, for prompt and decode
+    chunks (on CUDA, decode with BF16 numerics: x rounded once for every weight, then the
+    skinny kernel per weight: split and unsplit, formats with different k-stages, an FP8
+    weight that 'fp8' numerics sends to linear_fp8 beside ones it sends to linear_bf16)."""
+    need_device(dev, "linear_bf16" if numerics != "exact" else "linear")
+    if numerics == "fp8" and not ops.linear_fp8_available(dev if dev == "cpu" else "cuda:0"):
+        pytest.skip("no FP8 GEMM for this device in this build")
+    rng = rng_for("linear-many", numerics)
+    k = 1024
+    ws = [make_weight(f, n, k, rng)[0] for f, n in [("bf16", 576), ("nvfp4", 200), ("fp8", 128), ("f32", 32)]]
+    on = (lambda w: w) if dev == "cpu" else (lambda w: w.to(dev))
+    single = {"exact": lambda x, w, d: ops.linear(x, w),
+              "bf16": lambda x, w, d: ops.linear_bf16(x, w, decode=d),
+              "fp8": lambda x, w, d: (ops.linear_fp8(x, w) if w.format == "fp8-block128"
+                                      else ops.linear_bf16(x, w, decode=d))}[numerics]
+    for m in (1, 7):
+        x = to_dev(rng.standard_normal((m, k)).astype(np.float32), dev)
+        for decode in (False, True):
+            got = ops.linear_many(x, [on(w) for w in ws], numerics=numerics, decode=decode)
+            assert len(got) == len(ws)
+            for w, g in zip(ws, got):
+                want = to_np(single(x, on(w), decode))
+                assert np.array_equal(to_np(g).view(np.uint32), want.view(np.uint32)), (m, decode, w.format)
+
+
 def test_op_errors_are_clear():
     x = np.zeros((2, 8), np.float32)
     with pytest.raises(ValueError, match=r"w must be \[8\]"):

@@ -243,6 +243,30 @@ void bind_ops(py::module_& m) {
       "one unit on the skinny kernels of generated tokens).");
 
   o.def(
+      "linear_many",
+      [](py::handle x, std::vector<ops::Weight> weights, const std::string& numerics, bool decode) {
+        const ops::GemmNumerics gn = gemm_numerics("linear_many", numerics);
+        Tensor xt = tensor_from_python(x, "x");
+        std::vector<Tensor> outs;
+        std::vector<const ops::Weight*> ws;
+        std::vector<Tensor*> ys;
+        outs.reserve(weights.size());
+        for (const ops::Weight& w : weights) {
+          outs.push_back(Tensor::empty(DType::F32, {dim_or0(xt, 0), w.out_features}, xt.device()));
+          ws.push_back(&w);
+          ys.push_back(&outs.back());
+        }
+        {
+          ReleaseGil nogil;
+          ops::linear_as_many(gn, xt, ws, ys, decode);
+        }
+        return outs;
+      },
+      py::arg("x"), py::arg("weights"), py::arg("numerics") = "exact", py::arg("decode") = false,
+      "[x W^T for W in weights], each as linear_as(numerics) would compute it (a backend may share work: on CUDA, "
+      "decode=True with BF16 numerics rounds x to BF16 once for all of them).");
+
+  o.def(
       "softmax",
       [](py::handle x, float scale, py::handle out) {
         Tensor xt = tensor_from_python(x, "x");

@@ -161,6 +161,12 @@ const char* gemm_numerics_name(GemmNumerics g);  // "exact", "bf16", "fp8", "nvf
 // linear_bf16's (the other GEMMs have one kernel for every M).
 void linear_as(GemmNumerics g, const Tensor& x, const Weight& w, Tensor& y, bool accumulate = false,
                bool decode = false);
+// ys[i] = linear_as(g, x, *ws[i], *ys[i], false, decode) for every i: several projections of
+// one x (GLM-5.3's q_a / kv_a / indexer wk / weights_proj of the normed hidden state), the same
+// results; a backend may share work between them (CUDA, decode chunks under linear_bf16: x
+// rounded to BF16 once for all of them instead of once per projection).
+void linear_as_many(GemmNumerics g, const Tensor& x, const std::vector<const Weight*>& ws,
+                    const std::vector<Tensor*>& ys, bool decode = false);
 
 // NVFP4 activation quantization as a Blackwell W4A4 GEMM applies it (the CPU emulation that
 // gives the NVFP4 tensor-core path its reference: W4A4 = linear(nvfp4_quantize_act(x), w)).

@@ -502,15 +502,31 @@ void GlmModel::layer_forward(const Layer& L, const Tensor& latent, const Tensor&
   auto lin = [tc, decode](const Tensor& x, const ops::Weight& w, Tensor& y, bool acc = false) {
     ops::linear_as(tc, x, w, y, acc, decode);
   };
-  // --- MLA projections (q_a_layernorm / kv_a_layernorm use eps 1e-6, as transformers does)
+  // --- MLA projections (q_a_layernorm / kv_a_layernorm use eps 1e-6, as transformers does);
+  // the projections of one input together (ops::linear_as_many: on the skinny decode path x
+  // is rounded to BF16 once for all of them): q_a, kv_a and the indexer's wk / weights_proj
+  // of the normed hidden state, then q_b and the indexer's wq_b of the normed q_a
   ops::rms_norm(h, L.in_norm, c.rms_norm_eps, b.x);
-  lin(b.x, a.q_a, b.qa);
+  const int64_t nI = c.index_n_heads, dI = c.index_head_dim;
+  Tensor qI2 = a.indexer ? b.qI.reshape({T, nI * dI}) : Tensor();
+  std::vector<const ops::Weight*> ws{&a.q_a, &a.kv_a};
+  std::vector<Tensor*> ys{&b.qa, &b.kva};
+  if (a.indexer) {
+    ws.insert(ws.end(), {&a.ik, &a.iw});
+    ys.insert(ys.end(), {&b.kI0, &b.wI});
+  }
+  ops::linear_as_many(tc, b.x, ws, ys, decode);
   ops::rms_norm(b.qa, a.q_a_norm, 1e-6f, b.cq);
-  lin(b.cq, a.q_b, b.q);
+  ws.assign({&a.q_b});
+  ys.assign({&b.q});
+  if (a.indexer) {
+    ws.push_back(&a.iq);
+    ys.push_back(&qI2);
+  }
+  ops::linear_as_many(tc, b.cq, ws, ys, decode);
   Tensor q3 = b.q.reshape({T, nh, qk});
   Tensor q_nope = q3.slice(2, 0, nope), q_pe = q3.slice(2, nope, qk);
   ops::rope(q_pe, positions, c.rope_theta, ops::RopeStyle::Interleaved);
-  lin(b.x, a.kv_a, b.kva);
   ops::rms_norm(b.kva.slice(1, 0, kvl), a.kv_a_norm, 1e-6f, b.c);  // c = RMS(latent)
   Tensor k_pe = b.kva.slice(1, kvl, lat).unsqueeze(1);
   ops::rope(k_pe, positions, c.rope_theta, ops::RopeStyle::Interleaved);
@@ -519,18 +535,13 @@ void GlmModel::layer_forward(const Layer& L, const Tensor& latent, const Tensor&
   ops::cache_write(b.kva.slice(1, kvl, lat), tb.slots, lat_pe);
   // --- DSA indexer: choose each query's keys (shared layers keep the previous selection)
   if (a.indexer) {
-    const int64_t nI = c.index_n_heads, dI = c.index_head_dim;
-    Tensor qI2 = b.qI.reshape({T, nI * dI});
-    lin(b.cq, a.iq, qI2);
     Tensor qI_rope = b.qI.slice(2, 0, rope);
     ops::rope(qI_rope, positions, c.rope_theta, ops::RopeStyle::Interleaved);
-    lin(b.x, a.ik, b.kI0);
     ops::layer_norm(b.kI0, a.ik_norm_w, a.ik_norm_b, 1e-6f, b.kI);
     Tensor kI_rope = b.kI.slice(1, 0, rope).unsqueeze(1);
     ops::rope(kI_rope, positions, c.rope_theta, ops::RopeStyle::Interleaved);
     Tensor keys = index_keys;
     ops::cache_write(b.kI, tb.slots, keys);
-    lin(b.x, a.iw, b.wI);
     ops::indexer_topk(b.qI, b.wI, index_keys, tb.paged, c.index_topk, b.sel, b.sel_len);
     have_sel = true;
   }

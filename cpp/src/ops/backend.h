@@ -19,6 +19,9 @@ namespace dflash2::ops {
   /* optional (CUDA): gated_mlp of generated tokens with BF16 numerics as one unit; done = false: not taken */     \
   X(gated_mlp_decode, (const Tensor& x, const Weight& gate, const Weight& up, const Weight& down, Tensor& out,       \
                        bool& done))                                                                                 \
+  /* optional (CUDA): linear_bf16(x, *ws[i], *ys[i], false, decode = true) for every i, x rounded once */          \
+  X(linear_bf16_decode_many, (const Tensor& x, const std::vector<const Weight*>& ws, const std::vector<Tensor*>& ys, \
+                              bool& done))                                                                          \
   X(linear_fp8, (const Tensor& x, const Weight& w, Tensor& y, bool accumulate))                                     \
   X(linear_nvfp4, (const Tensor& x, const Weight& w, Tensor& y, bool accumulate))                                   \
   X(fp8_quantize_act, (const Tensor& x, Tensor& out))                                                               \

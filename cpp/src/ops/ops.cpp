@@ -195,6 +195,34 @@ void linear_as(GemmNumerics g, const Tensor& x, const Weight& w, Tensor& y, bool
   }
 }
 
+void linear_as_many(GemmNumerics g, const Tensor& x, const std::vector<const Weight*>& ws,
+                    const std::vector<Tensor*>& ys, bool decode) {
+  DFLASH2_CHECK_ARG(ws.size() == ys.size(), "linear_as_many: ", ws.size(), " weights but ", ys.size(), " outputs");
+  // the projections linear_as sends to linear_bf16: together where the backend can share x
+  std::vector<const Weight*> bw;
+  std::vector<Tensor*> by;
+  for (size_t i = 0; i < ws.size(); ++i) {
+    DFLASH2_CHECK_ARG(ws[i] && ys[i], "linear_as_many: null weight or output ", i);
+    const Weight& w = *ws[i];
+    const bool bf16 = g == GemmNumerics::BF16 || (g == GemmNumerics::FP8 && w.format != WeightFormat::FP8Block128) ||
+                      (g == GemmNumerics::NVFP4 && !takes_w4a4(w));
+    if (bf16 && decode) {
+      bw.push_back(ws[i]);
+      by.push_back(ys[i]);
+    } else {
+      linear_as(g, x, w, *ys[i], false, decode);
+    }
+  }
+  if (bw.empty()) return;
+  if (auto fn = backend_table(x.device()).linear_bf16_decode_many; fn && bw.size() > 1) {
+    for (size_t i = 0; i < bw.size(); ++i) check_linear("linear_bf16", x, *bw[i], *by[i]);
+    bool done = false;
+    fn(x, bw, by, done);
+    if (done) return;
+  }
+  for (size_t i = 0; i < bw.size(); ++i) linear_bf16(x, *bw[i], *by[i], false, true);
+}
+
 void rms_norm(const Tensor& x, const Tensor& w, float eps, Tensor& out) {
   const char* op = "rms_norm";
   need(x, op, "x");

@@ -49,7 +49,9 @@ inline const float* paged_row(const Tensor& cache, const ops::PagedTokens& tok, 
 
 void linear(const Tensor& x, const ops::Weight& w, Tensor& y, bool accumulate);
 void linear_bf16(const Tensor& x, const ops::Weight& w, Tensor& y, bool accumulate, bool decode);
-// ops::gated_mlp runs the CPU's steps one by one: done = false.
+// ops::gated_mlp / linear_as_many run the CPU's steps one by one: done = false.
+void linear_bf16_decode_many(const Tensor& x, const std::vector<const ops::Weight*>& ws, const std::vector<Tensor*>& ys,
+                             bool& done);
 void gated_mlp_decode(const Tensor& x, const ops::Weight& gate, const ops::Weight& up, const ops::Weight& down,
                       Tensor& out, bool& done);
 void linear_fp8(const Tensor& x, const ops::Weight& w, Tensor& y, bool accumulate);

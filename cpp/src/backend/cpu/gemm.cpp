@@ -295,6 +295,11 @@ void gated_mlp_decode(const Tensor&, const ops::Weight&, const ops::Weight&, con
   done = false;
 }
 
+void linear_bf16_decode_many(const Tensor&, const std::vector<const ops::Weight*>&, const std::vector<Tensor*>&,
+                             bool& done) {
+  done = false;
+}
+
 void linear_bf16(const Tensor& x, const ops::Weight& w, Tensor& y, bool accumulate, bool /*decode: one kernel*/) {
   const int64_t M = x.shape(0), K = w.in_features;
   Tensor xr = Tensor::empty(DType::F32, {M, K});

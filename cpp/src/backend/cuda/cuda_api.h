@@ -4,6 +4,7 @@
 #include <cstddef>
 #include <cstdint>
 #include <string>
+#include <vector>
 
 #include "dflash2/ops.h"
 #include "dflash2/tensor.h"
@@ -167,6 +168,11 @@ bool linear_bf16_supported(int device);
 // architecture, gate and up of different formats, an empty dimension.
 void gated_mlp_decode(const Tensor& x, const ops::Weight& gate, const ops::Weight& up, const ops::Weight& down,
                       Tensor& out, bool& done);
+// gemm_tc.cu (built with CUTLASS only): linear_bf16(x, *ws[i], *ys[i], false, decode = true)
+// for every i with x rounded to BF16 once; done = false (nothing queued) where the skinny
+// kernels are off or this architecture has none.
+void linear_bf16_decode_many(const Tensor& x, const std::vector<const ops::Weight*>& ws, const std::vector<Tensor*>& ys,
+                             bool& done);
 // gemm_tc.cu (built with CUTLASS only): ops::linear_fp8 (FP8 block-128 W8A8, sm_90a / sm_100a / sm_103a).
 void linear_fp8(const Tensor& x, const ops::Weight& w, Tensor& y, bool accumulate);
 bool linear_fp8_supported(int device);

@@ -370,6 +370,29 @@ WeightView check_tc_args(const Tensor& x, const ops::Weight& w, const Tensor& y,
 
 }  // namespace
 
+namespace {
+// y (+)= the skinny GEMM of weight v over the rows already rounded to BF16 (a16, lda >=
+// sk::a_width(v)): linear_bf16's decode path after its producer pass; partial: scratch of
+// sk::partial_floats(v, M) floats.
+void sk_linear(const WeightView& v, const __nv_bfloat16* a16, int64_t lda, Tensor& y, bool accumulate, float* partial,
+               int device, cudaStream_t st) {
+  const int64_t M = y.shape(0);
+  const bool split = sk::partial_floats(v, M) > 0;
+  sk::GemmArgs g;
+  g.a = a16;
+  g.lda = lda;
+  g.w = v;
+  g.vec = detail::aligned(v.data, 16) && v.row_bytes % 16 == 0;
+  g.M = M;
+  g.d = y.data_as<float>();
+  g.ldd = M > 1 ? y.stride(0) : v.N;
+  g.accumulate = accumulate;
+  g.partial = split ? partial : nullptr;
+  g.arrivals = split ? detail::zeroed_counters(device) : nullptr;
+  sk::gemm(g, st);
+}
+}  // namespace
+
 bool linear_bf16_supported(int device) {
   if (device < 0 || device >= device_count()) return false;  // no such GPU (or no driver)
   return tc::bf16_gemm_built_for(detail::compute_capability(device));
@@ -399,18 +422,7 @@ void linear_bf16(const Tensor& x, const ops::Weight& w, Tensor& y, bool accumula
     __nv_bfloat16* a16 = reinterpret_cast<__nv_bfloat16*>(base);
     dq::rows_bf16(dq::RowsFrom::Plain, x.data_as<const float>(), nullptr, x.stride(0), nullptr, 1, nullptr, M, K,
                   lda, a16, st);
-    sk::GemmArgs g;
-    g.a = a16;
-    g.lda = lda;
-    g.w = v;
-    g.vec = detail::aligned(v.data, 16) && v.row_bytes % 16 == 0;
-    g.M = M;
-    g.d = y.data_as<float>();
-    g.ldd = M > 1 ? y.stride(0) : N;
-    g.accumulate = accumulate;
-    g.partial = p_floats ? reinterpret_cast<float*>(base + a_bytes) : nullptr;
-    g.arrivals = p_floats ? detail::zeroed_counters(device) : nullptr;
-    sk::gemm(g, st);
+    sk_linear(v, a16, lda, y, accumulate, reinterpret_cast<float*>(base + a_bytes), device, st);
     return;
   }
   if ((v.fmt == WFmt::NVFP4 || v.fmt == WFmt::FP8) && dq::linear_enabled()) {
@@ -480,6 +492,39 @@ void linear_bf16(const Tensor& x, const ops::Weight& w, Tensor& y, bool accumula
     store_rows<<<grid_for(M * N), kThreads, 0, st>>>(dtmp, Np, M, N, y.data_as<float>(), y.stride(0), accumulate);
     detail::check_launch("linear_bf16 store", w.name, " -> ", y.describe());
   }
+}
+
+void linear_bf16_decode_many(const Tensor& x, const std::vector<const ops::Weight*>& ws, const std::vector<Tensor*>& ys,
+                             bool& done) {
+  done = false;
+  const char* op = "cuda::linear_bf16_decode_many";
+  DFLASH2_CHECK_ARG(ws.size() == ys.size() && x.defined() && x.device().is_cuda(), op, ": bad arguments");
+  const int device = x.device().index;
+  if (!sk::enabled() || ws.empty()) return;
+  detail::DeviceGuard guard(device);
+  if (!tc::bf16_gemm_built_for(detail::compute_capability(device))) return;  // linear_bf16 says why
+  std::vector<WeightView> vs;
+  int64_t lda = 8, p_floats = 0;
+  for (size_t i = 0; i < ws.size(); ++i) {
+    vs.push_back(check_tc_args(x, *ws[i], *ys[i], op, 0, 8));
+    if (vs.back().K == 0 || vs.back().N == 0) return;  // the steps one by one
+    lda = std::max(lda, sk::a_width(vs.back().fmt, vs.back().K));
+    p_floats = std::max(p_floats, sk::partial_floats(vs.back(), x.shape(0)));
+  }
+  const int64_t M = x.shape(0), K = vs[0].K;
+  if (M == 0) {
+    done = true;
+    return;
+  }
+  cudaStream_t st = detail::stream();
+  const int64_t a_bytes = round_up(M * lda * 2, 256);
+  uint8_t* base = static_cast<uint8_t*>(detail::scratch(device, size_t(a_bytes + p_floats * 4)));
+  __nv_bfloat16* a16 = reinterpret_cast<__nv_bfloat16*>(base);
+  dq::rows_bf16(dq::RowsFrom::Plain, x.data_as<const float>(), nullptr, x.stride(0), nullptr, 1, nullptr, M, K, lda,
+                a16, st);
+  for (size_t i = 0; i < vs.size(); ++i)
+    sk_linear(vs[i], a16, lda, *ys[i], false, reinterpret_cast<float*>(base + a_bytes), device, st);
+  done = true;
 }
 
 void gated_mlp_decode(const Tensor& x, const ops::Weight& gate, const ops::Weight& up, const ops::Weight& down,

@@ -11,6 +11,7 @@ void register_cuda_ops(BackendTable& t) {
 #if defined(DFLASH2_WITH_CUTLASS)
   t.linear_bf16 = &cuda::linear_bf16;          // gemm_tc.cu + cutlass/
   t.gated_mlp_decode = &cuda::gated_mlp_decode;  // gemm_tc.cu + gemm_sk.cu
+  t.linear_bf16_decode_many = &cuda::linear_bf16_decode_many;  // gemm_tc.cu + gemm_sk.cu
   t.linear_fp8 = &cuda::linear_fp8;            // gemm_tc.cu + cutlass/
   t.linear_nvfp4 = &cuda::linear_nvfp4;        // gemm_tc.cu + cutlass/
 #endif
