@@ -246,6 +246,43 @@ std::string tc_gemm_self_check(Device dev, ops::GemmNumerics g, std::string* exp
       }
 #endif
       if (!why_sk.empty()) return why_sk;
+      // the decode units built on that kernel (on CUDA: a gated MLP as one unit, several
+      // projections of one x rounded once), bitwise the same calls one by one
+      const ops::Weight u4 = fp4w(N, K4), d8 = fp8w(96, N);
+      auto check_units = [&]() -> std::string {
+        const ops::Weight gd = w4.to(dev), ud = u4.to(dev), dd = d8.to(dev), w8d = w8.to(dev);
+        const Tensor xd = x4.to(dev);
+        auto same_bits = [](const Tensor& a, const Tensor& b) {
+          const Tensor ha = a.to(Device::cpu()), hb = b.to(Device::cpu());
+          return std::memcmp(ha.data(), hb.data(), size_t(ha.numel()) * sizeof(float)) == 0;
+        };
+        auto dev_f32 = [&](int64_t r, int64_t c) { return Tensor::empty(DType::F32, {r, c}, dev); };
+        Tensor got = dev_f32(M, 96), want = dev_f32(M, 96), gg = dev_f32(M, N), uu = dev_f32(M, N);
+        Tensor scratch = Tensor::empty(DType::F32, {2 * M * N}, dev);
+        ops::gated_mlp(xd, gd, ud, dd, got, scratch, ops::GemmNumerics::BF16, true);
+        ops::linear_bf16(xd, gd, gg, false, true);
+        ops::linear_bf16(xd, ud, uu, false, true);
+        ops::silu_mul(gg, uu, gg);
+        ops::linear_bf16(gg, dd, want, false, true);
+        if (!same_bits(got, want)) return "gated MLP of generated tokens: differs from its steps one by one";
+        Tensor a = dev_f32(M, N), b = dev_f32(M, N), a1 = dev_f32(M, N), b1 = dev_f32(M, N);
+        ops::linear_as_many(ops::GemmNumerics::BF16, xd, {&gd, &w8d}, {&a, &b}, true);
+        ops::linear_bf16(xd, gd, a1, false, true);
+        ops::linear_bf16(xd, w8d, b1, false, true);
+        if (!same_bits(a, a1) || !same_bits(b, b1)) return "projections of one input: differ from the single calls";
+        return "";
+      };
+      std::string why_units = check_units();
+#ifdef DFLASH2_WITH_CUDA
+      if (!why_units.empty() && cuda::linear_sk_enabled()) {
+        std::fprintf(stderr, "dflash2: the fused decode units failed their load-time check on %s (%s); generated "
+                     "tokens take the prompt chunks' tensor-core kernels instead\n", dev.str().c_str(),
+                     why_units.c_str());
+        cuda::set_linear_sk_enabled(false);
+        why_units = check_units();
+      }
+#endif
+      if (!why_units.empty()) return why_units;
     }
     // The routed experts' grouped GEMM of prompt chunks where it runs: FP8 experts with the
     // FP8 numerics (the CUTLASS grouped kernel), NVFP4 and BF16 experts with the BF16 ones
