@@ -182,17 +182,20 @@ const char* gemm_numerics_name(GemmNumerics g) {
   return "?";
 }
 
+namespace {
+// Whether linear_as(g, ..., w, ...) runs linear_bf16: BF16 numerics, and the weights FP8 /
+// NVFP4 numerics have no W8A8 / W4A4 GEMM for.
+bool as_bf16(GemmNumerics g, const Weight& w) {
+  return g == GemmNumerics::BF16 || (g == GemmNumerics::FP8 && w.format != WeightFormat::FP8Block128) ||
+         (g == GemmNumerics::NVFP4 && !takes_w4a4(w));
+}
+}  // namespace
+
 void linear_as(GemmNumerics g, const Tensor& x, const Weight& w, Tensor& y, bool accumulate, bool decode) {
-  switch (g) {
-    case GemmNumerics::Exact: return linear(x, w, y, accumulate);
-    case GemmNumerics::BF16: return linear_bf16(x, w, y, accumulate, decode);
-    case GemmNumerics::FP8:
-      if (w.format == WeightFormat::FP8Block128) return linear_fp8(x, w, y, accumulate);
-      return linear_bf16(x, w, y, accumulate, decode);
-    case GemmNumerics::NVFP4:
-      if (takes_w4a4(w)) return linear_nvfp4(x, w, y, accumulate);
-      return linear_bf16(x, w, y, accumulate, decode);
-  }
+  if (g == GemmNumerics::Exact) return linear(x, w, y, accumulate);
+  if (as_bf16(g, w)) return linear_bf16(x, w, y, accumulate, decode);
+  if (g == GemmNumerics::FP8) return linear_fp8(x, w, y, accumulate);
+  return linear_nvfp4(x, w, y, accumulate);
 }
 
 void linear_as_many(GemmNumerics g, const Tensor& x, const std::vector<const Weight*>& ws,
@@ -203,14 +206,11 @@ void linear_as_many(GemmNumerics g, const Tensor& x, const std::vector<const Wei
   std::vector<Tensor*> by;
   for (size_t i = 0; i < ws.size(); ++i) {
     DFLASH2_CHECK_ARG(ws[i] && ys[i], "linear_as_many: null weight or output ", i);
-    const Weight& w = *ws[i];
-    const bool bf16 = g == GemmNumerics::BF16 || (g == GemmNumerics::FP8 && w.format != WeightFormat::FP8Block128) ||
-                      (g == GemmNumerics::NVFP4 && !takes_w4a4(w));
-    if (bf16 && decode) {
+    if (decode && as_bf16(g, *ws[i])) {
       bw.push_back(ws[i]);
       by.push_back(ys[i]);
     } else {
-      linear_as(g, x, w, *ys[i], false, decode);
+      linear_as(g, x, *ws[i], *ys[i], false, decode);
     }
   }
   if (bw.empty()) return;

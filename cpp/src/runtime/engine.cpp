@@ -77,6 +77,36 @@ std::string method_of_drafter(const Checkpoint& dk) {
 namespace {
 // prefill_gemm="auto" on a GPU: one small tensor-core GEMM of numerics g (two 128-row
 // tiles, K and N tails: the padded paths) against the CPU's emulation of the same numerics.
+// The CUDA kernel families a failed load-time check turns off in the process (their callers
+// then take kernels checked before them).
+enum class Fallback {
+  MainloopDq,  // gemm_dq.cu: NVFP4 / FP8 weights' linear_bf16 (else a dequantize pass + CUTLASS)
+  Skinny,      // gemm_sk.cu and the decode units on it (else the prompt chunks' kernels)
+};
+
+// Runs `check`; if it fails while family `f` is on (a GPU), says so on stderr (`what` failed,
+// `instead` runs), turns `f` off in this process and runs `check` again: its result.
+template <class Check>
+std::string check_or_turn_off(Fallback f, Device dev, const char* what, const char* instead, Check&& check) {
+  std::string why = check();
+#ifdef DFLASH2_WITH_CUDA
+  const bool on = f == Fallback::Skinny ? cuda::linear_sk_enabled() : cuda::linear_dq_enabled();
+  if (!why.empty() && on) {
+    std::fprintf(stderr, "dflash2: %s failed its load-time check on %s (%s); %s\n", what, dev.str().c_str(),
+                 why.c_str(), instead);
+    if (f == Fallback::Skinny)
+      cuda::set_linear_sk_enabled(false);
+    else
+      cuda::set_linear_dq_enabled(false);
+    why = check();
+  }
+#else
+  (void)f, (void)dev, (void)what, (void)instead;
+#endif
+  return why;
+}
+constexpr const char* kSkinnyInstead = "generated tokens take the prompt chunks' tensor-core kernels instead";
+
 // BF16 runs a dequantized F32 weight, then an NVFP4 and an FP8 one (on CUDA the
 // mainloop-dequantizing kernel: if it fails, those weights take the dequantize pass in this
 // process and the check is repeated); FP8 an FP8 block-128 weight; NVFP4 an NVFP4 one. "" when it agrees (NMSE
@@ -216,35 +246,19 @@ std::string tc_gemm_self_check(Device dev, ops::GemmNumerics g, std::string* exp
         }
         return "";
       };
-      auto check_q = [&] { return check_weights({&w4, &w8}, false); };
-      std::string why4 = check_q();
-#ifdef DFLASH2_WITH_CUDA
-      if (!why4.empty() && cuda::linear_dq_enabled()) {
-        // the mainloop-dequantizing kernel failed: NVFP4 and FP8 weights take the
-        // dequantize-to-BF16 pass and the CUTLASS GEMM instead (checked just before), in
-        // this process
-        std::fprintf(stderr, "dflash2: the mainloop-dequantizing GEMM failed its load-time check on %s (%s); NVFP4 "
-                     "and FP8 weights are dequantized to BF16 before the GEMM instead\n", dev.str().c_str(),
-                     why4.c_str());
-        cuda::set_linear_dq_enabled(false);
-        why4 = check_q();
-      }
-#endif
+      // the mainloop-dequantizing kernel; if it fails, NVFP4 and FP8 weights take the
+      // dequantize-to-BF16 pass and the CUTLASS GEMM (checked just before)
+      const std::string why4 = check_or_turn_off(
+          Fallback::MainloopDq, dev, "the mainloop-dequantizing GEMM",
+          "NVFP4 and FP8 weights are dequantized to BF16 before the GEMM instead",
+          [&] { return check_weights({&w4, &w8}, false); });
       if (!why4.empty()) return why4;
       // the kernel of generated tokens (linear_bf16 decode = true; on CUDA gemm_sk.cu, K split
-      // over 2 CTAs for the F32 weight) over the same weights and the F32 one
-      auto check_sk = [&] { return check_weights({&wc, &w4, &w8}, true); };
-      std::string why_sk = check_sk();
-#ifdef DFLASH2_WITH_CUDA
-      if (!why_sk.empty() && cuda::linear_sk_enabled()) {
-        // the skinny kernel failed: generated tokens take the prompt chunks' kernels (checked
-        // above; their rows are batch-invariant too) in this process
-        std::fprintf(stderr, "dflash2: the skinny decode GEMM failed its load-time check on %s (%s); generated "
-                     "tokens take the prompt chunks' tensor-core kernels instead\n", dev.str().c_str(), why_sk.c_str());
-        cuda::set_linear_sk_enabled(false);
-        why_sk = check_sk();
-      }
-#endif
+      // over 2 CTAs for the F32 weight) over the same weights and the F32 one; if it fails,
+      // generated tokens take the prompt chunks' kernels (checked above; their rows are
+      // batch-invariant too)
+      const std::string why_sk = check_or_turn_off(Fallback::Skinny, dev, "the skinny decode GEMM", kSkinnyInstead,
+                                                   [&] { return check_weights({&wc, &w4, &w8}, true); });
       if (!why_sk.empty()) return why_sk;
       // the decode units built on that kernel (on CUDA: a gated MLP as one unit, several
       // projections of one x rounded once), bitwise the same calls one by one
@@ -272,16 +286,8 @@ std::string tc_gemm_self_check(Device dev, ops::GemmNumerics g, std::string* exp
         if (!same_bits(a, a1) || !same_bits(b, b1)) return "projections of one input: differ from the single calls";
         return "";
       };
-      std::string why_units = check_units();
-#ifdef DFLASH2_WITH_CUDA
-      if (!why_units.empty() && cuda::linear_sk_enabled()) {
-        std::fprintf(stderr, "dflash2: the fused decode units failed their load-time check on %s (%s); generated "
-                     "tokens take the prompt chunks' tensor-core kernels instead\n", dev.str().c_str(),
-                     why_units.c_str());
-        cuda::set_linear_sk_enabled(false);
-        why_units = check_units();
-      }
-#endif
+      const std::string why_units =
+          check_or_turn_off(Fallback::Skinny, dev, "a fused decode unit", kSkinnyInstead, check_units);
       if (!why_units.empty()) return why_units;
     }
     // The routed experts' grouped GEMM of prompt chunks where it runs: FP8 experts with the
@@ -362,18 +368,9 @@ std::string tc_gemm_self_check(Device dev, ops::GemmNumerics g, std::string* exp
                      " tokens (not batch-invariant)";
             return "";
           };
-          std::string why_decode = check_decode();
-#ifdef DFLASH2_WITH_CUDA
-          if (!why_decode.empty() && cuda::linear_sk_enabled()) {
-            // generated tokens take the prompt chunks' kernels (projections and experts,
-            // checked above) in this process
-            std::fprintf(stderr, "dflash2: the skinny grouped decode GEMM failed its load-time check on %s (%s); "
-                         "generated tokens take the prompt chunks' tensor-core kernels instead\n", dev.str().c_str(),
-                         why_decode.c_str());
-            cuda::set_linear_sk_enabled(false);
-            why_decode = check_decode();
-          }
-#endif
+          // (if it fails: the prompt chunks' kernels, projections and experts, checked above)
+          const std::string why_decode = check_or_turn_off(Fallback::Skinny, dev, "the skinny grouped decode GEMM",
+                                                           kSkinnyInstead, check_decode);
           if (!why_decode.empty()) {
             if (experts_why) *experts_why = why_decode;
             break;

@@ -100,8 +100,8 @@ __host__ __device__ inline Fp4Global fp4_global(const WeightView& w) {
 struct Params {
   const __nv_bfloat16* a;
   int64_t lda;
-  WeightView w;  // one weight; grouped: every group's N, K and format
-  bool vec;
+  WeightView w;  // one weight (grouped: each group's from the table)
+  bool vec;       // 16-byte weight segment loads (detail::rows_aligned16)
   int64_t M, N, K;  // M: this launch's rows (grouped: the rows of all groups, a bound)
   float* d;
   int64_t ldd;
@@ -364,6 +364,23 @@ __device__ __forceinline__ void tile_store(const Params& p, const float (&acc)[4
   }
 }
 
+// The S partial sums at index i of partial [S][total], added in split order (read past L1:
+// other CTAs wrote them).
+__device__ __forceinline__ float split_sum(const float* partial, int S, int64_t total, int64_t i) {
+  float v = __ldcg(partial + i);
+  for (int z = 1; z < S; ++z) v = __fadd_rn(v, __ldcg(partial + int64_t(z) * total + i));
+  return v;
+}
+
+// The down input of row m, feature n of a gated MLP / the experts' gate and up (partial
+// [S][M][2][N], total = M * 2 * N): bf16(silu(gate) * up) of the split sums, zero for n >= N.
+__device__ __forceinline__ __nv_bfloat16 silu_of_sums(const float* partial, int S, int64_t total, int64_t m,
+                                                      int64_t N, int64_t n) {
+  if (n >= N) return __float2bfloat16_rn(0.0f);
+  const int64_t ig = m * 2 * N + n;
+  return __float2bfloat16_rn(detail::silu_mul(split_sum(partial, S, total, ig), split_sum(partial, S, total, ig + N)));
+}
+
 // One weight: grid x = token tiles of this launch (fastest, so the CTAs reading one weight
 // slice run together and share it through L2), y = 64-feature blocks, z = splits.
 template <WFmt F>
@@ -397,21 +414,9 @@ __global__ void __launch_bounds__(kThreads, kMinCtas) sk_kernel(const Params p) 
   for (int64_t i = threadIdx.x; i < rows * width; i += kThreads) {
     const int64_t m = m0 + i / width, n = n0 + i % width;
     if (p.silu) {
-      float v = 0.0f;
-      if (n < p.N) {
-        const int64_t ig = (m * 2) * p.N + n, iu = ig + p.N;
-        float g = __ldcg(p.partial + ig), u = __ldcg(p.partial + iu);
-        for (int q = 1; q < p.S; ++q) {
-          g = __fadd_rn(g, __ldcg(p.partial + int64_t(q) * total + ig));
-          u = __fadd_rn(u, __ldcg(p.partial + int64_t(q) * total + iu));
-        }
-        v = detail::silu_mul(g, u);
-      }
-      p.silu[m * p.ld_silu + n] = __float2bfloat16_rn(v);
+      p.silu[m * p.ld_silu + n] = silu_of_sums(p.partial, p.S, total, m, p.N, n);
     } else if (n < p.N) {
-      const int64_t i0 = m * p.N + n;
-      float v = __ldcg(p.partial + i0);
-      for (int q = 1; q < p.S; ++q) v = __fadd_rn(v, __ldcg(p.partial + int64_t(q) * total + i0));
+      const float v = split_sum(p.partial, p.S, total, m * p.N + n);
       float* out = p.d + m * p.ldd + n;
       *out = p.accumulate ? __fadd_rn(*out, v) : v;
     }
@@ -465,8 +470,7 @@ __global__ void __launch_bounds__(256) sk_reduce(const float* __restrict__ parti
   const int64_t total = M * N;
   const int64_t limit = used ? (int64_t(*used) < M ? int64_t(*used) : M) * N : total;
   for (int64_t i = int64_t(blockIdx.x) * blockDim.x + threadIdx.x; i < limit; i += int64_t(gridDim.x) * blockDim.x) {
-    float v = partial[i];
-    for (int z = 1; z < S; ++z) v = __fadd_rn(v, partial[int64_t(z) * total + i]);
+    const float v = split_sum(partial, S, total, i);
     const int64_t m = i / N, n = i - m * N;
     float* out = d + (d_rows ? int64_t(d_rows[m]) : m) * ldd + n;
     *out = accumulate ? __fadd_rn(*out, v) : v;
@@ -481,18 +485,8 @@ __global__ void __launch_bounds__(256) sk_reduce_silu(const float* __restrict__ 
                                                        int64_t ldh) {
   const int64_t total = M * 2 * N, rows = used && int64_t(*used) < M ? int64_t(*used) : M, limit = rows * ldh;
   for (int64_t i = int64_t(blockIdx.x) * blockDim.x + threadIdx.x; i < limit; i += int64_t(gridDim.x) * blockDim.x) {
-    const int64_t m = i / ldh, f = i - m * ldh;
-    float v = 0.0f;
-    if (f < N) {
-      const int64_t ig = m * 2 * N + f, iu = ig + N;
-      float g = partial[ig], u = partial[iu];
-      for (int z = 1; z < S; ++z) {
-        g = __fadd_rn(g, partial[int64_t(z) * total + ig]);
-        u = __fadd_rn(u, partial[int64_t(z) * total + iu]);
-      }
-      v = detail::silu_mul(g, u);
-    }
-    h[i] = __float2bfloat16_rn(v);
+    const int64_t m = i / ldh;
+    h[i] = silu_of_sums(partial, S, total, m, N, i - m * ldh);
   }
 }
 
@@ -536,8 +530,6 @@ void gemm(const GemmArgs& g, cudaStream_t s) {
   DFLASH2_CHECK_ARG(detail::aligned(g.a, 16) && g.lda % 8 == 0 && g.lda >= a_width(w.fmt, w.K), op,
                     ": A must be 16-byte aligned with lda % 8 == 0 and lda >= ", a_width(w.fmt, w.K), ", found lda ",
                     g.lda);
-  DFLASH2_CHECK_ARG(!g.vec || (detail::aligned(w.data, 16) && w.row_bytes % 16 == 0), op,
-                    ": vector loads need 16-byte aligned weight rows");
   const int S = splits(w);
   DFLASH2_CHECK_ARG(S == 1 || (g.partial != nullptr && detail::aligned(g.partial, 16)), op,
                     ": a split GEMM needs its partial-sum scratch");
@@ -546,7 +538,7 @@ void gemm(const GemmArgs& g, cudaStream_t s) {
   Params p{};
   p.lda = g.lda;
   p.w = w;
-  p.vec = g.vec;
+  p.vec = detail::rows_aligned16(w);
   p.N = w.N;
   p.K = w.K;
   p.ldd = g.ldd;
@@ -588,9 +580,6 @@ void gated(const GatedArgs& g, cudaStream_t s) {
   DFLASH2_CHECK_ARG(detail::aligned(g.a, 16) && g.lda % 8 == 0 && g.lda >= a_width(wg.fmt, wg.K), op,
                     ": A must be 16-byte aligned with lda % 8 == 0 and lda >= ", a_width(wg.fmt, wg.K), ", found lda ",
                     g.lda);
-  auto rows16 = [](const WeightView& w) { return detail::aligned(w.data, 16) && w.row_bytes % 16 == 0; };
-  DFLASH2_CHECK_ARG((!g.vec_gate || rows16(wg)) && (!g.vec_up || rows16(wu)), op,
-                    ": vector loads need 16-byte aligned weight rows");
   DFLASH2_CHECK_ARG(wg.N <= int64_t(kSkFeatPerCta) * detail::kMaxGridY, op, ": N = ", wg.N, " is too large");
   if (g.M == 0 || wg.N == 0) return;
   const int S = splits(wg);
@@ -613,7 +602,7 @@ void gated(const GatedArgs& g, cudaStream_t s) {
     const bool fused = counters_cover(grid, g.arrivals);
     for (int j = 0; j < 2; ++j) {  // gate, then up: partial [S][m][2][N]
       p.w = j ? wu : wg;
-      p.vec = j ? g.vec_up : g.vec_gate;
+      p.vec = detail::rows_aligned16(p.w);
       p.fp4 = fp4_global(p.w);
       p.proj = j;
       p.arrivals = j == 1 && fused ? g.arrivals : nullptr;
@@ -658,9 +647,6 @@ void grouped_gemm(const GroupedArgs& g, cudaStream_t s) {
   Params p{};
   p.a = g.a;
   p.lda = g.lda;
-  p.w.fmt = g.fmt;  // the shape and format the host knows; each group's view comes from the table
-  p.w.N = g.N;
-  p.w.K = g.K;
   p.vec = g.vec;
   p.M = g.M;
   p.N = g.N;

@@ -29,8 +29,7 @@ struct GemmArgs {
   // A: row m at a + m * lda, 16-byte aligned, lda >= a_width(fmt, K), zeros in [K, lda).
   const __nv_bfloat16* a = nullptr;
   int64_t lda = 0;
-  detail::WeightView w{};
-  bool vec = false;  // detail::weight_rows_vectorizable(w)
+  detail::WeightView w{};  // 16-byte segment loads where detail::rows_aligned16(w)
   int64_t M = 0;
   // D: row m at d + m * ldd.
   float* d = nullptr;
@@ -64,7 +63,6 @@ struct GatedArgs {
   const __nv_bfloat16* a = nullptr;  // as GemmArgs::a
   int64_t lda = 0;
   detail::WeightView gate{}, up{};
-  bool vec_gate = false, vec_up = false;
   int64_t M = 0;
   __nv_bfloat16* h = nullptr;  // row m at h + m * ldh, ldh >= N
   int64_t ldh = 0;
@@ -93,7 +91,7 @@ struct GroupedArgs {
   const detail::WeightView* table = nullptr;
   int64_t table_stride = 1;
   detail::WFmt fmt = detail::WFmt::BF16;
-  bool vec = false;  // every group's rows allow the vector loads
+  bool vec = false;  // detail::rows_aligned16 holds for every group's weight (16-byte loads)
   int64_t N = 0, K = 0;
   int groups = 0;
   const int32_t* start = nullptr;   // [groups + 1], ascending

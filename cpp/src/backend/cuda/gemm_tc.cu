@@ -371,25 +371,37 @@ WeightView check_tc_args(const Tensor& x, const ops::Weight& w, const Tensor& y,
 }  // namespace
 
 namespace {
-// y (+)= the skinny GEMM of weight v over the rows already rounded to BF16 (a16, lda >=
-// sk::a_width(v)): linear_bf16's decode path after its producer pass; partial: scratch of
-// sk::partial_floats(v, M) floats.
-void sk_linear(const WeightView& v, const __nv_bfloat16* a16, int64_t lda, Tensor& y, bool accumulate, float* partial,
-               int device, cudaStream_t st) {
-  const int64_t M = y.shape(0);
-  const bool split = sk::partial_floats(v, M) > 0;
-  sk::GemmArgs g;
-  g.a = a16;
-  g.lda = lda;
-  g.w = v;
-  g.vec = detail::aligned(v.data, 16) && v.row_bytes % 16 == 0;
-  g.M = M;
-  g.d = y.data_as<float>();
-  g.ldd = M > 1 ? y.stride(0) : v.N;
-  g.accumulate = accumulate;
-  g.partial = split ? partial : nullptr;
-  g.arrivals = split ? detail::zeroed_counters(device) : nullptr;
-  sk::gemm(g, st);
+// ys[i] (+)= x W_i^T for the n weights vs (views, K = x's columns) on the skinny kernel of
+// generated tokens (gemm_sk.h): x rounded to BF16 once for all of them (as wide as the widest
+// weight's k-stages), then each weight's GEMM (its split's last CTAs add the partial sums).
+// linear_bf16's decode path (n = 1) and linear_bf16_decode_many.
+void sk_linears(const Tensor& x, const WeightView* vs, Tensor* const* ys, size_t n, bool accumulate, int device,
+                cudaStream_t st) {
+  const int64_t M = x.shape(0), K = vs[0].K;
+  int64_t lda = 8, p_floats = 0;
+  for (size_t i = 0; i < n; ++i) {
+    lda = std::max(lda, sk::a_width(vs[i].fmt, K));
+    p_floats = std::max(p_floats, sk::partial_floats(vs[i], M));
+  }
+  const int64_t a_bytes = round_up(M * lda * 2, 256);
+  uint8_t* base = static_cast<uint8_t*>(detail::scratch(device, size_t(a_bytes + p_floats * 4)));
+  __nv_bfloat16* a16 = reinterpret_cast<__nv_bfloat16*>(base);
+  dq::rows_bf16(dq::RowsFrom::Plain, x.data_as<const float>(), nullptr, x.stride(0), nullptr, 1, nullptr, M, K, lda,
+                a16, st);
+  for (size_t i = 0; i < n; ++i) {
+    const bool split = sk::partial_floats(vs[i], M) > 0;
+    sk::GemmArgs g;
+    g.a = a16;
+    g.lda = lda;
+    g.w = vs[i];
+    g.M = M;
+    g.d = ys[i]->data_as<float>();
+    g.ldd = M > 1 ? ys[i]->stride(0) : vs[i].N;
+    g.accumulate = accumulate;
+    g.partial = split ? reinterpret_cast<float*>(base + a_bytes) : nullptr;
+    g.arrivals = split ? detail::zeroed_counters(device) : nullptr;
+    sk::gemm(g, st);
+  }
 }
 }  // namespace
 
@@ -415,14 +427,8 @@ void linear_bf16(const Tensor& x, const ops::Weight& w, Tensor& y, bool accumula
     // Generated tokens (few rows): the skinny kernel, any weight format read in place, K
     // split over CTAs by (N, K, format) only (gemm_sk.h). Chosen by the caller's chunk kind,
     // never by M.
-    const int64_t lda = sk::a_width(v.fmt, K);
-    const int64_t a_bytes = round_up(M * lda * 2, 256);
-    const int64_t p_floats = sk::partial_floats(v, M);
-    uint8_t* base = static_cast<uint8_t*>(detail::scratch(device, size_t(a_bytes + p_floats * 4)));
-    __nv_bfloat16* a16 = reinterpret_cast<__nv_bfloat16*>(base);
-    dq::rows_bf16(dq::RowsFrom::Plain, x.data_as<const float>(), nullptr, x.stride(0), nullptr, 1, nullptr, M, K,
-                  lda, a16, st);
-    sk_linear(v, a16, lda, y, accumulate, reinterpret_cast<float*>(base + a_bytes), device, st);
+    Tensor* const out = &y;
+    sk_linears(x, &v, &out, 1, accumulate, device, st);
     return;
   }
   if ((v.fmt == WFmt::NVFP4 || v.fmt == WFmt::FP8) && dq::linear_enabled()) {
@@ -504,26 +510,11 @@ void linear_bf16_decode_many(const Tensor& x, const std::vector<const ops::Weigh
   detail::DeviceGuard guard(device);
   if (!tc::bf16_gemm_built_for(detail::compute_capability(device))) return;  // linear_bf16 says why
   std::vector<WeightView> vs;
-  int64_t lda = 8, p_floats = 0;
   for (size_t i = 0; i < ws.size(); ++i) {
     vs.push_back(check_tc_args(x, *ws[i], *ys[i], op, 0, 8));
     if (vs.back().K == 0 || vs.back().N == 0) return;  // the steps one by one
-    lda = std::max(lda, sk::a_width(vs.back().fmt, vs.back().K));
-    p_floats = std::max(p_floats, sk::partial_floats(vs.back(), x.shape(0)));
   }
-  const int64_t M = x.shape(0), K = vs[0].K;
-  if (M == 0) {
-    done = true;
-    return;
-  }
-  cudaStream_t st = detail::stream();
-  const int64_t a_bytes = round_up(M * lda * 2, 256);
-  uint8_t* base = static_cast<uint8_t*>(detail::scratch(device, size_t(a_bytes + p_floats * 4)));
-  __nv_bfloat16* a16 = reinterpret_cast<__nv_bfloat16*>(base);
-  dq::rows_bf16(dq::RowsFrom::Plain, x.data_as<const float>(), nullptr, x.stride(0), nullptr, 1, nullptr, M, K, lda,
-                a16, st);
-  for (size_t i = 0; i < vs.size(); ++i)
-    sk_linear(vs[i], a16, lda, *ys[i], false, reinterpret_cast<float*>(base + a_bytes), device, st);
+  if (x.shape(0) > 0) sk_linears(x, vs.data(), ys.data(), vs.size(), false, device, detail::stream());
   done = true;
 }
 
@@ -558,7 +549,6 @@ void gated_mlp_decode(const Tensor& x, const ops::Weight& gate, const ops::Weigh
   __nv_bfloat16* a16 = reinterpret_cast<__nv_bfloat16*>(base);
   __nv_bfloat16* h16 = reinterpret_cast<__nv_bfloat16*>(base + a_bytes);
   float* partial = reinterpret_cast<float*>(base + a_bytes + h_bytes);
-  auto rows16 = [](const WeightView& w) { return detail::aligned(w.data, 16) && w.row_bytes % 16 == 0; };
   dq::rows_bf16(dq::RowsFrom::Plain, x.data_as<const float>(), nullptr, x.stride(0), nullptr, 1, nullptr, M, K, lda,
                 a16, st);
   sk::GatedArgs ga;
@@ -566,8 +556,6 @@ void gated_mlp_decode(const Tensor& x, const ops::Weight& gate, const ops::Weigh
   ga.lda = lda;
   ga.gate = vg;
   ga.up = vu;
-  ga.vec_gate = rows16(vg);
-  ga.vec_up = rows16(vu);
   ga.M = M;
   ga.h = h16;
   ga.ldh = ldh;
@@ -578,7 +566,6 @@ void gated_mlp_decode(const Tensor& x, const ops::Weight& gate, const ops::Weigh
   gd.a = h16;
   gd.lda = ldh;
   gd.w = vd;
-  gd.vec = rows16(vd);
   gd.M = M;
   gd.d = out.data_as<float>();
   gd.ldd = M > 1 ? out.stride(0) : H;

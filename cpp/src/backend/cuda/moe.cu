@@ -406,7 +406,7 @@ struct ExpertTable {
   ExpertView* dev = nullptr;
   WFmt gu_fmt = WFmt::F32, down_fmt = WFmt::F32;
   bool gu_vec = false, down_vec = false;      // detail::weight_rows_vectorizable, every expert
-  bool gu_vec16 = false, down_vec16 = false;  // 16-byte aligned rows (gemm_sk.h's vector loads)
+  bool gu_vec16 = false, down_vec16 = false;  // detail::rows_aligned16, every expert (gemm_sk.h)
 };
 
 bool same_view(const WeightView& a, const WeightView& b) {
@@ -505,12 +505,11 @@ const ExpertTable& build_expert_table(const ops::ExpertWeights& ex, int device, 
   t->gu_fmt = t->host[0].gate.fmt;
   t->down_fmt = t->host[0].down.fmt;
   t->gu_vec = t->down_vec = t->gu_vec16 = t->down_vec16 = true;
-  auto rows16 = [](const WeightView& v) { return detail::aligned(v.data, 16) && v.row_bytes % 16 == 0; };
   for (const ExpertView& v : t->host) {
     t->gu_vec = t->gu_vec && detail::weight_rows_vectorizable(v.gate) && detail::weight_rows_vectorizable(v.up);
     t->down_vec = t->down_vec && detail::weight_rows_vectorizable(v.down);
-    t->gu_vec16 = t->gu_vec16 && rows16(v.gate) && rows16(v.up);
-    t->down_vec16 = t->down_vec16 && rows16(v.down);
+    t->gu_vec16 = t->gu_vec16 && detail::rows_aligned16(v.gate) && detail::rows_aligned16(v.up);
+    t->down_vec16 = t->down_vec16 && detail::rows_aligned16(v.down);
   }
   const size_t bytes = E * sizeof(ExpertView);
   t->dev = static_cast<ExpertView*>(device_malloc(bytes, device));

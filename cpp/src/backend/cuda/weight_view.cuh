@@ -180,6 +180,11 @@ __device__ __forceinline__ void w_load8(const WeightView& w, int64_t r, int64_t 
   }
 }
 
+// Whether every row of `w` starts 16-byte aligned (gemm_sk.cu's 16-byte segment loads).
+inline bool rows_aligned16(const WeightView& w) {
+  return reinterpret_cast<uintptr_t>(w.data) % 16 == 0 && w.row_bytes % 16 == 0;
+}
+
 // Whether every row of `w` can take w_load8<F, true> (row starts aligned to the 8-element
 // load: 32 B for F32, 16 B for BF16/F16, 8 B for FP8, 4 B for NVFP4).
 inline bool weight_rows_vectorizable(const WeightView& w) {
