@@ -177,6 +177,7 @@ inline int __syncthreads_and(int p) { return ::emu::syncthreads_and(p); }
 inline int __syncthreads_count(int p) { return ::emu::syncthreads_count(p); }
 inline void __threadfence() {}
 inline void __threadfence_block() {}
+inline void __threadfence_system() {}
 
 // ------------------------------------------------------------------ warp collectives
 namespace emu {

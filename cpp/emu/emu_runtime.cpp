@@ -1123,6 +1123,12 @@ cudaError_t cudaHostAlloc(void** p, size_t bytes, unsigned int) {
   return *p ? cudaSuccess : set_error(cudaErrorMemoryAllocation);
 }
 cudaError_t cudaMallocHost(void** p, size_t bytes) { return cudaHostAlloc(p, bytes, 0); }
+// host memory is the device's: a mapped allocation's device pointer is its host pointer
+cudaError_t cudaHostGetDevicePointer(void** dev, void* host, unsigned int) {
+  if (!dev || !host) return set_error(cudaErrorInvalidValue);
+  *dev = host;
+  return cudaSuccess;
+}
 cudaError_t cudaFreeHost(void* p) {
   if (p && emu::unsafe_during_capture("cudaFreeHost")) return set_error(cudaErrorStreamCaptureUnsupported);
   std::free(p);

@@ -19,6 +19,7 @@ namespace dflash2::comm {
 // buffer). Read by the engine's tp_collectives() and by bench/tp_model.py.
 struct CommStats {
   int64_t all_reduce_calls = 0, all_reduce_bytes = 0;
+  int64_t all_reduce_p2p_calls = 0;  // of those, taken by the one-shot kernel over peer memory
   int64_t all_gather_calls = 0, all_gather_bytes = 0;
   int64_t reduce_scatter_calls = 0, reduce_scatter_bytes = 0;
   int64_t broadcast_calls = 0, broadcast_bytes = 0;
@@ -35,6 +36,7 @@ class Communicator {
   void count_replay(const CommStats& captured) {
     stats_.all_reduce_calls += captured.all_reduce_calls;
     stats_.all_reduce_bytes += captured.all_reduce_bytes;
+    stats_.all_reduce_p2p_calls += captured.all_reduce_p2p_calls;
     stats_.all_gather_calls += captured.all_gather_calls;
     stats_.all_gather_bytes += captured.all_gather_bytes;
     stats_.reduce_scatter_calls += captured.reduce_scatter_calls;
@@ -47,6 +49,7 @@ class Communicator {
     CommStats d;
     d.all_reduce_calls = after.all_reduce_calls - before.all_reduce_calls;
     d.all_reduce_bytes = after.all_reduce_bytes - before.all_reduce_bytes;
+    d.all_reduce_p2p_calls = after.all_reduce_p2p_calls - before.all_reduce_p2p_calls;
     d.all_gather_calls = after.all_gather_calls - before.all_gather_calls;
     d.all_gather_bytes = after.all_gather_bytes - before.all_gather_bytes;
     d.reduce_scatter_calls = after.reduce_scatter_calls - before.reduce_scatter_calls;
@@ -59,6 +62,11 @@ class Communicator {
   virtual int rank() const = 0;
   virtual int size() const = 0;
   virtual const char* backend() const = 0;
+  // Whether small all-reduces take the one-shot kernel over peer memory (an NCCL group whose
+  // GPUs reach each other's memory); else why not.
+  bool one_shot() const { return one_shot_why_.empty(); }
+  const std::string& one_shot_why() const { return one_shot_why_; }
+  void set_one_shot(const std::string& why_not) { one_shot_why_ = why_not; }
   // x (F32, contiguous) = sum over ranks of x, summed in rank order 0, 1, ..., size-1.
   virtual void all_reduce_sum(Tensor& x) = 0;
   // out[r * n .. (r + 1) * n) = in of rank r, along dim 0 (in contiguous [n, ...], out [size n, ...]).
@@ -76,6 +84,7 @@ class Communicator {
 
  protected:
   CommStats stats_;
+  std::string one_shot_why_ = "not an NCCL group";
 };
 
 // Thrown on the other ranks of an aborted group (the failing rank's own error is the cause).

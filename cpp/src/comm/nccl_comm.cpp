@@ -9,6 +9,12 @@
 // given group and size but not rank order: results agree across ranks, not bit for bit with
 // a host sum of more than two terms.
 //
+// Small all-reduces (up to cuda::p2p::default_max_bytes(), 512 KiB: every all-reduce of a
+// decode step's hidden states at small batches) take the one-shot kernel over peer memory
+// instead (backend/cuda/p2p_allreduce.h: one kernel, no NCCL protocol, the CPU
+// communicator's rank order, so bit for bit the CPU communicator's sums) when every pair of
+// the group's GPUs has peer access; DFLASH2_P2P_ALLREDUCE_MAX_KB=0 keeps NCCL for all.
+//
 // Status: compiled in CI; never run on a GPU yet (tests/cpp/test_nccl.cpp is the check).
 #include <string>
 #include <vector>
@@ -25,6 +31,7 @@
 #include <mutex>
 
 #include "backend/cuda/cuda_api.h"
+#include "backend/cuda/p2p_allreduce.h"
 #if defined(DFLASH2_CUDA_EMULATED)
 #include "cpp/emu/nccl_emu.h"
 #endif
@@ -137,7 +144,8 @@ void check_cuda(cudaError_t e, const char* what) {
 
 class NcclComm final : public Communicator {
  public:
-  NcclComm(ncclComm_t c, int rank, int size, int device) : c_(c), rank_(rank), size_(size), dev_(device) {}
+  NcclComm(ncclComm_t c, int rank, int size, int device, std::shared_ptr<cuda::p2p::Group> p2p)
+      : c_(c), rank_(rank), size_(size), dev_(device), p2p_(std::move(p2p)) {}
   ~NcclComm() override {
     if (c_) loaded().CommDestroy(c_);
   }
@@ -150,6 +158,11 @@ class NcclComm final : public Communicator {
     stats_.all_reduce_calls++;
     stats_.all_reduce_bytes += int64_t(x.nbytes());
     enter();
+    if (p2p_ && x.nbytes() <= p2p_->max_bytes()) {
+      stats_.all_reduce_p2p_calls++;
+      p2p_->all_reduce_sum(rank_, static_cast<float*>(x.data()), x.numel());
+      return;
+    }
     check(loaded().AllReduce(x.data(), x.data(), size_t(x.numel()), ncclFloat32, ncclSum, c_, stream()),
           "all_reduce_sum", rank_);
   }
@@ -192,6 +205,7 @@ class NcclComm final : public Communicator {
     check_cuda(cudaStreamSynchronize(stream()), "comm::barrier: cudaStreamSynchronize");
   }
   void abort() override {
+    if (p2p_) p2p_->abort();
     if (c_) loaded().CommAbort(c_);
     c_ = nullptr;
   }
@@ -214,9 +228,14 @@ class NcclComm final : public Communicator {
     ncclResult_t async = ncclSuccess;
     check(loaded().CommGetAsyncError(c_, &async), "async error query", rank_);
     check(async, "an earlier collective (asynchronous error)", rank_);
+    if (p2p_) {
+      const std::string e = p2p_->error();
+      DFLASH2_CHECK(e.empty(), ErrorKind::Backend, "rank ", rank_, ": an earlier one-shot all-reduce failed: ", e);
+    }
   }
   ncclComm_t c_;
   int rank_, size_, dev_;
+  std::shared_ptr<cuda::p2p::Group> p2p_;  // small all-reduces (nullptr: NCCL for all)
   Tensor flag_;
 };
 
@@ -261,8 +280,16 @@ std::vector<std::unique_ptr<Communicator>> make_nccl_group(const std::vector<int
   const int n = int(devices.size());
   std::vector<ncclComm_t> comms(size_t(n), nullptr);
   check(loaded().CommInitAll(comms.data(), n, devices.data()), "ncclCommInitAll", 0);
+  // the one-shot all-reduce where every pair of GPUs has peer access (one rank: nothing to reduce)
+  std::shared_ptr<cuda::p2p::Group> p2p;
+  std::string p2p_why = "one rank";
+  if (n > 1) p2p = cuda::p2p::Group::create(devices, cuda::p2p::default_max_bytes(), cuda::p2p::default_timeout_s(), &p2p_why);
   std::vector<std::unique_ptr<Communicator>> out;
-  for (int r = 0; r < n; ++r) out.push_back(std::make_unique<NcclComm>(comms[size_t(r)], r, n, devices[size_t(r)]));
+  for (int r = 0; r < n; ++r) {
+    auto c = std::make_unique<NcclComm>(comms[size_t(r)], r, n, devices[size_t(r)], p2p);
+    c->set_one_shot(p2p ? "" : p2p_why);
+    out.push_back(std::move(c));
+  }
   return out;
 }
 

@@ -1,0 +1,73 @@
+// cuda/p2p_allreduce.h: a one-shot all-reduce over peer memory for the small all-reduces of
+// tensor-parallel decode steps (one process drives every rank's GPU, so each rank's kernel
+// reads the other ranks' buffers directly through peer access: NVLink on GB300 / H200).
+//
+// One kernel per call on each rank: every block copies its slice of x into this rank's
+// publish buffer, raises its flag in every rank's flag array, waits until every rank's same
+// block has raised its flag for this call, then sums the slice over the ranks' buffers in
+// rank order 0, 1, ..., size-1 (the CPU communicator's order: every rank gets the same
+// bits, and the same bits as the CPU communicator). A call number kept on the device (no
+// host state per call: CUDA-graph safe) tells the flags of one call from the next, and two
+// publish buffers alternate so a rank never overwrites a buffer a slower rank still reads.
+// A rank that waits past the group's timeout, or a group aborted from the host, writes NaN
+// into its output (the step's non-finite check then refuses it) and a sticky status that
+// error() reports.
+//
+// Ranks may share a GPU (tests: N ranks on one device, each on its own stream; their
+// kernels must run concurrently, which small grids allow).
+//
+// Status: compiled for sm_90a / sm_100a / sm_103a, run in CI by the CPU emulation
+// (cpp/emu, where a host rendezvous stands between the kernel's two halves); never run on
+// a GPU yet.
+#pragma once
+#include <cstddef>
+#include <cstdint>
+#include <memory>
+#include <string>
+#include <vector>
+
+namespace dflash2::cuda::p2p {
+
+constexpr int kMaxRanks = 8;
+constexpr int kMaxBlocks = 32;
+constexpr int kThreads = 512;
+
+struct GroupState;
+
+class Group {
+ public:
+  // devices[r]: rank r's GPU. Needs peer access between every pair of distinct devices;
+  // returns nullptr with *why otherwise (the caller keeps NCCL for every size).
+  // max_bytes: the largest all-reduce this group takes (F32 bytes); timeout_s: how long a
+  // rank's kernel waits for the others before giving up.
+  static std::shared_ptr<Group> create(const std::vector<int>& devices, size_t max_bytes, double timeout_s,
+                                       std::string* why);
+  ~Group();
+  Group(const Group&) = delete;
+  Group& operator=(const Group&) = delete;
+
+  int size() const;
+  size_t max_bytes() const;
+  // Rank `rank`'s part of one all-reduce: x (F32 on devices[rank], n elements, 4 n <=
+  // max_bytes) becomes the rank-order sum over the ranks' x, queued on this thread's current
+  // stream. Every rank calls it, in the same order with the same n. Throws if the group
+  // failed earlier (error()).
+  void all_reduce_sum(int rank, float* x, int64_t n);
+  // "" while healthy, else why the group failed (a rank timed out; aborted). Sticky.
+  std::string error() const;
+  // Releases every kernel waiting in the group (their outputs become NaN); the group stays
+  // failed.
+  void abort();
+
+ private:
+  Group() = default;
+  std::unique_ptr<GroupState> s_;
+};
+
+// The default size limit: $DFLASH2_P2P_ALLREDUCE_MAX_KB kilobytes (0 turns the one-shot
+// path off), else 512 KiB, past which a two-step algorithm (NCCL's) moves fewer bytes.
+size_t default_max_bytes();
+// $DFLASH2_P2P_ALLREDUCE_TIMEOUT_S, else 60 s.
+double default_timeout_s();
+
+}  // namespace dflash2::cuda::p2p
