@@ -148,6 +148,12 @@ if ct:
     if os.path.isfile(log):
         text = open(log, errors="replace").read()
         report["ctest"]["cases_skipped_without_gpu"] = len(re.findall(r"skipped on this machine", text))
+        # tests/cpp/test_p2p_allreduce's figure: the one-shot all-reduce beside a copy of the same bytes
+        m = re.search(r"one-shot all-reduce of (\d+) floats, (\d+) ranks ([A-Za-z0-9 ]+): ([0-9.]+) us per call \(rank 0\); "
+                      r"a copy of the same bytes: ([0-9.]+) us", text)
+        if m:
+            report["p2p_all_reduce"] = {"floats": int(m.group(1)), "ranks": int(m.group(2)), "placement": m.group(3),
+                                        "us_per_call": float(m.group(4)), "copy_same_bytes_us": float(m.group(5))}
 py = junit(os.path.join(env["DC_LOGS"], "pytest.xml"))
 if py:
     cases, count = py

@@ -137,7 +137,7 @@ TEST(rank_order_sums_bitwise_on_every_rank) {
   for (const std::vector<int>& devs : groups) {
     const int n = int(devs.size());
     std::string why;
-    auto g = p2p::Group::create(devs, size_t(cap) * 4, 30.0, &why);
+    auto g = p2p::Group::create(devs, size_t(cap) * 4, 5.0, &why);
     CHECK(g != nullptr);
     if (!g) {
       std::printf("  %d ranks: %s\n", n, why.c_str());
@@ -176,7 +176,7 @@ TEST(captured_calls_replay) {
   const int n = 3;
   const std::vector<int> devs = devices_for(n);
   std::string why;
-  auto g = p2p::Group::create(devs, 1 << 18, 30.0, &why);
+  auto g = p2p::Group::create(devs, 1 << 18, 5.0, &why);
   CHECK(g != nullptr);
   if (!g) return;
   const int64_t la = 6144, lb = 100;
@@ -286,7 +286,7 @@ TEST(latency_figure) {
   const int n = std::min(4, std::max(2, cuda::device_count()));
   const std::vector<int> devs = devices_for(n);
   std::string why;
-  auto g = p2p::Group::create(devs, 1 << 20, 30.0, &why);
+  auto g = p2p::Group::create(devs, 1 << 20, 5.0, &why);
   if (!g) {
     std::printf("  skipped: %s\n", why.c_str());
     return;
