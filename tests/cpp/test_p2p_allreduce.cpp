@@ -2,7 +2,7 @@
 // ranks, one thread and one non-blocking stream per rank (on distinct GPUs where the machine
 // has them, else ranks sharing GPU 0), against the CPU communicator's rank-order sum, bit
 // for bit, on every rank: sizes from 1 element to the group's limit, aligned and misaligned
-// x, many calls in a row (the alternating publish buffers), calls captured in a CUDA graph
+// x, the sum added into a residual in the same pass, many calls in a row (the alternating publish buffers), calls captured in a CUDA graph
 // and replayed; then a rank that never comes (timeout: NaN output, a sticky error) and an
 // abort from the host. Without CUDA or a GPU: skipped, saying so.
 //
@@ -168,6 +168,40 @@ TEST(rank_order_sums_bitwise_on_every_rank) {
     }));
     for (int r = 0; r < n; ++r) CHECK(bad[size_t(r)] == 0);
     CHECK(g->error().empty());
+  }
+}
+
+// add_to: the residual add in the same pass (h += sum), x left as it was
+TEST(sum_added_into_a_residual) {
+  if (!have_gpu()) return;
+  for (int n : {2, 4}) {
+    const std::vector<int> devs = devices_for(n);
+    std::string why;
+    auto g = p2p::Group::create(devs, 1 << 18, 5.0, &why);
+    CHECK(g != nullptr);
+    if (!g) continue;
+    std::vector<int> bad(static_cast<size_t>(n), 0);
+    check_no_errors(on_ranks(devs, [&](int r, cudaStream_t s) {
+      const int dev = devs[size_t(r)];
+      for (int k = 0; k < 4; ++k) {
+        const int64_t len = k % 2 ? 6144 * 2 + 3 : 6144;
+        const int64_t off = k >= 2 ? 1 : 0;  // h misaligned: the scalar path
+        const std::vector<float> in = input(r, 40 + k, len), h0 = input(7, 50 + k, len);
+        Tensor x = Tensor::zeros(DType::F32, {len});
+        std::memcpy(x.data_as<float>(), in.data(), size_t(len) * 4);
+        Tensor hh = Tensor::zeros(DType::F32, {len + off});
+        std::memcpy(hh.data_as<float>() + off, h0.data(), size_t(len) * 4);
+        Tensor dx = x.to(Device::cuda(dev)), dh = hh.to(Device::cuda(dev));
+        g->all_reduce_sum(r, static_cast<float*>(dx.data()), len, static_cast<float*>(dh.data()) + off);
+        cudaStreamSynchronize(s);
+        Tensor bx = dx.to(Device::cpu()), bh = dh.to(Device::cpu());
+        std::vector<float> want = rank_order_sum(n, 40 + k, len);
+        for (int64_t i = 0; i < len; ++i) want[size_t(i)] = h0[size_t(i)] + want[size_t(i)];
+        if (!bitwise_equal(bh.data_as<float>() + off, want.data(), len)) bad[size_t(r)]++;
+        if (!bitwise_equal(bx.data_as<float>(), in.data(), len)) bad[size_t(r)]++;
+      }
+    }));
+    for (int r = 0; r < n; ++r) CHECK(bad[size_t(r)] == 0);
   }
 }
 

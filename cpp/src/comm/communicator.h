@@ -69,6 +69,11 @@ class Communicator {
   void set_one_shot(const std::string& why_not) { one_shot_why_ = why_not; }
   // x (F32, contiguous) = sum over ranks of x, summed in rank order 0, 1, ..., size-1.
   virtual void all_reduce_sum(Tensor& x) = 0;
+  // acc += the rank-order sum of x over the ranks (acc: F32, x's shape, contiguous) in one
+  // pass, when this communicator can (x's contents afterwards unspecified): bitwise an
+  // all_reduce_sum of x then acc + x. Returns false, doing nothing, where it cannot; the
+  // caller then does those two steps itself.
+  virtual bool all_reduce_sum_add(Tensor& x, Tensor& acc) { return false; }
   // out[r * n .. (r + 1) * n) = in of rank r, along dim 0 (in contiguous [n, ...], out [size n, ...]).
   virtual void all_gather(const Tensor& in, Tensor& out) = 0;
   // out (this rank's slice [n, ...] of the rank-order sum of in [size n, ...]).

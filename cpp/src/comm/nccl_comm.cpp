@@ -166,6 +166,19 @@ class NcclComm final : public Communicator {
     check(loaded().AllReduce(x.data(), x.data(), size_t(x.numel()), ncclFloat32, ncclSum, c_, stream()),
           "all_reduce_sum", rank_);
   }
+  bool all_reduce_sum_add(Tensor& x, Tensor& acc) override {
+    // the one-shot kernel only, over what it reads as flat F32 arrays (else the caller's two steps)
+    if (!p2p_ || x.nbytes() > p2p_->max_bytes() || !acc.defined() || !acc.is_contiguous() ||
+        acc.dtype() != DType::F32 || acc.numel() != x.numel() || !(acc.device() == x.device()))
+      return false;
+    need(x, "all_reduce_sum_add", "x", true);
+    stats_.all_reduce_calls++;
+    stats_.all_reduce_bytes += int64_t(x.nbytes());
+    enter();
+    stats_.all_reduce_p2p_calls++;
+    p2p_->all_reduce_sum(rank_, static_cast<float*>(x.data()), x.numel(), static_cast<float*>(acc.data()));
+    return true;
+  }
   void all_gather(const Tensor& in, Tensor& out) override {
     need(in, "all_gather", "in", false);
     need(out, "all_gather", "out", false);

@@ -555,8 +555,7 @@ void GlmModel::layer_forward(const Layer& L, const Tensor& latent, const Tensor&
   } else {  // this rank's heads' share of o_proj, summed over the ranks
     Tensor part = b.ao.slice(0, 0, T);
     lin(b.ocat.reshape({T, nh * c.v_head_dim}), a.o, part);
-    comm_->all_reduce_sum(part);
-    ops::add(h, part, h);
+    reduce_into(part, h);
   }
 
   // --- MLP
@@ -581,8 +580,17 @@ void GlmModel::layer_forward(const Layer& L, const Tensor& latent, const Tensor&
       ops::add(b.mlp_out, b.shared_out, b.mlp_out);
     }
   }
-  if (tp) comm_->all_reduce_sum(b.mlp_out);  // the ranks' intermediate slices / experts
-  ops::add(h, b.mlp_out, h);
+  if (tp) {
+    reduce_into(b.mlp_out, h);  // the ranks' intermediate slices / experts
+  } else {
+    ops::add(h, b.mlp_out, h);
+  }
+}
+
+void GlmModel::reduce_into(Tensor& part, Tensor& h) {
+  if (comm_->all_reduce_sum_add(part, h)) return;
+  comm_->all_reduce_sum(part);
+  ops::add(h, part, h);
 }
 
 // ------------------------------------------------------------------ vocabulary parallelism

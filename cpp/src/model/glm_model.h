@@ -162,6 +162,9 @@ class GlmModel {
                      Tensor& h, bool& have_sel, ops::GemmNumerics tc = ops::GemmNumerics::Exact,
                      ops::GemmNumerics ex = ops::GemmNumerics::Exact, bool decode = false);
   void embed(const Tensor& table, const TokenBatch& tb, Tensor& out);
+  // h += the rank-order sum of part over the ranks: one pass where the communicator can
+  // (the one-shot all-reduce adds into h as it sums), else an all-reduce and an add
+  void reduce_into(Tensor& part, Tensor& h);
   void project(const Tensor& rows, const ops::Weight& head, Bufs& b, Tensor& logits);
   // ForwardOutputs::argmax_only: this rank's (max, id) pairs gathered, merged into ids /
   // flags where those are defined.

@@ -48,11 +48,12 @@ struct Params {
   uint32_t* counters;           // this rank's
   volatile uint32_t* control;   // mapped host memory: [0] abort, [1 + rank] status
   float* x;
+  float* add_to;  // nullptr: the sum into x; else add_to + sum into add_to (x unchanged)
   int64_t n, chunk, cap;
   uint64_t timeout_ns;
   int rank, size;
   int phase;  // 0: the whole call; 1: publish only; 2: wait and sum (the emulator's halves)
-  int vec;    // x is 16-byte aligned (chunk is a multiple of 4)
+  int vec;    // x and add_to are 16-byte aligned (chunk is a multiple of 4)
 };
 
 __device__ __forceinline__ uint64_t now_ns() {
@@ -134,8 +135,9 @@ __global__ void __launch_bounds__(kThreads) one_shot_kernel(Params p) {
   }
   __syncthreads();
 
+  float* out = p.add_to ? p.add_to : p.x;
   if (s_failed) {  // the step's non-finite check refuses what follows
-    for (int64_t i = begin + tid; i < end; i += kThreads) p.x[i] = __int_as_float(0x7fc00000);
+    for (int64_t i = begin + tid; i < end; i += kThreads) out[i] = __int_as_float(0x7fc00000);
   } else {
     for (int64_t i = begin + 4 * int64_t(tid); i < vend; i += 4 * int64_t(kThreads)) {
       float4 acc = __ldcg(reinterpret_cast<const float4*>(p.bufs[0] + slot + i));
@@ -146,12 +148,19 @@ __global__ void __launch_bounds__(kThreads) one_shot_kernel(Params p) {
         acc.z = __fadd_rn(acc.z, v.z);
         acc.w = __fadd_rn(acc.w, v.w);
       }
-      *reinterpret_cast<float4*>(p.x + i) = acc;
+      if (p.add_to) {  // the residual add: add_to + sum, as ops::add(h, part, h)
+        const float4 h = *reinterpret_cast<const float4*>(p.add_to + i);
+        acc.x = __fadd_rn(h.x, acc.x);
+        acc.y = __fadd_rn(h.y, acc.y);
+        acc.z = __fadd_rn(h.z, acc.z);
+        acc.w = __fadd_rn(h.w, acc.w);
+      }
+      *reinterpret_cast<float4*>(out + i) = acc;
     }
     for (int64_t i = vend + tid; i < end; i += kThreads) {
       float acc = __ldcg(p.bufs[0] + slot + i);
       for (int q = 1; q < p.size; ++q) acc = __fadd_rn(acc, __ldcg(p.bufs[q] + slot + i));
-      p.x[i] = acc;
+      out[i] = p.add_to ? __fadd_rn(p.add_to[i], acc) : acc;
     }
   }
 
@@ -290,7 +299,7 @@ void Group::abort() {
 #endif
 }
 
-void Group::all_reduce_sum(int rank, float* x, int64_t n) {
+void Group::all_reduce_sum(int rank, float* x, int64_t n, float* add_to) {
   GroupState& s = *s_;
   DFLASH2_CHECK_ARG(rank >= 0 && rank < s.n, "p2p all-reduce: rank ", rank, " outside [0, ", s.n, ")");
   DFLASH2_CHECK_ARG(n >= 0 && n <= s.cap, "p2p all-reduce: ", n, " elements exceed the group's ", s.cap);
@@ -305,6 +314,7 @@ void Group::all_reduce_sum(int rank, float* x, int64_t n) {
   p.counters = s.counters[size_t(rank)];
   p.control = s.control_dev;
   p.x = x;
+  p.add_to = add_to;
   p.n = n;
   p.cap = s.cap;
   p.timeout_ns = uint64_t(s.timeout_s * 1e9);
@@ -314,7 +324,7 @@ void Group::all_reduce_sum(int rank, float* x, int64_t n) {
   const int blocks = int(std::clamp<int64_t>((n + per_block - 1) / per_block, 1, kMaxBlocks));
   p.chunk = ((n + blocks - 1) / blocks + 3) / 4 * 4;
   const int used = int((n + p.chunk - 1) / p.chunk);  // blocks with a slice (chunk rounding)
-  p.vec = (reinterpret_cast<uintptr_t>(x) % 16 == 0) ? 1 : 0;
+  p.vec = (reinterpret_cast<uintptr_t>(x) % 16 == 0 && reinterpret_cast<uintptr_t>(add_to) % 16 == 0) ? 1 : 0;
   detail::DeviceGuard guard(s.devices[size_t(rank)]);
   cudaStream_t st = reinterpret_cast<cudaStream_t>(current_stream());
 #if defined(DFLASH2_CUDA_EMULATED)

@@ -51,8 +51,10 @@ class Group {
   // Rank `rank`'s part of one all-reduce: x (F32 on devices[rank], n elements, 4 n <=
   // max_bytes) becomes the rank-order sum over the ranks' x, queued on this thread's current
   // stream. Every rank calls it, in the same order with the same n. Throws if the group
-  // failed earlier (error()).
-  void all_reduce_sum(int rank, float* x, int64_t n);
+  // failed earlier (error()). With add_to (F32, n elements, on the same GPU): add_to[i] =
+  // add_to[i] + sum[i] instead, x left as it was (the residual add after o_proj / the MLP
+  // in the same pass, bitwise the all-reduce then the add).
+  void all_reduce_sum(int rank, float* x, int64_t n, float* add_to = nullptr);
   // "" while healthy, else why the group failed (a rank timed out; aborted). Sticky.
   std::string error() const;
   // Releases every kernel waiting in the group (their outputs become NaN); the group stays
