@@ -445,23 +445,27 @@ def test_tensor_parallel_on_gpus(zoo, tp):
     # the tiny model's all-reduces are all small: every one took the one-shot kernel over
     # peer memory (graphs and eagerly), whose rank-order sums are the CPU communicator's
     for c in counts:
-        assert c["all_reduce_one_shot_calls"] == c["all_reduce_calls"], counts
+        assert c["all_reduce_peer_calls"] == c["all_reduce_calls"], counts
 
 
-def test_one_shot_all_reduce_off_same_tokens(zoo, monkeypatch):
-    """DFLASH2_P2P_ALLREDUCE_MAX_KB=0 keeps every all-reduce on NCCL: the same greedy tokens
-    as with the one-shot kernel (both sum in rank order in the emulator; on GPUs NCCL's order
-    differs, so there only where the top-2 margin allows), and no one-shot call counted."""
+@pytest.mark.parametrize("form", ["nccl", "two_shot"])
+def test_one_shot_all_reduce_forms_same_tokens(zoo, monkeypatch, form):
+    """DFLASH2_P2P_ALLREDUCE_MAX_KB=0 keeps every all-reduce on NCCL, and
+    DFLASH2_P2P_ONE_SHOT_MAX_KB=0 sends every one to the two-shot form over peer memory: the
+    same greedy tokens as with the one-shot kernel (all sum in rank order in the emulator; on
+    GPUs NCCL's order differs, so there only where the top-2 margin allows), and the calls
+    counted as taken over peer memory or not."""
     on = _tp_engine_or_skip(zoo, 2)
-    monkeypatch.setenv("DFLASH2_P2P_ALLREDUCE_MAX_KB", "0")
+    monkeypatch.setenv("DFLASH2_P2P_ALLREDUCE_MAX_KB" if form == "nccl" else "DFLASH2_P2P_ONE_SHOT_MAX_KB", "0")
     off = dflash2_rt.Engine(target=zoo.path("tiny"), device="cuda", tensor_parallel=2, **KW)
     prompts = [gf.prompt(872, 9)]
     c0 = off.tp_collectives()
     want = on.generate(prompts, max_new_tokens=8, stop_token_ids=NO_STOP)
     got = off.generate(prompts, max_new_tokens=8, stop_token_ids=NO_STOP)
     c1 = off.tp_collectives()
-    same_tokens(on, prompts[0], got[0].token_ids, want[0].token_ids, "one-shot all-reduce off")
-    assert c1["all_reduce_calls"] > c0["all_reduce_calls"] and c1["all_reduce_one_shot_calls"] == 0, (c0, c1)
+    same_tokens(on, prompts[0], got[0].token_ids, want[0].token_ids, f"all-reduces: {form}")
+    calls, peer = (c1[k] - c0[k] for k in ("all_reduce_calls", "all_reduce_peer_calls"))
+    assert calls > 0 and peer == (0 if form == "nccl" else calls), (form, c0, c1)
     off.close()
 
 

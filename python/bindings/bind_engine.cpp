@@ -249,7 +249,7 @@ void bind_engine(py::module_& m) {
              py::dict d;
              d["all_reduce_calls"] = t.all_reduce_calls;
              d["all_reduce_bytes"] = t.all_reduce_bytes;
-             d["all_reduce_one_shot_calls"] = t.all_reduce_one_shot_calls;
+             d["all_reduce_peer_calls"] = t.all_reduce_peer_calls;
              d["all_gather_calls"] = t.all_gather_calls;
              d["all_gather_bytes"] = t.all_gather_bytes;
              d["broadcast_calls"] = t.broadcast_calls;

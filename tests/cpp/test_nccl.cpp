@@ -134,12 +134,12 @@ void run_group(int n) {
     if (!errors[size_t(r)].empty()) std::printf("  rank %d of %d: %s\n", r, n, errors[size_t(r)].c_str());
     CHECK(errors[size_t(r)].empty());
     CHECK(bad[size_t(r)] == 0);
-    // groups of 2+ GPUs with peer access take the one-shot kernel for these small all-reduces
+    // groups of 2+ GPUs with peer access take the kernels over peer memory for these all-reduces
     const comm::Communicator& c = *g[size_t(r)];
-    if (n > 1) std::printf("  rank %d of %d: one-shot all-reduce %s\n", r, n, c.one_shot() ? "on" : c.one_shot_why().c_str());
+    if (n > 1) std::printf("  rank %d of %d: all-reduce over peer memory %s\n", r, n, c.peer_all_reduce() ? "on" : c.peer_all_reduce_why().c_str());
     CHECK(c.stats().all_reduce_calls == 5);  // the refused host tensor is not counted
-    CHECK(c.stats().all_reduce_p2p_calls == (c.one_shot() ? 5 : 0));
-    CHECK(n > 1 || !c.one_shot());
+    CHECK(c.stats().all_reduce_p2p_calls == (c.peer_all_reduce() ? 5 : 0));
+    CHECK(n > 1 || !c.peer_all_reduce());
   }
 }
 
@@ -173,13 +173,13 @@ TEST(emulated_nccl_reports_misuse) {
     std::printf("  skipped: needs EMU_DEVICES >= 2\n");
     return;
   }
-  // NCCL's own checks: every all-reduce through NCCL (the one-shot kernel off; its own
+  // NCCL's own checks: every all-reduce through NCCL (the peer-memory kernels off; their own
   // failures are test_p2p_allreduce's)
   setenv("DFLASH2_P2P_ALLREDUCE_MAX_KB", "0", 1);
   // ranks meeting in different collectives
   {
     auto g = comm::make_nccl_group({0, 1});
-    CHECK(!g[0]->one_shot() && g[0]->one_shot_why().find("is off") != std::string::npos);
+    CHECK(!g[0]->peer_all_reduce() && g[0]->peer_all_reduce_why().find("is off") != std::string::npos);
     std::vector<std::string> errors(2);
     std::vector<std::thread> ts;
     for (int r = 0; r < 2; ++r)

@@ -2,7 +2,8 @@
 // ranks, one thread and one non-blocking stream per rank (on distinct GPUs where the machine
 // has them, else ranks sharing GPU 0), against the CPU communicator's rank-order sum, bit
 // for bit, on every rank: sizes from 1 element to the group's limit, aligned and misaligned
-// x, the sum added into a residual in the same pass, many calls in a row (the alternating publish buffers), calls captured in a CUDA graph
+// x, the one-shot and the two-shot forms, the sum added into a residual in the same pass, many
+// calls in a row (the alternating publish buffers), calls captured in a CUDA graph
 // and replayed; then a rank that never comes (timeout: NaN output, a sticky error) and an
 // abort from the host. Without CUDA or a GPU: skipped, saying so.
 //
@@ -134,10 +135,12 @@ TEST(rank_order_sums_bitwise_on_every_rank) {
   std::vector<std::vector<int>> groups;
   for (int n = 1; n <= 4; ++n) groups.push_back(devices_for(n));
   groups.push_back({0, 0});  // two ranks on one GPU, whatever the machine has
+  // every size in the one-shot form, then all but the smallest in the two-shot form
+  for (size_t one_shot : {size_t(1) << 20, size_t(4096)})
   for (const std::vector<int>& devs : groups) {
     const int n = int(devs.size());
     std::string why;
-    auto g = p2p::Group::create(devs, size_t(cap) * 4, 5.0, &why);
+    auto g = p2p::Group::create(devs, size_t(cap) * 4, 5.0, &why, one_shot);
     CHECK(g != nullptr);
     if (!g) {
       std::printf("  %d ranks: %s\n", n, why.c_str());
@@ -161,8 +164,8 @@ TEST(rank_order_sums_bitwise_on_every_rank) {
         Tensor back = d.to(Device::cpu());
         const std::vector<float> want = rank_order_sum(n, round, len);
         if (!bitwise_equal(back.data_as<float>() + off, want.data(), len)) {
-          if (bad[size_t(r)]++ == 0) std::printf("  %d ranks, rank %d: %lld floats (offset %lld) differ\n", n, r,
-                                                 (long long)len, (long long)off);
+          if (bad[size_t(r)]++ == 0) std::printf("  %d ranks, rank %d: %lld floats (offset %lld, %s) differ\n", n, r,
+                                                 (long long)len, (long long)off, len * 4 > int64_t(one_shot) ? "two-shot" : "one-shot");
         }
       }
     }));
@@ -174,10 +177,11 @@ TEST(rank_order_sums_bitwise_on_every_rank) {
 // add_to: the residual add in the same pass (h += sum), x left as it was
 TEST(sum_added_into_a_residual) {
   if (!have_gpu()) return;
-  for (int n : {2, 4}) {
+  for (int n : {2, 4})
+  for (size_t one_shot : {size_t(1) << 20, size_t(0)}) {
     const std::vector<int> devs = devices_for(n);
     std::string why;
-    auto g = p2p::Group::create(devs, 1 << 18, 5.0, &why);
+    auto g = p2p::Group::create(devs, 1 << 18, 5.0, &why, one_shot);
     CHECK(g != nullptr);
     if (!g) continue;
     std::vector<int> bad(static_cast<size_t>(n), 0);
@@ -210,7 +214,7 @@ TEST(captured_calls_replay) {
   const int n = 3;
   const std::vector<int> devs = devices_for(n);
   std::string why;
-  auto g = p2p::Group::create(devs, 1 << 18, 5.0, &why);
+  auto g = p2p::Group::create(devs, 1 << 18, 5.0, &why, 4096);  // the 6144-float calls two-shot, the others one-shot
   CHECK(g != nullptr);
   if (!g) return;
   const int64_t la = 6144, lb = 100;

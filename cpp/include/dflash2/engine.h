@@ -175,9 +175,9 @@ struct EngineMetrics {
 // head's input rows) to the other ranks inside the step (README "Tensor parallelism").
 struct TpCollectives {
   int64_t all_reduce_calls = 0, all_reduce_bytes = 0;
-  // of the all-reduces, those taken by the one-shot kernel over peer memory (CUDA ranks
-  // whose GPUs have peer access, up to 512 KiB each; the rest go to NCCL)
-  int64_t all_reduce_one_shot_calls = 0;
+  // of the all-reduces, those taken by the kernels over peer memory (CUDA ranks whose GPUs
+  // have peer access, up to 8 MiB each: one-shot to 512 KiB, then two-shot; the rest NCCL)
+  int64_t all_reduce_peer_calls = 0;
   int64_t all_gather_calls = 0, all_gather_bytes = 0;
   int64_t broadcast_calls = 0, broadcast_bytes = 0;
 };

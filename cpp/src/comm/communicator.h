@@ -19,7 +19,7 @@ namespace dflash2::comm {
 // buffer). Read by the engine's tp_collectives() and by bench/tp_model.py.
 struct CommStats {
   int64_t all_reduce_calls = 0, all_reduce_bytes = 0;
-  int64_t all_reduce_p2p_calls = 0;  // of those, taken by the one-shot kernel over peer memory
+  int64_t all_reduce_p2p_calls = 0;  // of those, taken by the kernels over peer memory (p2p_allreduce.h)
   int64_t all_gather_calls = 0, all_gather_bytes = 0;
   int64_t reduce_scatter_calls = 0, reduce_scatter_bytes = 0;
   int64_t broadcast_calls = 0, broadcast_bytes = 0;
@@ -62,11 +62,11 @@ class Communicator {
   virtual int rank() const = 0;
   virtual int size() const = 0;
   virtual const char* backend() const = 0;
-  // Whether small all-reduces take the one-shot kernel over peer memory (an NCCL group whose
-  // GPUs reach each other's memory); else why not.
-  bool one_shot() const { return one_shot_why_.empty(); }
-  const std::string& one_shot_why() const { return one_shot_why_; }
-  void set_one_shot(const std::string& why_not) { one_shot_why_ = why_not; }
+  // Whether all-reduces up to 8 MiB take the kernels over peer memory (one-shot / two-shot,
+  // backend/cuda/p2p_allreduce.h: an NCCL group whose GPUs reach each other's memory); else why not.
+  bool peer_all_reduce() const { return peer_why_.empty(); }
+  const std::string& peer_all_reduce_why() const { return peer_why_; }
+  void set_peer_all_reduce(const std::string& why_not) { peer_why_ = why_not; }
   // x (F32, contiguous) = sum over ranks of x, summed in rank order 0, 1, ..., size-1.
   virtual void all_reduce_sum(Tensor& x) = 0;
   // acc += the rank-order sum of x over the ranks (acc: F32, x's shape, contiguous) in one
@@ -89,7 +89,7 @@ class Communicator {
 
  protected:
   CommStats stats_;
-  std::string one_shot_why_ = "not an NCCL group";
+  std::string peer_why_ = "not an NCCL group";
 };
 
 // Thrown on the other ranks of an aborted group (the failing rank's own error is the cause).

@@ -9,11 +9,12 @@
 // given group and size but not rank order: results agree across ranks, not bit for bit with
 // a host sum of more than two terms.
 //
-// Small all-reduces (up to cuda::p2p::default_max_bytes(), 512 KiB: every all-reduce of a
-// decode step's hidden states at small batches) take the one-shot kernel over peer memory
-// instead (backend/cuda/p2p_allreduce.h: one kernel, no NCCL protocol, the CPU
-// communicator's rank order, so bit for bit the CPU communicator's sums) when every pair of
-// the group's GPUs has peer access; DFLASH2_P2P_ALLREDUCE_MAX_KB=0 keeps NCCL for all.
+// All-reduces up to cuda::p2p::default_max_bytes() (8 MiB: every all-reduce of a decode
+// step's hidden states up to ~340 rows of GLM-5.3) take the kernels over peer memory instead
+// (backend/cuda/p2p_allreduce.h: one kernel, one-shot to 512 KiB then two-shot, no NCCL
+// protocol, the CPU communicator's rank order, so bit for bit the CPU communicator's sums)
+// when every pair of the group's GPUs has peer access; DFLASH2_P2P_ALLREDUCE_MAX_KB=0 keeps
+// NCCL for all.
 //
 // Status: compiled in CI; never run on a GPU yet (tests/cpp/test_nccl.cpp is the check).
 #include <string>
@@ -167,7 +168,7 @@ class NcclComm final : public Communicator {
           "all_reduce_sum", rank_);
   }
   bool all_reduce_sum_add(Tensor& x, Tensor& acc) override {
-    // the one-shot kernel only, over what it reads as flat F32 arrays (else the caller's two steps)
+    // the peer-memory kernels only, over what they read as flat F32 arrays (else the caller's two steps)
     if (!p2p_ || x.nbytes() > p2p_->max_bytes() || !acc.defined() || !acc.is_contiguous() ||
         acc.dtype() != DType::F32 || acc.numel() != x.numel() || !(acc.device() == x.device()))
       return false;
@@ -243,12 +244,12 @@ class NcclComm final : public Communicator {
     check(async, "an earlier collective (asynchronous error)", rank_);
     if (p2p_) {
       const std::string e = p2p_->error();
-      DFLASH2_CHECK(e.empty(), ErrorKind::Backend, "rank ", rank_, ": an earlier one-shot all-reduce failed: ", e);
+      DFLASH2_CHECK(e.empty(), ErrorKind::Backend, "rank ", rank_, ": an earlier all-reduce over peer memory failed: ", e);
     }
   }
   ncclComm_t c_;
   int rank_, size_, dev_;
-  std::shared_ptr<cuda::p2p::Group> p2p_;  // small all-reduces (nullptr: NCCL for all)
+  std::shared_ptr<cuda::p2p::Group> p2p_;  // all-reduces up to its max_bytes (nullptr: NCCL for all)
   Tensor flag_;
 };
 
@@ -293,14 +294,14 @@ std::vector<std::unique_ptr<Communicator>> make_nccl_group(const std::vector<int
   const int n = int(devices.size());
   std::vector<ncclComm_t> comms(size_t(n), nullptr);
   check(loaded().CommInitAll(comms.data(), n, devices.data()), "ncclCommInitAll", 0);
-  // the one-shot all-reduce where every pair of GPUs has peer access (one rank: nothing to reduce)
+  // the all-reduces over peer memory where every pair of GPUs has peer access (one rank: nothing to reduce)
   std::shared_ptr<cuda::p2p::Group> p2p;
   std::string p2p_why = "one rank";
   if (n > 1) p2p = cuda::p2p::Group::create(devices, cuda::p2p::default_max_bytes(), cuda::p2p::default_timeout_s(), &p2p_why);
   std::vector<std::unique_ptr<Communicator>> out;
   for (int r = 0; r < n; ++r) {
     auto c = std::make_unique<NcclComm>(comms[size_t(r)], r, n, devices[size_t(r)], p2p);
-    c->set_one_shot(p2p ? "" : p2p_why);
+    c->set_peer_all_reduce(p2p ? "" : p2p_why);
     out.push_back(std::move(c));
   }
   return out;

@@ -1,23 +1,26 @@
-// cuda/p2p_allreduce.cu: the one-shot all-reduce over peer memory (see p2p_allreduce.h).
+// cuda/p2p_allreduce.cu: the one-shot / two-shot all-reduce over peer memory (see p2p_allreduce.h).
 //
 // Memory of a group, per rank r (on devices[r]):
 //   bufs[r]     two publish buffers of `cap` floats (slot = call number & 1)
-//   flags[r]    [kMaxRanks][kMaxBlocks] call numbers, written by the ranks' blocks (peer
-//               stores): flags[r][q][b] = the last call whose block b rank q has published
+//   flags[r]    [kMaxRanks][kMaxBlocks] progress marks, written by the ranks' blocks (peer
+//               stores): flags[r][q][b] = 2 k once block b of rank q published call k's
+//               slice, 2 k + 1 once it summed its part of it (two-shot)
 //   counters[r] [0] the number of calls this rank has completed, [1] blocks done in this call
 // and one block of mapped pinned host memory for the group: [0] abort, [1 + r] rank r's status.
 //
 // Ordering: a block's threads store its slice, bar.sync, then each of threads 0..size-1
-// fences at system scope and store-releases the call number into one rank's flag array;
+// fences at system scope and store-releases the progress mark into one rank's flag array;
 // the waiting threads load-acquire (system scope) their flags, bar.sync, and every thread
 // then reads the ranks' buffers past L1 (ld.global.cg). Rank r's call k writes buffer
 // slot k & 1 only after its call k-1 completed, whose waits saw every rank start call k-1,
-// so no rank still reads slot (k - 2) & 1 = k & 1 of call k - 2.
+// so no rank still reads slot (k - 2) & 1 = k & 1 of call k - 2. In the two-shot form rank r
+// overwrites only part r of its own buffer with the sums, which no other rank reads before
+// the second mark.
 //
 // Status: compiled for sm_90a / sm_100a / sm_103a; in the CPU emulation (cpp/emu) every
-// call is the kernel's publishing half, a host rendezvous of the ranks, then its waiting and
-// summing half (the emulator runs one kernel at a time, so one kernel could not wait for
-// another); never run on a GPU yet.
+// call is the kernel in parts with a host rendezvous of the ranks between them, where a
+// GPU's kernels wait on the flags (the emulator runs one kernel at a time, so one kernel
+// could not wait for another); never run on a GPU yet.
 #include "backend/cuda/p2p_allreduce.h"
 
 #include <cuda_runtime.h>
@@ -52,7 +55,9 @@ struct Params {
   int64_t n, chunk, cap;
   uint64_t timeout_ns;
   int rank, size;
-  int phase;  // 0: the whole call; 1: publish only; 2: wait and sum (the emulator's halves)
+  int phase;     // 0: the whole call; the emulator's parts: 1 publish, 2 wait and sum (two-shot: its
+                 // part), 3 (two-shot) wait and copy the parts
+  int two_shot;  // reduce-scatter then all-gather through the buffers (larger calls)
   int vec;    // x and add_to are 16-byte aligned (chunk is a multiple of 4)
 };
 
@@ -86,7 +91,61 @@ __device__ __forceinline__ void store_release_sys(uint32_t* p, uint32_t v) {
 #endif
 }
 
-__global__ void __launch_bounds__(kThreads) one_shot_kernel(Params p) {
+// f4(i) for each float4 of [b, e) (i = b, b + 4, ...: 16-byte aligned where vec is set) and
+// f1(i) for the remaining elements, spread over the block's threads
+template <class F4, class F1>
+__device__ __forceinline__ void block_range(int64_t b, int64_t e, bool vec, F4 f4, F1 f1) {
+  const int64_t ve = vec && e > b ? b + (e - b) / 4 * 4 : b;
+  for (int64_t i = b + 4 * int64_t(threadIdx.x); i < ve; i += 4 * int64_t(kThreads)) f4(i);
+  for (int64_t i = ve + threadIdx.x; i < e; i += kThreads) f1(i);
+}
+
+__device__ __forceinline__ float4 add4(float4 a, float4 b) {
+  return make_float4(__fadd_rn(a.x, b.x), __fadd_rn(a.y, b.y), __fadd_rn(a.z, b.z), __fadd_rn(a.w, b.w));
+}
+
+// After the block's stores: raise flag `value` of this block in every rank's array.
+__device__ __forceinline__ void signal(const Params& p, int b, uint32_t value) {
+  __syncthreads();
+  if (threadIdx.x < p.size) {
+    __threadfence_system();
+    store_release_sys(p.flags[threadIdx.x] + p.rank * kMaxBlocks + b, value);
+  }
+}
+
+// Thread q < size waits until rank q's flag of this block reaches `value` (the abort word and
+// the timeout looked at every 1024 spins); *failed set on either. Ends with a barrier.
+__device__ __forceinline__ void wait_all(const Params& p, int b, uint32_t value, int* failed) {
+  if (threadIdx.x < p.size) {
+    const uint32_t* f = p.flags[p.rank] + threadIdx.x * kMaxBlocks + b;
+    const uint64_t start = now_ns();
+    for (uint32_t spins = 0;; ++spins) {
+      if (int32_t(load_acquire_sys(f) - value) >= 0) break;
+      if ((spins & 1023u) == 1023u) {
+        if (p.control[0] != 0u) {
+          p.control[1 + p.rank] = kAborted;
+          *failed = 1;
+          break;
+        }
+        if (now_ns() - start > p.timeout_ns) {
+          p.control[1 + p.rank] = kTimeout | (uint32_t(threadIdx.x) << 8);
+          *failed = 1;
+          break;
+        }
+      }
+    }
+  }
+  __syncthreads();
+}
+
+// One all-reduce call on one rank. Flag values: 2 call once a block published its slice,
+// 2 call + 1 once it reduced its part (two-shot), so one increasing sequence serves both.
+//   one-shot: publish the slice; wait; every rank sums the whole slice over all buffers.
+//   two-shot (larger calls): publish; wait; rank r sums part r of the slice over all buffers
+//   into its own buffer (only rank r reads part r of the inputs); wait; every rank copies
+//   part q from rank q's buffer. Each rank reads 2 (N - 1) / N of the bytes instead of N - 1.
+// Either way each element is summed in rank order by one thread: the same bits.
+__global__ void __launch_bounds__(kThreads) allreduce_kernel(Params p) {
   __shared__ uint32_t s_call;
   __shared__ int s_failed;
   const int tid = threadIdx.x, b = blockIdx.x;
@@ -98,71 +157,65 @@ __global__ void __launch_bounds__(kThreads) one_shot_kernel(Params p) {
   const uint32_t call = s_call;
   const int64_t begin = int64_t(b) * p.chunk, end = begin + p.chunk < p.n ? begin + p.chunk : p.n;
   const int64_t slot = int64_t(call & 1u) * p.cap;
-  // [begin, vend) in float4s where x is 16-byte aligned (begin is a multiple of 4), the rest one by one
-  const int64_t vend = p.vec ? begin + (end > begin ? (end - begin) / 4 * 4 : 0) : begin;
+  const bool vec = p.vec != 0;
+  float* mine = p.bufs[p.rank] + slot;
+  float* out = p.add_to ? p.add_to : p.x;
+  // the sum of element i over the ranks' buffers, in rank order
+  auto sum4 = [&](int64_t i) {
+    float4 acc = __ldcg(reinterpret_cast<const float4*>(p.bufs[0] + slot + i));
+    for (int q = 1; q < p.size; ++q) acc = add4(acc, __ldcg(reinterpret_cast<const float4*>(p.bufs[q] + slot + i)));
+    return acc;
+  };
+  auto sum1 = [&](int64_t i) {
+    float acc = __ldcg(p.bufs[0] + slot + i);
+    for (int q = 1; q < p.size; ++q) acc = __fadd_rn(acc, __ldcg(p.bufs[q] + slot + i));
+    return acc;
+  };
+  // the output: v, or the residual add add_to + v (as ops::add(h, part, h))
+  auto put4 = [&](int64_t i, float4 v) {
+    if (p.add_to) v = add4(*reinterpret_cast<const float4*>(p.add_to + i), v);
+    *reinterpret_cast<float4*>(out + i) = v;
+  };
+  auto put1 = [&](int64_t i, float v) { out[i] = p.add_to ? __fadd_rn(p.add_to[i], v) : v; };
 
-  if (p.phase != 2) {  // publish this block's slice, then raise its flag in every rank's array
-    float* mine = p.bufs[p.rank] + slot;
-    for (int64_t i = begin + 4 * int64_t(tid); i < vend; i += 4 * int64_t(kThreads))
-      *reinterpret_cast<float4*>(mine + i) = *reinterpret_cast<const float4*>(p.x + i);
-    for (int64_t i = vend + tid; i < end; i += kThreads) mine[i] = p.x[i];
-    __syncthreads();
-    if (tid < p.size) {
-      __threadfence_system();
-      store_release_sys(p.flags[tid] + p.rank * kMaxBlocks + b, call);
-    }
+  if (p.phase == 0 || p.phase == 1) {  // publish this block's slice
+    block_range(
+        begin, end, vec,
+        [&](int64_t i) { *reinterpret_cast<float4*>(mine + i) = *reinterpret_cast<const float4*>(p.x + i); },
+        [&](int64_t i) { mine[i] = p.x[i]; });
+    signal(p, b, 2u * call);
     if (p.phase == 1) return;
   }
-
-  if (tid < p.size) {  // thread q waits for rank q's flag of this block and call
-    const uint32_t* f = p.flags[p.rank] + tid * kMaxBlocks + b;
-    const uint64_t start = now_ns();
-    for (uint32_t spins = 0;; ++spins) {
-      if (int32_t(load_acquire_sys(f) - call) >= 0) break;
-      if ((spins & 1023u) == 1023u) {
-        if (p.control[0] != 0u) {
-          p.control[1 + p.rank] = kAborted;
-          s_failed = 1;
-          break;
-        }
-        if (now_ns() - start > p.timeout_ns) {
-          p.control[1 + p.rank] = kTimeout | (uint32_t(tid) << 8);
-          s_failed = 1;
-          break;
-        }
-      }
+  // rank r's part of the slice (two-shot): parts of a multiple of 4 elements
+  const int64_t part = ((end - begin + p.size - 1) / p.size + 3) / 4 * 4;
+  auto part_begin = [&](int q) { return begin + q * part < end ? begin + q * part : end; };
+  if (p.phase == 0 || p.phase == 2) {
+    wait_all(p, b, 2u * call, &s_failed);
+    if (!p.two_shot) {
+      if (!s_failed)
+        block_range(
+            begin, end, vec, [&](int64_t i) { put4(i, sum4(i)); }, [&](int64_t i) { put1(i, sum1(i)); });
+    } else if (!s_failed) {
+      block_range(
+          part_begin(p.rank), part_begin(p.rank + 1), vec,
+          [&](int64_t i) { *reinterpret_cast<float4*>(mine + i) = sum4(i); }, [&](int64_t i) { mine[i] = sum1(i); });
+      signal(p, b, 2u * call + 1u);
     }
+    if (p.two_shot && p.phase == 2) return;
   }
-  __syncthreads();
-
-  float* out = p.add_to ? p.add_to : p.x;
-  if (s_failed) {  // the step's non-finite check refuses what follows
+  if (p.two_shot && !s_failed) {  // copy every rank's reduced part
+    wait_all(p, b, 2u * call + 1u, &s_failed);
+    if (!s_failed)
+      for (int q = 0; q < p.size; ++q) {
+        const float* src = p.bufs[q] + slot;
+        block_range(
+            part_begin(q), part_begin(q + 1), vec,
+            [&](int64_t i) { put4(i, __ldcg(reinterpret_cast<const float4*>(src + i))); },
+            [&](int64_t i) { put1(i, __ldcg(src + i)); });
+      }
+  }
+  if (s_failed)  // the step's non-finite check refuses what follows
     for (int64_t i = begin + tid; i < end; i += kThreads) out[i] = __int_as_float(0x7fc00000);
-  } else {
-    for (int64_t i = begin + 4 * int64_t(tid); i < vend; i += 4 * int64_t(kThreads)) {
-      float4 acc = __ldcg(reinterpret_cast<const float4*>(p.bufs[0] + slot + i));
-      for (int q = 1; q < p.size; ++q) {
-        const float4 v = __ldcg(reinterpret_cast<const float4*>(p.bufs[q] + slot + i));
-        acc.x = __fadd_rn(acc.x, v.x);
-        acc.y = __fadd_rn(acc.y, v.y);
-        acc.z = __fadd_rn(acc.z, v.z);
-        acc.w = __fadd_rn(acc.w, v.w);
-      }
-      if (p.add_to) {  // the residual add: add_to + sum, as ops::add(h, part, h)
-        const float4 h = *reinterpret_cast<const float4*>(p.add_to + i);
-        acc.x = __fadd_rn(h.x, acc.x);
-        acc.y = __fadd_rn(h.y, acc.y);
-        acc.z = __fadd_rn(h.z, acc.z);
-        acc.w = __fadd_rn(h.w, acc.w);
-      }
-      *reinterpret_cast<float4*>(out + i) = acc;
-    }
-    for (int64_t i = vend + tid; i < end; i += kThreads) {
-      float acc = __ldcg(p.bufs[0] + slot + i);
-      for (int q = 1; q < p.size; ++q) acc = __fadd_rn(acc, __ldcg(p.bufs[q] + slot + i));
-      out[i] = p.add_to ? __fadd_rn(p.add_to[i], acc) : acc;
-    }
-  }
 
   // the last block to finish counts the call (every block read the count before it)
   __syncthreads();
@@ -181,6 +234,7 @@ struct GroupState {
   int n = 0;
   std::vector<int> devices;
   int64_t cap = 0;  // floats per publish slot
+  size_t one_shot_max = 0;  // bytes: larger calls take the two-shot algorithm
   double timeout_s = 60.0;
   std::vector<float*> bufs;
   std::vector<uint32_t*> flags, counters;
@@ -222,14 +276,14 @@ int Group::size() const { return s_->n; }
 size_t Group::max_bytes() const { return size_t(s_->cap) * 4; }
 
 std::shared_ptr<Group> Group::create(const std::vector<int>& devices, size_t max_bytes, double timeout_s,
-                                     std::string* why) {
+                                     std::string* why, size_t one_shot_max_bytes) {
   auto refuse = [&](std::string w) -> std::shared_ptr<Group> {
     if (why) *why = std::move(w);
     return nullptr;
   };
   const int n = int(devices.size());
-  if (n < 1 || n > kMaxRanks) return refuse("the one-shot all-reduce takes 1 to " + std::to_string(kMaxRanks) + " ranks");
-  if (max_bytes < 16) return refuse("the one-shot all-reduce is off (size limit " + std::to_string(max_bytes) + " bytes)");
+  if (n < 1 || n > kMaxRanks) return refuse("the all-reduce over peer memory takes 1 to " + std::to_string(kMaxRanks) + " ranks");
+  if (max_bytes < 16) return refuse("the all-reduce over peer memory is off (size limit " + std::to_string(max_bytes) + " bytes)");
   const int count = device_count();
   for (int d : devices)
     if (d < 0 || d >= count) return refuse("device " + std::to_string(d) + " does not exist");
@@ -246,6 +300,7 @@ std::shared_ptr<Group> Group::create(const std::vector<int>& devices, size_t max
   s.devices = devices;
   s.cap = (int64_t(max_bytes / 4) + 3) / 4 * 4;
   s.timeout_s = timeout_s > 0 ? timeout_s : 60.0;
+  s.one_shot_max = one_shot_max_bytes;
   const size_t flag_bytes = size_t(kMaxRanks) * kMaxBlocks * 4;
   for (int r = 0; r < n; ++r) {
     const int d = devices[size_t(r)];
@@ -257,12 +312,12 @@ std::shared_ptr<Group> Group::create(const std::vector<int>& devices, size_t max
   }
   void* host = nullptr;
   cudaError_t e = cudaHostAlloc(&host, (1 + kMaxRanks) * 4, cudaHostAllocMapped | cudaHostAllocPortable);
-  if (e != cudaSuccess) detail::raise(e, "cudaHostAlloc", "the one-shot all-reduce's control word");
+  if (e != cudaSuccess) detail::raise(e, "cudaHostAlloc", "the peer all-reduce's control word");
   s.control_host = static_cast<uint32_t*>(host);
   std::memset(host, 0, (1 + kMaxRanks) * 4);
   void* dev = nullptr;
   e = cudaHostGetDevicePointer(&dev, host, 0);
-  if (e != cudaSuccess) detail::raise(e, "cudaHostGetDevicePointer", "the one-shot all-reduce's control word");
+  if (e != cudaSuccess) detail::raise(e, "cudaHostGetDevicePointer", "the peer all-reduce's control word");
   s.control_dev = static_cast<uint32_t*>(dev);
   for (int r = 0; r < n; ++r) synchronize(devices[size_t(r)]);  // the zeroed flags, before any peer writes
   if (why) *why = "";
@@ -285,8 +340,8 @@ std::string Group::error() const {
     if (st == kOk) continue;
     if ((st & 0xffu) == kTimeout)
       return "rank " + std::to_string(r) + " waited over " + seconds(s_->timeout_s) + " for rank " +
-             std::to_string(st >> 8) + " in a one-shot all-reduce (a rank stopped issuing collectives)";
-    return "rank " + std::to_string(r) + " left a one-shot all-reduce aborted";
+             std::to_string(st >> 8) + " in an all-reduce over peer memory (a rank stopped issuing collectives)";
+    return "rank " + std::to_string(r) + " left an all-reduce over peer memory aborted";
   }
   return "";
 }
@@ -304,7 +359,7 @@ void Group::all_reduce_sum(int rank, float* x, int64_t n, float* add_to) {
   DFLASH2_CHECK_ARG(rank >= 0 && rank < s.n, "p2p all-reduce: rank ", rank, " outside [0, ", s.n, ")");
   DFLASH2_CHECK_ARG(n >= 0 && n <= s.cap, "p2p all-reduce: ", n, " elements exceed the group's ", s.cap);
   const std::string failed = error();
-  DFLASH2_CHECK(failed.empty(), ErrorKind::Backend, "one-shot all-reduce: ", failed);
+  DFLASH2_CHECK(failed.empty(), ErrorKind::Backend, "all-reduce over peer memory: ", failed);
   if (n == 0) return;
   Params p{};
   for (int q = 0; q < s.n; ++q) {
@@ -320,6 +375,7 @@ void Group::all_reduce_sum(int rank, float* x, int64_t n, float* add_to) {
   p.timeout_ns = uint64_t(s.timeout_s * 1e9);
   p.rank = rank;
   p.size = s.n;
+  p.two_shot = n * 4 > int64_t(s.one_shot_max) && s.n > 1 ? 1 : 0;
   const int64_t per_block = 4 * int64_t(kThreads);
   const int blocks = int(std::clamp<int64_t>((n + per_block - 1) / per_block, 1, kMaxBlocks));
   p.chunk = ((n + blocks - 1) / blocks + 3) / 4 * 4;
@@ -328,21 +384,27 @@ void Group::all_reduce_sum(int rank, float* x, int64_t n, float* add_to) {
   detail::DeviceGuard guard(s.devices[size_t(rank)]);
   cudaStream_t st = reinterpret_cast<cudaStream_t>(current_stream());
 #if defined(DFLASH2_CUDA_EMULATED)
-  p.phase = 1;
-  one_shot_kernel<<<used, kThreads, 0, st>>>(p);
-  emu::enqueue_host(st, [gs = &s] { gs->rendezvous(); });
-  p.phase = 2;
-  one_shot_kernel<<<used, kThreads, 0, st>>>(p);
+  // the kernel's parts with a rendezvous of the ranks where a GPU's kernels would wait
+  for (int phase = 1; phase <= (p.two_shot ? 3 : 2); ++phase) {
+    if (phase > 1) emu::enqueue_host(st, [gs = &s] { gs->rendezvous(); });
+    p.phase = phase;
+    allreduce_kernel<<<used, kThreads, 0, st>>>(p);
+  }
 #else
   p.phase = 0;
-  one_shot_kernel<<<used, kThreads, 0, st>>>(p);
+  allreduce_kernel<<<used, kThreads, 0, st>>>(p);
 #endif
   const cudaError_t e = cudaGetLastError();
-  if (e != cudaSuccess) detail::raise(e, "one-shot all-reduce launch", n, " floats on rank ", rank);
+  if (e != cudaSuccess) detail::raise(e, "all-reduce over peer memory: launch", n, " floats on rank ", rank);
 }
 
 size_t default_max_bytes() {
   if (const char* e = std::getenv("DFLASH2_P2P_ALLREDUCE_MAX_KB"); e && *e) return size_t(std::atoll(e)) * 1024;
+  return size_t(8) << 20;
+}
+
+size_t default_one_shot_max_bytes() {
+  if (const char* e = std::getenv("DFLASH2_P2P_ONE_SHOT_MAX_KB"); e && *e) return size_t(std::atoll(e)) * 1024;
   return size_t(512) * 1024;
 }
 

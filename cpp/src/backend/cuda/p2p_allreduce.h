@@ -1,12 +1,15 @@
-// cuda/p2p_allreduce.h: a one-shot all-reduce over peer memory for the small all-reduces of
-// tensor-parallel decode steps (one process drives every rank's GPU, so each rank's kernel
-// reads the other ranks' buffers directly through peer access: NVLink on GB300 / H200).
+// cuda/p2p_allreduce.h: all-reduces over peer memory for the all-reduces of tensor-parallel
+// decode steps, which are small enough that NCCL's latency is most of their cost (one
+// process drives every rank's GPU, so each rank's kernel reads the other ranks' buffers
+// directly through peer access: NVLink on GB300 / H200).
 //
 // One kernel per call on each rank: every block copies its slice of x into this rank's
 // publish buffer, raises its flag in every rank's flag array, waits until every rank's same
-// block has raised its flag for this call, then sums the slice over the ranks' buffers in
-// rank order 0, 1, ..., size-1 (the CPU communicator's order: every rank gets the same
-// bits, and the same bits as the CPU communicator). A call number kept on the device (no
+// block has raised its flag for this call, then (one-shot, up to 512 KiB) sums the slice over
+// the ranks' buffers, or (two-shot, larger calls) sums its rank's part of the slice into its
+// own buffer, raises a second flag, waits, and copies every rank's summed part. Either way
+// each element is summed in rank order 0, 1, ..., size-1 (the CPU communicator's order: every
+// rank gets the same bits, and the same bits as the CPU communicator). A call number kept on the device (no
 // host state per call: CUDA-graph safe) tells the flags of one call from the next, and two
 // publish buffers alternate so a rank never overwrites a buffer a slower rank still reads.
 // A rank that waits past the group's timeout, or a group aborted from the host, writes NaN
@@ -33,6 +36,7 @@ constexpr int kMaxBlocks = 32;
 constexpr int kThreads = 512;
 
 struct GroupState;
+size_t default_one_shot_max_bytes();
 
 class Group {
  public:
@@ -41,7 +45,7 @@ class Group {
   // max_bytes: the largest all-reduce this group takes (F32 bytes); timeout_s: how long a
   // rank's kernel waits for the others before giving up.
   static std::shared_ptr<Group> create(const std::vector<int>& devices, size_t max_bytes, double timeout_s,
-                                       std::string* why);
+                                       std::string* why, size_t one_shot_max_bytes = default_one_shot_max_bytes());
   ~Group();
   Group(const Group&) = delete;
   Group& operator=(const Group&) = delete;
@@ -66,9 +70,13 @@ class Group {
   std::unique_ptr<GroupState> s_;
 };
 
-// The default size limit: $DFLASH2_P2P_ALLREDUCE_MAX_KB kilobytes (0 turns the one-shot
-// path off), else 512 KiB, past which a two-step algorithm (NCCL's) moves fewer bytes.
+// The default size limit: $DFLASH2_P2P_ALLREDUCE_MAX_KB kilobytes (0 turns the path off),
+// else 8 MiB (larger all-reduces go to NCCL, whose ring moves the same bytes as the two-shot
+// form and whose latency no longer dominates).
 size_t default_max_bytes();
+// Calls up to $DFLASH2_P2P_ONE_SHOT_MAX_KB kilobytes (512 KiB) take the one-shot form, larger
+// ones the two-shot form.
+size_t default_one_shot_max_bytes();
 // $DFLASH2_P2P_ALLREDUCE_TIMEOUT_S, else 60 s.
 double default_timeout_s();
 
