@@ -401,7 +401,7 @@ def _same_collectives(graphs, eager, per_unit):
     assert graphs["broadcast_calls"] >= per_unit * graphs["units"], (graphs, eager)
     if per_unit == 0:
         assert graphs["broadcast_calls"] == eager["broadcast_calls"] == 0, (graphs, eager)
-    drop = ("units", "broadcast_calls", "broadcast_bytes")
+    drop = ("units", "broadcast_calls", "broadcast_bytes", "broadcast_peer_calls")
     g = {k: v for k, v in graphs.items() if k not in drop}
     assert g == {k: v for k, v in eager.items() if k not in drop}, (graphs, eager)
 
@@ -442,10 +442,11 @@ def test_tensor_parallel_on_gpus(zoo, tp):
     counts = _collectives_of((gpu, eager), prompts[1:], 10)
     _same_collectives(*counts, per_unit=0)
     assert counts[0]["all_reduce_calls"] > 0, counts
-    # the tiny model's all-reduces are all small: every one took the one-shot kernel over
-    # peer memory (graphs and eagerly), whose rank-order sums are the CPU communicator's
+    # the tiny model's collectives are all small: every one took the kernels over peer memory
+    # (graphs and eagerly), whose rank-order sums are the CPU communicator's
     for c in counts:
-        assert c["all_reduce_peer_calls"] == c["all_reduce_calls"], counts
+        for kind in ("all_reduce", "all_gather", "broadcast"):
+            assert c[f"{kind}_peer_calls"] == c[f"{kind}_calls"], counts
 
 
 @pytest.mark.parametrize("form", ["nccl", "two_shot"])
@@ -466,6 +467,8 @@ def test_one_shot_all_reduce_forms_same_tokens(zoo, monkeypatch, form):
     same_tokens(on, prompts[0], got[0].token_ids, want[0].token_ids, f"all-reduces: {form}")
     calls, peer = (c1[k] - c0[k] for k in ("all_reduce_calls", "all_reduce_peer_calls"))
     assert calls > 0 and peer == (0 if form == "nccl" else calls), (form, c0, c1)
+    gathers, peer_gathers = (c1[k] - c0[k] for k in ("all_gather_calls", "all_gather_peer_calls"))
+    assert gathers > 0 and peer_gathers == (0 if form == "nccl" else gathers), (form, c0, c1)
     off.close()
 
 

@@ -254,6 +254,8 @@ void bind_engine(py::module_& m) {
              d["all_gather_bytes"] = t.all_gather_bytes;
              d["broadcast_calls"] = t.broadcast_calls;
              d["broadcast_bytes"] = t.broadcast_bytes;
+             d["all_gather_peer_calls"] = t.all_gather_peer_calls;
+             d["broadcast_peer_calls"] = t.broadcast_peer_calls;
              return d;
            })
       .def("metrics",

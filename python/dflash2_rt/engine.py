@@ -398,9 +398,10 @@ class Engine:
     def tp_collectives(self) -> dict:
         """Collectives rank 0 has issued since load (every rank issues the same):
         {all_reduce_calls, all_reduce_bytes, all_reduce_peer_calls, all_gather_calls,
-        all_gather_bytes, broadcast_calls, broadcast_bytes}; zeros at tensor_parallel = 1.
-        all_reduce_peer_calls: the all-reduces (counted in all_reduce_calls too) that took
-        the kernels over peer memory (one-shot / two-shot) instead of NCCL (GPUs only). Broadcasts: a decode
+        all_gather_bytes, all_gather_peer_calls, broadcast_calls, broadcast_bytes,
+        broadcast_peer_calls}; zeros at tensor_parallel = 1.
+        all_reduce_peer_calls, all_gather_peer_calls, broadcast_peer_calls: those (counted in
+        the totals too) that took the kernels over peer memory instead of NCCL (GPUs only). Broadcasts: a decode
         step run as one unit sends rank 0's drafted ids (and the DFlash head's input rows) to
         the other ranks.
         bench/tp_model.py compares them with its per-step model."""

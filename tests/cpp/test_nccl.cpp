@@ -139,6 +139,8 @@ void run_group(int n) {
     if (n > 1) std::printf("  rank %d of %d: all-reduce over peer memory %s\n", r, n, c.peer_all_reduce() ? "on" : c.peer_all_reduce_why().c_str());
     CHECK(c.stats().all_reduce_calls == 5);  // the refused host tensor is not counted
     CHECK(c.stats().all_reduce_p2p_calls == (c.peer_all_reduce() ? 5 : 0));
+    CHECK(c.stats().all_gather_p2p_calls == (c.peer_all_reduce() ? 5 : 0));
+    CHECK(c.stats().broadcast_p2p_calls == (c.peer_all_reduce() ? 5 : 0));
     CHECK(n > 1 || !c.peer_all_reduce());
   }
 }

@@ -209,6 +209,56 @@ TEST(sum_added_into_a_residual) {
   }
 }
 
+// all-gather and broadcast: 4-byte words moved with their bits (integers, NaN payloads),
+// interleaved with all-reduces on the same call sequence
+TEST(gather_and_broadcast_words) {
+  if (!have_gpu()) return;
+  std::vector<std::vector<int>> groups;
+  for (int n = 1; n <= 4; ++n) groups.push_back(devices_for(n));
+  groups.push_back({0, 0});
+  auto word = [](int r, int k, int64_t i) { return uint32_t(0x7fa00000u + uint32_t(r) * 7919u + uint32_t(k) * 131u + uint32_t(i)); };
+  for (const std::vector<int>& devs : groups) {
+    const int n = int(devs.size());
+    std::string why;
+    auto g = p2p::Group::create(devs, 1 << 18, 5.0, &why);
+    CHECK(g != nullptr);
+    if (!g) continue;
+    std::vector<int> bad(static_cast<size_t>(n), 0);
+    check_no_errors(on_ranks(devs, [&](int r, cudaStream_t s) {
+      const int dev = devs[size_t(r)];
+      const std::vector<int64_t> lens{1, 3, 6145, 20000};
+      for (size_t k = 0; k < lens.size(); ++k) {
+        const int64_t len = lens[k];
+        Tensor hin = Tensor::zeros(DType::I32, {len});
+        for (int64_t i = 0; i < len; ++i) hin.data_as<int32_t>()[i] = int32_t(word(r, int(k), i));
+        Tensor din = hin.to(Device::cuda(dev));
+        Tensor dout = Tensor::zeros(DType::I32, {n * len}, Device::cuda(dev));
+        g->all_gather(r, din.data(), len, dout.data());
+        // an all-reduce between, then a broadcast from rank k % n
+        Tensor red = filled(5, float(r + 1), dev);
+        g->all_reduce_sum(r, static_cast<float*>(red.data()), 5);
+        const int root = int(k) % n;
+        g->broadcast(r, din.data(), len, root);
+        cudaStreamSynchronize(s);
+        Tensor hout = dout.to(Device::cpu()), hb = din.to(Device::cpu()), hr = red.to(Device::cpu());
+        for (int q = 0; q < n; ++q)
+          for (int64_t i = 0; i < len; ++i)
+            if (uint32_t(hout.data_as<int32_t>()[q * len + i]) != word(q, int(k), i)) {
+              bad[size_t(r)]++;
+              break;
+            }
+        for (int64_t i = 0; i < len; ++i)
+          if (uint32_t(hb.data_as<int32_t>()[i]) != word(root, int(k), i)) {
+            bad[size_t(r)]++;
+            break;
+          }
+        if (hr.data_as<float>()[4] != float(n * (n + 1) / 2)) bad[size_t(r)]++;
+      }
+    }));
+    for (int r = 0; r < n; ++r) CHECK(bad[size_t(r)] == 0);
+  }
+}
+
 TEST(captured_calls_replay) {
   if (!have_gpu()) return;
   const int n = 3;

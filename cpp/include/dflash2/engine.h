@@ -180,6 +180,8 @@ struct TpCollectives {
   int64_t all_reduce_peer_calls = 0;
   int64_t all_gather_calls = 0, all_gather_bytes = 0;
   int64_t broadcast_calls = 0, broadcast_bytes = 0;
+  // of the all-gathers and broadcasts, those over peer memory (as the all-reduces above)
+  int64_t all_gather_peer_calls = 0, broadcast_peer_calls = 0;
 };
 
 class Engine;

@@ -21,8 +21,10 @@ struct CommStats {
   int64_t all_reduce_calls = 0, all_reduce_bytes = 0;
   int64_t all_reduce_p2p_calls = 0;  // of those, taken by the kernels over peer memory (p2p_allreduce.h)
   int64_t all_gather_calls = 0, all_gather_bytes = 0;
+  int64_t all_gather_p2p_calls = 0;  // of those, over peer memory
   int64_t reduce_scatter_calls = 0, reduce_scatter_bytes = 0;
   int64_t broadcast_calls = 0, broadcast_bytes = 0;
+  int64_t broadcast_p2p_calls = 0;  // of those, over peer memory
   int64_t barrier_calls = 0;
 };
 
@@ -39,10 +41,12 @@ class Communicator {
     stats_.all_reduce_p2p_calls += captured.all_reduce_p2p_calls;
     stats_.all_gather_calls += captured.all_gather_calls;
     stats_.all_gather_bytes += captured.all_gather_bytes;
+    stats_.all_gather_p2p_calls += captured.all_gather_p2p_calls;
     stats_.reduce_scatter_calls += captured.reduce_scatter_calls;
     stats_.reduce_scatter_bytes += captured.reduce_scatter_bytes;
     stats_.broadcast_calls += captured.broadcast_calls;
     stats_.broadcast_bytes += captured.broadcast_bytes;
+    stats_.broadcast_p2p_calls += captured.broadcast_p2p_calls;
     stats_.barrier_calls += captured.barrier_calls;
   }
   static CommStats diff(const CommStats& after, const CommStats& before) {
@@ -52,18 +56,21 @@ class Communicator {
     d.all_reduce_p2p_calls = after.all_reduce_p2p_calls - before.all_reduce_p2p_calls;
     d.all_gather_calls = after.all_gather_calls - before.all_gather_calls;
     d.all_gather_bytes = after.all_gather_bytes - before.all_gather_bytes;
+    d.all_gather_p2p_calls = after.all_gather_p2p_calls - before.all_gather_p2p_calls;
     d.reduce_scatter_calls = after.reduce_scatter_calls - before.reduce_scatter_calls;
     d.reduce_scatter_bytes = after.reduce_scatter_bytes - before.reduce_scatter_bytes;
     d.broadcast_calls = after.broadcast_calls - before.broadcast_calls;
     d.broadcast_bytes = after.broadcast_bytes - before.broadcast_bytes;
+    d.broadcast_p2p_calls = after.broadcast_p2p_calls - before.broadcast_p2p_calls;
     d.barrier_calls = after.barrier_calls - before.barrier_calls;
     return d;
   }
   virtual int rank() const = 0;
   virtual int size() const = 0;
   virtual const char* backend() const = 0;
-  // Whether all-reduces up to 8 MiB take the kernels over peer memory (one-shot / two-shot,
-  // backend/cuda/p2p_allreduce.h: an NCCL group whose GPUs reach each other's memory); else why not.
+  // Whether collectives up to 8 MiB take the kernels over peer memory (all-reduce one-shot /
+  // two-shot, all-gather, broadcast; backend/cuda/p2p_allreduce.h: an NCCL group whose GPUs
+  // reach each other's memory); else why not.
   bool peer_all_reduce() const { return peer_why_.empty(); }
   const std::string& peer_all_reduce_why() const { return peer_why_; }
   void set_peer_all_reduce(const std::string& why_not) { peer_why_ = why_not; }

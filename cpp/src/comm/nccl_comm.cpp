@@ -28,7 +28,9 @@
 #include <dlfcn.h>
 #include <nccl.h>
 
+#include <cstdint>
 #include <cstdlib>
+#include <initializer_list>
 #include <mutex>
 
 #include "backend/cuda/cuda_api.h"
@@ -189,6 +191,11 @@ class NcclComm final : public Communicator {
     stats_.all_gather_calls++;
     stats_.all_gather_bytes += int64_t(out.nbytes());
     enter();
+    if (peer_words(in.nbytes(), {in.data(), out.data()})) {
+      stats_.all_gather_p2p_calls++;
+      p2p_->all_gather(rank_, in.data(), int64_t(in.nbytes() / 4), out.data());
+      return;
+    }
     check(loaded().AllGather(in.data(), out.data(), in.nbytes(), ncclChar, c_, stream()), "all_gather", rank_);
   }
   void reduce_scatter_sum(const Tensor& in, Tensor& out) override {
@@ -208,6 +215,11 @@ class NcclComm final : public Communicator {
     stats_.broadcast_calls++;
     stats_.broadcast_bytes += int64_t(x.nbytes());
     enter();
+    if (peer_words(x.nbytes(), {x.data()})) {
+      stats_.broadcast_p2p_calls++;
+      p2p_->broadcast(rank_, x.data(), int64_t(x.nbytes() / 4), root);
+      return;
+    }
     check(loaded().Broadcast(x.data(), x.data(), x.nbytes(), ncclChar, root, c_, stream()), "broadcast", rank_);
   }
   // a one-element all-reduce, then waiting for this rank's stream
@@ -230,6 +242,14 @@ class NcclComm final : public Communicator {
 
  private:
   static cudaStream_t stream() { return reinterpret_cast<cudaStream_t>(cuda::current_stream()); }
+  // whether a move of `bytes` per rank at these addresses takes the peer-memory kernels
+  // (whole 4-byte words at 4-byte aligned addresses, within the group's limit)
+  bool peer_words(size_t bytes, std::initializer_list<const void*> ptrs) const {
+    if (!p2p_ || bytes % 4 != 0 || bytes > p2p_->max_bytes()) return false;
+    for (const void* q : ptrs)
+      if (reinterpret_cast<uintptr_t>(q) % 4 != 0) return false;
+    return true;
+  }
   void need(const Tensor& t, const char* op, const char* arg, bool f32) const {
     DFLASH2_CHECK_ARG(t.defined() && t.device().is_cuda() && t.device().index == dev_ && t.is_contiguous() &&
                           (!f32 || t.dtype() == DType::F32),

@@ -771,6 +771,8 @@ TpCollectives Engine::tp_collectives() const {
   t.all_reduce_calls = s.all_reduce_calls;
   t.all_reduce_bytes = s.all_reduce_bytes;
   t.all_reduce_peer_calls = s.all_reduce_p2p_calls;
+  t.all_gather_peer_calls = s.all_gather_p2p_calls;
+  t.broadcast_peer_calls = s.broadcast_p2p_calls;
   t.all_gather_calls = s.all_gather_calls;
   t.all_gather_bytes = s.all_gather_bytes;
   t.broadcast_calls = s.broadcast_calls;

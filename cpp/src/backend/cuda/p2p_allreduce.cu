@@ -44,14 +44,18 @@ namespace dflash2::cuda::p2p {
 namespace {
 
 enum Status : uint32_t { kOk = 0, kAborted = 1, kTimeout = 2 };  // kTimeout | (peer << 8)
+enum Mode : int { kReduce = 0, kGather = 1, kBroadcast = 2 };
 
 struct Params {
   float* bufs[kMaxRanks];
   uint32_t* flags[kMaxRanks];
   uint32_t* counters;           // this rank's
   volatile uint32_t* control;   // mapped host memory: [0] abort, [1 + rank] status
-  float* x;
-  float* add_to;  // nullptr: the sum into x; else add_to + sum into add_to (x unchanged)
+  float* x;       // all-reduce: in and out; all-gather: in (4-byte words); broadcast: in (root) / out
+  float* add_to;  // all-reduce: nullptr, the sum into x; else add_to + sum into add_to (x unchanged)
+  float* out;     // all-gather: [size][n] words
+  int mode;       // kReduce, kGather, kBroadcast
+  int root;       // broadcast
   int64_t n, chunk, cap;
   uint64_t timeout_ns;
   int rank, size;
@@ -138,13 +142,26 @@ __device__ __forceinline__ void wait_all(const Params& p, int b, uint32_t value,
   __syncthreads();
 }
 
-// One all-reduce call on one rank. Flag values: 2 call once a block published its slice,
+// Copies the words [b, e) of src to dst (bit patterns kept: integers, NaN payloads).
+__device__ __forceinline__ void copy_words(const float* src, float* dst, int64_t b, int64_t e, bool vec) {
+  const uint32_t* s = reinterpret_cast<const uint32_t*>(src);
+  uint32_t* d = reinterpret_cast<uint32_t*>(dst);
+  block_range(
+      b, e, vec, [&](int64_t i) { *reinterpret_cast<uint4*>(d + i) = __ldcg(reinterpret_cast<const uint4*>(s + i)); },
+      [&](int64_t i) { d[i] = __ldcg(s + i); });
+}
+
+// One collective call on one rank (all-reduce; all-gather and broadcast below). Flag values:
+// 2 call once a block published its slice,
 // 2 call + 1 once it reduced its part (two-shot), so one increasing sequence serves both.
 //   one-shot: publish the slice; wait; every rank sums the whole slice over all buffers.
 //   two-shot (larger calls): publish; wait; rank r sums part r of the slice over all buffers
 //   into its own buffer (only rank r reads part r of the inputs); wait; every rank copies
 //   part q from rank q's buffer. Each rank reads 2 (N - 1) / N of the bytes instead of N - 1.
 // Either way each element is summed in rank order by one thread: the same bits.
+// All-gather: publish; wait; copy every rank's slice to its place in out. Broadcast: the
+// root publishes, every rank raises its flag (so the root cannot run two calls ahead and
+// overwrite a buffer still read); wait; the others copy the root's slice.
 __global__ void __launch_bounds__(kThreads) allreduce_kernel(Params p) {
   __shared__ uint32_t s_call;
   __shared__ int s_failed;
@@ -179,17 +196,27 @@ __global__ void __launch_bounds__(kThreads) allreduce_kernel(Params p) {
   auto put1 = [&](int64_t i, float v) { out[i] = p.add_to ? __fadd_rn(p.add_to[i], v) : v; };
 
   if (p.phase == 0 || p.phase == 1) {  // publish this block's slice
-    block_range(
-        begin, end, vec,
-        [&](int64_t i) { *reinterpret_cast<float4*>(mine + i) = *reinterpret_cast<const float4*>(p.x + i); },
-        [&](int64_t i) { mine[i] = p.x[i]; });
+    if (p.mode != kBroadcast || p.rank == p.root) copy_words(p.x, mine, begin, end, vec);
     signal(p, b, 2u * call);
     if (p.phase == 1) return;
+  }
+  if (p.mode != kReduce) {
+    wait_all(p, b, 2u * call, &s_failed);
+    float* dst = p.mode == kGather ? p.out : p.x;
+    for (int q = 0; q < p.size; ++q) {
+      if (p.mode == kBroadcast && (q != p.root || p.rank == p.root)) continue;
+      float* d = p.mode == kGather ? dst + q * p.n : dst;
+      if (!s_failed) {
+        copy_words(p.bufs[q] + slot, d, begin, end, vec);
+      } else {  // all ones: NaN for floats, -1 for ids
+        for (int64_t i = begin + tid; i < end; i += kThreads) reinterpret_cast<uint32_t*>(d)[i] = 0xffffffffu;
+      }
+    }
   }
   // rank r's part of the slice (two-shot): parts of a multiple of 4 elements
   const int64_t part = ((end - begin + p.size - 1) / p.size + 3) / 4 * 4;
   auto part_begin = [&](int q) { return begin + q * part < end ? begin + q * part : end; };
-  if (p.phase == 0 || p.phase == 2) {
+  if (p.mode == kReduce && (p.phase == 0 || p.phase == 2)) {
     wait_all(p, b, 2u * call, &s_failed);
     if (!p.two_shot) {
       if (!s_failed)
@@ -203,7 +230,7 @@ __global__ void __launch_bounds__(kThreads) allreduce_kernel(Params p) {
     }
     if (p.two_shot && p.phase == 2) return;
   }
-  if (p.two_shot && !s_failed) {  // copy every rank's reduced part
+  if (p.mode == kReduce && p.two_shot && !s_failed) {  // copy every rank's reduced part
     wait_all(p, b, 2u * call + 1u, &s_failed);
     if (!s_failed)
       for (int q = 0; q < p.size; ++q) {
@@ -214,7 +241,7 @@ __global__ void __launch_bounds__(kThreads) allreduce_kernel(Params p) {
             [&](int64_t i) { put1(i, __ldcg(src + i)); });
       }
   }
-  if (s_failed)  // the step's non-finite check refuses what follows
+  if (p.mode == kReduce && s_failed)  // the step's non-finite check refuses what follows
     for (int64_t i = begin + tid; i < end; i += kThreads) out[i] = __int_as_float(0x7fc00000);
 
   // the last block to finish counts the call (every block read the count before it)
@@ -354,33 +381,32 @@ void Group::abort() {
 #endif
 }
 
-void Group::all_reduce_sum(int rank, float* x, int64_t n, float* add_to) {
+// One collective on rank `rank`: the kernel over n words (Params filled but for the group's
+// part), queued on this thread's stream.
+void Group::run(int rank, void* vp) {
   GroupState& s = *s_;
-  DFLASH2_CHECK_ARG(rank >= 0 && rank < s.n, "p2p all-reduce: rank ", rank, " outside [0, ", s.n, ")");
-  DFLASH2_CHECK_ARG(n >= 0 && n <= s.cap, "p2p all-reduce: ", n, " elements exceed the group's ", s.cap);
+  Params& p = *static_cast<Params*>(vp);
   const std::string failed = error();
-  DFLASH2_CHECK(failed.empty(), ErrorKind::Backend, "all-reduce over peer memory: ", failed);
-  if (n == 0) return;
-  Params p{};
+  DFLASH2_CHECK(failed.empty(), ErrorKind::Backend, "collective over peer memory: ", failed);
+  if (p.n == 0) return;
   for (int q = 0; q < s.n; ++q) {
     p.bufs[q] = s.bufs[size_t(q)];
     p.flags[q] = s.flags[size_t(q)];
   }
   p.counters = s.counters[size_t(rank)];
   p.control = s.control_dev;
-  p.x = x;
-  p.add_to = add_to;
-  p.n = n;
   p.cap = s.cap;
   p.timeout_ns = uint64_t(s.timeout_s * 1e9);
   p.rank = rank;
   p.size = s.n;
-  p.two_shot = n * 4 > int64_t(s.one_shot_max) && s.n > 1 ? 1 : 0;
+  const int64_t n = p.n;
+  p.two_shot = p.mode == kReduce && n * 4 > int64_t(s.one_shot_max) && s.n > 1 ? 1 : 0;
   const int64_t per_block = 4 * int64_t(kThreads);
   const int blocks = int(std::clamp<int64_t>((n + per_block - 1) / per_block, 1, kMaxBlocks));
   p.chunk = ((n + blocks - 1) / blocks + 3) / 4 * 4;
   const int used = int((n + p.chunk - 1) / p.chunk);  // blocks with a slice (chunk rounding)
-  p.vec = (reinterpret_cast<uintptr_t>(x) % 16 == 0 && reinterpret_cast<uintptr_t>(add_to) % 16 == 0) ? 1 : 0;
+  auto aligned = [](const void* q) { return reinterpret_cast<uintptr_t>(q) % 16 == 0; };
+  p.vec = aligned(p.x) && aligned(p.add_to) && aligned(p.out) && (p.mode != kGather || n % 4 == 0) ? 1 : 0;
   detail::DeviceGuard guard(s.devices[size_t(rank)]);
   cudaStream_t st = reinterpret_cast<cudaStream_t>(current_stream());
 #if defined(DFLASH2_CUDA_EMULATED)
@@ -395,7 +421,41 @@ void Group::all_reduce_sum(int rank, float* x, int64_t n, float* add_to) {
   allreduce_kernel<<<used, kThreads, 0, st>>>(p);
 #endif
   const cudaError_t e = cudaGetLastError();
-  if (e != cudaSuccess) detail::raise(e, "all-reduce over peer memory: launch", n, " floats on rank ", rank);
+  if (e != cudaSuccess) detail::raise(e, "collective over peer memory: launch", n, " words on rank ", rank);
+}
+
+void Group::all_reduce_sum(int rank, float* x, int64_t n, float* add_to) {
+  DFLASH2_CHECK_ARG(rank >= 0 && rank < s_->n, "p2p all-reduce: rank ", rank, " outside [0, ", s_->n, ")");
+  DFLASH2_CHECK_ARG(n >= 0 && n <= s_->cap, "p2p all-reduce: ", n, " elements exceed the group's ", s_->cap);
+  Params p{};
+  p.mode = kReduce;
+  p.x = x;
+  p.add_to = add_to;
+  p.n = n;
+  run(rank, &p);
+}
+
+void Group::all_gather(int rank, const void* in, int64_t words, void* out) {
+  DFLASH2_CHECK_ARG(rank >= 0 && rank < s_->n, "p2p all-gather: rank ", rank, " outside [0, ", s_->n, ")");
+  DFLASH2_CHECK_ARG(words >= 0 && words <= s_->cap, "p2p all-gather: ", words, " words exceed the group's ", s_->cap);
+  Params p{};
+  p.mode = kGather;
+  p.x = static_cast<float*>(const_cast<void*>(in));
+  p.out = static_cast<float*>(out);
+  p.n = words;
+  run(rank, &p);
+}
+
+void Group::broadcast(int rank, void* x, int64_t words, int root) {
+  DFLASH2_CHECK_ARG(rank >= 0 && rank < s_->n && root >= 0 && root < s_->n, "p2p broadcast: rank ", rank,
+                    " or root ", root, " outside [0, ", s_->n, ")");
+  DFLASH2_CHECK_ARG(words >= 0 && words <= s_->cap, "p2p broadcast: ", words, " words exceed the group's ", s_->cap);
+  Params p{};
+  p.mode = kBroadcast;
+  p.x = static_cast<float*>(x);
+  p.root = root;
+  p.n = words;
+  run(rank, &p);
 }
 
 size_t default_max_bytes() {

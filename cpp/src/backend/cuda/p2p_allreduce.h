@@ -59,6 +59,10 @@ class Group {
   // add_to[i] + sum[i] instead, x left as it was (the residual add after o_proj / the MLP
   // in the same pass, bitwise the all-reduce then the add).
   void all_reduce_sum(int rank, float* x, int64_t n, float* add_to = nullptr);
+  // out[q * words, (q + 1) * words) = rank q's `in` (4-byte words, bits kept), every rank.
+  void all_gather(int rank, const void* in, int64_t words, void* out);
+  // x = root's x (4-byte words), every rank.
+  void broadcast(int rank, void* x, int64_t words, int root);
   // "" while healthy, else why the group failed (a rank timed out; aborted). Sticky.
   std::string error() const;
   // Releases every kernel waiting in the group (their outputs become NaN); the group stays
@@ -67,6 +71,7 @@ class Group {
 
  private:
   Group() = default;
+  void run(int rank, void* params);
   std::unique_ptr<GroupState> s_;
 };
 
