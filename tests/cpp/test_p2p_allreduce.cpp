@@ -129,6 +129,22 @@ TEST(creation_refuses_what_it_cannot_do) {
   CHECK_THROWS(g->all_reduce_sum(1, static_cast<float*>(x.data()), 4), "outside");
 }
 
+// the load-time check make_nccl_group runs: passes on healthy groups (and leaves them usable)
+TEST(self_check_passes) {
+  if (!have_gpu()) return;
+  for (const std::vector<int>& devs : {devices_for(2), devices_for(4), std::vector<int>{0, 0, 0}}) {
+    std::string why;
+    for (size_t one_shot : {size_t(512) << 10, size_t(0)}) {
+      auto g = p2p::Group::create(devs, size_t(1) << 20, 5.0, &why, one_shot);
+      CHECK(g != nullptr);
+      if (!g) continue;
+      const std::string bad = g->self_check(5.0);
+      if (!bad.empty()) std::printf("  %zu ranks: %s\n", devs.size(), bad.c_str());
+      CHECK(bad.empty() && g->error().empty());
+    }
+  }
+}
+
 TEST(rank_order_sums_bitwise_on_every_rank) {
   if (!have_gpu()) return;
   const int64_t cap = 131072;  // 512 KiB of floats

@@ -29,6 +29,7 @@
 #include <nccl.h>
 
 #include <cstdint>
+#include <cstdio>
 #include <cstdlib>
 #include <initializer_list>
 #include <mutex>
@@ -318,6 +319,14 @@ std::vector<std::unique_ptr<Communicator>> make_nccl_group(const std::vector<int
   std::shared_ptr<cuda::p2p::Group> p2p;
   std::string p2p_why = "one rank";
   if (n > 1) p2p = cuda::p2p::Group::create(devices, cuda::p2p::default_max_bytes(), cuda::p2p::default_timeout_s(), &p2p_why);
+  if (p2p) {  // checked once before any step relies on it: NCCL for everything if it fails
+    const std::string bad = p2p->self_check();
+    if (!bad.empty()) {
+      p2p_why = "the load-time check of the collectives over peer memory failed (" + bad + ")";
+      std::fprintf(stderr, "dflash2: %s: every collective goes through NCCL\n", p2p_why.c_str());
+      p2p.reset();
+    }
+  }
   std::vector<std::unique_ptr<Communicator>> out;
   for (int r = 0; r < n; ++r) {
     auto c = std::make_unique<NcclComm>(comms[size_t(r)], r, n, devices[size_t(r)], p2p);

@@ -32,6 +32,7 @@
 #include <cstdlib>
 #include <cstring>
 #include <mutex>
+#include <thread>
 
 #include "backend/cuda/cuda_api.h"
 #include "backend/cuda/cuda_check.cuh"
@@ -456,6 +457,81 @@ void Group::broadcast(int rank, void* x, int64_t words, int root) {
   p.root = root;
   p.n = words;
   run(rank, &p);
+}
+
+std::string Group::self_check(double timeout_s) {
+  GroupState& s = *s_;
+  const int n = s.n;
+  const double saved = s.timeout_s;
+  s.timeout_s = timeout_s;
+  const int64_t small = 1000, words = 777;
+  // the two-shot form where the group takes it (one float past the one-shot limit)
+  const int64_t big = std::min<int64_t>(s.cap, int64_t(s.one_shot_max / 4) + 1000);
+  std::vector<std::string> errors(static_cast<size_t>(n));
+  auto value = [](int r, int64_t i) { return float((r + 1) * (int(i % 13) - 6)) * 0.25f; };  // sums exact
+  std::vector<std::thread> threads;
+  for (int r = 0; r < n; ++r)
+    threads.emplace_back([&, r] {
+      const int dev = s.devices[size_t(r)];
+      CUstream_st* stream = nullptr;
+      float* d = nullptr;
+      try {
+        detail::DeviceGuard guard(dev);
+        stream = stream_create(dev);
+        StreamScope scope(stream);
+        cudaStream_t st = reinterpret_cast<cudaStream_t>(stream);
+        const int64_t total = small + small + big + words + int64_t(n) * words + words;
+        d = static_cast<float*>(device_malloc(size_t(total) * 4, dev));
+        float *a = d, *h = a + small, *b = h + small, *gi = b + big, *go = gi + words, *bc = go + int64_t(n) * words;
+        std::vector<float> host(static_cast<size_t>(total), 0.0f);
+        for (int64_t i = 0; i < small; ++i) host[size_t(i)] = value(r, i);
+        for (int64_t i = 0; i < small; ++i) host[size_t(small + i)] = 1.0f;
+        for (int64_t i = 0; i < big; ++i) host[size_t(2 * small + i)] = value(r, i);
+        uint32_t* wi = reinterpret_cast<uint32_t*>(host.data() + 2 * small + big);
+        for (int64_t i = 0; i < words; ++i) wi[i] = 0x7f800001u + uint32_t(r * 1000 + i);  // NaN payloads
+        uint32_t* wb = reinterpret_cast<uint32_t*>(host.data() + 2 * small + big + words + int64_t(n) * words);
+        for (int64_t i = 0; i < words; ++i) wb[i] = uint32_t(r * 5000 + i);
+        cudaError_t e = cudaMemcpyAsync(d, host.data(), size_t(total) * 4, cudaMemcpyHostToDevice, st);
+        if (e != cudaSuccess) detail::raise(e, "cudaMemcpyAsync", "self-check inputs");
+        all_reduce_sum(r, a, small);
+        all_reduce_sum(r, a, small, h);  // h = 1 + the sum of the sums (n copies of it)
+        all_reduce_sum(r, b, big);
+        all_gather(r, gi, words, go);
+        broadcast(r, bc, words, n - 1);
+        e = cudaMemcpyAsync(host.data(), d, size_t(total) * 4, cudaMemcpyDeviceToHost, st);
+        if (e != cudaSuccess) detail::raise(e, "cudaMemcpyAsync", "self-check outputs");
+        e = cudaStreamSynchronize(st);
+        if (e != cudaSuccess) detail::raise(e, "cudaStreamSynchronize", "self-check");
+        const float ranks = float(n * (n + 1) / 2);
+        std::string& why = errors[size_t(r)];
+        for (int64_t i = 0; i < small && why.empty(); ++i) {
+          const float sum = ranks * value(0, i);
+          if (host[size_t(i)] != sum) why = small * 4 > int64_t(s.one_shot_max) ? "two-shot all-reduce" : "one-shot all-reduce";
+          else if (host[size_t(small + i)] != 1.0f + float(n) * sum) why = "all-reduce added into a residual";
+        }
+        for (int64_t i = 0; i < big && why.empty(); ++i)
+          if (host[size_t(2 * small + i)] != ranks * value(0, i))
+            why = big * 4 > int64_t(s.one_shot_max) ? "two-shot all-reduce" : "one-shot all-reduce";
+        const uint32_t* wo = reinterpret_cast<const uint32_t*>(host.data() + 2 * small + big + words);
+        for (int q = 0; q < n && why.empty(); ++q)
+          for (int64_t i = 0; i < words && why.empty(); ++i)
+            if (wo[q * words + i] != 0x7f800001u + uint32_t(q * 1000 + i)) why = "all-gather";
+        for (int64_t i = 0; i < words && why.empty(); ++i)
+          if (wb[i] != uint32_t((n - 1) * 5000 + i)) why = "broadcast";
+        if (!why.empty()) why = "rank " + std::to_string(r) + ": " + why + " gave wrong values";
+      } catch (const std::exception& ex) {
+        errors[size_t(r)] = "rank " + std::to_string(r) + ": " + ex.what();
+      }
+      if (d) device_free(d, dev);
+      if (stream) stream_destroy(stream, dev);
+    });
+  for (auto& t : threads) t.join();
+  s.timeout_s = saved;
+  const std::string failed = error();
+  if (!failed.empty()) return failed;
+  for (const std::string& e : errors)
+    if (!e.empty()) return e;
+  return "";
 }
 
 size_t default_max_bytes() {

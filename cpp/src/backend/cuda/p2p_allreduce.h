@@ -68,6 +68,12 @@ class Group {
   // Releases every kernel waiting in the group (their outputs become NaN); the group stays
   // failed.
   void abort();
+  // Runs each kind of call once on every rank (one host thread and stream per rank, waits
+  // of at most `timeout_s`): a one-shot and a two-shot all-reduce, one added into a
+  // residual, an all-gather and a broadcast, of values whose sums are exact, against the
+  // expected results. "" when all match, else what differed (the group is then not to be
+  // used: make_nccl_group keeps NCCL for everything).
+  std::string self_check(double timeout_s = 10.0);
 
  private:
   Group() = default;
