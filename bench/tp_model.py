@@ -44,6 +44,16 @@ B is the application-level bandwidth per direction and alpha the small-message l
   alpha: about 6 us for a small all-reduce on 2 H100s over NVLink SHARP with CUDA graphs
     (github.com/NVIDIA/nccl/issues/1259); used for every size and both machines (it grows
     with the rank count and without graphs: an optimistic floor, to be measured).
+  Measured elsewhere at TP 4 (small messages): NCCL 8.5-9.2 us on H100 (sglang #2904) and
+    24-29 us on GB300 (vllm #37756): "NCCL (cited)" below uses 8.5 / 24 us.
+The engine's collectives over peer memory (cpp/src/backend/cuda/p2p_allreduce.h: up to
+8 MiB per rank; all-reduces one-shot to 512 KiB, two-shot past it), "peer" below:
+  one-shot all-reduce  t = a + (N - 1) S / B        (each rank reads every other rank's S)
+  two-shot all-reduce  t = 2 a + 2 (N - 1) / N S / B (two waits)
+  all-gather           t = a + (N - 1) / N S / B
+  broadcast            t = a + S / B
+  a: custom one-shot all-reduces measured at 3.7-4.8 us on 4x H100 (sglang #2904) and 7-9 us
+    on GB300 (vllm #37756): 3.7 us for H200, 7 us for GB300.
 Compute (roofline lower bound): the bytes one rank reads per step / HBM bandwidth: its
 weight slices (attention and dense / shared MLP BF16 as in GLM-5.3-NVFP4, routed experts
 NVFP4 at 0.5625 B/param, experts touched by T tokens under uniform top-8 routing), its LM
@@ -66,9 +76,13 @@ DRAFT53 = dict(hidden_size=6144, intermediate_size=12288, num_layers=6, num_head
                n_taps=6, conv_group_size=16, sliding_window=2048, block_size=8)
 
 MACHINES = {
-    "GB300": dict(link_GBps=740.0, wire_GBps=900.0, hbm_TBps=8.0, alpha_us=6.0),
-    "H200": dict(link_GBps=370.0, wire_GBps=450.0, hbm_TBps=4.8, alpha_us=6.0),
+    "GB300": dict(link_GBps=740.0, wire_GBps=900.0, hbm_TBps=8.0, alpha_us=6.0, alpha_nccl_cited_us=24.0,
+                  alpha_peer_us=7.0),
+    "H200": dict(link_GBps=370.0, wire_GBps=450.0, hbm_TBps=4.8, alpha_us=6.0, alpha_nccl_cited_us=8.5,
+                 alpha_peer_us=3.7),
 }
+PEER_MAX_BYTES = 8 << 20  # per rank (p2p_allreduce.h default_max_bytes)
+ONE_SHOT_MAX_BYTES = 512 << 10
 ACT_BYTES = 2  # BF16 activations in the collectives (the CPU engine reduces F32: twice these sizes)
 
 
@@ -85,6 +99,17 @@ def collectives(c, T, R, N):
 def coll_time_us(kind, S, N, m):
     f = {"all_reduce": 2 * (N - 1) / N, "all_gather": (N - 1) / N, "broadcast": 1.0}[kind]
     return m["alpha_us"] + f * S / (m["link_GBps"] * 1e3)  # GB/s = 1e3 bytes/us
+
+
+def peer_time_us(kind, S, N, m):
+    """The collective over peer memory, or NCCL's (at alpha_us) past the peer path's limit."""
+    per_rank = S / N if kind == "all_gather" else S
+    if per_rank > PEER_MAX_BYTES:
+        return coll_time_us(kind, S, N, m)
+    a, B = m["alpha_peer_us"], m["link_GBps"] * 1e3
+    if kind == "all_reduce":
+        return a + (N - 1) * S / B if S <= ONE_SHOT_MAX_BYTES else 2 * a + 2 * (N - 1) / N * S / B
+    return a + ((N - 1) / N if kind == "all_gather" else 1.0) * S / B
 
 
 def weights_bytes_per_rank(c, T, N):
@@ -151,6 +176,9 @@ def model(c, context):
                     draft_head = (c["vocab_size"] * c["hidden_size"] * 2 / (m["hbm_TBps"] * 1e6)
                                   if per_seq > 1 else 0.0)
                     comm = sum(n * coll_time_us(k, S, N, m) for k, _, S, n in cs)
+                    cited = dict(m, alpha_us=m["alpha_nccl_cited_us"])
+                    comm_cited = sum(n * coll_time_us(k, S, N, cited) for k, _, S, n in cs)
+                    comm_peer = sum(n * peer_time_us(k, S, N, m) for k, _, S, n in cs)
                     comm_bw_only = sum(n * (coll_time_us(k, S, N, m) - m["alpha_us"]) for k, _, S, n in cs)
                     weights = weights_bytes_per_rank(c, T, N)
                     cache = cache_bytes_per_rank(c, B, context)
@@ -158,6 +186,8 @@ def model(c, context):
                     entry[name] = dict(comm_us=round(comm, 1), comm_latency_us=round(comm - comm_bw_only, 1),
                                        comm_bandwidth_us=round(comm_bw_only, 1), compute_us=round(compute, 1),
                                        comm_share=round(comm / (comm + compute), 3),
+                                       comm_nccl_cited_us=round(comm_cited, 1), comm_peer_us=round(comm_peer, 1),
+                                       comm_peer_share=round(comm_peer / (comm_peer + compute), 3),
                                        draft_head_rank0_us=round(draft_head, 1),
                                        draft_head_split_us=round(draft_head / N, 1),
                                        # the shards' top 16 (value, id) per drafted row, all-gathered
@@ -266,6 +296,17 @@ def main():
               f"{e['all_reduce_bytes'] / 1024:7.0f}KB {e['logits_gather_bytes'] / 2**20:8.1f}MB | "
               f"{g['comm_us']:8.0f}us {g['compute_us']:6.0f}us {g['comm_share']:6.1%} | "
               f"{h['comm_us']:7.0f}us {h['compute_us']:6.0f}us {h['comm_share']:6.1%}")
+    print("the same collectives with NCCL at the latencies measured at TP 4 (cited) and over peer memory "
+          "(the engine's kernels, p2p_allreduce.h; cited latencies, never measured here):")
+    hdr2 = (f"{'method':15s} {'TP':>2s} {'B':>3s} | {'GB300 NCCL':>10s} {'cited':>8s} {'peer':>8s} {'share':>6s} | "
+            f"{'H200 NCCL':>9s} {'cited':>8s} {'peer':>8s} {'share':>6s}")
+    print(hdr2)
+    print("-" * len(hdr2))
+    for e in rows:
+        g, h = e["GB300"], e["H200"]
+        print(f"{e['method']:15s} {e['tp']:2d} {e['batch']:3d} | {g['comm_us']:8.0f}us {g['comm_nccl_cited_us']:6.0f}us "
+              f"{g['comm_peer_us']:6.0f}us {g['comm_peer_share']:6.1%} | {h['comm_us']:7.0f}us "
+              f"{h['comm_nccl_cited_us']:6.0f}us {h['comm_peer_us']:6.0f}us {h['comm_peer_share']:6.1%}")
     print("per layer: 2 all-reduces; e.g. dflash2 B=32 TP=4: "
           + ", ".join(f"{m} {next(e for e in rows if e['method'].startswith('dflash2') and e['tp'] == 4 and e['batch'] == 32)[m]['per_layer_comm_us']} us"
                       for m in MACHINES))
