@@ -275,6 +275,25 @@ def check_counts():
     return out
 
 
+def print_table(rows, cols, per_machine):
+    """One line per row: method, TP, batch, then cols [(title, width, f(row))], then for each
+    machine per_machine [(title, key, f(value))] (the first title prefixed by the machine)."""
+    head = [f"{'method':15s} {'TP':>2s} {'B':>3s}"] + [f"{t:>{w}s}" for t, w, _ in cols]
+    for m in MACHINES:
+        head.append("|")
+        head += [f"{(m + ' ' + t) if i == 0 else t:>{len(m) + len(t) + 1 if i == 0 else 8}s}"
+                 for i, (t, _, _) in enumerate(per_machine)]
+    hdr = " ".join(head)
+    print(hdr)
+    print("-" * len(hdr))
+    for e in rows:
+        line = [f"{e['method']:15s} {e['tp']:2d} {e['batch']:3d}"] + [f"{f(e):>{w}s}" for _, w, f in cols]
+        for m in MACHINES:
+            line.append("|")
+            line += [f"{f(e[m][k]):>{len(m) + len(t) + 1 if i == 0 else 8}s}" for i, (t, k, f) in enumerate(per_machine)]
+        print(" ".join(line))
+
+
 def main():
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--context", type=int, default=4096, help="tokens of context per sequence (cache reads)")
@@ -286,27 +305,15 @@ def main():
     print(f"GLM-5.3, context {args.context}; activations BF16 in all-reduces, F32 logits; alpha "
           f"{MACHINES['H200']['alpha_us']} us; link GB300 {MACHINES['GB300']['link_GBps']:.0f} GB/s, "
           f"H200 {MACHINES['H200']['link_GBps']:.0f} GB/s per direction")
-    hdr = (f"{'method':15s} {'TP':>2s} {'B':>3s} {'AR/step':>7s} {'AR size':>9s} {'logits AG':>10s} | "
-           f"{'GB300 comm':>10s} {'compute':>8s} {'share':>6s} | {'H200 comm':>9s} {'compute':>8s} {'share':>6s}")
-    print(hdr)
-    print("-" * len(hdr))
-    for e in rows:
-        g, h = e["GB300"], e["H200"]
-        print(f"{e['method']:15s} {e['tp']:2d} {e['batch']:3d} {e['all_reduces']:7d} "
-              f"{e['all_reduce_bytes'] / 1024:7.0f}KB {e['logits_gather_bytes'] / 2**20:8.1f}MB | "
-              f"{g['comm_us']:8.0f}us {g['compute_us']:6.0f}us {g['comm_share']:6.1%} | "
-              f"{h['comm_us']:7.0f}us {h['compute_us']:6.0f}us {h['comm_share']:6.1%}")
+    us, pct = (lambda v: f"{v:.0f}us"), (lambda v: f"{v:.1%}")
+    print_table(rows, [("AR/step", 7, lambda e: str(e["all_reduces"])),
+                       ("AR size", 9, lambda e: f"{e['all_reduce_bytes'] / 1024:.0f}KB"),
+                       ("logits AG", 10, lambda e: f"{e['logits_gather_bytes'] / 2**20:.1f}MB")],
+                [("comm", "comm_us", us), ("compute", "compute_us", us), ("share", "comm_share", pct)])
     print("the same collectives with NCCL at the latencies measured at TP 4 (cited) and over peer memory "
           "(the engine's kernels, p2p_allreduce.h; cited latencies, never measured here):")
-    hdr2 = (f"{'method':15s} {'TP':>2s} {'B':>3s} | {'GB300 NCCL':>10s} {'cited':>8s} {'peer':>8s} {'share':>6s} | "
-            f"{'H200 NCCL':>9s} {'cited':>8s} {'peer':>8s} {'share':>6s}")
-    print(hdr2)
-    print("-" * len(hdr2))
-    for e in rows:
-        g, h = e["GB300"], e["H200"]
-        print(f"{e['method']:15s} {e['tp']:2d} {e['batch']:3d} | {g['comm_us']:8.0f}us {g['comm_nccl_cited_us']:6.0f}us "
-              f"{g['comm_peer_us']:6.0f}us {g['comm_peer_share']:6.1%} | {h['comm_us']:7.0f}us "
-              f"{h['comm_nccl_cited_us']:6.0f}us {h['comm_peer_us']:6.0f}us {h['comm_peer_share']:6.1%}")
+    print_table(rows, [], [("NCCL", "comm_us", us), ("cited", "comm_nccl_cited_us", us),
+                           ("peer", "comm_peer_us", us), ("share", "comm_peer_share", pct)])
     print("per layer: 2 all-reduces; e.g. dflash2 B=32 TP=4: "
           + ", ".join(f"{m} {next(e for e in rows if e['method'].startswith('dflash2') and e['tp'] == 4 and e['batch'] == 32)[m]['per_layer_comm_us']} us"
                       for m in MACHINES))
