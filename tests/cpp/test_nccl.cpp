@@ -157,6 +157,24 @@ TEST(collectives_on_gpus) {
   std::printf("  NCCL %s, %d GPU(s)\n", comm::nccl_version().c_str(), count);
   run_group(1);  // TP = 1 through NCCL: what one GPU can check
   for (int n = 2; n <= std::min(count, 4); ++n) run_group(n);
+  // a rank that fails mid-step aborts its communicator: the others' next collective throws
+  // CollectiveAborted (a bystander's error, so the step reports the failing rank's)
+  if (count >= 2) {
+    auto g2 = comm::make_nccl_group({0, 1});
+    if (g2[0]->peer_all_reduce()) {
+      g2[1]->abort();
+      cudaSetDevice(0);
+      Tensor x = Tensor::zeros(DType::F32, {4}, Device::cuda(0));
+      bool bystander = false;
+      try {
+        g2[0]->all_reduce_sum(x);
+      } catch (const comm::CollectiveAborted&) {
+        bystander = true;
+      } catch (const Error&) {
+      }
+      CHECK(bystander);
+    }
+  }
   CHECK_THROWS(comm::make_nccl_group({0, 0}), "listed twice");
   CHECK_THROWS(comm::make_nccl_group({count}), "does not exist");
   // an aborted communicator refuses further collectives and cannot be reset

@@ -259,6 +259,9 @@ class NcclComm final : public Communicator {
   }
   void enter() {
     DFLASH2_CHECK(c_, ErrorKind::Backend, "NCCL communicator of rank ", rank_, " was aborted");
+    // another rank failed mid-step and aborted the group: this rank is a bystander (the step
+    // reports the failing rank's error, not this one)
+    if (p2p_ && p2p_->aborted()) throw CollectiveAborted();
     check_cuda(cudaSetDevice(dev_), "comm: cudaSetDevice");
     ncclResult_t async = ncclSuccess;
     check(loaded().CommGetAsyncError(c_, &async), "async error query", rank_);

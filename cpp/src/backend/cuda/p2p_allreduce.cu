@@ -374,6 +374,8 @@ std::string Group::error() const {
   return "";
 }
 
+bool Group::aborted() const { return reinterpret_cast<const volatile uint32_t*>(s_->control_host)[0] != 0u; }
+
 void Group::abort() {
   reinterpret_cast<volatile uint32_t*>(s_->control_host)[0] = 1u;
 #if defined(DFLASH2_CUDA_EMULATED)

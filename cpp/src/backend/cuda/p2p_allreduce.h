@@ -65,6 +65,8 @@ class Group {
   void broadcast(int rank, void* x, int64_t words, int root);
   // "" while healthy, else why the group failed (a rank timed out; aborted). Sticky.
   std::string error() const;
+  // Whether abort() was called (by any rank's communicator).
+  bool aborted() const;
   // Releases every kernel waiting in the group (their outputs become NaN); the group stays
   // failed.
   void abort();
