@@ -190,7 +190,8 @@ TEST(rank_order_sums_bitwise_on_every_rank) {
   }
 }
 
-// add_to: the residual add in the same pass (h += sum), x left as it was
+// add_to: the residual add in the same pass (h += sum), x left as it was; x2 (odd k): the
+// ranks' x + x2 summed (the shared expert's output added to the routed experts')
 TEST(sum_added_into_a_residual) {
   if (!have_gpu()) return;
   for (int n : {2, 4})
@@ -211,11 +212,22 @@ TEST(sum_added_into_a_residual) {
         std::memcpy(x.data_as<float>(), in.data(), size_t(len) * 4);
         Tensor hh = Tensor::zeros(DType::F32, {len + off});
         std::memcpy(hh.data_as<float>() + off, h0.data(), size_t(len) * 4);
-        Tensor dx = x.to(Device::cuda(dev)), dh = hh.to(Device::cuda(dev));
-        g->all_reduce_sum(r, static_cast<float*>(dx.data()), len, static_cast<float*>(dh.data()) + off);
+        Tensor x2 = Tensor::zeros(DType::F32, {len});
+        const std::vector<float> in2 = input(r, 60 + k, len);
+        std::memcpy(x2.data_as<float>(), in2.data(), size_t(len) * 4);
+        Tensor dx = x.to(Device::cuda(dev)), dh = hh.to(Device::cuda(dev)), dx2 = x2.to(Device::cuda(dev));
+        g->all_reduce_sum(r, static_cast<float*>(dx.data()), len, static_cast<float*>(dh.data()) + off,
+                          k % 2 ? static_cast<const float*>(dx2.data()) : nullptr);
         cudaStreamSynchronize(s);
         Tensor bx = dx.to(Device::cpu()), bh = dh.to(Device::cpu());
-        std::vector<float> want = rank_order_sum(n, 40 + k, len);
+        std::vector<float> want(static_cast<size_t>(len), 0.0f);
+        for (int q = 0; q < n; ++q) {  // rank q's x (+ x2), added in rank order
+          const std::vector<float> xq = input(q, 40 + k, len), yq = input(q, 60 + k, len);
+          for (int64_t i = 0; i < len; ++i) {
+            const float v = k % 2 ? xq[size_t(i)] + yq[size_t(i)] : xq[size_t(i)];
+            want[size_t(i)] = q == 0 ? v : want[size_t(i)] + v;
+          }
+        }
         for (int64_t i = 0; i < len; ++i) want[size_t(i)] = h0[size_t(i)] + want[size_t(i)];
         if (!bitwise_equal(bh.data_as<float>() + off, want.data(), len)) bad[size_t(r)]++;
         if (!bitwise_equal(bx.data_as<float>(), in.data(), len)) bad[size_t(r)]++;

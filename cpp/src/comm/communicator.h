@@ -78,9 +78,10 @@ class Communicator {
   virtual void all_reduce_sum(Tensor& x) = 0;
   // acc += the rank-order sum of x over the ranks (acc: F32, x's shape, contiguous) in one
   // pass, when this communicator can (x's contents afterwards unspecified): bitwise an
-  // all_reduce_sum of x then acc + x. Returns false, doing nothing, where it cannot; the
-  // caller then does those two steps itself.
-  virtual bool all_reduce_sum_add(Tensor& x, Tensor& acc) { return false; }
+  // all_reduce_sum of x then acc + x. With x2 (x's shape, F32, contiguous): of x + x2, bitwise
+  // x + x2 into x first. Returns false, doing nothing, where it cannot; the caller then does
+  // those steps itself.
+  virtual bool all_reduce_sum_add(Tensor& x, Tensor& acc, const Tensor* x2 = nullptr) { return false; }
   // out[r * n .. (r + 1) * n) = in of rank r, along dim 0 (in contiguous [n, ...], out [size n, ...]).
   virtual void all_gather(const Tensor& in, Tensor& out) = 0;
   // out (this rank's slice [n, ...] of the rank-order sum of in [size n, ...]).

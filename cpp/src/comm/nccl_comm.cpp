@@ -170,17 +170,20 @@ class NcclComm final : public Communicator {
     check(loaded().AllReduce(x.data(), x.data(), size_t(x.numel()), ncclFloat32, ncclSum, c_, stream()),
           "all_reduce_sum", rank_);
   }
-  bool all_reduce_sum_add(Tensor& x, Tensor& acc) override {
-    // the peer-memory kernels only, over what they read as flat F32 arrays (else the caller's two steps)
-    if (!p2p_ || x.nbytes() > p2p_->max_bytes() || !acc.defined() || !acc.is_contiguous() ||
-        acc.dtype() != DType::F32 || acc.numel() != x.numel() || !(acc.device() == x.device()))
-      return false;
+  bool all_reduce_sum_add(Tensor& x, Tensor& acc, const Tensor* x2) override {
+    // the peer-memory kernels only, over what they read as flat F32 arrays (else the caller's steps)
+    auto flat_like_x = [&](const Tensor& t) {
+      return t.defined() && t.is_contiguous() && t.dtype() == DType::F32 && t.numel() == x.numel() &&
+             t.device() == x.device();
+    };
+    if (!p2p_ || x.nbytes() > p2p_->max_bytes() || !flat_like_x(acc) || (x2 && !flat_like_x(*x2))) return false;
     need(x, "all_reduce_sum_add", "x", true);
     stats_.all_reduce_calls++;
     stats_.all_reduce_bytes += int64_t(x.nbytes());
     enter();
     stats_.all_reduce_p2p_calls++;
-    p2p_->all_reduce_sum(rank_, static_cast<float*>(x.data()), x.numel(), static_cast<float*>(acc.data()));
+    p2p_->all_reduce_sum(rank_, static_cast<float*>(x.data()), x.numel(), static_cast<float*>(acc.data()),
+                         x2 ? static_cast<const float*>(x2->data()) : nullptr);
     return true;
   }
   void all_gather(const Tensor& in, Tensor& out) override {

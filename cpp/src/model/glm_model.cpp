@@ -561,6 +561,7 @@ void GlmModel::layer_forward(const Layer& L, const Tensor& latent, const Tensor&
   // --- MLP
   ops::rms_norm(h, L.post_norm, c.rms_norm_eps, b.x);
   const Mlp& m = L.mlp;
+  const Tensor* shared = nullptr;  // the shared expert's output, where the layer has one
   if (!m.moe) {
     ops::gated_mlp(b.x, m.gate, m.up, m.down, b.mlp_out, b.scratch, tc, decode);
   } else {
@@ -577,18 +578,20 @@ void GlmModel::layer_forward(const Layer& L, const Tensor& latent, const Tensor&
     ops::moe_experts(b.x, b.rids, b.rw, m.experts, b.mlp_out, b.moe_ws, ex, decode);
     if (m.has_shared) {
       ops::gated_mlp(b.x, m.gate, m.up, m.down, b.shared_out, b.scratch, tc, decode);
-      ops::add(b.mlp_out, b.shared_out, b.mlp_out);
+      shared = &b.shared_out;  // added to the routed experts' sum (under TP inside the all-reduce)
     }
   }
   if (tp) {
-    reduce_into(b.mlp_out, h);  // the ranks' intermediate slices / experts
+    reduce_into(b.mlp_out, h, shared);  // the ranks' intermediate slices / experts
   } else {
+    if (shared) ops::add(b.mlp_out, *shared, b.mlp_out);
     ops::add(h, b.mlp_out, h);
   }
 }
 
-void GlmModel::reduce_into(Tensor& part, Tensor& h) {
-  if (comm_->all_reduce_sum_add(part, h)) return;
+void GlmModel::reduce_into(Tensor& part, Tensor& h, const Tensor* extra) {
+  if (comm_->all_reduce_sum_add(part, h, extra)) return;
+  if (extra) ops::add(part, *extra, part);
   comm_->all_reduce_sum(part);
   ops::add(h, part, h);
 }

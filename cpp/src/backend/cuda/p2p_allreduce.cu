@@ -54,6 +54,7 @@ struct Params {
   volatile uint32_t* control;   // mapped host memory: [0] abort, [1 + rank] status
   float* x;       // all-reduce: in and out; all-gather: in (4-byte words); broadcast: in (root) / out
   float* add_to;  // all-reduce: nullptr, the sum into x; else add_to + sum into add_to (x unchanged)
+  const float* x2;  // all-reduce: nullptr, or this rank's addend: the ranks' x + x2 are summed
   float* out;     // all-gather: [size][n] words
   int mode;       // kReduce, kGather, kBroadcast
   int root;       // broadcast
@@ -197,7 +198,17 @@ __global__ void __launch_bounds__(kThreads) allreduce_kernel(Params p) {
   auto put1 = [&](int64_t i, float v) { out[i] = p.add_to ? __fadd_rn(p.add_to[i], v) : v; };
 
   if (p.phase == 0 || p.phase == 1) {  // publish this block's slice
-    if (p.mode != kBroadcast || p.rank == p.root) copy_words(p.x, mine, begin, end, vec);
+    if (p.x2) {  // this rank's x + x2 (as ops::add(x, x2, x) before the all-reduce)
+      block_range(
+          begin, end, vec,
+          [&](int64_t i) {
+            *reinterpret_cast<float4*>(mine + i) =
+                add4(*reinterpret_cast<const float4*>(p.x + i), *reinterpret_cast<const float4*>(p.x2 + i));
+          },
+          [&](int64_t i) { mine[i] = __fadd_rn(p.x[i], p.x2[i]); });
+    } else if (p.mode != kBroadcast || p.rank == p.root) {
+      copy_words(p.x, mine, begin, end, vec);
+    }
     signal(p, b, 2u * call);
     if (p.phase == 1) return;
   }
@@ -409,7 +420,9 @@ void Group::run(int rank, void* vp) {
   p.chunk = ((n + blocks - 1) / blocks + 3) / 4 * 4;
   const int used = int((n + p.chunk - 1) / p.chunk);  // blocks with a slice (chunk rounding)
   auto aligned = [](const void* q) { return reinterpret_cast<uintptr_t>(q) % 16 == 0; };
-  p.vec = aligned(p.x) && aligned(p.add_to) && aligned(p.out) && (p.mode != kGather || n % 4 == 0) ? 1 : 0;
+  p.vec = aligned(p.x) && aligned(p.add_to) && aligned(p.out) && aligned(p.x2) && (p.mode != kGather || n % 4 == 0)
+              ? 1
+              : 0;
   detail::DeviceGuard guard(s.devices[size_t(rank)]);
   cudaStream_t st = reinterpret_cast<cudaStream_t>(current_stream());
 #if defined(DFLASH2_CUDA_EMULATED)
@@ -427,13 +440,14 @@ void Group::run(int rank, void* vp) {
   if (e != cudaSuccess) detail::raise(e, "collective over peer memory: launch", n, " words on rank ", rank);
 }
 
-void Group::all_reduce_sum(int rank, float* x, int64_t n, float* add_to) {
+void Group::all_reduce_sum(int rank, float* x, int64_t n, float* add_to, const float* x2) {
   DFLASH2_CHECK_ARG(rank >= 0 && rank < s_->n, "p2p all-reduce: rank ", rank, " outside [0, ", s_->n, ")");
   DFLASH2_CHECK_ARG(n >= 0 && n <= s_->cap, "p2p all-reduce: ", n, " elements exceed the group's ", s_->cap);
   Params p{};
   p.mode = kReduce;
   p.x = x;
   p.add_to = add_to;
+  p.x2 = x2;
   p.n = n;
   run(rank, &p);
 }

@@ -57,8 +57,9 @@ class Group {
   // stream. Every rank calls it, in the same order with the same n. Throws if the group
   // failed earlier (error()). With add_to (F32, n elements, on the same GPU): add_to[i] =
   // add_to[i] + sum[i] instead, x left as it was (the residual add after o_proj / the MLP
-  // in the same pass, bitwise the all-reduce then the add).
-  void all_reduce_sum(int rank, float* x, int64_t n, float* add_to = nullptr);
+  // in the same pass, bitwise the all-reduce then the add). With x2 (F32, n elements): the
+  // ranks' x + x2 are summed (bitwise adding x2 into x first; x unchanged).
+  void all_reduce_sum(int rank, float* x, int64_t n, float* add_to = nullptr, const float* x2 = nullptr);
   // out[q * words, (q + 1) * words) = rank q's `in` (4-byte words, bits kept), every rank.
   void all_gather(int rank, const void* in, int64_t words, void* out);
   // x = root's x (4-byte words), every rank.
