@@ -2030,10 +2030,15 @@ def test_moe_experts_bf16(dev, fmt, decode):
     between used ones, the last expert unused, experts with more than one 64-row (prompt) /
     32-token (decode) tile, N and K across 128-feature tiles, K tails (not multiples of 8 /
     32 where the format allows), K split over 2 (BF16 / F32 experts) and 4 - 8 (every
-    format's gate and up at H = 1024) CTAs in the decode kernel."""
+    format's gate and up at H = 1024) CTAs in the decode kernel, whose tiles' last CTAs write
+    the results (one arrival counter per row and feature block) or, past the counters (300
+    rows x 14 feature blocks), a reduction kernel: a token alone (counters) == its row in
+    that batch (reduction kernel), bitwise."""
     need_device(dev, "moe_experts")
     rng = rng_for("moe_bf16", fmt)
     cases = [(6, 5, 208, 144, 2), (150, 4, 64, 48, 2), (40, 6, 256, 160, 3), (7, 5, 1024, 64, 2)]
+    if decode:  # 300 rows x 14 feature blocks of gate | up: past the arrival counters, a reduction kernel
+        cases.append((150, 4, 64, 896, 2))
     if fmt in ("bf16", "f32"):
         cases.append((9, 3, 40, 33, 2))
     for case, (T, E, H, F, k) in enumerate(cases):

@@ -381,6 +381,37 @@ __device__ __forceinline__ __nv_bfloat16 silu_of_sums(const float* partial, int 
   return __float2bfloat16_rn(detail::silu_mul(split_sum(partial, S, total, ig), split_sum(partial, S, total, ig + N)));
 }
 
+// Tile rows [m0, m0 + rows) x feature block fb, whose partial sums `expected` CTAs write
+// (S splits, x P projections in the grouped kernel): the CTA that counts itself in last adds
+// them in split order (the same result whichever CTA that is, and the same as sk_reduce /
+// sk_reduce_silu) into silu (bf16(silu(gate) * up), the last feature block also writing the
+// zero padding to ld_silu) or d (row d_rows[m] where given, + d with accumulate), then zeroes
+// the tile's counter for the next launch on this stream. Every CTA fences its partial sums
+// before it counts itself in.
+__device__ __forceinline__ void finish_tile(const Params& p, uint32_t slot, int expected, int64_t m0, int64_t rows,
+                                            int fb) {
+  __shared__ bool last;
+  __threadfence();
+  __syncthreads();
+  if (threadIdx.x == 0) last = expected == 1 || atomicAdd(&p.arrivals[slot], 1u) == uint32_t(expected - 1);
+  __syncthreads();
+  if (!last) return;
+  __threadfence();
+  const int64_t n0 = int64_t(fb) * kSkFeatPerCta, total = p.M * p.P * p.N;
+  const int64_t width = p.silu && n0 + kSkFeatPerCta >= p.N ? p.ld_silu - n0 : kSkFeatPerCta;
+  for (int64_t i = threadIdx.x; i < rows * width; i += kThreads) {
+    const int64_t m = m0 + i / width, n = n0 + i % width;
+    if (p.silu) {
+      p.silu[m * p.ld_silu + n] = silu_of_sums(p.partial, p.S, total, m, p.N, n);
+    } else if (n < p.N) {
+      const float v = split_sum(p.partial, p.S, total, m * p.N + n);
+      float* out = p.d + (p.d_rows ? int64_t(p.d_rows[m]) : m) * p.ldd + n;
+      *out = p.accumulate ? __fadd_rn(*out, v) : v;
+    }
+  }
+  if (threadIdx.x == 0 && expected > 1) p.arrivals[slot] = 0u;
+}
+
 // One weight: grid x = token tiles of this launch (fastest, so the CTAs reading one weight
 // slice run together and share it through L2), y = 64-feature blocks, z = splits.
 template <WFmt F>
@@ -397,38 +428,15 @@ __global__ void __launch_bounds__(kThreads, kMinCtas) sk_kernel(const Params p) 
               layout::sk_split_begin(stages, p.S, z + 1), xs, acc);
   if (active) tile_store(p, acc, m0, rows, f0, z, p.proj);
   if (p.arrivals == nullptr) return;
-  // The CTA of this tile's splits that finishes last adds their partial sums in split order
-  // (the same result whichever CTA that is, and the same as sk_reduce / sk_reduce_silu);
-  // every CTA fences its partial sums before it counts itself in.
-  __shared__ bool last;
-  const uint32_t slot = blockIdx.y * gridDim.x + blockIdx.x;
-  __threadfence();
-  __syncthreads();
-  if (threadIdx.x == 0) last = p.S == 1 || atomicAdd(&p.arrivals[slot], 1u) == uint32_t(p.S - 1);
-  __syncthreads();
-  if (!last) return;
-  __threadfence();
-  const int64_t n0 = int64_t(blockIdx.y) * kSkFeatPerCta, total = p.M * p.P * p.N;
-  const bool tail = n0 + kSkFeatPerCta >= p.N;  // the last feature block also writes silu's zero padding
-  const int64_t width = p.silu && tail ? p.ld_silu - n0 : kSkFeatPerCta;
-  for (int64_t i = threadIdx.x; i < rows * width; i += kThreads) {
-    const int64_t m = m0 + i / width, n = n0 + i % width;
-    if (p.silu) {
-      p.silu[m * p.ld_silu + n] = silu_of_sums(p.partial, p.S, total, m, p.N, n);
-    } else if (n < p.N) {
-      const float v = split_sum(p.partial, p.S, total, m * p.N + n);
-      float* out = p.d + m * p.ldd + n;
-      *out = p.accumulate ? __fadd_rn(*out, v) : v;
-    }
-  }
-  if (threadIdx.x == 0 && p.S > 1) p.arrivals[slot] = 0u;  // zero again for the next launch on this stream
+  finish_tile(p, blockIdx.y * gridDim.x + blockIdx.x, p.S, m0, rows, int(blockIdx.y));
 }
 
 // Groups (the routed experts of decode chunks): grid x = P x 64-feature blocks (projection
 // j = x / blocks), y = splits, z = the active groups (grid-stride over active[1 ..], whose
 // length is device data); a CTA runs its group's rows 32 at a time. A row's sums depend on
 // its group's weight and its own x only (the split is a function of N, K, the format and P),
-// never on the other rows.
+// never on the other rows. With arrivals, each tile's last CTA writes its results
+// (finish_tile); else a reduction kernel follows.
 template <WFmt F>
 __global__ void __launch_bounds__(kThreads, kMinCtas) sk_grouped_kernel(const Params p) {
   __shared__ __align__(128) uint4 xs[2 * kSkTok * int(layout::sk_stage_k(kE<F>) / 8)];
@@ -458,6 +466,11 @@ __global__ void __launch_bounds__(kThreads, kMinCtas) sk_grouped_kernel(const Pa
       float acc[4][4];
       tile_mma<F>(w, p.vec, q, p.a, p.lda, m0, rows, f0, active, s0, s1, xs, acc);
       if (active) tile_store(p, acc, m0, rows, f0, z, j);
+      // the tile's last CTA of its P x S writes its results (one counter per first row and
+      // feature block: the tiles' first rows are distinct)
+      if (p.arrivals)
+        finish_tile(p, uint32_t(m0) * uint32_t(fblocks) + uint32_t(int(blockIdx.x) - j * fblocks), p.P * p.S, m0, rows,
+                    int(blockIdx.x) - j * fblocks);
     }
   }
 }
@@ -664,10 +677,18 @@ void grouped_gemm(const GroupedArgs& g, cudaStream_t s) {
   p.active = g.active;
   p.max_active = g.max_active < g.groups ? g.max_active : g.groups;
   p.d_rows = g.d_rows;
+  // each tile's last CTA writes its results where one counter per (row, feature block) fits
+  const bool fused = p.to_partial && g.arrivals && g.M * fblocks <= detail::kCounterWords;
+  p.arrivals = fused ? g.arrivals : nullptr;
+  if (fused && P == 2) {
+    p.silu = g.silu;
+    p.ld_silu = g.ld_silu;
+  }
   const dim3 grid(unsigned(fblocks * P), unsigned(S),
                   unsigned(p.max_active < detail::kMaxGridY ? p.max_active : detail::kMaxGridY));
   detail::with_format(g.fmt, [&](auto f) { launch<decltype(f)::value>(p, grid, true, s); });
   detail::check_launch("sk_gemm grouped kernel launch", "[", g.M, ", ", P, " x ", g.N, ", ", g.K, "] x ", g.groups);
+  if (fused) return;
   if (P == 2) {
     const unsigned blocks = detail::ceil_blocks(g.M * g.ld_silu, 256, detail::kMaxRowBlocks);
     sk_reduce_silu<<<blocks, 256, 0, s>>>(g.partial, S, g.M, g.N, g.start + g.groups, g.silu, g.ld_silu);

@@ -106,6 +106,9 @@ struct GroupedArgs {
   __nv_bfloat16* silu = nullptr;    // P = 2: row p at silu + p * ld_silu, ld_silu >= N
   int64_t ld_silu = 0;
   float* partial = nullptr;         // grouped_partial_floats(fmt, N, K, M, P) floats, 16-byte aligned
+  // detail::zeroed_counters of the launching stream's device, or nullptr: where M x the
+  // feature blocks fit them, each tile's last CTA writes its results (no reduction kernel)
+  uint32_t* arrivals = nullptr;
 };
 int group_splits(detail::WFmt f, int64_t N, int64_t K, int P);
 int64_t grouped_partial_floats(detail::WFmt f, int64_t N, int64_t K, int64_t M, int P);

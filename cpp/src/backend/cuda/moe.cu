@@ -1148,6 +1148,7 @@ void moe_experts_impl(const Tensor& x, const Tensor& ids, const Tensor& weights,
           g.ld_silu = Fp;
         }
         g.partial = partial;
+        g.arrivals = detail::zeroed_counters(dev);
         sk::grouped_gemm(g, s);
         return;
       }
