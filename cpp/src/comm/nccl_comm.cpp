@@ -162,7 +162,7 @@ class NcclComm final : public Communicator {
     stats_.all_reduce_calls++;
     stats_.all_reduce_bytes += int64_t(x.nbytes());
     enter();
-    if (p2p_ && x.nbytes() <= p2p_->max_bytes()) {
+    if (peer_words(x.nbytes(), {x.data()})) {
       stats_.all_reduce_p2p_calls++;
       p2p_->all_reduce_sum(rank_, static_cast<float*>(x.data()), x.numel());
       return;
@@ -176,7 +176,7 @@ class NcclComm final : public Communicator {
       return t.defined() && t.is_contiguous() && t.dtype() == DType::F32 && t.numel() == x.numel() &&
              t.device() == x.device();
     };
-    if (!p2p_ || x.nbytes() > p2p_->max_bytes() || !flat_like_x(acc) || (x2 && !flat_like_x(*x2))) return false;
+    if (!peer_words(x.nbytes(), {x.data()}) || !flat_like_x(acc) || (x2 && !flat_like_x(*x2))) return false;
     need(x, "all_reduce_sum_add", "x", true);
     stats_.all_reduce_calls++;
     stats_.all_reduce_bytes += int64_t(x.nbytes());
@@ -271,12 +271,12 @@ class NcclComm final : public Communicator {
     check(async, "an earlier collective (asynchronous error)", rank_);
     if (p2p_) {
       const std::string e = p2p_->error();
-      DFLASH2_CHECK(e.empty(), ErrorKind::Backend, "rank ", rank_, ": an earlier all-reduce over peer memory failed: ", e);
+      DFLASH2_CHECK(e.empty(), ErrorKind::Backend, "rank ", rank_, ": an earlier collective over peer memory failed: ", e);
     }
   }
   ncclComm_t c_;
   int rank_, size_, dev_;
-  std::shared_ptr<cuda::p2p::Group> p2p_;  // all-reduces up to its max_bytes (nullptr: NCCL for all)
+  std::shared_ptr<cuda::p2p::Group> p2p_;  // collectives up to its max_bytes (nullptr: NCCL for all)
   Tensor flag_;
 };
 
@@ -321,10 +321,18 @@ std::vector<std::unique_ptr<Communicator>> make_nccl_group(const std::vector<int
   const int n = int(devices.size());
   std::vector<ncclComm_t> comms(size_t(n), nullptr);
   check(loaded().CommInitAll(comms.data(), n, devices.data()), "ncclCommInitAll", 0);
-  // the all-reduces over peer memory where every pair of GPUs has peer access (one rank: nothing to reduce)
+  // the collectives over peer memory where every pair of GPUs has peer access (one rank: nothing to move)
   std::shared_ptr<cuda::p2p::Group> p2p;
   std::string p2p_why = "one rank";
-  if (n > 1) p2p = cuda::p2p::Group::create(devices, cuda::p2p::default_max_bytes(), cuda::p2p::default_timeout_s(), &p2p_why);
+  if (n > 1) {
+    try {
+      p2p = cuda::p2p::Group::create(devices, cuda::p2p::default_max_bytes(), cuda::p2p::default_timeout_s(),
+                                     &p2p_why);
+    } catch (const Error& e) {  // e.g. no memory for its buffers: NCCL still does everything
+      p2p_why = std::string("the collectives over peer memory could not be set up: ") + e.what();
+      std::fprintf(stderr, "dflash2: %s\n", p2p_why.c_str());
+    }
+  }
   if (p2p) {  // checked once before any step relies on it: NCCL for everything if it fails
     const std::string bad = p2p->self_check();
     if (!bad.empty()) {

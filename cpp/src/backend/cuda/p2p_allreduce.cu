@@ -371,21 +371,21 @@ std::string seconds(double s) {
 }
 }  // namespace
 
+bool Group::aborted() const { return reinterpret_cast<const volatile uint32_t*>(s_->control_host)[0] != 0u; }
+
 std::string Group::error() const {
+  if (aborted()) return "the tensor-parallel group was aborted";
   const volatile uint32_t* c = s_->control_host;
-  if (c[0] != 0u) return "the tensor-parallel group was aborted";
   for (int r = 0; r < s_->n; ++r) {
     const uint32_t st = c[1 + r];
     if (st == kOk) continue;
     if ((st & 0xffu) == kTimeout)
       return "rank " + std::to_string(r) + " waited over " + seconds(s_->timeout_s) + " for rank " +
-             std::to_string(st >> 8) + " in an all-reduce over peer memory (a rank stopped issuing collectives)";
-    return "rank " + std::to_string(r) + " left an all-reduce over peer memory aborted";
+             std::to_string(st >> 8) + " in a collective over peer memory (a rank stopped issuing collectives)";
+    return "rank " + std::to_string(r) + " left a collective over peer memory aborted";
   }
   return "";
 }
-
-bool Group::aborted() const { return reinterpret_cast<const volatile uint32_t*>(s_->control_host)[0] != 0u; }
 
 void Group::abort() {
   reinterpret_cast<volatile uint32_t*>(s_->control_host)[0] = 1u;
