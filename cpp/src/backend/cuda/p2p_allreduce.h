@@ -1,5 +1,6 @@
-// cuda/p2p_allreduce.h: all-reduces over peer memory for the all-reduces of tensor-parallel
-// decode steps, which are small enough that NCCL's latency is most of their cost (one
+// cuda/p2p_allreduce.h: all-reduces, all-gathers and broadcasts over peer memory for the
+// collectives of tensor-parallel decode steps, small enough that NCCL's latency is most of
+// their cost (one
 // process drives every rank's GPU, so each rank's kernel reads the other ranks' buffers
 // directly through peer access: NVLink on GB300 / H200).
 //
@@ -7,7 +8,8 @@
 // publish buffer, raises its flag in every rank's flag array, waits until every rank's same
 // block has raised its flag for this call, then (one-shot, up to 512 KiB) sums the slice over
 // the ranks' buffers, or (two-shot, larger calls) sums its rank's part of the slice into its
-// own buffer, raises a second flag, waits, and copies every rank's summed part. Either way
+// own buffer, raises a second flag, waits, and copies every rank's summed part (all-gathers
+// and broadcasts copy the published slices after the first wait). Either way
 // each element is summed in rank order 0, 1, ..., size-1 (the CPU communicator's order: every
 // rank gets the same bits, and the same bits as the CPU communicator). A call number kept on the device (no
 // host state per call: CUDA-graph safe) tells the flags of one call from the next, and two
@@ -20,8 +22,8 @@
 // kernels must run concurrently, which small grids allow).
 //
 // Status: compiled for sm_90a / sm_100a / sm_103a, run in CI by the CPU emulation
-// (cpp/emu, where a host rendezvous stands between the kernel's two halves); never run on
-// a GPU yet.
+// (cpp/emu, where a host rendezvous stands between the kernel's parts); never run on a GPU
+// yet.
 #pragma once
 #include <cstddef>
 #include <cstdint>
