@@ -28,7 +28,8 @@ CUDA_OPS = {"rms_norm", "layer_norm", "rope", "silu_mul", "softmax", "embedding"
             "moe_route", "moe_experts", "topk", "selector_walk", "linear", "linear_heads", "embedding_shard",
             "linear_bf16", "linear_fp8", "fp8_quantize_act", "linear_nvfp4", "moe_experts_fp8", "moe_experts_nvfp4",
             "resolve_tokens",
-            "next_after_accept", "argmax_shard", "argmax_merge", "accept_greedy", "topk_merge"}
+            "next_after_accept", "argmax_shard", "argmax_merge", "accept_greedy", "topk_merge", "rope_many",
+            "cache_write_many"}
 GUARD = 64
 SENTINEL = np.float32(-12345.678)
 ISENTINEL = np.int32(-777777)
@@ -696,6 +697,47 @@ def test_rope_in_place_on_a_slice_of_a_wider_projection():
         ops.rope(q, pos, 1e6, "yarn")
 
 
+@pytest.mark.parametrize("dev", DEVICES)
+def test_rope_many(dev):
+    """rope_many: a decode layer's q_pe, k_pe and the indexer's q / k rope slices (strided
+    views of wider projections, different head counts) rotated as rope does each, bit for bit
+    (on CUDA one kernel); rotary dims that differ, or a tensor given twice, take rope one by
+    one (the same tensor is then rotated twice, as two rope calls would)."""
+    need_device(dev, "rope_many")
+    rng = rng_for("rope-many")
+    t = 5
+    pos = rng.integers(0, 3000, t).astype(np.int32)
+    q = rng.standard_normal((t, 3, 96)).astype(np.float32)     # [nope 32 | rope 64] per head
+    kva = rng.standard_normal((t, 1, 80)).astype(np.float32)   # [c 16 | k_pe 64]
+    qi = rng.standard_normal((t, 4, 128)).astype(np.float32)   # [rope 64 | rest]
+    ki = rng.standard_normal((t, 1, 128)).astype(np.float32)
+    odd = rng.standard_normal((t, 2, 32)).astype(np.float32)   # another rotary dim
+
+    def run(many, with_odd, twice=False):
+        bufs = [to_dev(a.copy(), dev) for a in (q, kva, qi, ki, odd)]
+        qb, kb, qib, kib, ob = bufs
+        vs = [qb.slice(2, 32, 96), kb.slice(2, 16, 80), qib.slice(2, 0, 64), kib.slice(2, 0, 64)]
+        if with_odd:
+            vs.append(ob)
+        if twice:
+            vs.append(vs[0])
+        if many:
+            ops.rope_many(vs, to_dev(pos, dev), 1e6, "interleaved")
+        else:
+            for v in vs:
+                ops.rope(v, to_dev(pos, dev), 1e6, "interleaved")
+        return [to_np(b) for b in bufs]
+
+    for with_odd, twice in [(False, False), (True, False), (False, True)]:
+        got, want = run(True, with_odd, twice), run(False, with_odd, twice)
+        for g, w in zip(got, want):
+            assert np.array_equal(g.view(np.uint32), w.view(np.uint32)), (with_odd, twice)
+    ref = refs.rope(q[:, :, 32:], pos, 1e6, "interleaved")
+    check("rope", run(True, False)[0][:, :, 32:], ref)
+    with pytest.raises(ValueError, match="rotary dim must be even"):
+        ops.rope_many([to_dev(q.copy(), dev), to_dev(q[:, :, :3].copy(), dev)], to_dev(pos, dev), 1e6)
+
+
 # ----------------------------------------------------------------------------- elementwise
 @pytest.mark.parametrize("dev", DEVICES)
 def test_silu_mul(dev):
@@ -864,6 +906,51 @@ def test_linear_many(dev, numerics):
             for w, g in zip(ws, got):
                 want = to_np(single(x, on(w), decode))
                 assert np.array_equal(to_np(g).view(np.uint32), want.view(np.uint32)), (m, decode, w.format)
+
+
+@pytest.mark.parametrize("dev", DEVICES)
+@pytest.mark.parametrize("fmt", ["bf16", "fp8", "nvfp4"])
+def test_linear_many_exact_one_launch(dev, fmt):
+    """linear_many with exact numerics over weights of one format (on CUDA one kernel for up
+    to four of them: GLM-5.3's q_a / kv_a / indexer wk / weights_proj, q_b / indexer wq_b, a
+    shared expert's gate / up): each output bitwise the single linear, with different block
+    splits of K in one launch (K = 4096: N = 576 splits 4 ways, N = 8 eight ways), five
+    weights (four in one launch, then one), 1 and 7 rows, and the fp32 reference."""
+    need_device(dev, "linear")
+    rng = rng_for("linear-many-exact", fmt)
+    k = 4096
+    ws = [make_weight(fmt, n, k, rng) for n in (576, 200, 32, 8, 48)]
+    on = (lambda w: w) if dev == "cpu" else (lambda w: w.to(dev))
+    for m in (1, 7):
+        xn = rng.standard_normal((m, k)).astype(np.float32)
+        x = to_dev(xn, dev)
+        got = ops.linear_many(x, [on(w) for w, _ in ws])
+        for (w, wref), g in zip(ws, got):
+            want = to_np(ops.linear(x, on(w)))
+            assert np.array_equal(to_np(g).view(np.uint32), want.view(np.uint32)), (m, w.out_features)
+            check("linear", to_np(g), xn.astype(np.float64) @ wref.T)
+
+
+@pytest.mark.parametrize("dev", DEVICES)
+@pytest.mark.parametrize("numerics,decode", [("exact", False), ("bf16", True)])
+def test_gated_mlp_accumulate(dev, numerics, decode):
+    """gated_mlp(..., accumulate=True) (a shared expert added to the routed experts' sum, a
+    dense MLP to the residual): out + the plain result, bit for bit."""
+    need_device(dev, "linear_bf16" if numerics == "bf16" else "linear")
+    rng = rng_for("mlp-acc", numerics)
+    d, f = 1024, 96
+    wg, _ = make_weight("bf16", f, d, rng)
+    wu, _ = make_weight("bf16", f, d, rng)
+    wd, _ = make_weight("fp8", 256, f, rng)
+    on = (lambda w: w) if dev == "cpu" else (lambda w: w.to(dev))
+    for m in (1, 6):
+        x = to_dev(rng.standard_normal((m, d)).astype(np.float32), dev)
+        base = rng.standard_normal((m, 256)).astype(np.float32)
+        plain = to_np(ops.gated_mlp(x, on(wg), on(wu), on(wd), numerics=numerics, decode=decode))
+        out = to_dev(base.copy(), dev)
+        ops.gated_mlp(x, on(wg), on(wu), on(wd), out=out, numerics=numerics, decode=decode, accumulate=True)
+        want = base + plain
+        assert np.array_equal(to_np(out).view(np.uint32), want.view(np.uint32)), m
 
 
 def test_op_errors_are_clear():
@@ -1749,6 +1836,59 @@ def _bf16_host(t):
 
 def _bf16_cols(t, a, b):
     return t[:, a:b] if isinstance(t, torch.Tensor) else t.slice(1, a, b)
+
+
+@pytest.mark.parametrize("dev", DEVICES)
+@pytest.mark.parametrize("bf16", [False, True])
+def test_cache_write_many(dev, bf16):
+    """cache_write_many: a layer's latent c and k_pe into two column slices of one cache
+    (F32, or BF16: rounded to nearest even) and its index keys into another, with padding
+    slots: bitwise the cache_write calls it stands for (on CUDA one kernel); a cache given
+    twice over the same columns, or a source inside a cache, takes them one by one (the
+    later write wins, as in order)."""
+    need_device(dev, "cache_write_many")
+    rng = rng_for("cache-write-many", bf16)
+    rows, t = 40, 6
+    slots = i32(rng.permutation(rows)[:t])
+    slots[2] = -1
+    src_c = rng.standard_normal((t, 48)).astype(np.float32)
+    kva = rng.standard_normal((t, 64)).astype(np.float32)  # [c' 48 | k_pe 16]
+    keys_src = rng.standard_normal((t, 24)).astype(np.float32)
+    lat0 = rng.standard_normal((rows, 64)).astype(np.float32)
+    keys0 = rng.standard_normal((rows, 24)).astype(np.float32)
+
+    def run(many, same_twice=False):
+        if bf16:
+            lat, keys = _bf16_tensor(lat0, dev), _bf16_tensor(keys0, dev)
+        else:
+            lat, keys = to_dev(lat0.copy(), dev), to_dev(keys0.copy(), dev)
+        kv = to_dev(kva, dev)
+        srcs = [to_dev(src_c, dev), kv.slice(1, 48, 64), to_dev(keys_src, dev)]
+        dsts = [_bf16_cols(lat, 0, 48), _bf16_cols(lat, 48, 64), keys]
+        if same_twice:
+            srcs, dsts = srcs + [kv.slice(1, 0, 16)], dsts + [_bf16_cols(lat, 48, 64)]
+        sl = to_dev(slots, dev)
+        if many:
+            ops.cache_write_many(srcs, sl, dsts)
+        else:
+            for a, b in zip(srcs, dsts):
+                ops.cache_write(a, sl, b)
+        host = (lambda c: _bf16_host(c).float().numpy()) if bf16 else to_np
+        return host(lat), host(keys)
+
+    for twice in (False, True):
+        got, want = run(True, twice), run(False, twice)
+        for g, w in zip(got, want):
+            assert np.array_equal(g.view(np.uint32), w.view(np.uint32)), twice
+    lat, keys = run(True)
+    ok = slots >= 0
+    want_c = refs.bf16_round(src_c).float().numpy() if bf16 else src_c
+    np.testing.assert_array_equal(lat[slots[ok], :48], want_c[ok])
+    untouched = np.setdiff1d(np.arange(rows), slots[ok])
+    lat_init = refs.bf16_round(lat0).float().numpy() if bf16 else lat0
+    np.testing.assert_array_equal(lat[untouched], lat_init[untouched])
+    with pytest.raises(ValueError, match="sources but"):
+        ops.cache_write_many([to_dev(src_c, dev)], to_dev(slots, dev), [])
 
 
 @pytest.mark.parametrize("dev", DEVICES)

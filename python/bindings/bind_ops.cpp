@@ -209,6 +209,25 @@ void bind_ops(py::module_& m) {
       "In place on x [tokens, heads, dim] (any strides); returns x.");
 
   o.def(
+      "rope_many",
+      [](const py::list& xs, py::handle positions, double theta, const std::string& style) {
+        std::vector<Tensor> ts;
+        for (size_t i = 0; i < xs.size(); ++i) ts.push_back(tensor_from_python(xs[i], "xs[i]"));
+        std::vector<Tensor*> ps;
+        for (Tensor& t : ts) ps.push_back(&t);
+        Tensor pt = tensor_from_python(positions, "positions");
+        ops::RopeStyle st = parse_style(style);
+        {
+          ReleaseGil nogil;
+          ops::rope_many(ps, pt, theta, st);
+        }
+        return xs;
+      },
+      py::arg("xs"), py::arg("positions"), py::arg("theta"), py::arg("style") = "interleaved",
+      "rope on every tensor of xs in place (one kernel on CUDA where their rotary dims agree and they share no "
+      "element); returns xs.");
+
+  o.def(
       "silu_mul",
       [](py::handle g, py::handle u, py::handle out) {
         Tensor gt = tensor_from_python(g, "gate"), ut = tensor_from_python(u, "up");
@@ -224,7 +243,7 @@ void bind_ops(py::module_& m) {
   o.def(
       "gated_mlp",
       [](py::handle x, const ops::Weight& g, const ops::Weight& u, const ops::Weight& d, py::handle out,
-         const std::string& numerics, bool decode) {
+         const std::string& numerics, bool decode, bool accumulate) {
         const ops::GemmNumerics gn = gemm_numerics("gated_mlp", numerics);
         Tensor xt = tensor_from_python(x, "x");
         DFLASH2_CHECK_ARG(xt.ndim() == 2, "gated_mlp: x must be 2-D, found ", xt.describe());
@@ -232,13 +251,13 @@ void bind_ops(py::module_& m) {
         Tensor scratch = Tensor::empty(DType::F32, {2 * xt.shape(0) * g.out_features}, xt.device());
         {
           ReleaseGil nogil;
-          ops::gated_mlp(xt, g, u, d, ot, scratch, gn, decode);
+          ops::gated_mlp(xt, g, u, d, ot, scratch, gn, decode, accumulate);
         }
         return ot;
       },
       py::arg("x"), py::arg("gate"), py::arg("up"), py::arg("down"), py::arg("out") = py::none(),
-      py::arg("numerics") = "exact", py::arg("decode") = false,
-      "down(silu(gate(x)) * up(x)); numerics as moe_experts' (each projection linear_bf16 / linear_fp8 / "
+      py::arg("numerics") = "exact", py::arg("decode") = false, py::arg("accumulate") = false,
+      "down(silu(gate(x)) * up(x)) (accumulate=True: added to out); numerics as moe_experts' (each projection linear_bf16 / linear_fp8 / "
       "linear_nvfp4); decode=True: the tokens of a decode / verify chunk (BF16 on CUDA: the three projections as "
       "one unit on the skinny kernels of generated tokens).");
 
@@ -543,6 +562,27 @@ void bind_ops(py::module_& m) {
       },
       py::arg("src"), py::arg("slots"), py::arg("cache"),
       "In place: cache[slots[t], :] = src[t, :] (negative slots skip). Returns cache.");
+
+  o.def(
+      "cache_write_many",
+      [](const py::list& srcs, py::handle slots, const py::list& caches) {
+        std::vector<Tensor> ss, cs;
+        for (size_t i = 0; i < srcs.size(); ++i) ss.push_back(tensor_from_python(srcs[i], "srcs[i]"));
+        for (size_t i = 0; i < caches.size(); ++i) cs.push_back(tensor_from_python(caches[i], "caches[i]"));
+        std::vector<const Tensor*> sp;
+        std::vector<Tensor*> cp;
+        for (Tensor& t : ss) sp.push_back(&t);
+        for (Tensor& t : cs) cp.push_back(&t);
+        Tensor sl = tensor_from_python(slots, "slots");
+        {
+          ReleaseGil nogil;
+          ops::cache_write_many(sp, sl, cp);
+        }
+        return caches;
+      },
+      py::arg("srcs"), py::arg("slots"), py::arg("caches"),
+      "cache_write(srcs[i], slots, caches[i]) for every i (one kernel on CUDA where no cache shares an element "
+      "with another cache or a source); returns caches.");
 
   o.def(
       "linear_heads",

@@ -192,14 +192,21 @@ enum class RopeStyle : uint8_t {
 // In place on x [T, H, D] (any strides, e.g. a slice of a wider projection), positions
 // I32/I64 [T]; angle(t, i) = pos[t] * theta^(-2i/D), i < D/2.
 void rope(Tensor& x, const Tensor& positions, double theta, RopeStyle style);
+// rope(*xs[i], positions, theta, style) for every i: the same results, bit for bit; the CUDA
+// backend runs them as one kernel when the rotary dims agree (a decode layer's q_pe, k_pe and
+// the indexer's q / k rope slices: one launch instead of four).
+void rope_many(const std::vector<Tensor*>& xs, const Tensor& positions, double theta, RopeStyle style);
 
 // out = silu(gate) * up, elementwise over [.., F].
 void silu_mul(const Tensor& gate, const Tensor& up, Tensor& out);
-// out[M, D] = down(silu(gate x) * up x); scratch must hold 2*M*F floats (F = gate.out_features).
+// out[M, D] = down(silu(gate x) * up x), or out += it (accumulate: the down projection's sums
+// added to out as linear(..., accumulate) does, bitwise out + the plain result); scratch must
+// hold 2*M*F floats (F = gate.out_features).
 // The three projections run as linear_as(numerics, ...) (prompt tokens may take the
 // tensor-core numerics, decode / verify rows decode_gemm's, with decode = true).
 void gated_mlp(const Tensor& x, const Weight& gate, const Weight& up, const Weight& down,
-               Tensor& out, Tensor& scratch, GemmNumerics numerics = GemmNumerics::Exact, bool decode = false);
+               Tensor& out, Tensor& scratch, GemmNumerics numerics = GemmNumerics::Exact, bool decode = false,
+               bool accumulate = false);
 
 // Row-wise softmax of scale * x over the last dim (F32).
 void softmax(const Tensor& x, Tensor& out, float scale = 1.0f);
@@ -277,6 +284,9 @@ struct PagedTokens {
 // cache[slots[t], :] = src[t, :] (src F32 [T, D], slots I32 [T]; cache F32, or BF16: the
 // values rounded to nearest even); a negative slot skips the row (padding).
 void cache_write(const Tensor& src, const Tensor& slots, Tensor& cache);
+// cache_write(*srcs[i], slots, *caches[i]) for every i (the same slots): the same results; the
+// CUDA backend writes them with one kernel (a layer's latent c, k_pe and index keys).
+void cache_write_many(const std::vector<const Tensor*>& srcs, const Tensor& slots, const std::vector<Tensor*>& caches);
 
 // ------------------------------------------------------------------ attention
 // Per-head linear: y[t, g, :] = x[t, g, :] @ w[g]^T; x F32 [T, G, K] (any strides, rows

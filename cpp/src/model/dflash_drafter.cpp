@@ -339,8 +339,7 @@ void DFlashDrafter::append_context(const TokenBatch& batch, const Tensor& taps, 
     ops::rms_norm(b.kk, L.k_norm, c.rms_norm_eps, b.kk);
     ops::rope(b.kk, batch.paged.pos, c.rope_theta, ops::RopeStyle::NeoX);
     Tensor kc = kv_layers[size_t(l)].slice(1, 0, kvd), vc = kv_layers[size_t(l)].slice(1, kvd, 2 * kvd);
-    ops::cache_write(k2, batch.slots, kc);
-    ops::cache_write(b.vv, batch.slots, vc);
+    ops::cache_write_many({&k2, &b.vv}, batch.slots, {&kc, &vc});
   }
 }
 
@@ -399,13 +398,10 @@ void DFlashDrafter::draft_rows(const TokenBatch& batch, const std::vector<Tensor
       ops::dyn_conv(y, L.att_base.select(0, 0), dyn.slice(1, 0, 2 * G), B, y);
     }
     Tensor q2 = q.reshape({T, nh * hd}), k2 = kb.reshape({T, kvh * hd}), v2 = vb.reshape({T, kvh * hd});
-    ops::linear_as(gemm_, y, L.q, q2, false, /*decode=*/true);
-    ops::linear_as(gemm_, y, L.k, k2, false, /*decode=*/true);
-    ops::linear_as(gemm_, y, L.v, v2, false, /*decode=*/true);
+    ops::linear_as_many(gemm_, y, {&L.q, &L.k, &L.v}, {&q2, &k2, &v2}, /*decode=*/true);
     ops::rms_norm(q, L.q_norm, c.rms_norm_eps, q);
     ops::rms_norm(kb, L.k_norm, c.rms_norm_eps, kb);
-    ops::rope(q, batch.paged.pos, c.rope_theta, ops::RopeStyle::NeoX);
-    ops::rope(kb, batch.paged.pos, c.rope_theta, ops::RopeStyle::NeoX);
+    ops::rope_many({&q, &kb}, batch.paged.pos, c.rope_theta, ops::RopeStyle::NeoX);
     ba.window = c.window[size_t(l)];
     ops::block_attention(q, kb, vb, kv_layers[size_t(l)], batch.ctx_len, batch.paged.block_table, ba, att);
     ops::linear_as(gemm_, att.reshape({T, nh * hd}), L.o, ob, false, /*decode=*/true);

@@ -184,7 +184,7 @@ void load_layer(Loader& ld, const GlmConfig& c, const std::string& p, bool moe, 
 struct Bufs {
   Tensor h, x, qa, cq, q, kva, c, qt, olat, ocat, ao;
   Tensor qI, kI0, kI, wI, sel, sel_len;
-  Tensor mlp_out, scratch, router, rids, rw, moe_ws, shared_out, nrm, cat, rows;
+  Tensor mlp_out, scratch, router, rids, rw, moe_ws, nrm, cat, rows;
   Tensor lg_local, lg_all;  // tensor parallelism: this rank's vocabulary slice of the logits, all slices
 };
 
@@ -221,7 +221,6 @@ Bufs alloc_bufs(Arena& a, const GlmConfig& c, int64_t T, int64_t tp) {
   b.rids = a.alloc(DType::I32, {T, K});
   b.rw = a.alloc(DType::F32, {T, K});
   b.moe_ws = a.alloc(DType::F32, {ops::moe_workspace_floats(T, K, H, std::max<int64_t>(c.moe_intermediate_size, 1), E)});
-  b.shared_out = a.alloc(DType::F32, {T, H});
   b.nrm = a.alloc(DType::F32, {T, H});
   b.cat = a.alloc(DType::F32, {T, 2 * H});
   b.rows = a.alloc(DType::F32, {T, H});
@@ -526,22 +525,30 @@ void GlmModel::layer_forward(const Layer& L, const Tensor& latent, const Tensor&
   ops::linear_as_many(tc, b.cq, ws, ys, decode);
   Tensor q3 = b.q.reshape({T, nh, qk});
   Tensor q_nope = q3.slice(2, 0, nope), q_pe = q3.slice(2, nope, qk);
-  ops::rope(q_pe, positions, c.rope_theta, ops::RopeStyle::Interleaved);
   ops::rms_norm(b.kva.slice(1, 0, kvl), a.kv_a_norm, 1e-6f, b.c);  // c = RMS(latent)
   Tensor k_pe = b.kva.slice(1, kvl, lat).unsqueeze(1);
-  ops::rope(k_pe, positions, c.rope_theta, ops::RopeStyle::Interleaved);
-  Tensor lat_c = latent.slice(1, 0, kvl), lat_pe = latent.slice(1, kvl, lat);
-  ops::cache_write(b.c, tb.slots, lat_c);
-  ops::cache_write(b.kva.slice(1, kvl, lat), tb.slots, lat_pe);
+  Tensor qI_rope, kI_rope;
+  if (a.indexer) {  // the indexer's keys: LayerNorm, then RoPE on their first `rope` dims
+    ops::layer_norm(b.kI0, a.ik_norm_w, a.ik_norm_b, 1e-6f, b.kI);
+    qI_rope = b.qI.slice(2, 0, rope);
+    kI_rope = b.kI.slice(1, 0, rope).unsqueeze(1);
+  }
+  // RoPE of the queries and keys, then their cache rows, each one op over all of them (one
+  // kernel each on CUDA: a decode layer's launches are its cost at small batches)
+  std::vector<Tensor*> rot{&q_pe, &k_pe};
+  if (a.indexer) rot.insert(rot.end(), {&qI_rope, &kI_rope});
+  ops::rope_many(rot, positions, c.rope_theta, ops::RopeStyle::Interleaved);
+  Tensor lat_c = latent.slice(1, 0, kvl), lat_pe = latent.slice(1, kvl, lat), k_pe2 = b.kva.slice(1, kvl, lat);
+  Tensor keys = index_keys;
+  std::vector<const Tensor*> rows{&b.c, &k_pe2};
+  std::vector<Tensor*> dst{&lat_c, &lat_pe};
+  if (a.indexer) {
+    rows.push_back(&b.kI);
+    dst.push_back(&keys);
+  }
+  ops::cache_write_many(rows, tb.slots, dst);
   // --- DSA indexer: choose each query's keys (shared layers keep the previous selection)
   if (a.indexer) {
-    Tensor qI_rope = b.qI.slice(2, 0, rope);
-    ops::rope(qI_rope, positions, c.rope_theta, ops::RopeStyle::Interleaved);
-    ops::layer_norm(b.kI0, a.ik_norm_w, a.ik_norm_b, 1e-6f, b.kI);
-    Tensor kI_rope = b.kI.slice(1, 0, rope).unsqueeze(1);
-    ops::rope(kI_rope, positions, c.rope_theta, ops::RopeStyle::Interleaved);
-    Tensor keys = index_keys;
-    ops::cache_write(b.kI, tb.slots, keys);
     ops::indexer_topk(b.qI, b.wI, index_keys, tb.paged, c.index_topk, b.sel, b.sel_len);
     have_sel = true;
   }
@@ -561,8 +568,11 @@ void GlmModel::layer_forward(const Layer& L, const Tensor& latent, const Tensor&
   // --- MLP
   ops::rms_norm(h, L.post_norm, c.rms_norm_eps, b.x);
   const Mlp& m = L.mlp;
-  const Tensor* shared = nullptr;  // the shared expert's output, where the layer has one
   if (!m.moe) {
+    if (!tp) {  // h += down(...): the down projection's sums added to h as ops::add would
+      ops::gated_mlp(b.x, m.gate, m.up, m.down, h, b.scratch, tc, decode, /*accumulate=*/true);
+      return;
+    }
     ops::gated_mlp(b.x, m.gate, m.up, m.down, b.mlp_out, b.scratch, tc, decode);
   } else {
     Tensor logits = b.router.slice(0, 0, T);
@@ -576,22 +586,19 @@ void GlmModel::layer_forward(const Layer& L, const Tensor& latent, const Tensor&
     ops::moe_route(logits, m.bias, r, b.rids, b.rw);
     // the routed experts on a grouped tensor-core GEMM too (set_prefill / set_decode)
     ops::moe_experts(b.x, b.rids, b.rw, m.experts, b.mlp_out, b.moe_ws, ex, decode);
-    if (m.has_shared) {
-      ops::gated_mlp(b.x, m.gate, m.up, m.down, b.shared_out, b.scratch, tc, decode);
-      shared = &b.shared_out;  // added to the routed experts' sum (under TP inside the all-reduce)
-    }
+    // the shared expert's output added to the routed experts' sum by its down projection
+    // (bitwise ops::add of the two; under TP each rank's part, before the all-reduce)
+    if (m.has_shared) ops::gated_mlp(b.x, m.gate, m.up, m.down, b.mlp_out, b.scratch, tc, decode, true);
   }
   if (tp) {
-    reduce_into(b.mlp_out, h, shared);  // the ranks' intermediate slices / experts
+    reduce_into(b.mlp_out, h);  // the ranks' intermediate slices / experts
   } else {
-    if (shared) ops::add(b.mlp_out, *shared, b.mlp_out);
     ops::add(h, b.mlp_out, h);
   }
 }
 
-void GlmModel::reduce_into(Tensor& part, Tensor& h, const Tensor* extra) {
-  if (comm_->all_reduce_sum_add(part, h, extra)) return;
-  if (extra) ops::add(part, *extra, part);
+void GlmModel::reduce_into(Tensor& part, Tensor& h) {
+  if (comm_->all_reduce_sum_add(part, h)) return;
   comm_->all_reduce_sum(part);
   ops::add(h, part, h);
 }

@@ -162,10 +162,9 @@ class GlmModel {
                      Tensor& h, bool& have_sel, ops::GemmNumerics tc = ops::GemmNumerics::Exact,
                      ops::GemmNumerics ex = ops::GemmNumerics::Exact, bool decode = false);
   void embed(const Tensor& table, const TokenBatch& tb, Tensor& out);
-  // h += the rank-order sum of part (+ extra, this rank's addend) over the ranks: one pass
-  // where the communicator can (the peer-memory all-reduce adds extra as it publishes and
-  // into h as it sums), else the adds and an all-reduce
-  void reduce_into(Tensor& part, Tensor& h, const Tensor* extra = nullptr);
+  // h += the rank-order sum of part over the ranks: one pass where the communicator can (the
+  // peer-memory all-reduce adds into h as it sums), else an all-reduce and the add
+  void reduce_into(Tensor& part, Tensor& h);
   void project(const Tensor& rows, const ops::Weight& head, Bufs& b, Tensor& logits);
   // ForwardOutputs::argmax_only: this rank's (max, id) pairs gathered, merged into ids /
   // flags where those are defined.

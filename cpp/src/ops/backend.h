@@ -16,9 +16,11 @@ namespace dflash2::ops {
 #define DFLASH2_BACKEND_OPS(X)                                                                                      \
   X(linear, (const Tensor& x, const Weight& w, Tensor& y, bool accumulate))                                         \
   X(linear_bf16, (const Tensor& x, const Weight& w, Tensor& y, bool accumulate, bool decode))                       \
+  /* optional (CUDA): linear(x, *ws[i], *ys[i], false) for every i, fewer launches; done = false: not taken */   \
+  X(linear_many, (const Tensor& x, const std::vector<const Weight*>& ws, const std::vector<Tensor*>& ys, bool& done)) \
   /* optional (CUDA): gated_mlp of generated tokens with BF16 numerics as one unit; done = false: not taken */     \
   X(gated_mlp_decode, (const Tensor& x, const Weight& gate, const Weight& up, const Weight& down, Tensor& out,       \
-                       bool& done))                                                                                 \
+                       bool accumulate, bool& done))                                                                \
   /* optional (CUDA): linear_bf16(x, *ws[i], *ys[i], false, decode = true) for every i, x rounded once */          \
   X(linear_bf16_decode_many, (const Tensor& x, const std::vector<const Weight*>& ws, const std::vector<Tensor*>& ys, \
                               bool& done))                                                                          \
@@ -30,6 +32,8 @@ namespace dflash2::ops {
   X(nvfp4_quantize_act, (const Tensor& x, float input_scale, Tensor& out))                                         \
   X(layer_norm, (const Tensor& x, const Tensor& w, const Tensor& b, float eps, Tensor& out))                        \
   X(rope, (Tensor & x, const Tensor& positions, double theta, RopeStyle style))                                     \
+  /* optional (CUDA): rope of every xs[i] in one kernel; done = false: not taken (rope one by one) */             \
+  X(rope_many, (const std::vector<Tensor*>& xs, const Tensor& positions, double theta, RopeStyle style, bool& done)) \
   X(silu_mul, (const Tensor& gate, const Tensor& up, Tensor& out))                                                  \
   X(softmax, (const Tensor& x, Tensor& out, float scale))                                                           \
   X(topk, (const Tensor& x, int64_t k, Tensor& values, Tensor& indices))                                           \
@@ -49,6 +53,9 @@ namespace dflash2::ops {
                         const Tensor& accepted, const Tensor& bonus, const Tensor& drafts, Tensor& next,           \
                         Tensor& last))                                                                              \
   X(cache_write, (const Tensor& src, const Tensor& slots, Tensor& cache))                                          \
+  /* optional (CUDA): cache_write of every (srcs[i], caches[i]) in one kernel; done = false: not taken */        \
+  X(cache_write_many, (const std::vector<const Tensor*>& srcs, const Tensor& slots, const std::vector<Tensor*>& caches, \
+                       bool& done))                                                                                 \
   X(indexer_topk, (const Tensor& q, const Tensor& w, const Tensor& key_cache, const PagedTokens& tok, int64_t topk, \
                    Tensor& sel, Tensor& sel_len))                                                                   \
   X(mla_attention, (const Tensor& q_lat, const Tensor& q_pe, const Tensor& cache, const PagedTokens& tok,           \

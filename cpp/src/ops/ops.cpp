@@ -3,6 +3,7 @@
 #include "dflash2/ops.h"
 
 #include <cmath>
+#include <cstdlib>
 #include <initializer_list>
 #include <limits>
 #include <string>
@@ -82,6 +83,17 @@ Fn entry(Fn fn, const char* op, const Tensor& t) {
   return fn;
 }
 #define DFLASH2_DISPATCH(op, t, ...) return entry(backend_table((t).device()).op, #op, (t))(__VA_ARGS__)
+
+// DFLASH2_FUSED_LAUNCHES=0: rope_many, cache_write_many and exact linear_as_many take their
+// ops one by one even where the backend has one kernel for several (the same results; a
+// switch to isolate those kernels, and the baseline of bench/launch_count.py). Read once.
+bool fused_launches() {
+  static const bool on = [] {
+    const char* e = std::getenv("DFLASH2_FUSED_LAUNCHES");
+    return !(e && std::string(e) == "0");
+  }();
+  return on;
+}
 
 }  // namespace
 
@@ -201,6 +213,17 @@ void linear_as(GemmNumerics g, const Tensor& x, const Weight& w, Tensor& y, bool
 void linear_as_many(GemmNumerics g, const Tensor& x, const std::vector<const Weight*>& ws,
                     const std::vector<Tensor*>& ys, bool decode) {
   DFLASH2_CHECK_ARG(ws.size() == ys.size(), "linear_as_many: ", ws.size(), " weights but ", ys.size(), " outputs");
+  if (g == GemmNumerics::Exact && ws.size() > 1 && fused_launches()) {  // one launch where the backend can
+    if (auto fn = backend_table(x.device()).linear_many) {
+      for (size_t i = 0; i < ws.size(); ++i) {
+        DFLASH2_CHECK_ARG(ws[i] && ys[i], "linear_as_many: null weight or output ", i);
+        check_linear("linear", x, *ws[i], *ys[i]);
+      }
+      bool done = false;
+      fn(x, ws, ys, done);
+      if (done) return;
+    }
+  }
   // the projections linear_as sends to linear_bf16: together where the backend can share x
   std::vector<const Weight*> bw;
   std::vector<Tensor*> by;
@@ -285,6 +308,29 @@ void rope(Tensor& x, const Tensor& positions, double theta, RopeStyle style) {
   DFLASH2_DISPATCH(rope, x, x, positions, theta, style);
 }
 
+void rope_many(const std::vector<Tensor*>& xs, const Tensor& positions, double theta, RopeStyle style) {
+  for (size_t i = 0; i < xs.size(); ++i) DFLASH2_CHECK_ARG(xs[i] && xs[i]->defined(), "rope_many: tensor ", i, " is undefined");
+  if (xs.empty()) return;
+  if (xs.size() > 1 && fused_launches()) {
+    if (auto fn = backend_table(xs[0]->device()).rope_many) {
+      for (Tensor* x : xs) {  // rope's checks, each tensor
+        need_dtype(*x, DType::F32, "rope_many", "x");
+        DFLASH2_CHECK_ARG(x->ndim() == 3, "rope_many: x must be [tokens, heads, dim], found ", x->describe());
+        DFLASH2_CHECK_ARG(x->shape(2) % 2 == 0, "rope_many: the rotary dim must be even, found ", x->shape(2));
+        DFLASH2_CHECK_ARG(positions.defined() && positions.ndim() == 1 && positions.shape(0) == x->shape(0),
+                          "rope_many: positions must be [", x->shape(0), "], found ", positions.describe());
+        same_device(*x, positions, "rope_many");
+      }
+      need_index(positions, "rope_many", "positions");
+      DFLASH2_CHECK_ARG(theta > 0, "rope_many: theta must be > 0, found ", theta);
+      bool done = false;
+      fn(xs, positions, theta, style, done);
+      if (done) return;
+    }
+  }
+  for (Tensor* x : xs) rope(*x, positions, theta, style);
+}
+
 void silu_mul(const Tensor& gate, const Tensor& up, Tensor& out) {
   const char* op = "silu_mul";
   need_dtype(gate, DType::F32, op, "gate");
@@ -304,7 +350,7 @@ void silu_mul(const Tensor& gate, const Tensor& up, Tensor& out) {
 }
 
 void gated_mlp(const Tensor& x, const Weight& gate, const Weight& up, const Weight& down, Tensor& out,
-               Tensor& scratch, GemmNumerics numerics, bool decode) {
+               Tensor& scratch, GemmNumerics numerics, bool decode, bool accumulate) {
   const char* op = "gated_mlp";
   need_dtype(x, DType::F32, op, "x");
   DFLASH2_CHECK_ARG(x.ndim() == 2, op, ": x must be 2-D, found ", x.describe());
@@ -327,14 +373,13 @@ void gated_mlp(const Tensor& x, const Weight& gate, const Weight& up, const Weig
       check_linear(op, x, up, u);
       check_linear(op, g, down, out);
       bool done = false;
-      fn(x, gate, up, down, out, done);
+      fn(x, gate, up, down, out, accumulate, done);
       if (done) return;
     }
   }
-  linear_as(numerics, x, gate, g, false, decode);
-  linear_as(numerics, x, up, u, false, decode);
+  linear_as_many(numerics, x, {&gate, &up}, {&g, &u}, decode);
   silu_mul(g, u, g);
-  linear_as(numerics, g, down, out, false, decode);
+  linear_as(numerics, g, down, out, accumulate, decode);
 }
 
 void softmax(const Tensor& x, Tensor& out, float scale) {
@@ -639,6 +684,34 @@ void cache_write(const Tensor& src, const Tensor& slots, Tensor& cache) {
   same_device(src, slots, op);
   same_device(src, cache, op);
   DFLASH2_DISPATCH(cache_write, src, src, slots, cache);
+}
+
+void cache_write_many(const std::vector<const Tensor*>& srcs, const Tensor& slots, const std::vector<Tensor*>& caches) {
+  DFLASH2_CHECK_ARG(srcs.size() == caches.size(), "cache_write_many: ", srcs.size(), " sources but ", caches.size(),
+                    " caches");
+  for (size_t i = 0; i < srcs.size(); ++i)
+    DFLASH2_CHECK_ARG(srcs[i] && caches[i] && srcs[i]->defined() && caches[i]->defined(),
+                      "cache_write_many: pair ", i, " has an undefined tensor");
+  if (srcs.empty()) return;
+  if (srcs.size() > 1 && fused_launches()) {
+    if (auto fn = backend_table(srcs[0]->device()).cache_write_many) {
+      const char* op = "cache_write_many";
+      for (size_t i = 0; i < srcs.size(); ++i) {  // cache_write's checks, each pair
+        const Tensor &src = *srcs[i], &cache = *caches[i];
+        need_2d_rows(src, DType::F32, op, "src");
+        need_2d_rows(cache, cache.dtype() == DType::BF16 ? DType::BF16 : DType::F32, op, "cache");
+        need_i32_vec(slots, src.shape(0), op, "slots");
+        DFLASH2_CHECK_ARG(src.shape(1) == cache.shape(1), op, ": src rows have ", src.shape(1),
+                          " values but cache rows have ", cache.shape(1));
+        same_device(src, slots, op);
+        same_device(src, cache, op);
+      }
+      bool done = false;
+      fn(srcs, slots, caches, done);
+      if (done) return;
+    }
+  }
+  for (size_t i = 0; i < srcs.size(); ++i) cache_write(*srcs[i], slots, *caches[i]);
 }
 
 // ------------------------------------------------------------------ attention

@@ -31,6 +31,10 @@ void cache_write(const Tensor& src, const Tensor& slots, Tensor& cache) {
   }
 }
 
+void cache_write_many(const std::vector<const Tensor*>&, const Tensor&, const std::vector<Tensor*>&, bool& done) {
+  done = false;
+}
+
 void indexer_topk(const Tensor& q, const Tensor& w, const Tensor& key_cache, const ops::PagedTokens& tok,
                   int64_t topk, Tensor& sel, Tensor& sel_len) {
   const int64_t T = q.shape(0), nI = q.shape(1), dI = q.shape(2);

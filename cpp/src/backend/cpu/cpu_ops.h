@@ -50,10 +50,12 @@ inline const float* paged_row(const Tensor& cache, const ops::PagedTokens& tok, 
 void linear(const Tensor& x, const ops::Weight& w, Tensor& y, bool accumulate);
 void linear_bf16(const Tensor& x, const ops::Weight& w, Tensor& y, bool accumulate, bool decode);
 // ops::gated_mlp / linear_as_many run the CPU's steps one by one: done = false.
+void linear_many(const Tensor& x, const std::vector<const ops::Weight*>& ws, const std::vector<Tensor*>& ys,
+                 bool& done);
 void linear_bf16_decode_many(const Tensor& x, const std::vector<const ops::Weight*>& ws, const std::vector<Tensor*>& ys,
                              bool& done);
 void gated_mlp_decode(const Tensor& x, const ops::Weight& gate, const ops::Weight& up, const ops::Weight& down,
-                      Tensor& out, bool& done);
+                      Tensor& out, bool accumulate, bool& done);
 void linear_fp8(const Tensor& x, const ops::Weight& w, Tensor& y, bool accumulate);
 void linear_nvfp4(const Tensor& x, const ops::Weight& w, Tensor& y, bool accumulate);
 void fp8_quantize_act(const Tensor& x, Tensor& out);
@@ -64,6 +66,8 @@ void linear_heads(const Tensor& x, const Tensor& w, Tensor& y);
 void rms_norm(const Tensor& x, const Tensor& w, float eps, Tensor& out);
 void layer_norm(const Tensor& x, const Tensor& w, const Tensor& b, float eps, Tensor& out);
 void rope(Tensor& x, const Tensor& positions, double theta, ops::RopeStyle style);
+// optional entries: the CPU takes the ops one by one (done = false)
+void rope_many(const std::vector<Tensor*>& xs, const Tensor& positions, double theta, ops::RopeStyle style, bool& done);
 void silu_mul(const Tensor& gate, const Tensor& up, Tensor& out);
 void softmax(const Tensor& x, Tensor& out, float scale);
 void topk(const Tensor& x, int64_t k, Tensor& values, Tensor& indices);
@@ -83,6 +87,8 @@ void next_after_accept(const Tensor& row0, const Tensor& draft_row, const Tensor
                        const Tensor& bonus, const Tensor& drafts, Tensor& next, Tensor& last);
 void nvfp4_quantize_act(const Tensor& x, float input_scale, Tensor& out);
 void cache_write(const Tensor& src, const Tensor& slots, Tensor& cache);
+void cache_write_many(const std::vector<const Tensor*>& srcs, const Tensor& slots, const std::vector<Tensor*>& caches,
+                      bool& done);
 void indexer_topk(const Tensor& q, const Tensor& w, const Tensor& key_cache, const ops::PagedTokens& tok,
                   int64_t topk, Tensor& sel, Tensor& sel_len);
 void mla_attention(const Tensor& q_lat, const Tensor& q_pe, const Tensor& cache, const ops::PagedTokens& tok,

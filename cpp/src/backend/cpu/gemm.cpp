@@ -291,7 +291,12 @@ void linear(const Tensor& x, const ops::Weight& w, Tensor& y, bool accumulate) {
 // as F32 / BF16 tensors, exact), then this backend's fp32 GEMM. BF16 weights are used as
 // stored; any other format is dequantized (Weight::dequantize) and rounded per element.
 // Allocates its rounded copies: an oracle and CPU-prefill path, not a decode hot path.
-void gated_mlp_decode(const Tensor&, const ops::Weight&, const ops::Weight&, const ops::Weight&, Tensor&, bool& done) {
+void gated_mlp_decode(const Tensor&, const ops::Weight&, const ops::Weight&, const ops::Weight&, Tensor&, bool,
+                      bool& done) {
+  done = false;
+}
+
+void linear_many(const Tensor&, const std::vector<const ops::Weight*>&, const std::vector<Tensor*>&, bool& done) {
   done = false;
 }
 

@@ -136,6 +136,8 @@ uint64_t index_errors(int device, bool reset);
 void rms_norm(const Tensor& x, const Tensor& w, float eps, Tensor& out);
 void layer_norm(const Tensor& x, const Tensor& w, const Tensor& b, float eps, Tensor& out);
 void rope(Tensor& x, const Tensor& positions, double theta, ops::RopeStyle style);
+void rope_many(const std::vector<Tensor*>& xs, const Tensor& positions, double theta, ops::RopeStyle style,
+               bool& done);
 void silu_mul(const Tensor& gate, const Tensor& up, Tensor& out);
 void softmax(const Tensor& x, Tensor& out, float scale);
 void gather_rows(const Tensor& src, const Tensor& idx, Tensor& out);
@@ -152,10 +154,14 @@ void resolve_tokens(Tensor& tokens, const Tensor& src);  // index_rows.cu
 void next_after_accept(const Tensor& row0, const Tensor& draft_row, const Tensor& draft_len, const Tensor& accepted,
                        const Tensor& bonus, const Tensor& drafts, Tensor& next, Tensor& last);  // index_rows.cu
 void cache_write(const Tensor& src, const Tensor& slots, Tensor& cache);
+void cache_write_many(const std::vector<const Tensor*>& srcs, const Tensor& slots, const std::vector<Tensor*>& caches,
+                      bool& done);
 void dyn_conv(const Tensor& x, const Tensor& base, const Tensor& dyn, int64_t block, Tensor& out);
 
 // gemm.cu
 void linear(const Tensor& x, const ops::Weight& w, Tensor& y, bool accumulate);
+void linear_many(const Tensor& x, const std::vector<const ops::Weight*>& ws, const std::vector<Tensor*>& ys,
+                 bool& done);
 // gemm_tc.cu (built with CUTLASS only): ops::linear_bf16 on the tensor cores (decode: the
 // skinny kernel of gemm_sk.cu), and whether this build has its kernels for `device`'s
 // architecture.
@@ -167,7 +173,7 @@ bool linear_bf16_supported(int device);
 // (nothing queued) where it does not apply: the skinny kernels off, no kernels for this
 // architecture, gate and up of different formats, an empty dimension.
 void gated_mlp_decode(const Tensor& x, const ops::Weight& gate, const ops::Weight& up, const ops::Weight& down,
-                      Tensor& out, bool& done);
+                      Tensor& out, bool accumulate, bool& done);
 // gemm_tc.cu (built with CUTLASS only): linear_bf16(x, *ws[i], *ys[i], false, decode = true)
 // for every i with x rounded to BF16 once; done = false (nothing queued) where the skinny
 // kernels are off or this architecture has none.

@@ -33,6 +33,9 @@
 //     (t, h, pair i), i fastest; each thread reads its two elements and writes them back,
 //     pairs are disjoint, so no two threads touch the same element (for a view that does
 //     not map two indices to one address). Any position value is valid (negative too).
+//     rope_many: up to 4 such tensors with one rotary dim and one positions vector in one
+//     launch (their pairs' flat indices concatenated); tensors that may share an element
+//     (layout::views_disjoint) are rotated one by one instead.
 #include <cuda_runtime.h>
 
 #include <cmath>
@@ -127,18 +130,34 @@ struct RopeFreqs {
   float inv_freq[kRopeTable];
 };
 
+// The tensors of one launch (rope: one; rope_many: up to kRopeMany with one rotary dim):
+// tensor k owns the flat indices [k ? end[k - 1] : 0, end[k]) of T * H_k * half pairs each.
+constexpr int kRopeMany = 4;
+struct RopeTarget {
+  float* x;
+  int64_t st, sh, sd, H, end;
+};
+struct RopeTargets {
+  RopeTarget t[kRopeMany];
+  int n;
+};
+
 template <class P>
 __global__ void __launch_bounds__(kRopeThreads)
-    rope_kernel(float* x, int64_t st, int64_t sh, int64_t sd, const P* __restrict__ pos, int64_t pos_stride,
-                int64_t T, int64_t H, int64_t half, int64_t D, bool interleaved, bool use_table, float ftheta,
+    rope_kernel(const __grid_constant__ RopeTargets tg, const P* __restrict__ pos, int64_t pos_stride,
+                int64_t half, int64_t D, bool interleaved, bool use_table, float ftheta,
                 const __grid_constant__ RopeFreqs freqs) {
-  const int64_t total = T * H * half;
+  const int64_t total = tg.t[tg.n - 1].end;
   const int64_t step = int64_t(gridDim.x) * blockDim.x;
-  for (int64_t idx = int64_t(blockIdx.x) * blockDim.x + threadIdx.x; idx < total; idx += step) {
+  for (int64_t flat = int64_t(blockIdx.x) * blockDim.x + threadIdx.x; flat < total; flat += step) {
+    int k = 0;
+    while (flat >= tg.t[k].end) ++k;  // k < n: flat < total = end[n - 1]
+    const RopeTarget& x = tg.t[k];
+    const int64_t idx = flat - (k ? tg.t[k - 1].end : 0);
     const int64_t i = idx % half;
     const int64_t th = idx / half;
-    const int64_t h = th % H;
-    const int64_t t = th / H;
+    const int64_t h = th % x.H;
+    const int64_t t = th / x.H;
     float inv_freq;
     if (use_table) {
       inv_freq = freqs.inv_freq[i];
@@ -150,11 +169,61 @@ __global__ void __launch_bounds__(kRopeThreads)
     const float ang = __fmul_rn(float(position), inv_freq);
     const float c = cosf(ang), s = sinf(ang);
     const layout::RopePair pr = layout::rope_pair(interleaved, i, half);
-    float* p = x + t * st + h * sh;
-    const float x0 = p[pr.a * sd], x1 = p[pr.b * sd];
-    p[pr.a * sd] = __fsub_rn(__fmul_rn(x0, c), __fmul_rn(x1, s));
-    p[pr.b * sd] = __fadd_rn(__fmul_rn(x1, c), __fmul_rn(x0, s));
+    float* p = x.x + t * x.st + h * x.sh;
+    const float x0 = p[pr.a * x.sd], x1 = p[pr.b * x.sd];
+    p[pr.a * x.sd] = __fsub_rn(__fmul_rn(x0, c), __fmul_rn(x1, s));
+    p[pr.b * x.sd] = __fadd_rn(__fmul_rn(x1, c), __fmul_rn(x0, s));
   }
+}
+
+void check_rope_args(const Tensor& x, const Tensor& positions, double theta, const char* op) {
+  DFLASH2_CHECK_ARG(x.defined() && positions.defined(), "cuda::", op, ": undefined tensor argument");
+  DFLASH2_CHECK_ARG(x.device().is_cuda() && positions.device() == x.device(), "cuda::", op,
+                    ": x and positions must be on the same CUDA device, found ", x.describe(), " and ",
+                    positions.describe());
+  DFLASH2_CHECK_ARG(x.dtype() == DType::F32 && x.ndim() == 3, "cuda::", op,
+                    ": x must be F32 [tokens, heads, dim], found ", x.describe());
+  DFLASH2_CHECK_ARG(positions.dtype() == DType::I32 || positions.dtype() == DType::I64, "cuda::", op,
+                    ": positions must be I32 or I64, found ", positions.describe());
+  const int64_t T = x.shape(0);
+  DFLASH2_CHECK_ARG(positions.ndim() == 1 && positions.shape(0) == T, "cuda::", op, ": positions must be [", T,
+                    "], found ", positions.describe());
+  DFLASH2_CHECK_ARG(x.shape(2) % 2 == 0, "cuda::", op, ": the rotary dim must be even, found ", x.shape(2));
+  DFLASH2_CHECK_ARG(theta > 0, "cuda::", op, ": theta must be > 0, found ", theta);
+}
+
+// One launch over xs (1 .. kRopeMany checked tensors with one rotary dim D); empty ones skipped.
+void launch_rope(const std::vector<Tensor*>& xs, int64_t D, const Tensor& positions, double theta,
+                 ops::RopeStyle style) {
+  const int64_t half = D / 2;
+  RopeTargets tg{};
+  int64_t total = 0;
+  for (Tensor* x : xs) {
+    const int64_t pairs = x->shape(0) * x->shape(1) * half;
+    if (pairs == 0) continue;
+    DFLASH2_CHECK_ARG(pairs <= INT64_MAX - total, "cuda::rope: too many elements");
+    total += pairs;
+    tg.t[tg.n++] = RopeTarget{x->data_as<float>(), x->stride(0), x->stride(1), x->stride(2), x->shape(1), total};
+  }
+  if (tg.n == 0) return;
+
+  // inv_freq as the CPU backend computes it (same expression, same host libm)
+  const float ftheta = float(theta);
+  RopeFreqs freqs{};
+  const bool use_table = half <= kRopeTable;
+  if (use_table)
+    for (int64_t i = 0; i < half; ++i) freqs.inv_freq[i] = 1.0f / std::pow(ftheta, layout::rope_exponent(i, D));
+
+  const bool interleaved = style == ops::RopeStyle::Interleaved;
+  const unsigned blocks = detail::ceil_blocks(total, kRopeThreads, kRopeMaxBlocks);
+  detail::DeviceGuard guard(positions.device().index);
+  if (positions.dtype() == DType::I64)
+    rope_kernel<int64_t><<<blocks, kRopeThreads, 0, detail::stream()>>>(
+        tg, positions.data_as<const int64_t>(), positions.stride(0), half, D, interleaved, use_table, ftheta, freqs);
+  else
+    rope_kernel<int32_t><<<blocks, kRopeThreads, 0, detail::stream()>>>(
+        tg, positions.data_as<const int32_t>(), positions.stride(0), half, D, interleaved, use_table, ftheta, freqs);
+  detail::check_launch("rope kernel launch", xs[0]->describe());
 }
 
 }  // namespace
@@ -166,41 +235,25 @@ void silu_mul(const Tensor& gate, const Tensor& up, Tensor& out) {
 }
 
 void rope(Tensor& x, const Tensor& positions, double theta, ops::RopeStyle style) {
-  DFLASH2_CHECK_ARG(x.defined() && positions.defined(), "cuda::rope: undefined tensor argument");
-  DFLASH2_CHECK_ARG(x.device().is_cuda() && positions.device() == x.device(),
-                    "cuda::rope: x and positions must be on the same CUDA device, found ", x.describe(), " and ",
-                    positions.describe());
-  DFLASH2_CHECK_ARG(x.dtype() == DType::F32 && x.ndim() == 3, "cuda::rope: x must be F32 [tokens, heads, dim], found ",
-                    x.describe());
-  DFLASH2_CHECK_ARG(positions.dtype() == DType::I32 || positions.dtype() == DType::I64,
-                    "cuda::rope: positions must be I32 or I64, found ", positions.describe());
-  const int64_t T = x.shape(0), H = x.shape(1), D = x.shape(2), half = D / 2;
-  DFLASH2_CHECK_ARG(positions.ndim() == 1 && positions.shape(0) == T, "cuda::rope: positions must be [", T,
-                    "], found ", positions.describe());
-  DFLASH2_CHECK_ARG(D % 2 == 0, "cuda::rope: the rotary dim must be even, found ", D);
-  DFLASH2_CHECK_ARG(theta > 0, "cuda::rope: theta must be > 0, found ", theta);
-  if (T == 0 || H == 0 || half == 0) return;
+  check_rope_args(x, positions, theta, "rope");
+  launch_rope({&x}, x.shape(2), positions, theta, style);
+}
 
-  // inv_freq as the CPU backend computes it (same expression, same host libm)
-  const float ftheta = float(theta);
-  RopeFreqs freqs{};
-  const bool use_table = half <= kRopeTable;
-  if (use_table)
-    for (int64_t i = 0; i < half; ++i) freqs.inv_freq[i] = 1.0f / std::pow(ftheta, layout::rope_exponent(i, D));
-
-  const bool interleaved = style == ops::RopeStyle::Interleaved;
-  const int64_t total = T * H * half;
-  const unsigned blocks = detail::ceil_blocks(total, kRopeThreads, kRopeMaxBlocks);
-  detail::DeviceGuard guard(x.device().index);
-  if (positions.dtype() == DType::I64)
-    rope_kernel<int64_t><<<blocks, kRopeThreads, 0, detail::stream()>>>(
-        x.data_as<float>(), x.stride(0), x.stride(1), x.stride(2), positions.data_as<const int64_t>(),
-        positions.stride(0), T, H, half, D, interleaved, use_table, ftheta, freqs);
-  else
-    rope_kernel<int32_t><<<blocks, kRopeThreads, 0, detail::stream()>>>(
-        x.data_as<float>(), x.stride(0), x.stride(1), x.stride(2), positions.data_as<const int32_t>(),
-        positions.stride(0), T, H, half, D, interleaved, use_table, ftheta, freqs);
-  detail::check_launch("rope kernel launch", x.describe());
+void rope_many(const std::vector<Tensor*>& xs, const Tensor& positions, double theta, ops::RopeStyle style,
+               bool& done) {
+  done = false;
+  // one kernel for up to kRopeMany tensors of one rotary dim (else ops::rope_many runs rope on each)
+  if (xs.empty() || xs.size() > size_t(kRopeMany)) return;
+  for (Tensor* x : xs) {
+    DFLASH2_CHECK_ARG(x != nullptr, "cuda::rope_many: null tensor");
+    check_rope_args(*x, positions, theta, "rope_many");
+    if (x->shape(2) != xs[0]->shape(2)) return;
+  }
+  for (size_t i = 0; i < xs.size(); ++i)  // rotated in any order: only views that share no element
+    for (size_t j = 0; j < i; ++j)
+      if (!layout::views_disjoint(*xs[i], *xs[j])) return;
+  launch_rope(xs, xs[0]->shape(2), positions, theta, style);
+  done = true;
 }
 
 }  // namespace dflash2::cuda

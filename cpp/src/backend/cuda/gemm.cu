@@ -230,8 +230,9 @@ constexpr int min_blocks() {
   return !kVec ? 1 : (F == WFmt::FP8 || F == WFmt::NVFP4) ? 3 : 4;
 }
 
+// A block's work: column block `bx` of `a` (grid x), its heads (grid y) and split (grid z).
 template <WFmt F, bool kVec, int RT>
-__global__ void __launch_bounds__(kThreads, min_blocks<F, kVec>()) linear_kernel(const GemmArgs a) {
+__device__ __forceinline__ void linear_block(const GemmArgs& a, const int64_t bx) {
   constexpr int V = RT * kNC;  // partial sums per thread
   __shared__ float part[kWarps][V];
   const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
@@ -245,7 +246,7 @@ __global__ void __launch_bounds__(kThreads, min_blocks<F, kVec>()) linear_kernel
   const int64_t c_begin = int64_t(z) * a.split_chunks;
   const int64_t c_end = c_begin + a.split_chunks < C ? c_begin + a.split_chunks : C;
   const bool tail_here = z == a.splits - 1;
-  const int64_t n_base = int64_t(blockIdx.x) * (groups * kNC) + int64_t(cg) * kNC;
+  const int64_t n_base = bx * (groups * kNC) + int64_t(cg) * kNC;
   const bool active = n_base < N;  // warp-uniform; inactive warps still join the barriers
   int64_t ncol[kNC];               // clamped for loads
 #pragma unroll
@@ -340,11 +341,11 @@ __global__ void __launch_bounds__(kThreads, min_blocks<F, kVec>()) linear_kernel
     __shared__ bool last;
     __threadfence();
     __syncthreads();
-    if (threadIdx.x == 0) last = atomicAdd(&a.arrivals[blockIdx.x], 1u) == uint32_t(a.splits - 1);
+    if (threadIdx.x == 0) last = atomicAdd(&a.arrivals[bx], 1u) == uint32_t(a.splits - 1);
     __syncthreads();
     if (!last) return;
     __threadfence();
-    const int64_t n0 = int64_t(blockIdx.x) * kNC;  // splits > 1 only with KS = kWarps: one column group
+    const int64_t n0 = bx * kNC;  // splits > 1 only with KS = kWarps: one column group
     for (int64_t i = threadIdx.x; i < a.M * kNC; i += kThreads) {
       const int64_t m = i / kNC, n = n0 + i % kNC;
       if (n >= N) continue;
@@ -353,8 +354,36 @@ __global__ void __launch_bounds__(kThreads, min_blocks<F, kVec>()) linear_kernel
       float* out = a.y + m * a.ldy + n;
       *out = a.accumulate ? __fadd_rn(*out, s) : s;
     }
-    if (threadIdx.x == 0) a.arrivals[blockIdx.x] = 0u;  // zero again for the next launch on this stream
+    if (threadIdx.x == 0) a.arrivals[bx] = 0u;  // zero again for the next launch on this stream
   }
+}
+
+template <WFmt F, bool kVec, int RT>
+__global__ void __launch_bounds__(kThreads, min_blocks<F, kVec>()) linear_kernel(const GemmArgs a) {
+  linear_block<F, kVec, RT>(a, blockIdx.x);
+}
+
+// linear_many: up to kMany GEMMs of one x (one format, vector loads, G = 1) in one launch;
+// GEMM i owns the column blocks [i ? end[i - 1] : 0, end[i]) of grid x, and grid z is the
+// largest split (a GEMM's blocks past its own split return at once). Each GEMM's block does
+// exactly what its own launch's block would: the same results, bit for bit.
+constexpr int kMany = 4;
+struct ManyArgs {
+  GemmArgs g[kMany];
+  int64_t end[kMany];
+  int n;
+};
+
+template <WFmt F, int RT>
+__global__ void __launch_bounds__(kThreads, min_blocks<F, true>()) linear_many_kernel(const __grid_constant__ ManyArgs m) {
+  int i = 0;
+  while (int64_t(blockIdx.x) >= m.end[i]) ++i;  // i < n: grid x = end[n - 1]
+  const GemmArgs& a = m.g[i];
+  if (int(blockIdx.z) >= a.splits) return;  // the whole block: before any barrier
+  // (a is read through a generic pointer into the parameters, not as constant-bank operands
+  // like linear_kernel's: sm_90a spills 12-16 bytes in the 8-row and F32 forms; a copy into
+  // shared memory spilled 40-72 bytes in the dense 8-row forms instead)
+  linear_block<F, true, RT>(a, int64_t(blockIdx.x) - (i ? m.end[i - 1] : 0));
 }
 
 template <WFmt F>
@@ -372,7 +401,9 @@ void launch_fmt(const GemmArgs& a, bool wvec, dim3 grid) {
 
 // Fills the launch-shape fields of `a` (ks, splits, x_vec), picks the instantiation and
 // launches (with splits, one launch per kSplitRows rows: each row's sums are the same in any).
-void run(GemmArgs& a, int64_t N, int device, const char* what) {
+// The launch shape of `a` as a function of K and N only (Numerics): ks, splits,
+// split_chunks; returns its column blocks (grid x).
+int64_t plan(GemmArgs& a, int64_t N, const char* what) {
   const int64_t K = a.w.K;
   a.ks = k_split(K, N);
   a.splits = a.G == 1 ? block_split(K, N, a.ks) : 1;
@@ -380,6 +411,11 @@ void run(GemmArgs& a, int64_t N, int device, const char* what) {
   const int64_t cols_per_block = (kWarps / a.ks) * kNC;
   const int64_t bx = (N + cols_per_block - 1) / cols_per_block;
   DFLASH2_CHECK_ARG(bx <= int64_t(INT32_MAX), "cuda::", what, ": ", N, " output features are too many for one launch");
+  return bx;
+}
+
+void run(GemmArgs& a, int64_t N, int device, const char* what) {
+  const int64_t bx = plan(a, N, what);
   if (a.splits > 1) {
     DFLASH2_INTERNAL(bx <= detail::kCounterWords, "cuda::", what, ": ", bx, " column blocks split");
     const int64_t rows = a.M < kSplitRows ? a.M : kSplitRows;
@@ -429,25 +465,25 @@ void check_out_rows(int n, const int64_t* size, const int64_t* stride, int64_t c
 
 }  // namespace
 
-void linear(const Tensor& x, const ops::Weight& w, Tensor& y, bool accumulate) {
-  DFLASH2_CHECK_ARG(x.defined() && y.defined(), "cuda::linear: undefined tensor argument");
-  DFLASH2_CHECK_ARG(x.device().is_cuda() && y.device() == x.device(),
-                    "cuda::linear: x and y must be on the same CUDA device, found ", x.describe(), ", ", y.describe());
-  DFLASH2_CHECK_ARG(x.dtype() == DType::F32 && y.dtype() == DType::F32 && x.ndim() == 2 && y.ndim() == 2,
-                    "cuda::linear: x and y must be F32 2-D, found ", x.describe(), ", ", y.describe());
+namespace {
+// linear's checks; the problem as GemmArgs (launch shape unset). Returns false for an empty one.
+bool linear_args(const Tensor& x, const ops::Weight& w, Tensor& y, bool accumulate, const char* op, GemmArgs& a) {
+  DFLASH2_CHECK_ARG(x.defined() && y.defined(), op, ": undefined tensor argument");
+  DFLASH2_CHECK_ARG(x.device().is_cuda() && y.device() == x.device(), op,
+                    ": x and y must be on the same CUDA device, found ", x.describe(), ", ", y.describe());
+  DFLASH2_CHECK_ARG(x.dtype() == DType::F32 && y.dtype() == DType::F32 && x.ndim() == 2 && y.ndim() == 2, op,
+                    ": x and y must be F32 2-D, found ", x.describe(), ", ", y.describe());
   w.validate();
-  const int device = x.device().index;
-  const WeightView v = detail::weight_view(w, device, "cuda::linear");
+  const WeightView v = detail::weight_view(w, x.device().index, op);
   const int64_t M = x.shape(0), K = v.K, N = v.N;
-  DFLASH2_CHECK_ARG(x.shape(1) == K && y.shape(0) == M && y.shape(1) == N, "cuda::linear(", w.name, "): x ",
-                    x.describe(), " and y ", y.describe(), " do not match the weight [", N, ", ", K, "]");
-  DFLASH2_CHECK_ARG((x.stride(1) == 1 || K <= 1) && (y.stride(1) == 1 || N <= 1),
-                    "cuda::linear: x and y must be contiguous in their last dimension, found strides ",
-                    shape_str(x.strides()), " and ", shape_str(y.strides()));
+  DFLASH2_CHECK_ARG(x.shape(1) == K && y.shape(0) == M && y.shape(1) == N, op, "(", w.name, "): x ", x.describe(),
+                    " and y ", y.describe(), " do not match the weight [", N, ", ", K, "]");
+  DFLASH2_CHECK_ARG((x.stride(1) == 1 || K <= 1) && (y.stride(1) == 1 || N <= 1), op,
+                    ": x and y must be contiguous in their last dimension, found strides ", shape_str(x.strides()),
+                    " and ", shape_str(y.strides()));
   const int64_t ysize[1] = {M}, ystride[1] = {y.stride(0)};
   check_out_rows(1, ysize, ystride, N, "linear");
-  if (M == 0 || N == 0) return;
-  GemmArgs a{};
+  a = GemmArgs{};
   a.w = v;
   a.w_head_bytes = 0;
   a.x = x.data_as<const float>();
@@ -459,9 +495,102 @@ void linear(const Tensor& x, const ops::Weight& w, Tensor& y, bool accumulate) {
   a.M = M;
   a.G = 1;
   a.accumulate = accumulate;
+  return M != 0 && N != 0;
+}
+}  // namespace
+
+void linear(const Tensor& x, const ops::Weight& w, Tensor& y, bool accumulate) {
+  GemmArgs a;
+  if (!linear_args(x, w, y, accumulate, "cuda::linear", a)) return;
+  const int device = x.device().index;
   detail::DeviceGuard guard(device);
-  run(a, N, device, "linear");
+  run(a, a.w.N, device, "linear");
   detail::check_launch("linear kernel launch", w.name, " ", x.describe(), " -> ", y.describe());
+}
+
+namespace {
+// One launch of linear_many_kernel over gs[0 .. n) (2 <= n <= kMany GEMMs of one x, one format,
+// vectorizable weights, M <= kSplitRows rows); false if their blocks do not fit one launch.
+bool launch_many(const GemmArgs* gs, int n, int device) {
+  ManyArgs m{};
+  m.n = n;
+  const int64_t M = gs[0].M;
+  int64_t blocks = 0, part_floats = 0;
+  int max_splits = 1;
+  for (int i = 0; i < n; ++i) {
+    m.g[i] = gs[i];
+    GemmArgs& a = m.g[i];
+    blocks += plan(a, a.w.N, "linear_many");
+    m.end[i] = blocks;
+    if (a.splits > 1) part_floats += int64_t(a.splits) * M * a.w.N;
+    max_splits = a.splits > max_splits ? a.splits : max_splits;
+  }
+  if (blocks > int64_t(INT32_MAX) || (max_splits > 1 && blocks > detail::kCounterWords)) return false;
+  if (max_splits > 1) {
+    float* part = static_cast<float*>(detail::scratch(device, size_t(part_floats) * 4));
+    uint32_t* counters = detail::zeroed_counters(device);
+    for (int i = 0; i < n; ++i) {
+      GemmArgs& a = m.g[i];
+      if (a.splits == 1) continue;
+      a.part = part;
+      part += int64_t(a.splits) * M * a.w.N;
+      a.arrivals = counters + (i ? m.end[i - 1] : 0);  // the counters of its own column blocks
+    }
+  }
+  const bool x_vec = detail::aligned(m.g[0].x, 16) && (M == 1 || m.g[0].ldx % 4 == 0);
+  for (int i = 0; i < n; ++i) m.g[i].x_vec = x_vec;
+  const dim3 grid(unsigned(blocks), 1u, unsigned(max_splits));
+  cudaStream_t st = detail::stream();
+  detail::with_format(m.g[0].w.fmt, [&](auto f) {
+    constexpr WFmt F = decltype(f)::value;
+    if (M == 1)
+      linear_many_kernel<F, 1><<<grid, kThreads, 0, st>>>(m);
+    else
+      linear_many_kernel<F, 8><<<grid, kThreads, 0, st>>>(m);
+  });
+  return true;
+}
+}  // namespace
+
+void linear_many(const Tensor& x, const std::vector<const ops::Weight*>& ws, const std::vector<Tensor*>& ys,
+                 bool& done) {
+  done = false;
+  const char* op = "cuda::linear_many";
+  DFLASH2_CHECK_ARG(ws.size() == ys.size(), op, ": ", ws.size(), " weights but ", ys.size(), " outputs");
+  const size_t n = ws.size();
+  if (n < 2 || x.shape(0) > kSplitRows) return;  // ops::linear_as_many: one by one
+  std::vector<GemmArgs> gs(n);
+  for (size_t i = 0; i < n; ++i) {
+    DFLASH2_CHECK_ARG(ws[i] && ys[i], op, ": null weight or output ", i);
+    if (!linear_args(x, *ws[i], *ys[i], false, op, gs[i])) return;  // an empty one: one by one
+  }
+  // run in any order (grouped by format): no output may share an element with x or another
+  for (size_t i = 0; i < n; ++i)
+    for (size_t j = 0; j <= i; ++j)
+      if ((j < i && !layout::views_disjoint(*ys[i], *ys[j])) || !layout::views_disjoint(*ys[i], x)) return;
+  const int device = x.device().index;
+  detail::DeviceGuard guard(device);
+  std::vector<bool> taken(n, false);
+  for (size_t i = 0; i < n; ++i) {
+    if (taken[i]) continue;
+    // the weights of i's format not yet run (vector loads: the fused kernel's only form)
+    std::vector<GemmArgs> group;
+    std::vector<size_t> idx;
+    for (size_t j = i; j < n && group.size() < size_t(kMany); ++j)
+      if (!taken[j] && gs[j].w.fmt == gs[i].w.fmt && detail::weight_rows_vectorizable(gs[j].w)) {
+        group.push_back(gs[j]);
+        idx.push_back(j);
+      }
+    if (group.size() >= 2 && launch_many(group.data(), int(group.size()), device)) {
+      for (size_t j : idx) taken[j] = true;
+      detail::check_launch("linear_many kernel launch", ws[i]->name, " ", x.describe());
+      continue;
+    }
+    taken[i] = true;
+    run(gs[i], gs[i].w.N, device, "linear");
+    detail::check_launch("linear kernel launch", ws[i]->name, " ", x.describe(), " -> ", ys[i]->describe());
+  }
+  done = true;
 }
 
 void linear_heads(const Tensor& x, const Tensor& w, Tensor& y) {

@@ -519,7 +519,7 @@ void linear_bf16_decode_many(const Tensor& x, const std::vector<const ops::Weigh
 }
 
 void gated_mlp_decode(const Tensor& x, const ops::Weight& gate, const ops::Weight& up, const ops::Weight& down,
-                      Tensor& out, bool& done) {
+                      Tensor& out, bool accumulate, bool& done) {
   done = false;
   const char* op = "cuda::gated_mlp_decode";
   DFLASH2_CHECK_ARG(x.defined() && out.defined() && x.device().is_cuda() && out.device() == x.device() &&
@@ -569,6 +569,7 @@ void gated_mlp_decode(const Tensor& x, const ops::Weight& gate, const ops::Weigh
   gd.M = M;
   gd.d = out.data_as<float>();
   gd.ldd = M > 1 ? out.stride(0) : H;
+  gd.accumulate = accumulate;
   gd.partial = sk::partial_floats(vd, M) ? partial : nullptr;
   gd.arrivals = ga.arrivals;
   sk::gemm(gd, st);

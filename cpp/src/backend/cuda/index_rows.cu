@@ -116,6 +116,45 @@ __global__ void __launch_bounds__(kThreads)
   }
 }
 
+// cache_write_many: up to kCacheMany (src, cache) pairs with one slots vector; pair k owns
+// the columns [k ? end[k - 1] : 0, end[k]) of the launch's concatenated rows (value by value).
+constexpr int kCacheMany = 4;
+struct CacheTarget {
+  const float* src;
+  int64_t src_stride;
+  void* cache;  // float or __nv_bfloat16 (bf16)
+  int64_t cache_stride, rows, end;
+  bool bf16;
+};
+struct CacheTargets {
+  CacheTarget t[kCacheMany];
+  int n;
+};
+
+__global__ void __launch_bounds__(kThreads)
+    cache_write_many_kernel(const __grid_constant__ CacheTargets tg, const int32_t* __restrict__ slots,
+                            int64_t slot_stride, int64_t T) {
+  const int64_t j = int64_t(blockIdx.x) * blockDim.x + threadIdx.x;
+  if (j >= tg.t[tg.n - 1].end) return;
+  int k = 0;
+  while (j >= tg.t[k].end) ++k;
+  const CacheTarget& c = tg.t[k];
+  const int64_t col = j - (k ? tg.t[k - 1].end : 0);
+  for (int64_t t = blockIdx.y; t < T; t += gridDim.y) {
+    const int64_t s = slots[t * slot_stride];
+    if (s < 0) continue;  // padding
+    if (!layout::row_in_range(s, c.rows)) {
+      if (col == 0) atomicAdd(&g_index_errors, 1ull);  // once per pair and row, as cache_write
+      continue;
+    }
+    const float v = c.src[t * c.src_stride + col];
+    if (c.bf16)
+      static_cast<__nv_bfloat16*>(c.cache)[s * c.cache_stride + col] = __float2bfloat16_rn(v);
+    else
+      static_cast<float*>(c.cache)[s * c.cache_stride + col] = v;
+  }
+}
+
 dim3 rows_grid(int64_t nvec, int64_t T, int threads) {
   return dim3(detail::ceil_blocks(nvec, threads, int64_t(INT32_MAX)),
               unsigned(T < detail::kMaxGridY ? T : detail::kMaxGridY));
@@ -392,6 +431,50 @@ void cache_write(const Tensor& src, const Tensor& slots, Tensor& cache) {
   else
     launch(cache.data_as<float>());
   detail::check_launch("cache_write kernel launch", src.describe(), " into ", cache.describe());
+}
+
+void cache_write_many(const std::vector<const Tensor*>& srcs, const Tensor& slots, const std::vector<Tensor*>& caches,
+                      bool& done) {
+  done = false;
+  const char* op = "cuda::cache_write_many";
+  DFLASH2_CHECK_ARG(srcs.size() == caches.size() && slots.defined(), op, ": bad arguments");
+  if (srcs.empty() || srcs.size() > size_t(kCacheMany)) return;  // ops::cache_write_many: one by one
+  DFLASH2_CHECK_ARG(slots.device().is_cuda() && slots.dtype() == DType::I32 && slots.ndim() == 1, op,
+                    ": slots must be I32 [T] on a CUDA device, found ", slots.describe());
+  const int64_t T = slots.shape(0);
+  CacheTargets tg{};
+  int64_t total = 0;
+  for (size_t i = 0; i < srcs.size(); ++i) {
+    DFLASH2_CHECK_ARG(srcs[i] && caches[i], op, ": null tensor");
+    const Tensor &src = *srcs[i], &cache = *caches[i];
+    DFLASH2_CHECK_ARG(src.device() == slots.device() && cache.device() == slots.device(), op,
+                      ": src, slots and cache must be on the same CUDA device, found ", src.describe(), ", ",
+                      slots.describe(), ", ", cache.describe());
+    DFLASH2_CHECK_ARG(src.dtype() == DType::F32 && (cache.dtype() == DType::F32 || cache.dtype() == DType::BF16) &&
+                          src.ndim() == 2 && cache.ndim() == 2 && src.shape(0) == T && src.shape(1) == cache.shape(1),
+                      op, ": src must be F32 [", T, ", D] and cache F32 or BF16 [rows, D], found ", src.describe(),
+                      " and ", cache.describe());
+    const layout::RowLayout ls = layout::row_layout(src, "cache_write_many", "src");
+    const layout::RowLayout lc = layout::row_layout(cache, "cache_write_many", "cache");
+    layout::check_rows_disjoint(lc, "cache_write_many", "cache");
+    if (src.shape(1) == 0 || T == 0) continue;
+    total += src.shape(1);
+    tg.t[tg.n++] = CacheTarget{src.data_as<const float>(), ls.stride, cache.data(), lc.stride, cache.shape(0), total,
+                               cache.dtype() == DType::BF16};
+  }
+  // written in any order: every cache must share no element with another cache or any source
+  for (size_t i = 0; i < caches.size(); ++i)
+    for (size_t j = 0; j < srcs.size(); ++j)
+      if ((j < i && !layout::views_disjoint(*caches[i], *caches[j])) || !layout::views_disjoint(*caches[i], *srcs[j]))
+        return;
+  done = true;
+  if (tg.n == 0) return;
+  detail::DeviceGuard guard(slots.device().index);
+  const int threads = detail::pick_threads(total, kThreads);
+  const dim3 grid = rows_grid(total, T, threads);
+  cache_write_many_kernel<<<grid, threads, 0, detail::stream()>>>(tg, slots.data_as<const int32_t>(), slots.stride(0),
+                                                                   T);
+  detail::check_launch("cache_write_many kernel launch", srcs[0]->describe());
 }
 
 }  // namespace dflash2::cuda

@@ -163,6 +163,41 @@ inline void check_rows_disjoint(const RowLayout& L, const char* op, const char* 
                     L.stride, " < ", L.cols, ")");
 }
 
+// Whether two views share no element (so one kernel may write both, or write one while it
+// reads the other, in any order). Sufficient conditions only (false = "maybe shared"): their
+// byte extents are disjoint, or both are row views with one row stride and element size
+// whose column byte ranges within a row do not meet (a cache's column slices: latent c and
+// k_pe). Views with negative strides are never called disjoint.
+inline bool byte_extent(const Tensor& t, uintptr_t& lo, uintptr_t& hi) {
+  int64_t span = 0;
+  for (int d = 0; d < t.ndim(); ++d) {
+    if (t.shape(d) == 0) return lo = hi = 0, true;
+    if (t.stride(d) < 0) return false;
+    span += (t.shape(d) - 1) * t.stride(d);
+  }
+  lo = reinterpret_cast<uintptr_t>(t.data());
+  hi = lo + uintptr_t(span + 1) * dtype_size(t.dtype());
+  return true;
+}
+inline bool views_disjoint(const Tensor& a, const Tensor& b) {
+  uintptr_t a0, a1, b0, b1;
+  if (!byte_extent(a, a0, a1) || !byte_extent(b, b0, b1)) return false;
+  if (a0 == a1 || b0 == b1 || a1 <= b0 || b1 <= a0) return true;
+  if (a.ndim() != 2 || b.ndim() != 2 || a.dtype() != b.dtype() || a.stride(1) != 1 || b.stride(1) != 1) return false;
+  const int64_t e = int64_t(dtype_size(a.dtype()));
+  int64_t S = a.shape(0) > 1 ? a.stride(0) * e : 0;  // the row stride in bytes (of the views with rows > 1)
+  if (b.shape(0) > 1) {
+    if (S != 0 && b.stride(0) * e != S) return false;
+    S = b.stride(0) * e;
+  }
+  if (S <= 0) return false;
+  const uintptr_t origin = a0 < b0 ? a0 : b0;  // column offsets within a row of S bytes from there
+  const int64_t ca = int64_t((a0 - origin) % uintptr_t(S)), cb = int64_t((b0 - origin) % uintptr_t(S));
+  const int64_t wa = a.shape(1) * e, wb = b.shape(1) * e;
+  if (ca + wa > S || cb + wb > S) return false;  // a row wraps into the next: not this case
+  return ca + wa <= cb || cb + wb <= ca;
+}
+
 // ------------------------------------------------------------------ RoPE
 // The two elements rotated together by pair i < D/2 (positions along the rotary dim):
 // interleaved (GPT-J) rotates (2i, 2i + 1), NeoX rotates (i, i + D/2).

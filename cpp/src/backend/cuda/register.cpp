@@ -7,6 +7,7 @@
 namespace dflash2::ops {
 void register_cuda_ops(BackendTable& t) {
   t.linear = &cuda::linear;                    // gemm.cu
+  t.linear_many = &cuda::linear_many;          // gemm.cu
   t.linear_heads = &cuda::linear_heads;        // gemm.cu
 #if defined(DFLASH2_WITH_CUTLASS)
   t.linear_bf16 = &cuda::linear_bf16;          // gemm_tc.cu + cutlass/
@@ -28,6 +29,7 @@ void register_cuda_ops(BackendTable& t) {
   t.topk_merge = &cuda::topk_merge;      // row_reduce.cu
   t.accept_greedy = &cuda::accept_greedy;  // index_rows.cu
   t.rope = &cuda::rope;                // elementwise.cu
+  t.rope_many = &cuda::rope_many;      // elementwise.cu
   t.silu_mul = &cuda::silu_mul;        // elementwise.cu
   t.add = &cuda::add;                  // elementwise.cu
   t.copy = &cuda::copy;                // copy.cu
@@ -35,6 +37,7 @@ void register_cuda_ops(BackendTable& t) {
   t.resolve_tokens = &cuda::resolve_tokens;  // index_rows.cu
   t.next_after_accept = &cuda::next_after_accept;  // index_rows.cu
   t.cache_write = &cuda::cache_write;  // index_rows.cu
+  t.cache_write_many = &cuda::cache_write_many;  // index_rows.cu
   t.dyn_conv = &cuda::dyn_conv;        // drafter_ops.cu
   t.indexer_topk = &cuda::indexer_topk;        // attention.cu
   t.mla_attention = &cuda::mla_attention;      // attention.cu
