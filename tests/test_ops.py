@@ -909,26 +909,30 @@ def test_linear_many(dev, numerics):
 
 
 @pytest.mark.parametrize("dev", DEVICES)
+@pytest.mark.parametrize("numerics", ["exact", "bf16"])
 @pytest.mark.parametrize("fmt", ["bf16", "fp8", "nvfp4"])
-def test_linear_many_exact_one_launch(dev, fmt):
-    """linear_many with exact numerics over weights of one format (on CUDA one kernel for up
-    to four of them: GLM-5.3's q_a / kv_a / indexer wk / weights_proj, q_b / indexer wq_b, a
-    shared expert's gate / up): each output bitwise the single linear, with different block
-    splits of K in one launch (K = 4096: N = 576 splits 4 ways, N = 8 eight ways), five
-    weights (four in one launch, then one), 1 and 7 rows, and the fp32 reference."""
-    need_device(dev, "linear")
-    rng = rng_for("linear-many-exact", fmt)
+def test_linear_many_one_launch(dev, numerics, fmt):
+    """linear_many over weights of one format (on CUDA one kernel for up to four of them:
+    GLM-5.3's q_a / kv_a / indexer wk / weights_proj, q_b / indexer wq_b, a shared expert's
+    gate / up; exact: the SIMT GEMV, bf16 decode: the skinny tensor-core kernel): each output
+    bitwise the single call, with different K splits in one launch (K = 4096), five weights
+    (four in one launch, then one), 1 and 7 rows; exact also against the float64 reference."""
+    need_device(dev, "linear_bf16" if numerics == "bf16" else "linear")
+    rng = rng_for("linear-many-exact", fmt, numerics)
     k = 4096
     ws = [make_weight(fmt, n, k, rng) for n in (576, 200, 32, 8, 48)]
     on = (lambda w: w) if dev == "cpu" else (lambda w: w.to(dev))
+    single = (lambda x, w: ops.linear(x, w)) if numerics == "exact" else \
+        (lambda x, w: ops.linear_bf16(x, w, decode=True))
     for m in (1, 7):
         xn = rng.standard_normal((m, k)).astype(np.float32)
         x = to_dev(xn, dev)
-        got = ops.linear_many(x, [on(w) for w, _ in ws])
+        got = ops.linear_many(x, [on(w) for w, _ in ws], numerics=numerics, decode=numerics == "bf16")
         for (w, wref), g in zip(ws, got):
-            want = to_np(ops.linear(x, on(w)))
+            want = to_np(single(x, on(w)))
             assert np.array_equal(to_np(g).view(np.uint32), want.view(np.uint32)), (m, w.out_features)
-            check("linear", to_np(g), xn.astype(np.float64) @ wref.T)
+            if numerics == "exact":
+                check("linear", to_np(g), xn.astype(np.float64) @ wref.T)
 
 
 @pytest.mark.parametrize("dev", DEVICES)

@@ -181,6 +181,68 @@ TEST(row_layout_of_views) {
   L::check_rows_disjoint(L::row_layout(t, "op", "out"), "op", "out");  // fine
 }
 
+namespace {
+// Whether two views share a byte, element by element.
+bool share_bytes(const Tensor& a, const Tensor& b) {
+  auto bytes = [](const Tensor& t) {
+    std::set<uintptr_t> out;
+    std::vector<int64_t> idx(size_t(t.ndim()), 0);
+    const int64_t n = t.numel();
+    const size_t e = dtype_size(t.dtype());
+    for (int64_t i = 0; i < n; ++i) {
+      int64_t off = 0;
+      for (int d = 0; d < t.ndim(); ++d) off += idx[size_t(d)] * t.stride(d);
+      for (size_t k = 0; k < e; ++k) out.insert(reinterpret_cast<uintptr_t>(t.data()) + uintptr_t(off) * e + k);
+      for (int d = t.ndim() - 1; d >= 0; --d) {
+        if (++idx[size_t(d)] < t.shape(d)) break;
+        idx[size_t(d)] = 0;
+      }
+    }
+    return out;
+  };
+  const std::set<uintptr_t> sa = bytes(a), sb = bytes(b);
+  for (uintptr_t x : sa)
+    if (sb.count(x)) return true;
+  return false;
+}
+}  // namespace
+
+TEST(views_disjoint_never_claims_a_shared_element) {
+  // the fused launches (rope_many, cache_write_many, linear_many) run views in any order only
+  // where views_disjoint says they share nothing: it may say "maybe" (false) for disjoint
+  // views, never true for sharing ones
+  std::vector<float> buf(64 * 80 + 7);
+  Tensor cache = Tensor::view(buf.data() + 3, DType::F32, {64, 80});  // a cache of [c 64 | k_pe 16] rows
+  Tensor c = cache.slice(1, 0, 64), pe = cache.slice(1, 64, 80);
+  CHECK(L::views_disjoint(c, pe) && L::views_disjoint(pe, c));  // column slices of one cache
+  CHECK(!share_bytes(c, pe));
+  CHECK(!L::views_disjoint(c, cache) && !L::views_disjoint(c, cache.slice(1, 60, 70)));
+  CHECK(!L::views_disjoint(c, c));
+  // a row view against a 3-D view of the same bytes (q [T, H, D] slices)
+  Tensor q = Tensor::view(buf.data(), DType::F32, {8, 4, 96});
+  Tensor q_pe = q.slice(2, 32, 96), q_nope = q.slice(2, 0, 32);
+  CHECK(!L::views_disjoint(q_pe, q_nope));  // interleaved by heads: "maybe", not claimed
+  CHECK(L::views_disjoint(q.slice(0, 0, 4), q.slice(0, 4, 8)));  // byte extents apart
+  CHECK(L::views_disjoint(Tensor::view(buf.data(), DType::F32, {0, 5}), cache));  // empty
+  // random 2-D column views of one buffer: never "disjoint" when they share a byte
+  std::mt19937 rng(7);
+  int claimed = 0;
+  for (int it = 0; it < 3000; ++it) {
+    auto pick = [&](int64_t stride) {
+      const int64_t rows = 1 + int64_t(rng() % 6), c0 = int64_t(rng() % 24), w = 1 + int64_t(rng() % 12);
+      const int64_t start = int64_t(rng() % 40) + c0;
+      return Tensor::view(buf.data() + start, DType::F32, {rows, w}, {stride, 1});
+    };
+    const int64_t stride = 16 + int64_t(rng() % 3) * 8;
+    Tensor a = pick(stride), b = pick(rng() % 4 == 0 ? stride + 8 : stride);
+    const bool disjoint = L::views_disjoint(a, b);
+    if (disjoint) ++claimed;
+    CHECK(!(disjoint && share_bytes(a, b)));
+    CHECK(disjoint == L::views_disjoint(b, a));
+  }
+  CHECK(claimed > 300);  // the row rule says "disjoint" often enough to matter
+}
+
 TEST(rope_pairs_cover_each_element_once) {
   for (int64_t D : {2, 4, 6, 64, 128, 130}) {
     const int64_t half = D / 2;

@@ -87,6 +87,12 @@ struct BackendTable {
 #undef DFLASH2_TABLE_ENTRY
 };
 
+// DFLASH2_FUSED_LAUNCHES=0 (read once): the ops that run several of one kind as one kernel
+// (rope_many, cache_write_many, linear_as_many: exact and the skinny BF16 kernel's) take them
+// one by one instead -- the same results; a switch to isolate those kernels, and the baseline
+// of bench/launch_count.py.
+bool fused_launches();
+
 // The table of a device's backend (entries may be empty); a device type the build has
 // no backend for gets an Unsupported error naming it.
 const BackendTable& backend_table(Device dev);

@@ -84,9 +84,8 @@ Fn entry(Fn fn, const char* op, const Tensor& t) {
 }
 #define DFLASH2_DISPATCH(op, t, ...) return entry(backend_table((t).device()).op, #op, (t))(__VA_ARGS__)
 
-// DFLASH2_FUSED_LAUNCHES=0: rope_many, cache_write_many and exact linear_as_many take their
-// ops one by one even where the backend has one kernel for several (the same results; a
-// switch to isolate those kernels, and the baseline of bench/launch_count.py). Read once.
+}  // namespace
+
 bool fused_launches() {
   static const bool on = [] {
     const char* e = std::getenv("DFLASH2_FUSED_LAUNCHES");
@@ -94,8 +93,6 @@ bool fused_launches() {
   }();
   return on;
 }
-
-}  // namespace
 
 namespace {
 void check_linear(const char* op, const Tensor& x, const Weight& w, const Tensor& y) {

@@ -412,23 +412,51 @@ __device__ __forceinline__ void finish_tile(const Params& p, uint32_t slot, int 
   if (threadIdx.x == 0 && expected > 1) p.arrivals[slot] = 0u;
 }
 
-// One weight: grid x = token tiles of this launch (fastest, so the CTAs reading one weight
-// slice run together and share it through L2), y = 64-feature blocks, z = splits.
+// A CTA of one weight's GEMM: token tile blockIdx.x (grid x = token tiles, fastest, so the
+// CTAs reading one weight slice run together and share it through L2), feature block fb,
+// split z; `slot`: its tile's arrival counter.
 template <WFmt F>
-__global__ void __launch_bounds__(kThreads, kMinCtas) sk_kernel(const Params p) {
-  __shared__ __align__(128) uint4 xs[2 * kSkTok * int(layout::sk_stage_k(kE<F>) / 8)];
+__device__ __forceinline__ void sk_cta(const Params& p, uint4* xs, int fb, int z, uint32_t slot) {
   const int64_t m0 = int64_t(blockIdx.x) * kSkTok;
-  const int64_t f0 = int64_t(blockIdx.y) * kSkFeatPerCta + int64_t(threadIdx.x >> 5) * kSkFeat;
+  const int64_t f0 = int64_t(fb) * kSkFeatPerCta + int64_t(threadIdx.x >> 5) * kSkFeat;
   const bool active = f0 < p.N;  // warp-uniform: warps past N only stage x and meet the barriers
   const int64_t rows = p.M - m0 < kSkTok ? p.M - m0 : kSkTok;
   const int64_t stages = (p.K + layout::sk_stage_k(kE<F>) - 1) / layout::sk_stage_k(kE<F>);
-  const int z = int(blockIdx.z);
   float acc[4][4];
   tile_mma<F>(p.w, p.vec, p.fp4, p.a, p.lda, m0, rows, f0, active, layout::sk_split_begin(stages, p.S, z),
               layout::sk_split_begin(stages, p.S, z + 1), xs, acc);
   if (active) tile_store(p, acc, m0, rows, f0, z, p.proj);
   if (p.arrivals == nullptr) return;
-  finish_tile(p, blockIdx.y * gridDim.x + blockIdx.x, p.S, m0, rows, int(blockIdx.y));
+  finish_tile(p, slot, p.S, m0, rows, fb);
+}
+
+// One weight: grid x = token tiles of this launch, y = 64-feature blocks, z = splits.
+template <WFmt F>
+__global__ void __launch_bounds__(kThreads, kMinCtas) sk_kernel(const Params p) {
+  __shared__ __align__(128) uint4 xs[2 * kSkTok * int(layout::sk_stage_k(kE<F>) / 8)];
+  sk_cta<F>(p, xs, int(blockIdx.y), int(blockIdx.z), blockIdx.y * gridDim.x + blockIdx.x);
+}
+
+// Up to kSkMany weights of one format over the same A (gemm_many): weight i owns the feature
+// blocks [i ? yend[i - 1] : 0, yend[i]) of grid y; grid z is the largest split (a weight's
+// CTAs past its own split return at once). Each CTA does what the same CTA of the weight's
+// own sk_kernel launch does, its tile's counter at its place in the concatenated grid.
+constexpr int kSkMany = 4;
+struct ManyParams {
+  Params p[kSkMany];
+  int64_t yend[kSkMany];
+  int n;
+};
+
+template <WFmt F>
+__global__ void __launch_bounds__(kThreads, kMinCtas) sk_many_kernel(const __grid_constant__ ManyParams mp) {
+  __shared__ __align__(128) uint4 xs[2 * kSkTok * int(layout::sk_stage_k(kE<F>) / 8)];
+  int i = 0;
+  while (int64_t(blockIdx.y) >= mp.yend[i]) ++i;  // i < n: grid y = yend[n - 1]
+  const Params& p = mp.p[i];
+  if (int(blockIdx.z) >= p.S) return;  // the whole CTA, before any barrier
+  sk_cta<F>(p, xs, int(int64_t(blockIdx.y) - (i ? mp.yend[i - 1] : 0)), int(blockIdx.z),
+            blockIdx.y * gridDim.x + blockIdx.x);
 }
 
 // Groups (the routed experts of decode chunks): grid x = P x 64-feature blocks (projection
@@ -536,6 +564,26 @@ int64_t partial_floats(const WeightView& w, int64_t M) {
   return S > 1 ? int64_t(S) * (M < kRowsPerLaunch ? M : kRowsPerLaunch) * w.N : 0;
 }
 
+namespace {
+// The kernel parameters of one weight's GEMM (a, d, M and arrivals: per launch).
+Params one_weight(const GemmArgs& g) {
+  Params p{};
+  p.lda = g.lda;
+  p.w = g.w;
+  p.vec = detail::rows_aligned16(g.w);
+  p.N = g.w.N;
+  p.K = g.w.K;
+  p.ldd = g.ldd;
+  p.accumulate = g.accumulate;
+  p.partial = g.partial;
+  p.S = splits(g.w);
+  p.fp4 = fp4_global(g.w);
+  p.P = 1;
+  p.to_partial = p.S > 1;
+  return p;
+}
+}  // namespace
+
 void gemm(const GemmArgs& g, cudaStream_t s) {
   const char* op = "cuda::sk::gemm";
   const WeightView& w = g.w;
@@ -548,19 +596,7 @@ void gemm(const GemmArgs& g, cudaStream_t s) {
                     ": a split GEMM needs its partial-sum scratch");
   DFLASH2_CHECK_ARG(w.N <= int64_t(kSkFeatPerCta) * detail::kMaxGridY, op, ": N = ", w.N, " is too large");
   if (g.M == 0 || w.N == 0) return;
-  Params p{};
-  p.lda = g.lda;
-  p.w = w;
-  p.vec = detail::rows_aligned16(w);
-  p.N = w.N;
-  p.K = w.K;
-  p.ldd = g.ldd;
-  p.accumulate = g.accumulate;
-  p.partial = g.partial;
-  p.S = S;
-  p.fp4 = fp4_global(w);
-  p.P = 1;
-  p.to_partial = S > 1;
+  Params p = one_weight(g);
   const unsigned fblocks = unsigned((w.N + kSkFeatPerCta - 1) / kSkFeatPerCta);
   for (int64_t r0 = 0; r0 < g.M; r0 += kRowsPerLaunch) {
     const int64_t m = g.M - r0 < kRowsPerLaunch ? g.M - r0 : kRowsPerLaunch;
@@ -578,6 +614,46 @@ void gemm(const GemmArgs& g, cudaStream_t s) {
       detail::check_launch("sk_gemm split reduction", "[", m, ", ", w.N, "]");
     }
   }
+}
+
+bool gemm_many(const GemmArgs* gs, int n, cudaStream_t s) {
+  if (n < 2 || n > kSkMany) return false;
+  const GemmArgs& g0 = gs[0];
+  const int64_t M = g0.M;
+  if (M <= 0 || M > kRowsPerLaunch) return false;
+  ManyParams mp{};
+  mp.n = n;
+  int64_t yblocks = 0;
+  int max_s = 1;
+  uint32_t* arrivals = nullptr;  // the split weights' counters: one array for the whole grid
+  for (int i = 0; i < n; ++i) {
+    const GemmArgs& g = gs[i];
+    const WeightView& w = g.w;
+    if (w.fmt != g0.w.fmt || g.a != g0.a || g.lda != g0.lda || g.M != M || w.N <= 0 || w.K <= 0) return false;
+    if (!detail::aligned(g.a, 16) || g.lda % 8 != 0 || g.lda < a_width(w.fmt, w.K)) return false;
+    const int S = splits(w);
+    if (S > 1 && (g.partial == nullptr || !detail::aligned(g.partial, 16) || g.arrivals == nullptr ||
+                  (arrivals != nullptr && g.arrivals != arrivals)))
+      return false;
+    if (S > 1) arrivals = g.arrivals;
+    Params& p = mp.p[i];
+    p = one_weight(g);
+    p.a = g.a;
+    p.d = g.d;
+    p.M = M;
+    p.arrivals = S > 1 ? g.arrivals : nullptr;  // each split tile's last CTA adds its sums
+    yblocks += (w.N + kSkFeatPerCta - 1) / kSkFeatPerCta;
+    mp.yend[i] = yblocks;
+    max_s = S > max_s ? S : max_s;
+  }
+  const dim3 grid(unsigned((M + kSkTok - 1) / kSkTok), unsigned(yblocks), unsigned(max_s));
+  if (yblocks > detail::kMaxGridY || (arrivals != nullptr && !counters_cover(grid, arrivals))) return false;
+  detail::with_format(g0.w.fmt, [&](auto f) {
+    constexpr WFmt F = decltype(f)::value;
+    sk_many_kernel<F><<<grid, kThreads, 0, s>>>(mp);
+  });
+  detail::check_launch("sk_gemm many kernel launch", "[", M, ", ", n, " weights, ", g0.w.K, "]");
+  return true;
 }
 
 int64_t gated_partial_floats(const WeightView& gate, int64_t M) {

@@ -52,6 +52,11 @@ int64_t partial_floats(const detail::WeightView& w, int64_t M);
 // Queues the GEMM on `s` (no host synchronization, no allocation: graph-safe). Throws
 // InvalidArgument on arguments the kernel cannot take.
 void gemm(const GemmArgs& g, cudaStream_t s);
+// gs[0 .. n) (2 <= n <= 4: one format, one A and lda, M <= 256 rows) as one launch, each
+// weight's results bitwise its own gemm's (a split weight's partial sums in its own scratch;
+// the split weights share one arrival counter array, covering the whole grid). False (nothing
+// queued) where they cannot: the caller runs gemm on each.
+bool gemm_many(const GemmArgs* gs, int n, cudaStream_t s);
 
 // A gated MLP's first half for generated tokens (ops::gated_mlp with BF16 numerics, decode):
 //   h[m, n] = bf16(silu(sum_k a[m, k] bf16(W_gate[n, k])) * sum_k a[m, k] bf16(W_up[n, k]))

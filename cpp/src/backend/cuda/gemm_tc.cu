@@ -32,6 +32,7 @@
 #include <algorithm>
 #include <cstdint>
 #include <string>
+#include <vector>
 
 #include "backend/cuda/cuda_api.h"
 #include "backend/cuda/cuda_check.cuh"
@@ -49,6 +50,7 @@
 #include "backend/cuda/scratch.h"
 #include "backend/cuda/weight_view.cuh"
 #include "dflash2/error.h"
+#include "ops/backend.h"
 
 namespace dflash2::cuda {
 
@@ -373,7 +375,8 @@ WeightView check_tc_args(const Tensor& x, const ops::Weight& w, const Tensor& y,
 namespace {
 // ys[i] (+)= x W_i^T for the n weights vs (views, K = x's columns) on the skinny kernel of
 // generated tokens (gemm_sk.h): x rounded to BF16 once for all of them (as wide as the widest
-// weight's k-stages), then each weight's GEMM (its split's last CTAs add the partial sums).
+// weight's k-stages), then the GEMMs (a split's last CTAs add its partial sums), up to four
+// of one format in one launch (sk::gemm_many) where their outputs are disjoint.
 // linear_bf16's decode path (n = 1) and linear_bf16_decode_many.
 void sk_linears(const Tensor& x, const WeightView* vs, Tensor* const* ys, size_t n, bool accumulate, int device,
                 cudaStream_t st) {
@@ -381,16 +384,18 @@ void sk_linears(const Tensor& x, const WeightView* vs, Tensor* const* ys, size_t
   int64_t lda = 8, p_floats = 0;
   for (size_t i = 0; i < n; ++i) {
     lda = std::max(lda, sk::a_width(vs[i].fmt, K));
-    p_floats = std::max(p_floats, sk::partial_floats(vs[i], M));
+    p_floats += round_up(sk::partial_floats(vs[i], M), 4);  // each weight its own (16-byte aligned)
   }
   const int64_t a_bytes = round_up(M * lda * 2, 256);
   uint8_t* base = static_cast<uint8_t*>(detail::scratch(device, size_t(a_bytes + p_floats * 4)));
   __nv_bfloat16* a16 = reinterpret_cast<__nv_bfloat16*>(base);
   dq::rows_bf16(dq::RowsFrom::Plain, x.data_as<const float>(), nullptr, x.stride(0), nullptr, 1, nullptr, M, K, lda,
                 a16, st);
+  std::vector<sk::GemmArgs> gs(n);
+  float* partial = reinterpret_cast<float*>(base + a_bytes);
   for (size_t i = 0; i < n; ++i) {
-    const bool split = sk::partial_floats(vs[i], M) > 0;
-    sk::GemmArgs g;
+    const int64_t pf = sk::partial_floats(vs[i], M);
+    sk::GemmArgs& g = gs[i];
     g.a = a16;
     g.lda = lda;
     g.w = vs[i];
@@ -398,9 +403,33 @@ void sk_linears(const Tensor& x, const WeightView* vs, Tensor* const* ys, size_t
     g.d = ys[i]->data_as<float>();
     g.ldd = M > 1 ? ys[i]->stride(0) : vs[i].N;
     g.accumulate = accumulate;
-    g.partial = split ? reinterpret_cast<float*>(base + a_bytes) : nullptr;
-    g.arrivals = split ? detail::zeroed_counters(device) : nullptr;
-    sk::gemm(g, st);
+    g.partial = pf > 0 ? partial : nullptr;
+    g.arrivals = pf > 0 ? detail::zeroed_counters(device) : nullptr;
+    partial += round_up(pf, 4);
+  }
+  // up to 4 of one format in one launch where the skinny kernel can (one row chunk), in any
+  // order: only where no output shares an element with another (else one by one, in order)
+  bool disjoint = n > 1 && ops::fused_launches();
+  for (size_t i = 0; i < n && disjoint; ++i)
+    for (size_t j = 0; j < i && disjoint; ++j) disjoint = layout::views_disjoint(*ys[i], *ys[j]);
+  std::vector<bool> done(n, !disjoint);
+  if (!disjoint)
+    for (size_t i = 0; i < n; ++i) sk::gemm(gs[i], st);
+  for (size_t i = 0; i < n; ++i) {
+    if (done[i]) continue;
+    std::vector<sk::GemmArgs> group;
+    std::vector<size_t> idx;
+    for (size_t j = i; j < n && group.size() < 4; ++j)
+      if (!done[j] && gs[j].w.fmt == gs[i].w.fmt) {
+        group.push_back(gs[j]);
+        idx.push_back(j);
+      }
+    if (group.size() > 1 && sk::gemm_many(group.data(), int(group.size()), st)) {
+      for (size_t j : idx) done[j] = true;
+      continue;
+    }
+    sk::gemm(gs[i], st);
+    done[i] = true;
   }
 }
 }  // namespace
