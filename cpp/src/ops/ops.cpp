@@ -292,8 +292,8 @@ void layer_norm(const Tensor& x, const Tensor& w, const Tensor& b, float eps, Te
   DFLASH2_DISPATCH(layer_norm, x, x, w, b, eps, out);
 }
 
-void rope(Tensor& x, const Tensor& positions, double theta, RopeStyle style) {
-  const char* op = "rope";
+namespace {
+void check_rope(const Tensor& x, const Tensor& positions, double theta, const char* op) {
   need_dtype(x, DType::F32, op, "x");
   need_index(positions, op, "positions");
   DFLASH2_CHECK_ARG(x.ndim() == 3, op, ": x must be [tokens, heads, dim], found ", x.describe());
@@ -302,6 +302,11 @@ void rope(Tensor& x, const Tensor& positions, double theta, RopeStyle style) {
                     x.shape(0), "], found ", positions.describe());
   DFLASH2_CHECK_ARG(theta > 0, op, ": theta must be > 0, found ", theta);
   same_device(x, positions, op);
+}
+}  // namespace
+
+void rope(Tensor& x, const Tensor& positions, double theta, RopeStyle style) {
+  check_rope(x, positions, theta, "rope");
   DFLASH2_DISPATCH(rope, x, x, positions, theta, style);
 }
 
@@ -310,16 +315,7 @@ void rope_many(const std::vector<Tensor*>& xs, const Tensor& positions, double t
   if (xs.empty()) return;
   if (xs.size() > 1 && fused_launches()) {
     if (auto fn = backend_table(xs[0]->device()).rope_many) {
-      for (Tensor* x : xs) {  // rope's checks, each tensor
-        need_dtype(*x, DType::F32, "rope_many", "x");
-        DFLASH2_CHECK_ARG(x->ndim() == 3, "rope_many: x must be [tokens, heads, dim], found ", x->describe());
-        DFLASH2_CHECK_ARG(x->shape(2) % 2 == 0, "rope_many: the rotary dim must be even, found ", x->shape(2));
-        DFLASH2_CHECK_ARG(positions.defined() && positions.ndim() == 1 && positions.shape(0) == x->shape(0),
-                          "rope_many: positions must be [", x->shape(0), "], found ", positions.describe());
-        same_device(*x, positions, "rope_many");
-      }
-      need_index(positions, "rope_many", "positions");
-      DFLASH2_CHECK_ARG(theta > 0, "rope_many: theta must be > 0, found ", theta);
+      for (Tensor* x : xs) check_rope(*x, positions, theta, "rope_many");
       bool done = false;
       fn(xs, positions, theta, style, done);
       if (done) return;
@@ -671,8 +667,8 @@ void fp8_quantize_act(const Tensor& x, Tensor& out) {
 }
 
 // ------------------------------------------------------------------ paged caches
-void cache_write(const Tensor& src, const Tensor& slots, Tensor& cache) {
-  const char* op = "cache_write";
+namespace {
+void check_cache_write(const Tensor& src, const Tensor& slots, const Tensor& cache, const char* op) {
   need_2d_rows(src, DType::F32, op, "src");
   need_2d_rows(cache, cache.defined() && cache.dtype() == DType::BF16 ? DType::BF16 : DType::F32, op, "cache");
   need_i32_vec(slots, src.shape(0), op, "slots");
@@ -680,6 +676,11 @@ void cache_write(const Tensor& src, const Tensor& slots, Tensor& cache) {
                     " values but cache rows have ", cache.shape(1));
   same_device(src, slots, op);
   same_device(src, cache, op);
+}
+}  // namespace
+
+void cache_write(const Tensor& src, const Tensor& slots, Tensor& cache) {
+  check_cache_write(src, slots, cache, "cache_write");
   DFLASH2_DISPATCH(cache_write, src, src, slots, cache);
 }
 
@@ -692,17 +693,7 @@ void cache_write_many(const std::vector<const Tensor*>& srcs, const Tensor& slot
   if (srcs.empty()) return;
   if (srcs.size() > 1 && fused_launches()) {
     if (auto fn = backend_table(srcs[0]->device()).cache_write_many) {
-      const char* op = "cache_write_many";
-      for (size_t i = 0; i < srcs.size(); ++i) {  // cache_write's checks, each pair
-        const Tensor &src = *srcs[i], &cache = *caches[i];
-        need_2d_rows(src, DType::F32, op, "src");
-        need_2d_rows(cache, cache.dtype() == DType::BF16 ? DType::BF16 : DType::F32, op, "cache");
-        need_i32_vec(slots, src.shape(0), op, "slots");
-        DFLASH2_CHECK_ARG(src.shape(1) == cache.shape(1), op, ": src rows have ", src.shape(1),
-                          " values but cache rows have ", cache.shape(1));
-        same_device(src, slots, op);
-        same_device(src, cache, op);
-      }
+      for (size_t i = 0; i < srcs.size(); ++i) check_cache_write(*srcs[i], slots, *caches[i], "cache_write_many");
       bool done = false;
       fn(srcs, slots, caches, done);
       if (done) return;

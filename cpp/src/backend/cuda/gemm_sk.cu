@@ -59,6 +59,7 @@
 #include "backend/cuda/scratch.h"
 #include "backend/cuda/weight_view.cuh"
 #include "dflash2/error.h"
+#include "ops/backend.h"
 
 namespace dflash2::cuda::sk {
 
@@ -414,9 +415,9 @@ __device__ __forceinline__ void finish_tile(const Params& p, uint32_t slot, int 
 
 // A CTA of one weight's GEMM: token tile blockIdx.x (grid x = token tiles, fastest, so the
 // CTAs reading one weight slice run together and share it through L2), feature block fb,
-// split z; `slot`: its tile's arrival counter.
+// split z; `slot`: its tile's arrival counter, which `expected` CTAs count up.
 template <WFmt F>
-__device__ __forceinline__ void sk_cta(const Params& p, uint4* xs, int fb, int z, uint32_t slot) {
+__device__ __forceinline__ void sk_cta(const Params& p, uint4* xs, int fb, int z, uint32_t slot, int expected) {
   const int64_t m0 = int64_t(blockIdx.x) * kSkTok;
   const int64_t f0 = int64_t(fb) * kSkFeatPerCta + int64_t(threadIdx.x >> 5) * kSkFeat;
   const bool active = f0 < p.N;  // warp-uniform: warps past N only stage x and meet the barriers
@@ -427,25 +428,29 @@ __device__ __forceinline__ void sk_cta(const Params& p, uint4* xs, int fb, int z
               layout::sk_split_begin(stages, p.S, z + 1), xs, acc);
   if (active) tile_store(p, acc, m0, rows, f0, z, p.proj);
   if (p.arrivals == nullptr) return;
-  finish_tile(p, slot, p.S, m0, rows, fb);
+  finish_tile(p, slot, expected, m0, rows, fb);
 }
 
 // One weight: grid x = token tiles of this launch, y = 64-feature blocks, z = splits.
 template <WFmt F>
 __global__ void __launch_bounds__(kThreads, kMinCtas) sk_kernel(const Params p) {
   __shared__ __align__(128) uint4 xs[2 * kSkTok * int(layout::sk_stage_k(kE<F>) / 8)];
-  sk_cta<F>(p, xs, int(blockIdx.y), int(blockIdx.z), blockIdx.y * gridDim.x + blockIdx.x);
+  sk_cta<F>(p, xs, int(blockIdx.y), int(blockIdx.z), blockIdx.y * gridDim.x + blockIdx.x, p.S);
 }
 
 // Up to kSkMany weights of one format over the same A (gemm_many): weight i owns the feature
 // blocks [i ? yend[i - 1] : 0, yend[i]) of grid y; grid z is the largest split (a weight's
 // CTAs past its own split return at once). Each CTA does what the same CTA of the weight's
 // own sk_kernel launch does, its tile's counter at its place in the concatenated grid.
+// shared (gated: gate and up, one shape and split, one partial buffer [S][M][2][N]): a
+// (token tile, feature block)'s counter is shared by the n weights' n x S CTAs, and the last
+// of them writes the tile (bf16(silu(gate) * up)), as up's last CTAs did after gate's launch.
 constexpr int kSkMany = 4;
 struct ManyParams {
   Params p[kSkMany];
   int64_t yend[kSkMany];
   int n;
+  bool shared;
 };
 
 template <WFmt F>
@@ -455,8 +460,9 @@ __global__ void __launch_bounds__(kThreads, kMinCtas) sk_many_kernel(const __gri
   while (int64_t(blockIdx.y) >= mp.yend[i]) ++i;  // i < n: grid y = yend[n - 1]
   const Params& p = mp.p[i];
   if (int(blockIdx.z) >= p.S) return;  // the whole CTA, before any barrier
-  sk_cta<F>(p, xs, int(int64_t(blockIdx.y) - (i ? mp.yend[i - 1] : 0)), int(blockIdx.z),
-            blockIdx.y * gridDim.x + blockIdx.x);
+  const int fb = int(int64_t(blockIdx.y) - (i ? mp.yend[i - 1] : 0));
+  const uint32_t slot = (mp.shared ? uint32_t(fb) : blockIdx.y) * gridDim.x + blockIdx.x;
+  sk_cta<F>(p, xs, fb, int(blockIdx.z), slot, mp.shared ? p.S * mp.n : p.S);
 }
 
 // Groups (the routed experts of decode chunks): grid x = P x 64-feature blocks (projection
@@ -689,6 +695,31 @@ void gated(const GatedArgs& g, cudaStream_t s) {
     // up's last CTAs write h (gate's partial sums are in: the launch before) where the
     // counters cover the grid; else a reduction kernel after both
     const bool fused = counters_cover(grid, g.arrivals);
+    if (fused && ops::fused_launches() && 2 * int64_t(fblocks) <= detail::kMaxGridY) {
+      // gate and up in one launch, each tile's last CTA of the 2 x S writing h
+      ManyParams mp{};
+      mp.n = 2;
+      mp.shared = true;
+      for (int j = 0; j < 2; ++j) {
+        Params& q = mp.p[j];
+        q = p;
+        q.w = j ? wu : wg;
+        q.vec = detail::rows_aligned16(q.w);
+        q.fp4 = fp4_global(q.w);
+        q.proj = j;
+        q.arrivals = g.arrivals;
+        q.silu = g.h + r0 * g.ldh;
+        q.ld_silu = g.ldh;
+        mp.yend[j] = int64_t(fblocks) * (j + 1);
+      }
+      const dim3 grid2(grid.x, 2 * fblocks, grid.z);
+      detail::with_format(wg.fmt, [&](auto f) {
+        constexpr WFmt F = decltype(f)::value;
+        sk_many_kernel<F><<<grid2, kThreads, 0, s>>>(mp);
+      });
+      detail::check_launch("sk_gemm gated kernel launch (gate | up)", " [", m, ", ", wg.N, ", ", wg.K, "]");
+      continue;
+    }
     for (int j = 0; j < 2; ++j) {  // gate, then up: partial [S][m][2][N]
       p.w = j ? wu : wg;
       p.vec = detail::rows_aligned16(p.w);
