@@ -14,7 +14,10 @@ host shares (the request stats' draft_s, verify_s, host_s), and in greedy mode e
 runs once more with cuda_graphs=False in the same run: tok/s with and without CUDA graphs,
 their ratio, whether the outputs are equal, and the engine's graph counters; dflash2
 also runs once more with draft_gemm="exact" when its drafter took the tensor
-cores ("auto"): tok/s of both, their ratio, and whether that run is lossless too.
+cores ("auto"): tok/s of both, their ratio, and whether that run is lossless too; ar and
+dflash2 also run once more with the fused launches off (ops.set_fused_launches(False): the
+ops a layer runs several of side by side, one kernel each): tok/s both ways, their ratio,
+whether the outputs are equal.
 
 Held-out prompts: 128-token windows (seeded) of the held-out stdlib files (every 20th file,
 see dflash2_rt.train.corpus), tokenized with the pair's tokenizer.
@@ -107,6 +110,19 @@ def main(argv=None):
                 st["graphs_equal_eager"] = eo == outs
                 print(f"{'':12s} {m:8s} eager {es['tokens_per_second']:.1f} tok/s: graphs x{st['graphs_speedup']:.2f}, "
                       f"equal {st['graphs_equal_eager']}, {st['cuda_graphs']}", flush=True)
+            if temp == 0 and a.device != "cpu" and m in ("ar", "dflash2"):
+                # the same requests with the fused launches off (bench/launch_count.py counts them), same run
+                was = dflash2_rt.ops.fused_launches()
+                dflash2_rt.ops.set_fused_launches(False)
+                try:
+                    fo, fs = run_method(m, prompts, a.new, a.threads, temp, top_p, a.seed, a.device)
+                finally:
+                    dflash2_rt.ops.set_fused_launches(was)
+                st["tokens_per_second_one_by_one"] = fs["tokens_per_second"]
+                st["fused_launches_speedup"] = st["tokens_per_second"] / fs["tokens_per_second"]
+                st["fused_equal_one_by_one"] = fo == outs
+                print(f"{'':12s} {m:8s} one by one {fs['tokens_per_second']:.1f} tok/s: fused launches "
+                      f"x{st['fused_launches_speedup']:.2f}, equal {st['fused_equal_one_by_one']}", flush=True)
             if temp == 0 and a.device != "cpu" and m == "dflash2" and st["draft_gemm"] != "exact":
                 # the drafter's exact GEMMs (draft_gemm="exact"), same requests, same run
                 xo, xs = run_method(m, prompts, a.new, a.threads, temp, top_p, a.seed, a.device, draft_gemm="exact")

@@ -7,8 +7,9 @@ own launch code and counts every kernel it runs (``EMU_PROFILE``), so the count 
 is exact without a GPU. Each row runs AR decoding on the tiny fixture (4 layers: one
 dense, three MoE, every layer with its indexer) twice, for 3 and 7 new tokens, and divides
 the difference by the 4 extra steps; ``fused`` is this build's default, ``one by one``
-the same engine with ``DFLASH2_FUSED_LAUNCHES=0`` (rope_many, cache_write_many and
-linear_many, exact and skinny BF16, take their ops one by one), measured in the same run.
+the same engine with ``DFLASH2_FUSED_LAUNCHES=0`` (rope_many, cache_write_many, rms_norm_many,
+linear_many, exact and skinny BF16, and the gated MLP's gate / up / silu_mul take their ops
+one by one), measured in the same run.
 
     DFLASH2_RT_CORE_DIR=build/emu PYTHONPATH=python python bench/launch_count.py
     ... --gemm exact,bf16 --tp 1,2 --by-kernel

@@ -639,6 +639,97 @@ def test_rms_norm(dev, wdtype):
         check("rms_norm", out.result(), refs.rms_norm(x, wref, 1e-5))
 
 
+@pytest.mark.parametrize("dev", DEVICES)
+def test_rms_norm_many(dev):
+    """rms_norm_many: a layer's q_a and latent norms (the latent a column slice of a wider
+    projection), the drafter's per-head q / k norms in place, a 6144-wide row: each output
+    bitwise the rms_norm call it stands for (on CUDA one kernel whose block is the widest
+    item's: the narrower items' extra threads add zeros), and within float rounding of the
+    float64 reference. Items of another weight dtype, or an output that is another item's
+    input, take rms_norm one by one, in order."""
+    need_device(dev, "rms_norm")
+    rng = rng_for("rms-many")
+    t = 3
+    qa = (rng.standard_normal((t, 1536)) * 2).astype(np.float32)
+    kva = rng.standard_normal((t, 576)).astype(np.float32)       # [latent 512 | k_pe 64]
+    q = rng.standard_normal((t, 4, 128)).astype(np.float32)
+    wide = rng.standard_normal((t, 6144)).astype(np.float32)
+    odd = rng.standard_normal((t, 37)).astype(np.float32)        # element-by-element access
+    w = {n: rng.standard_normal(n).astype(np.float32) for n in (1536, 512, 128, 6144, 37)}
+    wb = refs.bf16_round(w[512])
+
+    def run(many, case):
+        xs = [to_dev(a.copy(), dev) for a in (qa, kva, q, wide, odd)]
+        qa_d, kva_d, q_d, wide_d, odd_d = xs
+        outs = [to_dev(np.zeros(shape, np.float32), dev)
+                for shape in ((t, 1536), (t, 512), (t, 6144), (t, 37), (t, 37))]
+        items = {"layer": [(qa_d, w[1536], 1e-6, outs[0]), (kva_d.slice(1, 0, 512), w[512], 1e-6, outs[1]),
+                           (q_d, w[128], 1e-5, q_d), (wide_d, w[6144], 1e-6, outs[2])],
+                 "odd": [(odd_d, w[37], 1e-6, outs[3]), (kva_d.slice(1, 1, 38), w[37], 1e-6, outs[4])],
+                 "mixed_access": [(odd_d, w[37], 1e-6, outs[3]), (qa_d, w[1536], 1e-6, outs[0])],
+                 "wdtype": [(qa_d, w[1536], 1e-6, outs[0]), (kva_d.slice(1, 0, 512), wb, 1e-6, outs[1])],
+                 "chained": [(qa_d, w[1536], 1e-6, outs[0]), (outs[0], w[1536], 1e-6, outs[0])]}[case]
+        ws = [to_dev(np.asarray(it[1]), dev) if isinstance(it[1], np.ndarray) else to_dev(it[1], dev)
+              for it in items]
+        if many:
+            ops.rms_norm_many([it[0] for it in items], ws, [it[2] for it in items], [it[3] for it in items])
+        else:
+            for it, wd in zip(items, ws):
+                ops.rms_norm(it[0], wd, it[2], out=it[3])
+        return [to_np(b) for b in xs + outs]
+
+    for case in ("layer", "odd", "mixed_access", "wdtype", "chained"):
+        got, want = run(True, case), run(False, case)
+        for g, wt in zip(got, want):
+            assert np.array_equal(g.view(np.uint32), wt.view(np.uint32)), case
+    got = run(True, "layer")
+    check("rms_norm", got[5], refs.rms_norm(qa, w[1536], 1e-6))
+    check("rms_norm", got[6], refs.rms_norm(kva[:, :512], w[512], 1e-6))
+    check("rms_norm", got[2], refs.rms_norm(q, w[128], 1e-5))
+    check("rms_norm", got[7], refs.rms_norm(wide, w[6144], 1e-6))
+    with pytest.raises(ValueError, match="2 inputs, 1 weights"):
+        ops.rms_norm_many([to_dev(qa, dev), to_dev(qa, dev)], [to_dev(w[1536], dev)], [1e-6, 1e-6],
+                          [to_dev(qa.copy(), dev), to_dev(qa.copy(), dev)])
+    with pytest.raises(ValueError, match=r"w must be \[512\]"):
+        ops.rms_norm_many([to_dev(qa, dev), to_dev(kva[:, :512].copy(), dev)],
+                          [to_dev(w[1536], dev), to_dev(w[128], dev)], [1e-6, 1e-6],
+                          [to_dev(qa.copy(), dev), to_dev(kva[:, :512].copy(), dev)])
+
+
+@pytest.mark.parametrize("dev", DEVICES)
+def test_fused_launches_switch(dev):
+    """ops.set_fused_launches: off, rms_norm_many and the exact gated MLP take their ops one by
+    one (CUDA: separate kernels), with the same bits as on; the switch reads back."""
+    need_device(dev, "linear")
+    rng = rng_for("fused-switch")
+    xs = [rng.standard_normal((2, n)).astype(np.float32) for n in (1536, 512)]
+    ws = [rng.standard_normal(n).astype(np.float32) for n in (1536, 512)]
+    wg, _ = make_weight("fp8", 64, 2048, rng)
+    wu, _ = make_weight("fp8", 64, 2048, rng)
+    wd, _ = make_weight("bf16", 32, 64, rng)
+    on = (lambda w: w) if dev == "cpu" else (lambda w: w.to(dev))
+    x = to_dev(rng.standard_normal((3, 2048)).astype(np.float32), dev)
+
+    def run():
+        outs = [to_dev(np.zeros_like(a), dev) for a in xs]
+        ops.rms_norm_many([to_dev(a, dev) for a in xs], [to_dev(w, dev) for w in ws], [1e-6, 1e-6], outs)
+        return [to_np(o) for o in outs] + [to_np(ops.gated_mlp(x, on(wg), on(wu), on(wd), numerics="exact"))]
+
+    was = ops.fused_launches()
+    try:
+        ops.set_fused_launches(True)
+        assert ops.fused_launches()
+        fused = run()
+        ops.set_fused_launches(False)
+        assert not ops.fused_launches()
+        single = run()
+    finally:
+        ops.set_fused_launches(was)
+    assert ops.fused_launches() == was
+    for f, o in zip(fused, single):
+        assert np.array_equal(f.view(np.uint32), o.view(np.uint32))
+
+
 def test_rms_norm_3d_and_strided_rows():
     rng = rng_for("rms3d")
     xb = rng.standard_normal((3, 4, 80)).astype(np.float32)
@@ -933,6 +1024,35 @@ def test_linear_many_one_launch(dev, numerics, fmt):
             assert np.array_equal(to_np(g).view(np.uint32), want.view(np.uint32)), (m, w.out_features)
             if numerics == "exact":
                 check("linear", to_np(g), xn.astype(np.float64) @ wref.T)
+
+
+@pytest.mark.parametrize("dev", DEVICES)
+@pytest.mark.parametrize("fmt", ["bf16", "fp8", "nvfp4", "f32"])
+def test_gated_mlp_exact_one_launch(dev, fmt):
+    """gated_mlp with exact numerics (a dense MLP or shared expert with decode_gemm='exact'):
+    bitwise linear(gate), linear(up), silu_mul and linear(down) one by one (on CUDA gate, up and
+    silu_mul are one launch of the many-GEMM kernel: gate's and up's blocks of a column block
+    count on one counter and the last writes silu(gate) * up). K = 4096 with 96 features
+    (K split over blocks), K = 256 with 1000 features (several column groups per block, a
+    tail), 1 / 7 rows, 300 rows (one by one: over the kernel's 256), gate and up of different
+    formats (one by one)."""
+    need_device(dev, "linear")
+    rng = rng_for("mlp-exact-one-launch", fmt)
+    on = (lambda w: w) if dev == "cpu" else (lambda w: w.to(dev))
+    for d, f, up_fmt in ((4096, 96, fmt), (256, 1000, fmt), (1024, 64, "bf16" if fmt != "bf16" else "fp8")):
+        wg, rg = make_weight(fmt, f, d, rng)
+        wu, ru = make_weight(up_fmt, f, d, rng)
+        wd, _ = make_weight("bf16", 40, f, rng)
+        for m in (1, 7, 300) if d == 256 else (1, 7):
+            xn = rng.standard_normal((m, d)).astype(np.float32)
+            x = to_dev(xn, dev)
+            got = to_np(ops.gated_mlp(x, on(wg), on(wu), on(wd), numerics="exact"))
+            h = ops.silu_mul(ops.linear(x, on(wg)), ops.linear(x, on(wu)))
+            want = to_np(ops.linear(h, on(wd)))
+            assert np.array_equal(got.view(np.uint32), want.view(np.uint32)), (d, f, m, np.abs(got - want).max())
+            if m == 1:
+                x64 = xn.astype(np.float64)
+                check("gated_mlp", got, refs.silu_mul(x64 @ rg.T, x64 @ ru.T) @ np.from_dlpack(wd.dequantize()).T)
 
 
 @pytest.mark.parametrize("dev", DEVICES)

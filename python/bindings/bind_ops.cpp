@@ -152,6 +152,12 @@ void bind_ops(py::module_& m) {
       "y = bf16(x) @ bf16(W)^T, fp32 accumulation: the tensor-core numerics of prompt tokens (CUTLASS on sm_90a / "
       "sm_100a / sm_103a, emulated on the CPU); decode=True: the kernel of generated tokens' few rows (CUDA: the "
       "skinny split-K GEMM, same numerics; the CPU has one kernel).");
+  o.def("fused_launches", &ops::fused_launches,
+        "Whether ops that run several of one kind (rope_many, rms_norm_many, linear_many, ...) take one kernel "
+        "for them on CUDA (starts on unless DFLASH2_FUSED_LAUNCHES=0).");
+  o.def("set_fused_launches", &ops::set_fused_launches, py::arg("on"),
+        "Sets fused_launches() for the ops issued from now on (engines built later capture their CUDA graphs with "
+        "it): the same results either way; for an A/B of the kernel counts in one process.");
   o.def("linear_bf16_available", [](const std::string& dev) { return ops::linear_bf16_available(Device::parse(dev)); },
         py::arg("device"), "Whether linear_bf16 runs on this device in this build.");
   bind_linear("linear_fp8", &ops::linear_fp8,
@@ -180,6 +186,28 @@ void bind_ops(py::module_& m) {
         return ot;
       },
       py::arg("x"), py::arg("w"), py::arg("eps") = 1e-6f, py::arg("out") = py::none());
+
+  o.def(
+      "rms_norm_many",
+      [](const py::list& xs, const py::list& ws, const std::vector<float>& eps, const py::list& outs) {
+        std::vector<Tensor> xt, wt, ot;
+        for (size_t i = 0; i < xs.size(); ++i) xt.push_back(tensor_from_python(xs[i], "xs[i]"));
+        for (size_t i = 0; i < ws.size(); ++i) wt.push_back(tensor_from_python(ws[i], "ws[i]"));
+        for (size_t i = 0; i < outs.size(); ++i) ot.push_back(tensor_from_python(outs[i], "outs[i]"));
+        std::vector<const Tensor*> xp, wp;
+        std::vector<Tensor*> op;
+        for (Tensor& t : xt) xp.push_back(&t);
+        for (Tensor& t : wt) wp.push_back(&t);
+        for (Tensor& t : ot) op.push_back(&t);
+        {
+          ReleaseGil nogil;
+          ops::rms_norm_many(xp, wp, eps, op);
+        }
+        return outs;
+      },
+      py::arg("xs"), py::arg("ws"), py::arg("eps"), py::arg("outs"),
+      "rms_norm(xs[i], ws[i], eps[i], out=outs[i]) for every i (one kernel on CUDA where their dtypes agree and no "
+      "output shares an element with another's input or output); returns outs.");
 
   o.def(
       "layer_norm",

@@ -180,8 +180,23 @@ void linear_as_many(GemmNumerics g, const Tensor& x, const std::vector<const Wei
 // passed through as NaN here (check_finite catches it downstream).
 void nvfp4_quantize_act(const Tensor& x, float input_scale, Tensor& out);
 
+// Whether the ops that run several of one kind as one kernel do so (rope_many,
+// cache_write_many, rms_norm_many, linear_as_many: exact and the skinny BF16 kernel's, the
+// exact gated_mlp's gate / up / silu_mul); off, they take them one by one -- the same
+// results. Starts on unless the environment has DFLASH2_FUSED_LAUNCHES=0: a switch to isolate
+// those kernels, and the baseline of bench/launch_count.py.
+bool fused_launches();
+// Sets what fused_launches() returns from now on (ops.set_fused_launches: an A/B of the same
+// engine kind in one process; an engine's CUDA graphs keep what they captured).
+void set_fused_launches(bool on);
+
 // out = w * x / sqrt(mean(x^2) + eps) per row (last dim); x, out F32 [.., D]; w F32/BF16/F16 [D].
 void rms_norm(const Tensor& x, const Tensor& w, float eps, Tensor& out);
+// rms_norm(*xs[i], *ws[i], eps[i], *outs[i]) for every i: the same results, bit for bit; the
+// CUDA backend runs up to four as one kernel when their dtypes agree and no output shares an
+// element with another's input or output (a layer's q_a / kv_a norms, the drafter's q / k norms).
+void rms_norm_many(const std::vector<const Tensor*>& xs, const std::vector<const Tensor*>& ws,
+                   const std::vector<float>& eps, const std::vector<Tensor*>& outs);
 // out = (x - mean) / sqrt(var + eps) * w + b per row; b may be undefined (no bias).
 void layer_norm(const Tensor& x, const Tensor& w, const Tensor& b, float eps, Tensor& out);
 

@@ -399,8 +399,7 @@ void DFlashDrafter::draft_rows(const TokenBatch& batch, const std::vector<Tensor
     }
     Tensor q2 = q.reshape({T, nh * hd}), k2 = kb.reshape({T, kvh * hd}), v2 = vb.reshape({T, kvh * hd});
     ops::linear_as_many(gemm_, y, {&L.q, &L.k, &L.v}, {&q2, &k2, &v2}, /*decode=*/true);
-    ops::rms_norm(q, L.q_norm, c.rms_norm_eps, q);
-    ops::rms_norm(kb, L.k_norm, c.rms_norm_eps, kb);
+    ops::rms_norm_many({&q, &kb}, {&L.q_norm, &L.k_norm}, {c.rms_norm_eps, c.rms_norm_eps}, {&q, &kb});
     ops::rope_many({&q, &kb}, batch.paged.pos, c.rope_theta, ops::RopeStyle::NeoX);
     ba.window = c.window[size_t(l)];
     ops::block_attention(q, kb, vb, kv_layers[size_t(l)], batch.ctx_len, batch.paged.block_table, ba, att);

@@ -515,7 +515,9 @@ void GlmModel::layer_forward(const Layer& L, const Tensor& latent, const Tensor&
     ys.insert(ys.end(), {&b.kI0, &b.wI});
   }
   ops::linear_as_many(tc, b.x, ws, ys, decode);
-  ops::rms_norm(b.qa, a.q_a_norm, 1e-6f, b.cq);
+  // q_a's and the latent's norms in one op (one kernel on CUDA)
+  Tensor kv_lat = b.kva.slice(1, 0, kvl);
+  ops::rms_norm_many({&b.qa, &kv_lat}, {&a.q_a_norm, &a.kv_a_norm}, {1e-6f, 1e-6f}, {&b.cq, &b.c});  // c = RMS(latent)
   ws.assign({&a.q_b});
   ys.assign({&b.q});
   if (a.indexer) {
@@ -525,7 +527,6 @@ void GlmModel::layer_forward(const Layer& L, const Tensor& latent, const Tensor&
   ops::linear_as_many(tc, b.cq, ws, ys, decode);
   Tensor q3 = b.q.reshape({T, nh, qk});
   Tensor q_nope = q3.slice(2, 0, nope), q_pe = q3.slice(2, nope, qk);
-  ops::rms_norm(b.kva.slice(1, 0, kvl), a.kv_a_norm, 1e-6f, b.c);  // c = RMS(latent)
   Tensor k_pe = b.kva.slice(1, kvl, lat).unsqueeze(1);
   Tensor qI_rope, kI_rope;
   if (a.indexer) {  // the indexer's keys: LayerNorm, then RoPE on their first `rope` dims
@@ -740,8 +741,7 @@ void GlmModel::mtp_forward(const TokenBatch& tb, const Tensor& h_main, const Glm
   Tensor e = b.ao;  // free until the layer runs
   embed(mtp_embed_, tb, e);
   Tensor cat_e = b.cat.slice(1, 0, H), cat_h = b.cat.slice(1, H, 2 * H);
-  ops::rms_norm(e, mtp_enorm_, c.rms_norm_eps, cat_e);
-  ops::rms_norm(h_main, mtp_hnorm_, c.rms_norm_eps, cat_h);
+  ops::rms_norm_many({&e, &h_main}, {&mtp_enorm_, &mtp_hnorm_}, {c.rms_norm_eps, c.rms_norm_eps}, {&cat_e, &cat_h});
   Tensor h = b.h;
   ops::linear(b.cat, mtp_eh_proj_, h);
   bool have_sel = false;

@@ -18,6 +18,8 @@ namespace dflash2::ops {
   X(linear_bf16, (const Tensor& x, const Weight& w, Tensor& y, bool accumulate, bool decode))                       \
   /* optional (CUDA): linear(x, *ws[i], *ys[i], false) for every i, fewer launches; done = false: not taken */   \
   X(linear_many, (const Tensor& x, const std::vector<const Weight*>& ws, const std::vector<Tensor*>& ys, bool& done)) \
+  /* optional (CUDA): silu_mul(linear(x, gate), linear(x, up)) in one launch; done = false: not taken */         \
+  X(linear_silu_mul, (const Tensor& x, const Weight& gate, const Weight& up, Tensor& out, bool& done))             \
   /* optional (CUDA): gated_mlp of generated tokens with BF16 numerics as one unit; done = false: not taken */     \
   X(gated_mlp_decode, (const Tensor& x, const Weight& gate, const Weight& up, const Weight& down, Tensor& out,       \
                        bool accumulate, bool& done))                                                                \
@@ -29,6 +31,9 @@ namespace dflash2::ops {
   X(fp8_quantize_act, (const Tensor& x, Tensor& out))                                                               \
   X(linear_heads, (const Tensor& x, const Tensor& w, Tensor& y))                                                     \
   X(rms_norm, (const Tensor& x, const Tensor& w, float eps, Tensor& out))                                           \
+  /* optional (CUDA): rms_norm of every (xs[i], ws[i], eps[i], outs[i]) in one kernel; done = false: not taken */ \
+  X(rms_norm_many, (const std::vector<const Tensor*>& xs, const std::vector<const Tensor*>& ws,                   \
+                    const std::vector<float>& eps, const std::vector<Tensor*>& outs, bool& done))                   \
   X(nvfp4_quantize_act, (const Tensor& x, float input_scale, Tensor& out))                                         \
   X(layer_norm, (const Tensor& x, const Tensor& w, const Tensor& b, float eps, Tensor& out))                        \
   X(rope, (Tensor & x, const Tensor& positions, double theta, RopeStyle style))                                     \
@@ -87,11 +92,7 @@ struct BackendTable {
 #undef DFLASH2_TABLE_ENTRY
 };
 
-// DFLASH2_FUSED_LAUNCHES=0 (read once): the ops that run several of one kind as one kernel
-// (rope_many, cache_write_many, linear_as_many: exact and the skinny BF16 kernel's) take them
-// one by one instead -- the same results; a switch to isolate those kernels, and the baseline
-// of bench/launch_count.py.
-bool fused_launches();
+// fused_launches() / set_fused_launches(): dflash2/ops.h.
 
 // The table of a device's backend (entries may be empty); a device type the build has
 // no backend for gets an Unsupported error naming it.

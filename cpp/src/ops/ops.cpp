@@ -2,6 +2,7 @@
 // device of the tensors to a backend.
 #include "dflash2/ops.h"
 
+#include <atomic>
 #include <cmath>
 #include <cstdlib>
 #include <initializer_list>
@@ -86,13 +87,18 @@ Fn entry(Fn fn, const char* op, const Tensor& t) {
 
 }  // namespace
 
-bool fused_launches() {
-  static const bool on = [] {
+namespace {
+std::atomic<bool>& fused_flag() {
+  static std::atomic<bool> on{[] {
     const char* e = std::getenv("DFLASH2_FUSED_LAUNCHES");
     return !(e && std::string(e) == "0");
-  }();
+  }()};
   return on;
 }
+}  // namespace
+
+bool fused_launches() { return fused_flag().load(std::memory_order_relaxed); }
+void set_fused_launches(bool on) { fused_flag().store(on, std::memory_order_relaxed); }
 
 namespace {
 void check_linear(const char* op, const Tensor& x, const Weight& w, const Tensor& y) {
@@ -243,8 +249,8 @@ void linear_as_many(GemmNumerics g, const Tensor& x, const std::vector<const Wei
   for (size_t i = 0; i < bw.size(); ++i) linear_bf16(x, *bw[i], *by[i], false, true);
 }
 
-void rms_norm(const Tensor& x, const Tensor& w, float eps, Tensor& out) {
-  const char* op = "rms_norm";
+namespace {
+void check_rms_norm(const Tensor& x, const Tensor& w, float eps, const Tensor& out, const char* op) {
   need(x, op, "x");
   need(out, op, "out");
   need_float_weight(w, op, "w");
@@ -265,7 +271,32 @@ void rms_norm(const Tensor& x, const Tensor& w, float eps, Tensor& out) {
   else
     DFLASH2_CHECK_ARG(x.dtype() == DType::F32 || x.dtype() == DType::BF16, op,
                       ": the CUDA backend takes F32 or BF16 activations, found ", x.describe());
+}
+}  // namespace
+
+void rms_norm(const Tensor& x, const Tensor& w, float eps, Tensor& out) {
+  check_rms_norm(x, w, eps, out, "rms_norm");
   DFLASH2_DISPATCH(rms_norm, x, x, w, eps, out);
+}
+
+void rms_norm_many(const std::vector<const Tensor*>& xs, const std::vector<const Tensor*>& ws,
+                   const std::vector<float>& eps, const std::vector<Tensor*>& outs) {
+  const char* op = "rms_norm_many";
+  DFLASH2_CHECK_ARG(ws.size() == xs.size() && eps.size() == xs.size() && outs.size() == xs.size(), op, ": ",
+                    xs.size(), " inputs, ", ws.size(), " weights, ", eps.size(), " eps and ", outs.size(), " outputs");
+  for (size_t i = 0; i < xs.size(); ++i)
+    DFLASH2_CHECK_ARG(xs[i] && ws[i] && outs[i] && xs[i]->defined() && ws[i]->defined() && outs[i]->defined(), op,
+                      ": tensor ", i, " is undefined");
+  if (xs.empty()) return;
+  if (xs.size() > 1 && fused_launches()) {
+    if (auto fn = backend_table(xs[0]->device()).rms_norm_many) {
+      for (size_t i = 0; i < xs.size(); ++i) check_rms_norm(*xs[i], *ws[i], eps[i], *outs[i], op);
+      bool done = false;
+      fn(xs, ws, eps, outs, done);
+      if (done) return;
+    }
+  }
+  for (size_t i = 0; i < xs.size(); ++i) rms_norm(*xs[i], *ws[i], eps[i], *outs[i]);
 }
 
 void layer_norm(const Tensor& x, const Tensor& w, const Tensor& b, float eps, Tensor& out) {
@@ -370,8 +401,18 @@ void gated_mlp(const Tensor& x, const Weight& gate, const Weight& up, const Weig
       if (done) return;
     }
   }
-  linear_as_many(numerics, x, {&gate, &up}, {&g, &u}, decode);
-  silu_mul(g, u, g);
+  bool gated = false;  // gate, up and silu_mul in one launch where the backend can
+  if (numerics == GemmNumerics::Exact && fused_launches()) {
+    if (auto fn = backend_table(x.device()).linear_silu_mul) {
+      check_linear(op, x, gate, g);
+      check_linear(op, x, up, u);
+      fn(x, gate, up, g, gated);
+    }
+  }
+  if (!gated) {
+    linear_as_many(numerics, x, {&gate, &up}, {&g, &u}, decode);
+    silu_mul(g, u, g);
+  }
   linear_as(numerics, g, down, out, accumulate, decode);
 }
 

@@ -56,6 +56,7 @@ void linear_bf16_decode_many(const Tensor& x, const std::vector<const ops::Weigh
                              bool& done);
 void gated_mlp_decode(const Tensor& x, const ops::Weight& gate, const ops::Weight& up, const ops::Weight& down,
                       Tensor& out, bool accumulate, bool& done);
+void linear_silu_mul(const Tensor& x, const ops::Weight& gate, const ops::Weight& up, Tensor& out, bool& done);
 void linear_fp8(const Tensor& x, const ops::Weight& w, Tensor& y, bool accumulate);
 void linear_nvfp4(const Tensor& x, const ops::Weight& w, Tensor& y, bool accumulate);
 void fp8_quantize_act(const Tensor& x, Tensor& out);
@@ -68,6 +69,8 @@ void layer_norm(const Tensor& x, const Tensor& w, const Tensor& b, float eps, Te
 void rope(Tensor& x, const Tensor& positions, double theta, ops::RopeStyle style);
 // optional entries: the CPU takes the ops one by one (done = false)
 void rope_many(const std::vector<Tensor*>& xs, const Tensor& positions, double theta, ops::RopeStyle style, bool& done);
+void rms_norm_many(const std::vector<const Tensor*>& xs, const std::vector<const Tensor*>& ws,
+                   const std::vector<float>& eps, const std::vector<Tensor*>& outs, bool& done);
 void silu_mul(const Tensor& gate, const Tensor& up, Tensor& out);
 void softmax(const Tensor& x, Tensor& out, float scale);
 void topk(const Tensor& x, int64_t k, Tensor& values, Tensor& indices);

@@ -113,6 +113,11 @@ void rope(Tensor& x, const Tensor& positions, double theta, ops::RopeStyle style
 
 void rope_many(const std::vector<Tensor*>&, const Tensor&, double, ops::RopeStyle, bool& done) { done = false; }
 
+void rms_norm_many(const std::vector<const Tensor*>&, const std::vector<const Tensor*>&, const std::vector<float>&,
+                   const std::vector<Tensor*>&, bool& done) {
+  done = false;
+}
+
 void silu_mul(const Tensor& gate, const Tensor& up, Tensor& out) {
   Rows g = rows_of(gate), u = rows_of(up), o = rows_of(out);
   const int64_t D = g.d;

@@ -300,6 +300,8 @@ void linear_many(const Tensor&, const std::vector<const ops::Weight*>&, const st
   done = false;
 }
 
+void linear_silu_mul(const Tensor&, const ops::Weight&, const ops::Weight&, Tensor&, bool& done) { done = false; }
+
 void linear_bf16_decode_many(const Tensor&, const std::vector<const ops::Weight*>&, const std::vector<Tensor*>&,
                              bool& done) {
   done = false;

@@ -134,6 +134,8 @@ uint64_t index_errors(int device, bool reset);
 // ops (inputs already validated by ops.cpp: same device, shapes consistent, contiguous rows;
 // each also checks what its kernel relies on, so direct callers get errors, not faults)
 void rms_norm(const Tensor& x, const Tensor& w, float eps, Tensor& out);
+void rms_norm_many(const std::vector<const Tensor*>& xs, const std::vector<const Tensor*>& ws,
+                   const std::vector<float>& eps, const std::vector<Tensor*>& outs, bool& done);
 void layer_norm(const Tensor& x, const Tensor& w, const Tensor& b, float eps, Tensor& out);
 void rope(Tensor& x, const Tensor& positions, double theta, ops::RopeStyle style);
 void rope_many(const std::vector<Tensor*>& xs, const Tensor& positions, double theta, ops::RopeStyle style,
@@ -162,6 +164,10 @@ void dyn_conv(const Tensor& x, const Tensor& base, const Tensor& dyn, int64_t bl
 void linear(const Tensor& x, const ops::Weight& w, Tensor& y, bool accumulate);
 void linear_many(const Tensor& x, const std::vector<const ops::Weight*>& ws, const std::vector<Tensor*>& ys,
                  bool& done);
+// out = silu_mul(linear(x, gate), linear(x, up)) bitwise, in one launch (linear_many_kernel's
+// gated pair); done = false (nothing queued) where it does not apply (over 256 rows, gate and
+// up of different formats or with rows not vector-aligned, out overlapping x, an empty shape).
+void linear_silu_mul(const Tensor& x, const ops::Weight& gate, const ops::Weight& up, Tensor& out, bool& done);
 // gemm_tc.cu (built with CUTLASS only): ops::linear_bf16 on the tensor cores (decode: the
 // skinny kernel of gemm_sk.cu), and whether this build has its kernels for `device`'s
 // architecture.

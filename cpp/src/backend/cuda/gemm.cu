@@ -160,6 +160,12 @@ struct GemmArgs {
   uint32_t* arrivals;    // splits > 1: per column block, its splits done so far (zeroed_counters)
   bool x_vec;            // x rows can be read as float4 at every 8-element chunk
   bool accumulate;
+  // linear_many's gated pair (linear_silu_mul; else null): the gate's and the up projection's
+  // partial sums [splits, M, N] each. Every block of either writes its sums there (one split
+  // too), and the last of a column block's 2 x splits blocks (their shared counter: arrivals[bx]
+  // of both) writes y = silu_mul(gate, up) from them.
+  const float* gate_part;
+  const float* up_part;
 };
 
 // x[k0 .. k0 + 7] of one row (k0 % 8 == 0, k0 + 8 <= K).
@@ -231,7 +237,8 @@ constexpr int min_blocks() {
 }
 
 // A block's work: column block `bx` of `a` (grid x), its heads (grid y) and split (grid z).
-template <WFmt F, bool kVec, int RT>
+// kGated: whether `a` may be half of a gated pair (a.gate_part set; linear_many_kernel only).
+template <WFmt F, bool kVec, int RT, bool kGated>
 __device__ __forceinline__ void linear_block(const GemmArgs& a, const int64_t bx) {
   constexpr int V = RT * kNC;  // partial sums per thread
   __shared__ float part[kWarps][V];
@@ -251,6 +258,7 @@ __device__ __forceinline__ void linear_block(const GemmArgs& a, const int64_t bx
   int64_t ncol[kNC];               // clamped for loads
 #pragma unroll
   for (int c = 0; c < kNC; ++c) ncol[c] = n_base + c < N ? n_base + c : N - 1;
+  const bool gated = kGated && a.gate_part != nullptr;
   const int ridx = reduced_index<V>(lane);
   // lanes whose bits below 32 / V are zero hold the V distinct totals (lane L holds value
   // reduced_index<V>(L); the other lanes hold copies)
@@ -325,34 +333,45 @@ __device__ __forceinline__ void linear_block(const GemmArgs& a, const int64_t bx
         __syncthreads();  // part is rewritten by the next tile
       }
       if (kp == 0 && writer && r < rows && n < N) {
-        if (a.splits == 1) {
+        if (a.splits == 1 && !gated) {
           float* out = yg + (m0 + r) * a.ldy + n;
           *out = a.accumulate ? __fadd_rn(*out, s) : s;
         } else {
-          a.part[(int64_t(z) * a.M + m0 + r) * N + n] = s;  // G == 1 with splits
+          a.part[(int64_t(z) * a.M + m0 + r) * N + n] = s;  // G == 1 with splits / gated
         }
       }
     }
   }
-  if (a.splits > 1) {
+  if (a.splits > 1 || gated) {
     // The block of a column group that finishes last adds the splits' partial sums in split
     // order (so the result is the same whichever block that is) and writes y; the others'
-    // writes are visible to it: each block fences them before it counts itself in.
+    // writes are visible to it: each block fences them before it counts itself in. A gated
+    // pair's gate and up blocks of one column block count on one counter (2 x splits).
     __shared__ bool last;
     __threadfence();
     __syncthreads();
-    if (threadIdx.x == 0) last = atomicAdd(&a.arrivals[bx], 1u) == uint32_t(a.splits - 1);
+    const uint32_t arrive = uint32_t(gated ? 2 * a.splits : a.splits);
+    if (threadIdx.x == 0) last = atomicAdd(&a.arrivals[bx], 1u) == arrive - 1u;
     __syncthreads();
     if (!last) return;
     __threadfence();
-    const int64_t n0 = bx * kNC;  // splits > 1 only with KS = kWarps: one column group
-    for (int64_t i = threadIdx.x; i < a.M * kNC; i += kThreads) {
-      const int64_t m = i / kNC, n = n0 + i % kNC;
+    // the block's columns: one column group (kNC) with splits > 1, which only KS = kWarps takes
+    const int64_t cols = int64_t(groups) * kNC, n0 = bx * cols;
+    auto sum = [&](const float* p, int64_t m, int64_t n) {
+      float s = __ldcg(p + m * N + n);
+      for (int q = 1; q < a.splits; ++q) s = __fadd_rn(s, __ldcg(p + (int64_t(q) * a.M + m) * N + n));
+      return s;
+    };
+    for (int64_t i = threadIdx.x; i < a.M * cols; i += kThreads) {
+      const int64_t m = i / cols, n = n0 + i % cols;
       if (n >= N) continue;
-      float s = __ldcg(a.part + m * N + n);
-      for (int q = 1; q < a.splits; ++q) s = __fadd_rn(s, __ldcg(a.part + (int64_t(q) * a.M + m) * N + n));
       float* out = a.y + m * a.ldy + n;
-      *out = a.accumulate ? __fadd_rn(*out, s) : s;
+      if (gated) {
+        *out = detail::silu_mul(sum(a.gate_part, m, n), sum(a.up_part, m, n));
+      } else {
+        const float s = sum(a.part, m, n);
+        *out = a.accumulate ? __fadd_rn(*out, s) : s;
+      }
     }
     if (threadIdx.x == 0) a.arrivals[bx] = 0u;  // zero again for the next launch on this stream
   }
@@ -360,7 +379,7 @@ __device__ __forceinline__ void linear_block(const GemmArgs& a, const int64_t bx
 
 template <WFmt F, bool kVec, int RT>
 __global__ void __launch_bounds__(kThreads, min_blocks<F, kVec>()) linear_kernel(const GemmArgs a) {
-  linear_block<F, kVec, RT>(a, blockIdx.x);
+  linear_block<F, kVec, RT, false>(a, blockIdx.x);
 }
 
 // linear_many: up to kMany GEMMs of one x (one format, vector loads, G = 1) in one launch;
@@ -383,7 +402,7 @@ __global__ void __launch_bounds__(kThreads, min_blocks<F, true>()) linear_many_k
   // (a is read through a generic pointer into the parameters, not as constant-bank operands
   // like linear_kernel's: sm_90a spills 12-16 bytes in the 8-row and F32 forms; a copy into
   // shared memory spilled 40-72 bytes in the dense 8-row forms instead)
-  linear_block<F, true, RT>(a, int64_t(blockIdx.x) - (i ? m.end[i - 1] : 0));
+  linear_block<F, true, RT, true>(a, int64_t(blockIdx.x) - (i ? m.end[i - 1] : 0));
 }
 
 template <WFmt F>
@@ -511,7 +530,8 @@ void linear(const Tensor& x, const ops::Weight& w, Tensor& y, bool accumulate) {
 namespace {
 // One launch of linear_many_kernel over gs[0 .. n) (2 <= n <= kMany GEMMs of one x, one format,
 // vectorizable weights, M <= kSplitRows rows); false if their blocks do not fit one launch.
-bool launch_many(const GemmArgs* gs, int n, int device) {
+// gated: gs[0], gs[1] are a gate and an up projection of one shape whose y is silu_mul's out.
+bool launch_many(const GemmArgs* gs, int n, int device, bool gated = false) {
   ManyArgs m{};
   m.n = n;
   const int64_t M = gs[0].M;
@@ -522,19 +542,28 @@ bool launch_many(const GemmArgs* gs, int n, int device) {
     GemmArgs& a = m.g[i];
     blocks += plan(a, a.w.N, "linear_many");
     m.end[i] = blocks;
-    if (a.splits > 1) part_floats += int64_t(a.splits) * M * a.w.N;
+    if (a.splits > 1 || gated) part_floats += int64_t(a.splits) * M * a.w.N;
     max_splits = a.splits > max_splits ? a.splits : max_splits;
   }
-  if (blocks > int64_t(INT32_MAX) || (max_splits > 1 && blocks > detail::kCounterWords)) return false;
-  if (max_splits > 1) {
+  DFLASH2_INTERNAL(!gated || (n == 2 && m.g[0].w.N == m.g[1].w.N && m.g[0].splits == m.g[1].splits &&
+                              m.end[0] * 2 == m.end[1]),
+                   "cuda::linear_many: a gated pair of different shapes");
+  const bool counted = max_splits > 1 || gated;
+  if (blocks > int64_t(INT32_MAX) || (counted && (gated ? m.end[0] : blocks) > detail::kCounterWords)) return false;
+  if (counted) {
     float* part = static_cast<float*>(detail::scratch(device, size_t(part_floats) * 4));
     uint32_t* counters = detail::zeroed_counters(device);
     for (int i = 0; i < n; ++i) {
       GemmArgs& a = m.g[i];
-      if (a.splits == 1) continue;
+      if (a.splits == 1 && !gated) continue;
       a.part = part;
       part += int64_t(a.splits) * M * a.w.N;
-      a.arrivals = counters + (i ? m.end[i - 1] : 0);  // the counters of its own column blocks
+      // the counters of its own column blocks; a gated pair's gate and up share theirs
+      a.arrivals = counters + (i && !gated ? m.end[i - 1] : 0);
+    }
+    if (gated) {
+      m.g[0].gate_part = m.g[1].gate_part = m.g[0].part;
+      m.g[0].up_part = m.g[1].up_part = m.g[1].part;
     }
   }
   const bool x_vec = detail::aligned(m.g[0].x, 16) && (M == 1 || m.g[0].ldx % 4 == 0);
@@ -590,6 +619,22 @@ void linear_many(const Tensor& x, const std::vector<const ops::Weight*>& ws, con
     run(gs[i], gs[i].w.N, device, "linear");
     detail::check_launch("linear kernel launch", ws[i]->name, " ", x.describe(), " -> ", ys[i]->describe());
   }
+  done = true;
+}
+
+void linear_silu_mul(const Tensor& x, const ops::Weight& gate, const ops::Weight& up, Tensor& out, bool& done) {
+  done = false;
+  const char* op = "cuda::linear_silu_mul";
+  if (x.shape(0) > kSplitRows) return;  // ops::gated_mlp: one by one
+  GemmArgs gs[2];
+  if (!linear_args(x, gate, out, false, op, gs[0]) || !linear_args(x, up, out, false, op, gs[1])) return;
+  if (gs[0].w.fmt != gs[1].w.fmt || gs[0].w.K != gs[1].w.K || !detail::weight_rows_vectorizable(gs[0].w) ||
+      !detail::weight_rows_vectorizable(gs[1].w) || !layout::views_disjoint(out, x))
+    return;
+  const int device = x.device().index;
+  detail::DeviceGuard guard(device);
+  if (!launch_many(gs, 2, device, /*gated=*/true)) return;
+  detail::check_launch("linear_many kernel launch (gated)", gate.name, " ", x.describe(), " -> ", out.describe());
   done = true;
 }
 

@@ -8,6 +8,7 @@ namespace dflash2::ops {
 void register_cuda_ops(BackendTable& t) {
   t.linear = &cuda::linear;                    // gemm.cu
   t.linear_many = &cuda::linear_many;          // gemm.cu
+  t.linear_silu_mul = &cuda::linear_silu_mul;  // gemm.cu
   t.linear_heads = &cuda::linear_heads;        // gemm.cu
 #if defined(DFLASH2_WITH_CUTLASS)
   t.linear_bf16 = &cuda::linear_bf16;          // gemm_tc.cu + cutlass/
@@ -20,6 +21,7 @@ void register_cuda_ops(BackendTable& t) {
   t.nvfp4_quantize_act = &cuda::nvfp4_quantize_act;  // quant.cu
   t.embedding_shard = &cuda::embedding_shard;  // index_rows.cu
   t.rms_norm = &cuda::rms_norm;        // rmsnorm.cu
+  t.rms_norm_many = &cuda::rms_norm_many;  // rmsnorm.cu
   t.layer_norm = &cuda::layer_norm;    // row_reduce.cu
   t.softmax = &cuda::softmax;          // row_reduce.cu
   t.argmax = &cuda::argmax;            // row_reduce.cu

@@ -83,21 +83,24 @@ __device__ __forceinline__ float block_sum(float v, float* scratch) {
   return total;
 }
 
-// G elements per access (G == 1: scalar path). Requires D % G == 0, row strides % G == 0 and
-// pointers aligned to sizeof(Vec<T, G>) for each tensor (checked on the host).
+// One row: thread t < threads takes vector indices t, t + threads, ...; threads past `threads`
+// (rms_norm_many's block is the largest of its items') add zeros to the block sum and write
+// nothing, so the row's sum, and its output, are bitwise those of a block of `threads`: the
+// extra warps' totals are +0 (sums of squares are never -0) and warp 0 reads 0 for them as it
+// does for lanes past a smaller block's warps.
 template <class TX, class TW, class TO, int G>
-__global__ void __launch_bounds__(kMaxThreads)
-    rms_norm_kernel(const TX* x, int64_t x_stride, const TW* __restrict__ w, TO* out,
-                    int64_t out_stride, int64_t rows, int D, float eps) {
-  __shared__ float scratch[33];
+__device__ __forceinline__ void norm_row(const TX* xrow, const TW* w, TO* outrow, int D, float eps, int threads,
+                                         float* scratch) {
   const int nvec = D / G;
-  for (int64_t r = blockIdx.x; r < rows; r += gridDim.x) {
-    const Vec<TX, G>* xr = reinterpret_cast<const Vec<TX, G>*>(x + r * x_stride);
-    Vec<TO, G>* orow = reinterpret_cast<Vec<TO, G>*>(out + r * out_stride);
-    const Vec<TW, G>* wv = reinterpret_cast<const Vec<TW, G>*>(w);
+  const Vec<TX, G>* xr = reinterpret_cast<const Vec<TX, G>*>(xrow);
+  Vec<TO, G>* orow = reinterpret_cast<Vec<TO, G>*>(outrow);
+  const Vec<TW, G>* wv = reinterpret_cast<const Vec<TW, G>*>(w);
+  const int t = int(threadIdx.x);
+  const bool active = t < threads;
 
-    float ss = 0.0f;
-    for (int i = threadIdx.x; i < nvec; i += blockDim.x) {
+  float ss = 0.0f;
+  if (active) {
+    for (int i = t; i < nvec; i += threads) {
       const Vec<TX, G> xv = xr[i];
 #pragma unroll
       for (int j = 0; j < G; ++j) {
@@ -105,18 +108,57 @@ __global__ void __launch_bounds__(kMaxThreads)
         ss = fmaf(f, f, ss);
       }
     }
-    const float total = block_sum(ss, scratch);
-    const float inv = 1.0f / sqrtf(total / float(D) + eps);  // IEEE div/sqrt (no fast-math)
-
-    for (int i = threadIdx.x; i < nvec; i += blockDim.x) {
-      const Vec<TX, G> xv = xr[i];
-      const Vec<TW, G> wg = wv[i];
-      Vec<TO, G> o;
-#pragma unroll
-      for (int j = 0; j < G; ++j) o.v[j] = from_f32<TO>(to_f32(wg.v[j]) * (to_f32(xv.v[j]) * inv));
-      orow[i] = o;
-    }
   }
+  const float total = block_sum(ss, scratch);
+  const float inv = 1.0f / sqrtf(total / float(D) + eps);  // IEEE div/sqrt (no fast-math)
+  if (!active) return;
+  for (int i = t; i < nvec; i += threads) {
+    const Vec<TX, G> xv = xr[i];
+    const Vec<TW, G> wg = wv[i];
+    Vec<TO, G> o;
+#pragma unroll
+    for (int j = 0; j < G; ++j) o.v[j] = from_f32<TO>(to_f32(wg.v[j]) * (to_f32(xv.v[j]) * inv));
+    orow[i] = o;
+  }
+}
+
+// G elements per access (G == 1: scalar path). Requires D % G == 0, row strides % G == 0 and
+// pointers aligned to sizeof(Vec<T, G>) for each tensor (checked on the host).
+template <class TX, class TW, class TO, int G>
+__global__ void __launch_bounds__(kMaxThreads)
+    rms_norm_kernel(const TX* x, int64_t x_stride, const TW* __restrict__ w, TO* out,
+                    int64_t out_stride, int64_t rows, int D, float eps) {
+  __shared__ float scratch[33];
+  for (int64_t r = blockIdx.x; r < rows; r += gridDim.x)
+    norm_row<TX, TW, TO, G>(x + r * x_stride, w, out + r * out_stride, D, eps, int(blockDim.x), scratch);
+}
+
+// rms_norm_many: up to kNormMany (x, w, out) of one dtype triple and access width in one
+// launch; item i owns blocks [i ? end[i - 1] : 0, end[i]) (one row each), with its own
+// rms_norm launch's thread count (`threads`).
+constexpr int kNormMany = 4;
+struct NormItem {
+  const void* x;
+  const void* w;
+  void* out;
+  int64_t x_stride, out_stride;
+  int D, threads;
+  float eps;
+};
+struct NormMany {
+  NormItem it[kNormMany];
+  int64_t end[kNormMany];
+};
+
+template <class TX, class TW, class TO, int G>
+__global__ void __launch_bounds__(kMaxThreads) rms_norm_many_kernel(const __grid_constant__ NormMany p) {
+  __shared__ float scratch[33];
+  int i = 0;
+  while (int64_t(blockIdx.x) >= p.end[i]) ++i;  // grid x = the last item's end
+  const NormItem& a = p.it[i];
+  const int64_t r = int64_t(blockIdx.x) - (i ? p.end[i - 1] : 0);
+  norm_row<TX, TW, TO, G>(static_cast<const TX*>(a.x) + r * a.x_stride, static_cast<const TW*>(a.w),
+                          static_cast<TO*>(a.out) + r * a.out_stride, a.D, a.eps, a.threads, scratch);
 }
 
 using layout::RowLayout;
@@ -171,8 +213,10 @@ void dispatch_out(const Tensor& x, const RowLayout& xl, const Tensor& w, Tensor&
 
 }  // namespace
 
-void rms_norm(const Tensor& x, const Tensor& w, float eps, Tensor& out) {
-  // ops.cpp validates; these checks keep direct callers (tests, future fused paths) safe.
+namespace {
+// rms_norm's checks (ops.cpp validates; these keep direct callers -- tests, fused paths -- safe);
+// the row layouts of x and out.
+void check_args(const Tensor& x, const Tensor& w, float eps, const Tensor& out, RowLayout& xl, RowLayout& ol) {
   DFLASH2_CHECK_ARG(x.defined() && w.defined() && out.defined(), "cuda::rms_norm: undefined tensor argument");
   DFLASH2_CHECK_ARG(x.device().is_cuda() && out.device() == x.device() && w.device() == x.device(),
                     "cuda::rms_norm: x, w and out must be on the same CUDA device, found x ", x.describe(), ", w ",
@@ -191,11 +235,44 @@ void rms_norm(const Tensor& x, const Tensor& w, float eps, Tensor& out) {
   // the kernels' int loops step by up to 1024 threads past the row's end: no signed overflow
   DFLASH2_CHECK_ARG(D <= int64_t(INT32_MAX) - 1024, "cuda::rms_norm: rows of ", D, " elements are too long");
   DFLASH2_CHECK_ARG(eps >= 0, "cuda::rms_norm: eps must be >= 0, found ", eps);
-  const RowLayout xl = layout::row_layout(x, "rms_norm", "x");
-  const RowLayout ol = layout::row_layout(out, "rms_norm", "out");
-  if (xl.rows == 0 || D == 0) return;
-  DFLASH2_CHECK_ARG(xl.rows == 1 || ol.stride >= D, "cuda::rms_norm: rows of out ", out.describe(),
+  xl = layout::row_layout(x, "rms_norm", "x");
+  ol = layout::row_layout(out, "rms_norm", "out");
+  DFLASH2_CHECK_ARG(xl.rows <= 1 || D == 0 || ol.stride >= D, "cuda::rms_norm: rows of out ", out.describe(),
                     " overlap (row stride ", ol.stride, " < ", D, ")");
+}
+
+// The access width rms_norm's launch takes for these tensors (1: element by element).
+int vector_width(const Tensor& x, const RowLayout& xl, const Tensor& w, const Tensor& out, const RowLayout& ol) {
+  const int G = (x.itemsize() == 2 && out.itemsize() == 2) ? 8 : 4;
+  const int64_t D = x.shape(-1);
+  const bool vec = D % G == 0 && xl.stride % G == 0 && ol.stride % G == 0 && aligned(x.data(), x.itemsize() * G) &&
+                   aligned(w.data(), w.itemsize() * G) && aligned(out.data(), out.itemsize() * G);
+  return vec ? G : 1;
+}
+
+template <class TX, class TW, class TO>
+void launch_many(NormMany& p, unsigned blocks, int threads, int G) {
+  if (G == 1)
+    rms_norm_many_kernel<TX, TW, TO, 1><<<blocks, threads, 0, current_stream()>>>(p);
+  else if constexpr (sizeof(TX) == 2 && sizeof(TO) == 2)
+    rms_norm_many_kernel<TX, TW, TO, 8><<<blocks, threads, 0, current_stream()>>>(p);
+  else
+    rms_norm_many_kernel<TX, TW, TO, 4><<<blocks, threads, 0, current_stream()>>>(p);
+}
+
+template <class TX, class TO>
+void many_w(NormMany& p, DType wt, unsigned blocks, int threads, int G) {
+  if (wt == DType::F32) return launch_many<TX, float, TO>(p, blocks, threads, G);
+  if (wt == DType::BF16) return launch_many<TX, __nv_bfloat16, TO>(p, blocks, threads, G);
+  return launch_many<TX, __half, TO>(p, blocks, threads, G);
+}
+}  // namespace
+
+void rms_norm(const Tensor& x, const Tensor& w, float eps, Tensor& out) {
+  RowLayout xl, ol;
+  check_args(x, w, eps, out, xl, ol);
+  const int64_t D = x.shape(-1);
+  if (xl.rows == 0 || D == 0) return;
 
   detail::DeviceGuard guard(x.device().index);
   if (x.dtype() == DType::F32)
@@ -204,6 +281,69 @@ void rms_norm(const Tensor& x, const Tensor& w, float eps, Tensor& out) {
     dispatch_out<__nv_bfloat16>(x, xl, w, out, ol, int(D), eps);
 
   detail::check_launch("rms_norm kernel launch", x.describe());
+}
+
+void rms_norm_many(const std::vector<const Tensor*>& xs, const std::vector<const Tensor*>& ws,
+                   const std::vector<float>& eps, const std::vector<Tensor*>& outs, bool& done) {
+  done = false;
+  const size_t n = xs.size();
+  DFLASH2_CHECK_ARG(ws.size() == n && eps.size() == n && outs.size() == n, "cuda::rms_norm_many: ", n, " inputs, ",
+                    ws.size(), " weights, ", eps.size(), " eps and ", outs.size(), " outputs");
+  if (n < 2 || n > size_t(kNormMany)) return;  // ops::rms_norm_many: one by one
+  NormMany p{};
+  int64_t blocks = 0;
+  int threads = 32, G = 0;
+  for (size_t i = 0; i < n; ++i) {
+    DFLASH2_CHECK_ARG(xs[i] && ws[i] && outs[i], "cuda::rms_norm_many: null tensor ", i);
+    const Tensor &x = *xs[i], &w = *ws[i], &out = *outs[i];
+    RowLayout xl, ol;
+    check_args(x, w, eps[i], out, xl, ol);
+    const int64_t D = x.shape(-1);
+    if (xl.rows == 0 || D == 0) return;
+    // one kernel instantiation: the dtypes, device and access width of the first item
+    const Tensor& x0 = *xs[0];
+    if (x.dtype() != x0.dtype() || w.dtype() != ws[0]->dtype() || out.dtype() != outs[0]->dtype() ||
+        x.device() != x0.device())
+      return;
+    const int g = vector_width(x, xl, w, out, ol);
+    if (G != 0 && g != G) return;
+    G = g;
+    // blocks of different items run at once: an output shares no element with another's x or out
+    for (size_t j = 0; j < n; ++j)
+      if (j != i && !(layout::views_disjoint(out, *xs[j]) && (j > i || layout::views_disjoint(out, *outs[j]))))
+        return;
+    NormItem& it = p.it[i];
+    it.x = x.data();
+    it.w = w.data();
+    it.out = out.data();
+    it.x_stride = xl.stride;
+    it.out_stride = ol.stride;
+    it.D = int(D);
+    it.eps = eps[i];
+    it.threads = pick_threads(D / G);
+    threads = it.threads > threads ? it.threads : threads;
+    blocks += xl.rows;
+    p.end[i] = blocks;
+  }
+  if (blocks > kMaxBlocks) return;
+  for (size_t i = n; i < size_t(kNormMany); ++i) p.end[i] = blocks;
+  const Tensor &x0 = *xs[0], &o0 = *outs[0];
+  detail::DeviceGuard guard(x0.device().index);
+  const unsigned nb = unsigned(blocks);
+  const DType wt = ws[0]->dtype();
+  if (x0.dtype() == DType::F32) {
+    if (o0.dtype() == DType::F32)
+      many_w<float, float>(p, wt, nb, threads, G);
+    else
+      many_w<float, __nv_bfloat16>(p, wt, nb, threads, G);
+  } else {
+    if (o0.dtype() == DType::F32)
+      many_w<__nv_bfloat16, float>(p, wt, nb, threads, G);
+    else
+      many_w<__nv_bfloat16, __nv_bfloat16>(p, wt, nb, threads, G);
+  }
+  detail::check_launch("rms_norm_many kernel launch", x0.describe());
+  done = true;
 }
 
 }  // namespace dflash2::cuda
