@@ -17,7 +17,9 @@ also runs once more with draft_gemm="exact" when its drafter took the tensor
 cores ("auto"): tok/s of both, their ratio, and whether that run is lossless too; ar and
 dflash2 also run once more with the fused launches off (ops.set_fused_launches(False): the
 ops a layer runs several of side by side, one kernel each): tok/s both ways, their ratio,
-whether the outputs are equal.
+whether the outputs are equal; and once more with the other setting of programmatic dependent
+launch in the CUDA graphs (ops.set_pdl: off by default): tok/s both ways, the ratio PDL on /
+off, whether the outputs are equal, the programmatic edges of the PDL run's graphs.
 
 Held-out prompts: 128-token windows (seeded) of the held-out stdlib files (every 20th file,
 see dflash2_rt.train.corpus), tokenized with the pair's tokenizer.
@@ -73,6 +75,17 @@ def run_method(method, prompts, new, threads, temperature, top_p, seed, device="
                  "decode_s": dec, "decode_split": {k: v / dec for k, v in split.items()} if dec > 0 else {}}
 
 
+def switched(get, set_, value, fn):
+    """fn() with a process-wide switch (ops.set_fused_launches / ops.set_pdl) at `value`, then
+    the switch as it was."""
+    was = get()
+    set_(value)
+    try:
+        return fn()
+    finally:
+        set_(was)
+
+
 def main(argv=None):
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--n", type=int, default=16)
@@ -111,18 +124,25 @@ def main(argv=None):
                 print(f"{'':12s} {m:8s} eager {es['tokens_per_second']:.1f} tok/s: graphs x{st['graphs_speedup']:.2f}, "
                       f"equal {st['graphs_equal_eager']}, {st['cuda_graphs']}", flush=True)
             if temp == 0 and a.device != "cpu" and m in ("ar", "dflash2"):
+                run = lambda: run_method(m, prompts, a.new, a.threads, temp, top_p, a.seed, a.device)  # noqa: E731
                 # the same requests with the fused launches off (bench/launch_count.py counts them), same run
-                was = dflash2_rt.ops.fused_launches()
-                dflash2_rt.ops.set_fused_launches(False)
-                try:
-                    fo, fs = run_method(m, prompts, a.new, a.threads, temp, top_p, a.seed, a.device)
-                finally:
-                    dflash2_rt.ops.set_fused_launches(was)
+                fo, fs = switched(dflash2_rt.ops.fused_launches, dflash2_rt.ops.set_fused_launches, False, run)
                 st["tokens_per_second_one_by_one"] = fs["tokens_per_second"]
                 st["fused_launches_speedup"] = st["tokens_per_second"] / fs["tokens_per_second"]
                 st["fused_equal_one_by_one"] = fo == outs
+                # ... and with programmatic dependent launch switched (off by default)
+                was = dflash2_rt.ops.pdl()
+                po, ps = switched(dflash2_rt.ops.pdl, dflash2_rt.ops.set_pdl, not was, run)
+                on, off = (st, ps) if was else (ps, st)
+                st["tokens_per_second_pdl"] = on["tokens_per_second"]
+                st["tokens_per_second_no_pdl"] = off["tokens_per_second"]
+                st["pdl_speedup"] = on["tokens_per_second"] / off["tokens_per_second"]
+                st["pdl_equal"] = po == outs
+                st["pdl_edges"] = on["cuda_graphs"].get("cuda_graphs_pdl_edges")
                 print(f"{'':12s} {m:8s} one by one {fs['tokens_per_second']:.1f} tok/s: fused launches "
-                      f"x{st['fused_launches_speedup']:.2f}, equal {st['fused_equal_one_by_one']}", flush=True)
+                      f"x{st['fused_launches_speedup']:.2f}, equal {st['fused_equal_one_by_one']}; PDL "
+                      f"{on['tokens_per_second']:.1f} vs {off['tokens_per_second']:.1f} tok/s: x{st['pdl_speedup']:.2f}, "
+                      f"equal {st['pdl_equal']}, {st['pdl_edges']} programmatic edges", flush=True)
             if temp == 0 and a.device != "cpu" and m == "dflash2" and st["draft_gemm"] != "exact":
                 # the drafter's exact GEMMs (draft_gemm="exact"), same requests, same run
                 xo, xs = run_method(m, prompts, a.new, a.threads, temp, top_p, a.seed, a.device, draft_gemm="exact")

@@ -2199,6 +2199,31 @@ def test_moe_experts(dev, wdtype):
     check("moe_experts", got, ref)
 
 
+@pytest.mark.parametrize("dev", DEVICES)
+@pytest.mark.parametrize("numerics,decode", [("exact", False), ("bf16", True), ("bf16", False)])
+def test_moe_experts_accumulate(dev, numerics, decode):
+    """moe_experts(..., accumulate=True) (a single-rank MoE layer adds the routed experts' sum
+    straight to the residual stream): out + the plain result, bit for bit (the sum formed
+    first, then added once), on every expert path; and accumulate without an out is refused."""
+    need_device(dev, "linear_bf16" if numerics == "bf16" else "moe_experts")
+    rng = rng_for("moe-acc", numerics, decode)
+    T, E, H, F, k = 5, 4, 64, 48, 2
+    gate, up, down, _ = make_experts(rng, E, H, F, "bf16")
+    x = to_dev(rng.standard_normal((T, H)).astype(np.float32), dev)
+    ids = to_dev(np.array([[0, 1], [1, 2], [0, 2], [2, 0], [1, 0]], np.int32), dev)
+    weights = to_dev(rng.uniform(0.05, 1.0, (T, k)).astype(np.float32), dev)
+    on = (lambda ws_: ws_) if dev == "cpu" else (lambda ws_: [w.to(dev) for w in ws_])
+    kw = dict(numerics=numerics, decode=decode)
+    plain = to_np(ops.moe_experts(x, ids, weights, on(gate), on(up), on(down), **kw))
+    base = rng.standard_normal((T, H)).astype(np.float32)
+    out = to_dev(base.copy(), dev)
+    ops.moe_experts(x, ids, weights, on(gate), on(up), on(down), out=out, accumulate=True, **kw)
+    want = base + plain
+    assert np.array_equal(to_np(out).view(np.uint32), want.view(np.uint32))
+    with pytest.raises(ValueError, match="accumulate=True needs out"):
+        ops.moe_experts(x, ids, weights, on(gate), on(up), on(down), accumulate=True, **kw)
+
+
 @pytest.mark.parametrize("ids,weights", [
     ([[1, 1], [0, 2]], [[0.25, 0.5], [0.5, 0.5]]),  # expert 1 gets 2 rows of 2 tokens: fits
     ([[1, 1]], [[0.25, 0.5]]),  # 2 rows of 1 token: an expert gets up to T * top_k rows

@@ -54,6 +54,11 @@ bool memcheck_enabled();
 
 // Synchronization points (each suspends the calling fiber).
 void syncthreads();
+// detail::pdl_enter (backend/cuda/pdl.cuh): the thread has waited for the launches before it.
+// A thread of a backend kernel (rewrite_cu.py --backend) that reaches a barrier, a warp
+// collective, an async copy or its end without it fails the launch (every kernel of the
+// backend must begin with it).
+void pdl_enter();
 int syncthreads_or(int pred);
 int syncthreads_count(int pred);
 int syncthreads_and(int pred);
@@ -117,6 +122,7 @@ struct LaunchCfg {
   cudaStream_t stream;
   const void* func;
   const char* name;  // the kernel as the launch spells it (EMU_PROFILE, failure messages)
+  bool backend = false;  // one of the backend's kernels: its threads must begin with pdl_enter()
 };
 // Runs body(block index) for each block; body runs the block's fibers through run_block.
 void launch(const LaunchCfg& cfg, void (*thunk)(void*), void* payload, void* (*clone)(void*), void (*drop)(void*));
@@ -144,6 +150,10 @@ struct Launcher {
   Launcher(dim3 g, dim3 b, size_t smem = 0, cudaStream_t s = nullptr) : cfg{g, b, smem, s, nullptr, "?"} {}
   Launcher& named(const char* n) {
     cfg.name = n;
+    return *this;
+  }
+  Launcher& backend() {
+    cfg.backend = true;
     return *this;
   }
   template <class F, class... A>

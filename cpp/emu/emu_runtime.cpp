@@ -167,6 +167,7 @@ struct Fiber {
   WarpArgs* warp = nullptr;
   std::vector<Copy> copies;
   char* stack = nullptr;
+  bool pdl_entered = false;  // pdl_enter() has run
 };
 
 // Fiber stacks, kept for the next launches (under the kernel lock).
@@ -205,6 +206,7 @@ struct BlockRun {
   void (*thunk)(void*) = nullptr;
   void* payload = nullptr;
   std::string error;
+  bool check_pdl = false;  // a backend kernel: every thread must begin with pdl_enter()
 };
 BlockRun* g_run = nullptr;
 
@@ -227,9 +229,19 @@ void yield_from(Fiber* me) {
   switch_context(me->ctx, r->sched);
 }
 
+// PDL (backend/cuda/pdl.cuh): every kernel's threads begin with detail::pdl_enter(); a
+// thread that synchronizes, copies asynchronously or exits before it fails the launch.
+void need_pdl_enter(const char* where) {
+  BlockRun* r = g_run;
+  if (!r->check_pdl || r->cur->pdl_entered || !r->error.empty()) return;
+  r->error = std::string("thread ") + std::to_string(r->cur - r->f.data()) + " reached " + where +
+             " before detail::pdl_enter() (backend/cuda/pdl.cuh: every kernel must begin with it)";
+}
+
 void fiber_main() {
   BlockRun* r = g_run;
   r->thunk(r->payload);
+  need_pdl_enter("its end");
   Fiber* me = r->cur;
   me->st = St::Done;
   yield_from(me);  // never resumed
@@ -400,6 +412,7 @@ bool run_block(BlockRun& r, int n) {
     f.st = St::Run;
     f.copies.clear();
     f.warp = nullptr;
+    f.pdl_entered = false;
     const unsigned bx = g_block_dim.x, by = g_block_dim.y;
     f.t.tid = make_uint3(unsigned(i) % bx, unsigned(i) / bx % by, unsigned(i) / (bx * by));
     if (!f.stack) f.stack = stack_for(size_t(i));
@@ -497,6 +510,7 @@ bool run_block(BlockRun& r, int n) {
 
 // kind 1: or, 2: and, 3: count, computed when the barrier releases.
 int sync_reduce(int pred, int kind) {
+  need_pdl_enter("a barrier");
   Fiber* me = g_run->cur;
   me->bar_pred = pred != 0 ? 1 : 0;
   me->bar_kind = kind;
@@ -513,6 +527,7 @@ int syncthreads_and(int pred) { return sync_reduce(pred, 2); }
 int syncthreads_count(int pred) { return sync_reduce(pred, 3); }
 
 void warp_collective(WarpArgs& a) {
+  need_pdl_enter("a warp collective");
   BlockRun* r = g_run;
   Fiber* me = r->cur;
   me->warp = &a;
@@ -525,7 +540,12 @@ uint32_t smem_addr(const void* p) {
 }
 void* smem_ptr(uint32_t a) { return g_smem_buf + int64_t(int32_t(a)); }
 
-void cp_async16(uint32_t dst, const void* src, bool valid) { g_run->cur->copies.push_back({smem_ptr(dst), src, valid}); }
+void pdl_enter() { g_run->cur->pdl_entered = true; }
+
+void cp_async16(uint32_t dst, const void* src, bool valid) {
+  need_pdl_enter("an async copy");
+  g_run->cur->copies.push_back({smem_ptr(dst), src, valid});
+}
 void cp_async_commit() {}
 void cp_async_wait_all() {
   Fiber* me = g_run->cur;
@@ -548,8 +568,18 @@ struct Alloc {
   size_t bytes;
   int device;
 };
+// A captured op's node (cudaGraphNode_t): the ops of a capture form a chain, each node
+// depending on the one before it; graph.cu's PDL pass may make a kernel -> kernel edge
+// programmatic (removed, then added back with that type: the emulator runs it as before).
+struct GraphNode {
+  const void* func = nullptr;  // the kernel (null: a copy, a memset, a host function, ...)
+  GraphNode* prev = nullptr;   // the node it depends on (null: the first)
+  bool edge = true;            // that dependency is present
+  bool programmatic = false;   // ... and programmatic
+};
 struct Graph {
   std::vector<std::function<void()>> ops;
+  std::vector<std::shared_ptr<GraphNode>> nodes;  // ops[i]'s node
 };
 struct StreamState {
   bool capturing = false;
@@ -704,10 +734,15 @@ struct Profiled {
 };
 
 // Runs `op` now, or records it when `s` captures.
-cudaError_t issue(cudaStream_t s, std::function<void()> op) {
+cudaError_t issue(cudaStream_t s, std::function<void()> op, const void* kernel = nullptr) {
   StreamState* st = stream_of(s);
   if (st->capturing) {
-    st->graph->ops.push_back(std::move(op));
+    Graph& g = *st->graph;
+    auto node = std::make_shared<GraphNode>();
+    node->func = kernel;
+    node->prev = g.nodes.empty() ? nullptr : g.nodes.back().get();
+    g.ops.push_back(std::move(op));
+    g.nodes.push_back(std::move(node));
     return cudaSuccess;
   }
   op();
@@ -923,6 +958,7 @@ void launch(const LaunchCfg& cfg, void (*thunk)(void*), void* payload, void* (*c
     r.f.resize(size_t(n));
     r.thunk = thunk;
     r.payload = owned;
+    r.check_pdl = c.backend;
     BlockRun* prev = g_run;
     g_run = &r;
     g_block_dim = c.block;
@@ -952,7 +988,7 @@ void launch(const LaunchCfg& cfg, void (*thunk)(void*), void* payload, void* (*c
     if (g_after_kernel && memcheck_level() >= 2 && !tl_replaying) g_after_kernel(c.name ? c.name : "?");
   };
   std::shared_ptr<void> hold(owned, drop);
-  issue(cfg.stream, [run, hold]() { run(); });
+  issue(cfg.stream, [run, hold]() { run(); }, cfg.func ? cfg.func : reinterpret_cast<const void*>(thunk));
 }
 
 cudaError_t enqueue_host(cudaStream_t s, std::function<void()> op) {
@@ -1257,12 +1293,90 @@ cudaError_t cudaStreamEndCapture(cudaStream_t s, cudaGraph_t* g) {
   st->graph = nullptr;
   return cudaSuccess;
 }
+// The node queries and edge edits graph.cu's PDL pass makes, over the chain of a capture.
+cudaError_t cudaGraphGetNodes(cudaGraph_t g, cudaGraphNode_t* nodes, size_t* num) {
+  if (!g || !num) return set_error(cudaErrorInvalidValue);
+  const auto& ns = reinterpret_cast<emu::Graph*>(g)->nodes;
+  if (nodes) {
+    for (size_t i = 0; i < *num; ++i)
+      nodes[i] = i < ns.size() ? reinterpret_cast<cudaGraphNode_t>(ns[i].get()) : nullptr;
+    *num = std::min(*num, ns.size());
+  } else {
+    *num = ns.size();
+  }
+  return cudaSuccess;
+}
+cudaError_t cudaGraphNodeGetType(cudaGraphNode_t n, cudaGraphNodeType* type) {
+  if (!n || !type) return set_error(cudaErrorInvalidValue);
+  *type = reinterpret_cast<emu::GraphNode*>(n)->func ? cudaGraphNodeTypeKernel : cudaGraphNodeTypeHost;
+  return cudaSuccess;
+}
+cudaError_t cudaGraphKernelNodeGetParams(cudaGraphNode_t n, cudaKernelNodeParams* p) {
+  if (!n || !p || !reinterpret_cast<emu::GraphNode*>(n)->func) return set_error(cudaErrorInvalidValue);
+  *p = cudaKernelNodeParams{};
+  p->func = const_cast<void*>(reinterpret_cast<emu::GraphNode*>(n)->func);
+  return cudaSuccess;
+}
+cudaError_t cudaGraphNodeGetDependencies(cudaGraphNode_t n, cudaGraphNode_t* deps, cudaGraphEdgeData* edge,
+                                         size_t* num) {
+  if (!n || !num) return set_error(cudaErrorInvalidValue);
+  const auto* node = reinterpret_cast<emu::GraphNode*>(n);
+  const size_t have = node->prev && node->edge ? 1 : 0;
+  if (deps) {
+    if (*num >= 1 && have) {
+      deps[0] = reinterpret_cast<cudaGraphNode_t>(node->prev);
+      if (edge) {
+        edge[0] = cudaGraphEdgeData{};
+        if (node->programmatic) {
+          edge[0].from_port = cudaGraphKernelNodePortProgrammatic;
+          edge[0].type = cudaGraphDependencyTypeProgrammatic;
+        }
+      }
+    }
+    *num = std::min(*num, have);
+  } else {
+    *num = have;
+  }
+  return cudaSuccess;
+}
+// Only the chain's own edges: removed, then added back (programmatic between two kernels).
+cudaError_t cudaGraphRemoveDependencies(cudaGraph_t g, const cudaGraphNode_t* from, const cudaGraphNode_t* to,
+                                        const cudaGraphEdgeData*, size_t n) {
+  if (!g || (n && (!from || !to))) return set_error(cudaErrorInvalidValue);
+  for (size_t i = 0; i < n; ++i) {
+    auto* t = reinterpret_cast<emu::GraphNode*>(to[i]);
+    if (!t->edge || t->prev != reinterpret_cast<emu::GraphNode*>(from[i])) return set_error(cudaErrorInvalidValue);
+    t->edge = false;
+    t->programmatic = false;
+  }
+  return cudaSuccess;
+}
+cudaError_t cudaGraphAddDependencies(cudaGraph_t g, const cudaGraphNode_t* from, const cudaGraphNode_t* to,
+                                     const cudaGraphEdgeData* edge, size_t n) {
+  if (!g || (n && (!from || !to))) return set_error(cudaErrorInvalidValue);
+  for (size_t i = 0; i < n; ++i) {
+    auto* f = reinterpret_cast<emu::GraphNode*>(from[i]);
+    auto* t = reinterpret_cast<emu::GraphNode*>(to[i]);
+    if (t->edge || t->prev != f) return set_error(cudaErrorNotSupported);  // the emulator keeps the chain
+    const bool prog = edge && edge[i].type == cudaGraphDependencyTypeProgrammatic;
+    if (prog && (!f->func || !t->func || edge[i].from_port != cudaGraphKernelNodePortProgrammatic))
+      return set_error(cudaErrorInvalidValue);  // CUDA: programmatic edges join kernels, from their programmatic port
+    t->edge = true;
+    t->programmatic = prog;
+  }
+  return cudaSuccess;
+}
 cudaError_t cudaGraphInstantiate(cudaGraphExec_t* e, cudaGraph_t g, unsigned long long) {
   const char* fail = std::getenv("EMU_FAIL_GRAPHS");
   if (fail && std::string(fail) == "1") {  // tests of the fallback to eager runs
     *e = nullptr;
     return set_error(cudaErrorNotSupported);
   }
+  for (const auto& node : reinterpret_cast<emu::Graph*>(g)->nodes)
+    if (node->prev && !node->edge) {  // a dependency removed and not added back: not a chain
+      *e = nullptr;
+      return set_error(cudaErrorNotSupported);
+    }
   *e = reinterpret_cast<cudaGraphExec_t>(new emu::Graph(*reinterpret_cast<emu::Graph*>(g)));
   return cudaSuccess;
 }

@@ -1,10 +1,11 @@
 #!/usr/bin/env python3
 """Rewrites a CUDA source for the CPU emulation (cpp/emu/cuda_emu.h), keeping its line numbers.
 
-    python rewrite_cu.py IN.cu OUT.cpp
+    python rewrite_cu.py IN.cu OUT.cpp [--backend]
 
 - `kernel<T...><<<grid, block[, smem[, stream]]>>>(args)` becomes
-  `::emu::Launcher(grid, block[, smem[, stream]]).run(kernel<T...>, args)`.
+  `::emu::Launcher(grid, block[, smem[, stream]]).run(kernel<T...>, args)` (with --backend,
+  the backend's files: `.backend()` too, so the emulator checks each kernel's pdl_enter).
 - `extern __shared__ [__align__(n)] T name[];` becomes a pointer to the launch's dynamic
   shared memory.
 A `#line` directive keeps compiler messages and __FILE__ pointing at the original file.
@@ -50,7 +51,7 @@ def _matching(src: str, open_idx: int, o: str, c: str) -> int:
     raise SystemExit(f"rewrite_cu: unbalanced {o}{c} at offset {open_idx}")
 
 
-def rewrite(src: str) -> str:
+def rewrite(src: str, backend: bool = False) -> str:
     out = []
     pos = 0
     while True:
@@ -71,7 +72,9 @@ def rewrite(src: str) -> str:
         args = src[p + 1:q]
         old = src[start:q + 1]
         name = json.dumps(" ".join(kernel.split()))
-        call = f"::emu::Launcher({cfg}).named({name}).run({kernel}{', ' + args if args.strip() else ''})"
+        # the backend's kernels must begin with detail::pdl_enter() (pdl.cuh); the emulator checks it
+        check = ".backend()" if backend else ""
+        call = f"::emu::Launcher({cfg}).named({name}){check}.run({kernel}{', ' + args if args.strip() else ''})"
         call = call.replace("\n", " ") + "\n" * old.count("\n")
         out.append(src[pos:start])
         out.append(call)
@@ -87,9 +90,10 @@ def rewrite(src: str) -> str:
 
 def main() -> None:
     src_path, out_path = sys.argv[1], sys.argv[2]
+    backend = "--backend" in sys.argv[3:]
     with open(src_path) as f:
         src = f.read()
-    text = f'#line 1 "{src_path}"\n' + rewrite(src)
+    text = f'#line 1 "{src_path}"\n' + rewrite(src, backend)
     with open(out_path, "w") as f:
         f.write(text)
 

@@ -280,6 +280,7 @@ void bind_engine(py::module_& m) {
              d["cuda_graphs_replayed"] = m.cuda_graphs_replayed;
              d["cuda_graphs_eager"] = m.cuda_graphs_eager;
              d["cuda_graphs_failed"] = m.cuda_graphs_failed;
+             d["cuda_graphs_pdl_edges"] = m.cuda_graphs_pdl_edges;
              d["cuda_graphs_last_failure"] = m.cuda_graphs_last_failure;
              d["steps_as_one_unit"] = m.steps_as_one_unit;
              d["padding_rows"] = m.padding_rows;

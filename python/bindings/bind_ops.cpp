@@ -158,6 +158,12 @@ void bind_ops(py::module_& m) {
   o.def("set_fused_launches", &ops::set_fused_launches, py::arg("on"),
         "Sets fused_launches() for the ops issued from now on (engines built later capture their CUDA graphs with "
         "it): the same results either way; for an A/B of the kernel counts in one process.");
+  o.def("pdl", &ops::pdl,
+        "Whether CUDA graphs captured from now on chain their kernels with programmatic dependent launch (each "
+        "kernel's launch overlaps the one before it, which it still waits for; the same results). Off unless "
+        "DFLASH2_PDL=1: not yet measured on a GPU.");
+  o.def("set_pdl", &ops::set_pdl, py::arg("on"),
+        "Sets pdl() for the CUDA graphs captured from now on (engines built later capture theirs with it).");
   o.def("linear_bf16_available", [](const std::string& dev) { return ops::linear_bf16_available(Device::parse(dev)); },
         py::arg("device"), "Whether linear_bf16 runs on this device in this build.");
   bind_linear("linear_fp8", &ops::linear_fp8,
@@ -276,6 +282,7 @@ void bind_ops(py::module_& m) {
         Tensor xt = tensor_from_python(x, "x");
         DFLASH2_CHECK_ARG(xt.ndim() == 2, "gated_mlp: x must be 2-D, found ", xt.describe());
         Tensor ot = out_or_new(out, DType::F32, {xt.shape(0), d.out_features}, xt.device());
+        DFLASH2_CHECK_ARG(!accumulate || !out.is_none(), "gated_mlp: accumulate=True needs out (the tensor to add to)");
         Tensor scratch = Tensor::empty(DType::F32, {2 * xt.shape(0) * g.out_features}, xt.device());
         {
           ReleaseGil nogil;
@@ -727,7 +734,7 @@ void bind_ops(py::module_& m) {
       "moe_experts",
       [](py::handle x, py::handle ids, py::handle weights, std::vector<ops::Weight> gate, std::vector<ops::Weight> up,
          std::vector<ops::Weight> down, py::handle out, py::handle workspace, const std::string& numerics,
-         bool decode) {
+         bool decode, bool accumulate) {
         const ops::GemmNumerics g = gemm_numerics("moe_experts", numerics);
         Tensor xt = tensor_from_python(x, "x"), it = tensor_from_python(ids, "ids");
         Tensor wt = tensor_from_python(weights, "weights");
@@ -737,16 +744,18 @@ void bind_ops(py::module_& m) {
         const int64_t n = ops::moe_workspace_floats(dim_or0(xt, 0), dim_or0(it, 1), dim_or0(xt, 1), F,
                                                     int64_t(ex.gate.size()));
         Tensor ws = out_or_new(workspace, DType::F32, {n}, xt.device(), "workspace");
+        DFLASH2_CHECK_ARG(!accumulate || !out.is_none(), "moe_experts: accumulate=True needs out (the tensor to add to)");
         {
           ReleaseGil nogil;
-          ops::moe_experts(xt, it, wt, ex, ot, ws, g, decode);
+          ops::moe_experts(xt, it, wt, ex, ot, ws, g, decode, accumulate);
         }
         return ot;
       },
       py::arg("x"), py::arg("ids"), py::arg("weights"), py::arg("gate"), py::arg("up"), py::arg("down"),
       py::arg("out") = py::none(), py::arg("workspace") = py::none(), py::arg("numerics") = "exact",
-      py::arg("decode") = false,
-      "out[t] = sum_j weights[t, j] * expert_{ids[t, j]}(x[t]); gate/up/down: lists of Weight, one per expert. "
+      py::arg("decode") = false, py::arg("accumulate") = false,
+      "out[t] = sum_j weights[t, j] * expert_{ids[t, j]}(x[t]) (accumulate=True: out[t] += that sum, formed first); "
+      "gate/up/down: lists of Weight, one per expert. "
       "numerics='fp8': every projection W8A8 as linear_fp8 (FP8 experts; CUDA: the grouped GEMM, sm_90a / sm_100a / sm_103a). "
       "numerics='bf16': every projection as linear_bf16 (any expert format; CUDA: the grouped GEMM dequantizing in its "
       "main loop; with decode=True, the tokens of a decode / verify chunk: the skinny grouped GEMM of generated "

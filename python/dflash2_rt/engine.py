@@ -490,7 +490,8 @@ class Engine:
         generated_tokens_total, steps_total, cache_pages_used / _total (the target's KV-cache
         blocks), and recent tokens_per_second, acceptance_length (committed tokens per
         sequence per step), step_time_s, draft_len; cuda_graphs_captured / _replayed / _eager /
-        _failed / _last_failure, steps_as_one_unit (decode steps run as one unit: one CUDA
+        _failed / _last_failure / _pdl_edges (programmatic kernel -> kernel edges in the graphs
+        captured with ops.set_pdl(True)), steps_as_one_unit (decode steps run as one unit: one CUDA
         graph on a GPU), padding_rows (padding sequences run by pad_to_buckets) and
         drafter_appends_in_step (of those steps, the ones that appended the verified rows to
         the DFlash drafter's context inside the step), draft_cache_bytes (the DFlash

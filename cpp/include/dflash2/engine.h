@@ -152,6 +152,9 @@ struct EngineMetrics {
   // chunks), failed captures (then run eagerly) and the last failure's reason
   int64_t cuda_graphs_captured = 0, cuda_graphs_replayed = 0, cuda_graphs_eager = 0, cuda_graphs_failed = 0;
   std::string cuda_graphs_last_failure;
+  // programmatic kernel -> kernel edges in the graphs captured (ops::pdl(): programmatic
+  // dependent launch; 0 with it off)
+  int64_t cuda_graphs_pdl_edges = 0;
   // decode steps run as one unit (draft or MTP chain, verify, acceptance queued, then run
   // together: one CUDA graph with graphs on; in order on the CPU); the others ran piece by
   // piece (tensor parallelism, a verify pass over several chunks, CUDA without graphs)

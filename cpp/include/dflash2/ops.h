@@ -189,6 +189,13 @@ bool fused_launches();
 // Sets what fused_launches() returns from now on (ops.set_fused_launches: an A/B of the same
 // engine kind in one process; an engine's CUDA graphs keep what they captured).
 void set_fused_launches(bool on);
+// Whether CUDA graphs captured from now on chain their kernels with programmatic dependent
+// launch (backend/cuda/pdl.cuh: each kernel's launch overlaps the one before it, which it
+// still waits for before touching memory; the same results). Off unless the environment has
+// DFLASH2_PDL=1: not yet measured on a GPU (bench/bench_default_pair.py --device cuda runs
+// ar and dflash2 both ways). No effect on the CPU or outside graphs.
+bool pdl();
+void set_pdl(bool on);
 
 // out = w * x / sqrt(mean(x^2) + eps) per row (last dim); x, out F32 [.., D]; w F32/BF16/F16 [D].
 void rms_norm(const Tensor& x, const Tensor& w, float eps, Tensor& out);
@@ -395,8 +402,11 @@ int64_t moe_workspace_floats(int64_t T, int64_t top_k, int64_t H, int64_t F, int
 // CUDA the skinny grouped GEMM of generated tokens (the weight as the MMA's A operand, K split
 // by the weight's shape alone) instead of the prompt chunks' kernel: the same numerics up to
 // fp32 summation order, and a token's result independent of the other tokens either way.
+// accumulate: out[t] += the sum (the sum formed first, then added once: bitwise ops::add of
+// the plain result), e.g. straight into the residual stream.
 void moe_experts(const Tensor& x, const Tensor& ids, const Tensor& weights, const ExpertWeights& experts,
-                 Tensor& out, Tensor& workspace, GemmNumerics numerics = GemmNumerics::Exact, bool decode = false);
+                 Tensor& out, Tensor& workspace, GemmNumerics numerics = GemmNumerics::Exact, bool decode = false,
+                 bool accumulate = false);
 // Whether moe_experts(..., GemmNumerics::FP8) runs these experts on `dev` (every weight FP8
 // with K % 16 == 0 and N % 4 == 0 on every device; on CUDA the grouped kernel built for its
 // architecture and the weights readable in place: contiguous 16-byte aligned rows, contiguous

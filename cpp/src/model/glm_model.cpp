@@ -585,17 +585,20 @@ void GlmModel::layer_forward(const Layer& L, const Tensor& latent, const Tensor&
     r.norm_topk_prob = c.norm_topk_prob;
     r.routed_scaling_factor = c.routed_scaling_factor;
     ops::moe_route(logits, m.bias, r, b.rids, b.rw);
-    // the routed experts on a grouped tensor-core GEMM too (set_prefill / set_decode)
+    // the routed experts on a grouped tensor-core GEMM too (set_prefill / set_decode). One
+    // rank: their sum added straight to the residual stream, then the shared expert's output by
+    // its down projection, h = (h + routed) + shared (no add kernel; transformers rounds
+    // h + (routed + shared): the same up to fp32 rounding). Under TP each rank's routed part
+    // plus its shared part, then the all-reduce.
+    if (!tp) {
+      ops::moe_experts(b.x, b.rids, b.rw, m.experts, h, b.moe_ws, ex, decode, /*accumulate=*/true);
+      if (m.has_shared) ops::gated_mlp(b.x, m.gate, m.up, m.down, h, b.scratch, tc, decode, true);
+      return;
+    }
     ops::moe_experts(b.x, b.rids, b.rw, m.experts, b.mlp_out, b.moe_ws, ex, decode);
-    // the shared expert's output added to the routed experts' sum by its down projection
-    // (bitwise ops::add of the two; under TP each rank's part, before the all-reduce)
     if (m.has_shared) ops::gated_mlp(b.x, m.gate, m.up, m.down, b.mlp_out, b.scratch, tc, decode, true);
   }
-  if (tp) {
-    reduce_into(b.mlp_out, h);  // the ranks' intermediate slices / experts
-  } else {
-    ops::add(h, b.mlp_out, h);
-  }
+  reduce_into(b.mlp_out, h);  // the ranks' intermediate slices / experts
 }
 
 void GlmModel::reduce_into(Tensor& part, Tensor& h) {

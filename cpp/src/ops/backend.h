@@ -69,13 +69,13 @@ namespace dflash2::ops {
                       const Tensor& ctx_len, const Tensor& block_table, const BlockAttention& p, Tensor& out))      \
   X(moe_route, (const Tensor& logits, const Tensor& bias, const MoeRouting& r, Tensor& ids, Tensor& weights))      \
   X(moe_experts, (const Tensor& x, const Tensor& ids, const Tensor& weights, const ExpertWeights& experts,          \
-                  Tensor& out, Tensor& workspace))                                                                  \
+                  Tensor& out, Tensor& workspace, bool accumulate))                                                 \
   X(moe_experts_fp8, (const Tensor& x, const Tensor& ids, const Tensor& weights, const ExpertWeights& experts,      \
-                      Tensor& out, Tensor& workspace))                                                              \
+                      Tensor& out, Tensor& workspace, bool accumulate))                                             \
   X(moe_experts_bf16, (const Tensor& x, const Tensor& ids, const Tensor& weights, const ExpertWeights& experts,     \
-                       Tensor& out, Tensor& workspace, bool decode))                                                \
+                       Tensor& out, Tensor& workspace, bool decode, bool accumulate))                               \
   X(moe_experts_nvfp4, (const Tensor& x, const Tensor& ids, const Tensor& weights, const ExpertWeights& experts,    \
-                        Tensor& out, Tensor& workspace))                                                            \
+                        Tensor& out, Tensor& workspace, bool accumulate))                                           \
   X(dyn_conv, (const Tensor& x, const Tensor& base, const Tensor& dyn, int64_t block, Tensor& out))                 \
   X(selector_walk, (const Tensor& vals, const Tensor& cand, const Tensor& g, const Tensor& pred_book,               \
                     const Tensor& succ_book, const Tensor& anchors, const Tensor& temperature, const Tensor& rng,   \

@@ -101,6 +101,19 @@ bool fused_launches() { return fused_flag().load(std::memory_order_relaxed); }
 void set_fused_launches(bool on) { fused_flag().store(on, std::memory_order_relaxed); }
 
 namespace {
+std::atomic<bool>& pdl_flag() {
+  static std::atomic<bool> on{[] {
+    const char* e = std::getenv("DFLASH2_PDL");
+    return e && std::string(e) == "1";
+  }()};
+  return on;
+}
+}  // namespace
+
+bool pdl() { return pdl_flag().load(std::memory_order_relaxed); }
+void set_pdl(bool on) { pdl_flag().store(on, std::memory_order_relaxed); }
+
+namespace {
 void check_linear(const char* op, const Tensor& x, const Weight& w, const Tensor& y) {
   w.validate();
   need_dtype(x, DType::F32, op, "x");
@@ -886,7 +899,7 @@ int64_t moe_workspace_floats(int64_t T, int64_t top_k, int64_t H, int64_t F, int
 }
 
 void moe_experts(const Tensor& x, const Tensor& ids, const Tensor& weights, const ExpertWeights& experts, Tensor& out,
-                 Tensor& workspace, GemmNumerics numerics, bool decode) {
+                 Tensor& workspace, GemmNumerics numerics, bool decode, bool accumulate) {
   const char* op = "moe_experts";
   (void)numerics;  // every GemmNumerics is a mode of the experts
   need_2d_rows(x, DType::F32, op, "x");
@@ -922,18 +935,18 @@ void moe_experts(const Tensor& x, const Tensor& ids, const Tensor& weights, cons
       for (const Weight* w : {&experts.gate[size_t(e)], &experts.up[size_t(e)], &experts.down[size_t(e)]})
         DFLASH2_CHECK_ARG(w->format == WeightFormat::FP8Block128, op, ": 'fp8' numerics need FP8 block-128 experts, ",
                           "expert ", e, "'s '", w->name, "' is ", weight_format_name(w->format));
-    DFLASH2_DISPATCH(moe_experts_fp8, x, x, ids, weights, experts, out, workspace);
+    DFLASH2_DISPATCH(moe_experts_fp8, x, x, ids, weights, experts, out, workspace, accumulate);
   }
   if (numerics == GemmNumerics::NVFP4) {
     for (int64_t e = 0; e < E; ++e)
       for (const Weight* w : {&experts.gate[size_t(e)], &experts.up[size_t(e)], &experts.down[size_t(e)]})
         DFLASH2_CHECK_ARG(takes_w4a4(*w), op, ": 'nvfp4' numerics need NVFP4 experts with an input_scale, expert ", e, "'s '", w->name,
                           "' is ", weight_format_name(w->format), w->format == WeightFormat::NVFP4 ? " without a normal, finite one" : "");
-    DFLASH2_DISPATCH(moe_experts_nvfp4, x, x, ids, weights, experts, out, workspace);
+    DFLASH2_DISPATCH(moe_experts_nvfp4, x, x, ids, weights, experts, out, workspace, accumulate);
   }
   if (numerics == GemmNumerics::BF16)
-    DFLASH2_DISPATCH(moe_experts_bf16, x, x, ids, weights, experts, out, workspace, decode);
-  DFLASH2_DISPATCH(moe_experts, x, x, ids, weights, experts, out, workspace);
+    DFLASH2_DISPATCH(moe_experts_bf16, x, x, ids, weights, experts, out, workspace, decode, accumulate);
+  DFLASH2_DISPATCH(moe_experts, x, x, ids, weights, experts, out, workspace, accumulate);
 }
 
 bool moe_experts_nvfp4_available(Device dev, const ExpertWeights& experts) {

@@ -753,6 +753,7 @@ EngineMetrics Engine::metrics() const {
     m.cuda_graphs_replayed = g.replayed;
     m.cuda_graphs_eager = g.eager;
     m.cuda_graphs_failed = g.failed;
+    m.cuda_graphs_pdl_edges = g.pdl_edges;
     m.cuda_graphs_last_failure = g.last_failure;
     m.steps_as_one_unit = impl_->core.target->recorder().steps();
     m.padding_rows = impl_->core.target->padding_rows();

@@ -84,7 +84,8 @@ void ForwardGraphs::run(const std::string& key, const std::function<void()>& fn)
     why = "an unknown exception";
   }
   std::string end_why;
-  void* exec = cuda::graph_end_capture(stream_, &end_why);
+  int64_t pdl_edges = 0;
+  void* exec = cuda::graph_end_capture(stream_, &end_why, &pdl_edges);
   if (why.empty() && !exec) why = end_why;
   if (!why.empty()) {
     if (exec) cuda::graph_destroy(exec);
@@ -101,6 +102,7 @@ void ForwardGraphs::run(const std::string& key, const std::function<void()>& fn)
   e.exec = exec;
   e.generation = cuda::scratch_generation();
   count(&GraphStats::captured);
+  count(&GraphStats::pdl_edges, nullptr, pdl_edges);
   cuda::graph_launch(exec, stream_);  // a capture records without running
 }
 
@@ -172,6 +174,7 @@ void GroupGraphs::run(const std::string& key, const All& all, const std::functio
   // every rank captures; launched only if all succeeded
   std::vector<void*> exec(size_t(n), nullptr);
   std::vector<std::string> why(static_cast<size_t>(n));
+  std::vector<int64_t> pdl_edges(size_t(n), 0);
   const comm::CommStats before = comm0 ? comm0->stats() : comm::CommStats{};
   try {
     round([&](int r) {
@@ -186,7 +189,7 @@ void GroupGraphs::run(const std::string& key, const All& all, const std::functio
         why[size_t(r)] = "an unknown exception";
       }
       std::string end_why;
-      exec[size_t(r)] = cuda::graph_end_capture(s, &end_why);
+      exec[size_t(r)] = cuda::graph_end_capture(s, &end_why, &pdl_edges[size_t(r)]);
       if (why[size_t(r)].empty() && !exec[size_t(r)]) why[size_t(r)] = end_why;
     });
   } catch (...) {  // a rank's prep failed: the others' captures are never launched
@@ -216,6 +219,7 @@ void GroupGraphs::run(const std::string& key, const All& all, const std::functio
   e.generation = cuda::scratch_generation();
   if (comm0) e.collectives = comm::Communicator::diff(comm0->stats(), before);
   count(&GraphStats::captured);
+  for (int64_t v : pdl_edges) count(&GraphStats::pdl_edges, nullptr, v);
   round([&](int r) { cuda::graph_launch(e.exec[size_t(r)], streams_[size_t(r)]); });
 }
 
@@ -249,9 +253,9 @@ GraphStats GroupGraphs::stats() const {
   return stats_;
 }
 
-void GroupGraphs::count(int64_t GraphStats::*field, const std::string* failure) {
+void GroupGraphs::count(int64_t GraphStats::*field, const std::string* failure, int64_t by) {
   std::lock_guard<std::mutex> lk(stats_mu_);
-  ++(stats_.*field);
+  stats_.*field += by;
   if (failure) stats_.last_failure = *failure;
 }
 
@@ -331,9 +335,9 @@ GraphStats ForwardGraphs::stats() const {
   return stats_;
 }
 
-void ForwardGraphs::count(int64_t GraphStats::*field, const std::string* failure) {
+void ForwardGraphs::count(int64_t GraphStats::*field, const std::string* failure, int64_t by) {
   std::lock_guard<std::mutex> lk(stats_mu_);
-  ++(stats_.*field);
+  stats_.*field += by;
   if (failure) stats_.last_failure = *failure;
 }
 

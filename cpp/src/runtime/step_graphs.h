@@ -41,12 +41,14 @@ namespace dflash2::runtime {
 
 struct GraphStats {
   int64_t captured = 0, replayed = 0, eager = 0, failed = 0;
+  int64_t pdl_edges = 0;  // programmatic kernel -> kernel edges in the graphs captured (ops::pdl())
   std::string last_failure;
   GraphStats& operator+=(const GraphStats& o) {  // the counts add up; a later failure's reason wins
     captured += o.captured;
     replayed += o.replayed;
     eager += o.eager;
     failed += o.failed;
+    pdl_edges += o.pdl_edges;
     if (!o.last_failure.empty()) last_failure = o.last_failure;
     return *this;
   }
@@ -94,7 +96,7 @@ class ForwardGraphs {
   mutable std::mutex stats_mu_;
   GraphStats stats_;
   bool logged_ = false;
-  void count(int64_t GraphStats::*field, const std::string* failure = nullptr);
+  void count(int64_t GraphStats::*field, const std::string* failure = nullptr, int64_t by = 1);
 };
 
 // CUDA graphs of a chunk on every rank of a tensor-parallel group, under one decision per
@@ -145,7 +147,7 @@ class GroupGraphs {
   GraphStats stats_;
   bool logged_ = false;
   void drop(Entry& e);
-  void count(int64_t GraphStats::*field, const std::string* failure = nullptr);
+  void count(int64_t GraphStats::*field, const std::string* failure = nullptr, int64_t by = 1);
 };
 
 // A decode step's device work as one unit (the whole step in one CUDA graph). While

@@ -100,13 +100,13 @@ void block_attention(const Tensor& q, const Tensor& k, const Tensor& v, const Te
                      const Tensor& ctx_len, const Tensor& block_table, const ops::BlockAttention& p, Tensor& out);
 void moe_route(const Tensor& logits, const Tensor& bias, const ops::MoeRouting& r, Tensor& ids, Tensor& weights);
 void moe_experts(const Tensor& x, const Tensor& ids, const Tensor& weights, const ops::ExpertWeights& experts,
-                 Tensor& out, Tensor& workspace);
+                 Tensor& out, Tensor& workspace, bool accumulate = false);
 void moe_experts_bf16(const Tensor& x, const Tensor& ids, const Tensor& weights, const ops::ExpertWeights& experts,
-                      Tensor& out, Tensor& workspace, bool decode);
+                      Tensor& out, Tensor& workspace, bool decode, bool accumulate = false);
 void moe_experts_nvfp4(const Tensor& x, const Tensor& ids, const Tensor& weights, const ops::ExpertWeights& experts,
-                       Tensor& out, Tensor& workspace);
+                       Tensor& out, Tensor& workspace, bool accumulate = false);
 void moe_experts_fp8(const Tensor& x, const Tensor& ids, const Tensor& weights, const ops::ExpertWeights& experts,
-                     Tensor& out, Tensor& workspace);
+                     Tensor& out, Tensor& workspace, bool accumulate = false);
 void dyn_conv(const Tensor& x, const Tensor& base, const Tensor& dyn, int64_t block, Tensor& out);
 void selector_walk(const Tensor& vals, const Tensor& cand, const Tensor& g, const Tensor& pred_book,
                    const Tensor& succ_book, const Tensor& anchors, const Tensor& temperature, const Tensor& rng,

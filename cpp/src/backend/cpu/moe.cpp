@@ -5,6 +5,7 @@
 #include <cmath>
 #include <cstring>
 #include <functional>
+#include <vector>
 
 #include "backend/cpu/cpu_ops.h"
 #include "dflash2/error.h"
@@ -70,7 +71,7 @@ namespace {
 // expert's activations quantized with its own input_scale) (ops.h moe_experts)
 using LinearFn = void (*)(const Tensor&, const ops::Weight&, Tensor&, bool);
 void experts_impl(const Tensor& x, const Tensor& ids, const Tensor& weights, const ops::ExpertWeights& ex, Tensor& out,
-                  Tensor& workspace, LinearFn lin) {
+                  Tensor& workspace, bool accumulate, LinearFn lin) {
   const int64_t T = x.shape(0), H = x.shape(1), K = ids.shape(1), E = int64_t(ex.gate.size());
   const int64_t first = ex.first, Eg = ex.num_global > 0 ? ex.num_global : E;
   const int64_t F = ex.gate.empty() ? 0 : ex.gate[0].out_features;
@@ -121,8 +122,10 @@ void experts_impl(const Tensor& x, const Tensor& ids, const Tensor& weights, con
     lin(g, ex.down[size_t(e)], ye, false);
     for (int64_t r = 0; r < n; ++r) std::memcpy(slot_p + int64_t(sl[r]) * H, ye_p + r * H, size_t(H) * 4);
   }
+  std::vector<float> sum(accumulate ? size_t(H) : 0);  // accumulate: the sum, then out += it
   for (int64_t t = 0; t < T; ++t) {
-    float* o = out.data_as<float>() + t * out.stride(0);
+    float* row = out.data_as<float>() + t * out.stride(0);
+    float* o = accumulate ? sum.data() : row;
     std::fill(o, o + H, 0.0f);
     for (int64_t j = 0; j < K; ++j) {
       if (local(t, j) < 0) continue;
@@ -130,30 +133,32 @@ void experts_impl(const Tensor& x, const Tensor& ids, const Tensor& weights, con
       const float* y = slot_p + (t * K + j) * H;
       for (int64_t d = 0; d < H; ++d) o[d] += y[d] * wj;
     }
+    if (accumulate)
+      for (int64_t d = 0; d < H; ++d) row[d] += o[d];
   }
 }
 }  // namespace
 
 void moe_experts(const Tensor& x, const Tensor& ids, const Tensor& weights, const ops::ExpertWeights& ex, Tensor& out,
-                 Tensor& workspace) {
-  experts_impl(x, ids, weights, ex, out, workspace, &cpu::linear);
+                 Tensor& workspace, bool accumulate) {
+  experts_impl(x, ids, weights, ex, out, workspace, accumulate, &cpu::linear);
 }
 
 void moe_experts_bf16(const Tensor& x, const Tensor& ids, const Tensor& weights, const ops::ExpertWeights& ex,
-                      Tensor& out, Tensor& workspace, bool /*decode: one kernel on the CPU*/) {
-  experts_impl(x, ids, weights, ex, out, workspace, [](const Tensor& xs, const ops::Weight& w, Tensor& y, bool acc) {
+                      Tensor& out, Tensor& workspace, bool /*decode: one kernel on the CPU*/, bool accumulate) {
+  experts_impl(x, ids, weights, ex, out, workspace, accumulate, [](const Tensor& xs, const ops::Weight& w, Tensor& y, bool acc) {
     cpu::linear_bf16(xs, w, y, acc, false);
   });
 }
 
 void moe_experts_nvfp4(const Tensor& x, const Tensor& ids, const Tensor& weights, const ops::ExpertWeights& ex,
-                       Tensor& out, Tensor& workspace) {
-  experts_impl(x, ids, weights, ex, out, workspace, &cpu::linear_nvfp4);
+                       Tensor& out, Tensor& workspace, bool accumulate) {
+  experts_impl(x, ids, weights, ex, out, workspace, accumulate, &cpu::linear_nvfp4);
 }
 
 void moe_experts_fp8(const Tensor& x, const Tensor& ids, const Tensor& weights, const ops::ExpertWeights& ex,
-                     Tensor& out, Tensor& workspace) {
-  experts_impl(x, ids, weights, ex, out, workspace, &cpu::linear_fp8);
+                     Tensor& out, Tensor& workspace, bool accumulate) {
+  experts_impl(x, ids, weights, ex, out, workspace, accumulate, &cpu::linear_fp8);
 }
 
 }  // namespace dflash2::cpu

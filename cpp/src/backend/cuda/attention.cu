@@ -90,6 +90,7 @@
 #include "backend/cuda/attention_index.h"
 #include "backend/cuda/cuda_api.h"
 #include "backend/cuda/cuda_check.cuh"
+#include "backend/cuda/pdl.cuh"
 #include "backend/cuda/device_attr.cuh"
 #include "backend/cuda/kernel_util.cuh"
 #include "backend/cuda/mma_sm80.cuh"
@@ -241,6 +242,7 @@ __global__ void __launch_bounds__(kIdxThreads)
                          int64_t w_s0, const float* __restrict__ kc, int64_t kc_stride, int64_t kc_rows, Tokens tk,
                          int64_t t0, int64_t topk, IdxShape sh, float sscale, float wscale, float* __restrict__ scores,
                          int64_t cap) {
+  detail::pdl_enter();
   extern __shared__ __align__(16) float smem[];
   const int64_t t = t0 + blockIdx.y;
   const int64_t n = attn::causal_keys(tk.pos[t * tk.pos_stride], cap);
@@ -347,6 +349,7 @@ __global__ void __launch_bounds__(kSelThreads)
     indexer_select_kernel(const float* __restrict__ scores, int64_t cap, Tokens tk, int64_t t0, int64_t nt,
                           int64_t topk, int32_t* __restrict__ sel, int64_t sel_stride, int32_t* __restrict__ sel_len,
                           int64_t len_stride) {
+  detail::pdl_enter();
   __shared__ uint32_t hist[attn::kRadixBins];
   __shared__ uint32_t wsum[32];
   __shared__ attn::RadixSelect st_sh;
@@ -466,6 +469,7 @@ __global__ void __launch_bounds__(kMlaThreads)
                Tokens tk, const int32_t* __restrict__ sel, int64_t sel_stride, int64_t sel_cols,
                const int32_t* __restrict__ sel_len, int64_t len_stride, float scale, float* __restrict__ out,
                int64_t o_s0, int64_t o_s1, int64_t T, int nh, MlaShape sh, int split, MlaSplit sp) {
+  detail::pdl_enter();
   extern __shared__ __align__(16) unsigned char smem_raw[];
   double* ls = reinterpret_cast<double*>(smem_raw);                   // [HG] running sums (segment)
   double* lt = ls + HG;                                                // [HG] folded sums
@@ -660,6 +664,7 @@ __global__ void __launch_bounds__(kMlaThreads)
 __global__ void __launch_bounds__(kMlaThreads)
     mla_combine_kernel(MlaSplit sp, int64_t T, int nh, int kvl, float* __restrict__ out, int64_t o_s0,
                        int64_t o_s1) {
+  detail::pdl_enter();
   const int h = blockIdx.x;
   for (int64_t t = blockIdx.y; t < T; t += gridDim.y) {
     const int64_t base = (t * nh + h) * int64_t(sp.nseg);
@@ -725,6 +730,7 @@ __device__ __forceinline__ float ba_finish(float tot, double L) {
 // bitwise what SPLIT = 0 writes, so the launch shape never changes a row.
 template <int DPL, int SPLIT>
 __global__ void __launch_bounds__(kBaThreads, 1) block_attention_kernel(const BaArgs a) {
+  detail::pdl_enter();
   extern __shared__ __align__(16) unsigned char smem_raw[];
   const int hd = int(a.hd), kstride = hd % 2 == 0 ? hd + 1 : hd;
   int64_t* slots = reinterpret_cast<int64_t*>(smem_raw);  // [KC]
@@ -867,6 +873,7 @@ __global__ void __launch_bounds__(kBaThreads, 1) block_attention_kernel(const Ba
 // block_attention_kernel<.., 0> does (slots of segments the row's block does not have are
 // marked l < 0 and skipped).
 __global__ void __launch_bounds__(kBaThreads) block_attention_combine(const BaArgs a) {
+  detail::pdl_enter();
   const int lane = threadIdx.x & 31;
   const int64_t rows = a.S * a.B * a.nh;
   for (int64_t w = (int64_t(blockIdx.x) * blockDim.x + threadIdx.x) / 32; w < rows;
@@ -914,6 +921,7 @@ __device__ __forceinline__ float bf16_hi(uint32_t u) { return __uint_as_float(u 
 
 template <int HD>
 __global__ void __launch_bounds__(kTcThreads, 3) block_attention_tc_kernel(const BaArgs a) {
+  detail::pdl_enter();
   constexpr int LD = HD + 8, C4 = HD / 4, NT = kTcKeys / 8, DT = HD / 8;
   static_assert(HD % 16 == 0 && HD <= 128, "head_dim: a multiple of 16, at most 128");
   extern __shared__ __align__(16) unsigned char smem_raw[];

@@ -27,6 +27,7 @@
 
 #include "backend/cuda/cuda_api.h"
 #include "backend/cuda/cuda_check.cuh"
+#include "backend/cuda/pdl.cuh"
 #include "backend/cuda/kernel_util.cuh"
 #include "backend/cuda/layout.h"
 #include "dflash2/error.h"
@@ -57,6 +58,7 @@ __device__ __forceinline__ float convert<float, __half>(__half v) {
 template <class TS, class TD, class I>
 __global__ void __launch_bounds__(kThreads) copy_kernel(const TS* __restrict__ src, TD* __restrict__ dst,
                                                         StridedPair p, I n) {
+  detail::pdl_enter();
   const I step = I(gridDim.x) * I(blockDim.x);
   for (I i = I(blockIdx.x) * I(blockDim.x) + I(threadIdx.x); i < n; i += step) {
     int64_t so, dof;

@@ -96,11 +96,13 @@ class StreamScope {
 // inside an OrderedStreamScope, which keeps it in order with the legacy stream. A capture records the work this thread issues
 // on the stream (thread-local mode) without running it; graph_end_capture instantiates it,
 // or returns nullptr with *why when the capture or the instantiation failed (the stream is
-// usable again either way).
+// usable again either way). With ops::pdl() on it first makes the graph's kernel -> kernel
+// edges programmatic where the later kernel is this backend's (pdl.cuh), their count in
+// *pdl_edges.
 CUstream_st* stream_create(int device);
 void stream_destroy(CUstream_st* s, int device) noexcept;
 void graph_begin_capture(CUstream_st* s);
-void* graph_end_capture(CUstream_st* s, std::string* why);
+void* graph_end_capture(CUstream_st* s, std::string* why, int64_t* pdl_edges = nullptr);
 // This thread's ops run on `s` (a stream of `device`; nullptr: no change) while the scope
 // lives, and `s` stays in program order with the legacy default stream without blocking the
 // host: on entry `s` waits (an event) for what the legacy stream has queued, on exit the
@@ -203,17 +205,17 @@ void embedding_shard(const Tensor& table, const Tensor& ids, int64_t first, Tens
 // moe.cu
 void moe_route(const Tensor& logits, const Tensor& bias, const ops::MoeRouting& r, Tensor& ids, Tensor& weights);
 void moe_experts(const Tensor& x, const Tensor& ids, const Tensor& weights, const ops::ExpertWeights& experts,
-                 Tensor& out, Tensor& workspace);
+                 Tensor& out, Tensor& workspace, bool accumulate = false);
 // The same with the FP8 block-128 W8A8 numerics (prompt chunks): the CUTLASS grouped GEMM
 // (sm_90a); whether it can run these experts on `device`.
 void moe_experts_fp8(const Tensor& x, const Tensor& ids, const Tensor& weights, const ops::ExpertWeights& experts,
-                     Tensor& out, Tensor& workspace);
+                     Tensor& out, Tensor& workspace, bool accumulate = false);
 bool moe_experts_fp8_supported(int device, const ops::ExpertWeights& experts);
 // The same with linear_bf16's numerics (any expert format): prompt chunks on the grouped
 // mainloop-dequantizing GEMM of gemm_dq.cu, decode chunks (decode) on gemm_sk.cu's skinny
 // grouped GEMM; whether `device` is a GPU this build runs on.
 void moe_experts_bf16(const Tensor& x, const Tensor& ids, const Tensor& weights, const ops::ExpertWeights& experts,
-                      Tensor& out, Tensor& workspace, bool decode);
+                      Tensor& out, Tensor& workspace, bool decode, bool accumulate = false);
 bool moe_experts_bf16_supported(int device);
 // gemm_dq.cu: whether linear_bf16 runs NVFP4 weights on sm_90a through the mainloop-
 // dequantizing kernel (default) or the dequantize pass + CUTLASS (after a failed load check).
@@ -226,7 +228,7 @@ void set_linear_sk_enabled(bool on);
 // The same with linear_nvfp4's W4A4 numerics (NVFP4 experts with an input_scale): the
 // CUTLASS grouped block-scaled GEMM (sm_100a / sm_103a); whether it runs these on `device`.
 void moe_experts_nvfp4(const Tensor& x, const Tensor& ids, const Tensor& weights, const ops::ExpertWeights& experts,
-                       Tensor& out, Tensor& workspace);
+                       Tensor& out, Tensor& workspace, bool accumulate = false);
 bool moe_experts_nvfp4_supported(int device, const ops::ExpertWeights& experts);
 // attention.cu
 void indexer_topk(const Tensor& q, const Tensor& w, const Tensor& key_cache, const ops::PagedTokens& tok,

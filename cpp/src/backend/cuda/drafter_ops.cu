@@ -27,6 +27,7 @@
 
 #include "backend/cuda/cuda_api.h"
 #include "backend/cuda/cuda_check.cuh"
+#include "backend/cuda/pdl.cuh"
 #include "backend/cuda/kernel_util.cuh"
 #include "backend/cuda/layout.h"
 #include "dflash2/error.h"
@@ -43,6 +44,7 @@ __global__ void __launch_bounds__(kThreads)
     dyn_conv_kernel(const float* x, int64_t x_stride, const float* __restrict__ b0, const float* __restrict__ b1,
                     const float* __restrict__ dyn, int64_t dyn_stride, int64_t G, int64_t gs, float* out,
                     int64_t out_stride, int64_t nblocks, int64_t B, int64_t H) {
+  detail::pdl_enter();
   const int64_t total = nblocks * H;
   const int64_t step = int64_t(gridDim.x) * blockDim.x;
   for (int64_t idx = int64_t(blockIdx.x) * blockDim.x + threadIdx.x; idx < total; idx += step) {

@@ -43,6 +43,7 @@
 
 #include "backend/cuda/cuda_api.h"
 #include "backend/cuda/cuda_check.cuh"
+#include "backend/cuda/pdl.cuh"
 #include "backend/cuda/kernel_util.cuh"
 #include "backend/cuda/layout.h"
 #include "dflash2/error.h"
@@ -71,6 +72,7 @@ template <class Op, int G>
 __global__ void __launch_bounds__(kRowThreads)
     binary_rows_kernel(const float* a, int64_t a_stride, const float* b, int64_t b_stride, float* out,
                        int64_t out_stride, int64_t rows, int64_t nvec, Op op) {
+  detail::pdl_enter();
   const int64_t j = int64_t(blockIdx.x) * blockDim.x + threadIdx.x;
   if (j >= nvec) return;
   for (int64_t r = blockIdx.y; r < rows; r += gridDim.y) {
@@ -147,6 +149,7 @@ __global__ void __launch_bounds__(kRopeThreads)
     rope_kernel(const __grid_constant__ RopeTargets tg, const P* __restrict__ pos, int64_t pos_stride,
                 int64_t half, int64_t D, bool interleaved, bool use_table, float ftheta,
                 const __grid_constant__ RopeFreqs freqs) {
+  detail::pdl_enter();
   const int64_t total = tg.t[tg.n - 1].end;
   const int64_t step = int64_t(gridDim.x) * blockDim.x;
   for (int64_t flat = int64_t(blockIdx.x) * blockDim.x + threadIdx.x; flat < total; flat += step) {

@@ -91,6 +91,7 @@
 
 #include "backend/cuda/cuda_api.h"
 #include "backend/cuda/cuda_check.cuh"
+#include "backend/cuda/pdl.cuh"
 #include "backend/cuda/kernel_util.cuh"
 #include "backend/cuda/layout.h"
 #include "backend/cuda/scratch.h"
@@ -379,6 +380,7 @@ __device__ __forceinline__ void linear_block(const GemmArgs& a, const int64_t bx
 
 template <WFmt F, bool kVec, int RT>
 __global__ void __launch_bounds__(kThreads, min_blocks<F, kVec>()) linear_kernel(const GemmArgs a) {
+  detail::pdl_enter();
   linear_block<F, kVec, RT, false>(a, blockIdx.x);
 }
 
@@ -395,6 +397,7 @@ struct ManyArgs {
 
 template <WFmt F, int RT>
 __global__ void __launch_bounds__(kThreads, min_blocks<F, true>()) linear_many_kernel(const __grid_constant__ ManyArgs m) {
+  detail::pdl_enter();
   int i = 0;
   while (int64_t(blockIdx.x) >= m.end[i]) ++i;  // i < n: grid x = end[n - 1]
   const GemmArgs& a = m.g[i];

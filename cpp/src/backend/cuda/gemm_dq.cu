@@ -32,6 +32,7 @@
 
 #include "backend/cuda/cuda_api.h"
 #include "backend/cuda/cuda_check.cuh"
+#include "backend/cuda/pdl.cuh"
 #include "backend/cuda/kernel_util.cuh"
 #include "backend/cuda/layout.h"
 #include "backend/cuda/mma_sm80.cuh"
@@ -156,6 +157,7 @@ __device__ __forceinline__ uint4 finish_w(const WeightView& w, const WUnit& u) {
 
 template <WFmt F>
 __global__ void __launch_bounds__(kThreads) dq_gemm_kernel(const Params p) {
+  detail::pdl_enter();
   __shared__ __align__(128) uint4 As[2][kDqBM * kDqChunks];
   __shared__ __align__(128) uint4 Bs[2][kDqBN * kDqChunks];
   const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
@@ -294,6 +296,7 @@ __global__ void __launch_bounds__(kThreads) dq_gemm_kernel(const Params p) {
 
 // The groups' first m-tiles (layout::dq_tile_starts), one thread.
 __global__ void dq_tile_starts(const int32_t* __restrict__ start, int groups, int32_t* __restrict__ tile_start) {
+  detail::pdl_enter();
   if (blockIdx.x == 0 && threadIdx.x == 0) layout::dq_tile_starts(start, groups, tile_start);
 }
 
@@ -301,6 +304,7 @@ template <RowsFrom From>
 __global__ void rows_bf16_kernel(const float* __restrict__ x, const float* __restrict__ u, int64_t ldx,
                                  const int32_t* __restrict__ order, int div, const int32_t* __restrict__ used,
                                  int64_t rows, int64_t K, int64_t lda, __nv_bfloat16* __restrict__ a) {
+  detail::pdl_enter();
   const int64_t n = rows * lda, limit = used ? int64_t(*used) : rows;
   for (int64_t i = int64_t(blockIdx.x) * blockDim.x + threadIdx.x; i < n; i += int64_t(gridDim.x) * blockDim.x) {
     const int64_t pr = i / lda, k = i - pr * lda;

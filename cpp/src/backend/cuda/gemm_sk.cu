@@ -53,6 +53,7 @@
 #include <cstdint>
 
 #include "backend/cuda/cuda_check.cuh"
+#include "backend/cuda/pdl.cuh"
 #include "backend/cuda/kernel_util.cuh"
 #include "backend/cuda/layout.h"
 #include "backend/cuda/mma_sm80.cuh"
@@ -434,6 +435,7 @@ __device__ __forceinline__ void sk_cta(const Params& p, uint4* xs, int fb, int z
 // One weight: grid x = token tiles of this launch, y = 64-feature blocks, z = splits.
 template <WFmt F>
 __global__ void __launch_bounds__(kThreads, kMinCtas) sk_kernel(const Params p) {
+  detail::pdl_enter();
   __shared__ __align__(128) uint4 xs[2 * kSkTok * int(layout::sk_stage_k(kE<F>) / 8)];
   sk_cta<F>(p, xs, int(blockIdx.y), int(blockIdx.z), blockIdx.y * gridDim.x + blockIdx.x, p.S);
 }
@@ -455,6 +457,7 @@ struct ManyParams {
 
 template <WFmt F>
 __global__ void __launch_bounds__(kThreads, kMinCtas) sk_many_kernel(const __grid_constant__ ManyParams mp) {
+  detail::pdl_enter();
   __shared__ __align__(128) uint4 xs[2 * kSkTok * int(layout::sk_stage_k(kE<F>) / 8)];
   int i = 0;
   while (int64_t(blockIdx.y) >= mp.yend[i]) ++i;  // i < n: grid y = yend[n - 1]
@@ -473,6 +476,7 @@ __global__ void __launch_bounds__(kThreads, kMinCtas) sk_many_kernel(const __gri
 // (finish_tile); else a reduction kernel follows.
 template <WFmt F>
 __global__ void __launch_bounds__(kThreads, kMinCtas) sk_grouped_kernel(const Params p) {
+  detail::pdl_enter();
   __shared__ __align__(128) uint4 xs[2 * kSkTok * int(layout::sk_stage_k(kE<F>) / 8)];
   const int fblocks = int(gridDim.x) / p.P, j = int(blockIdx.x) / fblocks;
   const int64_t f0 = int64_t(int(blockIdx.x) - j * fblocks) * kSkFeatPerCta + int64_t(threadIdx.x >> 5) * kSkFeat;
@@ -514,6 +518,7 @@ __global__ void __launch_bounds__(kThreads, kMinCtas) sk_grouped_kernel(const Pa
 __global__ void __launch_bounds__(256) sk_reduce(const float* __restrict__ partial, int S, int64_t M, int64_t N,
                                                   float* __restrict__ d, int64_t ldd, bool accumulate,
                                                   const int32_t* __restrict__ used, const int32_t* __restrict__ d_rows) {
+  detail::pdl_enter();
   const int64_t total = M * N;
   const int64_t limit = used ? (int64_t(*used) < M ? int64_t(*used) : M) * N : total;
   for (int64_t i = int64_t(blockIdx.x) * blockDim.x + threadIdx.x; i < limit; i += int64_t(gridDim.x) * blockDim.x) {
@@ -530,6 +535,7 @@ __global__ void __launch_bounds__(256) sk_reduce(const float* __restrict__ parti
 __global__ void __launch_bounds__(256) sk_reduce_silu(const float* __restrict__ partial, int S, int64_t M, int64_t N,
                                                        const int32_t* __restrict__ used, __nv_bfloat16* __restrict__ h,
                                                        int64_t ldh) {
+  detail::pdl_enter();
   const int64_t total = M * 2 * N, rows = used && int64_t(*used) < M ? int64_t(*used) : M, limit = rows * ldh;
   for (int64_t i = int64_t(blockIdx.x) * blockDim.x + threadIdx.x; i < limit; i += int64_t(gridDim.x) * blockDim.x) {
     const int64_t m = i / ldh;

@@ -36,6 +36,7 @@
 
 #include "backend/cuda/cuda_api.h"
 #include "backend/cuda/cuda_check.cuh"
+#include "backend/cuda/pdl.cuh"
 #include "backend/cuda/cutlass/bf16_gemm.h"
 #include "backend/cuda/cutlass/fp8_gemm.h"
 #include "backend/cuda/cutlass/fp8_grouped_gemm.h"
@@ -259,6 +260,7 @@ unsigned grid_for(int64_t n) {
 // padding (K <= k < Kp, N <= r < Np).
 template <WFmt F>
 __global__ void weight_to_bf16(WeightView w, int64_t Np, int64_t Kp, __nv_bfloat16* __restrict__ out) {
+  detail::pdl_enter();
   const int64_t n = Np * Kp;
   for (int64_t i = int64_t(blockIdx.x) * blockDim.x + threadIdx.x; i < n; i += int64_t(gridDim.x) * blockDim.x) {
     const int64_t r = i / Kp, k = i - r * Kp;
@@ -269,6 +271,7 @@ __global__ void weight_to_bf16(WeightView w, int64_t Np, int64_t Kp, __nv_bfloat
 // y[m, n] = d[m, n] (+ y[m, n] when accumulating: the same single rounding as the epilogue).
 __global__ void store_rows(const float* __restrict__ d, int64_t ldd, int64_t M, int64_t N, float* __restrict__ y,
                            int64_t ldy, bool accumulate) {
+  detail::pdl_enter();
   const int64_t n = M * N;
   for (int64_t i = int64_t(blockIdx.x) * blockDim.x + threadIdx.x; i < n; i += int64_t(gridDim.x) * blockDim.x) {
     const int64_t m = i / N, c = i - m * N;
@@ -280,6 +283,7 @@ __global__ void store_rows(const float* __restrict__ d, int64_t ldd, int64_t M, 
 
 // FP8 weight codes into a padded copy: out[r, k] = W[r, k] for r < N, k < K, else 0.
 __global__ void pad_fp8_codes(WeightView w, int64_t Np, int64_t Kp, uint8_t* __restrict__ out) {
+  detail::pdl_enter();
   const int64_t n = Np * Kp;
   for (int64_t i = int64_t(blockIdx.x) * blockDim.x + threadIdx.x; i < n; i += int64_t(gridDim.x) * blockDim.x) {
     const int64_t r = i / Kp, k = i - r * Kp;
@@ -290,6 +294,7 @@ __global__ void pad_fp8_codes(WeightView w, int64_t Np, int64_t Kp, uint8_t* __r
 // The weight's block scales [rows, cols] (row stride ld) packed contiguously.
 __global__ void pack_scales(const float* __restrict__ s, int64_t ld, int64_t rows, int64_t cols,
                             float* __restrict__ out) {
+  detail::pdl_enter();
   const int64_t n = rows * cols;
   for (int64_t i = int64_t(blockIdx.x) * blockDim.x + threadIdx.x; i < n; i += int64_t(gridDim.x) * blockDim.x) {
     const int64_t r = i / cols, c = i - r * cols;
@@ -299,6 +304,7 @@ __global__ void pack_scales(const float* __restrict__ s, int64_t ld, int64_t row
 
 // y[m, n] = 0 (a GEMM over K = 0 inputs, which the CUTLASS kernels cannot take).
 __global__ void zero_rows(int64_t M, int64_t N, float* __restrict__ y, int64_t ldy) {
+  detail::pdl_enter();
   const int64_t n = M * N;
   for (int64_t i = int64_t(blockIdx.x) * blockDim.x + threadIdx.x; i < n; i += int64_t(gridDim.x) * blockDim.x) {
     const int64_t m = i / N;
@@ -315,6 +321,7 @@ void empty_k(Tensor& y, int64_t M, int64_t N, bool accumulate, const char* op) {
 
 // NVFP4 weight codes (packed bytes) into a padded copy [Np, Kp / 2].
 __global__ void pad_fp4_codes(WeightView w, int64_t Np, int64_t Kp, uint8_t* __restrict__ out) {
+  detail::pdl_enter();
   const int64_t kb = Kp / 2, n = Np * kb, wkb = w.K / 2;
   for (int64_t i = int64_t(blockIdx.x) * blockDim.x + threadIdx.x; i < n; i += int64_t(gridDim.x) * blockDim.x) {
     const int64_t r = i / kb, c = i - r * kb;
@@ -325,6 +332,7 @@ __global__ void pad_fp4_codes(WeightView w, int64_t Np, int64_t Kp, uint8_t* __r
 // The checkpoint's per-16 E4M3 weight scales [N, K / 16] (row stride w.scale_stride) into the
 // block-scaled layout of layout.h (the buffer zeroed before).
 __global__ void swizzle_fp4_scales(WeightView w, int64_t sf_cols, uint8_t* __restrict__ out) {
+  detail::pdl_enter();
   const int64_t nb = w.K / 16, n = w.N * nb;
   const uint8_t* s = static_cast<const uint8_t*>(w.scale);
   for (int64_t i = int64_t(blockIdx.x) * blockDim.x + threadIdx.x; i < n; i += int64_t(gridDim.x) * blockDim.x) {

@@ -47,6 +47,7 @@
 
 #include "backend/cuda/cuda_api.h"
 #include "backend/cuda/cuda_check.cuh"
+#include "backend/cuda/pdl.cuh"
 #include "backend/cuda/kernel_util.cuh"
 #include "backend/cuda/layout.h"
 #include "dflash2/error.h"
@@ -68,6 +69,7 @@ __global__ void __launch_bounds__(kThreads)
     gather_rows_kernel(const TS* __restrict__ src, int64_t src_stride, int64_t N, const TI* __restrict__ idx,
                        int64_t idx_stride, int64_t first, float* __restrict__ out, int64_t out_stride, int64_t T,
                        int64_t nvec) {
+  detail::pdl_enter();
   const int64_t j = int64_t(blockIdx.x) * blockDim.x + threadIdx.x;
   if (j >= nvec) return;
   for (int64_t t = blockIdx.y; t < T; t += gridDim.y) {
@@ -95,6 +97,7 @@ __global__ void __launch_bounds__(kThreads)
     cache_write_kernel(const float* __restrict__ src, int64_t src_stride, const int32_t* __restrict__ slots,
                        int64_t slot_stride, C* __restrict__ cache, int64_t cache_stride, int64_t rows, int64_t T,
                        int64_t nvec) {
+  detail::pdl_enter();
   const int64_t j = int64_t(blockIdx.x) * blockDim.x + threadIdx.x;
   if (j >= nvec) return;
   for (int64_t t = blockIdx.y; t < T; t += gridDim.y) {
@@ -134,6 +137,7 @@ struct CacheTargets {
 __global__ void __launch_bounds__(kThreads)
     cache_write_many_kernel(const __grid_constant__ CacheTargets tg, const int32_t* __restrict__ slots,
                             int64_t slot_stride, int64_t T) {
+  detail::pdl_enter();
   const int64_t j = int64_t(blockIdx.x) * blockDim.x + threadIdx.x;
   if (j >= tg.t[tg.n - 1].end) return;
   int k = 0;
@@ -258,6 +262,7 @@ void gather_rows(const Tensor& src, const Tensor& idx, Tensor& out) {
 namespace {
 __global__ void __launch_bounds__(kThreads) resolve_tokens_kernel(int32_t* tokens, int64_t T, const int32_t* src,
                                                                    int64_t n) {
+  detail::pdl_enter();
   for (int64_t i = int64_t(blockIdx.x) * kThreads + threadIdx.x; i < T; i += int64_t(gridDim.x) * kThreads) {
     const int32_t t = tokens[i];
     if (t >= 0) continue;
@@ -293,6 +298,7 @@ __global__ void __launch_bounds__(kThreads)
                              const int32_t* draft_len, int64_t s2, const int32_t* accepted, int64_t s3,
                              const int32_t* bonus, int64_t s4, const int32_t* drafts, int64_t N, int64_t K,
                              int64_t ds, int32_t* next, int64_t T, int32_t* last, int64_t s5, int64_t S) {
+  detail::pdl_enter();
   const int64_t per = K + 1;
   for (int64_t i = int64_t(blockIdx.x) * kThreads + threadIdx.x; i < S * per; i += int64_t(gridDim.x) * kThreads) {
     const int64_t k = i / per, j = i - k * per;
@@ -332,6 +338,7 @@ __global__ void __launch_bounds__(kThreads)
                          const int32_t* draft, int64_t N, int64_t K, int64_t ds, const int32_t* draft_row, int64_t s1,
                          const int32_t* draft_len, int64_t s2, int32_t* accepted, int64_t s3, int32_t* bonus,
                          int64_t s4, int64_t S) {
+  detail::pdl_enter();
   for (int64_t s = int64_t(blockIdx.x) * kThreads + threadIdx.x; s < S; s += int64_t(gridDim.x) * kThreads) {
     const int64_t base = row0[s * s0];
     int64_t L = draft_len[s * s2];

@@ -42,7 +42,8 @@
 //   3 down     the same kernel over the down weights: y[slot, :] = h[slot, :] @ W_down^T.
 //   4 combine  out[t, d] = sum_j weights[t, j] * y[t * top_k + j, d] over the slots held
 //              here, j ascending from 0.0f, with the CPU's fp32 rounding (__fmul_rn then
-//              __fadd_rn): no atomics, deterministic.
+//              __fadd_rn): no atomics, deterministic; accumulating (the residual stream),
+//              out[t, d] + that sum, one more __fadd_rn.
 //   Each (slot, output row) dot product has a fixed order (lane partial sums, then the
 //   butterfly) independent of how many tokens share the expert or the step: a token's
 //   result does not depend on the batch (decode == verify). Against the CPU the sums are
@@ -133,6 +134,7 @@
 
 #include "backend/cuda/cuda_api.h"
 #include "backend/cuda/cuda_check.cuh"
+#include "backend/cuda/pdl.cuh"
 #include "backend/cuda/gemm_dq.h"
 #include "backend/cuda/gemm_sk.h"
 #include "backend/cuda/kernel_util.cuh"
@@ -163,6 +165,7 @@ __global__ void __launch_bounds__(detail::kMaxThreads)
     moe_route_kernel(const float* __restrict__ logits, int64_t l_stride, const float* __restrict__ bias,
                      int64_t b_stride, moe::RouteParams p, int32_t* __restrict__ ids, int64_t i_stride,
                      float* __restrict__ weights, int64_t w_stride, int64_t T) {
+  detail::pdl_enter();
   extern __shared__ float smem[];
   const int E = p.E, G = p.G, K = p.K, per = p.E / p.G;
   float* s = smem;                                           // [E]
@@ -228,6 +231,7 @@ __device__ __forceinline__ int local_expert(const int32_t* ids, int64_t i_stride
 __global__ void __launch_bounds__(kListThreads)
     moe_list_kernel(const int32_t* __restrict__ ids, int64_t i_stride, int K, int64_t n, int64_t first, int E,
                     int32_t* start, int32_t* cursor, int32_t* active, int32_t* order) {
+  detail::pdl_enter();
   const int tid = threadIdx.x, lane = tid & 31;
   for (int e = tid; e < E; e += blockDim.x) cursor[e] = 0;
   __syncthreads();
@@ -312,6 +316,7 @@ __device__ __forceinline__ float warp_sum(float v) {
 // gated: h[slot, r] = silu(x[token] . gate[r]) * (x[token] . up[r]); else y[slot, r] = h[slot] . down[r].
 template <WFmt F, bool wvec, bool gated>
 __global__ void __launch_bounds__(kGemvThreads) moe_gemv_kernel(GemvArgs a) {
+  detail::pdl_enter();
   const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
   const int64_t r = int64_t(blockIdx.x) * kGemvWarps + warp;
   if (r >= a.rows) return;  // whole warps only; the kernel has no block barrier
@@ -385,7 +390,8 @@ __global__ void __launch_bounds__(kGemvThreads) moe_gemv_kernel(GemvArgs a) {
 __global__ void __launch_bounds__(256)
     moe_combine_kernel(const float* __restrict__ y, const int32_t* __restrict__ ids, int64_t i_stride,
                        const float* __restrict__ w, int64_t w_stride, int K, int64_t first, int E,
-                       float* __restrict__ out, int64_t o_stride, int64_t T, int64_t H) {
+                       float* __restrict__ out, int64_t o_stride, int64_t T, int64_t H, bool accumulate) {
+  detail::pdl_enter();
   const int64_t d = int64_t(blockIdx.x) * blockDim.x + threadIdx.x;
   if (d >= H) return;
   for (int64_t t = blockIdx.y; t < T; t += gridDim.y) {
@@ -395,7 +401,8 @@ __global__ void __launch_bounds__(256)
       if (e < 0 || e >= E) continue;
       o = __fadd_rn(o, __fmul_rn(y[(t * K + j) * H + d], w[t * w_stride + j]));
     }
-    out[t * o_stride + d] = o;
+    float* dst = out + t * o_stride + d;
+    *dst = accumulate ? __fadd_rn(*dst, o) : o;  // accumulate: the sum, then added once
   }
 }
 
@@ -629,6 +636,7 @@ __global__ void __launch_bounds__(256)
     moe_fp8_rows(const float* __restrict__ in, int64_t in_stride, const float* __restrict__ up,
                  const int32_t* __restrict__ start, const int32_t* __restrict__ order, int E, int top_k, int64_t n,
                  int64_t K, uint8_t* __restrict__ codes, float* __restrict__ sfa, bool kmajor) {
+  detail::pdl_enter();
   const int lane = threadIdx.x & 31;
   const int64_t nbk = (K + 127) / 128, units = n * nbk;
   const int32_t used = start[E];
@@ -668,6 +676,7 @@ __global__ void __launch_bounds__(256)
 
 // The experts' weight and scale pointers for the three grouped GEMMs.
 __global__ void moe_fp8_pointers(const ExpertView* __restrict__ views, int E, const void** b, const float** s) {
+  detail::pdl_enter();
   const int e = blockIdx.x * blockDim.x + threadIdx.x;
   if (e >= E) return;
   const WeightView* w[3] = {&views[e].gate, &views[e].up, &views[e].down};
@@ -680,6 +689,7 @@ __global__ void moe_fp8_pointers(const ExpertView* __restrict__ views, int E, co
 // y[order[p], :] = Y[p, :] (back to slot order for the combine).
 __global__ void moe_fp8_scatter(const float* __restrict__ Y, const int32_t* __restrict__ start,
                                 const int32_t* __restrict__ order, int E, int64_t n, int64_t H, float* __restrict__ y) {
+  detail::pdl_enter();
   const int64_t used = start[E], total = n * H;
   for (int64_t i = int64_t(blockIdx.x) * blockDim.x + threadIdx.x; i < total; i += int64_t(gridDim.x) * blockDim.x) {
     const int64_t p = i / H;
@@ -738,6 +748,7 @@ __global__ void moe_nvfp4_setup(const ExpertView* __restrict__ views, int E, con
                                 int64_t sfc_h, int64_t sfc_f, int64_t* __restrict__ off_h,
                                 int64_t* __restrict__ off_f, float* __restrict__ alpha, float* __restrict__ inscale,
                                 const void** bptr, const uint8_t** sfbptr, const uint8_t* sfb, int64_t sfb_stride) {
+  detail::pdl_enter();
   if (blockIdx.x == 0 && threadIdx.x == 0) {
     int64_t rows = 0;
     for (int e = 0; e < E; ++e) {
@@ -763,6 +774,7 @@ __global__ void moe_nvfp4_setup(const ExpertView* __restrict__ views, int E, con
 // others' tiles do not exist) whose scales were not prepared at load.
 __global__ void moe_nvfp4_swizzle(const ExpertView* __restrict__ views, const int32_t* __restrict__ start, int which,
                                   int E, int64_t N, int64_t K, int64_t stride, uint8_t* __restrict__ out) {
+  detail::pdl_enter();
   const int64_t nb = K / 16, rows = layout::nvfp4_sf_rows(N), cols = layout::nvfp4_sf_cols(K), per = rows * cols,
                 total = int64_t(E) * per;
   for (int64_t i = int64_t(blockIdx.x) * blockDim.x + threadIdx.x; i < total; i += int64_t(gridDim.x) * blockDim.x) {
@@ -830,7 +842,7 @@ namespace {
 enum class ExpertsMode { Exact, FP8, BF16, NVFP4 };
 
 void moe_experts_impl(const Tensor& x, const Tensor& ids, const Tensor& weights, const ops::ExpertWeights& experts,
-                      Tensor& out, Tensor& workspace, ExpertsMode mode, bool decode = false) {
+                      Tensor& out, Tensor& workspace, ExpertsMode mode, bool decode, bool accumulate) {
   const bool fp8 = mode == ExpertsMode::FP8, bf16 = mode == ExpertsMode::BF16, nvfp4 = mode == ExpertsMode::NVFP4;
   const char* op = fp8 ? "cuda::moe_experts_fp8"
                    : bf16 ? "cuda::moe_experts_bf16"
@@ -1218,24 +1230,24 @@ void moe_experts_impl(const Tensor& x, const Tensor& ids, const Tensor& weights,
   // n > 0 && F > 0, so fall back to K = 0 (zeros) there.
   moe_combine_kernel<<<cgrid, ct, 0, s>>>(y, ip, i_stride, weights.data_as<const float>(), row_stride_2d(weights),
                                           F > 0 ? int(K) : 0, experts.first, int(E), out.data_as<float>(),
-                                          row_stride_2d(out), T, H);
+                                          row_stride_2d(out), T, H, accumulate);
   detail::check_launch("moe_experts combine kernel launch", x.describe());
 }
 }  // namespace
 
 void moe_experts(const Tensor& x, const Tensor& ids, const Tensor& weights, const ops::ExpertWeights& experts,
-                 Tensor& out, Tensor& workspace) {
-  moe_experts_impl(x, ids, weights, experts, out, workspace, ExpertsMode::Exact);
+                 Tensor& out, Tensor& workspace, bool accumulate) {
+  moe_experts_impl(x, ids, weights, experts, out, workspace, ExpertsMode::Exact, false, accumulate);
 }
 
 void moe_experts_bf16(const Tensor& x, const Tensor& ids, const Tensor& weights, const ops::ExpertWeights& experts,
-                      Tensor& out, Tensor& workspace, bool decode) {
-  moe_experts_impl(x, ids, weights, experts, out, workspace, ExpertsMode::BF16, decode);
+                      Tensor& out, Tensor& workspace, bool decode, bool accumulate) {
+  moe_experts_impl(x, ids, weights, experts, out, workspace, ExpertsMode::BF16, decode, accumulate);
 }
 
 void moe_experts_nvfp4(const Tensor& x, const Tensor& ids, const Tensor& weights, const ops::ExpertWeights& experts,
-                       Tensor& out, Tensor& workspace) {
-  moe_experts_impl(x, ids, weights, experts, out, workspace, ExpertsMode::NVFP4);
+                       Tensor& out, Tensor& workspace, bool accumulate) {
+  moe_experts_impl(x, ids, weights, experts, out, workspace, ExpertsMode::NVFP4, false, accumulate);
 }
 
 #if defined(DFLASH2_WITH_CUTLASS)
@@ -1278,8 +1290,8 @@ bool moe_experts_bf16_supported(int device) {
 }
 
 void moe_experts_fp8(const Tensor& x, const Tensor& ids, const Tensor& weights, const ops::ExpertWeights& experts,
-                     Tensor& out, Tensor& workspace) {
-  moe_experts_impl(x, ids, weights, experts, out, workspace, ExpertsMode::FP8);
+                     Tensor& out, Tensor& workspace, bool accumulate) {
+  moe_experts_impl(x, ids, weights, experts, out, workspace, ExpertsMode::FP8, false, accumulate);
 }
 
 bool moe_experts_fp8_supported(int device, const ops::ExpertWeights& experts) {

@@ -36,6 +36,7 @@
 
 #include "backend/cuda/cuda_api.h"
 #include "backend/cuda/cuda_check.cuh"
+#include "backend/cuda/pdl.cuh"
 #include "dflash2/error.h"
 #if defined(DFLASH2_CUDA_EMULATED)
 #include "cpp/emu/emu_host.h"
@@ -165,6 +166,7 @@ __device__ __forceinline__ void copy_words(const float* src, float* dst, int64_t
 // root publishes, every rank raises its flag (so the root cannot run two calls ahead and
 // overwrite a buffer still read); wait; the others copy the root's slice.
 __global__ void __launch_bounds__(kThreads) allreduce_kernel(Params p) {
+  detail::pdl_enter();
   __shared__ uint32_t s_call;
   __shared__ int s_failed;
   const int tid = threadIdx.x, b = blockIdx.x;

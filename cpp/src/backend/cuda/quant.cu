@@ -16,6 +16,7 @@
 
 #include "backend/cuda/cuda_api.h"
 #include "backend/cuda/cuda_check.cuh"
+#include "backend/cuda/pdl.cuh"
 #include "backend/cuda/kernel_util.cuh"
 #include "backend/cuda/layout.h"
 #include "backend/cuda/quant.h"
@@ -42,6 +43,7 @@ __global__ void __launch_bounds__(kWarps * 32)
     fp8_quant_rows_kernel(const float* x, int64_t ldx, int64_t M, int64_t K, int64_t Mp, int64_t Kp,
                           int64_t nb, uint8_t* __restrict__ codes, float* __restrict__ sf, float* deq,
                           int64_t ldd) {
+  detail::pdl_enter();
   const int lane = threadIdx.x & 31;
   const int64_t units = Mp * nb;
   for (int64_t u = int64_t(blockIdx.x) * kWarps + (threadIdx.x >> 5); u < units; u += int64_t(gridDim.x) * kWarps) {
@@ -103,6 +105,7 @@ __device__ __forceinline__ uint8_t nvfp4_block(const float* src, int64_t k0, int
 __global__ void nvfp4_quant_rows_kernel(const float* x, int64_t ldx, int64_t M, int64_t K, int64_t Kp,
                                         float input_scale, float g, uint8_t* __restrict__ codes,
                                         uint8_t* __restrict__ sf, float* deq, int64_t ldd) {
+  detail::pdl_enter();
   const int64_t nbk = Kp / 16, units = M * nbk, sf_cols = layout::nvfp4_sf_cols(Kp);
   for (int64_t u = int64_t(blockIdx.x) * blockDim.x + threadIdx.x; u < units; u += int64_t(gridDim.x) * blockDim.x) {
     const int64_t m = u / nbk, j = u - m * nbk, k0 = j * 16;
@@ -136,6 +139,7 @@ __global__ void nvfp4_quant_grouped_kernel(const float* __restrict__ x, const fl
                                            const int64_t* __restrict__ sf_off, const float* __restrict__ scales,
                                            int64_t rows, int64_t K, uint8_t* __restrict__ codes,
                                            uint8_t* __restrict__ sf) {
+  detail::pdl_enter();
   const int64_t nbk = K / 16, units = rows * nbk, sf_cols = layout::nvfp4_sf_cols(K), used = start[E];
   for (int64_t t = int64_t(blockIdx.x) * blockDim.x + threadIdx.x; t < units; t += int64_t(gridDim.x) * blockDim.x) {
     const int64_t p = t / nbk, j = t - p * nbk, k0 = j * 16;

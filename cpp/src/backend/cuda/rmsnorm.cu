@@ -32,6 +32,7 @@
 
 #include "backend/cuda/cuda_api.h"
 #include "backend/cuda/cuda_check.cuh"
+#include "backend/cuda/pdl.cuh"
 #include "backend/cuda/layout.h"
 #include "dflash2/error.h"
 
@@ -128,6 +129,7 @@ template <class TX, class TW, class TO, int G>
 __global__ void __launch_bounds__(kMaxThreads)
     rms_norm_kernel(const TX* x, int64_t x_stride, const TW* __restrict__ w, TO* out,
                     int64_t out_stride, int64_t rows, int D, float eps) {
+  detail::pdl_enter();
   __shared__ float scratch[33];
   for (int64_t r = blockIdx.x; r < rows; r += gridDim.x)
     norm_row<TX, TW, TO, G>(x + r * x_stride, w, out + r * out_stride, D, eps, int(blockDim.x), scratch);
@@ -152,6 +154,7 @@ struct NormMany {
 
 template <class TX, class TW, class TO, int G>
 __global__ void __launch_bounds__(kMaxThreads) rms_norm_many_kernel(const __grid_constant__ NormMany p) {
+  detail::pdl_enter();
   __shared__ float scratch[33];
   int i = 0;
   while (int64_t(blockIdx.x) >= p.end[i]) ++i;  // grid x = the last item's end

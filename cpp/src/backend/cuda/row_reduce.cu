@@ -55,6 +55,7 @@
 #include "backend/cuda/argmax.cuh"
 #include "backend/cuda/cuda_api.h"
 #include "backend/cuda/cuda_check.cuh"
+#include "backend/cuda/pdl.cuh"
 #include "backend/cuda/kernel_util.cuh"
 #include "backend/cuda/layout.h"
 #include "dflash2/error.h"
@@ -70,6 +71,7 @@ __global__ void __launch_bounds__(kMaxThreads)
     layer_norm_kernel(const float* x, int64_t x_stride, const void* __restrict__ w, detail::WCode wc,
                       const void* __restrict__ b, detail::WCode bc, bool has_b, float* out, int64_t out_stride,
                       int64_t rows, int D, float eps) {
+  detail::pdl_enter();
   __shared__ double scratch[33];
   for (int64_t r = blockIdx.x; r < rows; r += gridDim.x) {
     const float* xr = x + r * x_stride;
@@ -97,6 +99,7 @@ __global__ void __launch_bounds__(kMaxThreads)
 __global__ void __launch_bounds__(kMaxThreads)
     softmax_kernel(const float* x, int64_t x_stride, float* out, int64_t out_stride, int64_t rows, int D,
                    float scale) {
+  detail::pdl_enter();
   __shared__ float fscratch[33];
   __shared__ double dscratch[33];
   for (int64_t r = blockIdx.x; r < rows; r += gridDim.x) {
@@ -127,6 +130,7 @@ __global__ void __launch_bounds__(kMaxThreads)
 // ------------------------------------------------------------------ argmax
 __global__ void __launch_bounds__(kMaxThreads)
     argmax_kernel(const float* x, int64_t x_stride, int32_t* out, int64_t out_stride, int64_t rows, int32_t V) {
+  detail::pdl_enter();
   __shared__ float sval[32];
   __shared__ int32_t sidx[32];
   for (int64_t r = blockIdx.x; r < rows; r += gridDim.x) {
@@ -144,6 +148,7 @@ __global__ void __launch_bounds__(kMaxThreads)
 __global__ void __launch_bounds__(kMaxThreads)
     argmax_shard_kernel(const float* x, int64_t x_stride, float* out, int64_t out_stride, int64_t out_col,
                         int64_t rows, int32_t V, int64_t first) {
+  detail::pdl_enter();
   __shared__ float sval[32];
   __shared__ int32_t sidx[32];
   for (int64_t r = blockIdx.x; r < rows; r += gridDim.x) {
@@ -171,6 +176,7 @@ __global__ void __launch_bounds__(kMaxThreads)
 __global__ void __launch_bounds__(kMaxThreads)
     argmax_merge_kernel(const float* pairs, int64_t ps0, int64_t ps1, int64_t ps2, int64_t N, int64_t R,
                         int32_t* ids, int64_t ids_stride, int32_t* flags, int64_t flags_stride) {
+  detail::pdl_enter();
   for (int64_t r = int64_t(blockIdx.x) * blockDim.x + threadIdx.x; r < R; r += int64_t(gridDim.x) * blockDim.x) {
     bool bad = false, have = false;
     float best = 0.0f, id = 0.0f;
@@ -206,6 +212,7 @@ __global__ void __launch_bounds__(kMergeThreads)
     topk_merge_kernel(const float* vals, int64_t vs0, int64_t vs1, int64_t vs2, const int32_t* idx, int64_t is0,
                       int64_t is1, int64_t is2, int64_t N, int64_t R, int64_t kin, int64_t shard_size, float* values,
                       int64_t os0, int64_t os1, int32_t* indices, int64_t js0, int64_t js1, int64_t k) {
+  detail::pdl_enter();
   const int lane = int(threadIdx.x) & 31, wpb = int(blockDim.x) / 32;
   const int64_t C = N * kin;
   for (int64_t r = int64_t(blockIdx.x) * wpb + int(threadIdx.x) / 32; r < R; r += int64_t(gridDim.x) * wpb) {
@@ -246,6 +253,7 @@ __global__ void __launch_bounds__(kMergeThreads)
 __global__ void __launch_bounds__(kMaxThreads)
     check_finite_kernel(const float* x, int64_t x_stride, int32_t* flags, int64_t flags_stride, int64_t rows,
                         int32_t V) {
+  detail::pdl_enter();
   for (int64_t r = blockIdx.x; r < rows; r += gridDim.x) {
     const float* xr = x + r * x_stride;
     int bad = 0;

@@ -76,6 +76,7 @@
 #include "backend/cuda/argmax.cuh"
 #include "backend/cuda/cuda_api.h"
 #include "backend/cuda/cuda_check.cuh"
+#include "backend/cuda/pdl.cuh"
 #include "backend/cuda/kernel_util.cuh"
 #include "backend/cuda/layout.h"
 #include "backend/cuda/sampling_logic.h"
@@ -500,6 +501,7 @@ struct ParamPtrs {
 __global__ void __launch_bounds__(kSelThreads)
     sample_kernel(const float* __restrict__ lg, int64_t ls, int32_t V, int64_t R, ParamPtrs pp, int32_t* out,
                   int64_t os) {
+  detail::pdl_enter();
   __shared__ SelShared sm;
   for (int64_t r = blockIdx.x; r < R; r += gridDim.x) {
     const float* row = lg + r * ls;
@@ -564,6 +566,7 @@ __device__ __forceinline__ int64_t drow_of(const AcceptArgs& a, int64_t s) {
 // One block per (sequence s, target row j <= draft_len[s]): the row's kept set, z and
 // p(d_j), or its argmax.
 __global__ void __launch_bounds__(kSelThreads) accept_rows_kernel(AcceptArgs a) {
+  detail::pdl_enter();
   __shared__ SelShared sm;
   const int64_t per = a.K + 1;
   for (int64_t idx = blockIdx.x; idx < a.S * per; idx += gridDim.x) {
@@ -612,6 +615,7 @@ struct ResidualW {
 // One block per sequence: the sequential accept decisions, then the bonus draw.
 __global__ void __launch_bounds__(kSelThreads) accept_final_kernel(AcceptArgs a, int32_t* accepted, int64_t as,
                                                                    int32_t* bonus, int64_t bs) {
+  detail::pdl_enter();
   __shared__ SelShared sm;
   Common& cm = sm.cm;
   const int64_t per = a.K + 1;
@@ -721,6 +725,7 @@ __device__ void bitonic_sort(uint64_t* buf, int64_t n) {
 __global__ void __launch_bounds__(kTopkThreads)
     topk_kernel(const float* __restrict__ x, int64_t xs, int32_t V, int64_t rows, int32_t k, float* vals, int64_t vs,
                 int32_t* idx, int64_t is, uint64_t* gbuf, int64_t npow2) {
+  detail::pdl_enter();
   __shared__ Common cm;
   __shared__ uint64_t sbuf[kTopkShared];
   __shared__ uint32_t count;

@@ -42,6 +42,7 @@
 #include "backend/cuda/argmax.cuh"
 #include "backend/cuda/cuda_api.h"
 #include "backend/cuda/cuda_check.cuh"
+#include "backend/cuda/pdl.cuh"
 #include "backend/cuda/kernel_util.cuh"
 #include "backend/cuda/layout.h"
 #include "backend/cuda/sampling_logic.h"
@@ -100,6 +101,7 @@ __device__ __forceinline__ double warp_incl_scan(double v) {
 }
 
 __global__ void __launch_bounds__(kMaxThreads) selector_kernel(SelectorArgs a) {
+  detail::pdl_enter();
   __shared__ float score[kMaxK];
   __shared__ float e[kMaxK];
   __shared__ int32_t prev_s;

@@ -19,6 +19,7 @@
 #include "backend/cuda/cutlass/fp8_config.cuh"
 #include "backend/cuda/cutlass/fp8_grouped_gemm.h"
 #include "backend/cuda/cutlass/gemm_runner.cuh"
+#include "backend/cuda/pdl.cuh"
 #include "cutlass/gemm/group_array_problem_shape.hpp"
 
 namespace dflash2::cuda::tc::grouped {
@@ -139,6 +140,7 @@ __global__ void setup_groups(typename G::Params q, int groups, int N, int K, con
                              const uint8_t* __restrict__ a, const float* __restrict__ sfa,
                              const void* const* __restrict__ b, const float* const* __restrict__ sfb,
                              float* __restrict__ d) {
+  ::dflash2::cuda::detail::pdl_enter();  // pdl.cuh: this folder's kernels begin so
   const int g = blockIdx.x * blockDim.x + threadIdx.x;
   if (g >= groups) return;
   const int64_t r0 = off[g];

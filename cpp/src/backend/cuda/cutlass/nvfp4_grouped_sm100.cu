@@ -14,6 +14,7 @@
 #include <type_traits>
 
 #include "backend/cuda/cutlass/gemm_runner.cuh"
+#include "backend/cuda/pdl.cuh"
 #include "backend/cuda/cutlass/nvfp4_config.cuh"
 #include "backend/cuda/cutlass/nvfp4_grouped_gemm.h"
 #include "cutlass/gemm/group_array_problem_shape.hpp"
@@ -130,6 +131,7 @@ __global__ void setup_groups(Params q, int groups, int N, int K, const int32_t* 
                              const int64_t* __restrict__ sfa_off, const void* const* __restrict__ b,
                              const uint8_t* const* __restrict__ sfb, const float* __restrict__ alpha,
                              float* __restrict__ d) {
+  ::dflash2::cuda::detail::pdl_enter();  // pdl.cuh: this folder's kernels begin so
   const int g = blockIdx.x * blockDim.x + threadIdx.x;
   if (g >= groups) return;
   const int64_t r0 = off[g];
