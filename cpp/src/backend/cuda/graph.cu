@@ -128,10 +128,10 @@ int64_t chain_programmatic(cudaGraph_t g) {
     cudaGraphEdgeData prog{};
     prog.from_port = cudaGraphKernelNodePortProgrammatic;
     prog.type = cudaGraphDependencyTypeProgrammatic;
-    if (cudaGraphRemoveDependencies(g, &from, &to, nullptr, 1) != cudaSuccess) break;
+    if (cudaGraphRemoveDependencies(g, &from, &to, &old, 1) != cudaSuccess) break;
     if (cudaGraphAddDependencies(g, &from, &to, &prog, 1) != cudaSuccess) {
       cudaGetLastError();
-      if (cudaGraphAddDependencies(g, &from, &to, nullptr, 1) != cudaSuccess) return -1;  // the graph lost an edge
+      if (cudaGraphAddDependencies(g, &from, &to, &old, 1) != cudaSuccess) return -1;  // the graph lost an edge
       break;
     }
     ++made;
