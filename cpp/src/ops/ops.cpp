@@ -88,28 +88,25 @@ Fn entry(Fn fn, const char* op, const Tensor& t) {
 }  // namespace
 
 namespace {
+// A process-wide switch's value at start: the environment variable `name` set to the opposite
+// of `default_on` ("0" / "1") flips it; unset or any other value keeps the default.
+bool env_switch(const char* name, bool default_on) {
+  const char* e = std::getenv(name);
+  if (!e) return default_on;
+  return default_on ? std::string(e) != "0" : std::string(e) == "1";
+}
 std::atomic<bool>& fused_flag() {
-  static std::atomic<bool> on{[] {
-    const char* e = std::getenv("DFLASH2_FUSED_LAUNCHES");
-    return !(e && std::string(e) == "0");
-  }()};
+  static std::atomic<bool> on{env_switch("DFLASH2_FUSED_LAUNCHES", true)};
+  return on;
+}
+std::atomic<bool>& pdl_flag() {
+  static std::atomic<bool> on{env_switch("DFLASH2_PDL", false)};
   return on;
 }
 }  // namespace
 
 bool fused_launches() { return fused_flag().load(std::memory_order_relaxed); }
 void set_fused_launches(bool on) { fused_flag().store(on, std::memory_order_relaxed); }
-
-namespace {
-std::atomic<bool>& pdl_flag() {
-  static std::atomic<bool> on{[] {
-    const char* e = std::getenv("DFLASH2_PDL");
-    return e && std::string(e) == "1";
-  }()};
-  return on;
-}
-}  // namespace
-
 bool pdl() { return pdl_flag().load(std::memory_order_relaxed); }
 void set_pdl(bool on) { pdl_flag().store(on, std::memory_order_relaxed); }
 

@@ -175,6 +175,15 @@ int pick_threads(int64_t work_items) {
   return int(t);
 }
 
+// The access width rms_norm's launch takes for these tensors (1: element by element).
+int vector_width(const Tensor& x, const RowLayout& xl, const Tensor& w, const Tensor& out, const RowLayout& ol) {
+  const int G = (x.itemsize() == 2 && out.itemsize() == 2) ? 8 : 4;
+  const int64_t D = x.shape(-1);
+  const bool vec = D % G == 0 && xl.stride % G == 0 && ol.stride % G == 0 && aligned(x.data(), x.itemsize() * G) &&
+                   aligned(w.data(), w.itemsize() * G) && aligned(out.data(), out.itemsize() * G);
+  return vec ? G : 1;
+}
+
 template <class TX, class TW, class TO>
 void launch(const Tensor& x, const RowLayout& xl, const Tensor& w, Tensor& out, const RowLayout& ol, int D,
             float eps) {
@@ -182,11 +191,9 @@ void launch(const Tensor& x, const RowLayout& xl, const Tensor& w, Tensor& out, 
   const TX* xp = x.data_as<const TX>();
   const TW* wp = w.data_as<const TW>();
   TO* op = out.data_as<TO>();
-  const bool vec = D % G == 0 && xl.stride % G == 0 && ol.stride % G == 0 && aligned(xp, sizeof(Vec<TX, G>)) &&
-                   aligned(wp, sizeof(Vec<TW, G>)) && aligned(op, sizeof(Vec<TO, G>));
   const int64_t rows = xl.rows;
   const unsigned blocks = unsigned(rows < kMaxBlocks ? rows : kMaxBlocks);
-  if (vec) {
+  if (vector_width(x, xl, w, out, ol) == G) {
     rms_norm_kernel<TX, TW, TO, G>
         <<<blocks, pick_threads(D / G), 0, current_stream()>>>(xp, xl.stride, wp, op, ol.stride, rows, D, eps);
   } else {
@@ -242,15 +249,6 @@ void check_args(const Tensor& x, const Tensor& w, float eps, const Tensor& out, 
   ol = layout::row_layout(out, "rms_norm", "out");
   DFLASH2_CHECK_ARG(xl.rows <= 1 || D == 0 || ol.stride >= D, "cuda::rms_norm: rows of out ", out.describe(),
                     " overlap (row stride ", ol.stride, " < ", D, ")");
-}
-
-// The access width rms_norm's launch takes for these tensors (1: element by element).
-int vector_width(const Tensor& x, const RowLayout& xl, const Tensor& w, const Tensor& out, const RowLayout& ol) {
-  const int G = (x.itemsize() == 2 && out.itemsize() == 2) ? 8 : 4;
-  const int64_t D = x.shape(-1);
-  const bool vec = D % G == 0 && xl.stride % G == 0 && ol.stride % G == 0 && aligned(x.data(), x.itemsize() * G) &&
-                   aligned(w.data(), w.itemsize() * G) && aligned(out.data(), out.itemsize() * G);
-  return vec ? G : 1;
 }
 
 template <class TX, class TW, class TO>
