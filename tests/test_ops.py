@@ -294,6 +294,52 @@ def test_linear_bf16(dev, fmt, decode):
 
 
 @pytest.mark.parametrize("dev", DEVICES)
+def test_dq_wgmma_switch(dev):
+    """ops.set_dq_wgmma: the mainloop-dequantizing GEMM's two forms (on Hopper, and in the
+    emulator's default sm_90, wgmma with on; mma.sync with off) both give linear_bf16's
+    numerics over NVFP4 / FP8 / BF16 weights (K tails, N and M across tiles, 200 rows = 4
+    m-tiles) and the grouped experts'; the switch reads back and is restored."""
+    need_device(dev, "linear_bf16")
+    rng = rng_for("dq-wgmma-switch")
+    cases = [("nvfp4", 200, 208, 150), ("fp8", 130, 200, 136), ("bf16", 70, 264, 129)]
+    weights = [(fmt, m, make_weight(fmt, n, k, rng), rng.standard_normal((m, k)).astype(np.float32))
+               for (fmt, m, k, n) in cases]
+    gate, up, down = ([make_weight("nvfp4", n, kk, rng)[0] for _ in range(3)] for (n, kk) in [(96, 64), (96, 64), (64, 96)])
+    xe = rng.standard_normal((20, 64)).astype(np.float32)
+    ids = np.array([[t % 3, (t + 1) % 3] for t in range(20)], np.int32)
+    we = rng.uniform(0.1, 1.0, (20, 2)).astype(np.float32)
+    on = (lambda w: w) if dev == "cpu" else (lambda w: w.to(dev))
+
+    def run():
+        outs = []
+        for fmt, m, (w, _), x in weights:
+            out = Guarded((m, w.out_features), dev)
+            ops.linear_bf16(to_dev(x, dev), on(w), out=out.view)
+            outs.append(out.result())
+        outs.append(to_np(ops.moe_experts(to_dev(xe, dev), to_dev(ids, dev), to_dev(we, dev), [on(w) for w in gate],
+                                          [on(w) for w in up], [on(w) for w in down], numerics="bf16")))
+        return outs
+
+    was = ops.dq_wgmma()
+    try:
+        ops.set_dq_wgmma(True)
+        assert ops.dq_wgmma()
+        first = run()
+        ops.set_dq_wgmma(False)
+        assert not ops.dq_wgmma()
+        second = run()
+    finally:
+        ops.set_dq_wgmma(was)
+    assert ops.dq_wgmma() == was
+    ref_e = to_np(ops.moe_experts(xe, ids, we, gate, up, down, numerics="bf16"))  # the CPU emulation
+    for res in (first, second):
+        for (fmt, m, (w, _), x), got in zip(weights, res):
+            xr, wr = bf16_operands(x, w)
+            check("linear_bf16", got, xr @ wr.T)
+        assert nmse(res[-1], ref_e) <= 1e-5  # fp32 order may flip a BF16 rounding of silu(gate) * up
+
+
+@pytest.mark.parametrize("dev", DEVICES)
 @pytest.mark.parametrize("fmt,decode", [("fp8", False), ("nvfp4", False),  # nvfp4 on Hopper: the mainloop-dequantizing kernel
                                         ("bf16", True), ("fp8", True), ("nvfp4", True)])
 def test_linear_bf16_rows_independent_of_batch(dev, fmt, decode):

@@ -35,6 +35,10 @@
 // FP4 MMA); linear_heads: a strided-batched GEMM over the heads (F32 weights against
 // cuBLASLt's F32 GEMM). moe_experts has no cuBLASLt baseline (a grouped GEMM).
 //
+// linear_bf16_dq (Hopper only): the mainloop-dequantizing GEMM of FP8 / NVFP4 weights'
+// prompt chunks in its wgmma form (the default there), beside its mma.sync form on the same
+// operands ("speedup"; ops::set_dq_wgmma switches them).
+//
 // moe_experts_fp8 (prompt chunks of FP8 checkpoints: the FP8 grouped GEMM, sm_90a / sm_100a / sm_103a) runs at
 // T = 256 and 1024 beside the exact SIMT expert kernels on the same routing ("speedup"), and
 // so do moe_experts_bf16 (NVFP4 experts on the grouped mainloop-dequantizing GEMM, W4A16)
@@ -50,7 +54,7 @@
 //
 // --cpu-smoke builds every case for T = 1 and 8 (batch 1) with CPU tensors and calls its op
 // once through the CPU backend: a check, without a GPU, that each case's setup passes the
-// ops' argument validation (it did for all 228 cases); its times mean nothing.
+// ops' argument validation (it did for all 264 cases); its times mean nothing.
 //
 // Status: compiled, NOT yet run on a GPU (the timing, the copy bandwidth and the cuBLASLt
 // calls have never executed).
@@ -806,21 +810,36 @@ struct Proj {
   bool fp8 = true;
 };
 
+// A GEMM case's operands: `vars` copies of the weight in format f (rotated past L2), x [T, K]
+// F32 and y [T, N]; and its compulsory bytes and flops.
+struct GemmOperands {
+  std::vector<ops::Weight> ws;
+  Tensor x, y;
+  int vars = 1;
+};
+GemmOperands gemm_operands(const Proj& p, Fmt f, int64_t T) {
+  GemmOperands o;
+  o.vars = rotations(int64_t(weight_bytes(f, p.N, p.K)));
+  for (int v = 0; v < o.vars; ++v) o.ws.push_back(make_weight(f, p.N, p.K, 10 + v, p.name));
+  o.x = dev_rand(DType::F32, {T, p.K}, 3);
+  o.y = dev_empty(DType::F32, {T, p.N});
+  return o;
+}
+void gemm_cost(Result& r, const Proj& p, Fmt f, int64_t T) {
+  r.bytes = weight_bytes(f, p.N, p.K) + 4.0 * T * (p.N + p.K);
+  r.flops = 2.0 * T * p.N * p.K;
+}
+
 // One GEMM case: y[T, N] = op(x[T, K] F32, W in format f), weights rotated past L2, beside
 // cuBLASLt's GEMM in format base_fmt on the same shape.
 using LinearFn = void (*)(const Tensor&, const ops::Weight&, Tensor&, bool);
 void gemm_case(Bench& b, Result r, const Proj& p, Fmt f, Fmt base_fmt, int64_t T, int major, LinearFn op) {
-  const double wb = weight_bytes(f, p.N, p.K);
-  r.bytes = wb + 4.0 * T * (p.N + p.K);
-  r.flops = 2.0 * T * p.N * p.K;
+  gemm_cost(r, p, f, T);
   b.run(r, [&](Baseline& base) {
-    const int vars = rotations(int64_t(wb));
-    std::vector<ops::Weight> ws;
-    for (int v = 0; v < vars; ++v) ws.push_back(make_weight(f, p.N, p.K, 10 + v, p.name));
-    Tensor x = dev_rand(DType::F32, {T, p.K}, 3), y = dev_empty(DType::F32, {T, p.N});
-    lt_baseline(base, base_fmt, p.N, p.K, T, vars, 1, {}, major);
-    return std::make_pair(std::function<void(int)>([ws, x, y, op](int v) mutable { op(x, ws[size_t(v)], y, false); }),
-                          vars);
+    GemmOperands o = gemm_operands(p, f, T);
+    lt_baseline(base, base_fmt, p.N, p.K, T, o.vars, 1, {}, major);
+    return std::make_pair(std::function<void(int)>([o, op](int v) mutable { op(o.x, o.ws[size_t(v)], o.y, false); }),
+                          o.vars);
   });
 }
 
@@ -891,6 +910,28 @@ void bench_linear_sk(Bench& b, const std::vector<int64_t>& Ts, int major) {
   }
 }
 
+// The mainloop-dequantizing GEMM (FP8 / NVFP4 weights' linear_bf16) in its wgmma form, with
+// its mma.sync form on the same operands as the baseline (ops::set_dq_wgmma around each call).
+void dq_forms_case(Bench& b, Result r, const Proj& p, Fmt f, int64_t T) {
+  gemm_cost(r, p, f, T);
+  b.run(r, [&](Baseline& base) {
+    GemmOperands o = gemm_operands(p, f, T);
+    auto form = [o](bool wgmma) {
+      return [o, wgmma](int v) mutable {
+        const bool was = ops::dq_wgmma();
+        ops::set_dq_wgmma(wgmma);
+        linear_bf16_prompt(o.x, o.ws[size_t(v)], o.y, false);
+        ops::set_dq_wgmma(was);
+      };
+    };
+    base.run = form(false);
+    base.variants = o.vars;
+    base.name = "dq mma.sync";
+    base.kind = "the same kernel's mma.sync m16n8k16 form";
+    return std::make_pair(std::function<void(int)>(form(true)), o.vars);
+  });
+}
+
 // Prompt chunks on the tensor cores (ops::linear_bf16: CUTLASS wgmma / tcgen05) at prefill
 // sizes, against cuBLASLt's BF16 GEMM on the same shape. FP8 weights take the same path
 // after a dequantize-to-BF16 pass (counted in our time), so their baseline is BF16 too.
@@ -934,6 +975,17 @@ void bench_linear_tc(Bench& b, const std::vector<int64_t>& Ts, int major) {
                             T},
                   p, Fmt::NVFP4, Fmt::NVFP4, T, major, &ops::linear_nvfp4);
   }
+  // Hopper: the mainloop-dequantizing kernel's wgmma form (the default there) against its
+  // mma.sync form on the same shapes in the same run (JSON baseline "dq mma.sync")
+  // (--quick: the shared expert's gate | up only; --cpu-smoke: every case's setup)
+  if ((major == 9 && on_gpu()) || b.opt.cpu_smoke)
+    for (const Proj& p : ps) {
+      if (b.opt.quick && p.name.rfind("shared gate", 0) != 0) continue;
+      for (Fmt f : {Fmt::FP8, Fmt::NVFP4})
+        for (int64_t T : Ts)
+          dq_forms_case(b, Result{"linear_bf16_dq", p.name + " " + dims({p.N, p.K}), fmt_name(f), "prefill chunk", T},
+                        p, f, T);
+    }
   if (!fp8_ok) std::printf("linear_fp8: no FP8 block-128 tensor-core GEMM for this device in this build (skipped)\n");
   if (!fp4_ok) std::printf("linear_nvfp4: no NVFP4 W4A4 tensor-core GEMM for this device in this build (skipped)\n");
 }

@@ -115,6 +115,23 @@ inline void mma_bf16(float (&c)[4], const uint32_t (&av)[4], uint32_t b0, uint32
   }
 }
 
+// wgmma (sm_90a; backend/cuda/wgmma_sm90.cuh): wgmma.mma_async m64nNk16 F32 += BF16 x BF16,
+// A (64 x 16) and B (16 x N) both from shared memory through matrix descriptors (K-major; no
+// swizzle or the 128-byte swizzle), queued on the calling thread and done at its
+// wgmma_wait, which reads the operands then (so shared memory overwritten before the wait is
+// caught as wrong data) and fails the launch if the accumulators changed in between. Each
+// thread computes its own accumulator elements (the PTX ISA's D fragment: warp w % 4 of the
+// warpgroup holds rows 16 (w % 4) ..). A wgmma without a wgmma_fence since the thread's last
+// wait, a wait with uncommitted wgmmas, or a thread ending with wgmmas in flight fails the launch.
+void wgmma_fence();
+void wgmma_bf16_ss(float* d, int n, uint64_t desc_a, uint64_t desc_b);
+void wgmma_commit();
+void wgmma_wait(int pending);
+// The shared address of element (row, k) of a K-major BF16 operand described by `desc`
+// (PTX ISA, "Matrix Descriptor Format" and the canonical K-major layouts); ~0u with *why set
+// for descriptors the emulator does not implement (swizzles of 32 / 64 bytes, a base offset).
+uint32_t wgmma_operand_addr(uint64_t desc, int row, int k, const char** why);
+
 // A kernel launch: runs every block now (or records it while the stream captures a graph).
 struct LaunchCfg {
   dim3 grid, block;

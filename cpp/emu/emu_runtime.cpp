@@ -159,6 +159,14 @@ struct Copy {
   const void* src;
   bool valid;
 };
+// A queued wgmma (wgmma_bf16_ss): done at the thread's wgmma_wait.
+struct WgOp {
+  float* d;
+  int n;
+  uint64_t da, db;
+  int group;                 // commit group (Fiber::wg_open when issued)
+  std::vector<float> before; // d at issue, when no earlier queued op writes d
+};
 struct Fiber {
   Context ctx;
   ThreadCtx t;
@@ -168,6 +176,9 @@ struct Fiber {
   std::vector<Copy> copies;
   char* stack = nullptr;
   bool pdl_entered = false;  // pdl_enter() has run
+  std::vector<WgOp> wg;       // wgmmas in flight
+  int wg_open = 0;            // the group the next wgmma joins
+  bool wg_fenced = false;     // a wgmma_fence since the last wait
 };
 
 // Fiber stacks, kept for the next launches (under the kernel lock).
@@ -243,6 +254,9 @@ void fiber_main() {
   r->thunk(r->payload);
   need_pdl_enter("its end");
   Fiber* me = r->cur;
+  if (!me->wg.empty() && r->error.empty())
+    r->error = "thread " + std::to_string(me - r->f.data()) + " ended with " + std::to_string(me->wg.size()) +
+               " wgmma(s) in flight (no wgmma.wait_group after them)";
   me->st = St::Done;
   yield_from(me);  // never resumed
   std::abort();
@@ -413,6 +427,9 @@ bool run_block(BlockRun& r, int n) {
     f.copies.clear();
     f.warp = nullptr;
     f.pdl_entered = false;
+    f.wg.clear();
+    f.wg_open = 0;
+    f.wg_fenced = false;
     const unsigned bx = g_block_dim.x, by = g_block_dim.y;
     f.t.tid = make_uint3(unsigned(i) % bx, unsigned(i) / bx % by, unsigned(i) / (bx * by));
     if (!f.stack) f.stack = stack_for(size_t(i));
@@ -541,6 +558,117 @@ uint32_t smem_addr(const void* p) {
 void* smem_ptr(uint32_t a) { return g_smem_buf + int64_t(int32_t(a)); }
 
 void pdl_enter() { g_run->cur->pdl_entered = true; }
+
+// ------------------------------------------------------------------ wgmma
+uint32_t wgmma_operand_addr(uint64_t desc, int row, int k, const char** why) {
+  const uint32_t start = uint32_t(desc & 0x3FFFu) << 4, lbo = uint32_t((desc >> 16) & 0x3FFFu) << 4,
+                 sbo = uint32_t((desc >> 32) & 0x3FFFu) << 4, base = uint32_t((desc >> 49) & 7u),
+                 mode = uint32_t(desc >> 62);
+  if (base != 0) {
+    *why = "a matrix descriptor with a base offset (not emulated)";
+    return ~0u;
+  }
+  if (mode == 0) {  // no swizzle: core matrices of 8 rows x 16 bytes, LBO between k-neighbours
+    return start + uint32_t(row / 8) * sbo + uint32_t(k / 8) * lbo + uint32_t(row % 8) * 16 + uint32_t(k % 8) * 2;
+  }
+  if (mode == 1) {  // 128-byte swizzle: rows of 128 bytes, 8-row groups SBO apart, then the XOR
+    const uint32_t a = start + uint32_t(row / 8) * sbo + uint32_t(row % 8) * 128 + uint32_t(k) * 2;
+    return a ^ (((a >> 7) & 7u) << 4);
+  }
+  *why = "a matrix descriptor with the 32- or 64-byte swizzle (not emulated)";
+  return ~0u;
+}
+
+namespace {
+std::string thread_name(const BlockRun* r, const Fiber* f) { return "thread " + std::to_string(f - r->f.data()); }
+// Does op q of thread f: f's elements of d += A * B, the products summed in fp32 in k order.
+void wgmma_do(BlockRun* r, Fiber* f, const WgOp& q) {
+  if (!q.before.empty() && std::memcmp(q.before.data(), q.d, q.before.size() * sizeof(float)) != 0) {
+    r->error = thread_name(r, f) + ": wgmma accumulators changed while the wgmma was in flight";
+    return;
+  }
+  const unsigned bx = g_block_dim.x, by = g_block_dim.y;
+  const int linear = int(f->t.tid.x + f->t.tid.y * bx + f->t.tid.z * bx * by);
+  const int t = linear % 128;  // the thread of its warpgroup
+  const uint8_t* sm = static_cast<const uint8_t*>(smem_ptr(0));
+  auto load = [&](uint64_t desc, int row, int k, float& v) {
+    const char* why = nullptr;
+    const uint32_t a = wgmma_operand_addr(desc, row, k, &why);
+    if (why) {
+      r->error = thread_name(r, f) + ": wgmma: " + why;
+      return false;
+    }
+    if (a % 2 != 0 || a + 2 > kSmemArea) {
+      r->error = thread_name(r, f) + ": wgmma operand address " + std::to_string(a) + " outside shared memory";
+      return false;
+    }
+    uint16_t b;
+    std::memcpy(&b, sm + a, 2);
+    v = bf16_to_float(b);
+    return true;
+  };
+  for (int v = 0; v < q.n / 2; ++v) {
+    const int row = 16 * (t / 32) + (t % 32) / 4 + 8 * ((v / 2) % 2), col = 8 * (v / 4) + 2 * (t % 4) + v % 2;
+    float s = 0.0f;
+    for (int k = 0; k < 16; ++k) {
+      float x, y;
+      if (!load(q.da, row, k, x) || !load(q.db, col, k, y)) return;
+      s += x * y;
+    }
+    q.d[v] += s;
+  }
+}
+}  // namespace
+
+void wgmma_fence() {
+  need_pdl_enter("a wgmma fence");
+  g_run->cur->wg_fenced = true;
+}
+void wgmma_bf16_ss(float* d, int n, uint64_t desc_a, uint64_t desc_b) {
+  need_pdl_enter("a wgmma");
+  BlockRun* r = g_run;
+  Fiber* me = r->cur;
+  if (!r->error.empty()) return;
+  if ((size_t(g_block_dim.x) * g_block_dim.y * g_block_dim.z) % 128 != 0) {
+    r->error = "wgmma in a block of " + std::to_string(g_block_dim.x * g_block_dim.y * g_block_dim.z) +
+               " threads: not whole warpgroups of 128";
+    return;
+  }
+  if (n % 8 != 0 || n < 8 || n > 256) {
+    r->error = "wgmma: N = " + std::to_string(n) + " is not one of 8, 16, .. 256";
+    return;
+  }
+  if (!me->wg_fenced) {
+    r->error = thread_name(r, me) + ": wgmma without a wgmma.fence since the thread's last wait";
+    return;
+  }
+  WgOp q{d, n, desc_a, desc_b, me->wg_open, {}};
+  bool pending = false;
+  for (const WgOp& o : me->wg) pending = pending || o.d == d;
+  if (!pending) q.before.assign(d, d + n / 2);
+  me->wg.push_back(std::move(q));
+}
+void wgmma_commit() {
+  need_pdl_enter("a wgmma commit");
+  ++g_run->cur->wg_open;
+}
+void wgmma_wait(int pending) {
+  need_pdl_enter("a wgmma wait");
+  BlockRun* r = g_run;
+  Fiber* me = r->cur;
+  me->wg_fenced = false;
+  size_t done = 0;
+  for (const WgOp& q : me->wg) {
+    if (q.group >= me->wg_open) {
+      r->error = thread_name(r, me) + ": wgmma.wait_group with wgmmas not yet committed";
+      return;
+    }
+    if (q.group >= me->wg_open - pending) break;  // the newest `pending` groups stay in flight
+    if (r->error.empty()) wgmma_do(r, me, q);
+    ++done;
+  }
+  me->wg.erase(me->wg.begin(), me->wg.begin() + std::ptrdiff_t(done));
+}
 
 void cp_async16(uint32_t dst, const void* src, bool valid) {
   need_pdl_enter("an async copy");

@@ -164,6 +164,12 @@ void bind_ops(py::module_& m) {
         "DFLASH2_PDL=1: not yet measured on a GPU.");
   o.def("set_pdl", &ops::set_pdl, py::arg("on"),
         "Sets pdl() for the CUDA graphs captured from now on (engines built later capture theirs with it).");
+  o.def("dq_wgmma", &ops::dq_wgmma,
+        "Whether the mainloop-dequantizing GEMM (NVFP4 / FP8 weights' linear_bf16, the grouped experts under "
+        "\"bf16\") takes its wgmma form on Hopper rather than its mma.sync form (starts on unless "
+        "DFLASH2_DQ_WGMMA=0; a failed load-time check turns it off). No effect on other devices.");
+  o.def("set_dq_wgmma", &ops::set_dq_wgmma, py::arg("on"),
+        "Sets dq_wgmma() for the GEMMs issued from now on (an A/B of the two forms in one process).");
   o.def("linear_bf16_available", [](const std::string& dev) { return ops::linear_bf16_available(Device::parse(dev)); },
         py::arg("device"), "Whether linear_bf16 runs on this device in this build.");
   bind_linear("linear_fp8", &ops::linear_fp8,

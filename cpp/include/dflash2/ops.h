@@ -196,6 +196,14 @@ void set_fused_launches(bool on);
 // ar and dflash2 both ways). No effect on the CPU or outside graphs.
 bool pdl();
 void set_pdl(bool on);
+// Whether the mainloop-dequantizing tensor-core GEMM (the W4A16 / W8A16 linear_bf16 of NVFP4
+// and FP8 weights, the grouped experts of prompt chunks under "bf16") takes its wgmma form on
+// Hopper (compute capability 9.0) rather than the mma.sync form every architecture runs.
+// Starts on unless the environment has DFLASH2_DQ_WGMMA=0; an engine whose load-time check
+// of that kernel fails turns it off in the process (then the mma.sync form is checked). The
+// same numerics either way up to fp32 summation order; no effect elsewhere.
+bool dq_wgmma();
+void set_dq_wgmma(bool on);
 
 // out = w * x / sqrt(mean(x^2) + eps) per row (last dim); x, out F32 [.., D]; w F32/BF16/F16 [D].
 void rms_norm(const Tensor& x, const Tensor& w, float eps, Tensor& out);

@@ -90,6 +90,13 @@ template <class Check>
 std::string check_or_turn_off(Fallback f, Device dev, const char* what, const char* instead, Check&& check) {
   std::string why = check();
 #ifdef DFLASH2_WITH_CUDA
+  // the mainloop-dequantizing kernel's wgmma form (Hopper) goes first: its mma.sync form next
+  if (!why.empty() && f == Fallback::MainloopDq && cuda::linear_dq_enabled() && ops::dq_wgmma()) {
+    std::fprintf(stderr, "dflash2: %s (wgmma form) failed its load-time check on %s (%s); its mma.sync form runs instead\n",
+                 what, dev.str().c_str(), why.c_str());
+    ops::set_dq_wgmma(false);
+    why = check();
+  }
   const bool on = f == Fallback::Skinny ? cuda::linear_sk_enabled() : cuda::linear_dq_enabled();
   if (!why.empty() && on) {
     std::fprintf(stderr, "dflash2: %s failed its load-time check on %s (%s); %s\n", what, dev.str().c_str(),

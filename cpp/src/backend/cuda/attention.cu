@@ -101,29 +101,7 @@ namespace dflash2::cuda {
 
 namespace {
 
-constexpr size_t kDefaultSmem = 48 * 1024;
-
-// Opts `kernel` into `bytes` of dynamic shared memory when above the default 48 KiB. The
-// attribute is per (device, kernel) and a larger limit also serves smaller launches, so the
-// largest size set so far is remembered and the driver calls are made only when a launch
-// needs more (not on every launch). Call with `device` current (DeviceGuard). A
-// cudaDeviceReset would drop the attribute; the runtime never resets a device.
-template <class K>
-void allow_smem(K kernel, size_t bytes, int device, const char* op) {
-  if (bytes <= kDefaultSmem) return;
-  static std::mutex mu;
-  static std::map<std::pair<int, const void*>, size_t> granted;  // (device, kernel) -> bytes set
-  const std::pair<int, const void*> key{device, reinterpret_cast<const void*>(kernel)};
-  std::lock_guard<std::mutex> lock(mu);
-  const auto it = granted.find(key);
-  if (it != granted.end() && it->second >= bytes) return;
-  int optin = 0;
-  DFLASH2_CUDA_CHECK(cudaDeviceGetAttribute(&optin, cudaDevAttrMaxSharedMemoryPerBlockOptin, device), op);
-  DFLASH2_CHECK(bytes <= size_t(optin), ErrorKind::Unsupported, "cuda::", op, ": these shapes need ", bytes,
-                " bytes of shared memory per block, cuda:", device, " allows ", optin);
-  DFLASH2_CUDA_CHECK(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, int(bytes)), op);
-  granted[key] = bytes;
-}
+using detail::allow_smem;
 
 void need_cuda(const Tensor& t, const Tensor& ref, const char* op, const char* arg) {
   DFLASH2_CHECK_ARG(t.defined(), "cuda::", op, ": undefined tensor argument '", arg, "'");

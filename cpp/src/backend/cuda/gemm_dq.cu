@@ -1,6 +1,7 @@
 // cuda/gemm_dq.cu: the mainloop-dequantizing BF16 tensor-core GEMM (gemm_dq.h), the W4A16 /
 // W8A16 path of Hopper (which has no FP4 MMA) and the grouped GEMM of BF16 / NVFP4 / FP8
-// experts in prompt chunks on every architecture.
+// experts in prompt chunks on every architecture. Two forms of one design: dq_gemm_kernel
+// (mma.sync, below) and, on Hopper, dq_wg_kernel (wgmma, "the wgmma form" further down).
 //
 // One CTA (4 warps, 2 x 2) computes a tile of layout::kDqBM = 64 rows x kDqBN = 128 output
 // features of one group, in k-tiles of kDqBK = 32 inputs, double-buffered in shared memory:
@@ -32,12 +33,15 @@
 
 #include "backend/cuda/cuda_api.h"
 #include "backend/cuda/cuda_check.cuh"
+#include "backend/cuda/device_attr.cuh"
 #include "backend/cuda/pdl.cuh"
 #include "backend/cuda/kernel_util.cuh"
 #include "backend/cuda/layout.h"
 #include "backend/cuda/mma_sm80.cuh"
 #include "backend/cuda/weight_view.cuh"
+#include "backend/cuda/wgmma_sm90.cuh"
 #include "dflash2/error.h"
+#include "dflash2/ops.h"
 
 namespace dflash2::cuda::dq {
 
@@ -51,9 +55,8 @@ using layout::kDqBN;
 using layout::kDqChunks;
 
 constexpr int kThreads = 128;  // 4 warps: 2 (rows) x 2 (features), 32 x 64 each
-constexpr int kAUnits = kDqBM * kDqChunks / kThreads;  // 16-byte A chunks per thread per k-tile (2)
 constexpr int kBUnits = kDqBN * kDqChunks / kThreads;  // 8-input W units per thread per k-tile (4)
-static_assert(kAUnits * kThreads == kDqBM * kDqChunks && kBUnits * kThreads == kDqBN * kDqChunks, "tile split");
+static_assert(kBUnits * kThreads == kDqBN * kDqChunks, "tile split");
 static_assert(kDqBK == 32 && kDqChunks == 4, "the swizzle and the fragment loops assume 4 chunks per row");
 
 // ------------------------------------------------------------------ PTX wrappers
@@ -155,6 +158,63 @@ __device__ __forceinline__ uint4 finish_w(const WeightView& w, const WUnit& u) {
   return u.v;
 }
 
+// The CTA's m-tile t: its rows [r0, r1) and its group's weight; false when it has no rows
+// (block-uniform: no barrier is then skipped by part of the block).
+__device__ __forceinline__ bool tile_of(const Params& p, int64_t t, int64_t& r0, int64_t& r1, WeightView& w) {
+  int g = 0;
+  if (p.start == nullptr) {
+    r0 = t * kDqBM;
+    r1 = r0 + kDqBM < p.M ? r0 + kDqBM : p.M;
+  } else {
+    const layout::DqRows rows = layout::dq_tile_rows(p.start, p.tile_start, p.groups, t);
+    r0 = rows.first;
+    r1 = rows.end;
+    g = rows.group;
+  }
+  if (r0 >= r1) return false;
+  w = p.table ? p.table[int64_t(g) * p.table_stride] : p.one;
+  return true;
+}
+
+// k-tile kt (kBK inputs) of rows [first, first + kRows) of a 16-bit matrix (row i at
+// base + i * row_bytes) into shared memory by cp.async, 16 bytes per copy, zeros for rows
+// >= end and inputs >= kmax (kmax % 8 == 0); at(row, chunk) is a chunk's shared address.
+template <int kBK, int kRows, class At>
+__device__ __forceinline__ void copy_tile_async(const uint8_t* base, int64_t row_bytes, int64_t first, int64_t end,
+                                                int64_t kmax, int kt, At at) {
+  constexpr int kChunks = kBK / 8, kUnits = kRows * kChunks / kThreads;
+  static_assert(kUnits * kThreads == kRows * kChunks, "tile split");
+#pragma unroll
+  for (int i = 0; i < kUnits; ++i) {
+    const int idx = threadIdx.x + i * kThreads, row = idx / kChunks, ch = idx % kChunks;
+    const int64_t k = int64_t(kt) * kBK + ch * 8, r = first + row;
+    const bool valid = r < end && k < kmax;
+    cp_async16(at(row, ch), valid ? base + r * row_bytes + 2 * k : base, valid);
+  }
+}
+
+// k-tile kt of W's rows [n0, n0 + kDqBN) in units of 8 inputs: fetch_w for each of this
+// thread's units, then (after the MMAs they overlap) their BF16 values stored at at(row, chunk).
+template <WFmt F, int kBK, int kUnits>
+__device__ __forceinline__ void fetch_tile(const WeightView& w, bool vec, int64_t n0, int kt, WUnit (&units)[kUnits]) {
+  constexpr int kChunks = kBK / 8;
+  static_assert(kUnits * kThreads == kDqBN * kChunks, "tile split");
+#pragma unroll
+  for (int i = 0; i < kUnits; ++i) {
+    const int idx = threadIdx.x + i * kThreads;
+    fetch_w<F>(w, vec, n0 + idx / kChunks, int64_t(kt) * kBK + (idx % kChunks) * 8, units[i]);
+  }
+}
+template <WFmt F, int kBK, int kUnits, class At>
+__device__ __forceinline__ void store_tile(const WeightView& w, const WUnit (&units)[kUnits], At at) {
+  constexpr int kChunks = kBK / 8;
+#pragma unroll
+  for (int i = 0; i < kUnits; ++i) {
+    const int idx = threadIdx.x + i * kThreads;
+    *at(idx / kChunks, idx % kChunks) = finish_w<F>(w, units[i]);
+  }
+}
+
 template <WFmt F>
 __global__ void __launch_bounds__(kThreads) dq_gemm_kernel(const Params p) {
   detail::pdl_enter();
@@ -168,53 +228,21 @@ __global__ void __launch_bounds__(kThreads) dq_gemm_kernel(const Params p) {
 
   for (int64_t t = blockIdx.y; t < p.m_tiles; t += gridDim.y) {
     int64_t r0, r1;
-    int g = 0;
-    if (p.start == nullptr) {
-      r0 = t * kDqBM;
-      r1 = r0 + kDqBM < p.M ? r0 + kDqBM : p.M;
-    } else {
-      const layout::DqRows rows = layout::dq_tile_rows(p.start, p.tile_start, p.groups, t);
-      r0 = rows.first;
-      r1 = rows.end;
-      g = rows.group;
-    }
-    if (r0 >= r1) continue;  // block-uniform: no barrier is skipped by part of the block
-    const WeightView w = p.table ? p.table[int64_t(g) * p.table_stride] : p.one;
+    WeightView w;
+    if (!tile_of(p, t, r0, r1, w)) continue;
 
     auto load_a = [&](int kt, int st) {
-#pragma unroll
-      for (int i = 0; i < kAUnits; ++i) {
-        const int idx = tid + i * kThreads, row = idx / kDqChunks, ch = idx % kDqChunks;
-        const int64_t k = int64_t(kt) * kDqBK + ch * 8, pr = r0 + row;
-        const bool valid = pr < r1 && k < kpad;
-        const __nv_bfloat16* src = valid ? p.a + pr * p.lda + k : p.a;
-        cp_async16(smem_u32(&As[st][layout::dq_chunk(row, ch)]), src, valid);
-      }
+      copy_tile_async<kDqBK, kDqBM>(reinterpret_cast<const uint8_t*>(p.a), 2 * p.lda, r0, r1, kpad, kt,
+                                    [&](int row, int ch) { return smem_u32(&As[st][layout::dq_chunk(row, ch)]); });
     };
-    auto load_b_async = [&](int kt, int st) {
-#pragma unroll
-      for (int i = 0; i < kBUnits; ++i) {
-        const int idx = tid + i * kThreads, row = idx / kDqChunks, ch = idx % kDqChunks;
-        const int64_t k = int64_t(kt) * kDqBK + ch * 8, r = n0 + row;
-        const bool valid = r < w.N && k < w.K;  // K % 8 == 0 on this path: a whole chunk
-        const uint8_t* src = valid ? w.data + r * w.row_bytes + 2 * k : w.data;
-        cp_async16(smem_u32(&Bs[st][layout::dq_chunk(row, ch)]), src, valid);
-      }
+    auto load_b_async = [&](int kt, int st) {  // K % 8 == 0 on this path: whole chunks
+      copy_tile_async<kDqBK, kDqBN>(w.data, w.row_bytes, n0, w.N, w.K, kt,
+                                    [&](int row, int ch) { return smem_u32(&Bs[st][layout::dq_chunk(row, ch)]); });
     };
     WUnit units[kBUnits];
-    auto fetch_b = [&](int kt) {
-#pragma unroll
-      for (int i = 0; i < kBUnits; ++i) {
-        const int idx = tid + i * kThreads;
-        fetch_w<F>(w, p.vec, n0 + idx / kDqChunks, int64_t(kt) * kDqBK + (idx % kDqChunks) * 8, units[i]);
-      }
-    };
+    auto fetch_b = [&](int kt) { fetch_tile<F, kDqBK>(w, p.vec, n0, kt, units); };
     auto store_b = [&](int st) {
-#pragma unroll
-      for (int i = 0; i < kBUnits; ++i) {
-        const int idx = tid + i * kThreads;
-        Bs[st][layout::dq_chunk(idx / kDqChunks, idx % kDqChunks)] = finish_w<F>(w, units[i]);
-      }
+      store_tile<F, kDqBK>(w, units, [&](int row, int ch) { return &Bs[st][layout::dq_chunk(row, ch)]; });
     };
     const bool async_b = F == WFmt::BF16 && p.async_b;
 
@@ -294,6 +322,114 @@ __global__ void __launch_bounds__(kThreads) dq_gemm_kernel(const Params p) {
   }
 }
 
+// ------------------------------------------------------------------ the wgmma form (sm_90a)
+// The same tiles and operations with Hopper's warpgroup MMA: the CTA's 4 warps are one
+// warpgroup, k-tiles of layout::kWgBK = 64 inputs (A 8 KiB + W 16 KiB per stage, two stages
+// in dynamic shared memory aligned to 1024 bytes), both operands in the 128-byte swizzle
+// (layout::wg_sw128_offset) read by 4 wgmma.m64n128k16 per k-tile through descriptors
+// (layout::wg_desc_k_sw128). W's raw bytes for k-tile kt + 1 are loaded before k-tile kt's
+// wgmmas are issued and dequantized into the other stage while they run. Every row's sums
+// still go k-tile by k-tile in order: a row's result does not depend on M or the group.
+using layout::kWgBK;
+using layout::kWgChunks;
+using layout::kWgATileBytes;
+using layout::kWgBTileBytes;
+constexpr int kWgStages = 2;
+constexpr size_t kWgSmem = size_t(kWgStages) * (kWgATileBytes + kWgBTileBytes) + 1024;  // + alignment slack
+constexpr int kWgBUnits = kDqBN * kWgChunks / kThreads;  // 8-input W units per thread per k-tile (8)
+static_assert(kWgBUnits * kThreads == kDqBN * kWgChunks, "tile split");
+static_assert(kDqBM == 64 && kDqBN == 128 && kThreads == 128, "one warpgroup, wgmma m64n128k16");
+
+template <WFmt F>
+__global__ void __launch_bounds__(kThreads) dq_wg_kernel(const Params p) {
+  detail::pdl_enter();
+  extern __shared__ __align__(128) unsigned char dq_wg_smem[];
+  const uint32_t raw = smem_u32(dq_wg_smem), pad = (1024u - (raw & 1023u)) & 1023u;
+  unsigned char* const base = dq_wg_smem + pad;
+  const uint32_t base_u = raw + pad;
+  auto a_at = [&](int st) { return base_u + uint32_t(st * kWgATileBytes); };
+  auto b_at = [&](int st) { return base_u + uint32_t(kWgStages * kWgATileBytes + st * kWgBTileBytes); };
+  const int tid = threadIdx.x;
+  const int64_t n0 = int64_t(blockIdx.x) * kDqBN;
+  const int nk = int((p.K + kWgBK - 1) / kWgBK);
+  const int64_t kpad = (p.K + 7) / 8 * 8;  // A's zero-padded width
+
+  for (int64_t t = blockIdx.y; t < p.m_tiles; t += gridDim.y) {
+    int64_t r0, r1;
+    WeightView w;
+    if (!tile_of(p, t, r0, r1, w)) continue;
+
+    auto load_a = [&](int kt, int st) {
+      copy_tile_async<kWgBK, kDqBM>(reinterpret_cast<const uint8_t*>(p.a), 2 * p.lda, r0, r1, kpad, kt,
+                                    [&](int row, int ch) { return a_at(st) + uint32_t(layout::wg_sw128_offset(row, ch)); });
+    };
+    auto load_b_async = [&](int kt, int st) {  // K % 8 == 0 on this path: whole chunks
+      copy_tile_async<kWgBK, kDqBN>(w.data, w.row_bytes, n0, w.N, w.K, kt,
+                                    [&](int row, int ch) { return b_at(st) + uint32_t(layout::wg_sw128_offset(row, ch)); });
+    };
+    WUnit units[kWgBUnits];
+    auto fetch_b = [&](int kt) { fetch_tile<F, kWgBK>(w, p.vec, n0, kt, units); };
+    auto store_b = [&](int st) {
+      store_tile<F, kWgBK>(w, units, [&](int row, int ch) {
+        return reinterpret_cast<uint4*>(base + kWgStages * kWgATileBytes + st * kWgBTileBytes +
+                                        layout::wg_sw128_offset(row, ch));
+      });
+    };
+    const bool async_b = F == WFmt::BF16 && p.async_b;
+
+    float acc[64];
+#pragma unroll
+    for (int v = 0; v < 64; ++v) acc[v] = 0.0f;
+
+    // k-tile 0 into stage 0
+    load_a(0, 0);
+    if (async_b) load_b_async(0, 0);
+    cp_async_commit();
+    if (!async_b) {
+      fetch_b(0);
+      store_b(0);
+    }
+    cp_async_wait_all();
+    wg::fence_proxy_async();  // the stores and copies above, before the tensor cores read them
+    __syncthreads();
+
+    for (int kt = 0; kt < nk; ++kt) {
+      const int cur = kt & 1, nxt = cur ^ 1;
+      const bool more = kt + 1 < nk;
+      // stage nxt was last read by k-tile kt - 1's wgmmas, waited for before its barrier
+      if (more) {
+        load_a(kt + 1, nxt);
+        if (async_b) load_b_async(kt + 1, nxt);
+        cp_async_commit();
+        if (!async_b) fetch_b(kt + 1);
+      }
+      wg::fence_operands(acc);
+      wg::fence();
+#pragma unroll
+      for (int ks = 0; ks < kWgBK / 16; ++ks)  // k16 steps: 32 bytes further into every row
+        wg::mma_64x128(acc, layout::wg_desc_k_sw128(a_at(cur) + 32u * ks),
+                       layout::wg_desc_k_sw128(b_at(cur) + 32u * ks));
+      wg::commit();
+      if (more && !async_b) store_b(nxt);  // dequantized while the wgmmas run
+      wg::wait<0>();
+      wg::fence_operands(acc);
+      cp_async_wait_all();
+      wg::fence_proxy_async();
+      __syncthreads();
+    }
+
+    // epilogue: register v holds (layout::wg_acc_row(tid, v), wg_acc_col(tid, v))
+#pragma unroll
+    for (int v = 0; v < 64; ++v) {
+      const int64_t pr = r0 + layout::wg_acc_row(tid, v), c = n0 + layout::wg_acc_col(tid, v);
+      if (pr >= r1 || c >= p.N) continue;
+      const int64_t drow = p.d_rows ? int64_t(p.d_rows[pr]) : pr;
+      float* out = p.d + drow * p.ldd + c;
+      *out = p.accumulate ? __fadd_rn(*out, acc[v]) : acc[v];
+    }
+  }
+}
+
 // The groups' first m-tiles (layout::dq_tile_starts), one thread.
 __global__ void dq_tile_starts(const int32_t* __restrict__ start, int groups, int32_t* __restrict__ tile_start) {
   detail::pdl_enter();
@@ -324,8 +460,13 @@ __global__ void rows_bf16_kernel(const float* __restrict__ x, const float* __res
 }
 
 template <WFmt F>
-void launch(const Params& p, dim3 grid, cudaStream_t s) {
-  dq_gemm_kernel<F><<<grid, kThreads, 0, s>>>(p);
+void launch(const Params& p, dim3 grid, bool wgmma, int device, cudaStream_t s) {
+  if (wgmma) {
+    detail::allow_smem(dq_wg_kernel<F>, kWgSmem, device, "dq_gemm");
+    dq_wg_kernel<F><<<grid, kThreads, kWgSmem, s>>>(p);
+  } else {
+    dq_gemm_kernel<F><<<grid, kThreads, 0, s>>>(p);
+  }
 }
 
 }  // namespace
@@ -367,7 +508,12 @@ void gemm(const GemmArgs& g, cudaStream_t s) {
     detail::check_launch("dq_gemm tile starts", "");
   }
   const dim3 grid(unsigned(nt), unsigned(p.m_tiles < detail::kMaxGridY ? p.m_tiles : detail::kMaxGridY));
-  detail::with_format(g.fmt, [&](auto f) { launch<decltype(f)::value>(p, grid, s); });
+  // Hopper takes the wgmma form (the device, not M, decides: every row of every call on one
+  // GPU goes through one kernel)
+  int device = 0;
+  DFLASH2_CUDA_CHECK(cudaGetDevice(&device), op);
+  const bool wgmma = ::dflash2::ops::dq_wgmma() && detail::compute_capability(device) == 90;
+  detail::with_format(g.fmt, [&](auto f) { launch<decltype(f)::value>(p, grid, wgmma, device, s); });
   detail::check_launch("dq_gemm kernel launch", "[", g.M, ", ", g.N, ", ", g.K, "]");
 }
 

@@ -6,8 +6,10 @@
 // weight in its stored format (BF16 / F16 / F32 / FP8 block-128 / NVFP4), dequantized inside
 // the k-loop exactly as the CPU dequantizes it (weight_view.cuh w_at: E2M1 x E4M3 x global
 // for NVFP4, E4M3 x block scale for FP8) and rounded to BF16: the numerics of ops::linear_bf16
-// (the CPU emulation is the oracle, up to fp32 summation order). BF16 tensor cores
-// (mma.sync m16n8k16, fp32 accumulators), which every architecture the build targets has.
+// (the CPU emulation is the oracle, up to fp32 summation order). BF16 tensor cores with fp32
+// accumulators: on compute capability 9.0 wgmma (sm_90a's warpgroup MMA) unless
+// ops::dq_wgmma() is off, elsewhere mma.sync m16n8k16, which every architecture the build
+// targets has. The device, not M, picks the form: every row on one GPU takes one kernel.
 // Used for the routed experts' prompt chunks (moe_experts with GemmNumerics::BF16: one group
 // per expert, the groups' rows counted on the device) and for linear_bf16 over NVFP4 and FP8
 // weights on every architecture, whatever M (the weight is read once, in its stored format,

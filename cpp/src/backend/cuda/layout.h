@@ -281,6 +281,29 @@ DFLASH2_HD int dq_a_lane_row(int lane) { return lane & 15; }
 DFLASH2_HD int dq_a_lane_chunk(int lane) { return lane >> 4; }
 DFLASH2_HD int dq_b_lane_row(int lane) { return (lane & 7) + ((lane >> 4) << 3); }
 DFLASH2_HD int dq_b_lane_chunk(int lane) { return (lane >> 3) & 1; }
+// The wgmma form of the kernel (sm_90a, gemm_dq.cu's dq_wg_kernel): the same CTA tiles with
+// k-tiles of kWgBK = 64 inputs, each operand row of 64 BF16 = 128 bytes in the 128-byte swizzle
+// that wgmma's K-major operands read (CuTe's GMMA::Layout_K_SW128_Atom): 16-byte chunk c of
+// row r at byte r * 128 + (c ^ (r % 8)) * 16 from a 1024-byte aligned base.
+constexpr int kWgBK = 64, kWgChunks = kWgBK / 8;
+constexpr int kWgATileBytes = kDqBM * kWgBK * 2, kWgBTileBytes = kDqBN * kWgBK * 2;  // one stage
+DFLASH2_HD int wg_sw128_offset(int row, int chunk) { return row * 128 + ((chunk ^ (row & 7)) << 4); }
+// wgmma's shared-memory matrix descriptor (PTX ISA, "Matrix Descriptor Format") of a K-major
+// BF16 operand in that swizzle whose rows start at shared address `addr` (1024-byte aligned,
+// plus 32 bytes per k16 step inside the row: the swizzle is applied to the address the unit
+// forms, so the step is a plain offset): start address >> 4 in bits 0-13, the leading byte
+// offset (unused for swizzled K-major operands; 1 as CUTLASS sets it) in bits 16-29, the
+// stride byte offset between 8-row groups (1024 >> 4) in bits 32-45, base offset 0 (bits
+// 49-51), swizzle mode 1 = 128 bytes in bits 62-63.
+DFLASH2_HD uint64_t wg_desc_k_sw128(uint32_t addr) {
+  return uint64_t((addr & 0x3FFFFu) >> 4) | (uint64_t(1) << 16) | (uint64_t(1024 >> 4) << 32) | (uint64_t(1) << 62);
+}
+// The accumulator element that register v (of n / 2: wgmma m64nNk16 with F32 accumulators)
+// of thread t (0..127 of the warpgroup) holds: row 16 (t / 32) + (t % 32) / 4 + 8 ((v / 2) % 2),
+// column 8 (v / 4) + 2 (t % 4) + v % 2 (PTX ISA, "Register Fragments and Shared Memory Matrix
+// Layouts" for wgmma .m64nNk16 D; checked against CuTe's CLayout_64xN by test_cutlass_layout).
+DFLASH2_HD int wg_acc_row(int t, int v) { return 16 * (t >> 5) + ((t & 31) >> 2) + 8 * ((v >> 1) & 1); }
+DFLASH2_HD int wg_acc_col(int t, int v) { return 8 * (v >> 2) + 2 * (t & 3) + (v & 1); }
 // The m-tiles of a group of m rows, and an upper bound of those of groups of `rows` rows in
 // all: every non-empty group adds at most one partial tile.
 DFLASH2_HD int64_t dq_m_tiles(int64_t m) { return (m + kDqBM - 1) / kDqBM; }
