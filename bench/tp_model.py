@@ -58,6 +58,16 @@ Compute (roofline lower bound): the bytes one rank reads per step / HBM bandwidt
 weight slices (attention and dense / shared MLP BF16 as in GLM-5.3-NVFP4, routed experts
 NVFP4 at 0.5625 B/param, experts touched by T tokens under uniform top-8 routing), its LM
 head slice, and the replicated latent + indexer caches at the given context.
+
+Attention arithmetic (a floor on its time, next to that memory time): per token and layer the
+absorbed sparse MLA multiplies its N-th of the heads against min(context, index_topk) latent
+rows, (kv_lora + rope) multiply-adds per key and head for the scores and kv_lora for the
+values; the DSA indexer (replicated on every rank, IndexShare's 21 layers) index_heads x
+index_head_dim per key over the whole context. At the fp32 SIMT peak (the engine's kernels
+today: attention.cu scores in fp32 on the CUDA cores) and at the tensor cores' dense peak
+(BF16 for MLA, FP8 for the indexer: what a tensor-core kernel could reach):
+  H200: FP32 67 TFLOPS, BF16 989, FP8 1979 dense (NVIDIA H200 datasheet);
+  GB300: FP32 80 TFLOPS, BF16 2500, FP8 5000 dense (verda.com/blog/gb300-nvl72-architecture).
 """
 import argparse
 import json
@@ -77,9 +87,9 @@ DRAFT53 = dict(hidden_size=6144, intermediate_size=12288, num_layers=6, num_head
 
 MACHINES = {
     "GB300": dict(link_GBps=740.0, wire_GBps=900.0, hbm_TBps=8.0, alpha_us=6.0, alpha_nccl_cited_us=24.0,
-                  alpha_peer_us=7.0),
+                  alpha_peer_us=7.0, fp32_TFLOPS=80.0, bf16_TFLOPS=2500.0, fp8_TFLOPS=5000.0),
     "H200": dict(link_GBps=370.0, wire_GBps=450.0, hbm_TBps=4.8, alpha_us=6.0, alpha_nccl_cited_us=8.5,
-                 alpha_peer_us=3.7),
+                 alpha_peer_us=3.7, fp32_TFLOPS=67.0, bf16_TFLOPS=989.0, fp8_TFLOPS=1979.0),
 }
 PEER_MAX_BYTES = 8 << 20  # per rank (p2p_allreduce.h default_max_bytes)
 ONE_SHOT_MAX_BYTES = 512 << 10
@@ -156,6 +166,17 @@ def cache_bytes_per_rank(c, B, context):
     return lat + idx
 
 
+def attention_flops_per_rank(c, T, context, N):
+    """(MLA, indexer) floating-point operations of one target forward of T tokens on one rank
+    (a multiply-add = 2): the sparse absorbed MLA over its nh / N heads and min(context,
+    index_topk) keys in every layer, the indexer over the whole context in its layers."""
+    keys = min(context, c["index_topk"])
+    kv, rope = c["kv_lora_rank"], c["qk_rope_head_dim"]
+    mla = 2 * T * (c["num_attention_heads"] / N) * keys * ((kv + rope) + kv) * c["num_hidden_layers"]
+    idx = 2 * T * c["index_n_heads"] * c["index_head_dim"] * context * c["full_indexer_layers"]
+    return mla, idx
+
+
 def model(c, context):
     rows = []
     for method, per_seq in (("ar", 1), ("dflash2 verify", 8)):
@@ -183,6 +204,9 @@ def model(c, context):
                     weights = weights_bytes_per_rank(c, T, N)
                     cache = cache_bytes_per_rank(c, B, context)
                     compute = (weights + cache) / (m["hbm_TBps"] * 1e6)  # TB/s = 1e6 bytes/us
+                    mla_f, idx_f = attention_flops_per_rank(c, T, context, N)
+                    attn_simt = (mla_f + idx_f) / (m["fp32_TFLOPS"] * 1e6)  # TFLOPS = 1e6 flop/us
+                    attn_tc = mla_f / (m["bf16_TFLOPS"] * 1e6) + idx_f / (m["fp8_TFLOPS"] * 1e6)
                     entry[name] = dict(comm_us=round(comm, 1), comm_latency_us=round(comm - comm_bw_only, 1),
                                        comm_bandwidth_us=round(comm_bw_only, 1), compute_us=round(compute, 1),
                                        comm_share=round(comm / (comm + compute), 3),
@@ -207,7 +231,11 @@ def model(c, context):
                                        draft_bcast_us=round(coll_time_us("broadcast", B * 8 * c["hidden_size"] * 4, N, m)
                                                             + coll_time_us("broadcast", (B + 1) * 7 * 4, N, m)
                                                             if per_seq > 1 else 0.0, 1),
-                                       per_layer_comm_us=round(2 * coll_time_us("all_reduce", ar_bytes, N, m), 2))
+                                       per_layer_comm_us=round(2 * coll_time_us("all_reduce", ar_bytes, N, m), 2),
+                                       # attention arithmetic at the fp32 SIMT peak (today's kernels) and
+                                       # at the tensor cores' (BF16 MLA, FP8 indexer)
+                                       attn_simt_us=round(attn_simt, 1), attn_tc_us=round(attn_tc, 1),
+                                       attn_simt_over_compute=round(attn_simt / compute, 3))
                 rows.append(entry)
     return rows
 
@@ -332,6 +360,10 @@ def main():
           + ", ".join(f"{m} " + " / ".join(f"B={e['batch']} {e[m]['draft_bcast_us']} us" for e in rows
                                             if e["method"].startswith("dflash2") and e["tp"] == 4)
                       for m in MACHINES))
+    print("attention arithmetic per step and rank (sparse MLA + the indexer), floors at the fp32 SIMT peak "
+          "(attention.cu today) and at the tensor cores' (BF16 / FP8), beside the memory time above:")
+    print_table(rows, [], [("mem", "compute_us", us), ("SIMT", "attn_simt_us", us), ("TC", "attn_tc_us", us),
+                           ("SIMT/mem", "attn_simt_over_compute", lambda v: f"{v:.2f}x")])
     bal = expert_balance(c)
     print("routed experts read by the slowest rank (expert-equivalents), uniform top-8 routing:")
     print(f"{'TP':>3s} {'tokens':>6s} {'split':>7s} {'EP':>7s} {'EP/split':>8s}")
