@@ -409,10 +409,14 @@ def test_linear_bf16_decode_column_views_cuda(fmt, lo):
 
 @pytest.mark.parametrize("fmt,g", [("nvfp4", 1 / 2688), ("nvfp4", 1e-30), ("nvfp4", 3.99), ("nvfp4", 4.0),
                                    ("nvfp4", 1e4), ("fp8", None), ("bf16", None), ("f16", None)])
-def test_linear_bf16_decode_dequantizes_bitwise_cuda(fmt, g):
-    """decode=True with x = the identity gives y = bf16(W)^T (one nonzero product per
-    output): bitwise the CPU's dequantization and rounding, over every E2M1 / E4M3 code,
-    subnormal and largest scales, and NVFP4 global scales from 1e-30 to 1e4."""
+@pytest.mark.parametrize("decode", [True, False], ids=["decode", "prompt"])
+def test_linear_bf16_dequantizes_bitwise_cuda(fmt, g, decode):
+    """x = the identity gives y = bf16(W)^T (one nonzero product per output): bitwise the
+    CPU's dequantization and rounding, over every E2M1 / E4M3 code, subnormal and largest
+    scales, and NVFP4 global scales from 1e-30 to 1e4 (the pair decode below 4, field by
+    field from 4), in the skinny kernel (decode=True) and in the mainloop-dequantizing one
+    (prompt chunks of NVFP4 / FP8 weights; on Hopper, and the emulator's sm_90, its wgmma
+    form; under EMU_SM=100 its mma.sync form)."""
     need_device("cuda", "linear_bf16")
     rng = rng_for("bf16sk-bitwise", fmt, g)
     n, k = 40, 96
@@ -430,7 +434,7 @@ def test_linear_bf16_decode_dequantizes_bitwise_cuda(fmt, g):
         w, _ = make_weight(fmt, n, k, rng)
     eye = np.eye(k, dtype=np.float32)
     want = to_np(ops.linear_bf16(eye, w))
-    got = to_np(ops.linear_bf16(to_dev(eye, "cuda"), w.to("cuda"), decode=True))
+    got = to_np(ops.linear_bf16(to_dev(eye, "cuda"), w.to("cuda"), decode=decode))
     assert np.isfinite(want).all()
     assert np.array_equal(got.view(np.uint32), want.view(np.uint32)), \
         f"{int((got != want).sum())} of {got.size} weights differ"

@@ -138,23 +138,24 @@ __device__ __forceinline__ void fetch_w(const WeightView& w, bool vec, int64_t r
   u.ready = true;
 }
 
-// The unit's 8 BF16 values (w_load8's operations on the raw bytes, then rounded).
+// The unit's 8 BF16 values (w_load8's operations on the raw bytes, then rounded; NVFP4 by
+// detail::fp4_word_to_f32 with the tile's weight's q = fp4_global(w): bitwise the same).
 template <WFmt F>
-__device__ __forceinline__ uint4 finish_w(const WeightView& w, const WUnit& u) {
+__device__ __forceinline__ uint4 finish_w(const detail::Fp4Global& q, const WUnit& u) {
   if constexpr (F == WFmt::NVFP4 || F == WFmt::FP8) {
     if (!u.ready) {
       float f[8];
+      if constexpr (F == WFmt::NVFP4) {
+        detail::fp4_word_to_f32(q, u.v.x, u.s, f);
+      } else {
 #pragma unroll
-      for (int i = 0; i < 8; ++i) {
-        if constexpr (F == WFmt::NVFP4)
-          f[i] = __fmul_rn(__fmul_rn(detail::e2m1_to_f32((u.v.x >> (4 * i)) & 15u), u.s), w.global_scale);
-        else
+        for (int i = 0; i < 8; ++i)
           f[i] = __fmul_rn(detail::e4m3_to_f32(uint8_t((i < 4 ? u.v.x : u.v.y) >> (8 * (i & 3)))), u.s);
       }
       return pack8(f);
     }
   }
-  (void)w;
+  (void)q;
   return u.v;
 }
 
@@ -206,12 +207,12 @@ __device__ __forceinline__ void fetch_tile(const WeightView& w, bool vec, int64_
   }
 }
 template <WFmt F, int kBK, int kUnits, class At>
-__device__ __forceinline__ void store_tile(const WeightView& w, const WUnit (&units)[kUnits], At at) {
+__device__ __forceinline__ void store_tile(const detail::Fp4Global& q, const WUnit (&units)[kUnits], At at) {
   constexpr int kChunks = kBK / 8;
 #pragma unroll
   for (int i = 0; i < kUnits; ++i) {
     const int idx = threadIdx.x + i * kThreads;
-    *at(idx / kChunks, idx % kChunks) = finish_w<F>(w, units[i]);
+    *at(idx / kChunks, idx % kChunks) = finish_w<F>(q, units[i]);
   }
 }
 
@@ -230,6 +231,7 @@ __global__ void __launch_bounds__(kThreads) dq_gemm_kernel(const Params p) {
     int64_t r0, r1;
     WeightView w;
     if (!tile_of(p, t, r0, r1, w)) continue;
+    const detail::Fp4Global q = detail::fp4_global(w);
 
     auto load_a = [&](int kt, int st) {
       copy_tile_async<kDqBK, kDqBM>(reinterpret_cast<const uint8_t*>(p.a), 2 * p.lda, r0, r1, kpad, kt,
@@ -242,7 +244,7 @@ __global__ void __launch_bounds__(kThreads) dq_gemm_kernel(const Params p) {
     WUnit units[kBUnits];
     auto fetch_b = [&](int kt) { fetch_tile<F, kDqBK>(w, p.vec, n0, kt, units); };
     auto store_b = [&](int st) {
-      store_tile<F, kDqBK>(w, units, [&](int row, int ch) { return &Bs[st][layout::dq_chunk(row, ch)]; });
+      store_tile<F, kDqBK>(q, units, [&](int row, int ch) { return &Bs[st][layout::dq_chunk(row, ch)]; });
     };
     const bool async_b = F == WFmt::BF16 && p.async_b;
 
@@ -358,6 +360,7 @@ __global__ void __launch_bounds__(kThreads) dq_wg_kernel(const Params p) {
     int64_t r0, r1;
     WeightView w;
     if (!tile_of(p, t, r0, r1, w)) continue;
+    const detail::Fp4Global q = detail::fp4_global(w);
 
     auto load_a = [&](int kt, int st) {
       copy_tile_async<kWgBK, kDqBM>(reinterpret_cast<const uint8_t*>(p.a), 2 * p.lda, r0, r1, kpad, kt,
@@ -370,7 +373,7 @@ __global__ void __launch_bounds__(kThreads) dq_wg_kernel(const Params p) {
     WUnit units[kWgBUnits];
     auto fetch_b = [&](int kt) { fetch_tile<F, kWgBK>(w, p.vec, n0, kt, units); };
     auto store_b = [&](int st) {
-      store_tile<F, kWgBK>(w, units, [&](int row, int ch) {
+      store_tile<F, kWgBK>(q, units, [&](int row, int ch) {
         return reinterpret_cast<uint4*>(base + kWgStages * kWgATileBytes + st * kWgBTileBytes +
                                         layout::wg_sw128_offset(row, ch));
       });

@@ -88,16 +88,8 @@ constexpr int seg_elems_of(WFmt f) { return f == WFmt::FP8 ? 16 : f == WFmt::NVF
 template <WFmt F>
 constexpr int kE = seg_elems_of(F);
 
-// NVFP4's fast pair decode (dequant8): g * 2^126 finite (global scales below 4).
-struct Fp4Global {
-  bool fast;
-  float g_scaled;  // g * 2^126
-  float g;
-};
-__host__ __device__ inline Fp4Global fp4_global(const WeightView& w) {
-  const float gs = w.global_scale * 0x1p126f;  // exact unless it overflows
-  return {w.fmt == WFmt::NVFP4 && w.global_scale > 0.0f && gs <= 0x1.fffffep127f, gs, w.global_scale};
-}
+using detail::Fp4Global;
+using detail::fp4_global;
 
 struct Params {
   const __nv_bfloat16* a;
@@ -211,11 +203,7 @@ __device__ __forceinline__ uint32_t seg_scale(const WeightView& w, int64_t f0, i
 
 // Group h (inputs 8h .. 8h + 7) of a segment as 8 BF16 (4 words, lower input in the lower
 // half): w_at's operations on the raw bytes, then rounded. `hi` picks the row's scale bytes.
-// NVFP4 with fp4_fast (the global scale g below 4, so g' = g * 2^126 is finite and exact):
-// a code's BF16 bits sign << 15 | (exponent, mantissa) << 6 are the E2M1 value v times
-// 2^-126 exactly (the subnormal E2M1 0.5 too); v 2^-126 * s is exact in fp32 (at most 6
-// significant bits, >= 2^-136), and times g' is one rounding of the same real v s g: bitwise
-// w_at's fl(fl(v s) g), in ~half the operations of decoding each nibble's fields.
+// NVFP4: detail::fp4_word_to_f32 (the pair decode where q.fast: bitwise w_at, fewer operations).
 template <WFmt F>
 __device__ __forceinline__ uint4 dequant8(const Fp4Global& q, const uint4& raw, uint32_t scale, int h, bool hi) {
   if constexpr (F == WFmt::BF16 || F == WFmt::F32) {
@@ -235,20 +223,7 @@ __device__ __forceinline__ uint4 dequant8(const Fp4Global& q, const uint4& raw, 
         f[i] = __fmul_rn(detail::e4m3_to_f32(uint8_t(words[2 * h + i / 4] >> (8 * (i % 4)))), s);
     } else {  // NVFP4: group h is word h; its scale is byte h / 2 of the row's pair
       const float s = detail::e4m3_to_f32(uint8_t(scale >> (8 * ((hi ? 2 : 0) + h / 2))));
-      const uint32_t word = words[h];
-      if (q.fast) {
-#pragma unroll
-        for (int j = 0; j < 4; ++j) {  // byte j: inputs 2j (low nibble), 2j + 1 (high nibble)
-          const uint32_t b = (word >> (8 * j)) & 0xffu;
-          const uint32_t pair = ((b & 0x7u) << 6) | ((b & 0x8u) << 12) | ((b & 0x70u) << 18) | ((b & 0x80u) << 24);
-          f[2 * j] = __fmul_rn(__fmul_rn(__uint_as_float(pair << 16), s), q.g_scaled);
-          f[2 * j + 1] = __fmul_rn(__fmul_rn(__uint_as_float(pair & 0xffff0000u), s), q.g_scaled);
-        }
-      } else {
-#pragma unroll
-        for (int i = 0; i < 8; ++i)
-          f[i] = __fmul_rn(__fmul_rn(detail::e2m1_to_f32((word >> (4 * i)) & 15u), s), q.g);
-      }
+      detail::fp4_word_to_f32(q, words[h], s, f);
     }
     return make_uint4(pack_bf16(f[0], f[1]), pack_bf16(f[2], f[3]), pack_bf16(f[4], f[5]), pack_bf16(f[6], f[7]));
   }

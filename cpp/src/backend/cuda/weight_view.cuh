@@ -116,6 +116,42 @@ __device__ __forceinline__ float e2m1_to_f32(uint32_t nib) {
   return __uint_as_float(bits);
 }
 
+// NVFP4's fast pair decode (gemm_sk.cu's dequant8, gemm_dq.cu's finish_w), for global scales
+// g with g' = g * 2^126 finite (g below 4; fast = false otherwise, and for other formats):
+// a code's BF16 bits sign << 15 | (exponent, mantissa) << 6 are the E2M1 value v times 2^-126
+// exactly (the subnormal E2M1 0.5 too); v 2^-126 * s is exact in fp32 (at most 6 significant
+// bits, >= 2^-136) for an E4M3 scale s, and times g' is one rounding of the same real v s g:
+// bitwise w_at's fl(fl(v s) g), in about half the operations of decoding each nibble's fields.
+struct Fp4Global {
+  bool fast;
+  float g_scaled;  // g * 2^126
+  float g;
+};
+__host__ __device__ inline Fp4Global fp4_global(const WeightView& w) {
+  const float gs = w.global_scale * 0x1p126f;  // exact unless it overflows
+  return {w.fmt == WFmt::NVFP4 && w.global_scale > 0.0f && gs <= 0x1.fffffep127f, gs, w.global_scale};
+}
+// The two codes of byte b (inputs 2j: low nibble, 2j + 1: high nibble) as the fp32 bits of
+// their values times 2^-126: `pair << 16` is the low input's, `pair & 0xffff0000` the high's.
+__device__ __forceinline__ uint32_t fp4_pair_bits(uint32_t b) {
+  return ((b & 0x7u) << 6) | ((b & 0x8u) << 12) | ((b & 0x70u) << 18) | ((b & 0x80u) << 24);
+}
+// 8 NVFP4 codes (a word, input i in nibble i) with E4M3 scale s (as f32) to f32 values,
+// bitwise w_at's: the pair decode when q.fast, else field by field.
+__device__ __forceinline__ void fp4_word_to_f32(const Fp4Global q, uint32_t word, float s, float (&f)[8]) {
+  if (q.fast) {
+#pragma unroll
+    for (int j = 0; j < 4; ++j) {
+      const uint32_t pair = fp4_pair_bits((word >> (8 * j)) & 0xffu);
+      f[2 * j] = __fmul_rn(__fmul_rn(__uint_as_float(pair << 16), s), q.g_scaled);
+      f[2 * j + 1] = __fmul_rn(__fmul_rn(__uint_as_float(pair & 0xffff0000u), s), q.g_scaled);
+    }
+  } else {
+#pragma unroll
+    for (int i = 0; i < 8; ++i) f[i] = __fmul_rn(__fmul_rn(e2m1_to_f32((word >> (4 * i)) & 15u), s), q.g);
+  }
+}
+
 // W[r, k] as f32 (any format; the reference order of the CPU's scalar path).
 template <WFmt F>
 __device__ __forceinline__ float w_at(const WeightView& w, int64_t r, int64_t k) {
