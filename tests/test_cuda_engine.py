@@ -655,6 +655,38 @@ def test_failed_captures_fall_back_to_eager(tmp_path, monkeypatch):
             _same_collectives(*counts, per_unit=2)
 
 
+def test_dq_wgmma_fault_falls_back_to_mma_sync(zoo, monkeypatch, capfd):
+    """The mainloop-dequantizing GEMM's wgmma form (Hopper; the emulator's default sm_90)
+    failing the load-time check (the CPU emulator's EMU_WGMMA_FAULT=1: every wgmma's sums
+    off by one) is turned off in the process with the reason on stderr; its mma.sync form
+    passes the check, so prefill_gemm="auto" still resolves to "bf16" (the routed experts
+    too), and greedy tokens equal the CPU's emulation of those numerics."""
+    cuda_or_skip()
+    if not dflash2_rt.build_info()["cuda_emulated"]:
+        pytest.skip("the failure injection is the CPU emulator's (EMU_WGMMA_FAULT)")
+    if not dflash2_rt.ops.linear_bf16_available("cuda:0"):
+        pytest.skip("this build has no tensor-core GEMM for this GPU's architecture")
+    was = dflash2_rt.ops.dq_wgmma()
+    try:
+        dflash2_rt.ops.set_dq_wgmma(True)
+        monkeypatch.setenv("EMU_WGMMA_FAULT", "1")
+        capfd.readouterr()
+        gpu = dflash2_rt.Engine(target=zoo.path("tiny"), method="ar", device="cuda", max_batch_size=2,
+                                max_seq_len=128)
+        err = capfd.readouterr().err
+        assert "(wgmma form) failed its load-time check" in err and "its mma.sync form runs instead" in err, err
+        assert not dflash2_rt.ops.dq_wgmma()
+        assert gpu.prefill_gemm == "bf16" and gpu.experts_prefill_gemm == "bf16"
+        cpu = zoo.engine("tiny", "cpu", prefill_gemm="bf16")
+        prompts = [gf.prompt(900 + i, n) for i, n in enumerate((5, 70))]
+        want = cpu.generate(prompts, max_new_tokens=8, stop_token_ids=NO_STOP)
+        got = gpu.generate(prompts, max_new_tokens=8, stop_token_ids=NO_STOP)
+        for i, (g, w) in enumerate(zip(got, want)):
+            same_tokens(cpu, prompts[i], g.token_ids, w.token_ids, f"prompt {i} after the fallback", rel=REL_BF16)
+    finally:
+        dflash2_rt.ops.set_dq_wgmma(was)
+
+
 def test_dflash_paths_on_cuda(tmp_path):
     """The device drafter beyond greedy dflash2: dflash (argmax, no candidates) lossless,
     propose() equal to the CPU's, a prompt longer than max_step_tokens (several context

@@ -7,7 +7,9 @@
 // prints the time per kernel at exit (the slowest 25; EMU_PROFILE=all: every kernel);
 // EMU_ORDER=forward runs threads in ascending order. EMU_FAIL_GRAPHS=1 (read at each call):
 // every cudaGraphInstantiate fails with cudaErrorNotSupported, so tests can check the
-// backend's fallback from a failed capture to eager runs.
+// backend's fallback from a failed capture to eager runs. EMU_WGMMA_FAULT=1 (read at each
+// wgmma wait): every wgmma adds 1 to each of its sums, so tests can check the engine's
+// fallback from a failed load-time check of a wgmma kernel.
 // EMU_MEMCHECK=1: a memcheck in the manner of compute-sanitizer's, with guard pages: every
 // cudaMalloc gets its own mapping, its end (rounded up to 16 bytes) against an inaccessible
 // page; freed allocations stay inaccessible for a while (use after free); the launch's
@@ -581,8 +583,10 @@ uint32_t wgmma_operand_addr(uint64_t desc, int row, int k, const char** why) {
 
 namespace {
 std::string thread_name(const BlockRun* r, const Fiber* f) { return "thread " + std::to_string(f - r->f.data()); }
-// Does op q of thread f: f's elements of d += A * B, the products summed in fp32 in k order.
-void wgmma_do(BlockRun* r, Fiber* f, const WgOp& q) {
+// Does op q of thread f: f's elements of d += A * B, the products summed in fp32 in k order
+// (plus 1 with `fault`: EMU_WGMMA_FAULT=1, a wgmma that computes wrong sums, for the tests of
+// the engine's load-time check).
+void wgmma_do(BlockRun* r, Fiber* f, const WgOp& q, bool fault) {
   if (!q.before.empty() && std::memcmp(q.before.data(), q.d, q.before.size() * sizeof(float)) != 0) {
     r->error = thread_name(r, f) + ": wgmma accumulators changed while the wgmma was in flight";
     return;
@@ -615,7 +619,7 @@ void wgmma_do(BlockRun* r, Fiber* f, const WgOp& q) {
       if (!load(q.da, row, k, x) || !load(q.db, col, k, y)) return;
       s += x * y;
     }
-    q.d[v] += s;
+    q.d[v] += fault ? s + 1.0f : s;
   }
 }
 }  // namespace
@@ -657,6 +661,8 @@ void wgmma_wait(int pending) {
   BlockRun* r = g_run;
   Fiber* me = r->cur;
   me->wg_fenced = false;
+  const char* fault_env = std::getenv("EMU_WGMMA_FAULT");  // read at each wait
+  const bool fault = fault_env && std::string(fault_env) == "1";
   size_t done = 0;
   for (const WgOp& q : me->wg) {
     if (q.group >= me->wg_open) {
@@ -664,7 +670,7 @@ void wgmma_wait(int pending) {
       return;
     }
     if (q.group >= me->wg_open - pending) break;  // the newest `pending` groups stay in flight
-    if (r->error.empty()) wgmma_do(r, me, q);
+    if (r->error.empty()) wgmma_do(r, me, q, fault);
     ++done;
   }
   me->wg.erase(me->wg.begin(), me->wg.begin() + std::ptrdiff_t(done));
