@@ -35,9 +35,10 @@
 // FP4 MMA); linear_heads: a strided-batched GEMM over the heads (F32 weights against
 // cuBLASLt's F32 GEMM). moe_experts has no cuBLASLt baseline (a grouped GEMM).
 //
-// linear_bf16_dq (Hopper only): the mainloop-dequantizing GEMM of FP8 / NVFP4 weights'
-// prompt chunks in its wgmma form (the default there), beside its mma.sync form on the same
-// operands ("speedup"; ops::set_dq_wgmma switches them).
+// linear_bf16_dq and moe_experts_bf16_dq (Hopper only): the mainloop-dequantizing GEMM of
+// FP8 / NVFP4 weights' prompt chunks, and grouped over NVFP4 experts, in its wgmma form (the
+// default there), beside its mma.sync form on the same operands ("speedup";
+// ops::set_dq_wgmma switches them).
 //
 // moe_experts_fp8 (prompt chunks of FP8 checkpoints: the FP8 grouped GEMM, sm_90a / sm_100a / sm_103a) runs at
 // T = 256 and 1024 beside the exact SIMT expert kernels on the same routing ("speedup"), and
@@ -54,7 +55,7 @@
 //
 // --cpu-smoke builds every case for T = 1 and 8 (batch 1) with CPU tensors and calls its op
 // once through the CPU backend: a check, without a GPU, that each case's setup passes the
-// ops' argument validation (it did for all 264 cases); its times mean nothing.
+// ops' argument validation (it did for all 265 cases); its times mean nothing.
 //
 // Status: compiled, NOT yet run on a GPU (the timing, the copy bandwidth and the cuBLASLt
 // calls have never executed).
@@ -1289,7 +1290,7 @@ MoeCase make_moe_case(Fmt f, int64_t T, const std::vector<int32_t>& ids) {
   return c;
 }
 
-void bench_moe(Bench& b, const std::vector<int64_t>& Ts) {
+void bench_moe(Bench& b, const std::vector<int64_t>& Ts, int major) {
   for (int64_t T : Ts) {
     Result r0{"moe_route", dims({T, G.experts}) + " top8", "f32", t_label(T), T};
     r0.bytes = 4.0 * T * G.experts + 4.0 * G.experts + 8.0 * T * G.top_k;
@@ -1372,6 +1373,32 @@ void bench_moe(Bench& b, const std::vector<int64_t>& Ts) {
       });
     }
   }
+  // Hopper: the grouped mainloop-dequantizing GEMM of NVFP4 experts (moe_experts_bf16) in its
+  // wgmma form against its mma.sync form on the same routing (ops::set_dq_wgmma around each call)
+  if ((major == 9 && on_gpu()) || b.opt.cpu_smoke)
+    for (int64_t T : prefill) {
+      const std::vector<int32_t> ids = random_routing(T, 5321 + uint64_t(T));
+      const int64_t nhit = moe_hits(ids);
+      Result r{"moe_experts_bf16_dq", "256 experts top8 " + dims({G.moe_inter, G.hidden}) + " hit " + std::to_string(nhit),
+               fmt_name(Fmt::NVFP4), "prefill chunk", T};
+      moe_cost(r, Fmt::NVFP4, T, nhit);
+      b.run(r, [&](Baseline& base) {
+        auto c = std::make_shared<MoeCase>(make_moe_case(Fmt::NVFP4, T, ids));
+        auto form = [c](bool wgmma) {
+          return [c, wgmma](int) {
+            const bool was = ops::dq_wgmma();
+            ops::set_dq_wgmma(wgmma);
+            c->run(ops::GemmNumerics::BF16);
+            ops::set_dq_wgmma(was);
+          };
+        };
+        base.name = "dq mma.sync";
+        base.kind = "the same grouped kernel's mma.sync m16n8k16 form";
+        base.variants = 1;
+        base.run = form(false);
+        return std::make_pair(std::function<void(int)>(form(true)), 1);
+      });
+    }
 }
 
 // The shared expert of decode chunks under decode_gemm="bf16" (ops::gated_mlp with BF16
@@ -1679,7 +1706,7 @@ int main(int argc, char** argv) {
     bench_mla(b);
     bench_block_attention(b);
     bench_indexer(b);
-    bench_moe(b, Ts);
+    bench_moe(b, Ts, di.major);
     bench_small(b, Ts);
     bench_linear_sk(b, Ts, di.major);  // last: new in device_check's --quick, they cannot crowd out the others
     bench_moe_decode(b, Ts);
