@@ -25,6 +25,7 @@
 # DC_DEADLINE (seconds for everything, default 480), DC_ONLY (the steps to run after the
 # build, e.g. "ctest pytest"; default all: ctest pytest e2e bench_ops memcheck concurrency),
 # DC_PYTEST_K (a pytest -k expression for the pytest and memcheck steps, e.g. "mla or moe"),
+# DC_PYTEST_WORKERS (the pytest step in that many pytest-xdist processes, where installed),
 # per-step limits in seconds: DC_CTEST_TIMEOUT (150), DC_PYTEST_TIMEOUT (240),
 # DC_TEST_TIMEOUT (one Python test, 120, where pytest-timeout is installed), DC_E2E_TIMEOUT
 # (75), DC_BENCH_TIMEOUT (bench_ops --quick, 75), DC_MEMCHECK_TIMEOUT (120),
@@ -340,6 +341,10 @@ if "$PY" -c 'import pytest_timeout' >/dev/null 2>&1; then PYTEST_TIMEOUT=(--time
 PYTEST_K=()
 MEMCHECK_K=(-k cuda)
 if [ -n "${DC_PYTEST_K:-}" ]; then PYTEST_K=(-k "$DC_PYTEST_K"); MEMCHECK_K=(-k "cuda and ($DC_PYTEST_K)"); fi
+# DC_PYTEST_WORKERS: run the pytest step in that many pytest-xdist processes (where installed)
+if [ -n "${DC_PYTEST_WORKERS:-}" ] && "$PY" -c 'import xdist' >/dev/null 2>&1; then
+  PYTEST_K+=(-n "$DC_PYTEST_WORKERS")
+fi
 if [ "$DC_PYTHON_BINDING" = 1 ]; then
   if ! "$PY" -c 'import pytest, numpy, torch' >/dev/null 2>&1; then
     note "pytest/numpy/torch not importable by $PY: tests/test_ops.py not run"

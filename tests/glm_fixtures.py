@@ -121,7 +121,9 @@ def mtp_config(cfg: GlmMoeDsaConfig) -> GlmMoeDsaConfig:
     d["num_hidden_layers"] = L + 1
     d["mlp_layer_types"] = list(cfg.mlp_layer_types[:L]) + ["sparse"]
     d["indexer_types"] = list(cfg.indexer_types[:L]) + ["full"]
-    d["layer_types"] = list(cfg.layer_types[:L]) + ["indexed_attention"]
+    # the same attention type as the config's layers: transformers names it by version
+    # ('indexed_attention' in 5.25; 'deepseek_sparse_attention' in 5.17, which rejects the other)
+    d["layer_types"] = list(cfg.layer_types[:L]) + [cfg.layer_types[L - 1] if L else "indexed_attention"]
     out = GlmMoeDsaConfig.from_dict(d)
     out._attn_implementation = "eager"
     return out

@@ -79,7 +79,8 @@ def mtp_layer_config(cfg):
     d["num_hidden_layers"] = L + 1
     d["mlp_layer_types"] = list(cfg.mlp_layer_types[:L]) + ["sparse"]
     d["indexer_types"] = list(cfg.indexer_types[:L]) + ["full"]
-    d["layer_types"] = list(cfg.layer_types[:L]) + ["indexed_attention"]
+    # the config's own attention type (its name depends on the transformers version)
+    d["layer_types"] = list(cfg.layer_types[:L]) + [cfg.layer_types[L - 1] if L else "indexed_attention"]
     out = GlmMoeDsaConfig.from_dict(d)
     out._attn_implementation = "eager"
     return out

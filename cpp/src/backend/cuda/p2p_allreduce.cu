@@ -328,6 +328,19 @@ std::shared_ptr<Group> Group::create(const std::vector<int>& devices, size_t max
   const int count = device_count();
   for (int d : devices)
     if (d < 0 || d >= count) return refuse("device " + std::to_string(d) + " does not exist");
+#if !defined(DFLASH2_CUDA_EMULATED)
+  // Ranks spin-wait for each other inside the kernel. Two ranks on one GPU would deadlock as
+  // soon as one rank's thread waits for the whole device (cudaFree, the first, lazy load of a
+  // kernel) while the other rank's kernel spins for it: seen on an H200. (The CPU emulation
+  // runs ranks of one GPU as host threads and has no such waits.)
+  for (int i = 0; i < n; ++i)
+    for (int j = 0; j < i; ++j)
+      if (devices[size_t(i)] == devices[size_t(j)])
+        return refuse("ranks " + std::to_string(j) + " and " + std::to_string(i) + " share cuda:" +
+                      std::to_string(devices[size_t(i)]) +
+                      ": the all-reduce over peer memory takes one GPU per rank (its ranks wait for each "
+                      "other on the GPU)");
+#endif
   for (int i = 0; i < n; ++i)
     for (int j = 0; j < n; ++j) {
       const int a = devices[size_t(i)], c = devices[size_t(j)];

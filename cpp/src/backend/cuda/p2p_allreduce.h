@@ -18,12 +18,14 @@
 // into its output (the step's non-finite check then refuses it) and a sticky status that
 // error() reports.
 //
-// Ranks may share a GPU (tests: N ranks on one device, each on its own stream; their
-// kernels must run concurrently, which small grids allow).
+// One GPU per rank: on a real GPU, create() refuses ranks that share a device (their
+// kernels spin for each other, and a thread that waits for the whole device, in cudaFree or
+// a kernel's lazy first load, deadlocks them: seen on an H200). The CPU emulation runs
+// ranks of one device as host threads, and its tests use that.
 //
 // Status: compiled for sm_90a / sm_100a / sm_103a, run in CI by the CPU emulation
-// (cpp/emu, where a host rendezvous stands between the kernel's parts); never run on a GPU
-// yet.
+// (cpp/emu, where a host rendezvous stands between the kernel's parts); on an H200 (one GPU)
+// only its one-rank and refusal cases have run: the multi-rank cases need several GPUs.
 #pragma once
 #include <cstddef>
 #include <cstdint>
@@ -42,8 +44,8 @@ size_t default_one_shot_max_bytes();
 
 class Group {
  public:
-  // devices[r]: rank r's GPU. Needs peer access between every pair of distinct devices;
-  // returns nullptr with *why otherwise (the caller keeps NCCL for every size).
+  // devices[r]: rank r's GPU, distinct on a real GPU. Needs peer access between every pair
+  // of devices; returns nullptr with *why otherwise (the caller keeps NCCL for every size).
   // max_bytes: the largest all-reduce this group takes (F32 bytes); timeout_s: how long a
   // rank's kernel waits for the others before giving up.
   static std::shared_ptr<Group> create(const std::vector<int>& devices, size_t max_bytes, double timeout_s,
