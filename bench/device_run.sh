@@ -45,6 +45,9 @@ else
 fi
 
 export DC_DEADLINE=${DC_DEADLINE:-480}
+# the lent machine has 16 cores: the pytest step in 8 pytest-xdist processes (65 s for the
+# CUDA rows and engine tests on an H200, 2026-12-04); DC_PYTEST_WORKERS= (empty) runs it serially
+export DC_PYTEST_WORKERS=${DC_PYTEST_WORKERS-8}
 REPORT_DIR=/tmp/device_check
 rm -rf "$REPORT_DIR"
 mkdir -p "$REPORT_DIR"
