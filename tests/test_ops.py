@@ -1403,7 +1403,10 @@ def test_next_after_accept(dev):
 @pytest.mark.parametrize("dev", DEVICES)
 def test_argmax(dev):
     need_device(dev, "argmax")
-    for (r, v) in [(1, 1), (3, 17), (5, 1000), (2, 154880 // 16), (9, 2)]:
+    # (4, 40000): 16-byte-aligned rows through the CUDA kernel's four-deep float4 loop (row 3:
+    # a single maximum in a vector's last lane); (2, 154883): row 0 aligned with a 3-element
+    # tail, row 1 misaligned (the scalar loop)
+    for (r, v) in [(1, 1), (3, 17), (5, 1000), (2, 154880 // 16), (9, 2), (4, 40000), (2, 154883)]:
         rng = rng_for("argmax", r, v)
         x = rng.integers(-5, 5, (r, v)).astype(np.float32)  # many ties: the lowest id wins
         x[0] = 3.0  # a row of equal values: 0
@@ -1411,6 +1414,8 @@ def test_argmax(dev):
             x[1] = -np.inf
             x[2, :] = -np.inf
             x[2, -1] = -1e30  # the only finite value, last
+        if r > 3:
+            x[3, min(v - 1, 4099)] = 100.0  # one maximum (4099 = 4 * 1024 + 3)
         out = Guarded((r,), dev, np.int32)
         ops.argmax(to_dev(x, dev), out=out.view)
         got = out.result()
