@@ -61,6 +61,10 @@
 //   unsplit result, so the launch shape (a function of T) never changes a row and decode
 //   == verify holds. A decode token of GLM-5.3 (2048 selected keys, 64 heads) becomes
 //   16 x 32 blocks instead of 4.
+//   On an H200 (2026-12-04, before the staging below) a decode token over 2048 selected
+//   keys took 106 us, far above its memory time: the chunk was staged one row at a time,
+//   each thread's store waiting for its load (about 2 loads in flight per thread per
+//   latency); now kMlaGatherILP loads are in flight per thread (not yet measured).
 //   Follow-up: stage the chunks with cp.async / TMA double buffering.
 //
 // block_attention: one 256-thread block per (sequence block s, kv head, group of 8 query
@@ -195,6 +199,7 @@ constexpr int kIdxWarps = 4;
 constexpr int kIdxThreads = kIdxWarps * 32;
 constexpr int kIdxKW = 8;  // keys per warp step
 constexpr int kIdxGroups = 8;  // warp steps per block
+constexpr int kIdxGatherILP = 8;  // loads in flight per lane while a step's keys are staged
 constexpr int64_t kIdxKeysPerBlock = int64_t(kIdxWarps) * kIdxKW * kIdxGroups;  // 256
 constexpr int kSelThreads = 1024;
 constexpr size_t kIdxScratchCap = size_t(512) << 20;
@@ -247,10 +252,30 @@ __global__ void __launch_bounds__(kIdxThreads)
   for (int g = 0; g < kIdxGroups; ++g) {
     const int64_t j0 = key0 + (int64_t(g) * kIdxWarps + warp) * kIdxKW;
     if (j0 >= n) break;  // uniform over the warp
-    for (int k = 0; k < kIdxKW; ++k) {
-      const int64_t slot = j0 + k < n ? slot_of(tk, row, kc_rows, j0 + k) : -1;
-      const float* kr = kc + slot * kc_stride;
-      for (int e = lane; e < dI; e += 32) ks[k * sh.kstride + e] = slot >= 0 ? kr[e] : 0.0f;
+    // the step's KW key rows: every slot looked up at once (lane k: key j0 + k), then
+    // kIdxGatherILP loads in flight per lane before the first store (one row at a time cost
+    // two dependent global-memory latencies a row: a decode token's scoring over 4096 keys
+    // took 111 us on an H200, 2026-12-04). The same values land in ks.
+    const int64_t my_slot = lane < kIdxKW && j0 + lane < n ? slot_of(tk, row, kc_rows, j0 + lane) : -1;
+    for (int base = 0; base < kIdxKW * dI; base += 32 * kIdxGatherILP) {  // warp-uniform trip count
+      float v[kIdxGatherILP];
+      int at[kIdxGatherILP];
+#pragma unroll
+      for (int u = 0; u < kIdxGatherILP; ++u) {
+        const int idx = base + 32 * u + lane;
+        const int k = idx < kIdxKW * dI ? idx / dI : 0;
+        const int64_t slot = __shfl_sync(0xffffffffu, my_slot, k);  // every lane takes part
+        at[u] = -1;
+        v[u] = 0.0f;
+        if (idx < kIdxKW * dI) {
+          const int e = idx - k * dI;
+          at[u] = k * sh.kstride + e;
+          if (slot >= 0) v[u] = kc[slot * kc_stride + e];
+        }
+      }
+#pragma unroll
+      for (int u = 0; u < kIdxGatherILP; ++u)
+        if (at[u] >= 0) ks[at[u]] = v[u];
     }
     __syncwarp();
     float acc = 0.0f;  // lanes 0..KW-1: key lane's score, summed in head order
@@ -381,6 +406,7 @@ constexpr int kMlaThreads = 256;
 constexpr int kMlaWarps = kMlaThreads / 32;
 constexpr int kMlaKC = 32;  // keys per chunk (= lanes)
 constexpr int kMlaSeg = 64;  // keys per segment: the unit of the softmax fold and of split-KV
+constexpr int kMlaGatherILP = 8;  // loads in flight per thread while a chunk is staged
 
 struct MlaShape {
   int kvl, rope, D, kstride;  // D = kvl + rope, key rows at an odd stride
@@ -520,10 +546,27 @@ __global__ void __launch_bounds__(kMlaThreads)
           slots[threadIdx.x] = slot;
         }
         __syncthreads();  // also: the previous chunk's P V is finished with ks / ps
-        for (int r = 0; r < kMlaKC; ++r) {
-          const int64_t slot = slots[r];
-          const float* src = cache + slot * c_stride;
-          for (int e = threadIdx.x; e < D; e += kMlaThreads) ks[r * sh.kstride + e] = slot >= 0 ? src[e] : 0.0f;
+        // The chunk's 32 x D floats, kMlaGatherILP loads in flight per thread before the first
+        // store (each store waits for its load: one row at a time left a thread ~2 loads per
+        // global-memory latency, 32 latencies a chunk). The same values land in ks.
+        for (int base = threadIdx.x; base < kMlaKC * D; base += kMlaGatherILP * kMlaThreads) {
+          float v[kMlaGatherILP];
+          int at[kMlaGatherILP];
+#pragma unroll
+          for (int u = 0; u < kMlaGatherILP; ++u) {
+            const int idx = base + u * kMlaThreads;
+            at[u] = -1;
+            v[u] = 0.0f;
+            if (idx < kMlaKC * D) {
+              const int r = idx / D, e = idx - r * D;
+              const int64_t slot = slots[r];
+              at[u] = r * sh.kstride + e;
+              if (slot >= 0) v[u] = cache[slot * c_stride + e];
+            }
+          }
+#pragma unroll
+          for (int u = 0; u < kMlaGatherILP; ++u)
+            if (at[u] >= 0) ks[at[u]] = v[u];
         }
         __syncthreads();
         const bool valid = c0 + lane < k1;
