@@ -293,6 +293,23 @@ def test_linear_bf16(dev, fmt, decode):
         assert nmse(got, x.astype(np.float64) @ wref.T) > 1e-9, (m, k, n)
 
 
+def on_and_off(get, set_, run):
+    """run() with a process-wide switch on, then off (each read back), the switch restored
+    after; returns both results."""
+    was = get()
+    try:
+        set_(True)
+        assert get()
+        on = run()
+        set_(False)
+        assert not get()
+        off = run()
+    finally:
+        set_(was)
+    assert get() == was
+    return on, off
+
+
 @pytest.mark.parametrize("dev", DEVICES)
 def test_dq_wgmma_switch(dev):
     """ops.set_dq_wgmma: the mainloop-dequantizing GEMM's two forms (on Hopper, and in the
@@ -320,17 +337,7 @@ def test_dq_wgmma_switch(dev):
                                           [on(w) for w in up], [on(w) for w in down], numerics="bf16")))
         return outs
 
-    was = ops.dq_wgmma()
-    try:
-        ops.set_dq_wgmma(True)
-        assert ops.dq_wgmma()
-        first = run()
-        ops.set_dq_wgmma(False)
-        assert not ops.dq_wgmma()
-        second = run()
-    finally:
-        ops.set_dq_wgmma(was)
-    assert ops.dq_wgmma() == was
+    first, second = on_and_off(ops.dq_wgmma, ops.set_dq_wgmma, run)
     ref_e = to_np(ops.moe_experts(xe, ids, we, gate, up, down, numerics="bf16"))  # the CPU emulation
     for res in (first, second):
         for (fmt, m, (w, _), x), got in zip(weights, res):
@@ -765,17 +772,7 @@ def test_fused_launches_switch(dev):
         ops.rms_norm_many([to_dev(a, dev) for a in xs], [to_dev(w, dev) for w in ws], [1e-6, 1e-6], outs)
         return [to_np(o) for o in outs] + [to_np(ops.gated_mlp(x, on(wg), on(wu), on(wd), numerics="exact"))]
 
-    was = ops.fused_launches()
-    try:
-        ops.set_fused_launches(True)
-        assert ops.fused_launches()
-        fused = run()
-        ops.set_fused_launches(False)
-        assert not ops.fused_launches()
-        single = run()
-    finally:
-        ops.set_fused_launches(was)
-    assert ops.fused_launches() == was
+    fused, single = on_and_off(ops.fused_launches, ops.set_fused_launches, run)
     for f, o in zip(fused, single):
         assert np.array_equal(f.view(np.uint32), o.view(np.uint32))
 
@@ -1433,11 +1430,11 @@ def test_argmax(dev):
 def test_check_finite(dev):
     need_device(dev, "check_finite")
     rng = rng_for("finite")
-    for v in [1, 5, 1000, 4099]:
+    for v in [1, 5, 1000, 4099, 40000]:  # 40000: the CUDA kernel's four-deep float4 loop
         x = rng.standard_normal((9, v)).astype(np.float32)
         x[1, 0] = np.nan
         x[2, -1] = np.inf
-        x[3, v // 2] = -np.inf
+        x[3, min(v - 1, v // 2 | 3)] = -np.inf  # alone, in a float4's last lane where rows are long
         x[4, :] = np.float32(3.4e38)  # large but finite (x * 0 is 0)
         x[5, :] = np.float32(-1e-45)  # denormal
         x[6, 0] = -0.0
@@ -1461,7 +1458,8 @@ def test_argmax_shard_and_merge_equal_argmax(dev):
     shard's (max, id) pair, merged in shard order, is argmax over the whole row (the first
     maximum, also across shard boundaries), and the merged flag is check_finite's."""
     need_device(dev, "argmax_shard")
-    for (r, v, n) in [(1, 12, 2), (7, 64, 4), (5, 1000, 2), (3, 154880 // 64, 4), (9, 6, 3)]:
+    # (5, 160000, 4): shards of 40000, through the CUDA kernel's four-deep float4 loop
+    for (r, v, n) in [(1, 12, 2), (7, 64, 4), (5, 1000, 2), (3, 154880 // 64, 4), (9, 6, 3), (5, 160000, 4)]:
         rng = rng_for("argmax_shard", r, v, n)
         x = rng.integers(-4, 4, (r, v)).astype(np.float32)  # many ties, across shards too
         x[0] = 2.0  # every id ties: 0

@@ -129,9 +129,10 @@ __global__ void __launch_bounds__(kMaxThreads)
 }
 
 // ------------------------------------------------------------------ argmax
-// f(v, i) for every element of a row, in an order that argmax's strict total order and
-// check_finite's OR do not see: 16-byte loads, four of them in flight per thread, where the
-// row starts 16-byte aligned (else one element a step, as before). One block reads a whole
+// f(v, i) for every element of a row, in an order that argmax's strict total order and the
+// non-finite OR (check_finite, argmax_shard) do not see: 16-byte loads, four of them in
+// flight per thread, where the row starts 16-byte aligned (else one element a step, as
+// before). One block reads a whole
 // row: with one 4-byte load in flight per thread the argmax of a 154880-logit row took
 // 30 us on an H200 (about 20 GB/s for the row's SM; bench_ops, 2026-12-04).
 template <class F>
@@ -295,7 +296,7 @@ __global__ void __launch_bounds__(kMaxThreads)
   for (int64_t r = blockIdx.x; r < rows; r += gridDim.x) {
     const float* xr = x + r * x_stride;
     int bad = 0;
-    for (int32_t i = threadIdx.x; i < V; i += blockDim.x) bad |= isfinite(xr[i]) ? 0 : 1;
+    for_each_in_row(xr, V, [&](float v, int32_t) { bad |= isfinite(v) ? 0 : 1; });
     bad = __syncthreads_or(bad);
     if (threadIdx.x == 0) flags[r * flags_stride] = bad ? 1 : 0;
   }
