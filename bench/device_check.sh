@@ -28,7 +28,8 @@
 # DC_PYTEST_WORKERS (the pytest step in that many pytest-xdist processes, where installed),
 # per-step limits in seconds: DC_CTEST_TIMEOUT (150), DC_PYTEST_TIMEOUT (240),
 # DC_TEST_TIMEOUT (one Python test, 120, where pytest-timeout is installed), DC_E2E_TIMEOUT
-# (75), DC_BENCH_TIMEOUT (bench_ops --quick, 75), DC_MEMCHECK_TIMEOUT (120),
+# (75), DC_BENCH_TIMEOUT (bench_ops --quick, 75), DC_BENCH_FILTER (bench_ops --filter: only
+# the cases whose name contains it, e.g. "linear_exact_tc"), DC_MEMCHECK_TIMEOUT (120),
 # DC_EMULATE=1 (a dry run of every step, the GPU ones included, against the CPU emulation of
 # the CUDA backend in BUILD_DIR, default build-device-emu, with smaller benchmark workloads:
 # checks this script, not a GPU; give it a larger DC_DEADLINE and step limits),
@@ -400,6 +401,7 @@ if [ "$GPU_USABLE" = 1 ]; then
   if [ -x "$BENCH_OPS" ]; then
     BENCH_SIZE=()
     [ "$EMULATE" = 1 ] && BENCH_SIZE=(--trials 1 --filter "decode b1")
+    [ -n "${DC_BENCH_FILTER:-}" ] && BENCH_SIZE+=(--filter "$DC_BENCH_FILTER")
     run_step bench_ops "${DC_BENCH_TIMEOUT:-75}" "$BENCH_OPS" --quick ${BENCH_SIZE[@]+"${BENCH_SIZE[@]}"} \
       --json "$OUT_DIR/bench_ops.json" ||
       soft_fail bench_ops "bench_ops --quick failed or reached its limit (see $LOGS/bench_ops.log)"

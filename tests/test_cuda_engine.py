@@ -221,6 +221,66 @@ def test_dflash2_pair_on_cuda(tmp_path):
                 assert r.stats["verify_steps"] == exp["steps"]
 
 
+def bf16_copy(src, dst):
+    """dst: the checkpoint directory src with every floating-point tensor cast to BF16."""
+    import shutil
+
+    from safetensors.torch import load_file, save_file
+    os.makedirs(dst)
+    for name in sorted(os.listdir(src)):
+        path = os.path.join(src, name)
+        if name.endswith(".safetensors"):
+            ts = load_file(path)
+            save_file({k: v.to(torch.bfloat16) if v.is_floating_point() else v for k, v in ts.items()},
+                      os.path.join(dst, name), metadata={"format": "pt"})
+        elif os.path.isfile(path):
+            shutil.copy(path, dst)
+    return dst
+
+
+def test_exact_tc_on_cuda(tmp_path):
+    """ops.set_exact_tc(True) before the engines load: linear's exact numerics on the tensor
+    cores for BF16 / FP8 / NVFP4 weights (x as three BF16 planes). On a BF16 copy of the
+    self-drafting pair's target: the prompt's logits agree with the CPU's and differ in some
+    bits from the SIMT kernel's (the path is taken); AR on the GPU gives the CPU's greedy
+    tokens (where the margins allow); DFlash 2 on the GPU -- target rows verified 8 at a time,
+    decoded one per sequence in AR -- gives AR's tokens exactly, in fewer steps; the step
+    graphs capture the kernels."""
+    cuda_or_skip()
+    pair = F.make_self_drafting_pair(tmp_path / "pair")
+    target = bf16_copy(pair.target_dir, str(tmp_path / "target-bf16"))
+    prompts = [[5, 5, 5], [40, 40, 40, 7], [9, 80, 3]]
+    ids = [3, 50, 51, 52, 9, 9, 100]
+    kw = dict(KW, max_batch_size=3)
+    was = dflash2_rt.ops.exact_tc()
+    try:
+        dflash2_rt.ops.set_exact_tc(True)
+        cpu = dflash2_rt.Engine(target=target, method="ar", device="cpu", **kw)
+        ar = dflash2_rt.Engine(target=target, method="ar", device="cuda", **kw)
+        d2 = dflash2_rt.Engine(target=target, draft=pair.draft_dir, method="dflash2", device="cuda", **kw)
+        tc_logits = np.asarray(ar.logits(ids))
+        close(tc_logits, cpu.logits(ids), "exact_tc logits")
+        want = cpu.generate(prompts, max_new_tokens=24, stop_token_ids=NO_STOP)
+        got = ar.generate(prompts, max_new_tokens=24, stop_token_ids=NO_STOP)
+        spec = d2.generate(prompts, max_new_tokens=24, stop_token_ids=NO_STOP)
+        for i, (g, w, sp) in enumerate(zip(got, want, spec)):
+            same_tokens(cpu, prompts[i], g.token_ids, w.token_ids, f"exact_tc ar prompt {i}")
+            assert list(sp.token_ids) == list(g.token_ids), f"dflash2 != ar under exact_tc, prompt {i}"
+            assert sp.stats["verify_steps"] < 24, sp.stats
+        for e in (ar, d2):
+            m = e.metrics()
+            assert m["cuda_graphs_failed"] == 0, m["cuda_graphs_last_failure"]
+            assert m["cuda_graphs_replayed"] >= 1, m
+        dflash2_rt.ops.set_exact_tc(False)
+        simt = dflash2_rt.Engine(target=target, method="ar", device="cuda", **kw)
+        simt_logits = np.asarray(simt.logits(ids))
+        close(simt_logits, tc_logits, "exact_tc vs SIMT logits")
+        assert not np.array_equal(simt_logits.view(np.uint32), tc_logits.view(np.uint32)), \
+            "the exact form on the tensor cores was not taken"
+    finally:
+        dflash2_rt.ops.set_exact_tc(was)
+
+
 def test_bad_devices(zoo):
     path = zoo.path("tiny")
     with pytest.raises(dflash2_rt.InvalidArgumentError, match="visible"):

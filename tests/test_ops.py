@@ -246,6 +246,92 @@ def test_linear_errors():
         ops.Weight.nvfp4(np.zeros((4, 8), np.uint8), torch.zeros(4, 1, dtype=torch.float8_e4m3fn), float("nan"))
 
 
+# The exact form on the tensor cores (ops.set_exact_tc): token tiles of 8 (FP8 / NVFP4) and 16
+# (BF16) rows, several of them, K tails (not a multiple of the 128 / 256-input stages, nor of
+# an FP8 block), K split over CTAs (4096 inputs, few features), more than 256 rows (two
+# launches), a column slice of a wider weight's rows.
+EXACT_TC_SHAPES = [(1, 64, 32), (3, 100, 17), (9, 129, 33), (17, 256, 96), (33, 48, 50), (1, 1000, 7),
+                   (8, 4096, 24), (300, 200, 40)]
+
+
+def exact_tc_weight(fmt, n, k, rng):
+    if fmt == "nvfp4":  # K % 16 == 0
+        k = (k + 15) // 16 * 16
+    return k, make_weight(fmt, n, k, rng)
+
+
+@pytest.mark.parametrize("dev", DEVICES)
+@pytest.mark.parametrize("fmt", ["bf16", "fp8", "nvfp4"])
+def test_linear_exact_tc(dev, fmt):
+    """ops.set_exact_tc(True): linear of BF16 / FP8 / NVFP4 weights on the tensor cores with x
+    split into three BF16 planes keeps linear's numerics (NMSE <= linear's 1e-11 against
+    float64, where rounding x to BF16 alone gives ~1e-6), takes another path than the SIMT
+    kernel on CUDA (some bits differ: the sums' order), and leaves the CPU untouched (bitwise);
+    a row alone equals the row in any batch (bitwise; across token tiles and launches);
+    accumulate adds to y; linear_many and gated_mlp under the switch are linear one by one,
+    bitwise."""
+    need_device(dev, "linear")
+    on = (lambda w: w) if dev == "cpu" else (lambda w: w.to(dev))
+    cases = []
+    for (m, k, n) in EXACT_TC_SHAPES:
+        rng = rng_for("linear-exact-tc", fmt, m, k, n)
+        k, (w, wref) = exact_tc_weight(fmt, n, k, rng)
+        x = rng.standard_normal((m, k)).astype(np.float32) * np.float32(3.0)
+        cases.append((x, w, wref))
+
+    def run():
+        outs = []
+        for x, w, _ in cases:
+            out = Guarded((x.shape[0], w.out_features), dev)
+            ops.linear(to_dev(x, dev), on(w), out=out.view)
+            outs.append(out.result())
+        return outs
+
+    tc, simt = on_and_off(ops.exact_tc, ops.set_exact_tc, run)
+    # the emulator sums in k order with fp32 rounding (1e-14 here, as the SIMT kernel); a
+    # GPU's MMA accumulation may round otherwise, so there linear's own bound
+    tol = 1e-12 if dflash2_rt.build_info().get("cuda_emulated") else None
+    for (x, w, wref), got in zip(cases, tc):
+        check("linear", got, x.astype(np.float64) @ wref.T, tol)
+    same = all(np.array_equal(a.view(np.uint32), b.view(np.uint32)) for a, b in zip(tc, simt))
+    assert same == (dev == "cpu"), "the switch should change the CUDA kernel (and nothing on the CPU)"
+
+    was = ops.exact_tc()
+    ops.set_exact_tc(True)
+    try:
+        rng = rng_for("linear-exact-tc-rows", fmt)
+        k, (w, wref) = exact_tc_weight(fmt, 40, 272, rng)
+        x = rng.standard_normal((37, k)).astype(np.float32)
+        full = to_np(ops.linear(to_dev(x, dev), on(w)))
+        for lo, hi in ((0, 1), (5, 6), (36, 37), (3, 12), (8, 25)):
+            part = to_np(ops.linear(to_dev(x[lo:hi], dev), on(w)))
+            assert np.array_equal(part.view(np.uint32), full[lo:hi].view(np.uint32)), (lo, hi)
+        # accumulate into strided rows
+        y0 = rng.standard_normal((37, 48)).astype(np.float32)
+        yb = to_dev(y0.copy(), dev)
+        ops.linear(to_dev(x, dev), on(w), out=yb.slice(1, 4, 44), accumulate=True)
+        got = to_np(yb)
+        check("linear", got[:, 4:44], y0[:, 4:44].astype(np.float64) + x.astype(np.float64) @ wref.T)
+        assert np.array_equal(got[:, :4], y0[:, :4]) and np.array_equal(got[:, 44:], y0[:, 44:])
+        # linear_many and the exact gated MLP: linear one by one, bitwise
+        w2, _ = make_weight(fmt, 24, k, rng)
+        w3, _ = make_weight("f32", 8, k, rng)  # not the exact form's: the SIMT kernel beside it
+        xd = to_dev(x[:9], dev)
+        many = [to_np(t) for t in ops.linear_many(xd, [on(w), on(w2), on(w3)])]
+        for t, ww in zip(many, (w, w2, w3)):
+            one = to_np(ops.linear(xd, on(ww)))
+            assert np.array_equal(t.view(np.uint32), one.view(np.uint32))
+        wg, _ = make_weight(fmt, 48, k, rng)
+        wu, _ = make_weight(fmt, 48, k, rng)
+        wd, _ = make_weight(fmt, 16, 48, rng)
+        got = to_np(ops.gated_mlp(xd, on(wg), on(wu), on(wd), numerics="exact"))
+        h = ops.silu_mul(ops.linear(xd, on(wg)), ops.linear(xd, on(wu)))
+        want = to_np(ops.linear(h, on(wd)))
+        assert np.array_equal(got.view(np.uint32), want.view(np.uint32))
+    finally:
+        ops.set_exact_tc(was)
+
+
 # ----------------------------------------------------------------------------- linear_bf16
 # More than one 128-row tile, K not a multiple of the 64-wide k-tile nor of 8 (padded), N not
 # a multiple of 4 (the CUDA path's staged store), besides linear's shapes.

@@ -35,6 +35,10 @@
 // FP4 MMA); linear_heads: a strided-batched GEMM over the heads (F32 weights against
 // cuBLASLt's F32 GEMM). moe_experts has no cuBLASLt baseline (a grouped GEMM).
 //
+// linear_exact_tc: linear (the exact numerics, the default decode_gemm) on the tensor cores
+// (ops::set_exact_tc: x as three BF16 planes, gemm_sk.h) beside its SIMT kernel on the same
+// operands ("speedup"), at T = 1, 8, 32 (--quick) / 1 .. 256.
+//
 // linear_bf16_dq and moe_experts_bf16_dq (Hopper only): the mainloop-dequantizing GEMM of
 // FP8 / NVFP4 weights' prompt chunks, and grouped over NVFP4 experts, in its wgmma form (the
 // default there), beside its mma.sync form on the same operands ("speedup";
@@ -911,6 +915,49 @@ void bench_linear_sk(Bench& b, const std::vector<int64_t>& Ts, int major) {
   }
 }
 
+// linear's exact form on the tensor cores (ops::set_exact_tc(true): x as three BF16 planes,
+// gemm_sk.h) beside the exact SIMT kernel on the same operands (the switch around each call):
+// both give linear's numerics, so "speedup" says which should be the default. T = 8 (verify
+// at batch 1) in every mode: the size where the SIMT kernel's FMAs start to bound it.
+void exact_forms_case(Bench& b, Result r, const Proj& p, Fmt f, int64_t T) {
+  gemm_cost(r, p, f, T);
+  b.run(r, [&](Baseline& base) {
+    GemmOperands o = gemm_operands(p, f, T);
+    auto form = [o](bool tc) {
+      return [o, tc](int v) mutable {
+        const bool was = ops::exact_tc();
+        ops::set_exact_tc(tc);
+        ops::linear(o.x, o.ws[size_t(v)], o.y, false);
+        ops::set_exact_tc(was);
+      };
+    };
+    base.run = form(false);
+    base.variants = o.vars;
+    base.name = "exact SIMT";
+    base.kind = "linear's SIMT kernel (ops::set_exact_tc(false)), the same numerics";
+    return std::make_pair(std::function<void(int)>(form(true)), o.vars);
+  });
+}
+
+void bench_linear_exact_tc(Bench& b, const std::vector<int64_t>& Ts) {
+  const std::vector<Proj> ps = {
+      {"q_a_proj", G.q_lora, G.hidden, true, false},
+      {"kv_a_proj", G.latent(), G.hidden, false, false},
+      {"o_proj h16", G.hidden, 16 * G.v, true, false},
+      {"shared gate|up", G.moe_inter, G.hidden, true, true},
+      {"lm_head tp4", G.vocab / 4, G.hidden, true, false},
+  };
+  for (const Proj& p : ps) {
+    if (b.opt.quick && !p.quick) continue;
+    std::vector<Fmt> fmts = {Fmt::BF16, Fmt::FP8};
+    if (p.nvfp4) fmts.push_back(Fmt::NVFP4);
+    for (Fmt f : fmts)
+      for (int64_t T : Ts)
+        exact_forms_case(b, Result{"linear_exact_tc", p.name + " " + dims({p.N, p.K}), fmt_name(f), t_label(T), T},
+                         p, f, T);
+  }
+}
+
 // The mainloop-dequantizing GEMM (FP8 / NVFP4 weights' linear_bf16) in its wgmma form, with
 // its mma.sync form on the same operands as the baseline (ops::set_dq_wgmma around each call).
 void dq_forms_case(Bench& b, Result r, const Proj& p, Fmt f, int64_t T) {
@@ -1711,6 +1758,8 @@ int main(int argc, char** argv) {
     bench_linear_sk(b, Ts, di.major);  // last: new in device_check's --quick, they cannot crowd out the others
     bench_moe_decode(b, Ts);
     bench_gated_decode(b, Ts);
+    bench_linear_exact_tc(b, opt.cpu_smoke ? Ts : opt.quick ? std::vector<int64_t>{1, 8, 32}
+                                                             : std::vector<int64_t>{1, 8, 32, 64, 256});
     if (!b.fatal) {
       const double again = copy_bandwidth_GBps(b.trials());
       std::printf("copy bandwidth at the end: %.1f GB/s\n", again);

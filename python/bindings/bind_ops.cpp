@@ -170,6 +170,12 @@ void bind_ops(py::module_& m) {
         "DFLASH2_DQ_WGMMA=0; a failed load-time check turns it off). No effect on other devices.");
   o.def("set_dq_wgmma", &ops::set_dq_wgmma, py::arg("on"),
         "Sets dq_wgmma() for the GEMMs issued from now on (an A/B of the two forms in one process).");
+  o.def("exact_tc", &ops::exact_tc,
+        "Whether linear of BF16 / FP8 / NVFP4 weights runs on the GPU's tensor cores in its exact form (x as three "
+        "BF16 planes summing to x, every product exact, fp32 sums: linear's numerics up to summation order) rather "
+        "than the SIMT kernel. Off unless DFLASH2_EXACT_TC=1: not yet measured on a GPU. No effect on the CPU.");
+  o.def("set_exact_tc", &ops::set_exact_tc, py::arg("on"),
+        "Sets exact_tc() for the linears issued from now on (set it before an engine loads, and leave it).");
   o.def("linear_bf16_available", [](const std::string& dev) { return ops::linear_bf16_available(Device::parse(dev)); },
         py::arg("device"), "Whether linear_bf16 runs on this device in this build.");
   bind_linear("linear_fp8", &ops::linear_fp8,

@@ -204,6 +204,19 @@ void set_pdl(bool on);
 // same numerics either way up to fp32 summation order; no effect elsewhere.
 bool dq_wgmma();
 void set_dq_wgmma(bool on);
+// Whether linear (the exact numerics: fp32 x, the weight as linear dequantizes it, fp32 sums)
+// of BF16, FP8 block-128 and NVFP4 weights runs on the GPU's tensor cores rather than its
+// SIMT kernel: x split into three BF16 planes whose sum is x exactly, the weight operand
+// exact in BF16 (the FP8 block scales and the NVFP4 global scale applied to the sums), so
+// every product is exact and only the fp32 sums round -- the same numerics up to summation
+// order, for every M (cuda/gemm_sk.h, the exact form). For the rows of decode / verify steps,
+// where the SIMT kernel's FMAs bound it from 8 rows up. Decided per call from this switch
+// and the weight's format only, so set it before an engine loads and leave it (a row decoded
+// under one setting and verified under the other may differ in its last bits). Starts off
+// unless the environment has DFLASH2_EXACT_TC=1: not yet measured on a GPU (bench_ops times
+// both forms: the linear_exact_tc rows). No effect on the CPU or on F32 / F16 weights.
+bool exact_tc();
+void set_exact_tc(bool on);
 
 // out = w * x / sqrt(mean(x^2) + eps) per row (last dim); x, out F32 [.., D]; w F32/BF16/F16 [D].
 void rms_norm(const Tensor& x, const Tensor& w, float eps, Tensor& out);

@@ -107,6 +107,10 @@ std::atomic<bool>& dq_wgmma_flag() {
   static std::atomic<bool> on{env_switch("DFLASH2_DQ_WGMMA", true)};
   return on;
 }
+std::atomic<bool>& exact_tc_flag() {
+  static std::atomic<bool> on{env_switch("DFLASH2_EXACT_TC", false)};
+  return on;
+}
 }  // namespace
 
 bool fused_launches() { return fused_flag().load(std::memory_order_relaxed); }
@@ -115,6 +119,8 @@ bool pdl() { return pdl_flag().load(std::memory_order_relaxed); }
 void set_pdl(bool on) { pdl_flag().store(on, std::memory_order_relaxed); }
 bool dq_wgmma() { return dq_wgmma_flag().load(std::memory_order_relaxed); }
 void set_dq_wgmma(bool on) { dq_wgmma_flag().store(on, std::memory_order_relaxed); }
+bool exact_tc() { return exact_tc_flag().load(std::memory_order_relaxed); }
+void set_exact_tc(bool on) { exact_tc_flag().store(on, std::memory_order_relaxed); }
 
 namespace {
 void check_linear(const char* op, const Tensor& x, const Weight& w, const Tensor& y) {

@@ -13,6 +13,10 @@ struct CUstream_st;  // the CUDA runtime's stream type: cudaStream_t is CUstream
 
 namespace dflash2::cuda {
 
+namespace detail {
+struct WeightView;  // weight_view.cuh
+}
+
 bool available(std::string* why);   // a device is usable now; else *why says why
 int device_count();                 // 0 when no driver/device
 void* device_malloc(size_t bytes, int device);   // throws OutOfMemory / Backend errors
@@ -225,6 +229,13 @@ void set_linear_dq_enabled(bool on);
 // check may turn it off in the process).
 bool linear_sk_enabled();
 void set_linear_sk_enabled(bool on);
+// gemm_sk.cu: linear's exact form on the tensor cores (ops::exact_tc, gemm_sk.h's X3): whether
+// it takes weight w now (the switch on, the skinny kernel enabled, a BF16 / FP8 / NVFP4
+// weight), and ys[i] (+)= x W_i^T for n such weights of one K (checked by the caller as
+// linear checks them), x split into its three BF16 planes once for all of them. Chosen by
+// the switch and the weight's format only, never by M: a row's result does not depend on M.
+bool exact_tc_takes(const detail::WeightView& w);
+void linear_exact_tc(const Tensor& x, const detail::WeightView* vs, Tensor* const* ys, size_t n, bool accumulate);
 // The same with linear_nvfp4's W4A4 numerics (NVFP4 experts with an input_scale): the
 // CUTLASS grouped block-scaled GEMM (sm_100a / sm_103a); whether it runs these on `device`.
 void moe_experts_nvfp4(const Tensor& x, const Tensor& ids, const Tensor& weights, const ops::ExpertWeights& experts,

@@ -88,6 +88,7 @@
 #include <cuda_runtime.h>
 
 #include <cstdint>
+#include <vector>
 
 #include "backend/cuda/cuda_api.h"
 #include "backend/cuda/cuda_check.cuh"
@@ -526,6 +527,12 @@ void linear(const Tensor& x, const ops::Weight& w, Tensor& y, bool accumulate) {
   if (!linear_args(x, w, y, accumulate, "cuda::linear", a)) return;
   const int device = x.device().index;
   detail::DeviceGuard guard(device);
+  if (exact_tc_takes(a.w)) {  // the exact form on the tensor cores (ops::exact_tc; gemm_sk.h)
+    Tensor* const out = &y;
+    linear_exact_tc(x, &a.w, &out, 1, accumulate);
+    detail::check_launch("linear (exact form) launch", w.name, " ", x.describe(), " -> ", y.describe());
+    return;
+  }
   run(a, a.w.N, device, "linear");
   detail::check_launch("linear kernel launch", w.name, " ", x.describe(), " -> ", y.describe());
 }
@@ -602,7 +609,21 @@ void linear_many(const Tensor& x, const std::vector<const ops::Weight*>& ws, con
       if ((j < i && !layout::views_disjoint(*ys[i], *ys[j])) || !layout::views_disjoint(*ys[i], x)) return;
   const int device = x.device().index;
   detail::DeviceGuard guard(device);
+  // the weights the exact form on the tensor cores takes (as linear would: the same numerics
+  // whichever way a weight comes), x split once for all of them; the others below
   std::vector<bool> taken(n, false);
+  std::vector<WeightView> tc_w;
+  std::vector<Tensor*> tc_y;
+  for (size_t i = 0; i < n; ++i)
+    if (exact_tc_takes(gs[i].w)) {
+      taken[i] = true;
+      tc_w.push_back(gs[i].w);
+      tc_y.push_back(ys[i]);
+    }
+  if (!tc_w.empty()) {
+    linear_exact_tc(x, tc_w.data(), tc_y.data(), tc_w.size(), false);
+    detail::check_launch("linear_many (exact form) launch", ws[0]->name, " ", x.describe());
+  }
   for (size_t i = 0; i < n; ++i) {
     if (taken[i]) continue;
     // the weights of i's format not yet run (vector loads: the fused kernel's only form)
@@ -634,6 +655,8 @@ void linear_silu_mul(const Tensor& x, const ops::Weight& gate, const ops::Weight
   if (gs[0].w.fmt != gs[1].w.fmt || gs[0].w.K != gs[1].w.K || !detail::weight_rows_vectorizable(gs[0].w) ||
       !detail::weight_rows_vectorizable(gs[1].w) || !layout::views_disjoint(out, x))
     return;
+  // the exact form on the tensor cores takes them (ops::gated_mlp: linear_as_many, silu_mul)
+  if (exact_tc_takes(gs[0].w) || exact_tc_takes(gs[1].w)) return;
   const int device = x.device().index;
   detail::DeviceGuard guard(device);
   if (!launch_many(gs, 2, device, /*gated=*/true)) return;

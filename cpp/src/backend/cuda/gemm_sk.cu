@@ -48,9 +48,11 @@
 #include <cuda_fp16.h>
 #include <cuda_runtime.h>
 
+#include <algorithm>
 #include <atomic>
 #include <cmath>
 #include <cstdint>
+#include <vector>
 
 #include "backend/cuda/cuda_check.cuh"
 #include "backend/cuda/pdl.cuh"
@@ -94,6 +96,9 @@ using detail::fp4_global;
 struct Params {
   const __nv_bfloat16* a;
   int64_t lda;
+  // 0: A is bf16(x); else the exact form (X3): plane p (0 hi, 1 mid, 2 lo) of row m at
+  // a + m * lda + p * plane
+  int64_t plane;
   WeightView w;  // one weight (grouped: each group's from the table)
   bool vec;       // 16-byte weight segment loads (detail::rows_aligned16)
   int64_t M, N, K;  // M: this launch's rows (grouped: the rows of all groups, a bound)
@@ -229,6 +234,37 @@ __device__ __forceinline__ uint4 dequant8(const Fp4Global& q, const uint4& raw, 
   }
 }
 
+// The exact form's (X3) weight operand: values that BF16 holds exactly -- BF16 as stored, an
+// FP8 code without its block scale (which multiplies the block's sums instead), NVFP4's
+// E2M1 code x E4M3 scale (at most 2 x 4 significant bits) without the global scale (which
+// multiplies the sums at the store). The pair decode's values are v * 2^-126: times 2^126
+// first (exact), then the scale (exact).
+template <WFmt F>
+__device__ __forceinline__ uint4 dequant8_x3(const uint4& raw, uint32_t scale, int h, bool hi) {
+  if constexpr (F == WFmt::BF16) {
+    (void)scale, (void)h, (void)hi;
+    return raw;
+  } else {
+    static_assert(F == WFmt::FP8 || F == WFmt::NVFP4, "the exact form takes BF16 / FP8 / NVFP4 weights");
+    const uint32_t words[4] = {raw.x, raw.y, raw.z, raw.w};
+    float f[8];
+    if constexpr (F == WFmt::FP8) {
+      (void)scale, (void)hi;
+#pragma unroll
+      for (int i = 0; i < 8; ++i) f[i] = detail::e4m3_to_f32(uint8_t(words[2 * h + i / 4] >> (8 * (i % 4))));
+    } else {
+      const float s = detail::e4m3_to_f32(uint8_t(scale >> (8 * ((hi ? 2 : 0) + h / 2))));
+#pragma unroll
+      for (int j = 0; j < 4; ++j) {
+        const uint32_t pair = detail::fp4_pair_bits((words[h] >> (8 * j)) & 0xffu);
+        f[2 * j] = __fmul_rn(__fmul_rn(__uint_as_float(pair << 16), 0x1p126f), s);
+        f[2 * j + 1] = __fmul_rn(__fmul_rn(__uint_as_float(pair & 0xffff0000u), 0x1p126f), s);
+      }
+    }
+    return make_uint4(pack_bf16(f[0], f[1]), pack_bf16(f[2], f[3]), pack_bf16(f[4], f[5]), pack_bf16(f[6], f[7]));
+  }
+}
+
 template <WFmt F>
 struct Stage {
   static constexpr int kSegs = layout::sk_segs(kE<F>);
@@ -236,31 +272,56 @@ struct Stage {
   uint32_t sc[kSegs];
 };
 
-// One tile: rows [m0, m0 + rows) of A (rows <= kSkTok) times the 16 features of this warp
+// Tokens per CTA tile (layout::sk_tok) and x planes of the form (X3: hi, mid, lo).
+template <WFmt F, bool X3>
+constexpr int kTok = layout::sk_tok(kE<F>, X3);
+template <bool X3>
+constexpr int kPlanes = X3 ? 3 : 1;
+// The x buffers of a CTA, in uint4: 2 stages x planes x tokens x the stage's 16-byte chunks.
+template <WFmt F, bool X3>
+constexpr int kXsChunks = 2 * kPlanes<X3> * kTok<F, X3> * int(layout::sk_stage_k(kE<F>) / 8);
+
+// One tile: rows [m0, m0 + rows) of A (rows <= kTok) times the 16 features of this warp
 // from f0 of weight w, over the k-stages [s0, s1), into acc (n-tile n: tokens 8n .. 8n + 7).
 // Every thread of the CTA calls it (the barriers); warps with !active only stage x.
-template <WFmt F>
+// X3 (the exact form): x is three BF16 planes (plane: their distance in A's rows) whose sum
+// is x exactly, and the weight operand is exact in BF16 (dequant8_x3): per 16 x 16 weight
+// block the MMAs take the lo, mid, then hi plane into the same fp32 accumulators, so every
+// product is exact and only the fp32 sums round, as in linear's SIMT kernel. Each 128-input
+// block's sums are formed in tmp and added to acc with one round-to-nearest operation (FP8:
+// acc = fma(scale, tmp, acc), the block scale of rows f0 .. f0 + 15, one 128-row block).
+template <WFmt F, bool X3>
 __device__ __forceinline__ void tile_mma(const WeightView& w, bool vec, const Fp4Global& q, const __nv_bfloat16* a,
-                                         int64_t lda, int64_t m0, int64_t rows, int64_t f0, bool active, int64_t s0,
-                                         int64_t s1, uint4* xs, float (&acc)[4][4]) {
-  constexpr int E = kE<F>, G8 = E / 8, kSegs = layout::sk_segs(E);
+                                         int64_t lda, int64_t plane, int64_t m0, int64_t rows, int64_t f0, bool active,
+                                         int64_t s0, int64_t s1, uint4* xs, float (&acc)[4][4]) {
+  constexpr int E = kE<F>, G8 = E / 8, kSegs = layout::sk_segs(E), Tok = kTok<F, X3>, NP = kPlanes<X3>;
   constexpr int64_t SK = layout::sk_stage_k(E);
-  constexpr int kChunks = int(SK / 8);                  // 16-byte x chunks per token row per stage
-  constexpr int kCopies = kSkTok * kChunks / kThreads;  // cp.async per thread per stage
-  constexpr int kBuf = kSkTok * kChunks;                // chunks per buffer
-  static_assert(kCopies * kThreads == kSkTok * kChunks, "stage copy split");
+  constexpr int kChunks = int(SK / 8);               // 16-byte x chunks per token row per stage
+  constexpr int kCopies = Tok * kChunks / kThreads;  // cp.async per thread per stage and plane
+  constexpr int kBuf = Tok * kChunks;                // chunks per plane of a buffer
+  // X3: each 128-input block's MMAs sum into tmp, added to acc with one rounding-to-nearest
+  // operation (FP8: acc = fma(block scale, tmp, acc)), so an MMA's own accumulation (whose
+  // rounding the PTX ISA leaves open) spans at most 128 inputs x 3 planes
+  constexpr bool kFold = X3;
+  constexpr int kSegsPerBlock = 32 / E;  // 128 inputs: BF16 4 segments, FP8 2, NVFP4 1
+  static_assert(kCopies * kThreads == Tok * kChunks, "stage copy split");
+  static_assert(!kFold || (kSegs % kSegsPerBlock == 0 && (F != WFmt::FP8 || kSegsPerBlock == 2)),
+                "the exact form's 128-input blocks: whole segments of a stage");
   const int tid = threadIdx.x, lane = tid & 31, g = lane >> 2, t = lane & 3;
   const int64_t r_lo = f0 + g, r_hi = f0 + g + 8;
   const int ntiles = int((rows + 7) / 8);  // block-uniform
+  (void)plane;
 
   auto stage_x = [&](int64_t s, int buf) {
 #pragma unroll
-    for (int i = 0; i < kCopies; ++i) {
-      const int idx = tid + i * kThreads, row = idx / kChunks, c = idx % kChunks;
-      const bool valid = row < rows;
-      const __nv_bfloat16* src = valid ? a + (m0 + row) * lda + s * SK + c * 8 : a;
-      cp_async16(smem_u32(&xs[buf * kBuf + layout::sk_x_chunk(row, c, E)]), src, valid);
-    }
+    for (int pl = 0; pl < NP; ++pl)
+#pragma unroll
+      for (int i = 0; i < kCopies; ++i) {
+        const int idx = tid + i * kThreads, row = idx / kChunks, c = idx % kChunks;
+        const bool valid = row < rows;
+        const __nv_bfloat16* src = valid ? a + (m0 + row) * lda + pl * plane + s * SK + c * 8 : a;
+        cp_async16(smem_u32(&xs[(buf * NP + pl) * kBuf + layout::sk_x_chunk(row, c, E)]), src, valid);
+      }
     cp_async_commit();
   };
   auto load_w = [&](int64_t s, Stage<F>& st) {
@@ -269,7 +330,15 @@ __device__ __forceinline__ void tile_mma(const WeightView& w, bool vec, const Fp
       const int64_t k0 = s * SK + layout::sk_k(E, t, i, 0);
       st.lo[i] = seg_load<F>(w, vec, r_lo, k0);
       st.hi[i] = seg_load<F>(w, vec, r_hi, k0);
-      st.sc[i] = seg_scale<F>(w, f0, r_lo, r_hi, k0);
+      if constexpr (X3 && F == WFmt::FP8) {
+        // the scale of the segment's 128-input block, the same for every lane of the warp
+        // (a lane whose own segment lies past K still adds the block's other lanes' sums)
+        const int64_t kb = s * SK + (i / 2) * 128;
+        st.sc[i] = kb < w.K ? __float_as_uint(static_cast<const float*>(w.scale)[(f0 / 128) * w.scale_stride + kb / 128])
+                            : 0u;
+      } else {
+        st.sc[i] = seg_scale<F>(w, f0, r_lo, r_hi, k0);
+      }
     }
   };
 
@@ -293,22 +362,56 @@ __device__ __forceinline__ void tile_mma(const WeightView& w, bool vec, const Fp
       if (active) load_w(s + 1, nxt);
     }
     if (active) {
+      float tmp[4][4];  // X3 only
 #pragma unroll
-      for (int i = 0; i < kSegs; ++i)
+      for (int i = 0; i < kSegs; ++i) {
+        if constexpr (kFold) {
+          if (i % kSegsPerBlock == 0) {
+#pragma unroll
+            for (int n = 0; n < 4; ++n)
+#pragma unroll
+              for (int j = 0; j < 4; ++j) tmp[n][j] = 0.0f;
+          }
+        }
 #pragma unroll
         for (int h = 0; h < G8; ++h) {
-          const uint4 wl = dequant8<F>(q, cur.lo[i], cur.sc[i], h, false);
-          const uint4 wh = dequant8<F>(q, cur.hi[i], cur.sc[i], h, true);
+          uint4 wl, wh;
+          if constexpr (X3) {
+            wl = dequant8_x3<F>(cur.lo[i], cur.sc[i], h, false);
+            wh = dequant8_x3<F>(cur.hi[i], cur.sc[i], h, true);
+          } else {
+            wl = dequant8<F>(q, cur.lo[i], cur.sc[i], h, false);
+            wh = dequant8<F>(q, cur.hi[i], cur.sc[i], h, true);
+          }
           const uint32_t a0[4] = {wl.x, wh.x, wl.y, wh.y}, a1[4] = {wl.z, wh.z, wl.w, wh.w};
           const int c = layout::sk_lane_chunk(E, t, i, h);
 #pragma unroll
-          for (int n = 0; n < 4; ++n) {
+          for (int n = 0; n < Tok / 8; ++n) {
             if (n >= ntiles) break;
-            const uint4 xv = xs[buf * kBuf + layout::sk_x_chunk(n * 8 + g, c, E)];
-            mma_bf16(acc[n], a0, xv.x, xv.y);
-            mma_bf16(acc[n], a1, xv.z, xv.w);
+            float(*const d)[4] = kFold ? tmp : acc;  // X3: the block's sums
+#pragma unroll
+            for (int pl = NP - 1; pl >= 0; --pl) {  // X3: lo, mid, hi
+              const uint4 xv = xs[(buf * NP + pl) * kBuf + layout::sk_x_chunk(n * 8 + g, c, E)];
+              mma_bf16(d[n], a0, xv.x, xv.y);
+              mma_bf16(d[n], a1, xv.z, xv.w);
+            }
           }
         }
+        if constexpr (kFold) {
+          if (i % kSegsPerBlock == kSegsPerBlock - 1) {
+#pragma unroll
+            for (int n = 0; n < Tok / 8; ++n)
+#pragma unroll
+              for (int j = 0; j < 4; ++j) {
+                if constexpr (F == WFmt::FP8)
+                  acc[n][j] = __fmaf_rn(__uint_as_float(cur.sc[i - 1]), tmp[n][j], acc[n][j]);
+                else
+                  acc[n][j] = __fadd_rn(acc[n][j], tmp[n][j]);
+              }
+          }
+        }
+      }
+      (void)tmp;
     }
     if (more && active) cur = nxt;
   }
@@ -317,9 +420,10 @@ __device__ __forceinline__ void tile_mma(const WeightView& w, bool vec, const Fp
 // The tile's results: row m0 + i (i < rows) of feature f of this warp, projection j;
 // to_partial: the split's partial sums (partial[z][row][j][f], M rows, P projections); else
 // d's row d_rows ? d_rows[row] : row.
-// c0, c1: feature g, tokens 2t, 2t + 1 of n-tile n; c2, c3: feature g + 8.
+// c0, c1: feature g, tokens 2t, 2t + 1 of n-tile n; c2, c3: feature g + 8. post: a factor
+// of every sum (the exact form's NVFP4 global scale; 1: none).
 __device__ __forceinline__ void tile_store(const Params& p, const float (&acc)[4][4], int64_t m0, int64_t rows,
-                                           int64_t f0, int z, int j) {
+                                           int64_t f0, int z, int j, float post = 1.0f) {
   const int lane = threadIdx.x & 31, g = lane >> 2, t = lane & 3;
   const int ntiles = int((rows + 7) / 8);
 #pragma unroll
@@ -330,7 +434,7 @@ __device__ __forceinline__ void tile_store(const Params& p, const float (&acc)[4
       const int64_t i = n * 8 + 2 * t + (c & 1), f = f0 + g + ((c < 2) ? 0 : 8);
       if (i >= rows || f >= p.N) continue;
       const int64_t m = m0 + i;
-      const float v = acc[n][c];
+      const float v = post == 1.0f ? acc[n][c] : __fmul_rn(acc[n][c], post);
       if (p.to_partial) {
         p.partial[((int64_t(z) * p.M + m) * p.P + j) * p.N + f] = v;
       } else {
@@ -392,27 +496,28 @@ __device__ __forceinline__ void finish_tile(const Params& p, uint32_t slot, int 
 // A CTA of one weight's GEMM: token tile blockIdx.x (grid x = token tiles, fastest, so the
 // CTAs reading one weight slice run together and share it through L2), feature block fb,
 // split z; `slot`: its tile's arrival counter, which `expected` CTAs count up.
-template <WFmt F>
+template <WFmt F, bool X3>
 __device__ __forceinline__ void sk_cta(const Params& p, uint4* xs, int fb, int z, uint32_t slot, int expected) {
-  const int64_t m0 = int64_t(blockIdx.x) * kSkTok;
+  constexpr int Tok = kTok<F, X3>;
+  const int64_t m0 = int64_t(blockIdx.x) * Tok;
   const int64_t f0 = int64_t(fb) * kSkFeatPerCta + int64_t(threadIdx.x >> 5) * kSkFeat;
   const bool active = f0 < p.N;  // warp-uniform: warps past N only stage x and meet the barriers
-  const int64_t rows = p.M - m0 < kSkTok ? p.M - m0 : kSkTok;
+  const int64_t rows = p.M - m0 < Tok ? p.M - m0 : Tok;
   const int64_t stages = (p.K + layout::sk_stage_k(kE<F>) - 1) / layout::sk_stage_k(kE<F>);
   float acc[4][4];
-  tile_mma<F>(p.w, p.vec, p.fp4, p.a, p.lda, m0, rows, f0, active, layout::sk_split_begin(stages, p.S, z),
-              layout::sk_split_begin(stages, p.S, z + 1), xs, acc);
-  if (active) tile_store(p, acc, m0, rows, f0, z, p.proj);
+  tile_mma<F, X3>(p.w, p.vec, p.fp4, p.a, p.lda, p.plane, m0, rows, f0, active, layout::sk_split_begin(stages, p.S, z),
+                  layout::sk_split_begin(stages, p.S, z + 1), xs, acc);
+  if (active) tile_store(p, acc, m0, rows, f0, z, p.proj, X3 && F == WFmt::NVFP4 ? p.w.global_scale : 1.0f);
   if (p.arrivals == nullptr) return;
   finish_tile(p, slot, expected, m0, rows, fb);
 }
 
 // One weight: grid x = token tiles of this launch, y = 64-feature blocks, z = splits.
-template <WFmt F>
+template <WFmt F, bool X3>
 __global__ void __launch_bounds__(kThreads, kMinCtas) sk_kernel(const Params p) {
   detail::pdl_enter();
-  __shared__ __align__(128) uint4 xs[2 * kSkTok * int(layout::sk_stage_k(kE<F>) / 8)];
-  sk_cta<F>(p, xs, int(blockIdx.y), int(blockIdx.z), blockIdx.y * gridDim.x + blockIdx.x, p.S);
+  __shared__ __align__(128) uint4 xs[kXsChunks<F, X3>];
+  sk_cta<F, X3>(p, xs, int(blockIdx.y), int(blockIdx.z), blockIdx.y * gridDim.x + blockIdx.x, p.S);
 }
 
 // Up to kSkMany weights of one format over the same A (gemm_many): weight i owns the feature
@@ -430,17 +535,17 @@ struct ManyParams {
   bool shared;
 };
 
-template <WFmt F>
+template <WFmt F, bool X3>
 __global__ void __launch_bounds__(kThreads, kMinCtas) sk_many_kernel(const __grid_constant__ ManyParams mp) {
   detail::pdl_enter();
-  __shared__ __align__(128) uint4 xs[2 * kSkTok * int(layout::sk_stage_k(kE<F>) / 8)];
+  __shared__ __align__(128) uint4 xs[kXsChunks<F, X3>];
   int i = 0;
   while (int64_t(blockIdx.y) >= mp.yend[i]) ++i;  // i < n: grid y = yend[n - 1]
   const Params& p = mp.p[i];
   if (int(blockIdx.z) >= p.S) return;  // the whole CTA, before any barrier
   const int fb = int(int64_t(blockIdx.y) - (i ? mp.yend[i - 1] : 0));
   const uint32_t slot = (mp.shared ? uint32_t(fb) : blockIdx.y) * gridDim.x + blockIdx.x;
-  sk_cta<F>(p, xs, fb, int(blockIdx.z), slot, mp.shared ? p.S * mp.n : p.S);
+  sk_cta<F, X3>(p, xs, fb, int(blockIdx.z), slot, mp.shared ? p.S * mp.n : p.S);
 }
 
 // Groups (the routed experts of decode chunks): grid x = P x 64-feature blocks (projection
@@ -452,7 +557,7 @@ __global__ void __launch_bounds__(kThreads, kMinCtas) sk_many_kernel(const __gri
 template <WFmt F>
 __global__ void __launch_bounds__(kThreads, kMinCtas) sk_grouped_kernel(const Params p) {
   detail::pdl_enter();
-  __shared__ __align__(128) uint4 xs[2 * kSkTok * int(layout::sk_stage_k(kE<F>) / 8)];
+  __shared__ __align__(128) uint4 xs[kXsChunks<F, false>];
   const int fblocks = int(gridDim.x) / p.P, j = int(blockIdx.x) / fblocks;
   const int64_t f0 = int64_t(int(blockIdx.x) - j * fblocks) * kSkFeatPerCta + int64_t(threadIdx.x >> 5) * kSkFeat;
   const bool active = f0 < p.N;
@@ -477,7 +582,7 @@ __global__ void __launch_bounds__(kThreads, kMinCtas) sk_grouped_kernel(const Pa
       if (m0 > first) __syncthreads();  // the previous tile's readers of both x buffers are done
       const int rows = end - m0 < kSkTok ? end - m0 : kSkTok;
       float acc[4][4];
-      tile_mma<F>(w, p.vec, q, p.a, p.lda, m0, rows, f0, active, s0, s1, xs, acc);
+      tile_mma<F, false>(w, p.vec, q, p.a, p.lda, 0, m0, rows, f0, active, s0, s1, xs, acc);
       if (active) tile_store(p, acc, m0, rows, f0, z, j);
       // the tile's last CTA of its P x S writes its results (one counter per first row and
       // feature block: the tiles' first rows are distinct)
@@ -518,12 +623,40 @@ __global__ void __launch_bounds__(256) sk_reduce_silu(const float* __restrict__ 
   }
 }
 
+// Whether the exact form (X3) has kernels for format F.
+template <WFmt F>
+constexpr bool kTakesX3 = F == WFmt::BF16 || F == WFmt::FP8 || F == WFmt::NVFP4;
+
 template <WFmt F>
 void launch(const Params& p, dim3 grid, bool grouped, cudaStream_t s) {
-  if (grouped)
+  if (grouped) {
     sk_grouped_kernel<F><<<grid, kThreads, 0, s>>>(p);
-  else
-    sk_kernel<F><<<grid, kThreads, 0, s>>>(p);
+  } else if (p.plane != 0) {
+    if constexpr (kTakesX3<F>) sk_kernel<F, true><<<grid, kThreads, 0, s>>>(p);
+  } else {
+    sk_kernel<F, false><<<grid, kThreads, 0, s>>>(p);
+  }
+}
+
+// x F32 [M, K] (row stride ldx) as the exact form's three BF16 planes: hi = bf16(x),
+// mid = bf16(x - hi), lo = bf16(x - hi - mid) (both differences exact in fp32, so hi + mid +
+// lo == x for every finite x above the subnormals), zeros for K <= k < plane.
+__global__ void __launch_bounds__(256) split_x3_kernel(const float* __restrict__ x, int64_t ldx, int64_t M, int64_t K,
+                                                       __nv_bfloat16* __restrict__ a, int64_t lda, int64_t plane) {
+  detail::pdl_enter();
+  const int64_t total = M * plane;
+  for (int64_t i = int64_t(blockIdx.x) * blockDim.x + threadIdx.x; i < total; i += int64_t(gridDim.x) * blockDim.x) {
+    const int64_t m = i / plane, k = i - m * plane;
+    const float v = k < K ? x[m * ldx + k] : 0.0f;
+    const __nv_bfloat16 hi = __float2bfloat16_rn(v);
+    const float r1 = __fsub_rn(v, __bfloat162float(hi));
+    const __nv_bfloat16 mid = __float2bfloat16_rn(r1);
+    const __nv_bfloat16 lo = __float2bfloat16_rn(__fsub_rn(r1, __bfloat162float(mid)));
+    __nv_bfloat16* row = a + m * lda + k;
+    row[0] = hi;
+    row[plane] = mid;
+    row[2 * plane] = lo;
+  }
 }
 
 std::atomic<bool> g_enabled{true};
@@ -535,6 +668,19 @@ int seg_elems(WFmt f) { return seg_elems_of(f); }
 int64_t a_width(WFmt f, int64_t K) {
   const int64_t sk = layout::sk_stage_k(seg_elems(f));
   return (K + sk - 1) / sk * sk;
+}
+
+bool takes_x3(WFmt f) { return f == WFmt::BF16 || f == WFmt::FP8 || f == WFmt::NVFP4; }
+
+void split_x3(const float* x, int64_t ldx, int64_t M, int64_t K, __nv_bfloat16* a, int64_t lda, int64_t plane,
+              cudaStream_t s) {
+  DFLASH2_CHECK_ARG(x && a && M >= 0 && K >= 0 && plane >= K && plane % 8 == 0 && lda >= 3 * plane &&
+                        (M <= 1 || ldx >= K),
+                    "cuda::sk::split_x3: bad arguments");
+  if (M == 0 || plane == 0) return;
+  const unsigned blocks = detail::ceil_blocks(M * plane, 256, detail::kMaxRowBlocks);
+  split_x3_kernel<<<blocks, 256, 0, s>>>(x, ldx, M, K, a, lda, plane);
+  detail::check_launch("sk_gemm exact form: x as three BF16 planes", "[", M, ", ", K, "]");
 }
 
 int splits(const WeightView& w) { return layout::sk_splits(w.N, w.K, seg_elems(w.fmt)); }
@@ -567,7 +713,18 @@ Params one_weight(const GemmArgs& g) {
   p.fp4 = fp4_global(g.w);
   p.P = 1;
   p.to_partial = p.S > 1;
+  p.plane = g.plane;
   return p;
+}
+
+// GemmArgs::plane's checks (the exact form): a format it takes, three planes per row of A.
+void check_plane(const GemmArgs& g, const char* op) {
+  if (g.plane == 0) return;
+  DFLASH2_CHECK_ARG(takes_x3(g.w.fmt), op, ": the exact form (x as three BF16 planes) takes BF16, FP8 and NVFP4 "
+                    "weights, not F32 / F16 ones");
+  DFLASH2_CHECK_ARG(g.plane >= a_width(g.w.fmt, g.w.K) && g.plane % 8 == 0 && g.lda >= 3 * g.plane, op,
+                    ": the exact form needs plane >= ", a_width(g.w.fmt, g.w.K), " (a multiple of 8) and lda >= 3 x plane, "
+                    "found plane ", g.plane, ", lda ", g.lda);
 }
 }  // namespace
 
@@ -582,15 +739,17 @@ void gemm(const GemmArgs& g, cudaStream_t s) {
   DFLASH2_CHECK_ARG(S == 1 || (g.partial != nullptr && detail::aligned(g.partial, 16)), op,
                     ": a split GEMM needs its partial-sum scratch");
   DFLASH2_CHECK_ARG(w.N <= int64_t(kSkFeatPerCta) * detail::kMaxGridY, op, ": N = ", w.N, " is too large");
+  check_plane(g, op);
   if (g.M == 0 || w.N == 0) return;
   Params p = one_weight(g);
   const unsigned fblocks = unsigned((w.N + kSkFeatPerCta - 1) / kSkFeatPerCta);
+  const int tok = layout::sk_tok(seg_elems(w.fmt), g.plane != 0);
   for (int64_t r0 = 0; r0 < g.M; r0 += kRowsPerLaunch) {
     const int64_t m = g.M - r0 < kRowsPerLaunch ? g.M - r0 : kRowsPerLaunch;
     p.a = g.a + r0 * g.lda;
     p.d = g.d + r0 * g.ldd;
     p.M = m;
-    const dim3 grid(unsigned((m + kSkTok - 1) / kSkTok), fblocks, unsigned(S));
+    const dim3 grid(unsigned((m + tok - 1) / tok), fblocks, unsigned(S));
     // the split's sums added by its last CTA where the counters cover the grid's tiles
     p.arrivals = S > 1 && counters_cover(grid, g.arrivals) ? g.arrivals : nullptr;
     detail::with_format(w.fmt, [&](auto f) { launch<decltype(f)::value>(p, grid, false, s); });
@@ -616,7 +775,10 @@ bool gemm_many(const GemmArgs* gs, int n, cudaStream_t s) {
   for (int i = 0; i < n; ++i) {
     const GemmArgs& g = gs[i];
     const WeightView& w = g.w;
-    if (w.fmt != g0.w.fmt || g.a != g0.a || g.lda != g0.lda || g.M != M || w.N <= 0 || w.K <= 0) return false;
+    if (w.fmt != g0.w.fmt || g.a != g0.a || g.lda != g0.lda || g.plane != g0.plane || g.M != M || w.N <= 0 ||
+        w.K <= 0)
+      return false;
+    if (g.plane != 0 && (!takes_x3(w.fmt) || g.plane < a_width(w.fmt, w.K) || g.lda < 3 * g.plane)) return false;
     if (!detail::aligned(g.a, 16) || g.lda % 8 != 0 || g.lda < a_width(w.fmt, w.K)) return false;
     const int S = splits(w);
     if (S > 1 && (g.partial == nullptr || !detail::aligned(g.partial, 16) || g.arrivals == nullptr ||
@@ -633,11 +795,15 @@ bool gemm_many(const GemmArgs* gs, int n, cudaStream_t s) {
     mp.yend[i] = yblocks;
     max_s = S > max_s ? S : max_s;
   }
-  const dim3 grid(unsigned((M + kSkTok - 1) / kSkTok), unsigned(yblocks), unsigned(max_s));
+  const int tok = layout::sk_tok(seg_elems(g0.w.fmt), g0.plane != 0);
+  const dim3 grid(unsigned((M + tok - 1) / tok), unsigned(yblocks), unsigned(max_s));
   if (yblocks > detail::kMaxGridY || (arrivals != nullptr && !counters_cover(grid, arrivals))) return false;
   detail::with_format(g0.w.fmt, [&](auto f) {
     constexpr WFmt F = decltype(f)::value;
-    sk_many_kernel<F><<<grid, kThreads, 0, s>>>(mp);
+    if (g0.plane == 0)
+      sk_many_kernel<F, false><<<grid, kThreads, 0, s>>>(mp);
+    else if constexpr (kTakesX3<F>)
+      sk_many_kernel<F, true><<<grid, kThreads, 0, s>>>(mp);
   });
   detail::check_launch("sk_gemm many kernel launch", "[", M, ", ", n, " weights, ", g0.w.K, "]");
   return true;
@@ -696,7 +862,7 @@ void gated(const GatedArgs& g, cudaStream_t s) {
       const dim3 grid2(grid.x, 2 * fblocks, grid.z);
       detail::with_format(wg.fmt, [&](auto f) {
         constexpr WFmt F = decltype(f)::value;
-        sk_many_kernel<F><<<grid2, kThreads, 0, s>>>(mp);
+        sk_many_kernel<F, false><<<grid2, kThreads, 0, s>>>(mp);
       });
       detail::check_launch("sk_gemm gated kernel launch (gate | up)", " [", m, ", ", wg.N, ", ", wg.K, "]");
       continue;
@@ -796,4 +962,67 @@ void set_enabled(bool on) { g_enabled.store(on, std::memory_order_relaxed); }
 namespace dflash2::cuda {
 bool linear_sk_enabled() { return sk::enabled(); }
 void set_linear_sk_enabled(bool on) { sk::set_enabled(on); }
+
+bool exact_tc_takes(const detail::WeightView& w) {
+  return ops::exact_tc() && sk::enabled() && sk::takes_x3(w.fmt) && w.K > 0 && w.N > 0 &&
+         w.N <= int64_t(layout::kSkFeatPerCta) * detail::kMaxGridY;
+}
+
+void linear_exact_tc(const Tensor& x, const detail::WeightView* vs, Tensor* const* ys, size_t n, bool accumulate) {
+  const int64_t M = x.shape(0), K = vs[0].K;
+  if (M == 0 || n == 0) return;
+  const int device = x.device().index;
+  cudaStream_t st = detail::stream();
+  auto up = [](int64_t v, int64_t m) { return (v + m - 1) / m * m; };
+  int64_t plane = 8, p_floats = 0;
+  for (size_t i = 0; i < n; ++i) {
+    DFLASH2_INTERNAL(vs[i].K == K && sk::takes_x3(vs[i].fmt), "cuda::linear_exact_tc: weights of another K or format");
+    plane = std::max(plane, sk::a_width(vs[i].fmt, K));
+    p_floats += up(sk::partial_floats(vs[i], M), 4);  // each weight its own (16-byte aligned)
+  }
+  const int64_t lda = 3 * plane, a_bytes = up(M * lda * 2, 256);
+  uint8_t* base = static_cast<uint8_t*>(detail::scratch(device, size_t(a_bytes + p_floats * 4)));
+  __nv_bfloat16* a16 = reinterpret_cast<__nv_bfloat16*>(base);
+  sk::split_x3(x.data_as<const float>(), M > 1 ? x.stride(0) : K, M, K, a16, lda, plane, st);
+  std::vector<sk::GemmArgs> gs(n);
+  float* partial = reinterpret_cast<float*>(base + a_bytes);
+  for (size_t i = 0; i < n; ++i) {
+    const int64_t pf = sk::partial_floats(vs[i], M);
+    sk::GemmArgs& g = gs[i];
+    g.a = a16;
+    g.lda = lda;
+    g.plane = plane;
+    g.w = vs[i];
+    g.M = M;
+    g.d = ys[i]->data_as<float>();
+    g.ldd = M > 1 ? ys[i]->stride(0) : vs[i].N;
+    g.accumulate = accumulate;
+    g.partial = pf > 0 ? partial : nullptr;
+    g.arrivals = pf > 0 ? detail::zeroed_counters(device) : nullptr;
+    partial += up(pf, 4);
+  }
+  // up to 4 of one format in one launch (their outputs disjoint), else one by one in order
+  bool disjoint = n > 1 && ops::fused_launches();
+  for (size_t i = 0; i < n && disjoint; ++i)
+    for (size_t j = 0; j < i && disjoint; ++j) disjoint = layout::views_disjoint(*ys[i], *ys[j]);
+  std::vector<bool> done(n, false);
+  for (size_t i = 0; i < n; ++i) {
+    if (done[i]) continue;
+    if (disjoint) {
+      std::vector<sk::GemmArgs> group;
+      std::vector<size_t> idx;
+      for (size_t j = i; j < n && group.size() < 4; ++j)
+        if (!done[j] && gs[j].w.fmt == gs[i].w.fmt) {
+          group.push_back(gs[j]);
+          idx.push_back(j);
+        }
+      if (group.size() > 1 && sk::gemm_many(group.data(), int(group.size()), st)) {
+        for (size_t j : idx) done[j] = true;
+        continue;
+      }
+    }
+    sk::gemm(gs[i], st);
+    done[i] = true;
+  }
+}
 }  // namespace dflash2::cuda

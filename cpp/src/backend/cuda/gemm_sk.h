@@ -29,6 +29,11 @@ struct GemmArgs {
   // A: row m at a + m * lda, 16-byte aligned, lda >= a_width(fmt, K), zeros in [K, lda).
   const __nv_bfloat16* a = nullptr;
   int64_t lda = 0;
+  // 0: A is bf16(x) (linear_bf16's numerics). Else the exact form (linear's numerics on the
+  // tensor cores, ops::exact_tc): A's row m holds split_x3's three planes of x at a + m * lda
+  // + p * plane (plane >= a_width(fmt, K), lda >= 3 * plane), W is BF16 / FP8 / NVFP4
+  // (takes_x3), and d = sum_k x[m, k] W[n, k] with every product exact (below).
+  int64_t plane = 0;
   detail::WeightView w{};  // 16-byte segment loads where detail::rows_aligned16(w)
   int64_t M = 0;
   // D: row m at d + m * ldd.
@@ -46,6 +51,23 @@ struct GemmArgs {
 // kernel reads (K rounded up to whole k-stages).
 int seg_elems(detail::WFmt f);
 int64_t a_width(detail::WFmt f, int64_t K);
+
+// The exact form (GemmArgs::plane != 0): linear's fp32 numerics on BF16 tensor cores. x is
+// split into three BF16 planes whose sum is x exactly (hi = bf16(x), mid = bf16(x - hi), lo =
+// bf16(x - hi - mid)); the weight operand is exact in BF16 (BF16 as stored; FP8 codes, each
+// 128-input block's sums then times its scale with one fused multiply-add; NVFP4's E2M1 x
+// E4M3 values, the sums times the global scale at the end), so every product is exact and
+// only the fp32 sums round: the result agrees with the CPU's linear to fp32 summation order
+// (not bitwise), and, as in the BF16 form, a row's result depends on its own x only (the
+// tile, split and order are functions of N, K and the format). 8 tokens per CTA for FP8 /
+// NVFP4 (layout::sk_tok), 16 for BF16 (the three planes' stage tiles in 24 KiB of shared
+// memory): more rows are more CTAs reading the same weight slice (from L2 when they run
+// together). F32 / F16 weights stay on linear's SIMT kernel.
+bool takes_x3(detail::WFmt f);
+// a's three planes of x F32 [M, K] (row stride ldx): plane p of row m at a + m * lda + p *
+// plane, zeros for K <= k < plane (plane >= a_width, plane % 8 == 0, lda >= 3 * plane).
+void split_x3(const float* x, int64_t ldx, int64_t M, int64_t K, __nv_bfloat16* a, int64_t lda, int64_t plane,
+              cudaStream_t s);
 int splits(const detail::WeightView& w);
 int64_t partial_floats(const detail::WeightView& w, int64_t M);
 

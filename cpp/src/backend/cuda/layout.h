@@ -382,6 +382,11 @@ DFLASH2_HD int sk_splits(int64_t N, int64_t K, int E, int groups = 1) {
   while (s * 2 <= kSkMaxSplits && s * 2 <= stages && blocks * s < kSkFill) s *= 2;
   return s;
 }
+// Tokens per CTA tile: kSkTok, or in the exact form (x as three BF16 planes, gemm_sk.h's
+// GemmArgs::plane) 8 for FP8 / NVFP4 and 16 for BF16, so that the three planes' double-buffered
+// stage tiles stay at 24 KiB of static shared memory (3 x 2 x 8 tokens x 256 inputs x 2 bytes;
+// BF16: 16 tokens x 128 inputs), under the 48 KiB a kernel may declare statically.
+DFLASH2_HD constexpr int sk_tok(int E, bool x3) { return !x3 ? kSkTok : E >= 16 ? kSkTok / 4 : kSkTok / 2; }
 // Split z's stages [sk_split_begin(z), sk_split_begin(z + 1)).
 DFLASH2_HD int64_t sk_split_begin(int64_t stages, int S, int z) { return stages * z / S; }
 // x's stage tile in shared memory: kSkTok rows of sk_stage_k(E) BF16 inputs, as 16-byte
