@@ -220,3 +220,34 @@ def test_ctrl_c_on_cli_stream_exits_cleanly():
     assert p.returncode in (130, 1), (p.returncode, err[-2000:])
     assert p.returncode != -signal.SIGABRT and "terminate called" not in err and "Traceback" not in err
     assert "interrupted" in err
+
+
+def test_prefill_wait_is_its_own_share_of_decode_time():
+    """A request decoding while another one's prompt runs (the scheduler prefills new prompts
+    between steps) has that wait in stats["prefill_wait_s"], not in host_s; the newcomer,
+    alone after its prefill, waited for none; each split adds up to decode_s."""
+    eng = dflash2_rt.Engine(method="ar", max_batch_size=2, max_seq_len=512)
+    try:
+        first = eng.submit(prompts(1, seed=21)[0], max_new_tokens=120, stop_token_ids=[])
+        got = []
+        while len(got) < 3:  # decoding
+            up = eng.poll(first, timeout=20.0)
+            assert not up.finished
+            got += up.new_token_ids
+        second = eng.submit([int(t) % 200 + 2 for t in range(300)], max_new_tokens=2, stop_token_ids=[])
+        results = {}
+        for rid in (first, second):
+            while True:
+                up = eng.poll(rid, timeout=60.0)
+                if up.finished:
+                    results[rid] = up.result.stats
+                    break
+        a, b = results[first], results[second]
+        assert a["prefill_wait_s"] > 0.0, a
+        assert b["prefill_wait_s"] == 0.0, b
+        for st in (a, b):
+            parts = st["draft_s"] + st["verify_s"] + st["prefill_wait_s"] + st["host_s"]
+            assert abs(parts - st["decode_s"]) <= 1e-9 * max(1.0, st["decode_s"]), st
+    finally:
+        eng.close()
+

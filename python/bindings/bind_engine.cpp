@@ -44,6 +44,7 @@ py::dict stats_dict(const GenerationStats& s) {
   d["draft_s"] = s.draft_s;
   d["verify_s"] = s.verify_s;
   d["host_s"] = s.host_s;
+  d["prefill_wait_s"] = s.prefill_wait_s;
   return d;
 }
 

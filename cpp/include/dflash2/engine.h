@@ -102,7 +102,10 @@ struct GenerationStats {
   double acceptance_length = 1.0;
   int64_t verify_steps = 0;
   std::vector<double> accepted_per_position;
-  double draft_s = 0, verify_s = 0, host_s = 0;
+  // decode_s = draft_s + verify_s + prefill_wait_s (this request waiting while other
+  // requests' prompts ran: the scheduler prefills new prompts between steps) + host_s (the
+  // rest: planning, scheduling, and on a GPU the host work the device waits for).
+  double draft_s = 0, verify_s = 0, host_s = 0, prefill_wait_s = 0;
 };
 
 // One greedy draft block after a prefill of some tokens (for debugging acceptance).

@@ -79,7 +79,8 @@ void Decoder::retire(Request* r) {
   st.draft_s = r->draft_s;
   st.verify_s = r->verify_s;
   st.decode_s = r->t_prefilled > 0 ? std::max(0.0, now() - r->t_prefilled) : 0.0;
-  st.host_s = std::max(0.0, st.decode_s - st.draft_s - st.verify_s);
+  st.prefill_wait_s = std::min(r->prefill_wait_s, st.decode_s);
+  st.host_s = std::max(0.0, st.decode_s - st.draft_s - st.verify_s - st.prefill_wait_s);
   st.verify_steps = r->verify_steps;
   st.steps = r->verify_steps;
   st.acceptance_length = r->verify_steps ? double(r->committed) / double(r->verify_steps) : 1.0;
@@ -218,6 +219,9 @@ void Decoder::prefill() {
     r->prefill_s = t1 - t0;
     r->t_prefilled = t1;
   }
+  // the decoding requests waited for these prompts (their decode_s runs on meanwhile)
+  for (Request* r : running_)
+    if (r->prefilled && r->t_prefilled < t0 && !r->done) r->prefill_wait_s += t1 - t0;
 }
 
 // ---------------- draft / verify / accept / commit
