@@ -29,7 +29,7 @@
 # per-step limits in seconds: DC_CTEST_TIMEOUT (150), DC_PYTEST_TIMEOUT (240),
 # DC_TEST_TIMEOUT (one Python test, 120, where pytest-timeout is installed), DC_E2E_TIMEOUT
 # (75), DC_BENCH_TIMEOUT (bench_ops --quick, 75), DC_BENCH_FILTER (bench_ops --filter: only
-# the cases whose name contains it, e.g. "linear_exact_tc"), DC_MEMCHECK_TIMEOUT (120),
+# the cases whose name contains it, e.g. "exact_tc"), DC_MEMCHECK_TIMEOUT (120),
 # DC_EMULATE=1 (a dry run of every step, the GPU ones included, against the CPU emulation of
 # the CUDA backend in BUILD_DIR, default build-device-emu, with smaller benchmark workloads:
 # checks this script, not a GPU; give it a larger DC_DEADLINE and step limits),

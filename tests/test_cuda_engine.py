@@ -238,17 +238,21 @@ def bf16_copy(src, dst):
     return dst
 
 
-def test_exact_tc_on_cuda(tmp_path):
-    """ops.set_exact_tc(True) before the engines load: linear's exact numerics on the tensor
-    cores for BF16 / FP8 / NVFP4 weights (x as three BF16 planes). On a BF16 copy of the
-    self-drafting pair's target: the prompt's logits agree with the CPU's and differ in some
-    bits from the SIMT kernel's (the path is taken); AR on the GPU gives the CPU's greedy
-    tokens (where the margins allow); DFlash 2 on the GPU -- target rows verified 8 at a time,
-    decoded one per sequence in AR -- gives AR's tokens exactly, in fewer steps; the step
-    graphs capture the kernels."""
+@pytest.mark.parametrize("fmt", ["bf16", "fp8"])
+def test_exact_tc_on_cuda(tmp_path, fmt):
+    """ops.set_exact_tc(True) before the engines load: linear's and the routed experts' exact
+    numerics on the tensor cores for BF16 / FP8 / NVFP4 weights (x as three BF16 planes). On a
+    BF16 copy and an FP8 block-128 copy of the self-drafting pair's target: the prompt's
+    logits agree with the CPU's and differ in some bits from the SIMT kernels' (the path is
+    taken); AR on the GPU gives the CPU's greedy tokens (where the margins allow); DFlash 2 on
+    the GPU -- target rows verified 8 at a time, decoded one per sequence in AR -- gives AR's
+    tokens exactly, in fewer steps; the step graphs capture the kernels."""
     cuda_or_skip()
     pair = F.make_self_drafting_pair(tmp_path / "pair")
     target = bf16_copy(pair.target_dir, str(tmp_path / "target-bf16"))
+    if fmt == "fp8":
+        quantize_checkpoint(target, str(tmp_path / "target-fp8"), "fp8", "all")
+        target = str(tmp_path / "target-fp8")
     prompts = [[5, 5, 5], [40, 40, 40, 7], [9, 80, 3]]
     ids = [3, 50, 51, 52, 9, 9, 100]
     kw = dict(KW, max_batch_size=3)

@@ -2339,6 +2339,51 @@ def test_moe_experts(dev, wdtype):
 
 
 @pytest.mark.parametrize("dev", DEVICES)
+@pytest.mark.parametrize("fmt", ["bf16", "fp8", "nvfp4"])
+def test_moe_experts_exact_tc(dev, fmt):
+    """ops.set_exact_tc(True): the exact routed experts on the tensor cores (x gathered as three
+    BF16 planes, gate and up in one skinny grouped launch whose reduction writes silu(gate) * up
+    as three planes, down to slot order) keep the exact numerics (NMSE against float64 as the
+    SIMT kernels'; 1e-12 in the emulator, where dropping a plane exceeds it), change bits on
+    CUDA only, and a token alone equals its row in the batch, bitwise. Cases: an empty expert
+    between used ones, experts with more than one 8 / 16-token tile, K tails, K split over
+    CTAs (H = 1024), 300 rows (past the arrival counters: the reduction kernels)."""
+    need_device(dev, "moe_experts")
+    rng = rng_for("moe-exact-tc", fmt)
+    on = (lambda w: w) if dev == "cpu" else (lambda w: [v.to(dev) for v in w])
+    tol = 1e-12 if dflash2_rt.build_info().get("cuda_emulated") and dev == "cuda" else None
+    for case, (T, E, H, F, k) in enumerate([(6, 5, 208, 144, 2), (40, 6, 256, 160, 3), (7, 5, 1024, 64, 2),
+                                            (150, 4, 64, 896, 2)]):
+        mats = [[make_weight(fmt, n, kk, rng) for (n, kk) in [(F, H), (F, H), (H, F)]] for _ in range(E)]
+        gate, up, down = ([m[i][0] for m in mats] for i in range(3))
+        eref = [tuple(w for (_, w) in m) for m in mats]
+        x = rng.standard_normal((T, H)).astype(np.float32)
+        ids = np.zeros((T, k), np.int32)
+        for t in range(T):  # expert E - 1 never used; expert 0 by most tokens
+            row = [0] if t % 4 else []
+            row += [int(e) for e in rng.permutation(np.arange(1, E - 1))[:k - len(row)]]
+            ids[t] = sorted(row)
+        if case == 0:
+            ids[ids == 2] = 3  # expert 2 empty, between used ones
+        weights = rng.uniform(0.05, 1.0, (T, k)).astype(np.float32)
+        ref = refs.moe_experts(x, ids, weights, eref)
+        args = (to_dev(x, dev), to_dev(ids, dev), to_dev(weights, dev), on(gate), on(up), on(down))
+        tc, simt = on_and_off(ops.exact_tc, ops.set_exact_tc, lambda: to_np(ops.moe_experts(*args)))
+        check("moe_experts", tc, ref, tol)
+        check("moe_experts", simt, ref)
+        assert np.array_equal(tc.view(np.uint32), simt.view(np.uint32)) == (dev == "cpu"), case
+        was = ops.exact_tc()
+        ops.set_exact_tc(True)
+        try:
+            for t in sorted({0, T // 2, T - 1}):
+                one = to_np(ops.moe_experts(to_dev(x[t:t + 1], dev), to_dev(ids[t:t + 1], dev),
+                                            to_dev(weights[t:t + 1], dev), on(gate), on(up), on(down)))
+                assert np.array_equal(one[0].view(np.uint32), tc[t].view(np.uint32)), (case, t)
+        finally:
+            ops.set_exact_tc(was)
+
+
+@pytest.mark.parametrize("dev", DEVICES)
 @pytest.mark.parametrize("numerics,decode", [("exact", False), ("bf16", True), ("bf16", False)])
 def test_moe_experts_accumulate(dev, numerics, decode):
     """moe_experts(..., accumulate=True) (a single-rank MoE layer adds the routed experts' sum

@@ -37,7 +37,8 @@
 //
 // linear_exact_tc: linear (the exact numerics, the default decode_gemm) on the tensor cores
 // (ops::set_exact_tc: x as three BF16 planes, gemm_sk.h) beside its SIMT kernel on the same
-// operands ("speedup"), at T = 1, 8, 32 (--quick) / 1 .. 256.
+// operands ("speedup"), at T = 1, 8, 32 (--quick) / 1 .. 256; moe_experts_exact_tc the same
+// for the routed experts (FP8 with --quick, NVFP4 too without) against the SIMT expert kernels.
 //
 // linear_bf16_dq and moe_experts_bf16_dq (Hopper only): the mainloop-dequantizing GEMM of
 // FP8 / NVFP4 weights' prompt chunks, and grouped over NVFP4 experts, in its wgmma form (the
@@ -1525,6 +1526,37 @@ void bench_moe_decode(Bench& b, const std::vector<int64_t>& Ts) {
   }
 }
 
+// The routed experts' exact numerics on the tensor cores (ops::set_exact_tc(true): the skinny
+// grouped kernel's exact form) beside the exact SIMT expert kernels on the same routing.
+void bench_moe_exact_tc(Bench& b, const std::vector<int64_t>& Ts) {
+  for (Fmt f : {Fmt::FP8, Fmt::NVFP4}) {
+    if (b.opt.quick && f != Fmt::FP8) continue;
+    for (int64_t T : Ts) {
+      const std::vector<int32_t> ids = random_routing(T, 7321 + uint64_t(T));
+      const int64_t nhit = moe_hits(ids);
+      Result r{"moe_experts_exact_tc", "256 experts top8 " + dims({G.moe_inter, G.hidden}) + " hit " +
+               std::to_string(nhit), fmt_name(f), t_label(T), T};
+      moe_cost(r, f, T, nhit);
+      b.run(r, [&](Baseline& base) {
+        auto c = std::make_shared<MoeCase>(make_moe_case(f, T, ids));
+        auto form = [c](bool tc) {
+          return [c, tc](int) {
+            const bool was = ops::exact_tc();
+            ops::set_exact_tc(tc);
+            c->run(ops::GemmNumerics::Exact);
+            ops::set_exact_tc(was);
+          };
+        };
+        base.name = "exact SIMT";
+        base.kind = "moe_experts numerics exact on the SIMT expert kernels (ops::set_exact_tc(false))";
+        base.variants = 1;
+        base.run = form(false);
+        return std::make_pair(std::function<void(int)>(form(true)), 1);
+      });
+    }
+  }
+}
+
 void bench_small(Bench& b, const std::vector<int64_t>& Ts) {
   for (int64_t T : Ts) {
     // rms_norm: the layer norms (6144), q_a_layernorm (2048), kv_a_layernorm (512 of the 576 kv_a row)
@@ -1760,6 +1792,7 @@ int main(int argc, char** argv) {
     bench_gated_decode(b, Ts);
     bench_linear_exact_tc(b, opt.cpu_smoke ? Ts : opt.quick ? std::vector<int64_t>{1, 8, 32}
                                                              : std::vector<int64_t>{1, 8, 32, 64, 256});
+    bench_moe_exact_tc(b, opt.cpu_smoke ? Ts : opt.quick ? std::vector<int64_t>{8, 32, 256} : Ts);
     if (!b.fatal) {
       const double again = copy_bandwidth_GBps(b.trials());
       std::printf("copy bandwidth at the end: %.1f GB/s\n", again);

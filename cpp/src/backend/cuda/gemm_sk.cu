@@ -132,6 +132,10 @@ struct Params {
   uint32_t* arrivals;
   __nv_bfloat16* silu;
   int64_t ld_silu;
+  // silu's form: 0, one BF16 plane (bf16(silu(gate) * up), zeros to ld_silu); else the exact
+  // form's three planes of the fp32 value (split3) at silu + m * ld_silu + p * silu_plane,
+  // zeros for N <= n < silu_plane: the next X3 GEMM's A
+  int64_t silu_plane;
 };
 
 // Segment k0 (E inputs from k0) of a weight row as 16 raw bytes (F32: 8 inputs already
@@ -454,12 +458,33 @@ __device__ __forceinline__ float split_sum(const float* partial, int S, int64_t 
 }
 
 // The down input of row m, feature n of a gated MLP / the experts' gate and up (partial
-// [S][M][2][N], total = M * 2 * N): bf16(silu(gate) * up) of the split sums, zero for n >= N.
-__device__ __forceinline__ __nv_bfloat16 silu_of_sums(const float* partial, int S, int64_t total, int64_t m,
-                                                      int64_t N, int64_t n) {
-  if (n >= N) return __float2bfloat16_rn(0.0f);
+// [S][M][2][N], total = M * 2 * N): silu(gate) * up of the split sums, zero for n >= N.
+__device__ __forceinline__ float silu_of_sums(const float* partial, int S, int64_t total, int64_t m, int64_t N,
+                                              int64_t n) {
+  if (n >= N) return 0.0f;
   const int64_t ig = m * 2 * N + n;
-  return __float2bfloat16_rn(detail::silu_mul(split_sum(partial, S, total, ig), split_sum(partial, S, total, ig + N)));
+  return detail::silu_mul(split_sum(partial, S, total, ig), split_sum(partial, S, total, ig + N));
+}
+
+// v as the exact form's three BF16 planes: hi = bf16(v), mid = bf16(v - hi), lo = bf16(v -
+// hi - mid) (both differences exact in fp32, so hi + mid + lo == v for finite v above the
+// subnormals), at row[0], row[plane], row[2 * plane].
+__device__ __forceinline__ void store_split3(__nv_bfloat16* row, int64_t plane, float v) {
+  const __nv_bfloat16 hi = __float2bfloat16_rn(v);
+  const float r1 = __fsub_rn(v, __bfloat162float(hi));
+  const __nv_bfloat16 mid = __float2bfloat16_rn(r1);
+  row[0] = hi;
+  row[plane] = mid;
+  row[2 * plane] = __float2bfloat16_rn(__fsub_rn(r1, __bfloat162float(mid)));
+}
+
+// Column n of silu row m: v in silu's form (Params::silu_plane).
+__device__ __forceinline__ void store_silu(__nv_bfloat16* silu, int64_t ld_silu, int64_t silu_plane, int64_t m,
+                                           int64_t n, float v) {
+  if (silu_plane)
+    store_split3(silu + m * ld_silu + n, silu_plane, v);
+  else
+    silu[m * ld_silu + n] = __float2bfloat16_rn(v);
 }
 
 // Tile rows [m0, m0 + rows) x feature block fb, whose partial sums `expected` CTAs write
@@ -479,11 +504,12 @@ __device__ __forceinline__ void finish_tile(const Params& p, uint32_t slot, int 
   if (!last) return;
   __threadfence();
   const int64_t n0 = int64_t(fb) * kSkFeatPerCta, total = p.M * p.P * p.N;
-  const int64_t width = p.silu && n0 + kSkFeatPerCta >= p.N ? p.ld_silu - n0 : kSkFeatPerCta;
+  const int64_t silu_w = p.silu_plane ? p.silu_plane : p.ld_silu;  // the padding's end
+  const int64_t width = p.silu && n0 + kSkFeatPerCta >= p.N ? silu_w - n0 : kSkFeatPerCta;
   for (int64_t i = threadIdx.x; i < rows * width; i += kThreads) {
     const int64_t m = m0 + i / width, n = n0 + i % width;
     if (p.silu) {
-      p.silu[m * p.ld_silu + n] = silu_of_sums(p.partial, p.S, total, m, p.N, n);
+      store_silu(p.silu, p.ld_silu, p.silu_plane, m, n, silu_of_sums(p.partial, p.S, total, m, p.N, n));
     } else if (n < p.N) {
       const float v = split_sum(p.partial, p.S, total, m * p.N + n);
       float* out = p.d + (p.d_rows ? int64_t(p.d_rows[m]) : m) * p.ldd + n;
@@ -554,10 +580,11 @@ __global__ void __launch_bounds__(kThreads, kMinCtas) sk_many_kernel(const __gri
 // its group's weight and its own x only (the split is a function of N, K, the format and P),
 // never on the other rows. With arrivals, each tile's last CTA writes its results
 // (finish_tile); else a reduction kernel follows.
-template <WFmt F>
+template <WFmt F, bool X3>
 __global__ void __launch_bounds__(kThreads, kMinCtas) sk_grouped_kernel(const Params p) {
   detail::pdl_enter();
-  __shared__ __align__(128) uint4 xs[kXsChunks<F, false>];
+  constexpr int Tok = kTok<F, X3>;
+  __shared__ __align__(128) uint4 xs[kXsChunks<F, X3>];
   const int fblocks = int(gridDim.x) / p.P, j = int(blockIdx.x) / fblocks;
   const int64_t f0 = int64_t(int(blockIdx.x) - j * fblocks) * kSkFeatPerCta + int64_t(threadIdx.x >> 5) * kSkFeat;
   const bool active = f0 < p.N;
@@ -578,12 +605,12 @@ __global__ void __launch_bounds__(kThreads, kMinCtas) sk_grouped_kernel(const Pa
     }
     __syncthreads();
     const int first = p.start[e], end = p.start[e + 1];  // rows < 2^31 (checked on the host)
-    for (int m0 = first; m0 < end; m0 += kSkTok) {
+    for (int m0 = first; m0 < end; m0 += Tok) {
       if (m0 > first) __syncthreads();  // the previous tile's readers of both x buffers are done
-      const int rows = end - m0 < kSkTok ? end - m0 : kSkTok;
+      const int rows = end - m0 < Tok ? end - m0 : Tok;
       float acc[4][4];
-      tile_mma<F, false>(w, p.vec, q, p.a, p.lda, 0, m0, rows, f0, active, s0, s1, xs, acc);
-      if (active) tile_store(p, acc, m0, rows, f0, z, j);
+      tile_mma<F, X3>(w, p.vec, q, p.a, p.lda, p.plane, m0, rows, f0, active, s0, s1, xs, acc);
+      if (active) tile_store(p, acc, m0, rows, f0, z, j, X3 && F == WFmt::NVFP4 ? w.global_scale : 1.0f);
       // the tile's last CTA of its P x S writes its results (one counter per first row and
       // feature block: the tiles' first rows are distinct)
       if (p.arrivals)
@@ -609,17 +636,20 @@ __global__ void __launch_bounds__(256) sk_reduce(const float* __restrict__ parti
   }
 }
 
-// h[m, f] = bf16(silu(gate) * up) of row m < *used (used == nullptr: every row), gate / up = projection 0 / 1's sums
-// (partial [S][M][2][N], added in split order), zeros for N <= f < ldh: the experts' down
-// projection input, as dq::rows_bf16(SiluMul) makes it from the summed gate and up.
+// h[m, f] = silu(gate) * up of row m < *used (used == nullptr: every row) in silu's form
+// (Params::silu_plane: bf16, zeros for N <= f < ldh; or three planes, zeros to the plane's
+// width), gate / up = projection 0 / 1's sums (partial [S][M][2][N], added in split order):
+// the experts' down projection input, as dq::rows_bf16(SiluMul) makes it from the summed
+// gate and up.
 __global__ void __launch_bounds__(256) sk_reduce_silu(const float* __restrict__ partial, int S, int64_t M, int64_t N,
                                                        const int32_t* __restrict__ used, __nv_bfloat16* __restrict__ h,
-                                                       int64_t ldh) {
+                                                       int64_t ldh, int64_t plane) {
   detail::pdl_enter();
-  const int64_t total = M * 2 * N, rows = used && int64_t(*used) < M ? int64_t(*used) : M, limit = rows * ldh;
+  const int64_t width = plane ? plane : ldh;
+  const int64_t total = M * 2 * N, rows = used && int64_t(*used) < M ? int64_t(*used) : M, limit = rows * width;
   for (int64_t i = int64_t(blockIdx.x) * blockDim.x + threadIdx.x; i < limit; i += int64_t(gridDim.x) * blockDim.x) {
-    const int64_t m = i / ldh;
-    h[i] = silu_of_sums(partial, S, total, m, N, i - m * ldh);
+    const int64_t m = i / width, n = i - m * width;
+    store_silu(h, ldh, plane, m, n, silu_of_sums(partial, S, total, m, N, n));
   }
 }
 
@@ -630,7 +660,10 @@ constexpr bool kTakesX3 = F == WFmt::BF16 || F == WFmt::FP8 || F == WFmt::NVFP4;
 template <WFmt F>
 void launch(const Params& p, dim3 grid, bool grouped, cudaStream_t s) {
   if (grouped) {
-    sk_grouped_kernel<F><<<grid, kThreads, 0, s>>>(p);
+    if (p.plane == 0)
+      sk_grouped_kernel<F, false><<<grid, kThreads, 0, s>>>(p);
+    else if constexpr (kTakesX3<F>)
+      sk_grouped_kernel<F, true><<<grid, kThreads, 0, s>>>(p);
   } else if (p.plane != 0) {
     if constexpr (kTakesX3<F>) sk_kernel<F, true><<<grid, kThreads, 0, s>>>(p);
   } else {
@@ -641,21 +674,18 @@ void launch(const Params& p, dim3 grid, bool grouped, cudaStream_t s) {
 // x F32 [M, K] (row stride ldx) as the exact form's three BF16 planes: hi = bf16(x),
 // mid = bf16(x - hi), lo = bf16(x - hi - mid) (both differences exact in fp32, so hi + mid +
 // lo == x for every finite x above the subnormals), zeros for K <= k < plane.
+// Row m of A from x row order ? order[m] / div : m; rows m < *used when used != nullptr
+// (device: the grouped kernel's row count; the rest untouched).
 __global__ void __launch_bounds__(256) split_x3_kernel(const float* __restrict__ x, int64_t ldx, int64_t M, int64_t K,
-                                                       __nv_bfloat16* __restrict__ a, int64_t lda, int64_t plane) {
+                                                       const int32_t* __restrict__ order, int div,
+                                                       const int32_t* __restrict__ used, __nv_bfloat16* __restrict__ a,
+                                                       int64_t lda, int64_t plane) {
   detail::pdl_enter();
-  const int64_t total = M * plane;
+  const int64_t rows = used && int64_t(*used) < M ? int64_t(*used) : M, total = rows * plane;
   for (int64_t i = int64_t(blockIdx.x) * blockDim.x + threadIdx.x; i < total; i += int64_t(gridDim.x) * blockDim.x) {
     const int64_t m = i / plane, k = i - m * plane;
-    const float v = k < K ? x[m * ldx + k] : 0.0f;
-    const __nv_bfloat16 hi = __float2bfloat16_rn(v);
-    const float r1 = __fsub_rn(v, __bfloat162float(hi));
-    const __nv_bfloat16 mid = __float2bfloat16_rn(r1);
-    const __nv_bfloat16 lo = __float2bfloat16_rn(__fsub_rn(r1, __bfloat162float(mid)));
-    __nv_bfloat16* row = a + m * lda + k;
-    row[0] = hi;
-    row[plane] = mid;
-    row[2 * plane] = lo;
+    const int64_t src = order ? int64_t(order[m] / div) : m;
+    store_split3(a + m * lda + k, plane, k < K ? x[src * ldx + k] : 0.0f);
   }
 }
 
@@ -679,8 +709,19 @@ void split_x3(const float* x, int64_t ldx, int64_t M, int64_t K, __nv_bfloat16* 
                     "cuda::sk::split_x3: bad arguments");
   if (M == 0 || plane == 0) return;
   const unsigned blocks = detail::ceil_blocks(M * plane, 256, detail::kMaxRowBlocks);
-  split_x3_kernel<<<blocks, 256, 0, s>>>(x, ldx, M, K, a, lda, plane);
+  split_x3_kernel<<<blocks, 256, 0, s>>>(x, ldx, M, K, nullptr, 1, nullptr, a, lda, plane);
   detail::check_launch("sk_gemm exact form: x as three BF16 planes", "[", M, ", ", K, "]");
+}
+
+void split_x3_gather(const float* x, int64_t ldx, const int32_t* order, int div, const int32_t* used, int64_t M,
+                     int64_t K, __nv_bfloat16* a, int64_t lda, int64_t plane, cudaStream_t s) {
+  DFLASH2_CHECK_ARG(x && a && order && div >= 1 && M >= 0 && K >= 0 && plane >= K && plane % 8 == 0 &&
+                        lda >= 3 * plane,
+                    "cuda::sk::split_x3_gather: bad arguments");
+  if (M == 0 || plane == 0) return;
+  const unsigned blocks = detail::ceil_blocks(M * plane, 256, detail::kMaxRowBlocks);
+  split_x3_kernel<<<blocks, 256, 0, s>>>(x, ldx, M, K, order, div, used, a, lda, plane);
+  detail::check_launch("sk_gemm exact form: gathered rows as three BF16 planes", "[", M, ", ", K, "]");
 }
 
 int splits(const WeightView& w) { return layout::sk_splits(w.N, w.K, seg_elems(w.fmt)); }
@@ -880,7 +921,7 @@ void gated(const GatedArgs& g, cudaStream_t s) {
     }
     if (!fused) {
       const unsigned blocks = detail::ceil_blocks(m * g.ldh, 256, detail::kMaxRowBlocks);
-      sk_reduce_silu<<<blocks, 256, 0, s>>>(g.partial, S, m, wg.N, nullptr, g.h + r0 * g.ldh, g.ldh);
+      sk_reduce_silu<<<blocks, 256, 0, s>>>(g.partial, S, m, wg.N, nullptr, g.h + r0 * g.ldh, g.ldh, 0);
       detail::check_launch("sk_gemm gated reduction (silu * up)", "[", m, ", ", wg.N, "]");
     }
   }
@@ -900,8 +941,14 @@ void grouped_gemm(const GroupedArgs& g, cudaStream_t s) {
   DFLASH2_CHECK_ARG(g.a && g.table && g.start && g.active && g.K > 0 && g.N >= 0 && g.M >= 0 &&
                         g.M <= int64_t(INT32_MAX) && g.groups >= 1 && g.table_stride >= 1 && g.max_active >= 0 &&
                         (g.projections == 1 ? g.d != nullptr
-                                            : g.projections == 2 && g.silu && g.ld_silu >= g.N && !g.d_rows),
+                                            : g.projections == 2 && g.silu && g.ld_silu >= g.N && !g.d_rows &&
+                                                  (g.silu_plane == 0 || (g.silu_plane >= g.N && g.silu_plane % 8 == 0 &&
+                                                                         g.ld_silu >= 3 * g.silu_plane))),
                     op, ": bad arguments");
+  if (g.plane != 0)
+    DFLASH2_CHECK_ARG(takes_x3(g.fmt) && g.plane >= a_width(g.fmt, g.K) && g.plane % 8 == 0 && g.lda >= 3 * g.plane, op,
+                      ": the exact form (three planes of A) takes BF16 / FP8 / NVFP4 weights with plane >= ",
+                      a_width(g.fmt, g.K), " and lda >= 3 x plane, found plane ", g.plane, ", lda ", g.lda);
   DFLASH2_CHECK_ARG(detail::aligned(g.a, 16) && g.lda % 8 == 0 && g.lda >= a_width(g.fmt, g.K), op,
                     ": A must be 16-byte aligned with lda % 8 == 0 and lda >= ", a_width(g.fmt, g.K), ", found lda ",
                     g.lda);
@@ -914,6 +961,7 @@ void grouped_gemm(const GroupedArgs& g, cudaStream_t s) {
   Params p{};
   p.a = g.a;
   p.lda = g.lda;
+  p.plane = g.plane;
   p.vec = g.vec;
   p.M = g.M;
   p.N = g.N;
@@ -937,6 +985,7 @@ void grouped_gemm(const GroupedArgs& g, cudaStream_t s) {
   if (fused && P == 2) {
     p.silu = g.silu;
     p.ld_silu = g.ld_silu;
+    p.silu_plane = g.silu_plane;
   }
   const dim3 grid(unsigned(fblocks * P), unsigned(S),
                   unsigned(p.max_active < detail::kMaxGridY ? p.max_active : detail::kMaxGridY));
@@ -944,8 +993,9 @@ void grouped_gemm(const GroupedArgs& g, cudaStream_t s) {
   detail::check_launch("sk_gemm grouped kernel launch", "[", g.M, ", ", P, " x ", g.N, ", ", g.K, "] x ", g.groups);
   if (fused) return;
   if (P == 2) {
-    const unsigned blocks = detail::ceil_blocks(g.M * g.ld_silu, 256, detail::kMaxRowBlocks);
-    sk_reduce_silu<<<blocks, 256, 0, s>>>(g.partial, S, g.M, g.N, g.start + g.groups, g.silu, g.ld_silu);
+    const unsigned blocks = detail::ceil_blocks(g.M * (g.silu_plane ? g.silu_plane : g.ld_silu), 256,
+                                                detail::kMaxRowBlocks);
+    sk_reduce_silu<<<blocks, 256, 0, s>>>(g.partial, S, g.M, g.N, g.start + g.groups, g.silu, g.ld_silu, g.silu_plane);
     detail::check_launch("sk_gemm grouped split reduction (silu * up)", "[", g.M, ", ", g.N, "]");
   } else if (S > 1) {
     const unsigned blocks = detail::ceil_blocks(g.M * g.N, 256, detail::kMaxRowBlocks);

@@ -68,6 +68,10 @@ bool takes_x3(detail::WFmt f);
 // plane, zeros for K <= k < plane (plane >= a_width, plane % 8 == 0, lda >= 3 * plane).
 void split_x3(const float* x, int64_t ldx, int64_t M, int64_t K, __nv_bfloat16* a, int64_t lda, int64_t plane,
               cudaStream_t s);
+// The same for gathered rows: row m of A is x row order[m] / div, rows m < *used (device;
+// nullptr: all M), the others untouched (the grouped kernel's rows in expert order).
+void split_x3_gather(const float* x, int64_t ldx, const int32_t* order, int div, const int32_t* used, int64_t M,
+                     int64_t K, __nv_bfloat16* a, int64_t lda, int64_t plane, cudaStream_t s);
 int splits(const detail::WeightView& w);
 int64_t partial_floats(const detail::WeightView& w, int64_t M);
 
@@ -115,6 +119,7 @@ void gated(const GatedArgs& g, cudaStream_t s);
 struct GroupedArgs {
   const __nv_bfloat16* a = nullptr;  // row p at a + p * lda, as GemmArgs::a
   int64_t lda = 0;
+  int64_t plane = 0;  // as GemmArgs::plane: the exact form (linear's numerics) when != 0
   const detail::WeightView* table = nullptr;
   int64_t table_stride = 1;
   detail::WFmt fmt = detail::WFmt::BF16;
@@ -132,6 +137,10 @@ struct GroupedArgs {
   int64_t proj_stride = 0;          // P = 2: projection 1's views at table + proj_stride
   __nv_bfloat16* silu = nullptr;    // P = 2: row p at silu + p * ld_silu, ld_silu >= N
   int64_t ld_silu = 0;
+  // P = 2: 0, silu = bf16(silu(gate) * up); else its fp32 value as three planes (split_x3's
+  // form: the next exact-form GEMM's A) at silu + p * ld_silu + q * silu_plane (silu_plane >=
+  // N, a multiple of 8; ld_silu >= 3 x silu_plane), zeros for N <= n < silu_plane
+  int64_t silu_plane = 0;
   float* partial = nullptr;         // grouped_partial_floats(fmt, N, K, M, P) floats, 16-byte aligned
   // detail::zeroed_counters of the launching stream's device, or nullptr: where M x the
   // feature blocks fit them, each tile's last CTA writes its results (no reduction kernel)

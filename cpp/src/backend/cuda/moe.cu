@@ -1191,7 +1191,69 @@ void moe_experts_impl(const Tensor& x, const Tensor& ids, const Tensor& weights,
     }
     grouped(2, h16, Fp, H, F, tab.down_fmt, tab.down_vec, tab.down_vec16, y, H, order);
   }
-  if (mode == ExpertsMode::Exact && n > 0 && F > 0) {
+  // linear's exact numerics on the tensor cores (ops::exact_tc; gemm_sk.h's exact form) where
+  // both formats take it: chosen by the switch and the formats only, never by the batch
+  const bool exact_tc = mode == ExpertsMode::Exact && ops::exact_tc() && sk::enabled() &&
+                        sk::takes_x3(tab.gu_fmt) && sk::takes_x3(tab.down_fmt);
+  if (exact_tc && n > 0 && F > 0) {
+    // x's rows gathered in expert order as three BF16 planes; gate and up in one skinny
+    // grouped launch whose reduction writes silu(gate) * up (the CPU's formula, fp32) as three
+    // planes; down straight to y's slot rows (row map order[p]); then the combine below.
+    // scratch: A [n, 3 Hp] BF16 | h [n, 3 Fp] BF16 | split partials
+    auto up256 = [](int64_t v) { return (v + 255) / 256 * 256; };
+    const int64_t Hp = sk::a_width(tab.gu_fmt, H), Fp = std::max((F + 7) / 8 * 8, sk::a_width(tab.down_fmt, F));
+    const int64_t pf = std::max(sk::grouped_partial_floats(tab.gu_fmt, F, H, n, 2),
+                                sk::grouped_partial_floats(tab.down_fmt, H, F, n, 1));
+    const int64_t b_a = up256(n * 3 * Hp * 2), b_h = up256(n * 3 * Fp * 2), b_p = up256(pf * 4);
+    uint8_t* base = static_cast<uint8_t*>(detail::scratch(dev, size_t(b_a + b_h + b_p)));
+    __nv_bfloat16* a3 = reinterpret_cast<__nv_bfloat16*>(base);
+    __nv_bfloat16* h3 = reinterpret_cast<__nv_bfloat16*>(base + b_a);
+    float* partial = pf > 0 ? reinterpret_cast<float*>(base + b_a + b_h) : nullptr;
+    const WeightView* views = reinterpret_cast<const WeightView*>(tab.dev);
+    sk::split_x3_gather(x.data_as<const float>(), row_stride_2d(x), order, int(K), start + E, n, H, a3, 3 * Hp, Hp, s);
+    sk::GroupedArgs g;
+    g.a = a3;
+    g.lda = 3 * Hp;
+    g.plane = Hp;
+    g.table = views;  // ExpertView: gate, up, down back to back
+    g.table_stride = 3;
+    g.fmt = tab.gu_fmt;
+    g.vec = tab.gu_vec16;
+    g.N = F;
+    g.K = H;
+    g.groups = int(E);
+    g.start = start;
+    g.active = active;
+    g.max_active = int(E < n ? E : n);
+    g.M = n;
+    g.projections = 2;
+    g.proj_stride = 1;
+    g.silu = h3;
+    g.ld_silu = 3 * Fp;
+    g.silu_plane = Fp;
+    g.partial = partial;
+    g.arrivals = detail::zeroed_counters(dev);
+    sk::grouped_gemm(g, s);
+    sk::GroupedArgs d = g;
+    d.a = h3;
+    d.lda = 3 * Fp;
+    d.plane = Fp;
+    d.table = views + 2;
+    d.fmt = tab.down_fmt;
+    d.vec = tab.down_vec16;
+    d.N = H;
+    d.K = F;
+    d.projections = 1;
+    d.proj_stride = 0;
+    d.silu = nullptr;
+    d.ld_silu = 0;
+    d.silu_plane = 0;
+    d.d = y;
+    d.ldd = H;
+    d.d_rows = order;
+    sk::grouped_gemm(d, s);
+  }
+  if (mode == ExpertsMode::Exact && !exact_tc && n > 0 && F > 0) {
     const int max_active = int(E < n ? E : n);
     const unsigned gy = unsigned(max_active < detail::kMaxGridY ? max_active : detail::kMaxGridY);
 
