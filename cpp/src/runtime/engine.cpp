@@ -125,18 +125,53 @@ constexpr const char* kSkinnyInstead = "generated tokens take the prompt chunks'
 // experts; NVFP4: W4A4 NVFP4 experts; NMSE <= 1e-5, 1e-3 for W4A4, whose E2M1 rounding of
 // silu(gate) * up may flip): its failure only keeps the experts off this numerics
 // (*experts_why says why), not the projections.
+// The load-time checks' random numbers (xorshift in [-1, 1)) and weights.
+struct CheckRng {
+  uint64_t s = 0x9e3779b97f4a7c15ull;
+  float next() {
+    s ^= s << 13;
+    s ^= s >> 7;
+    s ^= s << 17;
+    return float(double(s >> 11) / double(uint64_t(1) << 52) - 1.0);
+  }
+};
+// NVFP4 [n_out, n_in] (n_in % 16 == 0): random E2M1 codes, E4M3 scales in [0.5, 1), global 0.02
+ops::Weight check_fp4_weight(CheckRng& r, int64_t n_out, int64_t n_in, float input_scale = 0.0f) {
+  Tensor packed = Tensor::empty(DType::U8, {n_out, n_in / 2}), sc = Tensor::empty(DType::F8_E4M3, {n_out, n_in / 16});
+  uint8_t* pp = static_cast<uint8_t*>(packed.data());
+  uint8_t* sp = static_cast<uint8_t*>(sc.data());
+  for (int64_t i = 0; i < packed.numel(); ++i) pp[i] = uint8_t((r.next() + 1.0f) * 127.99f);
+  for (int64_t i = 0; i < sc.numel(); ++i) sp[i] = uint8_t(0x30 + int((r.next() + 1.0f) * 7.99f));
+  return ops::Weight::nvfp4(packed, sc, 0.02f, input_scale, n_in, "self-check");
+}
+// FP8 block-128 [n_out, n_in]: magnitude codes below 0x58 (|value| < 2^4: no overflow; never
+// 0x7f, E4M3's NaN), block scales around 1.5e-2
+ops::Weight check_fp8_weight(CheckRng& r, int64_t n_out, int64_t n_in) {
+  Tensor c = Tensor::empty(DType::F8_E4M3, {n_out, n_in});
+  Tensor sc = Tensor::empty(DType::F32, {(n_out + 127) / 128, (n_in + 127) / 128});
+  uint8_t* cp = static_cast<uint8_t*>(c.data());
+  for (int64_t i = 0; i < c.numel(); ++i) {
+    const uint8_t v = uint8_t(uint64_t((r.next() + 1.0f) * 43.99f));
+    cp[i] = uint8_t(v | (r.next() < 0 ? 0x80 : 0));
+  }
+  for (int64_t i = 0; i < sc.numel(); ++i) sc.data_as<float>()[i] = 1e-2f * (1.5f + r.next());
+  return ops::Weight::fp8_block128(c, sc, "self-check");
+}
+// BF16 [n_out, n_in], values in [-0.1, 0.1)
+ops::Weight check_bf16_weight(CheckRng& r, int64_t n_out, int64_t n_in) {
+  Tensor w = Tensor::empty(DType::BF16, {n_out, n_in});
+  uint16_t* wp = static_cast<uint16_t*>(w.data());
+  for (int64_t i = 0; i < w.numel(); ++i) wp[i] = f32_to_bf16(0.1f * r.next());
+  return ops::Weight::dense(w, "self-check");
+}
+
 std::string tc_gemm_self_check(Device dev, ops::GemmNumerics g, std::string* experts_why) {
   try {
     // K = 200: tails of 8 and 16 (the BF16 / FP8 padded paths); NVFP4 needs K % 16 == 0 and
     // takes 208, not a multiple of 32 (its padded path)
     const int64_t M = 130, K = g == ops::GemmNumerics::NVFP4 ? 208 : 200, N = 150;
-    uint64_t s = 0x9e3779b97f4a7c15ull;
-    auto next = [&s] {  // xorshift in [-1, 1)
-      s ^= s << 13;
-      s ^= s >> 7;
-      s ^= s << 17;
-      return float(double(s >> 11) / double(uint64_t(1) << 52) - 1.0);
-    };
+    CheckRng rng;
+    auto next = [&rng] { return rng.next(); };
     Tensor x = Tensor::empty(DType::F32, {M, K});
     for (int64_t i = 0; i < M * K; ++i) x.data_as<float>()[i] = next();
     ops::Weight wc;
@@ -205,26 +240,10 @@ std::string tc_gemm_self_check(Device dev, ops::GemmNumerics g, std::string* exp
       ops::linear_as(g, xm, wd, ym);
     });
     if (!why_rows.empty()) return why_rows;
-    auto fp4w = [&](int64_t n_out, int64_t n_in, float input_scale = 0.0f) {  // n_in % 16 == 0
-      Tensor packed = Tensor::empty(DType::U8, {n_out, n_in / 2}), sc = Tensor::empty(DType::F8_E4M3, {n_out, n_in / 16});
-      uint8_t* pp = static_cast<uint8_t*>(packed.data());
-      uint8_t* sp = static_cast<uint8_t*>(sc.data());
-      for (int64_t i = 0; i < packed.numel(); ++i) pp[i] = uint8_t((next() + 1.0f) * 127.99f);
-      for (int64_t i = 0; i < sc.numel(); ++i) sp[i] = uint8_t(0x30 + int((next() + 1.0f) * 7.99f));
-      return ops::Weight::nvfp4(packed, sc, 0.02f, input_scale, n_in, "self-check");
+    auto fp4w = [&](int64_t n_out, int64_t n_in, float input_scale = 0.0f) {
+      return check_fp4_weight(rng, n_out, n_in, input_scale);
     };
-    auto fp8w = [&](int64_t n_out, int64_t n_in) {
-      Tensor c = Tensor::empty(DType::F8_E4M3, {n_out, n_in});
-      Tensor sc = Tensor::empty(DType::F32, {(n_out + 127) / 128, (n_in + 127) / 128});
-      uint8_t* cp = static_cast<uint8_t*>(c.data());
-      for (int64_t i = 0; i < c.numel(); ++i) {
-        // magnitude codes below 0x58 (|value| < 2^4: no overflow; never 0x7f, E4M3's NaN)
-        const uint8_t v = uint8_t(uint64_t((next() + 1.0f) * 43.99f));
-        cp[i] = uint8_t(v | (next() < 0 ? 0x80 : 0));
-      }
-      for (int64_t i = 0; i < sc.numel(); ++i) sc.data_as<float>()[i] = 1e-2f * (1.5f + next());
-      return ops::Weight::fp8_block128(c, sc, "self-check");
-    };
+    auto fp8w = [&](int64_t n_out, int64_t n_in) { return check_fp8_weight(rng, n_out, n_in); };
     if (g == ops::GemmNumerics::BF16) {
       // NVFP4 and FP8 weights through linear_bf16 (on CUDA the mainloop-dequantizing kernel),
       // each against the CPU and its M = 1 / 5 rows against the M = 130 ones
@@ -308,12 +327,7 @@ std::string tc_gemm_self_check(Device dev, ops::GemmNumerics g, std::string* exp
     for (const char fmt : expert_fmts) {
       // (W4A4: K % 32 == 0, not multiples of the 256-deep k-tile)
       const int64_t T = 5, E = 4, H = fmt == 'a' ? 224 : 208, F = fmt == 'a' ? 160 : 144, k = 2;
-      auto bf16w = [&](int64_t n_out, int64_t n_in) {
-        Tensor w = Tensor::empty(DType::BF16, {n_out, n_in});
-        uint16_t* wp = static_cast<uint16_t*>(w.data());
-        for (int64_t i = 0; i < w.numel(); ++i) wp[i] = f32_to_bf16(0.1f * next());
-        return ops::Weight::dense(w, "self-check expert");
-      };
+      auto bf16w = [&](int64_t n_out, int64_t n_in) { return check_bf16_weight(rng, n_out, n_in); };
       auto make = [&](int64_t n_out, int64_t n_in) {
         // 'a': NVFP4 with an input_scale (the W4A4 experts; x in [-1, 1): amax / (6 x 448))
         return fmt == '8'   ? fp8w(n_out, n_in)
@@ -388,6 +402,79 @@ std::string tc_gemm_self_check(Device dev, ops::GemmNumerics g, std::string* exp
     return "";
   } catch (const std::exception& e) {
     return e.what();
+  }
+}
+
+// ops::exact_tc() on a GPU (linear's and the routed experts' exact numerics on the tensor
+// cores): a BF16, an FP8 and an NVFP4 weight (K = 208: tails of the 128 / 256-input stages;
+// M = 130: many token tiles) and 4 FP8 experts (5 tokens, top-2, expert 2 unused) against
+// the CPU's exact ops (NMSE <= 1e-9: fp32 sums in another order, 1e-14 in the emulator), and
+// the weights' M = 1 / 5 rows bitwise their M = 130 rows. "" when it passes, else why not
+// (then exact_tc is turned off in the process: the SIMT kernels run instead).
+std::string exact_tc_self_check(Device dev) {
+  try {
+    CheckRng rng;
+    const int64_t M = 130, K = 208, N = 150;
+    Tensor x = Tensor::empty(DType::F32, {M, K});
+    for (int64_t i = 0; i < M * K; ++i) x.data_as<float>()[i] = rng.next();
+    const Tensor xd = x.to(dev);
+    auto nmse_why = [](const Tensor& dev_out, const Tensor& cpu_out, const std::string& what) -> std::string {
+      const Tensor got = dev_out.to(Device::cpu());
+      double err = 0, nrm = 0;
+      for (int64_t i = 0; i < cpu_out.numel(); ++i) {
+        const double gv = got.data_as<float>()[i], r = cpu_out.data_as<float>()[i];
+        if (!std::isfinite(gv)) return "a non-finite output of the " + what;
+        err += (gv - r) * (gv - r);
+        nrm += r * r;
+      }
+      return err <= 1e-9 * nrm ? "" : what + " NMSE " + std::to_string(err / nrm) + " against the CPU";
+    };
+    const ops::Weight ws[3] = {check_bf16_weight(rng, N, K), check_fp8_weight(rng, N, K), check_fp4_weight(rng, N, K)};
+    const char* names[3] = {"exact GEMM (BF16 weight)", "exact GEMM (FP8 weight)", "exact GEMM (NVFP4 weight)"};
+    for (int i = 0; i < 3; ++i) {
+      Tensor want = Tensor::empty(DType::F32, {M, N}), got = Tensor::empty(DType::F32, {M, N}, dev);
+      const ops::Weight wd = ws[i].to(dev);
+      ops::linear(x, ws[i], want);
+      ops::linear(xd, wd, got);
+      std::string why = nmse_why(got, want, names[i]);
+      if (!why.empty()) return why;
+      const Tensor full = got.to(Device::cpu());
+      for (const int64_t m : {int64_t(1), int64_t(5)}) {
+        Tensor ym = Tensor::empty(DType::F32, {m, N}, dev);
+        ops::linear(xd.slice(0, 0, m), wd, ym);
+        const Tensor part = ym.to(Device::cpu());
+        if (std::memcmp(part.data(), full.data(), size_t(m * N) * sizeof(float)) != 0)
+          return std::string(names[i]) + ": rows of an M = " + std::to_string(m) +
+                 " call differ from the same rows of an M = 130 one (not batch-invariant)";
+      }
+    }
+    const int64_t T = 5, E = 4, H = 208, F = 144, k = 2;
+    ops::ExpertWeights ex, exd;
+    for (int64_t e = 0; e < E; ++e) {
+      ex.gate.push_back(check_fp8_weight(rng, F, H));
+      ex.up.push_back(check_fp8_weight(rng, F, H));
+      ex.down.push_back(check_fp8_weight(rng, H, F));
+      exd.gate.push_back(ex.gate.back().to(dev));
+      exd.up.push_back(ex.up.back().to(dev));
+      exd.down.push_back(ex.down.back().to(dev));
+    }
+    Tensor xe = Tensor::empty(DType::F32, {T, H}), ids = Tensor::empty(DType::I32, {T, k}),
+           rw = Tensor::empty(DType::F32, {T, k});
+    for (int64_t i = 0; i < T * H; ++i) xe.data_as<float>()[i] = rng.next();
+    for (int64_t t = 0; t < T; ++t) {
+      ids.data_as<int32_t>()[t * k] = 0;
+      ids.data_as<int32_t>()[t * k + 1] = int32_t(t % 2 ? 1 : 3);
+      rw.data_as<float>()[t * k] = 0.5f;
+      rw.data_as<float>()[t * k + 1] = 0.25f;
+    }
+    const int64_t nws = ops::moe_workspace_floats(T, k, H, F, E);
+    Tensor ye = Tensor::empty(DType::F32, {T, H}), wse = Tensor::empty(DType::F32, {nws});
+    ops::moe_experts(xe, ids, rw, ex, ye, wse, ops::GemmNumerics::Exact);
+    Tensor yg = Tensor::empty(DType::F32, {T, H}, dev), wsg = Tensor::empty(DType::F32, {nws}, dev);
+    ops::moe_experts(xe.to(dev), ids.to(dev), rw.to(dev), exd, yg, wsg, ops::GemmNumerics::Exact);
+    return nmse_why(yg, ye, "exact routed experts (FP8)");
+  } catch (const std::exception& e) {
+    return std::string("it threw: ") + e.what();
   }
 }
 
@@ -566,6 +653,16 @@ Engine::Engine(const EngineConfig& cfg) : impl_(std::make_unique<Impl>()) {
       if (!want) continue;
       if (!self_check(g).empty()) break;
       prefill = g;
+    }
+  }
+  // linear's exact form on the tensor cores (ops::exact_tc, opt-in): checked here before the
+  // first exact GEMM of this engine; a failure turns it off in the process (the SIMT kernels)
+  if (device.is_cuda() && ops::exact_tc()) {
+    const std::string why = exact_tc_self_check(device);
+    if (!why.empty()) {
+      std::fprintf(stderr, "dflash2: the exact GEMMs on the tensor cores (exact_tc) failed their load-time check on "
+                   "%s (%s); the SIMT kernels run instead\n", device.str().c_str(), why.c_str());
+      ops::set_exact_tc(false);
     }
   }
   // generated tokens' GEMM numerics (decode / verify chunks): the same resolution, the same
