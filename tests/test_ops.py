@@ -1755,6 +1755,39 @@ def test_indexer_topk(dev, case):
 
 
 @pytest.mark.parametrize("dev", DEVICES)
+def test_indexer_topk_many_tokens_long_contexts(dev):
+    """A chunk whose score grid fills the GPU without help (50 tokens over contexts of 2000+
+    keys: on CUDA each block scores 256 keys, 8 steps of its 4 warps, where a decode token's
+    blocks take 32 each): the CPU's selection for every token, and each token alone (fewer
+    keys per block) selects the same keys."""
+    need_device(dev, "indexer_topk")
+    rng = rng_for("indexer-long")
+    bs, nI, dI, topk = 16, 4, 16, 24
+    lengths = [2100, 2300]
+    key_cache, bt = make_pages(rng, lengths, bs, dI)
+    seq = i32([t % 2 for t in range(50)])
+    pos = i32([int(rng.integers(1000, lengths[t % 2])) for t in range(50)])
+    T = len(seq)
+
+    def make(attempt):
+        return (rng.standard_normal((T, nI, dI)).astype(np.float32), rng.standard_normal((T, nI)).astype(np.float32))
+
+    (q, w), (ref_sel, ref_len, _) = well_posed(
+        make, lambda a: refs.indexer_topk(a[0], a[1], key_cache, seq, pos, bt, bs, topk))
+    args = [to_dev(a, dev) for a in (key_cache, bt)]
+    sel, sel_len = ops.indexer_topk(to_dev(q, dev), to_dev(w, dev), args[0], to_dev(seq, dev), to_dev(pos, dev),
+                                    args[1], bs, topk)
+    got_sel, got_len = to_np(sel), to_np(sel_len)
+    np.testing.assert_array_equal(got_len, ref_len)
+    np.testing.assert_array_equal(got_sel, ref_sel)
+    for t in (0, 17, 49):
+        one_sel, one_len = ops.indexer_topk(to_dev(q[t:t + 1], dev), to_dev(w[t:t + 1], dev), args[0],
+                                            to_dev(seq[t:t + 1], dev), to_dev(pos[t:t + 1], dev), args[1], bs, topk)
+        assert to_np(one_len)[0] == got_len[t]
+        np.testing.assert_array_equal(to_np(one_sel)[0], got_sel[t])
+
+
+@pytest.mark.parametrize("dev", DEVICES)
 @pytest.mark.parametrize("bs", [1, 3, 16])
 def test_indexer_topk_exact_ties_go_to_the_earlier_key(dev, bs):
     need_device(dev, "indexer_topk")

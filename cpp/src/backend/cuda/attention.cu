@@ -33,6 +33,8 @@
 //   The scratch holds (tokens of the chunk) x (block-table width * block size) floats; the
 //   tokens are taken in chunks so that it stays under 512 MiB (1024 tokens at 128K). A
 //   token's computation does not depend on the others (decode == verify).
+//   Blocks take 256 keys (8 steps of 4 warps x 8 keys), fewer (idx_groups) where the grid would
+//   leave SMs idle: a decode token over 4096 keys runs 128 blocks of 32 keys, not 16 of 256.
 //   Performance notes: the score kernel is fp32 SIMT, bound by shared-memory bandwidth and
 //   the unfused multiply-adds kept for bitwise CPU parity (~2x an FMA version); a
 //   production indexer would score in fp8/bf16 on tensor cores (wgmma / tcgen05) with a
@@ -64,7 +66,8 @@
 //   On an H200 (2026-12-04, before the staging below) a decode token over 2048 selected
 //   keys took 106 us, far above its memory time: the chunk was staged one row at a time,
 //   each thread's store waiting for its load (about 2 loads in flight per thread per
-//   latency); now kMlaGatherILP loads are in flight per thread (not yet measured).
+//   latency); now kMlaGatherILP loads are in flight per thread (float4 loads, half as many,
+//   where the key rows are 16-byte aligned; the query rows too) (not yet measured).
 //   Follow-up: stage the chunks with cp.async / TMA double buffering.
 //
 // block_attention: one 256-thread block per (sequence block s, kv head, group of 8 query
@@ -198,9 +201,18 @@ __device__ __forceinline__ float softmax_update(float s, bool valid, float& m, d
 constexpr int kIdxWarps = 4;
 constexpr int kIdxThreads = kIdxWarps * 32;
 constexpr int kIdxKW = 8;  // keys per warp step
-constexpr int kIdxGroups = 8;  // warp steps per block
+constexpr int kIdxGroups = 8;  // warp steps per block, at most (fewer where the grid would leave SMs idle)
 constexpr int kIdxGatherILP = 8;  // loads in flight per lane while a step's keys are staged
-constexpr int64_t kIdxKeysPerBlock = int64_t(kIdxWarps) * kIdxKW * kIdxGroups;  // 256
+constexpr int64_t kIdxFillBlocks = 2 * 132;  // the blocks that keep an H100 / H200 busy twice over
+// Warp steps per block for nt tokens over `cap` keys: kIdxGroups, halved while the grid has
+// fewer than kIdxFillBlocks blocks (a decode token over 4096 keys: 128 blocks of 32 keys
+// instead of 16 of 256). A key's score does not depend on its block, so neither do the results.
+inline int idx_groups(int64_t cap, int64_t nt) {
+  int g = kIdxGroups;
+  while (g > 1 && (cap + int64_t(kIdxWarps) * kIdxKW * g - 1) / (int64_t(kIdxWarps) * kIdxKW * g) * nt < kIdxFillBlocks)
+    g /= 2;
+  return g;
+}
 constexpr int kSelThreads = 1024;
 constexpr size_t kIdxScratchCap = size_t(512) << 20;
 
@@ -224,12 +236,12 @@ __global__ void __launch_bounds__(kIdxThreads)
     indexer_score_kernel(const float* __restrict__ q, int64_t q_s0, int64_t q_s1, const float* __restrict__ w,
                          int64_t w_s0, const float* __restrict__ kc, int64_t kc_stride, int64_t kc_rows, Tokens tk,
                          int64_t t0, int64_t topk, IdxShape sh, float sscale, float wscale, float* __restrict__ scores,
-                         int64_t cap) {
+                         int64_t cap, int groups) {
   detail::pdl_enter();
   extern __shared__ __align__(16) float smem[];
   const int64_t t = t0 + blockIdx.y;
   const int64_t n = attn::causal_keys(tk.pos[t * tk.pos_stride], cap);
-  const int64_t key0 = int64_t(blockIdx.x) * kIdxKeysPerBlock;
+  const int64_t key0 = int64_t(blockIdx.x) * kIdxWarps * kIdxKW * groups;
   if (n <= topk || key0 >= n) return;  // uniform over the block
   const int nI = sh.nI, dI = sh.dI;
   float* ks_all = smem;                                              // [warps][KW][kstride], 16-byte rows
@@ -237,9 +249,25 @@ __global__ void __launch_bounds__(kIdxThreads)
   float* qs = cs_all + kIdxWarps * kIdxKW * 32;                      // [nI][qstride]
   float* ws = qs + size_t(nI) * sh.qstride;                          // [nI]
   const float* qt = q + t * q_s0;
-  for (int i = threadIdx.x; i < nI * dI; i += kIdxThreads) {
-    const int h = i / dI, e = i - h * dI;
-    qs[h * sh.qstride + e] = qt[h * q_s1 + e];
+  // q[t] with kIdxGatherILP loads in flight per thread before the first store (the same values)
+  for (int base = threadIdx.x; base < nI * dI; base += kIdxGatherILP * kIdxThreads) {
+    float v[kIdxGatherILP];
+#pragma unroll
+    for (int u = 0; u < kIdxGatherILP; ++u) {
+      const int i = base + u * kIdxThreads;
+      if (i < nI * dI) {
+        const int h = i / dI, e = i - h * dI;
+        v[u] = qt[h * q_s1 + e];
+      }
+    }
+#pragma unroll
+    for (int u = 0; u < kIdxGatherILP; ++u) {
+      const int i = base + u * kIdxThreads;
+      if (i < nI * dI) {
+        const int h = i / dI, e = i - h * dI;
+        qs[h * sh.qstride + e] = v[u];
+      }
+    }
   }
   for (int h = threadIdx.x; h < nI; h += kIdxThreads) ws[h] = __fmul_rn(w[t * w_s0 + h], wscale);
   __syncthreads();
@@ -249,7 +277,7 @@ __global__ void __launch_bounds__(kIdxThreads)
   const int32_t* row = bt_row(tk, t);
   float* sc = scores + blockIdx.y * cap;
   const int d4 = dI / 4 * 4;
-  for (int g = 0; g < kIdxGroups; ++g) {
+  for (int g = 0; g < groups; ++g) {
     const int64_t j0 = key0 + (int64_t(g) * kIdxWarps + warp) * kIdxKW;
     if (j0 >= n) break;  // uniform over the warp
     // the step's KW key rows: every slot looked up at once (lane k: key j0 + k), then
@@ -488,6 +516,8 @@ __global__ void __launch_bounds__(kMlaThreads)
   float* fb = fa + HG;                                                 // [HG]
   const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
   const int kvl = sh.kvl, D = sh.D;
+  // 16-byte key rows: the chunks are staged with float4 loads
+  const bool vec4 = (D & 3) == 0 && (c_stride & 3) == 0 && (reinterpret_cast<uintptr_t>(cache) & 15) == 0;
   const int h0 = int(blockIdx.x) * HG;
   const int64_t cap = tk.nb * tk.bs;
   for (int64_t t = blockIdx.y; t < T; t += gridDim.y) {
@@ -508,11 +538,20 @@ __global__ void __launch_bounds__(kMlaThreads)
       seg0 = blockIdx.z;
       seg1 = seg0 < nseg ? seg0 + 1 : seg0;
     }
-    for (int i = threadIdx.x; i < HG * D; i += kMlaThreads) {
-      const int hl = i / D, e = i - hl * D, h = h0 + hl;
-      float v = 0.0f;
-      if (h < nh) v = e < kvl ? q_lat[t * ql_s0 + h * ql_s1 + e] : q_pe[t * qp_s0 + h * qp_s1 + (e - kvl)];
-      qs[i] = v;
+    // the group's query rows, kMlaGatherILP loads in flight per thread before the first store
+    for (int base = threadIdx.x; base < HG * D; base += kMlaGatherILP * kMlaThreads) {
+      float v[kMlaGatherILP];
+#pragma unroll
+      for (int u = 0; u < kMlaGatherILP; ++u) {
+        const int i = base + u * kMlaThreads;
+        const int hl = i / D, e = i - hl * D, h = h0 + hl;
+        v[u] = 0.0f;
+        if (i < HG * D && h < nh)
+          v[u] = e < kvl ? q_lat[t * ql_s0 + h * ql_s1 + e] : q_pe[t * qp_s0 + h * qp_s1 + (e - kvl)];
+      }
+#pragma unroll
+      for (int u = 0; u < kMlaGatherILP; ++u)
+        if (base + u * kMlaThreads < HG * D) qs[base + u * kMlaThreads] = v[u];
     }
     for (int h = threadIdx.x; h < HG; h += kMlaThreads) {
       mt[h] = -INFINITY;
@@ -549,7 +588,36 @@ __global__ void __launch_bounds__(kMlaThreads)
         // The chunk's 32 x D floats, kMlaGatherILP loads in flight per thread before the first
         // store (each store waits for its load: one row at a time left a thread ~2 loads per
         // global-memory latency, 32 latencies a chunk). The same values land in ks.
-        for (int base = threadIdx.x; base < kMlaKC * D; base += kMlaGatherILP * kMlaThreads) {
+        // Where the cache rows are 16-byte aligned: float4 loads, kMlaGatherILP / 2 in flight.
+        if (vec4) {
+          constexpr int kV = kMlaGatherILP / 2;
+          const int D4 = D / 4;
+          for (int base = threadIdx.x; base < kMlaKC * D4; base += kV * kMlaThreads) {
+            float4 v[kV];
+            int at[kV];
+#pragma unroll
+            for (int u = 0; u < kV; ++u) {
+              const int idx = base + u * kMlaThreads;
+              at[u] = -1;
+              v[u] = make_float4(0.0f, 0.0f, 0.0f, 0.0f);
+              if (idx < kMlaKC * D4) {
+                const int r = idx / D4, e = 4 * (idx - r * D4);
+                const int64_t slot = slots[r];
+                at[u] = r * sh.kstride + e;
+                if (slot >= 0) v[u] = *reinterpret_cast<const float4*>(cache + slot * c_stride + e);
+              }
+            }
+#pragma unroll
+            for (int u = 0; u < kV; ++u)
+              if (at[u] >= 0) {
+                ks[at[u]] = v[u].x;
+                ks[at[u] + 1] = v[u].y;
+                ks[at[u] + 2] = v[u].z;
+                ks[at[u] + 3] = v[u].w;
+              }
+          }
+        }
+        for (int base = threadIdx.x; !vec4 && base < kMlaKC * D; base += kMlaGatherILP * kMlaThreads) {
           float v[kMlaGatherILP];
           int at[kMlaGatherILP];
 #pragma unroll
@@ -1193,15 +1261,17 @@ void indexer_topk(const Tensor& q, const Tensor& w, const Tensor& key_cache, con
   chunk = chunk < detail::kMaxGridY ? chunk : detail::kMaxGridY;
   chunk = chunk < T ? chunk : T;
   float* scores = static_cast<float*>(detail::scratch(device, size_t(chunk) * size_t(row_bytes)));
-  const int64_t key_tiles = (cap + kIdxKeysPerBlock - 1) / kIdxKeysPerBlock;
-  DFLASH2_CHECK_ARG(key_tiles <= INT32_MAX, "cuda::indexer_topk: context too long");
+  DFLASH2_CHECK_ARG((cap + kIdxWarps * kIdxKW - 1) / (kIdxWarps * kIdxKW) <= INT32_MAX,
+                    "cuda::indexer_topk: context too long");
   for (int64_t t0 = 0; t0 < T; t0 += chunk) {
     const int64_t nt = T - t0 < chunk ? T - t0 : chunk;
+    const int groups = idx_groups(cap, nt);
+    const int64_t key_tiles = (cap + int64_t(kIdxWarps) * kIdxKW * groups - 1) / (int64_t(kIdxWarps) * kIdxKW * groups);
     if (key_tiles > 0) {
       indexer_score_kernel<<<dim3(unsigned(key_tiles), unsigned(nt)), kIdxThreads, smem, detail::stream()>>>(
           q.data_as<const float>(), q.stride(0), q.stride(1), w.data_as<const float>(), w.stride(0),
           key_cache.data_as<const float>(), key_cache.stride(0), key_cache.shape(0), tk, t0, topk, sh, sscale, wscale,
-          scores, cap);
+          scores, cap, groups);
       detail::check_launch("indexer_topk score kernel launch", q.describe());
     }
     indexer_select_kernel<<<detail::row_blocks(nt), kSelThreads, 0, detail::stream()>>>(
