@@ -8,9 +8,9 @@ level), greedy, mixed prompt lengths; a warm-up round (not measured) lets the ad
 policy learn and the CUDA graphs of that batch size be captured. The modes alternate within
 each level (--repeat rounds each, the best kept) so that machine noise hits all of them
 alike. Per mode and level: tokens/s (all requests), speedup over ar, committed tokens per
-sequence per step, draft length, and the decode time split into draft / verify /
+sequence per step, draft length, and the decode time split into draft / verify / accept /
 prefill_wait (waiting while newly admitted requests' prompts run: the scheduler prefills
-between steps) / host (the requests' draft_s, verify_s, prefill_wait_s, host_s). Prints a table and writes
+between steps) / host (the requests' draft_s, verify_s, accept_s, prefill_wait_s, host_s). Prints a table and writes
 <out>/concurrency[_<device>].{json,md,png}; the JSON is rewritten after every level, so a
 run stopped by --budget or a timeout keeps what it measured.
 
@@ -47,11 +47,11 @@ def prompts(n, seed, vocab):
 
 def run_level(eng, C, per_client, new, seed, vocab):
     """C closed-loop clients, per_client requests each: (committed tokens, seconds, summed
-    request stats draft_s / verify_s / prefill_wait_s / host_s / decode_s)."""
+    request stats draft_s / verify_s / accept_s / prefill_wait_s / host_s / decode_s)."""
     ps = prompts(C * per_client, seed, vocab)
     tokens = [0] * C
-    split = [{"draft_s": 0.0, "verify_s": 0.0, "prefill_wait_s": 0.0, "host_s": 0.0, "decode_s": 0.0}
-             for _ in range(C)]
+    split = [{"draft_s": 0.0, "verify_s": 0.0, "accept_s": 0.0, "prefill_wait_s": 0.0, "host_s": 0.0,
+              "decode_s": 0.0} for _ in range(C)]
     errors = []
 
     def client(c):

@@ -10,7 +10,7 @@ passes over the same requests) and speedup over ar in the same run; checks greed
 
 With --device cuda the target runs on the GPU (see the README's "The CUDA backend"; results
 go to default_pair_cuda.*); each method's decode time is also split into draft / verify /
-host shares (the request stats' draft_s, verify_s, host_s), and in greedy mode each method
+host shares (the request stats' draft_s, verify_s, accept_s, host_s), and in greedy mode each method
 runs once more with cuda_graphs=False in the same run: tok/s with and without CUDA graphs,
 their ratio, whether the outputs are equal, and the engine's graph counters; dflash2
 also runs once more with draft_gemm="exact" when its drafter took the tensor
@@ -55,7 +55,7 @@ def run_method(method, prompts, new, threads, temperature, top_p, seed, device="
                             cuda_graphs=cuda_graphs, draft_gemm=draft_gemm if method.startswith("dflash") else "auto")
     eng.generate([prompts[0][:32]], max_new_tokens=8, stop_token_ids=[])  # warm-up
     out, toks, dec, taus, pos = [], 0, 0.0, [], []
-    split = {"draft_s": 0.0, "verify_s": 0.0, "host_s": 0.0}
+    split = {"draft_s": 0.0, "verify_s": 0.0, "accept_s": 0.0, "host_s": 0.0}
     for i, p in enumerate(prompts):
         r = eng.generate([p], max_new_tokens=new, temperature=temperature, top_p=top_p,
                          seed=None if temperature == 0 else seed + i, stop_token_ids=[])[0]

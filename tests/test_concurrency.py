@@ -246,7 +246,7 @@ def test_prefill_wait_is_its_own_share_of_decode_time():
         assert a["prefill_wait_s"] > 0.0, a
         assert b["prefill_wait_s"] == 0.0, b
         for st in (a, b):
-            parts = st["draft_s"] + st["verify_s"] + st["prefill_wait_s"] + st["host_s"]
+            parts = st["draft_s"] + st["verify_s"] + st["accept_s"] + st["prefill_wait_s"] + st["host_s"]
             assert abs(parts - st["decode_s"]) <= 1e-9 * max(1.0, st["decode_s"]), st
     finally:
         eng.close()

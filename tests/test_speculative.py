@@ -595,10 +595,11 @@ def test_stats_sanity(world, pair):
         assert all(app[j] >= app[j + 1] for j in range(B - 2)), app   # a prefix rule: non-increasing
         # tau = 1 + mean accepted = 1 + sum of per-position rates (up to the truncated last step)
         assert abs(st["acceptance_length"] - 1 - sum(app)) <= (B - 1) / st["verify_steps"] + 1e-9
-        for key in ("draft_s", "verify_s", "host_s", "prefill_wait_s"):
+        for key in ("draft_s", "verify_s", "accept_s", "host_s", "prefill_wait_s"):
             assert st[key] >= 0.0
+        assert st["accept_s"] > 0.0  # every verify step accepts
         # the split adds up to the decode time (host_s is the rest, never negative)
-        parts = st["draft_s"] + st["verify_s"] + st["prefill_wait_s"] + st["host_s"]
+        parts = st["draft_s"] + st["verify_s"] + st["accept_s"] + st["prefill_wait_s"] + st["host_s"]
         assert parts == pytest.approx(st["decode_s"], rel=1e-9, abs=1e-12) or st["host_s"] == 0.0
         assert st["tokens_per_second"] > 0
     pe = _engine(pair.target_dir, pair.draft_dir, "dflash2")

@@ -45,6 +45,7 @@ py::dict stats_dict(const GenerationStats& s) {
   d["verify_s"] = s.verify_s;
   d["host_s"] = s.host_s;
   d["prefill_wait_s"] = s.prefill_wait_s;
+  d["accept_s"] = s.accept_s;
   return d;
 }
 

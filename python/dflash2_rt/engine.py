@@ -37,9 +37,9 @@ class GenerationResult:
     """One request's output: the generated token ids (ending with the stop token if one
     was hit), why it ended ("stop" | "length"), the decoded text when the target has a
     tokenizer.json, and stats (acceptance_length, verify_steps, accepted_per_position,
-    draft_s / verify_s / prefill_wait_s / host_s, prefill_s, decode_s, tokens_per_second, ...;
-    decode_s = draft_s + verify_s + prefill_wait_s (waiting for other requests' prompts) +
-    host_s)."""
+    draft_s / verify_s / accept_s / prefill_wait_s / host_s, prefill_s, decode_s,
+    tokens_per_second, ...; decode_s = draft_s + verify_s + accept_s + prefill_wait_s (waiting
+    for other requests' prompts) + host_s)."""
     token_ids: list
     finish_reason: str
     stats: dict = field(default_factory=dict)

@@ -102,10 +102,14 @@ struct GenerationStats {
   double acceptance_length = 1.0;
   int64_t verify_steps = 0;
   std::vector<double> accepted_per_position;
-  // decode_s = draft_s + verify_s + prefill_wait_s (this request waiting while other
-  // requests' prompts ran: the scheduler prefills new prompts between steps) + host_s (the
-  // rest: planning, scheduling, and on a GPU the host work the device waits for).
-  double draft_s = 0, verify_s = 0, host_s = 0, prefill_wait_s = 0;
+  // decode_s = draft_s + verify_s (the verify forward, the non-finite check, the drafter's
+  // context append) + accept_s (acceptance: greedy compare or rejection sampling, bonus;
+  // MTP: and its layer over the committed rows) +
+  // prefill_wait_s (this request waiting while other requests' prompts ran: the scheduler
+  // prefills new prompts between steps) + host_s (the rest: planning, scheduling, and on a
+  // GPU the host work the device waits for). On a GPU the first three are device time
+  // (CUDA events inside the step).
+  double draft_s = 0, verify_s = 0, host_s = 0, prefill_wait_s = 0, accept_s = 0;
 };
 
 // One greedy draft block after a prefill of some tokens (for debugging acceptance).

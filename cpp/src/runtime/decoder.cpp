@@ -78,9 +78,10 @@ void Decoder::retire(Request* r) {
   st.prefill_s = r->prefill_s;
   st.draft_s = r->draft_s;
   st.verify_s = r->verify_s;
+  st.accept_s = r->accept_s;
   st.decode_s = r->t_prefilled > 0 ? std::max(0.0, now() - r->t_prefilled) : 0.0;
   st.prefill_wait_s = std::min(r->prefill_wait_s, st.decode_s);
-  st.host_s = std::max(0.0, st.decode_s - st.draft_s - st.verify_s - st.prefill_wait_s);
+  st.host_s = std::max(0.0, st.decode_s - st.draft_s - st.verify_s - st.accept_s - st.prefill_wait_s);
   st.verify_steps = r->verify_steps;
   st.steps = r->verify_steps;
   st.acceptance_length = r->verify_steps ? double(r->committed) / double(r->verify_steps) : 1.0;
@@ -428,7 +429,8 @@ void Decoder::step() {
   }
   // the results are back (the step's one wait): every mark is complete
   if (P > 0) tgt.count_padding(P);
-  const double t_draft = c_.marks.seconds(0, 1), t_verify = c_.marks.seconds(1, 3);
+  const double t_draft = c_.marks.seconds(0, 1), t_verify = c_.marks.seconds(1, 2),
+               t_accept = c_.marks.seconds(2, 3);
   // 4. commit anchor + the accepted tokens; roll back the rest of the verify pass
   commits_.clear();
   drafted_.clear();
@@ -486,6 +488,7 @@ void Decoder::step() {
   for (Request* r : act_) {
     r->draft_s += t_draft;
     r->verify_s += t_verify;
+    r->accept_s += t_accept;
   }
   policy_.record(S, k_adapt, row, dt, drafted_, accepted_);
   if (debug_spec_)  // DFLASH2_DEBUG_SPEC=1: one line per step on stderr

@@ -36,7 +36,7 @@ struct Request {
   int64_t committed = 0, verify_steps = 0;
   std::vector<int64_t> accepted_at;
   double prefill_s = 0, draft_s = 0, verify_s = 0, t_prefilled = 0;
-  double prefill_wait_s = 0;  // decoding, waiting for other requests' prompts (Decoder::prefill)
+  double prefill_wait_s = 0, accept_s = 0;  // decoding, waiting for other requests' prompts (Decoder::prefill)
   // ---- shared with clients (guarded by the scheduler's mutex)
   std::vector<int32_t> unread;
   bool finished = false, cancel_requested = false, detached = false, reported = false;
