@@ -10,8 +10,9 @@ each level (--repeat rounds each, the best kept) so that machine noise hits all 
 alike. Per mode and level: tokens/s (all requests), speedup over ar, committed tokens per
 sequence per step, draft length, and the decode time split into draft / verify / accept /
 prefill_wait (waiting while newly admitted requests' prompts run: the scheduler prefills
-between steps) / host (the requests' draft_s, verify_s, accept_s, prefill_wait_s, host_s). Prints a table and writes
-<out>/concurrency[_<device>].{json,md,png}; the JSON is rewritten after every level, so a
+between steps) / host (the requests' draft_s, verify_s, accept_s, prefill_wait_s,
+host_s). Prints a table and writes <out>/concurrency[_<device>].{json,md,png}; the JSON is
+rewritten after every level, so a
 run stopped by --budget or a timeout keeps what it measured.
 
     python bench/bench_concurrency.py [--levels 1 4 8 16 32] [--requests 3] [--new 64]

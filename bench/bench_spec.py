@@ -64,6 +64,7 @@ def run_method(target, draft, method, prompts, new_tokens, temperature, top_p, s
         "accepted_per_position": per_pos, "verify_steps": steps, "generated_tokens": gen,
         "draft_ms_per_step": 1e3 * sum(s["draft_s"] for s in stats) / max(steps, 1),
         "verify_ms_per_step": 1e3 * sum(s["verify_s"] for s in stats) / max(steps, 1),
+        "accept_ms_per_step": 1e3 * sum(s["accept_s"] for s in stats) / max(steps, 1),
         "host_ms_per_step": 1e3 * sum(s["host_s"] for s in stats) / max(steps, 1),
     }
 
