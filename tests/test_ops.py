@@ -2371,6 +2371,21 @@ def test_moe_experts(dev, wdtype):
     check("moe_experts", got, ref)
 
 
+def crowded_routing(rng, T, E, k, empty_two=False):
+    """Top-k expert ids [T, k] (ascending per token): expert E - 1 never used, expert 0 by most
+    tokens; with empty_two, expert 2 empty between used ones (its tokens moved to expert 3,
+    which some then name twice)."""
+    ids = np.zeros((T, k), np.int32)
+    for t in range(T):
+        row = [0] if t % 4 else []
+        row += [int(e) for e in rng.permutation(np.arange(1, E - 1))[:k - len(row)]]
+        ids[t] = sorted(row)
+    if empty_two:
+        ids[ids == 2] = 3
+        assert not (ids == 2).any() and (ids == 3).any() and (ids == 1).any()
+    return ids
+
+
 @pytest.mark.parametrize("dev", DEVICES)
 @pytest.mark.parametrize("fmt", ["bf16", "fp8", "nvfp4"])
 def test_moe_experts_exact_tc(dev, fmt):
@@ -2391,13 +2406,7 @@ def test_moe_experts_exact_tc(dev, fmt):
         gate, up, down = ([m[i][0] for m in mats] for i in range(3))
         eref = [tuple(w for (_, w) in m) for m in mats]
         x = rng.standard_normal((T, H)).astype(np.float32)
-        ids = np.zeros((T, k), np.int32)
-        for t in range(T):  # expert E - 1 never used; expert 0 by most tokens
-            row = [0] if t % 4 else []
-            row += [int(e) for e in rng.permutation(np.arange(1, E - 1))[:k - len(row)]]
-            ids[t] = sorted(row)
-        if case == 0:
-            ids[ids == 2] = 3  # expert 2 empty, between used ones
+        ids = crowded_routing(rng, T, E, k, empty_two=case == 0)
         weights = rng.uniform(0.05, 1.0, (T, k)).astype(np.float32)
         ref = refs.moe_experts(x, ids, weights, eref)
         args = (to_dev(x, dev), to_dev(ids, dev), to_dev(weights, dev), on(gate), on(up), on(down))
@@ -2554,14 +2563,7 @@ def test_moe_experts_bf16(dev, fmt, decode):
         gate, up, down = ([m[i][0] for m in mats] for i in range(3))
         rounded = [[refs.bf16_round(np.from_dlpack(w.dequantize())).double().numpy() for (w, _) in m] for m in mats]
         x = rng.standard_normal((T, H)).astype(np.float32)
-        ids = np.zeros((T, k), np.int32)
-        for t in range(T):  # expert E - 1 never used; expert 0 by most tokens
-            row = [0] if t % 4 else []
-            row += [int(e) for e in rng.permutation(np.arange(1, E - 1))[:k - len(row)]]
-            ids[t] = sorted(row)
-        if case == 0:  # expert 2 empty, between used ones (its tokens moved to expert 3, which
-            ids[ids == 2] = 3  # some then name twice)
-            assert not (ids == 2).any() and (ids == 3).any() and (ids == 1).any()
+        ids = crowded_routing(rng, T, E, k, empty_two=case == 0)
         weights = rng.uniform(0.05, 1.0, (T, k)).astype(np.float32)
         xr = refs.bf16_round(x).double().numpy()
         ref = np.zeros((T, H), np.float64)

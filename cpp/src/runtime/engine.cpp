@@ -10,6 +10,7 @@
 #include <cstdio>
 #include <functional>
 #include <mutex>
+#include <tuple>
 #include <unordered_map>
 #include <vector>
 
@@ -163,6 +164,22 @@ ops::Weight check_bf16_weight(CheckRng& r, int64_t n_out, int64_t n_in) {
   uint16_t* wp = static_cast<uint16_t*>(w.data());
   for (int64_t i = 0; i < w.numel(); ++i) wp[i] = f32_to_bf16(0.1f * r.next());
   return ops::Weight::dense(w, "self-check");
+}
+
+// The experts' check inputs: x [T, H] in [-1, 1), top-2 routing (expert 0, then 1 or 3:
+// expert 2 unused, an empty group between used ones) with weights 0.5 and 0.25.
+std::tuple<Tensor, Tensor, Tensor> check_routing(CheckRng& r, int64_t T, int64_t H) {
+  constexpr int64_t k = 2;
+  Tensor x = Tensor::empty(DType::F32, {T, H}), ids = Tensor::empty(DType::I32, {T, k}),
+         rw = Tensor::empty(DType::F32, {T, k});
+  for (int64_t i = 0; i < T * H; ++i) x.data_as<float>()[i] = r.next();
+  for (int64_t t = 0; t < T; ++t) {
+    ids.data_as<int32_t>()[t * k] = 0;
+    ids.data_as<int32_t>()[t * k + 1] = int32_t(t % 2 ? 1 : 3);
+    rw.data_as<float>()[t * k] = 0.5f;
+    rw.data_as<float>()[t * k + 1] = 0.25f;
+  }
+  return {x, ids, rw};
 }
 
 std::string tc_gemm_self_check(Device dev, ops::GemmNumerics g, std::string* experts_why) {
@@ -348,15 +365,7 @@ std::string tc_gemm_self_check(Device dev, ops::GemmNumerics g, std::string* exp
                         : g == ops::GemmNumerics::NVFP4 ? ops::moe_experts_nvfp4_available(dev, exd)
                                                         : ops::moe_experts_bf16_available(dev, exd);
       if (runs) {
-        Tensor xe = Tensor::empty(DType::F32, {T, H}), ids = Tensor::empty(DType::I32, {T, k}),
-               rw = Tensor::empty(DType::F32, {T, k});
-        for (int64_t i = 0; i < T * H; ++i) xe.data_as<float>()[i] = next();
-        for (int64_t t = 0; t < T; ++t) {
-          ids.data_as<int32_t>()[t * k] = 0;
-          ids.data_as<int32_t>()[t * k + 1] = int32_t(t % 2 ? 1 : 3);
-          rw.data_as<float>()[t * k] = 0.5f;
-          rw.data_as<float>()[t * k + 1] = 0.25f;
-        }
+        const auto [xe, ids, rw] = check_routing(rng, T, H);
         const int64_t nws = ops::moe_workspace_floats(T, k, H, F, E);
         Tensor ye = Tensor::empty(DType::F32, {T, H}), wse = Tensor::empty(DType::F32, {nws});
         ops::moe_experts(xe, ids, rw, ex, ye, wse, g);
@@ -458,15 +467,7 @@ std::string exact_tc_self_check(Device dev) {
       exd.up.push_back(ex.up.back().to(dev));
       exd.down.push_back(ex.down.back().to(dev));
     }
-    Tensor xe = Tensor::empty(DType::F32, {T, H}), ids = Tensor::empty(DType::I32, {T, k}),
-           rw = Tensor::empty(DType::F32, {T, k});
-    for (int64_t i = 0; i < T * H; ++i) xe.data_as<float>()[i] = rng.next();
-    for (int64_t t = 0; t < T; ++t) {
-      ids.data_as<int32_t>()[t * k] = 0;
-      ids.data_as<int32_t>()[t * k + 1] = int32_t(t % 2 ? 1 : 3);
-      rw.data_as<float>()[t * k] = 0.5f;
-      rw.data_as<float>()[t * k + 1] = 0.25f;
-    }
+    const auto [xe, ids, rw] = check_routing(rng, T, H);
     const int64_t nws = ops::moe_workspace_floats(T, k, H, F, E);
     Tensor ye = Tensor::empty(DType::F32, {T, H}), wse = Tensor::empty(DType::F32, {nws});
     ops::moe_experts(xe, ids, rw, ex, ye, wse, ops::GemmNumerics::Exact);

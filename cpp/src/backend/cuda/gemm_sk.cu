@@ -55,6 +55,7 @@
 #include <vector>
 
 #include "backend/cuda/cuda_check.cuh"
+#include "backend/cuda/gemm_dq.h"
 #include "backend/cuda/pdl.cuh"
 #include "backend/cuda/kernel_util.cuh"
 #include "backend/cuda/layout.h"
@@ -1007,6 +1008,69 @@ void grouped_gemm(const GroupedArgs& g, cudaStream_t s) {
 bool enabled() { return g_enabled.load(std::memory_order_relaxed); }
 void set_enabled(bool on) { g_enabled.store(on, std::memory_order_relaxed); }
 
+void linears(const Tensor& x, const WeightView* vs, Tensor* const* ys, size_t n, bool accumulate, bool x3) {
+  const int64_t M = x.shape(0), K = vs[0].K;
+  if (M == 0 || n == 0) return;
+  const int device = x.device().index;
+  cudaStream_t st = detail::stream();
+  auto up = [](int64_t v, int64_t m) { return (v + m - 1) / m * m; };
+  int64_t width = 8, p_floats = 0;  // A's width (x3: each plane's)
+  for (size_t i = 0; i < n; ++i) {
+    DFLASH2_INTERNAL(vs[i].K == K, "cuda::sk::linears: weights of different K");
+    width = std::max(width, a_width(vs[i].fmt, K));
+    p_floats += up(partial_floats(vs[i], M), 4);  // each weight its own (16-byte aligned)
+  }
+  const int64_t lda = x3 ? 3 * width : width, a_bytes = up(M * lda * 2, 256);
+  uint8_t* base = static_cast<uint8_t*>(detail::scratch(device, size_t(a_bytes + p_floats * 4)));
+  __nv_bfloat16* a16 = reinterpret_cast<__nv_bfloat16*>(base);
+  if (x3)
+    split_x3(x.data_as<const float>(), M > 1 ? x.stride(0) : K, M, K, a16, lda, width, st);
+  else
+    dq::rows_bf16(dq::RowsFrom::Plain, x.data_as<const float>(), nullptr, x.stride(0), nullptr, 1, nullptr, M, K, lda,
+                  a16, st);
+  std::vector<GemmArgs> gs(n);
+  float* partial = reinterpret_cast<float*>(base + a_bytes);
+  for (size_t i = 0; i < n; ++i) {
+    const int64_t pf = partial_floats(vs[i], M);
+    GemmArgs& g = gs[i];
+    g.a = a16;
+    g.lda = lda;
+    g.plane = x3 ? width : 0;
+    g.w = vs[i];
+    g.M = M;
+    g.d = ys[i]->data_as<float>();
+    g.ldd = M > 1 ? ys[i]->stride(0) : vs[i].N;
+    g.accumulate = accumulate;
+    g.partial = pf > 0 ? partial : nullptr;
+    g.arrivals = pf > 0 ? detail::zeroed_counters(device) : nullptr;
+    partial += up(pf, 4);
+  }
+  // up to 4 of one format in one launch where the skinny kernel can (one row chunk), in any
+  // order: only where no output shares an element with another (else one by one, in order)
+  bool disjoint = n > 1 && ops::fused_launches();
+  for (size_t i = 0; i < n && disjoint; ++i)
+    for (size_t j = 0; j < i && disjoint; ++j) disjoint = layout::views_disjoint(*ys[i], *ys[j]);
+  std::vector<bool> done(n, false);
+  for (size_t i = 0; i < n; ++i) {
+    if (done[i]) continue;
+    if (disjoint) {
+      std::vector<GemmArgs> group;
+      std::vector<size_t> idx;
+      for (size_t j = i; j < n && group.size() < 4; ++j)
+        if (!done[j] && gs[j].w.fmt == gs[i].w.fmt) {
+          group.push_back(gs[j]);
+          idx.push_back(j);
+        }
+      if (group.size() > 1 && gemm_many(group.data(), int(group.size()), st)) {
+        for (size_t j : idx) done[j] = true;
+        continue;
+      }
+    }
+    gemm(gs[i], st);
+    done[i] = true;
+  }
+}
+
 }  // namespace dflash2::cuda::sk
 
 namespace dflash2::cuda {
@@ -1019,60 +1083,8 @@ bool exact_tc_takes(const detail::WeightView& w) {
 }
 
 void linear_exact_tc(const Tensor& x, const detail::WeightView* vs, Tensor* const* ys, size_t n, bool accumulate) {
-  const int64_t M = x.shape(0), K = vs[0].K;
-  if (M == 0 || n == 0) return;
-  const int device = x.device().index;
-  cudaStream_t st = detail::stream();
-  auto up = [](int64_t v, int64_t m) { return (v + m - 1) / m * m; };
-  int64_t plane = 8, p_floats = 0;
-  for (size_t i = 0; i < n; ++i) {
-    DFLASH2_INTERNAL(vs[i].K == K && sk::takes_x3(vs[i].fmt), "cuda::linear_exact_tc: weights of another K or format");
-    plane = std::max(plane, sk::a_width(vs[i].fmt, K));
-    p_floats += up(sk::partial_floats(vs[i], M), 4);  // each weight its own (16-byte aligned)
-  }
-  const int64_t lda = 3 * plane, a_bytes = up(M * lda * 2, 256);
-  uint8_t* base = static_cast<uint8_t*>(detail::scratch(device, size_t(a_bytes + p_floats * 4)));
-  __nv_bfloat16* a16 = reinterpret_cast<__nv_bfloat16*>(base);
-  sk::split_x3(x.data_as<const float>(), M > 1 ? x.stride(0) : K, M, K, a16, lda, plane, st);
-  std::vector<sk::GemmArgs> gs(n);
-  float* partial = reinterpret_cast<float*>(base + a_bytes);
-  for (size_t i = 0; i < n; ++i) {
-    const int64_t pf = sk::partial_floats(vs[i], M);
-    sk::GemmArgs& g = gs[i];
-    g.a = a16;
-    g.lda = lda;
-    g.plane = plane;
-    g.w = vs[i];
-    g.M = M;
-    g.d = ys[i]->data_as<float>();
-    g.ldd = M > 1 ? ys[i]->stride(0) : vs[i].N;
-    g.accumulate = accumulate;
-    g.partial = pf > 0 ? partial : nullptr;
-    g.arrivals = pf > 0 ? detail::zeroed_counters(device) : nullptr;
-    partial += up(pf, 4);
-  }
-  // up to 4 of one format in one launch (their outputs disjoint), else one by one in order
-  bool disjoint = n > 1 && ops::fused_launches();
-  for (size_t i = 0; i < n && disjoint; ++i)
-    for (size_t j = 0; j < i && disjoint; ++j) disjoint = layout::views_disjoint(*ys[i], *ys[j]);
-  std::vector<bool> done(n, false);
-  for (size_t i = 0; i < n; ++i) {
-    if (done[i]) continue;
-    if (disjoint) {
-      std::vector<sk::GemmArgs> group;
-      std::vector<size_t> idx;
-      for (size_t j = i; j < n && group.size() < 4; ++j)
-        if (!done[j] && gs[j].w.fmt == gs[i].w.fmt) {
-          group.push_back(gs[j]);
-          idx.push_back(j);
-        }
-      if (group.size() > 1 && sk::gemm_many(group.data(), int(group.size()), st)) {
-        for (size_t j : idx) done[j] = true;
-        continue;
-      }
-    }
-    sk::gemm(gs[i], st);
-    done[i] = true;
-  }
+  for (size_t i = 0; i < n; ++i)
+    DFLASH2_INTERNAL(sk::takes_x3(vs[i].fmt), "cuda::linear_exact_tc: a weight the exact form does not take");
+  sk::linears(x, vs, ys, n, accumulate, /*x3=*/true);
 }
 }  // namespace dflash2::cuda

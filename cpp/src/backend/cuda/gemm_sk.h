@@ -22,6 +22,7 @@
 #include <cstdint>
 
 #include "backend/cuda/weight_view.cuh"
+#include "dflash2/tensor.h"
 
 namespace dflash2::cuda::sk {
 
@@ -149,6 +150,14 @@ struct GroupedArgs {
 int group_splits(detail::WFmt f, int64_t N, int64_t K, int P);
 int64_t grouped_partial_floats(detail::WFmt f, int64_t N, int64_t K, int64_t M, int P);
 void grouped_gemm(const GroupedArgs& g, cudaStream_t s);
+
+// ys[i] (+)= x W_i^T for n weights of one K (x F32 [M, K] on the current device and stream,
+// contiguous rows; ys[i] F32 [M, N_i] with contiguous rows, checked by the caller): x staged
+// once for all of them as A (x3: split_x3's three planes, the exact form; else bf16(x), the
+// BF16 form), then each weight's gemm (its split's partial sums in its own part of the
+// scratch), up to four of one format in one gemm_many launch where their outputs are
+// disjoint. ops::linear_bf16's decode path (gemm_tc.cu) and linear's exact form (exact_tc).
+void linears(const Tensor& x, const detail::WeightView* vs, Tensor* const* ys, size_t n, bool accumulate, bool x3);
 
 // Whether linear_bf16(..., decode = true) and moe_experts' decode chunks (BF16 numerics) take
 // these kernels (default on); the engine's load-time check turns them off in the process if

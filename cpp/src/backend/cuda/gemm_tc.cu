@@ -380,67 +380,6 @@ WeightView check_tc_args(const Tensor& x, const ops::Weight& w, const Tensor& y,
 
 }  // namespace
 
-namespace {
-// ys[i] (+)= x W_i^T for the n weights vs (views, K = x's columns) on the skinny kernel of
-// generated tokens (gemm_sk.h): x rounded to BF16 once for all of them (as wide as the widest
-// weight's k-stages), then the GEMMs (a split's last CTAs add its partial sums), up to four
-// of one format in one launch (sk::gemm_many) where their outputs are disjoint.
-// linear_bf16's decode path (n = 1) and linear_bf16_decode_many.
-void sk_linears(const Tensor& x, const WeightView* vs, Tensor* const* ys, size_t n, bool accumulate, int device,
-                cudaStream_t st) {
-  const int64_t M = x.shape(0), K = vs[0].K;
-  int64_t lda = 8, p_floats = 0;
-  for (size_t i = 0; i < n; ++i) {
-    lda = std::max(lda, sk::a_width(vs[i].fmt, K));
-    p_floats += round_up(sk::partial_floats(vs[i], M), 4);  // each weight its own (16-byte aligned)
-  }
-  const int64_t a_bytes = round_up(M * lda * 2, 256);
-  uint8_t* base = static_cast<uint8_t*>(detail::scratch(device, size_t(a_bytes + p_floats * 4)));
-  __nv_bfloat16* a16 = reinterpret_cast<__nv_bfloat16*>(base);
-  dq::rows_bf16(dq::RowsFrom::Plain, x.data_as<const float>(), nullptr, x.stride(0), nullptr, 1, nullptr, M, K, lda,
-                a16, st);
-  std::vector<sk::GemmArgs> gs(n);
-  float* partial = reinterpret_cast<float*>(base + a_bytes);
-  for (size_t i = 0; i < n; ++i) {
-    const int64_t pf = sk::partial_floats(vs[i], M);
-    sk::GemmArgs& g = gs[i];
-    g.a = a16;
-    g.lda = lda;
-    g.w = vs[i];
-    g.M = M;
-    g.d = ys[i]->data_as<float>();
-    g.ldd = M > 1 ? ys[i]->stride(0) : vs[i].N;
-    g.accumulate = accumulate;
-    g.partial = pf > 0 ? partial : nullptr;
-    g.arrivals = pf > 0 ? detail::zeroed_counters(device) : nullptr;
-    partial += round_up(pf, 4);
-  }
-  // up to 4 of one format in one launch where the skinny kernel can (one row chunk), in any
-  // order: only where no output shares an element with another (else one by one, in order)
-  bool disjoint = n > 1 && ops::fused_launches();
-  for (size_t i = 0; i < n && disjoint; ++i)
-    for (size_t j = 0; j < i && disjoint; ++j) disjoint = layout::views_disjoint(*ys[i], *ys[j]);
-  std::vector<bool> done(n, !disjoint);
-  if (!disjoint)
-    for (size_t i = 0; i < n; ++i) sk::gemm(gs[i], st);
-  for (size_t i = 0; i < n; ++i) {
-    if (done[i]) continue;
-    std::vector<sk::GemmArgs> group;
-    std::vector<size_t> idx;
-    for (size_t j = i; j < n && group.size() < 4; ++j)
-      if (!done[j] && gs[j].w.fmt == gs[i].w.fmt) {
-        group.push_back(gs[j]);
-        idx.push_back(j);
-      }
-    if (group.size() > 1 && sk::gemm_many(group.data(), int(group.size()), st)) {
-      for (size_t j : idx) done[j] = true;
-      continue;
-    }
-    sk::gemm(gs[i], st);
-    done[i] = true;
-  }
-}
-}  // namespace
 
 bool linear_bf16_supported(int device) {
   if (device < 0 || device >= device_count()) return false;  // no such GPU (or no driver)
@@ -465,7 +404,7 @@ void linear_bf16(const Tensor& x, const ops::Weight& w, Tensor& y, bool accumula
     // split over CTAs by (N, K, format) only (gemm_sk.h). Chosen by the caller's chunk kind,
     // never by M.
     Tensor* const out = &y;
-    sk_linears(x, &v, &out, 1, accumulate, device, st);
+    sk::linears(x, &v, &out, 1, accumulate, /*x3=*/false);
     return;
   }
   if ((v.fmt == WFmt::NVFP4 || v.fmt == WFmt::FP8) && dq::linear_enabled()) {
@@ -551,7 +490,7 @@ void linear_bf16_decode_many(const Tensor& x, const std::vector<const ops::Weigh
     vs.push_back(check_tc_args(x, *ws[i], *ys[i], op, 0, 8));
     if (vs.back().K == 0 || vs.back().N == 0) return;  // the steps one by one
   }
-  if (x.shape(0) > 0) sk_linears(x, vs.data(), ys.data(), vs.size(), false, device, detail::stream());
+  if (x.shape(0) > 0) sk::linears(x, vs.data(), ys.data(), vs.size(), false, /*x3=*/false);
   done = true;
 }
 
