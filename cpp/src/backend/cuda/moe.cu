@@ -841,6 +841,31 @@ void moe_route(const Tensor& logits, const Tensor& bias, const ops::MoeRouting& 
 namespace {
 enum class ExpertsMode { Exact, FP8, BF16, NVFP4 };
 
+// The skinny grouped GEMM of projection `which` (0 gate, 1 up, 2 down: the expert table's
+// views back to back) over the expert lists' n rows of A; the caller sets the output (d or
+// silu), the numerics' form (plane) and, for gate and up together, the projections.
+sk::GroupedArgs experts_sk_args(const WeightView* views, int which, WFmt f, bool vec16, int64_t N, int64_t K, int64_t E,
+                                const int32_t* start, const int32_t* active, int64_t n, const __nv_bfloat16* a,
+                                int64_t lda, float* partial, uint32_t* arrivals) {
+  sk::GroupedArgs g;
+  g.a = a;
+  g.lda = lda;
+  g.table = views + which;
+  g.table_stride = 3;
+  g.fmt = f;
+  g.vec = vec16;
+  g.N = N;
+  g.K = K;
+  g.groups = int(E);
+  g.start = start;
+  g.active = active;
+  g.max_active = int(E < n ? E : n);
+  g.M = n;
+  g.partial = partial;
+  g.arrivals = arrivals;
+  return g;
+}
+
 void moe_experts_impl(const Tensor& x, const Tensor& ids, const Tensor& weights, const ops::ExpertWeights& experts,
                       Tensor& out, Tensor& workspace, ExpertsMode mode, bool decode, bool accumulate) {
   const bool fp8 = mode == ExpertsMode::FP8, bf16 = mode == ExpertsMode::BF16, nvfp4 = mode == ExpertsMode::NVFP4;
@@ -1136,20 +1161,8 @@ void moe_experts_impl(const Tensor& x, const Tensor& ids, const Tensor& weights,
     auto grouped = [&](int which, const __nv_bfloat16* a, int64_t lda, int64_t N, int64_t Kd, WFmt f, bool vec,
                        bool vec16, float* d, int64_t ldd, const int32_t* d_rows) {
       if (skinny) {
-        sk::GroupedArgs g;
-        g.a = a;
-        g.lda = lda;
-        g.table = views + which;
-        g.table_stride = 3;
-        g.fmt = f;
-        g.vec = vec16;
-        g.N = N;
-        g.K = Kd;
-        g.groups = int(E);
-        g.start = start;
-        g.active = active;
-        g.max_active = int(E < n ? E : n);
-        g.M = n;
+        sk::GroupedArgs g = experts_sk_args(views, which, f, vec16, N, Kd, E, start, active, n, a, lda, partial,
+                                            detail::zeroed_counters(dev));
         g.d = d;
         g.ldd = ldd;
         g.d_rows = d_rows;
@@ -1159,8 +1172,6 @@ void moe_experts_impl(const Tensor& x, const Tensor& ids, const Tensor& weights,
           g.silu = h16;
           g.ld_silu = Fp;
         }
-        g.partial = partial;
-        g.arrivals = detail::zeroed_counters(dev);
         sk::grouped_gemm(g, s);
         return;
       }
@@ -1211,43 +1222,19 @@ void moe_experts_impl(const Tensor& x, const Tensor& ids, const Tensor& weights,
     float* partial = pf > 0 ? reinterpret_cast<float*>(base + b_a + b_h) : nullptr;
     const WeightView* views = reinterpret_cast<const WeightView*>(tab.dev);
     sk::split_x3_gather(x.data_as<const float>(), row_stride_2d(x), order, int(K), start + E, n, H, a3, 3 * Hp, Hp, s);
-    sk::GroupedArgs g;
-    g.a = a3;
-    g.lda = 3 * Hp;
+    uint32_t* arrivals = detail::zeroed_counters(dev);
+    sk::GroupedArgs g = experts_sk_args(views, 0, tab.gu_fmt, tab.gu_vec16, F, H, E, start, active, n, a3, 3 * Hp,
+                                        partial, arrivals);
     g.plane = Hp;
-    g.table = views;  // ExpertView: gate, up, down back to back
-    g.table_stride = 3;
-    g.fmt = tab.gu_fmt;
-    g.vec = tab.gu_vec16;
-    g.N = F;
-    g.K = H;
-    g.groups = int(E);
-    g.start = start;
-    g.active = active;
-    g.max_active = int(E < n ? E : n);
-    g.M = n;
-    g.projections = 2;
+    g.projections = 2;  // gate and up together, reduced into h's planes
     g.proj_stride = 1;
     g.silu = h3;
     g.ld_silu = 3 * Fp;
     g.silu_plane = Fp;
-    g.partial = partial;
-    g.arrivals = detail::zeroed_counters(dev);
     sk::grouped_gemm(g, s);
-    sk::GroupedArgs d = g;
-    d.a = h3;
-    d.lda = 3 * Fp;
+    sk::GroupedArgs d = experts_sk_args(views, 2, tab.down_fmt, tab.down_vec16, H, F, E, start, active, n, h3, 3 * Fp,
+                                        partial, arrivals);
     d.plane = Fp;
-    d.table = views + 2;
-    d.fmt = tab.down_fmt;
-    d.vec = tab.down_vec16;
-    d.N = H;
-    d.K = F;
-    d.projections = 1;
-    d.proj_stride = 0;
-    d.silu = nullptr;
-    d.ld_silu = 0;
-    d.silu_plane = 0;
     d.d = y;
     d.ldd = H;
     d.d_rows = order;
