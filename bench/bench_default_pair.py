@@ -19,7 +19,9 @@ dflash2 also run once more with the fused launches off (ops.set_fused_launches(F
 ops a layer runs several of side by side, one kernel each): tok/s both ways, their ratio,
 whether the outputs are equal; and once more with the other setting of programmatic dependent
 launch in the CUDA graphs (ops.set_pdl: off by default): tok/s both ways, the ratio PDL on /
-off, whether the outputs are equal, the programmatic edges of the PDL run's graphs.
+off, whether the outputs are equal, the programmatic edges of the PDL run's graphs; and once
+more with linear's exact numerics on the tensor cores (ops.set_exact_tc(True), engines made
+under it): tok/s and its ratio to the SIMT GEMMs', and whether dflash2 equals ar under it.
 
 Held-out prompts: 128-token windows (seeded) of the held-out stdlib files (every 20th file,
 see dflash2_rt.train.corpus), tokenized with the pair's tokenizer.
@@ -105,7 +107,7 @@ def main(argv=None):
                       "gomp_spincount": os.environ.get("GOMP_SPINCOUNT"), "build": str(dflash2_rt.build_info())
                       if hasattr(dflash2_rt, "build_info") else ""}, "modes": {}}
     for mode, (temp, top_p) in {"greedy": (0.0, 1.0), "t1.0_p0.95": (1.0, 0.95)}.items():
-        rows, ref = {}, None
+        rows, ref, ref_tc = {}, None, None
         for m in METHODS:
             t0 = time.time()
             # the same requests (same seeds) `repeat` times; the fastest pass counts (the CPU is shared)
@@ -143,6 +145,18 @@ def main(argv=None):
                       f"x{st['fused_launches_speedup']:.2f}, equal {st['fused_equal_one_by_one']}; PDL "
                       f"{on['tokens_per_second']:.1f} vs {off['tokens_per_second']:.1f} tok/s: x{st['pdl_speedup']:.2f}, "
                       f"equal {st['pdl_equal']}, {st['pdl_edges']} programmatic edges", flush=True)
+            if temp == 0 and a.device != "cpu" and m in ("ar", "dflash2"):
+                # linear's exact numerics on the tensor cores (ops.set_exact_tc, off by default):
+                # engines made and run under it (the switch is read per call), same requests
+                run_tc = lambda: run_method(m, prompts, a.new, a.threads, temp, top_p, a.seed, a.device)  # noqa: E731
+                to, ts = switched(dflash2_rt.ops.exact_tc, dflash2_rt.ops.set_exact_tc, True, run_tc)
+                st["tokens_per_second_exact_tc"] = ts["tokens_per_second"]
+                st["exact_tc_speedup"] = ts["tokens_per_second"] / st["tokens_per_second"]
+                if m == "ar":
+                    ref_tc = to
+                st["exact_tc_lossless_vs_ar"] = to == ref_tc
+                print(f"{'':12s} {m:8s} exact_tc {ts['tokens_per_second']:.1f} tok/s: x{st['exact_tc_speedup']:.2f} "
+                      f"over the SIMT GEMMs, lossless vs ar under it {st['exact_tc_lossless_vs_ar']}", flush=True)
             if temp == 0 and a.device != "cpu" and m == "dflash2" and st["draft_gemm"] != "exact":
                 # the drafter's exact GEMMs (draft_gemm="exact"), same requests, same run
                 xo, xs = run_method(m, prompts, a.new, a.threads, temp, top_p, a.seed, a.device, draft_gemm="exact")
