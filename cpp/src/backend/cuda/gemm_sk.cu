@@ -23,6 +23,14 @@
 //     the launch where the counters do not cover the grid. S depends on N,
 //     K and the format only, the k-stages run in order, and an MMA's column n depends on
 //     token n alone: a token's result is the same in any batch (decode == verify, bitwise).
+// The exact form (GemmArgs / GroupedArgs::plane != 0; ops::exact_tc): linear's fp32 numerics on
+// the same kernels. A holds three BF16 planes per row (split_x3: hi, mid, lo, summing to x
+// exactly), staged together (8 tokens per CTA for FP8 / NVFP4, 16 for BF16: 24 KiB of
+// shared memory); the weight operand is exact in BF16 (dequant8_x3: no FP8 block scale, no
+// NVFP4 global scale); per 16 x 16 weight block the MMAs take lo, mid, hi into a 128-input
+// block's sums, which join the accumulators by one round-to-nearest add (FP8: an fma with the
+// block scale); the NVFP4 global scale multiplies the sums at the store. The grouped gate /
+// up reduction writes silu(gate) * up as three planes for the down projection's exact form.
 // Grid: x = token tiles of this launch (fastest, so the CTAs reading one weight slice run
 // together and share it through L2), y = 64-feature blocks, z = splits; at most 256 rows per
 // launch (the partial buffer's size), more rows are more launches.
