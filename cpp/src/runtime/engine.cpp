@@ -182,6 +182,40 @@ std::tuple<Tensor, Tensor, Tensor> check_routing(CheckRng& r, int64_t T, int64_t
   return {x, ids, rw};
 }
 
+// "" when dev_out (a GPU's result, any device) is finite and within NMSE tol of cpu_out (the
+// CPU's, finite), else what went wrong.
+std::string nmse_vs_cpu(const Tensor& dev_out, const Tensor& cpu_out, double tol, const std::string& what) {
+  const Tensor got = dev_out.to(Device::cpu());
+  double err = 0, nrm = 0;
+  for (int64_t i = 0; i < cpu_out.numel(); ++i) {
+    const double gv = got.data_as<float>()[i], r = cpu_out.data_as<float>()[i];
+    if (!std::isfinite(r)) return "a non-finite CPU reference for the " + what + " (a bug in the check)";
+    if (!std::isfinite(gv)) return "a non-finite output of the " + what;
+    err += (gv - r) * (gv - r);
+    nrm += r * r;
+  }
+  if (err <= tol * nrm) return "";
+  return what + " NMSE " + std::to_string(err / nrm) + " against the CPU emulation";
+}
+
+// "" when gemm(x's first m rows on dev, y [m, N]) gives bitwise the rows of full_dev (the same
+// GEMM over all M rows of xh, [M, N]) for m = 1 and 5, else why not: a row must not depend on
+// its batch (decode == verify, which lossless speculation and chunked prefill rely on).
+std::string rows_batch_invariant(const Tensor& xh, const Tensor& full_dev, Device dev, const std::string& what,
+                                 const std::function<void(const Tensor&, Tensor&)>& gemm) {
+  const int64_t M = full_dev.shape(0), N = full_dev.shape(1);
+  const Tensor full = full_dev.to(Device::cpu());
+  for (const int64_t m : {int64_t(1), int64_t(5)}) {
+    Tensor ys = Tensor::empty(DType::F32, {m, N}, dev);
+    gemm(xh.slice(0, 0, m).to(dev), ys);
+    const Tensor got = ys.to(Device::cpu());
+    if (std::memcmp(got.data(), full.data(), size_t(m * N) * sizeof(float)) != 0)
+      return what + ": rows of an M = " + std::to_string(m) + " call differ from the same rows of an M = " +
+             std::to_string(M) + " one (not batch-invariant)";
+  }
+  return "";
+}
+
 std::string tc_gemm_self_check(Device dev, ops::GemmNumerics g, std::string* experts_why) {
   try {
     // K = 200: tails of 8 and 16 (the BF16 / FP8 padded paths); NVFP4 needs K % 16 == 0 and
@@ -221,18 +255,8 @@ std::string tc_gemm_self_check(Device dev, ops::GemmNumerics g, std::string* exp
     const ops::Weight wd = wc.to(dev);
     ops::linear_as(g, x.to(dev), wd, yd);
     // "" when the device's result is finite and within NMSE tol of the CPU's, else why not
-    auto compare = [](const Tensor& dev_out, const Tensor& cpu_out, double tol, const char* what) -> std::string {
-      const Tensor got = dev_out.to(Device::cpu());
-      double err = 0, nrm = 0;
-      for (int64_t i = 0; i < cpu_out.numel(); ++i) {
-        const double gv = got.data_as<float>()[i], r = cpu_out.data_as<float>()[i];
-        if (!std::isfinite(r)) return std::string("a non-finite CPU reference for the ") + what + " (a bug in the check)";
-        if (!std::isfinite(gv)) return std::string("a non-finite output of the ") + what;
-        err += (gv - r) * (gv - r);
-        nrm += r * r;
-      }
-      if (err <= tol * nrm) return "";
-      return std::string(what) + " NMSE " + std::to_string(err / nrm) + " against the CPU emulation";
+    auto compare = [](const Tensor& dev_out, const Tensor& cpu_out, double tol, const char* what) {
+      return nmse_vs_cpu(dev_out, cpu_out, tol, what);
     };
     // NVFP4: fp32 order only, as BF16
     const std::string why = compare(yd, want, g == ops::GemmNumerics::FP8 ? 1e-6 : 1e-8, "GEMM");
@@ -241,17 +265,8 @@ std::string tc_gemm_self_check(Device dev, ops::GemmNumerics g, std::string* exp
     // (a row must not depend on its batch: decode == verify, which lossless speculation and
     // chunked prefill rely on); gemm(x rows on the device, y) runs the GEMM under test
     auto batch_invariant = [&](const Tensor& xh, const Tensor& full_dev, const std::string& what,
-                               const std::function<void(const Tensor&, Tensor&)>& gemm) -> std::string {
-      const Tensor full = full_dev.to(Device::cpu());
-      for (const int64_t m : {int64_t(1), int64_t(5)}) {
-        Tensor ys = Tensor::empty(DType::F32, {m, N}, dev);
-        gemm(xh.slice(0, 0, m).to(dev), ys);
-        const Tensor got = ys.to(Device::cpu());
-        if (std::memcmp(got.data(), full.data(), size_t(m * N) * sizeof(float)) != 0)
-          return what + ": rows of an M = " + std::to_string(m) + " call differ from the same rows of an M = " +
-                 std::to_string(M) + " one (not batch-invariant)";
-      }
-      return "";
+                               const std::function<void(const Tensor&, Tensor&)>& gemm) {
+      return rows_batch_invariant(xh, full_dev, dev, what, gemm);
     };
     const std::string why_rows = batch_invariant(x, yd, "GEMM", [&](const Tensor& xm, Tensor& ym) {
       ops::linear_as(g, xm, wd, ym);
@@ -427,17 +442,6 @@ std::string exact_tc_self_check(Device dev) {
     Tensor x = Tensor::empty(DType::F32, {M, K});
     for (int64_t i = 0; i < M * K; ++i) x.data_as<float>()[i] = rng.next();
     const Tensor xd = x.to(dev);
-    auto nmse_why = [](const Tensor& dev_out, const Tensor& cpu_out, const std::string& what) -> std::string {
-      const Tensor got = dev_out.to(Device::cpu());
-      double err = 0, nrm = 0;
-      for (int64_t i = 0; i < cpu_out.numel(); ++i) {
-        const double gv = got.data_as<float>()[i], r = cpu_out.data_as<float>()[i];
-        if (!std::isfinite(gv)) return "a non-finite output of the " + what;
-        err += (gv - r) * (gv - r);
-        nrm += r * r;
-      }
-      return err <= 1e-9 * nrm ? "" : what + " NMSE " + std::to_string(err / nrm) + " against the CPU";
-    };
     const ops::Weight ws[3] = {check_bf16_weight(rng, N, K), check_fp8_weight(rng, N, K), check_fp4_weight(rng, N, K)};
     const char* names[3] = {"exact GEMM (BF16 weight)", "exact GEMM (FP8 weight)", "exact GEMM (NVFP4 weight)"};
     for (int i = 0; i < 3; ++i) {
@@ -445,17 +449,10 @@ std::string exact_tc_self_check(Device dev) {
       const ops::Weight wd = ws[i].to(dev);
       ops::linear(x, ws[i], want);
       ops::linear(xd, wd, got);
-      std::string why = nmse_why(got, want, names[i]);
+      std::string why = nmse_vs_cpu(got, want, 1e-9, names[i]);
+      if (why.empty())
+        why = rows_batch_invariant(x, got, dev, names[i], [&](const Tensor& xm, Tensor& ym) { ops::linear(xm, wd, ym); });
       if (!why.empty()) return why;
-      const Tensor full = got.to(Device::cpu());
-      for (const int64_t m : {int64_t(1), int64_t(5)}) {
-        Tensor ym = Tensor::empty(DType::F32, {m, N}, dev);
-        ops::linear(xd.slice(0, 0, m), wd, ym);
-        const Tensor part = ym.to(Device::cpu());
-        if (std::memcmp(part.data(), full.data(), size_t(m * N) * sizeof(float)) != 0)
-          return std::string(names[i]) + ": rows of an M = " + std::to_string(m) +
-                 " call differ from the same rows of an M = 130 one (not batch-invariant)";
-      }
     }
     const int64_t T = 5, E = 4, H = 208, F = 144, k = 2;
     ops::ExpertWeights ex, exd;
@@ -473,7 +470,7 @@ std::string exact_tc_self_check(Device dev) {
     ops::moe_experts(xe, ids, rw, ex, ye, wse, ops::GemmNumerics::Exact);
     Tensor yg = Tensor::empty(DType::F32, {T, H}, dev), wsg = Tensor::empty(DType::F32, {nws}, dev);
     ops::moe_experts(xe.to(dev), ids.to(dev), rw.to(dev), exd, yg, wsg, ops::GemmNumerics::Exact);
-    return nmse_why(yg, ye, "exact routed experts (FP8)");
+    return nmse_vs_cpu(yg, ye, 1e-9, "exact routed experts (FP8)");
   } catch (const std::exception& e) {
     return std::string("it threw: ") + e.what();
   }
