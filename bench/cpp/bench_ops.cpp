@@ -916,30 +916,34 @@ void bench_linear_sk(Bench& b, const std::vector<int64_t>& Ts, int major) {
   }
 }
 
-// linear's exact form on the tensor cores (ops::set_exact_tc(true): x as three BF16 planes,
-// gemm_sk.h) beside the exact SIMT kernel on the same operands (the switch around each call):
-// both give linear's numerics, so "speedup" says which should be the default. T = 8 (verify
-// at batch 1) in every mode: the size where the SIMT kernel's FMAs start to bound it.
-void exact_forms_case(Bench& b, Result r, const Proj& p, Fmt f, int64_t T) {
+// One GEMM case run two ways on the same operands: op with a process-wide switch (get / set)
+// on (ours) and off (the baseline `base_name`, what `base_kind` says), the switch as it was
+// after each call: the two forms of one kernel family (ops::set_dq_wgmma, ops::set_exact_tc).
+void switch_forms_case(Bench& b, Result r, const Proj& p, Fmt f, int64_t T, bool (*get)(), void (*set)(bool),
+                       LinearFn op, const char* base_name, const char* base_kind) {
   gemm_cost(r, p, f, T);
   b.run(r, [&](Baseline& base) {
     GemmOperands o = gemm_operands(p, f, T);
-    auto form = [o](bool tc) {
-      return [o, tc](int v) mutable {
-        const bool was = ops::exact_tc();
-        ops::set_exact_tc(tc);
-        ops::linear(o.x, o.ws[size_t(v)], o.y, false);
-        ops::set_exact_tc(was);
+    auto form = [o, get, set, op](bool on) {
+      return [o, get, set, op, on](int v) mutable {
+        const bool was = get();
+        set(on);
+        op(o.x, o.ws[size_t(v)], o.y, false);
+        set(was);
       };
     };
     base.run = form(false);
     base.variants = o.vars;
-    base.name = "exact SIMT";
-    base.kind = "linear's SIMT kernel (ops::set_exact_tc(false)), the same numerics";
+    base.name = base_name;
+    base.kind = base_kind;
     return std::make_pair(std::function<void(int)>(form(true)), o.vars);
   });
 }
 
+// linear's exact form on the tensor cores (ops::set_exact_tc(true): x as three BF16 planes,
+// gemm_sk.h) beside the exact SIMT kernel on the same operands (the switch around each call):
+// both give linear's numerics, so "speedup" says which should be the default. T = 8 (verify
+// at batch 1) in every mode: the size where the SIMT kernel's FMAs start to bound it.
 void bench_linear_exact_tc(Bench& b, const std::vector<int64_t>& Ts) {
   const std::vector<Proj> ps = {
       {"q_a_proj", G.q_lora, G.hidden, true, false},
@@ -954,31 +958,10 @@ void bench_linear_exact_tc(Bench& b, const std::vector<int64_t>& Ts) {
     if (p.nvfp4) fmts.push_back(Fmt::NVFP4);
     for (Fmt f : fmts)
       for (int64_t T : Ts)
-        exact_forms_case(b, Result{"linear_exact_tc", p.name + " " + dims({p.N, p.K}), fmt_name(f), t_label(T), T},
-                         p, f, T);
+        switch_forms_case(b, Result{"linear_exact_tc", p.name + " " + dims({p.N, p.K}), fmt_name(f), t_label(T), T},
+                          p, f, T, &ops::exact_tc, &ops::set_exact_tc, &ops::linear, "exact SIMT",
+                          "linear's SIMT kernel (ops::set_exact_tc(false)), the same numerics");
   }
-}
-
-// The mainloop-dequantizing GEMM (FP8 / NVFP4 weights' linear_bf16) in its wgmma form, with
-// its mma.sync form on the same operands as the baseline (ops::set_dq_wgmma around each call).
-void dq_forms_case(Bench& b, Result r, const Proj& p, Fmt f, int64_t T) {
-  gemm_cost(r, p, f, T);
-  b.run(r, [&](Baseline& base) {
-    GemmOperands o = gemm_operands(p, f, T);
-    auto form = [o](bool wgmma) {
-      return [o, wgmma](int v) mutable {
-        const bool was = ops::dq_wgmma();
-        ops::set_dq_wgmma(wgmma);
-        linear_bf16_prompt(o.x, o.ws[size_t(v)], o.y, false);
-        ops::set_dq_wgmma(was);
-      };
-    };
-    base.run = form(false);
-    base.variants = o.vars;
-    base.name = "dq mma.sync";
-    base.kind = "the same kernel's mma.sync m16n8k16 form";
-    return std::make_pair(std::function<void(int)>(form(true)), o.vars);
-  });
 }
 
 // Prompt chunks on the tensor cores (ops::linear_bf16: CUTLASS wgmma / tcgen05) at prefill
@@ -1032,8 +1015,12 @@ void bench_linear_tc(Bench& b, const std::vector<int64_t>& Ts, int major) {
       if (b.opt.quick && p.name.rfind("shared gate", 0) != 0) continue;
       for (Fmt f : {Fmt::FP8, Fmt::NVFP4})
         for (int64_t T : Ts)
-          dq_forms_case(b, Result{"linear_bf16_dq", p.name + " " + dims({p.N, p.K}), fmt_name(f), "prefill chunk", T},
-                        p, f, T);
+          // the mainloop-dequantizing GEMM (FP8 / NVFP4 weights' linear_bf16) in its wgmma form,
+          // its mma.sync form on the same operands the baseline
+          switch_forms_case(b, Result{"linear_bf16_dq", p.name + " " + dims({p.N, p.K}), fmt_name(f), "prefill chunk",
+                                      T},
+                            p, f, T, &ops::dq_wgmma, &ops::set_dq_wgmma, &linear_bf16_prompt, "dq mma.sync",
+                            "the same kernel's mma.sync m16n8k16 form");
     }
   if (!fp8_ok) std::printf("linear_fp8: no FP8 block-128 tensor-core GEMM for this device in this build (skipped)\n");
   if (!fp4_ok) std::printf("linear_nvfp4: no NVFP4 W4A4 tensor-core GEMM for this device in this build (skipped)\n");
