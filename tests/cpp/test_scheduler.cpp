@@ -1,6 +1,7 @@
 // The C++ request API on the bundled default pair: submit / poll / cancel from several
 // threads (continuous batching), outputs equal to a request run alone, cancellation
 // freeing the slot, close() with requests in flight, errors for bad requests.
+#include <algorithm>
 #include <atomic>
 #include <cstdio>
 #include <string>
@@ -117,6 +118,56 @@ TEST(cancel_frees_the_slot_and_close_ends_everything) {
     threw = err.kind() == ErrorKind::InvalidArgument;
   }
   CHECK(threw);
+}
+
+// A poll sleeps until one of *its* requests has news (each poll waits on a variable of its
+// own, woken by those requests' tokens or end): a poll over several ids wakes for any of
+// them, pollers of different requests are woken by their own, and close() wakes a poll
+// waiting without a timeout on a request still running.
+TEST(polls_wake_for_their_own_requests) {
+  if (!have_pair()) return skip("polls", "the bundled default pair is not present");
+  EngineConfig c = config("ar");
+  c.max_seq_len = 2048;
+  Engine e(c);
+  SamplingParams p;
+  p.has_stop_tokens = true;
+  p.max_new_tokens = 24;
+  std::vector<std::vector<int32_t>> alone;
+  for (int i = 0; i < 3; ++i) alone.push_back(e.generate({prompt(i)}, p)[0].token_ids);
+  const RequestId a = e.submit(prompt(0), p), b = e.submit(prompt(1), p);
+  std::vector<int32_t> got_a, got_b, got_c;
+  std::thread both([&] {  // one poll over two requests, no timeout, until both end
+    std::vector<RequestId> open{a, b};
+    while (!open.empty())
+      for (auto& u : e.poll(open, -1.0)) {
+        (u.id == a ? got_a : got_b).insert((u.id == a ? got_a : got_b).end(), u.new_tokens.begin(),
+                                           u.new_tokens.end());
+        if (u.finished) open.erase(std::find(open.begin(), open.end(), u.id));
+      }
+  });
+  std::thread one([&] { got_c = run(e, e.submit(prompt(2), p)); });
+  both.join();
+  one.join();
+  CHECK(got_a == alone[0]);
+  CHECK(got_b == alone[1]);
+  CHECK(got_c == alone[2]);
+  // close() while a poll waits (no timeout) on a request that would run for long
+  SamplingParams longp = p;
+  longp.max_new_tokens = 1800;
+  const RequestId l = e.submit(prompt(3), longp);
+  std::atomic<bool> ended{false};
+  std::string reason;
+  std::thread waiter([&] {
+    while (!ended)
+      for (auto& u : e.poll({l}, -1.0))
+        if (u.finished) {
+          reason = u.result.finish_reason;
+          ended = true;
+        }
+  });
+  e.close();
+  waiter.join();
+  CHECK(ended && reason == "cancelled");
 }
 
 TEST(bad_requests_throw_at_submit) {

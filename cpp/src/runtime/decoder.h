@@ -5,6 +5,7 @@
 // round for all of them; a request leaves when it ends (retire frees its slot and pages).
 // Runs on the scheduler thread only; tokens leave through a Sink.
 #pragma once
+#include <condition_variable>
 #include <cstdint>
 #include <exception>
 #include <string>
@@ -37,8 +38,10 @@ struct Request {
   std::vector<int64_t> accepted_at;
   double prefill_s = 0, draft_s = 0, verify_s = 0, t_prefilled = 0;
   double prefill_wait_s = 0, accept_s = 0;  // decoding, waiting for other requests' prompts (Decoder::prefill)
+  std::vector<int32_t> staged;  // committed, not yet handed to the clients (Scheduler::publish_locked)
   // ---- shared with clients (guarded by the scheduler's mutex)
   std::vector<int32_t> unread;
+  std::vector<std::condition_variable*> waiters;  // the polls waiting on this request
   bool finished = false, cancel_requested = false, detached = false, reported = false;
   GenerationResult result;
   std::exception_ptr error;

@@ -52,10 +52,15 @@ std::vector<RequestUpdate> Scheduler::poll(const std::vector<RequestId>& ids, do
       if (has_news_locked(*r)) return true;
     return false;
   };
-  if (timeout_s < 0)
-    news_cv_.wait(lk, any_news);
-  else if (timeout_s > 0)
-    news_cv_.wait_for(lk, std::chrono::duration<double>(timeout_s), any_news);
+  if (timeout_s != 0 && !any_news()) {  // sleep until one of these requests has news
+    std::condition_variable cv;
+    for (const auto& r : rs) r->waiters.push_back(&cv);
+    if (timeout_s < 0)
+      cv.wait(lk, any_news);
+    else
+      cv.wait_for(lk, std::chrono::duration<double>(timeout_s), any_news);
+    for (const auto& r : rs) r->waiters.erase(std::find(r->waiters.begin(), r->waiters.end(), &cv));
+  }
   // a request that failed: its error, once
   for (const auto& r : rs)
     if (r->finished && r->error && !r->reported) {
@@ -120,15 +125,27 @@ void Scheduler::finish_locked(Request& r) {
   r.finished = true;
   ++requests_finished_;
   if (r.result.finish_reason == "cancelled" || r.finish_reason == "cancelled") ++requests_cancelled_;
-  news_cv_.notify_all();               // a poller still waiting on it gets the final update
+  wake_locked(r);                      // a poller still waiting on it gets the final update
   if (r.detached) records_.erase(r.id);  // (it holds its own reference); nobody polls it later
 }
 
+void Scheduler::wake_locked(Request& r) {
+  for (std::condition_variable* cv : r.waiters) cv->notify_one();
+}
+
 void Scheduler::on_tokens(Request& r, const int32_t* toks, int64_t n) {
-  std::lock_guard<std::mutex> lk(mu_);
-  r.unread.insert(r.unread.end(), toks, toks + n);
-  tokens_total_ += n;
-  news_cv_.notify_all();
+  if (r.staged.empty()) staged_.push_back(&r);
+  r.staged.insert(r.staged.end(), toks, toks + n);
+}
+
+void Scheduler::publish_locked() {
+  for (Request* r : staged_) {
+    r->unread.insert(r->unread.end(), r->staged.begin(), r->staged.end());
+    tokens_total_ += int64_t(r->staged.size());
+    r->staged.clear();
+    wake_locked(*r);
+  }
+  staged_.clear();
 }
 
 void Scheduler::on_error(Request& r, std::exception_ptr e) {
@@ -154,7 +171,7 @@ void Scheduler::close() {
   }
   if (thread_.joinable() && thread_.get_id() != std::this_thread::get_id()) thread_.join();
   std::lock_guard<std::mutex> lk(mu_);
-  news_cv_.notify_all();
+  for (auto& kv : records_) wake_locked(*kv.second);
 }
 
 EngineMetrics Scheduler::metrics() const {
@@ -197,6 +214,10 @@ void Scheduler::loop() {
     }
     try {
       dec_.prefill();
+      if (!staged_.empty()) {  // the prompts' first tokens, before the step runs
+        std::lock_guard<std::mutex> lk(mu_);
+        publish_locked();
+      }
       dec_.step();
     } catch (...) {  // a failure of the step: every request in it fails with the error
       std::exception_ptr e = std::current_exception();
@@ -212,6 +233,7 @@ void Scheduler::loop() {
       if (r->done) ended.push_back(r);
     for (Request* r : ended) dec_.retire(r);
     std::lock_guard<std::mutex> lk(mu_);
+    publish_locked();
     for (Request* r : ended) finish_locked(*r);
     snap_.steps_total = dec_.steps();
     snap_.tokens_per_second = dec_.tokens_per_second();
@@ -229,6 +251,7 @@ void Scheduler::loop() {
     dec_.retire(r);
   }
   std::lock_guard<std::mutex> lk(mu_);
+  publish_locked();
   for (Request* r : ended) finish_locked(*r);
   snap_.cache_pages_total = core_.target->cache().num_blocks() - int64_t(core_.target->pad_stream().blocks.size());
   snap_.cache_pages_used = snap_.cache_pages_total - core_.target->cache().free_blocks();
