@@ -11,13 +11,15 @@ alike. Per mode and level: tokens/s (all requests), speedup over ar, committed t
 sequence per step, draft length, and the decode time split into draft / verify / accept /
 prefill_wait (waiting while newly admitted requests' prompts run: the scheduler prefills
 between steps) / host (the requests' draft_s, verify_s, accept_s, prefill_wait_s,
-host_s). Prints a table and writes <out>/concurrency[_<device>].{json,md,png}; the JSON is
+host_s). With --clients loop one thread keeps each level's C requests in flight instead
+(the same load without C Python threads taking cores and the GIL from the engine's
+scheduler thread: the host share is then the engine's own). Prints a table and writes <out>/concurrency[_<device>].{json,md,png}; the JSON is
 rewritten after every level, so a
 run stopped by --budget or a timeout keeps what it measured.
 
     python bench/bench_concurrency.py [--levels 1 4 8 16 32] [--requests 3] [--new 64]
         [--modes ar "dflash2 fixed" "dflash2 adaptive" mtp dflash] [--models pair slice]
-        [--device cpu|cuda|cuda:N] [--budget SECONDS]
+        [--device cpu|cuda|cuda:N] [--clients threads|loop] [--budget SECONDS]
 
 --models slice: a two-layer target with GLM-5.3's attention dimensions (tests/glm_fixtures.py
 REAL_DIMS, random weights, with an MTP layer) and a random DFlash 2 drafter with the GLM-5.3
@@ -46,13 +48,41 @@ def prompts(n, seed, vocab):
     return [[(seed * 977 + i * 31 + j * 17) % (vocab - 2) + 2 for j in range(16 + (i * 13) % 80)] for i in range(n)]
 
 
-def run_level(eng, C, per_client, new, seed, vocab):
+SPLIT_KEYS = ("draft_s", "verify_s", "accept_s", "prefill_wait_s", "host_s", "decode_s")
+
+
+def run_level_loop(eng, C, per_client, new, seed, vocab):
+    """run_level with one client thread keeping C requests in flight (a finished one is
+    replaced by the next at once): the same load without C Python threads competing with the
+    engine's scheduler thread for the cores and the GIL."""
+    ps = prompts(C * per_client, seed, vocab)
+    total = dict.fromkeys(SPLIT_KEYS, 0.0)
+    tokens = 0
+    t0 = time.perf_counter()
+    queue = list(ps)
+    pending = set()
+    while queue or pending:
+        while queue and len(pending) < C:
+            pending.add(eng.submit(queue.pop(0), max_new_tokens=new, stop_token_ids=[]))
+        # the engine's poll over several requests (what Engine.generate waits with)
+        for rid, toks, finished, res in eng._e.poll(list(pending), 0.1):
+            if finished:
+                pending.discard(rid)
+                tokens += len(res.token_ids)
+                for key in SPLIT_KEYS:
+                    total[key] += float(dict(res.stats).get(key, 0.0))
+    return tokens, time.perf_counter() - t0, total
+
+
+def run_level(eng, C, per_client, new, seed, vocab, clients="threads"):
     """C closed-loop clients, per_client requests each: (committed tokens, seconds, summed
-    request stats draft_s / verify_s / accept_s / prefill_wait_s / host_s / decode_s)."""
+    request stats draft_s / verify_s / accept_s / prefill_wait_s / host_s / decode_s).
+    clients "loop": one thread drives them all (run_level_loop)."""
+    if clients == "loop":
+        return run_level_loop(eng, C, per_client, new, seed, vocab)
     ps = prompts(C * per_client, seed, vocab)
     tokens = [0] * C
-    split = [{"draft_s": 0.0, "verify_s": 0.0, "accept_s": 0.0, "prefill_wait_s": 0.0, "host_s": 0.0,
-              "decode_s": 0.0} for _ in range(C)]
+    split = [dict.fromkeys(SPLIT_KEYS, 0.0) for _ in range(C)]
     errors = []
 
     def client(c):
@@ -98,6 +128,9 @@ def main(argv=None):
     ap.add_argument("--modes", nargs="+", default=DEFAULT_MODES, choices=list(MODES))
     ap.add_argument("--models", nargs="+", default=["pair"], choices=["pair", "slice"])
     ap.add_argument("--device", default="cpu", help="cpu, cuda or cuda:N (where the target runs)")
+    ap.add_argument("--clients", default="threads", choices=["threads", "loop"],
+                    help="threads: a Python thread per client (as the server serves); loop: one thread keeps the "
+                         "level's requests in flight, so the host share is the engine's own")
     ap.add_argument("--budget", type=float, default=0.0,
                     help="seconds: no new model or level starts that would likely end past it (0: no limit); "
                          "what ran is kept")
@@ -107,7 +140,8 @@ def main(argv=None):
     suffix = "" if a.device == "cpu" else "_" + a.device.split(":")[0]
     os.makedirs(a.out, exist_ok=True)
     t_start = time.perf_counter()
-    report = {"device": a.device, "levels": a.levels, "requests_per_client": a.requests, "new_tokens": a.new,
+    report = {"device": a.device, "clients": a.clients, "levels": a.levels, "requests_per_client": a.requests,
+              "new_tokens": a.new,
               "modes": modes, "models": {}, "complete": False}
 
     def save():  # whole or not at all (a run killed by a time limit keeps the previous levels)
@@ -147,10 +181,11 @@ def main(argv=None):
             t_level = time.perf_counter()
             res = {}
             for name in modes:  # warm-up (the adaptive policy learns this batch size; graphs are captured)
-                run_level(engines[name], C, 1, a.new, C, vocab)
+                run_level(engines[name], C, 1, a.new, C, vocab, a.clients)
             for rep in range(a.repeat):  # the modes alternate; each keeps its best round
                 for name in modes:
-                    tok, dt, split = run_level(engines[name], C, a.requests, a.new, 1000 + C + 100 * rep, vocab)
+                    tok, dt, split = run_level(engines[name], C, a.requests, a.new, 1000 + C + 100 * rep, vocab,
+                                                a.clients)
                     m = engines[name].metrics()
                     if name not in res or tok / dt > res[name]["tok_s"]:
                         dec = split.pop("decode_s")

@@ -11,7 +11,8 @@
 # acceptance, speedup over ar, draft / verify / host split), the op microbenchmarks
 # (bench/cpp/bench_ops --quick, results in bench_ops.json), the CUDA op tests once more under
 # compute-sanitizer memcheck, and tokens/s at concurrency 1, 8, 32 for ar / mtp / dflash /
-# dflash2 on the pair and on the real-dimension slice (bench/bench_concurrency.py), in that
+# dflash2 on the pair and on the real-dimension slice (bench/bench_concurrency.py; one client
+# thread keeps each level's requests in flight, DC_CONC_CLIENTS=threads for a thread each), in that
 # order, then writes ${OUT:-bench/results}/device_check.json:
 # GPU name/driver, cuda_available() and its reason, build ok, test counts, the op
 # benchmark results, the failing step if any. Step logs go beside it in device_check_logs/.
@@ -452,7 +453,8 @@ if [ "$GPU_USABLE" = 1 ] && [ "$DC_PYTHON_BINDING" = 1 ]; then
   CONC_SIZE=(--levels 1 8 32 --new 32 --models pair slice)
   [ "$EMULATE" = 1 ] && CONC_SIZE=(--levels 1 2 --new 8 --models pair)
   run_step concurrency "$CONC_LIMIT" "$PY" "$ROOT/bench/bench_concurrency.py" --device cuda "${CONC_SIZE[@]}" \
-    --requests 2 --repeat 1 --modes ar mtp dflash "dflash2 fixed" --budget "$CONC_BUDGET" --out "$OUT_DIR" || {
+    --requests 2 --repeat 1 --modes ar mtp dflash "dflash2 fixed" --clients "${DC_CONC_CLIENTS:-loop}" \
+    --budget "$CONC_BUDGET" --out "$OUT_DIR" || {
     rc=$?
     if [ "$rc" = 124 ] && [ -f "$OUT_DIR/concurrency_cuda.json" ]; then
       note "the concurrency sweep reached its time limit; the levels it finished are in the report"

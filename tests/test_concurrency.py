@@ -251,3 +251,29 @@ def test_prefill_wait_is_its_own_share_of_decode_time():
     finally:
         eng.close()
 
+
+
+@pytest.mark.parametrize("clients", ["threads", "loop"])
+def test_bench_concurrency_drivers_run_every_request(clients):
+    """bench/bench_concurrency.py's two client drivers (a thread per client; one thread keeping
+    the level's requests in flight) run every request to its length and report the split."""
+    import json
+    import tempfile
+    sys.path.insert(0, os.path.join(REPO, "bench"))
+    import bench_concurrency as bc
+    eng = dflash2_rt.Engine(method="ar", max_batch_size=3, max_seq_len=256)
+    try:
+        tok, dt, split = bc.run_level(eng, 3, 2, 5, 7, eng.vocab_size, clients)
+    finally:
+        eng.close()
+    assert tok == 3 * 2 * 5 and dt > 0
+    # decode_s = draft + verify + accept + prefill_wait + host (host: the remainder, >= 0 on the CPU)
+    assert split["decode_s"] > 0
+    assert sum(split[k] for k in bc.SPLIT_KEYS if k != "decode_s") == pytest.approx(split["decode_s"], rel=1e-6)
+    with tempfile.TemporaryDirectory() as out:
+        bc.main(["--levels", "2", "--requests", "1", "--new", "3", "--repeat", "1", "--modes", "ar",
+                 "--clients", clients, "--out", out])
+        with open(os.path.join(out, "concurrency.json"), encoding="utf-8") as f:
+            rep = json.load(f)
+    assert rep["complete"] and rep["clients"] == clients
+    assert rep["models"]["pair"][0]["ar"]["tokens"] == 2 * 3
