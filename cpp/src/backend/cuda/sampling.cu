@@ -62,12 +62,16 @@
 // at the cut) over the row per block; with R rows in parallel the grid fills the GPU,
 // a single row uses one SM. Measured on an H200 (bench_ops, one load per warp step):
 // 1.06 ms for one row of 154880 (t 0.8, top-p 0.95, top-k 50), 1.17 ms for 32 rows, so
-// latency-bound, not ~tens of us as first estimated. Every walk over a row now keeps
-// kPrefetch loads in flight per warp (warp_walk, same element order, same results);
-// not yet measured on a GPU. Ideas: fuse the max pass
-// into the first radix pass; stop the radix early when the selected bucket is exactly the
-// target; split a single long row over a cluster (distributed shared memory histograms);
-// vectorized loads when the row is 16-byte aligned.
+// latency-bound, not ~tens of us as first estimated. Every walk over a row now loads
+// 128-element groups per warp, 16 bytes per lane when the row is 16-byte aligned, several
+// groups ahead (warp_walk_all / warp_walk_ordered: 64 KB / 32 KB in flight per block
+// against 2 KB); not yet measured on a GPU. The order-free walks (max, counts, sums,
+// argmax, topk's collection) give each thread other elements than before, so the per-thread
+// double sums of z and of the top-p histograms round in another order (still deterministic;
+// the ordered scans of the draw and the tie searches are unchanged, bitwise). Ideas: fuse
+// the max pass into the first radix pass; stop the radix early when the selected bucket is
+// exactly the target; split a single long row over several SMs (a cluster's distributed
+// shared memory, or per-pass launches with a last-block combine).
 //
 // topk: one block (up to 1024 threads) per row: the count radix selection of step 2 with
 // the same tie rule, then the k kept (key, index) pairs are collected (warp-aggregated
@@ -148,30 +152,84 @@ __device__ __forceinline__ double warp_incl_scan(double v) {
   return v;
 }
 
-// A warp's walk over row[begin, end) in steps of `stride` (a multiple of 32; the warps'
-// interleaved walk: stride nw * 32, or a warp's own segment: 32), kPrefetch steps' loads
-// issued before the first is used: body(i0, x) for i0 = begin, begin + stride, ... (< end,
-// the same order as one step at a time), x = row[i0 + lane] (0 at or past end, where the
-// body must ignore it as before). body returns true to stop the walk. With one load per
-// step, a warp waits out a global-memory latency every 32 elements, and a row's block (one
-// SM) streamed about 5 GB/s: on an H200 one `sample` call over 154880 logits took 1.06 ms,
-// about 11 such passes (bench_ops, 2026-12-04).
-constexpr int kPrefetch = 8;
+// The walks over a row. With one 4-byte load per warp step, a warp waited out a
+// global-memory latency every 32 elements and a row's block (one SM) streamed about 5 GB/s:
+// on an H200 one `sample` call over 154880 logits took 1.06 ms, about 11 passes over the row
+// (bench_ops, 2026-12-04). Both walks below load 128-element groups, lane l the 4
+// consecutive elements 4l .. 4l + 3 of a group (one 16-byte load when the row is 16-byte
+// aligned, else 4 scalar loads of the same elements), and issue several groups' loads before
+// the first is used: 64 KB in flight per 512-thread block in warp_walk_all, 32 KB in the
+// ordered walk, against 2 KB before.
+constexpr int kGroup = 128;           // elements per warp group (32 lanes x 4)
+constexpr int kAheadAll = 8;          // groups in flight per warp, warp_walk_all
+constexpr int kAheadOrdered = 4;      // groups in flight per warp, warp_walk_ordered
+
+// Loads group g of row[.., end) into this lane's 4 elements (0 at or past end).
+__device__ __forceinline__ float4 load_group(const float* row, int64_t g, int64_t end, bool vec) {
+  const int64_t i = g + 4 * lane_id();
+  if (vec && i + 3 < end) return *reinterpret_cast<const float4*>(row + i);
+  float4 v;
+  v.x = i < end ? row[i] : 0.0f;
+  v.y = i + 1 < end ? row[i + 1] : 0.0f;
+  v.z = i + 2 < end ? row[i + 2] : 0.0f;
+  v.w = i + 3 < end ? row[i + 3] : 0.0f;
+  return v;
+}
+
+// Every element of row[0, V) once, in no particular order across threads: warp w of nw takes
+// the groups starting at 128 w, 128 (w + nw), ...; body(i, x) for each of the lane's 4
+// elements i (ascending within a thread; i >= V: x = 0, to be ignored), called by all 32
+// lanes together (bodies may hold warp collectives). For order-free reductions (max, counts,
+// per-thread sums, argmax), whose results do not depend on which thread saw an element
+// beyond the floating-point order of a thread's own sum.
 template <class Body>
-__device__ __forceinline__ void warp_walk(const float* row, int64_t begin, int64_t end, int64_t stride, Body body) {
-  const int lane = lane_id();
-  for (int64_t base = begin; base < end; base += int64_t(kPrefetch) * stride) {
-    float xv[kPrefetch];
+__device__ __forceinline__ void warp_walk_all(const float* row, int64_t V, Body body) {
+  const int64_t gs = int64_t(num_warps()) * kGroup;
+  const bool vec = (reinterpret_cast<uintptr_t>(row) & 15u) == 0;
+  for (int64_t base = int64_t(warp_id()) * kGroup; base < V; base += kAheadAll * gs) {
+    float4 v[kAheadAll];
 #pragma unroll
-    for (int u = 0; u < kPrefetch; ++u) {
-      const int64_t i = base + int64_t(u) * stride + lane;
-      xv[u] = i < end ? row[i] : 0.0f;
+    for (int u = 0; u < kAheadAll; ++u) v[u] = load_group(row, base + u * gs, V, vec);
+#pragma unroll
+    for (int u = 0; u < kAheadAll; ++u) {
+      const int64_t g = base + u * gs;
+      if (g >= V) return;  // warp-uniform; every later group is past it too
+      const int32_t i = int32_t(g) + 4 * lane_id();
+      body(i, v[u].x);
+      body(i + 1, v[u].y);
+      body(i + 2, v[u].z);
+      body(i + 3, v[u].w);
     }
+  }
+}
+
+// A warp's walk over its own segment row[begin, end) (begin a multiple of 32) in id order,
+// 32 ids a step: body(i0, x) for i0 = begin, begin + 32, ... (< end), x = row[i0 + lane] (0
+// at or past end, where the body must ignore it). Each group's 4 elements per lane are
+// redistributed with 4 shuffles, so the steps are those of a walk 32 elements at a time.
+// body returns true to stop the walk.
+template <class Body>
+__device__ __forceinline__ void warp_walk_ordered(const float* row, int64_t begin, int64_t end, Body body) {
+  const int lane = lane_id();
+  const bool vec = (reinterpret_cast<uintptr_t>(row + begin) & 15u) == 0;
+  for (int64_t base = begin; base < end; base += kAheadOrdered * kGroup) {
+    float4 v[kAheadOrdered];
 #pragma unroll
-    for (int u = 0; u < kPrefetch; ++u) {
-      const int64_t i0 = base + int64_t(u) * stride;
-      if (i0 >= end) return;  // warp-uniform; every later step is past it too
-      if (body(int32_t(i0), xv[u])) return;
+    for (int u = 0; u < kAheadOrdered; ++u) v[u] = load_group(row, base + u * kGroup, end, vec);
+#pragma unroll
+    for (int u = 0; u < kAheadOrdered; ++u) {
+#pragma unroll
+      for (int c = 0; c < 4; ++c) {
+        const int64_t i0 = base + u * kGroup + 32 * c;
+        if (i0 >= end) return;  // warp-uniform; every later step is past it too
+        // element i0 + lane is component (lane & 3) of lane 8c + lane / 4's group load
+        const int src = 8 * c + (lane >> 2);
+        const float a0 = __shfl_sync(kFull, v[u].x, src), a1 = __shfl_sync(kFull, v[u].y, src);
+        const float a2 = __shfl_sync(kFull, v[u].z, src), a3 = __shfl_sync(kFull, v[u].w, src);
+        const int comp = lane & 3;
+        const float x = comp == 0 ? a0 : (comp == 1 ? a1 : (comp == 2 ? a2 : a3));
+        if (body(int32_t(i0), x)) return;
+      }
     }
   }
 }
@@ -238,15 +296,14 @@ __device__ void radix_pass_pick(const H* hist, int shift, double target, Common&
 template <class KeyF>
 __device__ uint32_t radix_count(const float* row, int32_t V, double target, KeyF keyf, Common& cm, double* above,
                                 uint32_t* n_eq) {
-  const int lane = lane_id(), warp = warp_id(), nw = num_warps();
+  const int lane = lane_id();
   uint32_t prefix = 0, mask = 0;
   double acc = 0.0;
   uint32_t cnt = 0;
   for (int shift = 24; shift >= 0; shift -= 8) {
     for (int b = threadIdx.x; b < 256; b += blockDim.x) cm.chist[b] = 0;
     __syncthreads();
-    warp_walk(row, int64_t(warp) * 32, V, int64_t(nw) * 32, [&](int32_t i0, float x) {
-      const int32_t i = i0 + lane;
+    warp_walk_all(row, V, [&](int32_t i, float x) {
       int bin = 256;
       if (i < V) {
         const uint32_t k = keyf(x);
@@ -254,7 +311,6 @@ __device__ uint32_t radix_count(const float* row, int32_t V, double target, KeyF
       }
       const unsigned m = __match_any_sync(kFull, bin);
       if (bin < 256 && lane == __ffs(int(m)) - 1) atomicAdd(&cm.chist[bin], uint32_t(__popc(int(m))));
-      return false;
     });
     __syncthreads();
     radix_pass_pick(cm.chist, shift, target, cm, prefix, mask, acc, cnt);
@@ -274,7 +330,7 @@ __device__ int32_t block_pick(const WF& wf, int32_t V, double u, bool scaled, Co
   const int32_t b = int32_t(sl::seg_begin(V, nw, warp)), e = int32_t(sl::seg_end(V, nw, warp));
   double carry = 0.0;
   int32_t last = -1;
-  warp_walk(wf.src(), b, e, 32, [&](int32_t i0, float xv) {
+  warp_walk_ordered(wf.src(), b, e, [&](int32_t i0, float xv) {
     const int32_t i = i0 + lane;
     const double v = i < e ? wf.at(xv, i) : 0.0;
     const double p = warp_incl_scan(v);
@@ -315,7 +371,7 @@ __device__ int32_t block_pick(const WF& wf, int32_t V, double u, bool scaled, Co
     const double x = cm.bc.x, ex = cm.wexcl[warp];
     int32_t found = -1;
     carry = 0.0;
-    warp_walk(wf.src(), b, e, 32, [&](int32_t i0, float xv) {
+    warp_walk_ordered(wf.src(), b, e, [&](int32_t i0, float xv) {
       const int32_t i = i0 + lane;
       const double v = i < e ? wf.at(xv, i) : 0.0;
       const double p = warp_incl_scan(v);
@@ -354,10 +410,8 @@ __device__ int32_t nth_index(Pred pred, int32_t V, int64_t n, Common& cm) {
 __device__ int32_t block_argmax(const float* row, int32_t V, Common& cm) {
   float bv = -INFINITY;
   int32_t bi = layout::kArgmaxNone;
-  warp_walk(row, int64_t(warp_id()) * 32, V, int64_t(num_warps()) * 32, [&](int32_t i0, float x) {
-    const int32_t i = i0 + lane_id();
-    if (i < V) detail::argmax_take(x, i, bv, bi);  // each thread's ids in ascending order, as before
-    return false;
+  warp_walk_all(row, V, [&](int32_t i, float x) {
+    if (i < V) detail::argmax_take(x, i, bv, bi);  // each thread's ids in ascending order
   });
   detail::block_argmax_merge(bv, bi, cm.sval, cm.sidx);
   if (threadIdx.x == 0) cm.bc.result = layout::argmax_finish(isnan(row[0]), bi);
@@ -413,11 +467,9 @@ struct TieTopk {  // topk's keys
 
 template <class WF>
 __device__ double block_sum(const WF& wf, int32_t V, Common& cm) {
-  double s = 0.0;  // each thread's ids in ascending order (tid, tid + blockDim.x, ...), as before
-  warp_walk(wf.src(), int64_t(warp_id()) * 32, V, int64_t(num_warps()) * 32, [&](int32_t i0, float x) {
-    const int32_t i = i0 + lane_id();
+  double s = 0.0;  // each thread's ids in ascending order
+  warp_walk_all(wf.src(), V, [&](int32_t i, float x) {
     if (i < V) s += wf.at(x, i);
-    return false;
   });
   return detail::block_reduce(s, cm.dred, detail::SumOp{}, 0.0);
 }
@@ -438,8 +490,7 @@ __device__ uint32_t radix_mass(const float* row, int32_t V, const sl::RowSel& s,
     for (int b = lane; b < 256; b += 32) wh[b] = 0.0;
     for (int b = threadIdx.x; b < 256; b += blockDim.x) cm.chist[b] = 0;
     __syncthreads();
-    warp_walk(row, int64_t(warp) * 32, V, int64_t(nw) * 32, [&](int32_t i0, float x) {
-      const int32_t i = i0 + lane;
+    warp_walk_all(row, V, [&](int32_t i, float x) {
       int bin = 256;
       double w = 0.0;
       if (i < V) {
@@ -459,7 +510,6 @@ __device__ uint32_t radix_mass(const float* row, int32_t V, const sl::RowSel& s,
         atomicAdd(&cm.chist[bin], uint32_t(__popc(int(m))));
       }
       __syncwarp();
-      return false;
     });
     __syncthreads();
     for (int b = threadIdx.x; b < 256; b += blockDim.x) {
@@ -482,9 +532,8 @@ __device__ sl::RowSel select_row(const float* row, int32_t V, float temperature,
   sl::RowSel s;
   s.invT = 1.0 / double(temperature);
   float mxf = -INFINITY;
-  warp_walk(row, int64_t(warp_id()) * 32, V, int64_t(num_warps()) * 32, [&](int32_t i0, float v) {
-    if (i0 + lane_id() < V) mxf = mxf < v ? v : mxf;  // NaN ignored, as the CPU's std::max
-    return false;
+  warp_walk_all(row, V, [&](int32_t i, float v) {
+    if (i < V) mxf = mxf < v ? v : mxf;  // NaN ignored, as the CPU's std::max
   });
   mxf = detail::block_reduce(mxf, cm.fred, detail::MaxOp{}, -INFINITY);
   s.mx = __dmul_rn(double(mxf), s.invT);
@@ -657,7 +706,8 @@ struct ResidualW {
 };
 
 // One block per sequence: the sequential accept decisions, then the bonus draw.
-__global__ void __launch_bounds__(kSelThreads) accept_final_kernel(AcceptArgs a, int32_t* accepted, int64_t as,
+// (minBlocks 1 spelled out: without it ptxas held this kernel to 64 registers and spilled)
+__global__ void __launch_bounds__(kSelThreads, 1) accept_final_kernel(AcceptArgs a, int32_t* accepted, int64_t as,
                                                                    int32_t* bonus, int64_t bs) {
   detail::pdl_enter();
   __shared__ SelShared sm;
@@ -773,7 +823,7 @@ __global__ void __launch_bounds__(kTopkThreads)
   __shared__ Common cm;
   __shared__ uint64_t sbuf[kTopkShared];
   __shared__ uint32_t count;
-  const int lane = lane_id(), warp = warp_id(), nw = num_warps();
+  const int lane = lane_id();
   uint64_t* buf = gbuf ? gbuf + int64_t(blockIdx.x) * npow2 : sbuf;
   for (int64_t r = blockIdx.x; r < rows; r += gridDim.x) {
     const float* row = x + r * xs;
@@ -788,8 +838,7 @@ __global__ void __launch_bounds__(kTopkThreads)
     }
     if (threadIdx.x == 0) count = 0;
     __syncthreads();
-    warp_walk(row, int64_t(warp) * 32, V, int64_t(nw) * 32, [&](int32_t i0, float x) {
-      const int32_t i = i0 + lane;
+    warp_walk_all(row, V, [&](int32_t i, float x) {
       uint32_t key = 0;
       bool sel = false;
       if (i < V) {
@@ -797,7 +846,7 @@ __global__ void __launch_bounds__(kTopkThreads)
         sel = key > kth || (key == kth && i <= k_last);
       }
       const unsigned bal = __ballot_sync(kFull, sel);
-      if (bal == 0) return false;
+      if (bal == 0) return;
       uint32_t base = 0;
       if (lane == 0) base = atomicAdd(&count, uint32_t(__popc(int(bal))));
       base = __shfl_sync(kFull, base, 0);
@@ -805,7 +854,6 @@ __global__ void __launch_bounds__(kTopkThreads)
         const uint32_t pos = base + uint32_t(__popc(int(bal & ((1u << lane) - 1u))));
         if (pos < uint64_t(npow2)) buf[pos] = sl::topk_sort_key(key, uint32_t(i));
       }
-      return false;
     });
     __syncthreads();
     const int64_t got = count;
