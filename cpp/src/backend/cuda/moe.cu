@@ -100,20 +100,25 @@
 //   scatter to slot order, the combine.
 //
 // Performance (decode, T * top_k small): each active expert's gate/up/down weights are
-// read once per chunk of 4 tokens, by warps streaming rows with 8-element vector loads; the
-// expert list costs one tiny single-block launch. Ideas, roughly in order of value:
+// read once per chunk of 4 tokens, by warps streaming rows with 8-element vector loads, each
+// lane fetching gemv_ahead chunks (~128 bytes of weight) before it decodes the first
+// (weight_view.cuh w_fetch8 / w_decode8; the sums bitwise as one chunk at a time). On an
+// H200 (2026-12-04), one chunk at a time, a decode token's 8 FP8 experts took 241 us at
+// 1251 GB/s (0.30 of copy); the prefetch is not yet measured. The expert list costs one
+// tiny single-block launch. Ideas, roughly in order of value:
 //   - prefill (many tokens per expert): done as grouped GEMMs for FP8 and NVFP4 W4A4
 //     (CUTLASS) and BF16 numerics (gemm_dq.cu); left: silu * up fused into the gate/up
 //     epilogue and the combine into the down epilogue. In exact mode weights are still re-read (from L2) once per 4
 //     tokens and x rows once per output row.
-//   - decode: 16-byte weight loads for FP8 / NVFP4 (16 / 32 elements per lane), two rows
-//     per warp, split-K for the down projection (K = F is short), and a cooperative
+//   - decode: 16-byte weight loads for FP8 / NVFP4 (16 / 32 elements per lane, which changes
+//     the sums' order), two rows per warp, split-K for the down projection (K = F is short:
+//     8 chunks per lane at F = 2048), and a cooperative
 //     multi-warp list kernel for prefill-sized T (the fill is one warp, ~n / 32 steps);
-//   - registers (ptxas): 56-85 on sm_90a; on sm_100a/103a the FP8 / NVFP4 gate/up
-//     variants take 121-128 (2 blocks of 256 per SM). No spills, except 12-16 bytes in the
-//     NVFP4 gate/up fallback for rows not 4-byte aligned (never with a 4-byte aligned
-//     pointer: K % 16 == 0 makes every NVFP4 row a multiple of 8 bytes). __launch_bounds__(256, 3)
-//     caps them at 80 with 8-32 bytes of spills; which is faster is for a GPU to measure.
+//   - registers (ptxas, __launch_bounds__(256, 2): 2 blocks of 256 per SM): the prefetching
+//     (aligned-row) variants take 112-128, with 4 bytes of spills in sm_90a's FP8 gate/up
+//     and 12-16 in sm_100a's NVFP4 / BF16 / F16 gate/up; the element-load fallbacks 64-128.
+//     Before the prefetch, 56-85 on sm_90a; __launch_bounds__(256, 3) capped them at 80
+//     with 8-32 bytes of spills. Which occupancy is faster is for a GPU to measure.
 //     (e2m1_to_f32 decodes from the bits now: no local-memory table, no stack frame);
 //   - fuse the list into moe_route (it already knows each token's experts) and the
 //     combine into the down kernel's epilogue when top_k slots of a token are in one CTA.
@@ -313,9 +318,19 @@ __device__ __forceinline__ float warp_sum(float v) {
   return v;
 }
 
+// Chunks of 8 weights whose loads a lane issues before using the first (moe_gemv_kernel):
+// about 128 bytes of weight in flight per lane (gate and up count twice), at most 8 chunks.
+// One chunk at a time kept 8-16 bytes per lane in flight (FP8): on an H200 the decode
+// experts read their weights at 1251 GB/s, 0.30 of the copy bandwidth (bench_ops, 2026-12-04).
+__host__ __device__ constexpr int gemv_ahead(WFmt f, bool gated) {
+  const int bytes = f == WFmt::F32 ? 32 : (f == WFmt::FP8 ? 8 : (f == WFmt::NVFP4 ? 4 : 16));
+  const int u = 128 / (bytes * (gated ? 2 : 1));
+  return u < 1 ? 1 : (u > 8 ? 8 : u);
+}
+
 // gated: h[slot, r] = silu(x[token] . gate[r]) * (x[token] . up[r]); else y[slot, r] = h[slot] . down[r].
 template <WFmt F, bool wvec, bool gated>
-__global__ void __launch_bounds__(kGemvThreads) moe_gemv_kernel(GemvArgs a) {
+__global__ void __launch_bounds__(kGemvThreads, 2) moe_gemv_kernel(GemvArgs a) {
   detail::pdl_enter();
   const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
   const int64_t r = int64_t(blockIdx.x) * kGemvWarps + warp;
@@ -341,10 +356,10 @@ __global__ void __launch_bounds__(kGemvThreads) moe_gemv_kernel(GemvArgs a) {
       float acc_a[kTokChunk], acc_b[kTokChunk];
 #pragma unroll
       for (int j = 0; j < kTokChunk; ++j) acc_a[j] = acc_b[j] = 0.0f;
-      for (int64_t k0 = int64_t(lane) * 8; k0 < K8; k0 += 256) {
-        float wa8[8], wb8[8];
-        detail::w_load8<F, wvec>(wa, r, k0, wa8);
-        if constexpr (gated) detail::w_load8<F, wvec>(wb, r, k0, wb8);
+      // the lane's chunks k0 = 8 lane, 8 lane + 256, ... in order, U chunks' weight bytes
+      // fetched before the first is decoded (the same operations in the same order as one
+      // chunk at a time: bitwise the same sums)
+      auto chunk = [&](int64_t k0, const float (&wa8)[8], const float (&wb8)[8]) {
 #pragma unroll
         for (int j = 0; j < kTokChunk; ++j) {
           if (j < nt) {
@@ -356,6 +371,37 @@ __global__ void __launch_bounds__(kGemvThreads) moe_gemv_kernel(GemvArgs a) {
               if constexpr (gated) acc_b[j] = fmaf(wb8[i], xv[i], acc_b[j]);
             }
           }
+        }
+      };
+      if constexpr (wvec) {
+        constexpr int U = gemv_ahead(F, gated);
+        for (int64_t kb = int64_t(lane) * 8; kb < K8; kb += 256 * U) {
+          detail::WRaw8<F> ra[U], rb[U];
+#pragma unroll
+          for (int u = 0; u < U; ++u) {
+            const int64_t k0 = kb + 256 * u;
+            if (k0 < K8) {
+              ra[u] = detail::w_fetch8<F>(wa, r, k0);
+              if constexpr (gated) rb[u] = detail::w_fetch8<F>(wb, r, k0);
+            }
+          }
+#pragma unroll
+          for (int u = 0; u < U; ++u) {
+            const int64_t k0 = kb + 256 * u;
+            if (k0 < K8) {
+              float wa8[8], wb8[8];
+              detail::w_decode8<F>(ra[u], wa, wa8);
+              if constexpr (gated) detail::w_decode8<F>(rb[u], wb, wb8);
+              chunk(k0, wa8, wb8);
+            }
+          }
+        }
+      } else {
+        for (int64_t k0 = int64_t(lane) * 8; k0 < K8; k0 += 256) {
+          float wa8[8], wb8[8];
+          detail::w_load8<F, false>(wa, r, k0, wa8);
+          if constexpr (gated) detail::w_load8<F, false>(wb, r, k0, wb8);
+          chunk(k0, wa8, wb8);
         }
       }
       for (int64_t k = K8 + lane; k < a.kdim; k += 32) {  // the last kdim % 8 elements

@@ -173,20 +173,64 @@ __device__ __forceinline__ float w_at(const WeightView& w, int64_t r, int64_t k)
   }
 }
 
-// W[r, k0 .. k0 + 7] as f32 into out[8]; k0 % 8 == 0 and k0 + 8 <= K. One 8-16-32 byte
-// load when the row start allows it (vec = true: the caller checked alignment of every row:
-// row_bytes and data aligned to 8 elements' bytes), else element loads.
-template <WFmt F, bool vec>
-__device__ __forceinline__ void w_load8(const WeightView& w, int64_t r, int64_t k0, float out[8]) {
+// The raw bytes of W[r, k0 .. k0 + 7] (one 32 / 16 / 8 / 4 byte load, the caller having
+// checked the alignment of every row: weight_rows_vectorizable) and the scale they need,
+// fetched by w_fetch8 and turned into f32 by w_decode8. A kernel that fetches several chunks
+// before decoding the first keeps that many loads in flight in a few registers per chunk
+// (decoded values would take 8 each).
+template <WFmt F>
+struct WRaw8;
+template <>
+struct WRaw8<WFmt::F32> {
+  float4 a, b;
+};
+template <>
+struct WRaw8<WFmt::BF16> {
+  uint4 u;
+};
+template <>
+struct WRaw8<WFmt::F16> {
+  uint4 u;
+};
+template <>
+struct WRaw8<WFmt::FP8> {
+  uint2 u;
+  float s;  // the block-128 scale
+};
+template <>
+struct WRaw8<WFmt::NVFP4> {
+  uint32_t u;
+  uint8_t s;  // the E4M3 per-16 scale
+};
+
+template <WFmt F>
+__device__ __forceinline__ WRaw8<F> w_fetch8(const WeightView& w, int64_t r, int64_t k0) {
   const uint8_t* row = w.data + r * w.row_bytes;
-  if constexpr (vec && F == WFmt::F32) {
+  WRaw8<F> q;
+  if constexpr (F == WFmt::F32) {
     const float4* p = reinterpret_cast<const float4*>(row + 4 * k0);
-    const float4 a = p[0], b = p[1];
-    out[0] = a.x; out[1] = a.y; out[2] = a.z; out[3] = a.w;
-    out[4] = b.x; out[5] = b.y; out[6] = b.z; out[7] = b.w;
-  } else if constexpr (vec && (F == WFmt::BF16 || F == WFmt::F16)) {
-    const uint4 u = *reinterpret_cast<const uint4*>(row + 2 * k0);
-    const uint32_t words[4] = {u.x, u.y, u.z, u.w};
+    q.a = p[0];
+    q.b = p[1];
+  } else if constexpr (F == WFmt::BF16 || F == WFmt::F16) {
+    q.u = *reinterpret_cast<const uint4*>(row + 2 * k0);
+  } else if constexpr (F == WFmt::FP8) {
+    q.u = *reinterpret_cast<const uint2*>(row + k0);
+    q.s = static_cast<const float*>(w.scale)[(r / 128) * w.scale_stride + k0 / 128];
+  } else {
+    q.u = *reinterpret_cast<const uint32_t*>(row + k0 / 2);
+    q.s = static_cast<const uint8_t*>(w.scale)[r * w.scale_stride + k0 / 16];
+  }
+  return q;
+}
+
+// The 8 values of a fetched chunk, bitwise w_at's for each element.
+template <WFmt F>
+__device__ __forceinline__ void w_decode8(const WRaw8<F>& q, const WeightView& w, float out[8]) {
+  if constexpr (F == WFmt::F32) {
+    out[0] = q.a.x; out[1] = q.a.y; out[2] = q.a.z; out[3] = q.a.w;
+    out[4] = q.b.x; out[5] = q.b.y; out[6] = q.b.z; out[7] = q.b.w;
+  } else if constexpr (F == WFmt::BF16 || F == WFmt::F16) {
+    const uint32_t words[4] = {q.u.x, q.u.y, q.u.z, q.u.w};
 #pragma unroll
     for (int i = 0; i < 4; ++i) {
       if constexpr (F == WFmt::BF16) {
@@ -197,19 +241,26 @@ __device__ __forceinline__ void w_load8(const WeightView& w, int64_t r, int64_t 
         out[2 * i + 1] = __half2float(__ushort_as_half(uint16_t(words[i] >> 16)));
       }
     }
-  } else if constexpr (vec && F == WFmt::FP8) {
-    const uint2 u = *reinterpret_cast<const uint2*>(row + k0);
-    const float s = static_cast<const float*>(w.scale)[(r / 128) * w.scale_stride + k0 / 128];
+  } else if constexpr (F == WFmt::FP8) {
 #pragma unroll
     for (int i = 0; i < 8; ++i) {
-      const uint32_t word = i < 4 ? u.x : u.y;
-      out[i] = __fmul_rn(e4m3_to_f32(uint8_t(word >> (8 * (i & 3)))), s);
+      const uint32_t word = i < 4 ? q.u.x : q.u.y;
+      out[i] = __fmul_rn(e4m3_to_f32(uint8_t(word >> (8 * (i & 3)))), q.s);
     }
-  } else if constexpr (vec && F == WFmt::NVFP4) {
-    const uint32_t u = *reinterpret_cast<const uint32_t*>(row + k0 / 2);
-    const float s = e4m3_to_f32(static_cast<const uint8_t*>(w.scale)[r * w.scale_stride + k0 / 16]);
+  } else {
+    const float s = e4m3_to_f32(q.s);
 #pragma unroll
-    for (int i = 0; i < 8; ++i) out[i] = __fmul_rn(__fmul_rn(e2m1_to_f32((u >> (4 * i)) & 15u), s), w.global_scale);
+    for (int i = 0; i < 8; ++i) out[i] = __fmul_rn(__fmul_rn(e2m1_to_f32((q.u >> (4 * i)) & 15u), s), w.global_scale);
+  }
+}
+
+// W[r, k0 .. k0 + 7] as f32 into out[8]; k0 % 8 == 0 and k0 + 8 <= K. One 8-16-32 byte
+// load when the row start allows it (vec = true: the caller checked alignment of every row:
+// row_bytes and data aligned to 8 elements' bytes), else element loads.
+template <WFmt F, bool vec>
+__device__ __forceinline__ void w_load8(const WeightView& w, int64_t r, int64_t k0, float out[8]) {
+  if constexpr (vec) {
+    w_decode8<F>(w_fetch8<F>(w, r, k0), w, out);
   } else {
 #pragma unroll
     for (int i = 0; i < 8; ++i) out[i] = w_at<F>(w, r, k0 + i);
