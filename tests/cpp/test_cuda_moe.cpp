@@ -138,6 +138,16 @@ TEST(better_is_a_total_order_with_ties_to_the_lower_index) {
   for (int i = 0; i < n; ++i) CHECK(seen[size_t(i)] == 1);
   CHECK(M::rank_of(v, n, 1) == 0 && M::rank_of(v, n, 2) == 1 && M::rank_of(v, n, 0) == 2 &&
         M::rank_of(v, n, 5) == 3);
+  // the kernel's four-count rank equals rank_of: ties, NaNs, +-0, -inf, n not a multiple of 4
+  for (int it = 0; it < 300; ++it) {
+    const int m = irand(1, 41);
+    std::vector<float> w(static_cast<size_t>(m));
+    for (float& x : w) {
+      const int k = irand(0, 9);
+      x = k == 0 ? nan : k == 1 ? -INFINITY : k == 2 ? -0.0f : float(irand(-3, 3)) * 0.5f;
+    }
+    for (int i = 0; i < m; ++i) CHECK(M::rank_of4(w.data(), m, i) == M::rank_of(w.data(), m, i));
+  }
 }
 
 TEST(top2_sum_is_the_sum_of_the_two_largest) {

@@ -11,8 +11,9 @@
 //     1 (per expert e)  s[e] = sigmoid(logit[e]), choice[e] = s[e] + bias[e]
 //     2 (per group g)   gs[g] = top2_sum(choice of group g)            (only if n_group > 1)
 //     3 (per expert e)  choice[e] = -inf unless rank(gs, group of e) < topk_group   (idem)
-//     4 (per expert e)  chosen[e] = rank(choice, e) < top_k
+//     4 (per expert e)  chosen[e] = rank(choice, e) < top_k      (the device: rank_of4)
 //     5 (per expert e)  if chosen[e]: sel[count of chosen experts below e] = e
+//                       (the device: one warp, 32 experts a step, ballot + popc)
 //     6 (serial)        denom = sum_j s[sel[j]] (j ascending, from 0) + 1e-20
 //     7 (per slot j)    ids[j] = sel[j], weights[j] = route_weight(s[sel[j]], denom, ...)
 //   rank(v, i) counts the items ranked before i by better(): the larger value, ties to the
@@ -62,6 +63,21 @@ DFLASH2_HD int rank_of(const float* v, int n, int i) {
   int r = 0;
   for (int j = 0; j < n; ++j) r += (j != i && better(v[j], j, vi, i)) ? 1 : 0;
   return r;
+}
+
+// rank_of with four independent counts, items j = 4 m + c in count c (the same integer):
+// the device's rank loop (moe_route_kernel phase 4) then keeps several shared-memory loads
+// in flight instead of one long dependent chain.
+DFLASH2_HD int rank_of4(const float* v, int n, int i) {
+  const float vi = v[i];
+  int r[4] = {0, 0, 0, 0};
+  int j = 0;
+  for (; j + 4 <= n; j += 4) {
+#pragma unroll
+    for (int c = 0; c < 4; ++c) r[c] += (j + c != i && better(v[j + c], j + c, vi, i)) ? 1 : 0;
+  }
+  for (; j < n; ++j) r[0] += (j != i && better(v[j], j, vi, i)) ? 1 : 0;
+  return (r[0] + r[1]) + (r[2] + r[3]);
 }
 
 // Sum of the two largest of v[0, n) (the CPU's partial_sort by std::greater, then v2[0] +
