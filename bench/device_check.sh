@@ -12,8 +12,9 @@
 # (bench/cpp/bench_ops --quick, results in bench_ops.json), the CUDA op tests once more under
 # compute-sanitizer memcheck, and tokens/s at concurrency 1, 8, 32 for ar / mtp / dflash /
 # dflash2 on the pair and on the real-dimension slice (bench/bench_concurrency.py; one client
-# thread keeps each level's requests in flight, DC_CONC_CLIENTS=threads for a thread each), in that
-# order, then writes ${OUT:-bench/results}/device_check.json:
+# thread keeps each level's requests in flight, DC_CONC_CLIENTS=threads for a thread each), and
+# each op's own device time per decode step (bench/op_profile.py), in that order, then writes
+# ${OUT:-bench/results}/device_check.json:
 # GPU name/driver, cuda_available() and its reason, build ok, test counts, the op
 # benchmark results, the failing step if any. Step logs go beside it in device_check_logs/.
 # Every step has a time limit and the whole run a deadline (DC_DEADLINE, default 480 s, the
@@ -34,6 +35,7 @@
 # DC_EMULATE=1 (a dry run of every step, the GPU ones included, against the CPU emulation of
 # the CUDA backend in BUILD_DIR, default build-device-emu, with smaller benchmark workloads:
 # checks this script, not a GPU; give it a larger DC_DEADLINE and step limits),
+# DC_OPPROF_TIMEOUT (the op profile, bench/op_profile.py: 60),
 # DC_CONC_TIMEOUT / DC_CONC_BUDGET (the concurrency sweep: stopped after 75 s, no new level
 # after 45 s or what the deadline leaves), DFLASH2_REQUIRE_GPU=1 (exit 3 when no GPU is
 # usable; default: report and exit 0). bench/device_run.sh wraps this for the device tool.
@@ -73,6 +75,7 @@ export DC_PYTHON_BINDING=0 DC_PYTEST_RAN=0 DC_CTEST_RAN=0 DC_SASS=""
 export DC_BENCH_OPS_JSON=""  # bench_ops --quick --json output, when it ran
 export DC_E2E_JSON=""        # bench_default_pair.py --device cuda output, when it ran
 export DC_CONC_JSON=""       # bench_concurrency.py --device cuda output, when it ran
+export DC_OPPROF_JSON=""     # op_profile.py --device cuda output, when it ran
 export DC_SKIPPED=""         # steps not started (DC_ONLY, or the deadline)
 START=$(date +%s)
 
@@ -193,6 +196,18 @@ if conc:
             report["concurrency_cuda"] = json.load(f)
     except (OSError, ValueError) as e:
         report["concurrency_cuda"] = {"json": conc, "error": "no readable result: %s" % e}
+opp = env.get("DC_OPPROF_JSON", "")
+if opp:
+    try:
+        with open(opp) as f:
+            runs = json.load(f)["runs"]
+        # per run: the timed total per step and its 12 largest ops
+        report["op_profile_cuda"] = [{k: r[k] for k in ("model", "method", "batch", "steps", "wall_ms_per_step",
+                                                        "timed_ms_per_step")} |
+                                     {"ops": [{k: o[k] for k in ("op", "calls_per_step", "us_per_step", "share")}
+                                              for o in r["ops"][:12]]} for r in runs]
+    except (OSError, ValueError, KeyError) as e:
+        report["op_profile_cuda"] = {"json": opp, "error": "no readable result: %s" % e}
 with open(env["DC_REPORT"], "w") as f:
     json.dump(report, f, indent=2)
     f.write("\n")
@@ -463,6 +478,19 @@ if [ "$GPU_USABLE" = 1 ] && [ "$DC_PYTHON_BINDING" = 1 ]; then
     fi
   }
   if [ -f "$OUT_DIR/concurrency_cuda.json" ]; then DC_CONC_JSON=$OUT_DIR/concurrency_cuda.json; fi
+fi
+
+# ---------------------------------------------------------------- op profile (GPU only)
+# each op's own device time per decode step (bench/op_profile.py: ops.set_op_timing, eager
+# steps), ar and dflash2 at batch 1 and 8 on the pair and on the real-dimension slice
+if [ "$GPU_USABLE" = 1 ] && [ "$DC_PYTHON_BINDING" = 1 ]; then
+  rm -f "$OUT_DIR/op_profile_cuda.json"
+  OPP_SIZE=(--models pair slice --batch 1 8 --new 16)
+  [ "$EMULATE" = 1 ] && OPP_SIZE=(--models pair --batch 1 --new 4)
+  run_step op_profile "${DC_OPPROF_TIMEOUT:-60}" "$PY" "$ROOT/bench/op_profile.py" --device cuda "${OPP_SIZE[@]}" \
+    --methods ar dflash2 --out "$OUT_DIR" ||
+    soft_fail op_profile "bench/op_profile.py --device cuda failed or reached its limit (see $LOGS/op_profile.log)"
+  if [ -f "$OUT_DIR/op_profile_cuda.json" ]; then DC_OPPROF_JSON=$OUT_DIR/op_profile_cuda.json; fi
 fi
 
 # ---------------------------------------------------------------- verdict

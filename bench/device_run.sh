@@ -11,7 +11,7 @@
 # There it installs the carried wheels into /tmp/site (PYTHONPATH: CMake's FindCUTLASS finds
 # cutlass_library through the Python it runs), runs device_check with its report in
 # /tmp/device_check, then leaves in $OUT: device_check.json, bench_ops.json,
-# default_pair_cuda.json, concurrency_cuda.json (those that were written) and logs.tar.gz
+# default_pair_cuda.json, concurrency_cuda.json, op_profile_cuda.json (those written) and logs.tar.gz
 # (every step's log, the junit files, the benchmarks' tables). DC_DEADLINE (default 480 s)
 # bounds device_check; device_check's other variables pass through (DC_ONLY, DC_PYTEST_K,
 # ...: see bench/device_check.sh), e.g. a second, shorter run after a fix:
@@ -56,7 +56,7 @@ mkdir -p "$REPORT_DIR"
 rc=0
 OUT=$REPORT_DIR timeout -k 10 $(( DC_DEADLINE + 40 )) bash "$ROOT/bench/device_check.sh" || rc=$?
 
-for f in device_check.json bench_ops.json default_pair_cuda.json concurrency_cuda.json; do
+for f in device_check.json bench_ops.json default_pair_cuda.json concurrency_cuda.json op_profile_cuda.json; do
   [ -f "$REPORT_DIR/$f" ] && cp "$REPORT_DIR/$f" "$OUT/"
 done
 (cd "$REPORT_DIR" && tar czf "$OUT/logs.tar.gz" --exclude='*.json' .) ||
@@ -83,6 +83,11 @@ for mode, rows in (r.get("default_pair_cuda") or {}).items():
                 print("e2e %s %s: tau %s tok/s %s speedup %s lossless %s graphs x%s" % (
                     mode, m, st.get("acceptance_length"), st.get("tokens_per_second"), st.get("speedup_vs_ar"),
                     st.get("lossless_vs_ar"), st.get("graphs_speedup")))
+for run in r.get("op_profile_cuda") or []:
+    if isinstance(run, dict) and "ops" in run:
+        print("ops %s %s b%s: %.3f ms timed / %.3f wall per step; top: %s" % (
+            run["model"], run["method"], run["batch"], run["timed_ms_per_step"], run["wall_ms_per_step"],
+            ", ".join("%s %.0fus" % (o["op"], o["us_per_step"]) for o in run["ops"][:5])))
 for n in r.get("notes", []):
     print("note:", n)
 PYEOF

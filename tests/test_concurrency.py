@@ -277,3 +277,26 @@ def test_bench_concurrency_drivers_run_every_request(clients):
             rep = json.load(f)
     assert rep["complete"] and rep["clients"] == clients
     assert rep["models"]["pair"][0]["ar"]["tokens"] == 2 * 3
+
+
+def test_op_profile_script_times_the_decode_steps():
+    """bench/op_profile.py: per-op times of an engine's decode steps (ops.set_op_timing), the
+    timed total within the wall time, the op timing left as it was."""
+    import json
+    import tempfile
+    sys.path.insert(0, os.path.join(REPO, "bench"))
+    import op_profile
+    from dflash2_rt import ops
+    was = ops.op_timing()
+    with tempfile.TemporaryDirectory() as out:
+        rep = op_profile.main(["--batch", "1", "2", "--new", "5", "--methods", "ar", "dflash2", "--out", out])
+        with open(os.path.join(out, "op_profile.json"), encoding="utf-8") as f:
+            assert json.load(f) == json.loads(json.dumps(rep))
+    assert ops.op_timing() == was
+    assert [(r["method"], r["batch"]) for r in rep["runs"]] == [("ar", 1), ("ar", 2), ("dflash2", 1), ("dflash2", 2)]
+    for r in rep["runs"]:
+        assert r["steps"] >= 1 and 0 < r["timed_ms_per_step"] <= r["wall_ms_per_step"] * 1.05
+        names = {o["op"] for o in r["ops"]}
+        assert {"linear", "moe_experts", "mla_attention"} <= names
+        assert ("selector_walk" in names) == (r["method"] == "dflash2")
+        assert abs(sum(o["share"] for o in r["ops"]) - 1.0) < 1e-9

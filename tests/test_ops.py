@@ -2956,3 +2956,36 @@ def test_new_op_argument_errors(name):
     call, msg = ARG_ERRORS[name]
     with pytest.raises(dflash2_rt.InvalidArgumentError, match="^" + msg):
         call()
+
+
+@pytest.mark.parametrize("dev", DEVICES)
+def test_op_timing(dev):
+    """ops.set_op_timing: while on, each dispatched op adds a call and its time (host clock on the
+    CPU, events around it on CUDA) to op_times(); nothing is counted while off; reset clears."""
+    need_device(dev, "rms_norm")
+    rng = rng_for("op-timing", dev)
+    x = to_dev(rng.standard_normal((8, 64)).astype(np.float32), dev)
+    w = to_dev(np.ones(64, np.float32), dev)
+    was = ops.op_timing()
+    ops.op_times(reset=True)
+    try:
+        ops.set_op_timing(False)
+        ops.rms_norm(x, w, 1e-6)
+        assert ops.op_times() == []
+        ops.set_op_timing(True)
+        assert ops.op_timing()
+        for _ in range(3):
+            ops.rms_norm(x, w, 1e-6)
+        ops.add(x, x)
+        with pytest.raises(dflash2_rt.InvalidArgumentError):  # refused before it runs: not counted
+            ops.rms_norm(x, to_dev(np.ones(63, np.float32), dev), 1e-6)
+        ops.set_op_timing(False)
+        ops.rms_norm(x, w, 1e-6)
+        rows = {(r["op"], r["device"]): r for r in ops.op_times()}
+        assert set(rows) == {("rms_norm", dev), ("add", dev)}
+        assert rows[("rms_norm", dev)]["calls"] == 3 and rows[("add", dev)]["calls"] == 1
+        assert all(r["seconds"] > 0 for r in rows.values())
+        assert ops.op_times(reset=True) and ops.op_times() == []
+    finally:
+        ops.set_op_timing(was)
+        ops.op_times(reset=True)

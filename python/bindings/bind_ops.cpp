@@ -152,6 +152,31 @@ void bind_ops(py::module_& m) {
       "y = bf16(x) @ bf16(W)^T, fp32 accumulation: the tensor-core numerics of prompt tokens (CUTLASS on sm_90a / "
       "sm_100a / sm_103a, emulated on the CPU); decode=True: the kernel of generated tokens' few rows (CUDA: the "
       "skinny split-K GEMM, same numerics; the CPU has one kernel).");
+  o.def("op_timing", &ops::op_timing,
+        "Whether every op dispatched from now on is timed (starts off unless DFLASH2_OP_TIMING=1): see "
+        "set_op_timing.");
+  o.def("set_op_timing", &ops::set_op_timing, py::arg("on"),
+        "Per-op timing, for finding where a step's time goes: while on, each op adds one call and its time to "
+        "op_times() -- the host's clock on the CPU, the device time between two events around it on a CUDA "
+        "device (each op then waits for its end: slower runs, every op's own kernel time). Nested ops count in "
+        "the outermost; ops captured into a CUDA graph are not timed (time an engine with cuda_graphs=False).");
+  o.def(
+      "op_times",
+      [](bool reset) {
+        py::list out;
+        for (const ops::OpTime& t : ops::op_times(reset)) {
+          py::dict d;
+          d["op"] = t.op;
+          d["device"] = t.device;
+          d["calls"] = t.calls;
+          d["seconds"] = t.seconds;
+          out.append(d);
+        }
+        return out;
+      },
+      py::arg("reset") = false,
+      "The op timing totals since the last reset, largest time first: [{op, device, calls, seconds}]; "
+      "reset=True starts again from zero.");
   o.def("fused_launches", &ops::fused_launches,
         "Whether ops that run several of one kind (rope_many, rms_norm_many, linear_many, ...) take one kernel "
         "for them on CUDA (starts on unless DFLASH2_FUSED_LAUNCHES=0).");

@@ -180,6 +180,26 @@ void linear_as_many(GemmNumerics g, const Tensor& x, const std::vector<const Wei
 // passed through as NaN here (check_finite catches it downstream).
 void nvfp4_quantize_act(const Tensor& x, float input_scale, Tensor& out);
 
+// Per-op timing, for finding where a step's time goes. While on (process-wide), every op
+// dispatched to a backend adds one call and its time to (op, device type): on the CPU the
+// host's clock around the call; on a CUDA device the device time between two events recorded
+// around it on the current stream, the op then waiting for its end event (so the run is
+// slower and every op's time is its own kernels', not its launch's). An op called from
+// inside another op counts in the outermost only; ops issued while their stream is being
+// captured into a CUDA graph are not timed (they run at replay, where nothing dispatches: an
+// engine's steps are timed with cuda_graphs=False). Starts off unless the environment has
+// DFLASH2_OP_TIMING=1.
+struct OpTime {
+  std::string op;      // the op's name (ops.h)
+  std::string device;  // "cpu" or "cuda"
+  int64_t calls = 0;
+  double seconds = 0.0;
+};
+bool op_timing();
+void set_op_timing(bool on);
+// The totals since the last reset, largest time first; reset: start again from zero.
+std::vector<OpTime> op_times(bool reset = false);
+
 // Whether the ops that run several of one kind as one kernel do so (rope_many,
 // cache_write_many, rms_norm_many, linear_as_many: exact and the skinny BF16 kernel's, the
 // exact gated_mlp's gate / up / silu_mul); off, they take them one by one -- the same

@@ -87,6 +87,12 @@ namespace dflash2::ops {
 
 struct BackendTable {
   const char* name = "";
+  // Op timing (ops::set_op_timing) on this backend's devices, where the host's clock would
+  // not tell (asynchronous devices): begin starts a timer on the current stream and returns
+  // it, or nullptr when nothing can be timed now (the stream is being captured); end waits
+  // for it and returns the seconds between. Empty: the host's clock around the call.
+  void* (*timer_begin)() = nullptr;
+  double (*timer_end)(void* timer) = nullptr;
 #define DFLASH2_TABLE_ENTRY(op, params) void(*op) params = nullptr;
   DFLASH2_BACKEND_OPS(DFLASH2_TABLE_ENTRY)
 #undef DFLASH2_TABLE_ENTRY

@@ -2,9 +2,15 @@
 // device of the tensors to a backend.
 #include "dflash2/ops.h"
 
+#include <algorithm>
 #include <atomic>
+#include <chrono>
 #include <cmath>
 #include <cstdlib>
+#include <cstring>
+#include <exception>
+#include <map>
+#include <mutex>
 #include <initializer_list>
 #include <limits>
 #include <string>
@@ -83,9 +89,103 @@ Fn entry(Fn fn, const char* op, const Tensor& t) {
          " backend yet (tensor ", t.describe(), ")");
   return fn;
 }
-#define DFLASH2_DISPATCH(op, t, ...) return entry(backend_table((t).device()).op, #op, (t))(__VA_ARGS__)
+// Op timing (ops::set_op_timing): one scope per dispatched call while it is on.
+std::atomic<bool>& op_timing_flag() {
+  static std::atomic<bool> on{[] {
+    const char* e = std::getenv("DFLASH2_OP_TIMING");
+    return e != nullptr && std::string(e) == "1";
+  }()};
+  return on;
+}
+struct OpTimeKey {
+  const char* op;
+  DeviceType dev;
+  bool operator<(const OpTimeKey& o) const {
+    const int c = std::strcmp(op, o.op);
+    return c != 0 ? c < 0 : int(dev) < int(o.dev);
+  }
+};
+struct OpTotals {
+  std::mutex mu;
+  std::map<OpTimeKey, std::pair<int64_t, double>> by_op;  // (calls, seconds)
+};
+OpTotals& op_totals() {
+  static OpTotals t;
+  return t;
+}
+thread_local int tl_op_depth = 0;  // dispatched ops running on this thread (nested: inner ones)
+
+class TimedCall {
+ public:
+  TimedCall(const char* op, Device dev) : op_(op), dev_(dev.type) {
+    if (tl_op_depth++ > 0 || !op_timing_flag().load(std::memory_order_relaxed)) return;
+    const BackendTable& t = backend_table(dev);
+    if (t.timer_begin) {
+      end_ = t.timer_end;
+      timer_ = t.timer_begin();
+      on_ = timer_ != nullptr;
+    } else {
+      t0_ = std::chrono::steady_clock::now();
+      on_ = true;
+    }
+  }
+  ~TimedCall() {
+    --tl_op_depth;
+    if (!on_) return;
+    double s = 0.0;
+    if (timer_ != nullptr) {
+      s = end_(timer_);
+    } else {
+      s = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0_).count();
+    }
+    if (std::uncaught_exceptions() > 0) return;  // a failed call: not a time
+    OpTotals& tot = op_totals();
+    std::lock_guard<std::mutex> lk(tot.mu);
+    auto& v = tot.by_op[OpTimeKey{op_, dev_}];
+    v.first += 1;
+    v.second += s;
+  }
+  TimedCall(const TimedCall&) = delete;
+  TimedCall& operator=(const TimedCall&) = delete;
+
+ private:
+  const char* op_;
+  DeviceType dev_;
+  bool on_ = false;
+  void* timer_ = nullptr;
+  double (*end_)(void*) = nullptr;
+  std::chrono::steady_clock::time_point t0_;
+};
+
+#define DFLASH2_DISPATCH(op, t, ...)                                   \
+  {                                                                      \
+    auto fn_ = entry(backend_table((t).device()).op, #op, (t));        \
+    TimedCall timed_(#op, (t).device());                                 \
+    return fn_(__VA_ARGS__);                                             \
+  }
 
 }  // namespace
+
+bool op_timing() { return op_timing_flag().load(std::memory_order_relaxed); }
+void set_op_timing(bool on) { op_timing_flag().store(on, std::memory_order_relaxed); }
+std::vector<OpTime> op_times(bool reset) {
+  OpTotals& tot = op_totals();
+  std::vector<OpTime> out;
+  {
+    std::lock_guard<std::mutex> lk(tot.mu);
+    for (const auto& kv : tot.by_op) {
+      OpTime r;
+      r.op = kv.first.op;
+      r.device = kv.first.dev == DeviceType::CUDA ? "cuda" : "cpu";
+      r.calls = kv.second.first;
+      r.seconds = kv.second.second;
+      out.push_back(std::move(r));
+    }
+    if (reset) tot.by_op.clear();
+  }
+  std::stable_sort(out.begin(), out.end(), [](const OpTime& a, const OpTime& b) { return a.seconds > b.seconds; });
+  return out;
+}
 
 namespace {
 // A process-wide switch's value at start: the environment variable `name` set to the opposite

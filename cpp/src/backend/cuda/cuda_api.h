@@ -76,6 +76,11 @@ std::string device_arch(int device);
 // (the build's list is DFLASH2_CUDA_ARCHS: 90a for Hopper, 100a / 103a for Blackwell).
 void check_arch(int device);
 
+// op_timer.cpp: ops::set_op_timing's timer on the current stream (BackendTable::timer_begin /
+// timer_end): nullptr while the stream is being captured.
+void* op_timer_begin();
+double op_timer_end(void* timer);
+
 // The stream every CUDA op called from this thread launches its kernels and device-side
 // copies on: nullptr (the legacy default stream) unless set. Thread-local, so each engine
 // thread keeps its own (e.g. a non-default stream to capture a step as a CUDA graph). The

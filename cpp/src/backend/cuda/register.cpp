@@ -6,6 +6,8 @@
 
 namespace dflash2::ops {
 void register_cuda_ops(BackendTable& t) {
+  t.timer_begin = &cuda::op_timer_begin;  // op_timer.cpp
+  t.timer_end = &cuda::op_timer_end;
   t.linear = &cuda::linear;                    // gemm.cu
   t.linear_many = &cuda::linear_many;          // gemm.cu
   t.linear_silu_mul = &cuda::linear_silu_mul;  // gemm.cu
