@@ -822,6 +822,8 @@ struct KernelStats {
   uint64_t launches = 0, blocks = 0, threads = 0;
   double seconds = 0;
 };
+// launches run eagerly vs by a graph replay (a GPU pays the host's launch cost for the former)
+uint64_t g_eager_launches = 0, g_replayed_launches = 0;
 bool profiling() {
   static const bool on = [] {
     const char* e = std::getenv("EMU_PROFILE");
@@ -838,7 +840,8 @@ void print_profile() {
   std::sort(v.begin(), v.end(), [](const auto& a, const auto& b) { return a.second.seconds > b.second.seconds; });
   double total = 0;
   for (const auto& e : v) total += e.second.seconds;
-  std::fprintf(stderr, "emu: %.2f s in kernels; slowest first:\n", total);
+  std::fprintf(stderr, "emu: %.2f s in kernels (%llu launches eager, %llu by graph replays); slowest first:\n",
+               total, (unsigned long long)g_eager_launches, (unsigned long long)g_replayed_launches);
   const char* e = std::getenv("EMU_PROFILE");
   const size_t shown = e && std::string(e) == "all" ? v.size() : 25;  // EMU_PROFILE=all: every kernel
   for (size_t i = 0; i < v.size() && i < shown; ++i) {
@@ -859,6 +862,7 @@ struct Profiled {
     static const bool registered = [] { return std::atexit(print_profile) == 0; }();
     (void)registered;
     KernelStats& k = kernel_stats()[c.name ? c.name : "?"];
+    ++(tl_replaying ? g_replayed_launches : g_eager_launches);
     const uint64_t blocks = uint64_t(c.grid.x) * c.grid.y * c.grid.z;
     ++k.launches;
     k.blocks += blocks;
