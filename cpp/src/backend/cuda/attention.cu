@@ -66,8 +66,8 @@
 //   On an H200 (2026-12-04, before the staging below) a decode token over 2048 selected
 //   keys took 106 us, far above its memory time: the chunk was staged one row at a time,
 //   each thread's store waiting for its load (about 2 loads in flight per thread per
-//   latency); now kMlaGatherILP loads are in flight per thread (float4 loads, half as many,
-//   where the key rows are 16-byte aligned; the query rows too) (not yet measured).
+//   latency); now kMlaGatherILP loads are in flight per thread (float4 loads where the key
+//   rows are 16-byte aligned: 32 KB per block; the query rows 8 scalar loads) (not yet measured).
 //   Follow-up: stage the chunks with cp.async / TMA double buffering.
 //
 // block_attention: one 256-thread block per (sequence block s, kv head, group of 8 query
@@ -588,9 +588,11 @@ __global__ void __launch_bounds__(kMlaThreads)
         // The chunk's 32 x D floats, kMlaGatherILP loads in flight per thread before the first
         // store (each store waits for its load: one row at a time left a thread ~2 loads per
         // global-memory latency, 32 latencies a chunk). The same values land in ks.
-        // Where the cache rows are 16-byte aligned: float4 loads, kMlaGatherILP / 2 in flight.
+        // Where the cache rows are 16-byte aligned: float4 loads, kMlaGatherILP in flight (32 KB
+        // per block, a 32-key chunk of GLM-5.3's 576-float rows in ~2 rounds; sm_90a registers
+        // unchanged for the split decode variant mla_kernel<4, 2>, no spills).
         if (vec4) {
-          constexpr int kV = kMlaGatherILP / 2;
+          constexpr int kV = kMlaGatherILP;
           const int D4 = D / 4;
           for (int base = threadIdx.x; base < kMlaKC * D4; base += kV * kMlaThreads) {
             float4 v[kV];
