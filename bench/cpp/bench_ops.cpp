@@ -1186,19 +1186,22 @@ void bench_mla(Bench& b) {
 // (fp32) once, q and out; FLOPs: QK^T and PV over every row's keys.
 void bench_block_attention(Bench& b) {
   const int64_t nh = 64, kvh = 8, hd = 128, B = 8, window = 2048, ctx = 4096;
+  // the draft cache: F32 (draft_gemm "exact") or BF16 (a tensor-core draft_gemm, the GPU's default)
+  for (const DType cdt : {DType::F32, DType::BF16})
   for (int64_t batch : {int64_t(1), int64_t(8), int64_t(32)}) {
     if (b.opt.quick && batch == 8) continue;
     if (b.opt.cpu_smoke && batch != 1) continue;
     const int64_t T = batch * B, per_seq = cdiv(ctx, kBlockSize), blocks = batch * per_seq;
-    Result r{"block_attention", "h64 kv8 d128 B8 w2048 ctx4096", "bf16tc", "draft b" + std::to_string(batch), T};
-    r.bytes = double(batch) * double(window + B) * kvh * hd * 2 * 4 + 2.0 * T * nh * hd * 4;
+    Result r{"block_attention", "h64 kv8 d128 B8 w2048 ctx4096", cdt == DType::BF16 ? "bf16tc kv16" : "bf16tc",
+             "draft b" + std::to_string(batch), T};
+    r.bytes = double(batch) * double(window + B) * kvh * hd * 2 * (cdt == DType::BF16 ? 2 : 4) + 2.0 * T * nh * hd * 4;
     r.flops = double(T) * nh * double(window + B) * 4.0 * hd;
     b.run(r, [&](Baseline& base) {
       std::vector<int32_t> table(static_cast<size_t>(blocks)), lens(static_cast<size_t>(batch), int32_t(ctx));
       for (int64_t i = 0; i < blocks; ++i) table[size_t(i)] = int32_t(i);
       uint64_t rr = 5;
       for (int64_t i = blocks - 1; i > 0; --i) std::swap(table[size_t(i)], table[size_t(splitmix(rr) % uint64_t(i + 1))]);
-      Tensor cache = dev_rand(DType::F32, {blocks * kBlockSize, 2 * kvh * hd}, 41);
+      Tensor cache = dev_rand(cdt, {blocks * kBlockSize, 2 * kvh * hd}, 41);
       Tensor bt = upload(table, DType::I32, {batch, per_seq}), cl = upload(lens, DType::I32, {batch});
       Tensor q = dev_rand(DType::F32, {T, nh, hd}, 42), k = dev_rand(DType::F32, {T, kvh, hd}, 43);
       Tensor v = dev_rand(DType::F32, {T, kvh, hd}, 44), out = dev_empty(DType::F32, {T, nh, hd});
