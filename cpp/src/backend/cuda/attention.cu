@@ -67,7 +67,8 @@
 //   keys took 106 us, far above its memory time: the chunk was staged one row at a time,
 //   each thread's store waiting for its load (about 2 loads in flight per thread per
 //   latency); now kMlaGatherILP loads are in flight per thread (float4 loads where the key
-//   rows are 16-byte aligned: 32 KB per block; the query rows 8 scalar loads) (not yet measured).
+//   rows are 16-byte aligned: 32 KB per block in the split decode variant, 16 KB in the others;
+//   the query rows 8 scalar loads) (not yet measured).
 //   Follow-up: stage the chunks with cp.async / TMA double buffering.
 //
 // block_attention: one 256-thread block per (sequence block s, kv head, group of 8 query
@@ -588,11 +589,12 @@ __global__ void __launch_bounds__(kMlaThreads)
         // The chunk's 32 x D floats, kMlaGatherILP loads in flight per thread before the first
         // store (each store waits for its load: one row at a time left a thread ~2 loads per
         // global-memory latency, 32 latencies a chunk). The same values land in ks.
-        // Where the cache rows are 16-byte aligned: float4 loads, kMlaGatherILP in flight (32 KB
-        // per block, a 32-key chunk of GLM-5.3's 576-float rows in ~2 rounds; sm_90a registers
-        // unchanged for the split decode variant mla_kernel<4, 2>, no spills).
+        // Where the cache rows are 16-byte aligned: float4 loads, kMlaGatherILP in flight with
+        // 4-head groups and kv_lora >= 512 (GLM-5.3's split decode variant mla_kernel<4, 2>:
+        // 32 KB per block, a 32-key chunk of 576-float rows in ~2 rounds), half as many
+        // otherwise (8 spilled 212 bytes in sm_100a's mla_kernel<16, 2>, 16 in its <4, 1>).
         if (vec4) {
-          constexpr int kV = kMlaGatherILP;
+          constexpr int kV = HG > 4 || DPT < 2 ? kMlaGatherILP / 2 : kMlaGatherILP;
           const int D4 = D / 4;
           for (int base = threadIdx.x; base < kMlaKC * D4; base += kV * kMlaThreads) {
             float4 v[kV];
