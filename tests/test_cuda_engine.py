@@ -383,6 +383,42 @@ def test_cuda_graphs_equal_eager(tmp_path):
         assert engines[1].metrics()["padding_rows"] == 0
 
 
+def test_op_timing_on_cuda(tmp_path):
+    """ops.set_op_timing on a CUDA engine: eager steps (cuda_graphs=False) time every op of every
+    step (events around each op); with CUDA graphs the replayed steps dispatch nothing and the
+    ops captured into them are not timed (only the eager prompt chunk and the first steps of a
+    shape are); the tokens are the same either way."""
+    cuda_or_skip()
+    from dflash2_rt import ops
+    tiny = gf.build_model(str(tmp_path / "tiny"), "tiny")
+    engines = [dflash2_rt.Engine(target=tiny, method="ar", device="cuda", cuda_graphs=g, capture_at_load=False, **KW)
+               for g in (True, False)]
+    prompt = [[5, 40, 7, 9]]
+    for e in engines:  # warm-up: the graphs of this shape are captured
+        e.generate(prompt, max_new_tokens=6, stop_token_ids=NO_STOP)
+    was = ops.op_timing()
+    calls, toks = [], []
+    try:
+        for e in engines:
+            ops.op_times(reset=True)
+            ops.set_op_timing(True)
+            toks.append([list(r.token_ids) for r in e.generate(prompt, max_new_tokens=12, stop_token_ids=NO_STOP)])
+            ops.set_op_timing(False)
+            rows = {r["op"]: r for r in ops.op_times(reset=True)}
+            assert all(r["device"] == "cuda" and r["seconds"] >= 0 for r in rows.values())
+            calls.append(rows.get("mla_attention", {}).get("calls", 0))
+    finally:
+        ops.set_op_timing(was)
+        ops.op_times(reset=True)
+    assert toks[0] == toks[1]
+    graphs, eager = calls
+    # eager: every layer's attention at every one of the 12 forwards (prompt + 11 steps)
+    assert eager >= 12 * 2, calls
+    # graphs: the prompt chunk's (eager) and nothing of the replayed steps
+    assert 0 < graphs <= eager // 6, calls
+    assert engines[0].metrics()["cuda_graphs_replayed"] >= 8
+
+
 def test_pdl_graphs(tmp_path):
     """ops.set_pdl(True): the graphs captured afterwards chain their kernels with programmatic
     dependent launch (every captured kernel -> kernel edge into one of the backend's kernels,
