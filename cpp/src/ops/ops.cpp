@@ -90,13 +90,7 @@ Fn entry(Fn fn, const char* op, const Tensor& t) {
   return fn;
 }
 // Op timing (ops::set_op_timing): one scope per dispatched call while it is on.
-std::atomic<bool>& op_timing_flag() {
-  static std::atomic<bool> on{[] {
-    const char* e = std::getenv("DFLASH2_OP_TIMING");
-    return e != nullptr && std::string(e) == "1";
-  }()};
-  return on;
-}
+std::atomic<bool>& op_timing_flag();  // below, with the other process-wide switches
 struct OpTimeKey {
   const char* op;
   DeviceType dev;
@@ -209,6 +203,10 @@ std::atomic<bool>& dq_wgmma_flag() {
 }
 std::atomic<bool>& exact_tc_flag() {
   static std::atomic<bool> on{env_switch("DFLASH2_EXACT_TC", false)};
+  return on;
+}
+std::atomic<bool>& op_timing_flag() {
+  static std::atomic<bool> on{env_switch("DFLASH2_OP_TIMING", false)};
   return on;
 }
 }  // namespace
