@@ -335,8 +335,7 @@ __device__ __forceinline__ float warp_sum(float v) {
 // One chunk at a time kept 8-16 bytes per lane in flight (FP8): on an H200 the decode
 // experts read their weights at 1251 GB/s, 0.30 of the copy bandwidth (bench_ops, 2026-12-04).
 __host__ __device__ constexpr int gemv_ahead(WFmt f, bool gated) {
-  const int bytes = f == WFmt::F32 ? 32 : (f == WFmt::FP8 ? 8 : (f == WFmt::NVFP4 ? 4 : 16));
-  const int u = 128 / (bytes * (gated ? 2 : 1));
+  const int u = 128 / (detail::chunk8_bytes(f) * (gated ? 2 : 1));
   return u < 1 ? 1 : (u > 8 ? 8 : u);
 }
 

@@ -272,17 +272,16 @@ inline bool rows_aligned16(const WeightView& w) {
   return reinterpret_cast<uintptr_t>(w.data) % 16 == 0 && w.row_bytes % 16 == 0;
 }
 
+// Bytes of 8 consecutive weights of format f (w_fetch8's load): 32 for F32, 16 for BF16 /
+// F16, 8 for FP8, 4 for NVFP4.
+__host__ __device__ constexpr int chunk8_bytes(WFmt f) {
+  return f == WFmt::F32 ? 32 : (f == WFmt::FP8 ? 8 : (f == WFmt::NVFP4 ? 4 : 16));
+}
+
 // Whether every row of `w` can take w_load8<F, true> (row starts aligned to the 8-element
-// load: 32 B for F32, 16 B for BF16/F16, 8 B for FP8, 4 B for NVFP4).
+// load, chunk8_bytes).
 inline bool weight_rows_vectorizable(const WeightView& w) {
-  int64_t a = 0;
-  switch (w.fmt) {
-    case WFmt::F32: a = 32; break;
-    case WFmt::BF16:
-    case WFmt::F16: a = 16; break;
-    case WFmt::FP8: a = 8; break;
-    case WFmt::NVFP4: a = 4; break;
-  }
+  const int64_t a = chunk8_bytes(w.fmt);
   return reinterpret_cast<uintptr_t>(w.data) % a == 0 && w.row_bytes % a == 0;
 }
 
