@@ -221,6 +221,36 @@ def test_dflash2_pair_on_cuda(tmp_path):
                 assert r.stats["verify_steps"] == exp["steps"]
 
 
+def test_wide_vocab_sampling_on_cuda(tmp_path):
+    """A vocabulary longer than 4096 ids: sample and accept take their split-row kernels
+    (cuda/sampling.cu, "wide rows": one block per 4096-id chunk, several launches per step)
+    inside the captured step. The self-drafting pair with 8192 ids, sampled at t1.0 p0.95 with
+    dflash2 and ar, graphs on: the CPU engine's tokens, with the one-block kernels
+    (ops.set_wide_sampling(False)) too; greedy dflash2 is still the pair's exact output."""
+    cuda_or_skip()
+    pair = F.make_self_drafting_pair(tmp_path, vocab_size=8192)
+    prompts = [[int(x)] * 3 for x in (5, 40, 77)]
+    samp = dict(max_new_tokens=16, stop_token_ids=NO_STOP, temperature=1.0, top_p=0.95, seed=5)
+    for method in ("dflash2", "ar"):
+        draft = pair.draft_dir if method == "dflash2" else None
+        cpu = dflash2_rt.Engine(target=pair.target_dir, draft=draft, method=method, device="cpu", **KW)
+        want = [list(r.token_ids) for r in cpu.generate(prompts, **samp)]
+        for wide in (True, False):
+            dflash2_rt.ops.set_wide_sampling(wide)
+            try:
+                gpu = dflash2_rt.Engine(target=pair.target_dir, draft=draft, method=method, device="cuda", **KW)
+                got = [list(r.token_ids) for r in gpu.generate(prompts, **samp)]
+                if method == "dflash2" and wide:
+                    greedy = gpu.generate(prompts[:1], max_new_tokens=17, stop_token_ids=NO_STOP)[0]
+                    assert list(greedy.token_ids) == pair.expected_greedy(prompts[0], 17)["tokens"]
+                m = gpu.metrics()
+                assert m["cuda_graphs_failed"] == 0, m["cuda_graphs_last_failure"]
+                assert m["cuda_graphs_replayed"] >= 1, m
+            finally:
+                dflash2_rt.ops.set_wide_sampling(True)
+            assert got == want, f"{method}, wide={wide}: GPU {got} != CPU {want}"
+
+
 def bf16_copy(src, dst):
     """dst: the checkpoint directory src with every floating-point tensor cast to BF16."""
     import shutil

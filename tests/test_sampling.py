@@ -299,3 +299,93 @@ def test_cuda_rejection_sampling_keeps_the_target_distribution():
     emp = np.bincount(first, minlength=V) / n
     assert 0.5 * np.abs(emp - p).sum() <= tv_bound(p, n)
     assert 0.02 < acc.mean() < 0.98
+
+
+# Rows longer than one chunk of 4096 ids are split over several blocks per row on the GPU
+# (sampling.cu "wide rows": one launch per step, each chunk's partial combined in chunk
+# order by the row's last block). Rows of 9000 ids (3 chunks) with ties that cross the
+# chunks (top-k / top-p cuts inside a tie group, the n-th tie in a later chunk), -inf, and
+# every setting mixed in one batch: the CPU's tokens, row for row.
+def _wide_rows():
+    g = np.random.default_rng(41)
+    V = 9000
+    tail = g.normal(0, 2, V)
+    tail[g.choice(V, 300, replace=False)] = -np.inf
+    return {
+        "random": g.normal(0, 2, V).astype(np.float32),
+        "ties": np.tile(np.array([3.0, 1.0, 2.0, 0.5], np.float32), V // 4),
+        "peaked": np.concatenate([[8.0, 7.5], g.normal(0, 1, V - 2)]).astype(np.float32),
+        "neg-inf": tail.astype(np.float32),
+        "late-max": np.concatenate([g.normal(0, 1, V - 5), [9.0, 2.0, 9.0, 1.0, 0.0]]).astype(np.float32),
+    }
+
+
+WIDE_SETTINGS = [(0.0, 1.0, 0), (1.0, 1.0, 0), (1.0, 0.95, 0), (0.8, 0.85, 50), (1.0, 0.3, 12), (2.0, 1.0, 1),
+                 (1.0, 1e-6, 0), (0.7, 1.0, 5000), (1.0, 0.6, 0), (1.3, 0.5, 3000), (1.0, 0.999, 2251)]
+
+
+def _wide_batch(reps, key):
+    rows = _wide_rows()
+    combos = [(name, s) for name in sorted(rows) for s in WIDE_SETTINGS]
+    combos = combos * reps
+    logits = np.stack([rows[name] for name, _ in combos])
+    t = np.array([s[0] for _, s in combos], np.float32)
+    p = np.array([s[1] for _, s in combos], np.float32)
+    k = np.array([s[2] for _, s in combos], np.int32)
+    return combos, logits, t, p, k, rng_rows(key, len(combos), 5, 7)
+
+
+def test_cuda_sample_wide_rows_equal_cpu():
+    _cuda()
+    combos, logits, t, p, k, r = _wide_batch(2, 61)
+    want = np.asarray(ops.sample(logits, t, p, k, r).numpy())
+    assert ops.wide_sampling()
+    for wide in (True, False):  # the split rows, then one block per row (the baseline form)
+        ops.set_wide_sampling(wide)
+        try:
+            got = _host(ops.sample(_dev(logits), _dev(t), _dev(p), _dev(k), _dev(r)))
+        finally:
+            ops.set_wide_sampling(True)
+        bad = [combos[i] for i in np.nonzero(got != want)[0]]
+        assert not bad, f"wide={wide}: {len(bad)} of {len(combos)} rows differ: {bad[:5]}"
+    # a lone row (one task: the chunks are the only parallelism) and greedy rows
+    for i in [0, 3, 17, 30]:
+        one = _host(ops.sample(_dev(logits[i:i + 1]), _dev(t[i:i + 1]), _dev(p[i:i + 1]), _dev(k[i:i + 1]),
+                               _dev(r[i:i + 1])))
+        assert one[0] == want[i], combos[i]
+
+
+@pytest.mark.parametrize("wide", [False, True])
+def test_cuda_accept_wide_rows_equal_cpu(wide):
+    _cuda()
+    g = np.random.default_rng(23)
+    rows = _wide_rows()
+    names = sorted(rows)
+    S, K, C = 12, 3, 8
+    V = len(rows[names[0]])
+    logits = np.stack([rows[names[(i * 7) % len(names)]] for i in range(S * (K + 1))])
+    logits = logits + g.normal(0, 0.3, logits.shape).astype(np.float32) * (g.random((S * (K + 1), 1)) < 0.5)
+    logits = logits.astype(np.float32)
+    draft = g.integers(0, V, (S, K)).astype(np.int32)
+    am = logits.argmax(1).reshape(S, K + 1)
+    draft[::3] = am[::3, :K]
+    lens = g.integers(0, K + 1, S).astype(np.int32)
+    cand = q = None
+    if wide:
+        cand = np.stack([[g.choice(V, C, replace=False) for _ in range(K)] for _ in range(S)]).astype(np.int32)
+        cand[:, :, 0] = draft
+        q = g.dirichlet(np.ones(C), (S, K)).astype(np.float32)
+    row0 = np.arange(S, dtype=np.int32) * (K + 1)
+    drow = np.arange(S, dtype=np.int32)[::-1].copy()
+    settings = [(0.0, 1.0, 0), (1.0, 1.0, 0), (0.8, 0.9, 10), (1.0, 0.6, 0), (0.7, 1.0, 5000)]
+    t = np.array([settings[s % len(settings)][0] for s in range(S)], np.float32)
+    p = np.array([settings[s % len(settings)][1] for s in range(S)], np.float32)
+    k = np.array([settings[s % len(settings)][2] for s in range(S)], np.int32)
+    for key in (33, 34):
+        r = rng_rows(key, S, 0, K + 1)
+        a0, b0 = ops.accept(logits, row0, draft, drow, lens, cand=cand, q=q, temperature=t, top_p=p, top_k=k, rng=r)
+        a1, b1 = ops.accept(_dev(logits), _dev(row0), _dev(draft), _dev(drow), _dev(lens),
+                            cand=None if cand is None else _dev(cand), q=None if q is None else _dev(q),
+                            temperature=_dev(t), top_p=_dev(p), top_k=_dev(k), rng=_dev(r))
+        assert np.array_equal(_host(a1), np.asarray(a0.numpy())), key
+        assert np.array_equal(_host(b1), np.asarray(b0.numpy())), key

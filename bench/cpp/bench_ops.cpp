@@ -1603,10 +1603,9 @@ void bench_small(Bench& b, const std::vector<int64_t>& Ts) {
         return std::make_pair(std::function<void(int)>([=](int) mutable { ops::cache_write(src, sl, cache); }), 1);
       });
     }
-    // argmax / sample over the vocabulary
-    for (int which = 0; which < 2; ++which) {
-      Result r{which == 0 ? "argmax" : "sample", dims({T, G.vocab}) + (which ? " t0.8 p0.95 k50" : ""), "f32",
-               t_label(T), T};
+    // argmax over the vocabulary
+    {
+      Result r{"argmax", dims({T, G.vocab}), "f32", t_label(T), T};
       r.bytes = 4.0 * T * G.vocab + 4.0 * T;
       r.flops = 0;
       b.run(r, [&](Baseline&) {
@@ -1614,20 +1613,87 @@ void bench_small(Bench& b, const std::vector<int64_t>& Ts) {
         std::vector<Tensor> logits;
         for (int v = 0; v < vars; ++v) logits.push_back(dev_rand(DType::F32, {T, G.vocab}, 60 + v));
         Tensor out = dev_empty(DType::I32, {T});
-        if (which == 0)
-          return std::make_pair(std::function<void(int)>([=](int v) mutable { ops::argmax(logits[size_t(v)], out); }),
-                                vars);
+        return std::make_pair(std::function<void(int)>([=](int v) mutable { ops::argmax(logits[size_t(v)], out); }),
+                              vars);
+      });
+    }
+    // sample over the vocabulary: rows split over blocks (ops::wide_sampling, the default)
+    // beside one block per row (the switch off) on the same rows; t1.0 p0.95 is the published
+    // setting (no top-k: the whole row is in the top-p selection)
+    for (const auto& set : {std::make_tuple(0.8f, 0.95f, 50, " t0.8 p0.95 k50"), std::make_tuple(1.0f, 0.95f, 0, " t1.0 p0.95")}) {
+      Result r{"sample", dims({T, G.vocab}) + std::get<3>(set), "f32", t_label(T), T};
+      r.bytes = 4.0 * T * G.vocab + 4.0 * T;
+      r.flops = 0;
+      b.run(r, [&](Baseline& base) {
+        const int vars = rotations(int64_t(4 * T * G.vocab));
+        std::vector<Tensor> logits;
+        for (int v = 0; v < vars; ++v) logits.push_back(dev_rand(DType::F32, {T, G.vocab}, 60 + v));
+        Tensor out = dev_empty(DType::I32, {T});
         ops::SamplingTensors sp;
-        sp.temperature = upload(std::vector<float>(size_t(T), 0.8f), DType::F32, {T});
-        sp.top_p = upload(std::vector<float>(size_t(T), 0.95f), DType::F32, {T});
-        sp.top_k = upload(std::vector<int32_t>(size_t(T), 50), DType::I32, {T});
+        sp.temperature = upload(std::vector<float>(size_t(T), std::get<0>(set)), DType::F32, {T});
+        sp.top_p = upload(std::vector<float>(size_t(T), std::get<1>(set)), DType::F32, {T});
+        sp.top_k = upload(std::vector<int32_t>(size_t(T), std::get<2>(set)), DType::I32, {T});
         std::vector<int64_t> rng(size_t(2 * T));
         for (int64_t t = 0; t < T; ++t) rng[size_t(2 * t)] = 1000 + t, rng[size_t(2 * t + 1)] = 0;
         Tensor dr = upload(rng, DType::I64, {T, 2});
-        return std::make_pair(std::function<void(int)>([=](int v) mutable {
-                                ops::sample(logits[size_t(v)], sp, dr, out);
-                              }),
-                              vars);
+        auto form = [=](bool wide) {
+          return [=](int v) mutable {
+            const bool was = ops::wide_sampling();
+            ops::set_wide_sampling(wide);
+            ops::sample(logits[size_t(v)], sp, dr, out);
+            ops::set_wide_sampling(was);
+          };
+        };
+        base.run = form(false);
+        base.variants = vars;
+        base.name = "one block per row";
+        base.kind = "sample with ops::set_wide_sampling(false)";
+        return std::make_pair(std::function<void(int)>(form(true)), vars);
+      });
+    }
+    // accept of verify blocks (8 rows per sequence: 7 drafted + the bonus row) with the
+    // selector's q K-wide (16 candidates), t1.0 p0.95; the same two forms
+    if (T % 8 == 0) {
+      const int64_t S = T / 8, K = 7, C = 16;
+      Result r{"accept", dims({T, G.vocab}) + " K7 C16 t1.0 p0.95", "f32", t_label(T), T};
+      r.bytes = 4.0 * T * G.vocab;
+      r.flops = 0;
+      b.run(r, [&](Baseline& base) {
+        const int vars = rotations(int64_t(4 * T * G.vocab));
+        std::vector<Tensor> logits;
+        for (int v = 0; v < vars; ++v) logits.push_back(dev_rand(DType::F32, {T, G.vocab}, 70 + v));
+        std::vector<int32_t> row0(static_cast<size_t>(S)), drow(static_cast<size_t>(S)),
+            dlen(static_cast<size_t>(S), static_cast<int32_t>(K)), draft(static_cast<size_t>(S * K)),
+            cand(static_cast<size_t>(S * K * C));
+        std::vector<float> q(static_cast<size_t>(S * K * C), 1.0f / float(C));
+        uint64_t rr = 9;
+        for (int64_t s = 0; s < S; ++s) row0[size_t(s)] = int32_t(s * 8), drow[size_t(s)] = int32_t(s);
+        for (auto& c : cand) c = int32_t(splitmix(rr) % uint64_t(G.vocab));
+        for (int64_t i = 0; i < S * K; ++i) draft[size_t(i)] = cand[size_t(i * C)];
+        Tensor r0 = upload(row0, DType::I32, {S}), dw = upload(drow, DType::I32, {S});
+        Tensor dl = upload(dlen, DType::I32, {S}), dt = upload(draft, DType::I32, {S, K});
+        Tensor cd = upload(cand, DType::I32, {S, K, C}), qq = upload(q, DType::F32, {S, K, C});
+        ops::SamplingTensors sp;
+        sp.temperature = upload(std::vector<float>(size_t(S), 1.0f), DType::F32, {S});
+        sp.top_p = upload(std::vector<float>(size_t(S), 0.95f), DType::F32, {S});
+        sp.top_k = upload(std::vector<int32_t>(size_t(S), 0), DType::I32, {S});
+        std::vector<int64_t> rng(size_t(2 * S));
+        for (int64_t s = 0; s < S; ++s) rng[size_t(2 * s)] = 2000 + s, rng[size_t(2 * s + 1)] = 0;
+        Tensor dr = upload(rng, DType::I64, {S, 2});
+        Tensor acc = dev_empty(DType::I32, {S}), bon = dev_empty(DType::I32, {S});
+        auto form = [=](bool wide) {
+          return [=](int v) mutable {
+            const bool was = ops::wide_sampling();
+            ops::set_wide_sampling(wide);
+            ops::accept(logits[size_t(v)], r0, dt, dw, dl, cd, qq, sp, dr, acc, bon);
+            ops::set_wide_sampling(was);
+          };
+        };
+        base.run = form(false);
+        base.variants = vars;
+        base.name = "one block per row";
+        base.kind = "accept with ops::set_wide_sampling(false)";
+        return std::make_pair(std::function<void(int)>(form(true)), vars);
       });
     }
   }

@@ -19,7 +19,8 @@
 //           nothing is left) or from p of the last row; draw i for position i, draw K for
 //           the bonus.
 //
-// Mapping. One thread block per row (sample) or per sequence (accept), up to 512 threads;
+// Mapping (rows of at most kChunk ids; longer ones: "wide rows" below, the same steps split
+// over chunks). One thread block per row (sample) or per sequence (accept), up to 512 threads;
 // every pass reads the row from global memory (L2 after the first: a 155K-vocab row is
 // 620 KB), nothing is written but the outputs (no row buffer). The CPU's procedure is
 // followed step by step:
@@ -62,16 +63,19 @@
 // at the cut) over the row per block; with R rows in parallel the grid fills the GPU,
 // a single row uses one SM. Measured on an H200 (bench_ops, one load per warp step):
 // 1.06 ms for one row of 154880 (t 0.8, top-p 0.95, top-k 50), 1.17 ms for 32 rows, so
-// latency-bound, not ~tens of us as first estimated. Every walk over a row now loads
+// latency-bound, not ~tens of us as first estimated. Rows longer than kChunk (4096) ids now
+// run split over one block per chunk ("wide rows", below; ops::wide_sampling()), so a single
+// 154880-id row is 38 blocks per step instead of one SM (not yet measured on a GPU: bench_ops'
+// sample / accept rows time both forms). Every walk over a row now loads
 // 128-element groups per warp, 16 bytes per lane when the row is 16-byte aligned, several
 // groups ahead (warp_walk_all / warp_walk_ordered: 64 KB / 32 KB in flight per block
 // against 2 KB); not yet measured on a GPU. The order-free walks (max, counts, sums,
 // argmax, topk's collection) give each thread other elements than before, so the per-thread
 // double sums of z and of the top-p histograms round in another order (still deterministic;
-// the ordered scans of the draw and the tie searches are unchanged, bitwise). Ideas: fuse
-// the max pass into the first radix pass; stop the radix early when the selected bucket is
-// exactly the target; split a single long row over several SMs (a cluster's distributed
-// shared memory, or per-pass launches with a last-block combine).
+// the ordered scans of the draw and the tie searches are unchanged, bitwise). Ideas: stop
+// the radix early when the selected bucket is exactly the target; a cluster's distributed
+// shared memory instead of the wide rows' per-step launches (the CPU emulator runs one
+// block at a time, so it could not check that form).
 //
 // topk: one block (up to 1024 threads) per row: the count radix selection of step 2 with
 // the same tie rule, then the k kept (key, index) pairs are collected (warp-aggregated
@@ -321,13 +325,17 @@ __device__ uint32_t radix_count(const float* row, int32_t V, double target, KeyF
 }
 
 // ------------------------------------------------------------------ ordered pick
-// The first id i (ascending) with mass wf(i) > 0 whose inclusive cumulative mass exceeds x,
-// where x = u * total when `scaled` (a draw) else u (a count search); the fallbacks of
-// sampling_logic.h when rounding leaves none. *total: the sum of every wf(i).
+// The first id i (ascending) in [b0, e0) with mass wf(i) > 0 whose inclusive cumulative
+// mass, counted from `base`, exceeds x, where x = u * (base + the range's total) when
+// `scaled` (a draw) else u (a count search, or a draw whose x the caller formed); the
+// fallbacks of sampling_logic.h when rounding leaves none (the range's last id with mass,
+// else b0 -- 0 for a whole row). *total: base + the sum of every wf(i) in the range.
 template <class WF>
-__device__ int32_t block_pick(const WF& wf, int32_t V, double u, bool scaled, Common& cm, double* total) {
+__device__ int32_t block_pick_in(const WF& wf, int32_t b0, int32_t e0, double u, bool scaled, double base, Common& cm,
+                                 double* total) {
   const int lane = lane_id(), warp = warp_id(), nw = num_warps();
-  const int32_t b = int32_t(sl::seg_begin(V, nw, warp)), e = int32_t(sl::seg_end(V, nw, warp));
+  const int64_t n = int64_t(e0) - b0;
+  const int32_t b = b0 + int32_t(sl::seg_begin(n, nw, warp)), e = b0 + int32_t(sl::seg_end(n, nw, warp));
   double carry = 0.0;
   int32_t last = -1;
   warp_walk_ordered(wf.src(), b, e, [&](int32_t i0, float xv) {
@@ -346,7 +354,7 @@ __device__ int32_t block_pick(const WF& wf, int32_t V, double u, bool scaled, Co
   }
   __syncthreads();
   if (threadIdx.x == 0) {
-    double ex = 0.0;
+    double ex = base;
     for (int w = 0; w < nw; ++w) {
       cm.wexcl[w] = ex;
       ex = ex + cm.wtot[w];
@@ -364,7 +372,7 @@ __device__ int32_t block_pick(const WF& wf, int32_t V, double u, bool scaled, Co
     cm.bc.x = x;
     cm.bc.total = ex;
     cm.bc.warp = pw;
-    cm.bc.result = res < 0 ? 0 : res;
+    cm.bc.result = res < 0 ? b0 : res;
   }
   __syncthreads();
   if (warp == cm.bc.warp) {
@@ -384,12 +392,16 @@ __device__ int32_t block_pick(const WF& wf, int32_t V, double u, bool scaled, Co
       carry = carry + __shfl_sync(kFull, p, 31);
       return false;
     });
-    if (found < 0) found = cm.wlast[warp] < 0 ? 0 : cm.wlast[warp];  // rounding: the warp's last with mass
+    if (found < 0) found = cm.wlast[warp] < 0 ? b0 : cm.wlast[warp];  // rounding: the warp's last with mass
     if (lane == 0) cm.bc.result = found;
   }
   __syncthreads();
   *total = cm.bc.total;
   return cm.bc.result;
+}
+template <class WF>
+__device__ int32_t block_pick(const WF& wf, int32_t V, double u, bool scaled, Common& cm, double* total) {
+  return block_pick_in(wf, 0, V, u, scaled, 0.0, cm, total);
 }
 
 // The id of the n-th (1-based) element in id order with pred(i).
@@ -797,6 +809,663 @@ __global__ void __launch_bounds__(kSelThreads, 1) accept_final_kernel(AcceptArgs
   }
 }
 
+// ------------------------------------------------------------------ wide rows
+// A row longer than kChunk is split over P = ceil(V / kChunk) blocks, one per chunk of
+// kChunk ids, and each step of the procedure above becomes one launch over (chunk, task):
+// every block reduces its chunk to a partial (a count / mass histogram, a sum, a max, an
+// argmax, the last id with mass) in scratch, counts itself in on the task's arrival counter
+// (detail::zeroed_counters; the last block resets it), and the task's last block combines
+// the P partials in chunk order, makes the step's decision exactly as the one-block kernels
+// do (radix_pass_pick, topp_ties_kept, the ordered picks, which it runs over the one chunk
+// that holds the crossing) and writes the task's state for the next launch. A task is a
+// sampled row (sample) or a (sequence, target row) of accept. The launches:
+//   kStMax        max (argmax for greedy rows), and top-k's count pass at bits 24..31;
+//   kStK2..kStK4  top-k's count passes at bits 16, 8, 0; the last resolves the ties (k_last);
+//   kStZ          z over the top-k kept (top-p rows), and top-p's mass pass at bits 24..31;
+//   kStP2..kStP4  top-p's mass passes; the last resolves the ties (p_last);
+//   kStW          the kept masses' sum: z for accept (and p of the drafted token), the
+//                 draw for sample;
+//   accept_wide_final_kernel  per sequence: the accept decisions (every block redoes them:
+//                 thread 0, at most K steps), the bonus draw's partial sums (residual and p),
+//                 the last block's draw.
+// A launch with nothing to do for a task (a greedy row past kStMax, a row without top-k /
+// top-p in those passes) returns at once. Each chunk's reduction order depends on V only,
+// the chunks combine in order, so results are deterministic and do not depend on how many
+// rows run together; the sums round differently from the one-block kernels (which the op
+// keeps for V <= kChunk and for more than kMaxWideTasks tasks).
+constexpr int kWideThreads = 256;
+constexpr int kWideWarps = kWideThreads / 32;
+constexpr int32_t kChunk = 4096;
+constexpr int32_t kMaxParts = 1024;        // chunks per row (rows up to 4M ids)
+constexpr int64_t kMaxWideTasks = detail::kCounterWords;
+constexpr int64_t kMaxWideParts = 16384;   // tasks x chunks (the partials' scratch: ~3 KB each)
+
+enum WideStage : int { kStMax = 0, kStK2, kStK3, kStK4, kStZ, kStP2, kStP3, kStP4, kStW, kNumStages };
+
+// A task's state between launches (written by its last block of each launch).
+struct WideTask {
+  const float* row;
+  sl::RowSel sel;
+  double acc, target;  // the running radix selection
+  double pd;           // accept: p(d_j)
+  uint32_t prefix, mask, cnt;
+  int32_t kind;        // kInactive, kGreedy, kSampled
+  int32_t want_k, want_p;
+  int32_t argmax;      // greedy
+  int32_t pad;
+};
+constexpr int32_t kInactive = 0, kGreedy = 1, kSampled = 2;
+
+// One chunk's partial of one launch.
+struct WidePart {
+  double sum, sum2;
+  float mx, amv;
+  int32_t ami, last, last2, pad;
+};
+
+struct WideArgs {
+  AcceptArgs a;  // sample: S = R tasks, K = 0, row0 == nullptr (task r is row r)
+  int32_t* out;  // sample: the tokens
+  int64_t os;
+  int64_t T;     // tasks: S (sample) or S (K + 1) (accept)
+  int32_t P;     // chunks per row
+  WideTask* task;
+  WidePart* part;   // [T][P]
+  double* mhist;    // [T][P][256]
+  uint32_t* chist;  // [T][P][256]
+  uint32_t* arrivals;
+};
+
+struct WideShared {
+  Common cm;
+  double whist[kWideWarps * 256];
+  double hist[256];
+  double stage[kWideWarps * 32];
+  int32_t cid[kSharedCand];
+  float cq[kSharedCand];
+  double pv[kMaxParts];  // the chunks' partials, loaded by the whole block for thread 0's scans
+  float pf[kMaxParts];
+  int32_t pl[kMaxParts];
+  int32_t last;
+};
+
+__device__ __forceinline__ int32_t chunk_end(int32_t c, int32_t V) {
+  const int64_t e = int64_t(c + 1) * kChunk;
+  return int32_t(e < V ? e : V);
+}
+
+// The task's row and parameters (every block of the first launch forms them alike).
+struct TaskParams {
+  const float* row;
+  float temp, top_p;
+  int32_t top_k;
+  bool active;
+};
+__device__ TaskParams task_params(const WideArgs& w, int64_t t) {
+  const AcceptArgs& a = w.a;
+  TaskParams p;
+  int64_t s = t;
+  if (a.row0) {
+    const int64_t per = a.K + 1;
+    s = t / per;
+    const int64_t j = t % per;
+    p.active = j <= draft_len_of(a, s);
+    p.row = logits_row(a, s, j);
+  } else {
+    p.active = true;
+    p.row = a.lg + t * a.ls;
+  }
+  p.temp = a.pp.temp[s * a.pp.ts];
+  p.top_p = a.pp.top_p[s * a.pp.ps];
+  p.top_k = a.pp.top_k[s * a.pp.ks];
+  return p;
+}
+
+// Counts this block in on task t's arrival counter; true in every thread of its last block
+// (which then sees every block's partials through __ldcg).
+__device__ bool wide_last_block(const WideArgs& w, int64_t t, WideShared& sh) {
+  __threadfence();
+  __syncthreads();
+  if (threadIdx.x == 0) {
+    const bool last = atomicAdd(&w.arrivals[t], 1u) == uint32_t(w.P) - 1u;
+    if (last) w.arrivals[t] = 0u;  // every later block of this launch has counted itself in
+    sh.last = last ? 1 : 0;
+  }
+  __syncthreads();
+  const bool last = sh.last != 0;
+  if (last) __threadfence();
+  return last;
+}
+
+// Block-wide max of an int32 (all threads call; every thread gets it).
+__device__ int32_t block_max_i32(int32_t v, Common& cm) {
+#pragma unroll
+  for (int off = 16; off > 0; off >>= 1) v = max(v, __shfl_xor_sync(kFull, v, off));
+  if (lane_id() == 0) cm.wlast[warp_id()] = v;
+  __syncthreads();
+  int32_t r = -1;
+  for (int i = 0; i < num_warps(); ++i) r = max(r, cm.wlast[i]);
+  __syncthreads();
+  return r;
+}
+
+// Sum and last id with mass of wf over the chunk [c0, c1) (each thread's ids ascending, then
+// the block reduction: a function of the chunk only).
+template <class WF>
+__device__ void chunk_sum(const WF& wf, int32_t c0, int32_t c1, Common& cm, double* sum, int32_t* last) {
+  double s = 0.0;
+  int32_t lst = -1;
+  const int32_t n = c1 - c0;
+  warp_walk_all(wf.src() + c0, n, [&](int32_t i, float x) {
+    if (i < n) {
+      const double v = wf.at(x, c0 + i);
+      s += v;
+      if (v > 0.0) lst = c0 + i;
+    }
+  });
+  *sum = detail::block_reduce(s, cm.dred, detail::SumOp{}, 0.0);
+  *last = block_max_i32(lst, cm);
+}
+
+// The chunk's count histogram (into cm.chist) of keys with (key & mask) == prefix at `shift`.
+template <class KeyF>
+__device__ void chunk_counts(const float* row, int32_t c0, int32_t c1, KeyF keyf, uint32_t prefix, uint32_t mask,
+                             int shift, Common& cm) {
+  const int lane = lane_id();
+  for (int b = threadIdx.x; b < 256; b += blockDim.x) cm.chist[b] = 0;
+  __syncthreads();
+  const int32_t n = c1 - c0;
+  warp_walk_all(row + c0, n, [&](int32_t i, float x) {
+    int bin = 256;
+    if (i < n) {
+      const uint32_t k = keyf(x);
+      if ((k & mask) == prefix) bin = int((k >> shift) & 255u);
+    }
+    const unsigned m = __match_any_sync(kFull, bin);
+    if (bin < 256 && lane == __ffs(int(m)) - 1) atomicAdd(&cm.chist[bin], uint32_t(__popc(int(m))));
+  });
+  __syncthreads();
+}
+
+// The chunk's top-p mass histogram (sm.hist, in warp order) and counts (cm.chist) of the
+// top-k-kept keys with (key & mask) == prefix and nonzero mass; returns the thread's sum of
+// those masses (used by the first pass, where every kept element qualifies: z).
+__device__ double chunk_masses(const float* row, int32_t c0, int32_t c1, const sl::RowSel& s, uint32_t prefix,
+                               uint32_t mask, int shift, WideShared& sm) {
+  Common& cm = sm.cm;
+  const int lane = lane_id(), warp = warp_id(), nw = num_warps();
+  double* wh = sm.whist + warp * 256;
+  double* st = sm.stage + warp * 32;
+  for (int b = lane; b < 256; b += 32) wh[b] = 0.0;
+  for (int b = threadIdx.x; b < 256; b += blockDim.x) cm.chist[b] = 0;
+  __syncthreads();
+  double zs = 0.0;
+  const int32_t n = c1 - c0;
+  warp_walk_all(row + c0, n, [&](int32_t i, float x) {
+    int bin = 256;
+    double w = 0.0;
+    if (i < n) {
+      const uint32_t k = sl::order_key(x);
+      if ((k & mask) == prefix && sl::keep_k(s, k, c0 + i)) {
+        w = mass_of(x, s);
+        zs += w;
+        if (!(w == 0.0)) bin = int((k >> shift) & 255u);  // the CPU skips w == 0 (not NaN)
+      }
+    }
+    const unsigned m = __match_any_sync(kFull, bin);
+    st[lane] = w;
+    __syncwarp();
+    if (bin < 256 && lane == __ffs(int(m)) - 1) {
+      double g = 0.0;
+      for (unsigned mm = m; mm; mm &= mm - 1) g += st[__ffs(int(mm)) - 1];
+      wh[bin] += g;
+      atomicAdd(&cm.chist[bin], uint32_t(__popc(int(m))));
+    }
+    __syncwarp();
+  });
+  __syncthreads();
+  for (int b = threadIdx.x; b < 256; b += blockDim.x) {
+    double h = 0.0;
+    for (int w = 0; w < nw; ++w) h += sm.whist[w * 256 + b];
+    sm.hist[b] = h;
+  }
+  __syncthreads();
+  return zs;
+}
+
+// Stores this block's histograms (counts; masses when `masses`) as chunk c's partial.
+__device__ void put_hists(const WideArgs& w, int64_t t, int32_t c, bool masses, const WideShared& sm) {
+  const int64_t o = (t * w.P + c) * 256;
+  for (int b = threadIdx.x; b < 256; b += blockDim.x) {
+    w.chist[o + b] = sm.cm.chist[b];
+    if (masses) w.mhist[o + b] = sm.hist[b];
+  }
+}
+
+// Last block: the chunks' histograms summed in chunk order into cm.chist (and sm.hist).
+__device__ void combine_hists(const WideArgs& w, int64_t t, bool masses, WideShared& sm) {
+  for (int b = threadIdx.x; b < 256; b += blockDim.x) {
+    uint32_t c = 0;
+    double h = 0.0;
+    const int64_t o = t * w.P * 256 + b;
+#pragma unroll 8
+    for (int32_t p = 0; p < w.P; ++p) {
+      c += __ldcg(&w.chist[o + int64_t(p) * 256]);
+      if (masses) h += __ldcg(&w.mhist[o + int64_t(p) * 256]);
+    }
+    sm.cm.chist[b] = c;
+    sm.hist[b] = h;
+  }
+  __syncthreads();
+}
+
+// Last block: the chunk holding the n-th (1-based) of the counts chist[.][bin] in chunk
+// order, and how many come before it (bc.d, bc.n). Thread 0 scans (counts are exact).
+__device__ void chunk_of_nth(const WideArgs& w, int64_t t, int bin, int64_t nth, WideShared& sh) {
+  Common& cm = sh.cm;
+  for (int32_t p = threadIdx.x; p < w.P; p += blockDim.x) sh.pl[p] = int32_t(__ldcg(&w.chist[(t * w.P + p) * 256 + bin]));
+  __syncthreads();
+  if (threadIdx.x == 0) {
+    int64_t before = 0;
+    int32_t c = w.P - 1;
+    for (int32_t p = 0; p < w.P; ++p) {
+      const int64_t k = sh.pl[p];
+      if (before + k >= nth) {
+        c = p;
+        break;
+      }
+      before += k;
+    }
+    cm.bc.d = c;
+    cm.bc.n = int32_t(before);
+  }
+  __syncthreads();
+}
+
+// Last block: the chunks' sums (sum2 when `second`) in chunk order: the total, the first
+// chunk with mass whose inclusive cumulative sum exceeds u * total (-1: none) with its
+// exclusive prefix, and the last id with mass over the chunks. Every thread gets them.
+struct ChunkPick {
+  double total, excl;
+  int32_t chunk, last;
+};
+__device__ ChunkPick pick_chunk(const WideArgs& w, int64_t t, bool second, double u, WideShared& sh) {
+  Common& cm = sh.cm;
+  for (int32_t p = threadIdx.x; p < w.P; p += blockDim.x) {
+    const WidePart* q = &w.part[t * w.P + p];
+    sh.pv[p] = __ldcg(second ? &q->sum2 : &q->sum);
+    sh.pl[p] = __ldcg(second ? &q->last2 : &q->last);
+  }
+  __syncthreads();
+  if (threadIdx.x == 0) {
+    double tot = 0.0;
+    int32_t last = -1;
+    for (int32_t p = 0; p < w.P; ++p) {
+      tot = tot + sh.pv[p];
+      last = max(last, sh.pl[p]);
+    }
+    const double x = u * tot;
+    double ex = 0.0;
+    int32_t c = -1;
+    double cex = 0.0;
+    for (int32_t p = 0; p < w.P; ++p) {
+      const double v = sh.pv[p];
+      if (v > 0.0 && x < ex + v) {
+        c = p;
+        cex = ex;
+        break;
+      }
+      ex = ex + v;
+    }
+    cm.bc.total = tot;
+    cm.bc.x = cex;
+    cm.bc.d = c;
+    cm.bc.result = last;
+  }
+  __syncthreads();
+  const ChunkPick r{cm.bc.total, cm.bc.x, cm.bc.d, cm.bc.result};
+  __syncthreads();
+  return r;
+}
+
+// Last block: the draw x = u * total from the weights wf over the row (r from pick_chunk).
+template <class WF>
+__device__ int32_t wide_draw(const WF& wf, int32_t V, double u, const ChunkPick& r, Common& cm) {
+  if (r.chunk < 0) return r.last < 0 ? 0 : r.last;  // rounding: the last id with mass
+  double total;
+  return block_pick_in(wf, r.chunk * kChunk, chunk_end(r.chunk, V), u * r.total, false, r.excl, cm, &total);
+}
+
+// Last block: the id of the nth element with pred in the row, given the chunk of it.
+template <class Pred>
+__device__ int32_t wide_nth(Pred pred, int32_t V, int64_t nth, const WideArgs& w, int64_t t, int bin, WideShared& sh) {
+  Common& cm = sh.cm;
+  chunk_of_nth(w, t, bin, nth, sh);
+  const int32_t c = cm.bc.d;
+  const int64_t before = cm.bc.n;
+  __syncthreads();
+  double total;
+  return block_pick_in(CountW<Pred>{pred}, c * kChunk, chunk_end(c, V), double(nth - before - 1), false, 0.0, cm,
+                       &total);
+}
+
+__device__ void put_task(WideTask* dst, const WideTask& t) {
+  if (threadIdx.x == 0) *dst = t;
+}
+
+// (minBlocks 2: without it ptxas held sm_100a to 64 registers and spilled)
+__global__ void __launch_bounds__(kWideThreads, 2) wide_rows_kernel(WideArgs w, int stage) {
+  detail::pdl_enter();
+  __shared__ WideShared sh;
+  WideShared& sm = sh;
+  Common& cm = sh.cm;
+  const int32_t c = int32_t(blockIdx.x);
+  const int64_t t = int64_t(blockIdx.y);
+  const int32_t V = w.a.V;
+  const int32_t c0 = c * kChunk, c1 = chunk_end(c, V);
+  WidePart* part = &w.part[t * w.P + c];
+  if (stage == kStMax) {
+    const TaskParams tp = task_params(w, t);
+    if (!tp.active) {
+      if (c == 0 && threadIdx.x == 0) w.task[t].kind = kInactive;
+      return;
+    }
+    const bool greedy = tp.temp <= 0.0f;
+    const bool use_k = !greedy && sl::uses_top_k(tp.top_k, V);
+    float mxf = -INFINITY, bv = -INFINITY;
+    int32_t bi = layout::kArgmaxNone;
+    warp_walk_all(tp.row + c0, c1 - c0, [&](int32_t i, float x) {
+      if (i < c1 - c0) {
+        mxf = mxf < x ? x : mxf;  // NaN ignored, as the CPU's std::max
+        detail::argmax_take(x, c0 + i, bv, bi);
+      }
+    });
+    mxf = detail::block_reduce(mxf, cm.fred, detail::MaxOp{}, -INFINITY);
+    detail::block_argmax_merge(bv, bi, cm.sval, cm.sidx);
+    if (threadIdx.x == 0) {
+      part->mx = mxf;
+      part->amv = bv;
+      part->ami = bi;
+    }
+    __syncthreads();
+    if (use_k) {
+      chunk_counts(tp.row, c0, c1, OrderKey{}, 0u, 0u, 24, cm);
+      put_hists(w, t, c, false, sm);
+    }
+    if (!wide_last_block(w, t, sh)) return;
+    WideTask tk{};
+    tk.row = tp.row;
+    tk.kind = greedy ? kGreedy : kSampled;
+    for (int32_t p = threadIdx.x; p < w.P; p += blockDim.x) {
+      const WidePart* q = &w.part[t * w.P + p];
+      sh.pv[p] = __ldcg(&q->mx);
+      sh.pf[p] = __ldcg(&q->amv);
+      sh.pl[p] = __ldcg(&q->ami);
+    }
+    __syncthreads();
+    if (threadIdx.x == 0) {
+      float m = -INFINITY, av = -INFINITY;
+      int32_t ai = layout::kArgmaxNone;
+      for (int32_t p = 0; p < w.P; ++p) {
+        const float pm = float(sh.pv[p]);
+        m = m < pm ? pm : m;
+        const float qv = sh.pf[p];
+        const int32_t qi = sh.pl[p];
+        if (qi != layout::kArgmaxNone && layout::argmax_better(qv, qi, av, ai)) {
+          av = qv;
+          ai = qi;
+        }
+      }
+      cm.fred[0] = m;
+      cm.sidx[0] = layout::argmax_finish(isnan(tp.row[0]), ai);
+    }
+    __syncthreads();
+    tk.argmax = cm.sidx[0];
+    if (greedy) {
+      if (!w.a.row0 && threadIdx.x == 0) w.out[t * w.os] = tk.argmax;
+      put_task(&w.task[t], tk);
+      return;
+    }
+    tk.sel.invT = 1.0 / double(tp.temp);
+    tk.sel.mx = __dmul_rn(double(cm.fred[0]), tk.sel.invT);
+    tk.sel.use_k = 0;
+    tk.sel.use_p = 0;
+    tk.want_k = use_k ? 1 : 0;
+    tk.want_p = sl::uses_top_p(tp.top_p) ? 1 : 0;
+    tk.target = double(tp.top_p);  // kStZ scales it by z
+    if (use_k) {
+      combine_hists(w, t, false, sm);
+      double acc = 0.0;
+      uint32_t prefix = 0, mask = 0, cnt = 0;
+      radix_pass_pick(cm.chist, 24, double(tp.top_k), cm, prefix, mask, acc, cnt);
+      tk.prefix = prefix;
+      tk.mask = mask;
+      tk.acc = acc;
+      tk.cnt = cnt;
+      tk.sel.kth = uint32_t(tp.top_k);  // the target until kStK4 (the top_k count)
+    }
+    put_task(&w.task[t], tk);
+    return;
+  }
+  WideTask tk = w.task[t];
+  if (tk.kind != kSampled) return;
+  if (stage >= kStK2 && stage <= kStK4) {
+    if (!tk.want_k) return;
+    const int shift = 24 - 8 * (stage - kStMax);
+    chunk_counts(tk.row, c0, c1, OrderKey{}, tk.prefix, tk.mask, shift, cm);
+    put_hists(w, t, c, false, sm);
+    if (!wide_last_block(w, t, sh)) return;
+    combine_hists(w, t, false, sm);
+    const int64_t top_k = tk.sel.kth;
+    radix_pass_pick(cm.chist, shift, double(top_k), cm, tk.prefix, tk.mask, tk.acc, tk.cnt);
+    if (shift == 0) {  // kth = prefix: the ties
+      tk.sel.kth = tk.prefix;
+      tk.sel.use_k = 1;
+      const int64_t ties_left = top_k - int64_t(tk.acc);
+      tk.sel.k_last = ties_left >= int64_t(tk.cnt)
+                          ? kAll
+                          : wide_nth(TieK{tk.row, tk.sel.kth}, V, ties_left, w, t, int(tk.prefix & 255u), sh);
+      tk.prefix = tk.mask = 0;
+      tk.acc = 0.0;
+    }
+    put_task(&w.task[t], tk);
+    return;
+  }
+  if (stage >= kStZ && stage <= kStP4) {
+    if (!tk.want_p) return;
+    const int shift = 24 - 8 * (stage - kStZ);
+    const double zs = chunk_masses(tk.row, c0, c1, tk.sel, tk.prefix, tk.mask, shift, sm);
+    put_hists(w, t, c, true, sm);
+    if (stage == kStZ) {
+      const double z = detail::block_reduce(zs, cm.dred, detail::SumOp{}, 0.0);
+      if (threadIdx.x == 0) part->sum = z;
+    }
+    if (!wide_last_block(w, t, sh)) return;
+    if (stage == kStZ) {
+      for (int32_t p = threadIdx.x; p < w.P; p += blockDim.x) sh.pv[p] = __ldcg(&w.part[t * w.P + p].sum);
+      __syncthreads();
+      if (threadIdx.x == 0) {
+        double z = 0.0;
+        for (int32_t p = 0; p < w.P; ++p) z = z + sh.pv[p];
+        cm.bc.total = z;
+      }
+      __syncthreads();
+      tk.sel.z = cm.bc.total;
+      tk.target = tk.target * tk.sel.z;  // top_p * z
+      __syncthreads();
+    }
+    combine_hists(w, t, true, sm);
+    radix_pass_pick(sm.hist, shift, tk.target, cm, tk.prefix, tk.mask, tk.acc, tk.cnt);
+    if (shift == 0) {
+      tk.sel.tau = tk.prefix;
+      const int64_t n_tie = tk.cnt;
+      const double wt = mass_of(sl::key_float(tk.sel.tau), tk.sel);
+      const int64_t n_keep = sl::topp_ties_kept(tk.acc, wt, tk.target, n_tie);
+      tk.sel.p_last = n_keep >= n_tie ? kAll
+                      : n_keep == 0   ? -1
+                                      : wide_nth(TieP{tk.row, tk.sel}, V, n_keep, w, t, int(tk.prefix & 255u), sh);
+      tk.sel.use_p = 1;
+    }
+    put_task(&w.task[t], tk);
+    return;
+  }
+  // kStW: the kept masses.
+  const MassW mw{tk.row, tk.sel};
+  double sum;
+  int32_t last;
+  chunk_sum(mw, c0, c1, cm, &sum, &last);
+  if (threadIdx.x == 0) {
+    part->sum = sum;
+    part->last = last;
+  }
+  if (!wide_last_block(w, t, sh)) return;
+  if (!w.a.row0) {  // sample: the draw
+    const double u = draw_u(w.a.pp.rng, w.a.pp.rs0, w.a.pp.rs1, t, 0);
+    const ChunkPick r = pick_chunk(w, t, false, u, sh);
+    const int32_t tok = wide_draw(mw, V, u, r, cm);
+    if (threadIdx.x == 0) w.out[t * w.os] = tok;
+    return;
+  }
+  const ChunkPick r = pick_chunk(w, t, false, 0.0, sh);
+  tk.sel.z = r.total;
+  if (threadIdx.x == 0) {
+    const AcceptArgs& a = w.a;
+    const int64_t per = a.K + 1, s = t / per, j = t % per;
+    double pd = 0.0;
+    if (j < draft_len_of(a, s)) {
+      const int32_t tok = draft_of(a, s)[j];
+      if (tok >= 0 && tok < V) pd = MassW{tk.row, tk.sel}(tok) / tk.sel.z;
+    }
+    tk.pd = pd;
+    w.task[t] = tk;
+  }
+}
+
+// accept, after the wide rows: grid (P, S).
+__global__ void __launch_bounds__(kWideThreads, 1) accept_wide_final_kernel(WideArgs w, int32_t* accepted, int64_t as,
+                                                                       int32_t* bonus, int64_t bs) {
+  detail::pdl_enter();
+  __shared__ WideShared sh;
+  WideShared& sm = sh;
+  Common& cm = sh.cm;
+  const AcceptArgs& a = w.a;
+  const int32_t c = int32_t(blockIdx.x);
+  const int64_t s = int64_t(blockIdx.y);
+  const int32_t V = a.V;
+  const int32_t c0 = c * kChunk, c1 = chunk_end(c, V);
+  const int64_t per = a.K + 1;
+  const int64_t L = draft_len_of(a, s);
+  const WideTask* tasks = w.task + s * per;
+  const float temp = a.pp.temp[s * a.pp.ts];
+  if (temp <= 0.0f) {
+    if (c == 0 && threadIdx.x == 0) {
+      int64_t n = 0;
+      const int32_t* d = L > 0 ? draft_of(a, s) : nullptr;
+      while (n < L && d[n] == tasks[n].argmax) ++n;
+      accepted[s * as] = int32_t(n);
+      bonus[s * bs] = tasks[n].argmax;
+    }
+    return;
+  }
+  if (threadIdx.x == 0) {
+    int64_t n = 0;
+    if (L > 0) {
+      const int32_t* d = draft_of(a, s);
+      const int64_t dr = drow_of(a, s);
+      for (; n < L; ++n) {
+        const int32_t tok = d[n];
+        double qd = 1.0;
+        if (a.q) {
+          const int32_t* cd = a.cand + dr * a.cs0 + n * a.cs1;
+          const float* qr = a.q + dr * a.qs0 + n * a.qs1;
+          for (int64_t k = 0; k < a.C; ++k)
+            if (cd[k] == tok) {
+              qd = qr[k];
+              break;
+            }
+        }
+        if (!sl::accept_draft(draw_u(a.pp.rng, a.pp.rs0, a.pp.rs1, s, uint64_t(n)), qd, tasks[n].pd)) break;
+      }
+    }
+    cm.bc.n = int32_t(n);
+  }
+  __syncthreads();
+  const int64_t n = cm.bc.n;
+  __syncthreads();
+  const int64_t t = s * per + (n < L ? n : L);
+  const MassW p{tasks[n < L ? n : L].row, tasks[n < L ? n : L].sel};
+  const double uK = draw_u(a.pp.rng, a.pp.rs0, a.pp.rs1, s, uint64_t(a.K));
+  WidePart* part = &w.part[t * w.P + c];
+  if (n < L) {  // rejected at n: the residual (and p, should no residual mass be left)
+    const int64_t dr = drow_of(a, s);
+    const int32_t* cid;
+    const float* cq;
+    int32_t nc;
+    if (a.q && a.C > kSharedCand) {
+      cid = a.cand + dr * a.cs0 + n * a.cs1;
+      cq = a.q + dr * a.qs0 + n * a.qs1;
+      nc = int32_t(a.C);
+    } else {
+      if (a.q) {
+        for (int64_t k = threadIdx.x; k < a.C; k += blockDim.x) {
+          sm.cid[k] = a.cand[dr * a.cs0 + n * a.cs1 + k];
+          sm.cq[k] = a.q[dr * a.qs0 + n * a.qs1 + k];
+        }
+        nc = int32_t(a.C);
+      } else {
+        if (threadIdx.x == 0) {
+          sm.cid[0] = draft_of(a, s)[n];
+          sm.cq[0] = 1.0f;
+        }
+        nc = 1;
+      }
+      cid = sm.cid;
+      cq = sm.cq;
+      __syncthreads();
+    }
+    const ResidualW rw{p, cid, cq, nc};
+    double s1, s2;
+    int32_t l1, l2;
+    chunk_sum(rw, c0, c1, cm, &s1, &l1);
+    chunk_sum(p, c0, c1, cm, &s2, &l2);
+    if (threadIdx.x == 0) {
+      part->sum = s1;
+      part->last = l1;
+      part->sum2 = s2;
+      part->last2 = l2;
+    }
+    if (!wide_last_block(w, t, sh)) return;
+    ChunkPick r = pick_chunk(w, t, false, uK, sh);
+    int32_t b;
+    if (r.total > 0.0) {
+      b = wide_draw(rw, V, uK, r, cm);
+    } else {  // no residual mass left
+      r = pick_chunk(w, t, true, uK, sh);
+      b = wide_draw(p, V, uK, r, cm);
+    }
+    if (threadIdx.x == 0) {
+      accepted[s * as] = int32_t(n);
+      bonus[s * bs] = b;
+    }
+    return;
+  }
+  // all accepted: from p of the last row
+  double s1;
+  int32_t l1;
+  chunk_sum(p, c0, c1, cm, &s1, &l1);
+  if (threadIdx.x == 0) {
+    part->sum = s1;
+    part->last = l1;
+  }
+  if (!wide_last_block(w, t, sh)) return;
+  const ChunkPick r = pick_chunk(w, t, false, uK, sh);
+  const int32_t b = wide_draw(p, V, uK, r, cm);
+  if (threadIdx.x == 0) {
+    accepted[s * as] = int32_t(n);
+    bonus[s * bs] = b;
+  }
+}
+
 // ------------------------------------------------------------------ topk
 __device__ void bitonic_sort(uint64_t* buf, int64_t n) {
   for (int64_t size = 2; size <= n; size <<= 1) {
@@ -908,6 +1577,45 @@ ParamPtrs params_of(const char* op, const Tensor& ref, const ops::SamplingTensor
                    rng.data_as<const int64_t>(), rng.stride(0), rng.stride(1)};
 }
 
+// The wide-row path (above) for T tasks over rows of V ids: rows longer than a chunk, a
+// chunk count and a partials' scratch within bounds; else the one-block kernels.
+int32_t wide_parts(int64_t V, int64_t T) {
+  if (!ops::wide_sampling()) return 0;
+  const int64_t P = (V + kChunk - 1) / kChunk;
+  if (P < 2 || P > kMaxParts || T < 1 || T > kMaxWideTasks || T * P > kMaxWideParts) return 0;
+  return int32_t(P);
+}
+
+size_t align256(size_t n) { return (n + 255) / 256 * 256; }
+
+// The scratch (tasks, partials, histograms) and counters of a wide-row launch sequence.
+WideArgs wide_args(const AcceptArgs& a, int64_t T, int32_t P, int device) {
+  WideArgs w{};
+  w.a = a;
+  w.T = T;
+  w.P = P;
+  const size_t tp = size_t(T) * size_t(P);
+  const size_t o_part = align256(size_t(T) * sizeof(WideTask));
+  const size_t o_mh = o_part + align256(tp * sizeof(WidePart));
+  const size_t o_ch = o_mh + align256(tp * 256 * sizeof(double));
+  const size_t bytes = o_ch + tp * 256 * sizeof(uint32_t);
+  char* base = static_cast<char*>(detail::scratch(device, bytes));
+  w.task = reinterpret_cast<WideTask*>(base);
+  w.part = reinterpret_cast<WidePart*>(base + o_part);
+  w.mhist = reinterpret_cast<double*>(base + o_mh);
+  w.chist = reinterpret_cast<uint32_t*>(base + o_ch);
+  w.arrivals = detail::zeroed_counters(device);
+  return w;
+}
+
+void launch_wide_rows(const WideArgs& w, const Tensor& logits) {
+  const dim3 grid(unsigned(w.P), unsigned(w.T));
+  for (int st = 0; st < kNumStages; ++st) {
+    wide_rows_kernel<<<grid, kWideThreads, 0, detail::stream()>>>(w, st);
+    detail::check_launch("sample / accept (wide rows) kernel launch", logits.describe(), " stage ", st);
+  }
+}
+
 int64_t next_pow2(int64_t n) {
   int64_t p = 1;
   while (p < n) p <<= 1;
@@ -964,6 +1672,20 @@ void sample(const Tensor& logits, const ops::SamplingTensors& sp, const Tensor& 
   need_vec(op, out, DType::I32, R, "out");
   if (R == 0) return;
   detail::DeviceGuard guard(logits.device().index);
+  if (const int32_t P = wide_parts(L.cols, R)) {
+    AcceptArgs a{};
+    a.lg = logits.data_as<const float>();
+    a.ls = L.stride;
+    a.M = R;
+    a.V = int32_t(L.cols);
+    a.pp = pp;
+    a.S = R;
+    WideArgs w = wide_args(a, R, P, logits.device().index);
+    w.out = out.data_as<int32_t>();
+    w.os = out.stride(0);
+    launch_wide_rows(w, logits);
+    return;
+  }
   sample_kernel<<<detail::row_blocks(R), detail::pick_threads(L.cols, kSelThreads), 0, detail::stream()>>>(
       logits.data_as<const float>(), L.stride, int32_t(L.cols), R, pp, out.data_as<int32_t>(), out.stride(0));
   detail::check_launch("sample kernel launch", logits.describe());
@@ -1029,6 +1751,14 @@ void accept(const Tensor& logits, const Tensor& row0, const Tensor& draft, const
   a.dls = draft_len.stride(0);
   a.pp = pp;
   a.S = S;
+  if (const int32_t P = wide_parts(L.cols, S * (K + 1))) {
+    const WideArgs w = wide_args(a, S * (K + 1), P, logits.device().index);
+    launch_wide_rows(w, logits);
+    accept_wide_final_kernel<<<dim3(unsigned(P), unsigned(S)), kWideThreads, 0, detail::stream()>>>(
+        w, accepted.data_as<int32_t>(), accepted.stride(0), bonus.data_as<int32_t>(), bonus.stride(0));
+    detail::check_launch("accept (wide rows) kernel launch", logits.describe());
+    return;
+  }
   a.info = static_cast<RowInfo*>(
       detail::scratch(logits.device().index, size_t(S) * size_t(K + 1) * sizeof(RowInfo)));
   const int threads = detail::pick_threads(L.cols, kSelThreads);
