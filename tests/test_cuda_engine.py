@@ -226,7 +226,7 @@ def test_wide_vocab_sampling_on_cuda(tmp_path):
     (cuda/sampling.cu, "wide rows": one block per 4096-id chunk, several launches per step)
     inside the captured step. The self-drafting pair with 8192 ids, sampled at t1.0 p0.95 with
     dflash2 and ar, graphs on: the CPU engine's tokens, with the one-block kernels
-    (ops.set_wide_sampling(False)) too; greedy dflash2 is still the pair's exact output."""
+    (ops.set_wide_rows(False)) too; greedy dflash2 is still the pair's exact output."""
     cuda_or_skip()
     pair = F.make_self_drafting_pair(tmp_path, vocab_size=8192)
     prompts = [[int(x)] * 3 for x in (5, 40, 77)]
@@ -236,7 +236,7 @@ def test_wide_vocab_sampling_on_cuda(tmp_path):
         cpu = dflash2_rt.Engine(target=pair.target_dir, draft=draft, method=method, device="cpu", **KW)
         want = [list(r.token_ids) for r in cpu.generate(prompts, **samp)]
         for wide in (True, False):
-            dflash2_rt.ops.set_wide_sampling(wide)
+            dflash2_rt.ops.set_wide_rows(wide)
             try:
                 gpu = dflash2_rt.Engine(target=pair.target_dir, draft=draft, method=method, device="cuda", **KW)
                 got = [list(r.token_ids) for r in gpu.generate(prompts, **samp)]
@@ -247,7 +247,7 @@ def test_wide_vocab_sampling_on_cuda(tmp_path):
                 assert m["cuda_graphs_failed"] == 0, m["cuda_graphs_last_failure"]
                 assert m["cuda_graphs_replayed"] >= 1, m
             finally:
-                dflash2_rt.ops.set_wide_sampling(True)
+                dflash2_rt.ops.set_wide_rows(True)
             assert got == want, f"{method}, wide={wide}: GPU {got} != CPU {want}"
 
 

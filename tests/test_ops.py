@@ -1507,6 +1507,27 @@ def test_argmax(dev):
     # the documented NaN rule (comparisons with NaN are false)
     x = np.array([[np.nan, 1, 2], [1, np.nan, 3], [4, 4, np.nan]], np.float32)
     np.testing.assert_array_equal(to_np(ops.argmax(to_dev(x, dev))), [0, 2, 0])
+    # long rows (on a GPU split over 4096-id chunks, ops.wide_rows(), and merged by each row's
+    # last block; and one block per row with the switch off): NaN first, a chunk of NaNs
+    # before the maximum, the maximum tied across chunks, -0 / +0 ties, the maximum last
+    long = rng_for("argmax-long").integers(-5, 5, (6, 9000)).astype(np.float32)
+    long[0, 0] = np.nan
+    long[1, 0] = -100.0
+    long[1, 1:4097] = np.nan
+    long[2, [100, 5000, 8999]] = 50.0
+    long[3] = -0.0
+    long[3, 7000] = 0.0
+    long[4, -1] = 1e30
+    long[5] = -np.inf
+    want = np.array([0, 4097 + int(np.argmax(long[1, 4097:])), 100, 0, 8999, 0], np.int32)
+    np.testing.assert_array_equal(refs.argmax_first(long), want)
+    was = ops.wide_rows()
+    try:
+        for wide in (True, False):
+            ops.set_wide_rows(wide)
+            np.testing.assert_array_equal(to_np(ops.argmax(to_dev(long, dev))), want)
+    finally:
+        ops.set_wide_rows(was)
     # strided rows
     wide = rng_for("argmax-wide").standard_normal((4, 50)).astype(np.float32)
     np.testing.assert_array_equal(to_np(ops.argmax(to_dev(wide, dev).slice(1, 10, 40))), wide[:, 10:40].argmax(1))

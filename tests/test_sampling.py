@@ -339,13 +339,13 @@ def test_cuda_sample_wide_rows_equal_cpu():
     _cuda()
     combos, logits, t, p, k, r = _wide_batch(2, 61)
     want = np.asarray(ops.sample(logits, t, p, k, r).numpy())
-    assert ops.wide_sampling()
+    assert ops.wide_rows()
     for wide in (True, False):  # the split rows, then one block per row (the baseline form)
-        ops.set_wide_sampling(wide)
+        ops.set_wide_rows(wide)
         try:
             got = _host(ops.sample(_dev(logits), _dev(t), _dev(p), _dev(k), _dev(r)))
         finally:
-            ops.set_wide_sampling(True)
+            ops.set_wide_rows(True)
         bad = [combos[i] for i in np.nonzero(got != want)[0]]
         assert not bad, f"wide={wide}: {len(bad)} of {len(combos)} rows differ: {bad[:5]}"
     # a lone row (one task: the chunks are the only parallelism) and greedy rows

@@ -1603,21 +1603,33 @@ void bench_small(Bench& b, const std::vector<int64_t>& Ts) {
         return std::make_pair(std::function<void(int)>([=](int) mutable { ops::cache_write(src, sl, cache); }), 1);
       });
     }
-    // argmax over the vocabulary
+    // argmax over the vocabulary: rows split over blocks (ops::wide_rows, the default) beside
+    // one block per row (the switch off) on the same rows
     {
       Result r{"argmax", dims({T, G.vocab}), "f32", t_label(T), T};
       r.bytes = 4.0 * T * G.vocab + 4.0 * T;
       r.flops = 0;
-      b.run(r, [&](Baseline&) {
+      b.run(r, [&](Baseline& base) {
         const int vars = rotations(int64_t(4 * T * G.vocab));
         std::vector<Tensor> logits;
         for (int v = 0; v < vars; ++v) logits.push_back(dev_rand(DType::F32, {T, G.vocab}, 60 + v));
         Tensor out = dev_empty(DType::I32, {T});
-        return std::make_pair(std::function<void(int)>([=](int v) mutable { ops::argmax(logits[size_t(v)], out); }),
-                              vars);
+        auto form = [=](bool wide) {
+          return [=](int v) mutable {
+            const bool was = ops::wide_rows();
+            ops::set_wide_rows(wide);
+            ops::argmax(logits[size_t(v)], out);
+            ops::set_wide_rows(was);
+          };
+        };
+        base.run = form(false);
+        base.variants = vars;
+        base.name = "one block per row";
+        base.kind = "argmax with ops::set_wide_rows(false)";
+        return std::make_pair(std::function<void(int)>(form(true)), vars);
       });
     }
-    // sample over the vocabulary: rows split over blocks (ops::wide_sampling, the default)
+    // sample over the vocabulary: rows split over blocks (ops::wide_rows, the default)
     // beside one block per row (the switch off) on the same rows; t1.0 p0.95 is the published
     // setting (no top-k: the whole row is in the top-p selection)
     for (const auto& set : {std::make_tuple(0.8f, 0.95f, 50, " t0.8 p0.95 k50"), std::make_tuple(1.0f, 0.95f, 0, " t1.0 p0.95")}) {
@@ -1638,16 +1650,16 @@ void bench_small(Bench& b, const std::vector<int64_t>& Ts) {
         Tensor dr = upload(rng, DType::I64, {T, 2});
         auto form = [=](bool wide) {
           return [=](int v) mutable {
-            const bool was = ops::wide_sampling();
-            ops::set_wide_sampling(wide);
+            const bool was = ops::wide_rows();
+            ops::set_wide_rows(wide);
             ops::sample(logits[size_t(v)], sp, dr, out);
-            ops::set_wide_sampling(was);
+            ops::set_wide_rows(was);
           };
         };
         base.run = form(false);
         base.variants = vars;
         base.name = "one block per row";
-        base.kind = "sample with ops::set_wide_sampling(false)";
+        base.kind = "sample with ops::set_wide_rows(false)";
         return std::make_pair(std::function<void(int)>(form(true)), vars);
       });
     }
@@ -1683,16 +1695,16 @@ void bench_small(Bench& b, const std::vector<int64_t>& Ts) {
         Tensor acc = dev_empty(DType::I32, {S}), bon = dev_empty(DType::I32, {S});
         auto form = [=](bool wide) {
           return [=](int v) mutable {
-            const bool was = ops::wide_sampling();
-            ops::set_wide_sampling(wide);
+            const bool was = ops::wide_rows();
+            ops::set_wide_rows(wide);
             ops::accept(logits[size_t(v)], r0, dt, dw, dl, cd, qq, sp, dr, acc, bon);
-            ops::set_wide_sampling(was);
+            ops::set_wide_rows(was);
           };
         };
         base.run = form(false);
         base.variants = vars;
         base.name = "one block per row";
-        base.kind = "accept with ops::set_wide_sampling(false)";
+        base.kind = "accept with ops::set_wide_rows(false)";
         return std::make_pair(std::function<void(int)>(form(true)), vars);
       });
     }

@@ -201,12 +201,12 @@ void bind_ops(py::module_& m) {
         "than the SIMT kernel. Off unless DFLASH2_EXACT_TC=1: not yet measured on a GPU. No effect on the CPU.");
   o.def("set_exact_tc", &ops::set_exact_tc, py::arg("on"),
         "Sets exact_tc() for the linears issued from now on (set it before an engine loads, and leave it).");
-  o.def("wide_sampling", &ops::wide_sampling,
-        "Whether the CUDA backend's sample / accept split rows longer than 4096 ids over several thread blocks "
-        "(one per 4096-id chunk) rather than one block per row (starts on unless DFLASH2_WIDE_SAMPLING=0). The same "
-        "decisions as the CPU either way. No effect on the CPU.");
-  o.def("set_wide_sampling", &ops::set_wide_sampling, py::arg("on"),
-        "Sets wide_sampling() for the sample / accept calls issued from now on (an A/B of the two forms).");
+  o.def("wide_rows", &ops::wide_rows,
+        "Whether the CUDA backend's sample / accept / argmax / argmax_shard split rows longer than 4096 ids over "
+        "several thread blocks (one per 4096-id chunk) rather than one block per row (starts on unless "
+        "DFLASH2_WIDE_ROWS=0). The same decisions as the CPU either way. No effect on the CPU.");
+  o.def("set_wide_rows", &ops::set_wide_rows, py::arg("on"),
+        "Sets wide_rows() for the calls issued from now on (an A/B of the two forms).");
   o.def("linear_bf16_available", [](const std::string& dev) { return ops::linear_bf16_available(Device::parse(dev)); },
         py::arg("device"), "Whether linear_bf16 runs on this device in this build.");
   bind_linear("linear_fp8", &ops::linear_fp8,

@@ -237,14 +237,17 @@ void set_dq_wgmma(bool on);
 // both forms: the linear_exact_tc rows). No effect on the CPU or on F32 / F16 weights.
 bool exact_tc();
 void set_exact_tc(bool on);
-// Whether the CUDA backend's sample / accept split each row longer than 4096 ids over several
-// thread blocks (one per 4096-id chunk, a launch per step of the selection: cuda/sampling.cu
-// "wide rows") rather than one block per row. The same decisions as the CPU either way; the
-// sums of masses round in another order (a draw within ~1e-16 of a boundary may differ).
-// Starts on unless the environment has DFLASH2_WIDE_SAMPLING=0; off is the baseline that
-// bench_ops' sample / accept rows time beside it. No effect on the CPU.
-bool wide_sampling();
-void set_wide_sampling(bool on);
+// Whether the CUDA backend's reductions over long rows split each row longer than 4096 ids
+// over several thread blocks, one per 4096-id chunk, rather than one block per row (which
+// leaves all but a few SMs idle at small batch): sample / accept run a launch per step of
+// their selection (cuda/sampling.cu "wide rows"), argmax / argmax_shard one launch whose
+// last block per row merges the chunks (cuda/row_reduce.cu). The same decisions as the CPU
+// either way (argmax's bitwise; sample / accept's sums of masses round in another order, so
+// a draw within ~1e-16 of a boundary may differ). Starts on unless the environment has
+// DFLASH2_WIDE_ROWS=0; off is the baseline that bench_ops' sample / accept / argmax rows
+// time beside it. No effect on the CPU.
+bool wide_rows();
+void set_wide_rows(bool on);
 
 // out = w * x / sqrt(mean(x^2) + eps) per row (last dim); x, out F32 [.., D]; w F32/BF16/F16 [D].
 void rms_norm(const Tensor& x, const Tensor& w, float eps, Tensor& out);

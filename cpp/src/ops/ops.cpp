@@ -205,8 +205,8 @@ std::atomic<bool>& exact_tc_flag() {
   static std::atomic<bool> on{env_switch("DFLASH2_EXACT_TC", false)};
   return on;
 }
-std::atomic<bool>& wide_sampling_flag() {
-  static std::atomic<bool> on{env_switch("DFLASH2_WIDE_SAMPLING", true)};
+std::atomic<bool>& wide_rows_flag() {
+  static std::atomic<bool> on{env_switch("DFLASH2_WIDE_ROWS", true)};
   return on;
 }
 std::atomic<bool>& op_timing_flag() {
@@ -223,8 +223,8 @@ bool dq_wgmma() { return dq_wgmma_flag().load(std::memory_order_relaxed); }
 void set_dq_wgmma(bool on) { dq_wgmma_flag().store(on, std::memory_order_relaxed); }
 bool exact_tc() { return exact_tc_flag().load(std::memory_order_relaxed); }
 void set_exact_tc(bool on) { exact_tc_flag().store(on, std::memory_order_relaxed); }
-bool wide_sampling() { return wide_sampling_flag().load(std::memory_order_relaxed); }
-void set_wide_sampling(bool on) { wide_sampling_flag().store(on, std::memory_order_relaxed); }
+bool wide_rows() { return wide_rows_flag().load(std::memory_order_relaxed); }
+void set_wide_rows(bool on) { wide_rows_flag().store(on, std::memory_order_relaxed); }
 
 namespace {
 void check_linear(const char* op, const Tensor& x, const Weight& w, const Tensor& y) {

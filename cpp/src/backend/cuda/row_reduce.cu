@@ -8,7 +8,8 @@
 // rule; the kernels are checked against the CPU backend by tests/test_ops.py and
 // tests/cpp/test_cuda_backend.cpp when a GPU is present (bench/device_check.sh).
 //
-// Mapping (every op): one thread block per row (grid-strided past 2^20 rows), threads
+// Mapping (every op; argmax / argmax_shard over rows longer than 4096 ids: "argmax over wide
+// rows" below): one thread block per row (grid-strided past 2^20 rows), threads
 // striding over the row, block reductions with warp shuffles then across warps
 // (kernel_util.cuh). The block size depends only on the row length, so a row's result does
 // not depend on how many rows are reduced together (decode == verify). Rows are
@@ -59,7 +60,9 @@
 #include "backend/cuda/pdl.cuh"
 #include "backend/cuda/kernel_util.cuh"
 #include "backend/cuda/layout.h"
+#include "backend/cuda/scratch.h"
 #include "dflash2/error.h"
+#include "dflash2/ops.h"
 
 namespace dflash2::cuda {
 
@@ -210,6 +213,90 @@ __global__ void __launch_bounds__(kMaxThreads)
     }
     __syncthreads();  // sval / sidx are reused by the next row
   }
+}
+
+// ------------------------------------------------------------------ argmax over wide rows
+// Rows longer than kArgChunk ids (ops::wide_rows()): grid (chunk, row), one 256-thread block
+// per chunk of kArgChunk ids (4 float4 loads per thread, all in flight at once), each block's
+// (best, id, non-finite) into scratch, then the row's last block (an arrival counter,
+// detail::zeroed_counters, reset by it) merges the chunks' partials: argmax_better is a
+// strict total order and the non-finite flag an OR, so any merge gives the one-block
+// kernels' answer, bitwise. One block per row kept a 154880-logit row on one SM (30 us on an
+// H200); this spreads it over 38.
+constexpr int kArgThreads = 256;
+constexpr int32_t kArgChunk = 4096;
+
+struct ArgPart {
+  float v;
+  int32_t i, bad, pad;
+};
+
+// shard: argmax_shard's output (pairs; out_col, first) else argmax's (ids).
+__global__ void __launch_bounds__(kArgThreads)
+    argmax_wide_kernel(const float* x, int64_t x_stride, int32_t V, int32_t P, bool shard, int32_t* ids,
+                       int64_t ids_stride, float* pairs, int64_t p_stride, int64_t out_col, int64_t first,
+                       ArgPart* parts, uint32_t* arrivals) {
+  detail::pdl_enter();
+  __shared__ float sval[32];
+  __shared__ int32_t sidx[32];
+  __shared__ int last_s;
+  const int32_t c = int32_t(blockIdx.x);
+  const int64_t r = int64_t(blockIdx.y);
+  const float* xr = x + r * x_stride;
+  const int32_t c0 = c * kArgChunk;
+  const int32_t n = min(kArgChunk, V - c0);
+  float bv = -INFINITY;
+  int32_t bi = layout::kArgmaxNone;
+  int bad = 0;
+  for_each_in_row(xr + c0, n, [&](float v, int32_t i) {
+    bad |= isfinite(v) ? 0 : 1;
+    detail::argmax_take(v, c0 + i, bv, bi);
+  });
+  bad = __syncthreads_or(bad);
+  detail::block_argmax_merge(bv, bi, sval, sidx);
+  if (threadIdx.x == 0) parts[r * P + c] = ArgPart{bv, bi, bad, 0};
+  __threadfence();
+  __syncthreads();
+  if (threadIdx.x == 0) {
+    const bool last = atomicAdd(&arrivals[r], 1u) == uint32_t(P) - 1u;
+    if (last) arrivals[r] = 0u;  // every block of this row has counted itself in
+    last_s = last ? 1 : 0;
+  }
+  __syncthreads();
+  if (!last_s) return;
+  __threadfence();
+  bv = -INFINITY;
+  bi = layout::kArgmaxNone;
+  bad = 0;
+  for (int32_t p = int32_t(threadIdx.x); p < P; p += int32_t(blockDim.x)) {
+    const ArgPart* q = &parts[r * P + p];
+    const float qv = __ldcg(&q->v);
+    const int32_t qi = __ldcg(&q->i);
+    bad |= __ldcg(&q->bad);
+    if (qi != layout::kArgmaxNone && layout::argmax_better(qv, qi, bv, bi)) {
+      bv = qv;
+      bi = qi;
+    }
+  }
+  bad = __syncthreads_or(bad);
+  detail::block_argmax_merge(bv, bi, sval, sidx);
+  if (threadIdx.x == 0) {
+    const int32_t best = layout::argmax_finish(isnan(xr[0]), bi);
+    if (shard) {
+      float* o = pairs + r * p_stride;
+      o[0] = bad ? __int_as_float(0x7fc00000) : xr[best];
+      o[out_col] = float(first + (bad ? 0 : best));
+    } else {
+      ids[r * ids_stride] = best;
+    }
+  }
+}
+
+// Chunks per row for the wide argmax (0: one block per row).
+int32_t argmax_wide_parts(int64_t V, int64_t rows) {
+  if (!ops::wide_rows() || V <= kArgChunk || rows > detail::kCounterWords) return 0;
+  const int64_t P = (V + kArgChunk - 1) / kArgChunk;
+  return P <= kArgThreads * 64 ? int32_t(P) : 0;
 }
 
 __global__ void __launch_bounds__(kMaxThreads)
@@ -390,6 +477,15 @@ void argmax(const Tensor& x, Tensor& out) {
   if (L.rows == 0) return;
   DFLASH2_CHECK_ARG(L.cols >= 1, "cuda::argmax: rows must not be empty, found ", x.describe());
   detail::DeviceGuard guard(x.device().index);
+  if (const int32_t P = argmax_wide_parts(L.cols, L.rows)) {
+    const int dev = x.device().index;
+    ArgPart* parts = static_cast<ArgPart*>(detail::scratch(dev, size_t(L.rows) * size_t(P) * sizeof(ArgPart)));
+    argmax_wide_kernel<<<dim3(unsigned(P), unsigned(L.rows)), kArgThreads, 0, detail::stream()>>>(
+        x.data_as<const float>(), L.stride, int32_t(L.cols), P, false, out.data_as<int32_t>(), out.stride(0), nullptr,
+        0, 0, 0, parts, detail::zeroed_counters(dev));
+    detail::check_launch("argmax (wide rows) kernel launch", x.describe());
+    return;
+  }
   argmax_kernel<<<detail::row_blocks(L.rows), detail::pick_threads(L.cols), 0, detail::stream()>>>(
       x.data_as<const float>(), L.stride, out.data_as<int32_t>(), out.stride(0), L.rows, int32_t(L.cols));
   detail::check_launch("argmax kernel launch", x.describe());
@@ -410,6 +506,15 @@ void argmax_shard(const Tensor& x, int64_t first, Tensor& out) {
   if (L.rows == 0) return;
   DFLASH2_CHECK_ARG(L.cols >= 1, "cuda::argmax_shard: rows must not be empty, found ", x.describe());
   detail::DeviceGuard guard(x.device().index);
+  if (const int32_t P = argmax_wide_parts(L.cols, L.rows)) {
+    const int dev = x.device().index;
+    ArgPart* parts = static_cast<ArgPart*>(detail::scratch(dev, size_t(L.rows) * size_t(P) * sizeof(ArgPart)));
+    argmax_wide_kernel<<<dim3(unsigned(P), unsigned(L.rows)), kArgThreads, 0, detail::stream()>>>(
+        x.data_as<const float>(), L.stride, int32_t(L.cols), P, true, nullptr, 0, out.data_as<float>(), out.stride(0),
+        out.stride(1), first, parts, detail::zeroed_counters(dev));
+    detail::check_launch("argmax_shard (wide rows) kernel launch", x.describe());
+    return;
+  }
   argmax_shard_kernel<<<detail::row_blocks(L.rows), detail::pick_threads(L.cols), 0, detail::stream()>>>(
       x.data_as<const float>(), L.stride, out.data_as<float>(), out.stride(0), out.stride(1), L.rows,
       int32_t(L.cols), first);

@@ -64,7 +64,7 @@
 // a single row uses one SM. Measured on an H200 (bench_ops, one load per warp step):
 // 1.06 ms for one row of 154880 (t 0.8, top-p 0.95, top-k 50), 1.17 ms for 32 rows, so
 // latency-bound, not ~tens of us as first estimated. Rows longer than kChunk (4096) ids now
-// run split over one block per chunk ("wide rows", below; ops::wide_sampling()), so a single
+// run split over one block per chunk ("wide rows", below; ops::wide_rows()), so a single
 // 154880-id row is 38 blocks per step instead of one SM (not yet measured on a GPU: bench_ops'
 // sample / accept rows time both forms). Every walk over a row now loads
 // 128-element groups per warp, 16 bytes per lane when the row is 16-byte aligned, several
@@ -1580,7 +1580,7 @@ ParamPtrs params_of(const char* op, const Tensor& ref, const ops::SamplingTensor
 // The wide-row path (above) for T tasks over rows of V ids: rows longer than a chunk, a
 // chunk count and a partials' scratch within bounds; else the one-block kernels.
 int32_t wide_parts(int64_t V, int64_t T) {
-  if (!ops::wide_sampling()) return 0;
+  if (!ops::wide_rows()) return 0;
   const int64_t P = (V + kChunk - 1) / kChunk;
   if (P < 2 || P > kMaxParts || T < 1 || T > kMaxWideTasks || T * P > kMaxWideParts) return 0;
   return int32_t(P);
