@@ -1001,6 +1001,28 @@ def test_topk(dev):
         rv, ri = refs.topk(x, k)
         np.testing.assert_array_equal(to_np(v), rv)
         np.testing.assert_array_equal(to_np(i), ri)
+    # long rows with small k: on a GPU each 4096-id chunk's top k, merged by topk_merge
+    # (ops.wide_rows(); one block per row with the switch off): ties across chunks, +0 / -0,
+    # NaN (last), -inf, a short last chunk, a row whose top k all sit in the last chunk
+    long = rng_for("topk-long").integers(-30, 30, (5, 12300)).astype(np.float32)
+    long[0, ::7] = 29.0  # ties everywhere: the lowest ids
+    long[1] = -0.0
+    long[1, 9000::3] = 0.0
+    long[2, :] = np.nan
+    long[2, [5, 4100, 12299]] = [1.0, -np.inf, 2.0]  # 3 numbers, then NaNs by id
+    long[3, -20:] = 100.0 + np.arange(20, dtype=np.float32)
+    long[4, 4096:8192] = -np.inf
+    was = ops.wide_rows()
+    try:
+        for wide in (True, False):
+            ops.set_wide_rows(wide)
+            for k in (1, 16, 64, 100):
+                v, i = ops.topk(to_dev(long, dev), k)
+                rv, ri = refs.topk(long, k)
+                np.testing.assert_array_equal(to_np(i), ri, err_msg=f"wide={wide} k={k}")
+                np.testing.assert_array_equal(to_np(v), rv)
+    finally:
+        ops.set_wide_rows(was)
     with pytest.raises(ValueError, match="exceeds the row length"):
         ops.topk(np.zeros((2, 3), np.float32), 4)
 

@@ -77,7 +77,10 @@
 // shared memory instead of the wide rows' per-step launches (the CPU emulator runs one
 // block at a time, so it could not check that form).
 //
-// topk: one block (up to 1024 threads) per row: the count radix selection of step 2 with
+// topk over rows longer than kChunk with k <= kWideTopk (ops::wide_rows()): the kernel below
+// over each chunk as a row (its local top k), then topk_merge (row_reduce.cu) over the
+// chunks' candidates: topk's order is strict, so a row's top k are among its chunks' top k.
+// Otherwise: one block (up to 1024 threads) per row: the count radix selection of step 2 with
 // the same tie rule, then the k kept (key, index) pairs are collected (warp-aggregated
 // atomic slots) and bitonic-sorted as 64-bit keys (~key << 32 | index: descending value,
 // ascending index); in shared memory for k <= 2048, else in scratch memory.
@@ -839,6 +842,7 @@ constexpr int32_t kChunk = 4096;
 constexpr int32_t kMaxParts = 1024;        // chunks per row (rows up to 4M ids)
 constexpr int64_t kMaxWideTasks = detail::kCounterWords;
 constexpr int64_t kMaxWideParts = 16384;   // tasks x chunks (the partials' scratch: ~3 KB each)
+constexpr int64_t kWideTopk = 64;          // topk over chunks up to this k (topk_merge's cost ~ k^2 P / 32)
 
 enum WideStage : int { kStMax = 0, kStK2, kStK3, kStK4, kStZ, kStP2, kStP3, kStP4, kStW, kNumStages };
 
@@ -1486,16 +1490,24 @@ __device__ void bitonic_sort(uint64_t* buf, int64_t n) {
 }
 
 __global__ void __launch_bounds__(kTopkThreads)
-    topk_kernel(const float* __restrict__ x, int64_t xs, int32_t V, int64_t rows, int32_t k, float* vals, int64_t vs,
-                int32_t* idx, int64_t is, uint64_t* gbuf, int64_t npow2) {
+    topk_kernel(const float* __restrict__ x, int64_t xs, int32_t Vrow, int64_t rows, int32_t k, float* vals, int64_t vs,
+                int32_t* idx, int64_t is, uint64_t* gbuf, int64_t npow2, int32_t P) {
   detail::pdl_enter();
   __shared__ Common cm;
   __shared__ uint64_t sbuf[kTopkShared];
   __shared__ uint32_t count;
   const int lane = lane_id();
   uint64_t* buf = gbuf ? gbuf + int64_t(blockIdx.x) * npow2 : sbuf;
+  // P > 1: virtual row r is chunk r % P (kChunk ids; the last one what is left) of row r / P,
+  // its ids local to the chunk (topk_merge adds the chunk's offset)
   for (int64_t r = blockIdx.x; r < rows; r += gridDim.x) {
     const float* row = x + r * xs;
+    int32_t V = Vrow;
+    if (P > 1) {  // rows < 2^24 here (the host's check): 32-bit division
+      const uint32_t q = uint32_t(r) / uint32_t(P), c = uint32_t(r) - q * uint32_t(P);
+      row = x + int64_t(q) * xs + int64_t(c) * kChunk;
+      V = min(kChunk, Vrow - int32_t(c) * kChunk);
+    }
     uint32_t kth = 0;
     int32_t k_last = kAll;
     if (k < V) {
@@ -1647,6 +1659,29 @@ void topk(const Tensor& x, int64_t k, Tensor& values, Tensor& indices) {
   layout::check_rows_disjoint(li, op, "indices");
   if (lx.rows == 0) return;
   detail::DeviceGuard guard(x.device().index);
+  const int dev = x.device().index;
+  // Rows longer than a chunk, small k (ops::wide_rows()): each chunk's top k by the kernel
+  // below (the chunks as rows), then topk_merge over the chunks' candidates (its order is
+  // topk's: the top k of a row are among its chunks' top k, as that order is strict).
+  const int64_t P = (lx.cols + kChunk - 1) / kChunk;
+  if (ops::wide_rows() && P >= 2 && P <= kMaxParts && k <= kWideTopk && lx.cols - (P - 1) * kChunk >= k &&
+      lx.rows * P <= (int64_t(1) << 24)) {
+    const int64_t VR = lx.rows * P;
+    char* base = static_cast<char*>(detail::scratch(dev, align256(size_t(VR * k) * 4) + size_t(VR * k) * 4));
+    float* cv = reinterpret_cast<float*>(base);
+    int32_t* ci = reinterpret_cast<int32_t*>(base + align256(size_t(VR * k) * 4));
+    topk_kernel<<<detail::row_blocks(VR), detail::pick_threads(kChunk, kTopkThreads), 0, detail::stream()>>>(
+        x.data_as<const float>(), lx.stride, int32_t(lx.cols), VR, int32_t(k), cv, k, ci, k, nullptr, next_pow2(k),
+        int32_t(P));
+    detail::check_launch("topk (chunks) kernel launch", x.describe(), " k = ", k);
+    const Tensor::Shape cs{P, lx.rows, k}, cst{k, P * k, 1};
+    const Tensor vals = Tensor::view(cv, DType::F32, cs, cst, x.device());
+    const Tensor ids = Tensor::view(ci, DType::I32, cs, cst, x.device());
+    Tensor v2 = Tensor::view(values.data(), DType::F32, {lx.rows, k}, {lv.stride, 1}, x.device());
+    Tensor i2 = Tensor::view(indices.data(), DType::I32, {lx.rows, k}, {li.stride, 1}, x.device());
+    topk_merge(vals, ids, kChunk, v2, i2);
+    return;
+  }
   const int64_t npow2 = next_pow2(k);
   uint64_t* gbuf = nullptr;
   unsigned blocks = detail::row_blocks(lx.rows);
@@ -1659,7 +1694,7 @@ void topk(const Tensor& x, int64_t k, Tensor& values, Tensor& indices) {
   }
   topk_kernel<<<blocks, detail::pick_threads(lx.cols, kTopkThreads), 0, detail::stream()>>>(
       x.data_as<const float>(), lx.stride, int32_t(lx.cols), lx.rows, int32_t(k), values.data_as<float>(), lv.stride,
-      indices.data_as<int32_t>(), li.stride, gbuf, npow2);
+      indices.data_as<int32_t>(), li.stride, gbuf, npow2, 1);
   detail::check_launch("topk kernel launch", x.describe(), " k = ", k);
 }
 
