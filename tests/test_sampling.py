@@ -250,6 +250,16 @@ def test_cuda_sample_matches_the_exact_distribution(temperature, top_p, top_k):
     assert 0.5 * np.abs(emp - exact).sum() <= tv_bound(exact, n)
 
 
+def _accept_equal_cpu(what, logits, row0, draft, drow, lens, cand, q, t, p, k, r):
+    """accept on the GPU gives the CPU op's accepted counts and bonus tokens."""
+    a0, b0 = ops.accept(logits, row0, draft, drow, lens, cand=cand, q=q, temperature=t, top_p=p, top_k=k, rng=r)
+    a1, b1 = ops.accept(_dev(logits), _dev(row0), _dev(draft), _dev(drow), _dev(lens),
+                        cand=None if cand is None else _dev(cand), q=None if q is None else _dev(q),
+                        temperature=_dev(t), top_p=_dev(p), top_k=_dev(k), rng=_dev(r))
+    assert np.array_equal(_host(a1), np.asarray(a0.numpy())), what
+    assert np.array_equal(_host(b1), np.asarray(b0.numpy())), what
+
+
 @pytest.mark.parametrize("wide", [False, True])
 def test_cuda_accept_equals_cpu(wide):
     _cuda()
@@ -269,13 +279,7 @@ def test_cuda_accept_equals_cpu(wide):
     drow = np.arange(S, dtype=np.int32)
     for setting in [(0.0, 1.0, 0), (1.0, 1.0, 0), (0.8, 0.9, 10)]:
         t, p, k = params(S, *setting)
-        r = rng_rows(33, S, 0, K + 1)
-        a0, b0 = ops.accept(logits, row0, draft, drow, lens, cand=cand, q=q, temperature=t, top_p=p, top_k=k, rng=r)
-        a1, b1 = ops.accept(_dev(logits), _dev(row0), _dev(draft), _dev(drow), _dev(lens),
-                            cand=None if cand is None else _dev(cand), q=None if q is None else _dev(q),
-                            temperature=_dev(t), top_p=_dev(p), top_k=_dev(k), rng=_dev(r))
-        assert np.array_equal(_host(a1), np.asarray(a0.numpy())), setting
-        assert np.array_equal(_host(b1), np.asarray(b0.numpy())), setting
+        _accept_equal_cpu(setting, logits, row0, draft, drow, lens, cand, q, t, p, k, rng_rows(33, S, 0, K + 1))
 
 
 def test_cuda_rejection_sampling_keeps_the_target_distribution():
@@ -382,10 +386,4 @@ def test_cuda_accept_wide_rows_equal_cpu(wide):
     p = np.array([settings[s % len(settings)][1] for s in range(S)], np.float32)
     k = np.array([settings[s % len(settings)][2] for s in range(S)], np.int32)
     for key in (33, 34):
-        r = rng_rows(key, S, 0, K + 1)
-        a0, b0 = ops.accept(logits, row0, draft, drow, lens, cand=cand, q=q, temperature=t, top_p=p, top_k=k, rng=r)
-        a1, b1 = ops.accept(_dev(logits), _dev(row0), _dev(draft), _dev(drow), _dev(lens),
-                            cand=None if cand is None else _dev(cand), q=None if q is None else _dev(q),
-                            temperature=_dev(t), top_p=_dev(p), top_k=_dev(k), rng=_dev(r))
-        assert np.array_equal(_host(a1), np.asarray(a0.numpy())), key
-        assert np.array_equal(_host(b1), np.asarray(b0.numpy())), key
+        _accept_equal_cpu(key, logits, row0, draft, drow, lens, cand, q, t, p, k, rng_rows(key, S, 0, K + 1))

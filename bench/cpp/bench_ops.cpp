@@ -1547,6 +1547,26 @@ void bench_moe_exact_tc(Bench& b, const std::vector<int64_t>& Ts) {
   }
 }
 
+// An op timed two ways on the same operands: ops::wide_rows() on (ours: long rows split over
+// one block per 4096-id chunk) and off (the baseline: one block per row), the switch as it
+// was after each call.
+std::pair<std::function<void(int)>, int> wide_rows_forms(Baseline& base, int vars, const char* op,
+                                                         std::function<void(int)> call) {
+  auto form = [call](bool wide) {
+    return [call, wide](int v) {
+      const bool was = ops::wide_rows();
+      ops::set_wide_rows(wide);
+      call(v);
+      ops::set_wide_rows(was);
+    };
+  };
+  base.run = form(false);
+  base.variants = vars;
+  base.name = "one block per row";
+  base.kind = std::string(op) + " with ops::set_wide_rows(false)";
+  return std::make_pair(std::function<void(int)>(form(true)), vars);
+}
+
 void bench_small(Bench& b, const std::vector<int64_t>& Ts) {
   for (int64_t T : Ts) {
     // rms_norm: the layer norms (6144), q_a_layernorm (2048), kv_a_layernorm (512 of the 576 kv_a row)
@@ -1614,19 +1634,7 @@ void bench_small(Bench& b, const std::vector<int64_t>& Ts) {
         std::vector<Tensor> logits;
         for (int v = 0; v < vars; ++v) logits.push_back(dev_rand(DType::F32, {T, G.vocab}, 60 + v));
         Tensor out = dev_empty(DType::I32, {T});
-        auto form = [=](bool wide) {
-          return [=](int v) mutable {
-            const bool was = ops::wide_rows();
-            ops::set_wide_rows(wide);
-            ops::argmax(logits[size_t(v)], out);
-            ops::set_wide_rows(was);
-          };
-        };
-        base.run = form(false);
-        base.variants = vars;
-        base.name = "one block per row";
-        base.kind = "argmax with ops::set_wide_rows(false)";
-        return std::make_pair(std::function<void(int)>(form(true)), vars);
+        return wide_rows_forms(base, vars, "argmax", [=](int v) mutable { ops::argmax(logits[size_t(v)], out); });
       });
     }
     // sample over the vocabulary: rows split over blocks (ops::wide_rows, the default)
@@ -1648,19 +1656,8 @@ void bench_small(Bench& b, const std::vector<int64_t>& Ts) {
         std::vector<int64_t> rng(size_t(2 * T));
         for (int64_t t = 0; t < T; ++t) rng[size_t(2 * t)] = 1000 + t, rng[size_t(2 * t + 1)] = 0;
         Tensor dr = upload(rng, DType::I64, {T, 2});
-        auto form = [=](bool wide) {
-          return [=](int v) mutable {
-            const bool was = ops::wide_rows();
-            ops::set_wide_rows(wide);
-            ops::sample(logits[size_t(v)], sp, dr, out);
-            ops::set_wide_rows(was);
-          };
-        };
-        base.run = form(false);
-        base.variants = vars;
-        base.name = "one block per row";
-        base.kind = "sample with ops::set_wide_rows(false)";
-        return std::make_pair(std::function<void(int)>(form(true)), vars);
+        return wide_rows_forms(base, vars, "sample",
+                               [=](int v) mutable { ops::sample(logits[size_t(v)], sp, dr, out); });
       });
     }
     // accept of verify blocks (8 rows per sequence: 7 drafted + the bonus row) with the
@@ -1693,19 +1690,9 @@ void bench_small(Bench& b, const std::vector<int64_t>& Ts) {
         for (int64_t s = 0; s < S; ++s) rng[size_t(2 * s)] = 2000 + s, rng[size_t(2 * s + 1)] = 0;
         Tensor dr = upload(rng, DType::I64, {S, 2});
         Tensor acc = dev_empty(DType::I32, {S}), bon = dev_empty(DType::I32, {S});
-        auto form = [=](bool wide) {
-          return [=](int v) mutable {
-            const bool was = ops::wide_rows();
-            ops::set_wide_rows(wide);
-            ops::accept(logits[size_t(v)], r0, dt, dw, dl, cd, qq, sp, dr, acc, bon);
-            ops::set_wide_rows(was);
-          };
-        };
-        base.run = form(false);
-        base.variants = vars;
-        base.name = "one block per row";
-        base.kind = "accept with ops::set_wide_rows(false)";
-        return std::make_pair(std::function<void(int)>(form(true)), vars);
+        return wide_rows_forms(base, vars, "accept", [=](int v) mutable {
+          ops::accept(logits[size_t(v)], r0, dt, dw, dl, cd, qq, sp, dr, acc, bon);
+        });
       });
     }
   }

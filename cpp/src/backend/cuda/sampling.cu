@@ -720,6 +720,71 @@ struct ResidualW {
   }
 };
 
+// Sequence s's greedy acceptance (one thread): the longest prefix of its L drafts equal to
+// the argmax of their rows (argmax_of(j)); *bonus: the argmax after it.
+template <class AM>
+__device__ int64_t greedy_accepted(const AcceptArgs& a, int64_t s, int64_t L, AM argmax_of, int32_t* bonus) {
+  int64_t n = 0;
+  const int32_t* d = L > 0 ? draft_of(a, s) : nullptr;
+  while (n < L && d[n] == argmax_of(n)) ++n;
+  *bonus = argmax_of(n);
+  return n;
+}
+
+// Sequence s's sampled acceptance decisions (one thread), in order: draft j is accepted iff
+// u_j * q(d_j) < p(d_j) (q from the K-wide candidates, or 1), p(d_j) = pd_of(j).
+template <class PD>
+__device__ int64_t sampled_accepted(const AcceptArgs& a, int64_t s, int64_t L, PD pd_of) {
+  int64_t n = 0;
+  if (L <= 0) return 0;
+  const int32_t* d = draft_of(a, s);
+  const int64_t dr = drow_of(a, s);
+  for (; n < L; ++n) {
+    const int32_t tok = d[n];
+    double qd = 1.0;
+    if (a.q) {
+      const int32_t* cd = a.cand + dr * a.cs0 + n * a.cs1;
+      const float* qr = a.q + dr * a.qs0 + n * a.qs1;
+      for (int64_t c = 0; c < a.C; ++c)
+        if (cd[c] == tok) {
+          qd = qr[c];
+          break;
+        }
+    }
+    if (!sl::accept_draft(draw_u(a.pp.rng, a.pp.rs0, a.pp.rs1, s, uint64_t(n)), qd, pd_of(n))) break;
+  }
+  return n;
+}
+
+// The candidates of sequence s's rejected position n for the residual: the K-wide q's (in
+// shared memory when they fit, else read in place), or the drafted token with q = 1. All
+// threads call (a barrier when staging).
+struct Cands {
+  const int32_t* cid;
+  const float* cq;
+  int32_t nc;
+};
+__device__ Cands rejected_candidates(const AcceptArgs& a, int64_t s, int64_t n, int32_t* scid, float* scq) {
+  const int64_t dr = drow_of(a, s);
+  if (a.q && a.C > kSharedCand) return Cands{a.cand + dr * a.cs0 + n * a.cs1, a.q + dr * a.qs0 + n * a.qs1, int32_t(a.C)};
+  int32_t nc;
+  if (a.q) {
+    for (int64_t c = threadIdx.x; c < a.C; c += blockDim.x) {
+      scid[c] = a.cand[dr * a.cs0 + n * a.cs1 + c];
+      scq[c] = a.q[dr * a.qs0 + n * a.qs1 + c];
+    }
+    nc = int32_t(a.C);
+  } else {
+    if (threadIdx.x == 0) {
+      scid[0] = draft_of(a, s)[n];
+      scq[0] = 1.0f;
+    }
+    nc = 1;
+  }
+  __syncthreads();
+  return Cands{scid, scq, nc};
+}
+
 // One block per sequence: the sequential accept decisions, then the bonus draw.
 // (minBlocks 1 spelled out: without it ptxas held this kernel to 64 registers and spilled)
 __global__ void __launch_bounds__(kSelThreads, 1) accept_final_kernel(AcceptArgs a, int32_t* accepted, int64_t as,
@@ -734,36 +799,13 @@ __global__ void __launch_bounds__(kSelThreads, 1) accept_final_kernel(AcceptArgs
     const float temp = a.pp.temp[s * a.pp.ts];
     if (temp <= 0.0f) {
       if (threadIdx.x == 0) {
-        int64_t n = 0;
-        const int32_t* d = L > 0 ? draft_of(a, s) : nullptr;
-        while (n < L && d[n] == inf[n].argmax) ++n;
-        accepted[s * as] = int32_t(n);
-        bonus[s * bs] = inf[n].argmax;
+        int32_t b;
+        accepted[s * as] = int32_t(greedy_accepted(a, s, L, [&](int64_t j) { return inf[j].argmax; }, &b));
+        bonus[s * bs] = b;
       }
       continue;  // uniform over the block; nothing shared was touched
     }
-    if (threadIdx.x == 0) {
-      int64_t n = 0;
-      if (L > 0) {
-        const int32_t* d = draft_of(a, s);
-        const int64_t dr = drow_of(a, s);
-        for (; n < L; ++n) {
-          const int32_t tok = d[n];
-          double qd = 1.0;
-          if (a.q) {
-            const int32_t* cd = a.cand + dr * a.cs0 + n * a.cs1;
-            const float* qr = a.q + dr * a.qs0 + n * a.qs1;
-            for (int64_t c = 0; c < a.C; ++c)
-              if (cd[c] == tok) {
-                qd = qr[c];
-                break;
-              }
-          }
-          if (!sl::accept_draft(draw_u(a.pp.rng, a.pp.rs0, a.pp.rs1, s, uint64_t(n)), qd, inf[n].pd)) break;
-        }
-      }
-      cm.bc.n = int32_t(n);
-    }
+    if (threadIdx.x == 0) cm.bc.n = int32_t(sampled_accepted(a, s, L, [&](int64_t j) { return inf[j].pd; }));
     __syncthreads();
     const int64_t n = cm.bc.n;
     __syncthreads();
@@ -773,33 +815,8 @@ __global__ void __launch_bounds__(kSelThreads, 1) accept_final_kernel(AcceptArgs
     if (n < L) {  // rejected at n: the residual
       const float* row = logits_row(a, s, n);
       const MassW p{row, inf[n].sel};
-      const int64_t dr = drow_of(a, s);
-      const int32_t* cid;
-      const float* cq;
-      int32_t nc;
-      if (a.q && a.C > kSharedCand) {
-        cid = a.cand + dr * a.cs0 + n * a.cs1;
-        cq = a.q + dr * a.qs0 + n * a.qs1;
-        nc = int32_t(a.C);
-      } else {
-        if (a.q) {
-          for (int64_t c = threadIdx.x; c < a.C; c += blockDim.x) {
-            sm.cid[c] = a.cand[dr * a.cs0 + n * a.cs1 + c];
-            sm.cq[c] = a.q[dr * a.qs0 + n * a.qs1 + c];
-          }
-          nc = int32_t(a.C);
-        } else {
-          if (threadIdx.x == 0) {
-            sm.cid[0] = draft_of(a, s)[n];
-            sm.cq[0] = 1.0f;
-          }
-          nc = 1;
-        }
-        cid = sm.cid;
-        cq = sm.cq;
-        __syncthreads();
-      }
-      b = block_pick(ResidualW{p, cid, cq, nc}, a.V, uK, true, cm, &total);
+      const Cands cs = rejected_candidates(a, s, n, sm.cid, sm.cq);
+      b = block_pick(ResidualW{p, cs.cid, cs.cq, cs.nc}, a.V, uK, true, cm, &total);
       if (!(total > 0.0)) b = block_pick(p, a.V, uK, true, cm, &total);  // no residual mass left
     } else {  // all accepted: from p of the last row
       b = block_pick(MassW{logits_row(a, s, L), inf[L].sel}, a.V, uK, true, cm, &total);
@@ -1363,36 +1380,13 @@ __global__ void __launch_bounds__(kWideThreads, 1) accept_wide_final_kernel(Wide
   const float temp = a.pp.temp[s * a.pp.ts];
   if (temp <= 0.0f) {
     if (c == 0 && threadIdx.x == 0) {
-      int64_t n = 0;
-      const int32_t* d = L > 0 ? draft_of(a, s) : nullptr;
-      while (n < L && d[n] == tasks[n].argmax) ++n;
-      accepted[s * as] = int32_t(n);
-      bonus[s * bs] = tasks[n].argmax;
+      int32_t b;
+      accepted[s * as] = int32_t(greedy_accepted(a, s, L, [&](int64_t j) { return tasks[j].argmax; }, &b));
+      bonus[s * bs] = b;
     }
     return;
   }
-  if (threadIdx.x == 0) {
-    int64_t n = 0;
-    if (L > 0) {
-      const int32_t* d = draft_of(a, s);
-      const int64_t dr = drow_of(a, s);
-      for (; n < L; ++n) {
-        const int32_t tok = d[n];
-        double qd = 1.0;
-        if (a.q) {
-          const int32_t* cd = a.cand + dr * a.cs0 + n * a.cs1;
-          const float* qr = a.q + dr * a.qs0 + n * a.qs1;
-          for (int64_t k = 0; k < a.C; ++k)
-            if (cd[k] == tok) {
-              qd = qr[k];
-              break;
-            }
-        }
-        if (!sl::accept_draft(draw_u(a.pp.rng, a.pp.rs0, a.pp.rs1, s, uint64_t(n)), qd, tasks[n].pd)) break;
-      }
-    }
-    cm.bc.n = int32_t(n);
-  }
+  if (threadIdx.x == 0) cm.bc.n = int32_t(sampled_accepted(a, s, L, [&](int64_t j) { return tasks[j].pd; }));
   __syncthreads();
   const int64_t n = cm.bc.n;
   __syncthreads();
@@ -1401,33 +1395,8 @@ __global__ void __launch_bounds__(kWideThreads, 1) accept_wide_final_kernel(Wide
   const double uK = draw_u(a.pp.rng, a.pp.rs0, a.pp.rs1, s, uint64_t(a.K));
   WidePart* part = &w.part[t * w.P + c];
   if (n < L) {  // rejected at n: the residual (and p, should no residual mass be left)
-    const int64_t dr = drow_of(a, s);
-    const int32_t* cid;
-    const float* cq;
-    int32_t nc;
-    if (a.q && a.C > kSharedCand) {
-      cid = a.cand + dr * a.cs0 + n * a.cs1;
-      cq = a.q + dr * a.qs0 + n * a.qs1;
-      nc = int32_t(a.C);
-    } else {
-      if (a.q) {
-        for (int64_t k = threadIdx.x; k < a.C; k += blockDim.x) {
-          sm.cid[k] = a.cand[dr * a.cs0 + n * a.cs1 + k];
-          sm.cq[k] = a.q[dr * a.qs0 + n * a.qs1 + k];
-        }
-        nc = int32_t(a.C);
-      } else {
-        if (threadIdx.x == 0) {
-          sm.cid[0] = draft_of(a, s)[n];
-          sm.cq[0] = 1.0f;
-        }
-        nc = 1;
-      }
-      cid = sm.cid;
-      cq = sm.cq;
-      __syncthreads();
-    }
-    const ResidualW rw{p, cid, cq, nc};
+    const Cands cs = rejected_candidates(a, s, n, sm.cid, sm.cq);
+    const ResidualW rw{p, cs.cid, cs.cq, cs.nc};
     double s1, s2;
     int32_t l1, l2;
     chunk_sum(rw, c0, c1, cm, &s1, &l1);
