@@ -250,6 +250,23 @@ def test_cuda_sample_matches_the_exact_distribution(temperature, top_p, top_k):
     assert 0.5 * np.abs(emp - exact).sum() <= tv_bound(exact, n)
 
 
+def _drafts(g, logits, S, K, C, wide):
+    """Random drafts for S blocks of K + 1 logits rows (every third block the rows' argmax:
+    fully accepted when greedy), draft lengths, and with `wide` a K-wide q over C candidates
+    holding the drafted token."""
+    V = logits.shape[1]
+    draft = g.integers(0, V, (S, K)).astype(np.int32)
+    am = logits.argmax(1).reshape(S, K + 1)
+    draft[::3] = am[::3, :K]
+    lens = g.integers(0, K + 1, S).astype(np.int32)
+    cand = q = None
+    if wide:
+        cand = np.stack([[g.choice(V, C, replace=False) for _ in range(K)] for _ in range(S)]).astype(np.int32)
+        cand[:, :, 0] = draft
+        q = g.dirichlet(np.ones(C), (S, K)).astype(np.float32)
+    return draft, lens, cand, q
+
+
 def _accept_equal_cpu(what, logits, row0, draft, drow, lens, cand, q, t, p, k, r):
     """accept on the GPU gives the CPU op's accepted counts and bonus tokens."""
     a0, b0 = ops.accept(logits, row0, draft, drow, lens, cand=cand, q=q, temperature=t, top_p=p, top_k=k, rng=r)
@@ -266,15 +283,7 @@ def test_cuda_accept_equals_cpu(wide):
     g = np.random.default_rng(21)
     S, K, V, C = 64, 4, 50, 8
     logits = g.normal(0, 1.5, (S * (K + 1), V)).astype(np.float32)
-    draft = g.integers(0, V, (S, K)).astype(np.int32)
-    am = logits.argmax(1).reshape(S, K + 1)
-    draft[::3] = am[::3, :K]  # some blocks fully accepted when greedy
-    lens = g.integers(0, K + 1, S).astype(np.int32)
-    cand = q = None
-    if wide:
-        cand = np.stack([[g.choice(V, C, replace=False) for _ in range(K)] for _ in range(S)]).astype(np.int32)
-        cand[:, :, 0] = draft
-        q = g.dirichlet(np.ones(C), (S, K)).astype(np.float32)
+    draft, lens, cand, q = _drafts(g, logits, S, K, C, wide)
     row0 = np.arange(S, dtype=np.int32) * (K + 1)
     drow = np.arange(S, dtype=np.int32)
     for setting in [(0.0, 1.0, 0), (1.0, 1.0, 0), (0.8, 0.9, 10)]:
@@ -370,15 +379,7 @@ def test_cuda_accept_wide_rows_equal_cpu(wide):
     logits = np.stack([rows[names[(i * 7) % len(names)]] for i in range(S * (K + 1))])
     logits = logits + g.normal(0, 0.3, logits.shape).astype(np.float32) * (g.random((S * (K + 1), 1)) < 0.5)
     logits = logits.astype(np.float32)
-    draft = g.integers(0, V, (S, K)).astype(np.int32)
-    am = logits.argmax(1).reshape(S, K + 1)
-    draft[::3] = am[::3, :K]
-    lens = g.integers(0, K + 1, S).astype(np.int32)
-    cand = q = None
-    if wide:
-        cand = np.stack([[g.choice(V, C, replace=False) for _ in range(K)] for _ in range(S)]).astype(np.int32)
-        cand[:, :, 0] = draft
-        q = g.dirichlet(np.ones(C), (S, K)).astype(np.float32)
+    draft, lens, cand, q = _drafts(g, logits, S, K, C, wide)
     row0 = np.arange(S, dtype=np.int32) * (K + 1)
     drow = np.arange(S, dtype=np.int32)[::-1].copy()
     settings = [(0.0, 1.0, 0), (1.0, 1.0, 0), (0.8, 0.9, 10), (1.0, 0.6, 0), (0.7, 1.0, 5000)]

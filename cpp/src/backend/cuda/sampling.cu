@@ -298,28 +298,37 @@ __device__ void radix_pass_pick(const H* hist, int shift, double target, Common&
 }
 
 // ------------------------------------------------------------------ radix selection (counts)
+// One count radix pass over row[c0, c1): the histogram (into cm.chist) of the keys with
+// (key & mask) == prefix at `shift`.
+template <class KeyF>
+__device__ void count_hist_pass(const float* row, int32_t c0, int32_t c1, KeyF keyf, uint32_t prefix, uint32_t mask,
+                                int shift, Common& cm) {
+  const int lane = lane_id();
+  for (int b = threadIdx.x; b < 256; b += blockDim.x) cm.chist[b] = 0;
+  __syncthreads();
+  const int32_t n = c1 - c0;
+  warp_walk_all(row + c0, n, [&](int32_t i, float x) {
+    int bin = 256;
+    if (i < n) {
+      const uint32_t k = keyf(x);
+      if ((k & mask) == prefix) bin = int((k >> shift) & 255u);
+    }
+    const unsigned m = __match_any_sync(kFull, bin);
+    if (bin < 256 && lane == __ffs(int(m)) - 1) atomicAdd(&cm.chist[bin], uint32_t(__popc(int(m))));
+  });
+  __syncthreads();
+}
+
 // The key k* such that fewer than `target` keys are > k* and at least `target` are >= k*
 // (cpu radix_select with counts). *above: the count of keys > k*; *n_eq: the count == k*.
 template <class KeyF>
 __device__ uint32_t radix_count(const float* row, int32_t V, double target, KeyF keyf, Common& cm, double* above,
                                 uint32_t* n_eq) {
-  const int lane = lane_id();
   uint32_t prefix = 0, mask = 0;
   double acc = 0.0;
   uint32_t cnt = 0;
   for (int shift = 24; shift >= 0; shift -= 8) {
-    for (int b = threadIdx.x; b < 256; b += blockDim.x) cm.chist[b] = 0;
-    __syncthreads();
-    warp_walk_all(row, V, [&](int32_t i, float x) {
-      int bin = 256;
-      if (i < V) {
-        const uint32_t k = keyf(x);
-        if ((k & mask) == prefix) bin = int((k >> shift) & 255u);
-      }
-      const unsigned m = __match_any_sync(kFull, bin);
-      if (bin < 256 && lane == __ffs(int(m)) - 1) atomicAdd(&cm.chist[bin], uint32_t(__popc(int(m))));
-    });
-    __syncthreads();
+    count_hist_pass(row, 0, V, keyf, prefix, mask, shift, cm);
     radix_pass_pick(cm.chist, shift, target, cm, prefix, mask, acc, cnt);
   }
   *above = acc;
@@ -489,50 +498,63 @@ __device__ double block_sum(const WF& wf, int32_t V, Common& cm) {
   return detail::block_reduce(s, cm.dred, detail::SumOp{}, 0.0);
 }
 
+// One top-p radix pass over row[c0, c1): the mass histogram (hist, summed over the warps'
+// private histograms whist in warp order) and counts (cm.chist) of the top-k-kept keys with
+// (key & mask) == prefix and nonzero mass, at `shift`; returns the thread's sum of those
+// masses (the first pass's, where every kept element qualifies, is z's share).
+__device__ double mass_hist_pass(const float* row, int32_t c0, int32_t c1, const sl::RowSel& s, uint32_t prefix,
+                                 uint32_t mask, int shift, double* whist, double* stage, double* hist, Common& cm) {
+  const int lane = lane_id(), warp = warp_id(), nw = num_warps();
+  double* wh = whist + warp * 256;
+  double* st = stage + warp * 32;
+  for (int b = lane; b < 256; b += 32) wh[b] = 0.0;
+  for (int b = threadIdx.x; b < 256; b += blockDim.x) cm.chist[b] = 0;
+  __syncthreads();
+  double zs = 0.0;
+  const int32_t n = c1 - c0;
+  warp_walk_all(row + c0, n, [&](int32_t i, float x) {
+    int bin = 256;
+    double w = 0.0;
+    if (i < n) {
+      const uint32_t k = sl::order_key(x);
+      if ((k & mask) == prefix && sl::keep_k(s, k, c0 + i)) {
+        w = mass_of(x, s);
+        zs += w;
+        if (!(w == 0.0)) bin = int((k >> shift) & 255u);  // the CPU skips w == 0 (not NaN)
+      }
+    }
+    const unsigned m = __match_any_sync(kFull, bin);
+    st[lane] = w;
+    __syncwarp();
+    if (bin < 256 && lane == __ffs(int(m)) - 1) {
+      double g = 0.0;
+      for (unsigned mm = m; mm; mm &= mm - 1) g += st[__ffs(int(mm)) - 1];
+      wh[bin] += g;  // the leaders of one warp hold distinct bins
+      atomicAdd(&cm.chist[bin], uint32_t(__popc(int(m))));
+    }
+    __syncwarp();
+  });
+  __syncthreads();
+  for (int b = threadIdx.x; b < 256; b += blockDim.x) {
+    double h = 0.0;
+    for (int w = 0; w < nw; ++w) h += whist[w * 256 + b];
+    hist[b] = h;
+  }
+  __syncthreads();
+  return zs;
+}
+
 // The top-p radix selection over the top-k-kept masses (cpu radix_select with masses):
 // returns tau; *above: the mass of keys > tau; *n_tie: how many kept elements with
 // nonzero mass have key tau.
 __device__ uint32_t radix_mass(const float* row, int32_t V, const sl::RowSel& s, double target, SelShared& sm,
                                double* above, uint32_t* n_tie) {
   Common& cm = sm.cm;
-  const int lane = lane_id(), warp = warp_id(), nw = num_warps();
-  double* wh = sm.whist + warp * 256;
-  double* st = sm.stage + warp * 32;
   uint32_t prefix = 0, mask = 0;
   double acc = 0.0;
   uint32_t cnt = 0;
   for (int shift = 24; shift >= 0; shift -= 8) {
-    for (int b = lane; b < 256; b += 32) wh[b] = 0.0;
-    for (int b = threadIdx.x; b < 256; b += blockDim.x) cm.chist[b] = 0;
-    __syncthreads();
-    warp_walk_all(row, V, [&](int32_t i, float x) {
-      int bin = 256;
-      double w = 0.0;
-      if (i < V) {
-        const uint32_t k = sl::order_key(x);
-        if ((k & mask) == prefix && sl::keep_k(s, k, i)) {
-          w = mass_of(x, s);
-          if (!(w == 0.0)) bin = int((k >> shift) & 255u);  // the CPU skips w == 0 (not NaN)
-        }
-      }
-      const unsigned m = __match_any_sync(kFull, bin);
-      st[lane] = w;
-      __syncwarp();
-      if (bin < 256 && lane == __ffs(int(m)) - 1) {
-        double g = 0.0;
-        for (unsigned mm = m; mm; mm &= mm - 1) g += st[__ffs(int(mm)) - 1];
-        wh[bin] += g;  // the leaders of one warp hold distinct bins
-        atomicAdd(&cm.chist[bin], uint32_t(__popc(int(m))));
-      }
-      __syncwarp();
-    });
-    __syncthreads();
-    for (int b = threadIdx.x; b < 256; b += blockDim.x) {
-      double h = 0.0;
-      for (int w = 0; w < nw; ++w) h += sm.whist[w * 256 + b];
-      sm.hist[b] = h;
-    }
-    __syncthreads();
+    mass_hist_pass(row, 0, V, s, prefix, mask, shift, sm.whist, sm.stage, sm.hist, cm);
     radix_pass_pick(sm.hist, shift, target, cm, prefix, mask, acc, cnt);
   }
   *above = acc;
@@ -988,72 +1010,6 @@ __device__ void chunk_sum(const WF& wf, int32_t c0, int32_t c1, Common& cm, doub
   *last = block_max_i32(lst, cm);
 }
 
-// The chunk's count histogram (into cm.chist) of keys with (key & mask) == prefix at `shift`.
-template <class KeyF>
-__device__ void chunk_counts(const float* row, int32_t c0, int32_t c1, KeyF keyf, uint32_t prefix, uint32_t mask,
-                             int shift, Common& cm) {
-  const int lane = lane_id();
-  for (int b = threadIdx.x; b < 256; b += blockDim.x) cm.chist[b] = 0;
-  __syncthreads();
-  const int32_t n = c1 - c0;
-  warp_walk_all(row + c0, n, [&](int32_t i, float x) {
-    int bin = 256;
-    if (i < n) {
-      const uint32_t k = keyf(x);
-      if ((k & mask) == prefix) bin = int((k >> shift) & 255u);
-    }
-    const unsigned m = __match_any_sync(kFull, bin);
-    if (bin < 256 && lane == __ffs(int(m)) - 1) atomicAdd(&cm.chist[bin], uint32_t(__popc(int(m))));
-  });
-  __syncthreads();
-}
-
-// The chunk's top-p mass histogram (sm.hist, in warp order) and counts (cm.chist) of the
-// top-k-kept keys with (key & mask) == prefix and nonzero mass; returns the thread's sum of
-// those masses (used by the first pass, where every kept element qualifies: z).
-__device__ double chunk_masses(const float* row, int32_t c0, int32_t c1, const sl::RowSel& s, uint32_t prefix,
-                               uint32_t mask, int shift, WideShared& sm) {
-  Common& cm = sm.cm;
-  const int lane = lane_id(), warp = warp_id(), nw = num_warps();
-  double* wh = sm.whist + warp * 256;
-  double* st = sm.stage + warp * 32;
-  for (int b = lane; b < 256; b += 32) wh[b] = 0.0;
-  for (int b = threadIdx.x; b < 256; b += blockDim.x) cm.chist[b] = 0;
-  __syncthreads();
-  double zs = 0.0;
-  const int32_t n = c1 - c0;
-  warp_walk_all(row + c0, n, [&](int32_t i, float x) {
-    int bin = 256;
-    double w = 0.0;
-    if (i < n) {
-      const uint32_t k = sl::order_key(x);
-      if ((k & mask) == prefix && sl::keep_k(s, k, c0 + i)) {
-        w = mass_of(x, s);
-        zs += w;
-        if (!(w == 0.0)) bin = int((k >> shift) & 255u);  // the CPU skips w == 0 (not NaN)
-      }
-    }
-    const unsigned m = __match_any_sync(kFull, bin);
-    st[lane] = w;
-    __syncwarp();
-    if (bin < 256 && lane == __ffs(int(m)) - 1) {
-      double g = 0.0;
-      for (unsigned mm = m; mm; mm &= mm - 1) g += st[__ffs(int(mm)) - 1];
-      wh[bin] += g;
-      atomicAdd(&cm.chist[bin], uint32_t(__popc(int(m))));
-    }
-    __syncwarp();
-  });
-  __syncthreads();
-  for (int b = threadIdx.x; b < 256; b += blockDim.x) {
-    double h = 0.0;
-    for (int w = 0; w < nw; ++w) h += sm.whist[w * 256 + b];
-    sm.hist[b] = h;
-  }
-  __syncthreads();
-  return zs;
-}
-
 // Stores this block's histograms (counts; masses when `masses`) as chunk c's partial.
 __device__ void put_hists(const WideArgs& w, int64_t t, int32_t c, bool masses, const WideShared& sm) {
   const int64_t o = (t * w.P + c) * 256;
@@ -1210,7 +1166,7 @@ __global__ void __launch_bounds__(kWideThreads, 2) wide_rows_kernel(WideArgs w, 
     }
     __syncthreads();
     if (use_k) {
-      chunk_counts(tp.row, c0, c1, OrderKey{}, 0u, 0u, 24, cm);
+      count_hist_pass(tp.row, c0, c1, OrderKey{}, 0u, 0u, 24, cm);
       put_hists(w, t, c, false, sm);
     }
     if (!wide_last_block(w, t, sh)) return;
@@ -1273,7 +1229,7 @@ __global__ void __launch_bounds__(kWideThreads, 2) wide_rows_kernel(WideArgs w, 
   if (stage >= kStK2 && stage <= kStK4) {
     if (!tk.want_k) return;
     const int shift = 24 - 8 * (stage - kStMax);
-    chunk_counts(tk.row, c0, c1, OrderKey{}, tk.prefix, tk.mask, shift, cm);
+    count_hist_pass(tk.row, c0, c1, OrderKey{}, tk.prefix, tk.mask, shift, cm);
     put_hists(w, t, c, false, sm);
     if (!wide_last_block(w, t, sh)) return;
     combine_hists(w, t, false, sm);
@@ -1295,7 +1251,7 @@ __global__ void __launch_bounds__(kWideThreads, 2) wide_rows_kernel(WideArgs w, 
   if (stage >= kStZ && stage <= kStP4) {
     if (!tk.want_p) return;
     const int shift = 24 - 8 * (stage - kStZ);
-    const double zs = chunk_masses(tk.row, c0, c1, tk.sel, tk.prefix, tk.mask, shift, sm);
+    const double zs = mass_hist_pass(tk.row, c0, c1, tk.sel, tk.prefix, tk.mask, shift, sm.whist, sm.stage, sm.hist, cm);
     put_hists(w, t, c, true, sm);
     if (stage == kStZ) {
       const double z = detail::block_reduce(zs, cm.dred, detail::SumOp{}, 0.0);
