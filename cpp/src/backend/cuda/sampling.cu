@@ -993,9 +993,10 @@ __device__ int32_t block_max_i32(int32_t v, Common& cm) {
 }
 
 // Sum and last id with mass of wf over the chunk [c0, c1) (each thread's ids ascending, then
-// the block reduction: a function of the chunk only).
+// the block reduction: a function of the chunk only), stored as the chunk's partial (sum /
+// last, or sum2 / last2 when `second`).
 template <class WF>
-__device__ void chunk_sum(const WF& wf, int32_t c0, int32_t c1, Common& cm, double* sum, int32_t* last) {
+__device__ void chunk_sum(const WF& wf, int32_t c0, int32_t c1, Common& cm, WidePart* part, bool second) {
   double s = 0.0;
   int32_t lst = -1;
   const int32_t n = c1 - c0;
@@ -1006,8 +1007,12 @@ __device__ void chunk_sum(const WF& wf, int32_t c0, int32_t c1, Common& cm, doub
       if (v > 0.0) lst = c0 + i;
     }
   });
-  *sum = detail::block_reduce(s, cm.dred, detail::SumOp{}, 0.0);
-  *last = block_max_i32(lst, cm);
+  s = detail::block_reduce(s, cm.dred, detail::SumOp{}, 0.0);
+  lst = block_max_i32(lst, cm);
+  if (threadIdx.x == 0) {
+    (second ? part->sum2 : part->sum) = s;
+    (second ? part->last2 : part->last) = lst;
+  }
 }
 
 // Stores this block's histograms (counts; masses when `masses`) as chunk c's partial.
@@ -1288,13 +1293,7 @@ __global__ void __launch_bounds__(kWideThreads, 2) wide_rows_kernel(WideArgs w, 
   }
   // kStW: the kept masses.
   const MassW mw{tk.row, tk.sel};
-  double sum;
-  int32_t last;
-  chunk_sum(mw, c0, c1, cm, &sum, &last);
-  if (threadIdx.x == 0) {
-    part->sum = sum;
-    part->last = last;
-  }
+  chunk_sum(mw, c0, c1, cm, part, false);
   if (!wide_last_block(w, t, sh)) return;
   if (!w.a.row0) {  // sample: the draw
     const double u = draw_u(w.a.pp.rng, w.a.pp.rs0, w.a.pp.rs1, t, 0);
@@ -1353,16 +1352,8 @@ __global__ void __launch_bounds__(kWideThreads, 1) accept_wide_final_kernel(Wide
   if (n < L) {  // rejected at n: the residual (and p, should no residual mass be left)
     const Cands cs = rejected_candidates(a, s, n, sm.cid, sm.cq);
     const ResidualW rw{p, cs.cid, cs.cq, cs.nc};
-    double s1, s2;
-    int32_t l1, l2;
-    chunk_sum(rw, c0, c1, cm, &s1, &l1);
-    chunk_sum(p, c0, c1, cm, &s2, &l2);
-    if (threadIdx.x == 0) {
-      part->sum = s1;
-      part->last = l1;
-      part->sum2 = s2;
-      part->last2 = l2;
-    }
+    chunk_sum(rw, c0, c1, cm, part, false);
+    chunk_sum(p, c0, c1, cm, part, true);
     if (!wide_last_block(w, t, sh)) return;
     ChunkPick r = pick_chunk(w, t, false, uK, sh);
     int32_t b;
@@ -1379,13 +1370,7 @@ __global__ void __launch_bounds__(kWideThreads, 1) accept_wide_final_kernel(Wide
     return;
   }
   // all accepted: from p of the last row
-  double s1;
-  int32_t l1;
-  chunk_sum(p, c0, c1, cm, &s1, &l1);
-  if (threadIdx.x == 0) {
-    part->sum = s1;
-    part->last = l1;
-  }
+  chunk_sum(p, c0, c1, cm, part, false);
   if (!wide_last_block(w, t, sh)) return;
   const ChunkPick r = pick_chunk(w, t, false, uK, sh);
   const int32_t b = wide_draw(p, V, uK, r, cm);
