@@ -3,7 +3,7 @@
 // topk_merge.
 //
 // Status: compiled for sm_90a/sm_100a/sm_103a; run on an H200 (2026-12-04: every op equal
-// to the CPU's there; argmax's 16-byte loads since, not yet run on a GPU). The argmax
+// to the CPU's there; argmax's 16-byte loads and its wide rows since, not yet run on a GPU). The argmax
 // candidate order (layout.h) is unit-tested on the CPU against the CPU backend's sequential
 // rule; the kernels are checked against the CPU backend by tests/test_ops.py and
 // tests/cpp/test_cuda_backend.cpp when a GPU is present (bench/device_check.sh).

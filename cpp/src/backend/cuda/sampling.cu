@@ -2,7 +2,8 @@
 // acceptance of drafted blocks on the CUDA backend.
 //
 // Status: compiled for sm_90a/sm_100a/sm_103a; run on an H200 (2026-12-04: every CUDA
-// sampling / accept / topk test equal to the CPU op there). The decision rules
+// sampling / accept / topk test equal to the CPU op there; the wide rows below came later
+// and have run only in the CPU emulation of the CUDA backend). The decision rules
 // (sampling_logic.h) are unit-tested on the CPU against the CPU backend's sequential rules
 // (tests/cpp/test_cuda_sampling.cpp, which also compares these kernels with the CPU ops
 // when a GPU is present).
