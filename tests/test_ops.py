@@ -1570,11 +1570,17 @@ def test_check_finite(dev):
         x[7, ::2] = np.nan  # several
         x[8, -1] = np.inf
         x[8, 0] = -np.inf
-        out = Guarded((9,), dev, np.int32)
-        ops.check_finite(to_dev(x, dev), out=out.view)
-        got = out.result()
-        np.testing.assert_array_equal(got, refs.check_finite(x))
-        np.testing.assert_array_equal(got, [0, 1, 1, 1, 0, 0, 0, 1, 1])
+        was = ops.wide_rows()
+        try:
+            for wide in (True, False):  # long rows on a GPU: split over 4096-id chunks, or one block per row
+                ops.set_wide_rows(wide)
+                out = Guarded((9,), dev, np.int32)
+                ops.check_finite(to_dev(x, dev), out=out.view)
+                got = out.result()
+                np.testing.assert_array_equal(got, refs.check_finite(x))
+                np.testing.assert_array_equal(got, [0, 1, 1, 1, 0, 0, 0, 1, 1])
+        finally:
+            ops.set_wide_rows(was)
     wide = np.zeros((3, 20), np.float32)
     wide[1, 2] = np.nan  # outside the slice below
     wide[2, 12] = np.inf

@@ -202,7 +202,8 @@ void bind_ops(py::module_& m) {
   o.def("set_exact_tc", &ops::set_exact_tc, py::arg("on"),
         "Sets exact_tc() for the linears issued from now on (set it before an engine loads, and leave it).");
   o.def("wide_rows", &ops::wide_rows,
-        "Whether the CUDA backend's sample / accept / argmax / argmax_shard split rows longer than 4096 ids over "
+        "Whether the CUDA backend's sample / accept / topk / argmax / argmax_shard / check_finite split rows longer "
+        "than 4096 ids over "
         "several thread blocks (one per 4096-id chunk) rather than one block per row (starts on unless "
         "DFLASH2_WIDE_ROWS=0). The same decisions as the CPU either way. No effect on the CPU.");
   o.def("set_wide_rows", &ops::set_wide_rows, py::arg("on"),

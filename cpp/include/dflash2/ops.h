@@ -240,8 +240,9 @@ void set_exact_tc(bool on);
 // Whether the CUDA backend's reductions over long rows split each row longer than 4096 ids
 // over several thread blocks, one per 4096-id chunk, rather than one block per row (which
 // leaves all but a few SMs idle at small batch): sample / accept run a launch per step of
-// their selection (cuda/sampling.cu "wide rows"), argmax / argmax_shard one launch whose
-// last block per row merges the chunks (cuda/row_reduce.cu). The same decisions as the CPU
+// their selection (cuda/sampling.cu "wide rows"), argmax / argmax_shard / check_finite one
+// launch whose last block per row merges the chunks (cuda/row_reduce.cu), topk with k <= 64
+// each chunk's top k then topk_merge. The same decisions as the CPU
 // either way (argmax's bitwise; sample / accept's sums of masses round in another order, so
 // a draw within ~1e-16 of a boundary may differ). Starts on unless the environment has
 // DFLASH2_WIDE_ROWS=0; off is the baseline that bench_ops' sample / accept / argmax rows

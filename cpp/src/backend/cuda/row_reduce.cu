@@ -8,8 +8,8 @@
 // rule; the kernels are checked against the CPU backend by tests/test_ops.py and
 // tests/cpp/test_cuda_backend.cpp when a GPU is present (bench/device_check.sh).
 //
-// Mapping (every op; argmax / argmax_shard over rows longer than 4096 ids: "argmax over wide
-// rows" below): one thread block per row (grid-strided past 2^20 rows), threads
+// Mapping (every op; argmax / argmax_shard / check_finite over rows longer than 4096 ids:
+// "argmax over wide rows" below): one thread block per row (grid-strided past 2^20 rows), threads
 // striding over the row, block reductions with warp shuffles then across warps
 // (kernel_util.cuh). The block size depends only on the row length, so a row's result does
 // not depend on how many rows are reduced together (decode == verify). Rows are
@@ -216,7 +216,8 @@ __global__ void __launch_bounds__(kMaxThreads)
 }
 
 // ------------------------------------------------------------------ argmax over wide rows
-// Rows longer than kArgChunk ids (ops::wide_rows()): grid (chunk, row), one 256-thread block
+// argmax, argmax_shard and check_finite over rows longer than kArgChunk ids
+// (ops::wide_rows()): grid (chunk, row), one 256-thread block
 // per chunk of kArgChunk ids (4 float4 loads per thread, all in flight at once), each block's
 // (best, id, non-finite) into scratch, then the row's last block (an arrival counter,
 // detail::zeroed_counters, reset by it) merges the chunks' partials: argmax_better is a
@@ -231,9 +232,12 @@ struct ArgPart {
   int32_t i, bad, pad;
 };
 
-// shard: argmax_shard's output (pairs; out_col, first) else argmax's (ids).
+// What the row's last block writes: argmax's id (ids), argmax_shard's pair (pairs; out_col,
+// first) or check_finite's flag (ids as the flags).
+enum class WideOut : int { Argmax, Shard, Finite };
+
 __global__ void __launch_bounds__(kArgThreads)
-    argmax_wide_kernel(const float* x, int64_t x_stride, int32_t V, int32_t P, bool shard, int32_t* ids,
+    argmax_wide_kernel(const float* x, int64_t x_stride, int32_t V, int32_t P, WideOut mode, int32_t* ids,
                        int64_t ids_stride, float* pairs, int64_t p_stride, int64_t out_col, int64_t first,
                        ArgPart* parts, uint32_t* arrivals) {
   detail::pdl_enter();
@@ -282,12 +286,12 @@ __global__ void __launch_bounds__(kArgThreads)
   detail::block_argmax_merge(bv, bi, sval, sidx);
   if (threadIdx.x == 0) {
     const int32_t best = layout::argmax_finish(isnan(xr[0]), bi);
-    if (shard) {
+    if (mode == WideOut::Shard) {
       float* o = pairs + r * p_stride;
       o[0] = bad ? __int_as_float(0x7fc00000) : xr[best];
       o[out_col] = float(first + (bad ? 0 : best));
     } else {
-      ids[r * ids_stride] = best;
+      ids[r * ids_stride] = mode == WideOut::Finite ? (bad ? 1 : 0) : best;
     }
   }
 }
@@ -481,7 +485,7 @@ void argmax(const Tensor& x, Tensor& out) {
     const int dev = x.device().index;
     ArgPart* parts = static_cast<ArgPart*>(detail::scratch(dev, size_t(L.rows) * size_t(P) * sizeof(ArgPart)));
     argmax_wide_kernel<<<dim3(unsigned(P), unsigned(L.rows)), kArgThreads, 0, detail::stream()>>>(
-        x.data_as<const float>(), L.stride, int32_t(L.cols), P, false, out.data_as<int32_t>(), out.stride(0), nullptr,
+        x.data_as<const float>(), L.stride, int32_t(L.cols), P, WideOut::Argmax, out.data_as<int32_t>(), out.stride(0), nullptr,
         0, 0, 0, parts, detail::zeroed_counters(dev));
     detail::check_launch("argmax (wide rows) kernel launch", x.describe());
     return;
@@ -510,7 +514,7 @@ void argmax_shard(const Tensor& x, int64_t first, Tensor& out) {
     const int dev = x.device().index;
     ArgPart* parts = static_cast<ArgPart*>(detail::scratch(dev, size_t(L.rows) * size_t(P) * sizeof(ArgPart)));
     argmax_wide_kernel<<<dim3(unsigned(P), unsigned(L.rows)), kArgThreads, 0, detail::stream()>>>(
-        x.data_as<const float>(), L.stride, int32_t(L.cols), P, true, nullptr, 0, out.data_as<float>(), out.stride(0),
+        x.data_as<const float>(), L.stride, int32_t(L.cols), P, WideOut::Shard, nullptr, 0, out.data_as<float>(), out.stride(0),
         out.stride(1), first, parts, detail::zeroed_counters(dev));
     detail::check_launch("argmax_shard (wide rows) kernel launch", x.describe());
     return;
@@ -571,6 +575,15 @@ void check_finite(const Tensor& x, Tensor& flags) {
   const layout::RowLayout L = index_rows_args("check_finite", x, flags, "flags");
   if (L.rows == 0) return;
   detail::DeviceGuard guard(x.device().index);
+  if (const int32_t P = argmax_wide_parts(L.cols, L.rows)) {
+    const int dev = x.device().index;
+    ArgPart* parts = static_cast<ArgPart*>(detail::scratch(dev, size_t(L.rows) * size_t(P) * sizeof(ArgPart)));
+    argmax_wide_kernel<<<dim3(unsigned(P), unsigned(L.rows)), kArgThreads, 0, detail::stream()>>>(
+        x.data_as<const float>(), L.stride, int32_t(L.cols), P, WideOut::Finite, flags.data_as<int32_t>(),
+        flags.stride(0), nullptr, 0, 0, 0, parts, detail::zeroed_counters(dev));
+    detail::check_launch("check_finite (wide rows) kernel launch", x.describe());
+    return;
+  }
   check_finite_kernel<<<detail::row_blocks(L.rows), detail::pick_threads(L.cols), 0, detail::stream()>>>(
       x.data_as<const float>(), L.stride, flags.data_as<int32_t>(), flags.stride(0), L.rows, int32_t(L.cols));
   detail::check_launch("check_finite kernel launch", x.describe());
