@@ -186,6 +186,7 @@ struct Bufs {
   Tensor qI, kI0, kI, wI, sel, sel_len;
   Tensor mlp_out, scratch, router, rids, rw, moe_ws, nrm, cat, rows;
   Tensor lg_local, lg_all;  // tensor parallelism: this rank's vocabulary slice of the logits, all slices
+  Tensor pairs;             // one rank: the rows' (max, id) pairs of ForwardOutputs::argmax_only
 };
 
 namespace {
@@ -216,6 +217,8 @@ Bufs alloc_bufs(Arena& a, const GlmConfig& c, int64_t T, int64_t tp) {
   if (tp > 1) {
     b.lg_local = a.alloc(DType::F32, {T, c.vocab_size / tp});
     b.lg_all = a.alloc(DType::F32, {tp, T, c.vocab_size / tp});
+  } else {
+    b.pairs = a.alloc(DType::F32, {1, T, 2});
   }
   b.router = a.alloc(DType::F32, {T, c.n_routed_experts > 0 ? c.n_routed_experts : 1});
   b.rids = a.alloc(DType::I32, {T, K});
@@ -627,8 +630,21 @@ void GlmModel::project(const Tensor& rows, const ops::Weight& head, Bufs& b, Ten
 }
 
 void GlmModel::project_argmax(const Tensor& rows, const ops::Weight& head, Bufs& b, const Tensor& ids,
-                              const Tensor& flags) {
-  DFLASH2_INTERNAL(opt_.tp_size > 1 && comm_ != nullptr, "argmax outputs without tensor parallelism");
+                              const Tensor& flags, const Tensor& logits) {
+  if (opt_.tp_size == 1) {  // one GPU: the logits into `logits`, one pass to (max, id), the merge of one shard
+    DFLASH2_INTERNAL(logits.defined() && logits.shape(0) == rows.shape(0) && ids.defined(),
+                     "argmax outputs on one rank without a logits buffer or ids");
+    const int64_t R = rows.shape(0);
+    Tensor lg = logits;
+    ops::linear(rows, head, lg);
+    Tensor all = b.pairs.slice(1, 0, R);
+    Tensor mine = Tensor::view(all.data(), DType::F32, {R, 2}, {}, all.device());
+    ops::argmax_shard(lg, 0, mine);
+    Tensor i = ids, f = flags;
+    ops::argmax_merge(all, i, f);
+    return;
+  }
+  DFLASH2_INTERNAL(comm_ != nullptr, "argmax outputs without a communicator");
   const int64_t R = rows.shape(0), n = opt_.tp_size, Vl = head.out_features;
   DFLASH2_INTERNAL(n * R * Vl >= (n + 1) * R * 2, "a vocabulary shard of ", Vl, " ids holds no argmax pairs");
   Tensor local = b.lg_local.slice(0, 0, R);
@@ -721,7 +737,7 @@ void GlmModel::forward(const TokenBatch& tb, const GlmCache& cache, const Forwar
       rows = b.rows.slice(0, 0, tb.logit_rows.shape(0));
       ops::gather_rows(nrm, tb.logit_rows, rows);
     }
-    return project_argmax(rows, lm_head_local_, b, out.argmax, out.argmax_flags);
+    return project_argmax(rows, lm_head_local_, b, out.argmax, out.argmax_flags, out.logits);
   }
   if (!out.logits.defined()) return;
   Tensor logits = out.logits;

@@ -40,11 +40,12 @@ struct ForwardOutputs {
                                      // projections take Options::prefill's GEMM
   bool exact = false;                // the comparison APIs (Engine::logits, Sequence): every
                                      // projection exact, whatever Options::prefill / decode
-  // Tensor parallelism, instead of logits (greedy steps): each rank reduces its vocabulary
-  // shard of the same rows to (max, id) pairs (ops::argmax_shard) and the ranks all-gather
-  // those (N x R x 2 floats instead of R x V); where argmax is defined (rank 0) they are
-  // merged (ops::argmax_merge) into argmax I32 [R] -- ops::argmax over the full rows -- and
-  // argmax_flags I32 [R] -- ops::check_finite over them. Every rank sets argmax_only.
+  // Greedy steps, instead of logits: each rank reduces its vocabulary shard of the same rows
+  // to (max, id) pairs (ops::argmax_shard) and the ranks all-gather those (N x R x 2 floats
+  // instead of R x V); where argmax is defined (rank 0) they are merged (ops::argmax_merge)
+  // into argmax I32 [R] -- ops::argmax over the full rows -- and argmax_flags I32 [R] --
+  // ops::check_finite over them. Every rank sets argmax_only. On one rank (a GPU) `logits`
+  // must be given too: the projection's buffer (its contents are the logits afterwards).
   bool argmax_only = false;
   Tensor argmax, argmax_flags;
 };
@@ -167,8 +168,10 @@ class GlmModel {
   void reduce_into(Tensor& part, Tensor& h);
   void project(const Tensor& rows, const ops::Weight& head, Bufs& b, Tensor& logits);
   // ForwardOutputs::argmax_only: this rank's (max, id) pairs gathered, merged into ids /
-  // flags where those are defined.
-  void project_argmax(const Tensor& rows, const ops::Weight& head, Bufs& b, const Tensor& ids, const Tensor& flags);
+  // flags where those are defined. One rank: the logits go to `logits` (the step's buffer),
+  // their pairs merged as one shard's.
+  void project_argmax(const Tensor& rows, const ops::Weight& head, Bufs& b, const Tensor& ids, const Tensor& flags,
+                      const Tensor& logits);
   // set_prefill / set_decode: ops::prepare_nvfp4_scales for every W4A4 weight once NVFP4
   // numerics are in effect on a GPU.
   void prepare_w4a4_scales();

@@ -55,7 +55,9 @@ void Core::allocate_buffers() {
   a_bonus = h_res.slice(0, verify_rows + B, verify_rows + 2 * B);
   no_drafts = Tensor::zeros(DType::I32, {B, 1}, device);
   const int tp = target->tp_size();
-  if (tp > 1 && V <= (int64_t(1) << 24) && V / tp >= 3) ids = Tensor::zeros(DType::I32, {verify_rows}, device);
+  // greedy steps' argmax ids (decoder.cpp: argmax_only): under tensor parallelism, and on one GPU
+  if ((tp > 1 || device.is_cuda()) && V <= (int64_t(1) << 24) && V / tp >= 3)
+    ids = Tensor::zeros(DType::I32, {verify_rows}, device);
   marks = StepMarks(device, 4);
   if (device.is_cuda()) {
     d_res = Tensor::zeros(DType::I32, {res_words}, device);

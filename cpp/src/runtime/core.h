@@ -29,9 +29,10 @@ struct Core {
   Tensor s_temp, s_topp, s_topk, s_rng, s_out;
   Tensor a_row0, a_draft_row, a_draft_len, a_accepted, a_bonus;
   Tensor no_drafts;  // I32 [B, 1] zeros on `device` (ar's drafts: acceptance reads them there)
-  // Tensor parallelism: the verify rows' argmax ids I32 [B (K + 1)] on `device`, for greedy
-  // steps that gather (max, id) pairs instead of logits (ForwardOutputs::argmax_only);
-  // undefined at one rank or where ids are not exact in F32 (vocabulary > 2^24).
+  // The verify rows' argmax ids I32 [B (K + 1)] on `device`, for greedy steps that reduce
+  // the logits to (max, id) pairs (ForwardOutputs::argmax_only): under tensor parallelism
+  // (the pairs are gathered instead of the logits) and on one GPU (fewer launches);
+  // undefined on one CPU rank or where ids are not exact in F32 (vocabulary > 2^24).
   Tensor ids;
   // host bookkeeping reused across steps
   std::vector<std::vector<Piece>> chunks;
@@ -83,7 +84,7 @@ struct Core {
   // selector's cand / q (undefined: one-hot proposals) on the host or already on the device.
   // in_step: in a recorded step, called after acceptance is queued (before the flush) with
   // its tensors (Drafter::commit_in_step).
-  // target_ids (a greedy step under tensor parallelism, rows of `ids`): acceptance from the
+  // target_ids (a greedy step with argmax ids, rows of `ids`): acceptance from the
   // target's argmax ids (ops::accept_greedy) instead of the logits; not in a recorded step.
   void accept_rows(int64_t rows, int64_t S, const Tensor& drafts, const Tensor& cand, const Tensor& q,
                    const std::function<void(const Drafter::StepAcceptance&)>& in_step = nullptr,

@@ -353,10 +353,12 @@ void Decoder::step() {
       step_rows_.push_back(sr);
     }
   }
-  // Tensor parallelism with every request greedy: the verify pass returns each row's argmax
-  // (each rank's vocabulary shard reduced to (max, id) pairs, gathered and merged on rank 0)
-  // and its non-finite flag instead of the full logits: N x R x 2 floats cross the link
-  // instead of R x V, and acceptance reads the ids (ops::accept_greedy).
+  // Every request greedy (tensor parallelism, or one GPU): the verify pass returns each row's
+  // argmax (each rank's vocabulary shard reduced to (max, id) pairs, gathered and merged on
+  // rank 0) and its non-finite flag instead of the full logits: N x R x 2 floats cross the
+  // link instead of R x V, and acceptance reads the ids (ops::accept_greedy). On one GPU the
+  // same path saves launches: one pass over the logits (argmax_shard: argmax and the flag)
+  // and a three-kernel acceptance, instead of check_finite and accept over the logits.
   bool argmax_only = c_.ids.defined();
   for (int64_t k = 0; k < S && argmax_only; ++k) argmax_only = act_[size_t(k)]->p.temperature <= 0.0f;
   int64_t row0 = 0;
@@ -368,6 +370,7 @@ void Decoder::step() {
       out.argmax_only = true;
       out.argmax = c_.ids.slice(0, row0, row0 + T);
       out.argmax_flags = c_.flags_out(row0, row0 + T);
+      if (tgt.tp_size() == 1) out.logits = c_.logits.slice(0, row0, row0 + T);  // the projection's buffer
     } else {
       out.logits = c_.logits.slice(0, row0, row0 + T);
     }
