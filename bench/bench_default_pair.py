@@ -18,7 +18,7 @@ cores ("auto"): tok/s of both, their ratio, and whether that run is lossless too
 dflash2 also run once more with the fused launches off (ops.set_fused_launches(False): the
 ops a layer runs several of side by side, one kernel each): tok/s both ways, their ratio,
 whether the outputs are equal; and once more with the other setting of programmatic dependent
-launch in the CUDA graphs (ops.set_pdl: off by default): tok/s both ways, the ratio PDL on /
+launch in the CUDA graphs (ops.set_pdl: on by default): tok/s both ways, the ratio PDL on /
 off, whether the outputs are equal, the programmatic edges of the PDL run's graphs; and once
 more with linear's exact numerics on the tensor cores (ops.set_exact_tc(True), engines made
 under it): tok/s and its ratio to the SIMT GEMMs', and whether dflash2 equals ar under it.

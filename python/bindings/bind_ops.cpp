@@ -185,8 +185,8 @@ void bind_ops(py::module_& m) {
         "it): the same results either way; for an A/B of the kernel counts in one process.");
   o.def("pdl", &ops::pdl,
         "Whether CUDA graphs captured from now on chain their kernels with programmatic dependent launch (each "
-        "kernel's launch overlaps the one before it, which it still waits for; the same results). Off unless "
-        "DFLASH2_PDL=1: not yet measured on a GPU.");
+        "kernel's launch overlaps the one before it, which it still waits for; the same results). On unless "
+        "DFLASH2_PDL=0 (an H200 ran the bundled pair x1.08 faster with it, the same tokens).");
   o.def("set_pdl", &ops::set_pdl, py::arg("on"),
         "Sets pdl() for the CUDA graphs captured from now on (engines built later capture theirs with it).");
   o.def("dq_wgmma", &ops::dq_wgmma,

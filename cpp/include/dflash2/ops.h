@@ -211,9 +211,10 @@ bool fused_launches();
 void set_fused_launches(bool on);
 // Whether CUDA graphs captured from now on chain their kernels with programmatic dependent
 // launch (backend/cuda/pdl.cuh: each kernel's launch overlaps the one before it, which it
-// still waits for before touching memory; the same results). Off unless the environment has
-// DFLASH2_PDL=1: not yet measured on a GPU (bench/bench_default_pair.py --device cuda runs
-// ar and dflash2 both ways). No effect on the CPU or outside graphs.
+// still waits for before touching memory; the same results). On unless the environment has
+// DFLASH2_PDL=0: on an H200 (2026-12-04, bench/bench_default_pair.py --device cuda, which runs
+// ar and dflash2 both ways) the same tokens at x1.08 tok/s for both. No effect on the CPU or
+// outside graphs.
 bool pdl();
 void set_pdl(bool on);
 // Whether the mainloop-dequantizing tensor-core GEMM (the W4A16 / W8A16 linear_bf16 of NVFP4

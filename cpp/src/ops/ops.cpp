@@ -194,7 +194,7 @@ std::atomic<bool>& fused_flag() {
   return on;
 }
 std::atomic<bool>& pdl_flag() {
-  static std::atomic<bool> on{env_switch("DFLASH2_PDL", false)};
+  static std::atomic<bool> on{env_switch("DFLASH2_PDL", true)};
   return on;
 }
 std::atomic<bool>& dq_wgmma_flag() {
