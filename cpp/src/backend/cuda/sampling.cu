@@ -135,15 +135,18 @@ struct Common {
   Bcast bc;
 };
 
-// sample / accept: + the mass histograms and the candidates of a rejected position.
-struct SelShared {
+// sample / accept: + the mass histograms (per warp of W) and the candidates of a rejected
+// position.
+template <int W>
+struct SelSharedW {
   Common cm;
-  double whist[kSelWarps * 256];
+  double whist[W * 256];
   double hist[256];
-  double stage[kSelWarps * 32];
+  double stage[W * 32];
   int32_t cid[kSharedCand];
   float cq[kSharedCand];
 };
+using SelShared = SelSharedW<kSelWarps>;
 
 __device__ __forceinline__ int lane_id() { return int(threadIdx.x & 31); }
 __device__ __forceinline__ int warp_id() { return int(threadIdx.x >> 5); }
@@ -920,13 +923,7 @@ struct WideArgs {
   uint32_t* arrivals;
 };
 
-struct WideShared {
-  Common cm;
-  double whist[kWideWarps * 256];
-  double hist[256];
-  double stage[kWideWarps * 32];
-  int32_t cid[kSharedCand];
-  float cq[kSharedCand];
+struct WideShared : SelSharedW<kWideWarps> {
   double pv[kMaxParts];  // the chunks' partials, loaded by the whole block for thread 0's scans
   float pf[kMaxParts];
   int32_t pl[kMaxParts];
