@@ -502,6 +502,32 @@ def test_bf16_prefill_on_cuda(zoo):
         assert list(s.token_ids) == list(g.token_ids), f"mtp != ar on the GPU with bf16 prefill, prompt {i}"
 
 
+def test_kv_cache_bf16_on_cuda(zoo):
+    """kv_cache_dtype="bf16" on the GPU: the latent and index-key caches in BF16 (the MLA and
+    indexer kernels widen them as they stage the keys): logits equal the CPU engine's under
+    the same option (dense and sparse attention), greedy tokens equal the CPU's where the
+    margin exceeds the tolerance, MTP speculation == AR on the GPU exactly, and the step
+    graphs capture those kernels (none failed)."""
+    cpu = zoo.engine("tiny", "cpu", kv_cache_dtype="bf16")
+    gpu = zoo.engine("tiny", "cuda", kv_cache_dtype="bf16")
+    mtp = zoo.engine("tiny", "cuda", method="mtp", kv_cache_dtype="bf16")
+    assert gpu.kv_cache_dtype == mtp.kv_cache_dtype == "bf16"
+    for n in (1, 9, 40):  # below and above index_topk = 8: dense, then sparse attention
+        ids = gf.prompt(860 + n, n)
+        close(gpu.logits(ids), cpu.logits(ids), f"bf16 cache n={n}", rel=REL_BF16)
+    prompts = [gf.prompt(865 + i, n) for i, n in enumerate((3, 11, 40))]
+    want = cpu.generate(prompts, max_new_tokens=12, stop_token_ids=NO_STOP)
+    got = gpu.generate(prompts, max_new_tokens=12, stop_token_ids=NO_STOP)
+    for i, (g, w) in enumerate(zip(got, want)):
+        same_tokens(cpu, prompts[i], g.token_ids, w.token_ids, f"bf16 cache prompt {i}", rel=REL_BF16)
+    spec = mtp.generate(prompts, max_new_tokens=12, stop_token_ids=NO_STOP)
+    for i, (s_, g) in enumerate(zip(spec, got)):
+        assert list(s_.token_ids) == list(g.token_ids), f"mtp != ar on the GPU with a BF16 cache, prompt {i}"
+    for e in (gpu, mtp):
+        m = e.metrics()
+        assert m["cuda_graphs_failed"] == 0, m["cuda_graphs_last_failure"]
+
+
 def test_decode_gemm_on_cuda(zoo):
     """decode_gemm="auto" on the GPU: the generated tokens' projections and experts on the
     tensor cores (as prefill_gemm's "auto": "bf16" on this BF16 fixture), greedy tokens equal

@@ -2036,6 +2036,93 @@ def test_mla_attention_split_kv_equals_whole(dev, sparse):
         assert np.array_equal(one[0], full[t]), f"token {t} (position {int(pos[t])}) differs when computed alone"
 
 
+@pytest.mark.parametrize("dev", DEVICES)
+@pytest.mark.parametrize("case", [MLA_CASES[2], MLA_CASES[5], MLA_CASES[6], MLA_CASES[8]],
+                         ids=lambda c: "bs%d-h%d-lora%d-rope%d" % c)
+@pytest.mark.parametrize("sparse", [False, True], ids=["dense", "sparse"])
+def test_mla_attention_bf16_cache(dev, case, sparse):
+    """mla_attention over a BF16 latent cache (Engine kv_cache_dtype="bf16"): bitwise the
+    op over the F32 cache holding the same rounded values, on the same device (the rows are
+    widened exactly: on CUDA 8 values per 16-byte load where the rows allow it, one at a
+    time from a misaligned column view), whole batches and a token alone (split-KV on CUDA);
+    and the reference over the rounded values."""
+    need_device(dev, "mla_attention")
+    rng = rng_for("mla-bf16", case, sparse)
+    bs = case[0]
+    cache, bt, seq, pos, q_lat, q_pe, scale = mla_inputs(rng, case)
+    T, D = len(seq), cache.shape[1]
+    kw = {}
+    sel = sel_len = None
+    if sparse:
+        W = int(pos.max()) + 1
+        sel = np.zeros((T, W), np.int32)
+        sel_len = np.full(T, -1, np.int32)
+        for t in range(T):
+            p = int(pos[t])
+            if p >= 2:
+                n = int(rng.integers(1, p + 2))
+                sel[t, :n] = rng.permutation(p + 1)[:n]
+                sel_len[t] = n
+        kw = dict(sel=to_dev(sel, dev), sel_len=to_dev(sel_len, dev))
+    c16 = _bf16_tensor(cache, dev)
+    rounded = _bf16_host(c16).float().numpy()
+    # the same values at an odd column offset of wider rows: a misaligned BF16 view
+    wide = _bf16_tensor(np.concatenate([np.zeros((cache.shape[0], 1), np.float32), rounded], axis=1), dev)
+    views = {"aligned": c16, "misaligned": _bf16_cols(wide, 1, 1 + D)}
+    ref = refs.mla_attention(q_lat, q_pe, rounded, seq, pos, bt, bs, sel, sel_len, scale)
+    args = mla_args(dev, q_lat, q_pe, rounded, seq, pos, bt)
+    want = to_np(ops.mla_attention(*args, bs, scale, **kw)).copy()  # the F32 cache of the rounded values
+    check("mla_attention", want, ref)
+    for name, view in views.items():
+        out = Guarded(q_lat.shape, dev)
+        ops.mla_attention(args[0], args[1], view, *args[3:], bs, scale, out=out.view, **kw)
+        assert np.array_equal(out.result(), want), f"{name} BF16 cache != F32 cache of the rounded values"
+    t = T - 1  # a token alone (on CUDA split-KV where its keys span several segments)
+    one_kw = {k: to_dev(np.ascontiguousarray(v[t:t + 1]), dev) for k, v in (("sel", sel), ("sel_len", sel_len))
+              if v is not None}
+    one = to_np(ops.mla_attention(to_dev(q_lat[t:t + 1], dev), to_dev(np.ascontiguousarray(q_pe[t:t + 1]), dev), c16,
+                                  to_dev(seq[t:t + 1], dev), to_dev(pos[t:t + 1], dev), args[5], bs, scale, **one_kw))
+    assert np.array_equal(one[0], want[t]), "a token alone over the BF16 cache"
+
+
+@pytest.mark.parametrize("dev", DEVICES)
+@pytest.mark.parametrize("case", [INDEXER_CASES[3], INDEXER_CASES[5], INDEXER_CASES[6]],
+                         ids=lambda c: "bs%d-h%d-d%d-k%d" % c)
+def test_indexer_topk_bf16_cache(dev, case):
+    """indexer_topk over BF16 index keys (Engine kv_cache_dtype="bf16"): the selection of
+    the F32 cache holding the same rounded values, bitwise (scores and ties alike), from an
+    aligned cache and a misaligned column view; and the reference's over the rounded keys."""
+    need_device(dev, "indexer_topk")
+    bs, nI, dI, topk = case
+    rng = rng_for("indexer-bf16", case)
+    lengths = page_lengths(rng, bs, 4) + [topk + 1, 3 * topk + 5]
+    key_cache, bt = make_pages(rng, lengths, bs, dI)
+    k16 = _bf16_tensor(key_cache, dev)
+    rounded = _bf16_host(k16).float().numpy()
+    wide = _bf16_tensor(np.concatenate([np.zeros((rounded.shape[0], 3), np.float32), rounded], axis=1), dev)
+    seq, pos = step_tokens(rng, lengths, bs, 3, extra=(topk - 1, topk, topk + 1))
+    T = len(seq)
+    (q, w), (ref_sel, ref_len, _) = well_posed(
+        lambda a: (rng.standard_normal((T, nI, dI)).astype(np.float32), rng.standard_normal((T, nI)).astype(np.float32)),
+        lambda a: refs.indexer_topk(a[0], a[1], rounded, seq, pos, bt, bs, topk))
+    dv = lambda a: to_dev(a, dev)  # noqa: E731
+
+    def run(cache):
+        sel = Guarded((T, topk), dev, np.int32)
+        sel_len = Guarded((T,), dev, np.int32)
+        ops.indexer_topk(dv(q), dv(w), cache, dv(seq), dv(pos), dv(bt), bs, topk, sel=sel.view, sel_len=sel_len.view)
+        return sel.result(), sel_len.result()
+
+    want_sel, want_len = run(dv(rounded))
+    np.testing.assert_array_equal(want_len, ref_len)
+    for t in range(T):
+        if ref_len[t] >= 0:
+            np.testing.assert_array_equal(want_sel[t], ref_sel[t])
+    for name, view in (("aligned", k16), ("misaligned", _bf16_cols(wide, 3, 3 + dI))):
+        got_sel, got_len = run(view)
+        assert np.array_equal(got_len, want_len) and np.array_equal(got_sel, want_sel), name
+
+
 BLOCK_ATTN_CASES = [  # (nh, kvh, hd, B, cache block size)
     (1, 1, 4, 1, 1),
     (2, 2, 5, 3, 3),

@@ -361,6 +361,39 @@ def test_decode_gemm_is_lossless(world, tmp_path):
     _quantized_prefill_is_lossless(world, fp8, "fp8", "exact", "fp8", option="decode_gemm")
 
 
+def test_kv_cache_bf16_is_lossless(world):
+    """kv_cache_dtype="bf16": the target's MLA latent and indexer keys (and the MTP layer's)
+    stored as BF16. Every method reads the same cache, so speculative (dflash2, MTP) == AR
+    token for token at batch sizes 1 and 3 under it; the cache really is BF16 (the logits
+    move, most positions by about the latent's rounding) and takes half the bytes
+    (metrics()["kv_cache_bytes"]); bad values are refused."""
+    assert _engine(world.target).kv_cache_dtype == "f32"
+    for bad in ("fp16", "BF16", None):
+        with pytest.raises(dflash2_rt.InvalidArgumentError, match="kv_cache_dtype"):
+            _engine(world.target, kv_cache_dtype=bad)
+    ar = _engine(world.target, kv_cache_dtype="bf16")
+    assert ar.kv_cache_dtype == "bf16"
+    f32_bytes = _engine(world.target).metrics()["kv_cache_bytes"]
+    assert f32_bytes > 0 and ar.metrics()["kv_cache_bytes"] * 2 == f32_bytes
+    ids = GREEDY_PROMPTS[3]
+    lg16, lg32 = ar.logits(ids), _engine(world.target).logits(ids)
+    assert not np.array_equal(lg16, lg32), "kv_cache_dtype='bf16' changed no logit: is the cache BF16?"
+    # most positions move by BF16's rounding of the latent (NMSE ~4e-6 here); a position whose
+    # indexer selection flips on the rounded index keys attends to other keys and moves more
+    rows = ((lg16 - lg32) ** 2).sum(1) / (lg32 ** 2).sum(1)
+    assert np.median(rows) <= 1e-4, rows
+    n = len(GREEDY_PROMPTS)
+    want = []
+    for i in range(0, n, MAXB):
+        want += [list(r.token_ids) for r in ar.generate(GREEDY_PROMPTS[i:i + MAXB], max_new_tokens=GREEDY_NEW,
+                                                        stop_token_ids=NO_STOP)]
+    keys = ["d2"] + (["mtp"] if _has_mtp(world) else [])
+    for key in keys:
+        eng = (_engine(world.target, None, "mtp", kv_cache_dtype="bf16") if key == "mtp"
+               else _engine(world.target, world.draft(key), "dflash2", kv_cache_dtype="bf16"))
+        _greedy_equal_in_batches(eng, want, 5, f"{key}, kv_cache_dtype=bf16")
+
+
 def test_fp8_prefill_is_lossless(world, tmp_path):
     """prefill_gemm="fp8" on an FP8 block-128 checkpoint: the prompt tokens' FP8 projections
     and routed experts run W8A8 (activations quantized per 128 inputs: CUTLASS on sm_90a,

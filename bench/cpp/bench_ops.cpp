@@ -1119,10 +1119,15 @@ std::vector<Step> steps_for(const Bench& b, const std::vector<int64_t>& ctxs) {
   return out;
 }
 
+// MLA over the latent cache in F32 (the default) and BF16 (Engine kv_cache_dtype="bf16": the
+// kernel stages 8 values per 16-byte load and widens them; the F32 cache is the baseline in
+// the same run).
 void bench_mla(Bench& b) {
+  for (const DType cdt : {DType::F32, DType::BF16})
   for (int64_t nh : {int64_t(64), int64_t(16)}) {
     if (b.opt.quick && nh == 64) continue;
     for (bool sparse : {true, false}) {
+      if (cdt == DType::BF16 && !sparse && b.opt.quick) continue;
       // sparse: 2048 selected keys of a 4096-token context; dense: a 2048-token context
       for (const Step& s : steps_for(b, {sparse ? 2 * G.idx_topk : G.idx_topk})) {
         const int64_t T = s.T(), lat = G.latent();
@@ -1150,15 +1155,16 @@ void bench_mla(Bench& b) {
           for (int64_t t = 0; t < T; ++t) keys += ph.pos[size_t(t)] + 1.0;
           distinct = double(s.batch) * s.ctx;
         }
+        const bool bf = cdt == DType::BF16;
         Result r{"mla_attention", "h" + std::to_string(nh) + (sparse ? " sel2048" : " dense") + " " + s.label(),
-                 "f32", s.label(), T};
-        r.bytes = distinct * lat * 4 + 4.0 * T * nh * (G.kv_lora + G.rope) + 4.0 * T * nh * G.kv_lora;
+                 bf ? "bf16 kv" : "f32", s.label(), T};
+        r.bytes = distinct * lat * (bf ? 2 : 4) + 4.0 * T * nh * (G.kv_lora + G.rope) + 4.0 * T * nh * G.kv_lora;
         r.flops = keys * nh * 2.0 * (lat + G.kv_lora);
-        b.run(r, [&](Baseline&) {
-          const double cache_bytes = double(ph.rows) * lat * 4;
+        b.run(r, [&](Baseline& base) {
+          const double cache_bytes = double(ph.rows) * lat * (bf ? 2 : 4);
           const int vars = rotations(int64_t(cache_bytes));
-          std::vector<Tensor> caches;
-          for (int v = 0; v < vars; ++v) caches.push_back(dev_rand(DType::F32, {ph.rows, lat}, 30 + v));
+          std::vector<Tensor> caches, f32_caches;
+          for (int v = 0; v < vars; ++v) caches.push_back(dev_rand(cdt, {ph.rows, lat}, 30 + v));
           ops::PagedTokens tok = upload_paged(ph, s);
           Tensor q = dev_rand(DType::F32, {T, nh, G.qk()}, 5);
           Tensor q_pe = q.slice(2, G.nope, G.qk());
@@ -1169,6 +1175,16 @@ void bench_mla(Bench& b) {
             dlen = upload(sel_len, DType::I32, {T});
           }
           const float scale = 1.0f / std::sqrt(float(G.qk()));
+          if (bf) {
+            const int fvars = rotations(int64_t(2 * cache_bytes));
+            for (int v = 0; v < fvars; ++v) f32_caches.push_back(dev_rand(DType::F32, {ph.rows, lat}, 30 + v));
+            base.name = "f32_cache";
+            base.kind = "mla_attention over the F32 latent cache (kv_cache_dtype f32)";
+            base.variants = fvars;
+            base.run = [=](int v) mutable {
+              ops::mla_attention(q_lat, q_pe, f32_caches[size_t(v)], tok, dsel, dlen, scale, out);
+            };
+          }
           return std::make_pair(std::function<void(int)>([=](int v) mutable {
                                   ops::mla_attention(q_lat, q_pe, caches[size_t(v)], tok, dsel, dlen, scale, out);
                                 }),
@@ -1224,24 +1240,38 @@ void bench_block_attention(Bench& b) {
   }
 }
 
+// The DSA indexer over F32 index keys (the default) and BF16 ones (kv_cache_dtype="bf16", the
+// F32 keys as the baseline in the same run).
 void bench_indexer(Bench& b) {
+  for (const DType cdt : {DType::F32, DType::BF16})
   for (const Step& s : steps_for(b, {4096, 32768})) {
+    const bool bf = cdt == DType::BF16;
+    if (bf && b.opt.quick && s.ctx != 4096) continue;
     const int64_t T = s.T();
     PagedHost ph = make_paged(s, 8);
     double keys = 0;
     for (int64_t t = 0; t < T; ++t) keys += ph.pos[size_t(t)] + 1.0;
-    Result r{"indexer_topk", "h32x128 top2048 " + s.label(), "f32", s.label(), T};
-    r.bytes = double(s.batch) * s.ctx * G.idx_dim * 4 + 4.0 * T * G.idx_heads * (G.idx_dim + 1) + 4.0 * T * G.idx_topk;
+    Result r{"indexer_topk", "h32x128 top2048 " + s.label(), bf ? "bf16 kv" : "f32", s.label(), T};
+    r.bytes = double(s.batch) * s.ctx * G.idx_dim * (bf ? 2 : 4) + 4.0 * T * G.idx_heads * (G.idx_dim + 1) +
+              4.0 * T * G.idx_topk;
     r.flops = keys * G.idx_heads * 2.0 * G.idx_dim;
-    b.run(r, [&](Baseline&) {
-      const double cache_bytes = double(ph.rows) * G.idx_dim * 4;
+    b.run(r, [&](Baseline& base) {
+      const double cache_bytes = double(ph.rows) * G.idx_dim * (bf ? 2 : 4);
       const int vars = rotations(int64_t(cache_bytes));
-      std::vector<Tensor> caches;
-      for (int v = 0; v < vars; ++v) caches.push_back(dev_rand(DType::F32, {ph.rows, G.idx_dim}, 40 + v));
+      std::vector<Tensor> caches, f32_caches;
+      for (int v = 0; v < vars; ++v) caches.push_back(dev_rand(cdt, {ph.rows, G.idx_dim}, 40 + v));
       ops::PagedTokens tok = upload_paged(ph, s);
       Tensor q = dev_rand(DType::F32, {T, G.idx_heads, G.idx_dim}, 9), w = dev_rand(DType::F32, {T, G.idx_heads}, 10);
       Tensor sel = dev_empty(DType::I32, {T, G.idx_topk}), len = dev_empty(DType::I32, {T});
       const int64_t k = G.idx_topk;
+      if (bf) {
+        const int fvars = rotations(int64_t(2 * cache_bytes));
+        for (int v = 0; v < fvars; ++v) f32_caches.push_back(dev_rand(DType::F32, {ph.rows, G.idx_dim}, 40 + v));
+        base.name = "f32_cache";
+        base.kind = "indexer_topk over F32 index keys (kv_cache_dtype f32)";
+        base.variants = fvars;
+        base.run = [=](int v) mutable { ops::indexer_topk(q, w, f32_caches[size_t(v)], tok, k, sel, len); };
+      }
       return std::make_pair(std::function<void(int)>([=](int v) mutable {
                               ops::indexer_topk(q, w, caches[size_t(v)], tok, k, sel, len);
                             }),

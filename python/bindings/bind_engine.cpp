@@ -130,7 +130,8 @@ void bind_engine(py::module_& m) {
                        int64_t max_batch_size, int64_t max_seq_len, int64_t max_step_tokens, int64_t kv_block_size,
                        int64_t num_threads, int64_t mtp_draft_tokens, const std::string& speculation,
                        int64_t tensor_parallel, bool expert_parallel, const std::string& prefill_gemm,
-                       const std::string& draft_gemm, const std::string& decode_gemm, bool cuda_graphs, int pad_to_buckets, int capture_at_load) {
+                       const std::string& draft_gemm, const std::string& decode_gemm, bool cuda_graphs, int pad_to_buckets, int capture_at_load,
+                       const std::string& kv_cache_dtype) {
              DFLASH2_CHECK_ARG(num_threads >= 0 && num_threads <= ops::cpu_max_threads(),
                                "Engine: num_threads must be in [0, ", ops::cpu_max_threads(), "] (0 = all ",
                                ops::cpu_cores(), " cores), found ", num_threads);
@@ -154,6 +155,7 @@ void bind_engine(py::module_& m) {
              c.cuda_graphs = cuda_graphs;
              c.pad_to_buckets = pad_to_buckets;
              c.capture_at_load = capture_at_load;
+             c.kv_cache_dtype = kv_cache_dtype;
              ReleaseGil nogil;
              return std::make_unique<Engine>(c);
            }),
@@ -163,7 +165,7 @@ void bind_engine(py::module_& m) {
            py::arg("speculation") = "fixed", py::arg("tensor_parallel") = 1, py::arg("expert_parallel") = false,
            py::arg("prefill_gemm") = "auto", py::arg("draft_gemm") = "auto", py::arg("decode_gemm") = "exact",
            py::arg("cuda_graphs") = true,
-           py::arg("pad_to_buckets") = -1, py::arg("capture_at_load") = -1)
+           py::arg("pad_to_buckets") = -1, py::arg("capture_at_load") = -1, py::arg("kv_cache_dtype") = "f32")
       .def(
           "logits",
           [](Engine& e, py::handle tokens) {
@@ -278,6 +280,7 @@ void bind_engine(py::module_& m) {
              d["cache_pages_used"] = m.cache_pages_used;
              d["cache_pages_total"] = m.cache_pages_total;
              d["draft_cache_bytes"] = m.draft_cache_bytes;
+             d["kv_cache_bytes"] = m.kv_cache_bytes;
              d["cuda_graphs_captured"] = m.cuda_graphs_captured;
              d["cuda_graphs_replayed"] = m.cuda_graphs_replayed;
              d["cuda_graphs_eager"] = m.cuda_graphs_eager;
@@ -310,6 +313,7 @@ void bind_engine(py::module_& m) {
       .def_property_readonly("draft_device", [](const Engine& e) { return e.draft_device(); })
       .def_property_readonly("draft_ranks", [](const Engine& e) { return e.draft_ranks(); })
       .def_property_readonly("decode_gemm", [](const Engine& e) { return e.config().decode_gemm; })
+      .def_property_readonly("kv_cache_dtype", [](const Engine& e) { return e.config().kv_cache_dtype; })
       .def_property_readonly("experts_decode_gemm", [](const Engine& e) { return e.config().experts_decode_gemm; })
       .def_property_readonly("experts_prefill_gemm", [](const Engine& e) { return e.config().experts_prefill_gemm; })
       .def_property_readonly("cuda_graphs", [](const Engine& e) { return e.config().cuda_graphs; })

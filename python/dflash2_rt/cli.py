@@ -149,6 +149,9 @@ def _add_gemm_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--decode-gemm", choices=("auto", "exact", "bf16", "fp8", "nvfp4"), default="exact",
                    help="generated tokens' GEMM numerics (decode and verify chunks), as --prefill-gemm; exact (the "
                         "default) = fp32 as on the CPU; any mode keeps speculative == AR")
+    p.add_argument("--kv-cache-dtype", choices=("f32", "bf16"), default="f32",
+                   help="the target's MLA latent and indexer-key caches: f32 (default) or bf16 (half the memory; "
+                        "speculative == AR either way)")
 
 
 def _generate_args(p: argparse.ArgumentParser) -> None:
@@ -196,7 +199,8 @@ def _run_generate(args: argparse.Namespace) -> int:
     eng = Engine(target=args.target, draft=args.draft, method=args.method, device=args.device,
                  max_seq_len=args.max_seq_len, max_batch_size=1, num_threads=args.threads,
                  tensor_parallel=args.tensor_parallel, expert_parallel=args.expert_parallel,
-              prefill_gemm=args.prefill_gemm, draft_gemm=args.draft_gemm, decode_gemm=args.decode_gemm, cuda_graphs=args.cuda_graphs)
+              prefill_gemm=args.prefill_gemm, draft_gemm=args.draft_gemm, decode_gemm=args.decode_gemm, cuda_graphs=args.cuda_graphs,
+              kv_cache_dtype=args.kv_cache_dtype)
     method = eng.method
     print(f"loaded in {time.perf_counter() - t0:.2f} s (method {method})", file=sys.stderr, flush=True)
     if args.prompt is not None:
@@ -300,6 +304,7 @@ def _run_serve(args: argparse.Namespace) -> int:
     kw = dict(max_batch_size=args.max_batch_size, max_seq_len=args.max_seq_len, speculation=args.speculation,
               tensor_parallel=args.tensor_parallel, expert_parallel=args.expert_parallel,
               prefill_gemm=args.prefill_gemm, draft_gemm=args.draft_gemm, decode_gemm=args.decode_gemm, cuda_graphs=args.cuda_graphs,
+              kv_cache_dtype=args.kv_cache_dtype,
               pad_to_buckets={"auto": None, "on": True, "off": False}[args.pad_to_buckets])
     if args.threads is not None:
         kw["num_threads"] = args.threads

@@ -213,7 +213,7 @@ class Engine:
                  speculation: str = "fixed", tensor_parallel: int = 1, expert_parallel: bool = False,
                  prefill_gemm: str = "auto", draft_gemm: str = "auto", decode_gemm: str = "exact",
                  cuda_graphs: bool = True, pad_to_buckets: Optional[bool] = None,
-                 capture_at_load: Optional[bool] = None):
+                 capture_at_load: Optional[bool] = None, kv_cache_dtype: str = "f32"):
         """target: a glm_moe_dsa checkpoint directory (None: the bundled default pair).
         draft: a DFlash 2 / DFlash 1 drafter directory. method: "ar" | "mtp" | "dflash" |
         "dflash2"; None infers it: "ar" without a drafter, else from the drafter's
@@ -265,6 +265,12 @@ class Engine:
         batch-size bucket (greedy and sampled) so the step graphs exist before the first
         request; None: on with CUDA graphs where whole steps are graphs (every method at
         tensor_parallel=1; ar, dflash, dflash2 under tensor parallelism). `engine.capture_at_load` is what is in effect.
+        kv_cache_dtype: the element type of the target's MLA latent and indexer-key caches (and
+        the MTP layer's): "f32" (the default) or "bf16" (half the cache memory and half the
+        bytes the attention reads per key; values are rounded to nearest even as they are
+        written and widened exactly as they are read). Every method reads the same cache, so
+        speculative == AR holds; against an "f32" cache the logits move by the latent's BF16
+        rounding. `engine.kv_cache_dtype` says what is in effect.
 
         All generation runs on the engine's own scheduler thread: generate / stream / submit
         from any number of threads join one running batch (continuous batching). Close the
@@ -300,6 +306,8 @@ class Engine:
             if v not in ("auto", "exact", "bf16", "fp8", "nvfp4"):
                 raise _core.InvalidArgumentError(
                     f"Engine: {name} must be 'auto', 'exact', 'bf16', 'fp8' or 'nvfp4', found {v!r}")
+        if kv_cache_dtype not in ("f32", "bf16"):
+            raise _core.InvalidArgumentError(f"Engine: kv_cache_dtype must be 'f32' or 'bf16', found {kv_cache_dtype!r}")
         if speculation not in ("fixed", "adaptive"):
             raise _core.InvalidArgumentError(f"Engine: speculation must be 'fixed' or 'adaptive', found {speculation!r}")
         self._e = _core.Engine(os.fspath(target), None if draft is None else os.fspath(draft), method or "", device,
@@ -307,7 +315,7 @@ class Engine:
                                mtp_draft_tokens, speculation, tensor_parallel, bool(expert_parallel),
                                prefill_gemm, draft_gemm, decode_gemm, bool(cuda_graphs),
                                -1 if pad_to_buckets is None else int(bool(pad_to_buckets)),
-                               -1 if capture_at_load is None else int(bool(capture_at_load)))
+                               -1 if capture_at_load is None else int(bool(capture_at_load)), kv_cache_dtype)
         _LIVE.add(self)
         self.speculation = speculation
         self._cancelled: set = set()
@@ -355,6 +363,11 @@ class Engine:
     def prefill_gemm(self) -> str:
         """The prompt tokens' GEMM numerics this engine resolved: "exact", "bf16", "fp8" or "nvfp4"."""
         return self._e.prefill_gemm
+
+    @property
+    def kv_cache_dtype(self) -> str:
+        """The element type of the target's KV caches: "f32" or "bf16"."""
+        return self._e.kv_cache_dtype
 
     @property
     def decode_gemm(self) -> str:

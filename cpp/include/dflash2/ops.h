@@ -348,7 +348,7 @@ void next_after_accept(const Tensor& row0, const Tensor& draft_row, const Tensor
                        const Tensor& bonus, const Tensor& drafts, Tensor& next, Tensor& last);
 
 // ------------------------------------------------------------------ paged caches
-// A paged cache layer is a 2-D F32 tensor [num_blocks * block_size, D]: the token at
+// A paged cache layer is a 2-D F32 (or BF16) tensor [num_blocks * block_size, D]: the token at
 // position p of a sequence with block table row bt lives in row bt[p / bs] * bs + p % bs.
 // The tokens of a step are described by the planner (host) in fixed I32 buffers:
 struct PagedTokens {
@@ -371,7 +371,7 @@ void cache_write_many(const std::vector<const Tensor*>& srcs, const Tensor& slot
 void linear_heads(const Tensor& x, const Tensor& w, Tensor& y);
 
 // DSA indexer. For token t (sequence s = seq[t], position p = pos[t]) and every key j <= p
-// of s in key_cache ([slots, dI] F32, paged as above):
+// of s in key_cache ([slots, dI] F32 or BF16, paged as above; BF16 values are widened exactly):
 //   score(j) = sum_h (w[t, h] / sqrt(nI)) * relu(q[t, h, :] . k_j / sqrt(dI))
 // with q F32 [T, nI, dI], w F32 [T, nI]. If p + 1 > topk, sel[t, :] (I32 [T, topk]) gets
 // the topk best keys (ties to the earlier key) in ascending position order and
@@ -379,7 +379,9 @@ void linear_heads(const Tensor& x, const Tensor& w, Tensor& y);
 void indexer_topk(const Tensor& q, const Tensor& w, const Tensor& key_cache, const PagedTokens& tok, int64_t topk,
                   Tensor& sel, Tensor& sel_len);
 
-// Sparse absorbed MLA over the paged latent cache (rows [c (kv_lora) | k_pe (rope)]): for
+// Sparse absorbed MLA over the paged latent cache (F32 or BF16 rows [c (kv_lora) | k_pe (rope)];
+// BF16 values are widened exactly, so a BF16 cache gives bitwise the results of an F32 cache
+// holding the same rounded values, on every backend): for
 // token t and head h, with keys K_t = sel[t, :sel_len[t]] (or 0..pos[t] when sel_len[t] < 0
 // or sel_len is undefined),
 //   s_j = (q_lat[t, h] . c_j + q_pe[t, h] . k_pe_j) * scale,   out[t, h] = sum_j softmax(s)_j c_j

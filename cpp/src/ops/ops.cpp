@@ -894,7 +894,8 @@ void indexer_topk(const Tensor& q, const Tensor& w, const Tensor& key_cache, con
   need_2d_rows(w, DType::F32, op, "w");
   DFLASH2_CHECK_ARG(w.shape(0) == T && w.shape(1) == q.shape(1), op, ": w must be [", T, ", ", q.shape(1),
                     "], found ", w.describe());
-  need_2d_rows(key_cache, DType::F32, op, "key_cache");
+  need_2d_rows(key_cache, key_cache.defined() && key_cache.dtype() == DType::BF16 ? DType::BF16 : DType::F32, op,
+               "key_cache");
   DFLASH2_CHECK_ARG(key_cache.shape(1) == q.shape(2), op, ": key_cache rows have ", key_cache.shape(1),
                     " values but q heads have ", q.shape(2));
   need_tokens(tok, T, op);
@@ -918,7 +919,7 @@ void mla_attention(const Tensor& q_lat, const Tensor& q_pe, const Tensor& cache,
   DFLASH2_CHECK_ARG(q_pe.shape(0) == T && q_pe.shape(1) == nh, op, ": q_pe ", q_pe.describe(), " does not match q_lat ",
                     q_lat.describe());
   need_same_shape(q_lat, out, op, "q_lat", "out");
-  need_2d_rows(cache, DType::F32, op, "cache");
+  need_2d_rows(cache, cache.defined() && cache.dtype() == DType::BF16 ? DType::BF16 : DType::F32, op, "cache");
   DFLASH2_CHECK_ARG(cache.shape(1) == kvl + q_pe.shape(2), op, ": cache rows must hold kv_lora + rope = ",
                     kvl + q_pe.shape(2), " values, found ", cache.describe());
   need_tokens(tok, T, op);

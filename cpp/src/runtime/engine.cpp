@@ -547,6 +547,8 @@ Engine::Engine(const EngineConfig& cfg) : impl_(std::make_unique<Impl>()) {
                     "Engine: max_batch_size, max_step_tokens and kv_block_size must be >= 1 and max_seq_len >= 0 (0 = "
                     "the model's limit), found ", cfg.max_batch_size, ", ", cfg.max_step_tokens, ", ", cfg.kv_block_size,
                     ", ", cfg.max_seq_len);
+  DFLASH2_CHECK_ARG(cfg.kv_cache_dtype == "f32" || cfg.kv_cache_dtype == "bf16",
+                    "Engine: kv_cache_dtype must be 'f32' or 'bf16', found '", cfg.kv_cache_dtype, "'");
   ops::CpuThreadScope threads(cfg.num_threads);
   // the method: given, or implied by the drafter
   std::unique_ptr<Checkpoint> dk;
@@ -584,6 +586,7 @@ Engine::Engine(const EngineConfig& cfg) : impl_(std::make_unique<Impl>()) {
   to.max_batch_size = cfg.max_batch_size;
   to.max_step_tokens = cfg.max_step_tokens;
   to.kv_block_size = cfg.kv_block_size;
+  to.kv_cache_dtype = cfg.kv_cache_dtype == "bf16" ? DType::BF16 : DType::F32;
   to.num_threads = cfg.num_threads;
   to.device = device;
   to.cuda_graphs = cfg.cuda_graphs;
@@ -863,6 +866,7 @@ EngineMetrics Engine::metrics() const {
     m.draft_head_gathers = impl_->core.target->vocab_head_calls();
     m.drafter_appends_in_step = impl_->core.drafter ? impl_->core.drafter->appends_in_step() : 0;
     m.draft_cache_bytes = impl_->core.drafter ? impl_->core.drafter->cache_bytes() : 0;
+    m.kv_cache_bytes = impl_->core.target->cache().bytes() + impl_->core.target->mtp_cache().bytes();
   }
   return m;
 }

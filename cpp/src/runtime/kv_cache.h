@@ -36,6 +36,13 @@ class KvCache {
   int64_t block_size() const { return block_size_; }
   int64_t num_blocks() const { return num_blocks_; }
   int64_t free_blocks() const { return int64_t(free_.size()); }
+  // Bytes of one replica's planes (every plane's layers x rows x dim x element size).
+  int64_t bytes() const {
+    int64_t b = 0;
+    for (size_t i = 0; i < nplanes_ && i < planes_.size(); ++i)
+      if (planes_[i].defined()) b += planes_[i].numel() * int64_t(dtype_size(planes_[i].dtype()));
+    return b;
+  }
   int64_t max_blocks_per_stream() const { return max_blocks_per_stream_; }
   void set_max_blocks_per_stream(int64_t n) { max_blocks_per_stream_ = n; }
   // The cache rows of one layer of a plane: [num_blocks * block_size, dim] of its dtype.

@@ -49,8 +49,11 @@ Target::Target(std::vector<std::unique_ptr<model::GlmModel>> models, const Optio
   }
   // planes: 0 = MLA latent per layer, 1 = indexer keys per indexer layer; the latent and the
   // indexer are replicated on every rank (MLA shares one latent across heads)
-  cache_ = KvCache("KV cache", {{c.num_layers, c.latent_dim()}, {n_index, c.index_head_dim}}, opt.kv_block_size,
-                   nblocks, opt.device, n);
+  const DType cdt = opt.kv_cache_dtype;
+  DFLASH2_CHECK_ARG(cdt == DType::F32 || cdt == DType::BF16, "the KV cache must be F32 or BF16, found ",
+                    dtype_name(cdt));
+  cache_ = KvCache("KV cache", {{c.num_layers, c.latent_dim(), cdt}, {n_index, c.index_head_dim, cdt}},
+                   opt.kv_block_size, nblocks, opt.device, n);
   cache_.set_max_blocks_per_stream(blocks_per_seq);
   if (pad_tokens > 0)
     DFLASH2_INTERNAL(cache_.try_pin(pad_stream_, pad_tokens), "the padding stream's ", pad_blocks, " blocks");
@@ -68,8 +71,8 @@ Target::Target(std::vector<std::unique_ptr<model::GlmModel>> models, const Optio
     DFLASH2_CHECK(ix || opt.max_seq_len <= c.index_topk, ErrorKind::Checkpoint,
                   "the MTP layer has no indexer tensors, which is only supported while max_seq_len (", opt.max_seq_len,
                   ") <= index_topk (", c.index_topk, ")");
-    mtp_cache_ = KvCache("MTP KV cache", {{1, c.latent_dim()}, {ix ? 1 : 0, c.index_head_dim}}, opt.kv_block_size,
-                         nblocks, opt.device, n);
+    mtp_cache_ = KvCache("MTP KV cache", {{1, c.latent_dim(), cdt}, {ix ? 1 : 0, c.index_head_dim, cdt}},
+                         opt.kv_block_size, nblocks, opt.device, n);
     mtp_cache_.set_max_blocks_per_stream(blocks_per_seq);
     for (int r = 0; r < n; ++r) {
       mtp_views_[size_t(r)].latent.push_back(mtp_cache_.layer(0, 0, r));
@@ -626,9 +629,10 @@ void Target::place_on_devices(int64_t n_index, int64_t nblocks) {
   const int64_t rows = nblocks * opt_.kv_block_size;
   // per rank: the caches (latent + indexer keys, and the MTP layer's), the plan copies and
   // the logits of a chunk, besides the model's own weights and workspace
-  size_t cache_bytes = size_t(rows) * size_t(c.num_layers * c.latent_dim() + n_index * c.index_head_dim) * 4;
+  const size_t el = dtype_size(opt_.kv_cache_dtype);
+  size_t cache_bytes = size_t(rows) * size_t(c.num_layers * c.latent_dim() + n_index * c.index_head_dim) * el;
   if (models_[0]->has_mtp())
-    cache_bytes += size_t(rows) * size_t(c.latent_dim() + (models_[0]->mtp_has_indexer() ? c.index_head_dim : 0)) * 4;
+    cache_bytes += size_t(rows) * size_t(c.latent_dim() + (models_[0]->mtp_has_indexer() ? c.index_head_dim : 0)) * el;
   // logits of a chunk, the drafter features / MTP inputs copied through the device, the
   // indexer's per-stream score scratch (tokens x context), plan copies and slack
   const size_t T = size_t(opt_.max_step_tokens), H = size_t(c.hidden_size);

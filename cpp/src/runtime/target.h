@@ -29,6 +29,11 @@ class Target {
     int64_t max_batch_size = 8;
     int64_t max_step_tokens = 256;
     int64_t kv_block_size = 16;
+    // The element type of the MLA latent and indexer-key caches (main and MTP): F32, or BF16
+    // (values rounded to nearest even as they are written, widened exactly as they are read:
+    // half the memory and the attention's key bytes; every method reads the same cache, so
+    // speculative == AR holds).
+    DType kv_cache_dtype = DType::F32;
     int num_threads = 0;  // CPU threads of the whole target (0: all cores), shared by the ranks
     // Where the model runs: the CPU, or CUDA device d (rank r of tensor parallelism on
     // device d + r, ranks joined by NCCL). On CUDA the weights, caches and chunk workspace

@@ -35,8 +35,12 @@ void cache_write_many(const std::vector<const Tensor*>&, const Tensor&, const st
   done = false;
 }
 
-void indexer_topk(const Tensor& q, const Tensor& w, const Tensor& key_cache, const ops::PagedTokens& tok,
-                  int64_t topk, Tensor& sel, Tensor& sel_len) {
+namespace {
+// The indexer and MLA over a cache of element type C (float, or uint16_t = BF16 widened exactly
+// as it is read: bitwise the results of an F32 cache holding the widened values).
+template <class C>
+void indexer_topk_impl(const Tensor& q, const Tensor& w, const Tensor& key_cache, const ops::PagedTokens& tok,
+                       int64_t topk, Tensor& sel, Tensor& sel_len) {
   const int64_t T = q.shape(0), nI = q.shape(1), dI = q.shape(2);
   const int32_t* seq = tok.seq.data_as<const int32_t>();
   const int32_t* pos = tok.pos.data_as<const int32_t>();
@@ -54,7 +58,7 @@ void indexer_topk(const Tensor& q, const Tensor& w, const Tensor& key_cache, con
     const float* qb = q.data_as<const float>() + i * q.stride(0);
     const float* wr = w.data_as<const float>() + i * w.stride(0);
     for (int64_t t = 0; t <= p; ++t) {
-      const float* k = paged_row(key_cache, tok, s, t);
+      const C* k = paged_row<C>(key_cache, tok, s, t);
       float acc = 0;
       for (int64_t hh = 0; hh < nI; ++hh) {
         const float d = dot4(qb + hh * q.stride(1), k, dI) * sscale;
@@ -71,8 +75,9 @@ void indexer_topk(const Tensor& q, const Tensor& w, const Tensor& key_cache, con
   }
 }
 
-void mla_attention(const Tensor& q_lat, const Tensor& q_pe, const Tensor& cache, const ops::PagedTokens& tok,
-                   const Tensor& sel, const Tensor& sel_len, float scale, Tensor& out) {
+template <class C>
+void mla_attention_impl(const Tensor& q_lat, const Tensor& q_pe, const Tensor& cache, const ops::PagedTokens& tok,
+                        const Tensor& sel, const Tensor& sel_len, float scale, Tensor& out) {
   const int64_t T = q_lat.shape(0), nh = q_lat.shape(1), kvl = q_lat.shape(2), rope = q_pe.shape(2);
   const int32_t* seq = tok.seq.data_as<const int32_t>();
   const int32_t* pos = tok.pos.data_as<const int32_t>();
@@ -90,7 +95,7 @@ void mla_attention(const Tensor& q_lat, const Tensor& q_pe, const Tensor& cache,
       float mx = -INFINITY;
       for (int64_t j = 0; j < nk; ++j) {
         const int64_t t = cnt < 0 ? j : sl[j];
-        const float* kv = paged_row(cache, tok, s, t);
+        const C* kv = paged_row<C>(cache, tok, s, t);
         const float sj = (dot4(qt, kv, kvl) + dot4(qpe, kv + kvl, rope)) * scale;
         sc[j] = sj;
         mx = std::max(mx, sj);
@@ -105,18 +110,29 @@ void mla_attention(const Tensor& q_lat, const Tensor& q_pe, const Tensor& cache,
       std::fill(o, o + kvl, 0.0f);
       for (int64_t j = 0; j < nk; ++j) {
         const int64_t t = cnt < 0 ? j : sl[j];
-        const float* kv = paged_row(cache, tok, s, t);
+        const C* kv = paged_row<C>(cache, tok, s, t);
         const float pj = sc[j] * inv;
-        for (int64_t d = 0; d < kvl; ++d) o[d] += pj * kv[d];
+        for (int64_t d = 0; d < kvl; ++d) o[d] += pj * widen(kv[d]);
       }
     }
   }
 }
+}  // namespace
+
+void indexer_topk(const Tensor& q, const Tensor& w, const Tensor& key_cache, const ops::PagedTokens& tok,
+                  int64_t topk, Tensor& sel, Tensor& sel_len) {
+  if (key_cache.dtype() == DType::BF16) return indexer_topk_impl<uint16_t>(q, w, key_cache, tok, topk, sel, sel_len);
+  indexer_topk_impl<float>(q, w, key_cache, tok, topk, sel, sel_len);
+}
+
+void mla_attention(const Tensor& q_lat, const Tensor& q_pe, const Tensor& cache, const ops::PagedTokens& tok,
+                   const Tensor& sel, const Tensor& sel_len, float scale, Tensor& out) {
+  if (cache.dtype() == DType::BF16)
+    return mla_attention_impl<uint16_t>(q_lat, q_pe, cache, tok, sel, sel_len, scale, out);
+  mla_attention_impl<float>(q_lat, q_pe, cache, tok, sel, sel_len, scale, out);
+}
 
 namespace {
-inline float widen(float x) { return x; }
-inline float widen(uint16_t x) { return bf16_to_f32(x); }  // a BF16 cache value
-
 // block_attention over a cache of element type C (float, or uint16_t = BF16 widened exactly).
 template <class C>
 void block_attention_impl(const Tensor& q, const Tensor& k, const Tensor& v, const C* cache, int64_t cache_stride,

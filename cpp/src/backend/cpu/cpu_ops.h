@@ -26,25 +26,32 @@ float* thread_scratch(int slot, size_t n);
 double* thread_dscratch(int slot, size_t n);
 int32_t* thread_iscratch(int slot, size_t n);
 
-// 4-way partial dot product (the attention / indexer score order).
-inline float dot4(const float* a, const float* b, int64_t n) {
+// A cache element as float: F32 as is, BF16 (uint16_t bits) widened exactly.
+inline float widen(float x) { return x; }
+inline float widen(uint16_t x) { return bf16_to_f32(x); }
+
+// 4-way partial dot product (the attention / indexer score order); b F32, or BF16 widened
+// exactly as it is read (so a BF16 row gives bitwise the dot of its widened F32 copy).
+template <class C>
+inline float dot4(const float* a, const C* b, int64_t n) {
   float s0 = 0, s1 = 0, s2 = 0, s3 = 0;
   int64_t i = 0;
   for (; i + 4 <= n; i += 4) {
-    s0 += a[i] * b[i];
-    s1 += a[i + 1] * b[i + 1];
-    s2 += a[i + 2] * b[i + 2];
-    s3 += a[i + 3] * b[i + 3];
+    s0 += a[i] * widen(b[i]);
+    s1 += a[i + 1] * widen(b[i + 1]);
+    s2 += a[i + 2] * widen(b[i + 2]);
+    s3 += a[i + 3] * widen(b[i + 3]);
   }
-  for (; i < n; ++i) s0 += a[i] * b[i];
+  for (; i < n; ++i) s0 += a[i] * widen(b[i]);
   return (s0 + s1) + (s2 + s3);
 }
 
-// Row of a paged cache layer for (block-table row s, position p).
-inline const float* paged_row(const Tensor& cache, const ops::PagedTokens& tok, int64_t s, int64_t p) {
+// Row p of sequence s in a paged cache layer of element type C (float, or uint16_t: BF16).
+template <class C = float>
+inline const C* paged_row(const Tensor& cache, const ops::PagedTokens& tok, int64_t s, int64_t p) {
   const int32_t* bt = tok.block_table.data_as<const int32_t>() + s * tok.block_table.stride(0);
   const int64_t slot = int64_t(bt[p / tok.block_size]) * tok.block_size + p % tok.block_size;
-  return cache.data_as<const float>() + slot * cache.stride(0);
+  return static_cast<const C*>(cache.data()) + slot * cache.stride(0);
 }
 
 void linear(const Tensor& x, const ops::Weight& w, Tensor& y, bool accumulate);

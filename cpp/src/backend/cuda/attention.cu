@@ -235,7 +235,8 @@ inline size_t idx_smem(const IdxShape& s) {
 
 __global__ void __launch_bounds__(kIdxThreads)
     indexer_score_kernel(const float* __restrict__ q, int64_t q_s0, int64_t q_s1, const float* __restrict__ w,
-                         int64_t w_s0, const float* __restrict__ kc, int64_t kc_stride, int64_t kc_rows, Tokens tk,
+                         int64_t w_s0, const float* __restrict__ kc, const __nv_bfloat16* __restrict__ kc16,
+                         int64_t kc_stride, int64_t kc_rows, Tokens tk,
                          int64_t t0, int64_t topk, IdxShape sh, float sscale, float wscale, float* __restrict__ scores,
                          int64_t cap, int groups) {
   detail::pdl_enter();
@@ -299,7 +300,7 @@ __global__ void __launch_bounds__(kIdxThreads)
         if (idx < kIdxKW * dI) {
           const int e = idx - k * dI;
           at[u] = k * sh.kstride + e;
-          if (slot >= 0) v[u] = kc[slot * kc_stride + e];
+          if (slot >= 0) v[u] = kc16 ? detail::to_f32(kc16[slot * kc_stride + e]) : kc[slot * kc_stride + e];
         }
       }
 #pragma unroll
@@ -498,7 +499,8 @@ __device__ __forceinline__ float mla_finish(float tot, double L) {
 template <int HG, int DPT>
 __global__ void __launch_bounds__(kMlaThreads)
     mla_kernel(const float* __restrict__ q_lat, int64_t ql_s0, int64_t ql_s1, const float* __restrict__ q_pe,
-               int64_t qp_s0, int64_t qp_s1, const float* __restrict__ cache, int64_t c_stride, int64_t c_rows,
+               int64_t qp_s0, int64_t qp_s1, const float* __restrict__ cache,
+               const __nv_bfloat16* __restrict__ cache16, int64_t c_stride, int64_t c_rows,
                Tokens tk, const int32_t* __restrict__ sel, int64_t sel_stride, int64_t sel_cols,
                const int32_t* __restrict__ sel_len, int64_t len_stride, float scale, float* __restrict__ out,
                int64_t o_s0, int64_t o_s1, int64_t T, int nh, MlaShape sh, int split, MlaSplit sp) {
@@ -517,8 +519,11 @@ __global__ void __launch_bounds__(kMlaThreads)
   float* fb = fa + HG;                                                 // [HG]
   const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
   const int kvl = sh.kvl, D = sh.D;
-  // 16-byte key rows: the chunks are staged with float4 loads
-  const bool vec4 = (D & 3) == 0 && (c_stride & 3) == 0 && (reinterpret_cast<uintptr_t>(cache) & 15) == 0;
+  // 16-byte key rows: the chunks are staged with float4 loads (F32 cache) or 8 BF16 values per
+  // 16-byte load (BF16 cache: cache16 set, cache null; widened exactly into ks, so everything
+  // after the staging is the F32 kernel over the rounded values)
+  const bool vec4 = !cache16 && (D & 3) == 0 && (c_stride & 3) == 0 && (reinterpret_cast<uintptr_t>(cache) & 15) == 0;
+  const bool vec8 = cache16 && (D & 7) == 0 && (c_stride & 7) == 0 && (reinterpret_cast<uintptr_t>(cache16) & 15) == 0;
   const int h0 = int(blockIdx.x) * HG;
   const int64_t cap = tk.nb * tk.bs;
   for (int64_t t = blockIdx.y; t < T; t += gridDim.y) {
@@ -621,7 +626,37 @@ __global__ void __launch_bounds__(kMlaThreads)
               }
           }
         }
-        for (int base = threadIdx.x; !vec4 && base < kMlaKC * D; base += kMlaGatherILP * kMlaThreads) {
+        if (vec8) {
+          constexpr int kV = HG > 4 || DPT < 2 ? kMlaGatherILP / 2 : kMlaGatherILP;
+          const int D8 = D / 8;
+          for (int base = threadIdx.x; base < kMlaKC * D8; base += kV * kMlaThreads) {
+            uint4 v[kV];
+            int at[kV];
+#pragma unroll
+            for (int u = 0; u < kV; ++u) {
+              const int idx = base + u * kMlaThreads;
+              at[u] = -1;
+              v[u] = make_uint4(0u, 0u, 0u, 0u);
+              if (idx < kMlaKC * D8) {
+                const int r = idx / D8, e = 8 * (idx - r * D8);
+                const int64_t slot = slots[r];
+                at[u] = r * sh.kstride + e;
+                if (slot >= 0) v[u] = *reinterpret_cast<const uint4*>(cache16 + slot * c_stride + e);
+              }
+            }
+#pragma unroll
+            for (int u = 0; u < kV; ++u)
+              if (at[u] >= 0) {
+                const uint32_t w[4] = {v[u].x, v[u].y, v[u].z, v[u].w};
+#pragma unroll
+                for (int q = 0; q < 4; ++q) {  // element 2q in the low half (little endian)
+                  ks[at[u] + 2 * q] = __uint_as_float(w[q] << 16);
+                  ks[at[u] + 2 * q + 1] = __uint_as_float(w[q] & 0xffff0000u);
+                }
+              }
+          }
+        }
+        for (int base = threadIdx.x; !vec4 && !vec8 && base < kMlaKC * D; base += kMlaGatherILP * kMlaThreads) {
           float v[kMlaGatherILP];
           int at[kMlaGatherILP];
 #pragma unroll
@@ -633,7 +668,7 @@ __global__ void __launch_bounds__(kMlaThreads)
               const int r = idx / D, e = idx - r * D;
               const int64_t slot = slots[r];
               at[u] = r * sh.kstride + e;
-              if (slot >= 0) v[u] = cache[slot * c_stride + e];
+              if (slot >= 0) v[u] = cache16 ? detail::to_f32(cache16[slot * c_stride + e]) : cache[slot * c_stride + e];
             }
           }
 #pragma unroll
@@ -1253,7 +1288,8 @@ void indexer_topk(const Tensor& q, const Tensor& w, const Tensor& key_cache, con
   need_rows(w, DType::F32, 2, op, "w");
   DFLASH2_CHECK_ARG(w.shape(0) == T && w.shape(1) == nI, "cuda::indexer_topk: w must be [", T, ", ", nI, "], found ",
                     w.describe());
-  need_rows(key_cache, DType::F32, 2, op, "key_cache");
+  need_rows(key_cache, key_cache.defined() && key_cache.dtype() == DType::BF16 ? DType::BF16 : DType::F32, 2, op,
+            "key_cache");
   DFLASH2_CHECK_ARG(key_cache.shape(1) == dI, "cuda::indexer_topk: key_cache rows have ", key_cache.shape(1),
                     " values but q heads have ", dI);
   need_tokens(tok, q, T, op);
@@ -1275,6 +1311,7 @@ void indexer_topk(const Tensor& q, const Tensor& w, const Tensor& key_cache, con
   const size_t smem = idx_smem(sh);
   allow_smem(indexer_score_kernel, smem, device, op);
   const float wscale = 1.0f / std::sqrt(float(nI)), sscale = 1.0f / std::sqrt(float(dI));
+  const bool kbf16 = key_cache.dtype() == DType::BF16;
   const Tokens tk = tokens_of(tok);
   // tokens per chunk: the scores of a chunk stay under the scratch cap (and grid y)
   const int64_t row_bytes = (cap > 0 ? cap : 1) * int64_t(sizeof(float));
@@ -1292,7 +1329,9 @@ void indexer_topk(const Tensor& q, const Tensor& w, const Tensor& key_cache, con
     if (key_tiles > 0) {
       indexer_score_kernel<<<dim3(unsigned(key_tiles), unsigned(nt)), kIdxThreads, smem, detail::stream()>>>(
           q.data_as<const float>(), q.stride(0), q.stride(1), w.data_as<const float>(), w.stride(0),
-          key_cache.data_as<const float>(), key_cache.stride(0), key_cache.shape(0), tk, t0, topk, sh, sscale, wscale,
+          kbf16 ? nullptr : key_cache.data_as<const float>(),
+          kbf16 ? static_cast<const __nv_bfloat16*>(key_cache.data()) : nullptr, key_cache.stride(0),
+          key_cache.shape(0), tk, t0, topk, sh, sscale, wscale,
           scores, cap, groups);
       detail::check_launch("indexer_topk score kernel launch", q.describe());
     }
@@ -1309,6 +1348,7 @@ template <int HG, int DPT>
 void launch_mla(const Tensor& q_lat, const Tensor& q_pe, const Tensor& cache, const Tokens& tk, const Tensor& sel,
                 const Tensor& sel_len, float scale, Tensor& out, const MlaShape& sh, int device, const MlaSplit& sp) {
   const int64_t T = q_lat.shape(0), nh = q_lat.shape(1);
+  const bool bf16 = cache.dtype() == DType::BF16;
   const size_t smem = mla_smem(HG, sh);
   allow_smem(mla_kernel<HG, DPT>, smem, device, "mla_attention");
   const bool has = sel_len.defined();
@@ -1316,7 +1356,8 @@ void launch_mla(const Tensor& q_lat, const Tensor& q_pe, const Tensor& cache, co
   const dim3 grid(unsigned((nh + HG - 1) / HG), gy, unsigned(sp.nseg > 0 ? sp.nseg : 1));
   mla_kernel<HG, DPT><<<grid, kMlaThreads, smem, detail::stream()>>>(
       q_lat.data_as<const float>(), q_lat.stride(0), q_lat.stride(1), q_pe.data_as<const float>(), q_pe.stride(0),
-      q_pe.stride(1), cache.data_as<const float>(), cache.stride(0), cache.shape(0), tk,
+      q_pe.stride(1), bf16 ? nullptr : cache.data_as<const float>(),
+      bf16 ? static_cast<const __nv_bfloat16*>(cache.data()) : nullptr, cache.stride(0), cache.shape(0), tk,
       has ? sel.data_as<const int32_t>() : nullptr, has ? sel.stride(0) : 0, has ? sel.shape(1) : 0,
       has ? sel_len.data_as<const int32_t>() : nullptr, has ? sel_len.stride(0) : 0, scale, out.data_as<float>(),
       out.stride(0), out.stride(1), T, int(nh), sh, sp.nseg > 0 ? 1 : 0, sp);
@@ -1356,7 +1397,7 @@ void mla_attention(const Tensor& q_lat, const Tensor& q_pe, const Tensor& cache,
   DFLASH2_CHECK_ARG(out.shape(0) == T && out.shape(1) == nh && out.shape(2) == kvl, "cuda::mla_attention: out ",
                     out.describe(), " must have q_lat's shape ", q_lat.describe());
   need_disjoint3(out, op, "out");
-  need_rows(cache, DType::F32, 2, op, "cache");
+  need_rows(cache, cache.defined() && cache.dtype() == DType::BF16 ? DType::BF16 : DType::F32, 2, op, "cache");
   DFLASH2_CHECK_ARG(cache.shape(1) == kvl + rope, "cuda::mla_attention: cache rows must hold kv_lora + rope = ",
                     kvl + rope, " values, found ", cache.describe());
   need_tokens(tok, q_lat, T, op);
