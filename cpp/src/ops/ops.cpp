@@ -160,8 +160,6 @@ class TimedCall {
 
 }  // namespace
 
-bool op_timing() { return op_timing_flag().load(std::memory_order_relaxed); }
-void set_op_timing(bool on) { op_timing_flag().store(on, std::memory_order_relaxed); }
 std::vector<OpTime> op_times(bool reset) {
   OpTotals& tot = op_totals();
   std::vector<OpTime> out;
@@ -189,42 +187,25 @@ bool env_switch(const char* name, bool default_on) {
   if (!e) return default_on;
   return default_on ? std::string(e) != "0" : std::string(e) == "1";
 }
-std::atomic<bool>& fused_flag() {
-  static std::atomic<bool> on{env_switch("DFLASH2_FUSED_LAUNCHES", true)};
-  return on;
-}
-std::atomic<bool>& pdl_flag() {
-  static std::atomic<bool> on{env_switch("DFLASH2_PDL", true)};
-  return on;
-}
-std::atomic<bool>& dq_wgmma_flag() {
-  static std::atomic<bool> on{env_switch("DFLASH2_DQ_WGMMA", true)};
-  return on;
-}
-std::atomic<bool>& exact_tc_flag() {
-  static std::atomic<bool> on{env_switch("DFLASH2_EXACT_TC", false)};
-  return on;
-}
-std::atomic<bool>& wide_rows_flag() {
-  static std::atomic<bool> on{env_switch("DFLASH2_WIDE_ROWS", true)};
-  return on;
-}
-std::atomic<bool>& op_timing_flag() {
-  static std::atomic<bool> on{env_switch("DFLASH2_OP_TIMING", false)};
-  return on;
-}
 }  // namespace
 
-bool fused_launches() { return fused_flag().load(std::memory_order_relaxed); }
-void set_fused_launches(bool on) { fused_flag().store(on, std::memory_order_relaxed); }
-bool pdl() { return pdl_flag().load(std::memory_order_relaxed); }
-void set_pdl(bool on) { pdl_flag().store(on, std::memory_order_relaxed); }
-bool dq_wgmma() { return dq_wgmma_flag().load(std::memory_order_relaxed); }
-void set_dq_wgmma(bool on) { dq_wgmma_flag().store(on, std::memory_order_relaxed); }
-bool exact_tc() { return exact_tc_flag().load(std::memory_order_relaxed); }
-void set_exact_tc(bool on) { exact_tc_flag().store(on, std::memory_order_relaxed); }
-bool wide_rows() { return wide_rows_flag().load(std::memory_order_relaxed); }
-void set_wide_rows(bool on) { wide_rows_flag().store(on, std::memory_order_relaxed); }
+// A process-wide switch: its flag (set from the environment once, env_switch), getter and setter.
+#define DFLASH2_SWITCH(getter, setter, env, default_on)                     \
+  namespace {                                                               \
+  std::atomic<bool>& getter##_flag() {                                      \
+    static std::atomic<bool> on{env_switch(env, default_on)};               \
+    return on;                                                              \
+  }                                                                         \
+  }                                                                         \
+  bool getter() { return getter##_flag().load(std::memory_order_relaxed); } \
+  void setter(bool on) { getter##_flag().store(on, std::memory_order_relaxed); }
+DFLASH2_SWITCH(fused_launches, set_fused_launches, "DFLASH2_FUSED_LAUNCHES", true)
+DFLASH2_SWITCH(pdl, set_pdl, "DFLASH2_PDL", true)
+DFLASH2_SWITCH(dq_wgmma, set_dq_wgmma, "DFLASH2_DQ_WGMMA", true)
+DFLASH2_SWITCH(exact_tc, set_exact_tc, "DFLASH2_EXACT_TC", false)
+DFLASH2_SWITCH(wide_rows, set_wide_rows, "DFLASH2_WIDE_ROWS", true)
+DFLASH2_SWITCH(op_timing, set_op_timing, "DFLASH2_OP_TIMING", false)
+#undef DFLASH2_SWITCH
 
 namespace {
 void check_linear(const char* op, const Tensor& x, const Weight& w, const Tensor& y) {

@@ -476,20 +476,33 @@ void softmax(const Tensor& x, Tensor& out, float scale) {
   detail::check_launch("softmax kernel launch", x.describe());
 }
 
+namespace {
+// argmax_wide_kernel over x's rows in `mode` when they are wide rows (argmax_wide_parts):
+// the chunks' partials in scratch, the rows' arrival counters; false (nothing launched)
+// for the one-block kernels. ids / pairs: the outputs `mode` writes (see WideOut).
+bool launch_argmax_wide(const char* what, const Tensor& x, const layout::RowLayout& L, WideOut mode, int32_t* ids,
+                        int64_t ids_stride, float* pairs = nullptr, int64_t p_stride = 0, int64_t out_col = 0,
+                        int64_t first = 0) {
+  const int32_t P = argmax_wide_parts(L.cols, L.rows);
+  if (!P) return false;
+  const int dev = x.device().index;
+  ArgPart* parts = static_cast<ArgPart*>(detail::scratch(dev, size_t(L.rows) * size_t(P) * sizeof(ArgPart)));
+  argmax_wide_kernel<<<dim3(unsigned(P), unsigned(L.rows)), kArgThreads, 0, detail::stream()>>>(
+      x.data_as<const float>(), L.stride, int32_t(L.cols), P, mode, ids, ids_stride, pairs, p_stride, out_col, first,
+      parts, detail::zeroed_counters(dev));
+  detail::check_launch(what, x.describe());
+  return true;
+}
+}  // namespace
+
 void argmax(const Tensor& x, Tensor& out) {
   const layout::RowLayout L = index_rows_args("argmax", x, out, "out");
   if (L.rows == 0) return;
   DFLASH2_CHECK_ARG(L.cols >= 1, "cuda::argmax: rows must not be empty, found ", x.describe());
   detail::DeviceGuard guard(x.device().index);
-  if (const int32_t P = argmax_wide_parts(L.cols, L.rows)) {
-    const int dev = x.device().index;
-    ArgPart* parts = static_cast<ArgPart*>(detail::scratch(dev, size_t(L.rows) * size_t(P) * sizeof(ArgPart)));
-    argmax_wide_kernel<<<dim3(unsigned(P), unsigned(L.rows)), kArgThreads, 0, detail::stream()>>>(
-        x.data_as<const float>(), L.stride, int32_t(L.cols), P, WideOut::Argmax, out.data_as<int32_t>(), out.stride(0), nullptr,
-        0, 0, 0, parts, detail::zeroed_counters(dev));
-    detail::check_launch("argmax (wide rows) kernel launch", x.describe());
+  if (launch_argmax_wide("argmax (wide rows) kernel launch", x, L, WideOut::Argmax, out.data_as<int32_t>(),
+                         out.stride(0)))
     return;
-  }
   argmax_kernel<<<detail::row_blocks(L.rows), detail::pick_threads(L.cols), 0, detail::stream()>>>(
       x.data_as<const float>(), L.stride, out.data_as<int32_t>(), out.stride(0), L.rows, int32_t(L.cols));
   detail::check_launch("argmax kernel launch", x.describe());
@@ -510,15 +523,9 @@ void argmax_shard(const Tensor& x, int64_t first, Tensor& out) {
   if (L.rows == 0) return;
   DFLASH2_CHECK_ARG(L.cols >= 1, "cuda::argmax_shard: rows must not be empty, found ", x.describe());
   detail::DeviceGuard guard(x.device().index);
-  if (const int32_t P = argmax_wide_parts(L.cols, L.rows)) {
-    const int dev = x.device().index;
-    ArgPart* parts = static_cast<ArgPart*>(detail::scratch(dev, size_t(L.rows) * size_t(P) * sizeof(ArgPart)));
-    argmax_wide_kernel<<<dim3(unsigned(P), unsigned(L.rows)), kArgThreads, 0, detail::stream()>>>(
-        x.data_as<const float>(), L.stride, int32_t(L.cols), P, WideOut::Shard, nullptr, 0, out.data_as<float>(), out.stride(0),
-        out.stride(1), first, parts, detail::zeroed_counters(dev));
-    detail::check_launch("argmax_shard (wide rows) kernel launch", x.describe());
+  if (launch_argmax_wide("argmax_shard (wide rows) kernel launch", x, L, WideOut::Shard, nullptr, 0,
+                         out.data_as<float>(), out.stride(0), out.stride(1), first))
     return;
-  }
   argmax_shard_kernel<<<detail::row_blocks(L.rows), detail::pick_threads(L.cols), 0, detail::stream()>>>(
       x.data_as<const float>(), L.stride, out.data_as<float>(), out.stride(0), out.stride(1), L.rows,
       int32_t(L.cols), first);
@@ -575,15 +582,9 @@ void check_finite(const Tensor& x, Tensor& flags) {
   const layout::RowLayout L = index_rows_args("check_finite", x, flags, "flags");
   if (L.rows == 0) return;
   detail::DeviceGuard guard(x.device().index);
-  if (const int32_t P = argmax_wide_parts(L.cols, L.rows)) {
-    const int dev = x.device().index;
-    ArgPart* parts = static_cast<ArgPart*>(detail::scratch(dev, size_t(L.rows) * size_t(P) * sizeof(ArgPart)));
-    argmax_wide_kernel<<<dim3(unsigned(P), unsigned(L.rows)), kArgThreads, 0, detail::stream()>>>(
-        x.data_as<const float>(), L.stride, int32_t(L.cols), P, WideOut::Finite, flags.data_as<int32_t>(),
-        flags.stride(0), nullptr, 0, 0, 0, parts, detail::zeroed_counters(dev));
-    detail::check_launch("check_finite (wide rows) kernel launch", x.describe());
+  if (launch_argmax_wide("check_finite (wide rows) kernel launch", x, L, WideOut::Finite, flags.data_as<int32_t>(),
+                         flags.stride(0)))
     return;
-  }
   check_finite_kernel<<<detail::row_blocks(L.rows), detail::pick_threads(L.cols), 0, detail::stream()>>>(
       x.data_as<const float>(), L.stride, flags.data_as<int32_t>(), flags.stride(0), L.rows, int32_t(L.cols));
   detail::check_launch("check_finite kernel launch", x.describe());

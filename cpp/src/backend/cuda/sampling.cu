@@ -1062,14 +1062,16 @@ __device__ void chunk_of_nth(const WideArgs& w, int64_t t, int bin, int64_t nth,
   __syncthreads();
 }
 
-// Last block: the chunks' sums (sum2 when `second`) in chunk order: the total, the first
-// chunk with mass whose inclusive cumulative sum exceeds u * total (-1: none) with its
-// exclusive prefix, and the last id with mass over the chunks. Every thread gets them.
+// Last block: the chunks' sums (sum2 when `second`) in chunk order: the total and the last id
+// with mass over the chunks; with `find`, also the first chunk with mass whose inclusive
+// cumulative sum exceeds u * total (-1: none) with its exclusive prefix (else chunk -1,
+// excl 0). Every thread gets them.
 struct ChunkPick {
   double total, excl;
   int32_t chunk, last;
 };
-__device__ ChunkPick pick_chunk(const WideArgs& w, int64_t t, bool second, double u, WideShared& sh) {
+__device__ ChunkPick pick_chunk(const WideArgs& w, int64_t t, bool second, double u, WideShared& sh,
+                                bool find = true) {
   Common& cm = sh.cm;
   for (int32_t p = threadIdx.x; p < w.P; p += blockDim.x) {
     const WidePart* q = &w.part[t * w.P + p];
@@ -1088,7 +1090,7 @@ __device__ ChunkPick pick_chunk(const WideArgs& w, int64_t t, bool second, doubl
     double ex = 0.0;
     int32_t c = -1;
     double cex = 0.0;
-    for (int32_t p = 0; p < w.P; ++p) {
+    for (int32_t p = 0; find && p < w.P; ++p) {
       const double v = sh.pv[p];
       if (v > 0.0 && x < ex + v) {
         c = p;
@@ -1300,8 +1302,7 @@ __global__ void __launch_bounds__(kWideThreads, 2) wide_rows_kernel(WideArgs w, 
     if (threadIdx.x == 0) w.out[t * w.os] = tok;
     return;
   }
-  const ChunkPick r = pick_chunk(w, t, false, 0.0, sh);
-  tk.sel.z = r.total;
+  tk.sel.z = pick_chunk(w, t, false, 0.0, sh, /*find=*/false).total;  // accept: the total only
   if (threadIdx.x == 0) {
     const AcceptArgs& a = w.a;
     const int64_t per = a.K + 1, s = t / per, j = t % per;
