@@ -502,25 +502,32 @@ def test_bf16_prefill_on_cuda(zoo):
         assert list(s.token_ids) == list(g.token_ids), f"mtp != ar on the GPU with bf16 prefill, prompt {i}"
 
 
-def test_kv_cache_bf16_on_cuda(zoo):
-    """kv_cache_dtype="bf16" on the GPU: the latent and index-key caches in BF16 (the MLA and
-    indexer kernels widen them as they stage the keys): logits equal the CPU engine's under
-    the same option (dense and sparse attention), greedy tokens equal the CPU's where the
-    margin exceeds the tolerance, MTP speculation == AR on the GPU exactly, and the step
-    graphs capture those kernels (none failed)."""
-    cpu = zoo.engine("tiny", "cpu", kv_cache_dtype="bf16")
-    gpu = zoo.engine("tiny", "cuda", kv_cache_dtype="bf16")
-    mtp = zoo.engine("tiny", "cuda", method="mtp", kv_cache_dtype="bf16")
+@pytest.mark.parametrize("model", ["tiny", "lora128"])
+def test_kv_cache_bf16_on_cuda(zoo, model):
+    """kv_cache_dtype="bf16" on the GPU: the latent and index-key caches in BF16 (the SIMT
+    MLA and indexer kernels widen them as they stage the keys; with kv_lora 128 MLA runs on
+    the tensor cores, ops.mla_tc()): logits equal the CPU engine's under the same option
+    (dense and sparse attention), greedy tokens equal the CPU's where the margin exceeds the
+    tolerance, MTP speculation == AR on the GPU exactly (decode and verify rows alike), and
+    the step graphs capture those kernels (none failed)."""
+    lengths, new = (3, 11, 40), 12
+    if model == "lora128":  # two head tiles of 16, the second mostly padding; fewer steps (emulated MMAs are slow)
+        zoo.path(model, "tiny", config=dict(kv_lora_rank=128, qk_rope_head_dim=32, index_head_dim=32,
+                                            num_attention_heads=18, num_key_value_heads=18, num_hidden_layers=2))
+        lengths, new = (11, 40), 8
+    cpu = zoo.engine(model, "cpu", kv_cache_dtype="bf16")
+    gpu = zoo.engine(model, "cuda", kv_cache_dtype="bf16")
+    mtp = zoo.engine(model, "cuda", method="mtp", kv_cache_dtype="bf16")
     assert gpu.kv_cache_dtype == mtp.kv_cache_dtype == "bf16"
     for n in (1, 9, 40):  # below and above index_topk = 8: dense, then sparse attention
         ids = gf.prompt(860 + n, n)
         close(gpu.logits(ids), cpu.logits(ids), f"bf16 cache n={n}", rel=REL_BF16)
-    prompts = [gf.prompt(865 + i, n) for i, n in enumerate((3, 11, 40))]
-    want = cpu.generate(prompts, max_new_tokens=12, stop_token_ids=NO_STOP)
-    got = gpu.generate(prompts, max_new_tokens=12, stop_token_ids=NO_STOP)
+    prompts = [gf.prompt(865 + i, n) for i, n in enumerate(lengths)]
+    want = cpu.generate(prompts, max_new_tokens=new, stop_token_ids=NO_STOP)
+    got = gpu.generate(prompts, max_new_tokens=new, stop_token_ids=NO_STOP)
     for i, (g, w) in enumerate(zip(got, want)):
         same_tokens(cpu, prompts[i], g.token_ids, w.token_ids, f"bf16 cache prompt {i}", rel=REL_BF16)
-    spec = mtp.generate(prompts, max_new_tokens=12, stop_token_ids=NO_STOP)
+    spec = mtp.generate(prompts, max_new_tokens=new, stop_token_ids=NO_STOP)
     for i, (s_, g) in enumerate(zip(spec, got)):
         assert list(s_.token_ids) == list(g.token_ids), f"mtp != ar on the GPU with a BF16 cache, prompt {i}"
     for e in (gpu, mtp):

@@ -1998,15 +1998,20 @@ def test_mla_attention_token_computed_alone():
 
 @pytest.mark.parametrize("dev", DEVICES)
 @pytest.mark.parametrize("sparse", [False, True], ids=["dense", "sparse"])
-def test_mla_attention_split_kv_equals_whole(dev, sparse):
+@pytest.mark.parametrize("bf16", [False, True], ids=["f32", "bf16"])
+def test_mla_attention_split_kv_equals_whole(dev, sparse, bf16):
     """200 tokens of a 400-token sequence at once (on CUDA: one block per token, keys walked
     in 64-key segments and folded in order) against tokens computed alone (on CUDA: split-KV,
     a block per segment, then the in-order combine): bitwise equal, so decode == verify
-    whatever launch shape the batch size picks."""
+    whatever launch shape the batch size picks. With a BF16 cache (kv_lora 128: on CUDA the
+    tensor-core kernel, 18 heads: two head tiles, the second partly padding) the same."""
     need_device(dev, "mla_attention")
-    rng = rng_for("mla-split", sparse)
-    bs, nh, kvl, rope, L = 16, 2, 64, 16, 400
+    rng = rng_for("mla-split", sparse, bf16)
+    bs, nh, kvl, rope, L = (16, 18, 128, 64, 400) if bf16 else (16, 2, 64, 16, 400)
     cache, bt = make_pages(rng, [L], bs, kvl + rope)
+    if bf16:
+        c16 = _bf16_tensor(cache, dev)
+        cache = _bf16_host(c16).float().numpy()
     T = 200
     pos = i32(np.sort(rng.choice(L, T, replace=False)))
     seq = i32(np.zeros(T))
@@ -2026,12 +2031,13 @@ def test_mla_attention_split_kv_equals_whole(dev, sparse):
         extra = dict(sel=sel, sel_len=sel_len)
     dv = lambda a: to_dev(a, dev)  # noqa: E731
     kw = {k: dv(v) for k, v in extra.items()}
-    full = to_np(ops.mla_attention(dv(q_lat), dv(q_pe), dv(cache), dv(seq), dv(pos), dv(bt), bs, scale, **kw)).copy()
+    dcache = c16 if bf16 else dv(cache)
+    full = to_np(ops.mla_attention(dv(q_lat), dv(q_pe), dcache, dv(seq), dv(pos), dv(bt), bs, scale, **kw)).copy()
     ref = refs.mla_attention(q_lat, q_pe, cache, seq, pos, bt, bs, extra.get("sel"), extra.get("sel_len"), scale)
     check("mla_attention", full, ref)
     for t in (0, 1, 63, 64, 65, 130, 199):
         one_kw = {k: dv(np.ascontiguousarray(v[t:t + 1])) for k, v in extra.items()}
-        one = to_np(ops.mla_attention(dv(q_lat[t:t + 1]), dv(q_pe[t:t + 1]), dv(cache), dv(seq[t:t + 1]),
+        one = to_np(ops.mla_attention(dv(q_lat[t:t + 1]), dv(q_pe[t:t + 1]), dcache, dv(seq[t:t + 1]),
                                       dv(pos[t:t + 1]), dv(bt), bs, scale, **one_kw))
         assert np.array_equal(one[0], full[t]), f"token {t} (position {int(pos[t])}) differs when computed alone"
 
@@ -2041,11 +2047,13 @@ def test_mla_attention_split_kv_equals_whole(dev, sparse):
                          ids=lambda c: "bs%d-h%d-lora%d-rope%d" % c)
 @pytest.mark.parametrize("sparse", [False, True], ids=["dense", "sparse"])
 def test_mla_attention_bf16_cache(dev, case, sparse):
-    """mla_attention over a BF16 latent cache (Engine kv_cache_dtype="bf16"): bitwise the
-    op over the F32 cache holding the same rounded values, on the same device (the rows are
-    widened exactly: on CUDA 8 values per 16-byte load where the rows allow it, one at a
-    time from a misaligned column view), whole batches and a token alone (split-KV on CUDA);
-    and the reference over the rounded values."""
+    """mla_attention over a BF16 latent cache (Engine kv_cache_dtype="bf16"): the reference
+    over the rounded values; bitwise the op over the F32 cache holding them, on the same
+    device, wherever the SIMT kernel runs (the CPU; on CUDA with ops.mla_tc() off, and from a
+    misaligned column view: BF16 rows widened exactly, 8 values per 16-byte load where the
+    rows allow it, else one at a time); on CUDA's tensor cores (ops.mla_tc(), kv_lora 128 /
+    512) the reference's values to fp32 rounding and not bitwise the SIMT kernel's (it ran).
+    A token alone (split-KV on CUDA) equals its row of the batch bitwise in every mode."""
     need_device(dev, "mla_attention")
     rng = rng_for("mla-bf16", case, sparse)
     bs = case[0]
@@ -2073,16 +2081,31 @@ def test_mla_attention_bf16_cache(dev, case, sparse):
     args = mla_args(dev, q_lat, q_pe, rounded, seq, pos, bt)
     want = to_np(ops.mla_attention(*args, bs, scale, **kw)).copy()  # the F32 cache of the rounded values
     check("mla_attention", want, ref)
-    for name, view in views.items():
-        out = Guarded(q_lat.shape, dev)
-        ops.mla_attention(args[0], args[1], view, *args[3:], bs, scale, out=out.view, **kw)
-        assert np.array_equal(out.result(), want), f"{name} BF16 cache != F32 cache of the rounded values"
-    t = T - 1  # a token alone (on CUDA split-KV where its keys span several segments)
-    one_kw = {k: to_dev(np.ascontiguousarray(v[t:t + 1]), dev) for k, v in (("sel", sel), ("sel_len", sel_len))
-              if v is not None}
-    one = to_np(ops.mla_attention(to_dev(q_lat[t:t + 1], dev), to_dev(np.ascontiguousarray(q_pe[t:t + 1]), dev), c16,
-                                  to_dev(seq[t:t + 1], dev), to_dev(pos[t:t + 1], dev), args[5], bs, scale, **one_kw))
-    assert np.array_equal(one[0], want[t]), "a token alone over the BF16 cache"
+    kvl, rope = case[2], case[3]
+    tc_shape = dev == "cuda" and kvl % 128 == 0 and kvl <= 512 and (kvl + rope) % 32 == 0
+    was = ops.mla_tc()
+    try:
+        for tc in ([False, True] if tc_shape else [False]):
+            ops.set_mla_tc(tc)
+            for name, view in views.items():
+                out = Guarded(q_lat.shape, dev)
+                ops.mla_attention(args[0], args[1], view, *args[3:], bs, scale, out=out.view, **kw)
+                got = out.result()
+                if tc and name == "aligned":
+                    check("mla_attention", got, ref)
+                    assert not np.array_equal(got, want), "the tensor-core kernel did not run"
+                else:
+                    assert np.array_equal(got, want), f"{name} BF16 cache != F32 cache of the rounded values (tc={tc})"
+            t = T - 1  # a token alone (on CUDA split-KV where its keys span several segments)
+            one_kw = {k: to_dev(np.ascontiguousarray(v[t:t + 1]), dev)
+                      for k, v in (("sel", sel), ("sel_len", sel_len)) if v is not None}
+            full = to_np(ops.mla_attention(args[0], args[1], c16, *args[3:], bs, scale, **kw)).copy()
+            one = to_np(ops.mla_attention(to_dev(q_lat[t:t + 1], dev), to_dev(np.ascontiguousarray(q_pe[t:t + 1]), dev),
+                                          c16, to_dev(seq[t:t + 1], dev), to_dev(pos[t:t + 1], dev), args[5], bs, scale,
+                                          **one_kw))
+            assert np.array_equal(one[0], full[t]), f"a token alone over the BF16 cache (tc={tc})"
+    finally:
+        ops.set_mla_tc(was)
 
 
 @pytest.mark.parametrize("dev", DEVICES)

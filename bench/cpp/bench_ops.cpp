@@ -1119,9 +1119,9 @@ std::vector<Step> steps_for(const Bench& b, const std::vector<int64_t>& ctxs) {
   return out;
 }
 
-// MLA over the latent cache in F32 (the default) and BF16 (Engine kv_cache_dtype="bf16": the
-// kernel stages 8 values per 16-byte load and widens them; the F32 cache is the baseline in
-// the same run).
+// MLA over the latent cache in F32 (the default, the SIMT kernel) and BF16 (Engine
+// kv_cache_dtype="bf16": the tensor-core kernel, ops::mla_tc(), against the SIMT kernel over the
+// same BF16 cache in the same run).
 void bench_mla(Bench& b) {
   for (const DType cdt : {DType::F32, DType::BF16})
   for (int64_t nh : {int64_t(64), int64_t(16)}) {
@@ -1157,13 +1157,13 @@ void bench_mla(Bench& b) {
         }
         const bool bf = cdt == DType::BF16;
         Result r{"mla_attention", "h" + std::to_string(nh) + (sparse ? " sel2048" : " dense") + " " + s.label(),
-                 bf ? "bf16 kv" : "f32", s.label(), T};
+                 bf ? "bf16 kv tc" : "f32", s.label(), T};
         r.bytes = distinct * lat * (bf ? 2 : 4) + 4.0 * T * nh * (G.kv_lora + G.rope) + 4.0 * T * nh * G.kv_lora;
         r.flops = keys * nh * 2.0 * (lat + G.kv_lora);
         b.run(r, [&](Baseline& base) {
           const double cache_bytes = double(ph.rows) * lat * (bf ? 2 : 4);
           const int vars = rotations(int64_t(cache_bytes));
-          std::vector<Tensor> caches, f32_caches;
+          std::vector<Tensor> caches;
           for (int v = 0; v < vars; ++v) caches.push_back(dev_rand(cdt, {ph.rows, lat}, 30 + v));
           ops::PagedTokens tok = upload_paged(ph, s);
           Tensor q = dev_rand(DType::F32, {T, nh, G.qk()}, 5);
@@ -1176,13 +1176,14 @@ void bench_mla(Bench& b) {
           }
           const float scale = 1.0f / std::sqrt(float(G.qk()));
           if (bf) {
-            const int fvars = rotations(int64_t(2 * cache_bytes));
-            for (int v = 0; v < fvars; ++v) f32_caches.push_back(dev_rand(DType::F32, {ph.rows, lat}, 30 + v));
-            base.name = "f32_cache";
-            base.kind = "mla_attention over the F32 latent cache (kv_cache_dtype f32)";
-            base.variants = fvars;
+            base.name = "simt_bf16";
+            base.kind = "mla_attention's SIMT kernel over the same BF16 cache (ops::set_mla_tc(false))";
+            base.variants = vars;
             base.run = [=](int v) mutable {
-              ops::mla_attention(q_lat, q_pe, f32_caches[size_t(v)], tok, dsel, dlen, scale, out);
+              const bool was = ops::mla_tc();
+              ops::set_mla_tc(false);
+              ops::mla_attention(q_lat, q_pe, caches[size_t(v)], tok, dsel, dlen, scale, out);
+              ops::set_mla_tc(was);
             };
           }
           return std::make_pair(std::function<void(int)>([=](int v) mutable {

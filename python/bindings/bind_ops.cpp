@@ -208,6 +208,12 @@ void bind_ops(py::module_& m) {
         "DFLASH2_WIDE_ROWS=0). The same decisions as the CPU either way. No effect on the CPU.");
   o.def("set_wide_rows", &ops::set_wide_rows, py::arg("on"),
         "Sets wide_rows() for the calls issued from now on (an A/B of the two forms).");
+  o.def("mla_tc", &ops::mla_tc,
+        "Whether the CUDA backend's mla_attention runs a BF16 latent cache on the tensor cores (exact products of "
+        "BF16 keys and three-plane BF16 queries / weights, fp32 sums) rather than the SIMT kernel (starts on unless "
+        "DFLASH2_MLA_TC=0). No effect on the CPU or on F32 caches.");
+  o.def("set_mla_tc", &ops::set_mla_tc, py::arg("on"),
+        "Sets mla_tc() for the calls issued from now on (it changes the numerics: set it before an engine loads).");
   o.def("linear_bf16_available", [](const std::string& dev) { return ops::linear_bf16_available(Device::parse(dev)); },
         py::arg("device"), "Whether linear_bf16 runs on this device in this build.");
   bind_linear("linear_fp8", &ops::linear_fp8,

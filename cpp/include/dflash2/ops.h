@@ -250,6 +250,15 @@ void set_exact_tc(bool on);
 // time beside it. No effect on the CPU.
 bool wide_rows();
 void set_wide_rows(bool on);
+// Whether the CUDA backend's mla_attention runs a BF16 latent cache (Engine kv_cache_dtype =
+// "bf16") on the tensor cores (mma.sync m16n8k16; kv_lora a multiple of 128 up to 512,
+// kv_lora + rope a multiple of 32, 16-byte aligned rows): the keys exact in BF16, queries and
+// softmax weights as three BF16 planes summing to their fp32 values, so every product is exact
+// and only fp32 sums round (not bitwise the SIMT kernel). Starts on unless the environment has
+// DFLASH2_MLA_TC=0. It changes the numerics, so set it before an engine loads and leave it.
+// No effect on the CPU or on F32 caches.
+bool mla_tc();
+void set_mla_tc(bool on);
 
 // out = w * x / sqrt(mean(x^2) + eps) per row (last dim); x, out F32 [.., D]; w F32/BF16/F16 [D].
 void rms_norm(const Tensor& x, const Tensor& w, float eps, Tensor& out);

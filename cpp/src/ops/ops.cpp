@@ -204,6 +204,7 @@ DFLASH2_SWITCH(pdl, set_pdl, "DFLASH2_PDL", true)
 DFLASH2_SWITCH(dq_wgmma, set_dq_wgmma, "DFLASH2_DQ_WGMMA", true)
 DFLASH2_SWITCH(exact_tc, set_exact_tc, "DFLASH2_EXACT_TC", false)
 DFLASH2_SWITCH(wide_rows, set_wide_rows, "DFLASH2_WIDE_ROWS", true)
+DFLASH2_SWITCH(mla_tc, set_mla_tc, "DFLASH2_MLA_TC", true)
 DFLASH2_SWITCH(op_timing, set_op_timing, "DFLASH2_OP_TIMING", false)
 #undef DFLASH2_SWITCH
 

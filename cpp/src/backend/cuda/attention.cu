@@ -806,6 +806,279 @@ __global__ void __launch_bounds__(kMlaThreads)
   }
 }
 
+// ------------------------------------------------------------------ mla_attention, tensor cores
+// A BF16 latent cache (kv_cache_dtype = "bf16", ops::mla_tc(), default on) on mma.sync
+// m16n8k16 (mma_sm80.cuh). The keys are exact in BF16; each query row is split into three
+// BF16 planes whose sum is its fp32 value (hi = bf16(q), mid = bf16(q - hi), lo = bf16(q - hi -
+// mid)), and so are the softmax weights of P V: every product is exact and only the fp32 sums
+// round (in the tensor cores' order: close to the SIMT kernel, not bitwise). A grid item is
+// (token, 16 heads, segment of kMlaSeg = 64 keys) with 8 warps: the segment's latent rows land
+// in shared memory by cp.async (16 bytes per copy, all in flight; rows padded by 8 values:
+// conflict-free ldmatrix; a key without a slot reads as a zero row, as in mla_kernel);
+// S = Q K^T, warp w taking keys 8w..8w+7 over all kv_lora + rope inputs (3 planes x D / 16
+// MMAs); the scores scaled and masked through shared memory; per head row (2 per warp) the
+// segment's max, the weights exp(s - m) in fp32 and their sum in double (as mla_kernel);
+// P V, warp w taking latent dims [w kvl / 8, (w + 1) kvl / 8) over the 64 keys (V is the
+// same shared rows, ldmatrix.trans). The segment's (m, l, acc) is folded in key order with
+// mla_fold_scalars / mla_fold_value (the running total in shared memory), or written as its
+// split-KV partial for mla_combine_kernel, which folds the same way: the split decision (a
+// function of T) never changes a row, so decode == verify. Keys past the grid's last
+// segment (see mla_kernel) are walked as more 64-key tiles of that segment, rescaled online.
+// Shared memory for GLM-5.3 (kv_lora 512, rope 64): 176 KB unsplit, 143 KB split.
+constexpr int kMtThreads = 256, kMtWarps = kMtThreads / 32;
+constexpr int kMtHeads = 16;      // heads per item: the MMAs' M
+constexpr int kMtKeys = kMlaSeg;  // keys per tile (a segment is one tile)
+constexpr int kMtPLD = kMtKeys + 8;
+constexpr int kMtMaxNT = 8;       // n-tiles of 8 latent dims per warp in P V: kv_lora <= 512
+struct MtShape {
+  int kvl, rope, D, LD;  // LD = D + 8: the padded row of the key tile and the query planes
+};
+inline bool mla_tc_fits(int64_t kvl, int64_t rope) {
+  return kvl % 128 == 0 && kvl >= 128 && kvl <= 8 * kMtWarps * kMtMaxNT && rope >= 0 && (kvl + rope) % 32 == 0;
+}
+inline size_t mla_tc_smem(const MtShape& s, bool split) {
+  return sizeof(double) * 2 * kMtHeads + sizeof(int64_t) * kMtKeys + sizeof(float) * 6 * kMtHeads +
+         sizeof(float) * (size_t(kMtHeads) * kMtKeys + (split ? 0 : size_t(kMtHeads) * s.kvl)) +
+         sizeof(__nv_bfloat16) * (size_t(kMtKeys) * s.LD + 3 * size_t(kMtHeads) * s.LD + 3 * size_t(kMtHeads) * kMtPLD);
+}
+// The three BF16 planes of x (their sum is x for finite x in the normal range).
+__device__ __forceinline__ void bf16_planes(float x, __nv_bfloat16& hi, __nv_bfloat16& mid, __nv_bfloat16& lo) {
+  hi = __float2bfloat16_rn(x);
+  const float r = __fsub_rn(x, __bfloat162float(hi));
+  mid = __float2bfloat16_rn(r);
+  lo = __float2bfloat16_rn(__fsub_rn(r, __bfloat162float(mid)));
+}
+
+template <bool SPLIT>
+__global__ void __launch_bounds__(kMtThreads, 1)
+    mla_tc_kernel(const float* __restrict__ q_lat, int64_t ql_s0, int64_t ql_s1, const float* __restrict__ q_pe,
+                  int64_t qp_s0, int64_t qp_s1, const __nv_bfloat16* __restrict__ cache, int64_t c_stride,
+                  int64_t c_rows, Tokens tk, const int32_t* __restrict__ sel, int64_t sel_stride, int64_t sel_cols,
+                  const int32_t* __restrict__ sel_len, int64_t len_stride, float scale, float* __restrict__ out,
+                  int64_t o_s0, int64_t o_s1, int64_t T, int nh, MtShape sh, MlaSplit sp) {
+  detail::pdl_enter();
+  extern __shared__ __align__(16) unsigned char smem_raw[];
+  double* ls = reinterpret_cast<double*>(smem_raw);             // [16] the segment's sums
+  double* lt = ls + kMtHeads;                                     // [16] folded sums
+  int64_t* slots = reinterpret_cast<int64_t*>(lt + kMtHeads);     // [64]
+  float* ms = reinterpret_cast<float*>(slots + kMtKeys);          // [16] the segment's max
+  float* as = ms + kMtHeads;                                      // [16] rescale of the tile
+  float* mt = as + kMtHeads;                                      // [16] folded max
+  float* fa = mt + kMtHeads;                                      // [16] fold factors
+  float* fb = fa + kMtHeads;                                      // [16]
+  float* ss = fb + 2 * kMtHeads;                                  // [16][64] scores (after 16 floats of padding)
+  float* tot = ss + kMtHeads * kMtKeys;                           // [16][kvl] folded P V (unsplit)
+  __nv_bfloat16* ks = reinterpret_cast<__nv_bfloat16*>(tot + (SPLIT ? 0 : kMtHeads * sh.kvl));  // [64][LD]
+  __nv_bfloat16* qp = ks + kMtKeys * sh.LD;                       // [3 planes][16][LD]
+  __nv_bfloat16* pp = qp + 3 * kMtHeads * sh.LD;                  // [3 planes][16][PLD]
+  const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5, g = lane >> 2, t4 = lane & 3;
+  const int kvl = sh.kvl, D = sh.D, LD = sh.LD;
+  const int DW = kvl / kMtWarps, NT = DW / 8, d0 = warp * DW;
+  const int h0 = int(blockIdx.x) * kMtHeads;
+  const int64_t cap = tk.nb * tk.bs;
+  for (int64_t t = blockIdx.y; t < T; t += gridDim.y) {
+    const int64_t pos = tk.pos[t * tk.pos_stride];
+    const int32_t* row = bt_row(tk, t);
+    int64_t nk = attn::causal_keys(pos, cap);
+    const int32_t* sl = nullptr;
+    if (sel_len) {
+      const int64_t cnt = sel_len[t * len_stride];
+      if (cnt >= 0) {
+        nk = cnt < sel_cols ? cnt : sel_cols;
+        sl = sel + t * sel_stride;
+      }
+    }
+    const int64_t nseg = (nk + kMtKeys - 1) / kMtKeys;
+    int64_t seg0 = 0, seg1 = nseg;
+    if (SPLIT) {
+      seg0 = blockIdx.z;
+      seg1 = seg0 < nseg ? seg0 + 1 : seg0;
+    }
+    // the 16 heads' query rows [q_lat | q_pe] as three BF16 planes (heads past nh: zeros)
+    for (int i = tid; i < kMtHeads * D; i += kMtThreads) {
+      const int hl = i / D, e = i - hl * D, h = h0 + hl;
+      float x = 0.0f;
+      if (h < nh) x = e < kvl ? q_lat[t * ql_s0 + h * ql_s1 + e] : q_pe[t * qp_s0 + h * qp_s1 + (e - kvl)];
+      __nv_bfloat16 hi, mid, lo;
+      bf16_planes(x, hi, mid, lo);
+      qp[hl * LD + e] = hi;
+      qp[(kMtHeads + hl) * LD + e] = mid;
+      qp[(2 * kMtHeads + hl) * LD + e] = lo;
+    }
+    if (tid < kMtHeads) {
+      mt[tid] = -INFINITY;
+      lt[tid] = 0.0;
+    }
+    if (!SPLIT)
+      for (int i = tid; i < kMtHeads * kvl; i += kMtThreads) tot[i] = 0.0f;
+    float acc[kMtMaxNT][4];
+#pragma unroll
+    for (int nt = 0; nt < kMtMaxNT; ++nt) acc[nt][0] = acc[nt][1] = acc[nt][2] = acc[nt][3] = 0.0f;
+    for (int64_t seg = seg0; seg < seg1; ++seg) {
+      const int64_t k0 = seg * kMtKeys;
+      int64_t k1 = k0 + kMtKeys < nk ? k0 + kMtKeys : nk;
+      if (SPLIT && seg == int64_t(gridDim.z) - 1) k1 = nk;  // keys past the grid (see above)
+      if (tid < kMtHeads) {
+        ms[tid] = -INFINITY;
+        ls[tid] = 0.0;
+      }
+#pragma unroll
+      for (int nt = 0; nt < kMtMaxNT; ++nt) acc[nt][0] = acc[nt][1] = acc[nt][2] = acc[nt][3] = 0.0f;
+      for (int64_t c0 = k0; c0 < k1; c0 += kMtKeys) {
+        __syncthreads();  // the previous tile's readers are done; the planes and inits are visible
+        if (tid < kMtKeys) {
+          const int64_t j = c0 + tid;
+          int64_t slot = -1;
+          if (j < k1) {
+            const int64_t key = sl ? int64_t(sl[j]) : j;
+            if (key >= 0 && key <= pos) slot = slot_of(tk, row, c_rows, key);
+          }
+          slots[tid] = slot;
+        }
+        __syncthreads();
+        // the tile's rows by cp.async (a row without a slot: zeros)
+        const int C8 = D / 8;
+        for (int idx = tid; idx < kMtKeys * C8; idx += kMtThreads) {
+          const int jj = idx / C8, e8 = idx - jj * C8;
+          const int64_t slot = slots[jj];
+          mma::cp_async16(mma::smem_u32(ks + jj * LD + 8 * e8), slot >= 0 ? cache + slot * c_stride + 8 * e8 : cache,
+                          slot >= 0);
+        }
+        mma::cp_async_commit();
+        mma::cp_async_wait_all();
+        __syncthreads();
+        // S = Q K^T: rows g, g + 8 (heads) x keys 8 warp + 2 t4 + {0, 1}
+        float sc[4] = {0.0f, 0.0f, 0.0f, 0.0f};
+        for (int kk = 0; kk < D / 16; kk += 2) {
+          uint32_t bk[4];  // k-steps kk (bk[0], bk[1]) and kk + 1 (bk[2], bk[3]) of the warp's 8 keys
+          mma::ldmatrix_x4(mma::smem_u32(ks + (warp * 8 + (lane & 7)) * LD + kk * 16 + (lane >> 3) * 8), bk);
+#pragma unroll
+          for (int pl = 0; pl < 3; ++pl) {
+            const __nv_bfloat16* qb = qp + (pl * kMtHeads + (lane & 15)) * LD + (lane >> 4) * 8;
+            uint32_t a0[4], a1[4];
+            mma::ldmatrix_x4(mma::smem_u32(qb + kk * 16), a0);
+            mma::ldmatrix_x4(mma::smem_u32(qb + (kk + 1) * 16), a1);
+            mma::mma_bf16(sc, a0, bk[0], bk[1]);
+            mma::mma_bf16(sc, a1, bk[2], bk[3]);
+          }
+        }
+#pragma unroll
+        for (int c = 0; c < 4; ++c) {
+          const int key = warp * 8 + 2 * t4 + (c & 1);
+          ss[(g + 8 * (c >> 1)) * kMtKeys + key] = c0 + key < k1 ? __fmul_rn(sc[c], scale) : -INFINITY;
+        }
+        __syncthreads();
+        // per head row: the tile's max, the weights (as BF16 planes) and the running sum
+#pragma unroll
+        for (int rr = 0; rr < 2; ++rr) {
+          const int r = 2 * warp + rr;
+          const float s0 = ss[r * kMtKeys + lane], s1 = ss[r * kMtKeys + 32 + lane];
+          const float m = ms[r];
+          const float mn = fmaxf(m, warp_max(fmaxf(s0, s1)));
+          const float alpha = mn == -INFINITY ? 1.0f : expf(__fsub_rn(m, mn));  // m = -inf, mn finite: 0
+          const float p0 = s0 == -INFINITY ? 0.0f : expf(__fsub_rn(s0, mn));
+          const float p1 = s1 == -INFINITY ? 0.0f : expf(__fsub_rn(s1, mn));
+          const double l = __dadd_rn(__dmul_rn(ls[r], double(alpha)), warp_sum(__dadd_rn(double(p0), double(p1))));
+          __nv_bfloat16 h, md, lo;
+          bf16_planes(p0, h, md, lo);
+          pp[r * kMtPLD + lane] = h;
+          pp[(kMtHeads + r) * kMtPLD + lane] = md;
+          pp[(2 * kMtHeads + r) * kMtPLD + lane] = lo;
+          bf16_planes(p1, h, md, lo);
+          pp[r * kMtPLD + 32 + lane] = h;
+          pp[(kMtHeads + r) * kMtPLD + 32 + lane] = md;
+          pp[(2 * kMtHeads + r) * kMtPLD + 32 + lane] = lo;
+          __syncwarp();  // every lane has read ms[r] / ls[r]
+          if (lane == 0) {
+            ms[r] = mn;
+            ls[r] = l;
+            as[r] = alpha;
+          }
+        }
+        __syncthreads();
+        // acc = acc * alpha + P V over the warp's latent dims
+        const float al0 = as[g], al1 = as[g + 8];
+#pragma unroll
+        for (int nt = 0; nt < kMtMaxNT; ++nt) {
+          acc[nt][0] *= al0;
+          acc[nt][1] *= al0;
+          acc[nt][2] *= al1;
+          acc[nt][3] *= al1;
+        }
+#pragma unroll
+        for (int kc = 0; kc < kMtKeys / 16; ++kc) {
+          uint32_t pa[3][4];
+#pragma unroll
+          for (int pl = 0; pl < 3; ++pl)
+            mma::ldmatrix_x4(
+                mma::smem_u32(pp + (pl * kMtHeads + (lane & 15)) * kMtPLD + kc * 16 + (lane >> 4) * 8), pa[pl]);
+#pragma unroll
+          for (int dp = 0; dp < kMtMaxNT / 2; ++dp) {
+            if (2 * dp >= NT) break;
+            uint32_t bv[4];
+            mma::ldmatrix_x4_trans(
+                mma::smem_u32(ks + (kc * 16 + (lane & 15)) * LD + d0 + dp * 16 + (lane >> 4) * 8), bv);
+#pragma unroll
+            for (int pl = 0; pl < 3; ++pl) {
+              mma::mma_bf16(acc[2 * dp], pa[pl], bv[0], bv[1]);
+              mma::mma_bf16(acc[2 * dp + 1], pa[pl], bv[2], bv[3]);
+            }
+          }
+        }
+      }
+      if (SPLIT) break;  // one segment: acc / ms / ls are its partial state
+      __syncthreads();   // ms / ls final for the segment (also read below by the fold)
+      if (tid < kMtHeads) {
+        float M = mt[tid], a, b;
+        double L = lt[tid];
+        mla_fold_scalars(M, L, ms[tid], ls[tid], a, b);
+        mt[tid] = M;
+        lt[tid] = L;
+        fa[tid] = a;
+        fb[tid] = b;
+      }
+      __syncthreads();
+#pragma unroll
+      for (int nt = 0; nt < kMtMaxNT; ++nt) {
+        if (nt >= NT) break;
+#pragma unroll
+        for (int c = 0; c < 4; ++c) {
+          const int r = g + 8 * (c >> 1);
+          float& x = tot[r * kvl + d0 + nt * 8 + 2 * t4 + (c & 1)];
+          x = mla_fold_value(x, fa[r], acc[nt][c], fb[r]);
+        }
+      }
+    }
+    __syncthreads();  // ms / ls / mt / lt / tot final (also when the token has no keys)
+    if (SPLIT) {
+      const bool have = seg0 < seg1;
+#pragma unroll
+      for (int hh = 0; hh < 2; ++hh) {
+        const int r = g + 8 * hh, h = h0 + r;
+        if (h >= nh) continue;
+        const int64_t ps_i = (t * nh + h) * int64_t(sp.nseg) + int64_t(blockIdx.z);
+        if (warp == 0 && t4 == 0) {
+          sp.m[ps_i] = have ? ms[r] : -INFINITY;
+          sp.l[ps_i] = have ? ls[r] : -1.0;
+        }
+        float* pa = sp.acc + ps_i * kvl + d0 + 2 * t4;
+#pragma unroll
+        for (int nt = 0; nt < kMtMaxNT; ++nt) {
+          if (nt >= NT) break;
+          pa[nt * 8] = have ? acc[nt][2 * hh] : 0.0f;
+          pa[nt * 8 + 1] = have ? acc[nt][2 * hh + 1] : 0.0f;
+        }
+      }
+    } else {
+      for (int i = tid; i < kMtHeads * kvl; i += kMtThreads) {
+        const int r = i / kvl, d = i - r * kvl, h = h0 + r;
+        if (h < nh) out[t * o_s0 + int64_t(h) * o_s1 + d] = mla_finish(tot[i], lt[r]);
+      }
+    }
+    __syncthreads();  // qp / tot / mt / lt are rewritten for the next token
+  }
+}
+
 // ================================================================== block_attention
 constexpr int kBaThreads = 256;
 constexpr int kBaRows = kBaThreads / 32;  // one query row per warp
@@ -1369,6 +1642,29 @@ void launch_mla(const Tensor& q_lat, const Tensor& q_pe, const Tensor& cache, co
   }
 }
 
+template <bool SPLIT>
+void launch_mla_tc(const Tensor& q_lat, const Tensor& q_pe, const Tensor& cache, const Tokens& tk, const Tensor& sel,
+                   const Tensor& sel_len, float scale, Tensor& out, const MtShape& sh, int device, const MlaSplit& sp) {
+  const int64_t T = q_lat.shape(0), nh = q_lat.shape(1);
+  const size_t smem = mla_tc_smem(sh, SPLIT);
+  allow_smem(mla_tc_kernel<SPLIT>, smem, device, "mla_attention");
+  const bool has = sel_len.defined();
+  const unsigned gy = unsigned(T < detail::kMaxGridY ? T : detail::kMaxGridY);
+  const dim3 grid(unsigned((nh + kMtHeads - 1) / kMtHeads), gy, unsigned(SPLIT ? sp.nseg : 1));
+  mla_tc_kernel<SPLIT><<<grid, kMtThreads, smem, detail::stream()>>>(
+      q_lat.data_as<const float>(), q_lat.stride(0), q_lat.stride(1), q_pe.data_as<const float>(), q_pe.stride(0),
+      q_pe.stride(1), static_cast<const __nv_bfloat16*>(cache.data()), cache.stride(0), cache.shape(0), tk,
+      has ? sel.data_as<const int32_t>() : nullptr, has ? sel.stride(0) : 0, has ? sel.shape(1) : 0,
+      has ? sel_len.data_as<const int32_t>() : nullptr, has ? sel_len.stride(0) : 0, scale, out.data_as<float>(),
+      out.stride(0), out.stride(1), T, int(nh), sh, sp);
+  detail::check_launch("mla_attention (tensor cores) kernel launch", q_lat.describe());
+  if (SPLIT) {
+    mla_combine_kernel<<<dim3(unsigned(nh), gy), kMlaThreads, 0, detail::stream()>>>(
+        sp, T, int(nh), sh.kvl, out.data_as<float>(), out.stride(0), out.stride(1));
+    detail::check_launch("mla_attention combine kernel launch", q_lat.describe());
+  }
+}
+
 template <int HG>
 void launch_mla_dpt(int dpt, const Tensor& q_lat, const Tensor& q_pe, const Tensor& cache, const Tokens& tk,
                     const Tensor& sel, const Tensor& sel_len, float scale, Tensor& out, const MlaShape& sh, int device,
@@ -1441,6 +1737,21 @@ void mla_attention(const Tensor& q_lat, const Tensor& q_pe, const Tensor& cache,
     sp.m = reinterpret_cast<float*>(base + n * 8);
     sp.acc = reinterpret_cast<float*>(base + n * 12);
     sp.nseg = int(nseg);
+  }
+  // a BF16 cache on the tensor cores (ops::mla_tc; a property of the cache and the shapes, never
+  // of T: every token of an engine takes the same kernel)
+  if (cache.dtype() == DType::BF16 && ops::mla_tc() && mla_tc_fits(kvl, rope) && cache.stride(0) % 8 == 0 &&
+      detail::aligned(cache.data(), 16)) {
+    MtShape ts;
+    ts.kvl = int(kvl);
+    ts.rope = int(rope);
+    ts.D = int(kvl + rope);
+    ts.LD = ts.D + 8;
+    if (split)
+      launch_mla_tc<true>(q_lat, q_pe, cache, tk, sel, sel_len, scale, out, ts, device, sp);
+    else
+      launch_mla_tc<false>(q_lat, q_pe, cache, tk, sel, sel_len, scale, out, ts, device, sp);
+    return;
   }
   if (nh <= 4 || split)
     launch_mla_dpt<4>(dpt, q_lat, q_pe, cache, tk, sel, sel_len, scale, out, sh, device, sp);
