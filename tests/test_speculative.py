@@ -298,17 +298,25 @@ def test_bf16_prefill_is_lossless(world, ar_greedy):
     ar = _engine(world.target, prefill_gemm="bf16")
     assert ar.prefill_gemm == "bf16" and ar.experts_prefill_gemm == "bf16"
     n = len(GREEDY_PROMPTS)
+    want = _speculative_equals_ar(world, ar, 3, "bf16 prefill", prefill_gemm="bf16")
+    same_first = sum(w[0] == e[0] for w, e in zip(want, ar_greedy))
+    assert same_first >= (3 * n) // 4, f"bf16 prefill changed the first token of {n - same_first} of {n} prompts"
+
+
+def _speculative_equals_ar(world, ar, stride, what, **kw):
+    """AR engine `ar`'s greedy continuations of GREEDY_PROMPTS (returned), and dflash2 (and MTP
+    where the target has it) engines with options kw equal to them token for token at batch
+    sizes 1 and 3 (_greedy_equal_in_batches with `stride`)."""
+    n = len(GREEDY_PROMPTS)
     want = []
     for i in range(0, n, MAXB):
         want += [list(r.token_ids) for r in ar.generate(GREEDY_PROMPTS[i:i + MAXB], max_new_tokens=GREEDY_NEW,
                                                         stop_token_ids=NO_STOP)]
-    keys = ["d2"] + (["mtp"] if _has_mtp(world) else [])
-    for key in keys:
-        eng = (_engine(world.target, None, "mtp", prefill_gemm="bf16") if key == "mtp"
-               else _engine(world.target, world.draft(key), "dflash2", prefill_gemm="bf16"))
-        _greedy_equal_in_batches(eng, want, 3, f"{key}, bf16 prefill")
-    same_first = sum(w[0] == e[0] for w, e in zip(want, ar_greedy))
-    assert same_first >= (3 * n) // 4, f"bf16 prefill changed the first token of {n - same_first} of {n} prompts"
+    for key in ["d2"] + (["mtp"] if _has_mtp(world) else []):
+        eng = (_engine(world.target, None, "mtp", **kw) if key == "mtp"
+               else _engine(world.target, world.draft(key), "dflash2", **kw))
+        _greedy_equal_in_batches(eng, want, stride, f"{key}, {what}")
+    return want
 
 
 def _quantized_prefill_is_lossless(world, path, mode, other, experts, option="prefill_gemm"):
@@ -382,16 +390,7 @@ def test_kv_cache_bf16_is_lossless(world):
     # indexer selection flips on the rounded index keys attends to other keys and moves more
     rows = ((lg16 - lg32) ** 2).sum(1) / (lg32 ** 2).sum(1)
     assert np.median(rows) <= 1e-4, rows
-    n = len(GREEDY_PROMPTS)
-    want = []
-    for i in range(0, n, MAXB):
-        want += [list(r.token_ids) for r in ar.generate(GREEDY_PROMPTS[i:i + MAXB], max_new_tokens=GREEDY_NEW,
-                                                        stop_token_ids=NO_STOP)]
-    keys = ["d2"] + (["mtp"] if _has_mtp(world) else [])
-    for key in keys:
-        eng = (_engine(world.target, None, "mtp", kv_cache_dtype="bf16") if key == "mtp"
-               else _engine(world.target, world.draft(key), "dflash2", kv_cache_dtype="bf16"))
-        _greedy_equal_in_batches(eng, want, 5, f"{key}, kv_cache_dtype=bf16")
+    _speculative_equals_ar(world, ar, 5, "kv_cache_dtype=bf16", kv_cache_dtype="bf16")
 
 
 def test_fp8_prefill_is_lossless(world, tmp_path):

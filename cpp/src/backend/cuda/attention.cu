@@ -491,6 +491,40 @@ __device__ __forceinline__ float mla_finish(float tot, double L) {
   return L > 0.0 ? __fmul_rn(tot, float(1.0 / L)) : 0.0f;
 }
 
+// Token t's keys for MLA: its position, block-table row, key count (sel_len[t] >= 0: that many
+// of sel's columns, at most sel_cols; else every causal key) and selection (null: 0..nk-1),
+// and the kMlaSeg-key segments this block walks ([seg0, seg1): all, or segment blockIdx.z
+// with split-KV). Shared by mla_kernel and mla_tc_kernel.
+struct MlaKeys {
+  int64_t pos, nk, seg0, seg1;
+  const int32_t* row;
+  const int32_t* sl;
+};
+__device__ __forceinline__ MlaKeys mla_keys(const Tokens& tk, int64_t t, int64_t cap, const int32_t* sel,
+                                            int64_t sel_stride, int64_t sel_cols, const int32_t* sel_len,
+                                            int64_t len_stride, bool split) {
+  MlaKeys k;
+  k.pos = tk.pos[t * tk.pos_stride];
+  k.row = bt_row(tk, t);
+  k.nk = attn::causal_keys(k.pos, cap);
+  k.sl = nullptr;
+  if (sel_len) {
+    const int64_t cnt = sel_len[t * len_stride];
+    if (cnt >= 0) {
+      k.nk = cnt < sel_cols ? cnt : sel_cols;
+      k.sl = sel + t * sel_stride;
+    }
+  }
+  const int64_t nseg = (k.nk + kMlaSeg - 1) / kMlaSeg;
+  k.seg0 = 0;
+  k.seg1 = nseg;
+  if (split) {
+    k.seg0 = blockIdx.z;
+    k.seg1 = k.seg0 < nseg ? k.seg0 + 1 : k.seg0;
+  }
+  return k;
+}
+
 // split = 0: each block walks all of its token's keys, segment by segment (kMlaSeg keys,
 // online softmax inside a segment), folding each segment into registers, and writes out.
 // split = 1: block z handles segment z only (the last grid segment also takes any keys past
@@ -527,23 +561,9 @@ __global__ void __launch_bounds__(kMlaThreads)
   const int h0 = int(blockIdx.x) * HG;
   const int64_t cap = tk.nb * tk.bs;
   for (int64_t t = blockIdx.y; t < T; t += gridDim.y) {
-    const int64_t pos = tk.pos[t * tk.pos_stride];
-    const int32_t* row = bt_row(tk, t);
-    int64_t nk = attn::causal_keys(pos, cap);
-    const int32_t* sl = nullptr;
-    if (sel_len) {
-      const int64_t cnt = sel_len[t * len_stride];
-      if (cnt >= 0) {
-        nk = cnt < sel_cols ? cnt : sel_cols;
-        sl = sel + t * sel_stride;
-      }
-    }
-    const int64_t nseg = (nk + kMlaSeg - 1) / kMlaSeg;
-    int64_t seg0 = 0, seg1 = nseg;
-    if (split) {
-      seg0 = blockIdx.z;
-      seg1 = seg0 < nseg ? seg0 + 1 : seg0;
-    }
+    const MlaKeys mk = mla_keys(tk, t, cap, sel, sel_stride, sel_cols, sel_len, len_stride, split);
+    const int64_t pos = mk.pos, nk = mk.nk, seg0 = mk.seg0, seg1 = mk.seg1;
+    const int32_t *row = mk.row, *sl = mk.sl;
     // the group's query rows, kMlaGatherILP loads in flight per thread before the first store
     for (int base = threadIdx.x; base < HG * D; base += kMlaGatherILP * kMlaThreads) {
       float v[kMlaGatherILP];
@@ -877,23 +897,9 @@ __global__ void __launch_bounds__(kMtThreads, 1)
   const int h0 = int(blockIdx.x) * kMtHeads;
   const int64_t cap = tk.nb * tk.bs;
   for (int64_t t = blockIdx.y; t < T; t += gridDim.y) {
-    const int64_t pos = tk.pos[t * tk.pos_stride];
-    const int32_t* row = bt_row(tk, t);
-    int64_t nk = attn::causal_keys(pos, cap);
-    const int32_t* sl = nullptr;
-    if (sel_len) {
-      const int64_t cnt = sel_len[t * len_stride];
-      if (cnt >= 0) {
-        nk = cnt < sel_cols ? cnt : sel_cols;
-        sl = sel + t * sel_stride;
-      }
-    }
-    const int64_t nseg = (nk + kMtKeys - 1) / kMtKeys;
-    int64_t seg0 = 0, seg1 = nseg;
-    if (SPLIT) {
-      seg0 = blockIdx.z;
-      seg1 = seg0 < nseg ? seg0 + 1 : seg0;
-    }
+    const MlaKeys mk = mla_keys(tk, t, cap, sel, sel_stride, sel_cols, sel_len, len_stride, SPLIT);
+    const int64_t pos = mk.pos, nk = mk.nk, seg0 = mk.seg0, seg1 = mk.seg1;
+    const int32_t *row = mk.row, *sl = mk.sl;
     // the 16 heads' query rows [q_lat | q_pe] as three BF16 planes (heads past nh: zeros)
     for (int i = tid; i < kMtHeads * D; i += kMtThreads) {
       const int hl = i / D, e = i - hl * D, h = h0 + hl;
