@@ -35,7 +35,7 @@
 # DC_EMULATE=1 (a dry run of every step, the GPU ones included, against the CPU emulation of
 # the CUDA backend in BUILD_DIR, default build-device-emu, with smaller benchmark workloads:
 # checks this script, not a GPU; give it a larger DC_DEADLINE and step limits),
-# DC_OPPROF_TIMEOUT (the op profile, bench/op_profile.py: 60),
+# DC_OPPROF_TIMEOUT (the op profile, bench/op_profile.py: 90), DC_OPPROF_KV (its cache types: "f32 bf16"),
 # DC_CONC_TIMEOUT / DC_CONC_BUDGET (the concurrency sweep: stopped after 75 s, no new level
 # after 45 s or what the deadline leaves), DFLASH2_REQUIRE_GPU=1 (exit 3 when no GPU is
 # usable; default: report and exit 0). bench/device_run.sh wraps this for the device tool.
@@ -202,8 +202,8 @@ if opp:
         with open(opp) as f:
             runs = json.load(f)["runs"]
         # per run: the timed total per step and its 12 largest ops
-        report["op_profile_cuda"] = [{k: r[k] for k in ("model", "method", "batch", "steps", "wall_ms_per_step",
-                                                        "timed_ms_per_step")} |
+        report["op_profile_cuda"] = [{k: r.get(k) for k in ("model", "method", "kv_cache_dtype", "batch", "steps",
+                                                            "wall_ms_per_step", "timed_ms_per_step")} |
                                      {"ops": [{k: o[k] for k in ("op", "calls_per_step", "us_per_step", "share")}
                                               for o in r["ops"][:12]]} for r in runs]
     except (OSError, ValueError, KeyError) as e:
@@ -485,9 +485,11 @@ fi
 # steps), ar and dflash2 at batch 1 and 8 on the pair and on the real-dimension slice
 if [ "$GPU_USABLE" = 1 ] && [ "$DC_PYTHON_BINDING" = 1 ]; then
   rm -f "$OUT_DIR/op_profile_cuda.json"
-  OPP_SIZE=(--models pair slice --batch 1 8 --new 16)
+  # the slice also with a BF16 cache (MLA on the tensor cores); DC_OPPROF_KV overrides
+  read -r -a OPP_KV <<< "${DC_OPPROF_KV:-f32 bf16}"
+  OPP_SIZE=(--models pair slice --batch 1 8 --new 16 --kv-cache-dtype "${OPP_KV[@]}")
   [ "$EMULATE" = 1 ] && OPP_SIZE=(--models pair --batch 1 --new 4)
-  run_step op_profile "${DC_OPPROF_TIMEOUT:-60}" "$PY" "$ROOT/bench/op_profile.py" --device cuda "${OPP_SIZE[@]}" \
+  run_step op_profile "${DC_OPPROF_TIMEOUT:-90}" "$PY" "$ROOT/bench/op_profile.py" --device cuda "${OPP_SIZE[@]}" \
     --methods ar dflash2 --out "$OUT_DIR" ||
     soft_fail op_profile "bench/op_profile.py --device cuda failed or reached its limit (see $LOGS/op_profile.log)"
   if [ -f "$OUT_DIR/op_profile_cuda.json" ]; then DC_OPPROF_JSON=$OUT_DIR/op_profile_cuda.json; fi

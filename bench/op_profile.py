@@ -12,7 +12,11 @@ the wall time is not the engine's speed; the per-op times are the kernels'. Writ
 <out>/op_profile[_<device>].json.
 
     python bench/op_profile.py [--device cpu|cuda] [--models pair slice] [--methods ar dflash2]
-                               [--batch 1 8] [--new 24] [--top 15] [--out bench/results]
+                               [--batch 1 8] [--new 24] [--kv-cache-dtype f32 bf16] [--top 15]
+                               [--out bench/results]
+
+--kv-cache-dtype: one run per cache type (Engine kv_cache_dtype; on CUDA "bf16" puts MLA on the
+tensor cores where kv_lora allows, as the slice's 512), each run's JSON row naming it.
 
 --models slice: the two-layer target with GLM-5.3's attention dimensions and a random DFlash 2
 drafter with the GLM-5.3 drafter's attention shape (bench_concurrency.py's slice_pair; needs
@@ -68,6 +72,8 @@ def main(argv=None):
     ap.add_argument("--methods", nargs="+", default=["ar", "dflash2"], choices=["ar", "mtp", "dflash", "dflash2"])
     ap.add_argument("--batch", type=int, nargs="+", default=[1, 8])
     ap.add_argument("--new", type=int, default=24, help="tokens per request")
+    ap.add_argument("--kv-cache-dtype", nargs="+", default=["f32"], choices=["f32", "bf16"],
+                    help="the target's KV cache types to profile (one run each)")
     ap.add_argument("--top", type=int, default=15, help="ops printed per run (the JSON has all)")
     ap.add_argument("--out", default=os.path.join(HERE, "results"))
     a = ap.parse_args(argv)
@@ -83,9 +89,10 @@ def main(argv=None):
                 sys.path.insert(0, HERE)
                 from bench_concurrency import slice_pair
                 target, draft = slice_pair(tmp.name)
-            for method in a.methods:
+            for kv, method in [(kv, m) for kv in a.kv_cache_dtype for m in a.methods]:
                 kw = dict(method=method, device=a.device, max_batch_size=max(a.batch), max_seq_len=512,
-                          speculation="fixed", cuda_graphs=False, pad_to_buckets=False, capture_at_load=False)
+                          speculation="fixed", cuda_graphs=False, pad_to_buckets=False, capture_at_load=False,
+                          kv_cache_dtype=kv)
                 if target is not None:
                     kw.update(target=target, draft=draft if method.startswith("dflash") else None)
                 with dflash2_rt.Engine(**kw) as eng:
@@ -97,12 +104,13 @@ def main(argv=None):
                             ops.set_op_timing(False)
                         timed = sum(r["seconds"] for r in rows)
                         per = max(steps, 1)
-                        run = {"model": model, "method": method, "batch": B, "steps": steps,
+                        run = {"model": model, "method": method, "kv_cache_dtype": kv, "batch": B, "steps": steps,
                                "wall_ms_per_step": wall / per * 1e3, "timed_ms_per_step": timed / per * 1e3,
                                "ops": [{**r, "calls_per_step": r["calls"] / per, "us_per_step": r["seconds"] / per * 1e6,
                                         "share": r["seconds"] / timed if timed > 0 else 0.0} for r in rows]}
                         report["runs"].append(run)
-                        print(f"\n{model} {method} batch {B}: {steps} steps, timed ops {run['timed_ms_per_step']:.3f} ms "
+                        print(f"\n{model} {method} kv {kv} batch {B}: {steps} steps, timed ops "
+                              f"{run['timed_ms_per_step']:.3f} ms "
                               f"per step of {run['wall_ms_per_step']:.3f} ms wall", flush=True)
                         print(f"  {'op':26s} {'calls/step':>10s} {'us/step':>10s} {'share':>7s}")
                         for o in run["ops"][:a.top]:
