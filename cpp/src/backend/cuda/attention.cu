@@ -246,6 +246,8 @@ __global__ void __launch_bounds__(kIdxThreads)
   const int64_t key0 = int64_t(blockIdx.x) * kIdxWarps * kIdxKW * groups;
   if (n <= topk || key0 >= n) return;  // uniform over the block
   const int nI = sh.nI, dI = sh.dI;
+  const bool vec4 = !kc16 && (dI & 3) == 0 && (kc_stride & 3) == 0 && (reinterpret_cast<uintptr_t>(kc) & 15) == 0;
+  const bool vec8 = kc16 && (dI & 7) == 0 && (kc_stride & 7) == 0 && (reinterpret_cast<uintptr_t>(kc16) & 15) == 0;
   float* ks_all = smem;                                              // [warps][KW][kstride], 16-byte rows
   float* cs_all = ks_all + size_t(kIdxWarps) * kIdxKW * sh.kstride;  // [warps][KW][32]
   float* qs = cs_all + kIdxWarps * kIdxKW * 32;                      // [nI][qstride]
@@ -287,7 +289,61 @@ __global__ void __launch_bounds__(kIdxThreads)
     // two dependent global-memory latencies a row: a decode token's scoring over 4096 keys
     // took 111 us on an H200, 2026-12-04). The same values land in ks.
     const int64_t my_slot = lane < kIdxKW && j0 + lane < n ? slot_of(tk, row, kc_rows, j0 + lane) : -1;
-    for (int base = 0; base < kIdxKW * dI; base += 32 * kIdxGatherILP) {  // warp-uniform trip count
+    // 16-byte rows: 4 F32 or 8 BF16 values per load (a GLM-5.3 step's 8 keys of 128: 8 or 4
+    // loads per lane, all in flight); otherwise one value per load. The same values land in ks.
+    if (vec4) {
+      const int dv = dI / 4;
+      for (int base = 0; base < kIdxKW * dv; base += 32 * kIdxGatherILP) {  // warp-uniform trip count
+        float4 v[kIdxGatherILP];
+        int at[kIdxGatherILP];
+#pragma unroll
+        for (int u = 0; u < kIdxGatherILP; ++u) {
+          const int idx = base + 32 * u + lane;
+          const int k = idx < kIdxKW * dv ? idx / dv : 0;
+          const int64_t slot = __shfl_sync(0xffffffffu, my_slot, k);  // every lane takes part
+          at[u] = -1;
+          v[u] = make_float4(0.0f, 0.0f, 0.0f, 0.0f);
+          if (idx < kIdxKW * dv) {
+            const int e = 4 * (idx - k * dv);
+            at[u] = k * sh.kstride + e;
+            if (slot >= 0) v[u] = *reinterpret_cast<const float4*>(kc + slot * kc_stride + e);
+          }
+        }
+#pragma unroll
+        for (int u = 0; u < kIdxGatherILP; ++u)
+          if (at[u] >= 0) *reinterpret_cast<float4*>(ks + at[u]) = v[u];
+      }
+    } else if (vec8) {
+      const int dv = dI / 8;
+      for (int base = 0; base < kIdxKW * dv; base += 32 * kIdxGatherILP) {  // warp-uniform trip count
+        uint4 v[kIdxGatherILP];
+        int at[kIdxGatherILP];
+#pragma unroll
+        for (int u = 0; u < kIdxGatherILP; ++u) {
+          const int idx = base + 32 * u + lane;
+          const int k = idx < kIdxKW * dv ? idx / dv : 0;
+          const int64_t slot = __shfl_sync(0xffffffffu, my_slot, k);  // every lane takes part
+          at[u] = -1;
+          v[u] = make_uint4(0u, 0u, 0u, 0u);
+          if (idx < kIdxKW * dv) {
+            const int e = 8 * (idx - k * dv);
+            at[u] = k * sh.kstride + e;
+            if (slot >= 0) v[u] = *reinterpret_cast<const uint4*>(kc16 + slot * kc_stride + e);
+          }
+        }
+#pragma unroll
+        for (int u = 0; u < kIdxGatherILP; ++u)
+          if (at[u] >= 0) {  // element 2q in the low half of word q (little endian), widened exactly
+            *reinterpret_cast<float4*>(ks + at[u]) =
+                make_float4(__uint_as_float(v[u].x << 16), __uint_as_float(v[u].x & 0xffff0000u),
+                            __uint_as_float(v[u].y << 16), __uint_as_float(v[u].y & 0xffff0000u));
+            *reinterpret_cast<float4*>(ks + at[u] + 4) =
+                make_float4(__uint_as_float(v[u].z << 16), __uint_as_float(v[u].z & 0xffff0000u),
+                            __uint_as_float(v[u].w << 16), __uint_as_float(v[u].w & 0xffff0000u));
+          }
+      }
+    }
+    for (int base = 0; !vec4 && !vec8 && base < kIdxKW * dI; base += 32 * kIdxGatherILP) {  // warp-uniform
       float v[kIdxGatherILP];
       int at[kIdxGatherILP];
 #pragma unroll
