@@ -19,7 +19,7 @@ run stopped by --budget or a timeout keeps what it measured.
 
     python bench/bench_concurrency.py [--levels 1 4 8 16 32] [--requests 3] [--new 64]
         [--modes ar "dflash2 fixed" "dflash2 adaptive" mtp dflash] [--models pair slice]
-        [--device cpu|cuda|cuda:N] [--clients threads|loop] [--budget SECONDS]
+        [--device cpu|cuda|cuda:N] [--clients threads|loop] [--budget SECONDS] [--kv-cache-dtype f32|bf16]
 
 --models slice: a two-layer target with GLM-5.3's attention dimensions (tests/glm_fixtures.py
 REAL_DIMS, random weights, with an MTP layer) and a random DFlash 2 drafter with the GLM-5.3
@@ -134,6 +134,9 @@ def main(argv=None):
     ap.add_argument("--budget", type=float, default=0.0,
                     help="seconds: no new model or level starts that would likely end past it (0: no limit); "
                          "what ran is kept")
+    ap.add_argument("--kv-cache-dtype", default="f32", choices=["f32", "bf16"],
+                    help="every engine's Engine(kv_cache_dtype=...) (bf16 on CUDA: MLA on the tensor cores where "
+                         "kv_lora allows, as the slice's 512)")
     ap.add_argument("--out", default=os.path.join(HERE, "results"))
     a = ap.parse_args(argv)
     modes = ["ar"] + [m for m in a.modes if m != "ar"]  # ar first: the speedups' baseline
@@ -141,7 +144,7 @@ def main(argv=None):
     os.makedirs(a.out, exist_ok=True)
     t_start = time.perf_counter()
     report = {"device": a.device, "clients": a.clients, "levels": a.levels, "requests_per_client": a.requests,
-              "new_tokens": a.new,
+              "new_tokens": a.new, "kv_cache_dtype": a.kv_cache_dtype,
               "modes": modes, "models": {}, "complete": False}
 
     def save():  # whole or not at all (a run killed by a time limit keeps the previous levels)
@@ -167,7 +170,7 @@ def main(argv=None):
             method, spec = MODES[name]
             # graphs are captured in each level's warm-up round, not at load (quicker to start)
             kw = dict(method=method, device=a.device, max_batch_size=max(a.levels), max_seq_len=512,
-                      speculation=spec, capture_at_load=False)
+                      speculation=spec, capture_at_load=False, kv_cache_dtype=a.kv_cache_dtype)
             if target is not None:
                 kw.update(target=target, draft=draft if method.startswith("dflash") else None)
             engines[name] = dflash2_rt.Engine(**kw)
