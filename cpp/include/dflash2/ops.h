@@ -390,7 +390,7 @@ void indexer_topk(const Tensor& q, const Tensor& w, const Tensor& key_cache, con
 
 // Sparse absorbed MLA over the paged latent cache (F32 or BF16 rows [c (kv_lora) | k_pe (rope)];
 // BF16 values are widened exactly, so a BF16 cache gives bitwise the results of an F32 cache
-// holding the same rounded values, on every backend): for
+// holding the same rounded values, except on CUDA's tensor-core kernel (mla_tc(), below)): for
 // token t and head h, with keys K_t = sel[t, :sel_len[t]] (or 0..pos[t] when sel_len[t] < 0
 // or sel_len is undefined),
 //   s_j = (q_lat[t, h] . c_j + q_pe[t, h] . k_pe_j) * scale,   out[t, h] = sum_j softmax(s)_j c_j
