@@ -333,13 +333,11 @@ __global__ void __launch_bounds__(kIdxThreads)
         }
 #pragma unroll
         for (int u = 0; u < kIdxGatherILP; ++u)
-          if (at[u] >= 0) {  // element 2q in the low half of word q (little endian), widened exactly
-            *reinterpret_cast<float4*>(ks + at[u]) =
-                make_float4(__uint_as_float(v[u].x << 16), __uint_as_float(v[u].x & 0xffff0000u),
-                            __uint_as_float(v[u].y << 16), __uint_as_float(v[u].y & 0xffff0000u));
-            *reinterpret_cast<float4*>(ks + at[u] + 4) =
-                make_float4(__uint_as_float(v[u].z << 16), __uint_as_float(v[u].z & 0xffff0000u),
-                            __uint_as_float(v[u].w << 16), __uint_as_float(v[u].w & 0xffff0000u));
+          if (at[u] >= 0) {
+            float f[8];
+            detail::widen_bf16x8(v[u], f);
+            *reinterpret_cast<float4*>(ks + at[u]) = make_float4(f[0], f[1], f[2], f[3]);
+            *reinterpret_cast<float4*>(ks + at[u] + 4) = make_float4(f[4], f[5], f[6], f[7]);
           }
       }
     }
@@ -524,6 +522,18 @@ __device__ __forceinline__ void mla_fold_scalars(float& M, double& L, float m_s,
 }
 __device__ __forceinline__ float mla_fold_value(float tot, float a, float acc, float b) {
   return __fadd_rn(__fmul_rn(tot, a), __fmul_rn(acc, b));
+}
+// Head h's fold in shared memory: the segment's (ms, ls) into the running (mt, lt), the
+// factors left in (fa, fb) for mla_fold_value over the head's values. Both MLA kernels.
+__device__ __forceinline__ void mla_fold_head(int h, float* mt, double* lt, const float* ms, const double* ls,
+                                              float* fa, float* fb) {
+  float M = mt[h], a, b;
+  double L = lt[h];
+  mla_fold_scalars(M, L, ms[h], ls[h], a, b);
+  mt[h] = M;
+  lt[h] = L;
+  fa[h] = a;
+  fb[h] = b;
 }
 // One output value of a split-KV row: the row's nseg segment states (l, m at base + z; acc
 // at (base + z) * width + d; l < 0: no such segment) folded in order, as the unsplit kernels
@@ -723,12 +733,10 @@ __global__ void __launch_bounds__(kMlaThreads)
 #pragma unroll
             for (int u = 0; u < kV; ++u)
               if (at[u] >= 0) {
-                const uint32_t w[4] = {v[u].x, v[u].y, v[u].z, v[u].w};
+                float f[8];
+                detail::widen_bf16x8(v[u], f);
 #pragma unroll
-                for (int q = 0; q < 4; ++q) {  // element 2q in the low half (little endian)
-                  ks[at[u] + 2 * q] = __uint_as_float(w[q] << 16);
-                  ks[at[u] + 2 * q + 1] = __uint_as_float(w[q] & 0xffff0000u);
-                }
+                for (int q = 0; q < 8; ++q) ks[at[u] + q] = f[q];
               }
           }
         }
@@ -810,15 +818,7 @@ __global__ void __launch_bounds__(kMlaThreads)
       }
       __syncthreads();  // ms / ls final for the segment
       if (split) break;  // one segment: acc / ms / ls are its partial state
-      for (int h = threadIdx.x; h < HG; h += kMlaThreads) {
-        float M = mt[h], a, b;
-        double L = lt[h];
-        mla_fold_scalars(M, L, ms[h], ls[h], a, b);
-        mt[h] = M;
-        lt[h] = L;
-        fa[h] = a;
-        fb[h] = b;
-      }
+      for (int h = threadIdx.x; h < HG; h += kMlaThreads) mla_fold_head(h, mt, lt, ms, ls, fa, fb);
       __syncthreads();
 #pragma unroll
       for (int h = 0; h < HG; ++h) {
@@ -1090,15 +1090,7 @@ __global__ void __launch_bounds__(kMtThreads, 1)
       }
       if (SPLIT) break;  // one segment: acc / ms / ls are its partial state
       __syncthreads();   // ms / ls final for the segment (also read below by the fold)
-      if (tid < kMtHeads) {
-        float M = mt[tid], a, b;
-        double L = lt[tid];
-        mla_fold_scalars(M, L, ms[tid], ls[tid], a, b);
-        mt[tid] = M;
-        lt[tid] = L;
-        fa[tid] = a;
-        fb[tid] = b;
-      }
+      if (tid < kMtHeads) mla_fold_head(tid, mt, lt, ms, ls, fa, fb);
       __syncthreads();
 #pragma unroll
       for (int nt = 0; nt < kMtMaxNT; ++nt) {
@@ -1380,8 +1372,6 @@ constexpr size_t tc_smem() {
 __device__ __forceinline__ void tc_store4(__nv_bfloat16* dst, float4 x) {
   *reinterpret_cast<uint2*>(dst) = make_uint2(mma::pack_bf16(x.x, x.y), mma::pack_bf16(x.z, x.w));
 }
-__device__ __forceinline__ float bf16_lo(uint32_t u) { return __uint_as_float(u << 16); }
-__device__ __forceinline__ float bf16_hi(uint32_t u) { return __uint_as_float(u & 0xffff0000u); }
 
 template <int HD>
 __global__ void __launch_bounds__(kTcThreads, 3) block_attention_tc_kernel(const BaArgs a) {
@@ -1555,8 +1545,8 @@ __global__ void __launch_bounds__(kTcThreads, 3) block_attention_tc_kernel(const
 #pragma unroll
         for (int c = 0; c < 4; ++c) p[c] = sc[nt][c] == -INFINITY ? 0.0f : __expf(sc[nt][c] - m[c >> 1]);
         const uint32_t lo = mma::pack_bf16(p[0], p[1]), hi = mma::pack_bf16(p[2], p[3]);
-        psum[0] += bf16_lo(lo) + bf16_hi(lo);
-        psum[1] += bf16_lo(hi) + bf16_hi(hi);
+        psum[0] += detail::bf16_lo(lo) + detail::bf16_hi(lo);
+        psum[1] += detail::bf16_lo(hi) + detail::bf16_hi(hi);
         pa[nt >> 1][(nt & 1) * 2] = lo;      // row g
         pa[nt >> 1][(nt & 1) * 2 + 1] = hi;  // row g + 8
       }

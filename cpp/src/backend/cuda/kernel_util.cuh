@@ -43,6 +43,18 @@ __device__ __forceinline__ float to_f32(__nv_bfloat16 v) {
   return __uint_as_float(uint32_t(__bfloat16_as_ushort(v)) << 16);
 }
 __device__ __forceinline__ float to_f32(__half v) { return __half2float(v); }
+// The two BF16 values of a 32-bit word (element 0 in the low half, little endian), widened
+// exactly; and the eight of a 16-byte word in element order (16-byte BF16 row loads).
+__device__ __forceinline__ float bf16_lo(uint32_t u) { return __uint_as_float(u << 16); }
+__device__ __forceinline__ float bf16_hi(uint32_t u) { return __uint_as_float(u & 0xffff0000u); }
+__device__ __forceinline__ void widen_bf16x8(const uint4& v, float (&f)[8]) {
+  const uint32_t w[4] = {v.x, v.y, v.z, v.w};
+#pragma unroll
+  for (int q = 0; q < 4; ++q) {
+    f[2 * q] = bf16_lo(w[q]);
+    f[2 * q + 1] = bf16_hi(w[q]);
+  }
+}
 
 // A float-weight element of a runtime dtype (F32 / BF16 / F16), for small 1-D weight
 // vectors where a dtype switch per element costs nothing next to the row reduction.
