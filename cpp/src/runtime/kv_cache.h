@@ -43,6 +43,13 @@ class KvCache {
       if (planes_[i].defined()) b += planes_[i].numel() * int64_t(dtype_size(planes_[i].dtype()));
     return b;
   }
+  // What bytes() will be for these planes over `rows` cache rows (num_blocks x block_size):
+  // the memory a cache is sized by before it is made (the CUDA engine's out-of-memory check).
+  static int64_t bytes_for(const std::vector<Plane>& planes, int64_t rows) {
+    int64_t b = 0;
+    for (const Plane& p : planes) b += p.layers * rows * p.dim * int64_t(dtype_size(p.dtype));
+    return b;
+  }
   int64_t max_blocks_per_stream() const { return max_blocks_per_stream_; }
   void set_max_blocks_per_stream(int64_t n) { max_blocks_per_stream_ = n; }
   // The cache rows of one layer of a plane: [num_blocks * block_size, dim] of its dtype.

@@ -34,7 +34,17 @@ Target::Target(std::vector<std::unique_ptr<model::GlmModel>> models, const Optio
   const int64_t nblocks = blocks_per_seq * (opt.max_batch_size + 1) + pad_blocks;
   int64_t n_index = 0;
   for (bool f : c.indexer_full) n_index += f ? 1 : 0;
-  if (opt.device.is_cuda()) place_on_devices(n_index, nblocks);
+  // planes: 0 = MLA latent per layer, 1 = indexer keys per indexer layer; the latent and the
+  // indexer are replicated on every rank (MLA shares one latent across heads)
+  const DType cdt = opt.kv_cache_dtype;
+  DFLASH2_CHECK_ARG(cdt == DType::F32 || cdt == DType::BF16, "the KV cache must be F32 or BF16, found ",
+                    dtype_name(cdt));
+  const bool has_mtp = models_[0]->has_mtp(), mtp_ix = has_mtp && models_[0]->mtp_has_indexer();
+  const std::vector<KvCache::Plane> planes = {{c.num_layers, c.latent_dim(), cdt}, {n_index, c.index_head_dim, cdt}};
+  const std::vector<KvCache::Plane> mtp_planes = {{1, c.latent_dim(), cdt}, {mtp_ix ? 1 : 0, c.index_head_dim, cdt}};
+  if (opt.device.is_cuda())
+    place_on_devices(KvCache::bytes_for(planes, nblocks * opt.kv_block_size) +
+                     (has_mtp ? KvCache::bytes_for(mtp_planes, nblocks * opt.kv_block_size) : 0));
   if (opt.device.is_cuda() && opt.cuda_graphs) {
     graphs_ = std::make_unique<ForwardGraphs>(opt.device);  // rank 0's stream (the drafter's graphs too)
     if (n > 1) {  // every rank's chunks, one decision per chunk
@@ -47,13 +57,7 @@ Target::Target(std::vector<std::unique_ptr<model::GlmModel>> models, const Optio
       group_ = std::make_unique<GroupGraphs>(devs, streams);
     }
   }
-  // planes: 0 = MLA latent per layer, 1 = indexer keys per indexer layer; the latent and the
-  // indexer are replicated on every rank (MLA shares one latent across heads)
-  const DType cdt = opt.kv_cache_dtype;
-  DFLASH2_CHECK_ARG(cdt == DType::F32 || cdt == DType::BF16, "the KV cache must be F32 or BF16, found ",
-                    dtype_name(cdt));
-  cache_ = KvCache("KV cache", {{c.num_layers, c.latent_dim(), cdt}, {n_index, c.index_head_dim, cdt}},
-                   opt.kv_block_size, nblocks, opt.device, n);
+  cache_ = KvCache("KV cache", planes, opt.kv_block_size, nblocks, opt.device, n);
   cache_.set_max_blocks_per_stream(blocks_per_seq);
   if (pad_tokens > 0)
     DFLASH2_INTERNAL(cache_.try_pin(pad_stream_, pad_tokens), "the padding stream's ", pad_blocks, " blocks");
@@ -66,13 +70,12 @@ Target::Target(std::vector<std::unique_ptr<model::GlmModel>> models, const Optio
       views_[size_t(r)].index.push_back(c.indexer_full[size_t(l)] ? cache_.layer(1, slot++, r) : Tensor());
     }
   }
-  if (models_[0]->has_mtp()) {
-    const bool ix = models_[0]->mtp_has_indexer();
+  if (has_mtp) {
+    const bool ix = mtp_ix;
     DFLASH2_CHECK(ix || opt.max_seq_len <= c.index_topk, ErrorKind::Checkpoint,
                   "the MTP layer has no indexer tensors, which is only supported while max_seq_len (", opt.max_seq_len,
                   ") <= index_topk (", c.index_topk, ")");
-    mtp_cache_ = KvCache("MTP KV cache", {{1, c.latent_dim(), cdt}, {ix ? 1 : 0, c.index_head_dim, cdt}},
-                         opt.kv_block_size, nblocks, opt.device, n);
+    mtp_cache_ = KvCache("MTP KV cache", mtp_planes, opt.kv_block_size, nblocks, opt.device, n);
     mtp_cache_.set_max_blocks_per_stream(blocks_per_seq);
     for (int r = 0; r < n; ++r) {
       mtp_views_[size_t(r)].latent.push_back(mtp_cache_.layer(0, 0, r));
@@ -618,21 +621,16 @@ std::string gib(size_t b) {
 }  // namespace
 #endif
 
-void Target::place_on_devices(int64_t n_index, int64_t nblocks) {
+void Target::place_on_devices(int64_t cache_bytes_per_rank) {
 #ifndef DFLASH2_WITH_CUDA
-  (void)n_index;
-  (void)nblocks;
+  (void)cache_bytes_per_rank;
   fail(ErrorKind::Unsupported, "device ", opt_.device.str(), ": dflash2 was built without CUDA (DFLASH2_CUDA=OFF)");
 #else
   const model::GlmConfig& c = models_[0]->config();
   const int n = tp_size();
-  const int64_t rows = nblocks * opt_.kv_block_size;
   // per rank: the caches (latent + indexer keys, and the MTP layer's), the plan copies and
   // the logits of a chunk, besides the model's own weights and workspace
-  const size_t el = dtype_size(opt_.kv_cache_dtype);
-  size_t cache_bytes = size_t(rows) * size_t(c.num_layers * c.latent_dim() + n_index * c.index_head_dim) * el;
-  if (models_[0]->has_mtp())
-    cache_bytes += size_t(rows) * size_t(c.latent_dim() + (models_[0]->mtp_has_indexer() ? c.index_head_dim : 0)) * el;
+  const size_t cache_bytes = size_t(cache_bytes_per_rank);
   // logits of a chunk, the drafter features / MTP inputs copied through the device, the
   // indexer's per-stream score scratch (tokens x context), plan copies and slack
   const size_t T = size_t(opt_.max_step_tokens), H = size_t(c.hidden_size);

@@ -180,7 +180,7 @@ class Target {
  private:
   // CUDA: checks every rank's device (architecture, free memory for the weights, caches
   // and step buffers) before allocating anything, then copies the models' weights up.
-  void place_on_devices(int64_t n_index, int64_t nblocks);
+  void place_on_devices(int64_t cache_bytes);  // per rank: every KvCache's bytes_for
   void run_chunk_device(const model::TokenBatch& b, const model::ForwardOutputs& out, const Tensor& token_src);
   // Queues a planned chunk's forward in rec_ (its plan uploaded now on a GPU).
   void record_chunk(const model::TokenBatch& b, const model::ForwardOutputs& out, const Tensor& token_src);
