@@ -5,6 +5,7 @@
 #include <pybind11/stl.h>
 
 #include <algorithm>
+#include <string>
 #include <vector>
 
 #include "bindings.h"
@@ -65,6 +66,12 @@ py::object none_or(const Tensor& t) { return t.defined() ? py::cast(t) : py::obj
 
 void bind_ops(py::module_& m) {
   py::module_ o = m.def_submodule("ops", "The op interface (runs on the device of its inputs).");
+  // A process-wide switch of ops.h (DFLASH2_SWITCH): its getter and set_<name>(on).
+  const auto def_switch = [&o](const char* name, bool (*get)(), void (*set)(bool), const char* doc,
+                               const char* set_doc) {
+    o.def(name, get, doc);
+    o.def(("set_" + std::string(name)).c_str(), set, py::arg("on"), set_doc);
+  };
 
   py::class_<ops::Weight>(o, "Weight", "A linear layer's weight: dense (F32/BF16/F16), fp8 block-128 or NVFP4.")
       .def_static(
@@ -152,14 +159,13 @@ void bind_ops(py::module_& m) {
       "y = bf16(x) @ bf16(W)^T, fp32 accumulation: the tensor-core numerics of prompt tokens (CUTLASS on sm_90a / "
       "sm_100a / sm_103a, emulated on the CPU); decode=True: the kernel of generated tokens' few rows (CUDA: the "
       "skinny split-K GEMM, same numerics; the CPU has one kernel).");
-  o.def("op_timing", &ops::op_timing,
-        "Whether every op dispatched from now on is timed (starts off unless DFLASH2_OP_TIMING=1): see "
-        "set_op_timing.");
-  o.def("set_op_timing", &ops::set_op_timing, py::arg("on"),
-        "Per-op timing, for finding where a step's time goes: while on, each op adds one call and its time to "
-        "op_times() -- the host's clock on the CPU, the device time between two events around it on a CUDA "
-        "device (each op then waits for its end: slower runs, every op's own kernel time). Nested ops count in "
-        "the outermost; ops captured into a CUDA graph are not timed (time an engine with cuda_graphs=False).");
+  def_switch("op_timing", &ops::op_timing, &ops::set_op_timing,
+             "Whether every op dispatched from now on is timed (starts off unless DFLASH2_OP_TIMING=1): see "
+             "set_op_timing.",
+             "Per-op timing, for finding where a step's time goes: while on, each op adds one call and its time to "
+             "op_times() -- the host's clock on the CPU, the device time between two events around it on a CUDA "
+             "device (each op then waits for its end: slower runs, every op's own kernel time). Nested ops count in "
+             "the outermost; ops captured into a CUDA graph are not timed (time an engine with cuda_graphs=False).");
   o.def(
       "op_times",
       [](bool reset) {
@@ -177,43 +183,37 @@ void bind_ops(py::module_& m) {
       py::arg("reset") = false,
       "The op timing totals since the last reset, largest time first: [{op, device, calls, seconds}]; "
       "reset=True starts again from zero.");
-  o.def("fused_launches", &ops::fused_launches,
-        "Whether ops that run several of one kind (rope_many, rms_norm_many, linear_many, ...) take one kernel "
-        "for them on CUDA (starts on unless DFLASH2_FUSED_LAUNCHES=0).");
-  o.def("set_fused_launches", &ops::set_fused_launches, py::arg("on"),
-        "Sets fused_launches() for the ops issued from now on (engines built later capture their CUDA graphs with "
-        "it): the same results either way; for an A/B of the kernel counts in one process.");
-  o.def("pdl", &ops::pdl,
-        "Whether CUDA graphs captured from now on chain their kernels with programmatic dependent launch (each "
-        "kernel's launch overlaps the one before it, which it still waits for; the same results). On unless "
-        "DFLASH2_PDL=0 (an H200 ran the bundled pair x1.08 faster with it, the same tokens).");
-  o.def("set_pdl", &ops::set_pdl, py::arg("on"),
-        "Sets pdl() for the CUDA graphs captured from now on (engines built later capture theirs with it).");
-  o.def("dq_wgmma", &ops::dq_wgmma,
-        "Whether the mainloop-dequantizing GEMM (NVFP4 / FP8 weights' linear_bf16, the grouped experts under "
-        "\"bf16\") takes its wgmma form on Hopper rather than its mma.sync form (starts on unless "
-        "DFLASH2_DQ_WGMMA=0; a failed load-time check turns it off). No effect on other devices.");
-  o.def("set_dq_wgmma", &ops::set_dq_wgmma, py::arg("on"),
-        "Sets dq_wgmma() for the GEMMs issued from now on (an A/B of the two forms in one process).");
-  o.def("exact_tc", &ops::exact_tc,
-        "Whether linear of BF16 / FP8 / NVFP4 weights runs on the GPU's tensor cores in its exact form (x as three "
-        "BF16 planes summing to x, every product exact, fp32 sums: linear's numerics up to summation order) rather "
-        "than the SIMT kernel. Off unless DFLASH2_EXACT_TC=1: not yet measured on a GPU. No effect on the CPU.");
-  o.def("set_exact_tc", &ops::set_exact_tc, py::arg("on"),
-        "Sets exact_tc() for the linears issued from now on (set it before an engine loads, and leave it).");
-  o.def("wide_rows", &ops::wide_rows,
-        "Whether the CUDA backend's sample / accept / topk / argmax / argmax_shard / check_finite split rows longer "
-        "than 4096 ids over "
-        "several thread blocks (one per 4096-id chunk) rather than one block per row (starts on unless "
-        "DFLASH2_WIDE_ROWS=0). The same decisions as the CPU either way. No effect on the CPU.");
-  o.def("set_wide_rows", &ops::set_wide_rows, py::arg("on"),
-        "Sets wide_rows() for the calls issued from now on (an A/B of the two forms).");
-  o.def("mla_tc", &ops::mla_tc,
-        "Whether the CUDA backend's mla_attention runs a BF16 latent cache on the tensor cores (exact products of "
-        "BF16 keys and three-plane BF16 queries / weights, fp32 sums) rather than the SIMT kernel (starts on unless "
-        "DFLASH2_MLA_TC=0). No effect on the CPU or on F32 caches.");
-  o.def("set_mla_tc", &ops::set_mla_tc, py::arg("on"),
-        "Sets mla_tc() for the calls issued from now on (it changes the numerics: set it before an engine loads).");
+  def_switch("fused_launches", &ops::fused_launches, &ops::set_fused_launches,
+             "Whether ops that run several of one kind (rope_many, rms_norm_many, linear_many, ...) take one kernel "
+             "for them on CUDA (starts on unless DFLASH2_FUSED_LAUNCHES=0).",
+             "Sets fused_launches() for the ops issued from now on (engines built later capture their CUDA graphs with "
+             "it): the same results either way; for an A/B of the kernel counts in one process.");
+  def_switch("pdl", &ops::pdl, &ops::set_pdl,
+             "Whether CUDA graphs captured from now on chain their kernels with programmatic dependent launch (each "
+             "kernel's launch overlaps the one before it, which it still waits for; the same results). On unless "
+             "DFLASH2_PDL=0 (an H200 ran the bundled pair x1.08 faster with it, the same tokens).",
+             "Sets pdl() for the CUDA graphs captured from now on (engines built later capture theirs with it).");
+  def_switch("dq_wgmma", &ops::dq_wgmma, &ops::set_dq_wgmma,
+             "Whether the mainloop-dequantizing GEMM (NVFP4 / FP8 weights' linear_bf16, the grouped experts under "
+             "\"bf16\") takes its wgmma form on Hopper rather than its mma.sync form (starts on unless "
+             "DFLASH2_DQ_WGMMA=0; a failed load-time check turns it off). No effect on other devices.",
+             "Sets dq_wgmma() for the GEMMs issued from now on (an A/B of the two forms in one process).");
+  def_switch("exact_tc", &ops::exact_tc, &ops::set_exact_tc,
+             "Whether linear of BF16 / FP8 / NVFP4 weights runs on the GPU's tensor cores in its exact form (x as three "
+             "BF16 planes summing to x, every product exact, fp32 sums: linear's numerics up to summation order) rather "
+             "than the SIMT kernel. Off unless DFLASH2_EXACT_TC=1: not yet measured on a GPU. No effect on the CPU.",
+             "Sets exact_tc() for the linears issued from now on (set it before an engine loads, and leave it).");
+  def_switch("wide_rows", &ops::wide_rows, &ops::set_wide_rows,
+             "Whether the CUDA backend's sample / accept / topk / argmax / argmax_shard / check_finite split rows longer "
+             "than 4096 ids over "
+             "several thread blocks (one per 4096-id chunk) rather than one block per row (starts on unless "
+             "DFLASH2_WIDE_ROWS=0). The same decisions as the CPU either way. No effect on the CPU.",
+             "Sets wide_rows() for the calls issued from now on (an A/B of the two forms).");
+  def_switch("mla_tc", &ops::mla_tc, &ops::set_mla_tc,
+             "Whether the CUDA backend's mla_attention runs a BF16 latent cache on the tensor cores (exact products of "
+             "BF16 keys and three-plane BF16 queries / weights, fp32 sums) rather than the SIMT kernel (starts on unless "
+             "DFLASH2_MLA_TC=0). No effect on the CPU or on F32 caches.",
+             "Sets mla_tc() for the calls issued from now on (it changes the numerics: set it before an engine loads).");
   o.def("linear_bf16_available", [](const std::string& dev) { return ops::linear_bf16_available(Device::parse(dev)); },
         py::arg("device"), "Whether linear_bf16 runs on this device in this build.");
   bind_linear("linear_fp8", &ops::linear_fp8,
