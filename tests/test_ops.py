@@ -24,7 +24,8 @@ DEVICES = ["cpu", "cuda"]
 # Ops with a CUDA implementation (cpp/src/backend/cuda, registered in register.cpp);
 # "embedding" runs the CUDA gather_rows.
 CUDA_OPS = {"rms_norm", "layer_norm", "rope", "silu_mul", "softmax", "embedding", "copy", "add", "gather_rows",
-            "argmax", "check_finite", "cache_write", "dyn_conv", "indexer_topk", "mla_attention", "block_attention",
+            "argmax", "check_finite", "cache_write", "dyn_conv", "indexer_topk", "indexer_scores", "mla_attention",
+            "block_attention",
             "moe_route", "moe_experts", "topk", "selector_walk", "linear", "linear_heads", "embedding_shard",
             "linear_bf16", "linear_fp8", "fp8_quantize_act", "linear_nvfp4", "moe_experts_fp8", "moe_experts_nvfp4",
             "resolve_tokens",
@@ -72,6 +73,7 @@ TOL = {
     "add": 2.0 ** -48,  # one rounding per element: |err| <= 2^-24 |ref|, NMSE <= 2^-48 (and bitwise
     #                     equal to the float64 sum rounded once to fp32)
     "linear_heads": 1e-11,  # the dense linear per head: linear's threshold [1.7e-14]
+    "indexer_scores": 1e-12,  # fp32 dots over dI <= 256, fp32 head sums [~1e-15]
     "mla_attention": 1e-12,  # fp32 scores over kv_lora + rope <= 192, exp, weighted sum [4.8e-15]
     "block_attention": 1e-12,  # same with hd <= 32 and up to ~60 keys [2.1e-14]
     "moe_route": 1e-12,  # fp32 sigmoid, one division, one multiply [5.9e-15]
@@ -2144,6 +2146,82 @@ def test_indexer_topk_bf16_cache(dev, case):
     for name, view in (("aligned", k16), ("misaligned", _bf16_cols(wide, 3, 3 + dI))):
         got_sel, got_len = run(view)
         assert np.array_equal(got_len, want_len) and np.array_equal(got_sel, want_sel), name
+
+
+INDEXER_SCORE_CASES = [  # (block size, nI, dI): the SIMT kernel's shapes, then the tensor-core kernel's
+    (1, 3, 20),    # dI not a multiple of 8: SIMT for every cache
+    (3, 2, 33),
+    (3, 5, 16),    # tensor cores (BF16): one m-tile, 11 zero rows and 16 zero columns of padding
+    (16, 20, 40),  # two m-tiles, dI padded to 64
+    (64, 32, 128),  # GLM-5.3's indexer
+    (4, 64, 256),  # the largest tensor-core shape: four m-tiles
+]
+
+
+@pytest.mark.parametrize("dev", DEVICES)
+@pytest.mark.parametrize("case", INDEXER_SCORE_CASES, ids=lambda c: "bs%d-h%d-d%d" % c)
+@pytest.mark.parametrize("bf16", [False, True], ids=["f32", "bf16"])
+def test_indexer_scores(dev, case, bf16):
+    """indexer_scores, what indexer_topk selects from: the float64 reference over (rounded) keys
+    0..pos, the rest of each row untouched; on CUDA's SIMT kernel (F32 caches; BF16 with
+    ops.indexer_tc() off or a shape it does not take) bitwise the CPU's scores; on its tensor
+    cores (BF16, at most 64 heads, dI a multiple of 8) the reference's to fp32 rounding, not
+    bitwise the SIMT kernel's (it ran), a token alone bitwise its row of the batch, and
+    indexer_topk's selection the reference's."""
+    need_device(dev, "indexer_scores")
+    bs, nI, dI = case
+    rng = rng_for("indexer-scores", case, bf16)
+    lengths = page_lengths(rng, bs, 4) + [150]
+    key_cache, bt = make_pages(rng, lengths, bs, dI)
+    if bf16:
+        cache = _bf16_tensor(key_cache, dev)
+        rounded = _bf16_host(cache).float().numpy()
+    else:
+        cache, rounded = to_dev(key_cache, dev), key_cache
+    seq, pos = step_tokens(rng, lengths, bs, 3)
+    T, C = len(seq), bt.shape[1] * bs
+    q = rng.standard_normal((T, nI, dI)).astype(np.float32)
+    w = rng.standard_normal((T, nI)).astype(np.float32)
+    dv = lambda a: to_dev(a, dev)  # noqa: E731
+
+    def scores(q_, w_, seq_, pos_):
+        out = Guarded((len(seq_), C), dev)
+        ops.indexer_scores(dv(q_), dv(w_), cache, dv(seq_), dv(pos_), dv(bt), bs, out=out.view)
+        return out.result()
+
+    got = scores(q, w, seq, pos)
+    for t in range(T):
+        n = int(pos[t]) + 1
+        ref, _ = refs.indexer_scores(q[t], w[t], refs.paged_rows(rounded, bt, int(seq[t]), n, bs))
+        check("indexer_scores", got[t, :n], ref)
+        assert (got[t, n:] == SENTINEL).all(), f"token {t}: keys past its position were written"
+    cpu = to_np(ops.indexer_scores(q, w, rounded, seq, pos, bt, bs))  # the CPU's, F32 cache of the same values
+    tc_shape = dev == "cuda" and bf16 and nI <= 64 and dI % 8 == 0
+    was = ops.indexer_tc()
+    try:
+        for tc in ([True, False] if tc_shape else [was]):
+            ops.set_indexer_tc(tc)
+            got = scores(q, w, seq, pos)
+            mask = np.arange(C)[None, :] <= pos[:, None]
+            if tc and tc_shape:
+                assert not np.array_equal(got[mask], cpu[mask]), "the tensor-core kernel did not run"
+                for t in (0, T - 1):  # a token alone: its row of the batch, bitwise
+                    one = scores(q[t:t + 1], w[t:t + 1], seq[t:t + 1], pos[t:t + 1])
+                    assert np.array_equal(one[0], got[t]), f"token {t} alone != its row"
+                topk = 9  # the reference's selection where its boundary is clear of rounding
+                (q2, w2), (ref_sel, ref_len, _) = well_posed(
+                    lambda a: (rng.standard_normal((T, nI, dI)).astype(np.float32),
+                               rng.standard_normal((T, nI)).astype(np.float32)),
+                    lambda a: refs.indexer_topk(a[0], a[1], rounded, seq, pos, bt, bs, topk))
+                sel, sel_len = ops.indexer_topk(dv(q2), dv(w2), cache, dv(seq), dv(pos), dv(bt), bs, topk)
+                np.testing.assert_array_equal(to_np(sel_len), ref_len)
+                for t in range(T):
+                    if ref_len[t] >= 0:
+                        np.testing.assert_array_equal(to_np(sel)[t], ref_sel[t])
+            else:
+                assert np.array_equal(got[mask], cpu[mask]), f"SIMT scores != the CPU's (tc={tc})"
+    finally:
+        ops.set_indexer_tc(was)
 
 
 BLOCK_ATTN_CASES = [  # (nh, kvh, hd, B, cache block size)

@@ -1241,18 +1241,21 @@ void bench_block_attention(Bench& b) {
   }
 }
 
-// The DSA indexer over F32 index keys (the default) and BF16 ones (kv_cache_dtype="bf16", the
-// F32 keys as the baseline in the same run).
+// The DSA indexer over F32 index keys (the default) and BF16 ones (kv_cache_dtype="bf16"): on
+// the SIMT kernel against the F32 keys, and on the tensor cores (ops::indexer_tc()) against
+// the SIMT kernel over the same BF16 keys, each baseline in the same run.
 void bench_indexer(Bench& b) {
-  for (const DType cdt : {DType::F32, DType::BF16})
+  enum Mode { kF32, kBf16Simt, kBf16Tc };
+  for (const Mode mode : {kF32, kBf16Simt, kBf16Tc})
   for (const Step& s : steps_for(b, {4096, 32768})) {
-    const bool bf = cdt == DType::BF16;
+    const bool bf = mode != kF32, tc = mode == kBf16Tc;
     if (bf && b.opt.quick && s.ctx != 4096) continue;
+    const DType cdt = bf ? DType::BF16 : DType::F32;
     const int64_t T = s.T();
     PagedHost ph = make_paged(s, 8);
     double keys = 0;
     for (int64_t t = 0; t < T; ++t) keys += ph.pos[size_t(t)] + 1.0;
-    Result r{"indexer_topk", "h32x128 top2048 " + s.label(), bf ? "bf16 kv" : "f32", s.label(), T};
+    Result r{"indexer_topk", "h32x128 top2048 " + s.label(), tc ? "bf16 kv tc" : bf ? "bf16 kv" : "f32", s.label(), T};
     r.bytes = double(s.batch) * s.ctx * G.idx_dim * (bf ? 2 : 4) + 4.0 * T * G.idx_heads * (G.idx_dim + 1) +
               4.0 * T * G.idx_topk;
     r.flops = keys * G.idx_heads * 2.0 * G.idx_dim;
@@ -1265,16 +1268,33 @@ void bench_indexer(Bench& b) {
       Tensor q = dev_rand(DType::F32, {T, G.idx_heads, G.idx_dim}, 9), w = dev_rand(DType::F32, {T, G.idx_heads}, 10);
       Tensor sel = dev_empty(DType::I32, {T, G.idx_topk}), len = dev_empty(DType::I32, {T});
       const int64_t k = G.idx_topk;
-      if (bf) {
+      // the BF16 keys on the SIMT kernel (indexer_tc off for the call)
+      const auto simt = [=](int v) mutable {
+        const bool was = ops::indexer_tc();
+        ops::set_indexer_tc(false);
+        ops::indexer_topk(q, w, caches[size_t(v)], tok, k, sel, len);
+        ops::set_indexer_tc(was);
+      };
+      if (mode == kBf16Simt) {
         const int fvars = rotations(int64_t(2 * cache_bytes));
         for (int v = 0; v < fvars; ++v) f32_caches.push_back(dev_rand(DType::F32, {ph.rows, G.idx_dim}, 40 + v));
         base.name = "f32_cache";
         base.kind = "indexer_topk over F32 index keys (kv_cache_dtype f32)";
         base.variants = fvars;
         base.run = [=](int v) mutable { ops::indexer_topk(q, w, f32_caches[size_t(v)], tok, k, sel, len); };
+        return std::make_pair(std::function<void(int)>(simt), vars);
+      }
+      if (tc) {
+        base.name = "simt_bf16";
+        base.kind = "indexer_topk's SIMT score kernel over the same BF16 keys (ops::set_indexer_tc(false))";
+        base.variants = vars;
+        base.run = simt;
       }
       return std::make_pair(std::function<void(int)>([=](int v) mutable {
+                              const bool was = ops::indexer_tc();
+                              ops::set_indexer_tc(true);
                               ops::indexer_topk(q, w, caches[size_t(v)], tok, k, sel, len);
+                              ops::set_indexer_tc(was);
                             }),
                             vars);
     });

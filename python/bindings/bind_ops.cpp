@@ -214,6 +214,13 @@ void bind_ops(py::module_& m) {
              "BF16 keys and three-plane BF16 queries / weights, fp32 sums) rather than the SIMT kernel (starts on unless "
              "DFLASH2_MLA_TC=0). No effect on the CPU or on F32 caches.",
              "Sets mla_tc() for the calls issued from now on (it changes the numerics: set it before an engine loads).");
+  def_switch("indexer_tc", &ops::indexer_tc, &ops::set_indexer_tc,
+             "Whether the CUDA backend's indexer_topk / indexer_scores score a BF16 index-key cache on the tensor "
+             "cores (exact products of BF16 keys and three-plane BF16 queries, fp32 sums; at most 64 heads, head_dim "
+             "a multiple of 8 up to 256) rather than the SIMT kernel (starts on unless DFLASH2_INDEXER_TC=0). No "
+             "effect on the CPU or on F32 caches.",
+             "Sets indexer_tc() for the calls issued from now on (it changes the numerics: set it before an engine "
+             "loads).");
   o.def("linear_bf16_available", [](const std::string& dev) { return ops::linear_bf16_available(Device::parse(dev)); },
         py::arg("device"), "Whether linear_bf16 runs on this device in this build.");
   bind_linear("linear_fp8", &ops::linear_fp8,
@@ -703,6 +710,27 @@ void bind_ops(py::module_& m) {
       py::arg("q"), py::arg("w"), py::arg("key_cache"), py::arg("seq"), py::arg("pos"), py::arg("block_table"),
       py::arg("block_size"), py::arg("topk"), py::arg("sel") = py::none(), py::arg("sel_len") = py::none(),
       "DSA indexer over a paged key cache: (sel I32 [T, topk] ascending, sel_len I32 [T], -1 = every causal key).");
+  o.def(
+      "indexer_scores",
+      [](py::handle q, py::handle w, py::handle key_cache, py::handle seq, py::handle pos, py::handle block_table,
+         int64_t block_size, py::handle out) {
+        Tensor qt = tensor_from_python(q, "q"), wt = tensor_from_python(w, "w");
+        Tensor kt = tensor_from_python(key_cache, "key_cache");
+        ops::PagedTokens tok = paged_tokens(seq, pos, block_table, block_size);
+        // a new out starts zeroed: keys past a token's position are left untouched by the op
+        Tensor ot = out.is_none() ? Tensor::zeros(DType::F32, {dim_or0(qt, 0), dim_or0(tok.block_table, 1) * block_size},
+                                                  qt.device())
+                                  : tensor_from_python(out, "out");
+        {
+          ReleaseGil nogil;
+          ops::indexer_scores(qt, wt, kt, tok, ot);
+        }
+        return ot;
+      },
+      py::arg("q"), py::arg("w"), py::arg("key_cache"), py::arg("seq"), py::arg("pos"), py::arg("block_table"),
+      py::arg("block_size"), py::arg("out") = py::none(),
+      "The scores indexer_topk selects from: out F32 [T, C] (default C = the block table's capacity, zeros), "
+      "out[t, j] for every key j <= pos[t] (j < C); the rest of a row untouched.");
 
   o.def(
       "mla_attention",

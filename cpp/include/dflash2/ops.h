@@ -259,6 +259,17 @@ void set_wide_rows(bool on);
 // No effect on the CPU or on F32 caches.
 bool mla_tc();
 void set_mla_tc(bool on);
+// Whether the CUDA backend's indexer_topk / indexer_scores score a BF16 index-key cache on the
+// tensor cores (mma.sync m16n8k16; at most 64 heads, head_dim a multiple of 8 up to 256,
+// 16-byte aligned rows): q . k with the keys exact in BF16 and q as three BF16 planes summing
+// to its fp32 value, so every product is exact and only the fp32 sums of the MMAs round; the
+// scale, relu, head weight and the sum over heads in head order as the SIMT kernel. The scores
+// are not bitwise the SIMT kernel's, so a key whose score is within rounding of the top-k
+// boundary may be selected differently. Starts on unless the environment has
+// DFLASH2_INDEXER_TC=0. Set it before an engine loads and leave it. No effect on the CPU or on
+// F32 caches.
+bool indexer_tc();
+void set_indexer_tc(bool on);
 
 // out = w * x / sqrt(mean(x^2) + eps) per row (last dim); x, out F32 [.., D]; w F32/BF16/F16 [D].
 void rms_norm(const Tensor& x, const Tensor& w, float eps, Tensor& out);
@@ -387,6 +398,12 @@ void linear_heads(const Tensor& x, const Tensor& w, Tensor& y);
 // sel_len[t] = topk; otherwise sel_len[t] = -1 (every causal key) and sel[t] is untouched.
 void indexer_topk(const Tensor& q, const Tensor& w, const Tensor& key_cache, const PagedTokens& tok, int64_t topk,
                   Tensor& sel, Tensor& sel_len);
+// The scores indexer_topk selects from, alone: scores[t, j] = score(j) above for every key
+// j <= pos[t] with j < C (scores F32 [T, C], rows contiguous); the rest of each row is left
+// as it was. For tests and analysis of each backend's scoring numerics: the CPU's and CUDA's
+// SIMT kernel are bitwise equal; CUDA's tensor-core form (indexer_tc(), BF16 caches) is not.
+void indexer_scores(const Tensor& q, const Tensor& w, const Tensor& key_cache, const PagedTokens& tok,
+                    Tensor& scores);
 
 // Sparse absorbed MLA over the paged latent cache (F32 or BF16 rows [c (kv_lora) | k_pe (rope)];
 // BF16 values are widened exactly, so a BF16 cache gives bitwise the results of an F32 cache

@@ -63,6 +63,8 @@ namespace dflash2::ops {
                        bool& done))                                                                                 \
   X(indexer_topk, (const Tensor& q, const Tensor& w, const Tensor& key_cache, const PagedTokens& tok, int64_t topk, \
                    Tensor& sel, Tensor& sel_len))                                                                   \
+  X(indexer_scores, (const Tensor& q, const Tensor& w, const Tensor& key_cache, const PagedTokens& tok,             \
+                     Tensor& scores))                                                                               \
   X(mla_attention, (const Tensor& q_lat, const Tensor& q_pe, const Tensor& cache, const PagedTokens& tok,           \
                     const Tensor& sel, const Tensor& sel_len, float scale, Tensor& out))                            \
   X(block_attention, (const Tensor& q, const Tensor& k, const Tensor& v, const Tensor& kv_cache,                    \

@@ -205,6 +205,7 @@ DFLASH2_SWITCH(dq_wgmma, set_dq_wgmma, "DFLASH2_DQ_WGMMA", true)
 DFLASH2_SWITCH(exact_tc, set_exact_tc, "DFLASH2_EXACT_TC", false)
 DFLASH2_SWITCH(wide_rows, set_wide_rows, "DFLASH2_WIDE_ROWS", true)
 DFLASH2_SWITCH(mla_tc, set_mla_tc, "DFLASH2_MLA_TC", true)
+DFLASH2_SWITCH(indexer_tc, set_indexer_tc, "DFLASH2_INDEXER_TC", true)
 DFLASH2_SWITCH(op_timing, set_op_timing, "DFLASH2_OP_TIMING", false)
 #undef DFLASH2_SWITCH
 
@@ -868,9 +869,10 @@ void linear_heads(const Tensor& x, const Tensor& w, Tensor& y) {
   DFLASH2_DISPATCH(linear_heads, x, x, w, y);
 }
 
-void indexer_topk(const Tensor& q, const Tensor& w, const Tensor& key_cache, const PagedTokens& tok, int64_t topk,
-                  Tensor& sel, Tensor& sel_len) {
-  const char* op = "indexer_topk";
+namespace {
+// indexer_topk's and indexer_scores' shared arguments.
+void need_indexer_inputs(const Tensor& q, const Tensor& w, const Tensor& key_cache, const PagedTokens& tok,
+                         const char* op) {
   need_3d(q, DType::F32, op, "q");
   const int64_t T = q.shape(0);
   need_2d_rows(w, DType::F32, op, "w");
@@ -881,12 +883,36 @@ void indexer_topk(const Tensor& q, const Tensor& w, const Tensor& key_cache, con
   DFLASH2_CHECK_ARG(key_cache.shape(1) == q.shape(2), op, ": key_cache rows have ", key_cache.shape(1),
                     " values but q heads have ", q.shape(2));
   need_tokens(tok, T, op);
+  for (const Tensor* t : std::initializer_list<const Tensor*>{&w, &key_cache, &tok.seq, &tok.pos, &tok.block_table})
+    same_device(q, *t, op);
+}
+}  // namespace
+
+void indexer_scores(const Tensor& q, const Tensor& w, const Tensor& key_cache, const PagedTokens& tok,
+                    Tensor& scores) {
+  const char* op = "indexer_scores";
+  need_indexer_inputs(q, w, key_cache, tok, op);
+  need_2d_rows(scores, DType::F32, op, "scores");
+  DFLASH2_CHECK_ARG(scores.shape(0) == q.shape(0), op, ": scores must have ", q.shape(0), " rows, found ",
+                    scores.describe());
+  DFLASH2_CHECK_ARG(q.shape(0) <= 1 || scores.stride(0) >= scores.shape(1), op, ": the rows of 'scores' overlap");
+  same_device(q, scores, op);
+  check_tokens_cpu(tok, key_cache, op);
+  DFLASH2_DISPATCH(indexer_scores, q, q, w, key_cache, tok, scores);
+}
+
+void indexer_topk(const Tensor& q, const Tensor& w, const Tensor& key_cache, const PagedTokens& tok, int64_t topk,
+                  Tensor& sel, Tensor& sel_len) {
+  const char* op = "indexer_topk";
+  need_indexer_inputs(q, w, key_cache, tok, op);
+  const int64_t T = q.shape(0);
   DFLASH2_CHECK_ARG(topk >= 1, op, ": topk must be >= 1, found ", topk);
   need_2d_rows(sel, DType::I32, op, "sel");
   DFLASH2_CHECK_ARG(sel.shape(0) == T && sel.shape(1) == topk, op, ": sel must be I32 [", T, ", ", topk, "], found ",
                     sel.describe());
   need_i32_vec(sel_len, T, op, "sel_len");
-  for (const Tensor* t : std::initializer_list<const Tensor*>{&w, &key_cache, &tok.seq, &tok.pos, &tok.block_table, &sel, &sel_len}) same_device(q, *t, op);
+  same_device(q, sel, op);
+  same_device(q, sel_len, op);
   check_tokens_cpu(tok, key_cache, op);
   DFLASH2_DISPATCH(indexer_topk, q, q, w, key_cache, tok, topk, sel, sel_len);
 }

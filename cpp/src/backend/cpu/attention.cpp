@@ -38,14 +38,32 @@ void cache_write_many(const std::vector<const Tensor*>&, const Tensor&, const st
 namespace {
 // The indexer and MLA over a cache of element type C (float, or uint16_t = BF16 widened exactly
 // as it is read: bitwise the results of an F32 cache holding the widened values).
+// Token i's indexer scores of keys 0..n-1 into sc (the op's formula, heads summed in order).
+template <class C>
+void indexer_score_row(const Tensor& q, const Tensor& w, const Tensor& key_cache, const ops::PagedTokens& tok,
+                       int64_t i, int64_t n, float* sc) {
+  const int64_t nI = q.shape(1), dI = q.shape(2);
+  const float wscale = 1.0f / std::sqrt(float(nI)), sscale = 1.0f / std::sqrt(float(dI));
+  const int64_t s = tok.seq.data_as<const int32_t>()[i * tok.seq.stride(0)];
+  const float* qb = q.data_as<const float>() + i * q.stride(0);
+  const float* wr = w.data_as<const float>() + i * w.stride(0);
+  for (int64_t t = 0; t < n; ++t) {
+    const C* k = paged_row<C>(key_cache, tok, s, t);
+    float acc = 0;
+    for (int64_t hh = 0; hh < nI; ++hh) {
+      const float d = dot4(qb + hh * q.stride(1), k, dI) * sscale;
+      acc += (wr[hh] * wscale) * (d > 0 ? d : 0.0f);
+    }
+    sc[t] = acc;
+  }
+}
+
 template <class C>
 void indexer_topk_impl(const Tensor& q, const Tensor& w, const Tensor& key_cache, const ops::PagedTokens& tok,
                        int64_t topk, Tensor& sel, Tensor& sel_len) {
-  const int64_t T = q.shape(0), nI = q.shape(1), dI = q.shape(2);
-  const int32_t* seq = tok.seq.data_as<const int32_t>();
+  const int64_t T = q.shape(0);
   const int32_t* pos = tok.pos.data_as<const int32_t>();
   int32_t* len = sel_len.data_as<int32_t>();
-  const float wscale = 1.0f / std::sqrt(float(nI)), sscale = 1.0f / std::sqrt(float(dI));
 #pragma omp parallel for schedule(dynamic, 1) num_threads(threads())
   for (int64_t i = 0; i < T; ++i) {
     const int64_t p = pos[i * tok.pos.stride(0)];
@@ -53,19 +71,8 @@ void indexer_topk_impl(const Tensor& q, const Tensor& w, const Tensor& key_cache
       len[i * sel_len.stride(0)] = -1;
       continue;
     }
-    const int64_t s = seq[i * tok.seq.stride(0)];
     float* sc = thread_scratch(0, size_t(p + 1));
-    const float* qb = q.data_as<const float>() + i * q.stride(0);
-    const float* wr = w.data_as<const float>() + i * w.stride(0);
-    for (int64_t t = 0; t <= p; ++t) {
-      const C* k = paged_row<C>(key_cache, tok, s, t);
-      float acc = 0;
-      for (int64_t hh = 0; hh < nI; ++hh) {
-        const float d = dot4(qb + hh * q.stride(1), k, dI) * sscale;
-        acc += (wr[hh] * wscale) * (d > 0 ? d : 0.0f);
-      }
-      sc[t] = acc;
-    }
+    indexer_score_row<C>(q, w, key_cache, tok, i, p + 1, sc);
     Tensor row = Tensor::view(sc, DType::F32, {p + 1});
     Tensor vals = Tensor::view(thread_scratch(1, size_t(topk)), DType::F32, {topk});
     Tensor idx = Tensor::view(sel.data_as<int32_t>() + i * sel.stride(0), DType::I32, {topk});
@@ -123,6 +130,23 @@ void indexer_topk(const Tensor& q, const Tensor& w, const Tensor& key_cache, con
                   int64_t topk, Tensor& sel, Tensor& sel_len) {
   if (key_cache.dtype() == DType::BF16) return indexer_topk_impl<uint16_t>(q, w, key_cache, tok, topk, sel, sel_len);
   indexer_topk_impl<float>(q, w, key_cache, tok, topk, sel, sel_len);
+}
+
+void indexer_scores(const Tensor& q, const Tensor& w, const Tensor& key_cache, const ops::PagedTokens& tok,
+                    Tensor& scores) {
+  const int64_t T = q.shape(0), C = scores.shape(1);
+  const int32_t* pos = tok.pos.data_as<const int32_t>();
+  const bool bf16 = key_cache.dtype() == DType::BF16;
+#pragma omp parallel for schedule(dynamic, 1) num_threads(threads())
+  for (int64_t i = 0; i < T; ++i) {
+    const int64_t p = pos[i * tok.pos.stride(0)];
+    const int64_t n = p + 1 < C ? p + 1 : C;
+    float* sc = scores.data_as<float>() + i * scores.stride(0);
+    if (bf16)
+      indexer_score_row<uint16_t>(q, w, key_cache, tok, i, n, sc);
+    else
+      indexer_score_row<float>(q, w, key_cache, tok, i, n, sc);
+  }
 }
 
 void mla_attention(const Tensor& q_lat, const Tensor& q_pe, const Tensor& cache, const ops::PagedTokens& tok,

@@ -101,6 +101,8 @@ void cache_write_many(const std::vector<const Tensor*>& srcs, const Tensor& slot
                       bool& done);
 void indexer_topk(const Tensor& q, const Tensor& w, const Tensor& key_cache, const ops::PagedTokens& tok,
                   int64_t topk, Tensor& sel, Tensor& sel_len);
+void indexer_scores(const Tensor& q, const Tensor& w, const Tensor& key_cache, const ops::PagedTokens& tok,
+                    Tensor& scores);
 void mla_attention(const Tensor& q_lat, const Tensor& q_pe, const Tensor& cache, const ops::PagedTokens& tok,
                    const Tensor& sel, const Tensor& sel_len, float scale, Tensor& out);
 void block_attention(const Tensor& q, const Tensor& k, const Tensor& v, const Tensor& kv_cache,

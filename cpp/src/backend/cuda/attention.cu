@@ -36,11 +36,16 @@
 //   Blocks take 256 keys (8 steps of 4 warps x 8 keys), fewer (idx_groups) where the grid would
 //   leave SMs idle: a decode token over 4096 keys runs 128 blocks of 32 keys, not 16 of 256.
 //   Performance notes: the score kernel is fp32 SIMT, bound by shared-memory bandwidth and
-//   the unfused multiply-adds kept for bitwise CPU parity (~2x an FMA version); a
-//   production indexer would score in fp8/bf16 on tensor cores (wgmma / tcgen05) with a
-//   margin-tolerant selection. The first histogram pass could be fused into the score
-//   kernel (global integer atomics stay deterministic), and a 128K context reads its
-//   scores 5-6 times in select (L2-resident per token).
+//   the unfused multiply-adds kept for bitwise CPU parity (~2x an FMA version). A BF16 key
+//   cache (kv_cache_dtype = "bf16") is scored on the tensor cores instead where the shape
+//   allows (indexer_tc_kernel, ops::indexer_tc(): the dots on mma.sync with q as three BF16
+//   planes, so only the MMAs' fp32 sums round; the head terms and their head-order sum as
+//   here): not bitwise the CPU's scores, so a key within rounding of the top-k boundary may
+//   be selected differently; a token's scores never depend on its batch. The first
+//   histogram pass could be fused into the score kernel (global integer atomics stay
+//   deterministic), and a 128K context reads its scores 5-6 times in select (L2-resident
+//   per token).
+//   indexer_scores (ops.h) runs the same score kernels into its output (for tests).
 //
 // mla_attention: one 256-thread block per (token, group of HG heads; HG = 16, or 4 when
 //   nh <= 4). The latent row [c | k_pe] is shared by every head (the absorbed form), so a
@@ -238,7 +243,7 @@ __global__ void __launch_bounds__(kIdxThreads)
                          int64_t w_s0, const float* __restrict__ kc, const __nv_bfloat16* __restrict__ kc16,
                          int64_t kc_stride, int64_t kc_rows, Tokens tk,
                          int64_t t0, int64_t topk, IdxShape sh, float sscale, float wscale, float* __restrict__ scores,
-                         int64_t cap, int groups) {
+                         int64_t sc_stride, int64_t cap, int groups) {
   detail::pdl_enter();
   extern __shared__ __align__(16) float smem[];
   const int64_t t = t0 + blockIdx.y;
@@ -279,7 +284,7 @@ __global__ void __launch_bounds__(kIdxThreads)
   float* ks = ks_all + size_t(warp) * kIdxKW * sh.kstride;
   float* cs = cs_all + warp * kIdxKW * 32;
   const int32_t* row = bt_row(tk, t);
-  float* sc = scores + blockIdx.y * cap;
+  float* sc = scores + blockIdx.y * sc_stride;
   const int d4 = dI / 4 * 4;
   for (int g = 0; g < groups; ++g) {
     const int64_t j0 = key0 + (int64_t(g) * kIdxWarps + warp) * kIdxKW;
@@ -402,6 +407,150 @@ __global__ void __launch_bounds__(kIdxThreads)
     }
     if (lane < kIdxKW && j0 + lane < n) sc[j0 + lane] = acc;
     __syncwarp();  // ks is rewritten by the next step
+  }
+}
+
+// The three BF16 planes of x (their sum is x for finite x in the normal range).
+__device__ __forceinline__ void bf16_planes(float x, __nv_bfloat16& hi, __nv_bfloat16& mid, __nv_bfloat16& lo) {
+  hi = __float2bfloat16_rn(x);
+  const float r = __fsub_rn(x, __bfloat162float(hi));
+  mid = __float2bfloat16_rn(r);
+  lo = __float2bfloat16_rn(__fsub_rn(r, __bfloat162float(mid)));
+}
+
+// ------------------------------------------------------------------ indexer scores, tensor cores
+// indexer_tc_kernel: the scores of a BF16 index-key cache (ops::indexer_tc()) with mma.sync
+// m16n8k16. Grid (key tiles of 64 x tiles, tokens), 8 warps. A block puts q[t] (nI heads,
+// padded with zero rows to MT m-tiles of 16, zero columns to DP) into shared memory as three
+// BF16 planes whose sum is q (every product with an exact BF16 key is exact; the MMAs' fp32
+// sums are the only rounding of the dot), then per tile of 64 keys: the key rows by cp.async
+// (a key without a slot, or past the token's causal keys, a zero row), warp w the dots of
+// keys 8w..8w+7 with every head (MT x 3 planes MMAs per k-step), and per (key, head) the
+// SIMT kernel's terms, (dot * 1 / sqrt(dI)), relu, * (w * 1 / sqrt(nI)), into shared memory;
+// a thread per key adds its heads' terms in head order. A key's score depends only on its
+// row and the token's q and w (never on the tile, block or batch): decode == verify.
+constexpr int kItThreads = 256, kItWarps = kItThreads / 32;
+constexpr int kItKeys = 8 * kItWarps;  // keys per tile: one n-tile of 8 per warp
+constexpr int kItMaxMT = 4;            // m-tiles of 16 heads: nI <= 64
+constexpr int kItMaxTiles = 4;         // tiles per block, at most (fewer where the grid would leave SMs idle)
+struct ItShape {
+  int nI, dI, MT, DP, LD, CLD;  // DP: dI rounded up to 32; LD = DP + 8 (bf16 rows); CLD = nI + 1 (float rows)
+};
+inline bool indexer_tc_fits(int64_t nI, int64_t dI) { return nI >= 1 && nI <= 16 * kItMaxMT && dI % 8 == 0 && dI >= 8 && dI <= 256; }
+inline ItShape it_shape(int64_t nI, int64_t dI) {
+  ItShape s;
+  s.nI = int(nI);
+  s.dI = int(dI);
+  s.MT = int((nI + 15) / 16);
+  s.DP = int((dI + 31) / 32 * 32);
+  s.LD = s.DP + 8;
+  s.CLD = s.nI + 1;
+  return s;
+}
+inline size_t it_smem(const ItShape& s) {
+  return sizeof(float) * (size_t(16) * kItMaxMT + size_t(kItKeys) * s.CLD) +
+         sizeof(__nv_bfloat16) * (size_t(kItKeys) * s.LD + 3 * size_t(16) * s.MT * s.LD);
+}
+// Tiles per block for nt tokens over `cap` keys: kItMaxTiles, halved while the grid has fewer
+// than kIdxFillBlocks blocks.
+inline int it_tiles(int64_t cap, int64_t nt) {
+  int g = kItMaxTiles;
+  while (g > 1 && (cap + int64_t(kItKeys) * g - 1) / (int64_t(kItKeys) * g) * nt < kIdxFillBlocks) g /= 2;
+  return g;
+}
+
+__global__ void __launch_bounds__(kItThreads)
+    indexer_tc_kernel(const float* __restrict__ q, int64_t q_s0, int64_t q_s1, const float* __restrict__ w,
+                      int64_t w_s0, const __nv_bfloat16* __restrict__ kc, int64_t kc_stride, int64_t kc_rows,
+                      Tokens tk, int64_t t0, int64_t topk, ItShape sh, float sscale, float wscale,
+                      float* __restrict__ scores, int64_t sc_stride, int64_t cap, int tiles) {
+  detail::pdl_enter();
+  const int64_t t = t0 + blockIdx.y;
+  const int64_t n = attn::causal_keys(tk.pos[t * tk.pos_stride], cap);
+  const int64_t key0 = int64_t(blockIdx.x) * kItKeys * tiles;
+  if (n <= topk || key0 >= n) return;  // uniform over the block
+  extern __shared__ __align__(16) unsigned char smem_raw[];
+  float* ws = reinterpret_cast<float*>(smem_raw);        // [64] w * (1 / sqrt(nI))
+  float* cs = ws + 16 * kItMaxMT;                        // [64 keys][CLD] head terms
+  __nv_bfloat16* ks = reinterpret_cast<__nv_bfloat16*>(cs + kItKeys * sh.CLD);  // [64 keys][LD]
+  __nv_bfloat16* qp = ks + kItKeys * sh.LD;              // [3 planes][MT * 16][LD]
+  const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5, g = lane >> 2, t4 = lane & 3;
+  const int nI = sh.nI, dI = sh.dI, MT = sh.MT, DP = sh.DP, LD = sh.LD, CLD = sh.CLD, R = 16 * MT;
+  const int32_t* row = bt_row(tk, t);
+  float* sc = scores + blockIdx.y * sc_stride;
+  // q[t] as three planes (heads past nI and columns past dI: zeros); the key tile's padding
+  // columns [dI, DP) zero once (cp.async writes [0, dI) only)
+  for (int i = tid; i < R * DP; i += kItThreads) {
+    const int h = i / DP, e = i - h * DP;
+    const float x = h < nI && e < dI ? q[t * q_s0 + h * q_s1 + e] : 0.0f;
+    __nv_bfloat16 hi, mid, lo;
+    bf16_planes(x, hi, mid, lo);
+    qp[h * LD + e] = hi;
+    qp[(R + h) * LD + e] = mid;
+    qp[(2 * R + h) * LD + e] = lo;
+  }
+  for (int i = tid; i < kItKeys * (DP - dI); i += kItThreads) {
+    const int j = i / (DP - dI);
+    ks[j * LD + dI + (i - j * (DP - dI))] = __float2bfloat16_rn(0.0f);
+  }
+  for (int h = tid; h < nI; h += kItThreads) ws[h] = __fmul_rn(w[t * w_s0 + h], wscale);
+  const int C8 = dI / 8;
+  for (int tile = 0; tile < tiles; ++tile) {
+    const int64_t j0 = key0 + int64_t(tile) * kItKeys;
+    if (j0 >= n) break;  // uniform
+    // the tile's key rows: 4 threads per key (one slot lookup each), 16 bytes per cp.async
+    {
+      const int jj = tid >> 2;
+      const int64_t j = j0 + jj;
+      const int64_t slot = j < n ? slot_of(tk, row, kc_rows, j) : -1;
+      for (int e8 = tid & 3; e8 < C8; e8 += 4)
+        mma::cp_async16(mma::smem_u32(ks + jj * LD + 8 * e8), slot >= 0 ? kc + slot * kc_stride + 8 * e8 : kc,
+                        slot >= 0);
+    }
+    mma::cp_async_commit();
+    mma::cp_async_wait_all();
+    __syncthreads();  // the tile (and, the first time, the planes, ws and padding) visible
+    // S = Q K^T for the warp's keys 8 warp .. + 7: rows g, g + 8 of each m-tile (heads)
+    float acc[kItMaxMT][4];
+#pragma unroll
+    for (int m = 0; m < kItMaxMT; ++m) acc[m][0] = acc[m][1] = acc[m][2] = acc[m][3] = 0.0f;
+    for (int kk = 0; kk < DP / 16; kk += 2) {
+      uint32_t bk[4];  // k-steps kk (bk[0], bk[1]) and kk + 1 (bk[2], bk[3]) of the warp's 8 keys
+      mma::ldmatrix_x4(mma::smem_u32(ks + (warp * 8 + (lane & 7)) * LD + kk * 16 + (lane >> 3) * 8), bk);
+#pragma unroll
+      for (int m = 0; m < kItMaxMT; ++m) {
+        if (m >= MT) break;
+#pragma unroll
+        for (int pl = 0; pl < 3; ++pl) {
+          const __nv_bfloat16* qb = qp + (pl * R + m * 16 + (lane & 15)) * LD + (lane >> 4) * 8 + kk * 16;
+          uint32_t a0[4], a1[4];
+          mma::ldmatrix_x4(mma::smem_u32(qb), a0);
+          mma::ldmatrix_x4(mma::smem_u32(qb + 16), a1);
+          mma::mma_bf16(acc[m], a0, bk[0], bk[1]);
+          mma::mma_bf16(acc[m], a1, bk[2], bk[3]);
+        }
+      }
+    }
+    // the SIMT kernel's head terms: wh * relu(dot * sscale)
+#pragma unroll
+    for (int m = 0; m < kItMaxMT; ++m) {
+      if (m >= MT) break;
+#pragma unroll
+      for (int c = 0; c < 4; ++c) {
+        const int h = m * 16 + g + 8 * (c >> 1), key = warp * 8 + 2 * t4 + (c & 1);
+        if (h < nI) {
+          const float d = __fmul_rn(acc[m][c], sscale);
+          cs[key * CLD + h] = __fmul_rn(ws[h], d > 0.0f ? d : 0.0f);
+        }
+      }
+    }
+    __syncthreads();  // every head term written; ks free for the next tile
+    if (tid < kItKeys && j0 + tid < n) {
+      float s = 0.0f;
+      for (int h = 0; h < nI; ++h) s = __fadd_rn(s, cs[tid * CLD + h]);
+      sc[j0 + tid] = s;
+    }
+    // cs is rewritten after the next tile's barrier, which these reads precede
   }
 }
 
@@ -916,13 +1065,6 @@ inline size_t mla_tc_smem(const MtShape& s, bool split) {
   return sizeof(double) * 2 * kMtHeads + sizeof(int64_t) * kMtKeys + sizeof(float) * 6 * kMtHeads +
          sizeof(float) * (size_t(kMtHeads) * kMtKeys + (split ? 0 : size_t(kMtHeads) * s.kvl)) +
          sizeof(__nv_bfloat16) * (size_t(kMtKeys) * s.LD + 3 * size_t(kMtHeads) * s.LD + 3 * size_t(kMtHeads) * kMtPLD);
-}
-// The three BF16 planes of x (their sum is x for finite x in the normal range).
-__device__ __forceinline__ void bf16_planes(float x, __nv_bfloat16& hi, __nv_bfloat16& mid, __nv_bfloat16& lo) {
-  hi = __float2bfloat16_rn(x);
-  const float r = __fsub_rn(x, __bfloat162float(hi));
-  mid = __float2bfloat16_rn(r);
-  lo = __float2bfloat16_rn(__fsub_rn(r, __bfloat162float(mid)));
 }
 
 template <bool SPLIT>
@@ -1599,25 +1741,72 @@ __global__ void __launch_bounds__(kTcThreads, 3) block_attention_tc_kernel(const
 }  // namespace
 
 // ------------------------------------------------------------------ indexer_topk
-void indexer_topk(const Tensor& q, const Tensor& w, const Tensor& key_cache, const ops::PagedTokens& tok,
-                  int64_t topk, Tensor& sel, Tensor& sel_len) {
-  const char* op = "indexer_topk";
-  DFLASH2_CHECK_ARG(q.defined() && q.device().is_cuda(), "cuda::indexer_topk: q must be a CUDA tensor, found ",
+namespace {
+// indexer_topk's / indexer_scores' arguments, checked; returns T.
+int64_t need_indexer_args(const Tensor& q, const Tensor& w, const Tensor& key_cache, const ops::PagedTokens& tok,
+                          const char* op) {
+  DFLASH2_CHECK_ARG(q.defined() && q.device().is_cuda(), "cuda::", op, ": q must be a CUDA tensor, found ",
                     q.defined() ? q.describe() : std::string("undefined"));
   need_cuda(w, q, op, "w");
   need_cuda(key_cache, q, op, "key_cache");
-  need_cuda(sel, q, op, "sel");
-  need_cuda(sel_len, q, op, "sel_len");
   need_rows(q, DType::F32, 3, op, "q");
   const int64_t T = q.shape(0), nI = q.shape(1), dI = q.shape(2);
   need_rows(w, DType::F32, 2, op, "w");
-  DFLASH2_CHECK_ARG(w.shape(0) == T && w.shape(1) == nI, "cuda::indexer_topk: w must be [", T, ", ", nI, "], found ",
+  DFLASH2_CHECK_ARG(w.shape(0) == T && w.shape(1) == nI, "cuda::", op, ": w must be [", T, ", ", nI, "], found ",
                     w.describe());
   need_rows(key_cache, key_cache.defined() && key_cache.dtype() == DType::BF16 ? DType::BF16 : DType::F32, 2, op,
             "key_cache");
-  DFLASH2_CHECK_ARG(key_cache.shape(1) == dI, "cuda::indexer_topk: key_cache rows have ", key_cache.shape(1),
+  DFLASH2_CHECK_ARG(key_cache.shape(1) == dI, "cuda::", op, ": key_cache rows have ", key_cache.shape(1),
                     " values but q heads have ", dI);
   need_tokens(tok, q, T, op);
+  DFLASH2_CHECK_ARG(T == 0 || (nI >= 1 && dI >= 1 && nI * dI <= (int64_t(1) << 24)), "cuda::", op,
+                    ": unsupported q shape ", q.describe());
+  return T;
+}
+
+// The scores of tokens t0 .. t0 + nt - 1 over keys < min(pos + 1, cap) into scores (row r of
+// the chunk at scores + r * sc_stride); tokens with pos + 1 <= topk are skipped (topk 0: none).
+// A BF16 cache takes the tensor-core kernel where ops::indexer_tc() and the shape allow.
+void launch_indexer_scores(const Tensor& q, const Tensor& w, const Tensor& key_cache, const Tokens& tk, int64_t t0,
+                           int64_t nt, int64_t topk, float* scores, int64_t sc_stride, int64_t cap, int device,
+                           const char* op) {
+  if (cap <= 0 || nt <= 0) return;
+  const int64_t nI = q.shape(1), dI = q.shape(2);
+  const float wscale = 1.0f / std::sqrt(float(nI)), sscale = 1.0f / std::sqrt(float(dI));
+  const bool kbf16 = key_cache.dtype() == DType::BF16;
+  const auto* k16 = kbf16 ? static_cast<const __nv_bfloat16*>(key_cache.data()) : nullptr;
+  if (kbf16 && ops::indexer_tc() && indexer_tc_fits(nI, dI) && key_cache.stride(0) % 8 == 0 &&
+      (reinterpret_cast<uintptr_t>(k16) & 15) == 0) {
+    const ItShape sh = it_shape(nI, dI);
+    const size_t smem = it_smem(sh);
+    allow_smem(indexer_tc_kernel, smem, device, op);
+    const int tiles = it_tiles(cap, nt);
+    const int64_t grid_x = (cap + int64_t(kItKeys) * tiles - 1) / (int64_t(kItKeys) * tiles);
+    indexer_tc_kernel<<<dim3(unsigned(grid_x), unsigned(nt)), kItThreads, smem, detail::stream()>>>(
+        q.data_as<const float>(), q.stride(0), q.stride(1), w.data_as<const float>(), w.stride(0), k16,
+        key_cache.stride(0), key_cache.shape(0), tk, t0, topk, sh, sscale, wscale, scores, sc_stride, cap, tiles);
+    detail::check_launch("indexer tensor-core score kernel launch", q.describe());
+    return;
+  }
+  const IdxShape sh = idx_shape(nI, dI);
+  const size_t smem = idx_smem(sh);
+  allow_smem(indexer_score_kernel, smem, device, op);
+  const int groups = idx_groups(cap, nt);
+  const int64_t key_tiles = (cap + int64_t(kIdxWarps) * kIdxKW * groups - 1) / (int64_t(kIdxWarps) * kIdxKW * groups);
+  indexer_score_kernel<<<dim3(unsigned(key_tiles), unsigned(nt)), kIdxThreads, smem, detail::stream()>>>(
+      q.data_as<const float>(), q.stride(0), q.stride(1), w.data_as<const float>(), w.stride(0),
+      kbf16 ? nullptr : key_cache.data_as<const float>(), k16, key_cache.stride(0), key_cache.shape(0), tk, t0, topk,
+      sh, sscale, wscale, scores, sc_stride, cap, groups);
+  detail::check_launch("indexer_topk score kernel launch", q.describe());
+}
+}  // namespace
+
+void indexer_topk(const Tensor& q, const Tensor& w, const Tensor& key_cache, const ops::PagedTokens& tok,
+                  int64_t topk, Tensor& sel, Tensor& sel_len) {
+  const char* op = "indexer_topk";
+  const int64_t T = need_indexer_args(q, w, key_cache, tok, op);
+  need_cuda(sel, q, op, "sel");
+  need_cuda(sel_len, q, op, "sel_len");
   DFLASH2_CHECK_ARG(topk >= 1 && topk <= INT32_MAX, "cuda::indexer_topk: topk must be in [1, 2^31), found ", topk);
   need_rows(sel, DType::I32, 2, op, "sel");
   DFLASH2_CHECK_ARG(sel.shape(0) == T && sel.shape(1) == topk, "cuda::indexer_topk: sel must be I32 [", T, ", ", topk,
@@ -1625,18 +1814,11 @@ void indexer_topk(const Tensor& q, const Tensor& w, const Tensor& key_cache, con
   DFLASH2_CHECK_ARG(T <= 1 || sel.stride(0) >= topk, "cuda::indexer_topk: the rows of 'sel' overlap");
   need_i32_vec(sel_len, T, op, "sel_len");
   if (T == 0) return;
-  DFLASH2_CHECK_ARG(nI >= 1 && dI >= 1 && nI * dI <= (int64_t(1) << 24), "cuda::indexer_topk: unsupported q shape ",
-                    q.describe());
   const int64_t cap = tok.block_table.shape(1) * tok.block_size;  // the longest context a token can have
   DFLASH2_CHECK_ARG(cap <= (int64_t(1) << 31) - kSelThreads, "cuda::indexer_topk: contexts of ", cap,
                     " keys are not supported");
   const int device = q.device().index;
   detail::DeviceGuard guard(device);
-  const IdxShape sh = idx_shape(nI, dI);
-  const size_t smem = idx_smem(sh);
-  allow_smem(indexer_score_kernel, smem, device, op);
-  const float wscale = 1.0f / std::sqrt(float(nI)), sscale = 1.0f / std::sqrt(float(dI));
-  const bool kbf16 = key_cache.dtype() == DType::BF16;
   const Tokens tk = tokens_of(tok);
   // tokens per chunk: the scores of a chunk stay under the scratch cap (and grid y)
   const int64_t row_bytes = (cap > 0 ? cap : 1) * int64_t(sizeof(float));
@@ -1645,25 +1827,34 @@ void indexer_topk(const Tensor& q, const Tensor& w, const Tensor& key_cache, con
   chunk = chunk < detail::kMaxGridY ? chunk : detail::kMaxGridY;
   chunk = chunk < T ? chunk : T;
   float* scores = static_cast<float*>(detail::scratch(device, size_t(chunk) * size_t(row_bytes)));
-  DFLASH2_CHECK_ARG((cap + kIdxWarps * kIdxKW - 1) / (kIdxWarps * kIdxKW) <= INT32_MAX,
-                    "cuda::indexer_topk: context too long");
   for (int64_t t0 = 0; t0 < T; t0 += chunk) {
     const int64_t nt = T - t0 < chunk ? T - t0 : chunk;
-    const int groups = idx_groups(cap, nt);
-    const int64_t key_tiles = (cap + int64_t(kIdxWarps) * kIdxKW * groups - 1) / (int64_t(kIdxWarps) * kIdxKW * groups);
-    if (key_tiles > 0) {
-      indexer_score_kernel<<<dim3(unsigned(key_tiles), unsigned(nt)), kIdxThreads, smem, detail::stream()>>>(
-          q.data_as<const float>(), q.stride(0), q.stride(1), w.data_as<const float>(), w.stride(0),
-          kbf16 ? nullptr : key_cache.data_as<const float>(),
-          kbf16 ? static_cast<const __nv_bfloat16*>(key_cache.data()) : nullptr, key_cache.stride(0),
-          key_cache.shape(0), tk, t0, topk, sh, sscale, wscale,
-          scores, cap, groups);
-      detail::check_launch("indexer_topk score kernel launch", q.describe());
-    }
+    launch_indexer_scores(q, w, key_cache, tk, t0, nt, topk, scores, cap, cap, device, op);
     indexer_select_kernel<<<detail::row_blocks(nt), kSelThreads, 0, detail::stream()>>>(
         scores, cap, tk, t0, nt, topk, sel.data_as<int32_t>(), sel.stride(0), sel_len.data_as<int32_t>(),
         sel_len.stride(0));
     detail::check_launch("indexer_topk select kernel launch", q.describe());
+  }
+}
+
+void indexer_scores(const Tensor& q, const Tensor& w, const Tensor& key_cache, const ops::PagedTokens& tok,
+                    Tensor& scores) {
+  const char* op = "indexer_scores";
+  const int64_t T = need_indexer_args(q, w, key_cache, tok, op);
+  need_cuda(scores, q, op, "scores");
+  need_rows(scores, DType::F32, 2, op, "scores");
+  DFLASH2_CHECK_ARG(scores.shape(0) == T && (T <= 1 || scores.stride(0) >= scores.shape(1)), "cuda::", op,
+                    ": scores must be F32 [", T, ", C] with disjoint rows, found ", scores.describe());
+  if (T == 0) return;
+  const int64_t cap = std::min(tok.block_table.shape(1) * tok.block_size, scores.shape(1));
+  DFLASH2_CHECK_ARG(cap < (int64_t(1) << 31), "cuda::", op, ": contexts of ", cap, " keys are not supported");
+  const int device = q.device().index;
+  detail::DeviceGuard guard(device);
+  const Tokens tk = tokens_of(tok);
+  for (int64_t t0 = 0; t0 < T; t0 += detail::kMaxGridY) {
+    const int64_t nt = std::min<int64_t>(T - t0, detail::kMaxGridY);
+    launch_indexer_scores(q, w, key_cache, tk, t0, nt, 0, scores.data_as<float>() + t0 * scores.stride(0),
+                          scores.stride(0), cap, device, op);
   }
 }
 

@@ -249,6 +249,8 @@ bool moe_experts_nvfp4_supported(int device, const ops::ExpertWeights& experts);
 // attention.cu
 void indexer_topk(const Tensor& q, const Tensor& w, const Tensor& key_cache, const ops::PagedTokens& tok,
                   int64_t topk, Tensor& sel, Tensor& sel_len);
+void indexer_scores(const Tensor& q, const Tensor& w, const Tensor& key_cache, const ops::PagedTokens& tok,
+                    Tensor& scores);
 void mla_attention(const Tensor& q_lat, const Tensor& q_pe, const Tensor& cache, const ops::PagedTokens& tok,
                    const Tensor& sel, const Tensor& sel_len, float scale, Tensor& out);
 void block_attention(const Tensor& q, const Tensor& k, const Tensor& v, const Tensor& kv_cache, const Tensor& ctx_len,

@@ -44,6 +44,7 @@ void register_cuda_ops(BackendTable& t) {
   t.cache_write_many = &cuda::cache_write_many;  // index_rows.cu
   t.dyn_conv = &cuda::dyn_conv;        // drafter_ops.cu
   t.indexer_topk = &cuda::indexer_topk;        // attention.cu
+  t.indexer_scores = &cuda::indexer_scores;    // attention.cu
   t.mla_attention = &cuda::mla_attention;      // attention.cu
   t.block_attention = &cuda::block_attention;  // attention.cu
   t.moe_route = &cuda::moe_route;      // moe.cu
