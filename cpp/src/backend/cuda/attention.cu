@@ -10,8 +10,9 @@
 // tests/test_ops.py when a GPU is present.
 //
 // indexer_topk (two kernels per chunk of tokens, the scores in detail::scratch):
-//   score   grid (key tiles of 256, tokens). A block stages q[t] (nI x dI, rows padded to
-//           an odd stride) and w[t] / sqrt(nI) in shared memory; each of its 4 warps takes
+//   score   grid (key tiles of 256) x (tokens), the token fastest (idx_block_order). A
+//           block stages q[t] (nI x dI, rows padded to an odd stride) and w[t] / sqrt(nI)
+//           in shared memory; each of its 4 warps takes
 //           8 keys at a time (their rows staged in shared memory), lane h computes the
 //           head-h dot products of the 8 keys (heads in chunks of 32), and lanes 0..7 add
 //           the 8 keys' head terms in head order. The arithmetic is the CPU's, in the
@@ -219,6 +220,13 @@ inline int idx_groups(int64_t cap, int64_t nt) {
     g /= 2;
   return g;
 }
+// idx_block_order: both score kernels run a 1-D grid of (key tile, token) blocks with the token
+// fastest (block b: token b % nt, key tile b / nt), so the blocks resident together read the same
+// key tiles for every token of the chunk: a sequence's verify tokens (adjacent rows) take each
+// of its key rows from DRAM once and from L2 after that, where a grid of (key tiles, tokens)
+// walked one token's whole context before the next token's (at 128K contexts, 32 MB of BF16
+// index keys per layer and sequence: more than L2 holds, so read again by each of the block's
+// 8 tokens). A key's score does not depend on its block, so neither do the results.
 constexpr int kSelThreads = 1024;
 constexpr size_t kIdxScratchCap = size_t(512) << 20;
 
@@ -243,12 +251,13 @@ __global__ void __launch_bounds__(kIdxThreads)
                          int64_t w_s0, const float* __restrict__ kc, const __nv_bfloat16* __restrict__ kc16,
                          int64_t kc_stride, int64_t kc_rows, Tokens tk,
                          int64_t t0, int64_t topk, IdxShape sh, float sscale, float wscale, float* __restrict__ scores,
-                         int64_t sc_stride, int64_t cap, int groups) {
+                         int64_t sc_stride, int64_t cap, int groups, int64_t nt) {
   detail::pdl_enter();
   extern __shared__ __align__(16) float smem[];
-  const int64_t t = t0 + blockIdx.y;
+  const int64_t r = int64_t(blockIdx.x) % nt;  // see idx_block_order
+  const int64_t t = t0 + r;
   const int64_t n = attn::causal_keys(tk.pos[t * tk.pos_stride], cap);
-  const int64_t key0 = int64_t(blockIdx.x) * kIdxWarps * kIdxKW * groups;
+  const int64_t key0 = int64_t(blockIdx.x) / nt * kIdxWarps * kIdxKW * groups;
   if (n <= topk || key0 >= n) return;  // uniform over the block
   const int nI = sh.nI, dI = sh.dI;
   const bool vec4 = !kc16 && (dI & 3) == 0 && (kc_stride & 3) == 0 && (reinterpret_cast<uintptr_t>(kc) & 15) == 0;
@@ -284,7 +293,7 @@ __global__ void __launch_bounds__(kIdxThreads)
   float* ks = ks_all + size_t(warp) * kIdxKW * sh.kstride;
   float* cs = cs_all + warp * kIdxKW * 32;
   const int32_t* row = bt_row(tk, t);
-  float* sc = scores + blockIdx.y * sc_stride;
+  float* sc = scores + r * sc_stride;
   const int d4 = dI / 4 * 4;
   for (int g = 0; g < groups; ++g) {
     const int64_t j0 = key0 + (int64_t(g) * kIdxWarps + warp) * kIdxKW;
@@ -463,11 +472,12 @@ __global__ void __launch_bounds__(kItThreads)
     indexer_tc_kernel(const float* __restrict__ q, int64_t q_s0, int64_t q_s1, const float* __restrict__ w,
                       int64_t w_s0, const __nv_bfloat16* __restrict__ kc, int64_t kc_stride, int64_t kc_rows,
                       Tokens tk, int64_t t0, int64_t topk, ItShape sh, float sscale, float wscale,
-                      float* __restrict__ scores, int64_t sc_stride, int64_t cap, int tiles) {
+                      float* __restrict__ scores, int64_t sc_stride, int64_t cap, int tiles, int64_t nt) {
   detail::pdl_enter();
-  const int64_t t = t0 + blockIdx.y;
+  const int64_t r = int64_t(blockIdx.x) % nt;  // see idx_block_order
+  const int64_t t = t0 + r;
   const int64_t n = attn::causal_keys(tk.pos[t * tk.pos_stride], cap);
-  const int64_t key0 = int64_t(blockIdx.x) * kItKeys * tiles;
+  const int64_t key0 = int64_t(blockIdx.x) / nt * kItKeys * tiles;
   if (n <= topk || key0 >= n) return;  // uniform over the block
   extern __shared__ __align__(16) unsigned char smem_raw[];
   float* ws = reinterpret_cast<float*>(smem_raw);        // [64] w * (1 / sqrt(nI))
@@ -477,7 +487,7 @@ __global__ void __launch_bounds__(kItThreads)
   const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5, g = lane >> 2, t4 = lane & 3;
   const int nI = sh.nI, dI = sh.dI, MT = sh.MT, DP = sh.DP, LD = sh.LD, CLD = sh.CLD, R = 16 * MT;
   const int32_t* row = bt_row(tk, t);
-  float* sc = scores + blockIdx.y * sc_stride;
+  float* sc = scores + r * sc_stride;
   // q[t] as three planes (heads past nI and columns past dI: zeros); the key tile's padding
   // columns [dI, DP) zero once (cp.async writes [0, dI) only)
   for (int i = tid; i < R * DP; i += kItThreads) {
@@ -1781,10 +1791,12 @@ void launch_indexer_scores(const Tensor& q, const Tensor& w, const Tensor& key_c
     const size_t smem = it_smem(sh);
     allow_smem(indexer_tc_kernel, smem, device, op);
     const int tiles = it_tiles(cap, nt);
-    const int64_t grid_x = (cap + int64_t(kItKeys) * tiles - 1) / (int64_t(kItKeys) * tiles);
-    indexer_tc_kernel<<<dim3(unsigned(grid_x), unsigned(nt)), kItThreads, smem, detail::stream()>>>(
+    const int64_t key_tiles = (cap + int64_t(kItKeys) * tiles - 1) / (int64_t(kItKeys) * tiles);
+    DFLASH2_CHECK_ARG(key_tiles * nt <= INT32_MAX, "cuda::", op, ": ", nt, " tokens over ", cap,
+                      " keys are too many for one launch");
+    indexer_tc_kernel<<<unsigned(key_tiles * nt), kItThreads, smem, detail::stream()>>>(
         q.data_as<const float>(), q.stride(0), q.stride(1), w.data_as<const float>(), w.stride(0), k16,
-        key_cache.stride(0), key_cache.shape(0), tk, t0, topk, sh, sscale, wscale, scores, sc_stride, cap, tiles);
+        key_cache.stride(0), key_cache.shape(0), tk, t0, topk, sh, sscale, wscale, scores, sc_stride, cap, tiles, nt);
     detail::check_launch("indexer tensor-core score kernel launch", q.describe());
     return;
   }
@@ -1793,10 +1805,12 @@ void launch_indexer_scores(const Tensor& q, const Tensor& w, const Tensor& key_c
   allow_smem(indexer_score_kernel, smem, device, op);
   const int groups = idx_groups(cap, nt);
   const int64_t key_tiles = (cap + int64_t(kIdxWarps) * kIdxKW * groups - 1) / (int64_t(kIdxWarps) * kIdxKW * groups);
-  indexer_score_kernel<<<dim3(unsigned(key_tiles), unsigned(nt)), kIdxThreads, smem, detail::stream()>>>(
+  DFLASH2_CHECK_ARG(key_tiles * nt <= INT32_MAX, "cuda::", op, ": ", nt, " tokens over ", cap,
+                    " keys are too many for one launch");
+  indexer_score_kernel<<<unsigned(key_tiles * nt), kIdxThreads, smem, detail::stream()>>>(
       q.data_as<const float>(), q.stride(0), q.stride(1), w.data_as<const float>(), w.stride(0),
       kbf16 ? nullptr : key_cache.data_as<const float>(), k16, key_cache.stride(0), key_cache.shape(0), tk, t0, topk,
-      sh, sscale, wscale, scores, sc_stride, cap, groups);
+      sh, sscale, wscale, scores, sc_stride, cap, groups, nt);
   detail::check_launch("indexer_topk score kernel launch", q.describe());
 }
 }  // namespace
