@@ -519,6 +519,8 @@ def test_kv_cache_bf16_on_cuda(zoo, model):
     gpu = zoo.engine(model, "cuda", kv_cache_dtype="bf16")
     mtp = zoo.engine(model, "cuda", method="mtp", kv_cache_dtype="bf16")
     assert gpu.kv_cache_dtype == mtp.kv_cache_dtype == "bf16"
+    # the load-time check of the tensor-core attention passed (a failure turns a switch off)
+    assert dflash2_rt.ops.mla_tc() and dflash2_rt.ops.indexer_tc()
     for n in (1, 9, 40):  # below and above index_topk = 8: dense, then sparse attention
         ids = gf.prompt(860 + n, n)
         close(gpu.logits(ids), cpu.logits(ids), f"bf16 cache n={n}", rel=REL_BF16)
@@ -533,6 +535,45 @@ def test_kv_cache_bf16_on_cuda(zoo, model):
     for e in (gpu, mtp):
         m = e.metrics()
         assert m["cuda_graphs_failed"] == 0, m["cuda_graphs_last_failure"]
+
+
+@pytest.mark.parametrize("kernel", ["indexer_tc_kernel", "mla_tc_kernel"])
+def test_attention_tc_fault_falls_back_to_simt(zoo, monkeypatch, capfd, kernel):
+    """A BF16 cache's tensor-core attention failing the load-time check (the CPU emulator's
+    EMU_MMA_FAULT=<kernel>: that kernel's mma.sync sums off by one) is turned off in the process
+    with the reason on stderr (the other kernel's check passes and it stays on); an F32-cache
+    engine runs no such check; greedy tokens after the fallback equal the CPU's over the same
+    BF16 cache where the margin exceeds the tolerance."""
+    cuda_or_skip()
+    if not dflash2_rt.build_info()["cuda_emulated"]:
+        pytest.skip("the failure injection is the CPU emulator's (EMU_MMA_FAULT)")
+    ops = dflash2_rt.ops
+    mine, other = ("indexer_tc", "mla_tc") if kernel.startswith("indexer") else ("mla_tc", "indexer_tc")
+    message = {"indexer_tc": "the indexer's scores on the tensor cores (indexer_tc) failed their load-time check",
+               "mla_tc": "sparse MLA on the tensor cores (mla_tc) failed its load-time check"}[mine]
+    was = (ops.mla_tc(), ops.indexer_tc())
+    try:
+        ops.set_mla_tc(True)
+        ops.set_indexer_tc(True)
+        monkeypatch.setenv("EMU_MMA_FAULT", kernel)
+        capfd.readouterr()
+        kw = dict(KW, target=zoo.path("tiny"), method="ar", device="cuda")
+        dflash2_rt.Engine(kv_cache_dtype="f32", **kw).close()
+        assert "load-time check" not in capfd.readouterr().err and ops.mla_tc() and ops.indexer_tc()
+        gpu = dflash2_rt.Engine(kv_cache_dtype="bf16", **kw)
+        err = capfd.readouterr().err
+        assert message in err and "the SIMT kernel runs instead" in err, err
+        assert not getattr(ops, mine)() and getattr(ops, other)()
+        monkeypatch.delenv("EMU_MMA_FAULT")
+        cpu = zoo.engine("tiny", "cpu", kv_cache_dtype="bf16")
+        prompts = [gf.prompt(880 + i, n) for i, n in enumerate((5, 40))]
+        want = cpu.generate(prompts, max_new_tokens=6, stop_token_ids=NO_STOP)
+        got = gpu.generate(prompts, max_new_tokens=6, stop_token_ids=NO_STOP)
+        for i, (g, w) in enumerate(zip(got, want)):
+            same_tokens(cpu, prompts[i], g.token_ids, w.token_ids, f"prompt {i} after the fallback", rel=REL_BF16)
+    finally:
+        ops.set_mla_tc(was[0])
+        ops.set_indexer_tc(was[1])
 
 
 def test_decode_gemm_on_cuda(zoo):

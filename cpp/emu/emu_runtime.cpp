@@ -9,7 +9,8 @@
 // every cudaGraphInstantiate fails with cudaErrorNotSupported, so tests can check the
 // backend's fallback from a failed capture to eager runs. EMU_WGMMA_FAULT=1 (read at each
 // wgmma wait): every wgmma adds 1 to each of its sums, so tests can check the engine's
-// fallback from a failed load-time check of a wgmma kernel.
+// fallback from a failed load-time check of a wgmma kernel; EMU_MMA_FAULT=<name> (read at
+// each launch) does the same to every mma.sync of the kernels whose name contains <name>.
 // EMU_MEMCHECK=1: a memcheck in the manner of compute-sanitizer's, with guard pages: every
 // cudaMalloc gets its own mapping, its end (rounded up to 16 bytes) against an inaccessible
 // page; freed allocations stay inaccessible for a while (use after free); the launch's
@@ -37,6 +38,7 @@
 #include <chrono>
 #include <cstdio>
 #include <cstdlib>
+#include <cstring>
 #include <functional>
 #include <map>
 #include <memory>
@@ -220,6 +222,7 @@ struct BlockRun {
   void* payload = nullptr;
   std::string error;
   bool check_pdl = false;  // a backend kernel: every thread must begin with pdl_enter()
+  bool mma_fault = false;  // EMU_MMA_FAULT names this kernel: its mma.sync sums are off by one
 };
 BlockRun* g_run = nullptr;
 
@@ -395,7 +398,7 @@ void complete_warp(BlockRun& r, int base, unsigned lanes) {
           std::memcpy(&c, &cb, 4);
           float s = 0.0f;
           for (int k = 0; k < 16; ++k) s += A[rows[q]][k] * B[k][cols[q]];
-          const float d = c + s;
+          const float d = c + s + (r.mma_fault ? 1.0f : 0.0f);
           uint32_t db;
           std::memcpy(&db, &d, 4);
           a.out[q] = db;
@@ -1097,6 +1100,8 @@ void launch(const LaunchCfg& cfg, void (*thunk)(void*), void* payload, void* (*c
     r.thunk = thunk;
     r.payload = owned;
     r.check_pdl = c.backend;
+    const char* mma_fault = std::getenv("EMU_MMA_FAULT");  // read at each launch
+    r.mma_fault = mma_fault && *mma_fault && c.name && std::strstr(c.name, mma_fault);
     BlockRun* prev = g_run;
     g_run = &r;
     g_block_dim = c.block;

@@ -11,7 +11,9 @@
 #include <functional>
 #include <mutex>
 #include <tuple>
+#include <string>
 #include <unordered_map>
+#include <utility>
 #include <vector>
 
 #include "dflash2/error.h"
@@ -476,6 +478,91 @@ std::string exact_tc_self_check(Device dev) {
   }
 }
 
+// A BF16 KV cache's attention on the tensor cores (ops::mla_tc(), ops::indexer_tc()) on a GPU:
+// sparse MLA (16 heads, kv_lora 128 + rope 32: segments of 64 keys with tails) and the
+// indexer's scores (32 heads x 128, GLM-5.3's) over a paged BF16 cache of two sequences
+// (150 and 70 keys, pages of 16), against the CPU's ops over the same cache (NMSE <= 1e-9:
+// fp32 sums in another order), and the last token alone bitwise its row among the 3.
+// {mla's "", indexer's ""} when they pass, else why not (then that switch is turned off in
+// the process: the SIMT kernel runs instead).
+std::pair<std::string, std::string> attention_tc_self_check(Device dev) {
+  auto guarded = [](const std::function<std::string()>& f) -> std::string {
+    try {
+      return f();
+    } catch (const std::exception& e) {
+      return std::string("it threw: ") + e.what();
+    }
+  };
+  CheckRng rng;
+  const int64_t bs = 16, nb = 10, T = 3;
+  // sequence 0 on pages 9, 0, 5, ... (out of order), sequence 1 on the others
+  Tensor bt = Tensor::empty(DType::I32, {2, nb});
+  for (int64_t i = 0; i < 2 * nb; ++i) bt.data_as<int32_t>()[i] = int32_t((i * 7 + 9) % (2 * nb));
+  const int32_t seqs[T] = {0, 1, 0}, poss[T] = {149, 69, 100};
+  Tensor seq = Tensor::empty(DType::I32, {T}), pos = Tensor::empty(DType::I32, {T});
+  for (int64_t t = 0; t < T; ++t) {
+    seq.data_as<int32_t>()[t] = seqs[t];
+    pos.data_as<int32_t>()[t] = poss[t];
+  }
+  const int64_t rows = 2 * nb * bs;
+  auto bf16_cache = [&](int64_t width) {
+    Tensor c = Tensor::empty(DType::BF16, {rows, width});
+    uint16_t* p = static_cast<uint16_t*>(c.data());
+    for (int64_t i = 0; i < c.numel(); ++i) p[i] = f32_to_bf16(rng.next());
+    return c;
+  };
+  auto f32 = [&](std::vector<int64_t> shape) {
+    Tensor x = Tensor::empty(DType::F32, std::move(shape));
+    for (int64_t i = 0; i < x.numel(); ++i) x.data_as<float>()[i] = rng.next();
+    return x;
+  };
+  const ops::PagedTokens tok{seq, pos, bt, bs};
+  const ops::PagedTokens dtok{seq.to(dev), pos.to(dev), bt.to(dev), bs};
+  const ops::PagedTokens last{seq.slice(0, T - 1, T).to(dev), pos.slice(0, T - 1, T).to(dev), dtok.block_table, bs};
+  // the last token's row of a [T, ...] result on dev, bitwise that token alone
+  auto alone = [&](const Tensor& all_dev, const Tensor& one_dev, const std::string& what) -> std::string {
+    const Tensor all = all_dev.to(Device::cpu()), one = one_dev.to(Device::cpu());
+    const size_t n = size_t(one.numel()) * sizeof(float);
+    if (std::memcmp(static_cast<const char*>(all.data()) + size_t(T - 1) * n, one.data(), n) != 0)
+      return what + ": a token alone differs from its row among " + std::to_string(T) + " (not batch-invariant)";
+    return "";
+  };
+  std::string mla_why, idx_why;
+  if (ops::mla_tc())
+    mla_why = guarded([&]() -> std::string {
+      const int64_t nh = 16, kvl = 128, rope = 32;
+      const Tensor cache = bf16_cache(kvl + rope), ql = f32({T, nh, kvl}), qp = f32({T, nh, rope});
+      const float scale = 0.125f;
+      const std::string what = "sparse MLA over a BF16 cache (tensor cores)";
+      Tensor want = Tensor::empty(DType::F32, {T, nh, kvl}), got = Tensor::empty(DType::F32, {T, nh, kvl}, dev);
+      ops::mla_attention(ql, qp, cache, tok, Tensor(), Tensor(), scale, want);
+      const Tensor dcache = cache.to(dev);
+      ops::mla_attention(ql.to(dev), qp.to(dev), dcache, dtok, Tensor(), Tensor(), scale, got);
+      std::string why = nmse_vs_cpu(got, want, 1e-9, what);
+      if (!why.empty()) return why;
+      Tensor one = Tensor::empty(DType::F32, {1, nh, kvl}, dev);
+      ops::mla_attention(ql.slice(0, T - 1, T).to(dev), qp.slice(0, T - 1, T).to(dev), dcache, last, Tensor(),
+                         Tensor(), scale, one);
+      return alone(got, one, what);
+    });
+  if (ops::indexer_tc())
+    idx_why = guarded([&]() -> std::string {
+      const int64_t nI = 32, dI = 128, C = 150;
+      const Tensor keys = bf16_cache(dI), q = f32({T, nI, dI}), w = f32({T, nI});
+      const std::string what = "indexer scores over a BF16 cache (tensor cores)";
+      Tensor want = Tensor::zeros(DType::F32, {T, C}), got = Tensor::zeros(DType::F32, {T, C}, dev);
+      ops::indexer_scores(q, w, keys, tok, want);
+      const Tensor dkeys = keys.to(dev);
+      ops::indexer_scores(q.to(dev), w.to(dev), dkeys, dtok, got);
+      std::string why = nmse_vs_cpu(got, want, 1e-9, what);
+      if (!why.empty()) return why;
+      Tensor one = Tensor::zeros(DType::F32, {1, C}, dev);
+      ops::indexer_scores(q.slice(0, T - 1, T).to(dev), w.slice(0, T - 1, T).to(dev), dkeys, last, one);
+      return alone(got, one, what);
+    });
+  return {mla_why, idx_why};
+}
+
 void check_gemm_value(const char* opt, const std::string& v) {
   DFLASH2_CHECK_ARG(v == "auto" || v == "exact" || v == "bf16" || v == "fp8" || v == "nvfp4", "Engine: ", opt,
                     " must be 'auto', 'exact', 'bf16', 'fp8' or 'nvfp4', found '", v, "'");
@@ -664,6 +751,22 @@ Engine::Engine(const EngineConfig& cfg) : impl_(std::make_unique<Impl>()) {
       std::fprintf(stderr, "dflash2: the exact GEMMs on the tensor cores (exact_tc) failed their load-time check on "
                    "%s (%s); the SIMT kernels run instead\n", device.str().c_str(), why.c_str());
       ops::set_exact_tc(false);
+    }
+  }
+  // a BF16 KV cache's attention on the tensor cores (ops::mla_tc / indexer_tc, on by default):
+  // checked here before the target's first forward; a failure turns that switch off in the
+  // process (the SIMT kernel)
+  if (device.is_cuda() && cfg.kv_cache_dtype == "bf16" && (ops::mla_tc() || ops::indexer_tc())) {
+    const auto [mla_why, idx_why] = attention_tc_self_check(device);
+    if (!mla_why.empty()) {
+      std::fprintf(stderr, "dflash2: sparse MLA on the tensor cores (mla_tc) failed its load-time check on %s (%s); "
+                   "the SIMT kernel runs instead\n", device.str().c_str(), mla_why.c_str());
+      ops::set_mla_tc(false);
+    }
+    if (!idx_why.empty()) {
+      std::fprintf(stderr, "dflash2: the indexer's scores on the tensor cores (indexer_tc) failed their load-time "
+                   "check on %s (%s); the SIMT kernel runs instead\n", device.str().c_str(), idx_why.c_str());
+      ops::set_indexer_tc(false);
     }
   }
   // generated tokens' GEMM numerics (decode / verify chunks): the same resolution, the same
