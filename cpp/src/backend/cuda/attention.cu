@@ -246,6 +246,45 @@ inline size_t idx_smem(const IdxShape& s) {
                           size_t(kIdxWarps) * kIdxKW * 32);
 }
 
+// A warp step's kIdxKW key rows (lane k holds key k's slot in my_slot; -1: a zero row) into
+// ks (rows of kstride floats), 16 bytes per load: W = 4 F32 values, or W = 8 BF16 values
+// widened exactly; kIdxGatherILP loads in flight per lane before the first store.
+template <int W, class E>
+__device__ __forceinline__ void idx_stage_rows(const E* __restrict__ src, int64_t stride, int64_t my_slot,
+                                               float* ks, int kstride, int dI, int lane) {
+  using V = std::conditional_t<W == 4, float4, uint4>;
+  const int dv = dI / W;
+  for (int base = 0; base < kIdxKW * dv; base += 32 * kIdxGatherILP) {  // warp-uniform trip count
+    V v[kIdxGatherILP];
+    int at[kIdxGatherILP];
+#pragma unroll
+    for (int u = 0; u < kIdxGatherILP; ++u) {
+      const int idx = base + 32 * u + lane;
+      const int k = idx < kIdxKW * dv ? idx / dv : 0;
+      const int64_t slot = __shfl_sync(0xffffffffu, my_slot, k);  // every lane takes part
+      at[u] = -1;
+      v[u] = V{};
+      if (idx < kIdxKW * dv) {
+        const int e = W * (idx - k * dv);
+        at[u] = k * kstride + e;
+        if (slot >= 0) v[u] = *reinterpret_cast<const V*>(src + slot * stride + e);
+      }
+    }
+#pragma unroll
+    for (int u = 0; u < kIdxGatherILP; ++u) {
+      if (at[u] < 0) continue;
+      if constexpr (W == 4) {
+        *reinterpret_cast<float4*>(ks + at[u]) = v[u];
+      } else {
+        float f[8];
+        detail::widen_bf16x8(v[u], f);
+        *reinterpret_cast<float4*>(ks + at[u]) = make_float4(f[0], f[1], f[2], f[3]);
+        *reinterpret_cast<float4*>(ks + at[u] + 4) = make_float4(f[4], f[5], f[6], f[7]);
+      }
+    }
+  }
+}
+
 __global__ void __launch_bounds__(kIdxThreads)
     indexer_score_kernel(const float* __restrict__ q, int64_t q_s0, int64_t q_s1, const float* __restrict__ w,
                          int64_t w_s0, const float* __restrict__ kc, const __nv_bfloat16* __restrict__ kc16,
@@ -305,56 +344,10 @@ __global__ void __launch_bounds__(kIdxThreads)
     const int64_t my_slot = lane < kIdxKW && j0 + lane < n ? slot_of(tk, row, kc_rows, j0 + lane) : -1;
     // 16-byte rows: 4 F32 or 8 BF16 values per load (a GLM-5.3 step's 8 keys of 128: 8 or 4
     // loads per lane, all in flight); otherwise one value per load. The same values land in ks.
-    if (vec4) {
-      const int dv = dI / 4;
-      for (int base = 0; base < kIdxKW * dv; base += 32 * kIdxGatherILP) {  // warp-uniform trip count
-        float4 v[kIdxGatherILP];
-        int at[kIdxGatherILP];
-#pragma unroll
-        for (int u = 0; u < kIdxGatherILP; ++u) {
-          const int idx = base + 32 * u + lane;
-          const int k = idx < kIdxKW * dv ? idx / dv : 0;
-          const int64_t slot = __shfl_sync(0xffffffffu, my_slot, k);  // every lane takes part
-          at[u] = -1;
-          v[u] = make_float4(0.0f, 0.0f, 0.0f, 0.0f);
-          if (idx < kIdxKW * dv) {
-            const int e = 4 * (idx - k * dv);
-            at[u] = k * sh.kstride + e;
-            if (slot >= 0) v[u] = *reinterpret_cast<const float4*>(kc + slot * kc_stride + e);
-          }
-        }
-#pragma unroll
-        for (int u = 0; u < kIdxGatherILP; ++u)
-          if (at[u] >= 0) *reinterpret_cast<float4*>(ks + at[u]) = v[u];
-      }
-    } else if (vec8) {
-      const int dv = dI / 8;
-      for (int base = 0; base < kIdxKW * dv; base += 32 * kIdxGatherILP) {  // warp-uniform trip count
-        uint4 v[kIdxGatherILP];
-        int at[kIdxGatherILP];
-#pragma unroll
-        for (int u = 0; u < kIdxGatherILP; ++u) {
-          const int idx = base + 32 * u + lane;
-          const int k = idx < kIdxKW * dv ? idx / dv : 0;
-          const int64_t slot = __shfl_sync(0xffffffffu, my_slot, k);  // every lane takes part
-          at[u] = -1;
-          v[u] = make_uint4(0u, 0u, 0u, 0u);
-          if (idx < kIdxKW * dv) {
-            const int e = 8 * (idx - k * dv);
-            at[u] = k * sh.kstride + e;
-            if (slot >= 0) v[u] = *reinterpret_cast<const uint4*>(kc16 + slot * kc_stride + e);
-          }
-        }
-#pragma unroll
-        for (int u = 0; u < kIdxGatherILP; ++u)
-          if (at[u] >= 0) {
-            float f[8];
-            detail::widen_bf16x8(v[u], f);
-            *reinterpret_cast<float4*>(ks + at[u]) = make_float4(f[0], f[1], f[2], f[3]);
-            *reinterpret_cast<float4*>(ks + at[u] + 4) = make_float4(f[4], f[5], f[6], f[7]);
-          }
-      }
-    }
+    if (vec4)
+      idx_stage_rows<4>(kc, kc_stride, my_slot, ks, sh.kstride, dI, lane);
+    else if (vec8)
+      idx_stage_rows<8>(kc16, kc_stride, my_slot, ks, sh.kstride, dI, lane);
     for (int base = 0; !vec4 && !vec8 && base < kIdxKW * dI; base += 32 * kIdxGatherILP) {  // warp-uniform
       float v[kIdxGatherILP];
       int at[kIdxGatherILP];
