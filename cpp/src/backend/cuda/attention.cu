@@ -247,12 +247,13 @@ inline size_t idx_smem(const IdxShape& s) {
 }
 
 // A warp step's kIdxKW key rows (lane k holds key k's slot in my_slot; -1: a zero row) into
-// ks (rows of kstride floats), 16 bytes per load: W = 4 F32 values, or W = 8 BF16 values
-// widened exactly; kIdxGatherILP loads in flight per lane before the first store.
+// ks (rows of kstride floats), W values per load: 16 bytes (W = 4 F32 values, or W = 8 BF16
+// values widened exactly) where the rows are aligned, else one value (W = 1, F32 or BF16);
+// kIdxGatherILP loads in flight per lane before the first store.
 template <int W, class E>
 __device__ __forceinline__ void idx_stage_rows(const E* __restrict__ src, int64_t stride, int64_t my_slot,
                                                float* ks, int kstride, int dI, int lane) {
-  using V = std::conditional_t<W == 4, float4, uint4>;
+  using V = std::conditional_t<W == 1, float, std::conditional_t<W == 4, float4, uint4>>;
   const int dv = dI / W;
   for (int base = 0; base < kIdxKW * dv; base += 32 * kIdxGatherILP) {  // warp-uniform trip count
     V v[kIdxGatherILP];
@@ -267,13 +268,20 @@ __device__ __forceinline__ void idx_stage_rows(const E* __restrict__ src, int64_
       if (idx < kIdxKW * dv) {
         const int e = W * (idx - k * dv);
         at[u] = k * kstride + e;
-        if (slot >= 0) v[u] = *reinterpret_cast<const V*>(src + slot * stride + e);
+        if (slot >= 0) {
+          if constexpr (W == 1)
+            v[u] = detail::to_f32(src[slot * stride + e]);
+          else
+            v[u] = *reinterpret_cast<const V*>(src + slot * stride + e);
+        }
       }
     }
 #pragma unroll
     for (int u = 0; u < kIdxGatherILP; ++u) {
       if (at[u] < 0) continue;
-      if constexpr (W == 4) {
+      if constexpr (W == 1) {
+        ks[at[u]] = v[u];
+      } else if constexpr (W == 4) {
         *reinterpret_cast<float4*>(ks + at[u]) = v[u];
       } else {
         float f[8];
@@ -348,26 +356,10 @@ __global__ void __launch_bounds__(kIdxThreads)
       idx_stage_rows<4>(kc, kc_stride, my_slot, ks, sh.kstride, dI, lane);
     else if (vec8)
       idx_stage_rows<8>(kc16, kc_stride, my_slot, ks, sh.kstride, dI, lane);
-    for (int base = 0; !vec4 && !vec8 && base < kIdxKW * dI; base += 32 * kIdxGatherILP) {  // warp-uniform
-      float v[kIdxGatherILP];
-      int at[kIdxGatherILP];
-#pragma unroll
-      for (int u = 0; u < kIdxGatherILP; ++u) {
-        const int idx = base + 32 * u + lane;
-        const int k = idx < kIdxKW * dI ? idx / dI : 0;
-        const int64_t slot = __shfl_sync(0xffffffffu, my_slot, k);  // every lane takes part
-        at[u] = -1;
-        v[u] = 0.0f;
-        if (idx < kIdxKW * dI) {
-          const int e = idx - k * dI;
-          at[u] = k * sh.kstride + e;
-          if (slot >= 0) v[u] = kc16 ? detail::to_f32(kc16[slot * kc_stride + e]) : kc[slot * kc_stride + e];
-        }
-      }
-#pragma unroll
-      for (int u = 0; u < kIdxGatherILP; ++u)
-        if (at[u] >= 0) ks[at[u]] = v[u];
-    }
+    else if (kc16)
+      idx_stage_rows<1>(kc16, kc_stride, my_slot, ks, sh.kstride, dI, lane);
+    else
+      idx_stage_rows<1>(kc, kc_stride, my_slot, ks, sh.kstride, dI, lane);
     __syncwarp();
     float acc = 0.0f;  // lanes 0..KW-1: key lane's score, summed in head order
     for (int hc = 0; hc < nI; hc += 32) {
