@@ -20,6 +20,7 @@ run stopped by --budget or a timeout keeps what it measured.
     python bench/bench_concurrency.py [--levels 1 4 8 16 32] [--requests 3] [--new 64]
         [--modes ar "dflash2 fixed" "dflash2 adaptive" mtp dflash] [--models pair slice]
         [--device cpu|cuda|cuda:N] [--clients threads|loop] [--budget SECONDS] [--kv-cache-dtype f32|bf16]
+        [--decode-gemm exact|auto|bf16|fp8|nvfp4] [--exact-tc]
 
 --models slice: a two-layer target with GLM-5.3's attention dimensions (tests/glm_fixtures.py
 REAL_DIMS, random weights, with an MTP layer) and a random DFlash 2 drafter with the GLM-5.3
@@ -137,14 +138,24 @@ def main(argv=None):
     ap.add_argument("--kv-cache-dtype", default="f32", choices=["f32", "bf16"],
                     help="every engine's Engine(kv_cache_dtype=...) (bf16 on CUDA: MLA on the tensor cores where "
                          "kv_lora allows, as the slice's 512)")
+    ap.add_argument("--decode-gemm", default="exact", choices=["exact", "auto", "bf16", "fp8", "nvfp4"],
+                    help="every engine's Engine(decode_gemm=...): the numerics of the decode / verify chunks' "
+                         "GEMMs (auto on a GPU: the tensor cores; exact: the fp32 SIMT GEMV, FMA-bound at verify "
+                         "sizes)")
+    ap.add_argument("--exact-tc", action="store_true",
+                    help="ops.set_exact_tc(True) before the engines load: decode_gemm='exact' on the tensor cores")
     ap.add_argument("--out", default=os.path.join(HERE, "results"))
     a = ap.parse_args(argv)
+    exact_tc_was = dflash2_rt.ops.exact_tc()
+    if a.exact_tc:
+        dflash2_rt.ops.set_exact_tc(True)
     modes = ["ar"] + [m for m in a.modes if m != "ar"]  # ar first: the speedups' baseline
     suffix = "" if a.device == "cpu" else "_" + a.device.split(":")[0]
     os.makedirs(a.out, exist_ok=True)
     t_start = time.perf_counter()
     report = {"device": a.device, "clients": a.clients, "levels": a.levels, "requests_per_client": a.requests,
-              "new_tokens": a.new, "kv_cache_dtype": a.kv_cache_dtype,
+              "new_tokens": a.new, "kv_cache_dtype": a.kv_cache_dtype, "decode_gemm": a.decode_gemm,
+              "exact_tc": a.exact_tc,
               "modes": modes, "models": {}, "complete": False}
 
     def save():  # whole or not at all (a run killed by a time limit keeps the previous levels)
@@ -170,7 +181,8 @@ def main(argv=None):
             method, spec = MODES[name]
             # graphs are captured in each level's warm-up round, not at load (quicker to start)
             kw = dict(method=method, device=a.device, max_batch_size=max(a.levels), max_seq_len=512,
-                      speculation=spec, capture_at_load=False, kv_cache_dtype=a.kv_cache_dtype)
+                      speculation=spec, capture_at_load=False, kv_cache_dtype=a.kv_cache_dtype,
+                      decode_gemm=a.decode_gemm)
             if target is not None:
                 kw.update(target=target, draft=draft if method.startswith("dflash") else None)
             engines[name] = dflash2_rt.Engine(**kw)
@@ -209,6 +221,7 @@ def main(argv=None):
             e.close()
         if stopped:
             break
+    dflash2_rt.ops.set_exact_tc(exact_tc_was)
     report["complete"] = not stopped
     report["seconds"] = time.perf_counter() - t_start
     save()

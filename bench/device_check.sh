@@ -37,7 +37,8 @@
 # checks this script, not a GPU; give it a larger DC_DEADLINE and step limits),
 # DC_OPPROF_TIMEOUT (the op profile, bench/op_profile.py: 90), DC_OPPROF_KV (its cache types: "f32 bf16"),
 # DC_CONC_TIMEOUT / DC_CONC_BUDGET (the concurrency sweep: stopped after 75 s, no new level
-# after 45 s or what the deadline leaves), DFLASH2_REQUIRE_GPU=1 (exit 3 when no GPU is
+# after 45 s or what the deadline leaves), DC_CONC_ARGS (more bench_concurrency.py options,
+# e.g. "--decode-gemm auto" or "--exact-tc": the verify GEMMs on the tensor cores), DFLASH2_REQUIRE_GPU=1 (exit 3 when no GPU is
 # usable; default: report and exit 0). bench/device_run.sh wraps this for the device tool.
 #
 # Exit status: 0 all steps passed (without a GPU: the CUDA tests skipped, said in the
@@ -469,7 +470,7 @@ if [ "$GPU_USABLE" = 1 ] && [ "$DC_PYTHON_BINDING" = 1 ]; then
   [ "$EMULATE" = 1 ] && CONC_SIZE=(--levels 1 2 --new 8 --models pair)
   run_step concurrency "$CONC_LIMIT" "$PY" "$ROOT/bench/bench_concurrency.py" --device cuda "${CONC_SIZE[@]}" \
     --requests 2 --repeat 1 --modes ar mtp dflash "dflash2 fixed" --clients "${DC_CONC_CLIENTS:-loop}" \
-    --budget "$CONC_BUDGET" --out "$OUT_DIR" || {
+    --budget "$CONC_BUDGET" --out "$OUT_DIR" ${DC_CONC_ARGS:-} || {
     rc=$?
     if [ "$rc" = 124 ] && [ -f "$OUT_DIR/concurrency_cuda.json" ]; then
       note "the concurrency sweep reached its time limit; the levels it finished are in the report"
