@@ -1876,6 +1876,41 @@ def test_indexer_topk_exact_ties_go_to_the_earlier_key(dev, bs):
 
 
 @pytest.mark.parametrize("dev", DEVICES)
+def test_indexer_topk_contexts_longer_than_a_select_tile(dev):
+    """Contexts of up to 20000 keys (CUDA's select walks them in tiles of 8192 positions, 8 per
+    thread, and stops at the tile where the selection is complete) whose keys repeat 40 distinct
+    rows (scores well apart, so every score is exactly tied with hundreds of others): the
+    selection is the topk best, ties to the earlier key, for boundaries inside a tie group and
+    tokens ending at, before and past a tile boundary."""
+    need_device(dev, "indexer_topk")
+    rng = rng_for("indexer-select-tiles")
+    nI, dI, bs = 2, 8, 16
+    q = np.abs(rng.standard_normal((1, nI, dI))).astype(np.float32) + 0.1
+    w = np.abs(rng.standard_normal((1, nI))).astype(np.float32) + 0.1
+    base = np.abs(rng.standard_normal(dI)).astype(np.float32) + 0.1
+    pool = (base[None, :] * rng.permutation(0.5 + 0.04 * np.arange(40))[:, None]).astype(np.float32)
+    pscore, _ = refs.indexer_scores(q[0], w[0], pool)
+    assert np.diff(np.sort(pscore)).min() > 1e-4 * np.abs(pscore).max(), "the distinct scores must be well apart"
+    lengths = [20000, 9000]
+    key_cache, bt = make_pages(rng, lengths, bs, dI)
+    which = [rng.integers(0, len(pool), L) for L in lengths]
+    for s_, L in enumerate(lengths):
+        for p in range(L):
+            key_cache[refs.paged_slot(bt, s_, p, bs)] = pool[which[s_][p]]
+    cases = [(0, 19999, 700), (0, 8191, 300), (0, 8192, 4096), (0, 16500, 9000), (1, 8999, 50), (1, 8193, 8100)]
+    seq = i32([c[0] for c in cases])
+    pos = i32([c[1] for c in cases])
+    for t, (s_, p, topk) in enumerate(cases):
+        score = pscore[which[s_][:p + 1]]
+        ranked = sorted(range(p + 1), key=lambda j: (-score[j], j))
+        want = np.sort(np.array(ranked[:topk], np.int32))
+        sel, sel_len = ops.indexer_topk(*[to_dev(x, dev) for x in (q, w, key_cache, seq[t:t + 1], pos[t:t + 1], bt)],
+                                        bs, topk)
+        assert to_np(sel_len)[0] == topk
+        np.testing.assert_array_equal(to_np(sel)[0], want, err_msg=f"token at {p} of sequence {s_}, topk {topk}")
+
+
+@pytest.mark.parametrize("dev", DEVICES)
 def test_indexer_topk_glm_sized(dev):
     """GLM-5's indexer shape (32 heads of 128, topk 2048, pages of 64) around the topk."""
     need_device(dev, "indexer_topk")

@@ -25,8 +25,9 @@
 //           equal).
 //   select  one 1024-thread block per token: the radix select of attention_index.h over
 //           the token's p + 1 scores (up to four 256-bin histogram passes in shared memory,
-//           integer atomics, so the counts and the threshold are deterministic), then one
-//           pass over the positions in tiles of 1024 with a block-wide exclusive scan of
+//           integer atomics, so the counts and the threshold are deterministic; 8 scores in
+//           flight per thread), then one pass over the positions in tiles of 8192 (8
+//           consecutive per thread) with a block-wide exclusive scan of the threads' summed
 //           (above-threshold, threshold-class) flags that writes every selected position
 //           to its slot in ascending order: keys above the threshold and the earliest keys
 //           equal to it (ties to the earlier key). Tokens with p + 1 <= topk get
@@ -228,6 +229,8 @@ inline int idx_groups(int64_t cap, int64_t nt) {
 // index keys per layer and sequence: more than L2 holds, so read again by each of the block's
 // 8 tokens). A key's score does not depend on its block, so neither do the results.
 constexpr int kSelThreads = 1024;
+constexpr int kSelILP = 8;  // scores per thread in flight (histogram passes) and per tile (emit)
+static_assert(kSelILP * kSelThreads < 65536, "the emit scan packs a tile's counts in 16 bits");
 constexpr size_t kIdxScratchCap = size_t(512) << 20;
 
 struct IdxShape {
@@ -596,9 +599,21 @@ __global__ void __launch_bounds__(kSelThreads)
     for (int pass = 0; pass < attn::kRadixPasses; ++pass) {
       for (int i = threadIdx.x; i < attn::kRadixBins; i += blockDim.x) hist[i] = 0u;
       __syncthreads();
-      for (int64_t j = threadIdx.x; j < n; j += blockDim.x) {
-        const uint32_t key = attn::order_key(sc[j]);
-        if (attn::radix_in_class(st, key)) atomicAdd(&hist[attn::radix_digit(key, pass)], 1u);
+      // kSelILP scores in flight per thread before the first is counted (one at a time, a
+      // pass over a long context was a chain of dependent loads per thread: 128 at 128K keys)
+      for (int64_t base = 0; base < n; base += int64_t(kSelILP) * blockDim.x) {
+        float v[kSelILP];
+#pragma unroll
+        for (int u = 0; u < kSelILP; ++u) {
+          const int64_t j = base + int64_t(u) * blockDim.x + threadIdx.x;
+          v[u] = j < n ? sc[j] : 0.0f;
+        }
+#pragma unroll
+        for (int u = 0; u < kSelILP; ++u) {
+          const uint32_t key = attn::order_key(v[u]);
+          if (base + int64_t(u) * blockDim.x + threadIdx.x < n && attn::radix_in_class(st, key))
+            atomicAdd(&hist[attn::radix_digit(key, pass)], 1u);
+        }
       }
       __syncthreads();
       if (threadIdx.x == 0) {
@@ -611,15 +626,30 @@ __global__ void __launch_bounds__(kSelThreads)
     }
     int32_t* out = sel + t * sel_stride;
     uint32_t above_tot = 0, class_tot = 0;
-    for (int64_t base = 0; base < n; base += blockDim.x) {
-      const int64_t j = base + threadIdx.x;
-      const uint32_t key = j < n ? attn::order_key(sc[j]) : 0u;
-      const uint32_t f = j < n ? attn::emit_flags(st, key) : 0u;
+    // tiles of kSelILP positions per thread (thread i: the tile's positions kSelILP i .. + kSelILP
+    // - 1, so the threads' runs are in position order): each thread's packed flag sum, one
+    // block scan, then its positions in order; the counts before each position, so the slots,
+    // are those of a scan over single positions (a tile's totals stay below 65536)
+    const int64_t tile = int64_t(kSelILP) * blockDim.x;
+    for (int64_t base = 0; base < n; base += tile) {
+      const int64_t j0 = base + int64_t(kSelILP) * threadIdx.x;
+      uint32_t keys[kSelILP], fsum = 0;
+#pragma unroll
+      for (int u = 0; u < kSelILP; ++u) keys[u] = j0 + u < n ? attn::order_key(sc[j0 + u]) : 0u;
+#pragma unroll
+      for (int u = 0; u < kSelILP; ++u) fsum += j0 + u < n ? attn::emit_flags(st, keys[u]) : 0u;
       uint32_t tile_total;
-      const uint32_t ex = block_exclusive_scan(f, wsum, &tile_total);
-      const uint32_t above_before = above_tot + (ex & 0xffffu), class_before = class_tot + (ex >> 16);
-      if (j < n && attn::radix_selected(st, key, class_before))
-        out[attn::emit_slot(st, above_before, class_before)] = int32_t(j);
+      const uint32_t ex = block_exclusive_scan(fsum, wsum, &tile_total);
+      uint32_t above_before = above_tot + (ex & 0xffffu), class_before = class_tot + (ex >> 16);
+#pragma unroll
+      for (int u = 0; u < kSelILP; ++u) {
+        if (j0 + u >= n) break;
+        if (attn::radix_selected(st, keys[u], class_before))
+          out[attn::emit_slot(st, above_before, class_before)] = int32_t(j0 + u);
+        const uint32_t f = attn::emit_flags(st, keys[u]);
+        above_before += f & 0xffffu;
+        class_before += f >> 16;
+      }
       above_tot += tile_total & 0xffffu;
       class_tot += tile_total >> 16;
       __syncthreads();  // wsum is reused by the next tile's scan
