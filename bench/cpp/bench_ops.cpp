@@ -1243,13 +1243,18 @@ void bench_block_attention(Bench& b) {
 
 // The DSA indexer over F32 index keys (the default) and BF16 ones (kv_cache_dtype="bf16"): on
 // the SIMT kernel against the F32 keys, and on the tensor cores (ops::indexer_tc()) against
-// the SIMT kernel over the same BF16 keys, each baseline in the same run.
+// the SIMT kernel over the same BF16 keys, each baseline in the same run; contexts of 4096 and
+// 32768 keys (--quick: the BF16 rows at 4096 only), and 131072 for one sequence on the tensor
+// cores.
 void bench_indexer(Bench& b) {
   enum Mode { kF32, kBf16Simt, kBf16Tc };
   for (const Mode mode : {kF32, kBf16Simt, kBf16Tc})
-  for (const Step& s : steps_for(b, {4096, 32768})) {
+  for (const Step& s : steps_for(b, {4096, 32768, 131072})) {
     const bool bf = mode != kF32, tc = mode == kBf16Tc;
-    if (bf && b.opt.quick && s.ctx != 4096) continue;
+    // 128K keys (GLM-5.3's long contexts: the select's passes, the key tiles' L2 reuse): one
+    // sequence, on the tensor cores against the SIMT kernel
+    if (s.ctx == 131072 && (!tc || s.batch != 1)) continue;
+    if (bf && b.opt.quick && s.ctx == 32768) continue;
     const DType cdt = bf ? DType::BF16 : DType::F32;
     const int64_t T = s.T();
     PagedHost ph = make_paged(s, 8);
