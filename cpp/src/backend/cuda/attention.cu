@@ -35,7 +35,7 @@
 //   The scratch holds (tokens of the chunk) x (block-table width * block size) floats; the
 //   tokens are taken in chunks so that it stays under 512 MiB (1024 tokens at 128K). A
 //   token's computation does not depend on the others (decode == verify).
-//   Blocks take 256 keys (8 steps of 4 warps x 8 keys), fewer (idx_groups) where the grid would
+//   Blocks take 256 keys (8 steps of 4 warps x 8 keys), fewer (idx_units_per_block) where the grid would
 //   leave SMs idle: a decode token over 4096 keys runs 128 blocks of 32 keys, not 16 of 256.
 //   Performance notes: the score kernel is fp32 SIMT, bound by shared-memory bandwidth and
 //   the unfused multiply-adds kept for bitwise CPU parity (~2x an FMA version). A BF16 key
@@ -212,13 +212,13 @@ constexpr int kIdxKW = 8;  // keys per warp step
 constexpr int kIdxGroups = 8;  // warp steps per block, at most (fewer where the grid would leave SMs idle)
 constexpr int kIdxGatherILP = 8;  // loads in flight per lane while a step's keys are staged
 constexpr int64_t kIdxFillBlocks = 2 * 132;  // the blocks that keep an H100 / H200 busy twice over
-// Warp steps per block for nt tokens over `cap` keys: kIdxGroups, halved while the grid has
-// fewer than kIdxFillBlocks blocks (a decode token over 4096 keys: 128 blocks of 32 keys
-// instead of 16 of 256). A key's score does not depend on its block, so neither do the results.
-inline int idx_groups(int64_t cap, int64_t nt) {
-  int g = kIdxGroups;
-  while (g > 1 && (cap + int64_t(kIdxWarps) * kIdxKW * g - 1) / (int64_t(kIdxWarps) * kIdxKW * g) * nt < kIdxFillBlocks)
-    g /= 2;
+// Units of `unit` keys per block (both score kernels) for nt tokens over `cap` keys: max_units,
+// halved while the grid has fewer than kIdxFillBlocks blocks (a decode token over 4096 keys on
+// the SIMT kernel: 128 blocks of 32 keys instead of 16 of 256). A key's score does not depend
+// on its block, so neither do the results.
+inline int idx_units_per_block(int64_t cap, int64_t nt, int64_t unit, int max_units) {
+  int g = max_units;
+  while (g > 1 && (cap + unit * g - 1) / (unit * g) * nt < kIdxFillBlocks) g /= 2;
   return g;
 }
 // idx_block_order: both score kernels run a 1-D grid of (key tile, token) blocks with the token
@@ -414,6 +414,36 @@ __device__ __forceinline__ void bf16_planes(float x, __nv_bfloat16& hi, __nv_bfl
   mid = __float2bfloat16_rn(r);
   lo = __float2bfloat16_rn(__fsub_rn(r, __bfloat162float(mid)));
 }
+// x's three planes at row h, column e of planes of R rows each (plane p's row h at (p R + h) LD):
+// the query planes of both tensor-core kernels (mla_tc_kernel, indexer_tc_kernel) and MLA's
+// softmax weights.
+__device__ __forceinline__ void store_bf16_planes(__nv_bfloat16* qp, int R, int LD, int h, int e, float x) {
+  __nv_bfloat16 hi, mid, lo;
+  bf16_planes(x, hi, mid, lo);
+  qp[h * LD + e] = hi;
+  qp[(R + h) * LD + e] = mid;
+  qp[(2 * R + h) * LD + e] = lo;
+}
+// The B fragments of the warp's 8 key rows (ks rows 8 warp .. + 7, LD bf16 each) for k-steps kk
+// (bk[0], bk[1]) and kk + 1 (bk[2], bk[3]).
+__device__ __forceinline__ void key_frags(const __nv_bfloat16* ks, int LD, int warp, int lane, int kk,
+                                          uint32_t (&bk)[4]) {
+  mma::ldmatrix_x4(mma::smem_u32(ks + (warp * 8 + (lane & 7)) * LD + kk * 16 + (lane >> 3) * 8), bk);
+}
+// acc += Q K^T over k-steps kk and kk + 1 for query rows r0 .. r0 + 15 of the three planes (R rows
+// each), plane by plane: the same MMAs in the same order in both tensor-core kernels.
+__device__ __forceinline__ void mma_planes(const __nv_bfloat16* qp, int R, int r0, int LD, int lane, int kk,
+                                           const uint32_t (&bk)[4], float (&acc)[4]) {
+#pragma unroll
+  for (int pl = 0; pl < 3; ++pl) {
+    const __nv_bfloat16* qb = qp + (pl * R + r0 + (lane & 15)) * LD + (lane >> 4) * 8 + kk * 16;
+    uint32_t a0[4], a1[4];
+    mma::ldmatrix_x4(mma::smem_u32(qb), a0);
+    mma::ldmatrix_x4(mma::smem_u32(qb + 16), a1);
+    mma::mma_bf16(acc, a0, bk[0], bk[1]);
+    mma::mma_bf16(acc, a1, bk[2], bk[3]);
+  }
+}
 
 // ------------------------------------------------------------------ indexer scores, tensor cores
 // indexer_tc_kernel: the scores of a BF16 index-key cache (ops::indexer_tc()) with mma.sync
@@ -448,13 +478,6 @@ inline size_t it_smem(const ItShape& s) {
   return sizeof(float) * (size_t(16) * kItMaxMT + size_t(kItKeys) * s.CLD) +
          sizeof(__nv_bfloat16) * (size_t(kItKeys) * s.LD + 3 * size_t(16) * s.MT * s.LD);
 }
-// Tiles per block for nt tokens over `cap` keys: kItMaxTiles, halved while the grid has fewer
-// than kIdxFillBlocks blocks.
-inline int it_tiles(int64_t cap, int64_t nt) {
-  int g = kItMaxTiles;
-  while (g > 1 && (cap + int64_t(kItKeys) * g - 1) / (int64_t(kItKeys) * g) * nt < kIdxFillBlocks) g /= 2;
-  return g;
-}
 
 __global__ void __launch_bounds__(kItThreads)
     indexer_tc_kernel(const float* __restrict__ q, int64_t q_s0, int64_t q_s1, const float* __restrict__ w,
@@ -480,12 +503,7 @@ __global__ void __launch_bounds__(kItThreads)
   // columns [dI, DP) zero once (cp.async writes [0, dI) only)
   for (int i = tid; i < R * DP; i += kItThreads) {
     const int h = i / DP, e = i - h * DP;
-    const float x = h < nI && e < dI ? q[t * q_s0 + h * q_s1 + e] : 0.0f;
-    __nv_bfloat16 hi, mid, lo;
-    bf16_planes(x, hi, mid, lo);
-    qp[h * LD + e] = hi;
-    qp[(R + h) * LD + e] = mid;
-    qp[(2 * R + h) * LD + e] = lo;
+    store_bf16_planes(qp, R, LD, h, e, h < nI && e < dI ? q[t * q_s0 + h * q_s1 + e] : 0.0f);
   }
   for (int i = tid; i < kItKeys * (DP - dI); i += kItThreads) {
     const int j = i / (DP - dI);
@@ -513,20 +531,12 @@ __global__ void __launch_bounds__(kItThreads)
 #pragma unroll
     for (int m = 0; m < kItMaxMT; ++m) acc[m][0] = acc[m][1] = acc[m][2] = acc[m][3] = 0.0f;
     for (int kk = 0; kk < DP / 16; kk += 2) {
-      uint32_t bk[4];  // k-steps kk (bk[0], bk[1]) and kk + 1 (bk[2], bk[3]) of the warp's 8 keys
-      mma::ldmatrix_x4(mma::smem_u32(ks + (warp * 8 + (lane & 7)) * LD + kk * 16 + (lane >> 3) * 8), bk);
+      uint32_t bk[4];
+      key_frags(ks, LD, warp, lane, kk, bk);
 #pragma unroll
       for (int m = 0; m < kItMaxMT; ++m) {
         if (m >= MT) break;
-#pragma unroll
-        for (int pl = 0; pl < 3; ++pl) {
-          const __nv_bfloat16* qb = qp + (pl * R + m * 16 + (lane & 15)) * LD + (lane >> 4) * 8 + kk * 16;
-          uint32_t a0[4], a1[4];
-          mma::ldmatrix_x4(mma::smem_u32(qb), a0);
-          mma::ldmatrix_x4(mma::smem_u32(qb + 16), a1);
-          mma::mma_bf16(acc[m], a0, bk[0], bk[1]);
-          mma::mma_bf16(acc[m], a1, bk[2], bk[3]);
-        }
+        mma_planes(qp, R, m * 16, LD, lane, kk, bk, acc[m]);
       }
     }
     // the SIMT kernel's head terms: wh * relu(dot * sscale)
@@ -1128,11 +1138,7 @@ __global__ void __launch_bounds__(kMtThreads, 1)
       const int hl = i / D, e = i - hl * D, h = h0 + hl;
       float x = 0.0f;
       if (h < nh) x = e < kvl ? q_lat[t * ql_s0 + h * ql_s1 + e] : q_pe[t * qp_s0 + h * qp_s1 + (e - kvl)];
-      __nv_bfloat16 hi, mid, lo;
-      bf16_planes(x, hi, mid, lo);
-      qp[hl * LD + e] = hi;
-      qp[(kMtHeads + hl) * LD + e] = mid;
-      qp[(2 * kMtHeads + hl) * LD + e] = lo;
+      store_bf16_planes(qp, kMtHeads, LD, hl, e, x);
     }
     if (tid < kMtHeads) {
       mt[tid] = -INFINITY;
@@ -1179,17 +1185,9 @@ __global__ void __launch_bounds__(kMtThreads, 1)
         // S = Q K^T: rows g, g + 8 (heads) x keys 8 warp + 2 t4 + {0, 1}
         float sc[4] = {0.0f, 0.0f, 0.0f, 0.0f};
         for (int kk = 0; kk < D / 16; kk += 2) {
-          uint32_t bk[4];  // k-steps kk (bk[0], bk[1]) and kk + 1 (bk[2], bk[3]) of the warp's 8 keys
-          mma::ldmatrix_x4(mma::smem_u32(ks + (warp * 8 + (lane & 7)) * LD + kk * 16 + (lane >> 3) * 8), bk);
-#pragma unroll
-          for (int pl = 0; pl < 3; ++pl) {
-            const __nv_bfloat16* qb = qp + (pl * kMtHeads + (lane & 15)) * LD + (lane >> 4) * 8;
-            uint32_t a0[4], a1[4];
-            mma::ldmatrix_x4(mma::smem_u32(qb + kk * 16), a0);
-            mma::ldmatrix_x4(mma::smem_u32(qb + (kk + 1) * 16), a1);
-            mma::mma_bf16(sc, a0, bk[0], bk[1]);
-            mma::mma_bf16(sc, a1, bk[2], bk[3]);
-          }
+          uint32_t bk[4];
+          key_frags(ks, LD, warp, lane, kk, bk);
+          mma_planes(qp, kMtHeads, 0, LD, lane, kk, bk, sc);
         }
 #pragma unroll
         for (int c = 0; c < 4; ++c) {
@@ -1208,15 +1206,8 @@ __global__ void __launch_bounds__(kMtThreads, 1)
           const float p0 = s0 == -INFINITY ? 0.0f : expf(__fsub_rn(s0, mn));
           const float p1 = s1 == -INFINITY ? 0.0f : expf(__fsub_rn(s1, mn));
           const double l = __dadd_rn(__dmul_rn(ls[r], double(alpha)), warp_sum(__dadd_rn(double(p0), double(p1))));
-          __nv_bfloat16 h, md, lo;
-          bf16_planes(p0, h, md, lo);
-          pp[r * kMtPLD + lane] = h;
-          pp[(kMtHeads + r) * kMtPLD + lane] = md;
-          pp[(2 * kMtHeads + r) * kMtPLD + lane] = lo;
-          bf16_planes(p1, h, md, lo);
-          pp[r * kMtPLD + 32 + lane] = h;
-          pp[(kMtHeads + r) * kMtPLD + 32 + lane] = md;
-          pp[(2 * kMtHeads + r) * kMtPLD + 32 + lane] = lo;
+          store_bf16_planes(pp, kMtHeads, kMtPLD, r, lane, p0);
+          store_bf16_planes(pp, kMtHeads, kMtPLD, r, 32 + lane, p1);
           __syncwarp();  // every lane has read ms[r] / ls[r]
           if (lane == 0) {
             ms[r] = mn;
@@ -1805,7 +1796,7 @@ void launch_indexer_scores(const Tensor& q, const Tensor& w, const Tensor& key_c
     const ItShape sh = it_shape(nI, dI);
     const size_t smem = it_smem(sh);
     allow_smem(indexer_tc_kernel, smem, device, op);
-    const int tiles = it_tiles(cap, nt);
+    const int tiles = idx_units_per_block(cap, nt, kItKeys, kItMaxTiles);
     const int64_t key_tiles = (cap + int64_t(kItKeys) * tiles - 1) / (int64_t(kItKeys) * tiles);
     DFLASH2_CHECK_ARG(key_tiles * nt <= INT32_MAX, "cuda::", op, ": ", nt, " tokens over ", cap,
                       " keys are too many for one launch");
@@ -1818,7 +1809,7 @@ void launch_indexer_scores(const Tensor& q, const Tensor& w, const Tensor& key_c
   const IdxShape sh = idx_shape(nI, dI);
   const size_t smem = idx_smem(sh);
   allow_smem(indexer_score_kernel, smem, device, op);
-  const int groups = idx_groups(cap, nt);
+  const int groups = idx_units_per_block(cap, nt, int64_t(kIdxWarps) * kIdxKW, kIdxGroups);
   const int64_t key_tiles = (cap + int64_t(kIdxWarps) * kIdxKW * groups - 1) / (int64_t(kIdxWarps) * kIdxKW * groups);
   DFLASH2_CHECK_ARG(key_tiles * nt <= INT32_MAX, "cuda::", op, ": ", nt, " tokens over ", cap,
                     " keys are too many for one launch");
@@ -1849,7 +1840,8 @@ void indexer_topk(const Tensor& q, const Tensor& w, const Tensor& key_cache, con
   const int device = q.device().index;
   detail::DeviceGuard guard(device);
   const Tokens tk = tokens_of(tok);
-  // tokens per chunk: the scores of a chunk stay under the scratch cap (and grid y)
+  // tokens per chunk: the scores of a chunk stay under the scratch cap (and its launch under
+  // 65535 tokens)
   const int64_t row_bytes = (cap > 0 ? cap : 1) * int64_t(sizeof(float));
   int64_t chunk = int64_t(kIdxScratchCap) / row_bytes;
   chunk = chunk < 1 ? 1 : chunk;
