@@ -58,7 +58,7 @@ if [ "$emulate" = ON ]; then
   # minutes each in the emulator).
   op_cases="cuda"
   DFLASH2_RT_CORE_DIR="$PWD/$tree" python -m pytest -q -ra -p no:cacheprovider \
-    tests/test_ops.py tests/test_sampling.py tests/test_quantize.py tests/test_tensor.py \
+    tests/test_ops.py tests/test_sampling.py tests/test_quantize.py tests/test_tensor.py tests/test_kv_fp8.py \
     -k "${DFLASH2_EMU_OP_TESTS:-$op_cases}"
   # The tensor-core GEMMs again as Blackwell (EMU_SM=100): the NVFP4 W4A4 paths and the FP8
   # kernels' other scale layout (CUTLASS's kernels are host references in the emulator,
@@ -70,7 +70,7 @@ if [ "$emulate" = ON ]; then
   engine_cases="$engine_cases or bad_devices or decode_gemm_on_cuda or tensor_parallel or cuda_graphs_equal_eager"
   engine_cases="$engine_cases or dflash_paths or stop_tokens or failed_captures or decode_gemm_expert_parallel"
   engine_cases="$engine_cases or one_shot_all_reduce or pdl_graphs or dq_wgmma_fault or exact_tc_on_cuda"
-  engine_cases="$engine_cases or op_timing_on_cuda or wide_vocab_sampling or (kv_cache_bf16_on_cuda and lora128)"
+  engine_cases="$engine_cases or op_timing_on_cuda or wide_vocab_sampling or (kv_cache_bf16_on_cuda and lora128) or (kv_cache_fp8_on_cuda and lora128)"
   engine_cases="$engine_cases or attention_tc_fault"
   EMU_DEVICES=4 DFLASH2_RT_CORE_DIR="$PWD/$tree" python -m pytest -q -ra -p no:cacheprovider \
     tests/test_cuda_engine.py -k "${DFLASH2_EMU_ENGINE_TESTS:-$engine_cases}"

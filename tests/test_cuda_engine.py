@@ -510,28 +510,42 @@ def test_kv_cache_bf16_on_cuda(zoo, model):
     (dense and sparse attention), greedy tokens equal the CPU's where the margin exceeds the
     tolerance, MTP speculation == AR on the GPU exactly (decode and verify rows alike), and
     the step graphs capture those kernels (none failed)."""
+    _kv_cache_on_cuda(zoo, model, "bf16")
+
+
+@pytest.mark.parametrize("model", ["tiny", "lora128"])
+def test_kv_cache_fp8_on_cuda(zoo, model):
+    """kv_cache_dtype="fp8" on the GPU (cpp/src/ops/kv_fp8.h rows: E4M3 codes with power-of-two
+    group scales, the latent's rope in BF16; written by the warp kernel of cache_write_many,
+    dequantized exactly as the SIMT or tensor-core kernels stage them): the same checks as
+    test_kv_cache_bf16_on_cuda against the CPU engine under "fp8", and the load-time check of the
+    tensor-core attention over FP8 rows passed."""
+    _kv_cache_on_cuda(zoo, model, "fp8")
+
+
+def _kv_cache_on_cuda(zoo, model, dtype):
     lengths, new = (3, 11, 40), 12
     if model == "lora128":  # two head tiles of 16, the second mostly padding; fewer steps (emulated MMAs are slow)
         zoo.path(model, "tiny", config=dict(kv_lora_rank=128, qk_rope_head_dim=32, index_head_dim=32,
                                             num_attention_heads=18, num_key_value_heads=18, num_hidden_layers=2))
         lengths, new = (11, 40), 8
-    cpu = zoo.engine(model, "cpu", kv_cache_dtype="bf16")
-    gpu = zoo.engine(model, "cuda", kv_cache_dtype="bf16")
-    mtp = zoo.engine(model, "cuda", method="mtp", kv_cache_dtype="bf16")
-    assert gpu.kv_cache_dtype == mtp.kv_cache_dtype == "bf16"
+    cpu = zoo.engine(model, "cpu", kv_cache_dtype=dtype)
+    gpu = zoo.engine(model, "cuda", kv_cache_dtype=dtype)
+    mtp = zoo.engine(model, "cuda", method="mtp", kv_cache_dtype=dtype)
+    assert gpu.kv_cache_dtype == mtp.kv_cache_dtype == dtype
     # the load-time check of the tensor-core attention passed (a failure turns a switch off)
     assert dflash2_rt.ops.mla_tc() and dflash2_rt.ops.indexer_tc()
     for n in (1, 9, 40):  # below and above index_topk = 8: dense, then sparse attention
         ids = gf.prompt(860 + n, n)
-        close(gpu.logits(ids), cpu.logits(ids), f"bf16 cache n={n}", rel=REL_BF16)
+        close(gpu.logits(ids), cpu.logits(ids), f"{dtype} cache n={n}", rel=REL_BF16)
     prompts = [gf.prompt(865 + i, n) for i, n in enumerate(lengths)]
     want = cpu.generate(prompts, max_new_tokens=new, stop_token_ids=NO_STOP)
     got = gpu.generate(prompts, max_new_tokens=new, stop_token_ids=NO_STOP)
     for i, (g, w) in enumerate(zip(got, want)):
-        same_tokens(cpu, prompts[i], g.token_ids, w.token_ids, f"bf16 cache prompt {i}", rel=REL_BF16)
+        same_tokens(cpu, prompts[i], g.token_ids, w.token_ids, f"{dtype} cache prompt {i}", rel=REL_BF16)
     spec = mtp.generate(prompts, max_new_tokens=new, stop_token_ids=NO_STOP)
     for i, (s_, g) in enumerate(zip(spec, got)):
-        assert list(s_.token_ids) == list(g.token_ids), f"mtp != ar on the GPU with a BF16 cache, prompt {i}"
+        assert list(s_.token_ids) == list(g.token_ids), f"mtp != ar on the GPU with a {dtype} cache, prompt {i}"
     for e in (gpu, mtp):
         m = e.metrics()
         assert m["cuda_graphs_failed"] == 0, m["cuda_graphs_last_failure"]

@@ -393,6 +393,42 @@ def test_kv_cache_bf16_is_lossless(world):
     _speculative_equals_ar(world, ar, 5, "kv_cache_dtype=bf16", kv_cache_dtype="bf16")
 
 
+def test_kv_cache_fp8_is_lossless(world):
+    """kv_cache_dtype="fp8" (cpp/src/ops/kv_fp8.h): the latent's kv_lora values and the index
+    keys as E4M3 codes with a power-of-two scale per group, the latent's rope in BF16. Every
+    method reads the same cache, so speculative (dflash2, MTP) == AR token for token at batch
+    sizes 1 and 3; the cache takes the bytes its layout says (metrics()["kv_cache_bytes"]), the
+    logits move by about E4M3's rounding of the latent (more than BF16's), and a model whose
+    kv_lora_rank cannot be grouped is refused before anything is allocated."""
+    cfg = json.load(open(os.path.join(world.target, "config.json")))
+    kvl, rope, dI = cfg["kv_lora_rank"], cfg["qk_rope_head_dim"], cfg["index_head_dim"]
+    fp8 = _engine(world.target, kv_cache_dtype="fp8")
+    assert fp8.kv_cache_dtype == "fp8"
+    b32 = _engine(world.target).metrics()["kv_cache_bytes"]
+    b16 = _engine(world.target, kv_cache_dtype="bf16").metrics()["kv_cache_bytes"]
+    b8 = fp8.metrics()["kv_cache_bytes"]
+    # rows of kvl + rope (latent) and dI (keys) values: F32 4 bytes each; FP8 the codes, the
+    # group scales padded to 16 bytes, the rope in BF16, padded to 16 bytes
+    g = lambda d: d + -(-4 * (d // min(d, 128)) // 16) * 16  # noqa: E731
+    lat8, key8 = -(-(g(kvl) + 2 * rope) // 16) * 16, g(dI)
+    # b = rows * (n_lat * lat_w + n_key * key_w): solve n_lat, n_key from F32 and FP8, both integers
+    rows_lat_f32, key_f32 = 4 * (kvl + rope), 4 * dI
+    found = [(a, k) for a in range(1, 64) for k in range(0, 64)
+             if b32 * (a * lat8 + k * key8) == b8 * (a * rows_lat_f32 + k * key_f32)]
+    assert found, f"{b8} bytes is not an FP8 layout of the F32 cache's {b32}"
+    assert b16 * 2 == b32 and 0 < b8 < b16
+    ids = GREEDY_PROMPTS[3]
+    lg8, lg16, lg32 = fp8.logits(ids), _engine(world.target, kv_cache_dtype="bf16").logits(ids), \
+        _engine(world.target).logits(ids)
+    n8 = ((lg8 - lg32) ** 2).sum(1) / (lg32 ** 2).sum(1)
+    n16 = ((lg16 - lg32) ** 2).sum(1) / (lg32 ** 2).sum(1)
+    assert np.median(n8) > np.median(n16), "kv_cache_dtype='fp8' moved the logits less than bf16: is it FP8?"
+    # (this random-weight fixture amplifies E4M3's ~2^-5 relative rounding to a median NMSE
+    # of ~0.02; the bundled trained pair's logits move by ~1e-6)
+    assert np.median(n8) <= 0.1, n8
+    _speculative_equals_ar(world, fp8, 7, "kv_cache_dtype=fp8", kv_cache_dtype="fp8")
+
+
 def test_fp8_prefill_is_lossless(world, tmp_path):
     """prefill_gemm="fp8" on an FP8 block-128 checkpoint: the prompt tokens' FP8 projections
     and routed experts run W8A8 (activations quantized per 128 inputs: CUTLASS on sm_90a,

@@ -149,9 +149,10 @@ def _add_gemm_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--decode-gemm", choices=("auto", "exact", "bf16", "fp8", "nvfp4"), default="exact",
                    help="generated tokens' GEMM numerics (decode and verify chunks), as --prefill-gemm; exact (the "
                         "default) = fp32 as on the CPU; any mode keeps speculative == AR")
-    p.add_argument("--kv-cache-dtype", choices=("f32", "bf16"), default="f32",
-                   help="the target's MLA latent and indexer-key caches: f32 (default) or bf16 (half the memory; "
-                        "speculative == AR either way)")
+    p.add_argument("--kv-cache-dtype", choices=("f32", "bf16", "fp8"), default="f32",
+                   help="the target's MLA latent and indexer-key caches: f32 (default), bf16 (half the memory) or "
+                        "fp8 (E4M3 with power-of-two scales per 128 values, the latent's rope in BF16: 0.57x BF16's "
+                        "bytes for GLM-5.3); speculative == AR in every form")
 
 
 def _generate_args(p: argparse.ArgumentParser) -> None:

@@ -270,7 +270,12 @@ class Engine:
         bytes the attention reads per key; values are rounded to nearest even as they are
         written and widened exactly as they are read). Every method reads the same cache, so
         speculative == AR holds; against an "f32" cache the logits move by the latent's BF16
-        rounding. `engine.kv_cache_dtype` says what is in effect.
+        rounding. "fp8": the latent's kv_lora values and the index keys as E4M3 codes with a
+        power-of-two scale per group of up to 128 values, the latent's rope in BF16 (GLM-5.3:
+        656 + 144 bytes a token and layer against 1152 + 256 in BF16; kv_lora_rank and
+        index_head_dim must be multiples of 16, at most 128 or multiples of 128). The stored
+        values are exact in BF16, so the attention kernels read them as they read a BF16
+        cache. `engine.kv_cache_dtype` says what is in effect.
 
         All generation runs on the engine's own scheduler thread: generate / stream / submit
         from any number of threads join one running batch (continuous batching). Close the
@@ -306,8 +311,9 @@ class Engine:
             if v not in ("auto", "exact", "bf16", "fp8", "nvfp4"):
                 raise _core.InvalidArgumentError(
                     f"Engine: {name} must be 'auto', 'exact', 'bf16', 'fp8' or 'nvfp4', found {v!r}")
-        if kv_cache_dtype not in ("f32", "bf16"):
-            raise _core.InvalidArgumentError(f"Engine: kv_cache_dtype must be 'f32' or 'bf16', found {kv_cache_dtype!r}")
+        if kv_cache_dtype not in ("f32", "bf16", "fp8"):
+            raise _core.InvalidArgumentError(
+                f"Engine: kv_cache_dtype must be 'f32', 'bf16' or 'fp8', found {kv_cache_dtype!r}")
         if speculation not in ("fixed", "adaptive"):
             raise _core.InvalidArgumentError(f"Engine: speculation must be 'fixed' or 'adaptive', found {speculation!r}")
         self._e = _core.Engine(os.fspath(target), None if draft is None else os.fspath(draft), method or "", device,

@@ -25,9 +25,12 @@ struct EngineConfig {
   int64_t max_step_tokens = 256;  // tokens per forward chunk (longer prefills are chunked)
   int64_t kv_block_size = 16;     // tokens per KV-cache page
   std::string kv_cache_dtype = "f32";  // the target's MLA latent and indexer-key caches (and the MTP
-                                       // layer's): "f32" or "bf16" (half the memory: values rounded to
-                                       // nearest even when written, widened exactly when read; every
-                                       // method reads the same cache, so speculative == AR holds)
+                                       // layer's): "f32", "bf16" (half the memory: values rounded to
+                                       // nearest even when written, widened exactly when read) or "fp8"
+                                       // (E4M3 with a power-of-two scale per 128 values, the latent's
+                                       // rope in BF16: 656 bytes a token and layer for GLM-5.3's latent
+                                       // against 1152 in BF16); every method reads the same cache, so
+                                       // speculative == AR holds
   int num_threads = 0;            // CPU threads of this engine's ops (0 = all cores; at most
                                   // max(256, 4 x cores)); applied per engine, never process-wide
   int64_t tensor_parallel = 1;    // ranks the target is split across (CPU: threads of this process
@@ -160,7 +163,7 @@ struct EngineMetrics {
   int64_t cache_pages_used = 0, cache_pages_total = 0;  // the target's KV-cache blocks
   int64_t draft_cache_bytes = 0;  // the DFlash drafter's context cache (F32, or BF16 under draft_gemm)
   int64_t kv_cache_bytes = 0;     // the target's KV caches (latent + index keys, and the MTP layer's),
-                                  // per tensor-parallel rank (kv_cache_dtype: F32 or BF16)
+                                  // per tensor-parallel rank (kv_cache_dtype: F32, BF16 or FP8 rows)
   // CUDA graphs of the target's chunks: captured, replayed, run eagerly (warm-ups, prompt
   // chunks), failed captures (then run eagerly) and the last failure's reason
   int64_t cuda_graphs_captured = 0, cuda_graphs_replayed = 0, cuda_graphs_eager = 0, cuda_graphs_failed = 0;

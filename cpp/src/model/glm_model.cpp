@@ -8,6 +8,7 @@
 #include <sstream>
 
 #include "dflash2/error.h"
+#include "ops/kv_fp8.h"
 
 namespace dflash2::model {
 
@@ -542,7 +543,16 @@ void GlmModel::layer_forward(const Layer& L, const Tensor& latent, const Tensor&
   std::vector<Tensor*> rot{&q_pe, &k_pe};
   if (a.indexer) rot.insert(rot.end(), {&qI_rope, &kI_rope});
   ops::rope_many(rot, positions, c.rope_theta, ops::RopeStyle::Interleaved);
-  Tensor lat_c = latent.slice(1, 0, kvl), lat_pe = latent.slice(1, kvl, lat), k_pe2 = b.kva.slice(1, kvl, lat);
+  Tensor lat_c, lat_pe, k_pe2 = b.kva.slice(1, kvl, lat);
+  if (latent.dtype() == DType::U8) {  // FP8 rows (ops/kv_fp8.h): c quantized, then k_pe in BF16
+    const int64_t qb = kvfp8::fp8_bytes(kvl);
+    lat_c = latent.slice(1, 0, qb);
+    lat_pe = Tensor::view(static_cast<uint8_t*>(latent.data()) + qb, DType::BF16, {latent.shape(0), rope},
+                          {latent.stride(0) / 2, 1}, latent.device(), latent.owner());
+  } else {
+    lat_c = latent.slice(1, 0, kvl);
+    lat_pe = latent.slice(1, kvl, lat);
+  }
   Tensor keys = index_keys;
   std::vector<const Tensor*> rows{&b.c, &k_pe2};
   std::vector<Tensor*> dst{&lat_c, &lat_pe};

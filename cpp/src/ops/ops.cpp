@@ -17,6 +17,7 @@
 
 #include "dflash2/error.h"
 #include "ops/backend.h"
+#include "ops/kv_fp8.h"
 #if defined(DFLASH2_WITH_CUDA)
 #include "backend/cuda/cuda_api.h"
 #endif
@@ -818,12 +819,27 @@ void fp8_quantize_act(const Tensor& x, Tensor& out) {
 
 // ------------------------------------------------------------------ paged caches
 namespace {
+// A cache's element type as the attention ops take it: F32, BF16, or U8 (FP8 rows, kv_fp8.h).
+DType cache_dtype(const Tensor& c) {
+  if (c.defined() && (c.dtype() == DType::BF16 || c.dtype() == DType::U8)) return c.dtype();
+  return DType::F32;
+}
 void check_cache_write(const Tensor& src, const Tensor& slots, const Tensor& cache, const char* op) {
   need_2d_rows(src, DType::F32, op, "src");
-  need_2d_rows(cache, cache.defined() && cache.dtype() == DType::BF16 ? DType::BF16 : DType::F32, op, "cache");
+  need_2d_rows(cache, cache_dtype(cache), op, "cache");
   need_i32_vec(slots, src.shape(0), op, "slots");
-  DFLASH2_CHECK_ARG(src.shape(1) == cache.shape(1), op, ": src rows have ", src.shape(1),
-                    " values but cache rows have ", cache.shape(1));
+  if (cache.dtype() == DType::U8) {
+    DFLASH2_CHECK_ARG(kvfp8::fits(src.shape(1)), op, ": an FP8 cache quantizes rows of a multiple of 16 values, ",
+                      "at most 128 or a multiple of 128; src rows have ", src.shape(1));
+    DFLASH2_CHECK_ARG(cache.shape(1) == kvfp8::fp8_bytes(src.shape(1)), op, ": an FP8 cache row of ", src.shape(1),
+                      " values takes ", kvfp8::fp8_bytes(src.shape(1)), " bytes (codes, then scales), found ",
+                      cache.describe());
+    DFLASH2_CHECK_ARG(cache.shape(0) <= 1 || cache.stride(0) % 16 == 0, op,
+                      ": an FP8 cache's rows must be 16-byte strided, found ", cache.describe());
+  } else {
+    DFLASH2_CHECK_ARG(src.shape(1) == cache.shape(1), op, ": src rows have ", src.shape(1),
+                      " values but cache rows have ", cache.shape(1));
+  }
   same_device(src, slots, op);
   same_device(src, cache, op);
 }
@@ -878,10 +894,17 @@ void need_indexer_inputs(const Tensor& q, const Tensor& w, const Tensor& key_cac
   need_2d_rows(w, DType::F32, op, "w");
   DFLASH2_CHECK_ARG(w.shape(0) == T && w.shape(1) == q.shape(1), op, ": w must be [", T, ", ", q.shape(1),
                     "], found ", w.describe());
-  need_2d_rows(key_cache, key_cache.defined() && key_cache.dtype() == DType::BF16 ? DType::BF16 : DType::F32, op,
-               "key_cache");
-  DFLASH2_CHECK_ARG(key_cache.shape(1) == q.shape(2), op, ": key_cache rows have ", key_cache.shape(1),
-                    " values but q heads have ", q.shape(2));
+  need_2d_rows(key_cache, cache_dtype(key_cache), op, "key_cache");
+  if (key_cache.dtype() == DType::U8) {
+    DFLASH2_CHECK_ARG(kvfp8::fits(q.shape(2)) && key_cache.shape(1) == kvfp8::fp8_bytes(q.shape(2)), op,
+                      ": an FP8 key cache for heads of ", q.shape(2), " values needs rows of ",
+                      kvfp8::fits(q.shape(2)) ? kvfp8::fp8_bytes(q.shape(2)) : 0,
+                      " bytes (a multiple of 16 values, at most 128 or a multiple of 128), found ",
+                      key_cache.describe());
+  } else {
+    DFLASH2_CHECK_ARG(key_cache.shape(1) == q.shape(2), op, ": key_cache rows have ", key_cache.shape(1),
+                      " values but q heads have ", q.shape(2));
+  }
   need_tokens(tok, T, op);
   for (const Tensor* t : std::initializer_list<const Tensor*>{&w, &key_cache, &tok.seq, &tok.pos, &tok.block_table})
     same_device(q, *t, op);
@@ -927,9 +950,16 @@ void mla_attention(const Tensor& q_lat, const Tensor& q_pe, const Tensor& cache,
   DFLASH2_CHECK_ARG(q_pe.shape(0) == T && q_pe.shape(1) == nh, op, ": q_pe ", q_pe.describe(), " does not match q_lat ",
                     q_lat.describe());
   need_same_shape(q_lat, out, op, "q_lat", "out");
-  need_2d_rows(cache, cache.defined() && cache.dtype() == DType::BF16 ? DType::BF16 : DType::F32, op, "cache");
-  DFLASH2_CHECK_ARG(cache.shape(1) == kvl + q_pe.shape(2), op, ": cache rows must hold kv_lora + rope = ",
-                    kvl + q_pe.shape(2), " values, found ", cache.describe());
+  need_2d_rows(cache, cache_dtype(cache), op, "cache");
+  if (cache.dtype() == DType::U8) {
+    DFLASH2_CHECK_ARG(kvfp8::fits(kvl) && cache.shape(1) == kvfp8::fp8_latent_bytes(kvl, q_pe.shape(2)), op,
+                      ": an FP8 latent cache (kv_lora ", kvl, ", rope ", q_pe.shape(2), ") needs rows of ",
+                      kvfp8::fits(kvl) ? kvfp8::fp8_latent_bytes(kvl, q_pe.shape(2)) : 0,
+                      " bytes (kv_lora a multiple of 16, at most 128 or a multiple of 128), found ", cache.describe());
+  } else {
+    DFLASH2_CHECK_ARG(cache.shape(1) == kvl + q_pe.shape(2), op, ": cache rows must hold kv_lora + rope = ",
+                      kvl + q_pe.shape(2), " values, found ", cache.describe());
+  }
   need_tokens(tok, T, op);
   if (sel_len.defined()) {
     need_i32_vec(sel_len, T, op, "sel_len");

@@ -25,6 +25,7 @@
 #include "runtime/scheduler.h"
 #include "runtime/warm_up.h"
 #include "runtime/target.h"
+#include "ops/kv_fp8.h"
 
 #ifdef DFLASH2_WITH_CUDA
 #include "backend/cuda/cuda_api.h"
@@ -478,14 +479,14 @@ std::string exact_tc_self_check(Device dev) {
   }
 }
 
-// A BF16 KV cache's attention on the tensor cores (ops::mla_tc(), ops::indexer_tc()) on a GPU:
+// A BF16 or FP8 KV cache's attention on the tensor cores (ops::mla_tc(), ops::indexer_tc()) on a GPU:
 // sparse MLA (16 heads, kv_lora 128 + rope 32: segments of 64 keys with tails) and the
-// indexer's scores (32 heads x 128, GLM-5.3's) over a paged BF16 cache of two sequences
-// (150 and 70 keys, pages of 16), against the CPU's ops over the same cache (NMSE <= 1e-9:
+// indexer's scores (32 heads x 128, GLM-5.3's) over a paged BF16 cache (fp8: FP8 rows, ops/
+// kv_fp8.h) of two sequences (150 and 70 keys, pages of 16), against the CPU's ops over the same cache (NMSE <= 1e-9:
 // fp32 sums in another order), and the last token alone bitwise its row among the 3.
 // {mla's "", indexer's ""} when they pass, else why not (then that switch is turned off in
 // the process: the SIMT kernel runs instead).
-std::pair<std::string, std::string> attention_tc_self_check(Device dev) {
+std::pair<std::string, std::string> attention_tc_self_check(Device dev, bool fp8) {
   auto guarded = [](const std::function<std::string()>& f) -> std::string {
     try {
       return f();
@@ -516,6 +517,24 @@ std::pair<std::string, std::string> attention_tc_self_check(Device dev) {
     for (int64_t i = 0; i < x.numel(); ++i) x.data_as<float>()[i] = rng.next();
     return x;
   };
+  // kv_cache_dtype = "fp8": the rows the engine writes (ops/kv_fp8.h), D quantized values and
+  // `tail` BF16 ones, written by the CPU's cache_write (their values exact BF16 ones: the
+  // tensor-core kernels dequantize them as they stage them)
+  auto fp8_cache = [&](int64_t D, int64_t tail) {
+    const int64_t qb = kvfp8::fp8_bytes(D), width = tail ? kvfp8::fp8_latent_bytes(D, tail) : qb;
+    Tensor c = Tensor::zeros(DType::U8, {rows, width});
+    Tensor slots = Tensor::empty(DType::I32, {rows});
+    for (int64_t i = 0; i < rows; ++i) slots.data_as<int32_t>()[i] = int32_t(i);
+    Tensor src = f32({rows, D + tail});
+    Tensor q8 = c.slice(1, 0, qb);
+    ops::cache_write(src.slice(1, 0, D), slots, q8);
+    if (tail) {
+      Tensor pe = Tensor::view(c.data_as<uint8_t>() + qb, DType::BF16, {rows, tail}, {width / 2, 1});
+      ops::cache_write(src.slice(1, D, D + tail), slots, pe);
+    }
+    return c;
+  };
+  const char* kind = fp8 ? "an FP8" : "a BF16";
   const ops::PagedTokens tok{seq, pos, bt, bs};
   const ops::PagedTokens dtok{seq.to(dev), pos.to(dev), bt.to(dev), bs};
   const ops::PagedTokens last{seq.slice(0, T - 1, T).to(dev), pos.slice(0, T - 1, T).to(dev), dtok.block_table, bs};
@@ -531,9 +550,10 @@ std::pair<std::string, std::string> attention_tc_self_check(Device dev) {
   if (ops::mla_tc())
     mla_why = guarded([&]() -> std::string {
       const int64_t nh = 16, kvl = 128, rope = 32;
-      const Tensor cache = bf16_cache(kvl + rope), ql = f32({T, nh, kvl}), qp = f32({T, nh, rope});
+      const Tensor cache = fp8 ? fp8_cache(kvl, rope) : bf16_cache(kvl + rope), ql = f32({T, nh, kvl}),
+                   qp = f32({T, nh, rope});
       const float scale = 0.125f;
-      const std::string what = "sparse MLA over a BF16 cache (tensor cores)";
+      const std::string what = std::string("sparse MLA over ") + kind + " cache (tensor cores)";
       Tensor want = Tensor::empty(DType::F32, {T, nh, kvl}), got = Tensor::empty(DType::F32, {T, nh, kvl}, dev);
       ops::mla_attention(ql, qp, cache, tok, Tensor(), Tensor(), scale, want);
       const Tensor dcache = cache.to(dev);
@@ -548,8 +568,8 @@ std::pair<std::string, std::string> attention_tc_self_check(Device dev) {
   if (ops::indexer_tc())
     idx_why = guarded([&]() -> std::string {
       const int64_t nI = 32, dI = 128, C = 150;
-      const Tensor keys = bf16_cache(dI), q = f32({T, nI, dI}), w = f32({T, nI});
-      const std::string what = "indexer scores over a BF16 cache (tensor cores)";
+      const Tensor keys = fp8 ? fp8_cache(dI, 0) : bf16_cache(dI), q = f32({T, nI, dI}), w = f32({T, nI});
+      const std::string what = std::string("indexer scores over ") + kind + " cache (tensor cores)";
       Tensor want = Tensor::zeros(DType::F32, {T, C}), got = Tensor::zeros(DType::F32, {T, C}, dev);
       ops::indexer_scores(q, w, keys, tok, want);
       const Tensor dkeys = keys.to(dev);
@@ -634,8 +654,8 @@ Engine::Engine(const EngineConfig& cfg) : impl_(std::make_unique<Impl>()) {
                     "Engine: max_batch_size, max_step_tokens and kv_block_size must be >= 1 and max_seq_len >= 0 (0 = "
                     "the model's limit), found ", cfg.max_batch_size, ", ", cfg.max_step_tokens, ", ", cfg.kv_block_size,
                     ", ", cfg.max_seq_len);
-  DFLASH2_CHECK_ARG(cfg.kv_cache_dtype == "f32" || cfg.kv_cache_dtype == "bf16",
-                    "Engine: kv_cache_dtype must be 'f32' or 'bf16', found '", cfg.kv_cache_dtype, "'");
+  DFLASH2_CHECK_ARG(cfg.kv_cache_dtype == "f32" || cfg.kv_cache_dtype == "bf16" || cfg.kv_cache_dtype == "fp8",
+                    "Engine: kv_cache_dtype must be 'f32', 'bf16' or 'fp8', found '", cfg.kv_cache_dtype, "'");
   ops::CpuThreadScope threads(cfg.num_threads);
   // the method: given, or implied by the drafter
   std::unique_ptr<Checkpoint> dk;
@@ -673,7 +693,7 @@ Engine::Engine(const EngineConfig& cfg) : impl_(std::make_unique<Impl>()) {
   to.max_batch_size = cfg.max_batch_size;
   to.max_step_tokens = cfg.max_step_tokens;
   to.kv_block_size = cfg.kv_block_size;
-  to.kv_cache_dtype = cfg.kv_cache_dtype == "bf16" ? DType::BF16 : DType::F32;
+  to.kv_cache_dtype = cfg.kv_cache_dtype == "bf16" ? DType::BF16 : cfg.kv_cache_dtype == "fp8" ? DType::U8 : DType::F32;
   to.num_threads = cfg.num_threads;
   to.device = device;
   to.cuda_graphs = cfg.cuda_graphs;
@@ -753,11 +773,12 @@ Engine::Engine(const EngineConfig& cfg) : impl_(std::make_unique<Impl>()) {
       ops::set_exact_tc(false);
     }
   }
-  // a BF16 KV cache's attention on the tensor cores (ops::mla_tc / indexer_tc, on by default):
+  // a BF16 or FP8 KV cache's attention on the tensor cores (ops::mla_tc / indexer_tc, on by default):
   // checked here before the target's first forward; a failure turns that switch off in the
   // process (the SIMT kernel)
-  if (device.is_cuda() && cfg.kv_cache_dtype == "bf16" && (ops::mla_tc() || ops::indexer_tc())) {
-    const auto [mla_why, idx_why] = attention_tc_self_check(device);
+  if (device.is_cuda() && (cfg.kv_cache_dtype == "bf16" || cfg.kv_cache_dtype == "fp8") &&
+      (ops::mla_tc() || ops::indexer_tc())) {
+    const auto [mla_why, idx_why] = attention_tc_self_check(device, cfg.kv_cache_dtype == "fp8");
     if (!mla_why.empty()) {
       std::fprintf(stderr, "dflash2: sparse MLA on the tensor cores (mla_tc) failed its load-time check on %s (%s); "
                    "the SIMT kernel runs instead\n", device.str().c_str(), mla_why.c_str());

@@ -11,6 +11,7 @@
 
 #include "dflash2/error.h"
 #include "dflash2/ops.h"
+#include "ops/kv_fp8.h"
 
 namespace dflash2::runtime {
 
@@ -36,12 +37,23 @@ Target::Target(std::vector<std::unique_ptr<model::GlmModel>> models, const Optio
   for (bool f : c.indexer_full) n_index += f ? 1 : 0;
   // planes: 0 = MLA latent per layer, 1 = indexer keys per indexer layer; the latent and the
   // indexer are replicated on every rank (MLA shares one latent across heads)
+  // (U8: FP8 rows, ops/kv_fp8.h: the latent's kv_lora values and the index keys quantized in
+  // groups of up to 128 with power-of-two scales, the latent's rope in BF16)
   const DType cdt = opt.kv_cache_dtype;
-  DFLASH2_CHECK_ARG(cdt == DType::F32 || cdt == DType::BF16, "the KV cache must be F32 or BF16, found ",
-                    dtype_name(cdt));
+  DFLASH2_CHECK_ARG(cdt == DType::F32 || cdt == DType::BF16 || cdt == DType::U8,
+                    "the KV cache must be F32, BF16 or FP8 (U8 rows), found ", dtype_name(cdt));
+  if (cdt == DType::U8) {
+    DFLASH2_CHECK(kvfp8::fits(c.kv_lora_rank) && kvfp8::fits(c.index_head_dim), ErrorKind::InvalidArgument,
+                  "kv_cache_dtype='fp8' quantizes the latent's kv_lora values and the index keys in groups: both "
+                  "must be multiples of 16, at most 128 or multiples of 128; this model has kv_lora_rank ",
+                  c.kv_lora_rank, " and index_head_dim ", c.index_head_dim);
+  }
+  const bool fp8 = cdt == DType::U8;
+  const int64_t lat_w = fp8 ? kvfp8::fp8_latent_bytes(c.kv_lora_rank, c.qk_rope_head_dim) : c.latent_dim();
+  const int64_t idx_w = fp8 ? kvfp8::fp8_bytes(c.index_head_dim) : c.index_head_dim;
   const bool has_mtp = models_[0]->has_mtp(), mtp_ix = has_mtp && models_[0]->mtp_has_indexer();
-  const std::vector<KvCache::Plane> planes = {{c.num_layers, c.latent_dim(), cdt}, {n_index, c.index_head_dim, cdt}};
-  const std::vector<KvCache::Plane> mtp_planes = {{1, c.latent_dim(), cdt}, {mtp_ix ? 1 : 0, c.index_head_dim, cdt}};
+  const std::vector<KvCache::Plane> planes = {{c.num_layers, lat_w, cdt}, {n_index, idx_w, cdt}};
+  const std::vector<KvCache::Plane> mtp_planes = {{1, lat_w, cdt}, {mtp_ix ? 1 : 0, idx_w, cdt}};
   if (opt.device.is_cuda())
     place_on_devices(KvCache::bytes_for(planes, nblocks * opt.kv_block_size) +
                      (has_mtp ? KvCache::bytes_for(mtp_planes, nblocks * opt.kv_block_size) : 0));

@@ -11,6 +11,7 @@
 
 #include "backend/cpu/cpu_ops.h"
 #include "dflash2/error.h"
+#include "ops/kv_fp8.h"
 
 namespace dflash2::cpu {
 
@@ -22,7 +23,9 @@ void cache_write(const Tensor& src, const Tensor& slots, Tensor& cache) {
     DFLASH2_CHECK_ARG(s < rows, "cache_write: slot ", s, " of row ", t, " is outside the cache's ", rows, " rows");
     if (s < 0) continue;
     const float* from = src.data_as<const float>() + t * src.stride(0);
-    if (cache.dtype() == DType::BF16) {
+    if (cache.dtype() == DType::U8) {  // an FP8 row (ops/kv_fp8.h): codes, then the group scales
+      fp8_quantize_row(from, D, static_cast<uint8_t*>(cache.data()) + s * cache.stride(0));
+    } else if (cache.dtype() == DType::BF16) {
       uint16_t* to = static_cast<uint16_t*>(cache.data()) + s * cache.stride(0);
       for (int64_t d = 0; d < D; ++d) to[d] = f32_to_bf16(from[d]);
     } else {
@@ -31,24 +34,83 @@ void cache_write(const Tensor& src, const Tensor& slots, Tensor& cache) {
   }
 }
 
+void fp8_quantize_row(const float* x, int64_t D, uint8_t* out) {
+  const int64_t G = kvfp8::group(D);
+  float* scales = reinterpret_cast<float*>(out + D);
+  std::memset(out + D, 0, size_t(kvfp8::scale_bytes(D)));
+  for (int64_t g0 = 0; g0 < D; g0 += G) {
+    float amax = 0.0f;
+    for (int64_t d = g0; d < g0 + G; ++d) {
+      const float a = std::fabs(x[d]);
+      if (a <= 3.4028235e38f && a > amax) amax = a;  // the finite values
+    }
+    const int e = kvfp8::scale_exp(amax);
+    const float inv = kvfp8::pow2(-e);
+    for (int64_t d = g0; d < g0 + G; ++d) out[d] = kvfp8::e4m3_encode(x[d] * inv);  // exact scaling
+    const float sc = kvfp8::pow2(e);
+    std::memcpy(scales + g0 / G, &sc, 4);
+  }
+}
+
+void fp8_dequantize_row(const uint8_t* row, int64_t D, int64_t tail, float* out) {
+  static const auto* table = [] {
+    auto* t = new float[256];
+    for (int c = 0; c < 256; ++c) t[c] = kvfp8::e4m3_decode(uint8_t(c));
+    return t;
+  }();
+  const int64_t G = kvfp8::group(D);
+  for (int64_t g0 = 0; g0 < D; g0 += G) {
+    float sc;
+    std::memcpy(&sc, row + D + 4 * (g0 / G), 4);
+    for (int64_t d = g0; d < g0 + G; ++d) out[d] = table[row[d]] * sc;  // exact: sc is a power of two
+  }
+  const uint8_t* t16 = row + kvfp8::fp8_bytes(D);
+  for (int64_t d = 0; d < tail; ++d) {
+    uint16_t h;
+    std::memcpy(&h, t16 + 2 * d, 2);
+    out[D + d] = bf16_to_f32(h);
+  }
+}
+
 void cache_write_many(const std::vector<const Tensor*>&, const Tensor&, const std::vector<Tensor*>&, bool& done) {
   done = false;
 }
 
 namespace {
-// The indexer and MLA over a cache of element type C (float, or uint16_t = BF16 widened exactly
-// as it is read: bitwise the results of an F32 cache holding the widened values).
-// Token i's indexer scores of keys 0..n-1 into sc (the op's formula, heads summed in order).
+// The indexer and MLA read their cache rows through a reader: rows(s, p, buf) is row p of
+// sequence s as elements of type R::E (float, or uint16_t = BF16, widened exactly as it is
+// read); an FP8 cache's row is dequantized into buf (exact values). Every kind gives bitwise
+// the results of an F32 cache holding the widened / dequantized values.
 template <class C>
-void indexer_score_row(const Tensor& q, const Tensor& w, const Tensor& key_cache, const ops::PagedTokens& tok,
+struct CacheRows {
+  using E = C;
+  const Tensor& cache;
+  const ops::PagedTokens& tok;
+  const C* operator()(int64_t s, int64_t p, float*) const { return paged_row<C>(cache, tok, s, p); }
+};
+struct Fp8Rows {  // ops/kv_fp8.h rows: D quantized values, then `tail` BF16 values
+  using E = float;
+  const Tensor& cache;
+  const ops::PagedTokens& tok;
+  int64_t D, tail;
+  const float* operator()(int64_t s, int64_t p, float* buf) const {
+    fp8_dequantize_row(paged_row<uint8_t>(cache, tok, s, p), D, tail, buf);
+    return buf;
+  }
+};
+
+// Token i's indexer scores of keys 0..n-1 into sc (the op's formula, heads summed in order).
+template <class R>
+void indexer_score_row(const Tensor& q, const Tensor& w, const R& rows, const ops::PagedTokens& tok,
                        int64_t i, int64_t n, float* sc) {
   const int64_t nI = q.shape(1), dI = q.shape(2);
   const float wscale = 1.0f / std::sqrt(float(nI)), sscale = 1.0f / std::sqrt(float(dI));
   const int64_t s = tok.seq.data_as<const int32_t>()[i * tok.seq.stride(0)];
   const float* qb = q.data_as<const float>() + i * q.stride(0);
   const float* wr = w.data_as<const float>() + i * w.stride(0);
+  float* buf = thread_scratch(2, size_t(dI));
   for (int64_t t = 0; t < n; ++t) {
-    const C* k = paged_row<C>(key_cache, tok, s, t);
+    const typename R::E* k = rows(s, t, buf);
     float acc = 0;
     for (int64_t hh = 0; hh < nI; ++hh) {
       const float d = dot4(qb + hh * q.stride(1), k, dI) * sscale;
@@ -58,8 +120,8 @@ void indexer_score_row(const Tensor& q, const Tensor& w, const Tensor& key_cache
   }
 }
 
-template <class C>
-void indexer_topk_impl(const Tensor& q, const Tensor& w, const Tensor& key_cache, const ops::PagedTokens& tok,
+template <class R>
+void indexer_topk_impl(const Tensor& q, const Tensor& w, const R& rows, const ops::PagedTokens& tok,
                        int64_t topk, Tensor& sel, Tensor& sel_len) {
   const int64_t T = q.shape(0);
   const int32_t* pos = tok.pos.data_as<const int32_t>();
@@ -72,7 +134,7 @@ void indexer_topk_impl(const Tensor& q, const Tensor& w, const Tensor& key_cache
       continue;
     }
     float* sc = thread_scratch(0, size_t(p + 1));
-    indexer_score_row<C>(q, w, key_cache, tok, i, p + 1, sc);
+    indexer_score_row(q, w, rows, tok, i, p + 1, sc);
     Tensor row = Tensor::view(sc, DType::F32, {p + 1});
     Tensor vals = Tensor::view(thread_scratch(1, size_t(topk)), DType::F32, {topk});
     Tensor idx = Tensor::view(sel.data_as<int32_t>() + i * sel.stride(0), DType::I32, {topk});
@@ -82,9 +144,10 @@ void indexer_topk_impl(const Tensor& q, const Tensor& w, const Tensor& key_cache
   }
 }
 
-template <class C>
-void mla_attention_impl(const Tensor& q_lat, const Tensor& q_pe, const Tensor& cache, const ops::PagedTokens& tok,
+template <class R>
+void mla_attention_impl(const Tensor& q_lat, const Tensor& q_pe, const R& rows, const ops::PagedTokens& tok,
                         const Tensor& sel, const Tensor& sel_len, float scale, Tensor& out) {
+  using C = typename R::E;
   const int64_t T = q_lat.shape(0), nh = q_lat.shape(1), kvl = q_lat.shape(2), rope = q_pe.shape(2);
   const int32_t* seq = tok.seq.data_as<const int32_t>();
   const int32_t* pos = tok.pos.data_as<const int32_t>();
@@ -97,12 +160,13 @@ void mla_attention_impl(const Tensor& q_lat, const Tensor& q_pe, const Tensor& c
       const int32_t* sl = cnt >= 0 ? sel.data_as<const int32_t>() + i * sel.stride(0) : nullptr;
       const int64_t nk = cnt < 0 ? p + 1 : cnt;
       float* sc = thread_scratch(0, size_t(nk));
+      float* buf = thread_scratch(2, size_t(kvl + rope));
       const float* qt = q_lat.data_as<const float>() + i * q_lat.stride(0) + hh * q_lat.stride(1);
       const float* qpe = q_pe.data_as<const float>() + i * q_pe.stride(0) + hh * q_pe.stride(1);
       float mx = -INFINITY;
       for (int64_t j = 0; j < nk; ++j) {
         const int64_t t = cnt < 0 ? j : sl[j];
-        const C* kv = paged_row<C>(cache, tok, s, t);
+        const C* kv = rows(s, t, buf);
         const float sj = (dot4(qt, kv, kvl) + dot4(qpe, kv + kvl, rope)) * scale;
         sc[j] = sj;
         mx = std::max(mx, sj);
@@ -117,7 +181,7 @@ void mla_attention_impl(const Tensor& q_lat, const Tensor& q_pe, const Tensor& c
       std::fill(o, o + kvl, 0.0f);
       for (int64_t j = 0; j < nk; ++j) {
         const int64_t t = cnt < 0 ? j : sl[j];
-        const C* kv = paged_row<C>(cache, tok, s, t);
+        const C* kv = rows(s, t, buf);
         const float pj = sc[j] * inv;
         for (int64_t d = 0; d < kvl; ++d) o[d] += pj * widen(kv[d]);
       }
@@ -128,32 +192,40 @@ void mla_attention_impl(const Tensor& q_lat, const Tensor& q_pe, const Tensor& c
 
 void indexer_topk(const Tensor& q, const Tensor& w, const Tensor& key_cache, const ops::PagedTokens& tok,
                   int64_t topk, Tensor& sel, Tensor& sel_len) {
-  if (key_cache.dtype() == DType::BF16) return indexer_topk_impl<uint16_t>(q, w, key_cache, tok, topk, sel, sel_len);
-  indexer_topk_impl<float>(q, w, key_cache, tok, topk, sel, sel_len);
+  if (key_cache.dtype() == DType::U8)
+    return indexer_topk_impl(q, w, Fp8Rows{key_cache, tok, q.shape(2), 0}, tok, topk, sel, sel_len);
+  if (key_cache.dtype() == DType::BF16)
+    return indexer_topk_impl(q, w, CacheRows<uint16_t>{key_cache, tok}, tok, topk, sel, sel_len);
+  indexer_topk_impl(q, w, CacheRows<float>{key_cache, tok}, tok, topk, sel, sel_len);
 }
 
 void indexer_scores(const Tensor& q, const Tensor& w, const Tensor& key_cache, const ops::PagedTokens& tok,
                     Tensor& scores) {
   const int64_t T = q.shape(0), C = scores.shape(1);
   const int32_t* pos = tok.pos.data_as<const int32_t>();
-  const bool bf16 = key_cache.dtype() == DType::BF16;
+  const DType kd = key_cache.dtype();
 #pragma omp parallel for schedule(dynamic, 1) num_threads(threads())
   for (int64_t i = 0; i < T; ++i) {
     const int64_t p = pos[i * tok.pos.stride(0)];
     const int64_t n = p + 1 < C ? p + 1 : C;
     float* sc = scores.data_as<float>() + i * scores.stride(0);
-    if (bf16)
-      indexer_score_row<uint16_t>(q, w, key_cache, tok, i, n, sc);
+    if (kd == DType::U8)
+      indexer_score_row(q, w, Fp8Rows{key_cache, tok, q.shape(2), 0}, tok, i, n, sc);
+    else if (kd == DType::BF16)
+      indexer_score_row(q, w, CacheRows<uint16_t>{key_cache, tok}, tok, i, n, sc);
     else
-      indexer_score_row<float>(q, w, key_cache, tok, i, n, sc);
+      indexer_score_row(q, w, CacheRows<float>{key_cache, tok}, tok, i, n, sc);
   }
 }
 
 void mla_attention(const Tensor& q_lat, const Tensor& q_pe, const Tensor& cache, const ops::PagedTokens& tok,
                    const Tensor& sel, const Tensor& sel_len, float scale, Tensor& out) {
+  if (cache.dtype() == DType::U8)
+    return mla_attention_impl(q_lat, q_pe, Fp8Rows{cache, tok, q_lat.shape(2), q_pe.shape(2)}, tok, sel, sel_len,
+                              scale, out);
   if (cache.dtype() == DType::BF16)
-    return mla_attention_impl<uint16_t>(q_lat, q_pe, cache, tok, sel, sel_len, scale, out);
-  mla_attention_impl<float>(q_lat, q_pe, cache, tok, sel, sel_len, scale, out);
+    return mla_attention_impl(q_lat, q_pe, CacheRows<uint16_t>{cache, tok}, tok, sel, sel_len, scale, out);
+  mla_attention_impl(q_lat, q_pe, CacheRows<float>{cache, tok}, tok, sel, sel_len, scale, out);
 }
 
 namespace {

@@ -26,6 +26,11 @@ float* thread_scratch(int slot, size_t n);
 double* thread_dscratch(int slot, size_t n);
 int32_t* thread_iscratch(int slot, size_t n);
 
+// An FP8 cache row (ops/kv_fp8.h): x[0..D) quantized into out (fp8_bytes(D) bytes); a row's
+// D quantized values and then `tail` BF16 values (the MLA latent's rope) dequantized into out.
+void fp8_quantize_row(const float* x, int64_t D, uint8_t* out);
+void fp8_dequantize_row(const uint8_t* row, int64_t D, int64_t tail, float* out);
+
 // A cache element as float: F32 as is, BF16 (uint16_t bits) widened exactly.
 inline float widen(float x) { return x; }
 inline float widen(uint16_t x) { return bf16_to_f32(x); }

@@ -109,8 +109,10 @@
 #include "backend/cuda/device_attr.cuh"
 #include "backend/cuda/kernel_util.cuh"
 #include "backend/cuda/mma_sm80.cuh"
+#include "backend/cuda/quant_device.cuh"
 #include "backend/cuda/scratch.h"
 #include "dflash2/error.h"
+#include "ops/kv_fp8.h"
 
 namespace dflash2::cuda {
 
@@ -249,6 +251,78 @@ inline size_t idx_smem(const IdxShape& s) {
                           size_t(kIdxWarps) * kIdxKW * 32);
 }
 
+// ---- FP8 cache rows (ops/kv_fp8.h: D E4M3 codes, then one power-of-two float scale per
+// group of kvfp8::group(D) values). A unit is 16 codes with their group's scale; its values
+// code * scale are exact in F32 and in BF16, so every kernel over an FP8 cache computes what
+// it computes over an F32 / BF16 cache holding the dequantized values.
+struct Fp8Unit {
+  uint4 c;
+  float s;
+};
+// Unit u (values 16u .. 16u + 15) of an FP8 row of D quantized values (16-byte aligned).
+__device__ __forceinline__ Fp8Unit fp8_load(const uint8_t* __restrict__ row, int D, int u) {
+  Fp8Unit v;
+  v.c = *reinterpret_cast<const uint4*>(row + 16 * u);
+  v.s = *reinterpret_cast<const float*>(row + D + 4 * (16 * u / int(kvfp8::group(D))));
+  return v;
+}
+__device__ __forceinline__ void fp8_widen16(const Fp8Unit& v, float (&f)[16]) {
+  const uint32_t w[4] = {v.c.x, v.c.y, v.c.z, v.c.w};
+#pragma unroll
+  for (int q = 0; q < 4; ++q)
+#pragma unroll
+    for (int b = 0; b < 4; ++b) f[4 * q + b] = __fmul_rn(detail::e4m3_value(uint8_t(w[q] >> (8 * b))), v.s);
+}
+// The unit's 16 values as BF16 (exact) at dst (16-byte aligned): two 16-byte stores.
+__device__ __forceinline__ void fp8_store_bf16x16(const Fp8Unit& v, __nv_bfloat16* dst) {
+  float f[16];
+  fp8_widen16(v, f);
+  uint32_t p[8];
+#pragma unroll
+  for (int i = 0; i < 8; ++i) {
+    const __nv_bfloat162 h = __floats2bfloat162_rn(f[2 * i], f[2 * i + 1]);
+    p[i] = *reinterpret_cast<const uint32_t*>(&h);
+  }
+  reinterpret_cast<uint4*>(dst)[0] = make_uint4(p[0], p[1], p[2], p[3]);
+  reinterpret_cast<uint4*>(dst)[1] = make_uint4(p[4], p[5], p[6], p[7]);
+}
+
+// A warp step's kIdxKW key rows from an FP8 key cache (dI a multiple of 16; rows of stride
+// bytes, 16-byte aligned) into ks, dequantized: idx_stage_rows' contract, a 16-value unit per
+// load (a GLM-5.3 step's 8 keys of 128: 2 units per lane, all in flight).
+__device__ __forceinline__ void idx_stage_fp8(const uint8_t* __restrict__ src, int64_t stride, int64_t my_slot,
+                                              float* ks, int kstride, int dI, int lane) {
+  constexpr int kV = kIdxGatherILP / 2;
+  const int du = dI / 16;
+  for (int base = 0; base < kIdxKW * du; base += 32 * kV) {  // warp-uniform trip count
+    Fp8Unit v[kV];
+    int at[kV];
+#pragma unroll
+    for (int u = 0; u < kV; ++u) {
+      const int idx = base + 32 * u + lane;
+      const int k = idx < kIdxKW * du ? idx / du : 0;
+      const int64_t slot = __shfl_sync(0xffffffffu, my_slot, k);  // every lane takes part
+      at[u] = -1;
+      v[u].c = make_uint4(0u, 0u, 0u, 0u);
+      v[u].s = 0.0f;
+      if (idx < kIdxKW * du) {
+        const int un = idx - k * du;
+        at[u] = k * kstride + 16 * un;
+        if (slot >= 0) v[u] = fp8_load(src + slot * stride, dI, un);
+      }
+    }
+#pragma unroll
+    for (int u = 0; u < kV; ++u) {
+      if (at[u] < 0) continue;
+      float f[16];
+      fp8_widen16(v[u], f);
+#pragma unroll
+      for (int q = 0; q < 16; q += 4)
+        *reinterpret_cast<float4*>(ks + at[u] + q) = make_float4(f[q], f[q + 1], f[q + 2], f[q + 3]);
+    }
+  }
+}
+
 // A warp step's kIdxKW key rows (lane k holds key k's slot in my_slot; -1: a zero row) into
 // ks (rows of kstride floats), W values per load: 16 bytes (W = 4 F32 values, or W = 8 BF16
 // values widened exactly) where the rows are aligned, else one value (W = 1, F32 or BF16);
@@ -299,7 +373,7 @@ __device__ __forceinline__ void idx_stage_rows(const E* __restrict__ src, int64_
 __global__ void __launch_bounds__(kIdxThreads)
     indexer_score_kernel(const float* __restrict__ q, int64_t q_s0, int64_t q_s1, const float* __restrict__ w,
                          int64_t w_s0, const float* __restrict__ kc, const __nv_bfloat16* __restrict__ kc16,
-                         int64_t kc_stride, int64_t kc_rows, Tokens tk,
+                         const uint8_t* __restrict__ kc8, int64_t kc_stride, int64_t kc_rows, Tokens tk,
                          int64_t t0, int64_t topk, IdxShape sh, float sscale, float wscale, float* __restrict__ scores,
                          int64_t sc_stride, int64_t cap, int groups, int64_t nt) {
   detail::pdl_enter();
@@ -310,7 +384,7 @@ __global__ void __launch_bounds__(kIdxThreads)
   const int64_t key0 = int64_t(blockIdx.x) / nt * kIdxWarps * kIdxKW * groups;
   if (n <= topk || key0 >= n) return;  // uniform over the block
   const int nI = sh.nI, dI = sh.dI;
-  const bool vec4 = !kc16 && (dI & 3) == 0 && (kc_stride & 3) == 0 && (reinterpret_cast<uintptr_t>(kc) & 15) == 0;
+  const bool vec4 = kc && (dI & 3) == 0 && (kc_stride & 3) == 0 && (reinterpret_cast<uintptr_t>(kc) & 15) == 0;
   const bool vec8 = kc16 && (dI & 7) == 0 && (kc_stride & 7) == 0 && (reinterpret_cast<uintptr_t>(kc16) & 15) == 0;
   float* ks_all = smem;                                              // [warps][KW][kstride], 16-byte rows
   float* cs_all = ks_all + size_t(kIdxWarps) * kIdxKW * sh.kstride;  // [warps][KW][32]
@@ -355,7 +429,9 @@ __global__ void __launch_bounds__(kIdxThreads)
     const int64_t my_slot = lane < kIdxKW && j0 + lane < n ? slot_of(tk, row, kc_rows, j0 + lane) : -1;
     // 16-byte rows: 4 F32 or 8 BF16 values per load (a GLM-5.3 step's 8 keys of 128: 8 or 4
     // loads per lane, all in flight); otherwise one value per load. The same values land in ks.
-    if (vec4)
+    if (kc8)
+      idx_stage_fp8(kc8, kc_stride, my_slot, ks, sh.kstride, dI, lane);
+    else if (vec4)
       idx_stage_rows<4>(kc, kc_stride, my_slot, ks, sh.kstride, dI, lane);
     else if (vec8)
       idx_stage_rows<8>(kc16, kc_stride, my_slot, ks, sh.kstride, dI, lane);
@@ -481,7 +557,8 @@ inline size_t it_smem(const ItShape& s) {
 
 __global__ void __launch_bounds__(kItThreads)
     indexer_tc_kernel(const float* __restrict__ q, int64_t q_s0, int64_t q_s1, const float* __restrict__ w,
-                      int64_t w_s0, const __nv_bfloat16* __restrict__ kc, int64_t kc_stride, int64_t kc_rows,
+                      int64_t w_s0, const __nv_bfloat16* __restrict__ kc, const uint8_t* __restrict__ kc8,
+                      int64_t kc_stride, int64_t kc_rows,
                       Tokens tk, int64_t t0, int64_t topk, ItShape sh, float sscale, float wscale,
                       float* __restrict__ scores, int64_t sc_stride, int64_t cap, int tiles, int64_t nt) {
   detail::pdl_enter();
@@ -514,14 +591,33 @@ __global__ void __launch_bounds__(kItThreads)
   for (int tile = 0; tile < tiles; ++tile) {
     const int64_t j0 = key0 + int64_t(tile) * kItKeys;
     if (j0 >= n) break;  // uniform
-    // the tile's key rows: 4 threads per key (one slot lookup each), 16 bytes per cp.async
+    // the tile's key rows: 4 threads per key (one slot lookup each), 16 bytes per cp.async; an
+    // FP8 cache's rows 16 codes per load, dequantized into exact BF16 values (a zero row without
+    // a slot)
     {
       const int jj = tid >> 2;
       const int64_t j = j0 + jj;
       const int64_t slot = j < n ? slot_of(tk, row, kc_rows, j) : -1;
-      for (int e8 = tid & 3; e8 < C8; e8 += 4)
-        mma::cp_async16(mma::smem_u32(ks + jj * LD + 8 * e8), slot >= 0 ? kc + slot * kc_stride + 8 * e8 : kc,
-                        slot >= 0);
+      if (kc8) {
+        const int du = dI / 16;
+        Fp8Unit v[4];
+#pragma unroll
+        for (int i = 0; i < 4; ++i) {  // dI <= 256: at most 4 units per thread
+          v[i].c = make_uint4(0u, 0u, 0u, 0u);
+          v[i].s = 0.0f;
+          const int un = (tid & 3) + 4 * i;
+          if (un < du && slot >= 0) v[i] = fp8_load(kc8 + slot * kc_stride, dI, un);
+        }
+#pragma unroll
+        for (int i = 0; i < 4; ++i) {
+          const int un = (tid & 3) + 4 * i;
+          if (un < du) fp8_store_bf16x16(v[i], ks + jj * LD + 16 * un);
+        }
+      } else {
+        for (int e8 = tid & 3; e8 < C8; e8 += 4)
+          mma::cp_async16(mma::smem_u32(ks + jj * LD + 8 * e8), slot >= 0 ? kc + slot * kc_stride + 8 * e8 : kc,
+                          slot >= 0);
+      }
     }
     mma::cp_async_commit();
     mma::cp_async_wait_all();
@@ -784,7 +880,8 @@ template <int HG, int DPT>
 __global__ void __launch_bounds__(kMlaThreads)
     mla_kernel(const float* __restrict__ q_lat, int64_t ql_s0, int64_t ql_s1, const float* __restrict__ q_pe,
                int64_t qp_s0, int64_t qp_s1, const float* __restrict__ cache,
-               const __nv_bfloat16* __restrict__ cache16, int64_t c_stride, int64_t c_rows,
+               const __nv_bfloat16* __restrict__ cache16, const uint8_t* __restrict__ cache8, int64_t c_stride,
+               int64_t c_rows,
                Tokens tk, const int32_t* __restrict__ sel, int64_t sel_stride, int64_t sel_cols,
                const int32_t* __restrict__ sel_len, int64_t len_stride, float scale, float* __restrict__ out,
                int64_t o_s0, int64_t o_s1, int64_t T, int nh, MlaShape sh, int split, MlaSplit sp) {
@@ -806,7 +903,8 @@ __global__ void __launch_bounds__(kMlaThreads)
   // 16-byte key rows: the chunks are staged with float4 loads (F32 cache) or 8 BF16 values per
   // 16-byte load (BF16 cache: cache16 set, cache null; widened exactly into ks, so everything
   // after the staging is the F32 kernel over the rounded values)
-  const bool vec4 = !cache16 && (D & 3) == 0 && (c_stride & 3) == 0 && (reinterpret_cast<uintptr_t>(cache) & 15) == 0;
+  // (an FP8 cache, cache8 set and the others null: 16-value units, dequantized exactly)
+  const bool vec4 = cache && (D & 3) == 0 && (c_stride & 3) == 0 && (reinterpret_cast<uintptr_t>(cache) & 15) == 0;
   const bool vec8 = cache16 && (D & 7) == 0 && (c_stride & 7) == 0 && (reinterpret_cast<uintptr_t>(cache16) & 15) == 0;
   const int h0 = int(blockIdx.x) * HG;
   const int64_t cap = tk.nb * tk.bs;
@@ -924,7 +1022,56 @@ __global__ void __launch_bounds__(kMlaThreads)
               }
           }
         }
-        for (int base = threadIdx.x; !vec4 && !vec8 && base < kMlaKC * D; base += kMlaGatherILP * kMlaThreads) {
+        if (cache8) {  // per row: kvl / 16 units of codes, then the rope's BF16 values 8 per load
+          constexpr int kV = kMlaGatherILP / 2;
+          const int UQ = kvl / 16, U = UQ + (sh.rope + 7) / 8;
+          const int64_t qb = kvfp8::fp8_bytes(kvl);
+          for (int base = threadIdx.x; base < kMlaKC * U; base += kV * kMlaThreads) {
+            Fp8Unit v[kV];
+            int at[kV], nv[kV];
+#pragma unroll
+            for (int u = 0; u < kV; ++u) {
+              const int idx = base + u * kMlaThreads;
+              at[u] = -1;
+              nv[u] = 0;
+              v[u].c = make_uint4(0u, 0u, 0u, 0u);
+              v[u].s = 0.0f;
+              if (idx < kMlaKC * U) {
+                const int r = idx / U, un = idx - r * U;
+                const int64_t slot = slots[r];
+                const uint8_t* rp = cache8 + slot * c_stride;
+                if (un < UQ) {
+                  at[u] = r * sh.kstride + 16 * un;
+                  nv[u] = 16;
+                  if (slot >= 0) v[u] = fp8_load(rp, kvl, un);
+                } else {
+                  const int e = kvl + 8 * (un - UQ);
+                  at[u] = r * sh.kstride + e;
+                  nv[u] = D - e < 8 ? -(D - e) : -8;  // negative: BF16 values
+                  if (slot >= 0) v[u].c = *reinterpret_cast<const uint4*>(rp + qb + 16 * (un - UQ));
+                }
+              }
+            }
+#pragma unroll
+            for (int u = 0; u < kV; ++u) {
+              if (at[u] < 0) continue;
+              if (nv[u] > 0) {
+                float f[16];
+                fp8_widen16(v[u], f);
+#pragma unroll
+                for (int q = 0; q < 16; ++q) ks[at[u] + q] = f[q];
+              } else {
+                float f[8];
+                detail::widen_bf16x8(v[u].c, f);
+#pragma unroll
+                for (int q = 0; q < 8; ++q)
+                  if (q < -nv[u]) ks[at[u] + q] = f[q];
+              }
+            }
+          }
+        }
+        for (int base = threadIdx.x; !vec4 && !vec8 && !cache8 && base < kMlaKC * D;
+             base += kMlaGatherILP * kMlaThreads) {
           float v[kMlaGatherILP];
           int at[kMlaGatherILP];
 #pragma unroll
@@ -1105,8 +1252,8 @@ inline size_t mla_tc_smem(const MtShape& s, bool split) {
 template <bool SPLIT>
 __global__ void __launch_bounds__(kMtThreads, 1)
     mla_tc_kernel(const float* __restrict__ q_lat, int64_t ql_s0, int64_t ql_s1, const float* __restrict__ q_pe,
-                  int64_t qp_s0, int64_t qp_s1, const __nv_bfloat16* __restrict__ cache, int64_t c_stride,
-                  int64_t c_rows, Tokens tk, const int32_t* __restrict__ sel, int64_t sel_stride, int64_t sel_cols,
+                  int64_t qp_s0, int64_t qp_s1, const __nv_bfloat16* __restrict__ cache,
+                  const uint8_t* __restrict__ cache8, int64_t c_stride, int64_t c_rows, Tokens tk, const int32_t* __restrict__ sel, int64_t sel_stride, int64_t sel_cols,
                   const int32_t* __restrict__ sel_len, int64_t len_stride, float scale, float* __restrict__ out,
                   int64_t o_s0, int64_t o_s1, int64_t T, int nh, MtShape sh, MlaSplit sp) {
   detail::pdl_enter();
@@ -1171,13 +1318,46 @@ __global__ void __launch_bounds__(kMtThreads, 1)
           slots[tid] = slot;
         }
         __syncthreads();
-        // the tile's rows by cp.async (a row without a slot: zeros)
-        const int C8 = D / 8;
-        for (int idx = tid; idx < kMtKeys * C8; idx += kMtThreads) {
-          const int jj = idx / C8, e8 = idx - jj * C8;
-          const int64_t slot = slots[jj];
-          mma::cp_async16(mma::smem_u32(ks + jj * LD + 8 * e8), slot >= 0 ? cache + slot * c_stride + 8 * e8 : cache,
-                          slot >= 0);
+        // the tile's rows by cp.async (a row without a slot: zeros); an FP8 cache's rows: the
+        // codes 16 per load, dequantized into exact BF16 values, the rope's BF16 by cp.async
+        if (cache8) {
+          const int UQ = kvl / 16, UR = (D - kvl) / 8, U = UQ + UR;
+          const int64_t qb = kvfp8::fp8_bytes(kvl);
+          constexpr int kV = 4;
+          for (int base = tid; base < kMtKeys * U; base += kV * kMtThreads) {
+            Fp8Unit v[kV];
+            int at[kV];
+#pragma unroll
+            for (int u = 0; u < kV; ++u) {
+              const int idx = base + u * kMtThreads;
+              at[u] = -1;
+              v[u].c = make_uint4(0u, 0u, 0u, 0u);
+              v[u].s = 0.0f;
+              if (idx < kMtKeys * U) {
+                const int jj = idx / U, un = idx - jj * U;
+                const int64_t slot = slots[jj];
+                const uint8_t* rp = cache8 + slot * c_stride;
+                if (un < UQ) {
+                  at[u] = jj * LD + 16 * un;
+                  if (slot >= 0) v[u] = fp8_load(rp, kvl, un);
+                } else {
+                  mma::cp_async16(mma::smem_u32(ks + jj * LD + kvl + 8 * (un - UQ)),
+                                  slot >= 0 ? rp + qb + 16 * (un - UQ) : cache8, slot >= 0);
+                }
+              }
+            }
+#pragma unroll
+            for (int u = 0; u < kV; ++u)
+              if (at[u] >= 0) fp8_store_bf16x16(v[u], ks + at[u]);
+          }
+        } else {
+          const int C8 = D / 8;
+          for (int idx = tid; idx < kMtKeys * C8; idx += kMtThreads) {
+            const int jj = idx / C8, e8 = idx - jj * C8;
+            const int64_t slot = slots[jj];
+            mma::cp_async16(mma::smem_u32(ks + jj * LD + 8 * e8), slot >= 0 ? cache + slot * c_stride + 8 * e8 : cache,
+                            slot >= 0);
+          }
         }
         mma::cp_async_commit();
         mma::cp_async_wait_all();
@@ -1758,6 +1938,21 @@ __global__ void __launch_bounds__(kTcThreads, 3) block_attention_tc_kernel(const
 
 // ------------------------------------------------------------------ indexer_topk
 namespace {
+// A cache's element type as the attention kernels take it: F32, BF16, or U8 (FP8 rows).
+DType cache_dtype(const Tensor& c) {
+  if (c.defined() && (c.dtype() == DType::BF16 || c.dtype() == DType::U8)) return c.dtype();
+  return DType::F32;
+}
+// An FP8 cache (ops/kv_fp8.h) of rows of `bytes` bytes for D quantized values (bytes < 0: D
+// cannot be stored so), every row 16-byte aligned.
+void need_fp8_rows(const Tensor& c, int64_t D, int64_t bytes, const char* op, const char* arg) {
+  DFLASH2_CHECK_ARG(bytes > 0 && c.shape(1) == bytes, "cuda::", op, ": an FP8 '", arg, "' for ", D,
+                    " quantized values (a multiple of 16, at most 128 or a multiple of 128) needs rows of ", bytes,
+                    " bytes, found ", c.describe());
+  DFLASH2_CHECK_ARG(c.stride(0) % 16 == 0 && detail::aligned(c.data(), 16), "cuda::", op, ": the FP8 '", arg,
+                    "' rows must be 16-byte aligned, found ", c.describe());
+}
+
 // indexer_topk's / indexer_scores' arguments, checked; returns T.
 int64_t need_indexer_args(const Tensor& q, const Tensor& w, const Tensor& key_cache, const ops::PagedTokens& tok,
                           const char* op) {
@@ -1770,10 +1965,12 @@ int64_t need_indexer_args(const Tensor& q, const Tensor& w, const Tensor& key_ca
   need_rows(w, DType::F32, 2, op, "w");
   DFLASH2_CHECK_ARG(w.shape(0) == T && w.shape(1) == nI, "cuda::", op, ": w must be [", T, ", ", nI, "], found ",
                     w.describe());
-  need_rows(key_cache, key_cache.defined() && key_cache.dtype() == DType::BF16 ? DType::BF16 : DType::F32, 2, op,
-            "key_cache");
-  DFLASH2_CHECK_ARG(key_cache.shape(1) == dI, "cuda::", op, ": key_cache rows have ", key_cache.shape(1),
-                    " values but q heads have ", dI);
+  need_rows(key_cache, cache_dtype(key_cache), 2, op, "key_cache");
+  if (key_cache.dtype() == DType::U8)
+    need_fp8_rows(key_cache, dI, kvfp8::fits(dI) ? kvfp8::fp8_bytes(dI) : -1, op, "key_cache");
+  else
+    DFLASH2_CHECK_ARG(key_cache.shape(1) == dI, "cuda::", op, ": key_cache rows have ", key_cache.shape(1),
+                      " values but q heads have ", dI);
   need_tokens(tok, q, T, op);
   DFLASH2_CHECK_ARG(T == 0 || (nI >= 1 && dI >= 1 && nI * dI <= (int64_t(1) << 24)), "cuda::", op,
                     ": unsupported q shape ", q.describe());
@@ -1789,10 +1986,12 @@ void launch_indexer_scores(const Tensor& q, const Tensor& w, const Tensor& key_c
   if (cap <= 0 || nt <= 0) return;
   const int64_t nI = q.shape(1), dI = q.shape(2);
   const float wscale = 1.0f / std::sqrt(float(nI)), sscale = 1.0f / std::sqrt(float(dI));
-  const bool kbf16 = key_cache.dtype() == DType::BF16;
+  const bool kbf16 = key_cache.dtype() == DType::BF16, kfp8 = key_cache.dtype() == DType::U8;
   const auto* k16 = kbf16 ? static_cast<const __nv_bfloat16*>(key_cache.data()) : nullptr;
-  if (kbf16 && ops::indexer_tc() && indexer_tc_fits(nI, dI) && key_cache.stride(0) % 8 == 0 &&
-      (reinterpret_cast<uintptr_t>(k16) & 15) == 0) {
+  const auto* k8 = kfp8 ? key_cache.data_as<const uint8_t>() : nullptr;
+  // an FP8 cache's values are exact BF16 ones: the tensor-core kernel takes them as it takes BF16
+  if ((kbf16 || kfp8) && ops::indexer_tc() && indexer_tc_fits(nI, dI) &&
+      (kfp8 || (key_cache.stride(0) % 8 == 0 && (reinterpret_cast<uintptr_t>(k16) & 15) == 0))) {
     const ItShape sh = it_shape(nI, dI);
     const size_t smem = it_smem(sh);
     allow_smem(indexer_tc_kernel, smem, device, op);
@@ -1801,7 +2000,7 @@ void launch_indexer_scores(const Tensor& q, const Tensor& w, const Tensor& key_c
     DFLASH2_CHECK_ARG(key_tiles * nt <= INT32_MAX, "cuda::", op, ": ", nt, " tokens over ", cap,
                       " keys are too many for one launch");
     indexer_tc_kernel<<<unsigned(key_tiles * nt), kItThreads, smem, detail::stream()>>>(
-        q.data_as<const float>(), q.stride(0), q.stride(1), w.data_as<const float>(), w.stride(0), k16,
+        q.data_as<const float>(), q.stride(0), q.stride(1), w.data_as<const float>(), w.stride(0), k16, k8,
         key_cache.stride(0), key_cache.shape(0), tk, t0, topk, sh, sscale, wscale, scores, sc_stride, cap, tiles, nt);
     detail::check_launch("indexer tensor-core score kernel launch", q.describe());
     return;
@@ -1815,7 +2014,8 @@ void launch_indexer_scores(const Tensor& q, const Tensor& w, const Tensor& key_c
                     " keys are too many for one launch");
   indexer_score_kernel<<<unsigned(key_tiles * nt), kIdxThreads, smem, detail::stream()>>>(
       q.data_as<const float>(), q.stride(0), q.stride(1), w.data_as<const float>(), w.stride(0),
-      kbf16 ? nullptr : key_cache.data_as<const float>(), k16, key_cache.stride(0), key_cache.shape(0), tk, t0, topk,
+      kbf16 || kfp8 ? nullptr : key_cache.data_as<const float>(), k16, k8, key_cache.stride(0), key_cache.shape(0),
+      tk, t0, topk,
       sh, sscale, wscale, scores, sc_stride, cap, groups, nt);
   detail::check_launch("indexer_topk score kernel launch", q.describe());
 }
@@ -1885,7 +2085,7 @@ template <int HG, int DPT>
 void launch_mla(const Tensor& q_lat, const Tensor& q_pe, const Tensor& cache, const Tokens& tk, const Tensor& sel,
                 const Tensor& sel_len, float scale, Tensor& out, const MlaShape& sh, int device, const MlaSplit& sp) {
   const int64_t T = q_lat.shape(0), nh = q_lat.shape(1);
-  const bool bf16 = cache.dtype() == DType::BF16;
+  const bool bf16 = cache.dtype() == DType::BF16, fp8 = cache.dtype() == DType::U8;
   const size_t smem = mla_smem(HG, sh);
   allow_smem(mla_kernel<HG, DPT>, smem, device, "mla_attention");
   const bool has = sel_len.defined();
@@ -1893,8 +2093,9 @@ void launch_mla(const Tensor& q_lat, const Tensor& q_pe, const Tensor& cache, co
   const dim3 grid(unsigned((nh + HG - 1) / HG), gy, unsigned(sp.nseg > 0 ? sp.nseg : 1));
   mla_kernel<HG, DPT><<<grid, kMlaThreads, smem, detail::stream()>>>(
       q_lat.data_as<const float>(), q_lat.stride(0), q_lat.stride(1), q_pe.data_as<const float>(), q_pe.stride(0),
-      q_pe.stride(1), bf16 ? nullptr : cache.data_as<const float>(),
-      bf16 ? static_cast<const __nv_bfloat16*>(cache.data()) : nullptr, cache.stride(0), cache.shape(0), tk,
+      q_pe.stride(1), bf16 || fp8 ? nullptr : cache.data_as<const float>(),
+      bf16 ? static_cast<const __nv_bfloat16*>(cache.data()) : nullptr,
+      fp8 ? cache.data_as<const uint8_t>() : nullptr, cache.stride(0), cache.shape(0), tk,
       has ? sel.data_as<const int32_t>() : nullptr, has ? sel.stride(0) : 0, has ? sel.shape(1) : 0,
       has ? sel_len.data_as<const int32_t>() : nullptr, has ? sel_len.stride(0) : 0, scale, out.data_as<float>(),
       out.stride(0), out.stride(1), T, int(nh), sh, sp.nseg > 0 ? 1 : 0, sp);
@@ -1917,7 +2118,8 @@ void launch_mla_tc(const Tensor& q_lat, const Tensor& q_pe, const Tensor& cache,
   const dim3 grid(unsigned((nh + kMtHeads - 1) / kMtHeads), gy, unsigned(SPLIT ? sp.nseg : 1));
   mla_tc_kernel<SPLIT><<<grid, kMtThreads, smem, detail::stream()>>>(
       q_lat.data_as<const float>(), q_lat.stride(0), q_lat.stride(1), q_pe.data_as<const float>(), q_pe.stride(0),
-      q_pe.stride(1), static_cast<const __nv_bfloat16*>(cache.data()), cache.stride(0), cache.shape(0), tk,
+      q_pe.stride(1), cache.dtype() == DType::U8 ? nullptr : static_cast<const __nv_bfloat16*>(cache.data()),
+      cache.dtype() == DType::U8 ? cache.data_as<const uint8_t>() : nullptr, cache.stride(0), cache.shape(0), tk,
       has ? sel.data_as<const int32_t>() : nullptr, has ? sel.stride(0) : 0, has ? sel.shape(1) : 0,
       has ? sel_len.data_as<const int32_t>() : nullptr, has ? sel_len.stride(0) : 0, scale, out.data_as<float>(),
       out.stride(0), out.stride(1), T, int(nh), sh, sp);
@@ -1957,9 +2159,12 @@ void mla_attention(const Tensor& q_lat, const Tensor& q_pe, const Tensor& cache,
   DFLASH2_CHECK_ARG(out.shape(0) == T && out.shape(1) == nh && out.shape(2) == kvl, "cuda::mla_attention: out ",
                     out.describe(), " must have q_lat's shape ", q_lat.describe());
   need_disjoint3(out, op, "out");
-  need_rows(cache, cache.defined() && cache.dtype() == DType::BF16 ? DType::BF16 : DType::F32, 2, op, "cache");
-  DFLASH2_CHECK_ARG(cache.shape(1) == kvl + rope, "cuda::mla_attention: cache rows must hold kv_lora + rope = ",
-                    kvl + rope, " values, found ", cache.describe());
+  need_rows(cache, cache_dtype(cache), 2, op, "cache");
+  if (cache.dtype() == DType::U8)
+    need_fp8_rows(cache, kvl, kvfp8::fits(kvl) ? kvfp8::fp8_latent_bytes(kvl, rope) : -1, op, "cache");
+  else
+    DFLASH2_CHECK_ARG(cache.shape(1) == kvl + rope, "cuda::mla_attention: cache rows must hold kv_lora + rope = ",
+                      kvl + rope, " values, found ", cache.describe());
   need_tokens(tok, q_lat, T, op);
   if (sel_len.defined()) {
     need_cuda(sel_len, q_lat, op, "sel_len");
@@ -2004,8 +2209,10 @@ void mla_attention(const Tensor& q_lat, const Tensor& q_pe, const Tensor& cache,
   }
   // a BF16 cache on the tensor cores (ops::mla_tc; a property of the cache and the shapes, never
   // of T: every token of an engine takes the same kernel)
-  if (cache.dtype() == DType::BF16 && ops::mla_tc() && mla_tc_fits(kvl, rope) && cache.stride(0) % 8 == 0 &&
-      detail::aligned(cache.data(), 16)) {
+  // (an FP8 cache's values are exact BF16 ones: the same kernel, its rows dequantized as staged)
+  const bool tc_rows = cache.dtype() == DType::U8 ||
+                       (cache.dtype() == DType::BF16 && cache.stride(0) % 8 == 0 && detail::aligned(cache.data(), 16));
+  if (tc_rows && ops::mla_tc() && mla_tc_fits(kvl, rope)) {
     MtShape ts;
     ts.kvl = int(kvl);
     ts.rope = int(rope);

@@ -20,7 +20,12 @@
 //                embedding reading it then counts an index error). Bitwise the CPU's result.
 //   cache_write  cache[slots[t], :] = src[t, :]; src F32 [T, D], cache F32 [rows, D] (any
 //                row strides), slots I32 [T] (any stride). A negative slot skips its row
-//                (padding), as on the CPU. Bitwise the CPU's result.
+//                (padding), as on the CPU. Bitwise the CPU's result. An FP8 cache (U8
+//                [rows, fp8_bytes(D)], ops/kv_fp8.h) takes a warp per (row, group of up to
+//                128 values): the group's amax by shuffles, its power-of-two scale and the
+//                E4M3 codes by kv_fp8.h's integer encoder (the CPU's), so bitwise the CPU's
+//                bytes; cache_write_many with an FP8 cache among its pairs runs every pair
+//                that way (BF16 / F32 pairs in units of 128 values), one launch.
 //
 // Index values live on the device, so a kernel cannot raise the CPU backend's
 // InvalidArgument for a bad one. Instead (and never touching memory out of bounds):
@@ -51,6 +56,7 @@
 #include "backend/cuda/kernel_util.cuh"
 #include "backend/cuda/layout.h"
 #include "dflash2/error.h"
+#include "ops/kv_fp8.h"
 
 namespace dflash2::cuda {
 
@@ -156,6 +162,80 @@ __global__ void __launch_bounds__(kThreads)
       static_cast<__nv_bfloat16*>(c.cache)[s * c.cache_stride + col] = __float2bfloat16_rn(v);
     else
       static_cast<float*>(c.cache)[s * c.cache_stride + col] = v;
+  }
+}
+
+// A warp per (row, unit): an FP8 pair's unit is one quantization group (kvfp8::group(D)
+// values), an F32 / BF16 pair's 128 values; lane l takes the unit's values 4l .. 4l + 3.
+struct WarpTarget {
+  const float* src;
+  int64_t src_stride;
+  void* cache;  // float, __nv_bfloat16 or uint8_t (FP8 rows)
+  int64_t cache_stride, rows, end;  // end: the cumulative unit count through this pair
+  int D, unit, kind;                // kind: 0 F32, 1 BF16, 2 FP8
+};
+struct WarpTargets {
+  WarpTarget t[kCacheMany];
+  int n;
+};
+constexpr int kUnit = 128;
+static_assert(kUnit == 4 * 32 && kvfp8::kMaxGroup <= kUnit, "a warp's lanes take 4 values of a unit each");
+
+__global__ void __launch_bounds__(kThreads)
+    cache_write_warp_kernel(const __grid_constant__ WarpTargets tg, const int32_t* __restrict__ slots,
+                            int64_t slot_stride, int64_t T) {
+  detail::pdl_enter();
+  const int lane = threadIdx.x & 31;
+  const int64_t w = (int64_t(blockIdx.x) * blockDim.x + threadIdx.x) >> 5;
+  if (w >= tg.t[tg.n - 1].end) return;  // uniform over the warp
+  int k = 0;
+  while (w >= tg.t[k].end) ++k;
+  const WarpTarget& c = tg.t[k];
+  const int u = int(w - (k ? tg.t[k - 1].end : 0));
+  const int c0 = u * c.unit, len = c.D - c0 < c.unit ? c.D - c0 : c.unit;
+  for (int64_t t = blockIdx.y; t < T; t += gridDim.y) {
+    const int64_t s = slots[t * slot_stride];
+    if (s < 0) continue;  // padding (uniform over the warp)
+    if (!layout::row_in_range(s, c.rows)) {
+      if (u == 0 && lane == 0) atomicAdd(&g_index_errors, 1ull);  // once per pair and row, as cache_write
+      continue;
+    }
+    float v[4];
+#pragma unroll
+    for (int j = 0; j < 4; ++j) v[j] = 4 * lane + j < len ? c.src[t * c.src_stride + c0 + 4 * lane + j] : 0.0f;
+    if (c.kind == 2) {
+      float amax = 0.0f;  // over the finite values (a non-finite one is stored as NaN)
+#pragma unroll
+      for (int j = 0; j < 4; ++j) {
+        const float a = fabsf(v[j]);
+        amax = a <= 3.4028235e38f && a > amax ? a : amax;
+      }
+#pragma unroll
+      for (int off = 16; off > 0; off >>= 1) {
+        const float o = __shfl_xor_sync(0xffffffffu, amax, off);
+        amax = o > amax ? o : amax;
+      }
+      const int e = kvfp8::scale_exp(amax);
+      const float inv = kvfp8::pow2(-e);
+      uint8_t* row = static_cast<uint8_t*>(c.cache) + s * c.cache_stride;
+#pragma unroll
+      for (int j = 0; j < 4; ++j)
+        if (4 * lane + j < len) row[c0 + 4 * lane + j] = kvfp8::e4m3_encode(v[j] * inv);
+      float* sc = reinterpret_cast<float*>(row + c.D);
+      if (lane == 0) sc[u] = kvfp8::pow2(e);
+      const int ng = c.D / c.unit, pad = int(kvfp8::scale_bytes(c.D) / 4) - ng;
+      if (u == 0 && lane >= 1 && lane <= pad) sc[ng + lane - 1] = 0.0f;  // the scales' padding
+    } else if (c.kind == 1) {
+      __nv_bfloat16* row = static_cast<__nv_bfloat16*>(c.cache) + s * c.cache_stride;
+#pragma unroll
+      for (int j = 0; j < 4; ++j)
+        if (4 * lane + j < len) row[c0 + 4 * lane + j] = __float2bfloat16_rn(v[j]);
+    } else {
+      float* row = static_cast<float*>(c.cache) + s * c.cache_stride;
+#pragma unroll
+      for (int j = 0; j < 4; ++j)
+        if (4 * lane + j < len) row[c0 + 4 * lane + j] = v[j];
+    }
   }
 }
 
@@ -399,12 +479,21 @@ void cache_write(const Tensor& src, const Tensor& slots, Tensor& cache) {
   DFLASH2_CHECK_ARG(src.device().is_cuda() && slots.device() == src.device() && cache.device() == src.device(),
                     "cuda::cache_write: src, slots and cache must be on the same CUDA device, found ", src.describe(),
                     ", ", slots.describe(), ", ", cache.describe());
-  DFLASH2_CHECK_ARG(src.dtype() == DType::F32 && (cache.dtype() == DType::F32 || cache.dtype() == DType::BF16) &&
+  DFLASH2_CHECK_ARG(src.dtype() == DType::F32 &&
+                        (cache.dtype() == DType::F32 || cache.dtype() == DType::BF16 || cache.dtype() == DType::U8) &&
                         src.ndim() == 2 && cache.ndim() == 2,
-                    "cuda::cache_write: src must be F32 [rows, D] and cache F32 or BF16 [rows, D], found ",
-                    src.describe(), " and ", cache.describe());
+                    "cuda::cache_write: src must be F32 [rows, D] and cache F32 or BF16 [rows, D] (or U8 FP8 rows), "
+                    "found ", src.describe(), " and ", cache.describe());
   DFLASH2_CHECK_ARG(slots.dtype() == DType::I32 && slots.ndim() == 1 && slots.shape(0) == src.shape(0),
                     "cuda::cache_write: slots must be I32 [", src.shape(0), "], found ", slots.describe());
+  if (cache.dtype() == DType::U8) {
+    bool done = false;
+    const Tensor* sp = &src;
+    Tensor* cp = &cache;
+    cache_write_many({sp}, slots, {cp}, done);
+    DFLASH2_CHECK_ARG(done, "cuda::cache_write: src ", src.describe(), " overlaps the FP8 cache ", cache.describe());
+    return;
+  }
   DFLASH2_CHECK_ARG(src.shape(1) == cache.shape(1), "cuda::cache_write: src rows have ", src.shape(1),
                     " values but cache rows have ", cache.shape(1));
   const layout::RowLayout ls = layout::row_layout(src, "cache_write", "src");
@@ -440,6 +529,54 @@ void cache_write(const Tensor& src, const Tensor& slots, Tensor& cache) {
   detail::check_launch("cache_write kernel launch", src.describe(), " into ", cache.describe());
 }
 
+namespace {
+// cache_write_many's pairs when one of them is an FP8 cache: every pair in warp units, one
+// launch (cache_write_warp_kernel); done stays false where the pairs overlap (one by one then).
+void cache_write_warps(const std::vector<const Tensor*>& srcs, const Tensor& slots, const std::vector<Tensor*>& caches,
+                       bool& done) {
+  const char* op = "cuda::cache_write_many";
+  const int64_t T = slots.shape(0);
+  WarpTargets tg{};
+  int64_t units = 0;
+  for (size_t i = 0; i < srcs.size(); ++i) {
+    DFLASH2_CHECK_ARG(srcs[i] && caches[i], op, ": null tensor");
+    const Tensor &src = *srcs[i], &cache = *caches[i];
+    DFLASH2_CHECK_ARG(src.device() == slots.device() && cache.device() == slots.device(), op,
+                      ": src, slots and cache must be on the same CUDA device, found ", src.describe(), ", ",
+                      slots.describe(), ", ", cache.describe());
+    const bool fp8 = cache.dtype() == DType::U8;
+    const int64_t D = src.ndim() == 2 ? src.shape(1) : -1;
+    DFLASH2_CHECK_ARG(src.dtype() == DType::F32 && src.ndim() == 2 && cache.ndim() == 2 && src.shape(0) == T &&
+                          (cache.dtype() == DType::F32 || cache.dtype() == DType::BF16 || fp8) &&
+                          (fp8 ? kvfp8::fits(D) && cache.shape(1) == kvfp8::fp8_bytes(D) : D == cache.shape(1)),
+                      op, ": src must be F32 [", T, ", D] and cache F32 or BF16 [rows, D] or U8 [rows, fp8_bytes(D)] ",
+                      "(ops/kv_fp8.h), found ", src.describe(), " and ", cache.describe());
+    DFLASH2_CHECK_ARG(D <= INT32_MAX, op, ": rows of ", D, " values are too long");
+    const layout::RowLayout ls = layout::row_layout(src, "cache_write_many", "src");
+    const layout::RowLayout lc = layout::row_layout(cache, "cache_write_many", "cache");
+    layout::check_rows_disjoint(lc, "cache_write_many", "cache");
+    if (D == 0 || T == 0) continue;
+    const int unit = fp8 ? int(kvfp8::group(D)) : kUnit;
+    units += (D + unit - 1) / unit;
+    tg.t[tg.n++] = WarpTarget{src.data_as<const float>(), ls.stride, cache.data(), lc.stride, cache.shape(0), units,
+                              int(D), unit, fp8 ? 2 : cache.dtype() == DType::BF16 ? 1 : 0};
+  }
+  for (size_t i = 0; i < caches.size(); ++i)
+    for (size_t j = 0; j < srcs.size(); ++j)
+      if ((j < i && !layout::views_disjoint(*caches[i], *caches[j])) || !layout::views_disjoint(*caches[i], *srcs[j]))
+        return;
+  done = true;
+  if (tg.n == 0) return;
+  detail::DeviceGuard guard(slots.device().index);
+  const int threads = kThreads;
+  static_assert(kThreads % 32 == 0, "whole warps");
+  const dim3 grid = rows_grid(units * 32, T, threads);
+  cache_write_warp_kernel<<<grid, threads, 0, detail::stream()>>>(tg, slots.data_as<const int32_t>(), slots.stride(0),
+                                                                  T);
+  detail::check_launch("cache_write (FP8) kernel launch", srcs[0]->describe(), " into ", caches[0]->describe());
+}
+}  // namespace
+
 void cache_write_many(const std::vector<const Tensor*>& srcs, const Tensor& slots, const std::vector<Tensor*>& caches,
                       bool& done) {
   done = false;
@@ -449,6 +586,9 @@ void cache_write_many(const std::vector<const Tensor*>& srcs, const Tensor& slot
   DFLASH2_CHECK_ARG(slots.device().is_cuda() && slots.dtype() == DType::I32 && slots.ndim() == 1, op,
                     ": slots must be I32 [T] on a CUDA device, found ", slots.describe());
   const int64_t T = slots.shape(0);
+  bool any_fp8 = false;
+  for (size_t i = 0; i < srcs.size(); ++i) any_fp8 = any_fp8 || (caches[i] && caches[i]->dtype() == DType::U8);
+  if (any_fp8) return cache_write_warps(srcs, slots, caches, done);
   CacheTargets tg{};
   int64_t total = 0;
   for (size_t i = 0; i < srcs.size(); ++i) {
