@@ -102,6 +102,36 @@ def test_reference_quantizer_bounds():
     assert (deq[0] == 0).all()
 
 
+@pytest.mark.parametrize("dev", DEVICES)
+def test_fp8_encoder_ties_subnormals_and_saturation(dev):
+    """kv_fp8.h's integer E4M3 encoder (the CPU's and the GPU's one function) through
+    cache_write, against torch's rounding: every E4M3 value, every midpoint between neighbours
+    (ties to the even code), one float32 ulp either side of each, the subnormal range and
+    values below half the smallest subnormal, both signs; each group holds 448, so its scale is
+    1 and the codes are the values' own."""
+    need_device(dev, "cache_write")
+    finite = torch.arange(256, dtype=torch.uint8).view(torch.float8_e4m3fn).float().numpy().astype(np.float64)
+    pos = np.unique(np.abs(finite[np.isfinite(finite)]))
+    mids = (pos[1:] + pos[:-1]) / 2
+    v = np.concatenate([pos, mids, np.nextafter(mids.astype(np.float32), np.float32(0)),
+                        np.nextafter(mids.astype(np.float32), np.float32(np.inf)),
+                        [2.0 ** -10, 2.0 ** -10 * 1.0000001, 2.0 ** -11, 1e-30, 447.99, 2.0 ** -9 * 1.5]])
+    v = np.concatenate([v, -v]).astype(np.float32)
+    G = 127
+    n = -(-len(v) // G)
+    x = np.zeros((n, 128), np.float32)
+    x[:, 0] = 448.0
+    x[:, 1:].reshape(-1)[:len(v)] = v
+    slots = np.arange(n, dtype=np.int32)
+    cache = to_dev(np.zeros((n, fp8_bytes(128)), np.uint8), dev)
+    ops.cache_write(to_dev(x, dev), to_dev(slots, dev), cache)
+    got = to_np(cache)
+    assert (got[:, 128:132].copy().view(np.float32) == 1.0).all(), "a group holding 448 has scale 1"
+    want = torch.from_numpy(x).to(torch.float8_e4m3fn).view(torch.uint8).numpy()
+    bad = np.argwhere(got[:, :128] != want)
+    assert bad.size == 0, [(float(x[r, c]), int(got[r, c]), int(want[r, c])) for r, c in bad[:6]]
+
+
 # ----------------------------------------------------------------------------- cache_write
 @pytest.mark.parametrize("dev", DEVICES)
 @pytest.mark.parametrize("D", [16, 48, 128, 256, 512])

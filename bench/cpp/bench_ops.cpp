@@ -251,6 +251,25 @@ Tensor upload(const std::vector<T>& v, DType dt, const Tensor::Shape& shape) {
   if (!v.empty()) std::memcpy(h.data(), v.data(), v.size() * sizeof(T));
   return h.to(g_dev);
 }
+// An FP8 cache layer (kv_cache_dtype "fp8") of `rows` rows on the device: D random values
+// quantized by ops::cache_write (valid codes and scales), then `tail` random BF16 values (the
+// MLA latent's rope).
+Tensor dev_fp8_cache(int64_t rows, int64_t D, int64_t tail, uint64_t seed) {
+  const int64_t qb = ops::fp8_cache_row_bytes(D);
+  const int64_t width = tail ? ops::fp8_latent_row_bytes(D, tail) : qb;
+  Tensor c = Tensor::zeros(DType::U8, {rows, width}, g_dev);
+  std::vector<int32_t> sl(static_cast<size_t>(rows));
+  for (int64_t i = 0; i < rows; ++i) sl[size_t(i)] = int32_t(i);
+  Tensor slots = upload(sl, DType::I32, {rows});
+  Tensor src = dev_rand(DType::F32, {rows, D + tail}, seed);
+  Tensor q8 = c.slice(1, 0, qb);
+  ops::cache_write(src.slice(1, 0, D), slots, q8);
+  if (tail) {
+    Tensor pe = Tensor::view(c.data_as<uint8_t>() + qb, DType::BF16, {rows, tail}, {width / 2, 1}, g_dev, c.owner());
+    ops::cache_write(src.slice(1, D, D + tail), slots, pe);
+  }
+  return c;
+}
 [[maybe_unused]] Tensor dev_fill_f32(float value, const Tensor::Shape& shape) {
   Tensor h = Tensor::empty(DType::F32, shape);
   std::fill(h.data_as<float>(), h.data_as<float>() + h.numel(), value);
@@ -1119,15 +1138,16 @@ std::vector<Step> steps_for(const Bench& b, const std::vector<int64_t>& ctxs) {
   return out;
 }
 
-// MLA over the latent cache in F32 (the default, the SIMT kernel) and BF16 (Engine
+// MLA over the latent cache in F32 (the default, the SIMT kernel), BF16 (Engine
 // kv_cache_dtype="bf16": the tensor-core kernel, ops::mla_tc(), against the SIMT kernel over the
-// same BF16 cache in the same run).
+// same BF16 cache in the same run) and FP8 (kv_cache_dtype="fp8": 656-byte rows dequantized as
+// the tensor-core kernel stages them, against that kernel over a BF16 cache of the same shape).
 void bench_mla(Bench& b) {
-  for (const DType cdt : {DType::F32, DType::BF16})
+  for (const DType cdt : {DType::F32, DType::BF16, DType::U8})
   for (int64_t nh : {int64_t(64), int64_t(16)}) {
     if (b.opt.quick && nh == 64) continue;
     for (bool sparse : {true, false}) {
-      if (cdt == DType::BF16 && !sparse && b.opt.quick) continue;
+      if (cdt != DType::F32 && !sparse && b.opt.quick) continue;
       // sparse: 2048 selected keys of a 4096-token context; dense: a 2048-token context
       for (const Step& s : steps_for(b, {sparse ? 2 * G.idx_topk : G.idx_topk})) {
         const int64_t T = s.T(), lat = G.latent();
@@ -1155,16 +1175,18 @@ void bench_mla(Bench& b) {
           for (int64_t t = 0; t < T; ++t) keys += ph.pos[size_t(t)] + 1.0;
           distinct = double(s.batch) * s.ctx;
         }
-        const bool bf = cdt == DType::BF16;
+        const bool bf = cdt == DType::BF16, f8 = cdt == DType::U8;
+        const double row_bytes = f8 ? double(ops::fp8_latent_row_bytes(G.kv_lora, G.rope)) : lat * (bf ? 2.0 : 4.0);
         Result r{"mla_attention", "h" + std::to_string(nh) + (sparse ? " sel2048" : " dense") + " " + s.label(),
-                 bf ? "bf16 kv tc" : "f32", s.label(), T};
-        r.bytes = distinct * lat * (bf ? 2 : 4) + 4.0 * T * nh * (G.kv_lora + G.rope) + 4.0 * T * nh * G.kv_lora;
+                 f8 ? "fp8 kv tc" : bf ? "bf16 kv tc" : "f32", s.label(), T};
+        r.bytes = distinct * row_bytes + 4.0 * T * nh * (G.kv_lora + G.rope) + 4.0 * T * nh * G.kv_lora;
         r.flops = keys * nh * 2.0 * (lat + G.kv_lora);
         b.run(r, [&](Baseline& base) {
-          const double cache_bytes = double(ph.rows) * lat * (bf ? 2 : 4);
+          const double cache_bytes = double(ph.rows) * row_bytes;
           const int vars = rotations(int64_t(cache_bytes));
-          std::vector<Tensor> caches;
-          for (int v = 0; v < vars; ++v) caches.push_back(dev_rand(cdt, {ph.rows, lat}, 30 + v));
+          std::vector<Tensor> caches, bf16_caches;
+          for (int v = 0; v < vars; ++v)
+            caches.push_back(f8 ? dev_fp8_cache(ph.rows, G.kv_lora, G.rope, 30 + v) : dev_rand(cdt, {ph.rows, lat}, 30 + v));
           ops::PagedTokens tok = upload_paged(ph, s);
           Tensor q = dev_rand(DType::F32, {T, nh, G.qk()}, 5);
           Tensor q_pe = q.slice(2, G.nope, G.qk());
@@ -1175,6 +1197,16 @@ void bench_mla(Bench& b) {
             dlen = upload(sel_len, DType::I32, {T});
           }
           const float scale = 1.0f / std::sqrt(float(G.qk()));
+          if (f8) {
+            const int bvars = rotations(int64_t(double(ph.rows) * lat * 2));
+            for (int v = 0; v < bvars; ++v) bf16_caches.push_back(dev_rand(DType::BF16, {ph.rows, lat}, 30 + v));
+            base.name = "bf16_tc";
+            base.kind = "mla_attention's tensor-core kernel over a BF16 cache (kv_cache_dtype bf16)";
+            base.variants = bvars;
+            base.run = [=](int v) mutable {
+              ops::mla_attention(q_lat, q_pe, bf16_caches[size_t(v)], tok, dsel, dlen, scale, out);
+            };
+          }
           if (bf) {
             base.name = "simt_bf16";
             base.kind = "mla_attention's SIMT kernel over the same BF16 cache (ops::set_mla_tc(false))";
@@ -1245,30 +1277,34 @@ void bench_block_attention(Bench& b) {
 // the SIMT kernel against the F32 keys, and on the tensor cores (ops::indexer_tc()) against
 // the SIMT kernel over the same BF16 keys, each baseline in the same run; contexts of 4096 and
 // 32768 keys (--quick: the BF16 rows at 4096 only), and 131072 for one sequence on the tensor
-// cores.
+// cores; FP8 keys (kv_cache_dtype="fp8": 144-byte rows dequantized as the tensor-core kernel
+// stages them) against the tensor cores over BF16 keys.
 void bench_indexer(Bench& b) {
-  enum Mode { kF32, kBf16Simt, kBf16Tc };
-  for (const Mode mode : {kF32, kBf16Simt, kBf16Tc})
+  enum Mode { kF32, kBf16Simt, kBf16Tc, kFp8Tc };
+  for (const Mode mode : {kF32, kBf16Simt, kBf16Tc, kFp8Tc})
   for (const Step& s : steps_for(b, {4096, 32768, 131072})) {
-    const bool bf = mode != kF32, tc = mode == kBf16Tc;
+    const bool f8 = mode == kFp8Tc, bf = mode != kF32 && !f8, tc = mode == kBf16Tc || f8;
+    if (f8 && s.ctx == 131072) continue;
     // 128K keys (GLM-5.3's long contexts: the select's passes, the key tiles' L2 reuse): one
     // sequence, on the tensor cores against the SIMT kernel
     if (s.ctx == 131072 && (!tc || s.batch != 1)) continue;
-    if (bf && b.opt.quick && s.ctx == 32768) continue;
+    if ((bf || f8) && b.opt.quick && s.ctx == 32768) continue;
     const DType cdt = bf ? DType::BF16 : DType::F32;
     const int64_t T = s.T();
     PagedHost ph = make_paged(s, 8);
     double keys = 0;
     for (int64_t t = 0; t < T; ++t) keys += ph.pos[size_t(t)] + 1.0;
-    Result r{"indexer_topk", "h32x128 top2048 " + s.label(), tc ? "bf16 kv tc" : bf ? "bf16 kv" : "f32", s.label(), T};
-    r.bytes = double(s.batch) * s.ctx * G.idx_dim * (bf ? 2 : 4) + 4.0 * T * G.idx_heads * (G.idx_dim + 1) +
-              4.0 * T * G.idx_topk;
+    Result r{"indexer_topk", "h32x128 top2048 " + s.label(), f8 ? "fp8 kv tc" : tc ? "bf16 kv tc" : bf ? "bf16 kv" : "f32",
+             s.label(), T};
+    const double row_bytes = f8 ? double(ops::fp8_cache_row_bytes(G.idx_dim)) : G.idx_dim * (bf ? 2.0 : 4.0);
+    r.bytes = double(s.batch) * s.ctx * row_bytes + 4.0 * T * G.idx_heads * (G.idx_dim + 1) + 4.0 * T * G.idx_topk;
     r.flops = keys * G.idx_heads * 2.0 * G.idx_dim;
     b.run(r, [&](Baseline& base) {
-      const double cache_bytes = double(ph.rows) * G.idx_dim * (bf ? 2 : 4);
+      const double cache_bytes = double(ph.rows) * row_bytes;
       const int vars = rotations(int64_t(cache_bytes));
-      std::vector<Tensor> caches, f32_caches;
-      for (int v = 0; v < vars; ++v) caches.push_back(dev_rand(cdt, {ph.rows, G.idx_dim}, 40 + v));
+      std::vector<Tensor> caches, f32_caches, bf16_caches;
+      for (int v = 0; v < vars; ++v)
+        caches.push_back(f8 ? dev_fp8_cache(ph.rows, G.idx_dim, 0, 40 + v) : dev_rand(cdt, {ph.rows, G.idx_dim}, 40 + v));
       ops::PagedTokens tok = upload_paged(ph, s);
       Tensor q = dev_rand(DType::F32, {T, G.idx_heads, G.idx_dim}, 9), w = dev_rand(DType::F32, {T, G.idx_heads}, 10);
       Tensor sel = dev_empty(DType::I32, {T, G.idx_topk}), len = dev_empty(DType::I32, {T});
@@ -1289,7 +1325,19 @@ void bench_indexer(Bench& b) {
         base.run = [=](int v) mutable { ops::indexer_topk(q, w, f32_caches[size_t(v)], tok, k, sel, len); };
         return std::make_pair(std::function<void(int)>(simt), vars);
       }
-      if (tc) {
+      if (f8) {
+        const int bvars = rotations(int64_t(double(ph.rows) * G.idx_dim * 2));
+        for (int v = 0; v < bvars; ++v) bf16_caches.push_back(dev_rand(DType::BF16, {ph.rows, G.idx_dim}, 40 + v));
+        base.name = "bf16_tc";
+        base.kind = "indexer_topk on the tensor cores over BF16 index keys (kv_cache_dtype bf16)";
+        base.variants = bvars;
+        base.run = [=](int v) mutable {
+          const bool was = ops::indexer_tc();
+          ops::set_indexer_tc(true);
+          ops::indexer_topk(q, w, bf16_caches[size_t(v)], tok, k, sel, len);
+          ops::set_indexer_tc(was);
+        };
+      } else if (tc) {
         base.name = "simt_bf16";
         base.kind = "indexer_topk's SIMT score kernel over the same BF16 keys (ops::set_indexer_tc(false))";
         base.variants = vars;

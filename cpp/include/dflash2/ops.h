@@ -377,8 +377,19 @@ struct PagedTokens {
   Tensor block_table;  // I32 [S, max_blocks]
   int64_t block_size = 0;
 };
+// An FP8 cache layer (kv_cache_dtype "fp8") is a U8 tensor of rows of bytes: D values as E4M3
+// codes, then one float32 power-of-two scale per group of min(D, 128) values, padded to 16
+// bytes (fp8_cache_row_bytes(D); D a multiple of 16, at most 128 or a multiple of 128, else
+// 0); an MLA latent row adds its rope values in BF16 after them, padded to 16 bytes
+// (fp8_latent_row_bytes; GLM-5.3: 656). A stored value is exact in BF16. mla_attention and
+// indexer_topk / indexer_scores take such rows (the latent's kv_lora and rope from q_lat and
+// q_pe); cache_write writes the quantized part (see the layout in cpp/src/ops/kv_fp8.h).
+int64_t fp8_cache_row_bytes(int64_t D);
+int64_t fp8_latent_row_bytes(int64_t kv_lora, int64_t rope);
 // cache[slots[t], :] = src[t, :] (src F32 [T, D], slots I32 [T]; cache F32, or BF16: the
-// values rounded to nearest even); a negative slot skips the row (padding).
+// values rounded to nearest even, or U8 [rows, fp8_cache_row_bytes(D)]: quantized, each
+// group's scale the smallest power of two with amax <= 448 * scale, codes rounded to nearest
+// even, a non-finite value stored as NaN); a negative slot skips the row (padding).
 void cache_write(const Tensor& src, const Tensor& slots, Tensor& cache);
 // cache_write(*srcs[i], slots, *caches[i]) for every i (the same slots): the same results; the
 // CUDA backend writes them with one kernel (a layer's latent c, k_pe and index keys).

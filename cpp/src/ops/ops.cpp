@@ -845,6 +845,11 @@ void check_cache_write(const Tensor& src, const Tensor& slots, const Tensor& cac
 }
 }  // namespace
 
+int64_t fp8_cache_row_bytes(int64_t D) { return kvfp8::fits(D) ? kvfp8::fp8_bytes(D) : 0; }
+int64_t fp8_latent_row_bytes(int64_t kv_lora, int64_t rope) {
+  return kvfp8::fits(kv_lora) && rope >= 0 ? kvfp8::fp8_latent_bytes(kv_lora, rope) : 0;
+}
+
 void cache_write(const Tensor& src, const Tensor& slots, Tensor& cache) {
   check_cache_write(src, slots, cache, "cache_write");
   DFLASH2_DISPATCH(cache_write, src, src, slots, cache);

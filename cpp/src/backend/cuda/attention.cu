@@ -871,12 +871,65 @@ __device__ __forceinline__ MlaKeys mla_keys(const Tokens& tk, int64_t t, int64_t
   return k;
 }
 
+// mla_kernel's chunk of kMlaKC rows of an FP8 latent cache (ops/kv_fp8.h) into ks, dequantized
+// exactly: per row kvl / 16 units of codes, then the rope's BF16 values 8 per 16-byte load; two
+// units in flight per thread. Every thread of the block calls it (slots: the chunk's rows).
+__device__ __forceinline__ void mla_stage_fp8(const uint8_t* __restrict__ cache8, int64_t c_stride,
+                                           const int64_t* slots, float* ks, int kstride, int kvl, int D) {
+  constexpr int kV = 2;
+  const int UQ = kvl / 16, U = UQ + (D - kvl + 7) / 8;
+  const int64_t qb = kvfp8::fp8_bytes(kvl);
+  for (int base = threadIdx.x; base < kMlaKC * U; base += kV * kMlaThreads) {
+    Fp8Unit v[kV];
+    int at[kV], nv[kV];
+#pragma unroll
+    for (int u = 0; u < kV; ++u) {
+      const int idx = base + u * kMlaThreads;
+      at[u] = -1;
+      nv[u] = 0;
+      v[u].c = make_uint4(0u, 0u, 0u, 0u);
+      v[u].s = 0.0f;
+      if (idx < kMlaKC * U) {
+        const int r = idx / U, un = idx - r * U;
+        const int64_t slot = slots[r];
+        const uint8_t* rp = cache8 + slot * c_stride;
+        if (un < UQ) {
+          at[u] = r * kstride + 16 * un;
+          nv[u] = 16;
+          if (slot >= 0) v[u] = fp8_load(rp, kvl, un);
+        } else {
+          const int e = kvl + 8 * (un - UQ);
+          at[u] = r * kstride + e;
+          nv[u] = D - e < 8 ? -(D - e) : -8;  // negative: that many BF16 values
+          if (slot >= 0) v[u].c = *reinterpret_cast<const uint4*>(rp + qb + 16 * (un - UQ));
+        }
+      }
+    }
+#pragma unroll
+    for (int u = 0; u < kV; ++u) {
+      if (at[u] < 0) continue;
+      if (nv[u] > 0) {
+        float f[16];
+        fp8_widen16(v[u], f);
+#pragma unroll
+        for (int q = 0; q < 16; ++q) ks[at[u] + q] = f[q];
+      } else {
+        float f[8];
+        detail::widen_bf16x8(v[u].c, f);
+#pragma unroll
+        for (int q = 0; q < 8; ++q)
+          if (q < -nv[u]) ks[at[u] + q] = f[q];
+      }
+    }
+  }
+}
+
 // split = 0: each block walks all of its token's keys, segment by segment (kMlaSeg keys,
 // online softmax inside a segment), folding each segment into registers, and writes out.
 // split = 1: block z handles segment z only (the last grid segment also takes any keys past
 // the grid, which only a caller passing sel_len < 0 with more causal keys than sel's columns
 // can cause) and writes its partial state for mla_combine_kernel.
-template <int HG, int DPT>
+template <int HG, int DPT, bool F8>
 __global__ void __launch_bounds__(kMlaThreads)
     mla_kernel(const float* __restrict__ q_lat, int64_t ql_s0, int64_t ql_s1, const float* __restrict__ q_pe,
                int64_t qp_s0, int64_t qp_s1, const float* __restrict__ cache,
@@ -966,7 +1019,7 @@ __global__ void __launch_bounds__(kMlaThreads)
         // 4-head groups and kv_lora >= 512 (GLM-5.3's split decode variant mla_kernel<4, 2>:
         // 32 KB per block, a 32-key chunk of 576-float rows in ~2 rounds), half as many
         // otherwise (8 spilled 212 bytes in sm_100a's mla_kernel<16, 2>, 16 in its <4, 1>).
-        if (vec4) {
+        if (!F8 && vec4) {
           constexpr int kV = HG > 4 || DPT < 2 ? kMlaGatherILP / 2 : kMlaGatherILP;
           const int D4 = D / 4;
           for (int base = threadIdx.x; base < kMlaKC * D4; base += kV * kMlaThreads) {
@@ -994,7 +1047,7 @@ __global__ void __launch_bounds__(kMlaThreads)
               }
           }
         }
-        if (vec8) {
+        if (!F8 && vec8) {
           constexpr int kV = HG > 4 || DPT < 2 ? kMlaGatherILP / 2 : kMlaGatherILP;
           const int D8 = D / 8;
           for (int base = threadIdx.x; base < kMlaKC * D8; base += kV * kMlaThreads) {
@@ -1022,56 +1075,10 @@ __global__ void __launch_bounds__(kMlaThreads)
               }
           }
         }
-        if (cache8) {  // per row: kvl / 16 units of codes, then the rope's BF16 values 8 per load
-          constexpr int kV = kMlaGatherILP / 2;
-          const int UQ = kvl / 16, U = UQ + (sh.rope + 7) / 8;
-          const int64_t qb = kvfp8::fp8_bytes(kvl);
-          for (int base = threadIdx.x; base < kMlaKC * U; base += kV * kMlaThreads) {
-            Fp8Unit v[kV];
-            int at[kV], nv[kV];
-#pragma unroll
-            for (int u = 0; u < kV; ++u) {
-              const int idx = base + u * kMlaThreads;
-              at[u] = -1;
-              nv[u] = 0;
-              v[u].c = make_uint4(0u, 0u, 0u, 0u);
-              v[u].s = 0.0f;
-              if (idx < kMlaKC * U) {
-                const int r = idx / U, un = idx - r * U;
-                const int64_t slot = slots[r];
-                const uint8_t* rp = cache8 + slot * c_stride;
-                if (un < UQ) {
-                  at[u] = r * sh.kstride + 16 * un;
-                  nv[u] = 16;
-                  if (slot >= 0) v[u] = fp8_load(rp, kvl, un);
-                } else {
-                  const int e = kvl + 8 * (un - UQ);
-                  at[u] = r * sh.kstride + e;
-                  nv[u] = D - e < 8 ? -(D - e) : -8;  // negative: BF16 values
-                  if (slot >= 0) v[u].c = *reinterpret_cast<const uint4*>(rp + qb + 16 * (un - UQ));
-                }
-              }
-            }
-#pragma unroll
-            for (int u = 0; u < kV; ++u) {
-              if (at[u] < 0) continue;
-              if (nv[u] > 0) {
-                float f[16];
-                fp8_widen16(v[u], f);
-#pragma unroll
-                for (int q = 0; q < 16; ++q) ks[at[u] + q] = f[q];
-              } else {
-                float f[8];
-                detail::widen_bf16x8(v[u].c, f);
-#pragma unroll
-                for (int q = 0; q < 8; ++q)
-                  if (q < -nv[u]) ks[at[u] + q] = f[q];
-              }
-            }
-          }
-        }
-        for (int base = threadIdx.x; !vec4 && !vec8 && !cache8 && base < kMlaKC * D;
-             base += kMlaGatherILP * kMlaThreads) {
+        // an FP8 cache: its own instantiations (F8; in the F32 / BF16 kernels the FP8 staging
+        // moved the register allocation: sm_100a's mla_kernel<4, 2> spilled)
+        if constexpr (F8) mla_stage_fp8(cache8, c_stride, slots, ks, sh.kstride, kvl, D);
+        for (int base = threadIdx.x; !F8 && !vec4 && !vec8 && base < kMlaKC * D; base += kMlaGatherILP * kMlaThreads) {
           float v[kMlaGatherILP];
           int at[kMlaGatherILP];
 #pragma unroll
@@ -2081,17 +2088,17 @@ void indexer_scores(const Tensor& q, const Tensor& w, const Tensor& key_cache, c
 
 // ------------------------------------------------------------------ mla_attention
 namespace {
-template <int HG, int DPT>
+template <int HG, int DPT, bool F8>
 void launch_mla(const Tensor& q_lat, const Tensor& q_pe, const Tensor& cache, const Tokens& tk, const Tensor& sel,
                 const Tensor& sel_len, float scale, Tensor& out, const MlaShape& sh, int device, const MlaSplit& sp) {
   const int64_t T = q_lat.shape(0), nh = q_lat.shape(1);
   const bool bf16 = cache.dtype() == DType::BF16, fp8 = cache.dtype() == DType::U8;
   const size_t smem = mla_smem(HG, sh);
-  allow_smem(mla_kernel<HG, DPT>, smem, device, "mla_attention");
+  allow_smem(mla_kernel<HG, DPT, F8>, smem, device, "mla_attention");
   const bool has = sel_len.defined();
   const unsigned gy = unsigned(T < detail::kMaxGridY ? T : detail::kMaxGridY);
   const dim3 grid(unsigned((nh + HG - 1) / HG), gy, unsigned(sp.nseg > 0 ? sp.nseg : 1));
-  mla_kernel<HG, DPT><<<grid, kMlaThreads, smem, detail::stream()>>>(
+  mla_kernel<HG, DPT, F8><<<grid, kMlaThreads, smem, detail::stream()>>>(
       q_lat.data_as<const float>(), q_lat.stride(0), q_lat.stride(1), q_pe.data_as<const float>(), q_pe.stride(0),
       q_pe.stride(1), bf16 || fp8 ? nullptr : cache.data_as<const float>(),
       bf16 ? static_cast<const __nv_bfloat16*>(cache.data()) : nullptr,
@@ -2135,9 +2142,17 @@ template <int HG>
 void launch_mla_dpt(int dpt, const Tensor& q_lat, const Tensor& q_pe, const Tensor& cache, const Tokens& tk,
                     const Tensor& sel, const Tensor& sel_len, float scale, Tensor& out, const MlaShape& sh, int device,
                     const MlaSplit& sp) {
-  if (dpt == 1) launch_mla<HG, 1>(q_lat, q_pe, cache, tk, sel, sel_len, scale, out, sh, device, sp);
-  else if (dpt == 2) launch_mla<HG, 2>(q_lat, q_pe, cache, tk, sel, sel_len, scale, out, sh, device, sp);
-  else launch_mla<HG, 4>(q_lat, q_pe, cache, tk, sel, sel_len, scale, out, sh, device, sp);
+  // an FP8 cache: its own instantiations, 4-head groups only (the tensor-core kernel takes
+  // GLM-5.3's shapes; this is the fallback)
+  if (cache.dtype() == DType::U8) {
+    if (dpt == 1) launch_mla<4, 1, true>(q_lat, q_pe, cache, tk, sel, sel_len, scale, out, sh, device, sp);
+    else if (dpt == 2) launch_mla<4, 2, true>(q_lat, q_pe, cache, tk, sel, sel_len, scale, out, sh, device, sp);
+    else launch_mla<4, 4, true>(q_lat, q_pe, cache, tk, sel, sel_len, scale, out, sh, device, sp);
+    return;
+  }
+  if (dpt == 1) launch_mla<HG, 1, false>(q_lat, q_pe, cache, tk, sel, sel_len, scale, out, sh, device, sp);
+  else if (dpt == 2) launch_mla<HG, 2, false>(q_lat, q_pe, cache, tk, sel, sel_len, scale, out, sh, device, sp);
+  else launch_mla<HG, 4, false>(q_lat, q_pe, cache, tk, sel, sel_len, scale, out, sh, device, sp);
 }
 }  // namespace
 
