@@ -19,7 +19,7 @@ run stopped by --budget or a timeout keeps what it measured.
 
     python bench/bench_concurrency.py [--levels 1 4 8 16 32] [--requests 3] [--new 64]
         [--modes ar "dflash2 fixed" "dflash2 adaptive" mtp dflash] [--models pair slice]
-        [--device cpu|cuda|cuda:N] [--clients threads|loop] [--budget SECONDS] [--kv-cache-dtype f32|bf16]
+        [--device cpu|cuda|cuda:N] [--clients threads|loop] [--budget SECONDS] [--kv-cache-dtype f32|bf16|fp8]
         [--decode-gemm exact|auto|bf16|fp8|nvfp4] [--exact-tc]
 
 --models slice: a two-layer target with GLM-5.3's attention dimensions (tests/glm_fixtures.py
@@ -135,7 +135,7 @@ def main(argv=None):
     ap.add_argument("--budget", type=float, default=0.0,
                     help="seconds: no new model or level starts that would likely end past it (0: no limit); "
                          "what ran is kept")
-    ap.add_argument("--kv-cache-dtype", default="f32", choices=["f32", "bf16"],
+    ap.add_argument("--kv-cache-dtype", default="f32", choices=["f32", "bf16", "fp8"],
                     help="every engine's Engine(kv_cache_dtype=...) (bf16 on CUDA: MLA on the tensor cores where "
                          "kv_lora allows, as the slice's 512)")
     ap.add_argument("--decode-gemm", default="exact", choices=["exact", "auto", "bf16", "fp8", "nvfp4"],

@@ -373,9 +373,10 @@ if [ "$DC_PYTHON_BINDING" = 1 ]; then
     # the per-op harness (every CUDA op vs the CPU op) and the CUDA engine vs the CPU engine;
     # -v: the log names each test as it starts (a step stopped at its limit shows which)
     run_step pytest "${DC_PYTEST_TIMEOUT:-240}" "$PY" -m pytest -v -rs "$ROOT/tests/test_ops.py" \
-      "$ROOT/tests/test_cuda_engine.py" "$ROOT/tests/test_quantize.py" ${PYTEST_TIMEOUT[@]+"${PYTEST_TIMEOUT[@]}"} \
+      "$ROOT/tests/test_cuda_engine.py" "$ROOT/tests/test_quantize.py" "$ROOT/tests/test_kv_fp8.py" \
+      ${PYTEST_TIMEOUT[@]+"${PYTEST_TIMEOUT[@]}"} \
       ${PYTEST_K[@]+"${PYTEST_K[@]}"} -p no:cacheprovider --junitxml="$LOGS/pytest.xml" ||
-      soft_fail pytest "tests/test_ops.py / test_cuda_engine.py / test_quantize.py failed or reached the limit (see $LOGS/pytest.log)"
+      soft_fail pytest "tests/test_ops.py / test_cuda_engine.py / test_quantize.py / test_kv_fp8.py failed or reached the limit (see $LOGS/pytest.log)"
     if [ "$GPU_USABLE" = 1 ] && [ -f "$LOGS/pytest.xml" ]; then
       n_cuda_skipped=$("$PY" - "$LOGS/pytest.xml" <<'PYEOF'
 import sys, xml.etree.ElementTree as ET
@@ -441,7 +442,7 @@ if [ "$GPU_USABLE" = 1 ] && [ "$DC_PYTEST_RAN" = 1 ]; then
     note "emulated: compute-sanitizer not run (every emulated step ran under EMU_MEMCHECK=$EMU_MEMCHECK instead)"
   elif [ -n "$SANITIZER" ]; then
     run_step memcheck "${DC_MEMCHECK_TIMEOUT:-120}" "$SANITIZER" --tool memcheck --error-exitcode 9 \
-      "$PY" -m pytest -v -x "$ROOT/tests/test_ops.py" "${MEMCHECK_K[@]}" \
+      "$PY" -m pytest -v -x "$ROOT/tests/test_ops.py" "$ROOT/tests/test_kv_fp8.py" "${MEMCHECK_K[@]}" \
       -p no:cacheprovider || {
       rc=$?
       if [ "$rc" = 124 ] && ! grep -q "ERROR SUMMARY: [1-9]\|Invalid\|FAILED" "$LOGS/memcheck.log"; then

@@ -12,7 +12,7 @@ the wall time is not the engine's speed; the per-op times are the kernels'. Writ
 <out>/op_profile[_<device>].json.
 
     python bench/op_profile.py [--device cpu|cuda] [--models pair slice] [--methods ar dflash2]
-                               [--batch 1 8] [--new 24] [--kv-cache-dtype f32 bf16] [--top 15]
+                               [--batch 1 8] [--new 24] [--kv-cache-dtype f32 bf16 fp8] [--top 15]
                                [--out bench/results]
 
 --kv-cache-dtype: one run per cache type (Engine kv_cache_dtype; on CUDA "bf16" puts MLA on the
@@ -72,7 +72,7 @@ def main(argv=None):
     ap.add_argument("--methods", nargs="+", default=["ar", "dflash2"], choices=["ar", "mtp", "dflash", "dflash2"])
     ap.add_argument("--batch", type=int, nargs="+", default=[1, 8])
     ap.add_argument("--new", type=int, default=24, help="tokens per request")
-    ap.add_argument("--kv-cache-dtype", nargs="+", default=["f32"], choices=["f32", "bf16"],
+    ap.add_argument("--kv-cache-dtype", nargs="+", default=["f32"], choices=["f32", "bf16", "fp8"],
                     help="the target's KV cache types to profile (one run each)")
     ap.add_argument("--top", type=int, default=15, help="ops printed per run (the JSON has all)")
     ap.add_argument("--out", default=os.path.join(HERE, "results"))

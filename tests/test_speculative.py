@@ -393,7 +393,7 @@ def test_kv_cache_bf16_is_lossless(world):
     _speculative_equals_ar(world, ar, 5, "kv_cache_dtype=bf16", kv_cache_dtype="bf16")
 
 
-def test_kv_cache_fp8_is_lossless(world):
+def test_kv_cache_fp8_is_lossless(world, tmp_path):
     """kv_cache_dtype="fp8" (cpp/src/ops/kv_fp8.h): the latent's kv_lora values and the index
     keys as E4M3 codes with a power-of-two scale per group, the latent's rope in BF16. Every
     method reads the same cache, so speculative (dflash2, MTP) == AR token for token at batch
@@ -427,6 +427,11 @@ def test_kv_cache_fp8_is_lossless(world):
     # of ~0.02; the bundled trained pair's logits move by ~1e-6)
     assert np.median(n8) <= 0.1, n8
     _speculative_equals_ar(world, fp8, 7, "kv_cache_dtype=fp8", kv_cache_dtype="fp8")
+    import glm_fixtures as gf
+    odd = gf.build_model(os.fspath(tmp_path / "lora24"), "tiny", config=dict(kv_lora_rank=24))
+    assert _engine(odd).kv_cache_dtype == "f32"  # the model loads
+    with pytest.raises(dflash2_rt.InvalidArgumentError, match="kv_lora_rank 24"):
+        _engine(odd, kv_cache_dtype="fp8")
 
 
 def test_fp8_prefill_is_lossless(world, tmp_path):

@@ -24,7 +24,8 @@ namespace dflash2::model {
 // the MLA latent rows [c (kv_lora) | k_pe (rope)], and the indexer keys of layers that run
 // an indexer (undefined for the others).
 struct GlmCache {
-  std::vector<Tensor> latent;  // per layer: F32 or BF16 (kv_cache_dtype) [rows, kv_lora + rope]
+  std::vector<Tensor> latent;  // per layer: F32 or BF16 (kv_cache_dtype) [rows, kv_lora + rope], or U8
+                               // FP8 rows [rows, fp8_latent_row_bytes] (ops/kv_fp8.h)
   std::vector<Tensor> index;   // per layer: F32 [rows, index_head_dim] or undefined
 };
 

@@ -23,7 +23,8 @@ class KvCache {
   struct Plane {
     int64_t layers = 0;  // cache layers in this plane
     int64_t dim = 0;     // values per token per layer
-    DType dtype = DType::F32;  // F32, or BF16 (the DFlash drafter's cache under draft_gemm)
+    DType dtype = DType::F32;  // F32, BF16 (kv_cache_dtype bf16; the DFlash drafter's cache under
+                               // draft_gemm) or U8 (kv_cache_dtype fp8: dim = bytes of an FP8 row)
   };
   KvCache() = default;
   // All memory is allocated here, once (zeroed); name is used in messages. `replicas` copies
