@@ -25,7 +25,7 @@
 # Environment: OUT (report folder), DFLASH2_CUDA_ARCHS (default 90a = H100/H200),
 # BUILD_DIR (default build-device), JOBS (default nproc), PYTHON (default python3),
 # DC_DEADLINE (seconds for everything, default 480), DC_ONLY (the steps to run after the
-# build, e.g. "ctest pytest"; default all: ctest pytest e2e bench_ops memcheck concurrency),
+# build, e.g. "ctest pytest"; default all: ctest pytest e2e kvq bench_ops memcheck concurrency),
 # DC_PYTEST_K (a pytest -k expression for the pytest and memcheck steps, e.g. "mla or moe"),
 # DC_PYTEST_WORKERS (the pytest step in that many pytest-xdist processes, where installed),
 # per-step limits in seconds: DC_CTEST_TIMEOUT (150), DC_PYTEST_TIMEOUT (240),
@@ -76,6 +76,7 @@ export DC_PYTHON_BINDING=0 DC_PYTEST_RAN=0 DC_CTEST_RAN=0 DC_SASS=""
 export DC_BENCH_OPS_JSON=""  # bench_ops --quick --json output, when it ran
 export DC_E2E_JSON=""        # bench_default_pair.py --device cuda output, when it ran
 export DC_CONC_JSON=""       # bench_concurrency.py --device cuda output, when it ran
+export DC_KVQ_JSON=""        # kv_cache_quality.py --device cuda output, when it ran
 export DC_OPPROF_JSON=""     # op_profile.py --device cuda output, when it ran
 export DC_SKIPPED=""         # steps not started (DC_ONLY, or the deadline)
 START=$(date +%s)
@@ -190,6 +191,13 @@ if e2e:
                                               for m, st in rows.items()} for mode, rows in modes.items()}
     except (OSError, ValueError, KeyError) as e:
         report["default_pair_cuda"] = {"json": e2e, "error": "no readable result: %s" % e}
+kvq = env.get("DC_KVQ_JSON", "")
+if kvq:
+    try:
+        with open(kvq) as f:
+            report["kv_cache_quality_cuda"] = json.load(f)["rows"]
+    except (OSError, ValueError, KeyError) as e:
+        report["kv_cache_quality_cuda"] = {"json": kvq, "error": "no readable result: %s" % e}
 conc = env.get("DC_CONC_JSON", "")
 if conc:
     try:
@@ -407,6 +415,15 @@ if [ "$GPU_USABLE" = 1 ] && [ "$DC_PYTHON_BINDING" = 1 ]; then
     --repeat 1 --threads 4 --out "$OUT_DIR" ||
     soft_fail e2e "bench/bench_default_pair.py --device cuda failed or reached its limit (see $LOGS/e2e.log)"
   if [ -f "$OUT_DIR/default_pair_cuda.json" ]; then DC_E2E_JSON=$OUT_DIR/default_pair_cuda.json; fi
+  # the KV cache's element type on the GPU's kernels (FP8 / BF16 rows against F32 ones, the
+  # indexer's FP8 keys on the tensor cores): logits, greedy agreement, dflash2 lossless under each
+  rm -f "$OUT_DIR/kv_cache_quality_cuda.json" "$OUT_DIR/kv_cache_quality_cuda.md"
+  KVQ_SIZE=(--n 4 --new 32)
+  [ "$EMULATE" = 1 ] && KVQ_SIZE=(--n 1 --new 8)
+  run_step kvq "${DC_KVQ_TIMEOUT:-60}" "$PY" "$ROOT/bench/kv_cache_quality.py" --device cuda "${KVQ_SIZE[@]}" \
+    --threads 4 --out "$OUT_DIR" ||
+    soft_fail kvq "bench/kv_cache_quality.py --device cuda failed or reached its limit (see $LOGS/kvq.log)"
+  if [ -f "$OUT_DIR/kv_cache_quality_cuda.json" ]; then DC_KVQ_JSON=$OUT_DIR/kv_cache_quality_cuda.json; fi
 fi
 
 # ---------------------------------------------------------------- op microbenchmarks (GPU only)

@@ -43,6 +43,8 @@ def main(argv=None):
     a = ap.parse_args(argv)
     dtypes = ["f32"] + [d for d in a.dtypes if d != "f32"]
     kw = dict(num_threads=a.threads, device=a.device, max_batch_size=1)
+    if a.device != "cpu":
+        kw["capture_at_load"] = False  # six engines: their graphs as the steps need them, not at load
     base = dflash2_rt.Engine(method="ar", kv_cache_dtype="f32", **kw)
     prompts = heldout_prompts(base.tokenizer, a.n)
     want = [list(r.token_ids) for r in (base.generate([p], max_new_tokens=a.new, stop_token_ids=[])[0]

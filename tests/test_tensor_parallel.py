@@ -77,6 +77,30 @@ def test_logits_equal_tp1(zoo, variant, tp, ep):
         close(eng.logits(ids), one.logits(ids), f"{variant} TP={tp} ep={ep} n={n}")
 
 
+@pytest.mark.parametrize("kv", ["bf16", "fp8"])
+def test_kv_cache_dtype_at_tp(zoo, kv):
+    """kv_cache_dtype="bf16" / "fp8" under tensor parallelism: every rank keeps its own copy of
+    the latent and index-key caches in that form (BF16 rows, or FP8 rows: cpp/src/ops/kv_fp8.h),
+    so TP=2 and TP=4 give TP=1's logits under the same cache type, and MTP at TP=2 equals
+    TP=1's AR token for token where the margins allow. The tolerance is the cache's rounding: the
+    ranks' all-reduced sums differ from TP=1's in the last bits, and a latent value that lands on
+    the other side of a BF16 / E4M3 rounding point moves a logit by up to 2^-9 / 2^-4 of that
+    value's share (a wrong row layout moves them by O(1))."""
+    rel = {"bf16": 1e-3, "fp8": 1e-2}[kv]
+    one = zoo.engine("tiny", 1, kv_cache_dtype=kv)
+    for tp in (2, 4):
+        eng = zoo.engine("tiny", tp, kv_cache_dtype=kv)
+        assert eng.kv_cache_dtype == kv
+        for n in (1, 40):
+            ids = gf.prompt(220 + n, n)
+            close(eng.logits(ids), one.logits(ids), f"kv {kv} TP={tp} n={n}", rel=rel)
+    mtp = zoo.engine("tiny", 2, method="mtp", kv_cache_dtype=kv)
+    p = gf.prompt(330, 12)
+    (want,) = one.generate([p], max_new_tokens=16, stop_token_ids=NO_STOP)
+    (got,) = mtp.generate([p], max_new_tokens=16, stop_token_ids=NO_STOP)
+    same_tokens(one, p, got.token_ids, want.token_ids, f"mtp TP=2 kv {kv}", rel=rel)
+
+
 def test_tp_engine_matches_transformers(zoo):
     """Not only equal to TP=1: equal to the oracle (so TP=1 and TP=N are not wrong together)."""
     hf = gf.load_hf(zoo.path("tiny"))

@@ -432,6 +432,16 @@ std::string tc_gemm_self_check(Device dev, ops::GemmNumerics g, std::string* exp
   }
 }
 
+// A load-time check's verdict: f()'s ("" = passed), or why it threw.
+template <class F>
+std::string check_guarded(F&& f) {
+  try {
+    return f();
+  } catch (const std::exception& e) {
+    return std::string("it threw: ") + e.what();
+  }
+}
+
 // ops::exact_tc() on a GPU (linear's and the routed experts' exact numerics on the tensor
 // cores): a BF16, an FP8 and an NVFP4 weight (K = 208: tails of the 128 / 256-input stages;
 // M = 130: many token tiles) and 4 FP8 experts (5 tokens, top-2, expert 2 unused) against
@@ -439,7 +449,7 @@ std::string tc_gemm_self_check(Device dev, ops::GemmNumerics g, std::string* exp
 // the weights' M = 1 / 5 rows bitwise their M = 130 rows. "" when it passes, else why not
 // (then exact_tc is turned off in the process: the SIMT kernels run instead).
 std::string exact_tc_self_check(Device dev) {
-  try {
+  return check_guarded([&]() -> std::string {
     CheckRng rng;
     const int64_t M = 130, K = 208, N = 150;
     Tensor x = Tensor::empty(DType::F32, {M, K});
@@ -474,9 +484,7 @@ std::string exact_tc_self_check(Device dev) {
     Tensor yg = Tensor::empty(DType::F32, {T, H}, dev), wsg = Tensor::empty(DType::F32, {nws}, dev);
     ops::moe_experts(xe.to(dev), ids.to(dev), rw.to(dev), exd, yg, wsg, ops::GemmNumerics::Exact);
     return nmse_vs_cpu(yg, ye, 1e-9, "exact routed experts (FP8)");
-  } catch (const std::exception& e) {
-    return std::string("it threw: ") + e.what();
-  }
+  });
 }
 
 // A BF16 or FP8 KV cache's attention on the tensor cores (ops::mla_tc(), ops::indexer_tc()) on a GPU:
@@ -487,13 +495,6 @@ std::string exact_tc_self_check(Device dev) {
 // {mla's "", indexer's ""} when they pass, else why not (then that switch is turned off in
 // the process: the SIMT kernel runs instead).
 std::pair<std::string, std::string> attention_tc_self_check(Device dev, bool fp8) {
-  auto guarded = [](const std::function<std::string()>& f) -> std::string {
-    try {
-      return f();
-    } catch (const std::exception& e) {
-      return std::string("it threw: ") + e.what();
-    }
-  };
   CheckRng rng;
   const int64_t bs = 16, nb = 10, T = 3;
   // sequence 0 on pages 9, 0, 5, ... (out of order), sequence 1 on the others
@@ -548,7 +549,7 @@ std::pair<std::string, std::string> attention_tc_self_check(Device dev, bool fp8
   };
   std::string mla_why, idx_why;
   if (ops::mla_tc())
-    mla_why = guarded([&]() -> std::string {
+    mla_why = check_guarded([&]() -> std::string {
       const int64_t nh = 16, kvl = 128, rope = 32;
       const Tensor cache = fp8 ? fp8_cache(kvl, rope) : bf16_cache(kvl + rope), ql = f32({T, nh, kvl}),
                    qp = f32({T, nh, rope});
@@ -566,7 +567,7 @@ std::pair<std::string, std::string> attention_tc_self_check(Device dev, bool fp8
       return alone(got, one, what);
     });
   if (ops::indexer_tc())
-    idx_why = guarded([&]() -> std::string {
+    idx_why = check_guarded([&]() -> std::string {
       const int64_t nI = 32, dI = 128, C = 150;
       const Tensor keys = fp8 ? fp8_cache(dI, 0) : bf16_cache(dI), q = f32({T, nI, dI}), w = f32({T, nI});
       const std::string what = std::string("indexer scores over ") + kind + " cache (tensor cores)";
