@@ -27,6 +27,19 @@ def fp8_latent_bytes(kvl, rope):
     return -(-(fp8_bytes(kvl) + 2 * rope) // 16) * 16
 
 
+def test_row_bytes_match_the_reference_layout():
+    """ops.fp8_cache_row_bytes / fp8_latent_row_bytes (the engine's and the kernels' layout) are
+    the reference's; sizes that cannot be grouped give 0. GLM-5.3: 656-byte latent rows
+    (FlashMLA's fp8_ds_mla layout) and 144-byte index keys."""
+    for D in (16, 32, 48, 64, 112, 128, 256, 384, 512, 1024):
+        assert ops.fp8_cache_row_bytes(D) == fp8_bytes(D), D
+        for rope in (0, 8, 16, 32, 64):
+            assert ops.fp8_latent_row_bytes(D, rope) == fp8_latent_bytes(D, rope), (D, rope)
+    for D in (0, 8, 24, 136, 200, 320):
+        assert ops.fp8_cache_row_bytes(D) == 0 and ops.fp8_latent_row_bytes(D, 64) == 0, D
+    assert ops.fp8_latent_row_bytes(512, 64) == 656 and ops.fp8_cache_row_bytes(128) == 144
+
+
 def _scale_exp(amax):
     """The smallest e >= -100 with amax <= 448 * 2^e (0 for amax = 0), in exact float64."""
     e = np.zeros(amax.shape, np.int64)

@@ -653,7 +653,15 @@ void bind_ops(py::module_& m) {
         return ct;
       },
       py::arg("src"), py::arg("slots"), py::arg("cache"),
-      "In place: cache[slots[t], :] = src[t, :] (negative slots skip). Returns cache.");
+      "In place: cache[slots[t], :] = src[t, :] (negative slots skip). Returns cache. A U8 cache holds FP8 rows "
+      "(kv_cache_dtype='fp8'): E4M3 codes, then a power-of-two float32 scale per group of min(D, 128) values, "
+      "padded to 16 bytes (fp8_cache_row_bytes(D) bytes a row).");
+  o.def("fp8_cache_row_bytes", &ops::fp8_cache_row_bytes, py::arg("D"),
+        "Bytes of an FP8 cache row of D quantized values (codes, then the group scales padded to 16 bytes); 0 where "
+        "D cannot be stored so (D a multiple of 16, at most 128 or a multiple of 128).");
+  o.def("fp8_latent_row_bytes", &ops::fp8_latent_row_bytes, py::arg("kv_lora"), py::arg("rope"),
+        "Bytes of an FP8 MLA latent row: the quantized kv_lora values, then rope BF16 values, padded to 16 bytes "
+        "(GLM-5.3: 656); 0 where kv_lora cannot be stored so.");
 
   o.def(
       "cache_write_many",
