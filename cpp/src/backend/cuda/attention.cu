@@ -1330,7 +1330,7 @@ __global__ void __launch_bounds__(kMtThreads, 1)
         if (cache8) {
           const int UQ = kvl / 16, UR = (D - kvl) / 8, U = UQ + UR;
           const int64_t qb = kvfp8::fp8_bytes(kvl);
-          constexpr int kV = 4;
+          constexpr int kV = 10;  // a GLM-5.3 tile (64 rows x 40 units) in one round: every load in flight
           for (int base = tid; base < kMtKeys * U; base += kV * kMtThreads) {
             Fp8Unit v[kV];
             int at[kV];
