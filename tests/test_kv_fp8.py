@@ -14,7 +14,8 @@ import dflash2_rt
 import refs
 from dflash2_rt import ops
 from test_ops import (DEVICES, INDEXER_SCORE_CASES, MLA_CASES, SENTINEL, Guarded, check, make_pages, mla_args,
-                      mla_inputs, need_device, page_lengths, rng_for, step_tokens, to_dev, to_np, well_posed)
+                      mla_inputs, mla_selection, need_device, page_lengths, rng_for, step_tokens, to_dev, to_np,
+                      well_posed)
 
 
 # ----------------------------------------------------------------------------- the reference
@@ -236,15 +237,7 @@ def test_mla_attention_fp8_cache(dev, case, sparse):
     T = len(seq)
     kw, sel, sel_len = {}, None, None
     if sparse:
-        W = int(pos.max()) + 1
-        sel = np.zeros((T, W), np.int32)
-        sel_len = np.full(T, -1, np.int32)
-        for t in range(T):
-            p = int(pos[t])
-            if p >= 2:
-                n = int(rng.integers(1, p + 2))
-                sel[t, :n] = rng.permutation(p + 1)[:n]
-                sel_len[t] = n
+        sel, sel_len = mla_selection(rng, pos)
         kw = dict(sel=to_dev(sel, dev), sel_len=to_dev(sel_len, dev))
     c8, deq = _fp8_latent(cache, kvl, rope, dev)
     ref = refs.mla_attention(q_lat, q_pe, deq, seq, pos, bt, bs, sel, sel_len, scale)

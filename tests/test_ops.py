@@ -1959,6 +1959,21 @@ def mla_inputs(rng, case):
     return cache, bt, seq, pos, q_lat, q_pe, 1.0 / math.sqrt(kvl + rope)
 
 
+def mla_selection(rng, pos):
+    """A random selection per token (sel_len[t] distinct causal keys, in random order) for the
+    tokens at position >= 2; -1 (every causal key) for the others."""
+    T, W = len(pos), int(pos.max()) + 1
+    sel = np.zeros((T, W), np.int32)
+    sel_len = np.full(T, -1, np.int32)
+    for t in range(T):
+        p = int(pos[t])
+        if p >= 2:
+            n = int(rng.integers(1, p + 2))
+            sel[t, :n] = rng.permutation(p + 1)[:n]
+            sel_len[t] = n
+    return sel, sel_len
+
+
 def mla_args(dev, q_lat, q_pe, cache, seq, pos, bt):
     """The inputs on `dev`, q_pe still the strided slice of its wider base."""
     pe = to_dev(q_pe.base, dev).slice(2, 7, 7 + q_pe.shape[2])
@@ -2099,15 +2114,7 @@ def test_mla_attention_bf16_cache(dev, case, sparse):
     kw = {}
     sel = sel_len = None
     if sparse:
-        W = int(pos.max()) + 1
-        sel = np.zeros((T, W), np.int32)
-        sel_len = np.full(T, -1, np.int32)
-        for t in range(T):
-            p = int(pos[t])
-            if p >= 2:
-                n = int(rng.integers(1, p + 2))
-                sel[t, :n] = rng.permutation(p + 1)[:n]
-                sel_len[t] = n
+        sel, sel_len = mla_selection(rng, pos)
         kw = dict(sel=to_dev(sel, dev), sel_len=to_dev(sel_len, dev))
     c16 = _bf16_tensor(cache, dev)
     rounded = _bf16_host(c16).float().numpy()

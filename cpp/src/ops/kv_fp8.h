@@ -20,15 +20,8 @@
 // indexer's key rows are quantized whole: fp8_bytes(index_head_dim) (GLM-5.3: 144 bytes).
 #pragma once
 #include <cstdint>
-#include <cstring>
 
-#ifndef DFLASH2_HD
-#if defined(__CUDACC__)
-#define DFLASH2_HD __host__ __device__ __forceinline__
-#else
-#define DFLASH2_HD inline
-#endif
-#endif
+#include "backend/cuda/layout.h"  // DFLASH2_HD, float_bits / bits_float (plain C++, every build)
 
 namespace dflash2::kvfp8 {
 
@@ -36,24 +29,8 @@ constexpr int kMaxGroup = 128;
 constexpr int kMinScaleExp = -100;
 constexpr uint8_t kNaN = 0x7f;
 
-DFLASH2_HD uint32_t f2u(float v) {
-#if defined(__CUDA_ARCH__)
-  return __float_as_uint(v);
-#else
-  uint32_t u;
-  std::memcpy(&u, &v, 4);
-  return u;
-#endif
-}
-DFLASH2_HD float u2f(uint32_t u) {
-#if defined(__CUDA_ARCH__)
-  return __uint_as_float(u);
-#else
-  float v;
-  std::memcpy(&v, &u, 4);
-  return v;
-#endif
-}
+using cuda::layout::bits_float;
+using cuda::layout::float_bits;
 
 // ---- layout
 // Whether D values can be stored as one quantized row.
@@ -69,12 +46,12 @@ DFLASH2_HD int64_t fp8_latent_bytes(int64_t kvl, int64_t rope) { return (fp8_byt
 
 // ---- numbers
 // 2^e as a float (e in [-126, 127]).
-DFLASH2_HD float pow2(int e) { return u2f(uint32_t(e + 127) << 23); }
+DFLASH2_HD float pow2(int e) { return bits_float(uint32_t(e + 127) << 23); }
 
 // The group scale's exponent: the smallest e >= kMinScaleExp with amax <= 448 * 2^e (amax
 // finite, >= 0); 0 for amax = 0.
 DFLASH2_HD int scale_exp(float amax) {
-  const uint32_t a = f2u(amax) & 0x7fffffffu;
+  const uint32_t a = float_bits(amax) & 0x7fffffffu;
   if (a == 0) return 0;
   const int E = int(a >> 23) - 127;  // f32 subnormals: -127, clamped below anyway
   // amax = 1.m * 2^E; 448 = 1.75 * 2^8: amax <= 448 * 2^(E-8) iff 1.m <= 1.75
@@ -85,7 +62,7 @@ DFLASH2_HD int scale_exp(float amax) {
 // f32 -> OCP E4M3 ("fn") code, round to nearest even, saturating at +-448; NaN and +-inf give
 // kNaN. Integer arithmetic only (the same code on every machine).
 DFLASH2_HD uint8_t e4m3_encode(float v) {
-  const uint32_t u = f2u(v);
+  const uint32_t u = float_bits(v);
   const uint8_t sign = uint8_t((u >> 24) & 0x80u);
   const uint32_t a = u & 0x7fffffffu;
   if (a >= 0x7f800000u) return kNaN;
@@ -116,9 +93,9 @@ DFLASH2_HD uint8_t e4m3_encode(float v) {
 DFLASH2_HD float e4m3_decode(uint8_t c) {
   const uint32_t sign = uint32_t(c & 0x80u) << 24;
   const uint32_t e = (c >> 3) & 15u, mnt = c & 7u;
-  if (e == 15 && mnt == 7) return u2f(0x7fc00000u | sign);
-  if (e == 0) return u2f(f2u(float(mnt) * pow2(-9)) | sign);
-  return u2f(sign | ((e + 120u) << 23) | (mnt << 20));  // (8 + mnt) 2^(e - 10) = 1.mnt 2^(e - 7)
+  if (e == 15 && mnt == 7) return bits_float(0x7fc00000u | sign);
+  if (e == 0) return bits_float(float_bits(float(mnt) * pow2(-9)) | sign);
+  return bits_float(sign | ((e + 120u) << 23) | (mnt << 20));  // (8 + mnt) 2^(e - 10) = 1.mnt 2^(e - 7)
 }
 
 }  // namespace dflash2::kvfp8

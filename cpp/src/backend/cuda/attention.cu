@@ -287,56 +287,24 @@ __device__ __forceinline__ void fp8_store_bf16x16(const Fp8Unit& v, __nv_bfloat1
   reinterpret_cast<uint4*>(dst)[1] = make_uint4(p[4], p[5], p[6], p[7]);
 }
 
-// A warp step's kIdxKW key rows from an FP8 key cache (dI a multiple of 16; rows of stride
-// bytes, 16-byte aligned) into ks, dequantized: idx_stage_rows' contract, a 16-value unit per
-// load (a GLM-5.3 step's 8 keys of 128: 2 units per lane, all in flight).
-__device__ __forceinline__ void idx_stage_fp8(const uint8_t* __restrict__ src, int64_t stride, int64_t my_slot,
-                                              float* ks, int kstride, int dI, int lane) {
-  constexpr int kV = kIdxGatherILP / 2;
-  const int du = dI / 16;
-  for (int base = 0; base < kIdxKW * du; base += 32 * kV) {  // warp-uniform trip count
-    Fp8Unit v[kV];
-    int at[kV];
-#pragma unroll
-    for (int u = 0; u < kV; ++u) {
-      const int idx = base + 32 * u + lane;
-      const int k = idx < kIdxKW * du ? idx / du : 0;
-      const int64_t slot = __shfl_sync(0xffffffffu, my_slot, k);  // every lane takes part
-      at[u] = -1;
-      v[u].c = make_uint4(0u, 0u, 0u, 0u);
-      v[u].s = 0.0f;
-      if (idx < kIdxKW * du) {
-        const int un = idx - k * du;
-        at[u] = k * kstride + 16 * un;
-        if (slot >= 0) v[u] = fp8_load(src + slot * stride, dI, un);
-      }
-    }
-#pragma unroll
-    for (int u = 0; u < kV; ++u) {
-      if (at[u] < 0) continue;
-      float f[16];
-      fp8_widen16(v[u], f);
-#pragma unroll
-      for (int q = 0; q < 16; q += 4)
-        *reinterpret_cast<float4*>(ks + at[u] + q) = make_float4(f[q], f[q + 1], f[q + 2], f[q + 3]);
-    }
-  }
-}
-
 // A warp step's kIdxKW key rows (lane k holds key k's slot in my_slot; -1: a zero row) into
 // ks (rows of kstride floats), W values per load: 16 bytes (W = 4 F32 values, or W = 8 BF16
-// values widened exactly) where the rows are aligned, else one value (W = 1, F32 or BF16);
-// kIdxGatherILP loads in flight per lane before the first store.
+// values widened exactly) where the rows are aligned, else one value (W = 1, F32 or BF16); W =
+// 16: an FP8 cache's unit of 16 codes and its group's scale (E = uint8_t, rows of stride bytes,
+// dI a multiple of 16), dequantized exactly. kIdxGatherILP loads in flight per lane before the
+// first store (half as many FP8 units: a GLM-5.3 step's 8 keys of 128 are 2 units per lane).
 template <int W, class E>
 __device__ __forceinline__ void idx_stage_rows(const E* __restrict__ src, int64_t stride, int64_t my_slot,
                                                float* ks, int kstride, int dI, int lane) {
-  using V = std::conditional_t<W == 1, float, std::conditional_t<W == 4, float4, uint4>>;
+  using V = std::conditional_t<W == 1, float,
+                               std::conditional_t<W == 4, float4, std::conditional_t<W == 8, uint4, Fp8Unit>>>;
+  constexpr int kV = W == 16 ? kIdxGatherILP / 2 : kIdxGatherILP;
   const int dv = dI / W;
-  for (int base = 0; base < kIdxKW * dv; base += 32 * kIdxGatherILP) {  // warp-uniform trip count
-    V v[kIdxGatherILP];
-    int at[kIdxGatherILP];
+  for (int base = 0; base < kIdxKW * dv; base += 32 * kV) {  // warp-uniform trip count
+    V v[kV];
+    int at[kV];
 #pragma unroll
-    for (int u = 0; u < kIdxGatherILP; ++u) {
+    for (int u = 0; u < kV; ++u) {
       const int idx = base + 32 * u + lane;
       const int k = idx < kIdxKW * dv ? idx / dv : 0;
       const int64_t slot = __shfl_sync(0xffffffffu, my_slot, k);  // every lane takes part
@@ -348,18 +316,26 @@ __device__ __forceinline__ void idx_stage_rows(const E* __restrict__ src, int64_
         if (slot >= 0) {
           if constexpr (W == 1)
             v[u] = detail::to_f32(src[slot * stride + e]);
+          else if constexpr (W == 16)
+            v[u] = fp8_load(src + slot * stride, dI, e / 16);
           else
             v[u] = *reinterpret_cast<const V*>(src + slot * stride + e);
         }
       }
     }
 #pragma unroll
-    for (int u = 0; u < kIdxGatherILP; ++u) {
+    for (int u = 0; u < kV; ++u) {
       if (at[u] < 0) continue;
       if constexpr (W == 1) {
         ks[at[u]] = v[u];
       } else if constexpr (W == 4) {
         *reinterpret_cast<float4*>(ks + at[u]) = v[u];
+      } else if constexpr (W == 16) {
+        float f[16];
+        fp8_widen16(v[u], f);
+#pragma unroll
+        for (int q = 0; q < 16; q += 4)
+          *reinterpret_cast<float4*>(ks + at[u] + q) = make_float4(f[q], f[q + 1], f[q + 2], f[q + 3]);
       } else {
         float f[8];
         detail::widen_bf16x8(v[u], f);
@@ -430,7 +406,7 @@ __global__ void __launch_bounds__(kIdxThreads)
     // 16-byte rows: 4 F32 or 8 BF16 values per load (a GLM-5.3 step's 8 keys of 128: 8 or 4
     // loads per lane, all in flight); otherwise one value per load. The same values land in ks.
     if (kc8)
-      idx_stage_fp8(kc8, kc_stride, my_slot, ks, sh.kstride, dI, lane);
+      idx_stage_rows<16>(kc8, kc_stride, my_slot, ks, sh.kstride, dI, lane);
     else if (vec4)
       idx_stage_rows<4>(kc, kc_stride, my_slot, ks, sh.kstride, dI, lane);
     else if (vec8)

@@ -530,6 +530,42 @@ void cache_write(const Tensor& src, const Tensor& slots, Tensor& cache) {
 }
 
 namespace {
+// One (src, cache) pair of cache_write_many, checked: src F32 [T, D] and the cache on slots'
+// device, the cache F32 / BF16 [rows, D] or U8 FP8 rows [rows, fp8_bytes(D)]; its D, its
+// kind (0 F32, 1 BF16, 2 FP8) and the two row strides.
+struct CachePair {
+  int64_t D, src_stride, cache_stride;
+  int kind;
+};
+CachePair check_cache_pair(const Tensor* sp, const Tensor* cp, const Tensor& slots, int64_t T, const char* op) {
+  DFLASH2_CHECK_ARG(sp && cp, op, ": null tensor");
+  const Tensor &src = *sp, &cache = *cp;
+  DFLASH2_CHECK_ARG(src.device() == slots.device() && cache.device() == slots.device(), op,
+                    ": src, slots and cache must be on the same CUDA device, found ", src.describe(), ", ",
+                    slots.describe(), ", ", cache.describe());
+  const bool fp8 = cache.dtype() == DType::U8;
+  const int64_t D = src.ndim() == 2 ? src.shape(1) : -1;
+  DFLASH2_CHECK_ARG(src.dtype() == DType::F32 && src.ndim() == 2 && cache.ndim() == 2 && src.shape(0) == T &&
+                        (cache.dtype() == DType::F32 || cache.dtype() == DType::BF16 || fp8) &&
+                        (fp8 ? kvfp8::fits(D) && cache.shape(1) == kvfp8::fp8_bytes(D) : D == cache.shape(1)),
+                    op, ": src must be F32 [", T, ", D] and cache F32 or BF16 [rows, D] or U8 [rows, fp8_bytes(D)] ",
+                    "(ops/kv_fp8.h), found ", src.describe(), " and ", cache.describe());
+  DFLASH2_CHECK_ARG(D <= INT32_MAX, op, ": rows of ", D, " values are too long");
+  const layout::RowLayout ls = layout::row_layout(src, "cache_write_many", "src");
+  const layout::RowLayout lc = layout::row_layout(cache, "cache_write_many", "cache");
+  layout::check_rows_disjoint(lc, "cache_write_many", "cache");
+  return CachePair{D, ls.stride, lc.stride, fp8 ? 2 : cache.dtype() == DType::BF16 ? 1 : 0};
+}
+// Whether the pairs can be written in any order: no cache shares an element with another cache
+// or any source.
+bool pairs_disjoint(const std::vector<const Tensor*>& srcs, const std::vector<Tensor*>& caches) {
+  for (size_t i = 0; i < caches.size(); ++i)
+    for (size_t j = 0; j < srcs.size(); ++j)
+      if ((j < i && !layout::views_disjoint(*caches[i], *caches[j])) || !layout::views_disjoint(*caches[i], *srcs[j]))
+        return false;
+  return true;
+}
+
 // cache_write_many's pairs when one of them is an FP8 cache: every pair in warp units, one
 // launch (cache_write_warp_kernel); done stays false where the pairs overlap (one by one then).
 void cache_write_warps(const std::vector<const Tensor*>& srcs, const Tensor& slots, const std::vector<Tensor*>& caches,
@@ -539,32 +575,14 @@ void cache_write_warps(const std::vector<const Tensor*>& srcs, const Tensor& slo
   WarpTargets tg{};
   int64_t units = 0;
   for (size_t i = 0; i < srcs.size(); ++i) {
-    DFLASH2_CHECK_ARG(srcs[i] && caches[i], op, ": null tensor");
-    const Tensor &src = *srcs[i], &cache = *caches[i];
-    DFLASH2_CHECK_ARG(src.device() == slots.device() && cache.device() == slots.device(), op,
-                      ": src, slots and cache must be on the same CUDA device, found ", src.describe(), ", ",
-                      slots.describe(), ", ", cache.describe());
-    const bool fp8 = cache.dtype() == DType::U8;
-    const int64_t D = src.ndim() == 2 ? src.shape(1) : -1;
-    DFLASH2_CHECK_ARG(src.dtype() == DType::F32 && src.ndim() == 2 && cache.ndim() == 2 && src.shape(0) == T &&
-                          (cache.dtype() == DType::F32 || cache.dtype() == DType::BF16 || fp8) &&
-                          (fp8 ? kvfp8::fits(D) && cache.shape(1) == kvfp8::fp8_bytes(D) : D == cache.shape(1)),
-                      op, ": src must be F32 [", T, ", D] and cache F32 or BF16 [rows, D] or U8 [rows, fp8_bytes(D)] ",
-                      "(ops/kv_fp8.h), found ", src.describe(), " and ", cache.describe());
-    DFLASH2_CHECK_ARG(D <= INT32_MAX, op, ": rows of ", D, " values are too long");
-    const layout::RowLayout ls = layout::row_layout(src, "cache_write_many", "src");
-    const layout::RowLayout lc = layout::row_layout(cache, "cache_write_many", "cache");
-    layout::check_rows_disjoint(lc, "cache_write_many", "cache");
-    if (D == 0 || T == 0) continue;
-    const int unit = fp8 ? int(kvfp8::group(D)) : kUnit;
-    units += (D + unit - 1) / unit;
-    tg.t[tg.n++] = WarpTarget{src.data_as<const float>(), ls.stride, cache.data(), lc.stride, cache.shape(0), units,
-                              int(D), unit, fp8 ? 2 : cache.dtype() == DType::BF16 ? 1 : 0};
+    const CachePair pr = check_cache_pair(srcs[i], caches[i], slots, T, op);
+    if (pr.D == 0 || T == 0) continue;
+    const int unit = pr.kind == 2 ? int(kvfp8::group(pr.D)) : kUnit;
+    units += (pr.D + unit - 1) / unit;
+    tg.t[tg.n++] = WarpTarget{srcs[i]->data_as<const float>(), pr.src_stride, caches[i]->data(), pr.cache_stride,
+                              caches[i]->shape(0), units, int(pr.D), unit, pr.kind};
   }
-  for (size_t i = 0; i < caches.size(); ++i)
-    for (size_t j = 0; j < srcs.size(); ++j)
-      if ((j < i && !layout::views_disjoint(*caches[i], *caches[j])) || !layout::views_disjoint(*caches[i], *srcs[j]))
-        return;
+  if (!pairs_disjoint(srcs, caches)) return;
   done = true;
   if (tg.n == 0) return;
   detail::DeviceGuard guard(slots.device().index);
@@ -592,28 +610,13 @@ void cache_write_many(const std::vector<const Tensor*>& srcs, const Tensor& slot
   CacheTargets tg{};
   int64_t total = 0;
   for (size_t i = 0; i < srcs.size(); ++i) {
-    DFLASH2_CHECK_ARG(srcs[i] && caches[i], op, ": null tensor");
-    const Tensor &src = *srcs[i], &cache = *caches[i];
-    DFLASH2_CHECK_ARG(src.device() == slots.device() && cache.device() == slots.device(), op,
-                      ": src, slots and cache must be on the same CUDA device, found ", src.describe(), ", ",
-                      slots.describe(), ", ", cache.describe());
-    DFLASH2_CHECK_ARG(src.dtype() == DType::F32 && (cache.dtype() == DType::F32 || cache.dtype() == DType::BF16) &&
-                          src.ndim() == 2 && cache.ndim() == 2 && src.shape(0) == T && src.shape(1) == cache.shape(1),
-                      op, ": src must be F32 [", T, ", D] and cache F32 or BF16 [rows, D], found ", src.describe(),
-                      " and ", cache.describe());
-    const layout::RowLayout ls = layout::row_layout(src, "cache_write_many", "src");
-    const layout::RowLayout lc = layout::row_layout(cache, "cache_write_many", "cache");
-    layout::check_rows_disjoint(lc, "cache_write_many", "cache");
-    if (src.shape(1) == 0 || T == 0) continue;
-    total += src.shape(1);
-    tg.t[tg.n++] = CacheTarget{src.data_as<const float>(), ls.stride, cache.data(), lc.stride, cache.shape(0), total,
-                               cache.dtype() == DType::BF16};
+    const CachePair pr = check_cache_pair(srcs[i], caches[i], slots, T, op);
+    if (pr.D == 0 || T == 0) continue;
+    total += pr.D;
+    tg.t[tg.n++] = CacheTarget{srcs[i]->data_as<const float>(), pr.src_stride, caches[i]->data(), pr.cache_stride,
+                               caches[i]->shape(0), total, pr.kind == 1};
   }
-  // written in any order: every cache must share no element with another cache or any source
-  for (size_t i = 0; i < caches.size(); ++i)
-    for (size_t j = 0; j < srcs.size(); ++j)
-      if ((j < i && !layout::views_disjoint(*caches[i], *caches[j])) || !layout::views_disjoint(*caches[i], *srcs[j]))
-        return;
+  if (!pairs_disjoint(srcs, caches)) return;
   done = true;
   if (tg.n == 0) return;
   detail::DeviceGuard guard(slots.device().index);
