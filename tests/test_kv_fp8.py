@@ -14,8 +14,8 @@ import dflash2_rt
 import refs
 from dflash2_rt import ops
 from test_ops import (DEVICES, INDEXER_SCORE_CASES, MLA_CASES, SENTINEL, Guarded, check, make_pages, mla_args,
-                      mla_inputs, mla_selection, need_device, page_lengths, rng_for, step_tokens, to_dev, to_np,
-                      well_posed)
+                      mla_inputs, mla_selection, need_device, page_lengths, rng_for, selection_is_reference,
+                      step_tokens, to_dev, to_np)
 
 
 # ----------------------------------------------------------------------------- the reference
@@ -323,16 +323,7 @@ def test_indexer_fp8_cache(dev, case):
                     check("indexer_scores", got[t, :n], ref)
             else:
                 assert np.array_equal(got[mask], want[mask]), "FP8 keys != F32 cache of the dequantized keys"
-            topk = 9  # the reference's selection where its boundary is clear of rounding
-            (q2, w2), (ref_sel, ref_len, _) = well_posed(
-                lambda a: (rng.standard_normal((T, nI, dI)).astype(np.float32),
-                           rng.standard_normal((T, nI)).astype(np.float32)),
-                lambda a: refs.indexer_topk(a[0], a[1], deq, seq, pos, bt, bs, topk))
-            sel, sel_len = ops.indexer_topk(dv(q2), dv(w2), k8, dv(seq), dv(pos), dv(bt), bs, topk)
-            np.testing.assert_array_equal(to_np(sel_len), ref_len)
-            for t in range(T):
-                if ref_len[t] >= 0:
-                    np.testing.assert_array_equal(to_np(sel)[t], ref_sel[t])
+            selection_is_reference(rng, dev, k8, deq, seq, pos, bt, bs, nI, dI)
     finally:
         ops.set_indexer_tc(was)
     if dev == "cpu":

@@ -2190,6 +2190,21 @@ def test_indexer_topk_bf16_cache(dev, case):
         assert np.array_equal(got_len, want_len) and np.array_equal(got_sel, want_sel), name
 
 
+def selection_is_reference(rng, dev, cache, values, seq, pos, bt, bs, nI, dI, topk=9):
+    """indexer_topk over `cache` (on `dev`) selects the float64 reference's keys over `values` (the
+    F32 values the cache holds) for random queries whose top-k boundary is clear of rounding."""
+    T = len(seq)
+    (q, w), (ref_sel, ref_len, _) = well_posed(
+        lambda a: (rng.standard_normal((T, nI, dI)).astype(np.float32), rng.standard_normal((T, nI)).astype(np.float32)),
+        lambda a: refs.indexer_topk(a[0], a[1], values, seq, pos, bt, bs, topk))
+    dv = lambda a: to_dev(a, dev)  # noqa: E731
+    sel, sel_len = ops.indexer_topk(dv(q), dv(w), cache, dv(seq), dv(pos), dv(bt), bs, topk)
+    np.testing.assert_array_equal(to_np(sel_len), ref_len)
+    for t in range(T):
+        if ref_len[t] >= 0:
+            np.testing.assert_array_equal(to_np(sel)[t], ref_sel[t])
+
+
 INDEXER_SCORE_CASES = [  # (block size, nI, dI): the SIMT kernel's shapes, then the tensor-core kernel's
     (1, 3, 20),    # dI not a multiple of 8: SIMT for every cache
     (3, 2, 33),
@@ -2250,16 +2265,7 @@ def test_indexer_scores(dev, case, bf16):
                 for t in (0, T - 1):  # a token alone: its row of the batch, bitwise
                     one = scores(q[t:t + 1], w[t:t + 1], seq[t:t + 1], pos[t:t + 1])
                     assert np.array_equal(one[0], got[t]), f"token {t} alone != its row"
-                topk = 9  # the reference's selection where its boundary is clear of rounding
-                (q2, w2), (ref_sel, ref_len, _) = well_posed(
-                    lambda a: (rng.standard_normal((T, nI, dI)).astype(np.float32),
-                               rng.standard_normal((T, nI)).astype(np.float32)),
-                    lambda a: refs.indexer_topk(a[0], a[1], rounded, seq, pos, bt, bs, topk))
-                sel, sel_len = ops.indexer_topk(dv(q2), dv(w2), cache, dv(seq), dv(pos), dv(bt), bs, topk)
-                np.testing.assert_array_equal(to_np(sel_len), ref_len)
-                for t in range(T):
-                    if ref_len[t] >= 0:
-                        np.testing.assert_array_equal(to_np(sel)[t], ref_sel[t])
+                selection_is_reference(rng, dev, cache, rounded, seq, pos, bt, bs, nI, dI)
             else:
                 assert np.array_equal(got[mask], cpu[mask]), f"SIMT scores != the CPU's (tc={tc})"
     finally:
