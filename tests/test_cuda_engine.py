@@ -595,6 +595,33 @@ def test_attention_tc_fault_falls_back_to_simt(zoo, monkeypatch, capfd, kernel):
         ops.set_indexer_tc(was[1])
 
 
+@pytest.mark.parametrize("kernel", ["indexer_tc_kernel", "mla_tc_kernel"])
+def test_attention_tc_fault_over_fp8_rows(zoo, monkeypatch, capfd, kernel):
+    """kv_cache_dtype="fp8": the load-time check of the tensor-core attention runs over FP8 rows
+    too (EMU_MMA_FAULT=<kernel> fails it: that switch off with the reason, the other on), and the
+    engine still equals the CPU's under "fp8" on the SIMT kernel it falls back to."""
+    cuda_or_skip()
+    if not dflash2_rt.build_info()["cuda_emulated"]:
+        pytest.skip("the failure injection is the CPU emulator's (EMU_MMA_FAULT)")
+    ops = dflash2_rt.ops
+    mine, other = ("indexer_tc", "mla_tc") if kernel.startswith("indexer") else ("mla_tc", "indexer_tc")
+    was = (ops.mla_tc(), ops.indexer_tc())
+    try:
+        ops.set_mla_tc(True)
+        ops.set_indexer_tc(True)
+        monkeypatch.setenv("EMU_MMA_FAULT", kernel)
+        capfd.readouterr()
+        gpu = dflash2_rt.Engine(kv_cache_dtype="fp8", **dict(KW, target=zoo.path("tiny"), method="ar", device="cuda"))
+        err = capfd.readouterr().err
+        assert f"({mine}) failed" in err and "over an FP8 cache" in err, err
+        assert not getattr(ops, mine)() and getattr(ops, other)()
+        monkeypatch.delenv("EMU_MMA_FAULT")
+        _greedy_equals_cpu(zoo.engine("tiny", "cpu", kv_cache_dtype="fp8"), gpu, 890, (40,), 4)
+    finally:
+        ops.set_mla_tc(was[0])
+        ops.set_indexer_tc(was[1])
+
+
 def test_decode_gemm_on_cuda(zoo):
     """decode_gemm="auto" on the GPU: the generated tokens' projections and experts on the
     tensor cores (as prefill_gemm's "auto": "bf16" on this BF16 fixture), greedy tokens equal
