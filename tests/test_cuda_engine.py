@@ -561,13 +561,15 @@ def _greedy_equals_cpu(cpu, gpu, seed, lengths, new):
         same_tokens(cpu, prompts[i], g.token_ids, w.token_ids, f"prompt {i} after the fallback", rel=REL_BF16)
 
 
+@pytest.mark.parametrize("kv", ["bf16", "fp8"])
 @pytest.mark.parametrize("kernel", ["indexer_tc_kernel", "mla_tc_kernel"])
-def test_attention_tc_fault_falls_back_to_simt(zoo, monkeypatch, capfd, kernel):
-    """A BF16 cache's tensor-core attention failing the load-time check (the CPU emulator's
-    EMU_MMA_FAULT=<kernel>: that kernel's mma.sync sums off by one) is turned off in the process
-    with the reason on stderr (the other kernel's check passes and it stays on); an F32-cache
-    engine runs no such check; greedy tokens after the fallback equal the CPU's over the same
-    BF16 cache where the margin exceeds the tolerance."""
+def test_attention_tc_fault_falls_back_to_simt(zoo, monkeypatch, capfd, kernel, kv):
+    """A BF16 (or FP8: kv_cache_dtype="fp8", the check runs over FP8 rows) cache's tensor-core
+    attention failing the load-time check (the CPU emulator's EMU_MMA_FAULT=<kernel>: that
+    kernel's mma.sync sums off by one) is turned off in the process with the reason on stderr
+    (the other kernel's check passes and it stays on); an F32-cache engine runs no such check;
+    greedy tokens after the fallback equal the CPU's over the same cache where the margin
+    exceeds the tolerance."""
     cuda_or_skip()
     if not dflash2_rt.build_info()["cuda_emulated"]:
         pytest.skip("the failure injection is the CPU emulator's (EMU_MMA_FAULT)")
@@ -584,39 +586,13 @@ def test_attention_tc_fault_falls_back_to_simt(zoo, monkeypatch, capfd, kernel):
         kw = dict(KW, target=zoo.path("tiny"), method="ar", device="cuda")
         dflash2_rt.Engine(kv_cache_dtype="f32", **kw).close()
         assert "load-time check" not in capfd.readouterr().err and ops.mla_tc() and ops.indexer_tc()
-        gpu = dflash2_rt.Engine(kv_cache_dtype="bf16", **kw)
+        gpu = dflash2_rt.Engine(kv_cache_dtype=kv, **kw)
         err = capfd.readouterr().err
         assert message in err and "the SIMT kernel runs instead" in err, err
+        assert f"over {'an FP8' if kv == 'fp8' else 'a BF16'} cache" in err, err
         assert not getattr(ops, mine)() and getattr(ops, other)()
         monkeypatch.delenv("EMU_MMA_FAULT")
-        _greedy_equals_cpu(zoo.engine("tiny", "cpu", kv_cache_dtype="bf16"), gpu, 880, (5, 40), 6)
-    finally:
-        ops.set_mla_tc(was[0])
-        ops.set_indexer_tc(was[1])
-
-
-@pytest.mark.parametrize("kernel", ["indexer_tc_kernel", "mla_tc_kernel"])
-def test_attention_tc_fault_over_fp8_rows(zoo, monkeypatch, capfd, kernel):
-    """kv_cache_dtype="fp8": the load-time check of the tensor-core attention runs over FP8 rows
-    too (EMU_MMA_FAULT=<kernel> fails it: that switch off with the reason, the other on), and the
-    engine still equals the CPU's under "fp8" on the SIMT kernel it falls back to."""
-    cuda_or_skip()
-    if not dflash2_rt.build_info()["cuda_emulated"]:
-        pytest.skip("the failure injection is the CPU emulator's (EMU_MMA_FAULT)")
-    ops = dflash2_rt.ops
-    mine, other = ("indexer_tc", "mla_tc") if kernel.startswith("indexer") else ("mla_tc", "indexer_tc")
-    was = (ops.mla_tc(), ops.indexer_tc())
-    try:
-        ops.set_mla_tc(True)
-        ops.set_indexer_tc(True)
-        monkeypatch.setenv("EMU_MMA_FAULT", kernel)
-        capfd.readouterr()
-        gpu = dflash2_rt.Engine(kv_cache_dtype="fp8", **dict(KW, target=zoo.path("tiny"), method="ar", device="cuda"))
-        err = capfd.readouterr().err
-        assert f"({mine}) failed" in err and "over an FP8 cache" in err, err
-        assert not getattr(ops, mine)() and getattr(ops, other)()
-        monkeypatch.delenv("EMU_MMA_FAULT")
-        _greedy_equals_cpu(zoo.engine("tiny", "cpu", kv_cache_dtype="fp8"), gpu, 890, (40,), 4)
+        _greedy_equals_cpu(zoo.engine("tiny", "cpu", kv_cache_dtype=kv), gpu, 880, (5, 40), 6)
     finally:
         ops.set_mla_tc(was[0])
         ops.set_indexer_tc(was[1])
