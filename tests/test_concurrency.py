@@ -253,6 +253,104 @@ def test_prefill_wait_is_its_own_share_of_decode_time():
 
 
 
+def _run_all(eng, rids, seen=None):
+    """Polls the requests to their ends; checks that the streamed tokens (after `seen`, what
+    was polled before) make up each result."""
+    out = {r: list((seen or {}).get(r, [])) for r in rids}
+    res = {}
+    while len(res) < len(rids):
+        for r in rids:
+            if r in res:
+                continue
+            up = eng.poll(r, timeout=0.05)
+            out[r] += up.new_token_ids
+            if up.finished:
+                res[r] = up.result
+    for r in rids:
+        assert out[r] == res[r].token_ids
+    return res
+
+
+@pytest.mark.parametrize("method", ["ar", "dflash2", "mtp"])
+@pytest.mark.parametrize("budget", [None, 0, 20])
+def test_long_prompt_prefills_between_decode_steps(method, budget):
+    """While a request decodes, a newcomer's long prompt runs prefill_tokens_per_step tokens
+    per scheduler round (None: max_step_tokens), a decode step of the running request between
+    rounds, so it takes ceil(len / budget) rounds (0: one round, the whole prompt); a prompt
+    arriving behind it waits its turn (first come first served) and may share a round. Every
+    output equals its single-request output: greedy, and a seeded sampled request."""
+    step_tokens = 32
+    long_prompt = [(i * 37) % 3000 + 2 for i in range(203)]
+    short = prompts(1, seed=4)[0]
+    sampled = dict(max_new_tokens=10, temperature=1.0, top_p=0.9, seed=11, stop_token_ids=[])
+    kw = dict(method=method, max_batch_size=3, max_seq_len=768, max_step_tokens=step_tokens)
+    alone_eng = dflash2_rt.Engine(**kw, prefill_tokens_per_step=0)
+    first_p = prompts(1, seed=8)[0]
+    want_first = alone_eng.generate([first_p], max_new_tokens=400, stop_token_ids=[])[0].token_ids
+    want_long = alone_eng.generate([long_prompt], max_new_tokens=12, stop_token_ids=[])[0].token_ids
+    want_short = alone_eng.generate([short], **sampled)[0].token_ids
+    alone_eng.close()
+    eng = dflash2_rt.Engine(**kw, prefill_tokens_per_step=budget)
+    try:
+        per_round = step_tokens if budget is None else budget
+        assert eng.prefill_tokens_per_step == per_round
+        first = eng.submit(first_p, max_new_tokens=400, stop_token_ids=[])
+        got = []
+        while len(got) < 2:  # decoding
+            up = eng.poll(first, timeout=20.0)
+            got += up.new_token_ids
+        rid_long = eng.submit(long_prompt, max_new_tokens=12, stop_token_ids=[])
+        rid_short = eng.submit(short, **sampled)
+        res = _run_all(eng, [rid_long, rid_short])
+        assert res[rid_long].token_ids == want_long
+        assert res[rid_short].token_ids == want_short
+        st = res[rid_long].stats
+        # `first` needs >= 400 / 8 steps: it decodes through every round of the long prompt
+        assert st["prefill_rounds"] == (1 if per_round == 0 else -(-len(long_prompt) // per_round)), st
+        assert res[rid_short].stats["prefill_rounds"] >= 1
+        if per_round:
+            assert st["prefill_s"] > 0.0
+        rest = _run_all(eng, [first], {first: got})[first]
+        assert rest.token_ids == want_first
+        assert rest.stats["prefill_rounds"] == 1  # nothing decoded when it arrived: whole
+        m = eng.metrics()
+        assert m["running"] == 0 and m["prefilling"] == 0 and m["cache_pages_used"] == 0, m
+    finally:
+        eng.close()
+
+
+def test_cancel_while_a_prompt_is_partly_prefilled():
+    """A request cancelled between the rounds of its prompt ends "cancelled" and gives back
+    its slot and pages; the request decoding beside it is unchanged, and the engine serves on."""
+    kw = dict(method="dflash2", max_batch_size=2, max_seq_len=1024, max_step_tokens=16)
+    eng = dflash2_rt.Engine(**kw, prefill_tokens_per_step=4)
+    try:
+        first_p = prompts(1, seed=2)[0]
+        want = eng.generate([first_p], max_new_tokens=300, stop_token_ids=[])[0].token_ids
+        first = eng.submit(first_p, max_new_tokens=300, stop_token_ids=[])
+        got = eng.poll(first, timeout=20.0).new_token_ids
+        long_rid = eng.submit([(i * 13) % 3000 + 2 for i in range(700)], max_new_tokens=4, stop_token_ids=[])
+        assert wait_until(lambda: eng.metrics()["prefilling"] == 1), eng.metrics()
+        eng.cancel(long_rid)
+        assert wait_until(lambda: eng.metrics()["running"] <= 1)
+        res = _run_all(eng, [first], {first: got})[first]
+        assert res.token_ids == want
+        up = eng.poll(long_rid, timeout=5.0)
+        assert up.finished and up.result.finish_reason == "cancelled"
+        m = eng.metrics()
+        assert m["running"] == 0 and m["prefilling"] == 0 and m["cache_pages_used"] == 0, m
+        assert m["requests_cancelled"] == 1
+        assert eng.generate([first_p], max_new_tokens=300, stop_token_ids=[])[0].token_ids == want
+    finally:
+        eng.close()
+
+
+def test_prefill_tokens_per_step_is_checked():
+    for bad in (-1, -5, 1.5, "8", True):
+        with pytest.raises(dflash2_rt.InvalidArgumentError, match="prefill_tokens_per_step"):
+            dflash2_rt.Engine(method="ar", prefill_tokens_per_step=bad)
+
+
 @pytest.mark.parametrize("clients", ["threads", "loop"])
 def test_bench_concurrency_drivers_run_every_request(clients):
     """bench/bench_concurrency.py's two client drivers (a thread per client; one thread keeping

@@ -999,3 +999,34 @@ def test_stop_tokens_and_page_boundaries_on_cuda(tmp_path):
         assert m["cuda_graphs_failed"] == 0, m["cuda_graphs_last_failure"]
         assert m["steps_as_one_unit"] >= 1 and m["padding_rows"] >= 1, m
         assert m["cache_pages_used"] == 0, m
+
+
+def test_interleaved_prefill_on_cuda(tmp_path):
+    """On the GPU, a prompt that arrives while another request decodes runs 8 tokens per
+    scheduler round (prefill_tokens_per_step=8) between that request's captured steps: both
+    outputs equal plain greedy decoding, the prompt took ceil(60 / 8) rounds, and every page
+    comes back."""
+    cuda_or_skip()
+    pair = F.make_self_drafting_pair(tmp_path)
+    eng = dflash2_rt.Engine(target=pair.target_dir, draft=pair.draft_dir, method="dflash2", device="cuda",
+                            max_batch_size=2, max_seq_len=128, max_step_tokens=16, prefill_tokens_per_step=8)
+    try:
+        first_p, long_p = [1, 40], [(i * 7) % 120 for i in range(59)] + [3]
+        first = eng.submit(first_p, max_new_tokens=100, stop_token_ids=NO_STOP)
+        got = eng.poll(first, timeout=600).new_token_ids
+        rid = eng.submit(long_p, max_new_tokens=20, stop_token_ids=NO_STOP)
+        res = {}
+        while len(res) < 2:
+            for r in (first, rid):
+                if r not in res:
+                    up = eng.poll(r, timeout=1.0)
+                    if up.finished:
+                        res[r] = up.result
+        assert list(res[first].token_ids) == pair.expected_greedy(first_p, 100)["tokens"]
+        assert list(res[rid].token_ids) == pair.expected_greedy(long_p, 20)["tokens"]
+        assert got and res[rid].stats["prefill_rounds"] == 8, res[rid].stats
+        m = eng.metrics()
+        assert m["cuda_graphs_failed"] == 0, m["cuda_graphs_last_failure"]
+        assert m["steps_as_one_unit"] >= 1 and m["cache_pages_used"] == 0 and m["prefilling"] == 0, m
+    finally:
+        eng.close()

@@ -606,6 +606,9 @@ def test_cli_serve_arguments():
                                           "--max-seq-len", "512", "--host", "0.0.0.0"])
     assert (args.port, args.speculation, args.max_batch_size, args.max_seq_len, args.host) == (
         9001, "fixed", 4, 512, "0.0.0.0")
+    assert args.prefill_tokens_per_step is None
+    args = cli.build_parser().parse_args(["serve", "--prefill-tokens-per-step", "64", "--kv-cache-dtype", "fp8"])
+    assert (args.prefill_tokens_per_step, args.kv_cache_dtype) == (64, "fp8")
 
 
 def test_cli_serve_without_fastapi(monkeypatch, capsys):

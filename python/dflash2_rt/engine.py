@@ -38,8 +38,10 @@ class GenerationResult:
     was hit), why it ended ("stop" | "length"), the decoded text when the target has a
     tokenizer.json, and stats (acceptance_length, verify_steps, accepted_per_position,
     draft_s / verify_s / accept_s / prefill_wait_s / host_s, prefill_s, decode_s,
-    tokens_per_second, ...; decode_s = draft_s + verify_s + accept_s + prefill_wait_s (waiting
-    for other requests' prompts) + host_s)."""
+    tokens_per_second, prefill_rounds, ...; decode_s = draft_s + verify_s + accept_s +
+    prefill_wait_s (waiting for other requests' prompts) + host_s; prefill_s runs from the
+    prompt's first chunk to the first token, over prefill_rounds scheduler rounds: 1 when it
+    ran whole, more when prefill_tokens_per_step interleaved it with other requests' steps)."""
     token_ids: list
     finish_reason: str
     stats: dict = field(default_factory=dict)
@@ -213,7 +215,8 @@ class Engine:
                  speculation: str = "fixed", tensor_parallel: int = 1, expert_parallel: bool = False,
                  prefill_gemm: str = "auto", draft_gemm: str = "auto", decode_gemm: str = "exact",
                  cuda_graphs: bool = True, pad_to_buckets: Optional[bool] = None,
-                 capture_at_load: Optional[bool] = None, kv_cache_dtype: str = "f32"):
+                 capture_at_load: Optional[bool] = None, kv_cache_dtype: str = "f32",
+                 prefill_tokens_per_step: Optional[int] = None):
         """target: a glm_moe_dsa checkpoint directory (None: the bundled default pair).
         draft: a DFlash 2 / DFlash 1 drafter directory. method: "ar" | "mtp" | "dflash" |
         "dflash2"; None infers it: "ar" without a drafter, else from the drafter's
@@ -276,6 +279,12 @@ class Engine:
         index_head_dim must be multiples of 16, at most 128 or multiples of 128). The stored
         values are exact in BF16, so the attention kernels read them as they read a BF16
         cache. `engine.kv_cache_dtype` says what is in effect.
+        prefill_tokens_per_step: while requests are decoding, at most this many prompt tokens
+        of newly arrived requests run between two decode steps (chunked prefill interleaved
+        with decoding: a long prompt delays the running streams by one chunk per step instead
+        of by its whole prefill; the prompt continues over the next steps). None: max_step_tokens
+        (one chunk); 0: no limit (every admitted prompt whole before the next step). With no
+        request decoding, prompts run whole. Outputs do not depend on it.
 
         All generation runs on the engine's own scheduler thread: generate / stream / submit
         from any number of threads join one running batch (continuous batching). Close the
@@ -292,6 +301,8 @@ class Engine:
             _check_int("Engine", name, v)
         if max_seq_len is not None:
             _check_int("Engine", "max_seq_len", max_seq_len)
+        if prefill_tokens_per_step is not None:
+            _check_int("Engine", "prefill_tokens_per_step", prefill_tokens_per_step, 0)
         if num_threads is not None:
             _check_int("Engine", "num_threads", num_threads, -2 ** 31, 2 ** 31 - 1)
         # The tokenizer first: a broken tokenizer.json fails before the weights are loaded.
@@ -321,7 +332,8 @@ class Engine:
                                mtp_draft_tokens, speculation, tensor_parallel, bool(expert_parallel),
                                prefill_gemm, draft_gemm, decode_gemm, bool(cuda_graphs),
                                -1 if pad_to_buckets is None else int(bool(pad_to_buckets)),
-                               -1 if capture_at_load is None else int(bool(capture_at_load)), kv_cache_dtype)
+                               -1 if capture_at_load is None else int(bool(capture_at_load)), kv_cache_dtype,
+                               -1 if prefill_tokens_per_step is None else prefill_tokens_per_step)
         _LIVE.add(self)
         self.speculation = speculation
         self._cancelled: set = set()
@@ -330,6 +342,7 @@ class Engine:
         self.target = os.fspath(target)
         self.tokenizer = tokenizer
         self.max_seq_len = self._e.max_seq_len
+        self.prefill_tokens_per_step = self._e.prefill_tokens_per_step  # resolved: 0 = no limit
         self.max_batch_size = max_batch_size
 
     @property
@@ -507,7 +520,8 @@ class Engine:
             self._cancelled.pop()
 
     def metrics(self) -> dict:
-        """Engine-wide counters: queue_length, running, requests_total / _finished / _cancelled,
+        """Engine-wide counters: queue_length, running, prefilling (running requests whose
+        prompts are partly run, interleaved with decode steps), requests_total / _finished / _cancelled,
         generated_tokens_total, steps_total, cache_pages_used / _total (the target's KV-cache
         blocks), and recent tokens_per_second, acceptance_length (committed tokens per
         sequence per step), step_time_s, draft_len; cuda_graphs_captured / _replayed / _eager /

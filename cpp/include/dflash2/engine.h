@@ -23,6 +23,13 @@ struct EngineConfig {
   int64_t max_seq_len = 0;        // prompt + generated tokens per sequence (0 = min(4096, the model's
                                   // max_position_embeddings))
   int64_t max_step_tokens = 256;  // tokens per forward chunk (longer prefills are chunked)
+  int64_t prefill_tokens_per_step = -1;  // while requests are decoding, at most this many prompt
+                                         // tokens of newly admitted requests run between two
+                                         // decode steps (chunked prefill interleaved with decoding:
+                                         // a long prompt stalls the running streams one chunk at a
+                                         // time, not for its whole prefill); -1 = max_step_tokens,
+                                         // 0 = no limit (every admitted prompt whole before the next
+                                         // step). With no request decoding, prompts run whole.
   int64_t kv_block_size = 16;     // tokens per KV-cache page
   std::string kv_cache_dtype = "f32";  // the target's MLA latent and indexer-key caches (and the MTP
                                        // layer's): "f32", "bf16" (half the memory: values rounded to
@@ -117,6 +124,10 @@ struct GenerationStats {
   // GPU the host work the device waits for). On a GPU the first three are device time
   // (CUDA events inside the step).
   double draft_s = 0, verify_s = 0, host_s = 0, prefill_wait_s = 0, accept_s = 0;
+  // prefill_s runs from the request's first prompt chunk to its first token; prefill_rounds:
+  // the scheduler rounds its prompt took (1: whole; more when prefill_tokens_per_step split it
+  // between decode steps of other requests).
+  int64_t prefill_rounds = 0;
 };
 
 // One greedy draft block after a prefill of some tokens (for debugging acceptance).
@@ -155,6 +166,8 @@ struct RequestUpdate {
 // Engine-wide counters (for /metrics and dashboards).
 struct EngineMetrics {
   int64_t queue_length = 0, running = 0, requests_total = 0, requests_finished = 0, requests_cancelled = 0;
+  int64_t prefilling = 0;  // of the running requests, those whose prompts are partly run (interleaved
+                           // with decode steps: prefill_tokens_per_step)
   int64_t generated_tokens_total = 0, steps_total = 0;
   double tokens_per_second = 0;   // committed tokens / s over the recent steps
   double acceptance_length = 0;   // committed tokens per sequence per step, recent mean

@@ -64,6 +64,12 @@ bool Decoder::admit(Request* r) {
   return true;
 }
 
+int64_t Decoder::prefilling() const {
+  int64_t n = 0;
+  for (const Request* r : running_) n += !r->prefilled && !r->done && r->prompt_fed > 0 ? 1 : 0;
+  return n;
+}
+
 void Decoder::retire(Request* r) {
   if (r->slot < 0) return;
   c_.target->cache().release(r->main);
@@ -76,6 +82,7 @@ void Decoder::retire(Request* r) {
   st.prompt_tokens = int64_t(r->prompt.size());
   st.generated_tokens = int64_t(r->tokens.size());
   st.prefill_s = r->prefill_s;
+  st.prefill_rounds = r->prefill_rounds;
   st.draft_s = r->draft_s;
   st.verify_s = r->verify_s;
   st.accept_s = r->accept_s;
@@ -137,24 +144,50 @@ void Decoder::after_commit(Request& r) {  // room for the next anchor?
 }
 
 // ---------------- prefill, chunk by chunk; each chunk's features go to the drafter
-void Decoder::prefill() {
+bool Decoder::prefill() {
   act_.clear();
-  for (Request* r : running_)
-    if (!r->prefilled && !r->done) act_.push_back(r);
-  if (act_.empty()) return;
+  bool decoding = false;
+  for (Request* r : running_) {
+    if (r->done) continue;
+    if (!r->prefilled) act_.push_back(r);
+    else decoding = true;
+  }
+  if (act_.empty()) return false;
   const double t0 = now();
   Target& tgt = *c_.target;
   Drafter* drafter = c_.drafter.get();
   const Features feats{c_.taps_buf, c_.fin};
+  // This round's share of each prompt: everything, or while requests decode at most the
+  // budget's tokens, the earliest admitted first (a prompt cut short continues next round).
+  int64_t left = decoding && prefill_budget_ > 0 ? prefill_budget_ : INT64_MAX;
+  size_t fed = 0;
   streams_.clear();
   toks_.clear();
   counts_.clear();
+  fed0_.clear();
+  ends_.clear();
   for (Request* r : act_) {
+    if (left == 0) break;
+    const int64_t rest = int64_t(r->prompt.size()) - r->prompt_fed;
+    const int64_t take = std::min(rest, left);
+    left -= take;
+    if (r->prefill_rounds++ == 0) r->t_prefill0 = t0;
     streams_.push_back(&r->main);
-    toks_.push_back(r->prompt.data());
-    counts_.push_back(int64_t(r->prompt.size()));
+    toks_.push_back(r->prompt.data() + r->prompt_fed);
+    counts_.push_back(take);
+    fed0_.push_back(r->prompt_fed);
+    ends_.push_back(take == rest ? 1 : 0);
+    r->prompt_fed += take;
+    act_[fed++] = r;
   }
+  const bool unfinished = fed < act_.size() || !ends_.back();
+  act_.resize(fed);
   make_chunks(streams_, toks_, counts_, tgt.options().max_step_tokens, c_.chunks);
+  for (auto& ch : c_.chunks)  // offsets within the prompt; `last`: the prompt's last token
+    for (Piece& pc : ch) {
+      pc.offset += fed0_[size_t(pc.seq)];
+      pc.last = pc.last && ends_[size_t(pc.seq)];
+    }
   for (const auto& ch : c_.chunks) {
     int64_t R = 0, T = 0;
     for (const auto& pc : ch) {
@@ -216,13 +249,15 @@ void Decoder::prefill() {
     }
   }
   const double t1 = now();
-  for (Request* r : act_) {
-    r->prefill_s = t1 - t0;
-    r->t_prefilled = t1;
-  }
+  for (Request* r : act_)
+    if (r->prefilled && r->t_prefilled == 0) {
+      r->prefill_s = t1 - r->t_prefill0;
+      r->t_prefilled = t1;
+    }
   // the decoding requests waited for these prompts (their decode_s runs on meanwhile)
   for (Request* r : running_)
     if (r->prefilled && r->t_prefilled < t0 && !r->done) r->prefill_wait_s += t1 - t0;
+  return unfinished;
 }
 
 // ---------------- draft / verify / accept / commit

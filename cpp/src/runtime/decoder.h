@@ -30,13 +30,14 @@ struct Request {
   CacheStream main;
   int32_t anchor = 0;  // last emitted token: not yet in the target cache
   bool prefilled = false, done = false;
+  int64_t prompt_fed = 0, prefill_rounds = 0;  // prompt tokens in the cache; rounds they took
   uint64_t rng_counter = 0;
   std::vector<int32_t> next, verify;  // tokens after the committed positions; [anchor, drafts...]
   std::vector<int32_t> tokens;        // everything generated
   std::string finish_reason;
   int64_t committed = 0, verify_steps = 0;
   std::vector<int64_t> accepted_at;
-  double prefill_s = 0, draft_s = 0, verify_s = 0, t_prefilled = 0;
+  double prefill_s = 0, draft_s = 0, verify_s = 0, t_prefilled = 0, t_prefill0 = 0;
   double prefill_wait_s = 0, accept_s = 0;  // decoding, waiting for other requests' prompts (Decoder::prefill)
   std::vector<int32_t> staged;  // committed, not yet handed to the clients (Scheduler::publish_locked)
   // ---- shared with clients (guarded by the scheduler's mutex)
@@ -60,7 +61,15 @@ class Decoder {
   const std::vector<Request*>& running() const { return running_; }
   // Takes a slot and reserves the request's cache; false (nothing taken) if none is free.
   bool admit(Request* r);
-  void prefill();   // every admitted request not prefilled yet
+  // The prompts of admitted requests not prefilled yet: all of them whole, or, while other
+  // requests are decoding and a budget is set, at most that many of their tokens (in
+  // admission order; a prompt cut short continues in the next round). Returns whether a
+  // prompt is left unfinished.
+  bool prefill();
+  // Prompt tokens per round while requests decode (0 = no limit).
+  void set_prefill_budget(int64_t tokens) { prefill_budget_ = tokens; }
+  int64_t prefill_budget() const { return prefill_budget_; }
+  int64_t prefilling() const;  // running requests whose prompts are partly run
   void step();      // one round for the running requests not done
   void retire(Request* r);  // frees its slot and pages; fills its stats
   void retire_all();
@@ -85,14 +94,15 @@ class Decoder {
   SpecPolicy policy_;
   std::vector<Request*> slots_;    // slot -> request (null: free)
   std::vector<Request*> running_;  // admitted, in admission order
-  int64_t max_len_ = 0, steps_ = 0;
+  int64_t max_len_ = 0, steps_ = 0, prefill_budget_ = 0;
   bool debug_spec_ = false;
   double step_time_ = 0, tok_s_ = 0, acc_len_ = 0, draft_len_ = 0;
   // host bookkeeping reused across steps
   std::vector<Request*> act_;
   std::vector<DraftJob> jobs_;
   std::vector<CommitRows> commits_;
-  std::vector<int64_t> counts_, drafted_, accepted_;
+  std::vector<int64_t> counts_, drafted_, accepted_, fed0_;
+  std::vector<char> ends_;
   std::vector<CacheStream*> streams_;
   std::vector<const int32_t*> toks_;
   std::vector<Drafter::StepRows> step_rows_;

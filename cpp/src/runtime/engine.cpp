@@ -655,6 +655,9 @@ Engine::Engine(const EngineConfig& cfg) : impl_(std::make_unique<Impl>()) {
                     "Engine: max_batch_size, max_step_tokens and kv_block_size must be >= 1 and max_seq_len >= 0 (0 = "
                     "the model's limit), found ", cfg.max_batch_size, ", ", cfg.max_step_tokens, ", ", cfg.kv_block_size,
                     ", ", cfg.max_seq_len);
+  DFLASH2_CHECK_ARG(cfg.prefill_tokens_per_step >= -1,
+                    "Engine: prefill_tokens_per_step must be >= 1, 0 (no limit) or -1 (max_step_tokens), found ",
+                    cfg.prefill_tokens_per_step);
   DFLASH2_CHECK_ARG(cfg.kv_cache_dtype == "f32" || cfg.kv_cache_dtype == "bf16" || cfg.kv_cache_dtype == "fp8",
                     "Engine: kv_cache_dtype must be 'f32', 'bf16' or 'fp8', found '", cfg.kv_cache_dtype, "'");
   ops::CpuThreadScope threads(cfg.num_threads);
@@ -849,7 +852,9 @@ Engine::Engine(const EngineConfig& cfg) : impl_(std::make_unique<Impl>()) {
                    w.stopped.empty() ? "" : "; stopped early: ", w.stopped.c_str());
     }
   }
-  I.scheduler = std::make_unique<runtime::Scheduler>(I.core, I.model_mu, cfg.speculation == "adaptive");
+  I.cfg.prefill_tokens_per_step = cfg.prefill_tokens_per_step < 0 ? cfg.max_step_tokens : cfg.prefill_tokens_per_step;
+  I.scheduler = std::make_unique<runtime::Scheduler>(I.core, I.model_mu, cfg.speculation == "adaptive",
+                                                     I.cfg.prefill_tokens_per_step);
 }
 
 Engine::~Engine() { close(); }

@@ -7,8 +7,9 @@
 
 namespace dflash2::runtime {
 
-Scheduler::Scheduler(Core& core, std::mutex& model_mutex, bool adaptive)
+Scheduler::Scheduler(Core& core, std::mutex& model_mutex, bool adaptive, int64_t prefill_budget)
     : core_(core), model_mu_(model_mutex), dec_(core, *this, adaptive) {
+  dec_.set_prefill_budget(prefill_budget);
   snap_.cache_pages_total = core.target->cache().num_blocks() - int64_t(core.target->pad_stream().blocks.size());
   snap_.cache_pages_used = snap_.cache_pages_total - core.target->cache().free_blocks();
   thread_ = std::thread([this] { loop(); });
@@ -178,6 +179,7 @@ EngineMetrics Scheduler::metrics() const {
   std::lock_guard<std::mutex> lk(mu_);
   EngineMetrics m;
   m.queue_length = int64_t(waiting_.size());
+  m.prefilling = snap_.prefilling;
   m.running = requests_total_ - requests_finished_ - m.queue_length;
   m.requests_total = requests_total_;
   m.requests_finished = requests_finished_;
@@ -236,6 +238,7 @@ void Scheduler::loop() {
     publish_locked();
     for (Request* r : ended) finish_locked(*r);
     snap_.steps_total = dec_.steps();
+    snap_.prefilling = dec_.prefilling();
     snap_.tokens_per_second = dec_.tokens_per_second();
     snap_.acceptance_length = dec_.acceptance_length();
     snap_.step_time_s = dec_.step_time_s();
@@ -253,6 +256,7 @@ void Scheduler::loop() {
   std::lock_guard<std::mutex> lk(mu_);
   publish_locked();
   for (Request* r : ended) finish_locked(*r);
+  snap_.prefilling = 0;
   snap_.cache_pages_total = core_.target->cache().num_blocks() - int64_t(core_.target->pad_stream().blocks.size());
   snap_.cache_pages_used = snap_.cache_pages_total - core_.target->cache().free_blocks();
 }

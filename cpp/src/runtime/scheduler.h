@@ -1,6 +1,8 @@
 // The scheduler: the engine's own thread, fed by a request queue. Between steps it drops
 // cancelled requests, admits waiting ones while the decoder has slots (and their cache
-// fits), prefills them, and runs one step of the running batch; tokens are handed to the
+// fits), prefills them (while others decode, at most prefill_budget prompt tokens a round:
+// a long prompt continues over the next rounds, so the running streams wait one chunk per
+// step, not the whole prompt), and runs one step of the running batch; tokens are handed to the
 // requests' records, which any number of client threads poll. The model runs only on this
 // thread (under the engine's model mutex, which the step-level API also takes).
 //
@@ -33,7 +35,9 @@ using RequestFailed = RequestError;
 class Scheduler final : public Decoder::Sink {
  public:
   // model_mutex: held while the model runs (a step, or the step-level API).
-  Scheduler(Core& core, std::mutex& model_mutex, bool adaptive);
+  // prefill_budget: prompt tokens run between two decode steps while requests decode (0 =
+  // no limit; Decoder::prefill).
+  Scheduler(Core& core, std::mutex& model_mutex, bool adaptive, int64_t prefill_budget = 0);
   ~Scheduler() override;
 
   // Takes a validated request; returns its id.
