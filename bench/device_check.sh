@@ -25,7 +25,7 @@
 # Environment: OUT (report folder), DFLASH2_CUDA_ARCHS (default 90a = H100/H200),
 # BUILD_DIR (default build-device), JOBS (default nproc), PYTHON (default python3),
 # DC_DEADLINE (seconds for everything, default 480), DC_ONLY (the steps to run after the
-# build, e.g. "ctest pytest"; default all: ctest pytest e2e kvq bench_ops memcheck concurrency),
+# build, e.g. "ctest pytest"; default all: ctest pytest e2e kvq stall bench_ops memcheck concurrency),
 # DC_PYTEST_K (a pytest -k expression for the pytest and memcheck steps, e.g. "mla or moe"),
 # DC_PYTEST_WORKERS (the pytest step in that many pytest-xdist processes, where installed),
 # per-step limits in seconds: DC_CTEST_TIMEOUT (150), DC_PYTEST_TIMEOUT (240),
@@ -35,6 +35,7 @@
 # DC_EMULATE=1 (a dry run of every step, the GPU ones included, against the CPU emulation of
 # the CUDA backend in BUILD_DIR, default build-device-emu, with smaller benchmark workloads:
 # checks this script, not a GPU; give it a larger DC_DEADLINE and step limits),
+# DC_KVQ_TIMEOUT (kv_cache_quality.py, 60), DC_STALL_TIMEOUT (prefill_stall.py, 45),
 # DC_OPPROF_TIMEOUT (the op profile, bench/op_profile.py: 90), DC_OPPROF_KV (its cache types: "f32 bf16"),
 # DC_CONC_TIMEOUT / DC_CONC_BUDGET (the concurrency sweep: stopped after 75 s, no new level
 # after 45 s or what the deadline leaves), DC_CONC_ARGS (more bench_concurrency.py options,
@@ -77,6 +78,7 @@ export DC_BENCH_OPS_JSON=""  # bench_ops --quick --json output, when it ran
 export DC_E2E_JSON=""        # bench_default_pair.py --device cuda output, when it ran
 export DC_CONC_JSON=""       # bench_concurrency.py --device cuda output, when it ran
 export DC_KVQ_JSON=""        # kv_cache_quality.py --device cuda output, when it ran
+export DC_STALL_JSON=""      # prefill_stall.py --device cuda output, when it ran
 export DC_OPPROF_JSON=""     # op_profile.py --device cuda output, when it ran
 export DC_SKIPPED=""         # steps not started (DC_ONLY, or the deadline)
 START=$(date +%s)
@@ -198,6 +200,14 @@ if kvq:
             report["kv_cache_quality_cuda"] = json.load(f)["rows"]
     except (OSError, ValueError, KeyError) as e:
         report["kv_cache_quality_cuda"] = {"json": kvq, "error": "no readable result: %s" % e}
+stall = env.get("DC_STALL_JSON", "")
+if stall:
+    try:
+        with open(stall) as f:
+            report["prefill_stall_cuda"] = [{k: v for k, v in row.items() if k != "runs"}
+                                            for row in json.load(f)["rows"]]
+    except (OSError, ValueError, KeyError) as e:
+        report["prefill_stall_cuda"] = {"json": stall, "error": "no readable result: %s" % e}
 conc = env.get("DC_CONC_JSON", "")
 if conc:
     try:
@@ -424,6 +434,15 @@ if [ "$GPU_USABLE" = 1 ] && [ "$DC_PYTHON_BINDING" = 1 ]; then
     --threads 4 --out "$OUT_DIR" ||
     soft_fail kvq "bench/kv_cache_quality.py --device cuda failed or reached its limit (see $LOGS/kvq.log)"
   if [ -f "$OUT_DIR/kv_cache_quality_cuda.json" ]; then DC_KVQ_JSON=$OUT_DIR/kv_cache_quality_cuda.json; fi
+  # a long prompt arriving while 4 streams decode: their worst stall with the prompt run whole
+  # and interleaved with their steps (prefill_tokens_per_step), the newcomer's first token
+  rm -f "$OUT_DIR/prefill_stall_cuda.json"
+  STALL_SIZE=(--prompt-tokens 3000 --repeat 3)
+  [ "$EMULATE" = 1 ] && STALL_SIZE=(--prompt-tokens 48 --running 2 --new 12 --budgets 0 16 --repeat 1)
+  run_step stall "${DC_STALL_TIMEOUT:-45}" "$PY" "$ROOT/bench/prefill_stall.py" --device cuda "${STALL_SIZE[@]}" \
+    --out "$OUT_DIR" ||
+    soft_fail stall "bench/prefill_stall.py --device cuda failed or reached its limit (see $LOGS/stall.log)"
+  if [ -f "$OUT_DIR/prefill_stall_cuda.json" ]; then DC_STALL_JSON=$OUT_DIR/prefill_stall_cuda.json; fi
 fi
 
 # ---------------------------------------------------------------- op microbenchmarks (GPU only)
