@@ -20,7 +20,7 @@ run stopped by --budget or a timeout keeps what it measured.
     python bench/bench_concurrency.py [--levels 1 4 8 16 32] [--requests 3] [--new 64]
         [--modes ar "dflash2 fixed" "dflash2 adaptive" mtp dflash] [--models pair slice]
         [--device cpu|cuda|cuda:N] [--clients threads|loop] [--budget SECONDS] [--kv-cache-dtype f32|bf16|fp8]
-        [--decode-gemm exact|auto|bf16|fp8|nvfp4] [--exact-tc]
+        [--decode-gemm exact|auto|bf16|fp8|nvfp4] [--exact-tc] [--temperature T --top-p P]
 
 --models slice: a two-layer target with GLM-5.3's attention dimensions (tests/glm_fixtures.py
 REAL_DIMS, random weights, with an MTP layer) and a random DFlash 2 drafter with the GLM-5.3
@@ -52,7 +52,7 @@ def prompts(n, seed, vocab):
 SPLIT_KEYS = ("draft_s", "verify_s", "accept_s", "prefill_wait_s", "host_s", "decode_s")
 
 
-def run_level_loop(eng, C, per_client, new, seed, vocab):
+def run_level_loop(eng, C, per_client, new, seed, vocab, sampling=None):
     """run_level with one client thread keeping C requests in flight (a finished one is
     replaced by the next at once): the same load without C Python threads competing with the
     engine's scheduler thread for the cores and the GIL."""
@@ -64,7 +64,7 @@ def run_level_loop(eng, C, per_client, new, seed, vocab):
     pending = set()
     while queue or pending:
         while queue and len(pending) < C:
-            pending.add(eng.submit(queue.pop(0), max_new_tokens=new, stop_token_ids=[]))
+            pending.add(eng.submit(queue.pop(0), max_new_tokens=new, stop_token_ids=[], **(sampling or {})))
         # the engine's poll over several requests (what Engine.generate waits with)
         for rid, toks, finished, res in eng._e.poll(list(pending), 0.1):
             if finished:
@@ -75,12 +75,12 @@ def run_level_loop(eng, C, per_client, new, seed, vocab):
     return tokens, time.perf_counter() - t0, total
 
 
-def run_level(eng, C, per_client, new, seed, vocab, clients="threads"):
+def run_level(eng, C, per_client, new, seed, vocab, clients="threads", sampling=None):
     """C closed-loop clients, per_client requests each: (committed tokens, seconds, summed
     request stats draft_s / verify_s / accept_s / prefill_wait_s / host_s / decode_s).
     clients "loop": one thread drives them all (run_level_loop)."""
     if clients == "loop":
-        return run_level_loop(eng, C, per_client, new, seed, vocab)
+        return run_level_loop(eng, C, per_client, new, seed, vocab, sampling)
     ps = prompts(C * per_client, seed, vocab)
     tokens = [0] * C
     split = [dict.fromkeys(SPLIT_KEYS, 0.0) for _ in range(C)]
@@ -89,7 +89,8 @@ def run_level(eng, C, per_client, new, seed, vocab, clients="threads"):
     def client(c):
         try:
             for k in range(per_client):
-                r = eng.generate([ps[c * per_client + k]], max_new_tokens=new, stop_token_ids=[])[0]
+                r = eng.generate([ps[c * per_client + k]], max_new_tokens=new, stop_token_ids=[],
+                                 **(sampling or {}))[0]
                 tokens[c] += len(r.token_ids)
                 for key in split[c]:
                     split[c][key] += float(r.stats.get(key, 0.0))
@@ -144,18 +145,22 @@ def main(argv=None):
                          "sizes)")
     ap.add_argument("--exact-tc", action="store_true",
                     help="ops.set_exact_tc(True) before the engines load: decode_gemm='exact' on the tensor cores")
+    ap.add_argument("--temperature", type=float, default=0.0,
+                    help="sampling temperature of every request (0 = greedy); sampled requests are unseeded, so "
+                         "adaptive speculation picks their draft length too")
+    ap.add_argument("--top-p", type=float, default=1.0)
     ap.add_argument("--out", default=os.path.join(HERE, "results"))
     a = ap.parse_args(argv)
     exact_tc_was = dflash2_rt.ops.exact_tc()
     if a.exact_tc:
         dflash2_rt.ops.set_exact_tc(True)
     modes = ["ar"] + [m for m in a.modes if m != "ar"]  # ar first: the speedups' baseline
-    suffix = "" if a.device == "cpu" else "_" + a.device.split(":")[0]
+    suffix = ("" if a.device == "cpu" else "_" + a.device.split(":")[0]) + (f"_t{a.temperature:g}" if a.temperature > 0 else "")
     os.makedirs(a.out, exist_ok=True)
     t_start = time.perf_counter()
     report = {"device": a.device, "clients": a.clients, "levels": a.levels, "requests_per_client": a.requests,
               "new_tokens": a.new, "kv_cache_dtype": a.kv_cache_dtype, "decode_gemm": a.decode_gemm,
-              "exact_tc": a.exact_tc,
+              "exact_tc": a.exact_tc, "temperature": a.temperature, "top_p": a.top_p,
               "modes": modes, "models": {}, "complete": False}
 
     def save():  # whole or not at all (a run killed by a time limit keeps the previous levels)
@@ -169,6 +174,7 @@ def main(argv=None):
     def over_budget():  # no new model or level when it would likely end past the budget
         return bool(a.budget) and time.perf_counter() - t_start + 1.5 * last_level_s > a.budget
 
+    sampling = dict(temperature=a.temperature, top_p=a.top_p) if a.temperature > 0 else {}
     tmp = tempfile.TemporaryDirectory(prefix="dflash2_bench_")
     stopped = False
     for model in a.models:
@@ -196,11 +202,11 @@ def main(argv=None):
             t_level = time.perf_counter()
             res = {}
             for name in modes:  # warm-up (the adaptive policy learns this batch size; graphs are captured)
-                run_level(engines[name], C, 1, a.new, C, vocab, a.clients)
+                run_level(engines[name], C, 1, a.new, C, vocab, a.clients, sampling)
             for rep in range(a.repeat):  # the modes alternate; each keeps its best round
                 for name in modes:
                     tok, dt, split = run_level(engines[name], C, a.requests, a.new, 1000 + C + 100 * rep, vocab,
-                                                a.clients)
+                                                a.clients, sampling)
                     m = engines[name].metrics()
                     if name not in res or tok / dt > res[name]["tok_s"]:
                         dec = split.pop("decode_s")

@@ -170,6 +170,57 @@ TEST(polls_wake_for_their_own_requests) {
   CHECK(ended && reason == "cancelled");
 }
 
+// Chunked prefill between decode steps: while a request decodes, a newcomer's 100-token
+// prompt runs 16 tokens a round (prefill_tokens_per_step), so it takes 7 rounds; with 0 it
+// runs whole (1 round); the outputs are the requests' alone outputs either way.
+TEST(prompts_prefill_between_decode_steps) {
+  if (!have_pair()) return skip("prefill rounds", "the bundled default pair is not present");
+  std::vector<int32_t> long_prompt;
+  for (int j = 0; j < 100; ++j) long_prompt.push_back((j * 37) % 3000 + 2);
+  for (int64_t budget : {int64_t(16), int64_t(0)}) {
+    EngineConfig c = config("dflash2");
+    c.max_step_tokens = 32;
+    c.prefill_tokens_per_step = budget;
+    Engine e(c);
+    CHECK(e.config().prefill_tokens_per_step == budget);
+    SamplingParams p;
+    p.max_new_tokens = 200;
+    p.has_stop_tokens = true;
+    SamplingParams q = p;
+    q.max_new_tokens = 6;
+    const std::vector<int32_t> alone_first = e.generate({prompt(1)}, p)[0].token_ids;
+    const std::vector<int32_t> alone_long = e.generate({long_prompt}, q)[0].token_ids;
+    const RequestId first = e.submit(prompt(1), p);
+    std::vector<int32_t> got;
+    while (got.empty())
+      for (auto& u : e.poll({first}, -1.0)) got.insert(got.end(), u.new_tokens.begin(), u.new_tokens.end());
+    const RequestId second = e.submit(long_prompt, q);
+    GenerationResult res;
+    for (bool done = false; !done;)
+      for (auto& u : e.poll({second}, -1.0))
+        if (u.finished) {
+          done = true;
+          res = u.result;
+        }
+    CHECK(res.token_ids == alone_long);
+    CHECK(res.stats.prefill_rounds == (budget ? 7 : 1));
+    std::vector<int32_t> rest = run(e, first);
+    got.insert(got.end(), rest.begin(), rest.end());
+    CHECK(got == alone_first);
+    const EngineMetrics m = e.metrics();
+    CHECK(m.running == 0 && m.prefilling == 0 && m.cache_pages_used == 0);
+  }
+  EngineConfig bad = config("ar");
+  bad.prefill_tokens_per_step = -2;
+  bool threw = false;
+  try {
+    Engine e(bad);
+  } catch (const Error& err) {
+    threw = err.kind() == ErrorKind::InvalidArgument;
+  }
+  CHECK(threw);
+}
+
 TEST(bad_requests_throw_at_submit) {
   if (!have_pair()) return skip("bad_requests", "the bundled default pair is not present");
   Engine e(config("ar"));
