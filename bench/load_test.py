@@ -314,6 +314,8 @@ def main(argv=None) -> int:
     ap.add_argument("--max-seq-len", type=int, default=None)
     ap.add_argument("--speculation", default="adaptive", choices=["adaptive", "fixed"])
     ap.add_argument("--threads", type=int, default=None)
+    ap.add_argument("--prefill-tokens-per-step", type=int, default=None,
+                    help="the engine's prefill_tokens_per_step (default: max_step_tokens; 0 = every prompt whole)")
     ap.add_argument("--clients", type=int, default=64)
     ap.add_argument("--requests-per-client", type=int, default=2)
     ap.add_argument("--distinct", type=int, default=32, help="distinct requests in the pool (references)")
@@ -342,6 +344,7 @@ def main(argv=None) -> int:
         if args.fake:
             kw["step_time"] = args.fake_step_time
         else:
+            kw["prefill_tokens_per_step"] = args.prefill_tokens_per_step
             for k in ("draft", "method"):
                 if getattr(args, k) is not None:
                     kw[k] = getattr(args, k)
