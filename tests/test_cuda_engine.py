@@ -1030,3 +1030,30 @@ def test_interleaved_prefill_on_cuda(tmp_path):
         assert m["steps_as_one_unit"] >= 1 and m["cache_pages_used"] == 0 and m["prefilling"] == 0, m
     finally:
         eng.close()
+
+
+def test_prefix_cache_on_cuda(tmp_path):
+    """On the GPU (steps as graphs, 4-token pages): prompts sharing a 30-token prefix take its
+    cached blocks from the target's and the drafter's caches (7 pages), and every output
+    equals plain greedy decoding for dflash2 and mtp-less ar; a full cache evicts."""
+    cuda_or_skip()
+    pair = F.make_self_drafting_pair(tmp_path)
+    prefix = [(i * 7) % 120 for i in range(30)]
+    for method in ("dflash2", "ar"):
+        eng = dflash2_rt.Engine(target=pair.target_dir, draft=pair.draft_dir if method == "dflash2" else None,
+                                method=method, device="cuda", max_batch_size=2, max_seq_len=64, kv_block_size=4)
+        try:
+            for k in range(4):
+                p = prefix + [3 + k, 10 + k]
+                r = eng.generate([p], max_new_tokens=20, stop_token_ids=NO_STOP)[0]
+                assert list(r.token_ids) == pair.expected_greedy(p, 20)["tokens"], (method, k)
+                assert r.stats["cached_tokens"] == (0 if k == 0 else 28), (method, k, r.stats)
+            for k in range(12):  # distinct prompts: 2 slots of 64 tokens cannot keep them all
+                p = [(i * 5 + 11 * k) % 120 for i in range(40)]
+                r = eng.generate([p], max_new_tokens=8, stop_token_ids=NO_STOP)[0]
+                assert list(r.token_ids) == pair.expected_greedy(p, 8)["tokens"], (method, k)
+            m = eng.metrics()
+            assert m["prefix_cache_evictions"] > 0 and m["cache_pages_used"] == 0, m
+            assert m["cuda_graphs_failed"] == 0, m["cuda_graphs_last_failure"]
+        finally:
+            eng.close()

@@ -156,6 +156,21 @@ def test_completion_text_prompt(live):
     assert ext["generated_tokens"] == 24 and ext["acceptance_length"] >= 1
 
 
+def test_usage_reports_cached_prompt_tokens(live):
+    """The real engine's prefix cache: the same long prompt again takes its full blocks, and
+    the usage says so as OpenAI does (prompt_tokens_details.cached_tokens); the text is the same."""
+    if live.kind != "real":
+        pytest.skip("the fake engine has no prefix cache")
+    prompt = "".join(PROMPTS) * 3
+    first = complete(live, prompt, max_tokens=8)
+    again = complete(live, prompt, max_tokens=8)
+    n = len(live.engine.encode(prompt))
+    assert again.choices[0].text == first.choices[0].text
+    assert again.usage.prompt_tokens == first.usage.prompt_tokens == n
+    cached = again.usage.prompt_tokens_details.cached_tokens
+    assert cached == (n - 1) // 16 * 16 > 0, (n, cached)
+
+
 def test_completion_token_id_prompt_equals_text_prompt(live):
     by_text = complete(live, PROMPTS[1], max_tokens=16)
     by_ids = complete(live, live.engine.encode(PROMPTS[1]), max_tokens=16)
@@ -606,7 +621,8 @@ def test_cli_serve_arguments():
                                           "--max-seq-len", "512", "--host", "0.0.0.0"])
     assert (args.port, args.speculation, args.max_batch_size, args.max_seq_len, args.host) == (
         9001, "fixed", 4, 512, "0.0.0.0")
-    assert args.prefill_tokens_per_step is None
+    assert args.prefill_tokens_per_step is None and args.prefix_caching is True
+    assert cli.build_parser().parse_args(["serve", "--no-prefix-caching"]).prefix_caching is False
     args = cli.build_parser().parse_args(["serve", "--prefill-tokens-per-step", "64", "--kv-cache-dtype", "fp8"])
     assert (args.prefill_tokens_per_step, args.kv_cache_dtype) == (64, "fp8")
 

@@ -47,6 +47,7 @@ py::dict stats_dict(const GenerationStats& s) {
   d["prefill_wait_s"] = s.prefill_wait_s;
   d["accept_s"] = s.accept_s;
   d["prefill_rounds"] = s.prefill_rounds;
+  d["cached_tokens"] = s.cached_tokens;
   return d;
 }
 
@@ -132,7 +133,7 @@ void bind_engine(py::module_& m) {
                        int64_t num_threads, int64_t mtp_draft_tokens, const std::string& speculation,
                        int64_t tensor_parallel, bool expert_parallel, const std::string& prefill_gemm,
                        const std::string& draft_gemm, const std::string& decode_gemm, bool cuda_graphs, int pad_to_buckets, int capture_at_load,
-                       const std::string& kv_cache_dtype, int64_t prefill_tokens_per_step) {
+                       const std::string& kv_cache_dtype, int64_t prefill_tokens_per_step, bool prefix_caching) {
              DFLASH2_CHECK_ARG(num_threads >= 0 && num_threads <= ops::cpu_max_threads(),
                                "Engine: num_threads must be in [0, ", ops::cpu_max_threads(), "] (0 = all ",
                                ops::cpu_cores(), " cores), found ", num_threads);
@@ -158,6 +159,7 @@ void bind_engine(py::module_& m) {
              c.capture_at_load = capture_at_load;
              c.kv_cache_dtype = kv_cache_dtype;
              c.prefill_tokens_per_step = prefill_tokens_per_step;
+             c.prefix_caching = prefix_caching;
              ReleaseGil nogil;
              return std::make_unique<Engine>(c);
            }),
@@ -168,7 +170,7 @@ void bind_engine(py::module_& m) {
            py::arg("prefill_gemm") = "auto", py::arg("draft_gemm") = "auto", py::arg("decode_gemm") = "exact",
            py::arg("cuda_graphs") = true,
            py::arg("pad_to_buckets") = -1, py::arg("capture_at_load") = -1, py::arg("kv_cache_dtype") = "f32",
-           py::arg("prefill_tokens_per_step") = -1)
+           py::arg("prefill_tokens_per_step") = -1, py::arg("prefix_caching") = true)
       .def(
           "logits",
           [](Engine& e, py::handle tokens) {
@@ -272,6 +274,10 @@ void bind_engine(py::module_& m) {
              d["queue_length"] = m.queue_length;
              d["running"] = m.running;
              d["prefilling"] = m.prefilling;
+             d["prefix_cache_pages"] = m.prefix_cache_pages;
+             d["prefix_cache_query_tokens"] = m.prefix_cache_query_tokens;
+             d["prefix_cache_hit_tokens"] = m.prefix_cache_hit_tokens;
+             d["prefix_cache_evictions"] = m.prefix_cache_evictions;
              d["requests_total"] = m.requests_total;
              d["requests_finished"] = m.requests_finished;
              d["requests_cancelled"] = m.requests_cancelled;
@@ -310,6 +316,7 @@ void bind_engine(py::module_& m) {
       .def_property_readonly("method", &Engine::method)
       .def_property_readonly("max_seq_len", [](const Engine& e) { return e.config().max_seq_len; })
       .def_property_readonly("num_threads", [](const Engine& e) { return e.config().num_threads; })
+      .def_property_readonly("prefix_caching", [](const Engine& e) { return e.config().prefix_caching; })
       .def_property_readonly("prefill_tokens_per_step",
                              [](const Engine& e) { return e.config().prefill_tokens_per_step; })
       .def_property_readonly("tensor_parallel", [](const Engine& e) { return e.config().tensor_parallel; })

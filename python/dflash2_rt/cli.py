@@ -266,6 +266,8 @@ def _serve_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--pad-to-buckets", choices=("auto", "on", "off"), default="auto",
                    help="pad decode steps run as one CUDA graph to batch-size buckets (1, 2, 4, 8, 16, 32, ...) "
                         "so each bucket has one graph; auto = on with CUDA graphs")
+    p.add_argument("--no-prefix-caching", dest="prefix_caching", action="store_false",
+                   help="do not keep prompts' KV-cache blocks for later prompts with the same prefix")
     p.add_argument("--prefill-tokens-per-step", type=int, default=None,
                    help="while requests decode, at most this many prompt tokens of new requests run between two "
                         "decode steps (default: one chunk, max_step_tokens; 0 = every new prompt whole first)")
@@ -309,6 +311,7 @@ def _run_serve(args: argparse.Namespace) -> int:
               tensor_parallel=args.tensor_parallel, expert_parallel=args.expert_parallel,
               prefill_gemm=args.prefill_gemm, draft_gemm=args.draft_gemm, decode_gemm=args.decode_gemm, cuda_graphs=args.cuda_graphs,
               kv_cache_dtype=args.kv_cache_dtype, prefill_tokens_per_step=args.prefill_tokens_per_step,
+              prefix_caching=args.prefix_caching,
               pad_to_buckets={"auto": None, "on": True, "off": False}[args.pad_to_buckets])
     if args.threads is not None:
         kw["num_threads"] = args.threads

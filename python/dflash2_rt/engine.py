@@ -216,7 +216,7 @@ class Engine:
                  prefill_gemm: str = "auto", draft_gemm: str = "auto", decode_gemm: str = "exact",
                  cuda_graphs: bool = True, pad_to_buckets: Optional[bool] = None,
                  capture_at_load: Optional[bool] = None, kv_cache_dtype: str = "f32",
-                 prefill_tokens_per_step: Optional[int] = None):
+                 prefill_tokens_per_step: Optional[int] = None, prefix_caching: bool = True):
         """target: a glm_moe_dsa checkpoint directory (None: the bundled default pair).
         draft: a DFlash 2 / DFlash 1 drafter directory. method: "ar" | "mtp" | "dflash" |
         "dflash2"; None infers it: "ar" without a drafter, else from the drafter's
@@ -285,6 +285,10 @@ class Engine:
         of by its whole prefill; the prompt continues over the next steps). None: max_step_tokens
         (one chunk); 0: no limit (every admitted prompt whole before the next step). With no
         request decoding, prompts run whole. Outputs do not depend on it.
+        prefix_caching: keep the full KV-cache blocks of prompts that ran (least recently used
+        evicted when the cache needs room), so a prompt that starts with the same tokens (a
+        shared system prompt, an earlier turn) takes them instead of running them again:
+        result.stats["cached_tokens"], metrics()["prefix_cache_*"]. Outputs do not depend on it.
 
         All generation runs on the engine's own scheduler thread: generate / stream / submit
         from any number of threads join one running batch (continuous batching). Close the
@@ -310,6 +314,8 @@ class Engine:
         _check_int("Engine", "tensor_parallel", tensor_parallel, 1, 64)
         if not isinstance(expert_parallel, (bool, np.bool_)):
             raise _core.InvalidArgumentError(f"Engine: expert_parallel must be True or False, found {expert_parallel!r}")
+        if not isinstance(prefix_caching, (bool, np.bool_)):
+            raise _core.InvalidArgumentError(f"Engine: prefix_caching must be True or False, found {prefix_caching!r}")
         if not isinstance(cuda_graphs, (bool, np.bool_)):
             raise _core.InvalidArgumentError(f"Engine: cuda_graphs must be True or False, found {cuda_graphs!r}")
         if pad_to_buckets is not None and not isinstance(pad_to_buckets, (bool, np.bool_)):
@@ -333,7 +339,8 @@ class Engine:
                                prefill_gemm, draft_gemm, decode_gemm, bool(cuda_graphs),
                                -1 if pad_to_buckets is None else int(bool(pad_to_buckets)),
                                -1 if capture_at_load is None else int(bool(capture_at_load)), kv_cache_dtype,
-                               -1 if prefill_tokens_per_step is None else prefill_tokens_per_step)
+                               -1 if prefill_tokens_per_step is None else prefill_tokens_per_step,
+                               bool(prefix_caching))
         _LIVE.add(self)
         self.speculation = speculation
         self._cancelled: set = set()
@@ -343,6 +350,7 @@ class Engine:
         self.tokenizer = tokenizer
         self.max_seq_len = self._e.max_seq_len
         self.prefill_tokens_per_step = self._e.prefill_tokens_per_step  # resolved: 0 = no limit
+        self.prefix_caching = self._e.prefix_caching
         self.max_batch_size = max_batch_size
 
     @property
@@ -521,7 +529,10 @@ class Engine:
 
     def metrics(self) -> dict:
         """Engine-wide counters: queue_length, running, prefilling (running requests whose
-        prompts are partly run, interleaved with decode steps), requests_total / _finished / _cancelled,
+        prompts are partly run, interleaved with decode steps), prefix_cache_pages /
+        _query_tokens / _hit_tokens / _evictions (automatic prefix caching: blocks kept,
+        prompt tokens admitted, of them taken from the cache, entries evicted),
+        requests_total / _finished / _cancelled,
         generated_tokens_total, steps_total, cache_pages_used / _total (the target's KV-cache
         blocks), and recent tokens_per_second, acceptance_length (committed tokens per
         sequence per step), step_time_s, draft_len; cuda_graphs_captured / _replayed / _eager /

@@ -960,7 +960,11 @@ class _Service:
         completion = len(toks) if toks is not None else n
         self.counters.prompt_tokens += len(ids)
         self.counters.completion_tokens += completion
-        return {"prompt_tokens": len(ids), "completion_tokens": completion, "total_tokens": len(ids) + completion}
+        usage = {"prompt_tokens": len(ids), "completion_tokens": completion, "total_tokens": len(ids) + completion}
+        cached = (getattr(result, "stats", None) or {}).get("cached_tokens")
+        if cached is not None:  # the prompt tokens taken from the engine's prefix cache (OpenAI's field)
+            usage["prompt_tokens_details"] = {"cached_tokens": int(cached)}
+        return usage
 
     @staticmethod
     def _extension(result, rid) -> dict:

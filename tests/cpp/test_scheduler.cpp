@@ -181,6 +181,7 @@ TEST(prompts_prefill_between_decode_steps) {
     EngineConfig c = config("dflash2");
     c.max_step_tokens = 32;
     c.prefill_tokens_per_step = budget;
+    c.prefix_caching = false;  // the alone run below would cache the long prompt's blocks
     Engine e(c);
     CHECK(e.config().prefill_tokens_per_step == budget);
     SamplingParams p;
@@ -219,6 +220,45 @@ TEST(prompts_prefill_between_decode_steps) {
     threw = err.kind() == ErrorKind::InvalidArgument;
   }
   CHECK(threw);
+}
+
+// Automatic prefix caching: a prompt that starts with a prompt that ran takes its full
+// blocks (cached_tokens), every output equals the engine's without the cache; with too few
+// cache blocks for everything, the least recently used entries are evicted.
+TEST(prefix_cache_takes_earlier_prompts_blocks) {
+  if (!have_pair()) return skip("prefix cache", "the bundled default pair is not present");
+  std::vector<int32_t> system;
+  for (int j = 0; j < 70; ++j) system.push_back((j * 41) % 3000 + 2);
+  for (const char* method : {"dflash2", "ar"}) {
+    EngineConfig c = config(method);
+    c.max_seq_len = 128;
+    c.max_batch_size = 2;
+    EngineConfig off = c;
+    off.prefix_caching = false;
+    Engine e(c), ref(off);
+    CHECK(e.config().prefix_caching && !ref.config().prefix_caching);
+    SamplingParams p;
+    p.max_new_tokens = 12;
+    p.has_stop_tokens = true;
+    for (int k = 0; k < 6; ++k) {
+      std::vector<int32_t> prompt_k = system;
+      for (int j = 0; j <= k; ++j) prompt_k.push_back(7 + j + k);
+      GenerationResult got = e.generate({prompt_k}, p)[0], want = ref.generate({prompt_k}, p)[0];
+      CHECK(got.token_ids == want.token_ids);
+      CHECK(want.stats.cached_tokens == 0);
+      CHECK(got.stats.cached_tokens == (k == 0 ? 0 : 64));  // 4 blocks of 16 (the 70th token runs)
+    }
+    EngineMetrics m = e.metrics();
+    CHECK(m.prefix_cache_hit_tokens == 5 * 64 && m.prefix_cache_pages >= 4 && m.cache_pages_used == 0);
+    // distinct prompts until the cache must evict: outputs still equal, every page free again
+    for (int k = 0; k < 12; ++k) {
+      std::vector<int32_t> q;
+      for (int j = 0; j < 90; ++j) q.push_back((j * 13 + k * 101) % 3000 + 2);
+      CHECK(e.generate({q}, p)[0].token_ids == ref.generate({q}, p)[0].token_ids);
+    }
+    m = e.metrics();
+    CHECK(m.prefix_cache_evictions > 0 && m.cache_pages_used == 0 && m.running == 0);
+  }
 }
 
 TEST(bad_requests_throw_at_submit) {

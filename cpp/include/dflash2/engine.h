@@ -91,6 +91,10 @@ struct EngineConfig {
                              // before the first request; -1 = on with CUDA graphs at
                              // tensor_parallel = 1, 0 = off (graphs
                              // are then captured on first use), 1 = on (also on the CPU: a test)
+  bool prefix_caching = true;  // automatic prefix caching: the full KV-cache blocks of prompts that
+                               // ran stay cached (least recently used evicted when needed), and a
+                               // prompt starting with the same tokens takes them instead of running
+                               // them again (GenerationStats::cached_tokens); outputs do not depend on it
   std::string speculation = "fixed";  // "fixed": every step drafts the full block; "adaptive": per
                                       // step the draft length (0..K) that maximises the measured
                                       // throughput of the running batch (see README)
@@ -128,6 +132,7 @@ struct GenerationStats {
   // the scheduler rounds its prompt took (1: whole; more when prefill_tokens_per_step split it
   // between decode steps of other requests).
   int64_t prefill_rounds = 0;
+  int64_t cached_tokens = 0;  // prompt tokens taken from the prefix cache (not run again)
 };
 
 // One greedy draft block after a prefill of some tokens (for debugging acceptance).
@@ -173,7 +178,12 @@ struct EngineMetrics {
   double acceptance_length = 0;   // committed tokens per sequence per step, recent mean
   double step_time_s = 0;         // recent mean
   double draft_len = 0;           // recent mean draft length (adaptive speculation)
-  int64_t cache_pages_used = 0, cache_pages_total = 0;  // the target's KV-cache blocks
+  int64_t cache_pages_used = 0, cache_pages_total = 0;  // the target's KV-cache blocks (used: by requests)
+  // automatic prefix caching (EngineConfig::prefix_caching): blocks it keeps (per cache; those
+  // no request uses count as free above), prompt tokens admitted and of them taken from it,
+  // entries evicted
+  int64_t prefix_cache_pages = 0, prefix_cache_query_tokens = 0, prefix_cache_hit_tokens = 0;
+  int64_t prefix_cache_evictions = 0;
   int64_t draft_cache_bytes = 0;  // the DFlash drafter's context cache (F32, or BF16 under draft_gemm)
   int64_t kv_cache_bytes = 0;     // the target's KV caches (latent + index keys, and the MTP layer's),
                                   // per tensor-parallel rank (kv_cache_dtype: F32, BF16 or FP8 rows)

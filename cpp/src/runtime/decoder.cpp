@@ -52,11 +52,34 @@ bool Decoder::admit(Request* r) {
   // the whole request's cache up front: prompt + new tokens + one verify block of lookahead
   const int64_t need = std::min(max_len_, int64_t(r->prompt.size()) + r->p.max_new_tokens + c_.K + 1);
   Target& tgt = *c_.target;
-  if (!tgt.cache().try_pin(r->main, need)) return false;
-  if (c_.drafter && !c_.drafter->reserve(slot, need)) {
+  // a cached prefix of the prompt: its blocks start the streams (acquired first, so that the
+  // reservations below cannot evict them)
+  std::vector<int32_t> entries;
+  if (prefix_) entries = prefix_->acquire(r->prompt.data(), int64_t(r->prompt.size()));
+  const int64_t shared = int64_t(entries.size()) * prefix_block_size();
+  auto undo = [&] {
     tgt.cache().release(r->main);
+    if (c_.drafter) c_.drafter->release(slot);
+    if (prefix_) prefix_->release(entries);
+  };
+  if (shared > 0) {
+    tgt.cache().share(r->main, prefix_->blocks(entries, 0));
+    r->main.length = shared;
+  }
+  if (!tgt.cache().try_pin(r->main, need)) {
+    undo();
     return false;
   }
+  if (c_.drafter) {
+    if (shared > 0) c_.drafter->attach(slot, prefix_->blocks(entries, 1), shared);
+    if (!c_.drafter->reserve(slot, need)) {
+      undo();
+      return false;
+    }
+  }
+  if (prefix_) prefix_->note(int64_t(r->prompt.size()), shared);
+  r->prefix_entries = std::move(entries);
+  r->cached_tokens = r->prompt_fed = shared;
   r->slot = slot;
   slots_[size_t(slot)] = r;
   running_.push_back(r);
@@ -70,10 +93,34 @@ int64_t Decoder::prefilling() const {
   return n;
 }
 
+int64_t Decoder::prefix_block_size() const { return c_.target->cache().block_size(); }
+
+void Decoder::enable_prefix_cache() {
+  std::vector<KvCache*> caches{&c_.target->cache()};
+  if (c_.drafter) {
+    KvCache* dc = c_.drafter->context_cache();
+    DFLASH2_INTERNAL(dc != nullptr, "a drafter without a context cache");
+    caches.push_back(dc);
+  }
+  prefix_ = std::make_unique<PrefixCache>(caches, c_.target->cache().block_size());
+}
+
 void Decoder::retire(Request* r) {
   if (r->slot < 0) return;
+  // the prompt's full blocks stay cached (their rows are what its prefill computed)
+  if (prefix_ && r->prefilled && !r->error && r->finish_reason != "error") {
+    int64_t filled = r->main.length;
+    std::vector<const std::vector<int32_t>*> blocks{&r->main.blocks};
+    if (c_.drafter) {
+      filled = std::min(filled, c_.drafter->context_filled(r->slot));
+      blocks.push_back(&c_.drafter->context_stream(r->slot)->blocks);
+    }
+    prefix_->insert(r->prompt.data(), int64_t(r->prompt.size()), blocks, filled);
+  }
   c_.target->cache().release(r->main);
   if (c_.drafter) c_.drafter->release(r->slot);
+  if (prefix_ && !r->prefix_entries.empty()) prefix_->release(r->prefix_entries);
+  r->prefix_entries.clear();
   slots_[size_t(r->slot)] = nullptr;
   r->slot = -1;
   running_.erase(std::remove(running_.begin(), running_.end(), r), running_.end());
@@ -83,6 +130,7 @@ void Decoder::retire(Request* r) {
   st.generated_tokens = int64_t(r->tokens.size());
   st.prefill_s = r->prefill_s;
   st.prefill_rounds = r->prefill_rounds;
+  st.cached_tokens = r->cached_tokens;
   st.draft_s = r->draft_s;
   st.verify_s = r->verify_s;
   st.accept_s = r->accept_s;

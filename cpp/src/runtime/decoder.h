@@ -8,11 +8,13 @@
 #include <condition_variable>
 #include <cstdint>
 #include <exception>
+#include <memory>
 #include <string>
 #include <vector>
 
 #include "dflash2/engine.h"
 #include "runtime/core.h"
+#include "runtime/prefix_cache.h"
 #include "runtime/spec_policy.h"
 
 namespace dflash2::runtime {
@@ -31,6 +33,8 @@ struct Request {
   int32_t anchor = 0;  // last emitted token: not yet in the target cache
   bool prefilled = false, done = false;
   int64_t prompt_fed = 0, prefill_rounds = 0;  // prompt tokens in the cache; rounds they took
+  int64_t cached_tokens = 0;                   // of them, taken from the prefix cache
+  std::vector<int32_t> prefix_entries;         // the prefix cache's entries it holds
   uint64_t rng_counter = 0;
   std::vector<int32_t> next, verify;  // tokens after the committed positions; [anchor, drafts...]
   std::vector<int32_t> tokens;        // everything generated
@@ -70,6 +74,9 @@ class Decoder {
   void set_prefill_budget(int64_t tokens) { prefill_budget_ = tokens; }
   int64_t prefill_budget() const { return prefill_budget_; }
   int64_t prefilling() const;  // running requests whose prompts are partly run
+  // Automatic prefix caching (prefix_cache.h) over the target's cache and the drafter's.
+  void enable_prefix_cache();
+  const PrefixCache* prefix_cache() const { return prefix_.get(); }
   void step();      // one round for the running requests not done
   void retire(Request* r);  // frees its slot and pages; fills its stats
   void retire_all();
@@ -86,6 +93,7 @@ class Decoder {
 
  private:
   void plan_row(int64_t row, Request& q, uint64_t draws);
+  int64_t prefix_block_size() const;
   void emit(Request& r, const int32_t* toks, int64_t count);
   void after_commit(Request& r);
 
@@ -106,6 +114,7 @@ class Decoder {
   std::vector<CacheStream*> streams_;
   std::vector<const int32_t*> toks_;
   std::vector<Drafter::StepRows> step_rows_;
+  std::unique_ptr<PrefixCache> prefix_;
   std::vector<int32_t> pad_tokens_;  // a padding sequence's verify ids (zeros)
   uint64_t pad_counter_ = 0;         // padding drafts take no draws; their counter lands here
 };

@@ -12,6 +12,7 @@
 
 #include "dflash2/ops.h"
 #include "dflash2/tensor.h"
+#include "runtime/kv_cache.h"
 #include "runtime/step_graphs.h"
 
 namespace dflash2::model {
@@ -133,6 +134,22 @@ class Drafter {
   virtual void release(int slot) = 0;
   // Reserves the cache of `slot` for `tokens` positions up front (false: the pool lacks them).
   virtual bool reserve(int slot, int64_t tokens) = 0;
+  // The drafter's own cache of the target's committed positions (DFlash: the context K / V;
+  // MTP: the MTP layer's cache), for the prefix cache: the cache, a slot's stream in it, how
+  // many of its positions hold their final rows, and attach(), which starts an empty slot
+  // with `length` positions already in `blocks` (a cached prompt prefix; before reserve).
+  virtual KvCache* context_cache() { return nullptr; }
+  virtual const CacheStream* context_stream(int slot) const {
+    (void)slot;
+    return nullptr;
+  }
+  virtual int64_t context_filled(int slot) const {
+    (void)slot;
+    return 0;
+  }
+  virtual void attach(int slot, const std::vector<int32_t>& blocks, int64_t length) {
+    (void)slot, (void)blocks, (void)length;
+  }
   // Whether drafting k tokens costs ~k passes (MTP) rather than one block pass (DFlash).
   virtual bool draft_cost_scales_with_k() const { return false; }
 };

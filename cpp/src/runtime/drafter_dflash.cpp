@@ -95,6 +95,7 @@ class DFlashRunner final : public Drafter {
     per_seq_ = per_seq;
     make_cache(cache_dtype());
     in_step_.assign(size_t(maxB), 0);
+    step_base_.assign(size_t(maxB), 0);
     streams_.resize(size_t(maxB));
     pending_ = PendingRows(maxB, kPending, nt * H, /*with_next=*/false, dev_);
     append_ = [this](const std::vector<CommitRows>& rows, const Tensor& src) { append(rows, src); };
@@ -209,7 +210,10 @@ class DFlashRunner final : public Drafter {
     for (const Piece& p : pieces) p.stream->length += p.n;
     cache_.truncate(pad_stream_, 0);  // its blocks stay pinned; what was planned holds
     for (const StepRows& r : rows)
-      if (r.slot >= 0) in_step_[size_t(r.slot)] = 1;
+      if (r.slot >= 0) {
+        in_step_[size_t(r.slot)] = 1;
+        step_base_[size_t(r.slot)] = r.pos0;
+      }
     const Tensor taps = f.taps.slice(0, 0, T);
     std::string key;
     const model::TokenBatch hb = b;  // the host plan (a split drafter's other ranks take copies)
@@ -412,6 +416,20 @@ class DFlashRunner final : public Drafter {
     in_step_[size_t(slot)] = 0;
     cache_.release(streams_[size_t(slot)]);
   }
+  KvCache* context_cache() override { return &cache_; }
+  const CacheStream* context_stream(int slot) const override { return &streams_[size_t(slot)]; }
+  // appended rows (pending ones are not in the cache yet; a step's appended rows only after
+  // their commit: before it, the rows up to where the step's began)
+  int64_t context_filled(int slot) const override {
+    return in_step_[size_t(slot)] ? step_base_[size_t(slot)] : streams_[size_t(slot)].length;
+  }
+  void attach(int slot, const std::vector<int32_t>& blocks, int64_t length) override {
+    CacheStream& s = streams_[size_t(slot)];
+    DFLASH2_INTERNAL(pending_.count(slot) == 0 && !in_step_[size_t(slot)], "attaching to draft slot ", slot,
+                     " that is in use");
+    cache_.share(s, blocks);
+    s.length = length;
+  }
 
  private:
   // A draft with the LM head over the block on the target's vocabulary shards (split_head_):
@@ -581,6 +599,7 @@ class DFlashRunner final : public Drafter {
   std::unique_ptr<PlanUploader> step_up_;
   CacheStream pad_stream_;
   std::vector<char> in_step_;
+  std::vector<int64_t> step_base_;  // per slot in a step: its context length before the step
   std::vector<Piece> step_pieces_;
   std::vector<CommitRows> staged_;
   std::atomic<int64_t> appends_in_step_{0};

@@ -289,6 +289,19 @@ class MtpDrafter final : public Drafter {
     base_len_[size_t(slot)] = 0;
     t_.mtp_cache().release(streams_[size_t(slot)]);
   }
+  KvCache* context_cache() override { return &t_.mtp_cache(); }
+  const CacheStream* context_stream(int slot) const override { return &streams_[size_t(slot)]; }
+  // the rows run with their committed next tokens (the chain's positions past them are not;
+  // a step's rows not yet committed neither: base_len_ is the length before that step)
+  int64_t context_filled(int slot) const override { return base_len_[size_t(slot)]; }
+  void attach(int slot, const std::vector<int32_t>& blocks, int64_t length) override {
+    CacheStream& s = streams_[size_t(slot)];
+    DFLASH2_INTERNAL(pending_.count(slot) == 0 && in_step_row_[size_t(slot)] < 0, "attaching to MTP slot ", slot,
+                     " that is in use");
+    t_.mtp_cache().share(s, blocks);
+    s.length = length;
+    base_len_[size_t(slot)] = length;
+  }
 
  private:
   Target& t_;

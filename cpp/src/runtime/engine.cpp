@@ -854,7 +854,7 @@ Engine::Engine(const EngineConfig& cfg) : impl_(std::make_unique<Impl>()) {
   }
   I.cfg.prefill_tokens_per_step = cfg.prefill_tokens_per_step < 0 ? cfg.max_step_tokens : cfg.prefill_tokens_per_step;
   I.scheduler = std::make_unique<runtime::Scheduler>(I.core, I.model_mu, cfg.speculation == "adaptive",
-                                                     I.cfg.prefill_tokens_per_step);
+                                                     I.cfg.prefill_tokens_per_step, cfg.prefix_caching);
 }
 
 Engine::~Engine() { close(); }

@@ -4,6 +4,7 @@
 // caches, the MTP layer's caches and the DFlash drafter's context K/V alike.
 #pragma once
 #include <cstdint>
+#include <functional>
 #include <string>
 #include <vector>
 
@@ -74,12 +75,29 @@ class KvCache {
     return int64_t(s.blocks[size_t(p / block_size_)]) * block_size_ + p % block_size_;
   }
 
+  // Blocks are reference counted: a stream's blocks hold one reference each, and the prefix
+  // cache (prefix_cache.h) one more on the blocks it keeps; a block returns to the pool when
+  // its last reference goes. share() puts blocks already filled (a cached prompt prefix) at
+  // the start of an empty stream, one reference more each; hold() / drop() are the prefix
+  // cache's references.
+  void share(CacheStream& s, const std::vector<int32_t>& blocks);
+  void hold(int32_t block);
+  void drop(int32_t block);
+  int32_t refs(int32_t block) const { return ref_[size_t(block)]; }
+  // Called when an allocation finds too few free blocks: frees some (the prefix cache
+  // evicting its least recently used entry) and returns whether it did.
+  void set_evictor(std::function<bool()> f) { evict_ = std::move(f); }
+
  private:
+  bool make_room(int64_t blocks);  // evicts until `blocks` are free (false: it cannot)
+  int32_t take();                  // a free block, one reference
   std::string name_;
   int64_t block_size_ = 0, num_blocks_ = 0, max_blocks_per_stream_ = 0;
   std::vector<Tensor> planes_;  // [layers, rows, dim], replica-major
   size_t nplanes_ = 0;
   std::vector<int32_t> free_;
+  std::vector<int32_t> ref_;  // per block
+  std::function<bool()> evict_;
 };
 
 }  // namespace dflash2::runtime

@@ -7,9 +7,11 @@
 
 namespace dflash2::runtime {
 
-Scheduler::Scheduler(Core& core, std::mutex& model_mutex, bool adaptive, int64_t prefill_budget)
+Scheduler::Scheduler(Core& core, std::mutex& model_mutex, bool adaptive, int64_t prefill_budget,
+                     bool prefix_caching)
     : core_(core), model_mu_(model_mutex), dec_(core, *this, adaptive) {
   dec_.set_prefill_budget(prefill_budget);
+  if (prefix_caching) dec_.enable_prefix_cache();
   snap_.cache_pages_total = core.target->cache().num_blocks() - int64_t(core.target->pad_stream().blocks.size());
   snap_.cache_pages_used = snap_.cache_pages_total - core.target->cache().free_blocks();
   thread_ = std::thread([this] { loop(); });
@@ -180,6 +182,10 @@ EngineMetrics Scheduler::metrics() const {
   EngineMetrics m;
   m.queue_length = int64_t(waiting_.size());
   m.prefilling = snap_.prefilling;
+  m.prefix_cache_pages = snap_.prefix_cache_pages;
+  m.prefix_cache_hit_tokens = snap_.prefix_cache_hit_tokens;
+  m.prefix_cache_query_tokens = snap_.prefix_cache_query_tokens;
+  m.prefix_cache_evictions = snap_.prefix_cache_evictions;
   m.running = requests_total_ - requests_finished_ - m.queue_length;
   m.requests_total = requests_total_;
   m.requests_finished = requests_finished_;
@@ -243,8 +249,7 @@ void Scheduler::loop() {
     snap_.acceptance_length = dec_.acceptance_length();
     snap_.step_time_s = dec_.step_time_s();
     snap_.draft_len = dec_.draft_len();
-    snap_.cache_pages_total = core_.target->cache().num_blocks() - int64_t(core_.target->pad_stream().blocks.size());
-    snap_.cache_pages_used = snap_.cache_pages_total - core_.target->cache().free_blocks();
+    snap_cache_locked();
   }
   // shutdown: what still runs ends as cancelled
   std::lock_guard<std::mutex> ml(model_mu_);
@@ -257,8 +262,22 @@ void Scheduler::loop() {
   publish_locked();
   for (Request* r : ended) finish_locked(*r);
   snap_.prefilling = 0;
+  snap_cache_locked();
+}
+
+// The cache pages in use by requests (the prefix cache's idle blocks count as free: they
+// are evicted when needed) and the prefix cache's figures.
+void Scheduler::snap_cache_locked() {
+  const PrefixCache* pc = dec_.prefix_cache();
+  const int64_t idle = pc ? pc->idle_blocks() : 0;
   snap_.cache_pages_total = core_.target->cache().num_blocks() - int64_t(core_.target->pad_stream().blocks.size());
-  snap_.cache_pages_used = snap_.cache_pages_total - core_.target->cache().free_blocks();
+  snap_.cache_pages_used = snap_.cache_pages_total - core_.target->cache().free_blocks() - idle;
+  if (pc) {
+    snap_.prefix_cache_pages = pc->entries();
+    snap_.prefix_cache_hit_tokens = pc->hit_tokens();
+    snap_.prefix_cache_query_tokens = pc->query_tokens();
+    snap_.prefix_cache_evictions = pc->evictions();
+  }
 }
 
 }  // namespace dflash2::runtime

@@ -37,7 +37,9 @@ class Scheduler final : public Decoder::Sink {
   // model_mutex: held while the model runs (a step, or the step-level API).
   // prefill_budget: prompt tokens run between two decode steps while requests decode (0 =
   // no limit; Decoder::prefill).
-  Scheduler(Core& core, std::mutex& model_mutex, bool adaptive, int64_t prefill_budget = 0);
+  // prefix_caching: the decoder keeps prompts' blocks for later prompts (prefix_cache.h).
+  Scheduler(Core& core, std::mutex& model_mutex, bool adaptive, int64_t prefill_budget = 0,
+            bool prefix_caching = false);
   ~Scheduler() override;
 
   // Takes a validated request; returns its id.
@@ -58,6 +60,7 @@ class Scheduler final : public Decoder::Sink {
   void publish_locked();           // the staged tokens -> the requests' unread; wakes their pollers
   static void wake_locked(Request& r);
   bool has_news_locked(const Request& r) const;
+  void snap_cache_locked();  // the cache figures of snap_ (scheduler thread, under mu_)
 
   Core& core_;
   std::mutex& model_mu_;

@@ -1,0 +1,181 @@
+"""Automatic prefix caching (Engine(prefix_caching=True), the default): the full KV-cache
+blocks of prompts that ran stay cached, and a prompt that starts with the same tokens takes
+them instead of running them again. Every output must equal the engine's without the cache
+(greedy and seeded sampled, every method, concurrent requests, under eviction)."""
+from __future__ import annotations
+
+import os
+import threading
+
+import pytest
+
+import dflash2_rt
+from dflash2_rt.engine import DEFAULT_PAIR_DIR
+
+pytestmark = pytest.mark.skipif(not os.path.exists(os.path.join(DEFAULT_PAIR_DIR, "target", "config.json")),
+                                reason="the bundled default pair is not present")
+BS = 16  # kv_block_size
+
+SYSTEM = [(j * 41) % 3000 + 2 for j in range(75)]
+
+
+def with_tail(k):
+    return SYSTEM + [(7 + 3 * k + j) % 3000 + 2 for j in range(1 + k % 5)]
+
+
+@pytest.mark.parametrize("method", ["ar", "dflash2", "mtp", "dflash"])
+def test_shared_prefix_is_taken_and_outputs_do_not_change(method):
+    kw = dict(method=method, max_batch_size=2, max_seq_len=256)
+    ref = dflash2_rt.Engine(**kw, prefix_caching=False)
+    eng = dflash2_rt.Engine(**kw)
+    try:
+        assert eng.prefix_caching and not ref.prefix_caching
+        for sampled in (False, True):
+            samp = dict(temperature=1.0, top_p=0.9, seed=5) if sampled else {}
+            for k in range(4):
+                p = with_tail(k)
+                want = ref.generate([p], max_new_tokens=24, stop_token_ids=[], **samp)[0]
+                got = eng.generate([p], max_new_tokens=24, stop_token_ids=[], **samp)[0]
+                assert got.token_ids == want.token_ids, (method, sampled, k)
+                assert want.stats["cached_tokens"] == 0
+                # 75 shared tokens: 4 full blocks whose next token is known (the 5th block ends past them)
+                assert got.stats["cached_tokens"] == (0 if (k == 0 and not sampled) else 4 * BS), got.stats
+                if method != "ar":
+                    assert got.stats["acceptance_length"] == want.stats["acceptance_length"]
+        m = eng.metrics()
+        assert m["prefix_cache_hit_tokens"] == 7 * 4 * BS and m["prefix_cache_pages"] >= 4
+        assert m["cache_pages_used"] == 0 and ref.metrics()["prefix_cache_pages"] == 0
+    finally:
+        eng.close()
+        ref.close()
+
+
+def test_the_same_prompt_again_runs_only_its_last_block():
+    """A prompt that ran takes its full blocks whose next token it knows, and always runs at
+    least its last token (its logits start the generation)."""
+    eng = dflash2_rt.Engine(method="dflash2", max_batch_size=1, max_seq_len=256)
+    try:
+        for n in (15, 16, 17, 32, 33, 48):
+            p = [(j * 29 + n) % 3000 + 2 for j in range(n)]
+            first = eng.generate([p], max_new_tokens=8, stop_token_ids=[])[0]
+            again = eng.generate([p], max_new_tokens=8, stop_token_ids=[])[0]
+            assert again.token_ids == first.token_ids
+            assert first.stats["cached_tokens"] == 0
+            assert again.stats["cached_tokens"] == (n - 1) // BS * BS, (n, again.stats)
+    finally:
+        eng.close()
+
+
+@pytest.mark.parametrize("method", ["ar", "dflash2", "mtp"])
+def test_only_blocks_every_cache_holds_are_kept(method):
+    """A request that ends at its first token never drafts, so the drafter's rows of its prompt
+    wait uncommitted (DFlash: not in the context cache yet; MTP: not run yet): its blocks are
+    not kept (ar keeps them: the target's rows are all there). A later request with that prefix
+    then drafts from the context it would have built itself."""
+    kw = dict(method=method, max_batch_size=1, max_seq_len=256)
+    ref = dflash2_rt.Engine(**kw, prefix_caching=False)
+    eng = dflash2_rt.Engine(**kw)
+    short = SYSTEM[:38]  # fewer rows than a drafter keeps waiting (64): none appended at the prefill
+    try:
+        one = eng.generate([short + [3]], max_new_tokens=1, stop_token_ids=[])[0]
+        assert len(one.token_ids) == 1
+        got = eng.generate([short + [4, 5]], max_new_tokens=24, stop_token_ids=[])[0]
+        want = ref.generate([short + [4, 5]], max_new_tokens=24, stop_token_ids=[])[0]
+        assert got.token_ids == want.token_ids
+        assert got.stats["cached_tokens"] == (2 * BS if method == "ar" else 0)
+        assert got.stats["acceptance_length"] == want.stats["acceptance_length"]
+        again = eng.generate([short + [6]], max_new_tokens=24, stop_token_ids=[])[0]
+        assert again.stats["cached_tokens"] == 2 * BS  # the request above drafted: its blocks are kept
+    finally:
+        eng.close()
+        ref.close()
+
+
+def test_concurrent_requests_with_a_shared_prefix():
+    prompts = [with_tail(k) for k in range(10)]
+    ref = dflash2_rt.Engine(method="dflash2", max_batch_size=4, max_seq_len=256, prefix_caching=False)
+    want = [ref.generate([p], max_new_tokens=20, stop_token_ids=[])[0].token_ids for p in prompts]
+    ref.close()
+    eng = dflash2_rt.Engine(method="dflash2", max_batch_size=4, max_seq_len=256, speculation="adaptive")
+    got, errors = {}, []
+
+    def worker(ids):
+        try:
+            for i in ids:
+                got[i] = eng.generate([prompts[i]], max_new_tokens=20, stop_token_ids=[])[0].token_ids
+        except BaseException as e:  # noqa: BLE001
+            errors.append(e)
+
+    try:
+        threads = [threading.Thread(target=worker, args=(list(range(t, 10, 4)),)) for t in range(4)]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join(300)
+        assert not errors, errors
+        assert [got[i] for i in range(10)] == want
+        m = eng.metrics()
+        assert m["prefix_cache_hit_tokens"] > 0 and m["running"] == 0 and m["cache_pages_used"] == 0, m
+    finally:
+        eng.close()
+
+
+def test_eviction_when_the_cache_is_full():
+    """Two slots of 128 tokens: the cache holds 16 blocks (+ padding); 14 distinct 100-token
+    prompts keep 6 blocks each, so older entries are evicted (least recently used first); a
+    prompt whose prefix was evicted runs it again; every output equals the cache-less engine's."""
+    kw = dict(method="mtp", max_batch_size=2, max_seq_len=128)
+    ref = dflash2_rt.Engine(**kw, prefix_caching=False)
+    eng = dflash2_rt.Engine(**kw)
+    try:
+        ps = [[(j * 13 + k * 101) % 3000 + 2 for j in range(100)] for k in range(14)]
+        for p in ps + ps[:3] + [ps[-1]]:
+            got = eng.generate([p], max_new_tokens=10, stop_token_ids=[])[0]
+            assert got.token_ids == ref.generate([p], max_new_tokens=10, stop_token_ids=[])[0].token_ids
+        m = eng.metrics()
+        assert m["prefix_cache_evictions"] > 0 and m["cache_pages_used"] == 0, m
+        last = eng.generate([ps[-1]], max_new_tokens=10, stop_token_ids=[])[0]
+        assert last.stats["cached_tokens"] == 96  # the most recent prompt is still cached
+        # a batch that needs every block: the cache gives them all back
+        big = [[(j * 7 + k) % 3000 + 2 for j in range(110)] for k in range(2)]
+        res = eng.generate(big, max_new_tokens=16, stop_token_ids=[])
+        assert [r.token_ids for r in res] == [r.token_ids for r in ref.generate(big, max_new_tokens=16,
+                                                                                  stop_token_ids=[])]
+    finally:
+        eng.close()
+        ref.close()
+
+
+def test_prefix_cache_with_interleaved_prefill_and_tensor_parallelism():
+    kw = dict(method="dflash2", max_batch_size=2, max_seq_len=512, max_step_tokens=32, tensor_parallel=2)
+    ref = dflash2_rt.Engine(**kw, prefix_caching=False)
+    eng = dflash2_rt.Engine(**kw, prefill_tokens_per_step=16)
+    try:
+        long_p = [(j * 37) % 3000 + 2 for j in range(150)]
+        want_long = ref.generate([long_p + [9]], max_new_tokens=12, stop_token_ids=[])[0].token_ids
+        want_first = ref.generate([[5, 6, 7]], max_new_tokens=200, stop_token_ids=[])[0].token_ids
+        eng.generate([long_p + [4]], max_new_tokens=4, stop_token_ids=[])  # caches 9 blocks
+        first = eng.submit([5, 6, 7], max_new_tokens=200, stop_token_ids=[])
+        got = eng.poll(first, timeout=30).new_token_ids
+        rid = eng.submit(long_p + [9], max_new_tokens=12, stop_token_ids=[])
+        res = {}
+        while len(res) < 2:
+            for r in (first, rid):
+                if r not in res:
+                    up = eng.poll(r, timeout=0.05)
+                    if r == first:
+                        got += up.new_token_ids
+                    if up.finished:
+                        res[r] = up.result
+        assert res[rid].token_ids == want_long and got == want_first
+        st = res[rid].stats
+        assert st["cached_tokens"] == 144 and st["prefill_rounds"] == 1, st  # 7 tokens left to run
+    finally:
+        eng.close()
+        ref.close()
+
+
+def test_prefix_caching_argument_is_checked():
+    for bad in ("yes", 1, None):
+        with pytest.raises(dflash2_rt.InvalidArgumentError, match="prefix_caching"):
+            dflash2_rt.Engine(method="ar", prefix_caching=bad)
