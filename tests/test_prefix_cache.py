@@ -91,6 +91,41 @@ def test_only_blocks_every_cache_holds_are_kept(method):
         ref.close()
 
 
+@pytest.mark.parametrize("method", ["ar", "dflash2"])
+def test_a_running_requests_prompt_is_shared(method):
+    """A prompt's pages are kept when its prefill ends (those every cache holds; the rest, if
+    the drafter's last rows still wait, when the request ends): a request arriving while the
+    first one still decodes takes them, and the first one's pages count as in use."""
+    kw = dict(method=method, max_batch_size=2, max_seq_len=512)
+    ref = dflash2_rt.Engine(**kw, prefix_caching=False)
+    eng = dflash2_rt.Engine(**kw)
+    long_sys = [(j * 43) % 3000 + 2 for j in range(200)]
+    try:
+        want_a = ref.generate([long_sys + [5]], max_new_tokens=150, stop_token_ids=[])[0].token_ids
+        want_b = ref.generate([long_sys + [6, 7]], max_new_tokens=20, stop_token_ids=[])[0].token_ids
+        a = eng.submit(long_sys + [5], max_new_tokens=150, stop_token_ids=[])
+        got = []
+        while len(got) < 3:  # decoding (the metrics are a snapshot after each step)
+            got += eng.poll(a, timeout=30).new_token_ids
+        assert eng.metrics()["cache_pages_used"] > 0
+        b = eng.generate([long_sys + [6, 7]], max_new_tokens=20, stop_token_ids=[])[0]
+        assert b.token_ids == want_b
+        # every full page of the shared 200 tokens (a prompt chunk of more than 64 rows goes to
+        # the drafter's context at once: its rows are all there when the prefill ends)
+        assert b.stats["cached_tokens"] == 192, b.stats
+        while True:
+            up = eng.poll(a, timeout=30)
+            got += up.new_token_ids
+            if up.finished:
+                break
+        assert got == want_a
+        m = eng.metrics()
+        assert m["running"] == 0 and m["cache_pages_used"] == 0, m
+    finally:
+        eng.close()
+        ref.close()
+
+
 def test_concurrent_requests_with_a_shared_prefix():
     prompts = [with_tail(k) for k in range(10)]
     ref = dflash2_rt.Engine(method="dflash2", max_batch_size=4, max_seq_len=256, prefix_caching=False)

@@ -105,18 +105,35 @@ void Decoder::enable_prefix_cache() {
   prefix_ = std::make_unique<PrefixCache>(caches, c_.target->cache().block_size());
 }
 
+// The prompt's full blocks whose rows every cache holds go into the prefix cache (their
+// rows are what its prefill computed). At the end of its prefill (the drafter's last rows
+// may still wait to be appended: those blocks come at the end of the request), and the
+// request holds the entries it filled from then on, as those it took (they are not idle).
+void Decoder::keep_prompt(Request& r, bool hold) {
+  if (!prefix_ || !r.prefilled || r.error || r.finish_reason == "error") return;
+  int64_t filled = r.main.length;
+  std::vector<const std::vector<int32_t>*> blocks{&r.main.blocks};
+  if (c_.drafter) {
+    filled = std::min(filled, c_.drafter->context_filled(r.slot));
+    blocks.push_back(&c_.drafter->context_stream(r.slot)->blocks);
+  }
+  const int64_t n = int64_t(r.prompt.size());
+  prefix_->insert(r.prompt.data(), n, blocks, filled);
+  if (!hold) return;
+  // the entries over its own blocks (the same prompt kept by another request is that one's)
+  std::vector<int32_t> entries = prefix_->acquire(r.prompt.data(), std::min(n, filled + 1));
+  const std::vector<int32_t> mine = prefix_->blocks(entries, 0);
+  size_t k = 0;
+  while (k < entries.size() && mine[k] == r.main.blocks[k]) ++k;
+  prefix_->release(std::vector<int32_t>(entries.begin() + int64_t(k), entries.end()));
+  entries.resize(k);
+  prefix_->release(r.prefix_entries);
+  r.prefix_entries = std::move(entries);
+}
+
 void Decoder::retire(Request* r) {
   if (r->slot < 0) return;
-  // the prompt's full blocks stay cached (their rows are what its prefill computed)
-  if (prefix_ && r->prefilled && !r->error && r->finish_reason != "error") {
-    int64_t filled = r->main.length;
-    std::vector<const std::vector<int32_t>*> blocks{&r->main.blocks};
-    if (c_.drafter) {
-      filled = std::min(filled, c_.drafter->context_filled(r->slot));
-      blocks.push_back(&c_.drafter->context_stream(r->slot)->blocks);
-    }
-    prefix_->insert(r->prompt.data(), int64_t(r->prompt.size()), blocks, filled);
-  }
+  keep_prompt(*r, /*hold=*/false);
   c_.target->cache().release(r->main);
   if (c_.drafter) c_.drafter->release(r->slot);
   if (prefix_ && !r->prefix_entries.empty()) prefix_->release(r->prefix_entries);
@@ -292,6 +309,7 @@ bool Decoder::prefill() {
       } else {
         emit(q, &q.anchor, 1);
         after_commit(q);
+        keep_prompt(q);  // later prompts take what it has filled already
       }
       ++r;
     }

@@ -94,6 +94,7 @@ class Decoder {
  private:
   void plan_row(int64_t row, Request& q, uint64_t draws);
   int64_t prefix_block_size() const;
+  void keep_prompt(Request& r, bool hold = true);  // its filled prompt blocks into the prefix cache
   void emit(Request& r, const int32_t* toks, int64_t count);
   void after_commit(Request& r);
 

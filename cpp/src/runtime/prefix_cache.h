@@ -1,6 +1,7 @@
-// Automatic prefix caching: the cache blocks of prompts that ran stay in the KV caches after
-// their requests end, indexed by their tokens, and a later prompt that starts with the same
-// tokens takes them instead of running those positions again.
+// Automatic prefix caching: the cache blocks of prompts that ran stay in the KV caches
+// (kept as a prompt's prefill ends, and for as long as the caches have room), indexed by
+// their tokens, and a later prompt that starts with the same tokens takes them instead of
+// running those positions again.
 //
 // An entry is one full block of a prompt: its block_size tokens and the token after them
 // (the MTP layer's row at a block's last position reads the next token), chained to the
