@@ -214,3 +214,25 @@ def test_prefix_caching_argument_is_checked():
     for bad in ("yes", 1, None):
         with pytest.raises(dflash2_rt.InvalidArgumentError, match="prefix_caching"):
             dflash2_rt.Engine(method="ar", prefix_caching=bad)
+
+
+def test_step_level_api_evicts_cached_pages_it_needs():
+    """Cached pages count as free for the step-level API too: logits() over a long sequence
+    with the cache full of kept prompts evicts what it needs (no OutOfMemoryError), equal to
+    the engine's without the cache."""
+    import numpy as np
+    eng = dflash2_rt.Engine(method="ar", max_batch_size=1, max_seq_len=128)
+    ref = dflash2_rt.Engine(method="ar", max_batch_size=1, max_seq_len=128, prefix_caching=False)
+    try:
+        for k in range(6):
+            eng.generate([[(j * 13 + k * 101) % 3000 + 2 for j in range(100)]], max_new_tokens=4, stop_token_ids=[])
+        m = eng.metrics()
+        assert m["prefix_cache_pages"] >= m["cache_pages_total"] - 2 and m["cache_pages_used"] == 0, m
+        ids = [(j * 7) % 3000 + 2 for j in range(120)]
+        assert np.array_equal(eng.logits(ids), ref.logits(ids))
+        again = eng.generate([ids], max_new_tokens=4, stop_token_ids=[])[0]
+        assert again.token_ids == ref.generate([ids], max_new_tokens=4, stop_token_ids=[])[0].token_ids
+        assert eng.metrics()["prefix_cache_evictions"] > 0
+    finally:
+        eng.close()
+        ref.close()
