@@ -56,7 +56,7 @@ bool Decoder::admit(Request* r) {
   // reservations below cannot evict them)
   std::vector<int32_t> entries;
   if (prefix_) entries = prefix_->acquire(r->prompt.data(), int64_t(r->prompt.size()));
-  const int64_t shared = int64_t(entries.size()) * prefix_block_size();
+  const int64_t shared = entries.empty() ? 0 : int64_t(entries.size()) * prefix_->block_size();
   auto undo = [&] {
     tgt.cache().release(r->main);
     if (c_.drafter) c_.drafter->release(slot);
@@ -92,8 +92,6 @@ int64_t Decoder::prefilling() const {
   for (const Request* r : running_) n += !r->prefilled && !r->done && r->prompt_fed > 0 ? 1 : 0;
   return n;
 }
-
-int64_t Decoder::prefix_block_size() const { return c_.target->cache().block_size(); }
 
 void Decoder::enable_prefix_cache() {
   std::vector<KvCache*> caches{&c_.target->cache()};
@@ -209,7 +207,7 @@ void Decoder::after_commit(Request& r) {  // room for the next anchor?
 }
 
 // ---------------- prefill, chunk by chunk; each chunk's features go to the drafter
-bool Decoder::prefill() {
+void Decoder::prefill() {
   act_.clear();
   bool decoding = false;
   for (Request* r : running_) {
@@ -217,7 +215,7 @@ bool Decoder::prefill() {
     if (!r->prefilled) act_.push_back(r);
     else decoding = true;
   }
-  if (act_.empty()) return false;
+  if (act_.empty()) return;
   const double t0 = now();
   Target& tgt = *c_.target;
   Drafter* drafter = c_.drafter.get();
@@ -245,7 +243,6 @@ bool Decoder::prefill() {
     r->prompt_fed += take;
     act_[fed++] = r;
   }
-  const bool unfinished = fed < act_.size() || !ends_.back();
   act_.resize(fed);
   make_chunks(streams_, toks_, counts_, tgt.options().max_step_tokens, c_.chunks);
   for (auto& ch : c_.chunks)  // offsets within the prompt; `last`: the prompt's last token
@@ -323,7 +320,6 @@ bool Decoder::prefill() {
   // the decoding requests waited for these prompts (their decode_s runs on meanwhile)
   for (Request* r : running_)
     if (r->prefilled && r->t_prefilled < t0 && !r->done) r->prefill_wait_s += t1 - t0;
-  return unfinished;
 }
 
 // ---------------- draft / verify / accept / commit

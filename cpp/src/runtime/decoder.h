@@ -67,12 +67,10 @@ class Decoder {
   bool admit(Request* r);
   // The prompts of admitted requests not prefilled yet: all of them whole, or, while other
   // requests are decoding and a budget is set, at most that many of their tokens (in
-  // admission order; a prompt cut short continues in the next round). Returns whether a
-  // prompt is left unfinished.
-  bool prefill();
+  // admission order; a prompt cut short continues in the next round).
+  void prefill();
   // Prompt tokens per round while requests decode (0 = no limit).
   void set_prefill_budget(int64_t tokens) { prefill_budget_ = tokens; }
-  int64_t prefill_budget() const { return prefill_budget_; }
   int64_t prefilling() const;  // running requests whose prompts are partly run
   // Automatic prefix caching (prefix_cache.h) over the target's cache and the drafter's.
   void enable_prefix_cache();
@@ -93,7 +91,6 @@ class Decoder {
 
  private:
   void plan_row(int64_t row, Request& q, uint64_t draws);
-  int64_t prefix_block_size() const;
   void keep_prompt(Request& r, bool hold = true);  // its filled prompt blocks into the prefix cache
   void emit(Request& r, const int32_t* toks, int64_t count);
   void after_commit(Request& r);

@@ -42,9 +42,7 @@ void KvCache::share(CacheStream& s, const std::vector<int32_t>& blocks) {
   DFLASH2_CHECK_ARG(int64_t(blocks.size()) <= max_blocks_per_stream_, name_, ": ", blocks.size(),
                     " shared blocks but a sequence may hold at most ", max_blocks_per_stream_);
   for (int32_t b : blocks) {
-    DFLASH2_INTERNAL(b >= 0 && b < num_blocks_ && ref_[size_t(b)] > 0, name_, ": sharing block ", b,
-                     " that nothing holds");
-    ++ref_[size_t(b)];
+    hold(b);
     s.blocks.push_back(b);
   }
 }

@@ -37,7 +37,6 @@ class PrefixCache {
   PrefixCache& operator=(const PrefixCache&) = delete;
 
   int64_t block_size() const { return bs_; }
-  size_t num_caches() const { return caches_.size(); }
   // The entries of the longest cached prefix of tokens[0, n) (at most (n - 1) / block_size
   // blocks), each acquired (not evictable until released).
   std::vector<int32_t> acquire(const int32_t* tokens, int64_t n);

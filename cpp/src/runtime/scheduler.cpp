@@ -12,8 +12,7 @@ Scheduler::Scheduler(Core& core, std::mutex& model_mutex, bool adaptive, int64_t
     : core_(core), model_mu_(model_mutex), dec_(core, *this, adaptive) {
   dec_.set_prefill_budget(prefill_budget);
   if (prefix_caching) dec_.enable_prefix_cache();
-  snap_.cache_pages_total = core.target->cache().num_blocks() - int64_t(core.target->pad_stream().blocks.size());
-  snap_.cache_pages_used = snap_.cache_pages_total - core.target->cache().free_blocks();
+  snap_cache_locked();  // (the thread does not run yet)
   thread_ = std::thread([this] { loop(); });
 }
 
