@@ -192,6 +192,14 @@ def argmax_first(x):
     return out
 
 
+def token_logprobs(x, ids):
+    """(lp, lse) in float64: log-softmax of each row at ids, and the rows' log-sum-exp."""
+    x = np.asarray(x, np.float64)
+    m = x.max(axis=1, keepdims=True)
+    lse = (m + np.log(np.exp(x - m).sum(axis=1, keepdims=True)))[:, 0]
+    return x[np.arange(x.shape[0]), np.asarray(ids)] - lse, lse
+
+
 def check_finite(x):
     return (~np.isfinite(np.asarray(x))).any(axis=1).astype(np.int32)
 

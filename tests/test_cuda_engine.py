@@ -1032,6 +1032,42 @@ def test_interleaved_prefill_on_cuda(tmp_path):
         eng.close()
 
 
+def test_logprobs_on_cuda(tmp_path):
+    """Log-probabilities on the GPU (steps as graphs; the first token's from a prefill chunk,
+    the rest from verify rows after acceptance, ops.token_logprobs and ops.topk there) equal
+    the CPU engine's, greedy and seeded sampled, at tensor_parallel 1 and 2 (where the greedy
+    steps of such requests gather the logits instead of (max, id) pairs)."""
+    cuda_or_skip()
+    pair = F.make_self_drafting_pair(tmp_path)
+    prompts = [[(i * 7) % 120 for i in range(13)], [(i * 5 + 3) % 120 for i in range(6)]]
+    kw = dict(target=pair.target_dir, draft=pair.draft_dir, method="dflash2", max_batch_size=2, max_seq_len=64)
+    cpu = dflash2_rt.Engine(**kw)
+    try:
+        for tp in (1, 2):
+            eng = dflash2_rt.Engine(**kw, device="cuda", tensor_parallel=tp)
+            try:
+                g0 = eng.metrics()["argmax_gather_steps"]
+                for samp in ({}, dict(temperature=1.0, seed=4)):
+                    want = cpu.generate(prompts, max_new_tokens=20, stop_token_ids=NO_STOP, logprobs=3, **samp)
+                    got = eng.generate(prompts, max_new_tokens=20, stop_token_ids=NO_STOP, logprobs=3, **samp)
+                    for g, w in zip(got, want):
+                        assert g.token_ids == w.token_ids, (tp, samp)
+                        assert len(g.logprobs) == 20
+                        np.testing.assert_allclose([x.logprob for x in g.logprobs], [x.logprob for x in w.logprobs],
+                                                   atol=1e-4)
+                        for x, y in zip(g.logprobs, w.logprobs):
+                            assert list(x.top_ids) == list(y.top_ids)
+                            np.testing.assert_allclose(x.top_logprobs, y.top_logprobs, atol=1e-4)
+                m = eng.metrics()
+                assert m["cuda_graphs_failed"] == 0, m["cuda_graphs_last_failure"]
+                if tp == 2:  # the logits were gathered (one GPU reads them from the projection's buffer)
+                    assert m["argmax_gather_steps"] == g0, m
+            finally:
+                eng.close()
+    finally:
+        cpu.close()
+
+
 def test_prefix_cache_on_cuda(tmp_path):
     """On the GPU (steps as graphs, 4-token pages): prompts sharing a 30-token prefix take its
     cached blocks from the target's and the drafter's caches (7 pages), and every output

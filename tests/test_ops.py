@@ -30,7 +30,7 @@ CUDA_OPS = {"rms_norm", "layer_norm", "rope", "silu_mul", "softmax", "embedding"
             "linear_bf16", "linear_fp8", "fp8_quantize_act", "linear_nvfp4", "moe_experts_fp8", "moe_experts_nvfp4",
             "resolve_tokens",
             "next_after_accept", "argmax_shard", "argmax_merge", "accept_greedy", "topk_merge", "rope_many",
-            "cache_write_many"}
+            "cache_write_many", "token_logprobs"}
 GUARD = 64
 SENTINEL = np.float32(-12345.678)
 ISENTINEL = np.int32(-777777)
@@ -1587,6 +1587,46 @@ def test_check_finite(dev):
     wide[1, 2] = np.nan  # outside the slice below
     wide[2, 12] = np.inf
     np.testing.assert_array_equal(to_np(ops.check_finite(to_dev(wide, dev).slice(1, 5, 15))), [0, 0, 1])
+
+
+@pytest.mark.parametrize("dev", DEVICES)
+def test_token_logprobs(dev):
+    """log-softmax at chosen ids and the rows' log-sum-exp against float64 (to F32 rounding:
+    the sums run in double), every row length the kernel's loops take, strided rows,
+    non-finite rows (NaN in both outputs), large logits (no overflow: the max comes first)."""
+    need_device(dev, "token_logprobs")
+    rng = rng_for("token-logprobs")
+    for v in [1, 3, 1000, 4099, 40000]:
+        x = (rng.standard_normal((7, v)) * 4).astype(np.float32)
+        x[3] += np.float32(1e4)  # exp(x) alone would overflow
+        x[4, 0] = np.nan
+        x[5, -1] = np.inf
+        ids = rng.integers(0, v, 7).astype(np.int32)
+        ids[6] = v - 1
+        lp, lse = Guarded((7,), dev, np.float32), Guarded((7,), dev, np.float32)
+        ops.token_logprobs(to_dev(x, dev), to_dev(ids, dev), lp.view, lse.view)
+        got_lp, got_lse = lp.result(), lse.result()
+        ok = [0, 1, 2, 3, 6]
+        want_lp, want_lse = refs.token_logprobs(x[ok], ids[ok])
+        np.testing.assert_allclose(got_lse[ok], want_lse, rtol=2e-7, atol=0)
+        # lp is taken from the F32 lse: off by up to half an ulp of lse (row 3: lse ~ 1e4)
+        assert (np.abs(got_lp[ok] - want_lp) <= 2e-6 + 6e-8 * np.abs(want_lse) + 1.2e-7 * np.abs(want_lp)).all()
+        np.testing.assert_array_equal(got_lp[ok], (x[ok, ids[ok]].astype(np.float64) - got_lse[ok]).astype(np.float32))
+        assert np.isnan(got_lp[[4, 5]]).all() and np.isnan(got_lse[[4, 5]]).all()
+        if dev == "cuda":  # the CPU op's answer: the same double sums but for their order
+            c_lp, c_lse = ops.token_logprobs(x, ids)
+            assert (np.abs(got_lp[ok] - to_np(c_lp)[ok]) <= 1e-6 + 1.2e-7 * np.abs(want_lse)).all()
+    wide = (rng.standard_normal((3, 20)) * 3).astype(np.float32)
+    wide[1, 2] = np.nan  # outside the slice below
+    lp, lse = ops.token_logprobs(to_dev(wide, dev).slice(1, 5, 15), to_dev(np.array([0, 9, 4], np.int32), dev))
+    want_lp, want_lse = refs.token_logprobs(wide[:, 5:15], [0, 9, 4])
+    np.testing.assert_allclose(to_np(lp), want_lp, rtol=2e-7, atol=2e-6)
+    np.testing.assert_allclose(to_np(lse), want_lse, rtol=2e-7)
+    if dev == "cpu":
+        with pytest.raises(dflash2_rt.InvalidArgumentError, match="outside the row"):
+            ops.token_logprobs(wide, np.array([0, 20, 1], np.int32))
+        with pytest.raises(dflash2_rt.InvalidArgumentError, match="ids"):
+            ops.token_logprobs(wide, np.array([0, 1], np.int32))
 
 
 @pytest.mark.parametrize("dev", DEVICES)

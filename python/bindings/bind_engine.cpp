@@ -52,7 +52,8 @@ py::dict stats_dict(const GenerationStats& s) {
 }
 
 SamplingParams sampling_params(int64_t max_new_tokens, float temperature, float top_p, int64_t top_k,
-                               const py::object& seed, const py::object& stop_token_ids, const char* where) {
+                               const py::object& seed, const py::object& stop_token_ids, const char* where,
+                               const py::object& logprobs = py::none()) {
   SamplingParams sp;
   sp.max_new_tokens = max_new_tokens;
   sp.temperature = temperature;
@@ -67,14 +68,33 @@ SamplingParams sampling_params(int64_t max_new_tokens, float temperature, float 
     sp.has_stop_tokens = true;
     sp.stop_token_ids = to_tokens(stop_token_ids, "stop_token_ids");
   }
+  if (!logprobs.is_none()) {
+    DFLASH2_CHECK_ARG(py::isinstance<py::int_>(logprobs) && !py::isinstance<py::bool_>(logprobs), where,
+                      ": logprobs must be None or an integer in [0, ", kMaxLogprobs, "]");
+    sp.logprobs = logprobs.cast<int64_t>();
+    DFLASH2_CHECK_ARG(sp.logprobs >= 0, where, ": logprobs must be None or an integer in [0, ", kMaxLogprobs,
+                      "], found ", sp.logprobs);
+  }
   return sp;
 }
 
 }  // namespace
 
 void bind_engine(py::module_& m) {
+  py::class_<TokenLogprobs>(m, "TokenLogprobs",
+                            "One generated token's log-probabilities under the target (log-softmax of its logits, "
+                            "before temperature / top-p / top-k): .logprob, and the most likely tokens' .top_ids / "
+                            ".top_logprobs (best first).")
+      .def_readonly("logprob", &TokenLogprobs::logprob)
+      .def_readonly("top_ids", &TokenLogprobs::top_ids)
+      .def_readonly("top_logprobs", &TokenLogprobs::top_logprobs)
+      .def("__repr__", [](const TokenLogprobs& t) {
+        return "TokenLogprobs(logprob=" + std::to_string(t.logprob) + ", " + std::to_string(t.top_ids.size()) + " top)";
+      });
+
   py::class_<GenerationResult>(m, "GenerationResult")
       .def_readonly("token_ids", &GenerationResult::token_ids)
+      .def_readonly("logprobs", &GenerationResult::logprobs)
       .def_readonly("finish_reason", &GenerationResult::finish_reason)
       .def_property_readonly("stats", [](const GenerationResult& r) { return stats_dict(r.stats); })
       .def("__repr__", [](const GenerationResult& r) {
@@ -208,34 +228,39 @@ void bind_engine(py::module_& m) {
       .def(
           "submit",
           [](Engine& e, py::handle prompt, int64_t max_new_tokens, float temperature, float top_p, int64_t top_k,
-             py::object seed, py::object stop_token_ids, int64_t stream_index) {
+             py::object seed, py::object stop_token_ids, int64_t stream_index, py::object logprobs) {
             std::vector<int32_t> t = to_tokens(prompt, "prompt");
             SamplingParams sp =
-                sampling_params(max_new_tokens, temperature, top_p, top_k, seed, stop_token_ids, "submit");
+                sampling_params(max_new_tokens, temperature, top_p, top_k, seed, stop_token_ids, "submit", logprobs);
             sp.stream_index = stream_index;
             ReleaseGil nogil;
             return e.submit(t, sp);
           },
           py::arg("prompt"), py::arg("max_new_tokens") = 16, py::arg("temperature") = 0.0f, py::arg("top_p") = 1.0f,
           py::arg("top_k") = 0, py::arg("seed") = py::none(), py::arg("stop_token_ids") = py::none(),
-          py::arg("stream_index") = 0, "Queues one request; returns its id.")
+          py::arg("stream_index") = 0, py::arg("logprobs") = py::none(), "Queues one request; returns its id.")
       .def(
           "poll",
-          [](Engine& e, const std::vector<RequestId>& ids, double timeout) {
+          [](Engine& e, const std::vector<RequestId>& ids, double timeout, bool with_logprobs) {
             std::vector<RequestUpdate> ups;
             {
               ReleaseGil nogil;
               ups = e.poll(ids, timeout);
             }
             py::list out;
-            for (auto& u : ups)
-              out.append(py::make_tuple(u.id, py::cast(u.new_tokens), u.finished,
-                                        u.finished ? py::cast(u.result) : py::none()));
+            for (auto& u : ups) {
+              py::object res = u.finished ? py::cast(u.result) : py::none();
+              if (with_logprobs)
+                out.append(py::make_tuple(u.id, py::cast(u.new_tokens), u.finished, res, py::cast(u.new_logprobs)));
+              else
+                out.append(py::make_tuple(u.id, py::cast(u.new_tokens), u.finished, res));
+            }
             return out;
           },
-          py::arg("ids"), py::arg("timeout") = -1.0,
+          py::arg("ids"), py::arg("timeout") = -1.0, py::arg("with_logprobs") = false,
           "[(id, new_token_ids, finished, GenerationResult or None)] for the ids with news, waiting up to "
-          "timeout seconds (< 0: until there is news).")
+          "timeout seconds (< 0: until there is news); with_logprobs: a fifth item, the new tokens' "
+          "TokenLogprobs (empty unless the request asked for them).")
       .def(
           "cancel",
           [](Engine& e, RequestId id) {

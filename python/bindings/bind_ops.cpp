@@ -541,6 +541,23 @@ void bind_ops(py::module_& m) {
       py::arg("x"), py::arg("out") = py::none(), "I32 [R]: 1 where row r of x holds a NaN or an infinity.");
 
   o.def(
+      "token_logprobs",
+      [](py::handle x, py::handle ids, py::handle lp, py::handle lse) {
+        Tensor xt = tensor_from_python(x, "x");
+        Tensor it = tensor_from_python(ids, "ids");
+        Tensor lt = out_or_new(lp, DType::F32, {dim_or0(xt, 0)}, xt.device());
+        Tensor st = out_or_new(lse, DType::F32, {dim_or0(xt, 0)}, xt.device());
+        {
+          ReleaseGil nogil;
+          ops::token_logprobs(xt, it, lt, st);
+        }
+        return py::make_tuple(lt, st);
+      },
+      py::arg("x"), py::arg("ids"), py::arg("lp") = py::none(), py::arg("lse") = py::none(),
+      "(lp, lse) F32 [R]: lse[r] = log sum exp x[r], lp[r] = x[r, ids[r]] - lse[r] (NaN for a row with a NaN or "
+      "an infinity).");
+
+  o.def(
       "argmax_shard",
       [](py::handle x, int64_t first, py::handle out) {
         Tensor xt = tensor_from_python(x, "x");

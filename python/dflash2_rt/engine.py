@@ -46,6 +46,10 @@ class GenerationResult:
     finish_reason: str
     stats: dict = field(default_factory=dict)
     text: Optional[str] = None
+    # with logprobs=n: one TokenLogprobs per token of token_ids (.logprob: the token's
+    # log-probability under the target, the log-softmax of its logits before temperature /
+    # top-p / top-k; .top_ids / .top_logprobs: the n most likely tokens', best first)
+    logprobs: Optional[list] = None
 
 
 @dataclass
@@ -55,6 +59,7 @@ class RequestUpdate:
     new_token_ids: list
     finished: bool
     result: Optional[GenerationResult] = None
+    new_logprobs: Optional[list] = None  # the new tokens' TokenLogprobs (a request with logprobs=n)
 
 
 # Engines still open: closed at interpreter exit, so that no scheduler thread outlives it
@@ -471,27 +476,37 @@ class Engine:
             return self.encode(prompt)
         return _token_list(where, prompt, self.vocab_size, max_len)
 
-    def _request(self, where: str, max_new_tokens, temperature, top_p, top_k, seed, stop_token_ids) -> tuple:
-        """The sampling arguments checked for type and range (the engine checks the rest)."""
+    def _request(self, where: str, max_new_tokens, temperature, top_p, top_k, seed, stop_token_ids,
+                 logprobs=None) -> tuple:
+        """The sampling arguments checked for type and range (the engine checks the rest):
+        submit's positional arguments up to stop_token_ids, then logprobs."""
         stop = None
         if stop_token_ids is not None:
             stop = _token_list(f"{where}: stop_token_ids", stop_token_ids, self.vocab_size)
+        lp = None if logprobs is None else _check_int(where, "logprobs", logprobs, 0, 20)
         return (_check_int(where, "max_new_tokens", max_new_tokens), _check_real(where, "temperature", temperature),
-                _check_real(where, "top_p", top_p), _check_int(where, "top_k", top_k), _check_seed(where, seed), stop)
+                _check_real(where, "top_p", top_p), _check_int(where, "top_k", top_k), _check_seed(where, seed), stop,
+                lp)
+
+    def _submit(self, ids: list, req: tuple, stream_index: int) -> int:
+        return self._e.submit(ids, *req[:6], stream_index, req[6])
 
     def _result(self, r) -> GenerationResult:
         text = self.tokenizer.decode(list(r.token_ids)) if self.tokenizer is not None else None
-        return GenerationResult(list(r.token_ids), r.finish_reason, dict(r.stats), text)
+        lps = list(r.logprobs) if len(r.logprobs) else None
+        return GenerationResult(list(r.token_ids), r.finish_reason, dict(r.stats), text, lps)
 
     # ------------------------------------------------------------------ requests
     def submit(self, prompt, max_new_tokens: int = 16, temperature: float = 0.0, top_p: float = 1.0,
                top_k: int = 0, seed: Optional[int] = None, stop_token_ids: Optional[Iterable[int]] = None,
-               _stream_index: int = 0) -> int:
+               _stream_index: int = 0, logprobs: Optional[int] = None) -> int:
         """Queues one request (checked now: a bad request raises here) and returns its id; it
-        joins the running batch at the next step. Follow it with poll(id) / cancel(id)."""
+        joins the running batch at the next step. Follow it with poll(id) / cancel(id).
+        logprobs=n (0..20): every generated token comes with its log-probability and the n most
+        likely tokens' (RequestUpdate.new_logprobs, GenerationResult.logprobs)."""
         ids = self._ids(prompt, "submit: prompt", self.max_seq_len)
-        req = self._request("submit", max_new_tokens, temperature, top_p, top_k, seed, stop_token_ids)
-        return self._e.submit(ids, *req, _stream_index)
+        req = self._request("submit", max_new_tokens, temperature, top_p, top_k, seed, stop_token_ids, logprobs)
+        return self._submit(ids, req, _stream_index)
 
     def poll(self, request_id: int, timeout: Optional[float] = None) -> "RequestUpdate":
         """What happened to a request since the last poll: .new_token_ids, .finished, .result
@@ -503,15 +518,16 @@ class Engine:
         while True:  # wait in slices so that Ctrl-C (KeyboardInterrupt) is seen
             step = 0.1 if t < 0 else min(t, 0.1)
             try:
-                ups = self._e.poll([rid], step)
+                ups = self._e.poll([rid], step, True)
             except _core.InvalidArgumentError:
                 if rid in self._cancelled:  # cancelled and ended: the engine forgot it
                     self._cancelled.discard(rid)
                     return RequestUpdate([], True, GenerationResult([], "cancelled", {}, None))
                 raise
             if ups:
-                _, toks, finished, res = ups[0]
-                return RequestUpdate(list(toks), bool(finished), self._result(res) if finished else None)
+                _, toks, finished, res, lps = ups[0]
+                return RequestUpdate(list(toks), bool(finished), self._result(res) if finished else None,
+                                     list(lps) if len(lps) else None)
             if t >= 0:
                 t -= step
                 if t <= 0:
@@ -587,12 +603,14 @@ class Engine:
 
     def generate(self, prompts, max_new_tokens: int = 16, temperature: float = 0.0,
                  top_p: float = 1.0, top_k: int = 0, seed: Optional[int] = None,
-                 stop_token_ids: Optional[Iterable[int]] = None) -> list:
+                 stop_token_ids: Optional[Iterable[int]] = None, logprobs: Optional[int] = None) -> list:
         """Generates for a list of prompts (each a list of token ids, or a string when the
         target has a tokenizer.json); returns one GenerationResult per prompt. The prompts
         join the engine's running batch (with whatever else runs). stop_token_ids=None uses
         the config's eos_token_id; [] disables stopping. seed makes sampling reproducible
-        (request i draws from a stream derived from (seed, i)). Ctrl-C cancels the requests."""
+        (request i draws from a stream derived from (seed, i)). logprobs=n (0..20): each
+        result's .logprobs holds every generated token's log-probability under the target and
+        the n most likely tokens' (TokenLogprobs). Ctrl-C cancels the requests."""
         if isinstance(prompts, (str, bytes, bytearray, memoryview)):
             raise _core.InvalidArgumentError("generate: 'prompts' must be a list of prompts (token-id lists or strings)")
         try:
@@ -603,12 +621,12 @@ class Engine:
         if not prompts:
             raise _core.InvalidArgumentError("generate: no prompts given")
         ids = [self._ids(p, f"generate: prompt {i}", self.max_seq_len) for i, p in enumerate(prompts)]
-        req = self._request("generate", max_new_tokens, temperature, top_p, top_k, seed, stop_token_ids)
+        req = self._request("generate", max_new_tokens, temperature, top_p, top_k, seed, stop_token_ids, logprobs)
         rids = []
         try:
             for i, p in enumerate(ids):
                 try:
-                    rids.append(self._e.submit(p, *req, i))
+                    rids.append(self._submit(p, req, i))
                 except _core.DFlash2Error as e:
                     raise type(e)(f"generate: prompt {i}: {e}") from None
         except BaseException:
@@ -642,20 +660,22 @@ class Engine:
 
     def stream(self, prompt, max_new_tokens: int = 16, temperature: float = 0.0, top_p: float = 1.0,
                top_k: int = 0, seed: Optional[int] = None, stop_token_ids: Optional[Iterable[int]] = None,
-               on_result: Optional[Callable[[GenerationResult], None]] = None) -> Iterator[int]:
+               on_result: Optional[Callable[[GenerationResult], None]] = None,
+               logprobs: Optional[int] = None) -> Iterator[int]:
         """Yields the generated token ids of one prompt as they are committed (several per
         verify step with speculative methods). The arguments are checked here, before the
         first token; errors of the generation are raised in the caller's thread.
         on_result, when given, is called once with the GenerationResult of this same
-        generation (finish_reason, text, stats) after the last token has been yielded."""
+        generation (finish_reason, text, stats; with logprobs=n, .logprobs) after the last token
+        has been yielded."""
         ids = self._ids(prompt, "stream: prompt", self.max_seq_len)
-        req = self._request("stream", max_new_tokens, temperature, top_p, top_k, seed, stop_token_ids)
+        req = self._request("stream", max_new_tokens, temperature, top_p, top_k, seed, stop_token_ids, logprobs)
         if on_result is not None and not callable(on_result):
             raise _core.InvalidArgumentError(f"stream: on_result must be callable, found {type(on_result).__name__}")
         return self._stream(ids, req, on_result)
 
     def _stream(self, ids: list, req: tuple, on_result) -> Iterator[int]:
-        rid = self._e.submit(ids, *req, 0)
+        rid = self._submit(ids, req, 0)
         finished = False
         try:
             while not finished:

@@ -110,6 +110,23 @@ struct SamplingParams {
   int64_t stream_index = 0;  // see seed
   bool has_stop_tokens = false;        // false: the config's eos_token_id
   std::vector<int32_t> stop_token_ids;  // a stop token ends the request (and is its last token)
+  // >= 0: every generated token comes with its log-probability under the target and the
+  // `logprobs` most likely tokens' (at most kMaxLogprobs); -1: none (TokenLogprobs)
+  int64_t logprobs = -1;
+};
+
+// The most top tokens SamplingParams::logprobs may ask for (OpenAI's top_logprobs bound).
+constexpr int64_t kMaxLogprobs = 20;
+
+// One generated token's log-probabilities (SamplingParams::logprobs >= 0): under the target's
+// distribution at its position -- the log-softmax of the target's logits there, before
+// temperature, top-p and top-k (what vLLM returns by default) --, the token's own and the
+// `logprobs` most likely tokens' (best first, ties to the lower id). Speculative methods give
+// the same numbers as ar: the verify pass's rows are the target's rows.
+struct TokenLogprobs {
+  float logprob = 0.0f;
+  std::vector<int32_t> top_ids;
+  std::vector<float> top_logprobs;
 };
 
 struct GenerationStats {
@@ -150,6 +167,7 @@ using RequestId = int64_t;
 struct GenerationResult {
   std::vector<int32_t> token_ids;  // generated tokens only
   std::string finish_reason;       // "stop" | "length" | "cancelled"
+  std::vector<TokenLogprobs> logprobs;  // one per token of token_ids with SamplingParams::logprobs >= 0
   GenerationStats stats;
 };
 
@@ -164,6 +182,7 @@ struct RequestError : Error {
 struct RequestUpdate {
   RequestId id = 0;
   std::vector<int32_t> new_tokens;  // committed since the last poll
+  std::vector<TokenLogprobs> new_logprobs;  // theirs (SamplingParams::logprobs >= 0), else empty
   bool finished = false;
   GenerationResult result;          // when finished: every token, the finish reason, stats
 };

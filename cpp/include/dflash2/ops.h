@@ -331,6 +331,13 @@ void embedding_shard(const Tensor& table, const Tensor& ids, int64_t first, Tens
 void argmax(const Tensor& x, Tensor& out);
 // flags I32 [R]: 1 where row r of x F32 [R, V] holds a NaN or an infinity, else 0.
 void check_finite(const Tensor& x, Tensor& flags);
+// Log-probabilities (log-softmax) at chosen ids: for row r of x F32 [R, V] (logits) and
+// ids I32 [R] (each in [0, V)), lse[r] = log(sum_j exp(x[r, j])) and lp[r] = x[r, ids[r]] -
+// lse[r] (F32 [R] each): the row's max m, then m + log(sum exp(x - m)) with the exponentials
+// and their sum in double, rounded to F32; lp from that F32 lse (in double, then rounded), so
+// x[r, j] - lse[r] computed so elsewhere is bitwise lp for j = ids[r]. A row holding a NaN or
+// an infinity gets NaN in both.
+void token_logprobs(const Tensor& x, const Tensor& ids, Tensor& lp, Tensor& lse);
 // Greedy decoding over a vocabulary split across ranks, without gathering the logits.
 // argmax_shard: row i of x F32 [R, Vs] (the ids first .. first + Vs - 1) into out F32 [R, 2]
 // = (the row's maximum, float(first + its first position)), as argmax picks it; a row holding

@@ -48,6 +48,7 @@ namespace dflash2::ops {
   X(add, (const Tensor& a, const Tensor& b, Tensor& out))                                                           \
   X(argmax, (const Tensor& x, Tensor& out))                                                                         \
   X(check_finite, (const Tensor& x, Tensor& flags))                                                                 \
+  X(token_logprobs, (const Tensor& x, const Tensor& ids, Tensor& lp, Tensor& lse))                                 \
   X(argmax_shard, (const Tensor& x, int64_t first, Tensor& out))                                                    \
   X(argmax_merge, (const Tensor& pairs, Tensor& ids, Tensor& flags))                                               \
   X(topk_merge, (const Tensor& vals, const Tensor& idx, int64_t shard_size, Tensor& values, Tensor& indices))     \

@@ -715,6 +715,28 @@ void check_finite(const Tensor& x, Tensor& flags) {
   DFLASH2_DISPATCH(check_finite, x, x, flags);
 }
 
+void token_logprobs(const Tensor& x, const Tensor& ids, Tensor& lp, Tensor& lse) {
+  const char* op = "token_logprobs";
+  need_2d_rows(x, DType::F32, op, "x");
+  DFLASH2_CHECK_ARG(x.shape(1) >= 1, op, ": rows must not be empty, found ", x.describe());
+  DFLASH2_CHECK_ARG(x.shape(1) <= INT32_MAX, op, ": rows longer than 2^31 - 1, found ", x.describe());
+  need_i32_vec(ids, x.shape(0), op, "ids");
+  need_dtype(lp, DType::F32, op, "lp");
+  need_dtype(lse, DType::F32, op, "lse");
+  DFLASH2_CHECK_ARG(lp.ndim() == 1 && lp.shape(0) == x.shape(0) && lse.ndim() == 1 && lse.shape(0) == x.shape(0),
+                    op, ": lp and lse must be F32 [", x.shape(0), "], found ", lp.describe(), " and ", lse.describe());
+  same_device(x, ids, op);
+  same_device(x, lp, op);
+  same_device(x, lse, op);
+  if (x.device().is_cpu()) {  // an id outside the row: a clear error (the CUDA kernel writes NaN there)
+    const int32_t* id = ids.data_as<const int32_t>();
+    for (int64_t r = 0; r < x.shape(0); ++r)
+      DFLASH2_CHECK_ARG(id[r * ids.stride(0)] >= 0 && id[r * ids.stride(0)] < x.shape(1), op, ": ids[", r, "] = ",
+                        id[r * ids.stride(0)], " is outside the row [0, ", x.shape(1), ")");
+  }
+  DFLASH2_DISPATCH(token_logprobs, x, x, ids, lp, lse);
+}
+
 void argmax_shard(const Tensor& x, int64_t first, Tensor& out) {
   const char* op = "argmax_shard";
   need_dtype(x, DType::F32, op, "x");

@@ -4,6 +4,7 @@
 #include <cstring>
 #include <random>
 
+#include "dflash2/engine.h"
 #include "dflash2/error.h"
 #ifdef DFLASH2_WITH_CUDA
 #include "backend/cuda/cuda_api.h"
@@ -59,6 +60,11 @@ void Core::allocate_buffers() {
   if ((tp > 1 || device.is_cuda()) && V <= (int64_t(1) << 24) && V / tp >= 3)
     ids = Tensor::zeros(DType::I32, {verify_rows}, device);
   marks = StepMarks(device, 4);
+  lp_ids = Tensor::zeros(DType::I32, {verify_rows});
+  lp_val = Tensor::zeros(DType::F32, {verify_rows});
+  lp_lse = Tensor::zeros(DType::F32, {verify_rows});
+  lp_topv = Tensor::zeros(DType::F32, {verify_rows * kMaxLogprobs});
+  lp_topi = Tensor::zeros(DType::I32, {verify_rows * kMaxLogprobs});
   if (device.is_cuda()) {
     d_res = Tensor::zeros(DType::I32, {res_words}, device);
     d_flags = d_res.slice(0, 0, verify_rows);
@@ -163,6 +169,42 @@ void Core::argmax_row0() {
   Tensor tok = d_out.slice(0, 0, 1);
   ops::argmax(lg, tok);
   download_results();
+}
+
+void Core::logprobs(int64_t rows, int64_t top) {
+  if (rows <= 0) return;
+  const Tensor lg = logits.slice(0, 0, rows);
+  DFLASH2_INTERNAL(top >= 0 && top <= kMaxLogprobs && top <= lg.shape(1), "logprobs: top ", top);
+  if (!device.is_cuda()) {
+    Tensor ids = lp_ids.slice(0, 0, rows), v = lp_val.slice(0, 0, rows), l = lp_lse.slice(0, 0, rows);
+    ops::token_logprobs(lg, ids, v, l);
+    if (top > 0) {
+      Tensor tv = lp_topv.slice(0, 0, rows * top).reshape({rows, top});
+      Tensor ti = lp_topi.slice(0, 0, rows * top).reshape({rows, top});
+      ops::topk(lg, top, tv, ti);
+    }
+    return;
+  }
+  if (!d_lp_ids.defined()) {  // on first use
+    const int64_t n = lp_ids.shape(0);
+    d_lp_ids = Tensor::zeros(DType::I32, {n}, device);
+    d_lp_val = Tensor::zeros(DType::F32, {n}, device);
+    d_lp_lse = Tensor::zeros(DType::F32, {n}, device);
+    d_lp_topv = Tensor::zeros(DType::F32, {n * kMaxLogprobs}, device);
+    d_lp_topi = Tensor::zeros(DType::I32, {n * kMaxLogprobs}, device);
+  }
+  Tensor ids = d_lp_ids.slice(0, 0, rows), v = d_lp_val.slice(0, 0, rows), l = d_lp_lse.slice(0, 0, rows);
+  ids.copy_from(lp_ids.slice(0, 0, rows));
+  ops::token_logprobs(lg, ids, v, l);
+  lp_val.slice(0, 0, rows).copy_from(v);
+  lp_lse.slice(0, 0, rows).copy_from(l);
+  if (top > 0) {
+    Tensor tv = d_lp_topv.slice(0, 0, rows * top), ti = d_lp_topi.slice(0, 0, rows * top);
+    Tensor tv2 = tv.reshape({rows, top}), ti2 = ti.reshape({rows, top});
+    ops::topk(lg, top, tv2, ti2);
+    lp_topv.slice(0, 0, rows * top).copy_from(tv);
+    lp_topi.slice(0, 0, rows * top).copy_from(ti);
+  }
 }
 
 void Core::accept_rows(int64_t rows, int64_t S, const Tensor& drafts, const Tensor& cand, const Tensor& q,

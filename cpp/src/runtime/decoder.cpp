@@ -162,6 +162,7 @@ void Decoder::retire(Request* r) {
   const double t = st.prefill_s + st.decode_s;
   st.tokens_per_second = t > 0 ? double(st.generated_tokens) / t : 0.0;
   r->result.token_ids = r->tokens;
+  r->result.logprobs = r->logprobs;
   r->result.finish_reason = r->finish_reason;
 }
 
@@ -180,9 +181,20 @@ void Decoder::plan_row(int64_t row, Request& q, uint64_t draws) {
 }
 
 // Emits accepted tokens in order; a stop token or the length budget ends the request.
-void Decoder::emit(Request& r, const int32_t* toks, int64_t count) {
+// lps: the tokens' log-probabilities (logprobs_of_rows' rows, their top lists cut to what
+// the request asked for), for a request that asked for them.
+void Decoder::emit(Request& r, const int32_t* toks, int64_t count, const TokenLogprobs* lps) {
+  const bool with_lp = r.p.logprobs >= 0;
+  DFLASH2_INTERNAL(!with_lp || lps != nullptr, "request ", r.id, " wants log-probabilities, none were computed");
+  const size_t lp0 = r.logprobs.size();
   int64_t n = 0;
   for (; n < count;) {
+    if (with_lp) {
+      TokenLogprobs lp = lps[n];
+      lp.top_ids.resize(size_t(r.p.logprobs));
+      lp.top_logprobs.resize(size_t(r.p.logprobs));
+      r.logprobs.push_back(std::move(lp));
+    }
     const int32_t t = toks[n++];
     r.tokens.push_back(t);
     if (std::find(r.stops.begin(), r.stops.end(), t) != r.stops.end()) {
@@ -196,7 +208,24 @@ void Decoder::emit(Request& r, const int32_t* toks, int64_t count) {
       break;
     }
   }
-  if (n > 0) sink_.on_tokens(r, toks, n);
+  if (n > 0) sink_.on_tokens(r, toks, n, with_lp ? r.logprobs.data() + lp0 : nullptr);
+}
+
+void Decoder::logprobs_of_rows(int64_t rows, const int32_t* ids, int64_t top) {
+  std::copy(ids, ids + rows, c_.lp_ids.data_as<int32_t>());
+  c_.logprobs(rows, top);
+  const float* v = c_.lp_val.data_as<const float>();
+  const float* l = c_.lp_lse.data_as<const float>();
+  const float* tv = c_.lp_topv.data_as<const float>();
+  const int32_t* ti = c_.lp_topi.data_as<const int32_t>();
+  if (int64_t(lps_.size()) < rows) lps_.resize(size_t(rows));
+  for (int64_t i = 0; i < rows; ++i) {
+    TokenLogprobs& o = lps_[size_t(i)];
+    o.logprob = v[i];
+    o.top_ids.assign(ti + i * top, ti + (i + 1) * top);
+    o.top_logprobs.resize(size_t(top));
+    for (int64_t j = 0; j < top; ++j) o.top_logprobs[size_t(j)] = float(double(tv[i * top + j]) - double(l[i]));
+  }
 }
 
 void Decoder::after_commit(Request& r) {  // room for the next anchor?
@@ -271,13 +300,17 @@ void Decoder::prefill() {
       if (pc.last) plan_row(r++, *act_[size_t(pc.seq)], 1);
     c_.sample_rows(R);
     r = 0;
+    int64_t top = -1;  // the most top tokens a request ending here asks for (-1: none asks)
     for (const auto& pc : ch) {
       if (!pc.last) continue;
       Request& q = *act_[size_t(pc.seq)];
       q.anchor = c_.s_out.data_as<const int32_t>()[r++];
       q.next.assign(q.prompt.begin() + 1, q.prompt.end());
       q.next.push_back(q.anchor);
+      top = std::max(top, q.p.logprobs);
     }
+    // the first tokens' log-probabilities (before the drafter's commit reuses any buffer)
+    if (top >= 0) logprobs_of_rows(R, c_.s_out.data_as<const int32_t>(), top);
     if (drafter) {
       commits_.clear();
       int64_t row = 0;
@@ -304,7 +337,7 @@ void Decoder::prefill() {
         q.finish_reason = "error";
         sink_.on_error(q, numerical_error(q, "the prefill", -1, r));
       } else {
-        emit(q, &q.anchor, 1);
+        emit(q, &q.anchor, 1, top >= 0 ? &lps_[size_t(r)] : nullptr);
         after_commit(q);
         keep_prompt(q);  // later prompts take what it has filled already
       }
@@ -456,7 +489,11 @@ void Decoder::step() {
   // link instead of R x V, and acceptance reads the ids (ops::accept_greedy). On one GPU the
   // same path saves launches: one pass over the logits (argmax_shard: argmax and the flag)
   // and a three-kernel acceptance, instead of check_finite and accept over the logits.
-  bool argmax_only = c_.ids.defined();
+  // Log-probabilities read the logits rows after acceptance: under tensor parallelism a step
+  // with a request that asks for them gathers the logits (one GPU keeps them either way).
+  int64_t lp_top = -1;
+  for (Request* r : act_) lp_top = std::max(lp_top, r->p.logprobs);
+  bool argmax_only = c_.ids.defined() && (lp_top < 0 || tgt.tp_size() == 1);
   for (int64_t k = 0; k < S && argmax_only; ++k) argmax_only = act_[size_t(k)]->p.temperature <= 0.0f;
   int64_t row0 = 0;
   for (const auto& ch : c_.chunks) {
@@ -531,6 +568,24 @@ void Decoder::step() {
   if (P > 0) tgt.count_padding(P);
   const double t_draft = c_.marks.seconds(0, 1), t_verify = c_.marks.seconds(1, 2),
                t_accept = c_.marks.seconds(2, 3);
+  // the committed tokens' log-probabilities, for the requests that asked for them: row j of
+  // a request holds the target's distribution after its j-th verify token, so its committed
+  // token there is draft j + 1 while j < accepted, then the bonus (other rows: any id)
+  if (lp_top >= 0) {
+    int64_t row = 0;
+    lp_ids_.clear();
+    for (int64_t k = 0; k < S; ++k) {
+      const Request& r = *act_[size_t(k)];
+      const int64_t kk = int64_t(r.verify.size()) - 1;
+      const int64_t a = std::min<int64_t>(c_.a_accepted.data_as<const int32_t>()[k], kk);
+      const int32_t* d = a > 0 ? c_.drafts_host.data_as<const int32_t>() + dr->row[size_t(k)] * c_.drafts_host.stride(0)
+                               : nullptr;
+      for (int64_t j = 0; j <= kk; ++j)
+        lp_ids_.push_back(j < a ? d[j] : j == a ? c_.a_bonus.data_as<const int32_t>()[k] : 0);
+      row += kk + 1;
+    }
+    logprobs_of_rows(row, lp_ids_.data(), lp_top);
+  }
   // 4. commit anchor + the accepted tokens; roll back the rest of the verify pass
   commits_.clear();
   drafted_.clear();
@@ -569,7 +624,7 @@ void Decoder::step() {
       r.next.assign(d, d + a);
     }
     r.next.push_back(bonus);
-    emit(r, r.next.data(), int64_t(r.next.size()));
+    emit(r, r.next.data(), int64_t(r.next.size()), lp_top >= 0 ? &lps_[size_t(row)] : nullptr);
     r.anchor = bonus;
     if (drafter && !r.done) {
       CommitRows cr;

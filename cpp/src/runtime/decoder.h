@@ -43,9 +43,12 @@ struct Request {
   std::vector<int64_t> accepted_at;
   double prefill_s = 0, draft_s = 0, verify_s = 0, t_prefilled = 0, t_prefill0 = 0;
   double prefill_wait_s = 0, accept_s = 0;  // decoding, waiting for other requests' prompts (Decoder::prefill)
+  std::vector<TokenLogprobs> logprobs;  // of `tokens` (p.logprobs >= 0)
   std::vector<int32_t> staged;  // committed, not yet handed to the clients (Scheduler::publish_locked)
+  std::vector<TokenLogprobs> staged_lp;  // theirs (p.logprobs >= 0)
   // ---- shared with clients (guarded by the scheduler's mutex)
   std::vector<int32_t> unread;
+  std::vector<TokenLogprobs> unread_lp;
   std::vector<std::condition_variable*> waiters;  // the polls waiting on this request
   bool finished = false, cancel_requested = false, detached = false, reported = false;
   GenerationResult result;
@@ -56,7 +59,8 @@ class Decoder {
  public:
   struct Sink {
     virtual ~Sink() = default;
-    virtual void on_tokens(Request& r, const int32_t* toks, int64_t n) = 0;  // committed, in order
+    // committed, in order (lps: their log-probabilities when the request asked for them, else null)
+    virtual void on_tokens(Request& r, const int32_t* toks, int64_t n, const TokenLogprobs* lps) = 0;
     virtual void on_error(Request& r, std::exception_ptr e) = 0;            // r fails (r.done is set)
   };
   Decoder(Core& core, Sink& sink, bool adaptive);
@@ -92,7 +96,10 @@ class Decoder {
  private:
   void plan_row(int64_t row, Request& q, uint64_t draws);
   void keep_prompt(Request& r, bool hold = true);  // its filled prompt blocks into the prefix cache
-  void emit(Request& r, const int32_t* toks, int64_t count);
+  void emit(Request& r, const int32_t* toks, int64_t count, const TokenLogprobs* lps = nullptr);
+  // The log-probabilities of the tokens at logits rows [0, rows) (ids: each row's token;
+  // top: the most likely tokens per row) into lps_, for the requests that asked for them.
+  void logprobs_of_rows(int64_t rows, const int32_t* ids, int64_t top);
   void after_commit(Request& r);
 
   Core& c_;
@@ -114,6 +121,8 @@ class Decoder {
   std::vector<Drafter::StepRows> step_rows_;
   std::unique_ptr<PrefixCache> prefix_;
   std::vector<int32_t> pad_tokens_;  // a padding sequence's verify ids (zeros)
+  std::vector<int32_t> lp_ids_;       // logprobs_of_rows' ids
+  std::vector<TokenLogprobs> lps_;    // its results, one per row
   uint64_t pad_counter_ = 0;         // padding drafts take no draws; their counter lands here
 };
 

@@ -895,6 +895,9 @@ std::unique_ptr<runtime::Request> Engine::Impl::make_request(const std::vector<i
   DFLASH2_CHECK_ARG(p.top_p > 0.0f && p.top_p <= 1.0f, where, ": top_p must be in (0, 1], found ", p.top_p);
   DFLASH2_CHECK_ARG(p.top_k >= 0 && p.top_k <= INT32_MAX, where, ": top_k must be in [0, 2^31) (0 = off), found ",
                     p.top_k);
+  DFLASH2_CHECK_ARG(p.logprobs >= -1 && p.logprobs <= std::min<int64_t>(kMaxLogprobs, V), where,
+                    ": logprobs must be -1 (none) or in [0, ", std::min<int64_t>(kMaxLogprobs, V), "], found ",
+                    p.logprobs);
   DFLASH2_CHECK_ARG(!prompt.empty(), where, " is empty");
   DFLASH2_CHECK_ARG(int64_t(prompt.size()) < max_len, where, " has ", prompt.size(), " tokens; max_seq_len is ",
                     max_len, " (the prompt plus at least one generated token must fit)");

@@ -87,6 +87,7 @@ std::vector<RequestUpdate> Scheduler::poll(const std::vector<RequestId>& ids, do
     RequestUpdate u;
     u.id = r->id;
     u.new_tokens.swap(r->unread);
+    u.new_logprobs.swap(r->unread_lp);
     if (r->finished) {
       u.finished = true;
       u.result = r->result;
@@ -135,9 +136,10 @@ void Scheduler::wake_locked(Request& r) {
   for (std::condition_variable* cv : r.waiters) cv->notify_one();
 }
 
-void Scheduler::on_tokens(Request& r, const int32_t* toks, int64_t n) {
+void Scheduler::on_tokens(Request& r, const int32_t* toks, int64_t n, const TokenLogprobs* lps) {
   if (r.staged.empty()) staged_.push_back(&r);
   r.staged.insert(r.staged.end(), toks, toks + n);
+  if (lps) r.staged_lp.insert(r.staged_lp.end(), lps, lps + n);
 }
 
 void Scheduler::publish_locked() {
@@ -145,6 +147,8 @@ void Scheduler::publish_locked() {
     r->unread.insert(r->unread.end(), r->staged.begin(), r->staged.end());
     tokens_total_ += int64_t(r->staged.size());
     r->staged.clear();
+    for (TokenLogprobs& lp : r->staged_lp) r->unread_lp.push_back(std::move(lp));
+    r->staged_lp.clear();
     wake_locked(*r);
   }
   staged_.clear();

@@ -51,7 +51,7 @@ class Scheduler final : public Decoder::Sink {
   EngineMetrics metrics() const;
 
   // Decoder::Sink (scheduler thread)
-  void on_tokens(Request& r, const int32_t* toks, int64_t n) override;  // staged, published later
+  void on_tokens(Request& r, const int32_t* toks, int64_t n, const TokenLogprobs* lps) override;  // staged, published later
   void on_error(Request& r, std::exception_ptr e) override;
 
  private:

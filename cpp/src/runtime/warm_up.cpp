@@ -16,7 +16,7 @@ namespace dflash2::runtime {
 namespace {
 class QuietSink final : public Decoder::Sink {
  public:
-  void on_tokens(Request&, const int32_t*, int64_t) override {}
+  void on_tokens(Request&, const int32_t*, int64_t, const TokenLogprobs*) override {}
   void on_error(Request&, std::exception_ptr e) override {
     if (!error) error = e;
   }

@@ -92,6 +92,7 @@ void copy(const Tensor& src, Tensor& dst);
 void add(const Tensor& a, const Tensor& b, Tensor& out);
 void argmax(const Tensor& x, Tensor& out);
 void check_finite(const Tensor& x, Tensor& flags);
+void token_logprobs(const Tensor& x, const Tensor& ids, Tensor& lp, Tensor& lse);
 void argmax_shard(const Tensor& x, int64_t first, Tensor& out);
 void argmax_merge(const Tensor& pairs, Tensor& ids, Tensor& flags);
 void topk_merge(const Tensor& vals, const Tensor& idx, int64_t shard_size, Tensor& values, Tensor& indices);

@@ -347,6 +347,34 @@ void check_finite(const Tensor& x, Tensor& flags) {
   }
 }
 
+void token_logprobs(const Tensor& x, const Tensor& ids, Tensor& lp, Tensor& lse) {
+  Rows xr = rows_of(x);
+  const int64_t V = xr.d;
+  const int32_t* id = ids.data_as<const int32_t>();
+  float* lo = lp.data_as<float>();
+  float* so = lse.data_as<float>();
+  const int64_t is = ids.stride(0), ls = lp.stride(0), ss = lse.stride(0);
+#pragma omp parallel for schedule(static) num_threads(threads()) if (parallel_worth(xr.n * V))
+  for (int64_t r = 0; r < xr.n; ++r) {
+    const float* xi = xr.row<const float>(r);
+    float m = xi[0];
+    bool finite = true;
+    for (int64_t i = 0; i < V; ++i) {
+      finite = finite && std::isfinite(xi[i]);
+      m = xi[i] > m ? xi[i] : m;
+    }
+    if (!finite) {
+      lo[r * ls] = so[r * ss] = std::numeric_limits<float>::quiet_NaN();
+      continue;
+    }
+    double sum = 0.0;
+    for (int64_t i = 0; i < V; ++i) sum += std::exp(double(xi[i]) - double(m));
+    const double l = double(m) + std::log(sum);
+    so[r * ss] = float(l);
+    lo[r * ls] = float(double(xi[id[r * is]]) - double(float(l)));  // from the F32 lse, as top lists are
+  }
+}
+
 void argmax_shard(const Tensor& x, int64_t first, Tensor& out) {
   Rows xr = rows_of(x);
   const int64_t V = xr.d;

@@ -28,6 +28,7 @@ void register_cuda_ops(BackendTable& t) {
   t.softmax = &cuda::softmax;          // row_reduce.cu
   t.argmax = &cuda::argmax;            // row_reduce.cu
   t.check_finite = &cuda::check_finite;  // row_reduce.cu
+  t.token_logprobs = &cuda::token_logprobs;  // row_reduce.cu
   t.argmax_shard = &cuda::argmax_shard;  // row_reduce.cu
   t.argmax_merge = &cuda::argmax_merge;  // row_reduce.cu
   t.topk_merge = &cuda::topk_merge;      // row_reduce.cu

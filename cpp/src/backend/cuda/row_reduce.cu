@@ -1,5 +1,5 @@
 // cuda/row_reduce.cu: the row reductions of the CUDA backend: layer_norm, softmax,
-// argmax, check_finite, argmax_shard (F32 rows, as ops.cpp accepts them), argmax_merge and
+// argmax, check_finite, token_logprobs, argmax_shard (F32 rows, as ops.cpp accepts them), argmax_merge and
 // topk_merge.
 //
 // Status: compiled for sm_90a/sm_100a/sm_103a; run on an H200 (2026-12-04: every op equal
@@ -41,6 +41,12 @@
 //               a non-finite element: the CPU's answer, always.
 //   argmax_merge  one thread per row walks the N shards in order (strictly larger wins, a
 //               NaN value sets the flag): the CPU's loop, so its answer, always.
+//   token_logprobs  the row's max and a non-finite OR in one pass, then the exponentials
+//               exp(double(x) - double(max)) summed in double (per thread, then the tree: the
+//               CPU sums in order), lse = F32(max + log(sum)), lp = F32(x[id] - lse):
+//               equal to the CPU's but for the double sum's order (~1e-16 relative), so almost
+//               always bitwise. A row with a NaN or an infinity gets NaN (as the CPU); an id
+//               outside the row gets lp = NaN (the CPU's op rejects it before the call).
 //   topk_merge  one warp per row: output j is the best of the N x k' candidates that
 //               rank after output j - 1 in topk's total order (value descending, NaN last,
 //               then the global id; ids are distinct, so the order is strict): each lane
@@ -393,6 +399,35 @@ __global__ void __launch_bounds__(kMaxThreads)
   }
 }
 
+// ------------------------------------------------------------------ token_logprobs
+__global__ void __launch_bounds__(kMaxThreads)
+    token_logprobs_kernel(const float* x, int64_t x_stride, const int32_t* ids, int64_t ids_stride, float* lp,
+                          int64_t lp_stride, float* lse, int64_t lse_stride, int64_t rows, int32_t V) {
+  detail::pdl_enter();
+  __shared__ float fscratch[33];
+  __shared__ double dscratch[33];
+  for (int64_t r = blockIdx.x; r < rows; r += gridDim.x) {
+    const float* xr = x + r * x_stride;
+    float m = -INFINITY;
+    int bad = 0;
+    for_each_in_row(xr, V, [&](float v, int32_t) {
+      bad |= isfinite(v) ? 0 : 1;
+      m = m < v ? v : m;
+    });
+    bad = __syncthreads_or(bad);
+    m = detail::block_reduce(m, fscratch, detail::MaxOp{}, -INFINITY);
+    double s = 0.0;
+    if (!bad) for_each_in_row(xr, V, [&](float v, int32_t) { s += exp(double(v) - double(m)); });
+    s = detail::block_reduce(s, dscratch, detail::SumOp{}, 0.0);
+    if (threadIdx.x == 0) {
+      const int32_t id = ids[r * ids_stride];
+      const double l = double(m) + log(s);
+      lse[r * lse_stride] = bad ? NAN : float(l);
+      lp[r * lp_stride] = bad || id < 0 || id >= V ? NAN : float(double(xr[id]) - double(float(l)));
+    }
+  }
+}
+
 // ------------------------------------------------------------------ host checks
 void same_cuda_device(const char* op, const Tensor& a, const Tensor& b) {
   DFLASH2_CHECK_ARG(a.device().is_cuda() && b.device() == a.device(), "cuda::", op,
@@ -588,6 +623,18 @@ void check_finite(const Tensor& x, Tensor& flags) {
   check_finite_kernel<<<detail::row_blocks(L.rows), detail::pick_threads(L.cols), 0, detail::stream()>>>(
       x.data_as<const float>(), L.stride, flags.data_as<int32_t>(), flags.stride(0), L.rows, int32_t(L.cols));
   detail::check_launch("check_finite kernel launch", x.describe());
+}
+
+void token_logprobs(const Tensor& x, const Tensor& ids, Tensor& lp, Tensor& lse) {
+  const layout::RowLayout L = index_rows_args("token_logprobs", x, ids, "ids");
+  same_cuda_device("token_logprobs", x, lp);
+  same_cuda_device("token_logprobs", x, lse);
+  if (L.rows == 0) return;
+  detail::DeviceGuard guard(x.device().index);
+  token_logprobs_kernel<<<detail::row_blocks(L.rows), detail::pick_threads(L.cols), 0, detail::stream()>>>(
+      x.data_as<const float>(), L.stride, ids.data_as<const int32_t>(), ids.stride(0), lp.data_as<float>(),
+      lp.stride(0), lse.data_as<float>(), lse.stride(0), L.rows, int32_t(L.cols));
+  detail::check_launch("token_logprobs kernel launch", x.describe());
 }
 
 }  // namespace dflash2::cuda
