@@ -62,6 +62,7 @@ class GenerationResult:
     finish_reason: str
     stats: dict = field(default_factory=dict)
     text: Optional[str] = None
+    logprobs: Optional[list] = None
 
 
 @dataclass
@@ -69,13 +70,26 @@ class Update:
     new_token_ids: list
     finished: bool
     result: Optional[GenerationResult] = None
+    new_logprobs: Optional[list] = None
+
+
+@dataclass
+class TokenLogprobs:
+    logprob: float
+    top_ids: list
+    top_logprobs: list
 
 
 class _Request:
     __slots__ = ("rid", "prompt", "max_new", "temperature", "seed", "stop", "tokens", "pending", "finished",
-                 "result", "error", "cancel", "t_submit", "t_start", "steps", "delivered", "fail")
+                 "result", "error", "cancel", "t_submit", "t_start", "steps", "delivered", "fail", "logprobs",
+                 "lps", "pending_lps", "stream_index")
 
-    def __init__(self, rid, prompt, max_new, temperature, seed, stop, fail):
+    def __init__(self, rid, prompt, max_new, temperature, seed, stop, fail, logprobs=None, stream_index=0):
+        self.logprobs = logprobs
+        self.lps: list = []
+        self.pending_lps: list = []
+        self.stream_index = stream_index
         self.rid = rid
         self.prompt = prompt
         self.max_new = max_new
@@ -181,8 +195,12 @@ class FakeEngine:
             self._fail_next = message
 
     def submit(self, prompt, max_new_tokens: int = 16, temperature: float = 0.0, top_p: float = 1.0,
-               top_k: int = 0, seed: Optional[int] = None, stop_token_ids: Optional[Iterable[int]] = None) -> int:
+               top_k: int = 0, seed: Optional[int] = None, stop_token_ids: Optional[Iterable[int]] = None,
+               _stream_index: int = 0, logprobs: Optional[int] = None) -> int:
         self._check_open()
+        if logprobs is not None and (isinstance(logprobs, bool) or not isinstance(logprobs, int)
+                                     or not 0 <= logprobs <= 20):
+            raise InvalidArgumentError(f"submit: logprobs must be None or an integer in [0, 20], found {logprobs!r}")
         if isinstance(prompt, str):
             ids = self.encode(prompt)
         else:
@@ -229,7 +247,7 @@ class FakeEngine:
             fail, self._fail_next = self._fail_next, None
             if seed is None and temperature > 0:
                 seed = _h("seed", rid, time.time_ns())
-            r = _Request(rid, tuple(ids), max_new, float(temperature), seed, stop, fail)
+            r = _Request(rid, tuple(ids), max_new, float(temperature), seed, stop, fail, logprobs, _stream_index)
             self._requests[rid] = r
             self._waiting.append(r)
             self._requests_total += 1
@@ -258,13 +276,14 @@ class FakeEngine:
                         break
                     self._cv.wait(left)
             new, r.pending = r.pending, []
+            lps, r.pending_lps = (r.pending_lps or None), []
             if r.finished:
                 r.delivered = True
                 self._requests.pop(request_id, None)
                 if r.error is not None:
                     raise r.error
-                return Update(new, True, r.result)
-            return Update(new, False, None)
+                return Update(new, True, r.result, lps)
+            return Update(new, False, None, lps)
 
     def cancel(self, request_id: int) -> None:
         with self._cv:
@@ -281,11 +300,38 @@ class FakeEngine:
     # ------------------------------------------------------------------ worker
 
     def _token(self, r: _Request, pos: int) -> int:
-        key = ("tok", r.prompt, pos) if r.temperature == 0 else ("tok", r.prompt, pos, r.seed, r.temperature)
+        key = ("tok", r.prompt, pos) if r.temperature == 0 else ("tok", r.prompt, pos, r.seed, r.temperature,
+                                                                 r.stream_index)
         h = _h(*key)
         if self.eos_every and self._eos and h % self.eos_every == 0:
             return self._eos[0]
         return 2 + h % (self.vocab_size - 2)
+
+    def _logprob(self, r: _Request, t: int, pos: int) -> TokenLogprobs:
+        """Made-up log-probabilities, deterministic: the token's, and r.logprobs distinct ids
+        with decreasing values (the token first when greedy)."""
+        own = -(_h("lp", r.prompt, pos, t) % 4000) / 1000.0
+        ids, vals = [], []
+        if r.temperature == 0 and r.logprobs:
+            ids, vals = [t], [own]
+        j = 0
+        while len(ids) < r.logprobs:
+            i = 2 + _h("top", r.prompt, pos, j) % (self.vocab_size - 2)
+            j += 1
+            if i not in ids:
+                ids.append(i)
+                vals.append((vals[-1] if vals else own + 0.5) - 0.25)
+        return TokenLogprobs(own, ids, vals)
+
+    def logits(self, token_ids) -> "object":
+        """float32 [n, vocab]: made-up logits, row j a function of token_ids[:j + 1]."""
+        import numpy as np
+
+        ids = list(token_ids)
+        out = np.empty((len(ids), self.vocab_size), np.float32)
+        for j in range(len(ids)):
+            out[j] = np.random.default_rng(_h("logits", tuple(ids[:j + 1]))).standard_normal(self.vocab_size)
+        return out
 
     def _finish(self, r: _Request, reason: str) -> None:  # under the lock
         now = time.perf_counter()
@@ -297,7 +343,8 @@ class FakeEngine:
                  "acceptance_length": (n / r.steps) if r.steps else 0.0, "verify_steps": r.steps,
                  "prefill_s": 0.0, "decode_s": decode_s, "queue_s": t0 - r.t_submit,
                  "tokens_per_second": n / decode_s}
-        r.result = GenerationResult(list(r.tokens), reason, stats, text)
+        r.result = GenerationResult(list(r.tokens), reason, stats, text,
+                                    list(r.lps) if r.logprobs is not None else None)
         r.finished = True
         self._requests_finished += 1
         self.finish_reasons[r.rid] = reason
@@ -337,6 +384,10 @@ class FakeEngine:
                         t = self._token(r, len(r.tokens))
                         r.tokens.append(t)
                         r.pending.append(t)
+                        if r.logprobs is not None:
+                            lp = self._logprob(r, t, len(r.tokens) - 1)
+                            r.lps.append(lp)
+                            r.pending_lps.append(lp)
                         produced += 1
                         if t in r.stop:
                             reason = "stop"

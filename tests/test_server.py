@@ -12,6 +12,7 @@ import os
 import threading
 import time
 
+import numpy as np
 import pytest
 
 pytest.importorskip("fastapi")
@@ -365,9 +366,13 @@ BAD = [
     ("c", {"prompt": "x", "top_p": 1.5}, "top_p"),
     ("c", {"prompt": "x", "top_k": -2}, "top_k"),
     ("c", {"prompt": "x", "seed": -1}, "seed"),
-    ("c", {"prompt": "x", "n": 2}, "n"),
-    ("c", {"prompt": "x", "logprobs": 1}, "logprobs"),
-    ("c", {"prompt": "x", "echo": True}, "echo"),
+    ("c", {"prompt": "x", "n": 0}, "n"),
+    ("c", {"prompt": "x", "n": 65}, "n"),
+    ("c", {"prompt": ["x"] * 33, "n": 2}, "n"),
+    ("c", {"prompt": "x", "n": 2, "best_of": 3}, "best_of"),
+    ("c", {"prompt": "x", "logprobs": 21}, "logprobs"),
+    ("c", {"prompt": "x", "logprobs": True}, "logprobs"),
+    ("c", {"prompt": "x", "echo": "yes"}, "echo"),
     ("c", {"prompt": "x", "stop": 5}, "stop"),
     ("c", {"prompt": "x", "stop": [""]}, "stop"),
     ("c", {"prompt": "x", "stop_token_ids": ["a"]}, "stop_token_ids"),
@@ -377,7 +382,8 @@ BAD = [
     ("c", {"prompt": ""}, "prompt"),
     ("c", {"prompt": []}, "prompt"),
     ("c", {"prompt": 123}, "prompt"),
-    ("c", {"prompt": ["a", "b"]}, "prompt"),
+    ("c", {"prompt": ["a", ""]}, "prompt"),
+    ("c", {"prompt": ["a", [1, "b"]]}, "prompt"),
     ("c", {"prompt": [1, "b"]}, "prompt"),
     ("c", {"prompt": [1, 10 ** 7]}, "prompt"),
     ("c", {"prompt": LONG}, "prompt"),
@@ -388,8 +394,11 @@ BAD = [
     ("m", {}, "messages"),
     ("m", {"messages": [{"role": "user", "content": 5}]}, "messages"),
     ("m", {"messages": [{"content": "hi"}]}, "messages"),
-    ("m", {"messages": [{"role": "user", "content": "hi"}], "n": 3}, "n"),
-    ("m", {"messages": [{"role": "user", "content": "hi"}], "logprobs": True}, "logprobs"),
+    ("m", {"messages": [{"role": "user", "content": "hi"}], "n": 0}, "n"),
+    ("m", {"messages": [{"role": "user", "content": "hi"}], "logprobs": "yes"}, "logprobs"),
+    ("m", {"messages": [{"role": "user", "content": "hi"}], "top_logprobs": 3}, "top_logprobs"),
+    ("m", {"messages": [{"role": "user", "content": "hi"}], "logprobs": True, "top_logprobs": 21}, "top_logprobs"),
+    ("m", {"messages": [{"role": "user", "content": "hi"}], "echo": True}, "echo"),
     ("m", {"messages": [{"role": "user", "content": "hi"}], "max_completion_tokens": 0}, "max_completion_tokens"),
     ("m", {"messages": [{"role": "user", "content": "hi"}], "chat_template_kwargs": 5}, "chat_template_kwargs"),
     ("m", {"messages": [{"role": "user", "content": [{"type": "image_url", "image_url": {}}]}]}, "messages"),
@@ -633,3 +642,136 @@ def test_cli_serve_without_fastapi(monkeypatch, capsys):
     assert cli.main(["serve"]) == 1
     err = capsys.readouterr().err
     assert "pip install 'dflash2_rt[serve]'" in err and "Traceback" not in err
+
+
+# ------------------------------------------------------------------------------ choices, logprobs, echo
+
+
+def _lp_close(a, b, tol=1e-4):
+    return all(abs(x - y) <= tol for x, y in zip(a, b)) and len(a) == len(b)
+
+
+def test_n_choices_and_several_prompts(live):
+    """n > 1 and a list of prompts: choice k = prompt k // n, sample k % n, each its own engine
+    request; seeded choices draw from distinct streams (and repeat); usage counts each prompt
+    once and every choice's tokens."""
+    body = {"model": MODEL, "prompt": PROMPTS[0], "max_tokens": 12, "temperature": 1.0, "seed": 7, "n": 3,
+            "ignore_eos": True}
+    r1, r2 = live.post("/v1/completions", body).json(), live.post("/v1/completions", body).json()
+    assert [c["index"] for c in r1["choices"]] == [0, 1, 2]
+    texts = [c["text"] for c in r1["choices"]]
+    assert texts == [c["text"] for c in r2["choices"]]  # seeded: reproducible
+    assert len(set(texts)) > 1  # distinct streams
+    n_prompt = r1["usage"]["prompt_tokens"]
+    one = live.post("/v1/completions", dict(body, n=1)).json()
+    assert n_prompt == one["usage"]["prompt_tokens"] and r1["usage"]["completion_tokens"] == 36
+    assert one["choices"][0]["text"] == texts[0]  # choice 0 is the single request's
+    greedy = {"model": MODEL, "max_tokens": 8, "temperature": 0, "ignore_eos": True}
+    both = live.post("/v1/completions", dict(greedy, prompt=PROMPTS[1:3], n=2)).json()
+    assert [c["index"] for c in both["choices"]] == [0, 1, 2, 3]
+    for k, c in enumerate(both["choices"]):
+        alone = live.post("/v1/completions", dict(greedy, prompt=PROMPTS[1 + k // 2])).json()
+        assert c["text"] == alone["choices"][0]["text"]
+    assert both["usage"]["completion_tokens"] == 32
+    # the openai client reads them
+    r = live.client.completions.create(model=MODEL, prompt=[PROMPTS[3], PROMPTS[4]], max_tokens=4, temperature=0)
+    assert [c.index for c in r.choices] == [0, 1]
+
+
+def test_completion_logprobs(live):
+    body = {"model": MODEL, "prompt": PROMPTS[0], "max_tokens": 16, "temperature": 0, "logprobs": 3,
+            "ignore_eos": True, "return_token_ids": True}
+    r = live.post("/v1/completions", body).json()
+    (c,) = r["choices"]
+    lp = c["logprobs"]
+    ids = c["token_ids"]
+    assert len(lp["tokens"]) == len(lp["token_logprobs"]) == len(lp["top_logprobs"]) == len(ids) == 16
+    assert lp["text_offset"][0] == 0 and lp["text_offset"] == sorted(lp["text_offset"])
+    for tok, v, top in zip(lp["tokens"], lp["token_logprobs"], lp["top_logprobs"]):
+        assert v <= 0 and 3 <= len(top) <= 4 and top[tok] == v
+        assert max(top.values()) == v  # greedy: the most likely token
+    if live.kind == "real":  # the engine's own numbers
+        want = live.engine.generate([PROMPTS[0]], max_new_tokens=16, stop_token_ids=[], logprobs=3)[0]
+        assert want.token_ids == ids and _lp_close([x.logprob for x in want.logprobs], lp["token_logprobs"])
+    r = live.client.completions.create(model=MODEL, prompt=PROMPTS[0], max_tokens=4, temperature=0, logprobs=0)
+    assert len(r.choices[0].logprobs.token_logprobs) == 4 and len(r.choices[0].logprobs.top_logprobs[0]) == 1
+
+
+def test_chat_logprobs(chat_live):
+    r = chat_live.client.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "hi"}],
+                                                 max_tokens=6, temperature=0, logprobs=True, top_logprobs=2,
+                                                 extra_body={"ignore_eos": True})
+    content = r.choices[0].logprobs.content
+    assert len(content) == r.usage.completion_tokens == 6
+    for e in content:
+        assert e.logprob <= 0 and len(e.top_logprobs) == 2 and bytes(e.bytes).decode("utf-8", "replace") is not None
+        assert e.top_logprobs[0].logprob == e.logprob and e.top_logprobs[0].token == e.token
+    r = chat_live.client.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "hi"}],
+                                                 max_tokens=3, temperature=0, logprobs=False)
+    assert r.choices[0].logprobs is None
+
+
+def test_streamed_choices_carry_their_logprobs(live, chat_live):
+    """A stream of n choices: every chunk names its choice; each choice's text, token ids and
+    logprobs put together equal the non-streamed response's."""
+    body = {"model": MODEL, "prompt": PROMPTS[2], "max_tokens": 14, "temperature": 0, "n": 2, "logprobs": 2,
+            "ignore_eos": True, "return_token_ids": True}
+    whole = live.post("/v1/completions", body).json()
+    with httpx.stream("POST", live.url + "/v1/completions", timeout=60,
+                      json=dict(body, stream=True, stream_options={"include_usage": True})) as r:
+        events = [json.loads(line[6:]) for line in r.iter_lines() if line.startswith("data: {")]
+    got = {0: {"text": "", "ids": [], "tokens": [], "lps": []}, 1: {"text": "", "ids": [], "tokens": [], "lps": []}}
+    finals = 0
+    for ev in events[:-1]:
+        (c,) = ev["choices"]
+        g = got[c["index"]]
+        g["text"] += c["text"]
+        g["ids"] += c.get("token_ids") or []
+        if c["logprobs"]:
+            g["tokens"] += c["logprobs"]["tokens"]
+            g["lps"] += c["logprobs"]["token_logprobs"]
+        finals += c["finish_reason"] is not None
+    assert finals == 2 and events[-1]["choices"] == [] and events[-1]["usage"] == whole["usage"]
+    for k in (0, 1):
+        w = whole["choices"][k]
+        assert got[k]["text"] == w["text"] and got[k]["ids"] == w["token_ids"]
+        assert got[k]["tokens"] == w["logprobs"]["tokens"] and got[k]["lps"] == w["logprobs"]["token_logprobs"]
+    # chat: the delta's logprobs.content
+    with httpx.stream("POST", chat_live.url + "/v1/chat/completions", timeout=60,
+                      json={"model": MODEL, "messages": [{"role": "user", "content": "hi"}], "max_tokens": 5,
+                            "temperature": 0, "logprobs": True, "stream": True, "ignore_eos": True}) as r:
+        events = [json.loads(line[6:]) for line in r.iter_lines() if line.startswith("data: {")]
+    content = [e for ev in events for c in ev["choices"] if c.get("logprobs") for e in c["logprobs"]["content"]]
+    assert len(content) == 5 and all(e["top_logprobs"] == [] for e in content)
+
+
+def test_echo_and_prompt_logprobs(live):
+    """echo puts the prompt before the text; with logprobs the prompt's tokens are scored too
+    (the first one has none), and max_tokens 0 scores a prompt without generating."""
+    ids = [5, 17, 33, 101, 7, 64]
+    r = live.post("/v1/completions", {"model": MODEL, "prompt": PROMPTS[1], "max_tokens": 4, "temperature": 0,
+                                      "echo": True, "ignore_eos": True}).json()
+    plain = live.post("/v1/completions", {"model": MODEL, "prompt": PROMPTS[1], "max_tokens": 4, "temperature": 0,
+                                          "ignore_eos": True}).json()
+    assert r["choices"][0]["text"] == PROMPTS[1] + plain["choices"][0]["text"]
+    score = {"model": MODEL, "prompt": ids, "max_tokens": 0, "echo": True, "logprobs": 2, "temperature": 0}
+    r = live.post("/v1/completions", score).json()
+    lp = r["choices"][0]["logprobs"]
+    assert r["usage"]["completion_tokens"] == 0 and r["usage"]["prompt_tokens"] == 6
+    assert r["choices"][0]["finish_reason"] == "length"
+    assert lp["token_logprobs"][0] is None and lp["top_logprobs"][0] is None and len(lp["tokens"]) == 6
+    eng = live.engine
+    lg = np.asarray(eng.logits(ids), np.float64)[:-1]
+    ref = lg - (lg.max(1, keepdims=True) + np.log(np.exp(lg - lg.max(1, keepdims=True)).sum(1, keepdims=True)))
+    assert _lp_close(lp["token_logprobs"][1:], [ref[j - 1, ids[j]] for j in range(1, 6)])
+    for j in range(1, 6):
+        assert len(lp["top_logprobs"][j]) in (2, 3)
+        assert abs(max(lp["top_logprobs"][j].values()) - ref[j - 1].max()) < 1e-4
+    # streamed: the prompt's chunk first
+    with httpx.stream("POST", live.url + "/v1/completions", timeout=60,
+                      json=dict(score, max_tokens=3, stream=True, ignore_eos=True)) as s:
+        events = [json.loads(line[6:]) for line in s.iter_lines() if line.startswith("data: {")]
+    first = events[0]["choices"][0]["logprobs"]
+    assert first["token_logprobs"][0] is None and len(first["tokens"]) == 6
+    total = sum(len(ev["choices"][0]["logprobs"]["tokens"]) for ev in events if ev["choices"][0]["logprobs"])
+    assert total == 9

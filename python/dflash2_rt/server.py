@@ -6,18 +6,26 @@
     run(eng, host="127.0.0.1", port=8000)          # or: dflash2-rt serve --port 8000
 
 Endpoints
-    POST /v1/completions        prompt (a string, a list of token ids, or a list holding one of
-                                those; several prompts: 400), max_tokens (default 16), temperature
-                                (default 1), top_p, seed, stop (strings, matched on the text: the
-                                output is cut before the match, finish_reason "stop"), n (1 only),
-                                stream (SSE "data: {...}" chunks, then "data: [DONE]"),
-                                stream_options.include_usage; echo false, logprobs / suffix /
-                                penalties / logit_bias unsupported (400)
+    POST /v1/completions        prompt (a string, a list of token ids, or a list of several of
+                                those: one set of choices per prompt), max_tokens (default 16),
+                                temperature (default 1), top_p, seed, stop (strings, matched on the
+                                text: the output is cut before the match, finish_reason "stop"), n
+                                (choices per prompt; choice k = prompt k // n, sample k % n, each an
+                                engine request; seeded choices draw from distinct streams),
+                                logprobs (0..20: every generated token's log-probability under the
+                                target and the top ones', OpenAI's tokens / token_logprobs /
+                                top_logprobs / text_offset), echo (the prompt before the text; with
+                                logprobs its tokens scored too, the first as null; max_tokens 0
+                                with echo scores a prompt without generating), stream (SSE
+                                "data: {...}" chunks, then "data: [DONE]"),
+                                stream_options.include_usage; suffix / penalties / logit_bias
+                                unsupported (400)
     POST /v1/chat/completions   messages rendered with the checkpoint's chat template
                                 (tokenizer_config.json "chat_template" or chat_template.jinja in
                                 the target directory, or create_app(chat_template=...)); without
                                 one: 400 naming the missing template. max_tokens /
-                                max_completion_tokens default to the rest of the context; text
+                                max_completion_tokens default to the rest of the context; n;
+                                logprobs (true) with top_logprobs (0..20): logprobs.content; text
                                 content parts only; no tools.
     GET  /v1/models, /v1/models/{id}
     GET  /health                200 {"status": "ok"} while the engine answers metrics(), else 503
@@ -48,11 +56,11 @@ Model names: ``model`` may be omitted; when given it must be the served name
 bundled pair), else 404 ``model_not_found`` as OpenAI answers.
 
 Errors have OpenAI's shape ``{"error": {"message", "type", "param", "code"}}``: client mistakes
-(malformed JSON, missing or invalid fields, unsupported options such as n > 1, logprobs or
-echo, a prompt too long for max_seq_len, an engine InvalidArgumentError) are 400 naming the
+(malformed JSON, missing or invalid fields, unsupported options such as tools or suffix, a
+prompt too long for max_seq_len, an engine InvalidArgumentError) are 400 naming the
 field in ``param`` and in the message; other engine errors are 500 with their message.
 
-Each request is one engine request, submitted and polled by a thread of its own (so no
+Each choice is one engine request, submitted and polled by a thread of its own (so no
 engine call ever runs on the event loop); the thread detokenizes incrementally (correct for
 byte-level BPE: partial UTF-8 characters are held back), applies stop strings on the text
 (holding back a possible stop-string prefix; on a match it cancels the engine request) and
@@ -88,6 +96,8 @@ log = logging.getLogger("dflash2_rt.server")
 _POLL_S = 0.1             # poll timeout of the request threads: how often they look at a cancel flag
 _CANCEL_DRAIN_S = 30.0    # after a cancel, how long a request thread waits for the engine to end it
 _I64_MAX = 2 ** 63 - 1
+_MAX_N = 64               # choices per request (n x prompts)
+_MAX_LOGPROBS = 20        # top log-probabilities per token (the engine's bound)
 
 
 # ----------------------------------------------------------------------------- errors
@@ -181,32 +191,41 @@ class _Params:
 
     __slots__ = ("max_tokens", "max_tokens_given", "max_tokens_param", "temperature", "top_p", "top_k", "seed",
                  "stop", "stop_token_ids", "ignore_eos", "stream", "include_usage", "continuous_usage",
-                 "return_token_ids")
+                 "return_token_ids", "n", "logprobs", "echo")
 
 
 def _parse_common(body: dict, *, chat: bool, vocab_size: Optional[int]) -> _Params:
     p = _Params()
-    _unsupported(body, "n", lambda v: v == 1, "'n' must be 1: one choice per request is supported")
-    _unsupported(body, "best_of", lambda v: v == 1, "'best_of' must be 1: one choice per request is supported")
+    p.n = _int(body, "n", 1, 1, _MAX_N, f" in [1, {_MAX_N}]")
+    _unsupported(body, "best_of", lambda v: v in (1, p.n),
+                 "'best_of' must equal 'n' (or be 1): ranking extra samples is not supported")
     _unsupported(body, "presence_penalty", lambda v: v == 0, "'presence_penalty' is not supported (must be 0)")
     _unsupported(body, "frequency_penalty", lambda v: v == 0, "'frequency_penalty' is not supported (must be 0)")
     _unsupported(body, "logit_bias", lambda v: v == {}, "'logit_bias' is not supported")
+    p.echo = False
     if chat:
-        _unsupported(body, "logprobs", lambda v: v is False, "'logprobs' is not supported")
-        _unsupported(body, "top_logprobs", lambda v: False, "'top_logprobs' is not supported")
+        want = _bool(body, "logprobs", False)
+        top = _int(body, "top_logprobs", None, 0, _MAX_LOGPROBS, f" in [0, {_MAX_LOGPROBS}]")
+        if top is not None and not want:
+            raise _bad("top_logprobs", "'top_logprobs' needs 'logprobs': true")
+        p.logprobs = (top or 0) if want else None
+        _unsupported(body, "echo", lambda v: v is False, "'echo' is not supported in chat completions")
         _unsupported(body, "tools", lambda v: v == [], "'tools' (function calling) is not supported")
         _unsupported(body, "tool_choice", lambda v: v == "none", "'tool_choice' is not supported")
         _unsupported(body, "response_format", lambda v: isinstance(v, dict) and v.get("type") == "text",
                      "'response_format' other than {\"type\": \"text\"} is not supported")
     else:
-        _unsupported(body, "logprobs", lambda v: False, "'logprobs' is not supported")
-        _unsupported(body, "echo", lambda v: v is False, "'echo' is not supported (must be false)")
+        p.logprobs = _int(body, "logprobs", None, 0, _MAX_LOGPROBS, f" in [0, {_MAX_LOGPROBS}]")
+        p.echo = _bool(body, "echo", False)
         _unsupported(body, "suffix", lambda v: v == "", "'suffix' is not supported")
 
     name = "max_tokens"
     if chat and body.get("max_completion_tokens") is not None:
         name = "max_completion_tokens"
-    p.max_tokens = _int(body, name, None, 1, None, " >= 1")
+    if p.echo and body.get(name) == 0:  # scoring a prompt: its log-probabilities, nothing generated
+        p.max_tokens = 0
+    else:
+        p.max_tokens = _int(body, name, None, 1, None, " >= 1" + (" (or 0 with 'echo')" if not chat else ""))
     p.max_tokens_param = name
     p.max_tokens_given = p.max_tokens is not None
     if not p.max_tokens_given and not chat:
@@ -356,7 +375,7 @@ class _Job:
     """One engine request, driven by a thread of its own: submit, then poll with a short
     timeout (looking at the cancel flag between polls), detokenize, apply stop strings, and
     post events to the event loop's queue:
-    ("started", rid) | ("error", exc) first, then ("delta", text, new_ids, n_generated)*,
+    ("started", rid) | ("error", exc) first, then ("delta", text, new_ids, n_generated, new_logprobs)*,
     then ("done", text, finish_reason, result, n_generated) or ("error", exc)."""
 
     def __init__(self, engine, loop: asyncio.AbstractEventLoop, prompt_ids: list, sampling: dict,
@@ -443,7 +462,7 @@ class _Job:
                         self._cancel.set()
                         if self._on_stop_string is not None:
                             self._on_stop_string()
-                    self._post(("delta", text, new, n))
+                    self._post(("delta", text, new, n, list(getattr(upd, "new_logprobs", None) or [])))
             if upd.finished:
                 result = upd.result
                 text = ""
@@ -486,7 +505,7 @@ class _Job:
                     if nxt[0] != "delta":
                         pending = nxt
                         break
-                    ev = ("delta", ev[1] + nxt[1], ev[2] + nxt[2], nxt[3])
+                    ev = ("delta", ev[1] + nxt[1], ev[2] + nxt[2], nxt[3], ev[4] + nxt[4])
             yield ev
             if ev[0] in ("done", "error"):
                 return
@@ -708,12 +727,43 @@ def default_model_name(engine) -> str:
     return name or "dflash2"
 
 
+class _Choice:
+    """One choice of a request: its prompt, its engine request (none for echo with max_tokens
+    0) and what came back."""
+
+    def __init__(self, index: int, ids: list, text: Optional[str], max_tokens: int):
+        self.index = index
+        self.ids = ids
+        self.text = text          # the prompt's text (echo)
+        self.max_tokens = max_tokens
+        self.job: Optional[_Job] = None
+        self.rid = None
+        self.prompt_lps: Optional[list] = None  # echo with logprobs: the prompt tokens'
+        self.texts: list = []
+        self.ids_out: list = []
+        self.lps: list = []
+        self.done: Optional[tuple] = None
+        self.error: Optional[BaseException] = None
+
+
+class _Logprob:
+    """A prompt token's log-probabilities (the engine's TokenLogprobs shape)."""
+
+    __slots__ = ("logprob", "top_ids", "top_logprobs")
+
+    def __init__(self, logprob: float, top_ids: list, top_logprobs: list):
+        self.logprob = logprob
+        self.top_ids = top_ids
+        self.top_logprobs = top_logprobs
+
+
 class _Service:
     def __init__(self, engine, model_name: str, chat_template: Optional[str]):
         self.engine = engine
         self.model_name = model_name
         self.created = int(time.time())
         self.counters = _Counters()
+        self._tok_text: dict = {}  # token id -> its text (log-probabilities)
         self.tokenizer = getattr(engine, "tokenizer", None)
         self.max_seq_len = getattr(engine, "max_seq_len", None)
         try:
@@ -792,24 +842,29 @@ class _Service:
                 raise _bad(param, f"'{param}': token {j} = {t} is outside the vocabulary [0, {self.vocab_size})")
         return ids
 
-    async def completion_prompt(self, body: dict) -> list:
+    async def completion_prompts(self, body: dict) -> list:
+        """[(token ids, the prompt's text or None)] of 'prompt': a string, a list of token ids,
+        or a list of several of those (a batch: one choice set per prompt)."""
         prompt = body.get("prompt")
         if prompt is None:
             raise _bad("prompt", "'prompt' is required")
-        if isinstance(prompt, list) and len(prompt) == 1 and isinstance(prompt[0], (str, list)):
-            prompt = prompt[0]  # a batch of one prompt
+        if isinstance(prompt, list) and prompt and all(isinstance(t, (str, list)) for t in prompt):
+            if len(prompt) > _MAX_N:
+                raise _bad("prompt", f"'prompt' holds {len(prompt)} prompts; at most {_MAX_N} per request")
+            return [await self._one_prompt(q, f"prompt[{i}]") for i, q in enumerate(prompt)]
+        return [await self._one_prompt(prompt, "prompt")]
+
+    async def _one_prompt(self, prompt, where: str) -> tuple:
         if isinstance(prompt, str):
             if prompt == "":
-                raise _bad("prompt", "'prompt' must not be empty")
-            return await anyio.to_thread.run_sync(self.encode, prompt)
+                raise _bad("prompt", f"'{where}' must not be empty")
+            return await anyio.to_thread.run_sync(self.encode, prompt), prompt
         if isinstance(prompt, list):
             if not prompt:
-                raise _bad("prompt", "'prompt' must not be empty")
+                raise _bad("prompt", f"'{where}' must not be empty")
             if all(isinstance(t, int) and not isinstance(t, bool) for t in prompt):
-                return self.token_ids(prompt)
-            if all(isinstance(t, (str, list)) for t in prompt):
-                raise _bad("prompt", f"'prompt' holds {len(prompt)} prompts; one prompt per request is supported")
-        raise _bad("prompt", "'prompt' must be a string or a list of token ids")
+                return self.token_ids(prompt), None
+        raise _bad("prompt", f"'{where}' must be a string or a list of token ids")
 
     def render_chat(self, messages: list, body: dict) -> list:
         if self.template_error is not None:
@@ -835,46 +890,146 @@ class _Service:
             raise _bad("messages", "the chat template rendered an empty prompt")
         return self.encode(text, special=False)
 
-    def fit(self, ids: list, p: _Params, prompt_param: str) -> None:
-        """max_tokens against the context: 400 when the prompt or prompt + max_tokens do not
-        fit in max_seq_len; a missing max_tokens (chat) takes the rest of the context."""
+    def fit(self, ids: list, p: _Params, prompt_param: str) -> int:
+        """max_tokens of a prompt against the context: 400 when the prompt or prompt +
+        max_tokens do not fit in max_seq_len; a missing max_tokens (chat) takes the rest of
+        the context."""
         L = self.max_seq_len
         if L is None:
-            if p.max_tokens is None:
-                p.max_tokens = 16
-            return
+            return 16 if p.max_tokens is None else p.max_tokens
         if len(ids) >= L:
             raise _bad(prompt_param, f"the prompt has {len(ids)} tokens; this model's max_seq_len is {L} "
                                      "(the prompt plus at least one generated token must fit)")
         room = L - len(ids)
         if p.max_tokens is None:
-            p.max_tokens = room
-        elif p.max_tokens > room:
+            return room
+        if p.max_tokens > room:
             if p.max_tokens_given:
                 raise _bad(p.max_tokens_param, f"'{p.max_tokens_param}' = {p.max_tokens} plus the prompt's "
                                                f"{len(ids)} tokens exceeds this model's max_seq_len of {L}")
-            p.max_tokens = room  # the completions default (16) near the end of the context
+            return room  # the completions default (16) near the end of the context
+        return p.max_tokens
 
-    def sampling(self, p: _Params) -> dict:
+    def sampling(self, p: _Params, max_tokens: int) -> dict:
         stop_ids = set(p.stop_token_ids)
         if not p.ignore_eos:
             stop_ids |= self.eos_ids
-        return dict(max_new_tokens=p.max_tokens, temperature=p.temperature, top_p=p.top_p, top_k=p.top_k,
-                    seed=p.seed, stop_token_ids=sorted(stop_ids))
+        out = dict(max_new_tokens=max_tokens, temperature=p.temperature, top_p=p.top_p, top_k=p.top_k,
+                   seed=p.seed, stop_token_ids=sorted(stop_ids))
+        if p.logprobs is not None:
+            out["logprobs"] = p.logprobs
+        return out
+
+    # ------------------------------------------------------------------ log-probabilities
+
+    def tok_str(self, t: int) -> str:
+        """A token's text for log-probabilities (its own decode; 'token_id:N' without a tokenizer)."""
+        s = self._tok_text.get(t)
+        if s is None:
+            dec = self.decoder()
+            try:
+                s = dec([t]) if dec is not None else f"token_id:{t}"
+            except Exception:  # noqa: BLE001 - a token that does not decode alone
+                s = f"token_id:{t}"
+            if len(self._tok_text) < 1 << 18:
+                self._tok_text[t] = s
+        return s
+
+    def completion_logprobs(self, toks: list, lps: list, offset: int) -> dict:
+        """OpenAI's completions logprobs object of tokens (lps[j] None: a prompt's first token)."""
+        out: dict = {"tokens": [], "token_logprobs": [], "top_logprobs": [], "text_offset": []}
+        for t, lp in zip(toks, lps):
+            s = self.tok_str(t)
+            out["tokens"].append(s)
+            out["text_offset"].append(offset)
+            offset += len(s)
+            if lp is None:
+                out["token_logprobs"].append(None)
+                out["top_logprobs"].append(None)
+                continue
+            out["token_logprobs"].append(float(lp.logprob))
+            top = {}
+            for i, v in zip(lp.top_ids, lp.top_logprobs):
+                top.setdefault(self.tok_str(i), float(v))
+            top.setdefault(s, float(lp.logprob))
+            out["top_logprobs"].append(top)
+        return out
+
+    def chat_logprobs(self, toks: list, lps: list) -> dict:
+        """OpenAI's chat logprobs object ({"content": [...]}) of tokens."""
+        def entry(t, v):
+            s = self.tok_str(t)
+            return {"token": s, "logprob": float(v), "bytes": list(s.encode("utf-8"))}
+        content = []
+        for t, lp in zip(toks, lps):
+            e = entry(t, lp.logprob)
+            e["top_logprobs"] = [entry(i, v) for i, v in zip(lp.top_ids, lp.top_logprobs)]
+            content.append(e)
+        return {"content": content}
+
+    def prompt_logprobs(self, ids: list, top: int) -> list:
+        """[None, TokenLogprobs...]: each prompt token's log-probability after the tokens before
+        it (the teacher-forced logits of Engine.logits), for echo with logprobs."""
+        import numpy as np
+
+        out: list = [None]
+        if len(ids) < 2:
+            return out
+        lg = np.asarray(self.engine.logits(ids), np.float64)[:-1]
+        m = lg.max(axis=1, keepdims=True)
+        lsm = lg - (m + np.log(np.exp(lg - m).sum(axis=1, keepdims=True)))
+        for j in range(1, len(ids)):
+            row = lsm[j - 1]
+            best = []
+            if top > 0:
+                part = np.argpartition(-row, top - 1)[:top] if top < row.shape[0] else np.arange(row.shape[0])
+                best = sorted((int(i) for i in part), key=lambda i: (-row[i], i))[:top]
+            out.append(_Logprob(float(row[ids[j]]), best, [float(row[i]) for i in best]))
+        return out
 
     # ------------------------------------------------------------------ generation
 
-    async def generate(self, request: Request, ids: list, p: _Params, chat: bool) -> Response:
-        sampling = self.sampling(p)
-        job = _Job(self.engine, asyncio.get_running_loop(), ids, sampling, p.stop,
-                   set(sampling["stop_token_ids"]), self.decoder(), self.counters.stop_string).start()
+    async def generate(self, request: Request, prompts: list, p: _Params, chat: bool) -> Response:
+        """prompts: [(ids, prompt text or None, max_tokens)]; choice k = prompt k // n, sample
+        k % n, each an engine request of its own (max_tokens 0 with echo: none)."""
+        loop = asyncio.get_running_loop()
+        choices = []
+        for i, (ids, text, mt) in enumerate(prompts):
+            for j in range(p.n):
+                choices.append(_Choice(len(choices), ids, text, mt))
+        if p.echo:
+            for c in choices:
+                if c.text is None:
+                    dec = self.decoder()
+                    c.text = await anyio.to_thread.run_sync(dec, list(c.ids)) if dec is not None else ""
+                if p.logprobs is not None:
+                    if not hasattr(self.engine, "logits"):
+                        raise _bad("echo", "this engine cannot score prompts ('echo' with 'logprobs')")
+                    same = next((d for d in choices[:c.index] if d.ids is c.ids and d.prompt_lps is not None), None)
+                    c.prompt_lps = same.prompt_lps if same is not None else await anyio.to_thread.run_sync(
+                        self.prompt_logprobs, list(c.ids), p.logprobs)
+        several = len(choices) > 1
+        for c in choices:
+            if c.max_tokens == 0:
+                continue
+            sampling = self.sampling(p, c.max_tokens)
+            if several and p.seed is not None:
+                sampling["_stream_index"] = c.index  # seeded choices draw from distinct streams
+            c.job = _Job(self.engine, loop, c.ids, sampling, p.stop, set(sampling["stop_token_ids"]),
+                         self.decoder(), self.counters.stop_string)
+        jobs = [c.job for c in choices if c.job is not None]
+        for job in jobs:
+            job.start()
         self.counters.active += 1
         handed_over = False
         try:
-            first = await job.queue.get()
-            if first[0] == "error":
-                raise _engine_error(first[1])
-            rid = first[1]
+            for c in choices:
+                if c.job is None:
+                    continue
+                first = await c.job.queue.get()
+                if first[0] == "error":
+                    raise _engine_error(first[1])
+                c.rid = first[1]
             req_id = ("chatcmpl-" if chat else "cmpl-") + uuid.uuid4().hex
             if p.stream:
                 state = {"done": False, "closed": False}
@@ -885,85 +1040,129 @@ class _Service:
                     state["closed"] = True
                     self.counters.active -= 1
                     if not state["done"]:
-                        job.cancel()
+                        for job in jobs:
+                            job.cancel()
                         self.counters.disconnects += 1
-                        log.info("request %s: stream closed before its end (client disconnected); cancelled", rid)
+                        log.info("request %s: stream closed before its end (client disconnected); cancelled", req_id)
 
-                resp = _EventStream(self._stream(job, ids, p, chat, req_id, rid, state), on_close,
+                resp = _EventStream(self._stream(choices, p, chat, req_id, state), on_close,
                                     headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
                 handed_over = True
                 return resp
-            return await self._collect(request, job, ids, p, chat, req_id, rid)
+            return await self._collect(request, choices, p, chat, req_id)
         finally:
             if not handed_over:
-                job.cancel()  # a no-op for a finished request
+                for job in jobs:
+                    job.cancel()  # a no-op for a finished request
                 self.counters.active -= 1
 
-    async def _collect(self, request: Request, job: _Job, ids: list, p: _Params, chat: bool, req_id: str,
-                       rid: int) -> Response:
-        box: dict = {"text": [], "ids": []}
-
-        async def consume() -> None:
-            async for ev in job.events():
+    async def _collect(self, request: Request, choices: list, p: _Params, chat: bool, req_id: str) -> Response:
+        async def consume(c) -> None:
+            async for ev in c.job.events():
                 if ev[0] == "delta":
-                    box["text"].append(ev[1])
-                    box["ids"].extend(ev[2])
+                    c.texts.append(ev[1])
+                    c.ids_out.extend(ev[2])
+                    c.lps.extend(ev[4])
                 elif ev[0] == "done":
-                    box["text"].append(ev[1])
-                    box["done"] = ev
+                    c.texts.append(ev[1])
+                    c.done = ev
                 else:
-                    box["error"] = ev[1]
+                    c.error = ev[1]
+                    return
 
         disconnected = False
-        async with anyio.create_task_group() as tg:
-            async def main() -> None:
-                await consume()
-                tg.cancel_scope.cancel()
+        live = [c for c in choices if c.job is not None]
+        if live:
+            async with anyio.create_task_group() as tg:
+                async def main() -> None:
+                    async with anyio.create_task_group() as inner:
+                        for c in live:
+                            inner.start_soon(consume, c)
+                    tg.cancel_scope.cancel()
 
-            async def watch() -> None:
-                nonlocal disconnected
-                while True:
-                    message = await request.receive()
-                    if message["type"] == "http.disconnect":
-                        disconnected = True
-                        tg.cancel_scope.cancel()
-                        return
+                async def watch() -> None:
+                    nonlocal disconnected
+                    while True:
+                        message = await request.receive()
+                        if message["type"] == "http.disconnect":
+                            disconnected = True
+                            tg.cancel_scope.cancel()
+                            return
 
-            tg.start_soon(main)
-            tg.start_soon(watch)
-        if disconnected and "done" not in box and "error" not in box:
-            job.cancel()
+                tg.start_soon(main)
+                tg.start_soon(watch)
+        if disconnected and any(c.done is None and c.error is None for c in live):
+            for c in live:
+                c.job.cancel()
             self.counters.disconnects += 1
-            log.info("request %s: client disconnected; cancelled", rid)
+            log.info("request %s: client disconnected; cancelled", req_id)
             return Response(status_code=499)  # nobody reads it
-        if "error" in box:
-            raise _engine_error(box["error"])
-        _, _, reason, result, n = box["done"]
-        text = "".join(box["text"])
-        usage = self._usage(ids, result, n)
-        choice: dict = {"index": 0, "finish_reason": reason, "logprobs": None}
-        if chat:
-            choice["message"] = {"role": "assistant", "content": text}
-        else:
-            choice["text"] = text
-        if p.return_token_ids:
-            choice["token_ids"] = list(getattr(result, "token_ids", None) or box["ids"])
+        for c in live:
+            if c.error is not None:
+                raise _engine_error(c.error)
+        out = []
+        for c in choices:
+            reason = c.done[2] if c.done is not None else "length"
+            text = (c.text if p.echo else "") + "".join(c.texts)
+            choice: dict = {"index": c.index, "finish_reason": reason, "logprobs": self._choice_logprobs(c, p, chat)}
+            if chat:
+                choice["message"] = {"role": "assistant", "content": text}
+            else:
+                choice["text"] = text
+            if p.return_token_ids:
+                result = c.done[3] if c.done is not None else None
+                choice["token_ids"] = list(getattr(result, "token_ids", None) or c.ids_out)
+            if len(choices) > 1 and c.done is not None:
+                choice["dflash2"] = self._extension(c.done[3], c.rid)
+            out.append(choice)
+        first = next((c for c in choices if c.done is not None), None)
         obj = {"id": req_id, "object": "chat.completion" if chat else "text_completion", "created": int(time.time()),
-               "model": self.model_name, "choices": [choice], "usage": usage,
-               "dflash2": self._extension(result, rid)}
+               "model": self.model_name, "choices": out, "usage": self._usage(choices),
+               "dflash2": self._extension(first.done[3], first.rid) if first is not None else {}}
         if chat:
             obj["system_fingerprint"] = None
         return JSONResponse(obj)
 
-    def _usage(self, ids: list, result, n: int) -> dict:
-        toks = getattr(result, "token_ids", None)
-        completion = len(toks) if toks is not None else n
-        self.counters.prompt_tokens += len(ids)
-        self.counters.completion_tokens += completion
-        usage = {"prompt_tokens": len(ids), "completion_tokens": completion, "total_tokens": len(ids) + completion}
-        cached = (getattr(result, "stats", None) or {}).get("cached_tokens")
+    def _choice_logprobs(self, c, p: _Params, chat: bool):
+        """A whole choice's logprobs object (None unless asked for): every generated token's
+        (the engine's, in order), after the prompt's with echo."""
+        if p.logprobs is None:
+            return None
+        result = c.done[3] if c.done is not None else None
+        toks = list(getattr(result, "token_ids", None) or c.ids_out)
+        lps = list(getattr(result, "logprobs", None) or c.lps)[:len(toks)]
+        toks = toks[:len(lps)]
+        if chat:
+            return self.chat_logprobs(toks, lps)
+        if p.echo:
+            pl = self.completion_logprobs(c.ids, c.prompt_lps or [None] * len(c.ids), 0)
+            gl = self.completion_logprobs(toks, lps, len(c.text or ""))
+            return {k: pl[k] + gl[k] for k in pl}
+        return self.completion_logprobs(toks, lps, 0)
+
+    def _usage(self, choices: list, partial: Optional[dict] = None) -> dict:
+        """Usage of a request: each prompt counted once, every choice's generated tokens (partial:
+        {choice index: tokens so far} for a stream's running usage)."""
+        prompt, completion, cached, seen = 0, 0, None, set()
+        for c in choices:
+            first = id(c.ids) not in seen  # the first choice of its prompt
+            seen.add(id(c.ids))
+            prompt += len(c.ids) if first else 0
+            if partial is not None:
+                completion += partial.get(c.index, 0)
+                continue
+            result = c.done[3] if c.done is not None else None
+            toks = getattr(result, "token_ids", None)
+            completion += len(toks) if toks is not None else (c.done[4] if c.done is not None else 0)
+            got = (getattr(result, "stats", None) or {}).get("cached_tokens")
+            if got is not None and first:
+                cached = (cached or 0) + int(got)
+        if partial is None:
+            self.counters.prompt_tokens += prompt
+            self.counters.completion_tokens += completion
+        usage = {"prompt_tokens": prompt, "completion_tokens": completion, "total_tokens": prompt + completion}
         if cached is not None:  # the prompt tokens taken from the engine's prefix cache (OpenAI's field)
-            usage["prompt_tokens_details"] = {"cached_tokens": int(cached)}
+            usage["prompt_tokens_details"] = {"cached_tokens": cached}
         return usage
 
     @staticmethod
@@ -973,56 +1172,98 @@ class _Service:
         out.update(_jsonable(dict(stats)))
         return out
 
-    async def _stream(self, job: _Job, ids: list, p: _Params, chat: bool, req_id: str, rid: int, state: dict):
+    async def _stream(self, choices: list, p: _Params, chat: bool, req_id: str, state: dict):
         created = int(time.time())
         obj_type = "chat.completion.chunk" if chat else "text_completion"
+        counts: dict = {}    # choice index -> tokens generated so far
+        offsets: dict = {}   # choice index -> text offset of its next token (completions logprobs)
 
-        def chunk(text: Optional[str], reason: Optional[str], new_ids: Optional[list], n: int,
-                  role: bool = False) -> dict:
+        def chunk(c, text: Optional[str], reason: Optional[str], new_ids: Optional[list], lps: Optional[list],
+                  role: bool = False, lp_obj=None) -> dict:
+            logprobs = lp_obj
+            if logprobs is None and p.logprobs is not None and lps:
+                n = min(len(new_ids or []), len(lps))
+                if chat:
+                    logprobs = self.chat_logprobs(new_ids[:n], lps[:n])
+                else:
+                    logprobs = self.completion_logprobs(new_ids[:n], lps[:n], offsets.get(c.index, 0))
+                    if n:
+                        offsets[c.index] = logprobs["text_offset"][-1] + len(logprobs["tokens"][-1])
             if chat:
                 delta: dict = {}
                 if role:
                     delta["role"] = "assistant"
                 if text is not None:
                     delta["content"] = text
-                choice = {"index": 0, "delta": delta, "logprobs": None, "finish_reason": reason}
+                choice = {"index": c.index, "delta": delta, "logprobs": logprobs, "finish_reason": reason}
             else:
-                choice = {"index": 0, "text": text or "", "logprobs": None, "finish_reason": reason}
+                choice = {"index": c.index, "text": text or "", "logprobs": logprobs, "finish_reason": reason}
             if p.return_token_ids and new_ids is not None:
                 choice["token_ids"] = new_ids
             obj = {"id": req_id, "object": obj_type, "created": created, "model": self.model_name, "choices": [choice]}
             if chat:
                 obj["system_fingerprint"] = None
             if p.include_usage:
-                obj["usage"] = ({"prompt_tokens": len(ids), "completion_tokens": n, "total_tokens": len(ids) + n}
-                                if p.continuous_usage else None)
+                obj["usage"] = self._usage(choices, counts) if p.continuous_usage else None
             return obj
 
-        if chat:
-            yield _sse(chunk("", None, None, 0, role=True))
-        async for ev in job.events():
-            if ev[0] == "delta":
-                _, text, new_ids, n = ev
-                if text or p.return_token_ids or p.continuous_usage:
-                    yield _sse(chunk(text, None, new_ids, n))
-            elif ev[0] == "done":
-                _, text, reason, result, n = ev
-                state["done"] = True
-                usage = self._usage(ids, result, n)
-                final = chunk(text if (text or not chat) else None, reason, [] if p.return_token_ids else None,
-                              usage["completion_tokens"])
-                final["dflash2"] = self._extension(result, rid)
-                yield _sse(final)
-                if p.include_usage:
-                    yield _sse({"id": req_id, "object": obj_type, "created": created, "model": self.model_name,
-                                "choices": [], "usage": usage})
-            else:
-                state["done"] = True
-                err = _engine_error(ev[1])
-                if err.status >= 500:
-                    log.error("request %s failed: %s", rid, err.message)
-                yield _sse(err.body())
-        yield "data: [DONE]\n\n"
+        merged: asyncio.Queue = asyncio.Queue()
+
+        async def pump(c) -> None:
+            async for ev in c.job.events():
+                await merged.put((c, ev))
+
+        tasks = [asyncio.ensure_future(pump(c)) for c in choices if c.job is not None]
+        try:
+            for c in choices:
+                if chat:
+                    yield _sse(chunk(c, "", None, None, None, role=True))
+                elif p.echo:
+                    lp_obj = None
+                    if p.logprobs is not None:
+                        lp_obj = self.completion_logprobs(c.ids, c.prompt_lps or [None] * len(c.ids), 0)
+                    offsets[c.index] = len(c.text or "")
+                    yield _sse(chunk(c, c.text, "length" if c.job is None else None, None, None, lp_obj=lp_obj))
+            left = len(tasks)
+            finals = []
+            while left:
+                c, ev = await merged.get()
+                if ev[0] == "delta":
+                    _, text, new_ids, n, lps = ev
+                    counts[c.index] = n
+                    if text or p.return_token_ids or p.continuous_usage or (p.logprobs is not None and new_ids):
+                        yield _sse(chunk(c, text, None, new_ids, lps))
+                elif ev[0] == "done":
+                    _, text, reason, result, n = ev
+                    left -= 1
+                    c.done = ev
+                    toks = getattr(result, "token_ids", None)
+                    counts[c.index] = len(toks) if toks is not None else n
+                    final = chunk(c, text if (text or not chat) else None, reason,
+                                  [] if p.return_token_ids else None, None)
+                    final["dflash2"] = self._extension(result, c.rid)
+                    finals.append(final)
+                    yield _sse(final)
+                else:
+                    state["done"] = True
+                    for d in choices:
+                        if d.job is not None:
+                            d.job.cancel()
+                    err = _engine_error(ev[1])
+                    if err.status >= 500:
+                        log.error("request %s failed: %s", c.rid, err.message)
+                    yield _sse(err.body())
+                    yield "data: [DONE]\n\n"
+                    return
+            state["done"] = True
+            usage = self._usage(choices)
+            if p.include_usage:
+                yield _sse({"id": req_id, "object": obj_type, "created": created, "model": self.model_name,
+                            "choices": [], "usage": usage})
+            yield "data: [DONE]\n\n"
+        finally:
+            for t in tasks:
+                t.cancel()
 
     # ------------------------------------------------------------------ metrics
 
@@ -1105,9 +1346,12 @@ def create_app(engine, model_name: Optional[str] = None, *, chat_template: Optio
         body = await _json_body(request)
         svc.check_model(body)
         p = _parse_common(body, chat=False, vocab_size=svc.vocab_size)
-        ids = await svc.completion_prompt(body)
-        svc.fit(ids, p, "prompt")
-        return await svc.generate(request, ids, p, chat=False)
+        prompts = await svc.completion_prompts(body)
+        if len(prompts) * p.n > _MAX_N:
+            raise _bad("n", f"{len(prompts)} prompts x n = {p.n} choices exceed {_MAX_N} per request")
+        prompts = [(ids, text, p.max_tokens if p.max_tokens == 0 else svc.fit(ids, p, "prompt"))
+                   for ids, text in prompts]
+        return await svc.generate(request, prompts, p, chat=False)
 
     async def chat_completions(request: Request) -> Response:
         body = await _json_body(request)
@@ -1115,8 +1359,7 @@ def create_app(engine, model_name: Optional[str] = None, *, chat_template: Optio
         messages = _chat_messages(body)
         p = _parse_common(body, chat=True, vocab_size=svc.vocab_size)
         ids = await anyio.to_thread.run_sync(svc.render_chat, messages, body)
-        svc.fit(ids, p, "messages")
-        return await svc.generate(request, ids, p, chat=True)
+        return await svc.generate(request, [(ids, None, svc.fit(ids, p, "messages"))], p, chat=True)
 
     @app.post("/v1/completions")
     async def _completions(request: Request):

@@ -3,6 +3,7 @@
 // freeing the slot, close() with requests in flight, errors for bad requests.
 #include <algorithm>
 #include <atomic>
+#include <cmath>
 #include <cstdio>
 #include <string>
 #include <thread>
@@ -259,6 +260,57 @@ TEST(prefix_cache_takes_earlier_prompts_blocks) {
     m = e.metrics();
     CHECK(m.prefix_cache_evictions > 0 && m.cache_pages_used == 0 && m.running == 0);
   }
+}
+
+TEST(logprobs_come_with_the_tokens) {
+  if (!have_pair()) return skip("logprobs", "the bundled default pair is not present");
+  Engine e(config("dflash2"));
+  SamplingParams p;
+  p.max_new_tokens = 20;
+  p.has_stop_tokens = true;
+  const std::vector<int32_t> q = prompt(3);
+  const GenerationResult plain = e.generate({q}, p)[0];
+  CHECK(plain.logprobs.empty());
+  p.logprobs = 4;
+  const RequestId id = e.submit(q, p);
+  std::vector<int32_t> toks;
+  std::vector<TokenLogprobs> lps;
+  GenerationResult res;
+  for (bool done = false; !done;)
+    for (auto& u : e.poll({id}, -1.0)) {
+      CHECK(u.new_logprobs.size() == u.new_tokens.size());
+      toks.insert(toks.end(), u.new_tokens.begin(), u.new_tokens.end());
+      lps.insert(lps.end(), u.new_logprobs.begin(), u.new_logprobs.end());
+      if (u.finished) {
+        res = u.result;
+        done = true;
+      }
+    }
+  CHECK(toks == plain.token_ids && res.logprobs.size() == toks.size() && lps.size() == toks.size());
+  // against the teacher-forced logits of the same tokens (greedy: each token the most likely)
+  std::vector<int32_t> all = q;
+  all.insert(all.end(), toks.begin(), toks.end() - 1);
+  const Tensor lg = e.logits(all);
+  const int64_t V = lg.shape(1);
+  for (size_t j = 0; j < toks.size(); ++j) {
+    const float* row = lg.data_as<const float>() + (int64_t(q.size()) - 1 + int64_t(j)) * V;
+    double m = row[0], s = 0.0;
+    for (int64_t i = 0; i < V; ++i) m = std::max(m, double(row[i]));
+    for (int64_t i = 0; i < V; ++i) s += std::exp(double(row[i]) - m);
+    const double lse = m + std::log(s);
+    CHECK(std::fabs(lps[j].logprob - (double(row[toks[j]]) - lse)) < 1e-4);
+    CHECK(lps[j].top_ids.size() == 4 && lps[j].top_ids[0] == toks[j] && lps[j].top_logprobs[0] == lps[j].logprob);
+    CHECK(std::fabs(lps[j].top_logprobs[3] - (double(row[lps[j].top_ids[3]]) - lse)) < 1e-4);
+    CHECK(res.logprobs[j].logprob == lps[j].logprob);
+  }
+  p.logprobs = kMaxLogprobs + 1;
+  bool caught = false;
+  try {
+    e.submit(q, p);
+  } catch (const Error& err) {
+    caught = err.kind() == ErrorKind::InvalidArgument;
+  }
+  CHECK(caught);
 }
 
 TEST(bad_requests_throw_at_submit) {
