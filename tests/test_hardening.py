@@ -567,3 +567,15 @@ def test_readme_embed_commands_name_what_is_built():
     for p in set(re.findall(r"(/tmp/[\w.-]+)", section)):
         first = section.index(p)
         assert re.search(r"(-B|make_demo_checkpoint)\s+" + re.escape(p), section[:first + len(p)]), p
+
+
+def test_cli_generate_logprobs():
+    r = _run_cli("generate", "--prompt-ids", "5,6,7", "--max-new-tokens", "4", "--logprobs", "2", "--json")
+    assert r.returncode == 0, r.stderr
+    out = json.loads(r.stdout)
+    assert [x["token_id"] for x in out["logprobs"]] == out["token_ids"] and len(out["token_ids"]) == 4
+    assert all(len(x["top"]) == 2 and x["top"][0] == [x["token_id"], x["logprob"]] for x in out["logprobs"])
+    r = _run_cli("generate", "--prompt-ids", "5,6,7", "--max-new-tokens", "3", "--logprobs", "1")
+    assert r.returncode == 0 and len(r.stdout.strip().splitlines()) == 4, r.stdout  # the text, then 3 rows
+    r = _run_cli("generate", "--prompt-ids", "5,6,7", "--max-new-tokens", "3", "--logprobs", "21")
+    assert r.returncode in (1, 2) and "Traceback" not in r.stderr and "logprobs" in r.stderr, r.stderr

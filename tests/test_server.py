@@ -775,3 +775,39 @@ def test_echo_and_prompt_logprobs(live):
     assert first["token_logprobs"][0] is None and len(first["tokens"]) == 6
     total = sum(len(ev["choices"][0]["logprobs"]["tokens"]) for ev in events if ev["choices"][0]["logprobs"])
     assert total == 9
+
+
+def test_api_key_guards_v1_only():
+    eng = _engine("fake")
+    bg = server.BackgroundServer(server.create_app(eng, model_name=MODEL, api_key="s3cret"))
+    try:
+        body = {"model": MODEL, "prompt": "x", "max_tokens": 2}
+        r = httpx.post(bg.url + "/v1/completions", json=body, timeout=30)
+        assert r.status_code == 401 and r.json()["error"]["code"] == "invalid_api_key"
+        r = httpx.post(bg.url + "/v1/completions", json=body, timeout=30, headers={"Authorization": "Bearer nope"})
+        assert r.status_code == 401
+        assert httpx.get(bg.url + "/v1/models", timeout=30).status_code == 401
+        ok = openai.OpenAI(base_url=bg.url + "/v1", api_key="s3cret", max_retries=0, timeout=30)
+        assert len(ok.completions.create(model=MODEL, prompt="x", max_tokens=2).choices) == 1
+        with pytest.raises(openai.AuthenticationError):
+            openai.OpenAI(base_url=bg.url + "/v1", api_key="x", max_retries=0).models.list()
+        assert httpx.get(bg.url + "/health", timeout=30).status_code == 200
+        assert httpx.get(bg.url + "/metrics", timeout=30).status_code == 200
+    finally:
+        bg.stop()
+        eng.close()
+    with pytest.raises(ValueError):
+        server.create_app(eng, api_key="")
+
+
+def test_tokenize_and_detokenize(live, chat_live):
+    r = live.post("/tokenize", {"prompt": PROMPTS[0]}).json()
+    ids = live.engine.encode(PROMPTS[0])
+    assert r["tokens"] == ids and r["count"] == len(ids) and r["max_model_len"] == live.engine.max_seq_len
+    assert live.post("/detokenize", {"tokens": ids}).json()["prompt"] == live.engine.decode(ids)
+    assert live.post("/tokenize", {"prompt": 5}).status_code == 400
+    assert live.post("/detokenize", {"tokens": [10 ** 8]}).json()["error"]["param"] == "tokens"
+    msgs = [{"role": "user", "content": "hi"}]
+    r = chat_live.post("/tokenize", {"messages": msgs}).json()
+    done = chat_live.client.chat.completions.create(model=MODEL, messages=msgs, max_tokens=1, temperature=0)
+    assert r["count"] == done.usage.prompt_tokens

@@ -184,6 +184,9 @@ def _generate_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--threads", type=int, default=None, help="CPU threads (default: all cores)")
     p.add_argument("--stream", action="store_true", help="print tokens as they are committed")
     p.add_argument("--json", action="store_true", help="print the result as JSON")
+    p.add_argument("--logprobs", type=int, default=None, metavar="N",
+                   help="each token's log-probability under the target and the N most likely tokens' (0..20): "
+                        "a table after the text, or 'logprobs' in --json")
 
 
 def _run_generate(args: argparse.Namespace) -> int:
@@ -213,7 +216,7 @@ def _run_generate(args: argparse.Namespace) -> int:
             print(f"error: --prompt-ids must be integers, found {args.prompt_ids!r}", file=sys.stderr)
             return 2
     kw = dict(max_new_tokens=args.max_new_tokens, temperature=args.temperature, top_p=args.top_p,
-              top_k=args.top_k, seed=args.seed)
+              top_k=args.top_k, seed=args.seed, logprobs=args.logprobs)
     if args.stream and not args.json:
         # One generation: the tokens are printed as they come and the stats are this run's.
         box: dict = {}
@@ -226,10 +229,21 @@ def _run_generate(args: argparse.Namespace) -> int:
         r = eng.generate([prompt], **kw)[0]
     st = r.stats
     if args.json:
-        print(json.dumps({"token_ids": r.token_ids, "text": r.text, "finish_reason": r.finish_reason, "stats": st}, indent=1))
+        out = {"token_ids": r.token_ids, "text": r.text, "finish_reason": r.finish_reason, "stats": st}
+        if r.logprobs is not None:
+            out["logprobs"] = [{"token_id": t, "logprob": lp.logprob,
+                                "top": [[i, v] for i, v in zip(lp.top_ids, lp.top_logprobs)]}
+                               for t, lp in zip(r.token_ids, r.logprobs)]
+        print(json.dumps(out, indent=1))
         return 0
     if not args.stream:
         print(r.text if r.text is not None else " ".join(str(t) for t in r.token_ids))
+    if r.logprobs is not None:
+        def show(t):
+            return repr(eng.decode([t])) if eng.tokenizer is not None else str(t)
+        for t, lp in zip(r.token_ids, r.logprobs):
+            top = "  ".join(f"{show(i)} {v:.3f}" for i, v in zip(lp.top_ids, lp.top_logprobs))
+            print(f"{show(t):>16} {lp.logprob:9.4f}" + (f"   | {top}" if top else ""))
     print(f"[{method}] {st['generated_tokens']} tokens, {st['tokens_per_second']:.1f} tok/s, "
           f"acceptance length {st['acceptance_length']:.2f} over {st['verify_steps']} verify steps, "
           f"finish: {r.finish_reason}", file=sys.stderr)
@@ -279,6 +293,8 @@ def _serve_args(p: argparse.ArgumentParser) -> None:
                    help="a Jinja chat template file for /v1/chat/completions (default: the checkpoint's, from "
                         "tokenizer_config.json or chat_template.jinja)")
     p.add_argument("--log-level", default="info", choices=["critical", "error", "warning", "info", "debug"])
+    p.add_argument("--api-key", default=os.environ.get("DFLASH2_API_KEY"),
+                   help="require 'Authorization: Bearer KEY' on /v1/* (default: $DFLASH2_API_KEY; unset: open)")
 
 
 def _run_serve(args: argparse.Namespace) -> int:
@@ -321,7 +337,7 @@ def _run_serve(args: argparse.Namespace) -> int:
               f"{eng.max_batch_size}, max_seq_len {eng.max_seq_len}); serving on http://{args.host}:{args.port}/v1",
               file=sys.stderr, flush=True)
         run(eng, host=args.host, port=args.port, model_name=args.model_name, chat_template=args.chat_template,
-            log_level=args.log_level)
+            log_level=args.log_level, api_key=args.api_key or None)
     finally:
         eng.close()
     return 0

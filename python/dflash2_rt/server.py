@@ -27,6 +27,10 @@ Endpoints
                                 max_completion_tokens default to the rest of the context; n;
                                 logprobs (true) with top_logprobs (0..20): logprobs.content; text
                                 content parts only; no tools.
+    POST /tokenize              {"prompt": text[, "add_special_tokens"]} or {"messages": [...]}
+                                (rendered with the chat template) -> {"tokens", "count",
+                                "max_model_len"}; POST /detokenize {"tokens": [...]} -> {"prompt"}
+                                (vLLM's endpoints)
     GET  /v1/models, /v1/models/{id}
     GET  /health                200 {"status": "ok"} while the engine answers metrics(), else 503
     GET  /metrics               Prometheus text exposition: dflash2_queue_length,
@@ -50,6 +54,10 @@ tokens_per_second, ...): at the top level, and in a stream's last chunk. Stop to
 stop_token_ids) are counted in usage and listed in token_ids but not part of the text.
 Context: a prompt of max_seq_len tokens or more, or an explicit max_tokens that does not fit
 after the prompt, is a 400 (as OpenAI answers), never cut silently.
+
+API key: ``create_app(api_key=...)`` / ``dflash2-rt serve --api-key KEY`` (or the
+DFLASH2_API_KEY environment variable): every /v1/* request needs "Authorization: Bearer KEY",
+else 401 ``invalid_api_key`` (what the openai client sends with ``api_key=KEY``).
 
 Model names: ``model`` may be omitted; when given it must be the served name
 (``create_app(model_name=...)``, by default the target directory's name, "default" for the
@@ -1310,14 +1318,35 @@ async def _json_body(request: Request) -> dict:
     return body
 
 
-def create_app(engine, model_name: Optional[str] = None, *, chat_template: Optional[str] = None) -> FastAPI:
+def create_app(engine, model_name: Optional[str] = None, *, chat_template: Optional[str] = None,
+               api_key: Optional[str] = None) -> FastAPI:
     """The FastAPI app serving `engine` (which the app does not own: close it after the
     server stops). model_name: the served name (default: default_model_name(engine)).
     chat_template: a Jinja chat template (its source, or a path to a file) overriding the
-    checkpoint's. The service state lives in app.state.dflash2."""
+    checkpoint's. api_key: every /v1/* request must carry "Authorization: Bearer <api_key>"
+    (else 401; /health, /metrics, /tokenize and /detokenize stay open, as vLLM's). The
+    service state lives in app.state.dflash2."""
+    if api_key is not None and (not isinstance(api_key, str) or not api_key):
+        raise ValueError("create_app: api_key must be a non-empty string or None")
     svc = _Service(engine, model_name or default_model_name(engine), chat_template)
     app = FastAPI(title="dflash2_rt", docs_url=None, redoc_url=None, openapi_url=None)
     app.state.dflash2 = svc
+
+    if api_key is not None:
+        import hmac
+
+        want = ("Bearer " + api_key).encode()
+
+        @app.middleware("http")
+        async def _auth(request: Request, call_next):
+            if request.url.path.startswith("/v1/"):
+                got = request.headers.get("authorization", "").encode()
+                if not hmac.compare_digest(got, want):
+                    e = ApiError(401, "missing or wrong API key (send 'Authorization: Bearer <key>')", None,
+                                 "invalid_request_error", "invalid_api_key")
+                    svc.counters.http[(request.url.path, 401)] = svc.counters.http.get((request.url.path, 401), 0) + 1
+                    return JSONResponse(e.body(), status_code=401)
+            return await call_next(request)
 
     def count(endpoint: str, status: int) -> None:
         key = (endpoint, status)
@@ -1360,6 +1389,39 @@ def create_app(engine, model_name: Optional[str] = None, *, chat_template: Optio
         p = _parse_common(body, chat=True, vocab_size=svc.vocab_size)
         ids = await anyio.to_thread.run_sync(svc.render_chat, messages, body)
         return await svc.generate(request, [(ids, None, svc.fit(ids, p, "messages"))], p, chat=True)
+
+    async def tokenize(request: Request) -> Response:
+        body = await _json_body(request)
+        svc.check_model(body)
+        if body.get("messages") is not None:
+            ids = await anyio.to_thread.run_sync(svc.render_chat, _chat_messages(body), body)
+        else:
+            prompt = body.get("prompt")
+            if not isinstance(prompt, str):
+                raise _bad("prompt", f"'prompt' must be a string (or send 'messages'), found {_short(prompt)}")
+            special = _bool(body, "add_special_tokens", True)
+            ids = await anyio.to_thread.run_sync(svc.encode, prompt, special) if prompt else []
+        return JSONResponse({"tokens": list(ids), "count": len(ids), "max_model_len": svc.max_seq_len})
+
+    async def detokenize(request: Request) -> Response:
+        body = await _json_body(request)
+        svc.check_model(body)
+        toks = body.get("tokens")
+        if not isinstance(toks, list) or not all(isinstance(t, int) and not isinstance(t, bool) for t in toks):
+            raise _bad("tokens", f"'tokens' must be a list of token ids, found {_short(toks)}")
+        ids = svc.token_ids(toks, "tokens")
+        dec = svc.decoder()
+        if dec is None:
+            raise _bad("tokens", "this model has no tokenizer (no tokenizer.json in its target directory)")
+        return JSONResponse({"prompt": await anyio.to_thread.run_sync(dec, ids)})
+
+    @app.post("/tokenize")
+    async def _tokenize(request: Request):
+        return await handle("/tokenize", tokenize, request)
+
+    @app.post("/detokenize")
+    async def _detokenize(request: Request):
+        return await handle("/detokenize", detokenize, request)
 
     @app.post("/v1/completions")
     async def _completions(request: Request):
@@ -1429,11 +1491,11 @@ def create_app(engine, model_name: Optional[str] = None, *, chat_template: Optio
 
 
 def run(engine, host: str = "127.0.0.1", port: int = 8000, *, model_name: Optional[str] = None,
-        chat_template: Optional[str] = None, log_level: str = "info") -> None:
+        chat_template: Optional[str] = None, log_level: str = "info", api_key: Optional[str] = None) -> None:
     """Serves `engine` until interrupted (Ctrl-C / SIGTERM). The engine is not closed."""
     import uvicorn
 
-    app = create_app(engine, model_name, chat_template=chat_template)
+    app = create_app(engine, model_name, chat_template=chat_template, api_key=api_key)
     uvicorn.run(app, host=host, port=port, log_level=log_level, timeout_graceful_shutdown=5)
 
 
