@@ -1032,6 +1032,31 @@ def test_interleaved_prefill_on_cuda(tmp_path):
         eng.close()
 
 
+def test_conversation_prefix_on_cuda(tmp_path):
+    """On the GPU with every numerics exact (prefill_gemm / draft_gemm "exact"; the defaults
+    put prompts on the tensor cores, and then only prompt blocks are kept): a conversation's
+    next turn takes its previous output's blocks from the target's and the drafter's caches,
+    and its tokens stay plain greedy decoding's."""
+    cuda_or_skip()
+    pair = F.make_self_drafting_pair(tmp_path)
+    eng = dflash2_rt.Engine(target=pair.target_dir, draft=pair.draft_dir, method="dflash2", device="cuda",
+                            max_batch_size=1, max_seq_len=64, kv_block_size=4, prefill_gemm="exact",
+                            draft_gemm="exact")
+    try:
+        assert eng.prefix_cache_generated
+        convo = [(i * 7) % 120 for i in range(9)]
+        for turn in range(3):
+            r = eng.generate([convo], max_new_tokens=10, stop_token_ids=NO_STOP)[0]
+            assert list(r.token_ids) == pair.expected_greedy(convo, 10)["tokens"], turn
+            if turn:
+                assert r.stats["cached_tokens"] > (len(convo) - 14) // 4 * 4, (turn, r.stats)
+            convo = convo + list(r.token_ids) + [3 + turn, 5]
+        m = eng.metrics()
+        assert m["cache_pages_used"] == 0 and m["cuda_graphs_failed"] == 0, m
+    finally:
+        eng.close()
+
+
 def test_logprobs_on_cuda(tmp_path):
     """Log-probabilities on the GPU (steps as graphs; the first token's from a prefill chunk,
     the rest from verify rows after acceptance, ops.token_logprobs and ops.topk there) equal

@@ -236,3 +236,50 @@ def test_step_level_api_evicts_cached_pages_it_needs():
     finally:
         eng.close()
         ref.close()
+
+
+@pytest.mark.parametrize("method", ["ar", "dflash2", "mtp", "dflash"])
+def test_a_conversation_takes_its_previous_turns_output(method):
+    """With every numerics exact (the CPU's default) a request that ends keeps its prompt and
+    output as one prefix: the next turn (the previous prompt + output + a new message) takes
+    the output's blocks too, and every output equals the cache-less engine's (greedy and
+    seeded sampled)."""
+    kw = dict(method=method, max_batch_size=2, max_seq_len=256)
+    ref = dflash2_rt.Engine(**kw, prefix_caching=False)
+    eng = dflash2_rt.Engine(**kw)
+    try:
+        assert eng.prefix_cache_generated and not ref.prefix_cache_generated
+        for samp in ({}, dict(temperature=1.0, top_p=0.9, seed=11)):
+            convo = list(SYSTEM[:23])
+            for turn in range(3):
+                want = ref.generate([convo], max_new_tokens=37, stop_token_ids=[], **samp)[0]
+                got = eng.generate([convo], max_new_tokens=37, stop_token_ids=[], **samp)[0]
+                assert got.token_ids == want.token_ids, (method, samp, turn)
+                if method != "ar":
+                    assert got.stats["acceptance_length"] == want.stats["acceptance_length"]
+                if turn > 0:  # more than the previous prompt's blocks: the output's too
+                    assert got.stats["cached_tokens"] > (len(convo) - 37 - 4) // BS * BS, (turn, got.stats)
+                convo = convo + list(got.token_ids) + [(turn * 13 + j) % 3000 + 2 for j in range(4)]
+        assert eng.metrics()["cache_pages_used"] == 0
+    finally:
+        eng.close()
+        ref.close()
+
+
+def test_generated_blocks_are_kept_only_where_decode_rows_are_prompt_rows():
+    """Under prefill_gemm="bf16" a prompt's rows are not the decode steps' (tensor-core vs
+    exact numerics): the output's blocks are not kept, so a next turn takes only prompt blocks
+    (and its output stays the cache-less engine's)."""
+    kw = dict(method="dflash2", max_batch_size=1, max_seq_len=256, prefill_gemm="bf16")
+    eng = dflash2_rt.Engine(**kw)
+    ref = dflash2_rt.Engine(**kw, prefix_caching=False)
+    try:
+        assert not eng.prefix_cache_generated
+        first = eng.generate([SYSTEM[:40]], max_new_tokens=40, stop_token_ids=[])[0]
+        nxt = SYSTEM[:40] + list(first.token_ids) + [5, 6]
+        got = eng.generate([nxt], max_new_tokens=8, stop_token_ids=[])[0]
+        assert got.stats["cached_tokens"] == 32  # the first prompt's two full blocks only
+        assert got.token_ids == ref.generate([nxt], max_new_tokens=8, stop_token_ids=[])[0].token_ids
+    finally:
+        eng.close()
+        ref.close()

@@ -342,6 +342,8 @@ void bind_engine(py::module_& m) {
       .def_property_readonly("max_seq_len", [](const Engine& e) { return e.config().max_seq_len; })
       .def_property_readonly("num_threads", [](const Engine& e) { return e.config().num_threads; })
       .def_property_readonly("prefix_caching", [](const Engine& e) { return e.config().prefix_caching; })
+      .def_property_readonly("prefix_cache_generated",
+                             [](const Engine& e) { return e.config().prefix_cache_generated; })
       .def_property_readonly("prefill_tokens_per_step",
                              [](const Engine& e) { return e.config().prefill_tokens_per_step; })
       .def_property_readonly("tensor_parallel", [](const Engine& e) { return e.config().tensor_parallel; })

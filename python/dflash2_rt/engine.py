@@ -356,6 +356,9 @@ class Engine:
         self.max_seq_len = self._e.max_seq_len
         self.prefill_tokens_per_step = self._e.prefill_tokens_per_step  # resolved: 0 = no limit
         self.prefix_caching = self._e.prefix_caching
+        # whether generated tokens' blocks are kept too (every numerics exact: a conversation's
+        # next turn takes its previous turns' output from the cache)
+        self.prefix_cache_generated = self._e.prefix_cache_generated
         self.max_batch_size = max_batch_size
 
     @property

@@ -95,6 +95,11 @@ struct EngineConfig {
                                // ran stay cached (least recently used evicted when needed), and a
                                // prompt starting with the same tokens takes them instead of running
                                // them again (GenerationStats::cached_tokens); outputs do not depend on it
+  // (read back) whether the generated tokens' full blocks are kept too, so that a later prompt
+  // that continues a conversation takes them: where a prompt's rows are bitwise what the
+  // decode steps computed (prefill_gemm, decode_gemm, the experts' and the DFlash drafter's
+  // draft_gemm all "exact"), else only prompt blocks are kept
+  bool prefix_cache_generated = false;
   std::string speculation = "fixed";  // "fixed": every step drafts the full block; "adaptive": per
                                       // step the draft length (0..K) that maximises the measured
                                       // throughput of the running batch (see README)

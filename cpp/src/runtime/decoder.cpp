@@ -93,7 +93,8 @@ int64_t Decoder::prefilling() const {
   return n;
 }
 
-void Decoder::enable_prefix_cache() {
+void Decoder::enable_prefix_cache(bool generated) {
+  cache_generated_ = generated;
   std::vector<KvCache*> caches{&c_.target->cache()};
   if (c_.drafter) {
     KvCache* dc = c_.drafter->context_cache();
@@ -116,6 +117,14 @@ void Decoder::keep_prompt(Request& r, bool hold) {
     blocks.push_back(&c_.drafter->context_stream(r.slot)->blocks);
   }
   const int64_t n = int64_t(r.prompt.size());
+  if (!hold && cache_generated_ && !r.tokens.empty()) {
+    // the request ends: its prompt and output as one prefix (the rows of every token but
+    // the last are in the caches, committed; the last is only the next token of a block)
+    seq_.assign(r.prompt.begin(), r.prompt.end());
+    seq_.insert(seq_.end(), r.tokens.begin(), r.tokens.end());
+    prefix_->insert(seq_.data(), int64_t(seq_.size()), blocks, filled);
+    return;
+  }
   prefix_->insert(r.prompt.data(), n, blocks, filled);
   if (!hold) return;
   // the entries over its own blocks (the same prompt kept by another request is that one's)

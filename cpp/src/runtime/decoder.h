@@ -76,8 +76,11 @@ class Decoder {
   // Prompt tokens per round while requests decode (0 = no limit).
   void set_prefill_budget(int64_t tokens) { prefill_budget_ = tokens; }
   int64_t prefilling() const;  // running requests whose prompts are partly run
-  // Automatic prefix caching (prefix_cache.h) over the target's cache and the drafter's.
-  void enable_prefix_cache();
+  // Automatic prefix caching (prefix_cache.h) over the target's cache and the drafter's;
+  // generated: a request that ends keeps the blocks of its generated tokens too (its prompt
+  // and output as one prefix, for a later prompt that continues it), for engines whose
+  // decode rows are bitwise what a prompt's prefill computes (EngineConfig::prefix_cache_generated).
+  void enable_prefix_cache(bool generated = false);
   const PrefixCache* prefix_cache() const { return prefix_.get(); }
   void step();      // one round for the running requests not done
   void retire(Request* r);  // frees its slot and pages; fills its stats
@@ -95,7 +98,9 @@ class Decoder {
 
  private:
   void plan_row(int64_t row, Request& q, uint64_t draws);
-  void keep_prompt(Request& r, bool hold = true);  // its filled prompt blocks into the prefix cache
+  // its filled prompt blocks into the prefix cache (at the end: with cache_generated_, the
+  // generated tokens' blocks too)
+  void keep_prompt(Request& r, bool hold = true);
   void emit(Request& r, const int32_t* toks, int64_t count, const TokenLogprobs* lps = nullptr);
   // The log-probabilities of the tokens at logits rows [0, rows) (ids: each row's token;
   // top: the most likely tokens per row) into lps_, for the requests that asked for them.
@@ -120,6 +125,8 @@ class Decoder {
   std::vector<const int32_t*> toks_;
   std::vector<Drafter::StepRows> step_rows_;
   std::unique_ptr<PrefixCache> prefix_;
+  bool cache_generated_ = false;
+  std::vector<int32_t> seq_;  // keep_prompt: prompt + generated tokens
   std::vector<int32_t> pad_tokens_;  // a padding sequence's verify ids (zeros)
   std::vector<int32_t> lp_ids_;       // logprobs_of_rows' ids
   std::vector<TokenLogprobs> lps_;    // its results, one per row

@@ -853,8 +853,14 @@ Engine::Engine(const EngineConfig& cfg) : impl_(std::make_unique<Impl>()) {
     }
   }
   I.cfg.prefill_tokens_per_step = cfg.prefill_tokens_per_step < 0 ? cfg.max_step_tokens : cfg.prefill_tokens_per_step;
+  // generated tokens' rows equal what a prompt's prefill computes where every numerics is the
+  // exact one (the rows are batch-invariant and rounded alike: decode == verify == prefill)
+  I.cfg.prefix_cache_generated = cfg.prefix_caching && I.cfg.prefill_gemm == "exact" &&
+                                 I.cfg.decode_gemm == "exact" && I.cfg.experts_prefill_gemm == "exact" &&
+                                 I.cfg.experts_decode_gemm == "exact" && I.cfg.draft_gemm == "exact";
   I.scheduler = std::make_unique<runtime::Scheduler>(I.core, I.model_mu, cfg.speculation == "adaptive",
-                                                     I.cfg.prefill_tokens_per_step, cfg.prefix_caching);
+                                                     I.cfg.prefill_tokens_per_step, cfg.prefix_caching,
+                                                     I.cfg.prefix_cache_generated);
 }
 
 Engine::~Engine() { close(); }

@@ -10,9 +10,12 @@
 // layer's cache, the DFlash drafter's context cache): a reference each, so the blocks
 // outlive the request. Matching walks a prompt's blocks from the start while the entries
 // exist (the tokens compared, not only their hash) and leaves at least the prompt's last
-// token to run (its logits start the generation). Only prompt positions are kept: their rows
-// are what the prompt's prefill computes (the prompt numerics), so a prompt that takes them
-// gets the rows it would have computed, and its outputs do not depend on the cache.
+// token to run (its logits start the generation). Prompt positions are kept: their rows are
+// what the prompt's prefill computes (the prompt numerics), so a prompt that takes them gets
+// the rows it would have computed, and its outputs do not depend on the cache. Generated
+// positions too where the engine's decode rows are bitwise its prompt rows (every numerics
+// exact: EngineConfig::prefix_cache_generated): a request that ends keeps its prompt and
+// output as one prefix, which the next turn of a conversation starts with.
 // Entries that no running request uses are evicted least recently used first, leaves
 // before their parents, when an allocation finds too few free blocks.
 // Scheduler thread only (like the decoder that uses it).

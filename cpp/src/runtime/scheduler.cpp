@@ -8,10 +8,10 @@
 namespace dflash2::runtime {
 
 Scheduler::Scheduler(Core& core, std::mutex& model_mutex, bool adaptive, int64_t prefill_budget,
-                     bool prefix_caching)
+                     bool prefix_caching, bool cache_generated)
     : core_(core), model_mu_(model_mutex), dec_(core, *this, adaptive) {
   dec_.set_prefill_budget(prefill_budget);
-  if (prefix_caching) dec_.enable_prefix_cache();
+  if (prefix_caching) dec_.enable_prefix_cache(cache_generated);
   snap_cache_locked();  // (the thread does not run yet)
   thread_ = std::thread([this] { loop(); });
 }

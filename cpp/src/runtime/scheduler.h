@@ -37,9 +37,10 @@ class Scheduler final : public Decoder::Sink {
   // model_mutex: held while the model runs (a step, or the step-level API).
   // prefill_budget: prompt tokens run between two decode steps while requests decode (0 =
   // no limit; Decoder::prefill).
-  // prefix_caching: the decoder keeps prompts' blocks for later prompts (prefix_cache.h).
+  // prefix_caching: the decoder keeps prompts' blocks for later prompts (prefix_cache.h);
+  // cache_generated: and the generated tokens' blocks too (Decoder::enable_prefix_cache).
   Scheduler(Core& core, std::mutex& model_mutex, bool adaptive, int64_t prefill_budget = 0,
-            bool prefix_caching = false);
+            bool prefix_caching = false, bool cache_generated = false);
   ~Scheduler() override;
 
   // Takes a validated request; returns its id.
