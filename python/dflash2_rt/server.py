@@ -1132,14 +1132,13 @@ class _Service:
         return JSONResponse(obj)
 
     def _choice_logprobs(self, c, p: _Params, chat: bool):
-        """A whole choice's logprobs object (None unless asked for): every generated token's
-        (the engine's, in order), after the prompt's with echo."""
+        """A whole choice's logprobs object (None unless asked for): the tokens the choice's
+        text came from (as a stream hands them out: up to the piece where a stop string
+        matched), after the prompt's with echo."""
         if p.logprobs is None:
             return None
-        result = c.done[3] if c.done is not None else None
-        toks = list(getattr(result, "token_ids", None) or c.ids_out)
-        lps = list(getattr(result, "logprobs", None) or c.lps)[:len(toks)]
-        toks = toks[:len(lps)]
+        n = min(len(c.ids_out), len(c.lps))
+        toks, lps = c.ids_out[:n], c.lps[:n]
         if chat:
             return self.chat_logprobs(toks, lps)
         if p.echo:
