@@ -1061,7 +1061,8 @@ def test_logprobs_on_cuda(tmp_path):
     """Log-probabilities on the GPU (steps as graphs; the first token's from a prefill chunk,
     the rest from verify rows after acceptance, ops.token_logprobs and ops.topk there) equal
     the CPU engine's, greedy and seeded sampled, at tensor_parallel 1 and 2 (where the greedy
-    steps of such requests gather the logits instead of (max, id) pairs)."""
+    steps of such requests gather the logits instead of (max, id) pairs); so does scoring a
+    prompt (Engine.prompt_logprobs)."""
     cuda_or_skip()
     pair = F.make_self_drafting_pair(tmp_path)
     prompts = [[(i * 7) % 120 for i in range(13)], [(i * 5 + 3) % 120 for i in range(6)]]
@@ -1083,6 +1084,10 @@ def test_logprobs_on_cuda(tmp_path):
                         for x, y in zip(g.logprobs, w.logprobs):
                             assert list(x.top_ids) == list(y.top_ids)
                             np.testing.assert_allclose(x.top_logprobs, y.top_logprobs, atol=1e-4)
+                # scoring a prompt: token_logprobs and topk over the device's logits
+                for x, y in zip(eng.prompt_logprobs(prompts[0] + prompts[1], top=2),
+                                cpu.prompt_logprobs(prompts[0] + prompts[1], top=2)):
+                    assert abs(x.logprob - y.logprob) < 1e-4 and list(x.top_ids) == list(y.top_ids)
                 m = eng.metrics()
                 assert m["cuda_graphs_failed"] == 0, m["cuda_graphs_last_failure"]
                 if tp == 2:  # the logits were gathered (one GPU reads them from the projection's buffer)

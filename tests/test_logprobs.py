@@ -145,3 +145,29 @@ def test_logprobs_arguments_are_checked():
         assert len(eng.generate([P2], max_new_tokens=2, stop_token_ids=[], logprobs=20)[0].logprobs[1].top_ids) == 20
     finally:
         eng.close()
+
+
+@pytest.mark.parametrize("method", ["ar", "dflash2"])
+def test_prompt_logprobs_score_a_prompt(method):
+    """Engine.prompt_logprobs: token j + 1's log-probability after tokens [0, j] and the top
+    ones', computed where the logits are; over several chunks; equal to the teacher-forced
+    logits' and, for a generated continuation, bit for bit to what generate(logprobs=n) gave
+    (exact numerics: a decode row is the prefill row)."""
+    eng = dflash2_rt.Engine(method=method, max_batch_size=1, max_seq_len=512, max_step_tokens=64)
+    try:
+        long = [(j * 29 + 5) % 3000 + 2 for j in range(150)]  # three chunks
+        pl = eng.prompt_logprobs(long, top=4)
+        assert len(pl) == 149
+        ref = ref_logprobs(eng, long[:1], long[1:])
+        for j, x in enumerate(pl):
+            assert abs(x.logprob - ref[j, long[j + 1]]) < TOL
+            np.testing.assert_allclose(x.top_logprobs, np.sort(ref[j])[::-1][:4], atol=TOL)
+        out = eng.generate([P1], max_new_tokens=24, stop_token_ids=[], logprobs=2)[0]
+        again = eng.prompt_logprobs(P1 + out.token_ids, top=2)[len(P1) - 1:]
+        assert [x.logprob for x in again] == [x.logprob for x in out.logprobs]
+        assert [x.top_ids for x in again] == [x.top_ids for x in out.logprobs]
+        for bad, kw in (([5], {}), (P1, dict(top=21)), (P1, dict(top=-1)), ([5, 10 ** 8], {})):
+            with pytest.raises(dflash2_rt.InvalidArgumentError):
+                eng.prompt_logprobs(bad, **kw)
+    finally:
+        eng.close()

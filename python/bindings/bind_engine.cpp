@@ -204,6 +204,14 @@ void bind_engine(py::module_& m) {
           },
           py::arg("token_ids"))
       .def(
+          "prompt_logprobs",
+          [](Engine& e, py::handle tokens, int64_t top) {
+            std::vector<int32_t> t = to_tokens(tokens, "token_ids");
+            ReleaseGil nogil;
+            return e.prompt_logprobs(t, top);
+          },
+          py::arg("token_ids"), py::arg("top") = 0)
+      .def(
           "generate",
           [](Engine& e, py::handle prompts, int64_t max_new_tokens, float temperature, float top_p, int64_t top_k,
              py::object seed, py::object stop_token_ids, py::object on_tokens) {

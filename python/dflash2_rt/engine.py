@@ -461,6 +461,14 @@ class Engine:
         """float32 [n, vocab]: the logits at every position of `token_ids` (real prefill path)."""
         return self._e.logits(self._ids(token_ids, "logits: token_ids"))
 
+    def prompt_logprobs(self, token_ids, top: int = 0) -> list:
+        """Scores a prompt: one TokenLogprobs per token after the first (token j + 1's
+        log-probability under the target after tokens [0, j], and the `top` (0..20) most likely
+        tokens' there), teacher-forced through the prefill path with exact numerics. On a GPU
+        only these numbers leave the device (not the logits, as logits() would)."""
+        ids = self._ids(token_ids, "prompt_logprobs: token_ids")
+        return list(self._e.prompt_logprobs(ids, _check_int("prompt_logprobs", "top", top, 0, 20)))
+
     def encode(self, text: str) -> list:
         if self.tokenizer is None:
             raise _core.InvalidArgumentError(

@@ -977,12 +977,15 @@ class _Service:
 
     def prompt_logprobs(self, ids: list, top: int) -> list:
         """[None, TokenLogprobs...]: each prompt token's log-probability after the tokens before
-        it (the teacher-forced logits of Engine.logits), for echo with logprobs."""
+        it (Engine.prompt_logprobs; an engine without it: from Engine.logits), for echo with
+        logprobs."""
         import numpy as np
 
         out: list = [None]
         if len(ids) < 2:
             return out
+        if hasattr(self.engine, "prompt_logprobs"):
+            return out + list(self.engine.prompt_logprobs(ids, top))
         lg = np.asarray(self.engine.logits(ids), np.float64)[:-1]
         m = lg.max(axis=1, keepdims=True)
         lsm = lg - (m + np.log(np.exp(lg - m).sum(axis=1, keepdims=True)))
@@ -1011,7 +1014,7 @@ class _Service:
                     dec = self.decoder()
                     c.text = await anyio.to_thread.run_sync(dec, list(c.ids)) if dec is not None else ""
                 if p.logprobs is not None:
-                    if not hasattr(self.engine, "logits"):
+                    if not hasattr(self.engine, "logits") and not hasattr(self.engine, "prompt_logprobs"):
                         raise _bad("echo", "this engine cannot score prompts ('echo' with 'logprobs')")
                     same = next((d for d in choices[:c.index] if d.ids is c.ids and d.prompt_lps is not None), None)
                     c.prompt_lps = same.prompt_lps if same is not None else await anyio.to_thread.run_sync(

@@ -309,6 +309,11 @@ class Engine {
   const std::string& method() const;
   // Teacher-forced logits F32 [n, V] of a prompt through the real prefill path.
   Tensor logits(const std::vector<int32_t>& tokens);
+  // The log-probabilities of a prompt's tokens under the target (scoring; exact numerics, the
+  // prefill path): entry j is token j + 1's after tokens [0, j], with the `top` (0..20) most
+  // likely tokens' there; tokens.size() - 1 entries. Computed where the logits are (on a GPU
+  // only these numbers come back, not the logits).
+  std::vector<TokenLogprobs> prompt_logprobs(const std::vector<int32_t>& tokens, int64_t top = 0);
   std::unique_ptr<Sequence> new_sequence();
 
   int64_t vocab_size() const;

@@ -885,6 +885,87 @@ Tensor Engine::logits(const std::vector<int32_t>& tokens) {
   return seq->extend(tokens, {}, &none);
 }
 
+std::vector<TokenLogprobs> Engine::prompt_logprobs(const std::vector<int32_t>& tokens, int64_t top) {
+  Impl& I = *impl_;
+  runtime::Target& tgt = *I.core.target;
+  const int64_t n = int64_t(tokens.size()), V = tgt.config().vocab_size;
+  DFLASH2_CHECK_ARG(n >= 2, "prompt_logprobs: needs at least 2 tokens (the first has no context), found ", n);
+  DFLASH2_CHECK_ARG(top >= 0 && top <= std::min<int64_t>(kMaxLogprobs, V), "prompt_logprobs: top must be in [0, ",
+                    std::min<int64_t>(kMaxLogprobs, V), "], found ", top);
+  DFLASH2_CHECK_ARG(n <= tgt.options().max_seq_len, "prompt_logprobs: ", n, " tokens exceed max_seq_len ",
+                    tgt.options().max_seq_len);
+  for (int64_t j = 0; j < n; ++j)
+    DFLASH2_CHECK_ARG(tokens[size_t(j)] >= 0 && tokens[size_t(j)] < V, "prompt_logprobs: token id ",
+                      tokens[size_t(j)], " at position ", j, " is outside the vocabulary [0, ", V, ")");
+  std::vector<TokenLogprobs> out;
+  auto seq = new_sequence();  // released (under the model lock) when it goes, after the lock below
+  {
+    ops::CpuThreadScope threads(I.core.num_threads);
+    std::lock_guard<std::mutex> model_lock(I.model_mu);
+    // chunks of at most R rows, their logits kept where the target leaves them (rank 0's
+    // device); with every numerics exact a row does not depend on its chunk
+    const int64_t R = std::min<int64_t>({n, tgt.options().max_step_tokens, 512});
+    const Device dev = I.core.device;
+    const bool cuda = dev.is_cuda();
+    Tensor lg = Tensor::empty(DType::F32, {R, V}, dev);
+    Tensor ids_h = Tensor::zeros(DType::I32, {R}), lp_h = Tensor::zeros(DType::F32, {R});
+    Tensor lse_h = Tensor::zeros(DType::F32, {R});
+    Tensor tv_h = Tensor::zeros(DType::F32, {std::max<int64_t>(R * top, 1)});
+    Tensor ti_h = Tensor::zeros(DType::I32, {std::max<int64_t>(R * top, 1)});
+    Tensor ids_d = cuda ? Tensor::zeros(DType::I32, {R}, dev) : ids_h, lp_d = cuda ? Tensor::zeros(DType::F32, {R}, dev) : lp_h;
+    Tensor lse_d = cuda ? Tensor::zeros(DType::F32, {R}, dev) : lse_h;
+    Tensor tv_d = cuda ? Tensor::zeros(DType::F32, {tv_h.numel()}, dev) : tv_h;
+    Tensor ti_d = cuda ? Tensor::zeros(DType::I32, {ti_h.numel()}, dev) : ti_h;
+    std::vector<CacheStream*> streams{&seq->impl_->main};
+    std::vector<const int32_t*> toks{tokens.data()};
+    std::vector<int64_t> counts{n};
+    std::vector<std::vector<runtime::Piece>> chunks;
+    runtime::make_chunks(streams, toks, counts, R, chunks);
+    out.reserve(size_t(n - 1));
+    int64_t row0 = 0;
+    for (const auto& ch : chunks) {
+      const int64_t T = ch[0].n;
+      model::ForwardOutputs fo;
+      fo.exact = true;  // as logits(): exact whatever prefill_gemm / decode_gemm
+      fo.logits = lg.slice(0, 0, T);
+      fo.all_logits = true;
+      tgt.run_chunk(ch, fo);
+      int32_t* ids = ids_h.data_as<int32_t>();
+      for (int64_t j = 0; j < T; ++j) ids[j] = row0 + j + 1 < n ? tokens[size_t(row0 + j + 1)] : 0;
+      Tensor x = lg.slice(0, 0, T), id = ids_d.slice(0, 0, T), lp = lp_d.slice(0, 0, T), ls = lse_d.slice(0, 0, T);
+      if (cuda) id.copy_from(ids_h.slice(0, 0, T));
+      ops::token_logprobs(x, id, lp, ls);
+      Tensor tv = tv_d.slice(0, 0, T * top), ti = ti_d.slice(0, 0, T * top);
+      if (top > 0) {
+        Tensor tv2 = tv.reshape({T, top}), ti2 = ti.reshape({T, top});
+        ops::topk(x, top, tv2, ti2);
+      }
+      if (cuda) {
+        lp_h.slice(0, 0, T).copy_from(lp);
+        lse_h.slice(0, 0, T).copy_from(ls);
+        if (top > 0) {
+          tv_h.slice(0, 0, T * top).copy_from(tv);
+          ti_h.slice(0, 0, T * top).copy_from(ti);
+        }
+      }
+      const float *v = lp_h.data_as<const float>(), *l = lse_h.data_as<const float>();
+      const float* topv = tv_h.data_as<const float>();
+      const int32_t* topi = ti_h.data_as<const int32_t>();
+      for (int64_t j = 0; j < T && row0 + j + 1 < n; ++j) {
+        DFLASH2_CHECK(std::isfinite(v[j]), ErrorKind::Numerical, "prompt_logprobs: non-finite logits (NaN or Inf) "
+                      "from the target at position ", row0 + j);
+        TokenLogprobs e;
+        e.logprob = v[j];
+        e.top_ids.assign(topi + j * top, topi + (j + 1) * top);
+        for (int64_t k = 0; k < top; ++k) e.top_logprobs.push_back(float(double(topv[j * top + k]) - double(l[j])));
+        out.push_back(std::move(e));
+      }
+      row0 += T;
+    }
+  }
+  return out;
+}
+
 std::unique_ptr<Sequence> Engine::new_sequence() {
   auto impl = std::make_unique<Sequence::Impl>();
   impl->e = impl_.get();
