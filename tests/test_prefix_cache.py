@@ -283,3 +283,27 @@ def test_generated_blocks_are_kept_only_where_decode_rows_are_prompt_rows():
     finally:
         eng.close()
         ref.close()
+
+
+@pytest.mark.parametrize("method", ["ar", "dflash2", "mtp"])
+def test_prompts_admitted_together_share_one_prefill(method):
+    """Requests with one prompt arriving together (n choices, a batch sharing a system
+    prompt): the first runs it, the others are admitted after its prefill and take its blocks
+    (every block for ar; a drafter still holding its last rows back keeps those for later)."""
+    kw = dict(method=method, max_batch_size=4, max_seq_len=256)
+    ref = dflash2_rt.Engine(**kw, prefix_caching=False)
+    eng = dflash2_rt.Engine(**kw)
+    try:
+        p = [(j * 43 + 7) % 3000 + 2 for j in range(150)]
+        others = [p[:100] + [5 + k] * 3 for k in range(2)]  # sharing 6 blocks with p
+        want = ref.generate([p] * 3 + others, max_new_tokens=12, stop_token_ids=[])
+        got = eng.generate([p] * 3 + others, max_new_tokens=12, stop_token_ids=[])
+        assert [g.token_ids for g in got] == [w.token_ids for w in want]
+        cached = [g.stats["cached_tokens"] for g in got]
+        assert cached[0] == 0 and all(c > 0 for c in cached[1:]), cached
+        if method == "ar":
+            assert cached == [0, 144, 144, 96, 96], cached
+        assert eng.metrics()["cache_pages_used"] == 0
+    finally:
+        eng.close()
+        ref.close()

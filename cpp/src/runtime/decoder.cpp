@@ -41,7 +41,26 @@ int64_t Decoder::free_slots() const {
   return n;
 }
 
+bool Decoder::waits_for_a_prefill(const Request& r) const {
+  if (!prefix_) return false;
+  const int64_t bs = prefix_->block_size(), n = int64_t(r.prompt.size());
+  int64_t cached = -1;  // looked up when a candidate shows up
+  for (const Request* a : running_) {
+    if (a->prefilled || a->done) continue;
+    const int64_t na = int64_t(a->prompt.size()), m = std::min(n, na);
+    int64_t common = 0;
+    while (common < m && a->prompt[size_t(common)] == r.prompt[size_t(common)]) ++common;
+    // whole blocks with the token after each: what a's prefill keeps and r could take
+    const int64_t k = std::min({(common - 1) / bs, (n - 1) / bs, (na - 1) / bs});
+    if (k <= 0) continue;
+    if (cached < 0) cached = prefix_->match(r.prompt.data(), n);
+    if (k > cached) return true;
+  }
+  return false;
+}
+
 bool Decoder::admit(Request* r) {
+  if (waits_for_a_prefill(*r)) return false;
   int slot = -1;
   for (size_t i = 0; i < slots_.size(); ++i)
     if (!slots_[i]) {

@@ -67,7 +67,8 @@ class Decoder {
 
   int64_t free_slots() const;
   const std::vector<Request*>& running() const { return running_; }
-  // Takes a slot and reserves the request's cache; false (nothing taken) if none is free.
+  // Takes a slot and reserves the request's cache; false (nothing taken) if none is free, or
+  // if its prompt should wait for a running prompt's prefill (waits_for_a_prefill).
   bool admit(Request* r);
   // The prompts of admitted requests not prefilled yet: all of them whole, or, while other
   // requests are decoding and a budget is set, at most that many of their tokens (in
@@ -101,6 +102,11 @@ class Decoder {
   // its filled prompt blocks into the prefix cache (at the end: with cache_generated_, the
   // generated tokens' blocks too)
   void keep_prompt(Request& r, bool hold = true);
+  // With prefix caching: whether r's prompt starts like the prompt of a running request whose
+  // prefill has not ended, with more whole blocks in common than the cache holds now: then r
+  // is admitted after that prefill and takes those blocks instead of running them beside it
+  // (n choices of one prompt, a batch sharing a system prompt).
+  bool waits_for_a_prefill(const Request& r) const;
   void emit(Request& r, const int32_t* toks, int64_t count, const TokenLogprobs* lps = nullptr);
   // The log-probabilities of the tokens at logits rows [0, rows) (ids: each row's token;
   // top: the most likely tokens per row) into lps_, for the requests that asked for them.

@@ -78,6 +78,18 @@ std::vector<int32_t> PrefixCache::acquire(const int32_t* tokens, int64_t n) {
   return out;
 }
 
+int64_t PrefixCache::match(const int32_t* tokens, int64_t n) const {
+  uint64_t h = 0;
+  int32_t parent = -1;
+  int64_t k = 0;
+  for (; (k + 1) * bs_ < n; ++k) {
+    h = chain(h, tokens + k * bs_, bs_ + 1);
+    parent = find(h, parent, tokens + k * bs_);
+    if (parent < 0) break;
+  }
+  return k;
+}
+
 void PrefixCache::note(int64_t queried, int64_t hit) {
   queried_ += queried;
   hits_ += hit;

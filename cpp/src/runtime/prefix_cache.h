@@ -43,6 +43,8 @@ class PrefixCache {
   // The entries of the longest cached prefix of tokens[0, n) (at most (n - 1) / block_size
   // blocks), each acquired (not evictable until released).
   std::vector<int32_t> acquire(const int32_t* tokens, int64_t n);
+  // How many blocks acquire(tokens, n) would take now (nothing acquired).
+  int64_t match(const int32_t* tokens, int64_t n) const;
   // A prompt of `queried` tokens admitted with `hit` of them cached (the statistics).
   void note(int64_t queried, int64_t hit);
   void release(const std::vector<int32_t>& entries);

@@ -221,6 +221,8 @@ void Scheduler::loop() {
           r->done = true;
           r->finish_reason = "cancelled";
         }
+      // in order; the first that cannot be admitted (no slot or cache room, or its prompt
+      // waits for a running prompt's prefill: Decoder::admit) holds the rest back
       while (!waiting_.empty() && dec_.admit(waiting_.front())) waiting_.pop_front();
     }
     try {
