@@ -307,3 +307,32 @@ def test_prompts_admitted_together_share_one_prefill(method):
     finally:
         eng.close()
         ref.close()
+
+
+def test_a_prompt_prefilled_over_several_rounds_is_not_waited_for():
+    """The wait is one round at most: while requests decode and prefill_tokens_per_step cuts a
+    long prompt into rounds, a request with the same prompt is admitted beside it (and runs
+    its own), instead of holding the queue back for all of that prompt's rounds."""
+    eng = dflash2_rt.Engine(method="ar", max_batch_size=3, max_seq_len=256, prefill_tokens_per_step=32)
+    ref = dflash2_rt.Engine(method="ar", max_batch_size=3, max_seq_len=256, prefix_caching=False)
+    try:
+        p = [(j * 43 + 7) % 3000 + 2 for j in range(150)]
+        first = eng.submit(SYSTEM[:20], max_new_tokens=200, stop_token_ids=[])
+        while not eng.poll(first, timeout=5).new_token_ids:  # decoding
+            pass
+        a = eng.submit(p, max_new_tokens=4, stop_token_ids=[])
+        b = eng.submit(p, max_new_tokens=4, stop_token_ids=[])
+        res = {}
+        for rid in (a, b):
+            while True:
+                u = eng.poll(rid, timeout=30)
+                if u.finished:
+                    res[rid] = u.result
+                    break
+        want = ref.generate([p], max_new_tokens=4, stop_token_ids=[])[0].token_ids
+        assert res[a].token_ids == want and res[b].token_ids == want
+        assert res[a].stats["prefill_rounds"] > 1 and res[b].stats["cached_tokens"] == 0, res[b].stats
+        eng.cancel(first)
+    finally:
+        eng.close()
+        ref.close()

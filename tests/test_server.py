@@ -811,3 +811,17 @@ def test_tokenize_and_detokenize(live, chat_live):
     r = chat_live.post("/tokenize", {"messages": msgs}).json()
     done = chat_live.client.chat.completions.create(model=MODEL, messages=msgs, max_tokens=1, temperature=0)
     assert r["count"] == done.usage.prompt_tokens
+
+
+def test_a_failed_choice_ends_its_siblings(live):
+    if live.kind != "fake":
+        pytest.skip("needs the fake engine's fault injection")
+    eng = live.engine
+    before = len(eng.cancelled)
+    eng.fail_next("kaboom in choice 0")
+    t0 = time.monotonic()
+    r = live.post("/v1/completions", {"model": MODEL, "prompt": "x", "n": 3, "max_tokens": 4000,
+                                      "ignore_eos": True, "temperature": 0})
+    assert r.status_code == 500 and "kaboom in choice 0" in r.json()["error"]["message"]
+    assert time.monotonic() - t0 < 3.0  # not after the other choices' 4000 tokens
+    assert wait_until(lambda: len(eng.cancelled) >= before + 2, 5) is not None  # choices 1 and 2

@@ -1741,6 +1741,27 @@ void bench_small(Bench& b, const std::vector<int64_t>& Ts) {
         return wide_rows_forms(base, vars, "argmax", [=](int v) mutable { ops::argmax(logits[size_t(v)], out); });
       });
     }
+    // token_logprobs over the vocabulary (requests with logprobs: the verify rows after
+    // acceptance): one block per row, two passes (max and the non-finite OR, then the
+    // exponentials' double sum)
+    {
+      Result r{"token_logprobs", dims({T, G.vocab}), "f32", t_label(T), T};
+      r.bytes = 8.0 * T * G.vocab + 12.0 * T;
+      r.flops = 0;
+      b.run(r, [&](Baseline&) {
+        const int vars = rotations(int64_t(4 * T * G.vocab));
+        std::vector<Tensor> logits;
+        for (int v = 0; v < vars; ++v) logits.push_back(dev_rand(DType::F32, {T, G.vocab}, 80 + v));
+        std::vector<int32_t> ids(static_cast<size_t>(T));
+        for (int64_t t = 0; t < T; ++t) ids[size_t(t)] = int32_t((t * 7919) % G.vocab);
+        Tensor id = upload(ids, DType::I32, {T});
+        Tensor lp = dev_empty(DType::F32, {T}), lse = dev_empty(DType::F32, {T});
+        return std::make_pair(std::function<void(int)>([=](int v) mutable {
+                                ops::token_logprobs(logits[size_t(v)], id, lp, lse);
+                              }),
+                              vars);
+      });
+    }
     // sample over the vocabulary: rows split over blocks (ops::wide_rows, the default)
     // beside one block per row (the switch off) on the same rows; t1.0 p0.95 is the published
     // setting (no top-k: the whole row is in the top-p selection)

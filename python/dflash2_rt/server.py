@@ -138,7 +138,8 @@ def _is_invalid_argument(e: BaseException) -> bool:
 
 # engine argument names -> API field names, for the `param` of a 400 from the engine
 _ENGINE_PARAMS = [("max_new_tokens", "max_tokens"), ("stop_token_ids", "stop_token_ids"), ("top_p", "top_p"),
-                  ("top_k", "top_k"), ("temperature", "temperature"), ("seed", "seed"), ("prompt", "prompt")]
+                  ("top_k", "top_k"), ("temperature", "temperature"), ("seed", "seed"), ("logprobs", "logprobs"),
+                  ("prompt", "prompt")]
 
 
 def _engine_error(e: BaseException) -> ApiError:
@@ -230,7 +231,8 @@ def _parse_common(body: dict, *, chat: bool, vocab_size: Optional[int]) -> _Para
     name = "max_tokens"
     if chat and body.get("max_completion_tokens") is not None:
         name = "max_completion_tokens"
-    if p.echo and body.get(name) == 0:  # scoring a prompt: its log-probabilities, nothing generated
+    v = body.get(name)
+    if p.echo and isinstance(v, int) and not isinstance(v, bool) and v == 0:  # scoring a prompt, nothing generated
         p.max_tokens = 0
     else:
         p.max_tokens = _int(body, name, None, 1, None, " >= 1" + (" (or 0 with 'echo')" if not chat else ""))
@@ -1017,8 +1019,17 @@ class _Service:
                     if not hasattr(self.engine, "logits") and not hasattr(self.engine, "prompt_logprobs"):
                         raise _bad("echo", "this engine cannot score prompts ('echo' with 'logprobs')")
                     same = next((d for d in choices[:c.index] if d.ids is c.ids and d.prompt_lps is not None), None)
-                    c.prompt_lps = same.prompt_lps if same is not None else await anyio.to_thread.run_sync(
-                        self.prompt_logprobs, list(c.ids), p.logprobs)
+                    if same is not None:
+                        c.prompt_lps = same.prompt_lps
+                    else:
+                        if self.max_seq_len is not None and len(c.ids) > self.max_seq_len:
+                            raise _bad("prompt", f"the prompt has {len(c.ids)} tokens; this model's max_seq_len "
+                                                 f"is {self.max_seq_len}")
+                        try:
+                            c.prompt_lps = await anyio.to_thread.run_sync(self.prompt_logprobs, list(c.ids),
+                                                                          p.logprobs)
+                        except Exception as e:  # noqa: BLE001 - a bad prompt is a 400, the rest a 500
+                            raise _engine_error(e) from None
         several = len(choices) > 1
         for c in choices:
             if c.max_tokens == 0:
@@ -1068,7 +1079,9 @@ class _Service:
                 self.counters.active -= 1
 
     async def _collect(self, request: Request, choices: list, p: _Params, chat: bool, req_id: str) -> Response:
-        async def consume(c) -> None:
+        live = [c for c in choices if c.job is not None]
+
+        async def consume(c, scope) -> None:
             async for ev in c.job.events():
                 if ev[0] == "delta":
                     c.texts.append(ev[1])
@@ -1077,18 +1090,20 @@ class _Service:
                 elif ev[0] == "done":
                     c.texts.append(ev[1])
                     c.done = ev
-                else:
+                else:  # one choice failed: the request fails, the other choices end now
                     c.error = ev[1]
+                    for d in live:
+                        d.job.cancel()
+                    scope.cancel()
                     return
 
         disconnected = False
-        live = [c for c in choices if c.job is not None]
         if live:
             async with anyio.create_task_group() as tg:
                 async def main() -> None:
                     async with anyio.create_task_group() as inner:
                         for c in live:
-                            inner.start_soon(consume, c)
+                            inner.start_soon(consume, c, inner.cancel_scope)
                     tg.cancel_scope.cancel()
 
                 async def watch() -> None:
@@ -1102,7 +1117,7 @@ class _Service:
 
                 tg.start_soon(main)
                 tg.start_soon(watch)
-        if disconnected and any(c.done is None and c.error is None for c in live):
+        if disconnected and not any(c.error is not None for c in live) and any(c.done is None for c in live):
             for c in live:
                 c.job.cancel()
             self.counters.disconnects += 1
@@ -1320,6 +1335,41 @@ async def _json_body(request: Request) -> dict:
     return body
 
 
+class _ApiKey:
+    """Pure ASGI middleware (receive / send pass through untouched, so streams and disconnect
+    detection work as without it): an HTTP request to /v1/* (relative to the app's root_path)
+    without "Authorization: Bearer <key>" gets a 401 in OpenAI's error shape."""
+
+    def __init__(self, app, key: str, counters):
+        import hmac
+
+        self.app = app
+        self._want = ("Bearer " + key).encode()
+        self._eq = hmac.compare_digest
+        self._counters = counters
+
+    async def __call__(self, scope, receive, send):
+        if scope.get("type") == "http":
+            path = scope.get("path", "")
+            root = scope.get("root_path", "")
+            if root and path.startswith(root):
+                path = path[len(root):]
+            if path.startswith("/v1/"):
+                got = b""
+                for k, v in scope.get("headers", []):
+                    if k.lower() == b"authorization":
+                        got = v
+                        break
+                if not self._eq(got, self._want):
+                    e = ApiError(401, "missing or wrong API key (send 'Authorization: Bearer <key>')", None,
+                                 "invalid_request_error", "invalid_api_key")
+                    key = ("/v1 (unauthorized)", 401)
+                    self._counters.http[key] = self._counters.http.get(key, 0) + 1
+                    await JSONResponse(e.body(), status_code=401)(scope, receive, send)
+                    return
+        await self.app(scope, receive, send)
+
+
 def create_app(engine, model_name: Optional[str] = None, *, chat_template: Optional[str] = None,
                api_key: Optional[str] = None) -> FastAPI:
     """The FastAPI app serving `engine` (which the app does not own: close it after the
@@ -1335,20 +1385,7 @@ def create_app(engine, model_name: Optional[str] = None, *, chat_template: Optio
     app.state.dflash2 = svc
 
     if api_key is not None:
-        import hmac
-
-        want = ("Bearer " + api_key).encode()
-
-        @app.middleware("http")
-        async def _auth(request: Request, call_next):
-            if request.url.path.startswith("/v1/"):
-                got = request.headers.get("authorization", "").encode()
-                if not hmac.compare_digest(got, want):
-                    e = ApiError(401, "missing or wrong API key (send 'Authorization: Bearer <key>')", None,
-                                 "invalid_request_error", "invalid_api_key")
-                    svc.counters.http[(request.url.path, 401)] = svc.counters.http.get((request.url.path, 401), 0) + 1
-                    return JSONResponse(e.body(), status_code=401)
-            return await call_next(request)
+        app.add_middleware(_ApiKey, key=api_key, counters=svc.counters)
 
     def count(endpoint: str, status: int) -> None:
         key = (endpoint, status)

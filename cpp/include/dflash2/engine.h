@@ -172,8 +172,8 @@ using RequestId = int64_t;
 struct GenerationResult {
   std::vector<int32_t> token_ids;  // generated tokens only
   std::string finish_reason;       // "stop" | "length" | "cancelled"
-  std::vector<TokenLogprobs> logprobs;  // one per token of token_ids with SamplingParams::logprobs >= 0
   GenerationStats stats;
+  std::vector<TokenLogprobs> logprobs;  // one per token of token_ids with SamplingParams::logprobs >= 0
 };
 
 // What poll() throws for a request that failed: the failure's kind and message, and which
@@ -187,9 +187,9 @@ struct RequestError : Error {
 struct RequestUpdate {
   RequestId id = 0;
   std::vector<int32_t> new_tokens;  // committed since the last poll
-  std::vector<TokenLogprobs> new_logprobs;  // theirs (SamplingParams::logprobs >= 0), else empty
   bool finished = false;
   GenerationResult result;          // when finished: every token, the finish reason, stats
+  std::vector<TokenLogprobs> new_logprobs;  // new_tokens' (SamplingParams::logprobs >= 0), else empty
 };
 
 // Engine-wide counters (for /metrics and dashboards).

@@ -171,16 +171,17 @@ void Core::argmax_row0() {
   download_results();
 }
 
-void Core::logprobs(int64_t rows, int64_t top) {
-  if (rows <= 0) return;
-  const Tensor lg = logits.slice(0, 0, rows);
-  DFLASH2_INTERNAL(top >= 0 && top <= kMaxLogprobs && top <= lg.shape(1), "logprobs: top ", top);
+void Core::logprobs(int64_t lo, int64_t rows, int64_t top) {
+  if (rows <= lo) return;
+  const Tensor lg = logits.slice(0, lo, rows);
+  DFLASH2_INTERNAL(lo >= 0 && top >= 0 && top <= kMaxLogprobs && top <= lg.shape(1), "logprobs: rows ", lo, "..",
+                   rows, ", top ", top);
   if (!device.is_cuda()) {
-    Tensor ids = lp_ids.slice(0, 0, rows), v = lp_val.slice(0, 0, rows), l = lp_lse.slice(0, 0, rows);
+    Tensor ids = lp_ids.slice(0, lo, rows), v = lp_val.slice(0, lo, rows), l = lp_lse.slice(0, lo, rows);
     ops::token_logprobs(lg, ids, v, l);
     if (top > 0) {
-      Tensor tv = lp_topv.slice(0, 0, rows * top).reshape({rows, top});
-      Tensor ti = lp_topi.slice(0, 0, rows * top).reshape({rows, top});
+      Tensor tv = lp_topv.slice(0, lo * top, rows * top).reshape({rows - lo, top});
+      Tensor ti = lp_topi.slice(0, lo * top, rows * top).reshape({rows - lo, top});
       ops::topk(lg, top, tv, ti);
     }
     return;
@@ -193,18 +194,19 @@ void Core::logprobs(int64_t rows, int64_t top) {
     d_lp_topv = Tensor::zeros(DType::F32, {n * kMaxLogprobs}, device);
     d_lp_topi = Tensor::zeros(DType::I32, {n * kMaxLogprobs}, device);
   }
-  Tensor ids = d_lp_ids.slice(0, 0, rows), v = d_lp_val.slice(0, 0, rows), l = d_lp_lse.slice(0, 0, rows);
-  ids.copy_from(lp_ids.slice(0, 0, rows));
+  const int64_t n = rows - lo;
+  Tensor ids = d_lp_ids.slice(0, lo, rows), v = d_lp_val.slice(0, lo, rows), l = d_lp_lse.slice(0, lo, rows);
+  ids.copy_from(lp_ids.slice(0, lo, rows));
   ops::token_logprobs(lg, ids, v, l);
-  lp_val.slice(0, 0, rows).copy_from(v);
-  lp_lse.slice(0, 0, rows).copy_from(l);
   if (top > 0) {
-    Tensor tv = d_lp_topv.slice(0, 0, rows * top), ti = d_lp_topi.slice(0, 0, rows * top);
-    Tensor tv2 = tv.reshape({rows, top}), ti2 = ti.reshape({rows, top});
+    Tensor tv = d_lp_topv.slice(0, lo * top, rows * top), ti = d_lp_topi.slice(0, lo * top, rows * top);
+    Tensor tv2 = tv.reshape({n, top}), ti2 = ti.reshape({n, top});
     ops::topk(lg, top, tv2, ti2);
-    lp_topv.slice(0, 0, rows * top).copy_from(tv);
-    lp_topi.slice(0, 0, rows * top).copy_from(ti);
+    lp_topv.slice(0, lo * top, rows * top).copy_from(tv);
+    lp_topi.slice(0, lo * top, rows * top).copy_from(ti);
   }
+  lp_val.slice(0, lo, rows).copy_from(v);
+  lp_lse.slice(0, lo, rows).copy_from(l);
 }
 
 void Core::accept_rows(int64_t rows, int64_t S, const Tensor& drafts, const Tensor& cand, const Tensor& q,

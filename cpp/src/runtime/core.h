@@ -89,14 +89,14 @@ struct Core {
   void accept_rows(int64_t rows, int64_t S, const Tensor& drafts, const Tensor& cand, const Tensor& q,
                    const std::function<void(const Drafter::StepAcceptance&)>& in_step = nullptr,
                    const Tensor& target_ids = Tensor());
-  // Log-probabilities of logits rows [0, rows) at lp_ids' first `rows` ids (host): lp_val /
+  // Log-probabilities of logits rows [lo, rows) at lp_ids' ids (host, row i at i): lp_val /
   // lp_lse (ops::token_logprobs) and with top > 0 the rows' top ids and logits (lp_topi /
-  // lp_topv, [rows, top] in their first rows * top elements: ops::topk). Eager, after the
-  // step's results are back: on CUDA one upload, the two ops, and copies back (a second
-  // wait, in the steps of requests that asked for log-probabilities only).
+  // lp_topv, row i's at i * top: ops::topk). Eager, after the step's results are back: on
+  // CUDA one upload, the two ops, and copies back (a second wait, in the steps of requests
+  // that asked for log-probabilities only).
   Tensor lp_ids, lp_val, lp_lse, lp_topv, lp_topi;
   Tensor d_lp_ids, d_lp_val, d_lp_lse, d_lp_topv, d_lp_topi;
-  void logprobs(int64_t rows, int64_t top);
+  void logprobs(int64_t lo, int64_t rows, int64_t top);
   // The flags buffer the verify pass writes (the host's on the CPU, the device results' on CUDA).
   Tensor flags_out(int64_t row0, int64_t row1) const {
     return (device.is_cuda() ? d_flags : flags).slice(0, row0, row1);

@@ -45,9 +45,18 @@ bool Decoder::waits_for_a_prefill(const Request& r) const {
   if (!prefix_) return false;
   const int64_t bs = prefix_->block_size(), n = int64_t(r.prompt.size());
   int64_t cached = -1;  // looked up when a candidate shows up
+  // the prompts that end this round (a's blocks are kept as its prefill ends; a prompt that
+  // takes several rounds under prefill_tokens_per_step is not waited for)
+  bool decoding = false;
+  for (const Request* a : running_) decoding = decoding || (a->prefilled && !a->done);
+  int64_t budget = decoding && prefill_budget_ > 0 ? prefill_budget_ : INT64_MAX;
   for (const Request* a : running_) {
     if (a->prefilled || a->done) continue;
     const int64_t na = int64_t(a->prompt.size()), m = std::min(n, na);
+    const int64_t rest = na - a->prompt_fed;
+    const bool ends_now = rest <= budget;
+    budget = rest <= budget ? budget - rest : 0;
+    if (!ends_now) continue;
     int64_t common = 0;
     while (common < m && a->prompt[size_t(common)] == r.prompt[size_t(common)]) ++common;
     // whole blocks with the token after each: what a's prefill keeps and r could take
@@ -239,15 +248,15 @@ void Decoder::emit(Request& r, const int32_t* toks, int64_t count, const TokenLo
   if (n > 0) sink_.on_tokens(r, toks, n, with_lp ? r.logprobs.data() + lp0 : nullptr);
 }
 
-void Decoder::logprobs_of_rows(int64_t rows, const int32_t* ids, int64_t top) {
+void Decoder::logprobs_of_rows(int64_t lo, int64_t rows, const int32_t* ids, int64_t top) {
   std::copy(ids, ids + rows, c_.lp_ids.data_as<int32_t>());
-  c_.logprobs(rows, top);
+  c_.logprobs(lo, rows, top);
   const float* v = c_.lp_val.data_as<const float>();
   const float* l = c_.lp_lse.data_as<const float>();
   const float* tv = c_.lp_topv.data_as<const float>();
   const int32_t* ti = c_.lp_topi.data_as<const int32_t>();
   if (int64_t(lps_.size()) < rows) lps_.resize(size_t(rows));
-  for (int64_t i = 0; i < rows; ++i) {
+  for (int64_t i = lo; i < rows; ++i) {
     TokenLogprobs& o = lps_[size_t(i)];
     o.logprob = v[i];
     o.top_ids.assign(ti + i * top, ti + (i + 1) * top);
@@ -338,7 +347,7 @@ void Decoder::prefill() {
       top = std::max(top, q.p.logprobs);
     }
     // the first tokens' log-probabilities (before the drafter's commit reuses any buffer)
-    if (top >= 0) logprobs_of_rows(R, c_.s_out.data_as<const int32_t>(), top);
+    if (top >= 0) logprobs_of_rows(0, R, c_.s_out.data_as<const int32_t>(), top);
     if (drafter) {
       commits_.clear();
       int64_t row = 0;
@@ -599,20 +608,25 @@ void Decoder::step() {
   // the committed tokens' log-probabilities, for the requests that asked for them: row j of
   // a request holds the target's distribution after its j-th verify token, so its committed
   // token there is draft j + 1 while j < accepted, then the bonus (other rows: any id)
+  // (over the rows from the first to the last committed row of those requests)
   if (lp_top >= 0) {
-    int64_t row = 0;
+    int64_t row = 0, lo = -1, hi = 0;
     lp_ids_.clear();
     for (int64_t k = 0; k < S; ++k) {
       const Request& r = *act_[size_t(k)];
       const int64_t kk = int64_t(r.verify.size()) - 1;
-      const int64_t a = std::min<int64_t>(c_.a_accepted.data_as<const int32_t>()[k], kk);
+      const int64_t a = std::max<int64_t>(0, std::min<int64_t>(c_.a_accepted.data_as<const int32_t>()[k], kk));
       const int32_t* d = a > 0 ? c_.drafts_host.data_as<const int32_t>() + dr->row[size_t(k)] * c_.drafts_host.stride(0)
                                : nullptr;
       for (int64_t j = 0; j <= kk; ++j)
         lp_ids_.push_back(j < a ? d[j] : j == a ? c_.a_bonus.data_as<const int32_t>()[k] : 0);
+      if (r.p.logprobs >= 0) {
+        if (lo < 0) lo = row;
+        hi = row + a + 1;
+      }
       row += kk + 1;
     }
-    logprobs_of_rows(row, lp_ids_.data(), lp_top);
+    logprobs_of_rows(lo, hi, lp_ids_.data(), lp_top);
   }
   // 4. commit anchor + the accepted tokens; roll back the rest of the verify pass
   commits_.clear();

@@ -108,9 +108,9 @@ class Decoder {
   // (n choices of one prompt, a batch sharing a system prompt).
   bool waits_for_a_prefill(const Request& r) const;
   void emit(Request& r, const int32_t* toks, int64_t count, const TokenLogprobs* lps = nullptr);
-  // The log-probabilities of the tokens at logits rows [0, rows) (ids: each row's token;
-  // top: the most likely tokens per row) into lps_, for the requests that asked for them.
-  void logprobs_of_rows(int64_t rows, const int32_t* ids, int64_t top);
+  // The log-probabilities of the tokens at logits rows [lo, rows) (ids[i]: row i's token;
+  // top: the most likely tokens per row) into lps_[lo, rows), for the requests that asked.
+  void logprobs_of_rows(int64_t lo, int64_t rows, const int32_t* ids, int64_t top);
   void after_commit(Request& r);
 
   Core& c_;

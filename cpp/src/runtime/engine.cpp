@@ -898,12 +898,13 @@ std::vector<TokenLogprobs> Engine::prompt_logprobs(const std::vector<int32_t>& t
     DFLASH2_CHECK_ARG(tokens[size_t(j)] >= 0 && tokens[size_t(j)] < V, "prompt_logprobs: token id ",
                       tokens[size_t(j)], " at position ", j, " is outside the vocabulary [0, ", V, ")");
   std::vector<TokenLogprobs> out;
-  auto seq = new_sequence();  // released (under the model lock) when it goes, after the lock below
+  auto seq = new_sequence();  // released (under the model lock) when it goes
   {
     ops::CpuThreadScope threads(I.core.num_threads);
-    std::lock_guard<std::mutex> model_lock(I.model_mu);
     // chunks of at most R rows, their logits kept where the target leaves them (rank 0's
-    // device); with every numerics exact a row does not depend on its chunk
+    // device); with every numerics exact a row does not depend on its chunk. The model lock
+    // is taken per chunk, so running requests step between them (the sequence's cache
+    // stream and these buffers are its own).
     const int64_t R = std::min<int64_t>({n, tgt.options().max_step_tokens, 512});
     const Device dev = I.core.device;
     const bool cuda = dev.is_cuda();
@@ -924,6 +925,7 @@ std::vector<TokenLogprobs> Engine::prompt_logprobs(const std::vector<int32_t>& t
     out.reserve(size_t(n - 1));
     int64_t row0 = 0;
     for (const auto& ch : chunks) {
+      std::lock_guard<std::mutex> model_lock(I.model_mu);
       const int64_t T = ch[0].n;
       model::ForwardOutputs fo;
       fo.exact = true;  // as logits(): exact whatever prefill_gemm / decode_gemm
