@@ -50,6 +50,10 @@ ctest --test-dir "$tree" --output-on-failure
 python -m pytest -q -ra tests
 
 if [ "$emulate" = ON ]; then
+  # The emulator runs a kernel on one core: the emulated op and engine cases run in $jobs
+  # pytest workers (pytest-xdist, requirements-test.txt), each case in one of them.
+  par=()
+  if [ "$jobs" -gt 1 ] && python -c "import xdist" >/dev/null 2>&1; then par=(-n "$jobs"); fi
   # The GPU cases of pytest against the emulated module (tests/conftest.py puts python/ first
   # when DFLASH2_RT_CORE_DIR is set): every op's CUDA rows, and the end-to-end engine cases
   # that fit CI's 40 minutes (see README, "Tests": the CPU emulation of the CUDA backend).
@@ -57,7 +61,7 @@ if [ "$emulate" = ON ]; then
   # engine's MTP, real-dimension, prefill-numerics and sampling-distribution cases (2-30
   # minutes each in the emulator).
   op_cases="cuda"
-  DFLASH2_RT_CORE_DIR="$PWD/$tree" python -m pytest -q -ra -p no:cacheprovider \
+  DFLASH2_RT_CORE_DIR="$PWD/$tree" python -m pytest -q -ra -p no:cacheprovider ${par[@]+"${par[@]}"} \
     tests/test_ops.py tests/test_sampling.py tests/test_quantize.py tests/test_tensor.py tests/test_kv_fp8.py \
     -k "${DFLASH2_EMU_OP_TESTS:-$op_cases}"
   # The tensor-core GEMMs again as Blackwell (EMU_SM=100): the NVFP4 W4A4 paths and the FP8
@@ -72,6 +76,6 @@ if [ "$emulate" = ON ]; then
   engine_cases="$engine_cases or one_shot_all_reduce or pdl_graphs or dq_wgmma_fault or exact_tc_on_cuda"
   engine_cases="$engine_cases or op_timing_on_cuda or wide_vocab_sampling or (kv_cache_bf16_on_cuda and lora128) or (kv_cache_fp8_on_cuda and lora128)"
   engine_cases="$engine_cases or attention_tc_fault or interleaved_prefill or prefix_cache_on_cuda or logprobs_on_cuda or conversation_prefix_on_cuda"
-  EMU_DEVICES=4 DFLASH2_RT_CORE_DIR="$PWD/$tree" python -m pytest -q -ra -p no:cacheprovider \
+  EMU_DEVICES=4 DFLASH2_RT_CORE_DIR="$PWD/$tree" python -m pytest -q -ra -p no:cacheprovider ${par[@]+"${par[@]}"} \
     tests/test_cuda_engine.py -k "${DFLASH2_EMU_ENGINE_TESTS:-$engine_cases}"
 fi
