@@ -171,6 +171,14 @@ void Core::argmax_row0() {
   download_results();
 }
 
+void set_token_logprobs(TokenLogprobs& o, float lp, float lse, const float* top_vals, const int32_t* top_ids,
+                        int64_t top) {
+  o.logprob = lp;
+  o.top_ids.assign(top_ids, top_ids + top);
+  o.top_logprobs.resize(size_t(top));
+  for (int64_t j = 0; j < top; ++j) o.top_logprobs[size_t(j)] = float(double(top_vals[j]) - double(lse));
+}
+
 void Core::logprobs(int64_t lo, int64_t rows, int64_t top) {
   if (rows <= lo) return;
   const Tensor lg = logits.slice(0, lo, rows);

@@ -8,6 +8,7 @@
 #include <string>
 #include <vector>
 
+#include "dflash2/engine.h"
 #include "dflash2/ops.h"
 #include "runtime/drafter.h"
 #include "runtime/staging.h"
@@ -112,6 +113,11 @@ struct Core {
     return {s_temp.slice(0, 0, n), s_topp.slice(0, 0, n), s_topk.slice(0, 0, n)};
   }
 };
+
+// Row i's TokenLogprobs from ops::token_logprobs' lp / lse and ops::topk's `top` values /
+// ids of that row (the top log-probabilities are the logits minus the F32 lse, in double).
+void set_token_logprobs(TokenLogprobs& o, float lp, float lse, const float* top_vals, const int32_t* top_ids,
+                        int64_t top);
 
 // The Philox key of request `index` of a call with `seed` (< 0: nondeterministic).
 uint64_t rng_key(int64_t seed, int64_t index);

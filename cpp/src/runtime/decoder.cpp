@@ -256,13 +256,7 @@ void Decoder::logprobs_of_rows(int64_t lo, int64_t rows, const int32_t* ids, int
   const float* tv = c_.lp_topv.data_as<const float>();
   const int32_t* ti = c_.lp_topi.data_as<const int32_t>();
   if (int64_t(lps_.size()) < rows) lps_.resize(size_t(rows));
-  for (int64_t i = lo; i < rows; ++i) {
-    TokenLogprobs& o = lps_[size_t(i)];
-    o.logprob = v[i];
-    o.top_ids.assign(ti + i * top, ti + (i + 1) * top);
-    o.top_logprobs.resize(size_t(top));
-    for (int64_t j = 0; j < top; ++j) o.top_logprobs[size_t(j)] = float(double(tv[i * top + j]) - double(l[i]));
-  }
+  for (int64_t i = lo; i < rows; ++i) set_token_logprobs(lps_[size_t(i)], v[i], l[i], tv + i * top, ti + i * top, top);
 }
 
 void Decoder::after_commit(Request& r) {  // room for the next anchor?

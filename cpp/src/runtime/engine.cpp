@@ -956,11 +956,8 @@ std::vector<TokenLogprobs> Engine::prompt_logprobs(const std::vector<int32_t>& t
       for (int64_t j = 0; j < T && row0 + j + 1 < n; ++j) {
         DFLASH2_CHECK(std::isfinite(v[j]), ErrorKind::Numerical, "prompt_logprobs: non-finite logits (NaN or Inf) "
                       "from the target at position ", row0 + j);
-        TokenLogprobs e;
-        e.logprob = v[j];
-        e.top_ids.assign(topi + j * top, topi + (j + 1) * top);
-        for (int64_t k = 0; k < top; ++k) e.top_logprobs.push_back(float(double(topv[j * top + k]) - double(l[j])));
-        out.push_back(std::move(e));
+        out.emplace_back();
+        runtime::set_token_logprobs(out.back(), v[j], l[j], topv + j * top, topi + j * top, top);
       }
       row0 += T;
     }
