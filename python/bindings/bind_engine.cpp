@@ -236,17 +236,37 @@ void bind_engine(py::module_& m) {
       .def(
           "submit",
           [](Engine& e, py::handle prompt, int64_t max_new_tokens, float temperature, float top_p, int64_t top_k,
-             py::object seed, py::object stop_token_ids, int64_t stream_index, py::object logprobs) {
+             py::object seed, py::object stop_token_ids, int64_t stream_index, py::object logprobs,
+             float presence_penalty, float frequency_penalty, float repetition_penalty, int64_t min_tokens,
+             py::object logit_bias) {
             std::vector<int32_t> t = to_tokens(prompt, "prompt");
             SamplingParams sp =
                 sampling_params(max_new_tokens, temperature, top_p, top_k, seed, stop_token_ids, "submit", logprobs);
             sp.stream_index = stream_index;
+            sp.presence_penalty = presence_penalty;
+            sp.frequency_penalty = frequency_penalty;
+            sp.repetition_penalty = repetition_penalty;
+            sp.min_tokens = min_tokens;
+            if (!logit_bias.is_none()) {
+              DFLASH2_CHECK_ARG(py::isinstance<py::dict>(logit_bias), "submit: logit_bias must be a dict {token id: "
+                                "bias} or None");
+              for (auto kv : logit_bias.cast<py::dict>()) {
+                DFLASH2_CHECK_ARG(py::isinstance<py::int_>(kv.first) && !py::isinstance<py::bool_>(kv.first),
+                                  "submit: logit_bias keys must be token ids (int)");
+                const int64_t id = kv.first.cast<int64_t>();
+                DFLASH2_CHECK_ARG(id >= INT32_MIN && id <= INT32_MAX, "submit: logit_bias token ", id,
+                                  " is outside the vocabulary");
+                sp.logit_bias.emplace_back(int32_t(id), kv.second.cast<float>());
+              }
+            }
             ReleaseGil nogil;
             return e.submit(t, sp);
           },
           py::arg("prompt"), py::arg("max_new_tokens") = 16, py::arg("temperature") = 0.0f, py::arg("top_p") = 1.0f,
           py::arg("top_k") = 0, py::arg("seed") = py::none(), py::arg("stop_token_ids") = py::none(),
-          py::arg("stream_index") = 0, py::arg("logprobs") = py::none(), "Queues one request; returns its id.")
+          py::arg("stream_index") = 0, py::arg("logprobs") = py::none(), py::arg("presence_penalty") = 0.0f,
+          py::arg("frequency_penalty") = 0.0f, py::arg("repetition_penalty") = 1.0f, py::arg("min_tokens") = 0,
+          py::arg("logit_bias") = py::none(), "Queues one request; returns its id.")
       .def(
           "poll",
           [](Engine& e, const std::vector<RequestId>& ids, double timeout, bool with_logprobs) {

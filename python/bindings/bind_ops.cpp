@@ -509,6 +509,41 @@ void bind_ops(py::module_& m) {
       "In place: each entry t < 0 of tokens I32 [T] becomes src's flat element -t - 1 (src I32, contiguous).");
 
   o.def(
+      "apply_penalties",
+      [](py::handle logits, py::handle row0, py::handle draft, py::handle draft_row, py::handle draft_len,
+         py::handle seq, py::handle params, py::handle state, py::handle bias) {
+        Tensor lg = tensor_from_python(logits, "logits"), r0 = tensor_from_python(row0, "row0");
+        Tensor dd = tensor_from_python(draft, "draft"), dr = tensor_from_python(draft_row, "draft_row");
+        Tensor dl = tensor_from_python(draft_len, "draft_len"), sq = tensor_from_python(seq, "seq");
+        Tensor pp = tensor_from_python(params, "params"), st = tensor_from_python(state, "state");
+        Tensor bs = tensor_from_python(bias, "bias");
+        {
+          ReleaseGil nogil;
+          ops::apply_penalties(lg, r0, dd, dr, dl, sq, pp, st, bs);
+        }
+        return lg;
+      },
+      py::arg("logits"), py::arg("row0"), py::arg("draft"), py::arg("draft_row"), py::arg("draft_len"),
+      py::arg("seq"), py::arg("params"), py::arg("state"), py::arg("bias"),
+      "In place: logits F32 [M, V] with presence / frequency / repetition penalties, logit bias and min_tokens' "
+      "stop mask applied per verify row (seq I32 [S, 2] = (table row, min_left), params F32 [S, 3] = (presence, "
+      "frequency, repetition), state I32 [B, V] counts | stop bit 29 | prompt bit 30, bias F32 [B, V]).");
+
+  o.def(
+      "count_tokens",
+      [](py::handle state, py::handle rows, py::handle ids) {
+        Tensor st = tensor_from_python(state, "state"), r = tensor_from_python(rows, "rows");
+        Tensor i = tensor_from_python(ids, "ids");
+        {
+          ReleaseGil nogil;
+          ops::count_tokens(st, r, i);
+        }
+        return st;
+      },
+      py::arg("state"), py::arg("rows"), py::arg("ids"),
+      "In place: state[rows[i], ids[i]] += 1 for rows[i] >= 0 (state I32 [B, V]).");
+
+  o.def(
       "next_after_accept",
       [](py::handle row0, py::handle draft_row, py::handle draft_len, py::handle accepted, py::handle bonus,
          py::handle drafts, py::handle next, py::handle last) {

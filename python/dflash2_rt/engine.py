@@ -488,19 +488,49 @@ class Engine:
         return _token_list(where, prompt, self.vocab_size, max_len)
 
     def _request(self, where: str, max_new_tokens, temperature, top_p, top_k, seed, stop_token_ids,
-                 logprobs=None) -> tuple:
+                 logprobs=None, adjust: Optional[dict] = None) -> tuple:
         """The sampling arguments checked for type and range (the engine checks the rest):
-        submit's positional arguments up to stop_token_ids, then logprobs."""
+        submit's positional arguments up to stop_token_ids, then logprobs, then the repetition
+        controls (presence_penalty, frequency_penalty, repetition_penalty, min_tokens, logit_bias)."""
         stop = None
         if stop_token_ids is not None:
             stop = _token_list(f"{where}: stop_token_ids", stop_token_ids, self.vocab_size)
         lp = None if logprobs is None else _check_int(where, "logprobs", logprobs, 0, 20)
+        kw = {}
+        for name, v in (adjust or {}).items():
+            if name == "min_tokens":
+                kw[name] = _check_int(where, name, v, 0)
+            elif name == "logit_bias":
+                if v is None:
+                    continue
+                if not isinstance(v, dict):
+                    raise _core.InvalidArgumentError(f"{where}: logit_bias must be a dict {{token id: bias}}, "
+                                                     f"found {_short(v)}")
+                bias = {}
+                for t, b in v.items():
+                    t = _check_int(where, "a logit_bias token id", t, 0, self.vocab_size - 1)
+                    bias[t] = _check_real(where, f"logit_bias[{t}]", b)
+                if bias:
+                    kw[name] = bias
+            else:
+                kw[name] = _check_real(where, name, v)
         return (_check_int(where, "max_new_tokens", max_new_tokens), _check_real(where, "temperature", temperature),
                 _check_real(where, "top_p", top_p), _check_int(where, "top_k", top_k), _check_seed(where, seed), stop,
-                lp)
+                lp, kw)
+
+    _ADJUST = ("presence_penalty", "frequency_penalty", "repetition_penalty", "logit_bias", "min_tokens")
+
+    @classmethod
+    def _adjust(cls, where: str, kw: dict) -> dict:
+        """The repetition-control keyword arguments (anything else is a TypeError, as Python
+        raises for an unknown keyword)."""
+        for name in kw:
+            if name not in cls._ADJUST:
+                raise TypeError(f"{where}() got an unexpected keyword argument '{name}'")
+        return kw
 
     def _submit(self, ids: list, req: tuple, stream_index: int) -> int:
-        return self._e.submit(ids, *req[:6], stream_index, req[6])
+        return self._e.submit(ids, *req[:6], stream_index, req[6], **req[7])
 
     def _result(self, r) -> GenerationResult:
         text = self.tokenizer.decode(list(r.token_ids)) if self.tokenizer is not None else None
@@ -510,13 +540,17 @@ class Engine:
     # ------------------------------------------------------------------ requests
     def submit(self, prompt, max_new_tokens: int = 16, temperature: float = 0.0, top_p: float = 1.0,
                top_k: int = 0, seed: Optional[int] = None, stop_token_ids: Optional[Iterable[int]] = None,
-               _stream_index: int = 0, logprobs: Optional[int] = None) -> int:
+               _stream_index: int = 0, logprobs: Optional[int] = None, **adjust) -> int:
         """Queues one request (checked now: a bad request raises here) and returns its id; it
         joins the running batch at the next step. Follow it with poll(id) / cancel(id).
         logprobs=n (0..20): every generated token comes with its log-probability and the n most
-        likely tokens' (RequestUpdate.new_logprobs, GenerationResult.logprobs)."""
+        likely tokens' (RequestUpdate.new_logprobs, GenerationResult.logprobs).
+        Repetition control (keyword arguments, as OpenAI / vLLM): presence_penalty and
+        frequency_penalty (in [-2, 2]), repetition_penalty (> 0, 1 = off), logit_bias ({token id:
+        bias in [-100, 100]}), min_tokens (no stop token before that many tokens)."""
         ids = self._ids(prompt, "submit: prompt", self.max_seq_len)
-        req = self._request("submit", max_new_tokens, temperature, top_p, top_k, seed, stop_token_ids, logprobs)
+        req = self._request("submit", max_new_tokens, temperature, top_p, top_k, seed, stop_token_ids, logprobs,
+                            self._adjust("submit", adjust))
         return self._submit(ids, req, _stream_index)
 
     def poll(self, request_id: int, timeout: Optional[float] = None) -> "RequestUpdate":
@@ -614,14 +648,17 @@ class Engine:
 
     def generate(self, prompts, max_new_tokens: int = 16, temperature: float = 0.0,
                  top_p: float = 1.0, top_k: int = 0, seed: Optional[int] = None,
-                 stop_token_ids: Optional[Iterable[int]] = None, logprobs: Optional[int] = None) -> list:
+                 stop_token_ids: Optional[Iterable[int]] = None, logprobs: Optional[int] = None,
+                 **adjust) -> list:
         """Generates for a list of prompts (each a list of token ids, or a string when the
         target has a tokenizer.json); returns one GenerationResult per prompt. The prompts
         join the engine's running batch (with whatever else runs). stop_token_ids=None uses
         the config's eos_token_id; [] disables stopping. seed makes sampling reproducible
         (request i draws from a stream derived from (seed, i)). logprobs=n (0..20): each
         result's .logprobs holds every generated token's log-probability under the target and
-        the n most likely tokens' (TokenLogprobs). Ctrl-C cancels the requests."""
+        the n most likely tokens' (TokenLogprobs). presence_penalty, frequency_penalty,
+        repetition_penalty, logit_bias, min_tokens: repetition control (see submit). Ctrl-C
+        cancels the requests."""
         if isinstance(prompts, (str, bytes, bytearray, memoryview)):
             raise _core.InvalidArgumentError("generate: 'prompts' must be a list of prompts (token-id lists or strings)")
         try:
@@ -632,7 +669,8 @@ class Engine:
         if not prompts:
             raise _core.InvalidArgumentError("generate: no prompts given")
         ids = [self._ids(p, f"generate: prompt {i}", self.max_seq_len) for i, p in enumerate(prompts)]
-        req = self._request("generate", max_new_tokens, temperature, top_p, top_k, seed, stop_token_ids, logprobs)
+        req = self._request("generate", max_new_tokens, temperature, top_p, top_k, seed, stop_token_ids, logprobs,
+                            self._adjust("generate", adjust))
         rids = []
         try:
             for i, p in enumerate(ids):
@@ -672,15 +710,17 @@ class Engine:
     def stream(self, prompt, max_new_tokens: int = 16, temperature: float = 0.0, top_p: float = 1.0,
                top_k: int = 0, seed: Optional[int] = None, stop_token_ids: Optional[Iterable[int]] = None,
                on_result: Optional[Callable[[GenerationResult], None]] = None,
-               logprobs: Optional[int] = None) -> Iterator[int]:
+               logprobs: Optional[int] = None, **adjust) -> Iterator[int]:
         """Yields the generated token ids of one prompt as they are committed (several per
         verify step with speculative methods). The arguments are checked here, before the
         first token; errors of the generation are raised in the caller's thread.
         on_result, when given, is called once with the GenerationResult of this same
         generation (finish_reason, text, stats; with logprobs=n, .logprobs) after the last token
-        has been yielded."""
+        has been yielded. presence_penalty, frequency_penalty, repetition_penalty, logit_bias,
+        min_tokens: repetition control (see submit)."""
         ids = self._ids(prompt, "stream: prompt", self.max_seq_len)
-        req = self._request("stream", max_new_tokens, temperature, top_p, top_k, seed, stop_token_ids, logprobs)
+        req = self._request("stream", max_new_tokens, temperature, top_p, top_k, seed, stop_token_ids, logprobs,
+                            self._adjust("stream", adjust))
         if on_result is not None and not callable(on_result):
             raise _core.InvalidArgumentError(f"stream: on_result must be callable, found {type(on_result).__name__}")
         return self._stream(ids, req, on_result)

@@ -4,6 +4,7 @@
 #include <functional>
 #include <memory>
 #include <string>
+#include <utility>
 #include <vector>
 
 #include "dflash2/error.h"
@@ -118,6 +119,23 @@ struct SamplingParams {
   // >= 0: every generated token comes with its log-probability under the target and the
   // `logprobs` most likely tokens' (at most kMaxLogprobs); -1: none (TokenLogprobs)
   int64_t logprobs = -1;
+  // Repetition control, as OpenAI's API and vLLM define it, applied to the target's logits
+  // before temperature / top-p / top-k (speculative methods stay lossless: each verify row
+  // sees the drafts before it as generated; ops::apply_penalties):
+  // presence_penalty / frequency_penalty in [-2, 2]: subtracted from the logit of every token
+  // generated so far, once / once per occurrence; repetition_penalty > 0 (1 = off, at most
+  // 100): a logit of a token of the prompt or the output is divided by it when positive,
+  // multiplied when not; logit_bias: (token id, bias in [-100, 100]) pairs added to those
+  // logits first (a later pair for the same id wins); min_tokens <= max_new_tokens: the stop
+  // tokens cannot be generated before this many tokens. Log-probabilities of such a request
+  // are of the adjusted logits.
+  float presence_penalty = 0.0f, frequency_penalty = 0.0f, repetition_penalty = 1.0f;
+  std::vector<std::pair<int32_t, float>> logit_bias;
+  int64_t min_tokens = 0;
+  bool adjusts_logits() const {
+    return presence_penalty != 0.0f || frequency_penalty != 0.0f || repetition_penalty != 1.0f ||
+           !logit_bias.empty() || min_tokens > 0;
+  }
 };
 
 // The most top tokens SamplingParams::logprobs may ask for (OpenAI's top_logprobs bound).

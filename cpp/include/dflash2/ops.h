@@ -573,5 +573,35 @@ void accept(const Tensor& logits, const Tensor& row0, const Tensor& draft, const
 void accept_greedy(const Tensor& ids, const Tensor& row0, const Tensor& draft, const Tensor& draft_row,
                    const Tensor& draft_len, Tensor& accepted, Tensor& bonus);
 
+// Repetition control and biases (SamplingParams' presence / frequency / repetition penalties,
+// logit_bias and min_tokens), applied in place to the target's logits before sampling or
+// acceptance, so that speculative decoding keeps the penalized distribution exactly: row j of
+// a verify block sees the tokens generated before it, drafts 1 .. j of its block included.
+// Per sequence s (rows row0[s] .. row0[s] + draft_len[s] of logits F32 [M, V], drafts row
+// draft_row[s] of draft I32 [N, K] with contiguous rows, as accept reads them), with
+// seq I32 [S, 2] = (t, min_left) and params F32 [S, 3] = (presence, frequency, repetition):
+// t < 0 leaves the sequence's rows as they are; else table row t of state I32 [B, V] holds
+// per token v the count of v among the tokens generated so far (bits 0..28), bit 29 set for
+// a stop token, bit 30 for a token of the prompt (kPenaltyStop / kPenaltyPrompt below), and
+// row t of bias F32 [B, V] is the logit bias. For row j of s and every v, with
+// c = count(v) + #{i < j : draft[draft_row[s], i] == v} (in float):
+//   x = logits[v] + bias[t, v]
+//   if (c > 0 or v in the prompt) and repetition != 1: x = x > 0 ? x / repetition : x * repetition
+//   x = x - frequency * c - (c > 0 ? presence : 0)
+//   if v is a stop token and j < min_left: x = -FLT_MAX (never drawn, its log-probability finite)
+// each operation rounded to F32 in that order (vLLM's order: bias, then repetition, then
+// frequency and presence). Bitwise the same on every backend. draft may have K = 0 columns
+// when every draft_len is 0.
+constexpr int32_t kPenaltyCountMask = (1 << 29) - 1;
+constexpr int32_t kPenaltyStop = 1 << 29;
+constexpr int32_t kPenaltyPrompt = 1 << 30;
+void apply_penalties(Tensor& logits, const Tensor& row0, const Tensor& draft, const Tensor& draft_row,
+                     const Tensor& draft_len, const Tensor& seq, const Tensor& params, const Tensor& state,
+                     const Tensor& bias);
+// state[rows[i], ids[i]] += 1 for every i with rows[i] >= 0 (state I32 [B, V], rows / ids I32
+// [n]): apply_penalties' counts of the tokens a step committed. An id outside [0, V) or a row
+// >= B is an InvalidArgument error on the CPU; on CUDA it is skipped.
+void count_tokens(Tensor& state, const Tensor& rows, const Tensor& ids);
+
 }  // namespace ops
 }  // namespace dflash2

@@ -55,6 +55,10 @@ namespace dflash2::ops {
   X(accept_greedy, (const Tensor& ids, const Tensor& row0, const Tensor& draft, const Tensor& draft_row,            \
                     const Tensor& draft_len, Tensor& accepted, Tensor& bonus))                                      \
   X(resolve_tokens, (Tensor & tokens, const Tensor& src))                                                           \
+  X(apply_penalties, (Tensor & logits, const Tensor& row0, const Tensor& draft, const Tensor& draft_row,             \
+                      const Tensor& draft_len, const Tensor& seq, const Tensor& params, const Tensor& state,         \
+                      const Tensor& bias))                                                                          \
+  X(count_tokens, (Tensor & state, const Tensor& rows, const Tensor& ids))                                          \
   X(next_after_accept, (const Tensor& row0, const Tensor& draft_row, const Tensor& draft_len,                       \
                         const Tensor& accepted, const Tensor& bonus, const Tensor& drafts, Tensor& next,           \
                         Tensor& last))                                                                              \

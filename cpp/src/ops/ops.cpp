@@ -1354,4 +1354,60 @@ void accept_greedy(const Tensor& ids, const Tensor& row0, const Tensor& draft, c
   DFLASH2_DISPATCH(accept_greedy, ids, ids, row0, draft, draft_row, draft_len, accepted, bonus);
 }
 
+void apply_penalties(Tensor& logits, const Tensor& row0, const Tensor& draft, const Tensor& draft_row,
+                     const Tensor& draft_len, const Tensor& seq, const Tensor& params, const Tensor& state,
+                     const Tensor& bias) {
+  const char* op = "apply_penalties";
+  need_2d_rows(logits, DType::F32, op, "logits");
+  need(row0, op, "row0");
+  const int64_t S = row0.shape(0), M = logits.shape(0), V = logits.shape(1);
+  need_i32_vec(row0, S, op, "row0");
+  need_i32_vec(draft_row, S, op, "draft_row");
+  need_i32_vec(draft_len, S, op, "draft_len");
+  need_dtype(draft, DType::I32, op, "draft");
+  DFLASH2_CHECK_ARG(draft.ndim() == 2 && (draft.stride(1) == 1 || draft.shape(1) <= 1), op,
+                    ": draft must be I32 [N, K] with contiguous rows, found ", draft.describe());
+  need_2d_rows(seq, DType::I32, op, "seq");
+  need_2d_rows(params, DType::F32, op, "params");
+  DFLASH2_CHECK_ARG(seq.shape(0) == S && seq.shape(1) == 2 && params.shape(0) == S && params.shape(1) == 3, op,
+                    ": seq must be I32 [", S, ", 2] and params F32 [", S, ", 3], found ", seq.describe(), " and ",
+                    params.describe());
+  need_2d_rows(state, DType::I32, op, "state");
+  need_2d_rows(bias, DType::F32, op, "bias");
+  DFLASH2_CHECK_ARG(state.shape(1) == V && bias.shape() == state.shape(), op, ": state and bias must be [B, ", V,
+                    "] alike (the logits' vocabulary), found ", state.describe(), " and ", bias.describe());
+  for (const Tensor* t : std::initializer_list<const Tensor*>{&row0, &draft, &draft_row, &draft_len, &seq, &params,
+                                                              &state, &bias})
+    same_device(logits, *t, op);
+  if (logits.device().is_cpu()) {
+    check_accept_plan(op, "logits", row0, draft, draft_row, draft_len, M, V);
+    for (int64_t s = 0; s < S; ++s) {
+      const int64_t t = seq.data_as<const int32_t>()[s * seq.stride(0)];
+      DFLASH2_CHECK_ARG(t < state.shape(0), op, ": seq[", s, "] names table row ", t, " of ", state.shape(0));
+      const float* pp = params.data_as<const float>() + s * params.stride(0);
+      DFLASH2_CHECK_ARG(t < 0 || (std::isfinite(pp[0]) && std::isfinite(pp[1]) && std::isfinite(pp[2]) && pp[2] > 0),
+                        op, ": params[", s, "] = (", pp[0], ", ", pp[1], ", ", pp[2],
+                        ") must be finite, the repetition penalty > 0");
+    }
+  }
+  DFLASH2_DISPATCH(apply_penalties, logits, logits, row0, draft, draft_row, draft_len, seq, params, state, bias);
+}
+
+void count_tokens(Tensor& state, const Tensor& rows, const Tensor& ids) {
+  const char* op = "count_tokens";
+  need_2d_rows(state, DType::I32, op, "state");
+  need_i32_vec(rows, -1, op, "rows");
+  need_i32_vec(ids, rows.shape(0), op, "ids");
+  same_device(state, rows, op);
+  same_device(state, ids, op);
+  if (state.device().is_cpu())
+    for (int64_t i = 0; i < rows.shape(0); ++i) {
+      const int64_t r = rows.data_as<const int32_t>()[i * rows.stride(0)];
+      const int64_t v = ids.data_as<const int32_t>()[i * ids.stride(0)];
+      DFLASH2_CHECK_ARG(r < state.shape(0) && (r < 0 || (v >= 0 && v < state.shape(1))), op, ": entry ", i,
+                        " (row ", r, ", id ", v, ") is outside the table ", state.describe());
+    }
+  DFLASH2_DISPATCH(count_tokens, state, state, rows, ids);
+}
+
 }  // namespace dflash2::ops

@@ -50,6 +50,8 @@ void Core::allocate_buffers() {
   s_rng = Tensor::zeros(DType::I64, {B, 2});
   s_out = h_res.slice(0, verify_rows + 2 * B, verify_rows + 3 * B);
   a_row0 = Tensor::zeros(DType::I32, {B});
+  pen_seq = Tensor::zeros(DType::I32, {B, 2});
+  pen_par = Tensor::zeros(DType::F32, {B, 3});
   a_draft_row = Tensor::zeros(DType::I32, {B});
   a_draft_len = Tensor::zeros(DType::I32, {B});
   a_accepted = h_res.slice(0, verify_rows, verify_rows + B);
@@ -76,8 +78,9 @@ void Core::allocate_buffers() {
       h_step_drafts = h_res.slice(0, verify_rows + 3 * B, res_words).reshape({B + 1, K});
     }
     // packed inputs, fixed offsets (rng first: 8-byte aligned): rng I64 [B, 2], then temp,
-    // top-p (F32), top-k, row0, draft_row, draft_len (I32), B each
-    const int64_t words = 4 * B + 6 * B;  // in 4-byte words
+    // top-p (F32), top-k, row0, draft_row, draft_len (I32), B each, then the penalty rows
+    // (pen_seq I32 [B, 2], pen_par F32 [B, 3])
+    const int64_t words = 4 * B + 6 * B + 5 * B;  // in 4-byte words
     in_up = StagedUpload(device, words);
     d_rng = in_up.view(0, DType::I64, {B, 2});
     d_temp = in_up.view(4 * B, DType::F32, {B});
@@ -86,6 +89,8 @@ void Core::allocate_buffers() {
     d_row0 = in_up.view(7 * B, DType::I32, {B});
     d_draft_row = in_up.view(8 * B, DType::I32, {B});
     d_draft_len = in_up.view(9 * B, DType::I32, {B});
+    d_pen_seq = in_up.view(10 * B, DType::I32, {B, 2});
+    d_pen_par = in_up.view(12 * B, DType::F32, {B, 3});
   }
 }
 
@@ -112,12 +117,57 @@ void Core::upload_inputs(int64_t n, bool accept) {
   put(4 * B, s_temp, 4);
   put(5 * B, s_topp, 4);
   put(6 * B, s_topk, 4);
-  if (accept) {
+  if (accept || pen_rows > 0) {
     put(7 * B, a_row0, 4);
     put(8 * B, a_draft_row, 4);
     put(9 * B, a_draft_len, 4);
   }
-  in_up.send(accept ? 10 * B : 7 * B);  // one asynchronous copy
+  if (pen_rows > 0) {
+    put(10 * B, pen_seq, 8);
+    put(12 * B, pen_par, 12);
+  }
+  in_up.send(pen_rows > 0 ? 15 * B : accept ? 10 * B : 7 * B);  // one asynchronous copy
+}
+
+void Core::ensure_penalties() {
+  if (pen_state.defined()) return;
+  const int64_t B = s_temp.shape(0), V = logits.shape(1);
+  pen_state = Tensor::zeros(DType::I32, {B, V}, device);
+  pen_bias = Tensor::zeros(DType::F32, {B, V}, device);
+  pen_cnt = Tensor::zeros(DType::I32, {2, B * (K + 2)});  // a step's committed tokens fit at once
+  if (device.is_cuda()) d_pen_cnt = Tensor::zeros(DType::I32, {2, B * (K + 2)}, device);
+}
+
+void Core::reset_penalties(int64_t slot, const std::vector<int32_t>& prompt, const std::vector<int32_t>& stops,
+                           const std::vector<std::pair<int32_t, float>>& bias) {
+  ensure_penalties();
+  const int64_t V = pen_state.shape(1);
+  Tensor st = Tensor::zeros(DType::I32, {1, V}), bs = Tensor::zeros(DType::F32, {1, V});
+  int32_t* f = st.data_as<int32_t>();
+  for (int32_t t : prompt) f[t] |= ops::kPenaltyPrompt;
+  for (int32_t t : stops) f[t] |= ops::kPenaltyStop;
+  for (const auto& [t, b] : bias) bs.data_as<float>()[t] = b;
+  pen_state.slice(0, slot, slot + 1).copy_from(st);
+  pen_bias.slice(0, slot, slot + 1).copy_from(bs);
+}
+
+void Core::count_penalized(const std::vector<int32_t>& slots, const std::vector<int32_t>& ids) {
+  const int64_t n = int64_t(slots.size());
+  if (n == 0) return;
+  ensure_penalties();
+  const int64_t cap = pen_cnt.shape(1);
+  for (int64_t lo = 0; lo < n; lo += cap) {  // in pieces of the buffers' size
+    const int64_t m = std::min(cap, n - lo);
+    std::copy(slots.begin() + lo, slots.begin() + lo + m, pen_cnt.data_as<int32_t>());
+    std::copy(ids.begin() + lo, ids.begin() + lo + m, pen_cnt.data_as<int32_t>() + cap);
+    Tensor r = pen_cnt.select(0, 0).slice(0, 0, m), i = pen_cnt.select(0, 1).slice(0, 0, m);
+    if (device.is_cuda()) {
+      d_pen_cnt.copy_from(pen_cnt);
+      r = d_pen_cnt.select(0, 0).slice(0, 0, m);
+      i = d_pen_cnt.select(0, 1).slice(0, 0, m);
+    }
+    ops::count_tokens(pen_state, r, i);
+  }
 }
 
 void Core::download_results(int64_t draft_rows) {
@@ -147,12 +197,28 @@ void Core::check_rows(int64_t rows) {
 void Core::sample_rows(int64_t R) {
   if (R <= 0) return;
   Tensor lg = logits.slice(0, 0, R);
+  if (pen_rows > 0) {  // one row per sequence, nothing drafted
+    DFLASH2_INTERNAL(pen_rows == R, "penalty rows for ", pen_rows, " sequences, ", R, " sampled");
+    for (int64_t r = 0; r < R; ++r) {
+      a_row0.data_as<int32_t>()[r] = int32_t(r);
+      a_draft_row.data_as<int32_t>()[r] = 0;
+      a_draft_len.data_as<int32_t>()[r] = 0;
+    }
+  }
   if (!device.is_cuda()) {
+    if (pen_rows > 0)
+      ops::apply_penalties(lg, a_row0.slice(0, 0, R), no_drafts, a_draft_row.slice(0, 0, R),
+                           a_draft_len.slice(0, 0, R), pen_seq.slice(0, 0, R), pen_par.slice(0, 0, R), pen_state,
+                           pen_bias);
     Tensor rng = s_rng.slice(0, 0, R), tok = s_out.slice(0, 0, R);
     ops::sample(lg, sampling_rows(R), rng, tok);
     return;
   }
   upload_inputs(R, false);
+  if (pen_rows > 0)
+    ops::apply_penalties(lg, d_row0.slice(0, 0, R), no_drafts, d_draft_row.slice(0, 0, R),
+                         d_draft_len.slice(0, 0, R), d_pen_seq.slice(0, 0, R), d_pen_par.slice(0, 0, R), pen_state,
+                         pen_bias);
   ops::SamplingTensors sp{d_temp.slice(0, 0, R), d_topp.slice(0, 0, R), d_topk.slice(0, 0, R)};
   Tensor rng = d_rng.slice(0, 0, R), tok = d_out.slice(0, 0, R);
   ops::sample(lg, sp, rng, tok);
@@ -221,13 +287,16 @@ void Core::accept_rows(int64_t rows, int64_t S, const Tensor& drafts, const Tens
                        const std::function<void(const Drafter::StepAcceptance&)>& in_step, const Tensor& target_ids) {
   Tensor lg = logits.slice(0, 0, rows);
   StepRecorder& rec = target->recorder();
+  DFLASH2_INTERNAL(pen_rows == 0 || pen_rows == S, "penalty rows for ", pen_rows, " sequences, ", S, " accepted");
   DFLASH2_INTERNAL(!target_ids.defined() || (!q.defined() && target_ids.shape(0) == rows),
                    "acceptance from argmax ids in a sampled step");
   if (!device.is_cuda()) {
     Tensor rng = s_rng.slice(0, 0, S), acc = a_accepted.slice(0, 0, S), bon = a_bonus.slice(0, 0, S);
+    Tensor ps = pen_rows > 0 ? pen_seq.slice(0, 0, S) : Tensor(), pp = pen_par.slice(0, 0, S);
     auto work = [lg, r0 = a_row0.slice(0, 0, S), drafts, dr = a_draft_row.slice(0, 0, S),
-                 dl = a_draft_len.slice(0, 0, S), cand, q, sp = sampling_rows(S), rng, acc, bon,
-                 target_ids]() mutable {
+                 dl = a_draft_len.slice(0, 0, S), cand, q, sp = sampling_rows(S), rng, acc, bon, target_ids, ps, pp,
+                 st = pen_state, bs = pen_bias]() mutable {
+      if (ps.defined()) ops::apply_penalties(lg, r0, drafts, dr, dl, ps, pp, st, bs);
       if (target_ids.defined())
         ops::accept_greedy(target_ids, r0, drafts, dr, dl, acc, bon);
       else
@@ -268,7 +337,10 @@ void Core::accept_rows(int64_t rows, int64_t S, const Tensor& drafts, const Tens
   Tensor r0 = d_row0.slice(0, 0, S), drow = d_draft_row.slice(0, 0, S), dlen = d_draft_len.slice(0, 0, S);
   Tensor to = d_step_drafts;
   const int dev_index = device.index;
-  auto work = [lg, r0, dd, drow, dlen, dc, dq, sp, rng, acc, bon, draft_rows, to, dev_index, target_ids]() mutable {
+  Tensor ps = pen_rows > 0 ? d_pen_seq.slice(0, 0, S) : Tensor(), pp = d_pen_par.slice(0, 0, S);
+  auto work = [lg, r0, dd, drow, dlen, dc, dq, sp, rng, acc, bon, draft_rows, to, dev_index, target_ids, ps, pp,
+               st = pen_state, bs = pen_bias]() mutable {
+    if (ps.defined()) ops::apply_penalties(lg, r0, dd, drow, dlen, ps, pp, st, bs);
     if (target_ids.defined())
       ops::accept_greedy(target_ids, r0, dd, drow, dlen, acc, bon);
     else
@@ -282,7 +354,8 @@ void Core::accept_rows(int64_t rows, int64_t S, const Tensor& drafts, const Tens
   if (rec.recording()) {  // the last piece of the step: run the queue as one graph
     std::string key = "accept|";
     for (const Tensor* t : std::initializer_list<const Tensor*>{&lg, &r0, &dd, &drow, &dlen, &dc, &dq, &sp.temperature,
-                                                                &sp.top_p, &sp.top_k, &rng, &acc, &bon, &to, &target_ids})
+                                                                &sp.top_p, &sp.top_k, &rng, &acc, &bon, &to, &target_ids,
+                                                                &ps, &pp, &pen_state, &pen_bias})
       ForwardGraphs::key_add(key, *t);
     ForwardGraphs::key_add(key, draft_rows);
     rec.add(key, work);

@@ -98,6 +98,24 @@ struct Core {
   Tensor lp_ids, lp_val, lp_lse, lp_topv, lp_topi;
   Tensor d_lp_ids, d_lp_val, d_lp_lse, d_lp_topv, d_lp_topi;
   void logprobs(int64_t lo, int64_t rows, int64_t top);
+  // Repetition control (SamplingParams' penalties, logit_bias and min_tokens;
+  // ops::apply_penalties): per-slot tables on `device` -- pen_state I32 [max_batch_size, V]
+  // (token counts | stop bit | prompt bit), pen_bias F32 [max_batch_size, V] -- made when the
+  // first request that asks for them is admitted (ensure_penalties), and the rows of a
+  // step's sequences, filled on the host by the decoder: pen_seq I32 [B, 2] = (table row, or
+  // -1 for a sequence without any, min_left), pen_par F32 [B, 3] (on CUDA they go up with the
+  // sampling rows: d_pen_seq / d_pen_par). pen_rows > 0: the next sample_rows / accept_rows
+  // applies them to that many sequences first (the decoder sets it per step; 0: no op).
+  Tensor pen_state, pen_bias, pen_seq, pen_par, d_pen_seq, d_pen_par;
+  Tensor pen_cnt, d_pen_cnt;  // count_penalized's rows and ids (host, device)
+  int64_t pen_rows = 0;
+  void ensure_penalties();
+  // Table row `slot` for a new request: no counts, its prompt's tokens and its stop tokens
+  // marked, its logit bias (a later pair for the same token replaces an earlier one).
+  void reset_penalties(int64_t slot, const std::vector<int32_t>& prompt, const std::vector<int32_t>& stops,
+                       const std::vector<std::pair<int32_t, float>>& bias);
+  // Adds committed tokens to their slots' counts (ops::count_tokens; slots[i] -> ids[i]).
+  void count_penalized(const std::vector<int32_t>& slots, const std::vector<int32_t>& ids);
   // The flags buffer the verify pass writes (the host's on the CPU, the device results' on CUDA).
   Tensor flags_out(int64_t row0, int64_t row1) const {
     return (device.is_cuda() ? d_flags : flags).slice(0, row0, row1);

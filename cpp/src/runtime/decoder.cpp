@@ -109,6 +109,10 @@ bool Decoder::admit(Request* r) {
   r->prefix_entries = std::move(entries);
   r->cached_tokens = r->prompt_fed = shared;
   r->slot = slot;
+  if (r->penalized) {  // counts still pending for the slot's last request land before the reset
+    count_emitted();
+    c_.reset_penalties(slot, r->prompt, r->stops, r->p.logit_bias);
+  }
   slots_[size_t(slot)] = r;
   running_.push_back(r);
   r->accepted_at.assign(size_t(c_.K), 0);
@@ -217,6 +221,23 @@ void Decoder::plan_row(int64_t row, Request& q, uint64_t draws) {
   q.rng_counter += draws;
 }
 
+void Decoder::plan_penalty_row(int64_t row, const Request* q) {
+  int32_t* sq = c_.pen_seq.data_as<int32_t>() + 2 * row;
+  float* pp = c_.pen_par.data_as<float>() + 3 * row;
+  const bool on = q && q->penalized;
+  sq[0] = on ? int32_t(q->slot) : -1;
+  sq[1] = on ? int32_t(std::max<int64_t>(0, q->p.min_tokens - int64_t(q->tokens.size()))) : 0;
+  pp[0] = on ? q->p.presence_penalty : 0.0f;
+  pp[1] = on ? q->p.frequency_penalty : 0.0f;
+  pp[2] = on ? q->p.repetition_penalty : 1.0f;
+}
+
+void Decoder::count_emitted() {
+  c_.count_penalized(pen_slots_, pen_ids_);
+  pen_slots_.clear();
+  pen_ids_.clear();
+}
+
 // Emits accepted tokens in order; a stop token or the length budget ends the request.
 // lps: the tokens' log-probabilities (logprobs_of_rows' rows, their top lists cut to what
 // the request asked for), for a request that asked for them.
@@ -245,6 +266,11 @@ void Decoder::emit(Request& r, const int32_t* toks, int64_t count, const TokenLo
       break;
     }
   }
+  if (r.penalized && !r.done)  // its next rows count these (a request that ended needs no counts)
+    for (int64_t i = 0; i < n; ++i) {
+      pen_slots_.push_back(int32_t(r.slot));
+      pen_ids_.push_back(toks[i]);
+    }
   if (n > 0) sink_.on_tokens(r, toks, n, with_lp ? r.logprobs.data() + lp0 : nullptr);
 }
 
@@ -310,6 +336,10 @@ void Decoder::prefill() {
       pc.offset += fed0_[size_t(pc.seq)];
       pc.last = pc.last && ends_[size_t(pc.seq)];
     }
+  struct PenaltyRowsOff {  // a chunk that fails leaves no penalty plan behind
+    Core& c;
+    ~PenaltyRowsOff() { c.pen_rows = 0; }
+  } pen_off{c_};
   for (const auto& ch : c_.chunks) {
     int64_t R = 0, T = 0;
     for (const auto& pc : ch) {
@@ -327,9 +357,20 @@ void Decoder::prefill() {
     const int32_t* bad = c_.flags.data_as<const int32_t>();
     // the first token of every prompt that ends here (one draw each)
     int64_t r = 0;
+    bool penalized = false;
     for (const auto& pc : ch)
-      if (pc.last) plan_row(r++, *act_[size_t(pc.seq)], 1);
+      if (pc.last) {
+        penalized = penalized || act_[size_t(pc.seq)]->penalized;
+        plan_row(r++, *act_[size_t(pc.seq)], 1);
+      }
+    if (penalized) {
+      r = 0;
+      for (const auto& pc : ch)
+        if (pc.last) plan_penalty_row(r++, act_[size_t(pc.seq)]);
+      c_.pen_rows = R;
+    }
     c_.sample_rows(R);
+    c_.pen_rows = 0;
     r = 0;
     int64_t top = -1;  // the most top tokens a request ending here asks for (-1: none asks)
     for (const auto& pc : ch) {
@@ -374,6 +415,7 @@ void Decoder::prefill() {
       }
       ++r;
     }
+    count_emitted();
   }
   const double t1 = now();
   for (Request* r : act_)
@@ -405,6 +447,10 @@ void Decoder::step() {
   // its plan in a buffer of its own). Under tensor parallelism every rank's part of the step
   // is one unit of that rank (Target::flush_step; MTP's chain is not recorded there). Not a
   // verify pass that might need several chunks.
+  struct PenaltyRowsOff {  // a step that fails leaves no penalty plan behind
+    Core& c;
+    ~PenaltyRowsOff() { c.pen_rows = 0; }
+  } pen_off{c_};
   StepRecorder& rec = tgt.recorder();
   const bool record = c_.records_steps() && S * (c_.K + 1) <= tgt.options().max_step_tokens;
   // A recorded step is padded to the next batch-size bucket (Target::bucket) when that is
@@ -525,7 +571,10 @@ void Decoder::step() {
   int64_t lp_top = -1;
   for (Request* r : act_) lp_top = std::max(lp_top, r->p.logprobs);
   bool argmax_only = c_.ids.defined() && (lp_top < 0 || tgt.tp_size() == 1);
+  bool penalized = false;  // a request with penalties: acceptance reads the penalized logits
+  for (Request* r : act_) penalized = penalized || r->penalized;
   for (int64_t k = 0; k < S && argmax_only; ++k) argmax_only = act_[size_t(k)]->p.temperature <= 0.0f;
+  argmax_only = argmax_only && !penalized;
   int64_t row0 = 0;
   for (const auto& ch : c_.chunks) {
     int64_t T = 0;
@@ -582,6 +631,10 @@ void Decoder::step() {
       c_.s_rng.data_as<int64_t>()[2 * k + 1] = 0;
       row += kk + 1;
     }
+    if (penalized) {  // row k of the penalty plan: sequence k's (padding: none)
+      for (int64_t k = 0; k < S + P; ++k) plan_penalty_row(k, k < S ? act_[size_t(k)] : nullptr);
+      c_.pen_rows = S + P;
+    }
     const bool with_q = dr && dr->has_q;
     // a drafter whose state follows from what is accepted (MTP) may update it inside the step
     std::function<void(const Drafter::StepAcceptance&)> in_step;
@@ -593,6 +646,7 @@ void Decoder::step() {
                    with_q ? (on_dev ? dr->dev_cand : dr->cand) : Tensor(),
                    with_q ? (on_dev ? dr->dev_q : dr->q) : Tensor(), in_step,
                    argmax_only ? c_.ids.slice(0, 0, row) : Tensor());
+    c_.pen_rows = 0;
     if (argmax_only) tgt.count_argmax_step();
   }
   // the results are back (the step's one wait): every mark is complete
@@ -675,6 +729,7 @@ void Decoder::step() {
     row += kk + 1;
   }
   if (drafter && !commits_.empty()) drafter->commit(commits_, Features{c_.taps_buf, c_.fin});
+  count_emitted();
   const double dt = now() - t_step;
   for (Request* r : act_) {
     r->draft_s += t_draft;

@@ -27,6 +27,7 @@ struct Request {
   std::vector<int32_t> stops;
   uint64_t rng_key = 0;
   bool adaptive = true;  // may take adaptive draft lengths (greedy, or sampled without a seed)
+  bool penalized = false;  // asks for penalties, a logit bias or min_tokens (Core::pen_*)
   // ---- decoder state (scheduler thread only)
   int slot = -1;
   CacheStream main;
@@ -112,6 +113,10 @@ class Decoder {
   // top: the most likely tokens per row) into lps_[lo, rows), for the requests that asked.
   void logprobs_of_rows(int64_t lo, int64_t rows, const int32_t* ids, int64_t top);
   void after_commit(Request& r);
+  // Penalty row `row` of the step's plan for q (a table row of its own when it is penalized,
+  // else -1; min_left from the tokens it has generated).
+  void plan_penalty_row(int64_t row, const Request* q);
+  void count_emitted();  // the tokens emit() noted for penalized requests into their counts
 
   Core& c_;
   Sink& sink_;
@@ -135,6 +140,7 @@ class Decoder {
   std::vector<int32_t> seq_;  // keep_prompt: prompt + generated tokens
   std::vector<int32_t> pad_tokens_;  // a padding sequence's verify ids (zeros)
   std::vector<int32_t> lp_ids_;       // logprobs_of_rows' ids
+  std::vector<int32_t> pen_slots_, pen_ids_;  // emitted tokens of penalized requests (count_emitted)
   std::vector<TokenLogprobs> lps_;    // its results, one per row
   uint64_t pad_counter_ = 0;         // padding drafts take no draws; their counter lands here
 };

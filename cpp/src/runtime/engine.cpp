@@ -984,6 +984,21 @@ std::unique_ptr<runtime::Request> Engine::Impl::make_request(const std::vector<i
   DFLASH2_CHECK_ARG(p.logprobs >= -1 && p.logprobs <= std::min<int64_t>(kMaxLogprobs, V), where,
                     ": logprobs must be -1 (none) or in [0, ", std::min<int64_t>(kMaxLogprobs, V), "], found ",
                     p.logprobs);
+  auto in = [](float v, float lo, float hi) { return std::isfinite(v) && v >= lo && v <= hi; };
+  DFLASH2_CHECK_ARG(in(p.presence_penalty, -2.0f, 2.0f), where, ": presence_penalty must be in [-2, 2], found ",
+                    p.presence_penalty);
+  DFLASH2_CHECK_ARG(in(p.frequency_penalty, -2.0f, 2.0f), where, ": frequency_penalty must be in [-2, 2], found ",
+                    p.frequency_penalty);
+  DFLASH2_CHECK_ARG(in(p.repetition_penalty, 0.0f, 100.0f) && p.repetition_penalty > 0.0f, where,
+                    ": repetition_penalty must be in (0, 100] (1 = off), found ", p.repetition_penalty);
+  DFLASH2_CHECK_ARG(p.min_tokens >= 0 && p.min_tokens <= p.max_new_tokens, where,
+                    ": min_tokens must be in [0, max_new_tokens = ", p.max_new_tokens, "], found ", p.min_tokens);
+  for (size_t i = 0; i < p.logit_bias.size(); ++i) {
+    const auto& [t, b] = p.logit_bias[i];
+    DFLASH2_CHECK_ARG(t >= 0 && t < V, where, ": logit_bias token ", t, " is outside the vocabulary [0, ", V, ")");
+    DFLASH2_CHECK_ARG(in(b, -100.0f, 100.0f), where, ": logit_bias of token ", t, " must be in [-100, 100], found ",
+                      b);
+  }
   DFLASH2_CHECK_ARG(!prompt.empty(), where, " is empty");
   DFLASH2_CHECK_ARG(int64_t(prompt.size()) < max_len, where, " has ", prompt.size(), " tokens; max_seq_len is ",
                     max_len, " (the prompt plus at least one generated token must fit)");
@@ -1002,6 +1017,7 @@ std::unique_ptr<runtime::Request> Engine::Impl::make_request(const std::vector<i
     for (auto e : mc.eos_token_ids) r->stops.push_back(int32_t(e));
   }
   r->rng_key = runtime::rng_key(p.seed, p.stream_index);
+  r->penalized = p.adjusts_logits();
   // greedy output never depends on the drafts; a seeded sampled request keeps the full block
   // so that its tokens do not depend on what else runs (the draft length would change them)
   r->adaptive = p.temperature <= 0.0f || p.seed < 0;

@@ -96,6 +96,10 @@ void token_logprobs(const Tensor& x, const Tensor& ids, Tensor& lp, Tensor& lse)
 void argmax_shard(const Tensor& x, int64_t first, Tensor& out);
 void argmax_merge(const Tensor& pairs, Tensor& ids, Tensor& flags);
 void topk_merge(const Tensor& vals, const Tensor& idx, int64_t shard_size, Tensor& values, Tensor& indices);
+void apply_penalties(Tensor& logits, const Tensor& row0, const Tensor& draft, const Tensor& draft_row,
+                     const Tensor& draft_len, const Tensor& seq, const Tensor& params, const Tensor& state,
+                     const Tensor& bias);
+void count_tokens(Tensor& state, const Tensor& rows, const Tensor& ids);
 void accept_greedy(const Tensor& ids, const Tensor& row0, const Tensor& draft, const Tensor& draft_row,
                    const Tensor& draft_len, Tensor& accepted, Tensor& bonus);
 void resolve_tokens(Tensor& tokens, const Tensor& src);

@@ -8,6 +8,7 @@
 // draws. Every pass is a reduction over the vocabulary, the shape a GPU kernel takes too.
 #include <algorithm>
 #include <cmath>
+#include <cfloat>
 #include <cstring>
 
 #include "backend/cpu/cpu_ops.h"
@@ -243,6 +244,54 @@ void accept(const Tensor& logits, const Tensor& row0, const Tensor& draft, const
     }
     accepted.data_as<int32_t>()[s * accepted.stride(0)] = int32_t(a);
     bonus.data_as<int32_t>()[s * bonus.stride(0)] = b;
+  }
+}
+
+// ops::apply_penalties: each row's tokens in id order, every operation rounded to F32 as the
+// op's comment says (the product frequency * c stored before the subtraction, so no fused
+// multiply-add), bitwise the CUDA kernel's.
+void apply_penalties(Tensor& logits, const Tensor& row0, const Tensor& draft, const Tensor& draft_row,
+                     const Tensor& draft_len, const Tensor& seq, const Tensor& params, const Tensor& state,
+                     const Tensor& bias) {
+  const int64_t S = row0.shape(0), V = logits.shape(1);
+  for (int64_t s = 0; s < S; ++s) {
+    const int32_t* sq = seq.data_as<const int32_t>() + s * seq.stride(0);
+    const int64_t t = sq[0], min_left = sq[1];
+    if (t < 0) continue;
+    const float* pp = params.data_as<const float>() + s * params.stride(0);
+    const float presence = pp[0], frequency = pp[1], rep = pp[2];
+    const int64_t r0 = row0.data_as<const int32_t>()[s * row0.stride(0)];
+    const int64_t L = draft_len.data_as<const int32_t>()[s * draft_len.stride(0)];
+    const int32_t* d =
+        L > 0 ? draft.data_as<const int32_t>() + draft_row.data_as<const int32_t>()[s * draft_row.stride(0)] * draft.stride(0)
+              : nullptr;
+    const int32_t* st = state.data_as<const int32_t>() + t * state.stride(0);
+    const float* b = bias.data_as<const float>() + t * bias.stride(0);
+    for (int64_t j = 0; j <= L; ++j) {
+      float* x = logits.data_as<float>() + (r0 + j) * logits.stride(0);
+      for (int64_t v = 0; v < V; ++v) {
+        const int32_t f = st[v];
+        int64_t c = f & ops::kPenaltyCountMask;
+        for (int64_t i = 0; i < j; ++i) c += d[i] == v ? 1 : 0;
+        float y = x[v] + b[v];
+        if ((c > 0 || (f & ops::kPenaltyPrompt)) && rep != 1.0f) y = y > 0.0f ? y / rep : y * rep;
+        if (c > 0) {
+          volatile float fc = frequency * float(c);
+          y = y - fc;
+          y = y - presence;
+        }
+        if ((f & ops::kPenaltyStop) && j < min_left) y = -FLT_MAX;
+        x[v] = y;
+      }
+    }
+  }
+}
+
+void count_tokens(Tensor& state, const Tensor& rows, const Tensor& ids) {
+  for (int64_t i = 0; i < rows.shape(0); ++i) {
+    const int64_t r = rows.data_as<const int32_t>()[i * rows.stride(0)];
+    if (r < 0) continue;
+    state.data_as<int32_t>()[r * state.stride(0) + ids.data_as<const int32_t>()[i * ids.stride(0)]] += 1;
   }
 }
 

@@ -165,6 +165,10 @@ void topk_merge(const Tensor& vals, const Tensor& idx, int64_t shard_size, Tenso
 void accept_greedy(const Tensor& ids, const Tensor& row0, const Tensor& draft, const Tensor& draft_row,
                    const Tensor& draft_len, Tensor& accepted, Tensor& bonus);  // index_rows.cu
 void resolve_tokens(Tensor& tokens, const Tensor& src);  // index_rows.cu
+void apply_penalties(Tensor& logits, const Tensor& row0, const Tensor& draft, const Tensor& draft_row,
+                     const Tensor& draft_len, const Tensor& seq, const Tensor& params, const Tensor& state,
+                     const Tensor& bias);  // penalties.cu
+void count_tokens(Tensor& state, const Tensor& rows, const Tensor& ids);  // penalties.cu
 void next_after_accept(const Tensor& row0, const Tensor& draft_row, const Tensor& draft_len, const Tensor& accepted,
                        const Tensor& bonus, const Tensor& drafts, Tensor& next, Tensor& last);  // index_rows.cu
 void cache_write(const Tensor& src, const Tensor& slots, Tensor& cache);
