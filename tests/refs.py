@@ -200,6 +200,35 @@ def token_logprobs(x, ids):
     return x[np.arange(x.shape[0]), np.asarray(ids)] - lse, lse
 
 
+def apply_penalties(logits, row0, draft, draft_row, draft_len, seq, params, state, bias):
+    """ops.apply_penalties in float32, one numpy operation per F32 rounding of the op (its
+    results are exact functions of the inputs, so backends must match this bitwise)."""
+    x = np.array(logits, np.float32, copy=True)
+    f32 = np.float32
+    for s in range(len(row0)):
+        t, min_left = int(seq[s][0]), int(seq[s][1])
+        if t < 0:
+            continue
+        pres, freq, rep = (f32(v) for v in params[s])
+        st = np.asarray(state[t], np.int64)
+        cnt0 = st & ((1 << 29) - 1)
+        stop, prompt = (st >> 29) & 1, (st >> 30) & 1
+        for j in range(int(draft_len[s]) + 1):
+            c = cnt0.copy()
+            for i in range(j):
+                c[int(draft[int(draft_row[s])][i])] += 1
+            y = (x[int(row0[s]) + j] + np.asarray(bias[t], np.float32)).astype(np.float32)
+            m = ((c > 0) | (prompt == 1)) & (rep != f32(1))
+            y[m] = np.where(y[m] > 0, y[m] / rep, y[m] * rep).astype(np.float32)
+            h = c > 0
+            y[h] = (y[h] - (freq * c[h].astype(np.float32)).astype(np.float32)).astype(np.float32)
+            y[h] = (y[h] - pres).astype(np.float32)
+            if j < min_left:
+                y[stop == 1] = -np.finfo(np.float32).max
+            x[int(row0[s]) + j] = y
+    return x
+
+
 def check_finite(x):
     return (~np.isfinite(np.asarray(x))).any(axis=1).astype(np.int32)
 

@@ -30,7 +30,7 @@ CUDA_OPS = {"rms_norm", "layer_norm", "rope", "silu_mul", "softmax", "embedding"
             "linear_bf16", "linear_fp8", "fp8_quantize_act", "linear_nvfp4", "moe_experts_fp8", "moe_experts_nvfp4",
             "resolve_tokens",
             "next_after_accept", "argmax_shard", "argmax_merge", "accept_greedy", "topk_merge", "rope_many",
-            "cache_write_many", "token_logprobs"}
+            "cache_write_many", "token_logprobs", "apply_penalties", "count_tokens"}
 GUARD = 64
 SENTINEL = np.float32(-12345.678)
 ISENTINEL = np.int32(-777777)
@@ -1627,6 +1627,90 @@ def test_token_logprobs(dev):
             ops.token_logprobs(wide, np.array([0, 20, 1], np.int32))
         with pytest.raises(dflash2_rt.InvalidArgumentError, match="ids"):
             ops.token_logprobs(wide, np.array([0, 1], np.int32))
+
+
+@pytest.mark.parametrize("dev", DEVICES)
+def test_apply_penalties(dev):
+    """Presence / frequency / repetition penalties, logit bias and min_tokens' stop mask over
+    verify blocks, bitwise against refs.apply_penalties (every operation one F32 rounding):
+    each row counts the drafts before it, a sequence without a table row is untouched,
+    repeated drafts count twice, positive and negative logits, rows past draft_len untouched."""
+    need_device(dev, "apply_penalties")
+    rng = rng_for("apply-penalties")
+    for V, K in [(7, 3), (300, 8), (4099, 15)]:
+        S, B = 5, 6
+        lens = np.array([0, K, 2, K - 1, 1], np.int32)
+        row0 = np.zeros(S, np.int32)
+        row0[1:] = np.cumsum(lens + 1)[:-1]
+        M = int(row0[-1] + lens[-1] + 1) + 2  # two rows after the last block: untouched
+        logits = (rng.standard_normal((M, V)) * 3).astype(np.float32)
+        draft = rng.integers(0, min(V, 6), (S + 1, K)).astype(np.int32)  # few ids: repeats
+        draft_row = np.array([5, 0, 2, 1, 3], np.int32)
+        state = rng.integers(0, 3, (B, V)).astype(np.int32)
+        state |= (rng.random((B, V)) < 0.2).astype(np.int32) << 29  # stop tokens
+        state |= (rng.random((B, V)) < 0.3).astype(np.int32) << 30  # prompt tokens
+        bias = np.where(rng.random((B, V)) < 0.1, rng.uniform(-5, 5, (B, V)), 0).astype(np.float32)
+        seq = np.array([[4, 1], [1, 3], [-1, 9], [0, 0], [5, 1]], np.int32)
+        params = np.array([[0.5, 0.25, 1.3], [-0.7, 1.1, 0.8], [2, 2, 2], [0.0, 0.3, 1.0], [1.5, -2.0, 2.5]],
+                          np.float32)
+        want = refs.apply_penalties(logits, row0, draft, draft_row, lens, seq, params, state, bias)
+        x = to_dev(logits.copy(), dev)
+        ops.apply_penalties(x, to_dev(row0, dev), to_dev(draft, dev), to_dev(draft_row, dev), to_dev(lens, dev),
+                            to_dev(seq, dev), to_dev(params, dev), to_dev(state, dev), to_dev(bias, dev))
+        got = to_np(x)
+        np.testing.assert_array_equal(got, want)
+        r2 = int(row0[2])
+        np.testing.assert_array_equal(got[r2:r2 + 3], logits[r2:r2 + 3])  # no table row
+        np.testing.assert_array_equal(got[-2:], logits[-2:])
+        assert (got != logits).any()
+    # K = 0 drafts (the first tokens of prompts: one row per sequence)
+    x = (rng.standard_normal((3, 50)) * 3).astype(np.float32)
+    st = np.zeros((2, 50), np.int32)
+    st[1, 7] = 2
+    want = refs.apply_penalties(x, [0, 1, 2], np.zeros((1, 0), np.int32), [0, 0, 0], [0, 0, 0],
+                                [[1, 0], [-1, 0], [0, 0]], [[1, 1, 1]] * 3, st, np.ones((2, 50), np.float32))
+    xd = to_dev(x.copy(), dev)
+    ops.apply_penalties(xd, to_dev(np.arange(3, dtype=np.int32), dev), to_dev(np.zeros((1, 0), np.int32), dev),
+                        to_dev(np.zeros(3, np.int32), dev), to_dev(np.zeros(3, np.int32), dev),
+                        to_dev(np.array([[1, 0], [-1, 0], [0, 0]], np.int32), dev),
+                        to_dev(np.ones((3, 3), np.float32), dev), to_dev(st, dev),
+                        to_dev(np.ones((2, 50), np.float32), dev))
+    np.testing.assert_array_equal(to_np(xd), want)
+    if dev == "cpu":
+        with pytest.raises(dflash2_rt.InvalidArgumentError, match="table row"):
+            ops.apply_penalties(x.copy(), np.zeros(1, np.int32), np.zeros((1, 1), np.int32), np.zeros(1, np.int32),
+                                np.zeros(1, np.int32), np.array([[2, 0]], np.int32), np.ones((1, 3), np.float32), st,
+                                np.zeros((2, 50), np.float32))
+        with pytest.raises(dflash2_rt.InvalidArgumentError, match="repetition penalty > 0"):
+            ops.apply_penalties(x.copy(), np.zeros(1, np.int32), np.zeros((1, 1), np.int32), np.zeros(1, np.int32),
+                                np.zeros(1, np.int32), np.array([[0, 0]], np.int32),
+                                np.array([[0, 0, 0]], np.float32), st, np.zeros((2, 50), np.float32))
+        with pytest.raises(dflash2_rt.InvalidArgumentError, match="vocabulary"):
+            ops.apply_penalties(x.copy(), np.zeros(1, np.int32), np.zeros((1, 1), np.int32), np.zeros(1, np.int32),
+                                np.zeros(1, np.int32), np.array([[0, 0]], np.int32), np.ones((1, 3), np.float32),
+                                st[:, :49], np.zeros((2, 49), np.float32))
+
+
+@pytest.mark.parametrize("dev", DEVICES)
+def test_count_tokens(dev):
+    """state[rows[i], ids[i]] += 1, repeated entries counted each time, negative rows skipped."""
+    need_device(dev, "count_tokens")
+    st = np.zeros((3, 9), np.int32)
+    st[2, 4] = 1 << 30  # a flag bit stays
+    rows = np.array([0, 2, 2, -1, 0, 2, 1], np.int32)
+    ids = np.array([3, 4, 4, 8, 3, 0, 8], np.int32)
+    want = st.copy()
+    d = to_dev(st.copy(), dev)
+    ops.count_tokens(d, to_dev(rows, dev), to_dev(ids, dev))
+    for r, i in zip(rows, ids):
+        if r >= 0:
+            want[r, i] += 1
+    np.testing.assert_array_equal(to_np(d), want)
+    if dev == "cpu":
+        with pytest.raises(dflash2_rt.InvalidArgumentError, match="outside the table"):
+            ops.count_tokens(st, np.array([0], np.int32), np.array([9], np.int32))
+        with pytest.raises(dflash2_rt.InvalidArgumentError, match="outside the table"):
+            ops.count_tokens(st, np.array([3], np.int32), np.array([0], np.int32))
 
 
 @pytest.mark.parametrize("dev", DEVICES)
