@@ -842,6 +842,62 @@ def test_sampling_with_top_k_top_p_matches_ar(small):
     assert acc0 > 0.02
 
 
+PEN = dict(presence_penalty=0.7, frequency_penalty=0.9, repetition_penalty=1.8, logit_bias={2: 1.5, 11: -1.0})
+
+
+def _penalized(lg, prompt, toks):
+    """The logits after PEN (float64 is enough here: the test compares distributions)."""
+    x = np.asarray(lg, np.float64) + np.array([PEN["logit_bias"].get(v, 0.0) for v in range(len(lg))])
+    cnt = np.bincount(np.asarray(toks, np.int64), minlength=len(x)) if toks else np.zeros(len(x), np.int64)
+    seen = np.zeros(len(x), bool)
+    seen[list(prompt)] = True
+    seen |= cnt > 0
+    r = PEN["repetition_penalty"]
+    x = np.where(seen, np.where(x > 0, x / r, x * r), x)
+    return x - PEN["frequency_penalty"] * cnt - PEN["presence_penalty"] * (cnt > 0)
+
+
+def _exact_penalized_triples(ar, prompt, T):
+    V = V_SMALL
+    p1 = _softmax(_penalized(ar.logits(prompt)[-1], prompt, []), T)
+    out = np.zeros((V, V, V))
+    for a in range(V):
+        p2 = _softmax(_penalized(ar.logits(prompt + [a])[-1], prompt, [a]), T)
+        for b in range(V):
+            if p1[a] * p2[b] < 1e-7:
+                continue
+            p3 = _softmax(_penalized(ar.logits(prompt + [a, b])[-1], prompt, [a, b]), T)
+            out[a, b] = p1[a] * p2[b] * p3
+    return out / out.sum()
+
+
+@pytest.mark.parametrize("method", ["ar", "dflash2", "mtp"])
+def test_sampling_with_penalties_matches_target_distribution(small, method):
+    """Presence / frequency / repetition penalties and a logit bias: the sampled 3-token
+    continuations follow the exact penalized distribution (teacher forcing), speculative
+    methods included (the second and third verify rows count the drafts before them)."""
+    if method == "ar":
+        eng = small.ar
+    elif method == "mtp":
+        if not small.ar.has_mtp:
+            pytest.skip("the small target has no MTP layer (tests/glm_fixtures.py not available)")
+        eng = _engine(small.target, None, "mtp", mtp_draft_tokens=3)
+    else:
+        eng = _engine(small.target, small.d2, method)
+    exact = _marginals(_exact_penalized_triples(small.ar, SAMPLE_PROMPT, SAMPLE_T))
+    samples, acc0 = _sample(eng, 3000, seed0=20000, **PEN)
+    plain = _marginals(small.exact)
+    assert 0.5 * float(np.abs(plain["t1,t2"] - exact["t1,t2"]).sum()) > 0.1  # the penalties matter
+    for name in exact:
+        emp = _marginals(samples)[name]
+        tv = 0.5 * float(np.abs(emp - exact[name]).sum())
+        bound = _tv_bound(exact[name], len(samples))
+        print(f"{method} penalized: TV({name}) = {tv:.4f}, bound {bound:.4f}")
+        assert tv <= bound, f"{method} penalized: TV({name}) = {tv:.4f} > {bound:.4f}"
+    if method != "ar":
+        assert acc0 > 0.01
+
+
 # ---------------------------------------------------------------------------- bad configurations
 
 
