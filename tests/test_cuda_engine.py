@@ -1104,6 +1104,42 @@ def test_logprobs_on_cuda(tmp_path):
         cpu.close()
 
 
+def test_penalties_on_cuda(tmp_path):
+    """Repetition control on the GPU (ops.apply_penalties inside the recorded step, before
+    acceptance; ops.count_tokens after it): penalized, biased and min_tokens requests beside a
+    plain one give the CPU engine's tokens, greedy and seeded sampled, at tensor_parallel 1 and
+    2, and the steps stay graphs."""
+    cuda_or_skip()
+    pair = F.make_self_drafting_pair(tmp_path)
+    prompts = [[(i * 7) % 120 for i in range(13)], [(i * 5 + 3) % 120 for i in range(6)]]
+    kw = dict(target=pair.target_dir, draft=pair.draft_dir, method="dflash2", max_batch_size=3, max_seq_len=64)
+    pen = dict(presence_penalty=0.6, frequency_penalty=0.4, repetition_penalty=1.3, logit_bias={5: 2.0, 9: -3.0})
+    cpu = dflash2_rt.Engine(**kw)
+    try:
+        stop = cpu.generate(prompts[:1], max_new_tokens=20, stop_token_ids=NO_STOP)[0].token_ids[1]
+        for tp in (1, 2):
+            eng = dflash2_rt.Engine(**kw, device="cuda", tensor_parallel=tp)
+            try:
+                for samp in ({}, dict(temperature=1.0, seed=4)):
+                    reqs = [(prompts[0], dict(pen, stop_token_ids=NO_STOP)), (prompts[1], dict(stop_token_ids=NO_STOP)),
+                            (prompts[0], dict(stop_token_ids=[stop], min_tokens=9, frequency_penalty=1.0))]
+                    for e, out in ((cpu, want := []), (eng, got := [])):
+                        rids = [e.submit(p, max_new_tokens=20, **k, **samp) for p, k in reqs]
+                        for r in rids:
+                            while not (u := e.poll(r)).finished:
+                                pass
+                            out.append(u.result.token_ids)
+                    assert got == want, (tp, samp)
+                    assert len(got[2]) >= 9 and stop not in got[2][:9]
+                m = eng.metrics()
+                assert m["cuda_graphs_failed"] == 0, m["cuda_graphs_last_failure"]
+                assert m["cuda_graphs_replayed"] > 0, m
+            finally:
+                eng.close()
+    finally:
+        cpu.close()
+
+
 def test_prefix_cache_on_cuda(tmp_path):
     """On the GPU (steps as graphs, 4-token pages): prompts sharing a 30-token prefix take its
     cached blocks from the target's and the drafter's caches (7 pages), and every output
