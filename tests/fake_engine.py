@@ -196,8 +196,12 @@ class FakeEngine:
 
     def submit(self, prompt, max_new_tokens: int = 16, temperature: float = 0.0, top_p: float = 1.0,
                top_k: int = 0, seed: Optional[int] = None, stop_token_ids: Optional[Iterable[int]] = None,
-               _stream_index: int = 0, logprobs: Optional[int] = None) -> int:
+               _stream_index: int = 0, logprobs: Optional[int] = None, **adjust) -> int:
         self._check_open()
+        for k in adjust:
+            if k not in ("presence_penalty", "frequency_penalty", "repetition_penalty", "logit_bias", "min_tokens"):
+                raise TypeError(f"submit() got an unexpected keyword argument '{k}'")
+        self.last_adjust = dict(adjust)
         if logprobs is not None and (isinstance(logprobs, bool) or not isinstance(logprobs, int)
                                      or not 0 <= logprobs <= 20):
             raise InvalidArgumentError(f"submit: logprobs must be None or an integer in [0, 20], found {logprobs!r}")

@@ -370,6 +370,16 @@ BAD = [
     ("c", {"prompt": "x", "n": 65}, "n"),
     ("c", {"prompt": ["x"] * 33, "n": 2}, "n"),
     ("c", {"prompt": "x", "n": 2, "best_of": 3}, "best_of"),
+    ("c", {"prompt": "x", "presence_penalty": 2.5}, "presence_penalty"),
+    ("c", {"prompt": "x", "frequency_penalty": "high"}, "frequency_penalty"),
+    ("c", {"prompt": "x", "repetition_penalty": 0}, "repetition_penalty"),
+    ("c", {"prompt": "x", "min_tokens": -1}, "min_tokens"),
+    ("c", {"prompt": "x", "max_tokens": 4, "min_tokens": 5}, "min_tokens"),
+    ("c", {"prompt": "x", "logit_bias": [1, 2]}, "logit_bias"),
+    ("c", {"prompt": "x", "logit_bias": {"abc": 1}}, "logit_bias"),
+    ("c", {"prompt": "x", "logit_bias": {"10000000": 1}}, "logit_bias"),
+    ("c", {"prompt": "x", "logit_bias": {"5": 101}}, "logit_bias"),
+    ("m", {"messages": [{"role": "user", "content": "hi"}], "presence_penalty": -3}, "presence_penalty"),
     ("c", {"prompt": "x", "logprobs": 21}, "logprobs"),
     ("c", {"prompt": "x", "logprobs": True}, "logprobs"),
     ("c", {"prompt": "x", "echo": "yes"}, "echo"),
@@ -825,3 +835,45 @@ def test_a_failed_choice_ends_its_siblings(live):
     assert r.status_code == 500 and "kaboom in choice 0" in r.json()["error"]["message"]
     assert time.monotonic() - t0 < 3.0  # not after the other choices' 4000 tokens
     assert wait_until(lambda: len(eng.cancelled) >= before + 2, 5) is not None  # choices 1 and 2
+
+
+def test_penalties_and_logit_bias(live):
+    """presence / frequency / repetition penalties, logit_bias and min_tokens reach the engine
+    (the real engine: the tokens are the engine's own for those arguments; logit_bias +100
+    forces a token), in streams too; defaults send nothing."""
+    eng = live.engine
+    body = {"presence_penalty": 0.5, "frequency_penalty": 0.3, "repetition_penalty": 1.2, "logit_bias": {"7": 2.5},
+            "return_token_ids": True, "ignore_eos": True}
+    r = complete(live, PROMPTS[2], max_tokens=16, extra_body=body)
+    ids = r.choices[0].model_extra["token_ids"]
+    if live.kind == "fake":
+        assert eng.last_adjust == {"presence_penalty": 0.5, "frequency_penalty": 0.3, "repetition_penalty": 1.2,
+                                   "logit_bias": {7: 2.5}}
+        complete(live, PROMPTS[2], max_tokens=4)
+        assert eng.last_adjust == {}
+        return
+    direct = eng.generate([eng.encode(PROMPTS[2])], max_new_tokens=16, stop_token_ids=[], presence_penalty=0.5,
+                          frequency_penalty=0.3, repetition_penalty=1.2, logit_bias={7: 2.5})[0]
+    assert ids == list(direct.token_ids)
+    plain = complete(live, PROMPTS[2], max_tokens=16, extra_body={"return_token_ids": True, "ignore_eos": True})
+    assert plain.choices[0].model_extra["token_ids"] != ids
+    stream = complete(live, PROMPTS[2], max_tokens=16, stream=True, extra_body=body)
+    got = [t for c in stream if c.choices for t in (c.choices[0].model_extra.get("token_ids") or [])]
+    assert got == ids
+    forced = complete(live, PROMPTS[3], max_tokens=6, extra_body={"logit_bias": {"42": 100}, "return_token_ids": True,
+                                                                    "ignore_eos": True})
+    assert forced.choices[0].model_extra["token_ids"] == [42] * 6
+    # min_tokens holds back a stop token id (and stop strings) until that many tokens
+    t = ids[1]
+    early = complete(live, PROMPTS[2], max_tokens=16, extra_body=dict(body, stop_token_ids=[t]))
+    assert early.choices[0].model_extra["token_ids"] == ids[:2]
+    late = complete(live, PROMPTS[2], max_tokens=16, extra_body=dict(body, stop_token_ids=[t], min_tokens=8))
+    late_ids = late.choices[0].model_extra["token_ids"]
+    assert len(late_ids) >= 8 and t not in late_ids[:8]
+    text = eng.decode(ids[1:2])
+    if text.strip():  # a stop string in the second token's text: matched only after min_tokens
+        r1 = complete(live, PROMPTS[2], max_tokens=16, stop=[text], extra_body=body)
+        assert len(r1.choices[0].model_extra["token_ids"]) <= 2
+        r2 = complete(live, PROMPTS[2], max_tokens=16, stop=[text], extra_body=dict(body, min_tokens=8))
+        assert len(r2.choices[0].model_extra["token_ids"]) >= 8
+

@@ -18,7 +18,9 @@ Endpoints
                                 logprobs its tokens scored too, the first as null; max_tokens 0
                                 with echo scores a prompt without generating), stream (SSE
                                 "data: {...}" chunks, then "data: [DONE]"),
-                                stream_options.include_usage; suffix / penalties / logit_bias
+                                stream_options.include_usage, presence_penalty /
+                                frequency_penalty / logit_bias (repetition control, applied to the
+                                target's logits: speculative decoding stays lossless); suffix
                                 unsupported (400)
     POST /v1/chat/completions   messages rendered with the checkpoint's chat template
                                 (tokenizer_config.json "chat_template" or chat_template.jinja in
@@ -44,7 +46,8 @@ Endpoints
                                 dflash2_stop_string_matches_total, dflash2_prompt_tokens_total,
                                 dflash2_completion_tokens_total
 
-Extensions (request fields): top_k (0 or -1: off), stop_token_ids (in addition to the
+Extensions (request fields): top_k (0 or -1: off), repetition_penalty (> 0, 1 = off: vLLM's),
+min_tokens (no stop token or stop string before that many tokens: vLLM's), stop_token_ids (in addition to the
 checkpoint's eos ids), ignore_eos (do not stop at eos), return_token_ids (the choice gets
 "token_ids": all generated ids; in a stream, each chunk's new ids),
 stream_options.continuous_usage_stats (every chunk carries the cumulative usage; with
@@ -200,7 +203,46 @@ class _Params:
 
     __slots__ = ("max_tokens", "max_tokens_given", "max_tokens_param", "temperature", "top_p", "top_k", "seed",
                  "stop", "stop_token_ids", "ignore_eos", "stream", "include_usage", "continuous_usage",
-                 "return_token_ids", "n", "logprobs", "echo")
+                 "return_token_ids", "n", "logprobs", "echo", "adjust")
+
+
+def _parse_adjust(body: dict, vocab_size: Optional[int]) -> dict:
+    """Repetition control: OpenAI's presence_penalty / frequency_penalty ([-2, 2]) and
+    logit_bias ({"token id": bias in [-100, 100]}), vLLM's repetition_penalty (> 0, 1 = off)
+    and min_tokens; the engine keyword arguments that differ from the defaults."""
+    out: dict = {}
+    for name in ("presence_penalty", "frequency_penalty"):
+        v = _number(body, name, 0.0)
+        if not -2 <= v <= 2:
+            raise _bad(name, f"'{name}' must be in [-2, 2], found {v:g}")
+        if v:
+            out[name] = v
+    rp = _number(body, "repetition_penalty", 1.0)
+    if not 0 < rp <= 100:
+        raise _bad("repetition_penalty", f"'repetition_penalty' must be in (0, 100] (1 = off), found {rp:g}")
+    if rp != 1:
+        out["repetition_penalty"] = rp
+    mt = _int(body, "min_tokens", 0, 0, None, " >= 0")
+    if mt:
+        out["min_tokens"] = mt
+    lb = body.get("logit_bias")
+    if lb is not None:
+        if not isinstance(lb, dict):
+            raise _bad("logit_bias", f"'logit_bias' must be an object mapping token ids to biases, found {_short(lb)}")
+        bias = {}
+        for k, v in lb.items():
+            try:
+                t = int(k)
+            except (TypeError, ValueError):
+                raise _bad("logit_bias", f"'logit_bias' key {_short(k)} is not a token id") from None
+            if t < 0 or (vocab_size is not None and t >= vocab_size):
+                raise _bad("logit_bias", f"'logit_bias': token {t} is outside the vocabulary [0, {vocab_size})")
+            if isinstance(v, bool) or not isinstance(v, (int, float)) or not -100 <= float(v) <= 100:
+                raise _bad("logit_bias", f"'logit_bias' of token {t} must be a number in [-100, 100], found {_short(v)}")
+            bias[t] = float(v)
+        if bias:
+            out["logit_bias"] = bias
+    return out
 
 
 def _parse_common(body: dict, *, chat: bool, vocab_size: Optional[int]) -> _Params:
@@ -208,9 +250,7 @@ def _parse_common(body: dict, *, chat: bool, vocab_size: Optional[int]) -> _Para
     p.n = _int(body, "n", 1, 1, _MAX_N, f" in [1, {_MAX_N}]")
     _unsupported(body, "best_of", lambda v: v in (1, p.n),
                  "'best_of' must equal 'n' (or be 1): ranking extra samples is not supported")
-    _unsupported(body, "presence_penalty", lambda v: v == 0, "'presence_penalty' is not supported (must be 0)")
-    _unsupported(body, "frequency_penalty", lambda v: v == 0, "'frequency_penalty' is not supported (must be 0)")
-    _unsupported(body, "logit_bias", lambda v: v == {}, "'logit_bias' is not supported")
+    p.adjust = _parse_adjust(body, vocab_size)
     p.echo = False
     if chat:
         want = _bool(body, "logprobs", False)
@@ -238,6 +278,8 @@ def _parse_common(body: dict, *, chat: bool, vocab_size: Optional[int]) -> _Para
         p.max_tokens = _int(body, name, None, 1, None, " >= 1" + (" (or 0 with 'echo')" if not chat else ""))
     p.max_tokens_param = name
     p.max_tokens_given = p.max_tokens is not None
+    if p.max_tokens_given and p.adjust.get("min_tokens", 0) > max(p.max_tokens, 1):
+        raise _bad("min_tokens", f"'min_tokens' ({p.adjust['min_tokens']}) must not exceed '{name}' ({p.max_tokens})")
     if not p.max_tokens_given and not chat:
         p.max_tokens = 16  # OpenAI's default for completions
     p.temperature = _number(body, "temperature", 1.0)  # OpenAI's default: sampling
@@ -399,6 +441,7 @@ class _Job:
         self._hidden = hidden_ids
         self._decode = decode
         self._on_stop_string = on_stop_string
+        self._min_tokens = int(sampling.get("min_tokens", 0))
         self._cancel = threading.Event()
         self._abandoned = False
         self.finished = False
@@ -466,7 +509,11 @@ class _Job:
                             self._post(("error", e))
                             self._drain(rid)
                             return
-                    text, hit = stops.feed(text)
+                    if n > self._min_tokens:
+                        text, hit = stops.feed(text)
+                    else:  # vLLM's min_tokens: no stop string before that many tokens
+                        text, hit = stops.buf + text, False
+                        stops.buf = ""
                     if hit:
                         stopped = True
                         self._cancel.set()
@@ -478,7 +525,10 @@ class _Job:
                 text = ""
                 if not stopped and not self._abandoned:
                     tail = detok.flush() if detok is not None else ""
-                    text, hit = stops.finish(tail)
+                    if n > self._min_tokens:
+                        text, hit = stops.finish(tail)
+                    else:
+                        text, hit, stops.buf = stops.buf + tail, False, ""
                     stopped = stopped or hit
                 reason = "stop" if stopped else getattr(result, "finish_reason", "stop")
                 self.finished = True
@@ -928,6 +978,9 @@ class _Service:
                    seed=p.seed, stop_token_ids=sorted(stop_ids))
         if p.logprobs is not None:
             out["logprobs"] = p.logprobs
+        out.update(p.adjust)
+        if "min_tokens" in out:  # a context-filling default max_tokens may be smaller
+            out["min_tokens"] = min(out["min_tokens"], max_tokens)
         return out
 
     # ------------------------------------------------------------------ log-probabilities
