@@ -569,6 +569,25 @@ def test_readme_embed_commands_name_what_is_built():
         assert re.search(r"(-B|make_demo_checkpoint)\s+" + re.escape(p), section[:first + len(p)]), p
 
 
+def test_cli_generate_penalties():
+    base = ("generate", "--prompt-ids", "5,6,7", "--max-new-tokens", "12", "--json")
+    plain = json.loads(_run_cli(*base).stdout)["token_ids"]
+    r = _run_cli(*base, "--repetition-penalty", "1.5", "--frequency-penalty", "0.5", "--presence-penalty", "0.5",
+                 "--min-tokens", "3")
+    assert r.returncode == 0, r.stderr
+    out = json.loads(r.stdout)["token_ids"]
+    import dflash2_rt
+    eng = dflash2_rt.Engine(max_batch_size=1)
+    try:
+        want = eng.generate([[5, 6, 7]], max_new_tokens=12, repetition_penalty=1.5, frequency_penalty=0.5,
+                            presence_penalty=0.5, min_tokens=3)[0].token_ids
+    finally:
+        eng.close()
+    assert out == want and out != plain
+    r = _run_cli(*base, "--presence-penalty", "3")
+    assert r.returncode in (1, 2) and "Traceback" not in r.stderr and "presence_penalty" in r.stderr, r.stderr
+
+
 def test_cli_generate_logprobs():
     r = _run_cli("generate", "--prompt-ids", "5,6,7", "--max-new-tokens", "4", "--logprobs", "2", "--json")
     assert r.returncode == 0, r.stderr

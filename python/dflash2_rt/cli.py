@@ -187,6 +187,15 @@ def _generate_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--logprobs", type=int, default=None, metavar="N",
                    help="each token's log-probability under the target and the N most likely tokens' (0..20): "
                         "a table after the text, or 'logprobs' in --json")
+    p.add_argument("--presence-penalty", type=float, default=0.0, metavar="X",
+                   help="subtract X (in [-2, 2]) from the logit of every token generated so far")
+    p.add_argument("--frequency-penalty", type=float, default=0.0, metavar="X",
+                   help="subtract X (in [-2, 2]) per occurrence from the logit of every token generated so far")
+    p.add_argument("--repetition-penalty", type=float, default=1.0, metavar="X",
+                   help="divide (multiply when negative) the logits of the prompt's and the output's tokens by X "
+                        "(> 0; 1 = off)")
+    p.add_argument("--min-tokens", type=int, default=0, metavar="N",
+                   help="no stop token before N generated tokens")
 
 
 def _run_generate(args: argparse.Namespace) -> int:
@@ -217,6 +226,9 @@ def _run_generate(args: argparse.Namespace) -> int:
             return 2
     kw = dict(max_new_tokens=args.max_new_tokens, temperature=args.temperature, top_p=args.top_p,
               top_k=args.top_k, seed=args.seed, logprobs=args.logprobs)
+    for name in ("presence_penalty", "frequency_penalty", "repetition_penalty", "min_tokens"):
+        if getattr(args, name) != (1.0 if name == "repetition_penalty" else 0):
+            kw[name] = getattr(args, name)
     if args.stream and not args.json:
         # One generation: the tokens are printed as they come and the stats are this run's.
         box: dict = {}
