@@ -1131,6 +1131,10 @@ def test_penalties_on_cuda(tmp_path):
                             out.append(u.result.token_ids)
                     assert got == want, (tp, samp)
                     assert len(got[2]) >= 9 and stop not in got[2][:9]
+                forced = eng.generate(prompts[:1], max_new_tokens=16, stop_token_ids=NO_STOP, logit_bias={7: 100.0})[0]
+                assert forced.token_ids == [7] * 16
+                if tp == 1:  # the drafter on the device drafts under the bias: whole blocks accepted
+                    assert forced.stats["acceptance_length"] > 6, forced.stats
                 m = eng.metrics()
                 assert m["cuda_graphs_failed"] == 0, m["cuda_graphs_last_failure"]
                 assert m["cuda_graphs_replayed"] > 0, m

@@ -441,6 +441,11 @@ void DFlashDrafter::draft_head(int64_t S, DraftOutputs& out) {
   Bufs b = draft_bufs(S);
   Tensor hrows = b.hrows.slice(0, 0, R), logits = b.logits.slice(0, 0, R);
   ops::linear_as(gemm_, hrows, lm_head_, logits, false, /*decode=*/true);
+  if (out.pen.seq.defined()) {
+    const auto& p = out.pen;
+    ops::apply_penalties(logits, p.row0.slice(0, 0, R), p.draft, p.draft_row.slice(0, 0, R),
+                         p.draft_len.slice(0, 0, R), p.seq.slice(0, 0, R), p.params.slice(0, 0, R), p.state, p.bias);
+  }
   if (K == 0) {
     Tensor toks = out.tokens.reshape({R});
     return ops::argmax(logits, toks);

@@ -24,6 +24,13 @@ struct DraftOutputs {
   Tensor tokens;  // I32 [S, B-1]: the drafted tokens
   Tensor cand;    // I32 [S, B-1, K]: the selector's candidates (DFlash 2 with the selector)
   Tensor q;       // F32 [S, B-1, K]: the selector's proposal over cand (sampling only)
+  // Optional (seq defined): the requests' repetition control applied to the head's logits
+  // before the argmax / the selector's top-k (ops::apply_penalties with one row per
+  // "sequence": row0 [R] = 0..R-1, draft_len 0, seq / params per head row), so the drafts
+  // follow the penalized target; drafts from them stay lossless (q is what was drawn from).
+  struct Penalties {
+    Tensor row0, draft, draft_row, draft_len, seq, params, state, bias;
+  } pen;
 };
 
 class DFlashDrafter {

@@ -112,6 +112,10 @@ bool Decoder::admit(Request* r) {
   if (r->penalized) {  // counts still pending for the slot's last request land before the reset
     count_emitted();
     c_.reset_penalties(slot, r->prompt, r->stops, r->p.logit_bias);
+    if (c_.drafter && !c_.drafter->pen_state.defined()) {  // the drafter drafts under them too
+      c_.drafter->pen_state = c_.pen_state;
+      c_.drafter->pen_bias = c_.pen_bias;
+    }
   }
   slots_[size_t(slot)] = r;
   running_.push_back(r);
@@ -492,6 +496,13 @@ void Decoder::step() {
       j.temperature = r->p.temperature;
       j.rng_key = r->rng_key;
       j.rng_counter = &r->rng_counter;
+      if (r->penalized) {
+        j.pen_row = int32_t(r->slot);
+        j.pen_min_left = int32_t(std::max<int64_t>(0, r->p.min_tokens - int64_t(r->tokens.size())));
+        j.pen[0] = r->p.presence_penalty;
+        j.pen[1] = r->p.frequency_penalty;
+        j.pen[2] = r->p.repetition_penalty;
+      }
       jobs_.push_back(j);
     }
     if (P > 0) {  // padding: the first job that drafts (or job 0), greedily, taking no draws
@@ -502,6 +513,7 @@ void Decoder::step() {
           break;
         }
       pad.pad = true;
+      pad.pen_row = -1;
       pad.temperature = 0.0f;
       pad.rng_key = 0;
       pad.rng_counter = &pad_counter_;

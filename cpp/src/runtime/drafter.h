@@ -54,6 +54,10 @@ struct DraftJob {
   float temperature = 0.0f;  // > 0: a drafter that can sample does (DFlash 2's selector)
   uint64_t rng_key = 0;      // the request's random stream (Philox key) ...
   uint64_t* rng_counter = nullptr;  // ... and its next counter, advanced by the draws taken
+  // The request's repetition control (Core::pen_*), for a drafter that drafts under it: its
+  // row of the penalty tables (-1: none), min_left, and (presence, frequency, repetition).
+  int32_t pen_row = -1, pen_min_left = 0;
+  float pen[3] = {0.0f, 0.0f, 1.0f};
 };
 
 // A drafter's output for the jobs of one draft() call (row i = job i), in its fixed buffers.
@@ -72,6 +76,11 @@ class Drafter {
  public:
   virtual ~Drafter() = default;
   virtual int64_t draft_len() const = 0;  // K: tokens drafted per step at most
+  // The engine's penalty tables (Core::pen_state / pen_bias), once they exist: a drafter
+  // that can apply the requests' repetition control to its own predictions (DraftJob::pen_*)
+  // does, so its drafts follow the penalized target (the DFlash drafters, where the head's
+  // logits are whole on the tables' device).
+  Tensor pen_state, pen_bias;
   virtual std::vector<int64_t> tap_layers() const { return {}; }
   virtual bool wants_final_hidden() const { return false; }
   // Where the drafter runs and wants its features (Features::taps / final) to be.

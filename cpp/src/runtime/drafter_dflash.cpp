@@ -345,6 +345,7 @@ class DFlashRunner final : public Drafter {
       rng.copy_from(Tensor::view(host_rng_.data(), DType::I64, {A, 2}));
     }
     model::DraftOutputs out;
+    plan_penalties(jobs, A, out.pen);
     StepRecorder& rec = t_.recorder();
     if (!dev_.is_cuda()) {
       out.tokens = res_.tokens.slice(0, 0, A);
@@ -372,7 +373,8 @@ class DFlashRunner final : public Drafter {
       std::string key = "draft|";
       for (int64_t v : {A, b.T, b.S, b.paged.block_size}) ForwardGraphs::key_add(key, v);
       for (const Tensor* x : {&b.tokens, &b.paged.seq, &b.paged.pos, &b.paged.block_table, &b.slots, &b.logit_rows,
-                              &b.ctx_len, &temp, &rng, &out.tokens, &out.cand, &out.q})
+                              &b.ctx_len, &temp, &rng, &out.tokens, &out.cand, &out.q, &out.pen.seq,
+                              &out.pen.params, &out.pen.state, &out.pen.bias})
         ForwardGraphs::key_add(key, *x);
       if (split_) {  // every rank's part (queued with the step when it is recorded)
         draft_ranks(hb, b, temp, rng, out, key);
@@ -394,6 +396,47 @@ class DFlashRunner final : public Drafter {
     last_rows_ = A;
     res_.dev_q = d_cand_.defined() && sample ? d_q_ : Tensor();
     return res_;
+  }
+
+  // The head rows' penalty plan (DraftOutputs::Penalties) when a drafting job asks for
+  // repetition control and the head's logits are whole here, next to the tables (not under
+  // tensor parallelism): one plan row per head row -- its request's table row, min_left less
+  // its position in the block, its parameters. Left undefined otherwise (no op).
+  void plan_penalties(const std::vector<DraftJob>& jobs, int64_t A, model::DraftOutputs::Penalties& pen) {
+    if (!pen_state.defined() || split_ || split_head_ || pen_state.device() != dev_) return;
+    const int64_t B = m_->block_size(), R = A * (B - 1);
+    bool any = false;
+    for (size_t i = 0; i < jobs.size(); ++i) any = any || (res_.len[i] > 0 && jobs[i].pen_row >= 0);
+    if (!any) return;
+    if (!pen_seq_.defined()) {  // first use: the plan's buffers, for the largest draft
+      const int64_t maxR = rng_.shape(0) * (B - 1);
+      Tensor r0 = Tensor::zeros(DType::I32, {maxR});
+      for (int64_t r = 0; r < maxR; ++r) r0.data_as<int32_t>()[r] = int32_t(r);
+      pen_row0_ = r0.to(dev_);
+      pen_zeros_ = Tensor::zeros(DType::I32, {maxR}, dev_);
+      pen_draft_ = Tensor::zeros(DType::I32, {1, 1}, dev_);
+      pen_host_seq_ = Tensor::zeros(DType::I32, {maxR, 2});
+      pen_host_par_ = Tensor::zeros(DType::F32, {maxR, 3});
+      pen_seq_ = dev_.is_cuda() ? Tensor::zeros(DType::I32, {maxR, 2}, dev_) : pen_host_seq_;
+      pen_par_ = dev_.is_cuda() ? Tensor::zeros(DType::F32, {maxR, 3}, dev_) : pen_host_par_;
+    }
+    int32_t* sq = pen_host_seq_.data_as<int32_t>();
+    float* pp = pen_host_par_.data_as<float>();
+    for (size_t i = 0; i < jobs.size(); ++i) {
+      if (res_.len[i] == 0) continue;
+      const DraftJob& j = jobs[i];
+      for (int64_t k = 0; k < B - 1; ++k) {
+        const int64_t r = res_.row[i] * (B - 1) + k;
+        sq[2 * r] = j.pen_row;
+        sq[2 * r + 1] = int32_t(std::max<int64_t>(0, int64_t(j.pen_min_left) - k));
+        std::copy(j.pen, j.pen + 3, pp + 3 * r);
+      }
+    }
+    if (dev_.is_cuda()) {
+      pen_seq_.slice(0, 0, R).copy_from(pen_host_seq_.slice(0, 0, R));
+      pen_par_.slice(0, 0, R).copy_from(pen_host_par_.slice(0, 0, R));
+    }
+    pen = {pen_row0_, pen_draft_, pen_zeros_, pen_zeros_, pen_seq_, pen_par_, pen_state, pen_bias};
   }
 
   void fetch_host() override {
@@ -611,6 +654,7 @@ class DFlashRunner final : public Drafter {
   std::vector<int32_t> host_idx_, host_ids_;
   std::vector<int64_t> first_row_;
   std::vector<float> host_temp_;
+  Tensor pen_row0_, pen_zeros_, pen_draft_, pen_seq_, pen_par_, pen_host_seq_, pen_host_par_;  // plan_penalties
   std::vector<int64_t> host_rng_;
   std::vector<CacheStream*> host_streams_;
   std::vector<const int32_t*> host_toks_;
