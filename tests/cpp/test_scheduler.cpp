@@ -313,6 +313,50 @@ TEST(logprobs_come_with_the_tokens) {
   CHECK(caught);
 }
 
+TEST(repetition_control_through_the_cpp_api) {
+  if (!have_pair()) return skip("repetition_control", "the bundled default pair is not present");
+  Engine spec(config("dflash2")), ar(config("ar"));
+  SamplingParams p;
+  p.max_new_tokens = 24;
+  p.has_stop_tokens = true;  // none
+  const std::vector<int32_t> q = prompt(5);
+  const GenerationResult plain = spec.generate({q}, p)[0];
+  // a forced token: every token, and the drafter drafts under the bias (whole blocks accepted)
+  SamplingParams f = p;
+  f.logit_bias = {{77, 100.0f}};
+  const GenerationResult forced = spec.generate({q}, f)[0];
+  CHECK(forced.token_ids == std::vector<int32_t>(24, 77));
+  CHECK(forced.stats.acceptance_length > 6.0);
+  // penalties: speculative == ar under the same controls, and different from plain
+  SamplingParams r = p;
+  r.repetition_penalty = 1.3f;
+  r.frequency_penalty = 0.4f;
+  r.presence_penalty = 0.2f;
+  const GenerationResult a = spec.generate({q}, r)[0], b = ar.generate({q}, r)[0];
+  CHECK(a.token_ids == b.token_ids && a.token_ids != plain.token_ids);
+  // min_tokens: a stop token that plain decoding emits second is held back for 10 tokens
+  SamplingParams m = p;
+  m.stop_token_ids = {plain.token_ids[1]};
+  CHECK(spec.generate({q}, m)[0].token_ids.size() == 2);
+  m.min_tokens = 10;
+  const GenerationResult late = spec.generate({q}, m)[0];
+  CHECK(late.token_ids.size() >= 10 && late.token_ids == ar.generate({q}, m)[0].token_ids);
+  for (int64_t j = 0; j < 10; ++j) CHECK(late.token_ids[size_t(j)] != plain.token_ids[1]);
+  int caught = 0;
+  for (int k = 0; k < 3; ++k) {
+    SamplingParams bad = p;
+    if (k == 0) bad.presence_penalty = 2.5f;
+    if (k == 1) bad.min_tokens = 25;
+    if (k == 2) bad.logit_bias = {{-1, 1.0f}};
+    try {
+      spec.submit(q, bad);
+    } catch (const Error& err) {
+      caught += err.kind() == ErrorKind::InvalidArgument;
+    }
+  }
+  CHECK(caught == 3);
+}
+
 TEST(bad_requests_throw_at_submit) {
   if (!have_pair()) return skip("bad_requests", "the bundled default pair is not present");
   Engine e(config("ar"));
