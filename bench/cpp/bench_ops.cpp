@@ -1762,6 +1762,43 @@ void bench_small(Bench& b, const std::vector<int64_t>& Ts) {
                               vars);
       });
     }
+    // apply_penalties over the verify rows of sequences with repetition control (8 rows per
+    // sequence when T is a multiple of 8, else one): one block per row, the logits read and
+    // written, the sequence's state and bias rows read
+    {
+      Result r{"apply_penalties", dims({T, G.vocab}), "f32", t_label(T), T};
+      r.bytes = 16.0 * T * G.vocab;
+      r.flops = 0;
+      b.run(r, [&](Baseline&) {
+        const int64_t per = T % 8 == 0 ? 8 : 1, S = T / per;
+        const int vars = rotations(int64_t(4 * T * G.vocab));
+        std::vector<Tensor> logits;
+        for (int v = 0; v < vars; ++v) logits.push_back(dev_rand(DType::F32, {T, G.vocab}, 90 + v));
+        const size_t n = static_cast<size_t>(S);
+        std::vector<int32_t> row0(n), drow(n), dlen(n, int32_t(per - 1)), seq(2 * n), drafts(7 * n);
+        std::vector<float> par(3 * n);
+        for (int64_t k = 0; k < S; ++k) {
+          row0[size_t(k)] = int32_t(k * per);
+          drow[size_t(k)] = int32_t(k);
+          seq[size_t(2 * k)] = int32_t(k);
+          seq[size_t(2 * k + 1)] = 0;
+          par[size_t(3 * k)] = 0.5f, par[size_t(3 * k + 1)] = 0.5f, par[size_t(3 * k + 2)] = 1.2f;
+          for (int64_t j = 0; j < 7; ++j) drafts[size_t(k * 7 + j)] = int32_t((k * 131 + j * 7919) % G.vocab);
+        }
+        std::vector<int32_t> st(n * static_cast<size_t>(G.vocab));
+        for (size_t i = 0; i < st.size(); ++i) st[i] = (i % 97 == 0 ? 2 : 0) | (i % 61 == 0 ? ops::kPenaltyPrompt : 0);
+        Tensor d_row0 = upload(row0, DType::I32, {S}), d_drow = upload(drow, DType::I32, {S});
+        Tensor d_dlen = upload(dlen, DType::I32, {S}), d_seq = upload(seq, DType::I32, {S, 2});
+        Tensor d_drafts = upload(drafts, DType::I32, {S, 7}), d_par = upload(par, DType::F32, {S, 3});
+        Tensor d_st = upload(st, DType::I32, {S, G.vocab});
+        Tensor d_bias = dev_rand(DType::F32, {S, G.vocab}, 99);
+        return std::make_pair(std::function<void(int)>([=](int v) mutable {
+                                ops::apply_penalties(logits[size_t(v)], d_row0, d_drafts, d_drow, d_dlen, d_seq, d_par,
+                                                     d_st, d_bias);
+                              }),
+                              vars);
+      });
+    }
     // sample over the vocabulary: rows split over blocks (ops::wide_rows, the default)
     // beside one block per row (the switch off) on the same rows; t1.0 p0.95 is the published
     // setting (no top-k: the whole row is in the top-p selection)
