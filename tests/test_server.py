@@ -369,7 +369,9 @@ BAD = [
     ("c", {"prompt": "x", "n": 0}, "n"),
     ("c", {"prompt": "x", "n": 65}, "n"),
     ("c", {"prompt": ["x"] * 33, "n": 2}, "n"),
-    ("c", {"prompt": "x", "n": 2, "best_of": 3}, "best_of"),
+    ("c", {"prompt": "x", "n": 3, "best_of": 2}, "best_of"),
+    ("c", {"prompt": "x", "n": 2, "best_of": 3, "stream": True}, "best_of"),
+    ("c", {"prompt": ["x", "y", "z"], "best_of": 22}, "best_of"),
     ("c", {"prompt": "x", "presence_penalty": 2.5}, "presence_penalty"),
     ("c", {"prompt": "x", "frequency_penalty": "high"}, "frequency_penalty"),
     ("c", {"prompt": "x", "repetition_penalty": 0}, "repetition_penalty"),
@@ -877,4 +879,26 @@ def test_penalties_and_logit_bias(live):
         r2 = complete(live, PROMPTS[2], max_tokens=16, stop=[text], extra_body=dict(body, min_tokens=8))
         assert len(r2.choices[0].model_extra["token_ids"]) >= 8
         assert len(r2.choices[0].text) > len(r1.choices[0].text)
+
+
+def test_best_of_returns_the_most_likely_choices(live):
+    """best_of > n: best_of samples per prompt, the n with the highest mean log-probability
+    per token returned (renumbered), usage counting every sample's tokens; the same seeded
+    samples requested as n = best_of with logprobs show which were the best."""
+    body = {"temperature": 1.0, "seed": 11, "ignore_eos": True, "return_token_ids": True}
+    r = complete(live, [PROMPTS[1], PROMPTS[2]], max_tokens=12, n=2, best_of=5, extra_body=body)
+    assert [c.index for c in r.choices] == [0, 1, 2, 3]
+    assert all(c.logprobs is None for c in r.choices)  # not asked for
+    every = complete(live, [PROMPTS[1], PROMPTS[2]], max_tokens=12, n=5, logprobs=0, extra_body=body)
+    assert r.usage.completion_tokens == every.usage.completion_tokens  # all ten samples counted
+    for g in range(2):
+        group = every.choices[5 * g:5 * g + 5]
+        mean = [sum(c.logprobs.token_logprobs) / len(c.logprobs.token_logprobs) for c in group]
+        order = sorted(range(5), key=lambda i: (-mean[i], i))[:2]
+        got = [c.model_extra["token_ids"] for c in r.choices[2 * g:2 * g + 2]]
+        assert got == [group[i].model_extra["token_ids"] for i in order]
+    # best_of == n (or 1, OpenAI's default) changes nothing
+    one = complete(live, PROMPTS[1], max_tokens=6, n=2, best_of=2, extra_body=body)
+    assert len(one.choices) == 2
+    assert len(complete(live, PROMPTS[1], max_tokens=6, n=3, best_of=1, extra_body=body).choices) == 3
 

@@ -12,6 +12,9 @@ Endpoints
                                 text: the output is cut before the match, finish_reason "stop"), n
                                 (choices per prompt; choice k = prompt k // n, sample k % n, each an
                                 engine request; seeded choices draw from distinct streams),
+                                best_of (>= n: best_of samples per prompt, the n with the highest
+                                mean log-probability per token returned; not streamed; usage
+                                counts every sample),
                                 logprobs (0..20: every generated token's log-probability under the
                                 target and the top ones', OpenAI's tokens / token_logprobs /
                                 top_logprobs / text_offset), echo (the prompt before the text; with
@@ -203,7 +206,7 @@ class _Params:
 
     __slots__ = ("max_tokens", "max_tokens_given", "max_tokens_param", "temperature", "top_p", "top_k", "seed",
                  "stop", "stop_token_ids", "ignore_eos", "stream", "include_usage", "continuous_usage",
-                 "return_token_ids", "n", "logprobs", "echo", "adjust")
+                 "return_token_ids", "n", "best_of", "logprobs", "echo", "adjust")
 
 
 def _parse_adjust(body: dict, vocab_size: Optional[int]) -> dict:
@@ -248,8 +251,12 @@ def _parse_adjust(body: dict, vocab_size: Optional[int]) -> dict:
 def _parse_common(body: dict, *, chat: bool, vocab_size: Optional[int]) -> _Params:
     p = _Params()
     p.n = _int(body, "n", 1, 1, _MAX_N, f" in [1, {_MAX_N}]")
-    _unsupported(body, "best_of", lambda v: v in (1, p.n),
-                 "'best_of' must equal 'n' (or be 1): ranking extra samples is not supported")
+    p.best_of = _int(body, "best_of", p.n, 1, _MAX_N, f" in [1, {_MAX_N}]")
+    if p.best_of < p.n:
+        if body.get("best_of") == 1:  # OpenAI's default value: the same as n
+            p.best_of = p.n
+        else:
+            raise _bad("best_of", f"'best_of' ({p.best_of}) must be >= 'n' ({p.n})")
     p.adjust = _parse_adjust(body, vocab_size)
     p.echo = False
     if chat:
@@ -318,6 +325,8 @@ def _parse_common(body: dict, *, chat: bool, vocab_size: Optional[int]) -> _Para
 
     p.ignore_eos = _bool(body, "ignore_eos", False)
     p.stream = _bool(body, "stream", False)
+    if p.stream and p.best_of > p.n:
+        raise _bad("best_of", "'best_of' > 'n' cannot be streamed (the best choices are known at the end)")
     p.return_token_ids = _bool(body, "return_token_ids", False)
     so = body.get("stream_options")
     if so is not None and not isinstance(so, dict):
@@ -1061,7 +1070,7 @@ class _Service:
         loop = asyncio.get_running_loop()
         choices = []
         for i, (ids, text, mt) in enumerate(prompts):
-            for j in range(p.n):
+            for j in range(p.best_of):  # best_of > n: the best n of them are returned (_collect)
                 choices.append(_Choice(len(choices), ids, text, mt))
         if p.echo:
             for c in choices:
@@ -1088,6 +1097,8 @@ class _Service:
             if c.max_tokens == 0:
                 continue
             sampling = self.sampling(p, c.max_tokens)
+            if p.best_of > p.n and "logprobs" not in sampling:
+                sampling["logprobs"] = 0  # what the choices are ranked by
             if several and p.seed is not None:
                 sampling["_stream_index"] = c.index  # seeded choices draw from distinct streams
             c.job = _Job(self.engine, loop, c.ids, sampling, p.stop, set(sampling["stop_token_ids"]),
@@ -1180,7 +1191,7 @@ class _Service:
             if c.error is not None:
                 raise _engine_error(c.error)
         out = []
-        for c in choices:
+        for c in self._best(choices, p):
             reason = c.done[2] if c.done is not None else "length"
             text = (c.text if p.echo else "") + "".join(c.texts)
             choice: dict = {"index": c.index, "finish_reason": reason, "logprobs": self._choice_logprobs(c, p, chat)}
@@ -1201,6 +1212,27 @@ class _Service:
         if chat:
             obj["system_fingerprint"] = None
         return JSONResponse(obj)
+
+    @staticmethod
+    def _best(choices: list, p: _Params) -> list:
+        """The choices to return: all of them, or with best_of > n the n of each prompt's best_of
+        with the highest mean log-probability per generated token (OpenAI's "best"; ties to the
+        earlier), renumbered in that order."""
+        if p.best_of <= p.n:
+            return choices
+
+        def score(c) -> float:
+            result = c.done[3] if c.done is not None else None
+            lps = list(getattr(result, "logprobs", None) or c.lps)
+            return sum(float(x.logprob) for x in lps) / len(lps) if lps else 0.0
+
+        shown = []
+        for g in range(0, len(choices), p.best_of):
+            group = choices[g:g + p.best_of]
+            shown += sorted(group, key=lambda c: (-score(c), c.index))[:p.n]
+        for i, c in enumerate(shown):
+            c.index = i
+        return shown
 
     def _choice_logprobs(self, c, p: _Params, chat: bool):
         """A whole choice's logprobs object (None unless asked for): the tokens the choice's
@@ -1468,8 +1500,9 @@ def create_app(engine, model_name: Optional[str] = None, *, chat_template: Optio
         svc.check_model(body)
         p = _parse_common(body, chat=False, vocab_size=svc.vocab_size)
         prompts = await svc.completion_prompts(body)
-        if len(prompts) * p.n > _MAX_N:
-            raise _bad("n", f"{len(prompts)} prompts x n = {p.n} choices exceed {_MAX_N} per request")
+        if len(prompts) * p.best_of > _MAX_N:
+            what = "n" if p.best_of == p.n else "best_of"
+            raise _bad(what, f"{len(prompts)} prompts x {what} = {p.best_of} choices exceed {_MAX_N} per request")
         prompts = [(ids, text, p.max_tokens if p.max_tokens == 0 else svc.fit(ids, p, "prompt"))
                    for ids, text in prompts]
         return await svc.generate(request, prompts, p, chat=False)
