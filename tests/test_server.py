@@ -244,6 +244,9 @@ def test_stop_strings(live):
     chunks = [(c.choices[0].text, c.choices[0].finish_reason) for c in stream if c.choices]
     assert "".join(t for t, _ in chunks) == expect and chunks[-1][1] == "stop"
     assert live.metric("dflash2_stop_string_matches_total") == before + 2
+    r = complete(live, PROMPTS[6], max_tokens=48, stop=stop, extra_body={"ignore_eos": True,
+                                                                        "include_stop_str_in_output": True})
+    assert r.choices[0].text == expect + stop and r.choices[0].finish_reason == "stop"
     # a stop string that never occurs changes nothing
     r = complete(live, PROMPTS[6], max_tokens=48, stop="\x00\x01", extra_body={"ignore_eos": True})
     assert r.choices[0].text == full and r.choices[0].finish_reason == "length"
@@ -620,6 +623,10 @@ def test_stop_strings_hold_back():
     out2 = s.feed("aab")
     assert out1 == ("", False) and out2 == ("aa", True)
     assert server.StopStrings([]).feed("anything") == ("anything", False)
+    s = server.StopStrings(["STOP", "ST"], include=True)  # the stop string kept; the first listed at a tie
+    assert s.feed("abc S") == ("abc ", False)
+    assert s.feed("TOP and more") == ("abc STOP"[4:], True)
+    assert server.StopStrings(["b", "ab"], include=True).feed("xaby") == ("xab", True)  # the earliest
 
 
 # ------------------------------------------------------------------------------ CLI

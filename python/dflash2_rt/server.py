@@ -49,7 +49,8 @@ Endpoints
                                 dflash2_stop_string_matches_total, dflash2_prompt_tokens_total,
                                 dflash2_completion_tokens_total
 
-Extensions (request fields): top_k (0 or -1: off), repetition_penalty (> 0, 1 = off: vLLM's),
+Extensions (request fields): top_k (0 or -1: off), include_stop_str_in_output (a matched stop
+string stays at the end of the text: vLLM's), repetition_penalty (> 0, 1 = off: vLLM's),
 min_tokens (no stop token or stop string before that many tokens: vLLM's), stop_token_ids (in addition to the
 checkpoint's eos ids), ignore_eos (do not stop at eos), return_token_ids (the choice gets
 "token_ids": all generated ids; in a stream, each chunk's new ids),
@@ -206,7 +207,7 @@ class _Params:
 
     __slots__ = ("max_tokens", "max_tokens_given", "max_tokens_param", "temperature", "top_p", "top_k", "seed",
                  "stop", "stop_token_ids", "ignore_eos", "stream", "include_usage", "continuous_usage",
-                 "return_token_ids", "n", "best_of", "logprobs", "echo", "adjust")
+                 "return_token_ids", "n", "best_of", "logprobs", "echo", "adjust", "include_stop")
 
 
 def _parse_adjust(body: dict, vocab_size: Optional[int]) -> dict:
@@ -324,6 +325,7 @@ def _parse_common(body: dict, *, chat: bool, vocab_size: Optional[int]) -> _Para
         raise _bad("stop_token_ids", f"'stop_token_ids' must be a list of token ids, found {_short(sti)}")
 
     p.ignore_eos = _bool(body, "ignore_eos", False)
+    p.include_stop = _bool(body, "include_stop_str_in_output", False)
     p.stream = _bool(body, "stream", False)
     if p.stream and p.best_of > p.n:
         raise _bad("best_of", "'best_of' > 'n' cannot be streamed (the best choices are known at the end)")
@@ -395,24 +397,27 @@ class Detokenizer:
 class StopStrings:
     """Stop sequences on streamed text: ``feed(delta)`` -> (text safe to release, matched).
     Text that could be the start of a stop string is held back until it is known not to be;
-    on a match the text before the stop string is released and the rest dropped."""
+    on a match the text before the stop string (with include: and the stop string) is released
+    and the rest dropped. Of several matches the earliest wins (at one position: the first
+    listed)."""
 
-    def __init__(self, stops: list):
+    def __init__(self, stops: list, include: bool = False):
         self.stops = [s for s in stops if s]
+        self.include = include
         self.buf = ""
 
     def feed(self, delta: str) -> tuple:
         if not self.stops:
             return delta, False
         buf = self.buf + delta
-        cut = -1
+        cut, hit = -1, ""
         for s in self.stops:
             i = buf.find(s)
             if i >= 0 and (cut < 0 or i < cut):
-                cut = i
+                cut, hit = i, s
         if cut >= 0:
             self.buf = ""
-            return buf[:cut], True
+            return buf[:cut + (len(hit) if self.include else 0)], True
         hold = 0
         for s in self.stops:
             for k in range(min(len(s) - 1, len(buf)), hold, -1):
@@ -440,7 +445,8 @@ class _Job:
     then ("done", text, finish_reason, result, n_generated) or ("error", exc)."""
 
     def __init__(self, engine, loop: asyncio.AbstractEventLoop, prompt_ids: list, sampling: dict,
-                 stop_strings: list, hidden_ids: set, decode: Optional[Callable[[list], str]], on_stop_string=None):
+                 stop_strings: list, hidden_ids: set, decode: Optional[Callable[[list], str]], on_stop_string=None,
+                 include_stop: bool = False):
         self.engine = engine
         self.queue: asyncio.Queue = asyncio.Queue()
         self._loop = loop
@@ -450,6 +456,7 @@ class _Job:
         self._hidden = hidden_ids
         self._decode = decode
         self._on_stop_string = on_stop_string
+        self._include_stop = include_stop  # vLLM's include_stop_str_in_output
         self._min_tokens = int(sampling.get("min_tokens", 0))
         self._cancel = threading.Event()
         self._abandoned = False
@@ -487,7 +494,7 @@ class _Job:
         self.rid = rid
         self._post(("started", rid))
         detok = Detokenizer(self._decode) if self._decode is not None else None
-        stops = StopStrings(self._stops)
+        stops = StopStrings(self._stops, self._include_stop)
         stopped = False      # a stop string matched: later tokens are dropped
         cancel_at = None     # monotonic time engine.cancel was called
         n = 0
@@ -1102,7 +1109,7 @@ class _Service:
             if several and p.seed is not None:
                 sampling["_stream_index"] = c.index  # seeded choices draw from distinct streams
             c.job = _Job(self.engine, loop, c.ids, sampling, p.stop, set(sampling["stop_token_ids"]),
-                         self.decoder(), self.counters.stop_string)
+                         self.decoder(), self.counters.stop_string, p.include_stop)
         jobs = [c.job for c in choices if c.job is not None]
         for job in jobs:
             job.start()
