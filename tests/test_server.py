@@ -375,6 +375,8 @@ BAD = [
     ("c", {"prompt": "x", "n": 3, "best_of": 2}, "best_of"),
     ("c", {"prompt": "x", "n": 2, "best_of": 3, "stream": True}, "best_of"),
     ("c", {"prompt": ["x", "y", "z"], "best_of": 22}, "best_of"),
+    ("c", {"prompt": "x", "skip_special_tokens": "no"}, "skip_special_tokens"),
+    ("c", {"prompt": "x", "include_stop_str_in_output": 1}, "include_stop_str_in_output"),
     ("c", {"prompt": "x", "presence_penalty": 2.5}, "presence_penalty"),
     ("c", {"prompt": "x", "frequency_penalty": "high"}, "frequency_penalty"),
     ("c", {"prompt": "x", "repetition_penalty": 0}, "repetition_penalty"),
@@ -909,3 +911,17 @@ def test_best_of_returns_the_most_likely_choices(live):
     assert len(one.choices) == 2
     assert len(complete(live, PROMPTS[1], max_tokens=6, n=3, best_of=1, extra_body=body).choices) == 3
 
+
+
+def test_skip_special_tokens(live):
+    """skip_special_tokens (default true): a special token's text (the bundled tokenizer's
+    <|mask|>, id 1, forced by logit_bias) is left out of the text, or kept with false."""
+    if live.kind == "fake":
+        pytest.skip("the fake engine's tokenizer has no special tokens")
+    body = {"logit_bias": {"1": 100}, "ignore_eos": True, "return_token_ids": True}
+    r = complete(live, PROMPTS[0], max_tokens=3, extra_body=body)
+    assert r.choices[0].model_extra["token_ids"] == [1, 1, 1] and r.choices[0].text == ""
+    r = complete(live, PROMPTS[0], max_tokens=3, extra_body=dict(body, skip_special_tokens=False))
+    assert r.choices[0].text == "<|mask|>" * 3
+    chunks = complete(live, PROMPTS[0], max_tokens=3, stream=True, extra_body=dict(body, skip_special_tokens=False))
+    assert "".join(c.choices[0].text for c in chunks if c.choices) == "<|mask|>" * 3

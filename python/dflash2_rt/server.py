@@ -50,7 +50,8 @@ Endpoints
                                 dflash2_completion_tokens_total
 
 Extensions (request fields): top_k (0 or -1: off), include_stop_str_in_output (a matched stop
-string stays at the end of the text: vLLM's), repetition_penalty (> 0, 1 = off: vLLM's),
+string stays at the end of the text: vLLM's), skip_special_tokens (default true; false: special
+tokens' text stays in the output text: vLLM's), repetition_penalty (> 0, 1 = off: vLLM's),
 min_tokens (no stop token or stop string before that many tokens: vLLM's), stop_token_ids (in addition to the
 checkpoint's eos ids), ignore_eos (do not stop at eos), return_token_ids (the choice gets
 "token_ids": all generated ids; in a stream, each chunk's new ids),
@@ -207,7 +208,8 @@ class _Params:
 
     __slots__ = ("max_tokens", "max_tokens_given", "max_tokens_param", "temperature", "top_p", "top_k", "seed",
                  "stop", "stop_token_ids", "ignore_eos", "stream", "include_usage", "continuous_usage",
-                 "return_token_ids", "n", "best_of", "logprobs", "echo", "adjust", "include_stop")
+                 "return_token_ids", "n", "best_of", "logprobs", "echo", "adjust", "include_stop",
+                 "skip_special")
 
 
 def _parse_adjust(body: dict, vocab_size: Optional[int]) -> dict:
@@ -326,6 +328,7 @@ def _parse_common(body: dict, *, chat: bool, vocab_size: Optional[int]) -> _Para
 
     p.ignore_eos = _bool(body, "ignore_eos", False)
     p.include_stop = _bool(body, "include_stop_str_in_output", False)
+    p.skip_special = _bool(body, "skip_special_tokens", True)
     p.stream = _bool(body, "stream", False)
     if p.stream and p.best_of > p.n:
         raise _bad("best_of", "'best_of' > 'n' cannot be streamed (the best choices are known at the end)")
@@ -906,9 +909,13 @@ class _Service:
             return list(self.engine.encode(text))
         return list(self.tokenizer.encode(text).ids)
 
-    def decoder(self) -> Optional[Callable[[list], str]]:
+    def decoder(self, skip_special: bool = True) -> Optional[Callable[[list], str]]:
+        """Token ids -> text (None without a tokenizer); skip_special=False keeps the special
+        tokens' text (vLLM's skip_special_tokens: false)."""
         if self.tokenizer is None:
             return None
+        if not skip_special:
+            return lambda ids: self.tokenizer.decode(list(ids), skip_special_tokens=False)
         return self.engine.decode if hasattr(self.engine, "decode") else (lambda ids: self.tokenizer.decode(ids))
 
     def token_ids(self, v, param: str = "prompt") -> list:
@@ -1109,7 +1116,7 @@ class _Service:
             if several and p.seed is not None:
                 sampling["_stream_index"] = c.index  # seeded choices draw from distinct streams
             c.job = _Job(self.engine, loop, c.ids, sampling, p.stop, set(sampling["stop_token_ids"]),
-                         self.decoder(), self.counters.stop_string, p.include_stop)
+                         self.decoder(p.skip_special), self.counters.stop_string, p.include_stop)
         jobs = [c.job for c in choices if c.job is not None]
         for job in jobs:
             job.start()
