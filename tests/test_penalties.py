@@ -185,6 +185,7 @@ def test_sampled_penalized_requests_are_reproducible():
     (dict(presence_penalty=2.5), "presence_penalty"),
     (dict(frequency_penalty=-3), "frequency_penalty"),
     (dict(repetition_penalty=0.0), "repetition_penalty"),
+    (dict(repetition_penalty=0.001), "repetition_penalty"),
     (dict(repetition_penalty=float("nan")), "repetition_penalty"),
     (dict(min_tokens=17), "min_tokens"),
     (dict(min_tokens=-1), "min_tokens"),

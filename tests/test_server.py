@@ -374,6 +374,11 @@ BAD = [
     ("c", {"prompt": ["x"] * 33, "n": 2}, "n"),
     ("c", {"prompt": "x", "n": 3, "best_of": 2}, "best_of"),
     ("c", {"prompt": "x", "n": 2, "best_of": 3, "stream": True}, "best_of"),
+    ("c", {"prompt": "x", "best_of": 2, "temperature": 0}, "best_of"),
+    ("c", {"prompt": "x", "logit_bias": {" 7": 1}}, "logit_bias"),
+    ("c", {"prompt": "x", "logit_bias": {"7": 10 ** 400}}, "logit_bias"),
+    ("c", {"prompt": "x", "temperature": 10 ** 400}, "temperature"),
+    ("c", {"prompt": "x", "repetition_penalty": 0.001}, "repetition_penalty"),
     ("c", {"prompt": ["x", "y", "z"], "best_of": 22}, "best_of"),
     ("c", {"prompt": "x", "skip_special_tokens": "no"}, "skip_special_tokens"),
     ("c", {"prompt": "x", "include_stop_str_in_output": 1}, "include_stop_str_in_output"),
@@ -625,6 +630,9 @@ def test_stop_strings_hold_back():
     out2 = s.feed("aab")
     assert out1 == ("", False) and out2 == ("aa", True)
     assert server.StopStrings([]).feed("anything") == ("anything", False)
+    s = server.StopStrings(["STOP"])  # min_tokens: early text is not matched, its end still held
+    assert s.feed("a STOP b S", match=False) == ("a STOP b ", False)
+    assert s.feed("TOP c") == ("", True)
     s = server.StopStrings(["STOP", "ST"], include=True)  # the stop string kept; the first listed at a tie
     assert s.feed("abc S") == ("abc ", False)
     assert s.feed("TOP and more") == ("abc STOP"[4:], True)
@@ -887,6 +895,7 @@ def test_penalties_and_logit_bias(live):
         assert r1.choices[0].finish_reason == "stop" and len(r1.choices[0].text) <= len(eng.decode(ids[:1]))
         r2 = complete(live, PROMPTS[2], max_tokens=16, stop=[text], extra_body=dict(body, min_tokens=8))
         assert len(r2.choices[0].model_extra["token_ids"]) >= 8
+        assert r2.choices[0].text.startswith(eng.decode(ids[:6]))  # no stop string before token 8
         assert len(r2.choices[0].text) > len(r1.choices[0].text)
 
 

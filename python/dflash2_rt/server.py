@@ -51,7 +51,7 @@ Endpoints
 
 Extensions (request fields): top_k (0 or -1: off), include_stop_str_in_output (a matched stop
 string stays at the end of the text: vLLM's), skip_special_tokens (default true; false: special
-tokens' text stays in the output text: vLLM's), repetition_penalty (> 0, 1 = off: vLLM's),
+tokens' text stays in the output text: vLLM's), repetition_penalty ([0.01, 100], 1 = off: vLLM's),
 min_tokens (no stop token or stop string before that many tokens: vLLM's), stop_token_ids (in addition to the
 checkpoint's eos ids), ignore_eos (do not stop at eos), return_token_ids (the choice gets
 "token_ids": all generated ids; in a stream, each chunk's new ids),
@@ -183,7 +183,11 @@ def _number(body: dict, name: str, default: float) -> float:
     v = body.get(name)
     if v is None:
         return default
-    if isinstance(v, bool) or not isinstance(v, (int, float)) or not math.isfinite(float(v)):
+    try:  # (an integer too large for a float overflows: a 400 like any other bad number)
+        ok = not isinstance(v, bool) and isinstance(v, (int, float)) and math.isfinite(float(v))
+    except OverflowError:
+        ok = False
+    if not ok:
         raise _bad(name, f"'{name}' must be a finite number, found {_short(v)}")
     return float(v)
 
@@ -214,7 +218,7 @@ class _Params:
 
 def _parse_adjust(body: dict, vocab_size: Optional[int]) -> dict:
     """Repetition control: OpenAI's presence_penalty / frequency_penalty ([-2, 2]) and
-    logit_bias ({"token id": bias in [-100, 100]}), vLLM's repetition_penalty (> 0, 1 = off)
+    logit_bias ({"token id": bias in [-100, 100]}), vLLM's repetition_penalty ([0.01, 100], 1 = off)
     and min_tokens; the engine keyword arguments that differ from the defaults."""
     out: dict = {}
     for name in ("presence_penalty", "frequency_penalty"):
@@ -224,8 +228,8 @@ def _parse_adjust(body: dict, vocab_size: Optional[int]) -> dict:
         if v:
             out[name] = v
     rp = _number(body, "repetition_penalty", 1.0)
-    if not 0 < rp <= 100:
-        raise _bad("repetition_penalty", f"'repetition_penalty' must be in (0, 100] (1 = off), found {rp:g}")
+    if not 0.01 <= rp <= 100:
+        raise _bad("repetition_penalty", f"'repetition_penalty' must be in [0.01, 100] (1 = off), found {rp:g}")
     if rp != 1:
         out["repetition_penalty"] = rp
     mt = _int(body, "min_tokens", 0, 0, None, " >= 0")
@@ -237,13 +241,12 @@ def _parse_adjust(body: dict, vocab_size: Optional[int]) -> dict:
             raise _bad("logit_bias", f"'logit_bias' must be an object mapping token ids to biases, found {_short(lb)}")
         bias = {}
         for k, v in lb.items():
-            try:
-                t = int(k)
-            except (TypeError, ValueError):
-                raise _bad("logit_bias", f"'logit_bias' key {_short(k)} is not a token id") from None
+            if not (isinstance(k, str) and k.isascii() and k.isdigit() and len(k) <= 12):
+                raise _bad("logit_bias", f"'logit_bias' key {_short(k)} is not a token id")
+            t = int(k)
             if t < 0 or (vocab_size is not None and t >= vocab_size):
                 raise _bad("logit_bias", f"'logit_bias': token {t} is outside the vocabulary [0, {vocab_size})")
-            if isinstance(v, bool) or not isinstance(v, (int, float)) or not -100 <= float(v) <= 100:
+            if isinstance(v, bool) or not isinstance(v, (int, float)) or not -100 <= v <= 100:
                 raise _bad("logit_bias", f"'logit_bias' of token {t} must be a number in [-100, 100], found {_short(v)}")
             bias[t] = float(v)
         if bias:
@@ -332,6 +335,8 @@ def _parse_common(body: dict, *, chat: bool, vocab_size: Optional[int]) -> _Para
     p.stream = _bool(body, "stream", False)
     if p.stream and p.best_of > p.n:
         raise _bad("best_of", "'best_of' > 'n' cannot be streamed (the best choices are known at the end)")
+    if p.best_of > p.n and p.temperature == 0:
+        raise _bad("best_of", "'best_of' > 'n' needs sampling (temperature > 0): greedy samples are all alike")
     p.return_token_ids = _bool(body, "return_token_ids", False)
     so = body.get("stream_options")
     if so is not None and not isinstance(so, dict):
@@ -409,12 +414,15 @@ class StopStrings:
         self.include = include
         self.buf = ""
 
-    def feed(self, delta: str) -> tuple:
+    def feed(self, delta: str, match: bool = True) -> tuple:
+        """match=False (the text of tokens before min_tokens): nothing matches, but the end
+        that could start a stop string is still held back (a stop string may end in a later
+        token's text)."""
         if not self.stops:
             return delta, False
         buf = self.buf + delta
         cut, hit = -1, ""
-        for s in self.stops:
+        for s in self.stops if match else ():
             i = buf.find(s)
             if i >= 0 and (cut < 0 or i < cut):
                 cut, hit = i, s
@@ -430,8 +438,8 @@ class StopStrings:
         self.buf = buf[len(buf) - hold:] if hold else ""
         return buf[:len(buf) - hold], False
 
-    def finish(self, delta: str) -> tuple:
-        out, hit = self.feed(delta)
+    def finish(self, delta: str, match: bool = True) -> tuple:
+        out, hit = self.feed(delta, match)
         if not hit:
             out, self.buf = out + self.buf, ""
         return out, hit
@@ -516,23 +524,28 @@ class _Job:
                 return
             new = list(upd.new_token_ids)
             if new:
+                # vLLM's min_tokens: a stop string must end in the text of token min_tokens or
+                # later; the tokens before it go through without matching (their text's end
+                # still held back: a stop string may start there)
+                early = max(0, min(len(new), self._min_tokens - 1 - n))
                 n += len(new)
                 if not stopped and not self._abandoned:
-                    text = ""
-                    if detok is not None:
-                        try:
-                            text = detok.add([t for t in new if t not in self._hidden])
-                        except Exception as e:  # noqa: BLE001 - a decode failure ends the request
-                            self._cancel.set()
-                            self.finished = True
-                            self._post(("error", e))
-                            self._drain(rid)
-                            return
-                    if n > self._min_tokens:
-                        text, hit = stops.feed(text)
-                    else:  # vLLM's min_tokens: no stop string before that many tokens
-                        text, hit = stops.buf + text, False
-                        stops.buf = ""
+                    text, hit = "", False
+                    for part, match in ((new[:early], False), (new[early:], True)):
+                        if not part:
+                            continue
+                        piece = ""
+                        if detok is not None:
+                            try:
+                                piece = detok.add([t for t in part if t not in self._hidden])
+                            except Exception as e:  # noqa: BLE001 - a decode failure ends the request
+                                self._cancel.set()
+                                self.finished = True
+                                self._post(("error", e))
+                                self._drain(rid)
+                                return
+                        piece, hit = stops.feed(piece, match)
+                        text += piece
                     if hit:
                         stopped = True
                         self._cancel.set()
@@ -544,10 +557,7 @@ class _Job:
                 text = ""
                 if not stopped and not self._abandoned:
                     tail = detok.flush() if detok is not None else ""
-                    if n > self._min_tokens:
-                        text, hit = stops.finish(tail)
-                    else:
-                        text, hit, stops.buf = stops.buf + tail, False, ""
+                    text, hit = stops.finish(tail, n >= self._min_tokens)
                     stopped = stopped or hit
                 reason = "stop" if stopped else getattr(result, "finish_reason", "stop")
                 self.finished = True
@@ -1089,7 +1099,7 @@ class _Service:
         if p.echo:
             for c in choices:
                 if c.text is None:
-                    dec = self.decoder()
+                    dec = self.decoder(p.skip_special)
                     c.text = await anyio.to_thread.run_sync(dec, list(c.ids)) if dec is not None else ""
                 if p.logprobs is not None:
                     if not hasattr(self.engine, "logits") and not hasattr(self.engine, "prompt_logprobs"):
@@ -1205,7 +1215,8 @@ class _Service:
             if c.error is not None:
                 raise _engine_error(c.error)
         out = []
-        for c in self._best(choices, p):
+        shown = self._best(choices, p)
+        for c in shown:
             reason = c.done[2] if c.done is not None else "length"
             text = (c.text if p.echo else "") + "".join(c.texts)
             choice: dict = {"index": c.index, "finish_reason": reason, "logprobs": self._choice_logprobs(c, p, chat)}
@@ -1216,10 +1227,10 @@ class _Service:
             if p.return_token_ids:
                 result = c.done[3] if c.done is not None else None
                 choice["token_ids"] = list(getattr(result, "token_ids", None) or c.ids_out)
-            if len(choices) > 1 and c.done is not None:
+            if len(shown) > 1 and c.done is not None:
                 choice["dflash2"] = self._extension(c.done[3], c.rid)
             out.append(choice)
-        first = next((c for c in choices if c.done is not None), None)
+        first = next((c for c in shown if c.done is not None), None)
         obj = {"id": req_id, "object": "chat.completion" if chat else "text_completion", "created": int(time.time()),
                "model": self.model_name, "choices": out, "usage": self._usage(choices),
                "dflash2": self._extension(first.done[3], first.rid) if first is not None else {}}
@@ -1235,9 +1246,8 @@ class _Service:
         if p.best_of <= p.n:
             return choices
 
-        def score(c) -> float:
-            result = c.done[3] if c.done is not None else None
-            lps = list(getattr(result, "logprobs", None) or c.lps)
+        def score(c) -> float:  # over the tokens the choice's text came from (not past a stop string)
+            lps = c.lps[:len(c.ids_out)]
             return sum(float(x.logprob) for x in lps) / len(lps) if lps else 0.0
 
         shown = []

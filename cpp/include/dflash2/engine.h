@@ -123,8 +123,7 @@ struct SamplingParams {
   // before temperature / top-p / top-k (speculative methods stay lossless: each verify row
   // sees the drafts before it as generated; ops::apply_penalties):
   // presence_penalty / frequency_penalty in [-2, 2]: subtracted from the logit of every token
-  // generated so far, once / once per occurrence; repetition_penalty > 0 (1 = off, at most
-  // 100): a logit of a token of the prompt or the output is divided by it when positive,
+  // generated so far, once / once per occurrence; repetition_penalty in [0.01, 100] (1 = off): a logit of a token of the prompt or the output is divided by it when positive,
   // multiplied when not; logit_bias: (token id, bias in [-100, 100]) pairs added to those
   // logits first (a later pair for the same id wins); min_tokens <= max_new_tokens: the stop
   // tokens cannot be generated before this many tokens. Log-probabilities of such a request

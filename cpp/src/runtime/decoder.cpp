@@ -109,12 +109,20 @@ bool Decoder::admit(Request* r) {
   r->prefix_entries = std::move(entries);
   r->cached_tokens = r->prompt_fed = shared;
   r->slot = slot;
-  if (r->penalized) {  // counts still pending for the slot's last request land before the reset
-    count_emitted();
-    c_.reset_penalties(slot, r->prompt, r->stops, r->p.logit_bias);
-    if (c_.drafter && !c_.drafter->pen_state.defined()) {  // the drafter drafts under them too
-      c_.drafter->pen_state = c_.pen_state;
-      c_.drafter->pen_bias = c_.pen_bias;
+  if (r->penalized) {
+    try {  // counts still pending for the slot's last request land before the reset
+      count_emitted();
+      c_.reset_penalties(slot, r->prompt, r->stops, r->p.logit_bias);  // the tables made at the first
+      if (c_.drafter && !c_.drafter->pen_state.defined()) {            // the drafter drafts under them too
+        c_.drafter->pen_state = c_.pen_state;
+        c_.drafter->pen_bias = c_.pen_bias;
+      }
+    } catch (...) {  // (e.g. no device memory for the tables) the request fails; the others go on
+      // admitted as ended: it retires this round, which frees what it took (the caller holds
+      // the lock that guards r->error: Scheduler::loop)
+      r->error = std::current_exception();
+      r->done = true;
+      r->finish_reason = "error";
     }
   }
   slots_[size_t(slot)] = r;

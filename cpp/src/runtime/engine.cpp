@@ -989,8 +989,8 @@ std::unique_ptr<runtime::Request> Engine::Impl::make_request(const std::vector<i
                     p.presence_penalty);
   DFLASH2_CHECK_ARG(in(p.frequency_penalty, -2.0f, 2.0f), where, ": frequency_penalty must be in [-2, 2], found ",
                     p.frequency_penalty);
-  DFLASH2_CHECK_ARG(in(p.repetition_penalty, 0.0f, 100.0f) && p.repetition_penalty > 0.0f, where,
-                    ": repetition_penalty must be in (0, 100] (1 = off), found ", p.repetition_penalty);
+  DFLASH2_CHECK_ARG(in(p.repetition_penalty, 0.01f, 100.0f), where,
+                    ": repetition_penalty must be in [0.01, 100] (1 = off), found ", p.repetition_penalty);
   DFLASH2_CHECK_ARG(p.min_tokens >= 0 && p.min_tokens <= p.max_new_tokens, where,
                     ": min_tokens must be in [0, max_new_tokens = ", p.max_new_tokens, "], found ", p.min_tokens);
   for (size_t i = 0; i < p.logit_bias.size(); ++i) {
