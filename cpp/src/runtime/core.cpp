@@ -134,8 +134,11 @@ void Core::ensure_penalties() {
   const int64_t B = s_temp.shape(0), V = logits.shape(1);
   pen_state = Tensor::zeros(DType::I32, {B, V}, device);
   pen_bias = Tensor::zeros(DType::F32, {B, V}, device);
-  pen_cnt = Tensor::zeros(DType::I32, {2, B * (K + 2)});  // a step's committed tokens fit at once
-  if (device.is_cuda()) d_pen_cnt = Tensor::zeros(DType::I32, {2, B * (K + 2)}, device);
+  // a step's committed tokens fit at once
+  if (device.is_cuda())
+    cnt_up = StagedUpload(device, 2 * B * (K + 2));
+  else
+    pen_cnt = Tensor::zeros(DType::I32, {2, B * (K + 2)});
 }
 
 void Core::reset_penalties(int64_t slot, const std::vector<int32_t>& prompt, const std::vector<int32_t>& stops,
@@ -155,16 +158,20 @@ void Core::count_penalized(const std::vector<int32_t>& slots, const std::vector<
   const int64_t n = int64_t(slots.size());
   if (n == 0) return;
   ensure_penalties();
-  const int64_t cap = pen_cnt.shape(1);
+  const int64_t cap = device.is_cuda() ? cnt_up.capacity() / 2 : pen_cnt.shape(1);
   for (int64_t lo = 0; lo < n; lo += cap) {  // in pieces of the buffers' size
     const int64_t m = std::min(cap, n - lo);
-    std::copy(slots.begin() + lo, slots.begin() + lo + m, pen_cnt.data_as<int32_t>());
-    std::copy(ids.begin() + lo, ids.begin() + lo + m, pen_cnt.data_as<int32_t>() + cap);
-    Tensor r = pen_cnt.select(0, 0).slice(0, 0, m), i = pen_cnt.select(0, 1).slice(0, 0, m);
-    if (device.is_cuda()) {
-      d_pen_cnt.copy_from(pen_cnt);
-      r = d_pen_cnt.select(0, 0).slice(0, 0, m);
-      i = d_pen_cnt.select(0, 1).slice(0, 0, m);
+    int32_t* h = device.is_cuda() ? cnt_up.begin() : pen_cnt.data_as<int32_t>();
+    std::copy(slots.begin() + lo, slots.begin() + lo + m, h);
+    std::copy(ids.begin() + lo, ids.begin() + lo + m, h + cap);
+    Tensor r, i;
+    if (device.is_cuda()) {  // no host wait: the copy and the kernel in stream order
+      cnt_up.send(cap + m);
+      r = cnt_up.view(0, DType::I32, {m});
+      i = cnt_up.view(cap, DType::I32, {m});
+    } else {
+      r = pen_cnt.select(0, 0).slice(0, 0, m);
+      i = pen_cnt.select(0, 1).slice(0, 0, m);
     }
     ops::count_tokens(pen_state, r, i);
   }

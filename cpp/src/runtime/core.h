@@ -107,7 +107,8 @@ struct Core {
   // sampling rows: d_pen_seq / d_pen_par). pen_rows > 0: the next sample_rows / accept_rows
   // applies them to that many sequences first (the decoder sets it per step; 0: no op).
   Tensor pen_state, pen_bias, pen_seq, pen_par, d_pen_seq, d_pen_par;
-  Tensor pen_cnt, d_pen_cnt;  // count_penalized's rows and ids (host, device)
+  Tensor pen_cnt;       // count_penalized's rows and ids (the CPU)
+  StagedUpload cnt_up;  // ... on CUDA: packed into pinned staging, one asynchronous copy up
   int64_t pen_rows = 0;
   void ensure_penalties();
   // Table row `slot` for a new request: no counts, its prompt's tokens and its stop tokens

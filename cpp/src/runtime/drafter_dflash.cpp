@@ -345,7 +345,7 @@ class DFlashRunner final : public Drafter {
       rng.copy_from(Tensor::view(host_rng_.data(), DType::I64, {A, 2}));
     }
     model::DraftOutputs out;
-    plan_penalties(jobs, A, out.pen);
+    plan_penalties(jobs, out.pen);
     StepRecorder& rec = t_.recorder();
     if (!dev_.is_cuda()) {
       out.tokens = res_.tokens.slice(0, 0, A);
@@ -402,26 +402,31 @@ class DFlashRunner final : public Drafter {
   // repetition control and the head's logits are whole here, next to the tables (not under
   // tensor parallelism): one plan row per head row -- its request's table row, min_left less
   // its position in the block, its parameters. Left undefined otherwise (no op).
-  void plan_penalties(const std::vector<DraftJob>& jobs, int64_t A, model::DraftOutputs::Penalties& pen) {
+  void plan_penalties(const std::vector<DraftJob>& jobs, model::DraftOutputs::Penalties& pen) {
     if (!pen_state.defined() || split_ || split_head_ || pen_state.device() != dev_) return;
-    const int64_t B = m_->block_size(), R = A * (B - 1);
+    const int64_t B = m_->block_size();
     bool any = false;
     for (size_t i = 0; i < jobs.size(); ++i) any = any || (res_.len[i] > 0 && jobs[i].pen_row >= 0);
     if (!any) return;
+    const int64_t maxR = rng_.shape(0) * (B - 1);
     if (!pen_seq_.defined()) {  // first use: the plan's buffers, for the largest draft
-      const int64_t maxR = rng_.shape(0) * (B - 1);
       Tensor r0 = Tensor::zeros(DType::I32, {maxR});
       for (int64_t r = 0; r < maxR; ++r) r0.data_as<int32_t>()[r] = int32_t(r);
       pen_row0_ = r0.to(dev_);
       pen_zeros_ = Tensor::zeros(DType::I32, {maxR}, dev_);
       pen_draft_ = Tensor::zeros(DType::I32, {1, 1}, dev_);
-      pen_host_seq_ = Tensor::zeros(DType::I32, {maxR, 2});
-      pen_host_par_ = Tensor::zeros(DType::F32, {maxR, 3});
-      pen_seq_ = dev_.is_cuda() ? Tensor::zeros(DType::I32, {maxR, 2}, dev_) : pen_host_seq_;
-      pen_par_ = dev_.is_cuda() ? Tensor::zeros(DType::F32, {maxR, 3}, dev_) : pen_host_par_;
+      if (dev_.is_cuda()) {  // packed into pinned staging, one asynchronous copy per draft
+        pen_up_ = StagedUpload(dev_, 5 * maxR);
+        pen_seq_ = pen_up_.view(0, DType::I32, {maxR, 2});
+        pen_par_ = pen_up_.view(2 * maxR, DType::F32, {maxR, 3});
+      } else {
+        pen_seq_ = Tensor::zeros(DType::I32, {maxR, 2});
+        pen_par_ = Tensor::zeros(DType::F32, {maxR, 3});
+      }
     }
-    int32_t* sq = pen_host_seq_.data_as<int32_t>();
-    float* pp = pen_host_par_.data_as<float>();
+    int32_t* const h = dev_.is_cuda() ? pen_up_.begin() : nullptr;
+    int32_t* sq = h ? h : pen_seq_.data_as<int32_t>();
+    float* pp = h ? reinterpret_cast<float*>(h + 2 * maxR) : pen_par_.data_as<float>();
     for (size_t i = 0; i < jobs.size(); ++i) {
       if (res_.len[i] == 0) continue;
       const DraftJob& j = jobs[i];
@@ -432,10 +437,7 @@ class DFlashRunner final : public Drafter {
         std::copy(j.pen, j.pen + 3, pp + 3 * r);
       }
     }
-    if (dev_.is_cuda()) {
-      pen_seq_.slice(0, 0, R).copy_from(pen_host_seq_.slice(0, 0, R));
-      pen_par_.slice(0, 0, R).copy_from(pen_host_par_.slice(0, 0, R));
-    }
+    if (h) pen_up_.send(5 * maxR);  // on the draft's stream, before its kernels
     pen = {pen_row0_, pen_draft_, pen_zeros_, pen_zeros_, pen_seq_, pen_par_, pen_state, pen_bias};
   }
 
@@ -654,7 +656,8 @@ class DFlashRunner final : public Drafter {
   std::vector<int32_t> host_idx_, host_ids_;
   std::vector<int64_t> first_row_;
   std::vector<float> host_temp_;
-  Tensor pen_row0_, pen_zeros_, pen_draft_, pen_seq_, pen_par_, pen_host_seq_, pen_host_par_;  // plan_penalties
+  Tensor pen_row0_, pen_zeros_, pen_draft_, pen_seq_, pen_par_;  // plan_penalties
+  StagedUpload pen_up_;  // CUDA: pen_seq_ / pen_par_ view it
   std::vector<int64_t> host_rng_;
   std::vector<CacheStream*> host_streams_;
   std::vector<const int32_t*> host_toks_;
