@@ -1284,6 +1284,21 @@ namespace {
 // The host-side plan of an acceptance (CPU tensors): each sequence's draft length within [0,
 // K], its rows within the M target rows (`rows` names them), its draft row within the
 // drafts and, with V >= 0, its drafted tokens within [0, V).
+// The per-sequence plan of a verify pass's blocks (accept, accept_greedy, apply_penalties):
+// row0 / draft_row / draft_len I32 [S], draft I32 [N, K] with contiguous rows (K may be 0).
+// Returns S.
+int64_t need_block_plan(const char* op, const Tensor& row0, const Tensor& draft_row, const Tensor& draft_len,
+                        const Tensor& draft) {
+  need(row0, op, "row0");
+  const int64_t S = row0.shape(0);
+  need_i32_vec(row0, S, op, "row0");
+  need_i32_vec(draft_row, S, op, "draft_row");
+  need_i32_vec(draft_len, S, op, "draft_len");
+  need_dtype(draft, DType::I32, op, "draft");
+  DFLASH2_CHECK_ARG(draft.ndim() == 2 && (draft.stride(1) == 1 || draft.shape(1) <= 1), op,
+                    ": draft must be I32 [N, K] with contiguous rows, found ", draft.describe());
+  return S;
+}
 void check_accept_plan(const char* op, const char* rows, const Tensor& row0, const Tensor& draft,
                        const Tensor& draft_row, const Tensor& draft_len, int64_t M, int64_t V) {
   const int64_t S = row0.shape(0), N = draft.shape(0), K = draft.shape(1);
@@ -1308,12 +1323,7 @@ void accept(const Tensor& logits, const Tensor& row0, const Tensor& draft, const
             Tensor& accepted, Tensor& bonus) {
   const char* op = "accept";
   need_2d_rows(logits, DType::F32, op, "logits");
-  need(row0, op, "row0");
-  const int64_t S = row0.shape(0), M = logits.shape(0), V = logits.shape(1);
-  need_i32_vec(row0, S, op, "row0");
-  need_i32_vec(draft_row, S, op, "draft_row");
-  need_i32_vec(draft_len, S, op, "draft_len");
-  need_2d_rows(draft, DType::I32, op, "draft");
+  const int64_t S = need_block_plan(op, row0, draft_row, draft_len, draft), M = logits.shape(0), V = logits.shape(1);
   const int64_t N = draft.shape(0), K = draft.shape(1);
   if (q.defined()) {
     need_3d(q, DType::F32, op, "q");
@@ -1338,13 +1348,8 @@ void accept(const Tensor& logits, const Tensor& row0, const Tensor& draft, const
 void accept_greedy(const Tensor& ids, const Tensor& row0, const Tensor& draft, const Tensor& draft_row,
                    const Tensor& draft_len, Tensor& accepted, Tensor& bonus) {
   const char* op = "accept_greedy";
-  need(row0, op, "row0");
   need_i32_vec(ids, -1, op, "ids");
-  const int64_t S = row0.shape(0), M = ids.shape(0);
-  need_i32_vec(row0, S, op, "row0");
-  need_i32_vec(draft_row, S, op, "draft_row");
-  need_i32_vec(draft_len, S, op, "draft_len");
-  need_2d_rows(draft, DType::I32, op, "draft");
+  const int64_t S = need_block_plan(op, row0, draft_row, draft_len, draft), M = ids.shape(0);
   need_i32_vec(accepted, S, op, "accepted");
   need_i32_vec(bonus, S, op, "bonus");
   for (const Tensor* t :
@@ -1359,14 +1364,7 @@ void apply_penalties(Tensor& logits, const Tensor& row0, const Tensor& draft, co
                      const Tensor& bias) {
   const char* op = "apply_penalties";
   need_2d_rows(logits, DType::F32, op, "logits");
-  need(row0, op, "row0");
-  const int64_t S = row0.shape(0), M = logits.shape(0), V = logits.shape(1);
-  need_i32_vec(row0, S, op, "row0");
-  need_i32_vec(draft_row, S, op, "draft_row");
-  need_i32_vec(draft_len, S, op, "draft_len");
-  need_dtype(draft, DType::I32, op, "draft");
-  DFLASH2_CHECK_ARG(draft.ndim() == 2 && (draft.stride(1) == 1 || draft.shape(1) <= 1), op,
-                    ": draft must be I32 [N, K] with contiguous rows, found ", draft.describe());
+  const int64_t S = need_block_plan(op, row0, draft_row, draft_len, draft), M = logits.shape(0), V = logits.shape(1);
   need_2d_rows(seq, DType::I32, op, "seq");
   need_2d_rows(params, DType::F32, op, "params");
   DFLASH2_CHECK_ARG(seq.shape(0) == S && seq.shape(1) == 2 && params.shape(0) == S && params.shape(1) == 3, op,
