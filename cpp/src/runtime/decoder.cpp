@@ -233,15 +233,24 @@ void Decoder::plan_row(int64_t row, Request& q, uint64_t draws) {
   q.rng_counter += draws;
 }
 
-void Decoder::plan_penalty_row(int64_t row, const Request* q) {
-  int32_t* sq = c_.pen_seq.data_as<int32_t>() + 2 * row;
-  float* pp = c_.pen_par.data_as<float>() + 3 * row;
+namespace {
+// q's repetition control for its next rows into a DraftJob's fields (table row -1: none).
+void penalty_of(const Request* q, DraftJob& j) {
   const bool on = q && q->penalized;
-  sq[0] = on ? int32_t(q->slot) : -1;
-  sq[1] = on ? int32_t(std::max<int64_t>(0, q->p.min_tokens - int64_t(q->tokens.size()))) : 0;
-  pp[0] = on ? q->p.presence_penalty : 0.0f;
-  pp[1] = on ? q->p.frequency_penalty : 0.0f;
-  pp[2] = on ? q->p.repetition_penalty : 1.0f;
+  j.pen_row = on ? int32_t(q->slot) : -1;
+  j.pen_min_left = on ? int32_t(std::max<int64_t>(0, q->p.min_tokens - int64_t(q->tokens.size()))) : 0;
+  j.pen[0] = on ? q->p.presence_penalty : 0.0f;
+  j.pen[1] = on ? q->p.frequency_penalty : 0.0f;
+  j.pen[2] = on ? q->p.repetition_penalty : 1.0f;
+}
+}  // namespace
+
+void Decoder::plan_penalty_row(int64_t row, const Request* q) {
+  DraftJob j;
+  penalty_of(q, j);
+  c_.pen_seq.data_as<int32_t>()[2 * row] = j.pen_row;
+  c_.pen_seq.data_as<int32_t>()[2 * row + 1] = j.pen_min_left;
+  std::copy(j.pen, j.pen + 3, c_.pen_par.data_as<float>() + 3 * row);
 }
 
 void Decoder::count_emitted() {
@@ -504,13 +513,7 @@ void Decoder::step() {
       j.temperature = r->p.temperature;
       j.rng_key = r->rng_key;
       j.rng_counter = &r->rng_counter;
-      if (r->penalized) {
-        j.pen_row = int32_t(r->slot);
-        j.pen_min_left = int32_t(std::max<int64_t>(0, r->p.min_tokens - int64_t(r->tokens.size())));
-        j.pen[0] = r->p.presence_penalty;
-        j.pen[1] = r->p.frequency_penalty;
-        j.pen[2] = r->p.repetition_penalty;
-      }
+      penalty_of(r, j);
       jobs_.push_back(j);
     }
     if (P > 0) {  // padding: the first job that drafts (or job 0), greedily, taking no draws
