@@ -1714,6 +1714,42 @@ def test_count_tokens(dev):
 
 
 @pytest.mark.parametrize("dev", DEVICES)
+def test_mask_logits(dev):
+    """Structured output's token masks: a clear bit puts -FLT_MAX at that token of the row the
+    mask names, a set bit leaves the logit bit for bit, rows < 0 and unnamed rows untouched,
+    the vocabulary's last partial word and words past it (W wider than needed) handled."""
+    need_device(dev, "mask_logits")
+    rng = rng_for("mask-logits")
+    fmax = np.finfo(np.float32).max
+    for V, extra in [(5, 0), (64, 1), (4099, 0), (154880 // 16, 2)]:
+        M, R = 7, 5
+        W = (V + 31) // 32 + extra
+        logits = (rng.standard_normal((M, V)) * 3).astype(np.float32)
+        logits[0, 0] = np.inf  # a masked non-finite value is masked too
+        bits = rng.random((R, W * 32)) < 0.3
+        bits[1] = False  # nothing allowed
+        bits[2] = True   # everything allowed
+        masks = np.packbits(bits, axis=1, bitorder="little").view(np.int32)
+        rows = np.array([0, 3, 5, -1, 6], np.int32)
+        want = logits.copy()
+        for r, row in enumerate(rows):
+            if row >= 0:
+                want[row, ~bits[r, :V]] = -fmax
+        x = to_dev(logits.copy(), dev)
+        ops.mask_logits(x, to_dev(rows, dev), to_dev(masks, dev))
+        got = to_np(x)
+        np.testing.assert_array_equal(got, want)
+        np.testing.assert_array_equal(got[[1, 2, 4]], logits[[1, 2, 4]])
+        assert (got[3] == -fmax).all() and np.array_equal(got[5], logits[5])
+    if dev == "cpu":
+        x = np.zeros((2, 40), np.float32)
+        with pytest.raises(dflash2_rt.InvalidArgumentError, match="outside the logits"):
+            ops.mask_logits(x, np.array([2], np.int32), np.zeros((1, 2), np.int32))
+        with pytest.raises(dflash2_rt.InvalidArgumentError, match="a bit per token"):
+            ops.mask_logits(x, np.array([0], np.int32), np.zeros((1, 1), np.int32))
+
+
+@pytest.mark.parametrize("dev", DEVICES)
 def test_argmax_shard_and_merge_equal_argmax(dev):
     """Greedy decoding over a vocabulary split in N shards without gathering the logits: each
     shard's (max, id) pair, merged in shard order, is argmax over the whole row (the first

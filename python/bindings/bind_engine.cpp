@@ -1,6 +1,7 @@
 // Engine / Sequence / GenerationResult. Token lists cross as Python lists (or anything
 // iterable of ints); logits and hidden states come back as numpy arrays (zero copy).
 #include <pybind11/functional.h>
+#include <pybind11/numpy.h>
 #include <pybind11/stl.h>
 
 #include "bindings.h"
@@ -27,6 +28,67 @@ std::vector<int32_t> to_tokens(py::handle h, const char* arg) {
   }
   return out;
 }
+
+// A Python object as the engine's TokenConstraint: masks(drafts: list[int], out: numpy int32
+// [n + 1, words] over the engine's buffer, valid during the call only) -> int rows filled,
+// commit(tokens: list[int]), done() -> bool. Called on the scheduler thread, which takes the
+// GIL for each call; a Python exception becomes an InvalidArgument error of that request.
+class PyConstraint final : public TokenConstraint {
+ public:
+  explicit PyConstraint(py::object o) : o_(std::move(o)) {}
+  ~PyConstraint() override {
+#if PY_VERSION_HEX >= 0x030D0000
+    const bool finalizing = Py_IsFinalizing();
+#else
+    const bool finalizing = _Py_IsFinalizing();
+#endif
+    if (!Py_IsInitialized() || finalizing) {  // the interpreter is going: leak the reference
+      o_.release();
+      return;
+    }
+    py::gil_scoped_acquire gil;
+    o_ = py::object();
+  }
+  int64_t masks(const int32_t* drafts, int64_t n, uint32_t* rows, int64_t words) override {
+    py::gil_scoped_acquire gil;
+    try {
+      py::list d(n);
+      for (int64_t i = 0; i < n; ++i) d[size_t(i)] = py::int_(drafts[i]);
+      py::array_t<int32_t> out({n + 1, words}, {words * int64_t(sizeof(int32_t)), int64_t(sizeof(int32_t))},
+                               reinterpret_cast<int32_t*>(rows), py::capsule(rows, [](void*) {}));
+      py::object r = o_.attr("masks")(d, out);
+      DFLASH2_CHECK_ARG(py::isinstance<py::int_>(r) && !py::isinstance<py::bool_>(r),
+                        "the token constraint's masks() must return the number of rows it filled (int), found ",
+                        std::string(py::str(py::type::of(r).attr("__name__"))));
+      return r.cast<int64_t>();
+    } catch (py::error_already_set& e) {
+      fail(ErrorKind::InvalidArgument, "the token constraint's masks() raised ", e.what());
+    }
+  }
+  void commit(const int32_t* tokens, int64_t n) override {
+    py::gil_scoped_acquire gil;
+    try {
+      py::list t(n);
+      for (int64_t i = 0; i < n; ++i) t[size_t(i)] = py::int_(tokens[i]);
+      o_.attr("commit")(t);
+    } catch (py::error_already_set& e) {
+      fail(ErrorKind::InvalidArgument, "the token constraint's commit() raised ", e.what());
+    }
+  }
+  bool done() override {
+    py::gil_scoped_acquire gil;
+    try {
+      return o_.attr("done")().cast<bool>();
+    } catch (py::error_already_set& e) {
+      fail(ErrorKind::InvalidArgument, "the token constraint's done() raised ", e.what());
+    } catch (py::cast_error&) {
+      fail(ErrorKind::InvalidArgument, "the token constraint's done() must return a bool");
+    }
+  }
+
+ private:
+  py::object o_;
+};
 
 py::object as_numpy(const Tensor& t) { return py::module_::import("numpy").attr("from_dlpack")(py::cast(t)); }
 
@@ -238,7 +300,7 @@ void bind_engine(py::module_& m) {
           [](Engine& e, py::handle prompt, int64_t max_new_tokens, float temperature, float top_p, int64_t top_k,
              py::object seed, py::object stop_token_ids, int64_t stream_index, py::object logprobs,
              float presence_penalty, float frequency_penalty, float repetition_penalty, int64_t min_tokens,
-             py::object logit_bias) {
+             py::object logit_bias, py::object constraint) {
             std::vector<int32_t> t = to_tokens(prompt, "prompt");
             SamplingParams sp =
                 sampling_params(max_new_tokens, temperature, top_p, top_k, seed, stop_token_ids, "submit", logprobs);
@@ -259,6 +321,14 @@ void bind_engine(py::module_& m) {
                 sp.logit_bias.emplace_back(int32_t(id), kv.second.cast<float>());
               }
             }
+            if (!constraint.is_none()) {
+              for (const char* m : {"masks", "commit", "done"})
+                DFLASH2_CHECK_ARG(py::hasattr(constraint, m), "submit: constraint must have masks(), commit() and "
+                                  "done() (a TokenConstraint), found ",
+                                  std::string(py::str(py::type::of(constraint).attr("__name__"))), " without ", m,
+                                  "()");
+              sp.constraint = std::make_shared<PyConstraint>(constraint);
+            }
             ReleaseGil nogil;
             return e.submit(t, sp);
           },
@@ -266,7 +336,7 @@ void bind_engine(py::module_& m) {
           py::arg("top_k") = 0, py::arg("seed") = py::none(), py::arg("stop_token_ids") = py::none(),
           py::arg("stream_index") = 0, py::arg("logprobs") = py::none(), py::arg("presence_penalty") = 0.0f,
           py::arg("frequency_penalty") = 0.0f, py::arg("repetition_penalty") = 1.0f, py::arg("min_tokens") = 0,
-          py::arg("logit_bias") = py::none(), "Queues one request; returns its id.")
+          py::arg("logit_bias") = py::none(), py::arg("constraint") = py::none(), "Queues one request; returns its id.")
       .def(
           "poll",
           [](Engine& e, const std::vector<RequestId>& ids, double timeout, bool with_logprobs) {

@@ -530,6 +530,21 @@ void bind_ops(py::module_& m) {
       "frequency, repetition), state I32 [B, V] counts | stop bit 29 | prompt bit 30, bias F32 [B, V]).");
 
   o.def(
+      "mask_logits",
+      [](py::handle logits, py::handle rows, py::handle masks) {
+        Tensor lg = tensor_from_python(logits, "logits"), r = tensor_from_python(rows, "rows");
+        Tensor m = tensor_from_python(masks, "masks");
+        {
+          ReleaseGil nogil;
+          ops::mask_logits(lg, r, m);
+        }
+        return lg;
+      },
+      py::arg("logits"), py::arg("rows"), py::arg("masks"),
+      "In place: logits F32 [M, V] row rows[r] (skipped when < 0) gets -FLT_MAX at every token v whose bit "
+      "(bit v % 32 of word v / 32 of masks I32 [R, W >= ceil(V / 32)] row r) is 0 (structured output).");
+
+  o.def(
       "count_tokens",
       [](py::handle state, py::handle rows, py::handle ids) {
         Tensor st = tensor_from_python(state, "state"), r = tensor_from_python(rows, "rows");

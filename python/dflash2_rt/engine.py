@@ -360,6 +360,7 @@ class Engine:
         # next turn takes its previous turns' output from the cache)
         self.prefix_cache_generated = self._e.prefix_cache_generated
         self.max_batch_size = max_batch_size
+        self._llg_tokenizer = None  # structured output's tokenizer, made on first use
 
     @property
     def config(self) -> dict:
@@ -498,6 +499,19 @@ class Engine:
         lp = None if logprobs is None else _check_int(where, "logprobs", logprobs, 0, 20)
         kw = {}
         for name, v in (adjust or {}).items():
+            if name == "structured_outputs":
+                if v is not None:
+                    kw[name] = self._grammar(v, f"{where}: structured_outputs")
+                continue
+            if name == "constraint":
+                if v is not None:
+                    missing = [m for m in ("masks", "commit", "done") if not callable(getattr(v, m, None))]
+                    if missing:
+                        raise _core.InvalidArgumentError(
+                            f"{where}: constraint must have masks(), commit() and done() (a token constraint), "
+                            f"found {type(v).__name__} without {', '.join(m + '()' for m in missing)}")
+                    kw[name] = v
+                continue
             if name == "min_tokens":
                 kw[name] = _check_int(where, name, v, 0)
             elif name == "logit_bias":
@@ -518,19 +532,38 @@ class Engine:
                 _check_real(where, "top_p", top_p), _check_int(where, "top_k", top_k), _check_seed(where, seed), stop,
                 lp, kw)
 
-    _ADJUST = ("presence_penalty", "frequency_penalty", "repetition_penalty", "logit_bias", "min_tokens")
+    _ADJUST = ("presence_penalty", "frequency_penalty", "repetition_penalty", "logit_bias", "min_tokens",
+               "structured_outputs", "constraint")
 
-    @classmethod
-    def _adjust(cls, where: str, kw: dict) -> dict:
-        """The repetition-control keyword arguments (anything else is a TypeError, as Python
-        raises for an unknown keyword)."""
+    def _grammar(self, spec, where: str):
+        """A structured-output spec compiled for this engine's tokenizer (structured.Grammar)."""
+        if self.tokenizer is None:
+            raise _core.InvalidArgumentError(f"{where}: structured output needs the target's tokenizer.json "
+                                             f"({self.target} has none); pass constraint= instead")
+        from . import structured
+        grammar = structured.compile_spec(spec, where)
+        if self._llg_tokenizer is None:
+            eos = self.config.get("eos_token_id")
+            eos = [] if eos is None else [eos] if isinstance(eos, int) else list(eos)
+            self._llg_tokenizer = structured.tokenizer_for(self.tokenizer, self.vocab_size, eos)
+        return structured.Grammar(self._llg_tokenizer, grammar, where)
+
+    def _adjust(self, where: str, kw: dict) -> dict:
+        """The repetition-control and structured-output keyword arguments (anything else is a
+        TypeError, as Python raises for an unknown keyword)."""
         for name in kw:
-            if name not in cls._ADJUST:
+            if name not in self._ADJUST:
                 raise TypeError(f"{where}() got an unexpected keyword argument '{name}'")
+        if kw.get("structured_outputs") is not None and kw.get("constraint") is not None:
+            raise _core.InvalidArgumentError(f"{where}: pass structured_outputs or constraint, not both")
         return kw
 
     def _submit(self, ids: list, req: tuple, stream_index: int) -> int:
-        return self._e.submit(ids, *req[:6], stream_index, req[6], **req[7])
+        kw = req[7]
+        if "structured_outputs" in kw:  # a constraint of its own per request (it holds the request's state)
+            kw = dict(kw)
+            kw["constraint"] = kw.pop("structured_outputs").constraint()
+        return self._e.submit(ids, *req[:6], stream_index, req[6], **kw)
 
     def _result(self, r) -> GenerationResult:
         text = self.tokenizer.decode(list(r.token_ids)) if self.tokenizer is not None else None
@@ -671,6 +704,10 @@ class Engine:
         ids = [self._ids(p, f"generate: prompt {i}", self.max_seq_len) for i, p in enumerate(prompts)]
         req = self._request("generate", max_new_tokens, temperature, top_p, top_k, seed, stop_token_ids, logprobs,
                             self._adjust("generate", adjust))
+        if "constraint" in req[7] and len(ids) > 1:
+            raise _core.InvalidArgumentError(
+                f"generate: a constraint object holds one request's state; with {len(ids)} prompts pass "
+                "structured_outputs (a constraint is made per prompt) or submit() each prompt with its own")
         rids = []
         try:
             for i, p in enumerate(ids):

@@ -106,6 +106,33 @@ struct EngineConfig {
                                       // throughput of the running batch (see README)
 };
 
+// Structured output: restricts which tokens a request may generate (a JSON schema, a regular
+// expression, a grammar...). The engine asks for token masks and reports what it commits; the
+// grammar itself is the implementation's (the Python package implements one over llguidance:
+// dflash2_rt.structured). Speculative methods stay lossless: every verify row's logits are
+// masked for the state after the drafts before it (ops::mask_logits), before penalties' result
+// is sampled from or accepted against, and a draft the grammar rejects is rejected there
+// (its row's mask gives it probability 0). Called on the engine's scheduler thread only, one
+// request's calls in order; an exception fails that request (the others go on).
+class TokenConstraint {
+ public:
+  virtual ~TokenConstraint() = default;
+  // The masks of the next positions into rows (each `words` 32-bit words: bit v % 32 of word
+  // v / 32 set = token v allowed; words >= ceil(V / 32)): row 0 for the token after what was
+  // committed so far, row j for the token after drafts[0 .. j) as well (n drafts, n + 1 rows
+  // at most). Returns how many rows it filled, from row 0 (0 .. n + 1): rows not filled are not
+  // masked (a row after a draft the grammar rejects is never read: that draft is rejected).
+  // Must leave the constraint's state as it was (the drafts are not committed yet).
+  virtual int64_t masks(const int32_t* drafts, int64_t n, uint32_t* rows, int64_t words) = 0;
+  // Tokens the request committed (each allowed by the mask it was drawn under), in order: every
+  // token it generates, its last (a stop token, or the one that reached max_new_tokens) too.
+  virtual void commit(const int32_t* tokens, int64_t n) = 0;
+  // Whether the constraint is complete and allows no further token: the request then ends
+  // (finish_reason "stop", also when its last token reached max_new_tokens) after the tokens
+  // committed so far.
+  virtual bool done() = 0;
+};
+
 struct SamplingParams {
   int64_t max_new_tokens = 16;
   float temperature = 0.0f;  // 0 = greedy
@@ -131,6 +158,9 @@ struct SamplingParams {
   float presence_penalty = 0.0f, frequency_penalty = 0.0f, repetition_penalty = 1.0f;
   std::vector<std::pair<int32_t, float>> logit_bias;
   int64_t min_tokens = 0;
+  // Structured output (TokenConstraint above); null: none. One object per request: it is
+  // stateful (the engine commits the request's tokens to it).
+  std::shared_ptr<TokenConstraint> constraint;
   bool adjusts_logits() const {
     return presence_penalty != 0.0f || frequency_penalty != 0.0f || repetition_penalty != 1.0f ||
            !logit_bias.empty() || min_tokens > 0;

@@ -602,6 +602,12 @@ void apply_penalties(Tensor& logits, const Tensor& row0, const Tensor& draft, co
 // [n]): apply_penalties' counts of the tokens a step committed. An id outside [0, V) or a row
 // >= B is an InvalidArgument error on the CPU; on CUDA it is skipped.
 void count_tokens(Tensor& state, const Tensor& rows, const Tensor& ids);
+// Structured output (SamplingParams::constraint): for every r with rows[r] >= 0, the tokens v
+// of logits row rows[r] whose bit (bit v % 32 of word v / 32 of masks row r) is 0 get -FLT_MAX
+// (never drawn, log-probabilities stay finite); set bits leave the logit as it is. logits F32
+// [M, V], rows I32 [R], masks I32 [R, W] with W >= ceil(V / 32) (words past V's are not read).
+// A row outside [0, M) is an InvalidArgument error on the CPU; on CUDA it is skipped.
+void mask_logits(Tensor& logits, const Tensor& rows, const Tensor& masks);
 
 }  // namespace ops
 }  // namespace dflash2

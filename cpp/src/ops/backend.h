@@ -59,6 +59,7 @@ namespace dflash2::ops {
                       const Tensor& draft_len, const Tensor& seq, const Tensor& params, const Tensor& state,         \
                       const Tensor& bias))                                                                          \
   X(count_tokens, (Tensor & state, const Tensor& rows, const Tensor& ids))                                          \
+  X(mask_logits, (Tensor & logits, const Tensor& rows, const Tensor& masks))                                       \
   X(next_after_accept, (const Tensor& row0, const Tensor& draft_row, const Tensor& draft_len,                       \
                         const Tensor& accepted, const Tensor& bonus, const Tensor& drafts, Tensor& next,           \
                         Tensor& last))                                                                              \

@@ -1408,4 +1408,22 @@ void count_tokens(Tensor& state, const Tensor& rows, const Tensor& ids) {
   DFLASH2_DISPATCH(count_tokens, state, state, rows, ids);
 }
 
+void mask_logits(Tensor& logits, const Tensor& rows, const Tensor& masks) {
+  const char* op = "mask_logits";
+  need_2d_rows(logits, DType::F32, op, "logits");
+  need_i32_vec(rows, -1, op, "rows");
+  need_2d_rows(masks, DType::I32, op, "masks");
+  const int64_t M = logits.shape(0), V = logits.shape(1), R = rows.shape(0);
+  DFLASH2_CHECK_ARG(masks.shape(0) == R && masks.shape(1) * 32 >= V, op, ": masks must be I32 [", R, ", >= ",
+                    (V + 31) / 32, "] (a bit per token of ", V, "), found ", masks.describe());
+  same_device(logits, rows, op);
+  same_device(logits, masks, op);
+  if (logits.device().is_cpu())
+    for (int64_t r = 0; r < R; ++r) {
+      const int64_t row = rows.data_as<const int32_t>()[r * rows.stride(0)];
+      DFLASH2_CHECK_ARG(row < M, op, ": rows[", r, "] = ", row, " is outside the logits' ", M, " rows");
+    }
+  DFLASH2_DISPATCH(mask_logits, logits, logits, rows, masks);
+}
+
 }  // namespace dflash2::ops

@@ -129,6 +129,31 @@ void Core::upload_inputs(int64_t n, bool accept) {
   in_up.send(pen_rows > 0 ? 15 * B : accept ? 10 * B : 7 * B);  // one asynchronous copy
 }
 
+void Core::ensure_masks() {
+  if (mask_bits.defined()) return;
+  const int64_t rows = logits.shape(0), W = mask_words();
+  mask_bits = Tensor::zeros(DType::I32, {rows, W});
+  mask_rows = Tensor::zeros(DType::I32, {rows});
+  if (device.is_cuda()) {
+    d_mask_bits = Tensor::zeros(DType::I32, {rows, W}, device);
+    d_mask_rows = Tensor::zeros(DType::I32, {rows}, device);
+  }
+}
+
+namespace {
+// The first n mask rows where the logits are (uploaded on CUDA), or undefined when n == 0.
+std::pair<Tensor, Tensor> mask_plan(const Core& c, int64_t n) {
+  if (n <= 0) return {};
+  DFLASH2_INTERNAL(c.mask_bits.defined() && n <= c.mask_bits.shape(0), "mask rows ", n, " without their buffers");
+  Tensor r = c.mask_rows.slice(0, 0, n), b = c.mask_bits.slice(0, 0, n);
+  if (!c.device.is_cuda()) return {r, b};
+  Tensor dr = c.d_mask_rows.slice(0, 0, n), db = c.d_mask_bits.slice(0, 0, n);
+  dr.copy_from(r);
+  db.copy_from(b);
+  return {dr, db};
+}
+}  // namespace
+
 void Core::ensure_penalties() {
   if (pen_state.defined()) return;
   const int64_t B = s_temp.shape(0), V = logits.shape(1);
@@ -217,6 +242,10 @@ void Core::sample_rows(int64_t R) {
       ops::apply_penalties(lg, a_row0.slice(0, 0, R), no_drafts, a_draft_row.slice(0, 0, R),
                            a_draft_len.slice(0, 0, R), pen_seq.slice(0, 0, R), pen_par.slice(0, 0, R), pen_state,
                            pen_bias);
+    if (mask_count > 0) {
+      auto [mr, mb] = mask_plan(*this, mask_count);
+      ops::mask_logits(lg, mr, mb);
+    }
     Tensor rng = s_rng.slice(0, 0, R), tok = s_out.slice(0, 0, R);
     ops::sample(lg, sampling_rows(R), rng, tok);
     return;
@@ -226,6 +255,10 @@ void Core::sample_rows(int64_t R) {
     ops::apply_penalties(lg, d_row0.slice(0, 0, R), no_drafts, d_draft_row.slice(0, 0, R),
                          d_draft_len.slice(0, 0, R), d_pen_seq.slice(0, 0, R), d_pen_par.slice(0, 0, R), pen_state,
                          pen_bias);
+  if (mask_count > 0) {
+    auto [mr, mb] = mask_plan(*this, mask_count);
+    ops::mask_logits(lg, mr, mb);
+  }
   ops::SamplingTensors sp{d_temp.slice(0, 0, R), d_topp.slice(0, 0, R), d_topk.slice(0, 0, R)};
   Tensor rng = d_rng.slice(0, 0, R), tok = d_out.slice(0, 0, R);
   ops::sample(lg, sp, rng, tok);
@@ -297,13 +330,17 @@ void Core::accept_rows(int64_t rows, int64_t S, const Tensor& drafts, const Tens
   DFLASH2_INTERNAL(pen_rows == 0 || pen_rows == S, "penalty rows for ", pen_rows, " sequences, ", S, " accepted");
   DFLASH2_INTERNAL(!target_ids.defined() || (!q.defined() && target_ids.shape(0) == rows),
                    "acceptance from argmax ids in a sampled step");
+  DFLASH2_INTERNAL(mask_count == 0 || (!rec.recording() && !target_ids.defined()),
+                   "a step with token masks is recorded or reads argmax ids");
+  auto [mr, mb] = mask_plan(*this, mask_count);
   if (!device.is_cuda()) {
     Tensor rng = s_rng.slice(0, 0, S), acc = a_accepted.slice(0, 0, S), bon = a_bonus.slice(0, 0, S);
     Tensor ps = pen_rows > 0 ? pen_seq.slice(0, 0, S) : Tensor(), pp = pen_par.slice(0, 0, S);
     auto work = [lg, r0 = a_row0.slice(0, 0, S), drafts, dr = a_draft_row.slice(0, 0, S),
                  dl = a_draft_len.slice(0, 0, S), cand, q, sp = sampling_rows(S), rng, acc, bon, target_ids, ps, pp,
-                 st = pen_state, bs = pen_bias]() mutable {
+                 st = pen_state, bs = pen_bias, mr, mb]() mutable {
       if (ps.defined()) ops::apply_penalties(lg, r0, drafts, dr, dl, ps, pp, st, bs);
+      if (mr.defined()) ops::mask_logits(lg, mr, mb);
       if (target_ids.defined())
         ops::accept_greedy(target_ids, r0, drafts, dr, dl, acc, bon);
       else
@@ -346,8 +383,9 @@ void Core::accept_rows(int64_t rows, int64_t S, const Tensor& drafts, const Tens
   const int dev_index = device.index;
   Tensor ps = pen_rows > 0 ? d_pen_seq.slice(0, 0, S) : Tensor(), pp = d_pen_par.slice(0, 0, S);
   auto work = [lg, r0, dd, drow, dlen, dc, dq, sp, rng, acc, bon, draft_rows, to, dev_index, target_ids, ps, pp,
-               st = pen_state, bs = pen_bias]() mutable {
+               st = pen_state, bs = pen_bias, mr, mb]() mutable {
     if (ps.defined()) ops::apply_penalties(lg, r0, dd, drow, dlen, ps, pp, st, bs);
+    if (mr.defined()) ops::mask_logits(lg, mr, mb);
     if (target_ids.defined())
       ops::accept_greedy(target_ids, r0, dd, drow, dlen, acc, bon);
     else

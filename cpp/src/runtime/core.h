@@ -117,6 +117,16 @@ struct Core {
                        const std::vector<std::pair<int32_t, float>>& bias);
   // Adds committed tokens to their slots' counts (ops::count_tokens; slots[i] -> ids[i]).
   void count_penalized(const std::vector<int32_t>& slots, const std::vector<int32_t>& ids);
+  // Structured output (SamplingParams::constraint; ops::mask_logits): the token masks of a
+  // step's constrained rows, filled on the host by the decoder: mask_bits I32 [verify_rows, W]
+  // (W = ceil(V / 32)), mask_rows I32 [verify_rows] (row i's logits row), made at the first
+  // constrained request (ensure_masks). mask_count > 0: the next sample_rows / accept_rows
+  // masks that many rows, after the penalties (on CUDA the rows go up first, d_mask_*). A step
+  // that masks is never recorded (its masks need the drafts on the host).
+  Tensor mask_bits, mask_rows, d_mask_bits, d_mask_rows;
+  int64_t mask_count = 0;
+  void ensure_masks();
+  int64_t mask_words() const { return (logits.shape(1) + 31) / 32; }
   // The flags buffer the verify pass writes (the host's on the CPU, the device results' on CUDA).
   Tensor flags_out(int64_t row0, int64_t row1) const {
     return (device.is_cuda() ? d_flags : flags).slice(0, row0, row1);

@@ -293,6 +293,46 @@ void Decoder::emit(Request& r, const int32_t* toks, int64_t count, const TokenLo
       pen_ids_.push_back(toks[i]);
     }
   if (n > 0) sink_.on_tokens(r, toks, n, with_lp ? r.logprobs.data() + lp0 : nullptr);
+  if (r.p.constraint && n > 0) {  // structured output: its state follows every emitted token
+    try {
+      r.p.constraint->commit(toks, n);
+      // complete: nothing more may follow (also when the length ran out with its last token:
+      // the output is whole, not cut short)
+      if ((!r.done || r.finish_reason == "length") && r.p.constraint->done()) {
+        r.finish_reason = "stop";
+        r.done = true;
+      }
+    } catch (...) {
+      fail_request(r, std::current_exception());
+    }
+  }
+}
+
+void Decoder::fail_request(Request& r, std::exception_ptr e) {
+  r.done = true;
+  r.finish_reason = "error";
+  sink_.on_error(r, e);
+}
+
+int64_t Decoder::plan_masks(Request& r, const int32_t* drafts, int64_t n, int64_t row) {
+  c_.ensure_masks();
+  const int64_t W = c_.mask_words(), cap = c_.mask_bits.shape(0);
+  DFLASH2_INTERNAL(c_.mask_count + n + 1 <= cap, "mask rows ", c_.mask_count, " + ", n + 1, " exceed ", cap);
+  int32_t* bits = c_.mask_bits.data_as<int32_t>() + c_.mask_count * W;
+  int64_t filled = 0;
+  try {
+    std::fill(bits, bits + (n + 1) * W, 0);
+    filled = r.p.constraint->masks(drafts, n, reinterpret_cast<uint32_t*>(bits), W);
+    DFLASH2_CHECK(filled >= 0 && filled <= n + 1, ErrorKind::InvalidArgument, "the token constraint of request ",
+                  r.id, " filled ", filled, " mask rows for ", n, " drafts (at most ", n + 1, ")");
+  } catch (...) {
+    fail_request(r, std::current_exception());
+    return 0;
+  }
+  int32_t* rows = c_.mask_rows.data_as<int32_t>() + c_.mask_count;
+  for (int64_t j = 0; j < filled; ++j) rows[j] = int32_t(row + j);
+  c_.mask_count += filled;
+  return filled;
 }
 
 void Decoder::logprobs_of_rows(int64_t lo, int64_t rows, const int32_t* ids, int64_t top) {
@@ -357,9 +397,9 @@ void Decoder::prefill() {
       pc.offset += fed0_[size_t(pc.seq)];
       pc.last = pc.last && ends_[size_t(pc.seq)];
     }
-  struct PenaltyRowsOff {  // a chunk that fails leaves no penalty plan behind
+  struct PenaltyRowsOff {  // a chunk that fails leaves no penalty plan or masks behind
     Core& c;
-    ~PenaltyRowsOff() { c.pen_rows = 0; }
+    ~PenaltyRowsOff() { c.pen_rows = 0, c.mask_count = 0; }
   } pen_off{c_};
   for (const auto& ch : c_.chunks) {
     int64_t R = 0, T = 0;
@@ -390,8 +430,16 @@ void Decoder::prefill() {
         if (pc.last) plan_penalty_row(r++, act_[size_t(pc.seq)]);
       c_.pen_rows = R;
     }
+    r = 0;
+    for (const auto& pc : ch)  // structured output: the first token's mask
+      if (pc.last) {
+        Request& q = *act_[size_t(pc.seq)];
+        if (q.p.constraint) plan_masks(q, nullptr, 0, r);
+        ++r;
+      }
     c_.sample_rows(R);
     c_.pen_rows = 0;
+    c_.mask_count = 0;
     r = 0;
     int64_t top = -1;  // the most top tokens a request ending here asks for (-1: none asks)
     for (const auto& pc : ch) {
@@ -425,7 +473,8 @@ void Decoder::prefill() {
       if (!pc.last) continue;
       Request& q = *act_[size_t(pc.seq)];
       q.prefilled = true;
-      if (bad[r]) {
+      if (q.done) {  // failed here already (its constraint)
+      } else if (bad[r]) {
         q.done = true;
         q.finish_reason = "error";
         sink_.on_error(q, numerical_error(q, "the prefill", -1, r));
@@ -468,12 +517,17 @@ void Decoder::step() {
   // its plan in a buffer of its own). Under tensor parallelism every rank's part of the step
   // is one unit of that rank (Target::flush_step; MTP's chain is not recorded there). Not a
   // verify pass that might need several chunks.
-  struct PenaltyRowsOff {  // a step that fails leaves no penalty plan behind
+  struct PenaltyRowsOff {  // a step that fails leaves no penalty plan or masks behind
     Core& c;
-    ~PenaltyRowsOff() { c.pen_rows = 0; }
+    ~PenaltyRowsOff() { c.pen_rows = 0, c.mask_count = 0; }
   } pen_off{c_};
+  // Structured output: the verify rows' masks follow from the drafts, read on the host between
+  // the draft and acceptance, so such a step runs eagerly (not as one unit)
+  bool constrained = false;
+  for (Request* r : act_) constrained = constrained || r->p.constraint != nullptr;
   StepRecorder& rec = tgt.recorder();
-  const bool record = c_.records_steps() && S * (c_.K + 1) <= tgt.options().max_step_tokens;
+  const bool record =
+      c_.records_steps() && S * (c_.K + 1) <= tgt.options().max_step_tokens && !constrained;
   // A recorded step is padded to the next batch-size bucket (Target::bucket) when that is
   // on: P padding sequences after the real ones, each drafting greedily from a real slot's
   // context and verified on the target's padding stream; nothing of them is read back, and
@@ -536,6 +590,7 @@ void Decoder::step() {
     rec.add("mark1|", c_.marks.deferred(1));
   else
     c_.marks.mark(1);
+  if (constrained && dr && dr->dev_tokens.defined()) drafter->fetch_host();  // the masks read the drafts
 
   // 2. verify [anchor, d_1..d_k] in one target pass (chunked if it exceeds max_step_tokens).
   // The drafts are not read here: the plan holds references to them (-1 - their index in
@@ -597,7 +652,7 @@ void Decoder::step() {
   bool penalized = false;  // a request with penalties: acceptance reads the penalized logits
   for (Request* r : act_) penalized = penalized || r->penalized;
   for (int64_t k = 0; k < S && argmax_only; ++k) argmax_only = act_[size_t(k)]->p.temperature <= 0.0f;
-  argmax_only = argmax_only && !penalized;
+  argmax_only = argmax_only && !penalized && !constrained;
   int64_t row0 = 0;
   for (const auto& ch : c_.chunks) {
     int64_t T = 0;
@@ -658,6 +713,19 @@ void Decoder::step() {
       for (int64_t k = 0; k < S + P; ++k) plan_penalty_row(k, k < S ? act_[size_t(k)] : nullptr);
       c_.pen_rows = S + P;
     }
+    if (constrained) {  // the constrained requests' masks, over their verify rows (the verify pass runs meanwhile)
+      int64_t mrow = 0;
+      for (int64_t k = 0; k < S; ++k) {
+        Request& r = *act_[size_t(k)];
+        const int64_t kk = int64_t(r.verify.size()) - 1;
+        if (r.p.constraint) {
+          const int32_t* d =
+              kk > 0 ? dr->tokens.data_as<const int32_t>() + dr->row[size_t(k)] * dr->tokens.stride(0) : nullptr;
+          plan_masks(r, d, kk, mrow);
+        }
+        mrow += kk + 1;
+      }
+    }
     const bool with_q = dr && dr->has_q;
     // a drafter whose state follows from what is accepted (MTP) may update it inside the step
     std::function<void(const Drafter::StepAcceptance&)> in_step;
@@ -670,6 +738,7 @@ void Decoder::step() {
                    with_q ? (on_dev ? dr->dev_q : dr->q) : Tensor(), in_step,
                    argmax_only ? c_.ids.slice(0, 0, row) : Tensor());
     c_.pen_rows = 0;
+    c_.mask_count = 0;
     if (argmax_only) tgt.count_argmax_step();
   }
   // the results are back (the step's one wait): every mark is complete
@@ -710,6 +779,12 @@ void Decoder::step() {
     int64_t bad_row = -1;
     for (int64_t j = 0; j <= kk && bad_row < 0; ++j)
       if (bad[row + j]) bad_row = row + j;
+    if (r.done) {  // failed in this step already (its constraint): nothing of it is committed
+      drafted_.push_back(0);
+      accepted_.push_back(0);
+      row += kk + 1;
+      continue;
+    }
     if (bad_row >= 0) {  // this request's logits are garbage: it fails, the others go on
       r.done = true;
       r.finish_reason = "error";

@@ -117,6 +117,11 @@ class Decoder {
   // else -1; min_left from the tokens it has generated).
   void plan_penalty_row(int64_t row, const Request* q);
   void count_emitted();  // the tokens emit() noted for penalized requests into their counts
+  void fail_request(Request& r, std::exception_ptr e);  // r ends with e (the others go on)
+  // Structured output: r's masks for logits rows row .. (after its n drafts, host ids) into
+  // Core::mask_bits / mask_rows from Core::mask_count on (which grows by the rows filled);
+  // a constraint that throws or misbehaves fails r (nothing masked for it).
+  int64_t plan_masks(Request& r, const int32_t* drafts, int64_t n, int64_t row);
 
   Core& c_;
   Sink& sink_;

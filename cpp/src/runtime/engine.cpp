@@ -1029,6 +1029,8 @@ std::vector<GenerationResult> Engine::generate(const std::vector<std::vector<int
   Impl& I = *impl_;
   I.check_open();
   DFLASH2_CHECK_ARG(!prompts.empty(), "generate: no prompts given");
+  DFLASH2_CHECK_ARG(!p.constraint || prompts.size() == 1, "generate: a token constraint is the state of one request; "
+                    "with ", prompts.size(), " prompts submit() each with a constraint of its own");
   std::vector<std::unique_ptr<runtime::Request>> reqs;
   for (size_t i = 0; i < prompts.size(); ++i) {
     SamplingParams pi = p;

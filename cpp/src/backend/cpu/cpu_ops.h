@@ -100,6 +100,7 @@ void apply_penalties(Tensor& logits, const Tensor& row0, const Tensor& draft, co
                      const Tensor& draft_len, const Tensor& seq, const Tensor& params, const Tensor& state,
                      const Tensor& bias);
 void count_tokens(Tensor& state, const Tensor& rows, const Tensor& ids);
+void mask_logits(Tensor& logits, const Tensor& rows, const Tensor& masks);
 void accept_greedy(const Tensor& ids, const Tensor& row0, const Tensor& draft, const Tensor& draft_row,
                    const Tensor& draft_len, Tensor& accepted, Tensor& bonus);
 void resolve_tokens(Tensor& tokens, const Tensor& src);

@@ -295,4 +295,16 @@ void count_tokens(Tensor& state, const Tensor& rows, const Tensor& ids) {
   }
 }
 
+void mask_logits(Tensor& logits, const Tensor& rows, const Tensor& masks) {
+  const int64_t V = logits.shape(1);
+  for (int64_t r = 0; r < rows.shape(0); ++r) {
+    const int64_t row = rows.data_as<const int32_t>()[r * rows.stride(0)];
+    if (row < 0) continue;
+    float* x = logits.data_as<float>() + row * logits.stride(0);
+    const uint32_t* m = reinterpret_cast<const uint32_t*>(masks.data_as<const int32_t>() + r * masks.stride(0));
+    for (int64_t v = 0; v < V; ++v)
+      if (!((m[v >> 5] >> (v & 31)) & 1u)) x[v] = -FLT_MAX;
+  }
+}
+
 }  // namespace dflash2::cpu

@@ -169,6 +169,7 @@ void apply_penalties(Tensor& logits, const Tensor& row0, const Tensor& draft, co
                      const Tensor& draft_len, const Tensor& seq, const Tensor& params, const Tensor& state,
                      const Tensor& bias);  // penalties.cu
 void count_tokens(Tensor& state, const Tensor& rows, const Tensor& ids);  // penalties.cu
+void mask_logits(Tensor& logits, const Tensor& rows, const Tensor& masks);  // penalties.cu
 void next_after_accept(const Tensor& row0, const Tensor& draft_row, const Tensor& draft_len, const Tensor& accepted,
                        const Tensor& bonus, const Tensor& drafts, Tensor& next, Tensor& last);  // index_rows.cu
 void cache_write(const Tensor& src, const Tensor& slots, Tensor& cache);

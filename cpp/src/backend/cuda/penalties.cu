@@ -17,6 +17,9 @@
 //                decoder passes table row -1 for the others and skips the op when none did).
 //   count_tokens one thread per entry, atomicAdd into state[rows[i], ids[i]] (entries with
 //                a negative row, a row >= B or an id outside [0, V) are skipped).
+//   mask_logits  structured output's token masks: blocks of 256 tokens of a row (grid y: the
+//                mask rows), a thread per token reading its mask word (a warp shares one
+//                word: one load) and writing -FLT_MAX where the bit is clear (coalesced).
 #include <cuda_runtime.h>
 
 #include <algorithm>
@@ -86,6 +89,18 @@ __global__ void __launch_bounds__(kThreads)
     atomicAdd(state + r * ts + v, 1);
   }
 }
+
+__global__ void __launch_bounds__(kThreads)
+    mask_logits_kernel(float* logits, int64_t ls, int64_t M, int64_t V, const int32_t* rows, int64_t rs,
+                       const int32_t* masks, int64_t ms) {
+  detail::pdl_enter();
+  const int64_t r = blockIdx.y, row = rows[r * rs];
+  if (row < 0 || row >= M) return;
+  const uint32_t* m = reinterpret_cast<const uint32_t*>(masks + r * ms);
+  float* x = logits + row * ls;
+  for (int64_t v = int64_t(blockIdx.x) * kThreads + threadIdx.x; v < V; v += int64_t(gridDim.x) * kThreads)
+    if (!((m[v >> 5] >> (v & 31)) & 1u)) x[v] = -FLT_MAX;
+}
 }  // namespace
 
 void apply_penalties(Tensor& logits, const Tensor& row0, const Tensor& draft, const Tensor& draft_row,
@@ -129,6 +144,22 @@ void count_tokens(Tensor& state, const Tensor& rows, const Tensor& ids) {
                                                                   rows.data_as<const int32_t>(), rows.stride(0),
                                                                   ids.data_as<const int32_t>(), ids.stride(0), n);
   detail::check_launch("count_tokens kernel launch", state.describe(), " ", rows.describe());
+}
+
+void mask_logits(Tensor& logits, const Tensor& rows, const Tensor& masks) {
+  for (const Tensor* t : std::initializer_list<const Tensor*>{&logits, &rows, &masks})
+    DFLASH2_CHECK_ARG(t->defined() && t->device().is_cuda() && t->device() == logits.device(),
+                      "cuda::mask_logits: every argument must be on the logits' CUDA device, found ",
+                      t->defined() ? t->describe() : std::string("<undefined>"));
+  const int64_t R = rows.shape(0), M = logits.shape(0), V = logits.shape(1);
+  if (R == 0 || M == 0 || V == 0) return;
+  DFLASH2_CHECK_ARG(R <= detail::kMaxGridY, "cuda::mask_logits: ", R, " mask rows are more than one launch takes");
+  detail::DeviceGuard guard(logits.device().index);
+  const dim3 grid(unsigned(std::min<int64_t>((V + kThreads - 1) / kThreads, 1024)), unsigned(R));
+  mask_logits_kernel<<<grid, kThreads, 0, detail::stream()>>>(logits.data_as<float>(), logits.stride(0), M, V,
+                                                             rows.data_as<const int32_t>(), rows.stride(0),
+                                                             masks.data_as<const int32_t>(), masks.stride(0));
+  detail::check_launch("mask_logits kernel launch", logits.describe(), " ", masks.describe());
 }
 
 }  // namespace dflash2::cuda

@@ -35,6 +35,7 @@ void register_cuda_ops(BackendTable& t) {
   t.accept_greedy = &cuda::accept_greedy;  // index_rows.cu
   t.apply_penalties = &cuda::apply_penalties;  // penalties.cu
   t.count_tokens = &cuda::count_tokens;  // penalties.cu
+  t.mask_logits = &cuda::mask_logits;  // penalties.cu
   t.rope = &cuda::rope;                // elementwise.cu
   t.rope_many = &cuda::rope_many;      // elementwise.cu
   t.silu_mul = &cuda::silu_mul;        // elementwise.cu
