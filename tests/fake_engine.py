@@ -199,7 +199,8 @@ class FakeEngine:
                _stream_index: int = 0, logprobs: Optional[int] = None, **adjust) -> int:
         self._check_open()
         for k in adjust:
-            if k not in ("presence_penalty", "frequency_penalty", "repetition_penalty", "logit_bias", "min_tokens"):
+            if k not in ("presence_penalty", "frequency_penalty", "repetition_penalty", "logit_bias", "min_tokens",
+                         "structured_outputs"):
                 raise TypeError(f"submit() got an unexpected keyword argument '{k}'")
         self.last_adjust = dict(adjust)
         if logprobs is not None and (isinstance(logprobs, bool) or not isinstance(logprobs, int)

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import threading
 import time
 
@@ -424,6 +425,14 @@ BAD = [
     ("m", {"messages": [{"role": "user", "content": "hi"}], "max_completion_tokens": 0}, "max_completion_tokens"),
     ("m", {"messages": [{"role": "user", "content": "hi"}], "chat_template_kwargs": 5}, "chat_template_kwargs"),
     ("m", {"messages": [{"role": "user", "content": [{"type": "image_url", "image_url": {}}]}]}, "messages"),
+    ("m", {"messages": [{"role": "user", "content": "hi"}], "response_format": {"type": "xml"}}, "response_format"),
+    ("m", {"messages": [{"role": "user", "content": "hi"}], "response_format": "json"}, "response_format"),
+    ("m", {"messages": [{"role": "user", "content": "hi"}], "response_format": {"type": "json_schema"}},
+     "response_format"),
+    ("m", {"messages": [{"role": "user", "content": "hi"}], "response_format": {"type": "json_object"},
+           "guided_regex": "a+"}, "guided_regex"),
+    ("c", {"prompt": "x", "structured_outputs": "json"}, "structured_outputs"),
+    ("c", {"prompt": "x", "guided_choice": ["a"], "guided_regex": "b"}, "guided_choice"),
 ]
 
 
@@ -897,6 +906,58 @@ def test_penalties_and_logit_bias(live):
         assert len(r2.choices[0].model_extra["token_ids"]) >= 8
         assert r2.choices[0].text.startswith(eng.decode(ids[:6]))  # no stop string before token 8
         assert len(r2.choices[0].text) > len(r1.choices[0].text)
+
+
+SCHEMA = {"type": "object", "properties": {"n": {"type": "integer"}, "ok": {"type": "boolean"}},
+          "required": ["n", "ok"], "additionalProperties": False}
+
+
+def test_structured_output(live, chat_live):
+    """response_format (json_object, json_schema), structured_outputs and guided_* reach the
+    engine as one spec (the fake engine records it); on the real engine the text follows it
+    (chat and completions, streamed == not), and a spec the engine rejects is a 400."""
+    ways = [({"response_format": {"type": "json_schema", "json_schema": {"name": "x", "schema": SCHEMA}}},
+             {"json": SCHEMA}),
+            ({"response_format": {"type": "json_object"}}, {"json_object": True}),
+            ({"structured_outputs": {"regex": "[a-z]{3}", "choice": None}}, {"regex": "[a-z]{3}"}),
+            ({"guided_choice": ["yes", "no"]}, {"choice": ["yes", "no"]}),
+            ({"guided_json": SCHEMA}, {"json": SCHEMA}),
+            ({"guided_regex": "[0-9]+"}, {"regex": "[0-9]+"}),
+            ({"guided_grammar": 'start: "a" | "b"'}, {"grammar": 'start: "a" | "b"'})]
+    eng = live.engine
+    if live.kind == "fake":
+        for extra, spec in ways:
+            complete(live, PROMPTS[1], max_tokens=4, extra_body=extra)
+            assert eng.last_adjust == {"structured_outputs": spec}, extra
+        complete(live, PROMPTS[1], max_tokens=4, extra_body={"response_format": {"type": "text"}})
+        assert eng.last_adjust == {}
+        return
+    pytest.importorskip("llguidance")
+    compact = {"structured_outputs": {"json": SCHEMA, "disable_any_whitespace": True}}
+    r = complete(live, PROMPTS[1], max_tokens=60, extra_body=compact)
+    v = json.loads(r.choices[0].text)
+    assert set(v) == {"n", "ok"} and isinstance(v["n"], int) and isinstance(v["ok"], bool)
+    assert r.choices[0].finish_reason == "stop"
+    s = complete(live, PROMPTS[1], max_tokens=60, stream=True, extra_body=compact)
+    assert "".join(c.choices[0].text for c in s if c.choices) == r.choices[0].text
+    r = complete(live, PROMPTS[2], max_tokens=10, extra_body={"guided_choice": ["alpha", "beta (2)"]})
+    assert r.choices[0].text in ("alpha", "beta (2)") and r.choices[0].finish_reason == "stop"
+    r = complete(live, PROMPTS[0], max_tokens=12, n=2, temperature=1.0, seed=4,
+                 extra_body={"guided_regex": "[0-9]{2}-[a-z]{2}"})
+    assert all(re.fullmatch("[0-9]{2}-[a-z]{2}", c.text) for c in r.choices)
+    c = chat_live.client.chat.completions.create(
+        model=MODEL, messages=[{"role": "user", "content": "hi"}], max_tokens=60,
+        response_format={"type": "json_schema", "json_schema": {"name": "x", "schema": SCHEMA}})
+    text = c.choices[0].message.content
+    if c.choices[0].finish_reason == "length":  # (any whitespace: the pair may spend the budget on it)
+        assert text.lstrip().startswith("{")
+    else:
+        assert json.loads(text).keys() == {"n", "ok"}
+    for bad in ({"guided_regex": "(unclosed"}, {"structured_outputs": {"jsonn": {}}},
+                {"response_format": {"type": "json_schema", "json_schema": {"name": "x", "schema": {"type": 5}}}}):
+        resp = live.post("/v1/completions", dict(model=MODEL, prompt="x", max_tokens=4, **bad))
+        assert resp.status_code == 400, (bad, resp.text)
+        assert resp.json()["error"]["param"] == "response_format"
 
 
 def test_best_of_returns_the_most_likely_choices(live):

@@ -361,6 +361,7 @@ class Engine:
         self.prefix_cache_generated = self._e.prefix_cache_generated
         self.max_batch_size = max_batch_size
         self._llg_tokenizer = None  # structured output's tokenizer, made on first use
+        self._grammars: dict = {}    # structured output's compiled specs (at most 64, oldest dropped)
 
     @property
     def config(self) -> dict:
@@ -541,12 +542,24 @@ class Engine:
             raise _core.InvalidArgumentError(f"{where}: structured output needs the target's tokenizer.json "
                                              f"({self.target} has none); pass constraint= instead")
         from . import structured
+        try:  # the last specs compiled (a server's n choices, a client repeating its schema)
+            key = json.dumps(spec, sort_keys=True)
+        except (TypeError, ValueError):
+            key = None
+        g = self._grammars.get(key) if key is not None else None
+        if g is not None:
+            return g
         grammar = structured.compile_spec(spec, where)
         if self._llg_tokenizer is None:
             eos = self.config.get("eos_token_id")
             eos = [] if eos is None else [eos] if isinstance(eos, int) else list(eos)
             self._llg_tokenizer = structured.tokenizer_for(self.tokenizer, self.vocab_size, eos)
-        return structured.Grammar(self._llg_tokenizer, grammar, where)
+        g = structured.Grammar(self._llg_tokenizer, grammar, where)
+        if key is not None:
+            if len(self._grammars) >= 64:
+                self._grammars.pop(next(iter(self._grammars)))
+            self._grammars[key] = g
+        return g
 
     def _adjust(self, where: str, kw: dict) -> dict:
         """The repetition-control and structured-output keyword arguments (anything else is a

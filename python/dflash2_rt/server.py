@@ -31,7 +31,8 @@ Endpoints
                                 one: 400 naming the missing template. max_tokens /
                                 max_completion_tokens default to the rest of the context; n;
                                 logprobs (true) with top_logprobs (0..20): logprobs.content; text
-                                content parts only; no tools.
+                                content parts only; no tools. response_format json_object /
+                                json_schema: structured output (below)
     POST /tokenize              {"prompt": text[, "add_special_tokens"]} or {"messages": [...]}
                                 (rendered with the chat template) -> {"tokens", "count",
                                 "max_model_len"}; POST /detokenize {"tokens": [...]} -> {"prompt"}
@@ -49,7 +50,11 @@ Endpoints
                                 dflash2_stop_string_matches_total, dflash2_prompt_tokens_total,
                                 dflash2_completion_tokens_total
 
-Extensions (request fields): top_k (0 or -1: off), include_stop_str_in_output (a matched stop
+Extensions (request fields): top_k (0 or -1: off), structured output on both endpoints (the grammar engine llguidance: pip install llguidance):
+response_format {"type": "json_object"} or {"type": "json_schema", "json_schema": {"name", "schema"}}
+(OpenAI's), structured_outputs {"json" | "regex" | "choice" | "grammar" (Lark) | "json_object",
+"disable_any_whitespace"} and guided_json / guided_regex / guided_choice / guided_grammar (vLLM's),
+one of them per request; speculative decoding stays lossless under it. include_stop_str_in_output (a matched stop
 string stays at the end of the text: vLLM's), skip_special_tokens (default true; false: special
 tokens' text stays in the output text: vLLM's), repetition_penalty ([0.01, 100], 1 = off: vLLM's),
 min_tokens (no stop token or stop string before that many tokens: vLLM's), stop_token_ids (in addition to the
@@ -147,7 +152,7 @@ def _is_invalid_argument(e: BaseException) -> bool:
 # engine argument names -> API field names, for the `param` of a 400 from the engine
 _ENGINE_PARAMS = [("max_new_tokens", "max_tokens"), ("stop_token_ids", "stop_token_ids"), ("top_p", "top_p"),
                   ("top_k", "top_k"), ("temperature", "temperature"), ("seed", "seed"), ("logprobs", "logprobs"),
-                  ("prompt", "prompt")]
+                  ("prompt", "prompt"), ("structured_outputs", "response_format")]
 
 
 def _engine_error(e: BaseException) -> ApiError:
@@ -155,6 +160,8 @@ def _engine_error(e: BaseException) -> ApiError:
     if _is_invalid_argument(e):
         param = next((api for name, api in _ENGINE_PARAMS if name in msg), None)
         return ApiError(400, msg, param)
+    if any(c.__name__ == "UnsupportedError" for c in type(e).__mro__):  # e.g. structured output without llguidance
+        return ApiError(400, msg, None)
     return ApiError(500, f"{type(e).__name__}: {msg}", None, "server_error")
 
 
@@ -254,6 +261,45 @@ def _parse_adjust(body: dict, vocab_size: Optional[int]) -> dict:
     return out
 
 
+_GUIDED = (("guided_json", "json"), ("guided_regex", "regex"), ("guided_choice", "choice"),
+           ("guided_grammar", "grammar"))
+
+
+def _parse_structured(body: dict) -> Optional[dict]:
+    """Structured output: OpenAI's response_format (json_object, json_schema), vLLM's
+    structured_outputs ({json | regex | choice | grammar | json_object, disable_any_whitespace})
+    and its older guided_json / guided_regex / guided_choice / guided_grammar; at most one of
+    them. The spec for the engine (dflash2_rt.structured; the engine checks its contents)."""
+    found = []
+    rf = body.get("response_format")
+    if rf is not None:
+        if not isinstance(rf, dict) or not isinstance(rf.get("type"), str):
+            raise _bad("response_format", "'response_format' must be an object with a 'type'")
+        t = rf["type"]
+        if t == "json_object":
+            found.append(("response_format", {"json_object": True}))
+        elif t == "json_schema":
+            js = rf.get("json_schema")
+            if not isinstance(js, dict) or "schema" not in js or not isinstance(js["schema"], (dict, bool)):
+                raise _bad("response_format", "'response_format' of type json_schema needs 'json_schema': "
+                                              "{\"name\": ..., \"schema\": {...}}")
+            found.append(("response_format", {"json": js["schema"]}))
+        elif t != "text":
+            raise _bad("response_format", f"'response_format' type must be text, json_object or json_schema, "
+                                          f"found {_short(t)}")
+    so = body.get("structured_outputs")
+    if so is not None:
+        if not isinstance(so, dict):
+            raise _bad("structured_outputs", f"'structured_outputs' must be an object, found {_short(so)}")
+        found.append(("structured_outputs", {k: v for k, v in so.items() if v is not None}))
+    for name, key in _GUIDED:
+        if body.get(name) is not None:
+            found.append((name, {key: body[name]}))
+    if len(found) > 1:
+        raise _bad(found[1][0], f"only one of {', '.join(n for n, _ in found)} may be given")
+    return found[0][1] if found else None
+
+
 def _parse_common(body: dict, *, chat: bool, vocab_size: Optional[int]) -> _Params:
     p = _Params()
     p.n = _int(body, "n", 1, 1, _MAX_N, f" in [1, {_MAX_N}]")
@@ -264,6 +310,9 @@ def _parse_common(body: dict, *, chat: bool, vocab_size: Optional[int]) -> _Para
         else:
             raise _bad("best_of", f"'best_of' ({p.best_of}) must be >= 'n' ({p.n})")
     p.adjust = _parse_adjust(body, vocab_size)
+    spec = _parse_structured(body)
+    if spec is not None:
+        p.adjust["structured_outputs"] = spec
     p.echo = False
     if chat:
         want = _bool(body, "logprobs", False)
@@ -274,8 +323,6 @@ def _parse_common(body: dict, *, chat: bool, vocab_size: Optional[int]) -> _Para
         _unsupported(body, "echo", lambda v: v is False, "'echo' is not supported in chat completions")
         _unsupported(body, "tools", lambda v: v == [], "'tools' (function calling) is not supported")
         _unsupported(body, "tool_choice", lambda v: v == "none", "'tool_choice' is not supported")
-        _unsupported(body, "response_format", lambda v: isinstance(v, dict) and v.get("type") == "text",
-                     "'response_format' other than {\"type\": \"text\"} is not supported")
     else:
         p.logprobs = _int(body, "logprobs", None, 0, _MAX_LOGPROBS, f" in [0, {_MAX_LOGPROBS}]")
         p.echo = _bool(body, "echo", False)
