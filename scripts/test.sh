@@ -76,7 +76,7 @@ if [ "$emulate" = ON ]; then
   engine_cases="$engine_cases or one_shot_all_reduce or pdl_graphs or dq_wgmma_fault or exact_tc_on_cuda"
   engine_cases="$engine_cases or op_timing_on_cuda or wide_vocab_sampling or (kv_cache_bf16_on_cuda and lora128) or (kv_cache_fp8_on_cuda and lora128)"
   engine_cases="$engine_cases or attention_tc_fault or interleaved_prefill or prefix_cache_on_cuda or logprobs_on_cuda or conversation_prefix_on_cuda"
-  engine_cases="$engine_cases or penalties_on_cuda"
+  engine_cases="$engine_cases or penalties_on_cuda or structured_output_on_cuda"
   EMU_DEVICES=4 DFLASH2_RT_CORE_DIR="$PWD/$tree" python -m pytest -q -ra -p no:cacheprovider ${par[@]+"${par[@]}"} \
     tests/test_cuda_engine.py -k "${DFLASH2_EMU_ENGINE_TESTS:-$engine_cases}"
 fi
