@@ -357,6 +357,79 @@ TEST(repetition_control_through_the_cpp_api) {
   CHECK(caught == 3);
 }
 
+// A C++ TokenConstraint: after token a, tokens t with (5 t + a) % 3 == 0 are banned; done after
+// `stop` tokens; records what was committed.
+struct ModThree final : TokenConstraint {
+  int64_t V, stop;
+  int32_t last = 1;
+  std::vector<int32_t> seen;
+  ModThree(int64_t v, int64_t s) : V(v), stop(s) {}
+  static bool banned(int32_t t, int32_t a) { return (5 * int64_t(t) + int64_t(a)) % 3 == 0; }
+  void row(int32_t a, uint32_t* out, int64_t words) const {
+    std::fill(out, out + words, 0u);
+    for (int64_t t = 0; t < V; ++t)
+      if (!banned(int32_t(t), a)) out[t >> 5] |= 1u << (t & 31);
+  }
+  int64_t masks(const int32_t* d, int64_t n, uint32_t* rows, int64_t words) override {
+    int32_t a = last;
+    row(a, rows, words);
+    for (int64_t j = 0; j < n; ++j) {
+      if (banned(d[j], a)) return j + 1;
+      a = d[j];
+      row(a, rows + (j + 1) * words, words);
+    }
+    return n + 1;
+  }
+  void commit(const int32_t* t, int64_t n) override {
+    for (int64_t i = 0; i < n; ++i) {
+      if (banned(t[i], last)) throw Error(ErrorKind::Internal, "a banned token was committed");
+      last = t[i];
+      seen.push_back(t[i]);
+    }
+  }
+  bool done() override { return int64_t(seen.size()) >= stop; }
+};
+
+TEST(token_constraint_through_the_cpp_api) {
+  if (!have_pair()) return skip("token_constraint", "the bundled default pair is not present");
+  Engine spec(config("dflash2")), ar(config("ar"));
+  SamplingParams p;
+  p.max_new_tokens = 24;
+  p.has_stop_tokens = true;  // none
+  const std::vector<int32_t> q = prompt(5);
+  const GenerationResult plain = spec.generate({q}, p)[0];
+  const int64_t V = 4096;
+  std::vector<int32_t> outs[2];
+  for (int k = 0; k < 2; ++k) {
+    SamplingParams c = p;
+    auto mf = std::make_shared<ModThree>(V, 1000);
+    c.constraint = mf;
+    const GenerationResult g = (k == 0 ? spec : ar).generate({q}, c)[0];
+    outs[k] = g.token_ids;
+    CHECK(mf->seen == g.token_ids && g.finish_reason == "length");
+    int32_t a = 1;
+    for (int32_t t : g.token_ids) {
+      CHECK(!ModThree::banned(t, a));
+      a = t;
+    }
+  }
+  CHECK(outs[0] == outs[1] && outs[0] != plain.token_ids);
+  // done() ends the request ("stop")
+  SamplingParams d = p;
+  d.constraint = std::make_shared<ModThree>(V, 5);
+  const GenerationResult five = spec.generate({q}, d)[0];
+  CHECK(five.token_ids.size() == 5 && five.finish_reason == "stop" &&
+        std::vector<int32_t>(outs[0].begin(), outs[0].begin() + 5) == five.token_ids);
+  // one constraint cannot serve several prompts
+  bool caught = false;
+  try {
+    spec.generate({q, q}, d);
+  } catch (const Error& err) {
+    caught = err.kind() == ErrorKind::InvalidArgument;
+  }
+  CHECK(caught);
+}
+
 TEST(bad_requests_throw_at_submit) {
   if (!have_pair()) return skip("bad_requests", "the bundled default pair is not present");
   Engine e(config("ar"));
