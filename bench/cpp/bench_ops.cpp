@@ -1799,6 +1799,27 @@ void bench_small(Bench& b, const std::vector<int64_t>& Ts) {
                               vars);
       });
     }
+    // mask_logits (structured output's token masks) over T verify rows: the mask words read
+    // once per warp, the logits written where a bit is clear (half of them here)
+    {
+      Result r{"mask_logits", dims({T, G.vocab}), "f32", t_label(T), T};
+      const int64_t W = (G.vocab + 31) / 32;
+      r.bytes = 4.0 * T * W + 2.0 * T * G.vocab;
+      r.flops = 0;
+      b.run(r, [&](Baseline&) {
+        const int vars = rotations(int64_t(4 * T * G.vocab));
+        std::vector<Tensor> logits;
+        for (int v = 0; v < vars; ++v) logits.push_back(dev_rand(DType::F32, {T, G.vocab}, 95 + v));
+        std::vector<int32_t> rows(static_cast<size_t>(T)), bits(static_cast<size_t>(T * W));
+        for (int64_t t = 0; t < T; ++t) rows[size_t(t)] = int32_t(t);
+        for (size_t i = 0; i < bits.size(); ++i) bits[i] = int32_t(0x5555aaaau ^ uint32_t(i * 2654435761u));
+        Tensor d_rows = upload(rows, DType::I32, {T}), d_bits = upload(bits, DType::I32, {T, W});
+        return std::make_pair(std::function<void(int)>([=](int v) mutable {
+                                ops::mask_logits(logits[size_t(v)], d_rows, d_bits);
+                              }),
+                              vars);
+      });
+    }
     // sample over the vocabulary: rows split over blocks (ops::wide_rows, the default)
     // beside one block per row (the switch off) on the same rows; t1.0 p0.95 is the published
     // setting (no top-k: the whole row is in the top-p selection)
