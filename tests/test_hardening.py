@@ -588,6 +588,28 @@ def test_cli_generate_penalties():
     assert r.returncode in (1, 2) and "Traceback" not in r.stderr and "presence_penalty" in r.stderr, r.stderr
 
 
+def test_cli_generate_structured_output(tmp_path):
+    pytest.importorskip("llguidance")
+    schema = {"type": "object", "properties": {"k": {"type": "integer"}}, "required": ["k"],
+              "additionalProperties": False}
+    f = tmp_path / "schema.json"
+    f.write_text(json.dumps(schema))
+    base = ("generate", "--prompt", "def f(x):", "--max-new-tokens", "40", "--json")
+    for arg in (json.dumps(schema), str(f)):
+        r = _run_cli(*base, "--json-schema", arg, "--no-json-whitespace")
+        assert r.returncode == 0, r.stderr
+        out = json.loads(r.stdout)
+        assert out["finish_reason"] == "stop" and set(json.loads(out["text"])) == {"k"}, out["text"]
+    r = _run_cli(*base, "--choice", "red", "green (light)")
+    assert r.returncode == 0 and json.loads(r.stdout)["text"] in ("red", "green (light)"), r.stderr
+    r = _run_cli(*base, "--regex", "[0-9]{4}")
+    assert r.returncode == 0 and re.fullmatch("[0-9]{4}", json.loads(r.stdout)["text"]), r.stderr
+    r = _run_cli(*base, "--regex", "(")
+    assert r.returncode in (1, 2) and "Traceback" not in r.stderr and "regex" in r.stderr, r.stderr
+    r = _run_cli(*base, "--regex", "a", "--choice", "b")
+    assert r.returncode == 2 and "not allowed with" in r.stderr, r.stderr
+
+
 def test_cli_generate_logprobs():
     r = _run_cli("generate", "--prompt-ids", "5,6,7", "--max-new-tokens", "4", "--logprobs", "2", "--json")
     assert r.returncode == 0, r.stderr

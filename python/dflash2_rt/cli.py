@@ -196,6 +196,43 @@ def _generate_args(p: argparse.ArgumentParser) -> None:
                         "(> 0; 1 = off)")
     p.add_argument("--min-tokens", type=int, default=0, metavar="N",
                    help="no stop token before N generated tokens")
+    so = p.add_mutually_exclusive_group()
+    so.add_argument("--json-schema", metavar="SCHEMA",
+                    help="structured output: JSON following this JSON schema (JSON text, or a file holding it)")
+    so.add_argument("--json-object", action="store_true", help="structured output: any JSON object")
+    so.add_argument("--regex", metavar="RE", help="structured output: text matching this regular expression")
+    so.add_argument("--choice", nargs="+", metavar="TEXT", help="structured output: exactly one of these texts")
+    so.add_argument("--grammar", metavar="LARK",
+                    help="structured output: text of this Lark grammar (the grammar, or a file holding it)")
+    p.add_argument("--no-json-whitespace", action="store_true",
+                   help="with --json-schema / --json-object: no whitespace between JSON tokens")
+
+
+def _text_or_file(v: str) -> str:
+    """v, or the contents of the file v names."""
+    if os.path.isfile(v):
+        with open(v, encoding="utf-8") as f:
+            return f.read()
+    return v
+
+
+def _structured_spec(args: argparse.Namespace):
+    """The structured-output spec of generate's --json-schema / --json-object / --regex /
+    --choice / --grammar (None: none)."""
+    spec = None
+    if args.json_schema is not None:
+        spec = {"json": _text_or_file(args.json_schema)}
+    elif args.json_object:
+        spec = {"json_object": True}
+    elif args.regex is not None:
+        spec = {"regex": args.regex}
+    elif args.choice:
+        spec = {"choice": args.choice}
+    elif args.grammar is not None:
+        spec = {"grammar": _text_or_file(args.grammar)}
+    if spec is not None and args.no_json_whitespace:
+        spec["disable_any_whitespace"] = True
+    return spec
 
 
 def _run_generate(args: argparse.Namespace) -> int:
@@ -229,6 +266,9 @@ def _run_generate(args: argparse.Namespace) -> int:
     for name in ("presence_penalty", "frequency_penalty", "repetition_penalty", "min_tokens"):
         if getattr(args, name) != (1.0 if name == "repetition_penalty" else 0):
             kw[name] = getattr(args, name)
+    spec = _structured_spec(args)
+    if spec is not None:
+        kw["structured_outputs"] = spec
     if args.stream and not args.json:
         # One generation: the tokens are printed as they come and the stats are this run's.
         box: dict = {}
