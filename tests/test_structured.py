@@ -198,7 +198,8 @@ def test_constraint_argument_errors():
 
 # ---------------------------------------------------------------- llguidance specs on the pair
 
-llguidance = pytest.importorskip("llguidance")
+def need_llguidance():
+    pytest.importorskip("llguidance", reason="structured output's specs need llguidance (pip install llguidance)")
 
 SCHEMA = {"type": "object", "properties": {"name": {"type": "string", "maxLength": 12},
                                            "age": {"type": "integer", "minimum": 0, "maximum": 150},
@@ -225,6 +226,7 @@ def valid(kind, text):
 
 @pytest.fixture(scope="module")
 def pair():
+    need_llguidance()
     engs = {m: dflash2_rt.Engine(method=m, max_batch_size=4, max_seq_len=512) for m in ("ar", "dflash2")}
     yield engs
     for e in engs.values():
@@ -267,6 +269,7 @@ def test_stream_with_structured_output(pair):
 
 
 def test_structured_output_under_tensor_parallelism():
+    need_llguidance()
     spec = SPECS[0][1]
     e1 = dflash2_rt.Engine(max_batch_size=2, max_seq_len=256)
     e2 = dflash2_rt.Engine(max_batch_size=2, max_seq_len=256, tensor_parallel=2)
