@@ -160,7 +160,13 @@ class Raising(Banned):
         if self.when == "count":
             self.mask_calls += 1
             return len(drafts) + 2
-        return super().masks(drafts, out)
+        n = super().masks(drafts, out)
+        if self.when == "empty" and self.mask_calls > self.after:
+            out[:n] = 0
+        if self.when == "stops":  # only the stop tokens 3 and 4
+            out[:n] = 0
+            out[:n, 0] = 0b11000
+        return n
 
     def commit(self, tokens):
         if self.when == "commit" and self.count >= self.after:
@@ -168,16 +174,67 @@ class Raising(Banned):
         super().commit(tokens)
 
 
-@pytest.mark.parametrize("when", ["masks", "commit", "count"])
+@pytest.mark.parametrize("when", ["masks", "commit", "count", "empty", "stops"])
 def test_a_failing_constraint_fails_its_request_only(engine, when):
+    """A constraint that raises, fills too many rows, allows no token, or allows only stop
+    tokens while min_tokens holds them back: its request fails saying so, the others go on."""
     V = engine.vocab_size
     plain = engine.generate([P1], max_new_tokens=16, stop_token_ids=[])[0].token_ids
-    bad = engine.submit(P2, max_new_tokens=16, stop_token_ids=[], constraint=Raising(V, when))
+    kw = dict(stop_token_ids=[3, 4], min_tokens=5) if when == "stops" else dict(stop_token_ids=[])
+    bad = engine.submit(P2, max_new_tokens=16, constraint=Raising(V, when), **kw)
     ok = engine.submit(P1, max_new_tokens=16, stop_token_ids=[])
-    with pytest.raises(dflash2_rt.InvalidArgumentError, match="grammar exploded|bad commit|filled"):
+    with pytest.raises(dflash2_rt.InvalidArgumentError,
+                       match="grammar exploded|bad commit|filled|allows no token|allows only stop tokens"):
         wait(engine, bad)
     assert wait(engine, ok).token_ids == plain
     assert engine.generate([P1], max_new_tokens=16, stop_token_ids=[])[0].token_ids == plain
+
+
+DEADLOCK_SCRIPT = r"""
+import sys, threading
+sys.path.insert(0, sys.argv[1])
+import dflash2_rt
+from test_structured import Banned, P1, wait
+eng = dflash2_rt.Engine(method="dflash2", max_batch_size=3, max_seq_len=256)
+stop = threading.Event()
+def busy():
+    while not stop.is_set():
+        eng.metrics()
+        seq = eng.new_sequence()
+        seq.extend([5, 6, 7])
+        seq.rollback(1)
+        del seq
+ts = [threading.Thread(target=busy, daemon=True) for _ in range(2)]
+for t in ts:
+    t.start()
+V = eng.vocab_size
+for i in range(6):
+    rids = [eng.submit(P1, max_new_tokens=12, stop_token_ids=[], constraint=Banned(V, n=V // 3)) for _ in range(3)]
+    for r in rids:
+        wait(eng, r)
+stop.set()
+for t in ts:
+    t.join()
+eng.close()
+print("ok")
+"""
+
+
+def test_python_constraints_beside_other_python_threads():
+    """The scheduler thread takes the GIL for a Python constraint while it holds the model lock:
+    threads calling metrics(), the step-level Sequence API and dropping constraints meanwhile
+    must not deadlock (each binding that takes an engine lock releases the GIL first). In a
+    subprocess, so that a deadlock fails the test instead of hanging it."""
+    import subprocess
+    import sys
+
+    here = os.path.dirname(os.path.abspath(__file__))
+    try:
+        r = subprocess.run([sys.executable, "-c", DEADLOCK_SCRIPT, here], capture_output=True, text=True,
+                           timeout=240, env=dict(os.environ))
+    except subprocess.TimeoutExpired:
+        pytest.fail("deadlock: Python constraints beside threads calling the engine")
+    assert r.returncode == 0 and r.stdout.strip() == "ok", r.stderr[-2000:]
 
 
 def test_constraint_argument_errors():
@@ -260,6 +317,38 @@ def test_structured_and_plain_requests_share_steps(pair):
     for (k, _), rid in zip(SPECS[:3], rids):
         assert wait(eng, rid).token_ids == solo[k]
     assert wait(eng, rid_plain).token_ids == plain
+
+
+def test_grammar_constraint_masks_leave_its_state(pair):
+    """GrammarConstraint.masks over drafts that complete the grammar and go on with the end of
+    sequence and more: rows up to the completion follow the grammar, the rows after it allow
+    only the end of sequence, the state is rolled back (the same tokens commit after), a
+    rejected draft ends the rows, and done() follows the commits."""
+    eng = pair["ar"]
+    g = eng._grammar({"choice": ["no", "yes"]}, "test")
+    eos = eng.config["eos_token_id"]
+    eos = eos if isinstance(eos, int) else eos[0]
+    no = eng.encode("no")
+    W = (eng.vocab_size + 31) // 32
+
+    def allowed(row):
+        return set(np.nonzero(np.unpackbits(row.view(np.uint8), bitorder="little")[:eng.vocab_size])[0].tolist())
+
+    c = g.constraint()
+    drafts = no + [eos, 5, 6]
+    out = np.zeros((len(drafts) + 1, W), np.int32)
+    assert c.masks(drafts, out) == len(drafts) + 1
+    assert no[0] in allowed(out[0])
+    for j in range(len(no), len(drafts) + 1):
+        assert allowed(out[j]) == {eos}, j
+    bad = np.zeros((3, W), np.int32)
+    assert c.masks([no[0], 7], bad) == 2 or len(no) == 1  # the draft after "n..." is rejected at row 1
+    c.commit(no)
+    assert c.done()
+    c2 = g.constraint()
+    out2 = np.zeros((2, W), np.int32)
+    assert c2.masks([eos], out2) == 1  # the end of sequence before anything: rejected at row 0
+    assert eos not in allowed(out2[0])
 
 
 def test_stream_with_structured_output(pair):

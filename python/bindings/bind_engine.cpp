@@ -1,5 +1,8 @@
 // Engine / Sequence / GenerationResult. Token lists cross as Python lists (or anything
 // iterable of ints); logits and hidden states come back as numpy arrays (zero copy).
+#include <mutex>
+#include <vector>
+
 #include <pybind11/functional.h>
 #include <pybind11/numpy.h>
 #include <pybind11/stl.h>
@@ -33,24 +36,38 @@ std::vector<int32_t> to_tokens(py::handle h, const char* arg) {
 // [n + 1, words] over the engine's buffer, valid during the call only) -> int rows filled,
 // commit(tokens: list[int]), done() -> bool. Called on the scheduler thread, which takes the
 // GIL for each call; a Python exception becomes an InvalidArgument error of that request.
+// Python objects whose last C++ owner went away on a thread without the GIL: their reference
+// is dropped by the next thread that holds it (PyConstraint calls, new constraints). The
+// destructor never waits for the GIL: it may run under the scheduler's locks, which a thread
+// holding the GIL may be waiting for.
+std::mutex g_orphans_mu;
+std::vector<PyObject*> g_orphans;
+
+void drop_orphans() {  // with the GIL held
+  std::vector<PyObject*> v;
+  {
+    std::lock_guard<std::mutex> lk(g_orphans_mu);
+    v.swap(g_orphans);
+  }
+  for (PyObject* o : v) Py_DECREF(o);
+}
+
 class PyConstraint final : public TokenConstraint {
  public:
-  explicit PyConstraint(py::object o) : o_(std::move(o)) {}
+  explicit PyConstraint(py::object o) : o_(std::move(o)) { drop_orphans(); }
   ~PyConstraint() override {
-#if PY_VERSION_HEX >= 0x030D0000
-    const bool finalizing = Py_IsFinalizing();
-#else
-    const bool finalizing = _Py_IsFinalizing();
-#endif
-    if (!Py_IsInitialized() || finalizing) {  // the interpreter is going: leak the reference
-      o_.release();
+    PyObject* o = o_.release().ptr();
+    if (Py_IsInitialized() && PyGILState_Check()) {
+      Py_DECREF(o);
       return;
     }
-    py::gil_scoped_acquire gil;
-    o_ = py::object();
+    // (during interpreter shutdown it stays in the list: leaked, never touched again)
+    std::lock_guard<std::mutex> lk(g_orphans_mu);
+    g_orphans.push_back(o);
   }
   int64_t masks(const int32_t* drafts, int64_t n, uint32_t* rows, int64_t words) override {
     py::gil_scoped_acquire gil;
+    drop_orphans();
     try {
       py::list d(n);
       for (int64_t i = 0; i < n; ++i) d[size_t(i)] = py::int_(drafts[i]);
@@ -89,6 +106,20 @@ class PyConstraint final : public TokenConstraint {
  private:
   py::object o_;
 };
+
+// A Sequence's release takes the engine's model lock: deleted without the GIL (the scheduler
+// thread may hold that lock while it calls a Python token constraint).
+struct SequenceDelete {
+  void operator()(Sequence* s) const {
+    if (Py_IsInitialized() && PyGILState_Check()) {
+      ReleaseGil nogil;
+      delete s;
+    } else {
+      delete s;
+    }
+  }
+};
+using SequenceHolder = std::unique_ptr<Sequence, SequenceDelete>;
 
 py::object as_numpy(const Tensor& t) { return py::module_::import("numpy").attr("from_dlpack")(py::cast(t)); }
 
@@ -171,7 +202,7 @@ void bind_engine(py::module_& m) {
         return "Proposal(anchor=" + std::to_string(p.anchor) + ", " + std::to_string(p.tokens.size()) + " tokens)";
       });
 
-  py::class_<Sequence>(m, "Sequence", "A sequence with its own KV caches (main and MTP) inside an Engine.")
+  py::class_<Sequence, SequenceHolder>(m, "Sequence", "A sequence with its own KV caches (main and MTP) inside an Engine.")
       .def_property_readonly("length", &Sequence::length)
       .def_property_readonly("mtp_length", &Sequence::mtp_length)
       .def(
@@ -192,8 +223,20 @@ void bind_engine(py::module_& m) {
           },
           py::arg("token_ids"), py::arg("hidden_layers") = std::vector<int64_t>{}, py::arg("final_hidden") = false,
           "Appends tokens; returns (logits [n, V], {layer: hidden after that layer [n, H]}[, final normed hidden]).")
-      .def("rollback", &Sequence::rollback, py::arg("length"))
-      .def("release", &Sequence::release)
+      // (these take the engine's model lock: the GIL is released first, since the scheduler
+      // thread may hold that lock while it calls a Python token constraint)
+      .def(
+          "rollback",
+          [](Sequence& s, int64_t length) {
+            ReleaseGil nogil;
+            s.rollback(length);
+          },
+          py::arg("length"))
+      .def("release",
+           [](Sequence& s) {
+             ReleaseGil nogil;
+             s.release();
+           })
       .def(
           "mtp_extend",
           [](Sequence& s, py::handle tokens, py::handle hidden_main) {
@@ -207,7 +250,13 @@ void bind_engine(py::module_& m) {
             return as_numpy(lg);
           },
           py::arg("next_token_ids"), py::arg("hidden_main"))
-      .def("mtp_rollback", &Sequence::mtp_rollback, py::arg("length"));
+      .def(
+          "mtp_rollback",
+          [](Sequence& s, int64_t length) {
+            ReleaseGil nogil;
+            s.mtp_rollback(length);
+          },
+          py::arg("length"));
 
   py::class_<Engine>(m, "Engine")
       .def(py::init([](const std::string& target, py::object draft, const std::string& method, const std::string& device,
@@ -392,7 +441,11 @@ void bind_engine(py::module_& m) {
            })
       .def("metrics",
            [](const Engine& e) {
-             EngineMetrics m = e.metrics();
+             EngineMetrics m;
+             {
+               ReleaseGil nogil;  // it takes the scheduler's lock
+               m = e.metrics();
+             }
              py::dict d;
              d["queue_length"] = m.queue_length;
              d["running"] = m.running;
@@ -457,7 +510,8 @@ void bind_engine(py::module_& m) {
       .def_property_readonly("cuda_graphs", [](const Engine& e) { return e.config().cuda_graphs; })
       .def_property_readonly("pad_to_buckets", [](const Engine& e) { return e.config().pad_to_buckets == 1; })
       .def_property_readonly("capture_at_load", [](const Engine& e) { return e.config().capture_at_load == 1; })
-      .def("new_sequence", &Engine::new_sequence, py::keep_alive<0, 1>())
+      .def(
+          "new_sequence", [](Engine& e) { return SequenceHolder(e.new_sequence().release()); }, py::keep_alive<0, 1>())
       .def_property_readonly("vocab_size", &Engine::vocab_size)
       .def_property_readonly("hidden_size", &Engine::hidden_size)
       .def_property_readonly("num_layers", &Engine::num_layers)

@@ -362,6 +362,7 @@ class Engine:
         self.max_batch_size = max_batch_size
         self._llg_tokenizer = None  # structured output's tokenizer, made on first use
         self._grammars: dict = {}    # structured output's compiled specs (at most 64, oldest dropped)
+        self._grammar_lock = threading.Lock()
 
     @property
     def config(self) -> dict:
@@ -546,20 +547,21 @@ class Engine:
             key = json.dumps(spec, sort_keys=True)
         except (TypeError, ValueError):
             key = None
-        g = self._grammars.get(key) if key is not None else None
-        if g is not None:
+        with self._grammar_lock:  # (the server submits from many threads)
+            g = self._grammars.get(key) if key is not None else None
+            if g is not None:
+                return g
+            grammar = structured.compile_spec(spec, where)
+            if self._llg_tokenizer is None:
+                eos = self.config.get("eos_token_id")
+                eos = [] if eos is None else [eos] if isinstance(eos, int) else list(eos)
+                self._llg_tokenizer = structured.tokenizer_for(self.tokenizer, self.vocab_size, eos)
+            g = structured.Grammar(self._llg_tokenizer, grammar, where)
+            if key is not None:
+                if len(self._grammars) >= 64:
+                    self._grammars.pop(next(iter(self._grammars)))
+                self._grammars[key] = g
             return g
-        grammar = structured.compile_spec(spec, where)
-        if self._llg_tokenizer is None:
-            eos = self.config.get("eos_token_id")
-            eos = [] if eos is None else [eos] if isinstance(eos, int) else list(eos)
-            self._llg_tokenizer = structured.tokenizer_for(self.tokenizer, self.vocab_size, eos)
-        g = structured.Grammar(self._llg_tokenizer, grammar, where)
-        if key is not None:
-            if len(self._grammars) >= 64:
-                self._grammars.pop(next(iter(self._grammars)))
-            self._grammars[key] = g
-        return g
 
     def _adjust(self, where: str, kw: dict) -> dict:
         """The repetition-control and structured-output keyword arguments (anything else is a

@@ -133,18 +133,24 @@ class GrammarConstraint:
                                              f"the tokenizer needs {self._words}")
         m.unsafe_compute_mask_ptr(out[0].ctypes.data, nbytes)
         ok = m.validate_tokens(list(drafts)) if drafts else 0
-        filled = 1
+        filled = consumed = 0
         try:
             for j in range(ok):
+                if m.is_stopped():
+                    # complete after drafts[:j]: row j allows only the end of sequence (a draft
+                    # that is it passes without being consumed); so do the rows after it
+                    out[j + 1:len(drafts) + 1] = out[j]
+                    return len(drafts) + 1
                 if not m.consume_token(drafts[j]):
                     break
+                consumed += 1
                 m.unsafe_compute_mask_ptr(out[j + 1].ctypes.data, nbytes)
-                filled += 1
+                filled = j + 1
         finally:
-            if filled > 1:
-                m.rollback(filled - 1)
-        self._check()
-        return filled
+            if consumed:
+                m.rollback(consumed)
+            self._check()
+        return filled + 1
 
     def commit(self, tokens: List[int]) -> None:
         if not self._m.consume_tokens(list(tokens)):
@@ -161,6 +167,7 @@ def tokenizer_for(tokenizer, vocab_size: int, eos_ids: Optional[List[int]]):
     llg = _llguidance()
     eos = [int(e) for e in (eos_ids or [])]
     try:
-        return llg.LLTokenizer(tokenizer.to_str(), n_vocab=vocab_size, eos_token=eos if eos else None)
+        return llg.LLTokenizer(tokenizer.to_str(), n_vocab=vocab_size,
+                               eos_token=None if not eos else eos[0] if len(eos) == 1 else eos)
     except Exception as e:  # noqa: BLE001 - llguidance raises plain exceptions for tokenizers it cannot read
         raise _core.UnsupportedError(f"structured output: llguidance cannot use this tokenizer: {e}") from None

@@ -325,6 +325,25 @@ int64_t Decoder::plan_masks(Request& r, const int32_t* drafts, int64_t n, int64_
     filled = r.p.constraint->masks(drafts, n, reinterpret_cast<uint32_t*>(bits), W);
     DFLASH2_CHECK(filled >= 0 && filled <= n + 1, ErrorKind::InvalidArgument, "the token constraint of request ",
                   r.id, " filled ", filled, " mask rows for ", n, " drafts (at most ", n + 1, ")");
+    // every row must leave a token to draw (with min_tokens pending: a token that is not a stop)
+    const int64_t V = c_.logits.shape(1);
+    for (int64_t j = 0; j < filled; ++j) {
+      const uint32_t* m = reinterpret_cast<const uint32_t*>(bits + j * W);
+      const bool held = int64_t(r.tokens.size()) + j < r.p.min_tokens;
+      bool any = false;
+      for (int64_t w = 0; w < W && !any; ++w) {
+        uint32_t x = m[w];
+        if (w == V / 32 && V % 32) x &= (1u << (V % 32)) - 1u;
+        if (w * 32 >= V) x = 0;
+        if (held)
+          for (int32_t t : r.stops)
+            if (t / 32 == w) x &= ~(1u << (t % 32));
+        any = x != 0;
+      }
+      DFLASH2_CHECK(any, ErrorKind::InvalidArgument, "the token constraint of request ", r.id,
+                    held ? " allows only stop tokens while min_tokens holds them back (" : " allows no token (",
+                    "mask row ", j, " after ", j, " drafts)");
+    }
   } catch (...) {
     fail_request(r, std::current_exception());
     return 0;
