@@ -1,7 +1,9 @@
 """Structured output's cost on the bundled pair: tokens/s and acceptance length of ar and
 dflash2 without a constraint and under a JSON schema, a regular expression and a Lark
-grammar (llguidance), greedy, the outputs checked equal between the methods, and the host
-time the constraint takes (its masks() and commit() calls, timed around them) per step.
+grammar (llguidance), greedy, the outputs checked equal to ar's; dflash2 with the masks only
+(the drafter's drafts as they are) and with the drafts steered by the grammar
+(GrammarConstraint.steer: the best selector candidate the grammar allows per position); and
+the host time the constraint takes (its masks(), steer() and commit() calls) per step.
 
     python bench/structured.py [--requests 8] [--concurrency 4] [--new 64] [--device cpu]
 
@@ -38,8 +40,8 @@ PROMPTS = ["def read_config(path):", "import os\n", "class Node:", "for i in ran
 class Timed:
     """A constraint that times another's calls (host seconds)."""
 
-    def __init__(self, inner, clock):
-        self.inner, self.clock = inner, clock
+    def __init__(self, inner, clock, steering):
+        self.inner, self.clock, self.steering = inner, clock, steering
 
     def masks(self, drafts, out):
         t = time.perf_counter()
@@ -48,6 +50,15 @@ class Timed:
         finally:
             self.clock["masks_s"] += time.perf_counter() - t
             self.clock["masks_calls"] += 1
+
+    def steer(self, cand, out):
+        if not self.steering:
+            return -1
+        t = time.perf_counter()
+        try:
+            return self.inner.steer(cand, out)
+        finally:
+            self.clock["steer_s"] += time.perf_counter() - t
 
     def commit(self, tokens):
         t = time.perf_counter()
@@ -60,7 +71,7 @@ class Timed:
         return self.inner.done()
 
 
-def run(eng, spec, n, conc, new, clock):
+def run(eng, spec, n, conc, new, clock, steering):
     grammar = eng._grammar(spec, "bench") if spec is not None else None
     t0 = time.perf_counter()
     out, pending, i = [None] * n, {}, 0
@@ -69,7 +80,7 @@ def run(eng, spec, n, conc, new, clock):
         while i < n and len(pending) < conc:
             kw = {}
             if grammar is not None:
-                kw["constraint"] = Timed(grammar.constraint(), clock)
+                kw["constraint"] = Timed(grammar.constraint(), clock, steering)
             pending[eng.submit(PROMPTS[i % len(PROMPTS)], max_new_tokens=new, **kw)] = i
             i += 1
         for rid in list(pending):
@@ -96,32 +107,35 @@ def main():
     engs = {m: dflash2_rt.Engine(method=m, device=a.device, max_batch_size=a.concurrency, max_seq_len=512)
             for m in ("ar", "dflash2")}
     rows = []
+    modes = {"ar": ("ar", False), "dflash2 masks": ("dflash2", False), "dflash2 steered": ("dflash2", True)}
     try:
         for name, spec in SETTINGS.items():
             best = {}
             for _ in range(a.repeat):
-                for m, eng in engs.items():
-                    clock = dict(masks_s=0.0, masks_calls=0, commit_s=0.0)
-                    res, tps, acc = run(eng, spec, a.requests, a.concurrency, a.new, clock)
-                    if m not in best or tps > best[m]["tok_s"]:
-                        best[m] = dict(tok_s=tps, acceptance=acc, res=res, clock=clock)
-            same = [r.token_ids for r in best["ar"]["res"]] == [r.token_ids for r in best["dflash2"]["res"]]
-            done = sum(r.finish_reason == "stop" for r in best["dflash2"]["res"])
-            for m in engs:
-                b = best[m]
+                for mode, (m, steering) in modes.items():
+                    if spec is None and steering:
+                        continue
+                    clock = dict(masks_s=0.0, masks_calls=0, commit_s=0.0, steer_s=0.0)
+                    res, tps, acc = run(engs[m], spec, a.requests, a.concurrency, a.new, clock, steering)
+                    if mode not in best or tps > best[mode]["tok_s"]:
+                        best[mode] = dict(tok_s=tps, acceptance=acc, res=res, clock=clock)
+            ref = [r.token_ids for r in best["ar"]["res"]]
+            for mode, b in best.items():
                 c = b["clock"]
+                same = [r.token_ids for r in b["res"]] == ref
                 steps = sum(r.stats["verify_steps"] for r in b["res"]) + len(b["res"])
-                row = dict(setting=name, method=m, tok_s=round(b["tok_s"], 1), acceptance_length=round(b["acceptance"], 2),
-                           equal_to_ar=same, finished_by_grammar=done if spec else None,
-                           constraint_ms_per_step=round(1e3 * (c["masks_s"] + c["commit_s"]) / steps, 3) if spec else 0.0,
-                           mask_ms_per_call=round(1e3 * c["masks_s"] / max(1, c["masks_calls"]), 3) if spec else 0.0)
+                row = dict(setting=name, mode=mode, tok_s=round(b["tok_s"], 1),
+                           vs_ar=round(b["tok_s"] / best["ar"]["tok_s"], 3),
+                           acceptance_length=round(b["acceptance"], 2), equal_to_ar=same,
+                           finished_by_grammar=sum(r.finish_reason == "stop" for r in b["res"]) if spec else None,
+                           constraint_ms_per_step=round(1e3 * (c["masks_s"] + c["commit_s"] + c["steer_s"]) / steps, 3),
+                           steer_ms_per_step=round(1e3 * c["steer_s"] / steps, 3),
+                           mask_ms_per_call=round(1e3 * c["masks_s"] / max(1, c["masks_calls"]), 3))
                 rows.append(row)
-                print(f"{name:12s} {m:8s} {row['tok_s']:8.1f} tok/s  acceptance {row['acceptance_length']:5.2f}  "
-                      f"constraint {row['constraint_ms_per_step']:.3f} ms/request-step "
-                      f"({row['mask_ms_per_call']:.3f} ms per masks())  dflash2 == ar: {same}", flush=True)
-            base = next(r for r in rows if r["setting"] == name and r["method"] == "ar")
-            d2 = rows[-1]
-            print(f"{'':12s} dflash2 / ar = {d2['tok_s'] / base['tok_s']:.2f}x", flush=True)
+                print(f"{name:12s} {mode:16s} {row['tok_s']:8.1f} tok/s  x{row['vs_ar']:.2f} vs ar  acceptance "
+                      f"{row['acceptance_length']:5.2f}  constraint {row['constraint_ms_per_step']:.3f} ms/request-step "
+                      f"(steer {row['steer_ms_per_step']:.3f}; {row['mask_ms_per_call']:.3f} ms per masks())  "
+                      f"== ar: {same}", flush=True)
     finally:
         for e in engs.values():
             e.close()

@@ -1147,6 +1147,8 @@ def test_penalties_on_cuda(tmp_path):
 class _Ban:
     """A token constraint banning, after token a, the tokens (a * 7 + k) % V for k < V / 3."""
 
+    steered = 0  # steer() calls, over every instance
+
     def __init__(self, V):
         self.V, self.last = V, 1
 
@@ -1166,6 +1168,16 @@ class _Ban:
             self._row(a, out[j + 1])
         return len(drafts) + 1
 
+    def steer(self, cand, out):  # greedy drafts: the drafter's where allowed, else the first allowed candidate
+        _Ban.steered += 1
+        a = self.last
+        for j, row in enumerate(cand):
+            ok = [int(c) for c in [out[j]] + list(row) if (int(c) - a * 7) % self.V >= self.V // 3]
+            if not ok:
+                return j
+            out[j] = a = ok[0]
+        return len(cand)
+
     def commit(self, tokens):
         for t in tokens:
             assert (t - self.last * 7) % self.V >= self.V // 3, "a banned token was committed"
@@ -1177,7 +1189,8 @@ class _Ban:
 
 def test_structured_output_on_cuda(tmp_path):
     """Token constraints on the GPU (ops.mask_logits over the verify rows, the step eager
-    because the masks need the drafts on the host): constrained requests beside a plain one
+    because the masks need the drafts on the host; greedy drafts steered by the constraint,
+    the device's draft rows rewritten): constrained requests beside a plain one
     give the CPU engine's tokens, greedy and seeded sampled, at tensor_parallel 1 and 2, and
     plain steps afterwards are graphs again."""
     cuda_or_skip()
@@ -1203,6 +1216,7 @@ def test_structured_output_on_cuda(tmp_path):
                             out.append(u.result.token_ids)
                     assert got == want, (tp, samp)
                     assert got[0] != pair.expected_greedy(prompts[0], 20)["tokens"] or samp
+                assert _Ban.steered > 0  # the greedy requests' drafts were steered
                 before = eng.metrics()["cuda_graphs_replayed"]
                 r = eng.generate(prompts[:1], max_new_tokens=16, stop_token_ids=NO_STOP)[0]
                 assert list(r.token_ids) == pair.expected_greedy(prompts[0], 16)["tokens"]

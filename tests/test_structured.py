@@ -31,10 +31,11 @@ class Banned:
     {(a * mult + k) % V : k < n} and the fixed set `extra` (before any token a = 1). Checks
     that what is committed was allowed, and that masks() leaves its state alone."""
 
-    def __init__(self, V, mult=7, n=1500, extra=(), stop_after=None):
+    def __init__(self, V, mult=7, n=1500, extra=(), stop_after=None, steering=False):
         self.V, self.mult, self.n, self.extra = V, mult, n, set(extra)
         self.last, self.count, self.stop_after = 1, 0, stop_after
-        self.mask_calls = 0
+        self.mask_calls = self.steer_calls = 0
+        self.steering = steering
 
     def banned(self, a):
         return {(a * self.mult + k) % self.V for k in range(self.n)} | self.extra
@@ -55,6 +56,20 @@ class Banned:
             a = d
             out[j + 1] = np.packbits(self.allowed_bits(a, out.shape[1]), bitorder="little").view(np.int32)
         return len(drafts) + 1
+
+    def steer(self, cand, out):
+        """Greedy drafts: per position the drafter's draft if allowed after the ones before, else
+        the first allowed candidate."""
+        if not self.steering:
+            return -1
+        self.steer_calls += 1
+        a = self.last
+        for j, row in enumerate(cand):  # the drafter's draft where allowed, else the first allowed candidate
+            ok = [int(c) for c in [out[j]] + list(row) if int(c) not in self.banned(a)]
+            if not ok:
+                return j
+            out[j] = a = ok[0]
+        return len(cand)
 
     def commit(self, tokens):
         for t in tokens:
@@ -98,7 +113,9 @@ def test_greedy_masks_equal_the_reference(engine):
     the output differs from the plain one, and with the mild mask drafts are still accepted."""
     V = engine.vocab_size
     plain = engine.generate([P1], max_new_tokens=30, stop_token_ids=[])[0].token_ids
-    for kw in (dict(n=V // 3), dict(n=0, extra=plain[3:6])):
+    acc = {}
+    for kw in (dict(n=V // 3), dict(n=0, extra=plain[3:6]), dict(n=V // 3, steering=True),
+               dict(n=V // 2, mult=3), dict(n=V // 2, mult=3, steering=True)):
         c = Banned(V, **kw)
         got = engine.generate([P1], max_new_tokens=30, stop_token_ids=[], constraint=c)[0]
         assert got.token_ids == ref_greedy(engine, P1, 30, Banned(V, **kw))
@@ -106,13 +123,20 @@ def test_greedy_masks_equal_the_reference(engine):
         assert c.count == len(got.token_ids) and c.mask_calls > 0
         if engine.method != "ar" and kw.get("n") == 0:
             assert got.stats["acceptance_length"] > 1.3  # drafts were accepted
+        if engine.method == "dflash2":  # (the only drafter with candidates to steer)
+            assert (c.steer_calls > 0) == kw.get("steering", False)
+        acc[repr(kw)] = got.stats["acceptance_length"]
+    if engine.method == "dflash2":  # drafts the mask allows are accepted at least as often
+        a1, s1 = acc[repr(dict(n=V // 3))], acc[repr(dict(n=V // 3, steering=True))]
+        a2, s2 = acc[repr(dict(n=V // 2, mult=3))], acc[repr(dict(n=V // 2, mult=3, steering=True))]
+        assert s1 >= a1 and s2 >= a2 and s1 + s2 > a1 + a2, acc
 
 
 def test_constrained_and_plain_requests_share_steps(engine):
     V = engine.vocab_size
     plain = engine.generate([P1, P2], max_new_tokens=24, stop_token_ids=[])
     for _ in range(2):
-        c0, c2 = Banned(V, n=V // 4), Banned(V, mult=11, n=V // 2)
+        c0, c2 = Banned(V, n=V // 4, steering=True), Banned(V, mult=11, n=V // 2)
         rids = [engine.submit(P2, max_new_tokens=24, stop_token_ids=[], constraint=c0),
                 engine.submit(P1, max_new_tokens=24, stop_token_ids=[]),
                 engine.submit(P1, max_new_tokens=24, stop_token_ids=[], constraint=c2)]

@@ -54,7 +54,10 @@ void drop_orphans() {  // with the GIL held
 
 class PyConstraint final : public TokenConstraint {
  public:
-  explicit PyConstraint(py::object o) : o_(std::move(o)) { drop_orphans(); }
+  explicit PyConstraint(py::object o) : o_(std::move(o)) {
+    drop_orphans();
+    has_steer_ = py::hasattr(o_, "steer");
+  }
   ~PyConstraint() override {
     PyObject* o = o_.release().ptr();
     if (Py_IsInitialized() && PyGILState_Check()) {
@@ -82,6 +85,22 @@ class PyConstraint final : public TokenConstraint {
       fail(ErrorKind::InvalidArgument, "the token constraint's masks() raised ", e.what());
     }
   }
+  int64_t steer(const int32_t* cand, int64_t n, int64_t C, int32_t* drafts) override {
+    if (!has_steer_) return -1;
+    py::gil_scoped_acquire gil;
+    try {
+      py::array_t<int32_t> c({n, C}, {C * int64_t(sizeof(int32_t)), int64_t(sizeof(int32_t))}, cand);  // a copy
+      // the drafter's drafts, rewritten in place (valid during the call only)
+      py::array_t<int32_t> out({n}, {int64_t(sizeof(int32_t))}, drafts, py::capsule(drafts, [](void*) {}));
+      py::object r = o_.attr("steer")(c, out);
+      DFLASH2_CHECK_ARG(py::isinstance<py::int_>(r) && !py::isinstance<py::bool_>(r),
+                        "the token constraint's steer() must return the number of drafts it wrote (int), found ",
+                        std::string(py::str(py::type::of(r).attr("__name__"))));
+      return r.cast<int64_t>();
+    } catch (py::error_already_set& e) {
+      fail(ErrorKind::InvalidArgument, "the token constraint's steer() raised ", e.what());
+    }
+  }
   void commit(const int32_t* tokens, int64_t n) override {
     py::gil_scoped_acquire gil;
     try {
@@ -105,6 +124,7 @@ class PyConstraint final : public TokenConstraint {
 
  private:
   py::object o_;
+  bool has_steer_ = false;
 };
 
 // A Sequence's release takes the engine's model lock: deleted without the GIL (the scheduler

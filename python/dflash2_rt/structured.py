@@ -17,6 +17,8 @@ passed as ``constraint=`` instead (one object per request: it holds the request'
 import json
 from typing import Any, List, Optional
 
+import numpy as np
+
 from . import _core
 
 KINDS = ("json", "regex", "choice", "grammar", "json_object")
@@ -118,6 +120,7 @@ class GrammarConstraint:
         if self._m.is_error():
             raise _core.InvalidArgumentError(f"structured output: {self._m.get_error()}")
         self._words = (tokenizer.vocab_size + 31) // 32
+        self._eos = set(int(e) for e in tokenizer.eos_tokens)
 
     def _check(self):
         if self._m.is_error():
@@ -136,10 +139,10 @@ class GrammarConstraint:
         filled = consumed = 0
         try:
             for j in range(ok):
-                if m.is_stopped():
-                    # complete after drafts[:j]: row j allows only the end of sequence (a draft
-                    # that is it passes without being consumed); so do the rows after it
-                    out[j + 1:len(drafts) + 1] = out[j]
+                if m.is_stopped() or drafts[j] in self._eos:
+                    # complete after drafts[:j] (row j allows only the end of sequence), or draft j
+                    # ends it: the rows after allow only the end of sequence (never consumed)
+                    self._eos_rows(out[j + 1:len(drafts) + 1])
                     return len(drafts) + 1
                 if not m.consume_token(drafts[j]):
                     break
@@ -151,6 +154,45 @@ class GrammarConstraint:
                 m.rollback(consumed)
             self._check()
         return filled + 1
+
+    def _eos_rows(self, rows) -> None:
+        rows[:] = 0
+        u = rows.view(np.uint32)
+        for e in self._eos:
+            u[:, e >> 5] |= np.uint32(1 << (e & 31))
+
+    def steer(self, cand, out) -> int:
+        """Greedy drafts that follow the grammar: position by position the drafter's draft
+        (out[j] on entry) where the grammar allows it after the drafts before it, else the best
+        candidate it allows, else a token it forces; up to the first position with none of
+        them, or the end of sequence. The matcher is rolled back."""
+        self._check()
+        m = self._m
+        consumed = k = 0
+        try:
+            for j in range(len(cand)):
+                if m.is_stopped():
+                    break
+                pick = None
+                for c in [int(out[j])] + [int(c) for c in cand[j]]:
+                    if m.validate_tokens([c]) == 1:
+                        pick = c
+                        break
+                if pick is None:
+                    ff = m.compute_ff_tokens()
+                    if not ff:
+                        break
+                    pick = int(ff[0])
+                out[j] = pick
+                k = j + 1
+                if pick in self._eos or not m.consume_token(pick):
+                    break
+                consumed += 1
+        finally:
+            if consumed:
+                m.rollback(consumed)
+            self._check()
+        return k
 
     def commit(self, tokens: List[int]) -> None:
         if not self._m.consume_tokens(list(tokens)):

@@ -124,9 +124,23 @@ class TokenConstraint {
   // masked (a row after a draft the grammar rejects is never read: that draft is rejected).
   // Must leave the constraint's state as it was (the drafts are not committed yet).
   virtual int64_t masks(const int32_t* drafts, int64_t n, uint32_t* rows, int64_t words) = 0;
-  // Tokens the request committed (each allowed by the mask it was drawn under), in order: every
-  // token it generates, its last (a stop token, or the one that reached max_new_tokens) too.
+  // Tokens the request committed (each allowed by the mask it was drawn under), in order, one
+  // call per token: every token it generates, its last (a stop token, or the one that reached
+  // max_new_tokens) too; after each, done() says whether the output is complete (then the
+  // tokens after it in the same verify block are dropped, as autoregressive decoding ends
+  // there).
   virtual void commit(const int32_t* tokens, int64_t n) = 0;
+  // Optional: drafts that follow the constraint, for a greedy request whose drafter proposes
+  // candidates (DFlash 2's selector: cand[j * C .. j * C + C) are position j's C candidates,
+  // best first). `drafts` holds the drafter's n drafts; the constraint rewrites them (e.g.
+  // position by position the drafter's draft where it allows it, else the best candidate it
+  // allows after the drafts before it) and returns how many to verify (0 .. n), or -1 to keep
+  // the drafter's. Drafts only steer acceptance: greedy output does not depend on them. Must
+  // leave the constraint's state as it was.
+  virtual int64_t steer(const int32_t* cand, int64_t n, int64_t C, int32_t* drafts) {
+    (void)cand, (void)n, (void)C, (void)drafts;
+    return -1;
+  }
   // Whether the constraint is complete and allows no further token: the request then ends
   // (finish_reason "stop", also when its last token reached max_new_tokens) after the tokens
   // committed so far.

@@ -267,6 +267,7 @@ void Decoder::emit(Request& r, const int32_t* toks, int64_t count, const TokenLo
   DFLASH2_INTERNAL(!with_lp || lps != nullptr, "request ", r.id, " wants log-probabilities, none were computed");
   const size_t lp0 = r.logprobs.size();
   int64_t n = 0;
+  std::exception_ptr failed;  // from its constraint
   for (; n < count;) {
     if (with_lp) {
       TokenLogprobs lp = lps[n];
@@ -276,6 +277,21 @@ void Decoder::emit(Request& r, const int32_t* toks, int64_t count, const TokenLo
     }
     const int32_t t = toks[n++];
     r.tokens.push_back(t);
+    if (r.p.constraint) {  // structured output: its state follows every token, one at a time
+      try {
+        r.p.constraint->commit(&t, 1);
+        // complete: nothing may follow (not the rest of an accepted block; also when the
+        // length runs out with this token: the output is whole, not cut short)
+        if (r.p.constraint->done()) {
+          r.finish_reason = "stop";
+          r.done = true;
+          break;
+        }
+      } catch (...) {
+        failed = std::current_exception();
+        break;
+      }
+    }
     if (std::find(r.stops.begin(), r.stops.end(), t) != r.stops.end()) {
       r.finish_reason = "stop";
       r.done = true;
@@ -293,18 +309,41 @@ void Decoder::emit(Request& r, const int32_t* toks, int64_t count, const TokenLo
       pen_ids_.push_back(toks[i]);
     }
   if (n > 0) sink_.on_tokens(r, toks, n, with_lp ? r.logprobs.data() + lp0 : nullptr);
-  if (r.p.constraint && n > 0) {  // structured output: its state follows every emitted token
+  if (failed) fail_request(r, failed);
+}
+
+// Greedy constrained requests of a drafter with candidates (DFlash 2's selector): their
+// constraint may replace the drafts by ones it allows (TokenConstraint::steer); the host
+// drafts are rewritten, and the device's that the verify pass reads (a row each).
+void Decoder::steer_drafts(const DraftResult& dr) {
+  if (!dr.cand.defined() || dr.cand.ndim() != 3 || !dr.cand.is_contiguous() || !dr.tokens.is_contiguous()) return;
+  const int64_t C = dr.cand.shape(2), K = dr.tokens.shape(1);
+  for (size_t k = 0; k < act_.size(); ++k) {
+    Request& r = *act_[k];
+    const int64_t n = lens_[k];
+    if (!r.p.constraint || r.p.temperature > 0.0f || n <= 0 || r.done) continue;
+    const int64_t row = dr.row[k];
+    const int32_t* cand = dr.cand.data_as<const int32_t>() + row * dr.cand.stride(0);
+    const int32_t* own = dr.tokens.data_as<const int32_t>() + row * dr.tokens.stride(0);
+    steer_.assign(own, own + n);  // the drafter's, to keep where the constraint allows them
+    int64_t m = -1;
     try {
-      r.p.constraint->commit(toks, n);
-      // complete: nothing more may follow (also when the length ran out with its last token:
-      // the output is whole, not cut short)
-      if ((!r.done || r.finish_reason == "length") && r.p.constraint->done()) {
-        r.finish_reason = "stop";
-        r.done = true;
-      }
+      m = r.p.constraint->steer(cand, n, C, steer_.data());
+      DFLASH2_CHECK(m >= -1 && m <= n, ErrorKind::InvalidArgument, "the token constraint of request ", r.id,
+                    " steered ", m, " of ", n, " drafts");
     } catch (...) {
       fail_request(r, std::current_exception());
+      continue;
     }
+    if (m < 0) continue;
+    Tensor host = dr.tokens.slice(0, row, row + 1);
+    std::copy(steer_.begin(), steer_.begin() + m, host.data_as<int32_t>());
+    if (dr.dev_tokens.defined() && m > 0) {
+      Tensor dev = dr.dev_tokens.slice(0, row, row + 1);
+      DFLASH2_INTERNAL(dev.shape(1) == K, "device drafts ", dev.describe(), " for host drafts ", host.describe());
+      dev.copy_from(host);
+    }
+    lens_[k] = m;
   }
 }
 
@@ -610,6 +649,10 @@ void Decoder::step() {
   else
     c_.marks.mark(1);
   if (constrained && dr && dr->dev_tokens.defined()) drafter->fetch_host();  // the masks read the drafts
+  // the drafts' lengths as verified: the drafter's, or what a constraint steered them to
+  lens_.clear();
+  if (dr) lens_.assign(dr->len.begin(), dr->len.end());
+  if (constrained && dr) steer_drafts(*dr);
 
   // 2. verify [anchor, d_1..d_k] in one target pass (chunked if it exceeds max_step_tokens).
   // The drafts are not read here: the plan holds references to them (-1 - their index in
@@ -625,9 +668,9 @@ void Decoder::step() {
   for (int64_t k = 0; k < S; ++k) {
     Request& r = *act_[size_t(k)];
     r.verify.assign(1, r.anchor);
-    if (dr && dr->len[size_t(k)] > 0) {
+    if (dr && lens_[size_t(k)] > 0) {
       const int64_t first = dr->row[size_t(k)] * draft_src.stride(0);
-      for (int64_t j = 0; j < dr->len[size_t(k)]; ++j) r.verify.push_back(int32_t(-1 - (first + j)));
+      for (int64_t j = 0; j < lens_[size_t(k)]; ++j) r.verify.push_back(int32_t(-1 - (first + j)));
     }
     streams_.push_back(&r.main);
     toks_.push_back(r.verify.data());

@@ -122,6 +122,9 @@ class Decoder {
   // Core::mask_bits / mask_rows from Core::mask_count on (which grows by the rows filled);
   // a constraint that throws or misbehaves fails r (nothing masked for it).
   int64_t plan_masks(Request& r, const int32_t* drafts, int64_t n, int64_t row);
+  void steer_drafts(const DraftResult& dr);  // TokenConstraint::steer over lens_ (greedy requests)
+  std::vector<int64_t> lens_;   // this step's draft lengths (per job)
+  std::vector<int32_t> steer_;  // steer_drafts' drafts
 
   Core& c_;
   Sink& sink_;
