@@ -380,6 +380,22 @@ struct ModThree final : TokenConstraint {
     }
     return n + 1;
   }
+  // greedy drafts: the drafter's where allowed, else the first allowed candidate
+  int64_t steers = 0;
+  int64_t steer(const int32_t* cand, int64_t n, int64_t C, int32_t* d) override {
+    ++steers;
+    int32_t a = last;
+    for (int64_t j = 0; j < n; ++j) {
+      if (banned(d[j], a)) {
+        int64_t c = 0;
+        while (c < C && banned(cand[j * C + c], a)) ++c;
+        if (c == C) return j;
+        d[j] = cand[j * C + c];
+      }
+      a = d[j];
+    }
+    return n;
+  }
   void commit(const int32_t* t, int64_t n) override {
     for (int64_t i = 0; i < n; ++i) {
       if (banned(t[i], last)) throw Error(ErrorKind::Internal, "a banned token was committed");
@@ -407,6 +423,7 @@ TEST(token_constraint_through_the_cpp_api) {
     const GenerationResult g = (k == 0 ? spec : ar).generate({q}, c)[0];
     outs[k] = g.token_ids;
     CHECK(mf->seen == g.token_ids && g.finish_reason == "length");
+    CHECK((mf->steers > 0) == (k == 0));  // dflash2's selector candidates are steered; ar drafts nothing
     int32_t a = 1;
     for (int32_t t : g.token_ids) {
       CHECK(!ModThree::banned(t, a));
