@@ -261,6 +261,25 @@ def test_python_constraints_beside_other_python_threads():
     assert r.returncode == 0 and r.stdout.strip() == "ok", r.stderr[-2000:]
 
 
+def test_structured_output_without_llguidance_says_so(monkeypatch):
+    """Without the llguidance package a spec is an UnsupportedError naming it (the server: a
+    400); constraint= objects need nothing."""
+    from dflash2_rt import structured
+
+    def missing():
+        raise dflash2_rt.UnsupportedError("structured output needs the 'llguidance' package: pip install llguidance")
+
+    monkeypatch.setattr(structured, "_llguidance", missing)
+    eng = dflash2_rt.Engine(method="ar", max_batch_size=1, max_seq_len=128)
+    try:
+        with pytest.raises(dflash2_rt.UnsupportedError, match="pip install llguidance"):
+            eng.generate(["x"], max_new_tokens=4, structured_outputs={"regex": "[a-z]+"})
+        r = eng.generate([P1], max_new_tokens=4, stop_token_ids=[], constraint=Banned(eng.vocab_size))[0]
+        assert len(r.token_ids) == 4
+    finally:
+        eng.close()
+
+
 def test_constraint_argument_errors():
     eng = dflash2_rt.Engine(method="ar", max_batch_size=2, max_seq_len=128)
     try:
