@@ -220,7 +220,7 @@ class _Params:
     __slots__ = ("max_tokens", "max_tokens_given", "max_tokens_param", "temperature", "top_p", "top_k", "seed",
                  "stop", "stop_token_ids", "ignore_eos", "stream", "include_usage", "continuous_usage",
                  "return_token_ids", "n", "best_of", "logprobs", "echo", "adjust", "include_stop",
-                 "skip_special")
+                 "skip_special", "structured_param")
 
 
 def _parse_adjust(body: dict, vocab_size: Optional[int]) -> dict:
@@ -265,11 +265,12 @@ _GUIDED = (("guided_json", "json"), ("guided_regex", "regex"), ("guided_choice",
            ("guided_grammar", "grammar"))
 
 
-def _parse_structured(body: dict) -> Optional[dict]:
+def _parse_structured(body: dict) -> Optional[tuple]:
     """Structured output: OpenAI's response_format (json_object, json_schema), vLLM's
     structured_outputs ({json | regex | choice | grammar | json_object, disable_any_whitespace})
     and its older guided_json / guided_regex / guided_choice / guided_grammar; at most one of
-    them. The spec for the engine (dflash2_rt.structured; the engine checks its contents)."""
+    them. (the field, the spec for the engine: dflash2_rt.structured; the engine checks its
+    contents) or None."""
     found = []
     rf = body.get("response_format")
     if rf is not None:
@@ -297,7 +298,7 @@ def _parse_structured(body: dict) -> Optional[dict]:
             found.append((name, {key: body[name]}))
     if len(found) > 1:
         raise _bad(found[1][0], f"only one of {', '.join(n for n, _ in found)} may be given")
-    return found[0][1] if found else None
+    return found[0] if found else None
 
 
 def _parse_common(body: dict, *, chat: bool, vocab_size: Optional[int]) -> _Params:
@@ -310,9 +311,10 @@ def _parse_common(body: dict, *, chat: bool, vocab_size: Optional[int]) -> _Para
         else:
             raise _bad("best_of", f"'best_of' ({p.best_of}) must be >= 'n' ({p.n})")
     p.adjust = _parse_adjust(body, vocab_size)
-    spec = _parse_structured(body)
-    if spec is not None:
-        p.adjust["structured_outputs"] = spec
+    so = _parse_structured(body)
+    p.structured_param = so[0] if so else None
+    if so is not None:
+        p.adjust["structured_outputs"] = so[1]
     p.echo = False
     if chat:
         want = _bool(body, "logprobs", False)
@@ -1030,6 +1032,20 @@ class _Service:
             raise _bad("messages", "the chat template rendered an empty prompt")
         return self.encode(text, special=False)
 
+    def check_structured(self, p: _Params) -> None:
+        """The request's structured-output spec compiled now (the engine keeps it for the
+        submits), so that a bad one is a 400 naming the field that carried it."""
+        spec = p.adjust.get("structured_outputs")
+        grammar = getattr(self.engine, "_grammar", None)
+        if spec is None or grammar is None:
+            return
+        try:
+            grammar(spec, p.structured_param)
+        except Exception as e:  # noqa: BLE001 - InvalidArgumentError / UnsupportedError: the client's
+            if not any(c.__name__ in ("InvalidArgumentError", "UnsupportedError") for c in type(e).__mro__):
+                raise
+            raise _bad(p.structured_param, " ".join(str(e).split())) from None
+
     def fit(self, ids: list, p: _Params, prompt_param: str) -> int:
         """max_tokens of a prompt against the context: 400 when the prompt or prompt +
         max_tokens do not fit in max_seq_len; a missing max_tokens (chat) takes the rest of
@@ -1570,6 +1586,7 @@ def create_app(engine, model_name: Optional[str] = None, *, chat_template: Optio
         body = await _json_body(request)
         svc.check_model(body)
         p = _parse_common(body, chat=False, vocab_size=svc.vocab_size)
+        await anyio.to_thread.run_sync(svc.check_structured, p)
         prompts = await svc.completion_prompts(body)
         if len(prompts) * p.best_of > _MAX_N:
             what = "n" if p.best_of == p.n else "best_of"
@@ -1583,6 +1600,7 @@ def create_app(engine, model_name: Optional[str] = None, *, chat_template: Optio
         svc.check_model(body)
         messages = _chat_messages(body)
         p = _parse_common(body, chat=True, vocab_size=svc.vocab_size)
+        await anyio.to_thread.run_sync(svc.check_structured, p)
         ids = await anyio.to_thread.run_sync(svc.render_chat, messages, body)
         return await svc.generate(request, [(ids, None, svc.fit(ids, p, "messages"))], p, chat=True)
 
