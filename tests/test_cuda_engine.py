@@ -1144,49 +1144,6 @@ def test_penalties_on_cuda(tmp_path):
         cpu.close()
 
 
-class _Ban:
-    """A token constraint banning, after token a, the tokens (a * 7 + k) % V for k < V / 3."""
-
-    steered = 0  # steer() calls, over every instance
-
-    def __init__(self, V):
-        self.V, self.last = V, 1
-
-    def _row(self, a, out):
-        bits = np.ones(out.shape[0] * 32, bool)
-        bits[self.V:] = False
-        bits[[(a * 7 + k) % self.V for k in range(self.V // 3)]] = False
-        out[:] = np.packbits(bits, bitorder="little").view(np.int32)
-
-    def masks(self, drafts, out):
-        a = self.last
-        self._row(a, out[0])
-        for j, d in enumerate(drafts):
-            if (d - a * 7) % self.V < self.V // 3:
-                return j + 1
-            a = d
-            self._row(a, out[j + 1])
-        return len(drafts) + 1
-
-    def steer(self, cand, out):  # greedy drafts: the drafter's where allowed, else the first allowed candidate
-        _Ban.steered += 1
-        a = self.last
-        for j, row in enumerate(cand):
-            ok = [int(c) for c in [out[j]] + list(row) if (int(c) - a * 7) % self.V >= self.V // 3]
-            if not ok:
-                return j
-            out[j] = a = ok[0]
-        return len(cand)
-
-    def commit(self, tokens):
-        for t in tokens:
-            assert (t - self.last * 7) % self.V >= self.V // 3, "a banned token was committed"
-            self.last = t
-
-    def done(self):
-        return False
-
-
 def test_structured_output_on_cuda(tmp_path):
     """Token constraints on the GPU (ops.mask_logits over the verify rows, the step eager
     because the masks need the drafts on the host; greedy drafts steered by the constraint,
@@ -1194,10 +1151,18 @@ def test_structured_output_on_cuda(tmp_path):
     give the CPU engine's tokens, greedy and seeded sampled, at tensor_parallel 1 and 2, and
     plain steps afterwards are graphs again."""
     cuda_or_skip()
+    from test_structured import Banned  # bans a third of the vocabulary after each token; steers greedy drafts
+
     pair = F.make_self_drafting_pair(tmp_path)
     prompts = [[(i * 7) % 120 for i in range(13)], [(i * 5 + 3) % 120 for i in range(6)]]
     kw = dict(target=pair.target_dir, draft=pair.draft_dir, method="dflash2", max_batch_size=3, max_seq_len=64)
     cpu = dflash2_rt.Engine(**kw)
+    made = []
+
+    def ban(V):
+        made.append(Banned(V, n=V // 3, steering=True))
+        return made[-1]
+
     try:
         V = cpu.vocab_size
         for tp in (1, 2):
@@ -1205,10 +1170,10 @@ def test_structured_output_on_cuda(tmp_path):
             try:
                 for samp in ({}, dict(temperature=1.0, seed=4)):
                     for e, out in ((cpu, want := []), (eng, got := [])):
-                        rids = [e.submit(prompts[0], max_new_tokens=20, stop_token_ids=NO_STOP, constraint=_Ban(V),
+                        rids = [e.submit(prompts[0], max_new_tokens=20, stop_token_ids=NO_STOP, constraint=ban(V),
                                          **samp),
                                 e.submit(prompts[1], max_new_tokens=20, stop_token_ids=NO_STOP, **samp),
-                                e.submit(prompts[1], max_new_tokens=20, stop_token_ids=NO_STOP, constraint=_Ban(V),
+                                e.submit(prompts[1], max_new_tokens=20, stop_token_ids=NO_STOP, constraint=ban(V),
                                          repetition_penalty=1.2, **samp)]
                         for r in rids:
                             while not (u := e.poll(r)).finished:
@@ -1216,7 +1181,7 @@ def test_structured_output_on_cuda(tmp_path):
                             out.append(u.result.token_ids)
                     assert got == want, (tp, samp)
                     assert got[0] != pair.expected_greedy(prompts[0], 20)["tokens"] or samp
-                assert _Ban.steered > 0  # the greedy requests' drafts were steered
+                assert sum(c.steer_calls for c in made) > 0  # the greedy requests' drafts were steered
                 before = eng.metrics()["cuda_graphs_replayed"]
                 r = eng.generate(prompts[:1], max_new_tokens=16, stop_token_ids=NO_STOP)[0]
                 assert list(r.token_ids) == pair.expected_greedy(prompts[0], 16)["tokens"]
